@@ -1,0 +1,126 @@
+"""KV-page accounting for the scheduler: prefix matching at admission, reservations so that admitted
+requests can always run to their end, allocation (evicting from the prefix cache when short),
+hand-over of finished requests' pages to the prefix cache, and the integrity check."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cluster.page_allocator import PageAllocator
+from cluster.prefix_cache import create_prefix_cache
+from cluster.req import Req
+
+
+class IntegrityError(AssertionError):
+    pass
+
+
+class CacheManager:
+    def __init__(self, num_pages: int, page_size: int, cache_type: str) -> None:
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        self.cache = create_prefix_cache(cache_type, page_size)
+        self.caching = cache_type != "naive"
+        self.reserved = 0  # pages promised to admitted requests, not allocated yet
+        self.prefill_tokens_saved = 0
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    @property
+    def available(self) -> int:
+        """Pages that a new request could still be promised."""
+        return self.allocator.num_free + self.cache.num_evictable - self.reserved
+
+    def admit(self, req: Req) -> bool:
+        """Matches the prompt against the prefix cache and reserves every page the request may need.
+        False (and nothing held) when they are not available now."""
+        ps = self.page_size
+        # at least one prompt token must be computed to sample from
+        limit = (req.prompt_len - 1) // ps * ps
+        handle, pages = self.cache.match(req.input_ids[:limit])
+        self.cache.lock(handle)
+        need = self.pages_for(req.max_device_len) - len(pages)
+        if need > self.available:
+            self.cache.unlock(handle)
+            return False
+        req.cache_handle, req.pages = handle, list(pages)
+        req.num_cached_pages = len(pages)
+        req.cached_len = req.prefix_hit_len = len(pages) * ps
+        req.reserved_pages = need
+        self.reserved += need
+        self.prefill_tokens_saved += req.cached_len
+        return True
+
+    def allocate(self, req: Req, upto_len: int) -> None:
+        """Gives req pages for every position below upto_len."""
+        n = self.pages_for(upto_len) - len(req.pages)
+        if n <= 0:
+            return
+        assert n <= req.reserved_pages, "a request allocated past its reservation"
+        short = n - self.allocator.num_free
+        if short > 0:
+            self.allocator.free(self.cache.evict(short))
+        req.pages.extend(self.allocator.alloc(n))
+        req.reserved_pages -= n
+        self.reserved -= n
+
+    def locations(self, req: Req, start: int, end: int) -> np.ndarray:
+        """KV locations of positions [start, end)."""
+        pos = np.arange(start, end, dtype=np.int64)
+        pages = np.asarray(req.pages, dtype=np.int64)
+        return (pages[pos // self.page_size] * self.page_size + pos % self.page_size).astype(np.int32)
+
+    def cache_prefix(self, req: Req, kv_len: int) -> bool:
+        """Hands the request's first kv_len tokens (whole pages) to the prefix cache while it runs on.
+        True when some of its pages were replaced by the cache's (its page-table row must be rewritten)."""
+        if not self.caching:
+            return False
+        n = kv_len // self.page_size
+        if n <= req.num_cached_pages:
+            return False
+        handle, cached = self.cache.insert(req.input_ids[:n * self.page_size], req.pages[:n])
+        replaced = self._drop_duplicates(req, cached)
+        self.cache.lock(handle)
+        self.cache.unlock(req.cache_handle)
+        req.cache_handle, req.num_cached_pages = handle, n
+        return replaced
+
+    def release(self, req: Req, kv_len: int) -> None:
+        """A finished or aborted request: its computed whole pages go to the prefix cache, the rest
+        back to the free list, and what it had reserved is given back."""
+        n = kv_len // self.page_size if self.caching else 0
+        if n > req.num_cached_pages:
+            handle, cached = self.cache.insert(req.input_ids[:n * self.page_size], req.pages[:n])
+            self._drop_duplicates(req, cached)
+        else:
+            n = req.num_cached_pages
+        self.cache.unlock(req.cache_handle)
+        self.allocator.free(req.pages[n:])
+        self.reserved -= req.reserved_pages
+        req.pages, req.num_cached_pages, req.cache_handle, req.reserved_pages = [], 0, None, 0
+
+    def _drop_duplicates(self, req: Req, cached: list[int]) -> bool:
+        dup = [mine for mine, theirs in zip(req.pages, cached) if mine != theirs]
+        self.allocator.free(dup)
+        req.pages[:len(cached)] = cached
+        return bool(dup)
+
+    def check_integrity(self, live: list[Req]) -> None:
+        """free + prefix-cached + held by live requests == all pages, each page in exactly one place."""
+        free = self.allocator.free_pages()
+        cached = self.cache.all_pages()
+        held = [p for r in live for p in r.pages[r.num_cached_pages:]]
+        total = len(free) + len(cached) + len(held)
+        everyone = set(free) | set(cached) | set(held)
+        if total != self.num_pages or len(everyone) != self.num_pages:
+            raise IntegrityError(
+                f"page accounting broken: free {len(free)} + prefix cache {len(cached)} + live requests "
+                f"{len(held)} = {total}, {len(everyone)} distinct, of {self.num_pages} pages")
+        if self.reserved != sum(r.reserved_pages for r in live):
+            raise IntegrityError(f"reserved pages {self.reserved} != {sum(r.reserved_pages for r in live)} "
+                                 f"reserved by live requests")

@@ -1,0 +1,114 @@
+"""The offline API: `LLM(path).generate(prompts, params)`, running the scheduler in this process."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from cluster.config import SchedulerConfig, overlap_from_env
+from cluster.executor import LocalExecutor
+from cluster.messages import TokenDelta
+from cluster.model_info import eos_token_ids, load_tokenizer
+from cluster.sampling_params import InvalidRequestError, SamplingParams
+from cluster.scheduler import Scheduler
+from worker.config import EngineConfig
+from worker.engine import Engine
+
+
+class GenerationError(RuntimeError):
+    pass
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    error: str | None = None
+
+
+class LLM:
+    def __init__(self, model_path: str, tp_size: int = 1, dtype: str = "auto", page_size: int = 1,
+                 cache_type: str = "radix", max_extend_tokens: int = 8192, max_running_reqs: int = 256,
+                 num_pages: int | None = None, load_format: str = "auto", overlap: bool = True,
+                 **engine_options) -> None:
+        self.engine_config = EngineConfig(model_path=model_path, dtype=dtype, page_size=page_size, num_pages=num_pages,
+                                          max_running_reqs=max_running_reqs, load_format=load_format, **engine_options)
+        self.scheduler_config = SchedulerConfig(cache_type=cache_type, max_extend_tokens=max_extend_tokens,
+                                                overlap=overlap_from_env(overlap))
+        self.tokenizer = load_tokenizer(model_path)
+        if tp_size != 1:
+            raise NotImplementedError("tp_size > 1 needs the tensor-parallel executor")
+        self.engine = Engine(self.engine_config)
+        self.executor = LocalExecutor(self.engine)
+        self._outputs: dict[int, RequestOutput] = {}
+        self.scheduler = Scheduler(
+            self.scheduler_config, self.executor, num_pages=self.engine.num_pages, page_size=page_size,
+            max_running_reqs=max_running_reqs, max_seq_len=self.engine.max_seq_len,
+            eos_ids=eos_token_ids(model_path, self.engine.hf_config, self.tokenizer), on_output=self._collect)
+        self._uids = itertools.count()
+
+    def _collect(self, deltas: list[TokenDelta]) -> None:
+        for d in deltas:
+            out = self._outputs.get(d.uid)
+            if out is None:
+                continue
+            if d.error is not None:
+                out.error = d.error
+            if d.token is not None:
+                out.token_ids.append(d.token)
+            if d.logprob is not None:
+                out.logprobs = (out.logprobs or []) + [d.logprob]
+            if d.finished:
+                out.finish_reason = d.finish_reason
+
+    def generate(self, prompts: list[str] | list[list[int]] | str,
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        encoded = [self._encode(prompt) for prompt in prompts]
+        for ids, p in zip(encoded, params):
+            self.scheduler.validate(ids, p)
+        uids = []
+        for ids, p in zip(encoded, params):
+            uid = next(self._uids)
+            self._outputs[uid] = RequestOutput(prompt_token_ids=ids)
+            self.scheduler.submit(uid, ids, p)
+            uids.append(uid)
+        try:
+            while self.scheduler.has_work:
+                self.scheduler.step()
+        finally:
+            outputs = [self._outputs.pop(uid) for uid in uids]
+        for out in outputs:
+            if out.error is not None:
+                raise GenerationError(out.error)
+            if self.tokenizer is not None:
+                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return outputs
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model folder has no tokenizer: pass prompts as lists of token ids")
+            return self.tokenizer(prompt).input_ids
+        return list(prompt)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

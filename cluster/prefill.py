@@ -1,0 +1,46 @@
+"""The prefill manager: admits waiting requests within a token budget and chunks long prompts."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from cluster.cache_manager import CacheManager
+from cluster.req import Req
+from cluster.slot_table import SlotTable
+
+
+class PrefillManager:
+    def __init__(self, cache: CacheManager, slots: SlotTable, max_extend_tokens: int) -> None:
+        self.cache, self.slots = cache, slots
+        self.max_extend_tokens = max_extend_tokens
+        self.waiting: deque[Req] = deque()  # the head may be part-way through a chunked prefill
+
+    @property
+    def runnable(self) -> bool:
+        return bool(self.waiting)
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Req) -> None:
+        self.waiting.remove(req)
+
+    def schedule(self, in_flight: frozenset[int]) -> list[tuple[Req, int]]:
+        """Picks (request, tokens to compute) in arrival order until the budget is spent. A request
+        that does not fit whole takes what is left and carries on next time, at the head of the queue."""
+        batch: list[tuple[Req, int]] = []
+        budget = self.max_extend_tokens
+        for req in list(self.waiting):
+            if budget == 0:
+                break
+            if req.table_idx < 0:
+                if self.slots.available == 0 or not self.cache.admit(req):
+                    break  # first come, first served: later requests do not jump the queue
+                req.table_idx = self.slots.allocate(in_flight)
+            ext = min(req.extend_len, budget)
+            budget -= ext
+            batch.append((req, ext))
+            if ext < req.extend_len:
+                break
+            self.waiting.popleft()
+        return batch

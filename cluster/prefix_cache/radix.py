@@ -1,0 +1,130 @@
+"""A radix tree over token ids, one edge unit per page: requests that share a prompt prefix share its
+KV pages. Reference counts keep pages in use; unreferenced leaves are evicted least recently used."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from cluster.prefix_cache.base import PrefixCache
+
+
+class Node:
+    __slots__ = ("tokens", "pages", "parent", "children", "ref", "last_use")
+
+    def __init__(self, tokens: list[int], pages: list[int], parent: Node | None) -> None:
+        self.tokens, self.pages, self.parent = tokens, pages, parent
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.ref = 0
+        self.last_use = 0
+
+
+class RadixCache(PrefixCache):
+    def __init__(self, page_size: int) -> None:
+        super().__init__(page_size)
+        self.root = Node([], [], None)
+        self.root.ref = 1  # never evicted
+        self._pages = 0
+        self._evictable = 0
+        self._clock = itertools.count(1)
+
+    @property
+    def num_pages(self) -> int:
+        return self._pages
+
+    @property
+    def num_evictable(self) -> int:
+        return self._evictable
+
+    def _key(self, ids: list[int], at: int) -> tuple[int, ...]:
+        return tuple(ids[at:at + self.page_size])
+
+    def _walk(self, ids: list[int]) -> tuple[Node, int, list[int]]:
+        """Follows ids down the tree, splitting an edge where the match ends inside it.
+        Returns (deepest matched node, tokens matched, their pages)."""
+        ps, node, at, pages = self.page_size, self.root, 0, []
+        now = next(self._clock)
+        node.last_use = now
+        while len(ids) - at >= ps:
+            child = node.children.get(self._key(ids, at))
+            if child is None:
+                break
+            n = 1  # pages of the child's edge that match (the first one does, by its key)
+            while n < len(child.pages) and child.tokens[n * ps:(n + 1) * ps] == ids[at + n * ps:at + (n + 1) * ps]:
+                n += 1
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_use = now
+            pages.extend(child.pages)
+            at += n * ps
+            node = child
+        return node, at, pages
+
+    def _split(self, child: Node, n: int) -> Node:
+        """Cuts child's edge after n pages; returns the new upper part."""
+        ps = self.page_size
+        upper = Node(child.tokens[:n * ps], child.pages[:n], child.parent)
+        upper.ref, upper.last_use = child.ref, child.last_use
+        child.parent.children[self._key(upper.tokens, 0)] = upper
+        child.tokens, child.pages, child.parent = child.tokens[n * ps:], child.pages[n:], upper
+        upper.children[self._key(child.tokens, 0)] = child
+        return upper
+
+    def match(self, ids: list[int]) -> tuple[Node, list[int]]:
+        node, _, pages = self._walk(ids)
+        return node, pages
+
+    def insert(self, ids: list[int], pages: list[int]) -> tuple[Node, list[int]]:
+        assert len(ids) == len(pages) * self.page_size, "insert takes whole pages"
+        node, at, cached = self._walk(ids)
+        if at < len(ids):
+            leaf = Node(list(ids[at:]), list(pages[at // self.page_size:]), node)
+            leaf.last_use = node.last_use
+            node.children[self._key(leaf.tokens, 0)] = leaf
+            self._pages += len(leaf.pages)
+            self._evictable += len(leaf.pages)
+            cached = cached + leaf.pages
+            node = leaf
+        return node, cached
+
+    def lock(self, handle: Node) -> None:
+        node = handle
+        while node is not None:
+            if node.ref == 0:
+                self._evictable -= len(node.pages)
+            node.ref += 1
+            node = node.parent
+
+    def unlock(self, handle: Node) -> None:
+        node = handle
+        while node is not None:
+            node.ref -= 1
+            assert node.ref >= 0, "prefix-cache node unlocked more often than locked"
+            if node.ref == 0:
+                self._evictable += len(node.pages)
+            node = node.parent
+
+    def evict(self, n: int) -> list[int]:
+        leaves = [(x.last_use, id(x), x) for x in self._nodes() if not x.children and x.ref == 0]
+        heapq.heapify(leaves)
+        freed: list[int] = []
+        while leaves and len(freed) < n:
+            _, _, leaf = heapq.heappop(leaves)
+            parent = leaf.parent
+            del parent.children[self._key(leaf.tokens, 0)]
+            freed.extend(leaf.pages)
+            self._pages -= len(leaf.pages)
+            self._evictable -= len(leaf.pages)
+            if not parent.children and parent.ref == 0:
+                heapq.heappush(leaves, (parent.last_use, id(parent), parent))
+        return freed
+
+    def _nodes(self):
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def all_pages(self) -> list[int]:
+        return [p for node in self._nodes() for p in node.pages]

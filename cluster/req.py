@@ -1,0 +1,42 @@
+"""Per-request state on rank 0's CPU, advanced at launch (one step ahead of the results handled)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class Req:
+    uid: int
+    input_ids: list[int]            # the prompt, then every token received so far
+    params: SamplingParams
+    max_device_len: int             # prompt length + max_tokens
+    seed: int
+    prompt_len: int = 0
+    cached_len: int = 0             # positions whose KV is written, or will be by launched steps
+    device_len: int = 0             # tokens on the device, the in-flight sample included
+    table_idx: int = -1             # request slot; -1 while it has none
+    pages: list[int] = field(default_factory=list)  # KV pages covering positions 0.. in order
+    num_cached_pages: int = 0       # leading pages owned by the prefix cache (locked through cache_handle)
+    cache_handle: object = None
+    reserved_pages: int = 0         # pages it may still allocate, set aside at admission
+    prefix_hit_len: int = 0         # prompt tokens found in the prefix cache
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.input_ids)
+        self.device_len = self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.input_ids[self.prompt_len:]
+
+    @property
+    def extend_len(self) -> int:
+        """Prompt tokens still to prefill."""
+        return self.prompt_len - self.cached_len
+
+    @property
+    def can_decode(self) -> bool:
+        return self.device_len < self.max_device_len

@@ -1,0 +1,306 @@
+"""The scheduler of one replica (tensor-parallel rank 0): builds each step's batch, launches it on the
+engine(s), and turns sampled tokens into per-request deltas. Two loops: `normal_step` (launch, then
+handle) and `overlap_step` (launch step N+1, then handle step N while it computes)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+
+from cluster.cache_manager import CacheManager
+from cluster.config import SchedulerConfig
+from cluster.messages import TokenDelta
+from cluster.prefill import PrefillManager
+from cluster.req import Req
+from cluster.sampling_params import InvalidRequestError, SamplingParams
+from cluster.slot_table import SlotTable
+from worker.batch import BatchDesc, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    """Runs a batch description on every rank of the replica; returns rank 0's output."""
+
+    def launch(self, desc: BatchDesc) -> StepOutput: ...
+
+
+@dataclass
+class Launched:
+    desc: BatchDesc
+    reqs: list[Req]
+    emits: list[bool]  # False for a chunk that does not end its prompt: its sample is meaningless
+    output: StepOutput
+
+    @property
+    def slots(self) -> frozenset[int]:
+        return frozenset(self.desc.table_idx.tolist())
+
+
+@dataclass
+class AddRequest:
+    uid: int
+    input_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class AbortRequest:
+    uid: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, executor: Executor, *, num_pages: int, page_size: int,
+                 max_running_reqs: int, max_seq_len: int, eos_ids: set[int],
+                 on_output: Callable[[list[TokenDelta]], None]) -> None:
+        self.config, self.executor = config, executor
+        self.max_seq_len, self.eos_ids = max_seq_len, frozenset(eos_ids)
+        self.on_output = on_output
+        self.cache = CacheManager(num_pages, page_size, config.cache_type)
+        self.slots = SlotTable(max_running_reqs)
+        self.prefill = PrefillManager(self.cache, self.slots, config.max_extend_tokens)
+        self.running: dict[int, Req] = {}       # decoding, by uid
+        self.reqs: dict[int, Req] = {}          # every live request, by uid
+        self.finished_reqs: set[Req] = set()    # ended while a batch holding them may be in flight
+        self.rewrite_rows: dict[int, Req] = {}  # slots whose page-table row changed on the host
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.in_flight: Launched | None = None
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+
+    # -- messages (thread-safe: anyone may call these) ---------------------------------------------
+
+    def submit(self, uid: int, input_ids: list[int], params: SamplingParams) -> None:
+        self.inbox.put(AddRequest(uid, list(input_ids), params))
+
+    def abort(self, uid: int) -> None:
+        self.inbox.put(AbortRequest(uid))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.reqs) or self.in_flight is not None or not self.inbox.empty()
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                msg = self.inbox.get(block=block, timeout=0.05 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if isinstance(msg, AddRequest):
+                self._add(msg)
+            else:
+                self._abort(msg.uid)
+
+    def _add(self, msg: AddRequest) -> None:
+        try:
+            req = self._make_req(msg)
+        except InvalidRequestError as e:
+            self.on_output([TokenDelta(msg.uid, None, True, "error", error=str(e))])
+            return
+        self.reqs[req.uid] = req
+        self.prefill.add(req)
+
+    def validate(self, input_ids: list[int], params: SamplingParams) -> int:
+        """Raises InvalidRequestError for a request this replica can never run; returns its maximum
+        length (prompt plus new tokens, within the context)."""
+        n = len(input_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        if n >= self.max_seq_len:
+            raise InvalidRequestError(f"the prompt has {n} tokens; this model's context is {self.max_seq_len} "
+                                      f"tokens, which must hold the prompt and at least one new token")
+        max_len = min(n + (params.max_tokens or self.max_seq_len), self.max_seq_len)
+        need = self.cache.pages_for(max_len)
+        if need > self.cache.num_pages:
+            raise InvalidRequestError(f"the request needs {need} KV-cache pages (prompt {n} + up to {max_len - n} "
+                                      f"new tokens) but the cache has {self.cache.num_pages}; lower max_tokens")
+        return max_len
+
+    def _make_req(self, msg: AddRequest) -> Req:
+        max_len = self.validate(msg.input_ids, msg.params)
+        if msg.uid in self.reqs:
+            raise InvalidRequestError(f"request id {msg.uid} is already running")
+        seed = msg.params.seed if msg.params.seed is not None else random.getrandbits(62)
+        return Req(msg.uid, msg.input_ids, msg.params, max_len, seed)
+
+    def _abort(self, uid: int) -> None:
+        req = self.reqs.get(uid)
+        if req is None:
+            return  # finished already, or never existed
+        if req in self.prefill.waiting:
+            self.prefill.remove(req)
+        self.running.pop(uid, None)
+        if req.table_idx >= 0:
+            self._free(req)
+            # its prefill or decode may be in flight: that result must be dropped, not handled
+            self.finished_reqs.add(req)
+        self.reqs.pop(uid)
+
+    def _free(self, req: Req) -> None:
+        self.cache.release(req, min(req.cached_len, len(req.input_ids)))
+        self.rewrite_rows.pop(req.table_idx, None)
+        self.slots.free(req.table_idx)
+        req.table_idx = -1
+
+    # -- building a step ---------------------------------------------------------------------------
+
+    def schedule(self) -> tuple[BatchDesc, list[Req], list[bool]] | None:
+        in_flight = self.in_flight.slots if self.in_flight is not None else frozenset()
+        chosen = self.prefill.schedule(in_flight)
+        if chosen:
+            return self._prefill_batch(chosen)
+        decoding = [r for r in self.running.values() if r.can_decode]
+        return self._decode_batch(decoding) if decoding else None
+
+    def _prefill_batch(self, chosen: list[tuple[Req, int]]):
+        reqs, emits, ids, locs, seq_lens = [], [], [], [], []
+        for req, ext in chosen:
+            start, end = req.cached_len, req.cached_len + ext
+            self.cache.allocate(req, end)
+            if start == req.prefix_hit_len and start > 0:
+                self.rewrite_rows[req.table_idx] = req
+            ids.append(req.input_ids[start:end])
+            locs.append(self.cache.locations(req, start, end))
+            seq_lens.append(end)
+            req.cached_len = end
+            done = end == req.prompt_len
+            if done:  # the prompt's last token samples the first output token
+                req.device_len = req.prompt_len + 1
+                self.running[req.uid] = req
+            reqs.append(req)
+            emits.append(done)
+        self.stats["prefill_tokens"] += sum(len(x) for x in ids)
+        desc = self._desc(True, reqs, seq_lens, [len(x) for x in ids], np.concatenate(locs),
+                          np.fromiter((t for x in ids for t in x), dtype=np.int32))
+        return desc, reqs, emits
+
+    def _decode_batch(self, reqs: list[Req]):
+        locs = np.empty(len(reqs), dtype=np.int32)
+        seq_lens = []
+        for i, req in enumerate(reqs):
+            pos = req.cached_len
+            self.cache.allocate(req, pos + 1)
+            page = req.pages[pos // self.cache.page_size]
+            locs[i] = page * self.cache.page_size + pos % self.cache.page_size
+            req.cached_len += 1
+            req.device_len += 1
+            seq_lens.append(req.cached_len)
+        self.stats["decode_tokens"] += len(reqs)
+        return self._desc(False, reqs, seq_lens, [1] * len(reqs), locs, None), reqs, [True] * len(reqs)
+
+    def _desc(self, is_prefill: bool, reqs: list[Req], seq_lens: list[int], extend_lens: list[int],
+              out_loc: np.ndarray, input_ids: np.ndarray | None) -> BatchDesc:
+        params = [r.params for r in reqs]
+        rows = [(slot, self.cache.locations(r, 0, r.num_cached_pages * self.cache.page_size))
+                for slot, r in self.rewrite_rows.items()]
+        self.rewrite_rows.clear()
+        want = [p.logprobs for p in params if p.logprobs is not None]
+        return BatchDesc(
+            is_prefill=is_prefill,
+            table_idx=np.fromiter((r.table_idx for r in reqs), dtype=np.int32, count=len(reqs)),
+            seq_lens=np.asarray(seq_lens, dtype=np.int32),
+            extend_lens=np.asarray(extend_lens, dtype=np.int32),
+            out_loc=out_loc, input_ids=input_ids,
+            temperature=np.fromiter((p.temperature for p in params), dtype=np.float32, count=len(reqs)),
+            top_p=np.fromiter((p.top_p for p in params), dtype=np.float32, count=len(reqs)),
+            top_k=np.fromiter((p.top_k for p in params), dtype=np.int32, count=len(reqs)),
+            seeds=np.fromiter((r.seed for r in reqs), dtype=np.int64, count=len(reqs)),
+            prefix_rows=rows, top_logprobs=max(want) if want else -1)
+
+    # -- the two loops -------------------------------------------------------------------------------
+
+    def _launch(self) -> Launched | None:
+        built = self.schedule()
+        if built is None:
+            return None
+        desc, reqs, emits = built
+        self.stats["steps"] += 1
+        try:
+            output = self.executor.launch(desc)
+        except Exception as e:  # noqa: BLE001 - an engine failure fails this batch, not the replica
+            log.exception("step failed")
+            self._fail(reqs, f"the engine failed this step: {type(e).__name__}: {e}")
+            return None
+        return Launched(desc, reqs, emits, output)
+
+    def normal_step(self, block: bool = False) -> None:
+        self.slots.defer = False
+        self._drain_inbox(block and not self.reqs)
+        launched = self._launch()
+        if launched is not None:
+            self.in_flight = launched
+            self._handle(launched)
+            self.in_flight = None
+
+    def overlap_step(self, block: bool = False) -> None:
+        """Launch step N+1, then handle step N (self.in_flight) while N+1 computes."""
+        self.slots.defer = True
+        last = self.in_flight
+        if last is None:
+            self.slots.release_deferred()  # nothing in flight: nothing can still use them
+        self._drain_inbox(block and last is None and not self.reqs)
+        launched = self._launch()
+        if last is not None:
+            self._handle(last)
+        self.in_flight = launched
+
+    def step(self, block: bool = False) -> None:
+        (self.overlap_step if self.config.overlap else self.normal_step)(block)
+
+    def _handle(self, launched: Launched) -> None:
+        out = launched.output
+        out.done.synchronize()  # this batch, and every one before it, is done on the device
+        self.slots.release_deferred()
+        tokens = out.next_tokens.tolist()
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        deltas: list[TokenDelta] = []
+        newly_finished: set[Req] = set()
+        for i, req in enumerate(launched.reqs):
+            if req in self.finished_reqs or not launched.emits[i]:
+                continue  # a stale result of a request that already ended, or a mid-prompt chunk
+            token = tokens[i]
+            req.input_ids.append(token)
+            delta = TokenDelta(req.uid, token)
+            if logprobs is not None and req.params.logprobs is not None:
+                delta.logprob = logprobs[i]
+                k = req.params.logprobs
+                if k:
+                    delta.top_logprobs = list(zip(out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()))
+            # judged by tokens received: req.device_len is already a step ahead under overlap
+            if (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
+                delta.finished, delta.finish_reason = True, "stop"
+            elif len(req.input_ids) >= req.max_device_len:
+                delta.finished, delta.finish_reason = True, "length"
+            deltas.append(delta)
+            if delta.finished:
+                self.running.pop(req.uid, None)
+                self.reqs.pop(req.uid, None)
+                self._free(req)
+                newly_finished.add(req)
+            elif launched.desc.is_prefill and self.cache.cache_prefix(req, req.prompt_len):
+                self.rewrite_rows[req.table_idx] = req
+        self.finished_reqs = newly_finished
+        if deltas:
+            self.on_output(deltas)
+
+    def _fail(self, reqs: list[Req], why: str) -> None:
+        for req in reqs:
+            if req.uid in self.reqs:
+                self._abort(req.uid)
+        self.on_output([TokenDelta(r.uid, None, True, "error", error=why) for r in reqs])
+
+    def fail_all(self, why: str) -> None:
+        """Ends every live request with an error (the replica can no longer run them)."""
+        self.in_flight = None
+        self._fail(list(self.reqs.values()), why)
+
+    # -- checks --------------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raises IntegrityError unless every KV page is free, prefix-cached or held by a live request."""
+        self.cache.check_integrity([r for r in self.reqs.values() if r.table_idx >= 0])

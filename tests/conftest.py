@@ -1,0 +1,65 @@
+"""Session-scoped tiny checkpoint fixtures and the `gpu` marker."""
+
+from __future__ import annotations
+
+import os
+
+# Tiny models gain nothing from intra-op threads, and on a 2-core machine shared with Ray workers,
+# OpenMP's spinning threads slow each matmul a thousandfold.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from fixtures import build_checkpoint, build_sharded_checkpoint  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs CUDA")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def qwen3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint("qwen2", tmp_path_factory.mktemp("qwen2"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_tied_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3_tied"), tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_one_kv_head_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3_one_kv_head"), num_kv_heads=1)
+
+
+@pytest.fixture(scope="session")
+def qwen3_sharded_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_sharded_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3_sharded"))
+
+
+@pytest.fixture(scope="session")
+def model_paths(qwen3_path: Path, llama_path: Path, qwen2_path: Path) -> dict[str, Path]:
+    return {"qwen3": qwen3_path, "llama": llama_path, "qwen2": qwen2_path}

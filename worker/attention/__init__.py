@@ -1,0 +1,28 @@
+"""Attention backends behind one interface; `create_backend` picks one for the device."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.attention.base import AttentionBackend
+from worker.kv_cache import KVCachePool
+
+
+def create_backend(name: str, kv: KVCachePool, page_table: torch.Tensor, num_heads: int) -> AttentionBackend:
+    if name == "auto":
+        name = "flashinfer" if kv.device.type == "cuda" and _has_flashinfer() else "torch"
+    if name == "torch":
+        from worker.attention.torch_backend import TorchBackend
+        return TorchBackend(kv, page_table)
+    if name == "flashinfer":
+        from worker.attention.flashinfer_backend import FlashInferBackend
+        return FlashInferBackend(kv, page_table, num_heads)
+    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or flashinfer")
+
+
+def _has_flashinfer() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,20 @@
+"""The attention-backend interface: plan once per step, then attend once per layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from worker.batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Derive this step's metadata (shared by every layer) from the batch."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """Write k and v at the batch's out_loc, then attend q ([T, heads, head_dim]) over each request's
+        cached prefix and its new tokens, causally. Returns [T, heads, head_dim]."""

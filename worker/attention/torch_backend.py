@@ -1,0 +1,62 @@
+"""The plain-torch paged attention backend: the reference the fast backends are checked against.
+It runs anywhere torch does (CPU and CUDA), in any dtype, with grouped-query attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.attention.base import AttentionBackend
+from worker.batch import ForwardBatch
+from worker.kv_cache import KVCachePool
+
+
+class TorchBackend(AttentionBackend):
+    def __init__(self, kv: KVCachePool, page_table: torch.Tensor) -> None:
+        self.kv = kv
+        self.page_table = page_table
+        self.batch: ForwardBatch | None = None
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        self.batch = batch
+        desc = batch.desc
+        max_len = int(desc.seq_lens.max())
+        # every request's KV locations, padded to the longest; masked below
+        self.locs = self.page_table[batch.table_idx, :max_len].long()
+        if desc.is_prefill:
+            self.spans = []
+            start = 0
+            for i, (ext, seq) in enumerate(zip(desc.extend_lens.tolist(), desc.seq_lens.tolist())):
+                cached = seq - ext
+                q_pos = torch.arange(cached, seq, device=self.kv.device).unsqueeze(1)
+                mask = torch.arange(seq, device=self.kv.device).unsqueeze(0) <= q_pos
+                self.spans.append((start, ext, seq, mask))
+                start += ext
+        else:
+            self.valid = torch.arange(max_len, device=self.kv.device).unsqueeze(0) < batch.seq_lens.unsqueeze(1)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        batch = self.batch
+        self.kv.store(layer_id, batch.out_loc, k, v)
+        k_cache, v_cache = self.kv.k(layer_id), self.kv.v(layer_id)
+        if batch.desc.is_prefill:
+            out = torch.empty_like(q)
+            for i, (start, ext, seq, mask) in enumerate(self.spans):
+                locs = self.locs[i, :seq]
+                qi = q[start:start + ext].transpose(0, 1).unsqueeze(0)          # [1, H, ext, D]
+                ki = k_cache[locs].transpose(0, 1).unsqueeze(0)                  # [1, KV, seq, D]
+                vi = v_cache[locs].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
+                out[start:start + ext] = o[0].transpose(0, 1)
+            return out
+        return self._decode(q, k_cache[self.locs], v_cache[self.locs])
+
+    def _decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        b, h, d = q.shape
+        kv_heads = keys.shape[2]
+        qg = q.view(b, kv_heads, h // kv_heads, d).float()
+        scores = torch.einsum("bkgd,blkd->bkgl", qg, keys.float()) * d ** -0.5
+        scores = scores.masked_fill(~self.valid[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out = torch.einsum("bkgl,blkd->bkgd", probs, values.float())
+        return out.reshape(b, h, d).to(q.dtype)

@@ -1,0 +1,42 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.parallel import TPGroup
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // tp.size)  # the last shard is padded
+        self.start = tp.rank * self.shard_size
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int = 0) -> None:
+        piece = full[self.start:self.start + self.shard_size]
+        param.data[: piece.shape[0]].copy_(piece)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.shard_size)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight)
+        y = y.masked_fill(outside.unsqueeze(-1), 0)
+        return self.tp.comm.all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to logits over the whole vocabulary (gathered from every rank)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp.size > 1:
+            logits = self.tp.comm.all_gather(logits, dim=-1)
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,83 @@
+"""Linear layers that keep one rank's shard of a full weight: column-parallel (merged QKV, gate/up) and
+row-parallel (all-reduce after the matmul)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.parallel import TPGroup
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows; each rank produces a slice of the outputs.
+
+    `output_sizes` lists the full widths of fused sub-matrices (e.g. gate and up); each one is split
+    across ranks separately so that a rank holds matching slices of every part.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.local_sizes = [tp.shard(n, "a column-parallel output width") for n in output_sizes]
+        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int = 0) -> None:
+        size = self.local_sizes[shard_id]
+        start = sum(self.local_sizes[:shard_id])
+        piece = full.narrow(0, self.tp.rank * size, size)
+        param.data.narrow(0, start, size).copy_(piece)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection. When there are fewer KV heads than ranks, KV heads are replicated so that
+    every rank holds the KV head its query heads attend to."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup):
+        self.num_local_heads = tp.shard(num_heads, "num_attention_heads")
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        if tp.size > num_kv_heads and tp.size % num_kv_heads:
+            raise ValueError(f"tensor-parallel size {tp.size} must divide or be a multiple of num_key_value_heads {num_kv_heads}")
+        self.num_local_kv_heads = max(1, num_kv_heads // tp.size)
+        self.head_dim = head_dim
+        nn.Module.__init__(self)
+        self.tp = tp
+        q, kv = self.num_local_heads * head_dim, self.num_local_kv_heads * head_dim
+        self.local_sizes = [q, kv, kv]
+        self.weight = nn.Parameter(torch.empty(q + 2 * kv, hidden), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(q + 2 * kv), requires_grad=False) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int = 0) -> None:
+        size = self.local_sizes[shard_id]
+        start = sum(self.local_sizes[:shard_id])
+        rank = self.tp.rank if shard_id == 0 else self.tp.rank // self.kv_replicas
+        param.data.narrow(0, start, size).copy_(full.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns; partial sums are all-reduced across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, tp.shard(in_features, "a row-parallel input width")),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int = 0) -> None:
+        if param is self.bias:
+            param.data.copy_(full)
+            return
+        size = param.shape[1]
+        param.data.copy_(full.narrow(1, self.tp.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp.size > 1:
+            y = self.tp.comm.all_reduce(y)
+        return y + self.bias if self.bias is not None else y

@@ -1,0 +1,21 @@
+"""The SwiGLU feed-forward block: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from worker.parallel import TPGroup
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias=False, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False, tp=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

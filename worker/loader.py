@@ -1,0 +1,104 @@
+"""Loading a Hugging Face checkpoint folder (config.json plus one or many *.safetensors) into a model,
+each parameter's weight_loader keeping this rank's shard; or random weights of the right shapes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm import tqdm
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {e}") from e
+        files = [model_dir / n for n in names]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{index} names files that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors file in {model_dir}")
+    return files
+
+
+def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed", {})
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    expected = {name for name in params if not (tied and name == "lm_head.weight")}
+    loaded: set[tuple[str, int]] = set()
+    files = safetensors_files(model_dir)
+    for path in tqdm(files, desc="loading weights", unit="file", disable=not progress or len(files) < 2):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for ckpt_name in f.keys():
+                    target = _target_of(ckpt_name, packed)
+                    if target is None:
+                        continue
+                    name, shard = target
+                    if tied and name == "lm_head.weight":
+                        continue
+                    if name not in params:
+                        raise CheckpointError(f"{path.name} holds tensor {ckpt_name!r}, which this model has no place for")
+                    param = params[name]
+                    owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+                    tensor = f.get_tensor(ckpt_name)
+                    loader = getattr(owner, "weight_loader", None)
+                    with torch.no_grad():
+                        if loader is not None:
+                            loader(param, tensor.to(param.dtype), shard)
+                        else:
+                            param.data.copy_(tensor)
+                    loaded.add((name, shard))
+        except SafetensorError as e:
+            raise CheckpointError(f"cannot read {path}: {e}") from e
+    shards_of = {}
+    for our_name, shard in packed.values():
+        shards_of.setdefault(our_name, set()).add(shard)
+    missing = []
+    for name in sorted(expected):
+        parent = name.rsplit(".", 2)[-2] if name.count(".") else ""
+        needed = shards_of.get(parent, {0})
+        got = {s for n, s in loaded if n == name}
+        if not needed <= got:
+            missing.append(name)
+    if missing:
+        raise CheckpointError(f"checkpoint {model_dir} lacks tensors for: {', '.join(missing[:8])}"
+                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _target_of(ckpt_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int] | None:
+    """Maps a checkpoint name to (our parameter name, shard id); None for tensors we do not use."""
+    if "rotary_emb.inv_freq" in ckpt_name:
+        return None
+    parts = ckpt_name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            ours, shard = packed[part]
+            return ".".join(parts[:i] + [ours] + parts[i + 1:]), shard
+    return ckpt_name, 0
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of the right shapes (for benchmarks, where no checkpoint exists): small enough
+    that activations stay finite in bf16; norms stay at one."""
+    with torch.no_grad():
+        for i, (name, param) in enumerate(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                gen = torch.Generator(device=param.device).manual_seed(seed + i)
+                param.uniform_(-0.02, 0.02, generator=gen)

@@ -1,0 +1,30 @@
+"""The model registry: `config.architectures[0]` names the class that runs a checkpoint."""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from worker.models.llama import LlamaForCausalLM
+from worker.models.qwen2 import Qwen2ForCausalLM
+from worker.models.qwen3 import Qwen3ForCausalLM
+from worker.parallel import TPGroup
+
+MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def build_model(config: PretrainedConfig, max_positions: int, tp: TPGroup) -> nn.Module:
+    archs = getattr(config, "architectures", None) or []
+    for arch in archs:
+        if arch in MODELS:
+            return MODELS[arch](config, max_positions, tp)
+    raise UnsupportedModelError(f"unsupported architecture {archs or config.model_type!r}; supported: {sorted(MODELS)}")

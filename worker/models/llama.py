@@ -1,0 +1,112 @@
+"""The Llama decoder, which Qwen2 (qkv bias) and Qwen3 (q/k norm, explicit head_dim) extend by flags."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from worker.attention.base import AttentionBackend
+from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker.layers.linear import QKVParallelLinear, RowParallelLinear
+from worker.layers.mlp import SwiGLU
+from worker.layers.norm import RMSNorm
+from worker.layers.rotary import RotaryEmbedding
+from worker.parallel import TPGroup
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup,
+                 bias: tuple[bool, bool], qk_norm: bool) -> None:
+        super().__init__()
+        qkv_bias, o_bias = bias
+        self.layer_id = layer_id
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, qkv_bias, tp)
+        self.num_heads = self.qkv_proj.num_local_heads
+        self.num_kv_heads = self.qkv_proj.num_local_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=o_bias, tp=tp)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                                          self.num_kv_heads * self.head_dim], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = attn.forward(q, k, v, self.layer_id)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup,
+                 bias: tuple[bool, bool], qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_id, rotary, tp, bias, qk_norm)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, residual, positions, attn):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TPGroup, bias: tuple[bool, bool],
+                 qk_norm: bool) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary, tp, bias, qk_norm)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, attn)
+        return self.norm(x, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+    # checkpoint names of the parts fused into one of our weights: (our name, shard id)
+    packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.config = config
+        attention_bias = getattr(config, "attention_bias", False)
+        # Llama's attention_bias covers q, k, v and o; Qwen2 has a bias on q, k and v only
+        bias = (self.qkv_bias or attention_bias, attention_bias and not self.qkv_bias)
+        self.model = DecoderModel(config, max_positions, tp, bias, self.qk_norm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Returns the final hidden states of every token; `compute_logits` projects the ones that sample."""
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,42 @@
+"""CUDA streams and events, with no-op stand-ins of the same interface on the CPU (where every
+operation has finished by the time it returns), so the scheduling logic is the same on both."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class NullEvent:
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class NullStream:
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def wait_event(self, event: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def new_stream(device: torch.device):
+    return torch.cuda.Stream(device=device) if device.type == "cuda" else NullStream()
+
+
+def new_event(device: torch.device):
+    return torch.cuda.Event() if device.type == "cuda" else NullEvent()
+
+
+def use_stream(stream) -> contextlib.AbstractContextManager:
+    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
