@@ -118,7 +118,7 @@ class Scheduler:
         need = self.cache.pages_for(max_len)
         if need > self.cache.num_pages:
             raise InvalidRequestError(f"the request needs {need} KV-cache pages (prompt {n} + up to {max_len - n} "
-                                      f"new tokens) but the cache has {self.cache.num_pages}; lower max_tokens")
+                                      f"new tokens) but the cache has {self.cache.num_pages}; lower max_tokens or shorten the prompt")
         return max_len
 
     def _make_req(self, msg: AddRequest) -> Req:
