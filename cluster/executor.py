@@ -1,12 +1,19 @@
-"""Executors run a batch description on every rank of a replica. Here: a replica of one rank."""
+"""Executors run a batch description on every rank of a replica and return rank 0's output."""
 
 from __future__ import annotations
 
 from worker.batch import BatchDesc, StepOutput
+from worker.comm import destroy_tensor_parallel
 from worker.engine import Engine
 
 
+class ReplicaBrokenError(RuntimeError):
+    """The replica's group cannot run steps any more (a rank died or a collective timed out)."""
+
+
 class LocalExecutor:
+    """A replica of one rank."""
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
@@ -15,3 +22,25 @@ class LocalExecutor:
 
     def shutdown(self) -> None:
         pass
+
+
+class TensorParallelExecutor:
+    """Rank 0 of a group: broadcasts each step before launching it itself, so followers start at once."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.comm = engine.tp.comm
+
+    def launch(self, desc: BatchDesc) -> StepOutput:
+        try:
+            self.comm.broadcast_desc(desc)
+            return self.engine.forward(desc)
+        except RuntimeError as e:  # gloo/NCCL errors: a peer is gone or stalled
+            raise ReplicaBrokenError(f"tensor-parallel group failed: {e}") from e
+
+    def shutdown(self) -> None:
+        try:
+            self.comm.broadcast_desc(None)
+        except RuntimeError:
+            pass  # the followers are gone already
+        destroy_tensor_parallel()

@@ -1,11 +1,12 @@
-"""The offline API: `LLM(path).generate(prompts, params)`, running the scheduler in this process."""
+"""The offline API: `LLM(path).generate(prompts, params)`. At tp_size 1 the scheduler runs in this
+process, with no Ray; at tp_size > 1 it is the same scheduler actor and followers the server uses."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
 
-from cluster.config import SchedulerConfig, overlap_from_env
+from cluster.config import ReplicaConfig, SchedulerConfig, overlap_from_env
 from cluster.executor import LocalExecutor
 from cluster.messages import TokenDelta
 from cluster.model_info import eos_token_ids, load_tokenizer
@@ -33,22 +34,28 @@ class LLM:
     def __init__(self, model_path: str, tp_size: int = 1, dtype: str = "auto", page_size: int = 1,
                  cache_type: str = "radix", max_extend_tokens: int = 8192, max_running_reqs: int = 256,
                  num_pages: int | None = None, load_format: str = "auto", overlap: bool = True,
-                 **engine_options) -> None:
+                 collective_timeout_s: float = 60.0, **engine_options) -> None:
         self.engine_config = EngineConfig(model_path=model_path, dtype=dtype, page_size=page_size, num_pages=num_pages,
                                           max_running_reqs=max_running_reqs, load_format=load_format, **engine_options)
         self.scheduler_config = SchedulerConfig(cache_type=cache_type, max_extend_tokens=max_extend_tokens,
                                                 overlap=overlap_from_env(overlap))
         self.tokenizer = load_tokenizer(model_path)
-        if tp_size != 1:
-            raise NotImplementedError("tp_size > 1 needs the tensor-parallel executor")
+        self._outputs: dict[int, RequestOutput] = {}
+        self._uids = itertools.count()
+        self.replica = None
+        self.scheduler = None
+        if tp_size > 1:
+            from cluster.deploy import ReplicaHandle, ensure_ray
+            ensure_ray()
+            self.replica = ReplicaHandle(ReplicaConfig(self.engine_config, self.scheduler_config, tp_size,
+                                                       collective_timeout_s))
+            return
         self.engine = Engine(self.engine_config)
         self.executor = LocalExecutor(self.engine)
-        self._outputs: dict[int, RequestOutput] = {}
         self.scheduler = Scheduler(
             self.scheduler_config, self.executor, num_pages=self.engine.num_pages, page_size=page_size,
             max_running_reqs=max_running_reqs, max_seq_len=self.engine.max_seq_len,
             eos_ids=eos_token_ids(model_path, self.engine.hf_config, self.tokenizer), on_output=self._collect)
-        self._uids = itertools.count()
 
     def _collect(self, deltas: list[TokenDelta]) -> None:
         for d in deltas:
@@ -74,17 +81,22 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         encoded = [self._encode(prompt) for prompt in prompts]
-        for ids, p in zip(encoded, params):
-            self.scheduler.validate(ids, p)
+        if self.scheduler is not None:
+            for ids, p in zip(encoded, params):
+                self.scheduler.validate(ids, p)
         uids = []
-        for ids, p in zip(encoded, params):
+        for ids in encoded:
             uid = next(self._uids)
             self._outputs[uid] = RequestOutput(prompt_token_ids=ids)
-            self.scheduler.submit(uid, ids, p)
             uids.append(uid)
         try:
-            while self.scheduler.has_work:
-                self.scheduler.step()
+            if self.replica is not None:
+                self._run_remote(list(zip(uids, encoded, params)))
+            else:
+                for uid, ids, p in zip(uids, encoded, params):
+                    self.scheduler.submit(uid, ids, p)
+                while self.scheduler.has_work:
+                    self.scheduler.step()
         finally:
             outputs = [self._outputs.pop(uid) for uid in uids]
         for out in outputs:
@@ -94,6 +106,16 @@ class LLM:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return outputs
 
+    def _run_remote(self, requests: list) -> None:
+        import ray
+        actor = self.replica.actor
+        ray.get(actor.submit.remote(requests))
+        pending = {uid for uid, _, _ in requests}
+        while pending:
+            deltas = ray.get(actor.poll.remote(1.0))
+            self._collect(deltas)
+            pending -= {d.uid for d in deltas if d.finished}
+
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -101,11 +123,25 @@ class LLM:
             return self.tokenizer(prompt).input_ids
         return list(prompt)
 
+    def stats(self) -> dict:
+        if self.replica is not None:
+            import ray
+            return ray.get(self.replica.actor.stats.remote())
+        return self.scheduler.snapshot()
+
     def check_integrity(self) -> None:
-        self.scheduler.check_integrity()
+        if self.replica is not None:
+            import ray
+            ray.get(self.replica.actor.check_integrity.remote())
+        else:
+            self.scheduler.check_integrity()
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        if self.replica is not None:
+            self.replica.shutdown()
+            self.replica = None
+        elif self.scheduler is not None:
+            self.executor.shutdown()
 
     def __enter__(self) -> LLM:
         return self

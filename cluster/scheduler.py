@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from concurrent.futures import Future
 import random
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -14,6 +15,7 @@ import numpy as np
 
 from cluster.cache_manager import CacheManager
 from cluster.config import SchedulerConfig
+from cluster.executor import ReplicaBrokenError
 from cluster.messages import TokenDelta
 from cluster.prefill import PrefillManager
 from cluster.req import Req
@@ -80,6 +82,12 @@ class Scheduler:
     def abort(self, uid: int) -> None:
         self.inbox.put(AbortRequest(uid))
 
+    def call_between_steps(self, fn: Callable[[], object]) -> Future:
+        """Runs fn on the loop's thread between two steps (where the state is consistent)."""
+        future: Future = Future()
+        self.inbox.put((fn, future))
+        return future
+
     @property
     def has_work(self) -> bool:
         return bool(self.reqs) or self.in_flight is not None or not self.inbox.empty()
@@ -93,8 +101,14 @@ class Scheduler:
             block = False
             if isinstance(msg, AddRequest):
                 self._add(msg)
-            else:
+            elif isinstance(msg, AbortRequest):
                 self._abort(msg.uid)
+            else:
+                fn, future = msg
+                try:
+                    future.set_result(fn())
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(e)
 
     def _add(self, msg: AddRequest) -> None:
         try:
@@ -222,6 +236,10 @@ class Scheduler:
         self.stats["steps"] += 1
         try:
             output = self.executor.launch(desc)
+        except ReplicaBrokenError as e:
+            self.in_flight = None
+            self.fail_all(str(e))
+            raise
         except Exception as e:  # noqa: BLE001 - an engine failure fails this batch, not the replica
             log.exception("step failed")
             self._fail(reqs, f"the engine failed this step: {type(e).__name__}: {e}")
@@ -297,9 +315,18 @@ class Scheduler:
     def fail_all(self, why: str) -> None:
         """Ends every live request with an error (the replica can no longer run them)."""
         self.in_flight = None
+        self._drain_inbox(block=False)
         self._fail(list(self.reqs.values()), why)
 
     # -- checks --------------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """Counts an operator (or a test) wants to see."""
+        cache = self.cache
+        return {"running": len(self.running), "waiting": len(self.prefill.waiting), "live": len(self.reqs),
+                "slots_total": self.slots.num_slots, "slots_free": self.slots.available + self.slots.num_deferred,
+                "pages_total": cache.num_pages, "pages_free": cache.allocator.num_free,
+                "pages_cached": cache.cache.num_pages, "pages_reserved": cache.reserved, **self.stats}
 
     def check_integrity(self) -> None:
         """Raises IntegrityError unless every KV page is free, prefix-cached or held by a live request."""

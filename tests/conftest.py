@@ -63,3 +63,23 @@ def qwen3_sharded_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def model_paths(qwen3_path: Path, llama_path: Path, qwen2_path: Path) -> dict[str, Path]:
     return {"qwen3": qwen3_path, "llama": llama_path, "qwen2": qwen2_path}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the whole session (starting it costs seconds)."""
+    import ray
+
+    from cluster.deploy import ensure_ray
+    ensure_ray()
+    yield ray
+    ray.shutdown()
+
+
+def live_ray_objects() -> tuple[list[str], list[str]]:
+    """Actors still alive and placement groups not removed, as the cluster's control store sees them."""
+    import ray
+    import ray._private.state as state
+    actors = [v.get("ActorClassName") for v in state.actors().values() if v["State"] != "DEAD"]
+    groups = [g["name"] for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+    return actors, groups

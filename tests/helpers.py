@@ -18,8 +18,9 @@ def checked_llm(path, **kw):
     try:
         yield llm
         llm.check_integrity()
-        assert not llm.scheduler.reqs, "requests left running"
-        assert llm.scheduler.slots.available + llm.scheduler.slots.num_deferred == llm.scheduler.slots.num_slots
+        stats = llm.stats()
+        assert stats["live"] == 0, "requests left running"
+        assert stats["slots_free"] == stats["slots_total"], "request slots leaked"
     finally:
         llm.shutdown()
 

@@ -16,6 +16,23 @@ class CheckpointError(RuntimeError):
     pass
 
 
+class LazyTensor:
+    """A checkpoint tensor read only in the slices a weight loader asks for, so a tensor-parallel rank
+    reads its shard, not the whole tensor."""
+
+    def __init__(self, tensor_slice) -> None:
+        self._slice = tensor_slice
+        self.shape = tuple(tensor_slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._slice[index]
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
@@ -55,13 +72,13 @@ def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> No
                         raise CheckpointError(f"{path.name} holds tensor {ckpt_name!r}, which this model has no place for")
                     param = params[name]
                     owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-                    tensor = f.get_tensor(ckpt_name)
+                    tensor = LazyTensor(f.get_slice(ckpt_name))
                     loader = getattr(owner, "weight_loader", None)
                     with torch.no_grad():
                         if loader is not None:
-                            loader(param, tensor.to(param.dtype), shard)
+                            loader(param, tensor, shard)
                         else:
-                            param.data.copy_(tensor)
+                            param.data.copy_(tensor[:])
                     loaded.add((name, shard))
         except SafetensorError as e:
             raise CheckpointError(f"cannot read {path}: {e}") from e

@@ -24,7 +24,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int = 0) -> None:
+    def weight_loader(self, param: nn.Parameter, full, shard_id: int = 0) -> None:
+        """`full` is the whole checkpoint tensor (or a lazy view of it); this keeps the rank's shard."""
         size = self.local_sizes[shard_id]
         start = sum(self.local_sizes[:shard_id])
         piece = full.narrow(0, self.tp.rank * size, size)
@@ -71,7 +72,7 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int = 0) -> None:
         if param is self.bias:
-            param.data.copy_(full)
+            param.data.copy_(full[:])
             return
         size = param.shape[1]
         param.data.copy_(full.narrow(1, self.tp.rank * size, size))

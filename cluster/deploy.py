@@ -1,0 +1,93 @@
+"""Placing a replica on Ray: a placement group with one bundle per rank, the scheduler actor in
+bundle 0 and the followers in the others, joined in one tensor-parallel group."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import ReplicaConfig
+from cluster.replica import SchedulerActor
+from worker.follower import Follower
+
+log = logging.getLogger(__name__)
+
+
+def ensure_ray(address: str | None = None, **init_options) -> None:
+    """Connects to the Ray cluster at address, or starts a local one; reuses one already joined."""
+    if ray.is_initialized():
+        return
+    if address is None and not _has_gpu_locally():
+        # without GPUs, ranks are CPU processes; let a small machine hold several of them
+        init_options.setdefault("num_cpus", max(os.cpu_count() or 1, 8))
+    init_options.setdefault("include_dashboard", False)
+    init_options.setdefault("log_to_driver", True)
+    ray.init(address=address, **init_options)
+
+
+def _has_gpu_locally() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def uses_gpus(config: ReplicaConfig) -> bool:
+    if config.engine.device == "auto":
+        return ray.cluster_resources().get("GPU", 0) > 0
+    return config.engine.device.startswith("cuda")
+
+
+class ReplicaHandle:
+    """The driver's handle on one replica: its actors and placement group."""
+
+    def __init__(self, config: ReplicaConfig, replica_id: int = 0, ready_timeout_s: float = 600.0) -> None:
+        self.config, self.replica_id = config, replica_id
+        gpu = uses_gpus(config)
+        bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+        self.pg = placement_group([dict(bundle) for _ in range(config.tp_size)], strategy=config.placement_strategy,
+                                  name=f"raylm-replica-{replica_id}")
+        self.actor = None
+        self.followers: list = []
+        try:
+            ray.get(self.pg.ready(), timeout=ready_timeout_s)
+            self._start(gpu, ready_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, gpu: bool, timeout_s: float) -> None:
+        cfg = self.config
+
+        def placed(i: int) -> dict:
+            return {"num_gpus": 1 if gpu else 0, "num_cpus": 1,
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)}
+
+        self.actor = ray.remote(SchedulerActor).options(max_concurrency=16, name=None, **placed(0)).remote(
+            cfg, self.replica_id)
+        address = ray.get(self.actor.rendezvous_address.remote(), timeout=timeout_s)
+        self.followers = [
+            ray.remote(Follower).options(max_concurrency=2, **placed(rank)).remote(
+                cfg.engine, rank, cfg.tp_size, address, cfg.collective_timeout_s)
+            for rank in range(1, cfg.tp_size)]
+        started = ray.get([self.actor.start.remote()] + [f.start.remote() for f in self.followers], timeout=timeout_s)
+        self.info: dict = started[0]
+        self.follower_loops = [f.run.remote() for f in self.followers]
+
+    def shutdown(self) -> None:
+        """Stops every rank and removes the placement group; nothing is left behind."""
+        if self.actor is not None:
+            try:
+                ray.get(self.actor.shutdown.remote(), timeout=30)
+            except Exception as e:  # noqa: BLE001 - it may be dead already
+                log.info("replica %d scheduler did not shut down cleanly: %s", self.replica_id, e)
+        for actor in [self.actor, *self.followers]:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        self.actor, self.followers = None, []
+        remove_placement_group(self.pg)

@@ -1,0 +1,120 @@
+"""The scheduler actor: one replica's tensor-parallel rank 0. Its loop runs on its own thread; the
+Ray methods beside it (submit, abort, poll, stats) only touch thread-safe queues. Results leave as
+one batch of deltas per poll, never one call per token."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from cluster.config import ReplicaConfig
+from cluster.executor import LocalExecutor, ReplicaBrokenError, TensorParallelExecutor
+from cluster.messages import TokenDelta
+from cluster.model_info import eos_token_ids, load_tokenizer
+from cluster.sampling_params import SamplingParams
+from cluster.scheduler import Scheduler
+from worker.comm import free_address, init_tensor_parallel
+from worker.engine import Engine, resolve_device
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerActor:
+    def __init__(self, config: ReplicaConfig, replica_id: int = 0) -> None:
+        self.config, self.replica_id = config, replica_id
+        self.scheduler: Scheduler | None = None
+        self.broken: str | None = None
+        self._outbox: list[TokenDelta] = []
+        self._ready = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.address: str | None = None
+
+    def rendezvous_address(self) -> str:
+        import ray
+        self.address = free_address(ray.util.get_node_ip_address())
+        return self.address
+
+    def start(self) -> dict:
+        """Joins the group (tp > 1), loads rank 0's engine and starts the loop. Returns what the
+        router needs to know of the model."""
+        cfg = self.config
+        if cfg.tp_size > 1:
+            device = resolve_device(cfg.engine.device)
+            tp = init_tensor_parallel(0, cfg.tp_size, self.address, device, cfg.collective_timeout_s)
+            engine = Engine(cfg.engine, tp)
+            executor = TensorParallelExecutor(engine)
+        else:
+            engine = Engine(cfg.engine)
+            executor = LocalExecutor(engine)
+        self.engine, self.executor = engine, executor
+        eos = eos_token_ids(cfg.engine.model_path, engine.hf_config, load_tokenizer(cfg.engine.model_path))
+        self.scheduler = Scheduler(cfg.scheduler, executor, num_pages=engine.num_pages, page_size=engine.page_size,
+                                   max_running_reqs=cfg.engine.max_running_reqs, max_seq_len=engine.max_seq_len,
+                                   eos_ids=eos, on_output=self._publish)
+        self._thread = threading.Thread(target=self._loop, name=f"scheduler-{self.replica_id}", daemon=True)
+        self._thread.start()
+        return {"max_seq_len": engine.max_seq_len, "num_pages": engine.num_pages, "page_size": engine.page_size,
+                "vocab_size": engine.hf_config.vocab_size, "eos_ids": sorted(eos)}
+
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while not self._stop.is_set():
+            try:
+                sched.step(block=True)
+            except ReplicaBrokenError as e:
+                log.error("replica %d is broken: %s", self.replica_id, e)
+                self.broken = str(e)
+                break
+            except Exception as e:  # noqa: BLE001 - never let the loop die silently
+                log.exception("scheduler step failed")
+                sched.fail_all(f"scheduler error: {type(e).__name__}: {e}")
+        while self.broken and not self._stop.is_set():  # answer what still arrives with the error
+            sched._drain_inbox(block=True)
+            sched.fail_all(self.broken)
+
+    def _publish(self, deltas: list[TokenDelta]) -> None:
+        with self._ready:
+            self._outbox.extend(deltas)
+            self._ready.notify_all()
+
+    # -- called through Ray ------------------------------------------------------------------------
+
+    def submit(self, requests: list[tuple[int, list[int], SamplingParams]]) -> None:
+        for uid, ids, params in requests:
+            self.scheduler.submit(uid, ids, params)
+
+    def abort(self, uids: list[int]) -> None:
+        for uid in uids:
+            self.scheduler.abort(uid)
+
+    def poll(self, timeout_s: float = 1.0) -> list[TokenDelta]:
+        """Every delta since the last poll; waits up to timeout_s for the first one."""
+        deadline = time.monotonic() + timeout_s
+        with self._ready:
+            while not self._outbox and not self._stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._ready.wait(left)
+            out, self._outbox = self._outbox, []
+        return out
+
+    def stats(self) -> dict:
+        return self.scheduler.call_between_steps(self._stats).result(timeout=30)
+
+    def _stats(self) -> dict:
+        return {"replica": self.replica_id, "broken": self.broken, **self.scheduler.snapshot()}
+
+    def check_integrity(self) -> None:
+        self.scheduler.call_between_steps(self.scheduler.check_integrity).result(timeout=30)
+
+    def ping(self) -> bool:
+        return self.broken is None
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.executor.shutdown()

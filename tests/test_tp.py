@@ -1,0 +1,82 @@
+"""Tensor parallelism on the CPU (gloo, tp=2, Ray actors): rank 0 schedules and broadcasts, the
+follower applies; outputs equal tp=1 and Hugging Face; failures end requests instead of hanging."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cluster import LLM, SamplingParams
+from cluster.llm import GenerationError
+from conftest import live_ray_objects
+from fixtures import PROMPT_TEXTS, hf_greedy
+from helpers import checked_llm, encode_all, greedy
+
+
+@pytest.mark.parametrize("family,overlap,cache_type", [
+    ("qwen3", True, "radix"), ("qwen3", False, "naive"), ("llama", True, "naive"), ("llama", False, "radix")])
+def test_tp2_greedy_equals_tp1_and_hf(ray_cluster, model_paths, family, overlap, cache_type):
+    path = model_paths[family]
+    with checked_llm(path, tp_size=2, overlap=overlap, cache_type=cache_type, page_size=4) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS)
+        tp2 = [o.token_ids for o in llm.generate(prompts, greedy(10))]
+        assert [o.token_ids for o in llm.generate(prompts, greedy(10))] == tp2  # warm prefix cache
+    with checked_llm(path, overlap=overlap, cache_type=cache_type, page_size=4) as llm:
+        tp1 = [o.token_ids for o in llm.generate(prompts, greedy(10))]
+    assert tp2 == tp1 == hf_greedy(path, prompts, 10)
+
+
+def test_tp2_with_a_single_kv_head_replicates_it(ray_cluster, qwen3_one_kv_head_path):
+    with checked_llm(qwen3_one_kv_head_path, tp_size=2) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS[:6])
+        outs = llm.generate(prompts, greedy(10))
+    assert [o.token_ids for o in outs] == hf_greedy(qwen3_one_kv_head_path, prompts, 10)
+
+
+def test_tp2_seeded_sampling_equals_tp1_and_aborts_keep_every_rank_whole(ray_cluster, qwen3_path):
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=12, seed=s, ignore_eos=True)
+              for s in range(6)]
+    with checked_llm(qwen3_path) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS[:6])
+        tp1 = [o.token_ids for o in llm.generate(prompts, params)]
+    with checked_llm(qwen3_path, tp_size=2) as llm:
+        tp2 = [o.token_ids for o in llm.generate(prompts, params)]
+        # abort half of a running batch part-way through, then check the pages and that both ranks
+        # still agree (a rank out of step would change the outputs that follow)
+        actor = llm.replica.actor
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        actor.submit.remote([(1000 + i, p, long) for i, p in enumerate(prompts)])
+        got = []
+        while not got:
+            got = ray_cluster.get(actor.poll.remote(1.0))
+        ray_cluster.get(actor.abort.remote([1000, 1002, 1004]))
+        finished = {d.uid for d in got if d.finished}
+        while len(finished) < 3:
+            deltas = ray_cluster.get(actor.poll.remote(1.0))
+            finished |= {d.uid for d in deltas if d.finished}
+        assert finished == {1001, 1003, 1005}
+        after = [o.token_ids for o in llm.generate(prompts, greedy(8))]
+    assert tp2 == tp1
+    assert after == hf_greedy(qwen3_path, prompts, 8)
+
+
+def test_killed_follower_fails_requests_with_an_error_not_a_hang(ray_cluster, qwen3_path):
+    llm = LLM(str(qwen3_path), tp_size=2, collective_timeout_s=10)
+    try:
+        ray_cluster.kill(llm.replica.followers[0])
+        start = time.monotonic()
+        with pytest.raises(GenerationError, match="tensor-parallel group failed"):
+            llm.generate(PROMPT_TEXTS[:3], greedy(8))
+        assert time.monotonic() - start < 15
+    finally:
+        llm.shutdown()
+
+
+def test_shutdown_leaves_no_actor_or_placement_group(ray_cluster, qwen3_path):
+    with LLM(str(qwen3_path), tp_size=2) as llm:
+        assert llm.generate(PROMPT_TEXTS[:1], greedy(2, ignore_eos=True))[0].token_ids
+    deadline = time.monotonic() + 30
+    while live_ray_objects() != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert live_ray_objects() == ([], [])

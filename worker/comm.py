@@ -1,0 +1,58 @@
+"""The tensor-parallel communicator on torch.distributed: NCCL (GPU) or gloo (CPU) for the model's
+collectives, plus a gloo group on which rank 0 broadcasts each step's batch description."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from worker.batch import BatchDesc
+from worker.parallel import TPGroup
+
+
+def free_address(host: str) -> str:
+    """host:port with a port free right now, for the group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return f"{host}:{s.getsockname()[1]}"
+
+
+class TorchDistComm:
+    def __init__(self, device_group, cpu_group) -> None:
+        self.device_group, self.cpu_group = device_group, cpu_group
+        self.size = dist.get_world_size(device_group)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.device_group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_desc(self, desc: BatchDesc | None) -> BatchDesc | None:
+        """Rank 0 sends the step (None: stop); the others receive it."""
+        box = [desc]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+
+def init_tensor_parallel(rank: int, size: int, address: str, device: torch.device,
+                         timeout_s: float) -> TPGroup:
+    """Joins the replica's group (blocks until every rank has joined). A collective that stalls for
+    timeout_s (a dead rank) raises instead of hanging."""
+    timeout = timedelta(seconds=timeout_s)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
+    return TPGroup(rank, size, TorchDistComm(dist.group.WORLD, cpu_group))
+
+
+def destroy_tensor_parallel() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
