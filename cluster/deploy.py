@@ -17,16 +17,18 @@ from worker.follower import Follower
 log = logging.getLogger(__name__)
 
 
-def ensure_ray(address: str | None = None, **init_options) -> None:
-    """Connects to the Ray cluster at address, or starts a local one; reuses one already joined."""
+def ensure_ray(address: str | None = None, **init_options) -> str | None:
+    """Connects to the Ray cluster at address, or starts a local one; reuses one already joined.
+    Returns the dashboard's address when there is one."""
     if ray.is_initialized():
-        return
+        return None
     if address is None and not _has_gpu_locally():
         # without GPUs, ranks are CPU processes; let a small machine hold several of them
         init_options.setdefault("num_cpus", max(os.cpu_count() or 1, 8))
     init_options.setdefault("include_dashboard", False)
     init_options.setdefault("log_to_driver", True)
-    ray.init(address=address, **init_options)
+    context = ray.init(address=address, **init_options)
+    return getattr(context, "dashboard_url", None) or None
 
 
 def _has_gpu_locally() -> bool:

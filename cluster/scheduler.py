@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import OrderedDict
 from concurrent.futures import Future
 import random
 from dataclasses import dataclass
@@ -73,6 +74,8 @@ class Scheduler:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight: Launched | None = None
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+        # aborts that arrived before their request (messages from several callers may reorder)
+        self._early_aborts: OrderedDict[int, None] = OrderedDict()
 
     # -- messages (thread-safe: anyone may call these) ---------------------------------------------
 
@@ -111,6 +114,8 @@ class Scheduler:
                     future.set_exception(e)
 
     def _add(self, msg: AddRequest) -> None:
+        if self._early_aborts.pop(msg.uid, 0) is None:
+            return
         try:
             req = self._make_req(msg)
         except InvalidRequestError as e:
@@ -144,8 +149,11 @@ class Scheduler:
 
     def _abort(self, uid: int) -> None:
         req = self.reqs.get(uid)
-        if req is None:
-            return  # finished already, or never existed
+        if req is None:  # finished already, or not arrived yet
+            self._early_aborts[uid] = None
+            if len(self._early_aborts) > 10_000:
+                self._early_aborts.popitem(last=False)
+            return
         if req in self.prefill.waiting:
             self.prefill.remove(req)
         self.running.pop(uid, None)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from cluster import InvalidRequestError, SamplingParams
+from cluster import InvalidRequestError
 from cluster.messages import TokenDelta
 from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy

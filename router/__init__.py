@@ -1,0 +1,1 @@
+"""HTTP frontend: the OpenAI-compatible API, tokenization and detokenization, routing over replicas."""

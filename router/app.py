@@ -1,0 +1,178 @@
+"""The FastAPI application: OpenAI-compatible routes over the replicas held in RouterState."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.detokenizer import IncrementalDetokenizer
+from router.errors import APIError, api_error_handler, error_response, http_error_handler, validation_error_handler
+from router.generation import EngineError, Timing, generate
+from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.responses import Formatter, sse
+from router.routing import NoReplicaError
+from router.state import RouterState
+
+log = logging.getLogger("raylm.requests")
+
+
+def build_app(state: RouterState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        for client in state.clients:
+            client.start()
+        yield
+        state.draining = True
+        for client in state.clients:
+            await client.stop()
+
+    app = FastAPI(title="raylm", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.router = state
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        cfg = state.config
+        if request.url.path.startswith("/v1"):
+            if cfg.api_key is not None:
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode()):
+                    return error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                                          "authentication_error", code="invalid_api_key")
+            size = request.headers.get("content-length")
+            if size is not None and (not size.isdigit() or int(size) > cfg.max_body_bytes):
+                return error_response(413, f"the request body is over {cfg.max_body_bytes} bytes")
+            if state.draining and request.method == "POST":
+                return error_response(503, "the server is shutting down", "service_unavailable")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        down = [c.replica_id for c in state.clients if not c.healthy]
+        if down or not state.clients or state.draining:
+            return JSONResponse({"status": "unavailable", "replicas_down": down}, status_code=503)
+        return {"status": "ok", "replicas": len(state.clients)}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest(state.metrics.registry).decode(),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "owned_by": "raylm",
+                                            "max_model_len": state.max_seq_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        state.check_model(body.model)
+        ids = state.completion_ids(body)
+        params = state.sampling_params(body, ids, body.max_tokens, 16, body.logprobs)
+        fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", state.model_name, False, state.tokenizer, body.logprobs)
+        return await _serve(state, request, body, ids, params, fmt)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        state.check_model(body.model)
+        ids = state.chat_ids(body)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = state.sampling_params(body, ids, body.max_completion_tokens or body.max_tokens, None, top)
+        fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, True, state.tokenizer, top)
+        return await _serve(state, request, body, ids, params, fmt)
+
+    return app
+
+
+async def _serve(state: RouterState, request: Request, body, ids, params, fmt: Formatter):
+    try:
+        client = state.policy.pick(state.clients, ids)
+    except NoReplicaError as e:
+        raise APIError(503, str(e), "service_unavailable") from e
+    uid = next(state.uids)
+    timing = Timing()
+    detok = IncrementalDetokenizer(state.tokenizer, body.stop_list)
+    pieces = generate(client, uid, ids, params, detok, timing)
+    state.metrics.running.labels(state.model_name).inc()
+    outcome = {"reason": "abort"}
+
+    def done() -> None:
+        state.metrics.running.labels(state.model_name).dec()
+        state.metrics.finished(outcome["reason"], len(ids), timing)
+        log.info("request %s replica=%d prompt_tokens=%d completion_tokens=%d ttft=%.4f latency=%.4f finish=%s",
+                 fmt.id, client.replica_id, len(ids), timing.tokens,
+                 (timing.first_token or timing.arrival) - timing.arrival,
+                 (timing.last_token or timing.arrival) - timing.arrival, outcome["reason"])
+
+    if body.stream:
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(_stream(state, pieces, fmt, len(ids), include_usage, outcome, done),
+                                 media_type="text/event-stream")
+    try:
+        collected = await _until_disconnect(request, _collect(pieces), state.config.request_timeout_s)
+        outcome["reason"] = collected[-1].finish_reason
+    except asyncio.TimeoutError as e:
+        outcome["reason"] = "timeout"
+        raise APIError(408, f"the request took longer than {state.config.request_timeout_s} s",
+                       "timeout_error") from e
+    except EngineError as e:
+        outcome["reason"] = "error"
+        raise APIError(503 if "replica" in str(e) else 500, str(e), "server_error") from e
+    finally:
+        await pieces.aclose()
+        done()
+    return fmt.whole(collected, len(ids))
+
+
+async def _collect(pieces) -> list:
+    return [piece async for piece in pieces]
+
+
+async def _until_disconnect(request: Request, work, timeout_s: float | None):
+    """Runs work, cancelling it when the client disconnects (its request is then aborted)."""
+    task = asyncio.ensure_future(asyncio.wait_for(work, timeout_s))
+    while not task.done():
+        watcher = asyncio.ensure_future(request.is_disconnected())
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED, timeout=0.5)
+        if watcher.done() and watcher.result():
+            task.cancel()
+            raise APIError(499, "client closed the request")
+        watcher.cancel()
+    return task.result()
+
+
+async def _stream(state: RouterState, pieces, fmt: Formatter, prompt_tokens: int, include_usage: bool,
+                  outcome: dict, done):
+    completion = 0
+    try:
+        yield sse(fmt.chunk(None, first=True)) if fmt.chat else ""
+        async with asyncio.timeout(state.config.request_timeout_s):
+            async for piece in pieces:
+                completion += len(piece.token_ids)
+                if piece.finish_reason is not None:
+                    outcome["reason"] = piece.finish_reason
+                if piece.text or piece.finish_reason is not None or piece.logprobs:
+                    yield sse(fmt.chunk(piece))
+        if include_usage:
+            yield sse(fmt.usage_chunk(prompt_tokens, completion))
+        yield sse("[DONE]")
+    except TimeoutError:
+        outcome["reason"] = "timeout"
+        yield sse({"error": {"message": f"the request took longer than {state.config.request_timeout_s} s",
+                             "type": "timeout_error", "param": None, "code": 408}})
+    except EngineError as e:
+        outcome["reason"] = "error"
+        yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
+    finally:
+        await pieces.aclose()  # a disconnect lands here too: generate() aborts the request
+        done()

@@ -1,0 +1,51 @@
+"""Incremental detokenization with stop strings: text is released as tokens arrive, never splitting a
+multi-byte character (tokenizers' DecodeStream), and held back while it could be the start of a stop
+string, so a stop that spans several tokens is still found and never shown."""
+
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+from transformers import PreTrainedTokenizerBase
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str], skip_special_tokens: bool = True) -> None:
+        self._tokenizer, self._skip = tokenizer, skip_special_tokens
+        self._backend = tokenizer.backend_tokenizer
+        self._ids: list[int] = []
+        self._released = ""
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._pending = ""
+        self.stopped = False  # a stop string was found: nothing more is released
+
+    def add(self, token_id: int) -> str:
+        """Releases the text that token completes (possibly "")."""
+        if self.stopped:
+            return ""
+        self._ids.append(token_id)
+        self._pending += self._stream.step(self._backend, token_id) or ""
+        return self._release(self._hold)
+
+    def _release(self, keep: int) -> str:
+        cut = min((i for i in (self._pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self._pending = self._pending[:cut], ""
+        else:
+            keep = min(keep, len(self._pending))
+            out, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+        self._released += out
+        return out
+
+    def flush(self) -> str:
+        """The rest, once the request has ended: held-back text, and bytes of an unfinished character
+        (shown as U+FFFD, as a whole decode shows them)."""
+        if self.stopped:
+            return ""
+        whole = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
+        seen = self._released + self._pending
+        if whole.startswith(seen):
+            self._pending += whole[len(seen):]
+        return self._release(0)

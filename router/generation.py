@@ -1,0 +1,65 @@
+"""One request's life in the router: send it to a replica, turn its token deltas into text pieces
+(stop strings applied), and abort it on the replica when the client goes away or a stop string ends it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from cluster.sampling_params import SamplingParams
+from router.detokenizer import IncrementalDetokenizer
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+@dataclass
+class Piece:
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Timing:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last_token: float | None = None
+    tokens: int = 0
+
+
+async def generate(client, uid: int, ids: list[int], params: SamplingParams, detok: IncrementalDetokenizer,
+                   timing: Timing) -> AsyncIterator[Piece]:
+    """Yields pieces until the request ends; the last one carries finish_reason."""
+    queue = client.submit(uid, ids, params)
+    finished = False
+    try:
+        while True:
+            delta = await queue.get()
+            if delta.error is not None:
+                finished = True
+                raise EngineError(delta.error)
+            piece = Piece(detok.add(delta.token), [delta.token])
+            now = time.perf_counter()
+            timing.first_token = timing.first_token or now
+            timing.last_token = now
+            timing.tokens += 1
+            if delta.logprob is not None:
+                piece.logprobs.append(delta.logprob)
+                piece.top_logprobs.append(delta.top_logprobs or [])
+            if detok.stopped:
+                piece.finish_reason = "stop"
+            elif delta.finished:
+                piece.text += detok.flush()
+                piece.finish_reason = delta.finish_reason
+            finished = delta.finished
+            yield piece
+            if piece.finish_reason is not None:
+                return
+    finally:
+        if not finished:  # a stop string, a disconnect, a timeout: stop spending the replica's time
+            client.abort(uid)

@@ -1,0 +1,87 @@
+"""The router's side of one replica: submits and aborts are batched into one Ray call per event-loop
+tick, and one long-poll loop receives every request's deltas per scheduler step."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from cluster.messages import TokenDelta
+from cluster.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaClient:
+    def __init__(self, replica_id: int, actor, info: dict) -> None:
+        self.replica_id, self.actor, self.info = replica_id, actor, info
+        self.queues: dict[int, asyncio.Queue] = {}
+        self._submits: list[tuple[int, list[int], SamplingParams]] = []
+        self._aborts: list[int] = []
+        self._flush_pending = False
+        self.error: str | None = None
+        self._poller: asyncio.Task | None = None
+
+    @property
+    def load(self) -> int:
+        return len(self.queues)
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None
+
+    def start(self) -> None:
+        self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+
+    def submit(self, uid: int, ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[uid] = queue
+        self._submits.append((uid, ids, params))
+        self._schedule_flush()
+        return queue
+
+    def abort(self, uid: int) -> None:
+        if self.queues.pop(uid, None) is not None:
+            self._aborts.append(uid)
+            self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        if self._submits:
+            self.actor.submit.remote(self._submits)
+            self._submits = []
+        if self._aborts:
+            self.actor.abort.remote(self._aborts)
+            self._aborts = []
+
+    async def _poll_loop(self) -> None:
+        while True:
+            try:
+                deltas = await self.actor.poll.remote(1.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the actor died: fail what it held
+                self.mark_failed(f"replica {self.replica_id} failed: {type(e).__name__}")
+                log.error("replica %d poll failed: %s", self.replica_id, e)
+                return
+            for d in deltas:
+                queue = self.queues.get(d.uid)
+                if queue is not None:
+                    queue.put_nowait(d)
+                    if d.finished:
+                        del self.queues[d.uid]
+
+    def mark_failed(self, why: str) -> None:
+        self.error = why
+        for uid, queue in list(self.queues.items()):
+            queue.put_nowait(TokenDelta(uid, None, True, "error", error=why))
+        self.queues.clear()

@@ -1,0 +1,97 @@
+"""Bringing a deployment up and down: the replicas on Ray, the router state, and uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import uvicorn
+
+from cluster.config import ServeConfig
+from cluster.deploy import ReplicaHandle, ensure_ray
+from cluster.model_info import load_tokenizer
+from router.app import build_app
+from router.metrics import RouterMetrics
+from router.replica_client import ReplicaClient
+from router.routing import create_policy
+from router.state import RouterState, generation_defaults
+
+log = logging.getLogger(__name__)
+
+
+class Server:
+    def __init__(self, config: ServeConfig, **ray_options) -> None:
+        config.validate()
+        self.config = config
+        tokenizer = load_tokenizer(config.model)
+        if tokenizer is None:
+            raise ValueError(f"{config.model} has no tokenizer files; the HTTP server needs one")
+        self.dashboard_url = ensure_ray(config.address, **ray_options)
+        replica_config = config.replica_config()
+        with ThreadPoolExecutor(max_workers=config.replicas) as pool:
+            futures = [pool.submit(ReplicaHandle, replica_config, i) for i in range(config.replicas)]
+            self.replicas: list[ReplicaHandle] = []
+            errors = []
+            for f in futures:
+                try:
+                    self.replicas.append(f.result())
+                except Exception as e:  # noqa: BLE001 - shut the others down, then report
+                    errors.append(e)
+        if errors:
+            self.shutdown_replicas()
+            raise errors[0]
+        info = self.replicas[0].info
+        name = config.served_model_name or Path(config.model).name
+        self.state = RouterState(
+            config=config, tokenizer=tokenizer, model_name=name, max_seq_len=info["max_seq_len"],
+            vocab_size=info["vocab_size"], policy=create_policy(config.routing), metrics=RouterMetrics(name),
+            defaults=generation_defaults(config.model),
+            clients=[ReplicaClient(r.replica_id, r.actor, r.info) for r in self.replicas])
+        self.app = build_app(self.state)
+        self._uvicorn: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def _make_uvicorn(self) -> uvicorn.Server:
+        cfg = uvicorn.Config(self.app, host=self.config.host, port=self.config.port, log_level="warning",
+                             timeout_graceful_shutdown=int(self.config.drain_timeout_s), access_log=False)
+        self._uvicorn = uvicorn.Server(cfg)
+        return self._uvicorn
+
+    def run(self) -> None:
+        """Serves until SIGINT or SIGTERM, lets requests in flight finish (up to the drain timeout),
+        then stops every replica."""
+        try:
+            self._make_uvicorn().run()
+        finally:
+            self.shutdown_replicas()
+
+    def start_in_thread(self, timeout_s: float = 60.0) -> str:
+        server = self._make_uvicorn()
+        server.install_signal_handlers = lambda: None  # not the main thread
+        self._thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.05)
+        return self.url
+
+    def stop(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=self.config.drain_timeout_s + 10)
+        self.shutdown_replicas()
+
+    def shutdown_replicas(self) -> None:
+        for replica in getattr(self, "replicas", []):
+            replica.shutdown()
+        self.replicas = []

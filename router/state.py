@@ -1,0 +1,104 @@
+"""What the router holds: the model's tokenizer and limits, the replica clients, the routing policy,
+and turning an API request into token ids and SamplingParams (with the checks that give 400s)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from cluster.config import ServeConfig
+from cluster.sampling_params import InvalidRequestError, SamplingParams
+from router.errors import APIError
+from router.metrics import RouterMetrics
+from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+def generation_defaults(model_path: str) -> dict:
+    """Sampling values the model's generation_config.json sets (used when a request leaves them out)."""
+    path = Path(model_path) / "generation_config.json"
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    return {k: data[k] for k in ("temperature", "top_p", "top_k") if data.get(k) is not None}
+
+
+@dataclass
+class RouterState:
+    config: ServeConfig
+    tokenizer: PreTrainedTokenizerBase
+    model_name: str
+    max_seq_len: int
+    vocab_size: int
+    clients: list = field(default_factory=list)
+    policy: object = None
+    metrics: RouterMetrics | None = None
+    draining: bool = False
+    defaults: dict = field(default_factory=dict)
+    uids: itertools.count = field(default_factory=itertools.count)
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def completion_ids(self, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                               param="prompt")
+            ids = list(prompt)
+        return ids
+
+    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except ValueError as e:
+            raise APIError(400, f"messages: {e}", param="messages") from e
+        except Exception as e:  # noqa: BLE001 - template errors come as many types
+            raise APIError(400, f"messages cannot be rendered by the chat template: {e}", param="messages") from e
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def sampling_params(self, req: SamplingFields, ids: list[int], max_tokens: int | None, default_max: int | None,
+                        logprobs: int | None) -> SamplingParams:
+        cfg, n = self.config, len(ids)
+        if n == 0:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        limit = min(cfg.max_prompt_tokens or self.max_seq_len, self.max_seq_len - 1)
+        if n > limit:
+            raise APIError(400, f"the prompt has {n} tokens; at most {limit} are accepted (this model's context "
+                                f"is {self.max_seq_len} tokens)", param="prompt", code="context_length_exceeded")
+        room = self.max_seq_len - n
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens is {max_tokens}, but the prompt ({n} tokens) leaves room for {room} "
+                                f"within this model's context of {self.max_seq_len} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        if max_tokens is not None and cfg.max_tokens_limit and max_tokens > cfg.max_tokens_limit:
+            raise APIError(400, f"max_tokens may be at most {cfg.max_tokens_limit}", param="max_tokens")
+        if len(req.stop_list) > cfg.max_stop_strings:
+            raise APIError(400, f"at most {cfg.max_stop_strings} stop strings are allowed", param="stop")
+        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"stop token id {bad[0]} is outside the vocabulary", param="stop_token_ids")
+        chosen = max_tokens or default_max or room
+        if cfg.max_tokens_limit:
+            chosen = min(chosen, cfg.max_tokens_limit)
+        pick = lambda name, fallback: getattr(req, name) if getattr(req, name) is not None else self.defaults.get(name, fallback)  # noqa: E731
+        try:
+            return SamplingParams(temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+                                  top_k=pick("top_k", -1), max_tokens=min(chosen, room), ignore_eos=req.ignore_eos,
+                                  stop_token_ids=list(req.stop_token_ids or []), seed=req.seed, logprobs=logprobs)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e)) from e

@@ -1,0 +1,102 @@
+"""The command users run, and the files they configure it with."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from cluster.config import ServeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if not p.name.startswith("cluster-")], ids=lambda p: p.name)
+def test_serving_configs_load_and_validate(path):
+    config = ServeConfig.from_yaml(str(path)).override(model=ServeConfig.from_yaml(str(path)).model or "demo")
+    config.validate()
+    assert config.replica_config().tp_size == config.tp_size
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p.name.startswith("cluster-")], ids=lambda p: p.name)
+def test_ray_cluster_configs_pass_rays_validation(path):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+    config = prepare_config(yaml.safe_load(path.read_text()))
+    validate_config(config)
+    assert any("pip install" in c for c in config["setup_commands"])
+
+
+def test_unknown_config_keys_are_named(tmp_path):
+    (tmp_path / "bad.yaml").write_text("model: x\ntp_sise: 2\n")
+    with pytest.raises(ValueError, match="tp_sise"):
+        ServeConfig.from_yaml(str(tmp_path / "bad.yaml"))
+
+
+def test_demo_serves_and_stops_cleanly_on_sigterm(tmp_path):
+    port = 18000 + os.getpid() % 1000
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--demo", "--port", str(port),
+                             "--config", str(ROOT / "configs" / "cpu-tiny.yaml")],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the demo server did not come up"
+            time.sleep(0.5)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"model": "demo", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # uvicorn re-raises the signal after its graceful shutdown; Ray's handler then exits with 15
+    assert proc.returncode in (0, signal.SIGTERM, -signal.SIGTERM), out
+    assert "Traceback" not in out, out
+    assert f"http://127.0.0.1:{port}/v1" in out and "Ray dashboard" in out
+
+
+def test_a_replica_spans_two_nodes_with_pack_placement(tmp_path, qwen3_path):
+    # its own Ray (two simulated one-CPU nodes), so in a separate process
+    script = textwrap.dedent(f"""
+        import ray
+        from ray.cluster_utils import Cluster
+        from cluster import SamplingParams
+        from cluster.config import ReplicaConfig, SchedulerConfig
+        from cluster.deploy import ReplicaHandle
+        from worker.config import EngineConfig
+        cluster = Cluster(initialize_head=True, head_node_args={{"num_cpus": 1}})
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address)
+        config = ReplicaConfig(EngineConfig(model_path={str(qwen3_path)!r}, device="cpu"), SchedulerConfig(),
+                               tp_size=2, placement_strategy="PACK")
+        replica = ReplicaHandle(config)
+        nodes = {{ray.get(replica.actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))}}
+        nodes |= {{ray.get(f.node_and_pid.remote())[0] for f in replica.followers}}
+        ray.get(replica.actor.submit.remote([(0, [5, 6, 7], SamplingParams(temperature=0, max_tokens=4,
+                                                                           ignore_eos=True))]))
+        got = []
+        while not any(d.finished for d in got):
+            got += ray.get(replica.actor.poll.remote(1.0))
+        replica.shutdown()
+        print("NODES", len(nodes), "TOKENS", len(got))
+    """)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    assert "NODES 2 TOKENS 4" in out.stdout, out.stdout + out.stderr
