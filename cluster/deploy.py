@@ -27,7 +27,8 @@ def ensure_ray(address: str | None = None, **init_options) -> str | None:
         init_options.setdefault("num_cpus", max(os.cpu_count() or 1, 8))
     init_options.setdefault("include_dashboard", False)
     init_options.setdefault("log_to_driver", True)
-    context = ray.init(address=address, **init_options)
+    # "local" starts a new Ray even when another one runs on this machine
+    context = ray.init(address=address or "local", **init_options)
     return getattr(context, "dashboard_url", None) or None
 
 

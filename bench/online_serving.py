@@ -1,0 +1,160 @@
+"""Online serving benchmark in the shape of SGLang's bench_serving: request and token throughput,
+TTFT / TPOT / ITL / end-to-end latency (mean, median, p99), against a running server or one it starts,
+with the offline engine's throughput on the same workload beside it.
+
+    python bench/online_serving.py --url http://127.0.0.1:8000 --model-name NAME [...]
+    python bench/online_serving.py --model PATH [--tp-size K --replicas N] [--offline] [...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import time
+
+import httpx
+
+
+def workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int):
+    rng = random.Random(seed)
+    return [([rng.randrange(100, vocab - 100) for _ in range(rng.randint(*input_len))], rng.randint(*output_len))
+            for _ in range(n)]
+
+
+async def one(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.6, "ignore_eos": True,
+            "stream": True, "seed": len(prompt)}
+    start = time.perf_counter()
+    stamps = []
+    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"] and chunk["choices"][0]["text"] or chunk["choices"][0].get("finish_reason"):
+                    stamps.append(time.perf_counter())
+    end = time.perf_counter()
+    return {"ttft": stamps[0] - start, "e2e": end - start, "tokens": max_tokens,
+            "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+            "tpot": (end - stamps[0]) / (max_tokens - 1) if max_tokens > 1 else 0.0}
+
+
+async def run(url: str, model: str, requests: list, concurrency: int) -> dict:
+    limits = httpx.Limits(max_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def guarded(req):
+            async with sem:
+                return await one(http, url, model, *req)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(guarded(r) for r in requests))
+        wall = time.perf_counter() - start
+    return summarize(results, wall, sum(len(p) for p, _ in requests))
+
+
+def _stats(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"mean_ms": statistics.fmean(xs) * 1e3, "median_ms": statistics.median(xs) * 1e3,
+            "p99_ms": xs[min(len(xs) - 1, int(0.99 * len(xs)))] * 1e3}
+
+
+def summarize(results: list[dict], wall: float, prompt_tokens: int) -> dict:
+    out_tokens = sum(r["tokens"] for r in results)
+    return {"requests": len(results), "duration_s": wall, "request_throughput": len(results) / wall,
+            "input_token_throughput": prompt_tokens / wall, "output_token_throughput": out_tokens / wall,
+            "ttft": _stats([r["ttft"] for r in results]), "tpot": _stats([r["tpot"] for r in results]),
+            "itl": _stats([x for r in results for x in r["itl"]] or [0.0]), "e2e": _stats([r["e2e"] for r in results])}
+
+
+def offline_throughput(args, requests) -> float:
+    from cluster import LLM, SamplingParams
+    with LLM(args.model, tp_size=args.tp_size, **engine_options(args)) as llm:
+        params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True, seed=len(p)) for p, m in requests]
+        llm.generate([p for p, _ in requests[:4]], params[:4])  # warm-up
+        start = time.perf_counter()
+        llm.generate([p for p, _ in requests], params)
+        return sum(m for _, m in requests) / (time.perf_counter() - start)
+
+
+def engine_options(args) -> dict:
+    opts = {"page_size": args.page_size}
+    if args.load_format:
+        opts["load_format"] = args.load_format
+    return opts
+
+
+def print_report(name: str, rep: dict) -> None:
+    print(f"== {name} ==")
+    print(f"requests {rep['requests']}  duration {rep['duration_s']:.2f} s  "
+          f"request throughput {rep['request_throughput']:.2f} req/s  "
+          f"output throughput {rep['output_token_throughput']:.1f} tok/s")
+    for key in ("ttft", "tpot", "itl", "e2e"):
+        s = rep[key]
+        print(f"  {key.upper():5} mean {s['mean_ms']:9.2f} ms  median {s['median_ms']:9.2f} ms  p99 {s['p99_ms']:9.2f} ms")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url")
+    p.add_argument("--model-name")
+    p.add_argument("--model", help="start a server on this model (in this process)")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--load-format", default=None)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, nargs=2, default=[32, 128])
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 64])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--offline", action="store_true", help="also run the offline engine on the same workload")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out")
+    args = p.parse_args()
+    report: dict = {"args": vars(args)}
+    server = None
+    if args.model:
+        from transformers import AutoConfig
+        vocab = args.vocab or AutoConfig.from_pretrained(args.model).vocab_size
+        requests = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
+        if args.offline:
+            report["offline_output_tok_s"] = offline_throughput(args, requests)
+            print(f"== offline engine ==\noutput throughput {report['offline_output_tok_s']:.1f} tok/s")
+        from cluster.config import ServeConfig
+        from router.server import Server
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        config = ServeConfig(model=args.model, tp_size=args.tp_size, replicas=args.replicas, port=port,
+                             page_size=args.page_size, served_model_name="bench",
+                             load_format=args.load_format or "auto")
+        server = Server(config)
+        url, name = server.start_in_thread(), "bench"
+    else:
+        url, name = args.url, args.model_name
+        requests = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.vocab or 32000,
+                            args.seed)
+    try:
+        asyncio.run(run(url, name, requests[:2], 1))  # warm-up
+        for c in args.concurrency:
+            rep = asyncio.run(run(url, name, requests, c))
+            report[f"concurrency_{c}"] = rep
+            print_report(f"online, concurrency {c}", rep)
+            if "offline_output_tok_s" in report:
+                print(f"  online / offline output throughput: {rep['output_token_throughput'] / report['offline_output_tok_s']:.3f}")
+    finally:
+        if server is not None:
+            server.stop()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
