@@ -22,7 +22,8 @@ class CacheManager:
         self.cache = create_prefix_cache(cache_type, page_size)
         self.caching = cache_type != "naive"
         self.reserved = 0  # pages promised to admitted requests, not allocated yet
-        self.prefill_tokens_saved = 0
+        self.prefill_tokens_saved = 0    # prompt tokens found in the prefix cache
+        self.prompt_tokens_admitted = 0
 
     @property
     def num_pages(self) -> int:
@@ -54,6 +55,7 @@ class CacheManager:
         req.reserved_pages = need
         self.reserved += need
         self.prefill_tokens_saved += req.cached_len
+        self.prompt_tokens_admitted += req.prompt_len
         return True
 
     def allocate(self, req: Req, upto_len: int) -> None:

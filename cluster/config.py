@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 from worker.config import EngineConfig
 
@@ -30,6 +31,8 @@ class ReplicaConfig:
     tp_size: int = 1
     collective_timeout_s: float = 60.0  # a collective stalled this long (a dead rank) fails the replica
     placement_strategy: str = "STRICT_PACK"  # PACK lets a replica span nodes
+    model_name: str | None = None       # the served name, for metric tags
+    log_level: str = "INFO"
 
 
 @dataclass
@@ -104,4 +107,5 @@ class ServeConfig:
             gpu_memory_utilization=self.gpu_memory_utilization, cuda_graph_max_bs=self.cuda_graph_max_bs)
         scheduler = SchedulerConfig(cache_type=self.cache_type, max_extend_tokens=self.max_extend_tokens,
                                     overlap=overlap_from_env(self.overlap))
-        return ReplicaConfig(engine, scheduler, self.tp_size, self.collective_timeout_s, self.placement_strategy)
+        return ReplicaConfig(engine, scheduler, self.tp_size, self.collective_timeout_s, self.placement_strategy,
+                             self.served_model_name or Path(self.model).name, self.log_level)

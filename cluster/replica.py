@@ -7,10 +7,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 from cluster.config import ReplicaConfig
 from cluster.executor import LocalExecutor, ReplicaBrokenError, TensorParallelExecutor
 from cluster.messages import TokenDelta
+from cluster.metrics import ReplicaMetrics
 from cluster.model_info import eos_token_ids, load_tokenizer
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler import Scheduler
@@ -22,6 +24,7 @@ log = logging.getLogger(__name__)
 
 class SchedulerActor:
     def __init__(self, config: ReplicaConfig, replica_id: int = 0) -> None:
+        logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config, self.replica_id = config, replica_id
         self.scheduler: Scheduler | None = None
         self.broken: str | None = None
@@ -50,9 +53,10 @@ class SchedulerActor:
             executor = LocalExecutor(engine)
         self.engine, self.executor = engine, executor
         eos = eos_token_ids(cfg.engine.model_path, engine.hf_config, load_tokenizer(cfg.engine.model_path))
+        self.metrics = ReplicaMetrics(self.replica_id, cfg.model_name or Path(cfg.engine.model_path).name)
         self.scheduler = Scheduler(cfg.scheduler, executor, num_pages=engine.num_pages, page_size=engine.page_size,
                                    max_running_reqs=cfg.engine.max_running_reqs, max_seq_len=engine.max_seq_len,
-                                   eos_ids=eos, on_output=self._publish)
+                                   eos_ids=eos, on_output=self._publish, on_finish=self.metrics.on_finish)
         self._thread = threading.Thread(target=self._loop, name=f"scheduler-{self.replica_id}", daemon=True)
         self._thread.start()
         return {"max_seq_len": engine.max_seq_len, "num_pages": engine.num_pages, "page_size": engine.page_size,
@@ -63,6 +67,7 @@ class SchedulerActor:
         while not self._stop.is_set():
             try:
                 sched.step(block=True)
+                self.metrics.on_step(sched.snapshot)
             except ReplicaBrokenError as e:
                 log.error("replica %d is broken: %s", self.replica_id, e)
                 self.broken = str(e)
@@ -75,6 +80,7 @@ class SchedulerActor:
             sched.fail_all(self.broken)
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
+        self.metrics.on_output(deltas)
         with self._ready:
             self._outbox.extend(deltas)
             self._ready.notify_all()
@@ -105,6 +111,7 @@ class SchedulerActor:
         return self.scheduler.call_between_steps(self._stats).result(timeout=30)
 
     def _stats(self) -> dict:
+        self.metrics.flush(self.scheduler.snapshot)  # so a scrape after this call sees every token so far
         return {"replica": self.replica_id, "broken": self.broken, **self.scheduler.snapshot()}
 
     def check_integrity(self) -> None:

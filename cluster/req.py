@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from cluster.sampling_params import SamplingParams
@@ -23,6 +24,10 @@ class Req:
     cache_handle: object = None
     reserved_pages: int = 0         # pages it may still allocate, set aside at admission
     prefix_hit_len: int = 0         # prompt tokens found in the prefix cache
+    arrival: float = field(default_factory=time.perf_counter)
+    scheduled: float | None = None  # first prefill launch
+    first_token: float | None = None
+    last_token: float | None = None
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.input_ids)

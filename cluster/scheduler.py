@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 import random
@@ -60,10 +61,12 @@ class AbortRequest:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, executor: Executor, *, num_pages: int, page_size: int,
                  max_running_reqs: int, max_seq_len: int, eos_ids: set[int],
-                 on_output: Callable[[list[TokenDelta]], None]) -> None:
+                 on_output: Callable[[list[TokenDelta]], None],
+                 on_finish: Callable[[Req, str], None] | None = None) -> None:
         self.config, self.executor = config, executor
         self.max_seq_len, self.eos_ids = max_seq_len, frozenset(eos_ids)
         self.on_output = on_output
+        self.on_finish = on_finish  # every request that ends (for metrics), with its finish reason
         self.cache = CacheManager(num_pages, page_size, config.cache_type)
         self.slots = SlotTable(max_running_reqs)
         self.prefill = PrefillManager(self.cache, self.slots, config.max_extend_tokens)
@@ -147,7 +150,7 @@ class Scheduler:
         seed = msg.params.seed if msg.params.seed is not None else random.getrandbits(62)
         return Req(msg.uid, msg.input_ids, msg.params, max_len, seed)
 
-    def _abort(self, uid: int) -> None:
+    def _abort(self, uid: int, reason: str = "abort") -> None:
         req = self.reqs.get(uid)
         if req is None:  # finished already, or not arrived yet
             self._early_aborts[uid] = None
@@ -162,6 +165,8 @@ class Scheduler:
             # its prefill or decode may be in flight: that result must be dropped, not handled
             self.finished_reqs.add(req)
         self.reqs.pop(uid)
+        if self.on_finish is not None:
+            self.on_finish(req, reason)
 
     def _free(self, req: Req) -> None:
         self.cache.release(req, min(req.cached_len, len(req.input_ids)))
@@ -186,6 +191,8 @@ class Scheduler:
             self.cache.allocate(req, end)
             if start == req.prefix_hit_len and start > 0:
                 self.rewrite_rows[req.table_idx] = req
+            if req.scheduled is None:
+                req.scheduled = time.perf_counter()
             ids.append(req.input_ids[start:end])
             locs.append(self.cache.locations(req, start, end))
             seq_lens.append(end)
@@ -242,6 +249,11 @@ class Scheduler:
             return None
         desc, reqs, emits = built
         self.stats["steps"] += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d %s batch=%d tokens=%d running=%d waiting=%d free_pages=%d cached_pages=%d",
+                      self.stats["steps"], "prefill" if desc.is_prefill else "decode", desc.batch_size,
+                      desc.num_tokens, len(self.running), len(self.prefill.waiting), self.cache.allocator.num_free,
+                      self.cache.cache.num_pages)
         try:
             output = self.executor.launch(desc)
         except ReplicaBrokenError as e:
@@ -283,6 +295,7 @@ class Scheduler:
         out.done.synchronize()  # this batch, and every one before it, is done on the device
         self.slots.release_deferred()
         tokens = out.next_tokens.tolist()
+        now = time.perf_counter()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         deltas: list[TokenDelta] = []
         newly_finished: set[Req] = set()
@@ -291,6 +304,8 @@ class Scheduler:
                 continue  # a stale result of a request that already ended, or a mid-prompt chunk
             token = tokens[i]
             req.input_ids.append(token)
+            req.first_token = req.first_token or now
+            req.last_token = now
             delta = TokenDelta(req.uid, token)
             if logprobs is not None and req.params.logprobs is not None:
                 delta.logprob = logprobs[i]
@@ -308,6 +323,8 @@ class Scheduler:
                 self.reqs.pop(req.uid, None)
                 self._free(req)
                 newly_finished.add(req)
+                if self.on_finish is not None:
+                    self.on_finish(req, delta.finish_reason)
             elif launched.desc.is_prefill and self.cache.cache_prefix(req, req.prompt_len):
                 self.rewrite_rows[req.table_idx] = req
         self.finished_reqs = newly_finished
@@ -317,7 +334,7 @@ class Scheduler:
     def _fail(self, reqs: list[Req], why: str) -> None:
         for req in reqs:
             if req.uid in self.reqs:
-                self._abort(req.uid)
+                self._abort(req.uid, "error")
         self.on_output([TokenDelta(r.uid, None, True, "error", error=why) for r in reqs])
 
     def fail_all(self, why: str) -> None:
@@ -334,7 +351,9 @@ class Scheduler:
         return {"running": len(self.running), "waiting": len(self.prefill.waiting), "live": len(self.reqs),
                 "slots_total": self.slots.num_slots, "slots_free": self.slots.available + self.slots.num_deferred,
                 "pages_total": cache.num_pages, "pages_free": cache.allocator.num_free,
-                "pages_cached": cache.cache.num_pages, "pages_reserved": cache.reserved, **self.stats}
+                "pages_cached": cache.cache.num_pages, "pages_reserved": cache.reserved,
+                "prefix_hit_tokens": cache.prefill_tokens_saved, "prompt_tokens_admitted": cache.prompt_tokens_admitted,
+                **self.stats}
 
     def check_integrity(self) -> None:
         """Raises IntegrityError unless every KV page is free, prefix-cached or held by a live request."""

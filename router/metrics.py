@@ -24,6 +24,8 @@ class RouterMetrics:
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("raylm:inter_token_latency_seconds", "Mean time between output tokens per request",
                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("raylm:time_per_output_token_seconds", "Decode time per output token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("raylm:e2e_request_latency_seconds", "End-to-end request latency", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
 
@@ -36,4 +38,6 @@ class RouterMetrics:
             self.ttft.labels(m).observe(timing.first_token - timing.arrival)
             self.e2e.labels(m).observe(timing.last_token - timing.arrival)
             if timing.tokens > 1:
-                self.itl.labels(m).observe((timing.last_token - timing.first_token) / (timing.tokens - 1))
+                per_token = (timing.last_token - timing.first_token) / (timing.tokens - 1)
+                self.itl.labels(m).observe(per_token)
+                self.tpot.labels(m).observe(per_token)

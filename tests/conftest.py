@@ -66,12 +66,21 @@ def model_paths(qwen3_path: Path, llama_path: Path, qwen2_path: Path) -> dict[st
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_metrics_port() -> int:
+    """Where the session's Ray exports metrics in Prometheus format."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(ray_metrics_port):
     """One local Ray for the whole session (starting it costs seconds)."""
     import ray
 
     from cluster.deploy import ensure_ray
-    ensure_ray()
+    ensure_ray(_metrics_export_port=ray_metrics_port)
     yield ray
     ray.shutdown()
 

@@ -1,0 +1,75 @@
+"""A replica's metrics through ray.util.metrics (shown by the Ray dashboard, exported to Prometheus
+by every node's metrics agent), tagged with replica and model. Only rank 0 (the scheduler) reports."""
+
+from __future__ import annotations
+
+import time
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+from cluster.messages import TokenDelta
+from cluster.req import Req
+
+_LATENCY = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+_TAGS = ("replica", "model")
+
+
+class ReplicaMetrics:
+    def __init__(self, replica_id: int, model: str, interval_s: float = 1.0) -> None:
+        self.tags = {"replica": str(replica_id), "model": model}
+        self.interval_s = interval_s
+        self._last = time.monotonic()
+        self._tokens_since = 0
+        self.running = Gauge("raylm_num_running_reqs", "Requests decoding", _TAGS)
+        self.queued = Gauge("raylm_num_queue_reqs", "Requests waiting for prefill", _TAGS)
+        self.token_usage = Gauge("raylm_token_usage", "KV-cache pages in use / all pages", _TAGS)
+        self.cache_hit_rate = Gauge("raylm_cache_hit_rate", "Prompt tokens found in the prefix cache / admitted",
+                                    _TAGS)
+        self.gen_throughput = Gauge("raylm_gen_throughput", "Generated tokens per second", _TAGS)
+        self.prompt_tokens = Counter("raylm_prompt_tokens", "Prompt tokens of admitted requests", _TAGS)
+        self.generation_tokens = Counter("raylm_generation_tokens", "Generated tokens", _TAGS)
+        self.requests = Counter("raylm_request_success", "Ended requests by finish reason", _TAGS + ("finish_reason",))
+        self.ttft = Histogram("raylm_time_to_first_token_seconds", "Time to first token", _LATENCY, _TAGS)
+        self.itl = Histogram("raylm_inter_token_latency_seconds", "Mean time between a request's tokens",
+                             _LATENCY, _TAGS)
+        self.tpot = Histogram("raylm_time_per_output_token_seconds", "Decode time per output token", _LATENCY, _TAGS)
+        self.e2e = Histogram("raylm_e2e_request_latency_seconds", "Arrival to last token", _LATENCY, _TAGS)
+        self.queue_time = Histogram("raylm_queue_time_seconds", "Arrival to first prefill", _LATENCY, _TAGS)
+
+    def on_output(self, deltas: list[TokenDelta]) -> None:
+        self._tokens_since += sum(1 for d in deltas if d.token is not None)
+
+    def on_finish(self, req: Req, reason: str) -> None:
+        tags = self.tags
+        self.requests.inc(1, {**tags, "finish_reason": reason})
+        self.prompt_tokens.inc(req.prompt_len, tags)
+        if req.scheduled is not None:
+            self.queue_time.observe(req.scheduled - req.arrival, tags)
+        if req.first_token is not None:
+            self.ttft.observe(req.first_token - req.arrival, tags)
+            self.e2e.observe(req.last_token - req.arrival, tags)
+            n = len(req.output_ids)
+            if n > 1:
+                per_token = (req.last_token - req.first_token) / (n - 1)
+                self.itl.observe(per_token, tags)
+                self.tpot.observe(per_token, tags)
+
+    def on_step(self, snapshot_fn) -> None:
+        """Gauges and token counters, at most once per interval (the scheduler's state is read then)."""
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return
+        s = snapshot_fn()
+        tags = self.tags
+        self.running.set(s["running"], tags)
+        self.queued.set(s["waiting"], tags)
+        self.token_usage.set((s["pages_total"] - s["pages_free"] - s["pages_cached"]) / s["pages_total"], tags)
+        self.cache_hit_rate.set(s["prefix_hit_tokens"] / max(1, s["prompt_tokens_admitted"]), tags)
+        self.gen_throughput.set(self._tokens_since / (now - self._last), tags)
+        self.generation_tokens.inc(self._tokens_since, tags)
+        self._tokens_since = 0
+        self._last = now
+
+    def flush(self, snapshot_fn) -> None:
+        self._last = 0.0
+        self.on_step(snapshot_fn)
