@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -54,7 +55,7 @@ class ReplicaHandle:
         gpu = uses_gpus(config)
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         self.pg = placement_group([dict(bundle) for _ in range(config.tp_size)], strategy=config.placement_strategy,
-                                  name=f"raylm-replica-{replica_id}")
+                                  name=f"raylm-replica-{replica_id}-{uuid.uuid4().hex[:8]}")
         self.actor = None
         self.followers: list = []
         try:

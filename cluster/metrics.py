@@ -42,7 +42,8 @@ class ReplicaMetrics:
     def on_finish(self, req: Req, reason: str) -> None:
         tags = self.tags
         self.requests.inc(1, {**tags, "finish_reason": reason})
-        self.prompt_tokens.inc(req.prompt_len, tags)
+        if req.prompt_len:
+            self.prompt_tokens.inc(req.prompt_len, tags)
         if req.scheduled is not None:
             self.queue_time.observe(req.scheduled - req.arrival, tags)
         if req.first_token is not None:
@@ -66,7 +67,8 @@ class ReplicaMetrics:
         self.token_usage.set((s["pages_total"] - s["pages_free"] - s["pages_cached"]) / s["pages_total"], tags)
         self.cache_hit_rate.set(s["prefix_hit_tokens"] / max(1, s["prompt_tokens_admitted"]), tags)
         self.gen_throughput.set(self._tokens_since / (now - self._last), tags)
-        self.generation_tokens.inc(self._tokens_since, tags)
+        if self._tokens_since:
+            self.generation_tokens.inc(self._tokens_since, tags)
         self._tokens_since = 0
         self._last = now
 

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import APIError, api_error_handler, error_response, http_error_handler, validation_error_handler
 from router.generation import EngineError, Timing, generate
+from router.limits import BodySizeLimit
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import Formatter, sse
 from router.routing import NoReplicaError
@@ -40,6 +41,7 @@ def build_app(state: RouterState) -> FastAPI:
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_middleware(BodySizeLimit, max_bytes=state.config.max_body_bytes)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):

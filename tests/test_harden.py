@@ -1,0 +1,163 @@
+"""Hostile and malformed input, access control, faults inside the engine: each gets a clear error and
+the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+
+from cluster.config import ServeConfig
+from router.server import Server
+
+KEY = "sk-test-123"
+
+
+@pytest.fixture(scope="module")
+def guarded(ray_cluster, qwen3_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = Server(ServeConfig(model=str(qwen3_path), served_model_name="tiny", port=port, page_size=4,
+                             num_pages=1024, max_running_reqs=16, api_key=KEY, max_body_bytes=64_000,
+                             max_stop_strings=4, max_tokens_limit=256, request_timeout_s=60))
+    srv.start_in_thread()
+    yield srv
+    srv.stop()
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+MSG = [{"role": "user", "content": "Hello"}]
+
+BAD = [  # (name, path, body (dict, or bytes sent raw), expected status)
+    ("invalid json", C, b'{"model": "tiny", "prompt": ', 400),
+    ("json array", C, b"[1, 2, 3]", 400),
+    ("invalid utf-8", C, b'{"model": "tiny", "prompt": "\xff\xfe"}', 400),
+    ("missing prompt", C, {"model": "tiny"}, 400),
+    ("missing model", C, {"prompt": "hi"}, 400),
+    ("prompt wrong type", C, {"model": "tiny", "prompt": 12}, 400),
+    ("prompt dict", C, {"model": "tiny", "prompt": {"a": 1}}, 400),
+    ("max_tokens negative", C, {**OK, "max_tokens": -1}, 400),
+    ("max_tokens zero", C, {**OK, "max_tokens": 0}, 400),
+    ("max_tokens huge", C, {**OK, "max_tokens": 10**12}, 400),
+    ("max_tokens over the limit", C, {**OK, "max_tokens": 300}, 400),
+    ("max_tokens string", C, {**OK, "max_tokens": "many"}, 400),
+    ("temperature negative", C, {**OK, "temperature": -0.5}, 400),
+    ("temperature string", C, {**OK, "temperature": "hot"}, 400),
+    ("top_p zero", C, {**OK, "top_p": 0}, 400),
+    ("top_p above one", C, {**OK, "top_p": 1.5}, 400),
+    ("top_k below -1", C, {**OK, "top_k": -2}, 400),
+    ("seed negative", C, {**OK, "seed": -3}, 400),
+    ("prompt over the context", C, {**OK, "prompt": "hello " * 2000}, 400),
+    ("empty prompt", C, {**OK, "prompt": ""}, 400),
+    ("empty token list", C, {**OK, "prompt": []}, 400),
+    ("token id out of vocabulary", C, {**OK, "prompt": [1, 2, 10**6]}, 400),
+    ("negative token id", C, {**OK, "prompt": [1, -5]}, 400),
+    ("several prompts", C, {**OK, "prompt": ["a", "b"]}, 400),
+    ("unknown model", C, {**OK, "model": "gpt-5"}, 404),
+    ("n of two", C, {**OK, "n": 2}, 400),
+    ("huge n", C, {**OK, "n": 10**9}, 400),
+    ("oversized body", C, {**OK, "prompt": "x" * 100_000}, 413),
+    ("too many stop strings", C, {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400),
+    ("empty stop string", C, {**OK, "stop": [""]}, 400),
+    ("stop wrong type", C, {**OK, "stop": 5}, 400),
+    ("stop token id out of vocabulary", C, {**OK, "stop_token_ids": [10**7]}, 400),
+    ("logprobs too many", C, {**OK, "logprobs": 50}, 400),
+    ("chat without messages", CHAT, {"model": "tiny"}, 400),
+    ("chat empty messages", CHAT, {"model": "tiny", "messages": []}, 400),
+    ("chat bad role", CHAT, {"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, 400),
+    ("chat message not an object", CHAT, {"model": "tiny", "messages": ["hi"]}, 400),
+    ("chat image content", CHAT, {"model": "tiny", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    ("chat top_logprobs too many", CHAT, {"model": "tiny", "messages": MSG, "logprobs": True, "top_logprobs": 99}, 400),
+    ("chat max_completion_tokens zero", CHAT, {"model": "tiny", "messages": MSG, "max_completion_tokens": 0}, 400),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_a_4xx_with_an_openai_error_body(guarded, name, path, body, status):
+    with httpx.Client(base_url=guarded.url, headers=AUTH, timeout=30) as http:
+        if isinstance(body, bytes):
+            r = http.post(path, content=body, headers={"content-type": "application/json"})
+        else:
+            r = http.post(path, json=body)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert isinstance(err["message"], str) and err["message"] and err["type"]
+        good = http.post(C, json={**OK, "ignore_eos": True})
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+
+
+def test_chunked_body_over_the_limit_is_refused(guarded):
+    def chunks():
+        for _ in range(100):
+            yield b" " * 1000
+    r = httpx.post(guarded.url + C, content=chunks(), headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_api_key_is_required_on_every_v1_route(guarded):
+    for method, path in (("GET", "/v1/models"), ("POST", C), ("POST", CHAT)):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = httpx.request(method, guarded.url + path, headers=headers, json=OK)
+            assert r.status_code == 401, (path, headers)
+            assert r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(guarded.url + "/v1/models", headers=AUTH).status_code == 200
+    assert httpx.get(guarded.url + "/health").status_code == 200  # probes need no key
+
+
+def test_binds_loopback_by_default():
+    assert ServeConfig().host == "127.0.0.1"
+
+
+def test_an_exception_inside_one_step_fails_that_batch_not_the_engine(qwen3_path):
+    from cluster import LLM
+    from helpers import greedy
+    with LLM(str(qwen3_path)) as llm:
+        sched = llm.scheduler
+        launch = sched.executor.launch
+        calls = {"n": 0}
+
+        def faulty(desc):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected kernel failure")
+            return launch(desc)
+
+        sched.executor.launch = faulty
+        ended = []
+        sched.on_output = ended.extend
+        sched.submit(0, [5, 6, 7], greedy(4))
+        while sched.has_work:
+            sched.step()
+        assert [d.error for d in ended if d.error] and "injected kernel failure" in ended[0].error
+        sched.on_output = llm._collect
+        out = llm.generate([[5, 6, 7]], greedy(4, ignore_eos=True))[0]
+        assert len(out.token_ids) == 4
+        llm.check_integrity()
+
+
+def test_request_timeout_ends_a_slow_request_with_408(ray_cluster, qwen3_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = Server(ServeConfig(model=str(qwen3_path), served_model_name="tiny", port=port, page_size=4,
+                             num_pages=1024, max_running_reqs=4, request_timeout_s=0.3))
+    srv.start_in_thread()
+    try:
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 450, "ignore_eos": True}
+        r = httpx.post(srv.url + C, json=body, timeout=60)
+        assert r.status_code == 408 and r.json()["error"]["type"] == "timeout_error"
+        with httpx.stream("POST", srv.url + C, json={**body, "stream": True}, timeout=60) as resp:
+            events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == 408
+        import ray
+        from test_serve import wait_until_idle
+        assert [s["live"] for s in wait_until_idle(srv)] == [0]
+        ray.get(srv.replicas[0].actor.check_integrity.remote())
+    finally:
+        srv.stop()
