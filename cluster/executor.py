@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 from worker.batch import BatchDesc, StepOutput
-from worker.comm import destroy_tensor_parallel
+from worker.comm import KEEPALIVE, destroy_tensor_parallel
 from worker.engine import Engine
 
 
@@ -20,6 +22,9 @@ class LocalExecutor:
     def launch(self, desc: BatchDesc) -> StepOutput:
         return self.engine.forward(desc)
 
+    def keepalive(self) -> None:
+        pass
+
     def shutdown(self) -> None:
         pass
 
@@ -27,16 +32,31 @@ class LocalExecutor:
 class TensorParallelExecutor:
     """Rank 0 of a group: broadcasts each step before launching it itself, so followers start at once."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, keepalive_s: float) -> None:
         self.engine = engine
         self.comm = engine.tp.comm
+        self.keepalive_s = keepalive_s
+        self._last_broadcast = time.monotonic()
 
     def launch(self, desc: BatchDesc) -> StepOutput:
         try:
-            self.comm.broadcast_desc(desc)
+            self._broadcast(desc)
             return self.engine.forward(desc)
         except RuntimeError as e:  # gloo/NCCL errors: a peer is gone or stalled
             raise ReplicaBrokenError(f"tensor-parallel group failed: {e}") from e
+
+    def keepalive(self) -> None:
+        """While idle, tells the followers (waiting for the next step) that rank 0 lives, well before
+        their wait would time out as a stalled collective."""
+        if time.monotonic() - self._last_broadcast > self.keepalive_s:
+            try:
+                self._broadcast(KEEPALIVE)
+            except RuntimeError as e:
+                raise ReplicaBrokenError(f"tensor-parallel group failed: {e}") from e
+
+    def _broadcast(self, message) -> None:
+        self.comm.broadcast_desc(message)
+        self._last_broadcast = time.monotonic()
 
     def shutdown(self) -> None:
         try:

@@ -47,7 +47,7 @@ class SchedulerActor:
             device = resolve_device(cfg.engine.device)
             tp = init_tensor_parallel(0, cfg.tp_size, self.address, device, cfg.collective_timeout_s)
             engine = Engine(cfg.engine, tp)
-            executor = TensorParallelExecutor(engine)
+            executor = TensorParallelExecutor(engine, keepalive_s=cfg.collective_timeout_s / 4)
         else:
             engine = Engine(cfg.engine)
             executor = LocalExecutor(engine)
@@ -68,6 +68,7 @@ class SchedulerActor:
             try:
                 sched.step(block=True)
                 self.metrics.on_step(sched.snapshot)
+                self.executor.keepalive()
             except ReplicaBrokenError as e:
                 log.error("replica %d is broken: %s", self.replica_id, e)
                 self.broken = str(e)

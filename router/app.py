@@ -26,13 +26,18 @@ from router.state import RouterState
 log = logging.getLogger("raylm.requests")
 
 
-def build_app(state: RouterState) -> FastAPI:
+def build_app(state: RouterState, background: list | None = None) -> FastAPI:
+    """`background`: coroutine functions run for the app's lifetime (the replica supervisor)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         for client in state.clients:
             client.start()
+        tasks = [asyncio.get_running_loop().create_task(fn()) for fn in background or []]
         yield
         state.draining = True
+        for task in tasks:
+            task.cancel()
         for client in state.clients:
             await client.stop()
 

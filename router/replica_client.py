@@ -79,6 +79,14 @@ class ReplicaClient:
                     queue.put_nowait(d)
                     if d.finished:
                         del self.queues[d.uid]
+            if any(d.error is not None for d in deltas) and not await self.answers_ping():
+                self.mark_failed(f"replica {self.replica_id} lost a rank")
+
+    async def answers_ping(self) -> bool:
+        try:
+            return await asyncio.wait_for(self.actor.ping.remote(), 5.0)
+        except Exception:  # noqa: BLE001 - dead or stuck
+            return False
 
     def mark_failed(self, why: str) -> None:
         self.error = why

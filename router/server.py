@@ -18,6 +18,7 @@ from router.metrics import RouterMetrics
 from router.replica_client import ReplicaClient
 from router.routing import create_policy
 from router.state import RouterState, generation_defaults
+from router.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ class Server:
             vocab_size=info["vocab_size"], policy=create_policy(config.routing), metrics=RouterMetrics(name),
             defaults=generation_defaults(config.model),
             clients=[ReplicaClient(r.replica_id, r.actor, r.info) for r in self.replicas])
-        self.app = build_app(self.state)
+        self.supervisor = Supervisor(self)
+        self.app = build_app(self.state, background=[self.supervisor.run])
         self._uvicorn: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 

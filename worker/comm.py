@@ -13,6 +13,9 @@ from worker.batch import BatchDesc
 from worker.parallel import TPGroup
 
 
+KEEPALIVE = "keepalive"  # sent by an idle rank 0 in place of a step
+
+
 def free_address(host: str) -> str:
     """host:port with a port free right now, for the group's rendezvous."""
     with socket.socket() as s:

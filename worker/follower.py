@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from worker.comm import destroy_tensor_parallel, init_tensor_parallel
+from worker.comm import KEEPALIVE, destroy_tensor_parallel, init_tensor_parallel
 from worker.config import EngineConfig
 from worker.engine import Engine, resolve_device
 
@@ -37,7 +37,8 @@ class Follower:
         try:
             with torch.inference_mode():
                 while (desc := comm.broadcast_desc(None)) is not None:
-                    self.engine.forward(desc)
+                    if not isinstance(desc, str):  # KEEPALIVE
+                        self.engine.forward(desc)
         except Exception as e:  # noqa: BLE001 - rank 0 died or the group timed out: this rank is done
             log.warning("follower rank %d stops: %s", self.rank, e)
             return f"stopped: {e}"

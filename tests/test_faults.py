@@ -1,0 +1,86 @@
+"""Faults while serving: a replica's scheduler actor or one of its followers dies mid-stream. Its
+requests end with a clear error within 5 s, /health says so, the other replica keeps serving, and the
+replica is replaced and takes traffic again."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+import ray
+
+from cluster.config import ServeConfig
+from router.server import Server
+
+
+@pytest.fixture(scope="module")
+def tp2_pair(ray_cluster, qwen3_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = Server(ServeConfig(model=str(qwen3_path), served_model_name="tiny", port=port, replicas=2, tp_size=2,
+                             page_size=4, num_pages=1024, max_running_reqs=8, routing="round_robin",
+                             collective_timeout_s=10))
+    srv.start_in_thread()
+    yield srv
+    srv.stop()
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def stream_until_killed(srv, kill) -> tuple[list[dict], float]:
+    """Starts a long stream, kills part of the replica serving it once tokens flow; returns the
+    stream's events and the seconds from the kill to the stream's end."""
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 450, "ignore_eos": True, "stream": True}
+    events, killed_at = [], None
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            events.append(json.loads(line[6:]))
+            if killed_at is None and len(events) >= 3:
+                serving = [i for i, c in enumerate(srv.state.clients) if c.load > 0]
+                assert len(serving) == 1
+                kill(srv.replicas[serving[0]])
+                killed_at = time.monotonic()
+    return events, time.monotonic() - killed_at
+
+
+def check_recovers(srv, restarts_before: int) -> None:
+    wait_for(lambda: httpx.get(srv.url + "/health").status_code == 503, 5, "/health to report the replica down")
+    # the other replica keeps serving meanwhile
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200
+    wait_for(lambda: httpx.get(srv.url + "/health").status_code == 200, 180, "the replica to be replaced")
+    assert srv.supervisor.restarts == restarts_before + 1
+    before = [ray.get(rep.actor.stats.remote())["decode_tokens"] for rep in srv.replicas]
+    for _ in range(4):  # round-robin: both replicas get some
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3,
+                                                          "ignore_eos": True}, timeout=30)
+        assert r.status_code == 200
+    after = [ray.get(rep.actor.stats.remote())["decode_tokens"] for rep in srv.replicas]
+    assert all(a > b for a, b in zip(after, before))
+
+
+def test_killed_scheduler_actor_fails_its_stream_and_is_replaced(tp2_pair):
+    restarts = tp2_pair.supervisor.restarts
+    events, seconds = stream_until_killed(tp2_pair, lambda rep: ray.kill(rep.actor, no_restart=True))
+    assert "error" in events[-1] and "replica" in events[-1]["error"]["message"]
+    assert seconds < 5
+    check_recovers(tp2_pair, restarts)
+
+
+def test_killed_follower_fails_its_stream_and_is_replaced(tp2_pair):
+    restarts = tp2_pair.supervisor.restarts
+    events, seconds = stream_until_killed(tp2_pair, lambda rep: ray.kill(rep.followers[0], no_restart=True))
+    assert "error" in events[-1] and "tensor-parallel group failed" in events[-1]["error"]["message"]
+    assert seconds < 5
+    check_recovers(tp2_pair, restarts)
