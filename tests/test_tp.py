@@ -80,3 +80,19 @@ def test_shutdown_leaves_no_actor_or_placement_group(ray_cluster, qwen3_path):
     while live_ray_objects() != ([], []) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert live_ray_objects() == ([], [])
+
+
+def test_stalled_follower_times_out_instead_of_hanging(ray_cluster, qwen3_path):
+    import os
+    import signal
+    llm = LLM(str(qwen3_path), tp_size=2, collective_timeout_s=4)
+    _, pid = ray_cluster.get(llm.replica.followers[0].node_and_pid.remote())
+    try:
+        os.kill(pid, signal.SIGSTOP)  # alive but answering nothing: a hung rank
+        start = time.monotonic()
+        with pytest.raises(GenerationError, match="tensor-parallel group failed"):
+            llm.generate(PROMPT_TEXTS[:2], greedy(8))
+        assert time.monotonic() - start < 20
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        llm.shutdown()
