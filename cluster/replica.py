@@ -113,7 +113,9 @@ class SchedulerActor:
 
     def _stats(self) -> dict:
         self.metrics.flush(self.scheduler.snapshot)  # so a scrape after this call sees every token so far
-        return {"replica": self.replica_id, "broken": self.broken, **self.scheduler.snapshot()}
+        import psutil
+        return {"replica": self.replica_id, "broken": self.broken, "rss_bytes": psutil.Process().memory_info().rss,
+                **self.scheduler.snapshot()}
 
     def check_integrity(self) -> None:
         self.scheduler.call_between_steps(self.scheduler.check_integrity).result(timeout=30)

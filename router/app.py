@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import uuid
 
@@ -15,9 +14,9 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.detokenizer import IncrementalDetokenizer
-from router.errors import APIError, api_error_handler, error_response, http_error_handler, validation_error_handler
+from router.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from router.generation import EngineError, Timing, generate
-from router.limits import BodySizeLimit
+from router.guard import RequestGuard
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import Formatter, sse
 from router.routing import NoReplicaError
@@ -46,23 +45,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
-    app.add_middleware(BodySizeLimit, max_bytes=state.config.max_body_bytes)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        cfg = state.config
-        if request.url.path.startswith("/v1"):
-            if cfg.api_key is not None:
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {cfg.api_key}".encode()):
-                    return error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                                          "authentication_error", code="invalid_api_key")
-            size = request.headers.get("content-length")
-            if size is not None and (not size.isdigit() or int(size) > cfg.max_body_bytes):
-                return error_response(413, f"the request body is over {cfg.max_body_bytes} bytes")
-            if state.draining and request.method == "POST":
-                return error_response(503, "the server is shutting down", "service_unavailable")
-        return await call_next(request)
+    app.add_middleware(RequestGuard, state=state)
 
     @app.get("/health")
     async def health():

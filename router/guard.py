@@ -1,0 +1,59 @@
+"""What every request passes before the API sees it, as plain ASGI (no per-request task, safe with
+streaming and disconnects): the API key on /v1 routes (constant-time compare), the body-size limit on
+the bytes actually received (a body without or lying in its Content-Length included), and refusal of
+new work while draining."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+
+class RequestGuard:
+    def __init__(self, app, state) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        cfg = self.state.config
+        if scope["path"].startswith("/v1"):
+            if cfg.api_key is not None:
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not hmac.compare_digest(given, f"Bearer {cfg.api_key}".encode()):
+                    return await _error(send, 401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                                        "authentication_error", "invalid_api_key")
+            if self.state.draining and scope["method"] == "POST":
+                return await _error(send, 503, "the server is shutting down", "service_unavailable")
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:  # bodies are small: read it whole, refusing it as soon as it is too big
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending it all
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > cfg.max_body_bytes:
+                return await _error(send, 413, f"the request body is over {cfg.max_body_bytes} bytes")
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # later calls wait for the disconnect
+
+        await self.app(scope, replay, send)
+
+
+async def _error(send, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None):
+    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
