@@ -23,11 +23,11 @@ def ensure_ray(address: str | None = None, **init_options) -> str | None:
     Returns the dashboard's address when there is one."""
     if ray.is_initialized():
         return None
-    if address is None and not _has_gpu_locally():
-        # without GPUs, ranks are CPU processes; let a small machine hold several of them
-        init_options.setdefault("num_cpus", max(os.cpu_count() or 1, 8))
-    init_options.setdefault("include_dashboard", False)
-    init_options.setdefault("log_to_driver", True)
+    if address is None:
+        if not _has_gpu_locally():
+            # without GPUs, ranks are CPU processes; let a small machine hold several of them
+            init_options.setdefault("num_cpus", max(os.cpu_count() or 1, 8))
+        init_options.setdefault("include_dashboard", False)
     # "local" starts a new Ray even when another one runs on this machine
     context = ray.init(address=address or "local", **init_options)
     return getattr(context, "dashboard_url", None) or None
