@@ -27,7 +27,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq, scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
         else:
             raise ValueError(f"unsupported rope type {params['rope_type']!r}")
-        freqs = torch.arange(max_positions, dtype=torch.float).unsqueeze(1) * inv_freq.float().unsqueeze(0)
+        positions = torch.arange(max_positions, dtype=torch.float)
+        # transformers' initializers give CPU tensors; positions are on the device the model is built on
+        freqs = positions.unsqueeze(1) * inv_freq.float().to(positions.device).unsqueeze(0)
         # cos and sin per position, precomputed once: a step only gathers rows
         self.register_buffer("cos_sin", torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1), persistent=False)
 

@@ -1,0 +1,154 @@
+"""What the GPU benchmarks share: real architectures with random weights, the LLM behind the ablation
+flags, GPU time per decode step and the idle gaps between steps, a kernel profile, and the output
+(a short table on stdout, a JSON file)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python bench/x.py` from anywhere
+
+from cluster import LLM  # noqa: E402
+from worker.batch import BatchDesc  # noqa: E402
+
+_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+          "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
+          "hidden_act": "silu", "initializer_range": 0.02, "max_position_embeddings": 40960,
+          "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+          "use_sliding_window": False, "use_cache": True, "vocab_size": 151936, "torch_dtype": "bfloat16"}
+
+# the config.json values of the released checkpoints
+ARCHS = {
+    "qwen3-0.6b": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "max_window_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+                   "tie_word_embeddings": True},
+    "qwen3-8b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "max_window_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "tie_word_embeddings": False},
+    # for a smoke run of the scripts on a CPU
+    "tiny": {**_QWEN3, "bos_token_id": 0, "eos_token_id": 1, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "max_window_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "tie_word_embeddings": True, "vocab_size": 1000, "max_position_embeddings": 4096},
+}
+
+
+def model_folder(arch: str) -> str:
+    """A temporary folder holding only the architecture's config.json (weights are random)."""
+    folder = Path(tempfile.mkdtemp(prefix=f"raylm-{arch}-"))
+    (folder / "config.json").write_text(json.dumps(ARCHS[arch], indent=2))
+    return str(folder)
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", help="write the results here as JSON")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="qwen3-0.6b")
+    parser.add_argument("--no-overlap", action="store_true", help="the normal loop instead of the overlap loop")
+    parser.add_argument("--no-cuda-graph", action="store_true", help="eager decode")
+    parser.add_argument("--cache", choices=["radix", "naive"], default="radix")
+    parser.add_argument("--page-size", type=int, default=256)
+    parser.add_argument("--max-running-reqs", type=int, default=256)
+
+
+def make_llm(args: argparse.Namespace) -> LLM:
+    return LLM(model_folder(args.arch), dtype="bfloat16", load_format="dummy", page_size=args.page_size,
+               cache_type=args.cache, max_extend_tokens=16384, max_running_reqs=args.max_running_reqs,
+               overlap=not args.no_overlap, cuda_graph_max_bs=0 if args.no_cuda_graph else 256)
+
+
+def config_of(args: argparse.Namespace) -> dict:
+    return {"arch": args.arch, "overlap": not args.no_overlap, "cuda_graph": not args.no_cuda_graph,
+            "cache": args.cache, "page_size": args.page_size,
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+            "torch": torch.__version__}
+
+
+class StepTimer:
+    """CUDA events at the start (once the step's metadata has arrived) and end of every step on the
+    compute stream; attach with `engine.step_timer = StepTimer()`."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[bool, torch.cuda.Event, torch.cuda.Event | None]] = []
+
+    def begin(self, stream: torch.cuda.Stream, desc: BatchDesc) -> None:
+        if not torch.cuda.is_available():
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        self.steps.append((desc.is_prefill, start, None))
+
+    def end(self, stream: torch.cuda.Stream) -> None:
+        if not self.steps:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        is_prefill, start, _ = self.steps[-1]
+        self.steps[-1] = (is_prefill, start, end)
+
+    def decode_summary(self) -> dict:
+        """GPU time of decode steps, and the compute stream's idle gap between consecutive decode
+        steps as a share of their time (the median and the total over the run)."""
+        if not self.steps:
+            return {}
+        torch.cuda.synchronize()
+        busy, idle, ratios = [], [], []
+        for (p0, s0, e0), (p1, s1, _) in zip(self.steps, self.steps[1:]):
+            if p0 or p1:
+                continue
+            step_ms, gap_ms = s0.elapsed_time(e0), e0.elapsed_time(s1)
+            busy.append(step_ms)
+            idle.append(gap_ms)
+            ratios.append(gap_ms / step_ms)
+        if not busy:
+            return {}
+        return {"decode_steps": len(busy), "decode_step_ms_median": statistics.median(busy),
+                "idle_gap_ms_median": statistics.median(idle),
+                "idle_pct_of_step_median": 100 * statistics.median(ratios),
+                "idle_pct_of_step_total": 100 * sum(idle) / sum(busy)}
+
+
+class ProfileWindow:
+    """Profiles the kernels of decode steps first..first+count-1 (as an engine step hook, like StepTimer)."""
+
+    def __init__(self, first: int = 200, count: int = 50) -> None:
+        from torch.profiler import ProfilerActivity, profile
+        self.first, self.last = first, first + count
+        self.seen = 0
+        self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+    def begin(self, stream: torch.cuda.Stream, desc: BatchDesc) -> None:
+        if desc.is_prefill:
+            return
+        self.seen += 1
+        if self.seen == self.first:
+            self.prof.start()
+
+    def end(self, stream: torch.cuda.Stream) -> None:
+        if self.seen == self.last:
+            torch.cuda.synchronize()
+            self.prof.stop()
+            self.seen += 1  # stop once
+
+    def top_kernels(self, top: int = 25) -> list[dict]:
+        """The kernels that took the most GPU time in the window, with their share of it."""
+        # kernels only: a CPU op's row repeats the device time of the kernels it launched
+        events = [e for e in self.prof.key_averages()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+        total = sum(e.self_device_time_total for e in events) or 1
+        return [{"kernel": e.key[:100], "calls": e.count, "ms": e.self_device_time_total / 1e3,
+                 "pct": 100 * e.self_device_time_total / total}
+                for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]]
+
+
+def report(result: dict, out: str | None, table: list[tuple[str, object]]) -> None:
+    width = max(len(k) for k, _ in table)
+    for key, value in table:
+        print(f"{key:<{width}}  {value:.4g}" if isinstance(value, float) else f"{key:<{width}}  {value}")
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2))

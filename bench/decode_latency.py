@@ -1,0 +1,87 @@
+"""Decode latency: one request (a 32-token prompt, 512 output tokens, temperature 0.6, ignore_eos) on
+Qwen3-0.6B's architecture with random weights; milliseconds per output token, prefill excluded (the
+time from the first token to the last, over 511). With --batch N, N such requests decode together
+and the decode throughput (tokens per second) is reported too.
+
+    python bench/decode_latency.py [--out r.json] [--batch N] [--arch qwen3-8b] [--no-overlap]
+                                   [--no-cuda-graph] [--cache naive]"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from common import StepTimer, add_common_args, config_of, make_llm, report
+
+from cluster import LLM, SamplingParams
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[float]]:
+    """The host time at which each token of each request arrived."""
+    arrivals: dict[int, list[float]] = {}
+    uids: list[int] = []
+    scheduler = llm.scheduler
+    submit, collect = scheduler.submit, scheduler.on_output
+
+    def on_submit(uid, input_ids, p):
+        uids.append(uid)
+        submit(uid, input_ids, p)
+
+    def on_output(deltas):
+        now = time.perf_counter()
+        for d in deltas:
+            if d.token is not None:
+                arrivals.setdefault(d.uid, []).append(now)
+        collect(deltas)
+
+    scheduler.submit, scheduler.on_output = on_submit, on_output
+    try:
+        llm.generate(prompts, params)
+    finally:
+        scheduler.submit, scheduler.on_output = submit, collect
+    return [arrivals[uid] for uid in uids]
+
+
+def measure(llm: LLM, batch: int, prompt_len: int, output_len: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, llm.engine.hf_config.vocab_size, size=prompt_len).tolist() for _ in range(batch)]
+    params = SamplingParams(temperature=0.6, max_tokens=output_len, ignore_eos=True, seed=seed)
+    times = timed_generate(llm, prompts, params)
+    per_token_ms = [1e3 * (t[-1] - t[0]) / (len(t) - 1) for t in times]
+    start, end = max(t[0] for t in times), max(t[-1] for t in times)  # every request decoding
+    decoded = sum(sum(1 for x in t if x > start) for t in times)
+    return {"ms_per_token": statistics.median(per_token_ms), "decode_tok_per_s": decoded / (end - start)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    llm = make_llm(args)
+    measure(llm, args.batch, args.prompt_len, 64, seed=100)  # warm-up
+    runs = []
+    for i in range(args.repeats):
+        llm.engine.step_timer = timer = StepTimer()
+        runs.append({**measure(llm, args.batch, args.prompt_len, args.output_len, seed=i), **timer.decode_summary()})
+        llm.engine.step_timer = None
+    median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    result = {"benchmark": "decode_latency", **config_of(args), "batch": args.batch, "prompt_len": args.prompt_len,
+              "output_len": args.output_len, **median, "runs": runs}
+    report(result, args.out, [
+        ("arch", args.arch), ("batch", args.batch), ("overlap", not args.no_overlap),
+        ("cuda graphs", not args.no_cuda_graph), ("ms per output token (median)", median["ms_per_token"]),
+        ("decode tok/s", median["decode_tok_per_s"]),
+        ("GPU decode step ms (median)", median.get("decode_step_ms_median", float("nan"))),
+        ("idle between decode steps % (median)", median.get("idle_pct_of_step_median", float("nan")))])
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Offline throughput: 256 requests with random token-id prompts of 100..1024 tokens and 100..1024
+output tokens each (ignore_eos, temperature 0.6, seed 0), Qwen3-0.6B's architecture with random
+weights, bf16, page size 256, prefill chunks of 16384 tokens, CUDA graphs up to batch 256.
+
+    python bench/offline_throughput.py [--out r.json] [--no-overlap] [--no-cuda-graph] [--cache naive]
+                                       [--profile]
+Reports output tokens per second, and the GPU's idle time between consecutive decode steps."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from common import ProfileWindow, StepTimer, add_common_args, config_of, make_llm, report
+
+from cluster import SamplingParams
+
+
+def workload(n: int, seed: int, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(100, 1024, size=n, endpoint=True)
+    output_lens = rng.integers(100, 1024, size=n, endpoint=True)
+    prompts = [rng.integers(0, vocab, size=int(k)).tolist() for k in prompt_lens]
+    params = [SamplingParams(temperature=0.6, max_tokens=int(k), ignore_eos=True, seed=seed + i)
+              for i, k in enumerate(output_lens)]
+    return prompts, params
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true", help="also profile kernels over a window of decode steps")
+    args = parser.parse_args()
+    llm = make_llm(args)
+    vocab = llm.engine.hf_config.vocab_size
+    prompts, params = workload(args.num_requests, args.seed, vocab)
+    # warm-up: kernel JIT, cuBLAS heuristics, the caching allocator's pools
+    warm_prompts, _ = workload(32, args.seed + 1, vocab)
+    llm.generate(warm_prompts, SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True, seed=0))
+
+    llm.engine.step_timer = timer = StepTimer()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    llm.engine.step_timer = None
+    output_tokens = sum(len(o.token_ids) for o in outs)
+    input_tokens = sum(len(p) for p in prompts)
+    result = {"benchmark": "offline_throughput", **config_of(args), "requests": len(prompts),
+              "input_tokens": input_tokens, "output_tokens": output_tokens, "seconds": elapsed,
+              "output_tok_per_s": output_tokens / elapsed, "total_tok_per_s": (input_tokens + output_tokens) / elapsed,
+              **timer.decode_summary()}
+    if args.profile:  # the same run again, profiling 50 decode steps while the batch is still full
+        llm.engine.step_timer = window = ProfileWindow(first=50, count=50)
+        llm.generate(prompts, params)
+        llm.engine.step_timer = None
+        result["profile"] = window.top_kernels()
+    table = [("arch", args.arch), ("overlap", not args.no_overlap), ("cuda graphs", not args.no_cuda_graph),
+             ("cache", args.cache), ("seconds", elapsed), ("output tok/s", result["output_tok_per_s"]),
+             ("decode step ms (median)", result.get("decode_step_ms_median", float("nan"))),
+             ("idle between decode steps % (median)", result.get("idle_pct_of_step_median", float("nan"))),
+             ("idle between decode steps % (total)", result.get("idle_pct_of_step_total", float("nan")))]
+    report(result, args.out, table)
+    for row in result.get("profile", []):
+        print(f"  {row['pct']:5.1f}%  {row['ms']:8.2f} ms  {row['calls']:6d}  {row['kernel']}")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

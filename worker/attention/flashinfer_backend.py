@@ -1,0 +1,163 @@
+"""FlashInfer paged attention (CUDA, float16/bfloat16): a prefill wrapper (FA3 on Hopper, FA2 otherwise;
+causal) for extend steps, a decode wrapper for decode steps, and one CUDA-graph decode wrapper per
+captured batch size.
+
+The pool's pages are FlashInfer's pages (NHD layout). The page table holds token locations
+(page * page_size + offset); a request's page ids are its row's locations at positions 0, page_size,
+2 * page_size, ... divided by page_size, gathered on the device so the host never reads the table.
+
+Planning runs on whatever stream is current (the engine's scheduler stream). Everything a plan
+writes on the device (index buffers, FlashInfer's int workspace) is shared from step to step, so the
+caller must order a plan after the previous step's attention kernels (the engine's `inputs_free`
+event). FlashInfer's plan also rewrites a pinned host buffer and copies from it asynchronously; the
+`_plan_copied` event keeps the next plan from rewriting it while that copy may be pending."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from worker.attention.base import AttentionBackend
+from worker.batch import BatchDesc, ForwardBatch
+from worker.kv_cache import KVCachePool
+from worker.staging import PinnedStaging
+from worker.stream import new_event
+
+WORKSPACE_BYTES = 256 << 20    # FlashInfer's float workspace (split-KV partial results), shared by all wrappers
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+FA3_HEAD_DIMS = (64, 128, 256)
+
+
+def prefill_backend(device: torch.device, head_dim: int) -> str:
+    """FA3 on Hopper, where its paged prefill beats FA2; FA2 elsewhere and for head sizes FA3 lacks."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and head_dim in FA3_HEAD_DIMS:
+        return "fa3"
+    return "fa2"
+
+
+class FlashInferBackend(AttentionBackend):
+    def __init__(self, kv: KVCachePool, page_table: torch.Tensor, num_heads: int) -> None:
+        import flashinfer  # imported here: the package exists on GPU hosts only
+
+        if kv.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"FlashInfer attention runs in float16 or bfloat16, not {kv.dtype}; "
+                             f"use attention_backend='torch' for {kv.dtype}")
+        self.flashinfer = flashinfer
+        # tvm-ffi launches FlashInfer's kernels on torch's current stream when torch exports its DLPack
+        # exchange API; without it they would go to the default stream, so the stream is set by hand
+        if hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+            self._on_torch_stream = contextlib.nullcontext
+        else:
+            import tvm_ffi
+            self._on_torch_stream = tvm_ffi.use_torch_stream
+        self.kv, self.page_table = kv, page_table
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv.num_kv_heads, kv.head_dim
+        self.page_size = kv.page_size
+        device = kv.device
+        rows, row_len = page_table.shape
+        if rows * row_len >= 2**31:
+            raise ValueError(f"a page table of {rows} x {row_len} entries is too large for int32 indexing")
+        self.row_len = row_len
+        layers = kv.buffer.shape[1]
+        shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
+        self.caches = [(kv.k(i).view(shape), kv.v(i).view(shape)) for i in range(layers)]
+        # every row full, plus one scratch page for each padded row of a CUDA-graph batch
+        capacity = rows * -(-row_len // self.page_size) + rows
+        self.kv_indices = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self.page_starts = torch.arange(capacity, dtype=torch.int32, device=device) * self.page_size
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.use_tensor_cores = num_heads // self.num_kv_heads >= 4
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=prefill_backend(device, self.head_dim))
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
+        self.graph_wrappers: dict[int, object] = {}
+        self.graph_indptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self.graph_last_page_len = torch.ones(rows, dtype=torch.int32, device=device)
+        self.staging = PinnedStaging(device, capacity=1 << 16)
+        self._plan_copied = new_event(device)
+        self.wrapper = self.decode_wrapper
+        self.out_loc: torch.Tensor | None = None
+
+    # -- planning ------------------------------------------------------------------------------------
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        desc = batch.desc
+        wrapper = self.prefill_wrapper if desc.is_prefill else self.decode_wrapper
+        self._plan(wrapper, desc, desc.batch_size, scratch_page=-1)
+        self.wrapper, self.out_loc = wrapper, batch.out_loc
+
+    def prepare_graph(self, desc: BatchDesc | None, bs: int, out_loc: torch.Tensor, scratch_page: int) -> None:
+        """Plans the CUDA-graph decode wrapper of batch size `bs` (made on first use) for `desc`; the rows
+        past the batch (every row when `desc` is None, at capture) attend over the scratch page only."""
+        wrapper = self.graph_wrappers.get(bs)
+        if wrapper is None:
+            wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=self.graph_indptr[: bs + 1], paged_kv_indices_buffer=self.kv_indices,
+                paged_kv_last_page_len_buffer=self.graph_last_page_len[:bs])
+            self.graph_wrappers[bs] = wrapper
+        self._plan(wrapper, desc, bs, scratch_page)
+        self.wrapper, self.out_loc = wrapper, out_loc
+
+    def _plan(self, wrapper, desc: BatchDesc | None, bs: int, scratch_page: int) -> None:
+        n = 0 if desc is None else desc.batch_size
+        seq = np.ones(bs, dtype=np.int64)  # padded rows: one token on the scratch page
+        slots = np.zeros(bs, dtype=np.int64)
+        if n:
+            seq[:n] = desc.seq_lens
+            slots[:n] = desc.table_idx
+        pages = -(-seq // self.page_size)
+        kv_indptr = np.zeros(bs + 1, dtype=np.int32)
+        np.cumsum(pages, out=kv_indptr[1:])
+        last_page_len = (seq - (pages - 1) * self.page_size).astype(np.int32)
+        num_real = int(kv_indptr[n])
+        arrays = {
+            "kv_indptr": kv_indptr,
+            "last_page_len": last_page_len,
+            # flat page-table index of request i's page j is base[i] + page_starts[kv_indptr[i] + j]
+            "base": (slots[:n] * self.row_len - kv_indptr[:n].astype(np.int64) * self.page_size).astype(np.int32),
+            "page_counts": pages[:n],
+        }
+        if desc is not None and desc.is_prefill:
+            qo_indptr = np.zeros(n + 1, dtype=np.int32)
+            np.cumsum(desc.extend_lens, out=qo_indptr[1:])
+            arrays["qo_indptr"] = qo_indptr
+        staged = self.staging.upload(arrays)
+        if n:
+            self._gather_page_ids(staged.device["base"], staged.device["page_counts"], num_real)
+        if bs > n:
+            self.kv_indices[num_real:num_real + bs - n].fill_(scratch_page)
+        indices = self.kv_indices[: num_real + bs - n]
+        self._plan_copied.synchronize()  # FlashInfer's pinned plan buffer is free again
+        dtype = self.kv.dtype
+        h = staged.host
+        with self._on_torch_stream():
+            if desc is not None and desc.is_prefill:
+                wrapper.plan(h["qo_indptr"], h["kv_indptr"], indices, h["last_page_len"], self.num_heads,
+                             self.num_kv_heads, self.head_dim, self.page_size, causal=True, q_data_type=dtype,
+                             kv_data_type=dtype, non_blocking=True)
+            else:
+                wrapper.plan(h["kv_indptr"], indices, h["last_page_len"], self.num_heads, self.num_kv_heads,
+                             self.head_dim, self.page_size, q_data_type=dtype, kv_data_type=dtype,
+                             non_blocking=True)
+        self._plan_copied.record()
+        staged.release()  # every reader of the staged arrays (copies, gathers, plan) is on this stream
+
+    def _gather_page_ids(self, base: torch.Tensor, page_counts: torch.Tensor, total: int) -> None:
+        """kv_indices[:total] = each request's page ids, in order, read from the page table."""
+        req = torch.repeat_interleave(page_counts, output_size=total)
+        flat = base.index_select(0, req).add_(self.page_starts[:total])
+        out = self.kv_indices[:total]
+        torch.index_select(self.page_table.view(-1), 0, flat, out=out)
+        if self.page_size > 1:
+            out.floor_divide_(self.page_size)
+
+    # -- attention -----------------------------------------------------------------------------------
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        self.kv.store(layer_id, self.out_loc, k, v)
+        with self._on_torch_stream():
+            return self.wrapper.run(q, self.caches[layer_id])

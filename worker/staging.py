@@ -1,0 +1,77 @@
+"""Pinned host staging for a step's small arrays: they are packed into one persistent pinned buffer and
+reach the device in a single copy, instead of one pinned allocation and one copy per array.
+
+A pinned buffer must not be rewritten while a copy from it may still be in flight, and the device
+twin must not be rewritten while a kernel may still read it. So the buffers form a ring, and each
+slot carries an event that its user records after the last use; `upload` waits on it (on the host)
+before reusing the slot. Under the overlap loop the host has already waited for that step's results
+by then, so the wait costs nothing. On the CPU there is no copy: the views are the host arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from worker.stream import new_event
+
+_ALIGN = 16  # so that every view starts on a boundary of its element size
+
+
+class Staged:
+    """One slot's arrays: `host[name]` (pinned, for host-side consumers such as planners) and
+    `device[name]`. Call `release(stream)` once the last reader on `stream` has been enqueued."""
+
+    def __init__(self, slot: _Slot, host: dict[str, torch.Tensor], device: dict[str, torch.Tensor]) -> None:
+        self._slot = slot
+        self.host = host
+        self.device = device
+
+    def release(self, stream: object = None) -> None:
+        self._slot.event.record(stream)
+        self._slot.in_use = False
+
+
+class _Slot:
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self.device = device
+        self.event = new_event(device)
+        self.in_use = False
+        self.resize(capacity)
+
+    def resize(self, capacity: int) -> None:
+        on_gpu = self.device.type == "cuda"
+        self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=on_gpu)
+        self.dev = torch.empty(capacity, dtype=torch.uint8, device=self.device) if on_gpu else self.host
+        self.host_np = self.host.numpy()
+
+
+class PinnedStaging:
+    def __init__(self, device: torch.device, depth: int = 2, capacity: int = 1 << 20) -> None:
+        self.device = device
+        self.slots = [_Slot(device, capacity) for _ in range(depth)]
+        self.next = 0
+
+    def upload(self, arrays: dict[str, np.ndarray]) -> Staged:
+        """Packs `arrays` into the next slot and copies them to the device on the current stream."""
+        slot = self.slots[self.next]
+        self.next = (self.next + 1) % len(self.slots)
+        if slot.in_use:
+            raise RuntimeError("a staging slot was reused before the step that held it released it")
+        slot.event.synchronize()  # the step that last used this slot is done with it
+        offsets, end = [], 0
+        for a in arrays.values():
+            offsets.append(end)
+            end += -(-a.nbytes // _ALIGN) * _ALIGN
+        if end > slot.host.numel():
+            slot.resize(max(end, 2 * slot.host.numel()))
+        host, device = {}, {}
+        for (name, a), off in zip(arrays.items(), offsets):
+            a = np.ascontiguousarray(a)
+            slot.host_np[off:off + a.nbytes].view(a.dtype)[:] = a.reshape(-1)
+            dtype = torch.from_numpy(a[:0]).dtype
+            host[name] = slot.host[off:off + a.nbytes].view(dtype)
+            device[name] = slot.dev[off:off + a.nbytes].view(dtype)
+        if slot.dev is not slot.host and end:
+            slot.dev[:end].copy_(slot.host[:end], non_blocking=True)
+        slot.in_use = True
+        return Staged(slot, host, device)
