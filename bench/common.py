@@ -39,10 +39,18 @@ ARCHS = {
 }
 
 
-def model_folder(arch: str) -> str:
-    """A temporary folder holding only the architecture's config.json (weights are random)."""
+def model_folder(arch: str, with_tokenizer: bool = False) -> str:
+    """A temporary folder holding the architecture's config.json (weights are random) and, for the HTTP
+    server, a word-level tokenizer with one token per id ("t0", "t1", ...) so any id decodes."""
     folder = Path(tempfile.mkdtemp(prefix=f"raylm-{arch}-"))
     (folder / "config.json").write_text(json.dumps(ARCHS[arch], indent=2))
+    if with_tokenizer:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+        vocab = {f"t{i}": i for i in range(ARCHS[arch]["vocab_size"])}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{ARCHS[arch]['eos_token_id']}").save_pretrained(folder)
     return str(folder)
 
 
@@ -54,16 +62,20 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", choices=["radix", "naive"], default="radix")
     parser.add_argument("--page-size", type=int, default=256)
     parser.add_argument("--max-running-reqs", type=int, default=256)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--no-fused", action="store_true", help="torch elementwise kernels instead of FlashInfer's fused ones")
 
 
 def make_llm(args: argparse.Namespace) -> LLM:
-    return LLM(model_folder(args.arch), dtype="bfloat16", load_format="dummy", page_size=args.page_size,
+    return LLM(model_folder(args.arch), tp_size=args.tp_size, dtype="bfloat16", load_format="dummy",
+               page_size=args.page_size,
                cache_type=args.cache, max_extend_tokens=16384, max_running_reqs=args.max_running_reqs,
-               overlap=not args.no_overlap, cuda_graph_max_bs=0 if args.no_cuda_graph else 256)
+               overlap=not args.no_overlap, cuda_graph_max_bs=0 if args.no_cuda_graph else 256,
+               fused_kernels=not args.no_fused)
 
 
 def config_of(args: argparse.Namespace) -> dict:
-    return {"arch": args.arch, "overlap": not args.no_overlap, "cuda_graph": not args.no_cuda_graph,
+    return {"arch": args.arch, "tp_size": args.tp_size, "fused": not args.no_fused, "overlap": not args.no_overlap, "cuda_graph": not args.no_cuda_graph,
             "cache": args.cache, "page_size": args.page_size,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
             "torch": torch.__version__}

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from common import StepTimer, add_common_args, config_of, make_llm, report
+from common import ARCHS, StepTimer, add_common_args, config_of, make_llm, report
 
 from cluster import LLM, SamplingParams
 
@@ -45,6 +45,21 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     return [arrivals[uid] for uid in uids]
 
 
+def measure_wall(llm: LLM, batch: int, prompt_len: int, output_len: int, seed: int, vocab: int) -> dict:
+    """Through a tensor-parallel replica (its scheduler is a Ray actor): decode time is the time of the
+    whole generation less that of the same prompts with one output token (the prefill)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab, size=prompt_len).tolist() for _ in range(batch)]
+    params = lambda n: SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=seed)  # noqa: E731
+    start = time.perf_counter()
+    llm.generate(prompts, params(1))
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.generate(prompts, params(output_len))
+    decode = time.perf_counter() - start - prefill
+    return {"ms_per_token": 1e3 * decode / (output_len - 1), "decode_tok_per_s": batch * (output_len - 1) / decode}
+
+
 def measure(llm: LLM, batch: int, prompt_len: int, output_len: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, llm.engine.hf_config.vocab_size, size=prompt_len).tolist() for _ in range(batch)]
@@ -63,11 +78,17 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--wall-clock", action="store_true", help="time as for tp > 1 (whole generations)")
     args = parser.parse_args()
     llm = make_llm(args)
-    measure(llm, args.batch, args.prompt_len, 64, seed=100)  # warm-up
     runs = []
-    for i in range(args.repeats):
+    if args.tp_size > 1 or args.wall_clock:
+        vocab = ARCHS[args.arch]["vocab_size"]
+        measure_wall(llm, args.batch, args.prompt_len, 64, 100, vocab)  # warm-up
+        runs = [measure_wall(llm, args.batch, args.prompt_len, args.output_len, i, vocab) for i in range(args.repeats)]
+    else:
+        measure(llm, args.batch, args.prompt_len, 64, seed=100)  # warm-up
+    for i in range(args.repeats if not runs else 0):
         llm.engine.step_timer = timer = StepTimer()
         runs.append({**measure(llm, args.batch, args.prompt_len, args.output_len, seed=i), **timer.decode_summary()})
         llm.engine.step_timer = None

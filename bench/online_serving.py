@@ -83,7 +83,7 @@ def offline_throughput(args, requests) -> float:
 
 
 def engine_options(args) -> dict:
-    opts = {"page_size": args.page_size}
+    opts = {"page_size": args.page_size, "max_extend_tokens": 16384}
     if args.load_format:
         opts["load_format"] = args.load_format
     return opts
@@ -104,6 +104,8 @@ def main() -> None:
     p.add_argument("--url")
     p.add_argument("--model-name")
     p.add_argument("--model", help="start a server on this model (in this process)")
+    p.add_argument("--arch", help="instead of --model: a bench architecture (random weights, bf16)")
+    p.add_argument("--c1-prompts", type=int, default=None, help="requests for the concurrency-1 run")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--page-size", type=int, default=16)
@@ -119,6 +121,9 @@ def main() -> None:
     args = p.parse_args()
     report: dict = {"args": vars(args)}
     server = None
+    if args.arch:
+        from common import model_folder
+        args.model, args.load_format = model_folder(args.arch, with_tokenizer=True), "dummy"
     if args.model:
         from transformers import AutoConfig
         vocab = args.vocab or AutoConfig.from_pretrained(args.model).vocab_size
@@ -132,8 +137,8 @@ def main() -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         config = ServeConfig(model=args.model, tp_size=args.tp_size, replicas=args.replicas, port=port,
-                             page_size=args.page_size, served_model_name="bench",
-                             load_format=args.load_format or "auto")
+                             page_size=args.page_size, served_model_name="bench", max_extend_tokens=16384,
+                             load_format=args.load_format or "auto", log_level="WARNING")
         server = Server(config)
         url, name = server.start_in_thread(), "bench"
     else:
@@ -143,7 +148,7 @@ def main() -> None:
     try:
         asyncio.run(run(url, name, requests[:2], 1))  # warm-up
         for c in args.concurrency:
-            rep = asyncio.run(run(url, name, requests, c))
+            rep = asyncio.run(run(url, name, requests[:args.c1_prompts] if c == 1 and args.c1_prompts else requests, c))
             report[f"concurrency_{c}"] = rep
             print_report(f"online, concurrency {c}", rep)
             if "offline_output_tok_s" in report:

@@ -183,3 +183,14 @@ def test_cuda_graph_decode_step_equals_eager_decode_step(qwen3_hd128_path, page_
         graph.done.synchronize()
         torch.testing.assert_close(logits[-1], logits[-2], atol=0.05, rtol=0.02)
         assert graph.next_tokens.tolist() == eager.next_tokens.tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_fused_kernels_agree_with_torch_elementwise_in_bfloat16(qwen3_hd128_path, model_paths, family):
+    path = qwen3_hd128_path if family == "qwen3" else model_paths["llama"]  # q/k norm, and Llama-3 rope
+    prompts = random_prompts(12, 5, 200)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=4)
+    common = dict(dtype="bfloat16", page_size=16, attention_backend="torch", cuda_graph_max_bs=16)
+    ref, ref_tops = run(path, prompts, params, fused_kernels=False, **common)
+    got, _ = run(path, prompts, params, fused_kernels=True, **common)
+    assert agreement(ref, got, ref_tops) >= 0.99

@@ -19,4 +19,5 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85  # share of the GPU's memory for weights, KV cache and activations
     cpu_kv_cache_gb: float = 2.0        # KV-cache budget on the CPU
     cuda_graph_max_bs: int = 256        # 0 turns CUDA graphs off
+    fused_kernels: bool = True          # FlashInfer's fused norm/rope/activation on CUDA in half precision
     seed: int = 0                       # for dummy weights

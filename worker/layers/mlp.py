@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.fused import fused_ops
 from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker.parallel import TPGroup
 
@@ -17,5 +18,9 @@ class SwiGLU(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=False, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = fused_ops(gate_up)
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

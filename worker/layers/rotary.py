@@ -7,6 +7,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from worker.layers.fused import fused_ops
+
 
 def rope_parameters(config: PretrainedConfig) -> dict:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -34,7 +36,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]."""
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim] (rotated in place on the fused path)."""
+        ops = fused_ops(q)
+        if ops is not None:
+            head_dim = q.shape[-1]
+            ops.rope_inplace(positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), head_dim, self.cos_sin,
+                             True)
+            return q, k
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The second round on a 2-GPU host: GPU tests (fused kernels included), the benchmarks with and
+# without FlashInfer's fused kernels, tp=1 against tp=2 on Qwen3-8B, tensor-parallel parity over NCCL,
+# the broadcast time of a batch description, and the online path against the offline engine.
+#   usage: bench/run_gpu_final.sh PART   (PART: 1 or 2; each fits one device call)
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/bench_out}; mkdir -p "$OUT"
+LOG=$OUT/run_gpu_final_$1.log
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+log() { echo "[$(date +%T)] $*" | tee -a "$LOG"; }
+step() { local name=$1 limit=$2; shift 2; log "=== $name: $*"; local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | grep -v -E "Writing|Loading weights|capturing" | tee -a "$LOG"
+  log "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"; }
+log "host: $(nvidia-smi --query-gpu=name --format=csv,noheader | tr '\n' ' ')"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+if ls .cache/flashinfer-jit.tgz.* >/dev/null 2>&1; then
+  mkdir -p "$HOME/.cache" && cat .cache/flashinfer-jit.tgz.* | tar -C "$HOME/.cache" -xzf -
+  find /tmp/site/flashinfer -exec touch -h -d '2020-01-01' {} +
+fi
+B="python3 bench"
+if [ "$1" = 1 ]; then
+  step gpu_tests 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_gpu.py
+  step offline 110 $B/offline_throughput.py --profile --out "$OUT/offline.json"
+  step latency 60 $B/decode_latency.py --out "$OUT/latency.json"
+  step offline_unfused 80 $B/offline_throughput.py --no-fused --out "$OUT/offline_unfused.json"
+  step latency_no_overlap 50 $B/decode_latency.py --no-overlap --repeats 1
+  step q8b_tp1 80 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 64 --output-len 128 --repeats 2
+  step q8b_tp1_b1 50 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 1 --output-len 256 --repeats 2
+else
+  step q8b_tp2 110 $B/decode_latency.py --arch qwen3-8b --tp-size 2 --batch 64 --output-len 128 --repeats 2
+  step q8b_tp2_b1 80 $B/decode_latency.py --arch qwen3-8b --tp-size 2 --batch 1 --output-len 256 --repeats 2
+  step tp_nccl_parity 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_tp.py -k "not stalled"
+  step broadcast 40 $B/broadcast_desc.py --out "$OUT/broadcast.json"
+  step online 150 $B/online_serving.py --arch qwen3-0.6b --page-size 256 --num-prompts 256 \
+    --input-len 100 1024 --output-len 100 1024 --concurrency 1 256 --c1-prompts 8 --offline --out "$OUT/online.json"
+fi
