@@ -2,7 +2,7 @@
 # The second round on a 2-GPU host: GPU tests (fused kernels included), the benchmarks with and
 # without FlashInfer's fused kernels, tp=1 against tp=2 on Qwen3-8B, tensor-parallel parity over NCCL,
 # the broadcast time of a batch description, and the online path against the offline engine.
-#   usage: bench/run_gpu_final.sh PART   (PART: 1 or 2; each fits one device call)
+#   usage: bench/run_gpu_final.sh PART   (PART: 1 or 2 on one GPU, 3 on two; each fits one device call)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/bench_out}; mkdir -p "$OUT"
@@ -20,19 +20,22 @@ if ls .cache/flashinfer-jit.tgz.* >/dev/null 2>&1; then
   find /tmp/site/flashinfer -exec touch -h -d '2020-01-01' {} +
 fi
 B="python3 bench"
-if [ "$1" = 1 ]; then
-  step gpu_tests 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_gpu.py
-  step offline 110 $B/offline_throughput.py --profile --out "$OUT/offline.json"
-  step latency 60 $B/decode_latency.py --out "$OUT/latency.json"
-  step offline_unfused 80 $B/offline_throughput.py --no-fused --out "$OUT/offline_unfused.json"
-  step latency_no_overlap 50 $B/decode_latency.py --no-overlap --repeats 1
-  step q8b_tp1 80 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 64 --output-len 128 --repeats 2
-  step q8b_tp1_b1 50 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 1 --output-len 256 --repeats 2
-else
-  step q8b_tp2 110 $B/decode_latency.py --arch qwen3-8b --tp-size 2 --batch 64 --output-len 128 --repeats 2
-  step q8b_tp2_b1 80 $B/decode_latency.py --arch qwen3-8b --tp-size 2 --batch 1 --output-len 256 --repeats 2
-  step tp_nccl_parity 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_tp.py -k "not stalled"
-  step broadcast 40 $B/broadcast_desc.py --out "$OUT/broadcast.json"
-  step online 150 $B/online_serving.py --arch qwen3-0.6b --page-size 256 --num-prompts 256 \
-    --input-len 100 1024 --output-len 100 1024 --concurrency 1 256 --c1-prompts 8 --offline --out "$OUT/online.json"
-fi
+case $1 in
+  1)  # one GPU
+    step gpu_tests 200 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_gpu.py
+    step offline 110 $B/offline_throughput.py --profile --out "$OUT/offline.json"
+    step latency 60 $B/decode_latency.py --out "$OUT/latency.json"
+    step offline_unfused 80 $B/offline_throughput.py --no-fused --out "$OUT/offline_unfused.json"
+    step online 150 $B/online_serving.py --arch qwen3-0.6b --page-size 256 --num-prompts 256 \
+      --input-len 100 1024 --output-len 100 1024 --concurrency 1 256 --c1-prompts 8 --offline --out "$OUT/online.json" ;;
+  2)  # one GPU
+    step latency_unfused 50 $B/decode_latency.py --no-fused --repeats 1
+    step latency_no_overlap 50 $B/decode_latency.py --no-overlap --repeats 1
+    step q8b_tp1 80 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 64 --output-len 128 --repeats 2
+    step q8b_tp1_b1 50 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 1 --output-len 256 --repeats 2
+    step broadcast 40 $B/broadcast_desc.py --out "$OUT/broadcast.json" ;;
+  3)  # two GPUs
+    step q8b_tp2 110 $B/decode_latency.py --arch qwen3-8b --tp-size 2 --batch 64 --output-len 128 --repeats 2
+    step q8b_tp2_b1 80 $B/decode_latency.py --arch qwen3-8b --tp-size 2 --batch 1 --output-len 256 --repeats 2
+    step tp_nccl_parity 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_tp.py -k "not stalled" ;;
+esac
