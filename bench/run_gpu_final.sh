@@ -29,11 +29,14 @@ case $1 in
     step online 150 $B/online_serving.py --arch qwen3-0.6b --page-size 256 --num-prompts 256 \
       --input-len 100 1024 --output-len 100 1024 --concurrency 1 256 --c1-prompts 8 --offline --out "$OUT/online.json" ;;
   2)  # one GPU
-    step latency_unfused 50 $B/decode_latency.py --no-fused --repeats 1
-    step latency_no_overlap 50 $B/decode_latency.py --no-overlap --repeats 1
-    step q8b_tp1 80 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 64 --output-len 128 --repeats 2
-    step q8b_tp1_b1 50 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 1 --output-len 256 --repeats 2
-    step broadcast 40 $B/broadcast_desc.py --out "$OUT/broadcast.json" ;;
+    step online 170 $B/online_serving.py --arch qwen3-0.6b --page-size 256 --num-prompts 256 \
+      --input-len 100 1024 --output-len 100 1024 --concurrency 1 256 --c1-prompts 8 --offline --out "$OUT/online.json"
+    step fused_tests 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -k fused
+    step latency_unfused 45 $B/decode_latency.py --no-fused --repeats 1
+    step latency_no_overlap 45 $B/decode_latency.py --no-overlap --repeats 1
+    step q8b_tp1 75 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 64 --output-len 128 --repeats 2
+    step q8b_tp1_b1 45 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 1 --output-len 256 --repeats 2
+    step broadcast 30 $B/broadcast_desc.py --out "$OUT/broadcast.json" ;;
   3)  # two GPUs
     step q8b_tp2 110 $B/decode_latency.py --arch qwen3-8b --tp-size 2 --batch 64 --output-len 128 --repeats 2
     step q8b_tp2_b1 80 $B/decode_latency.py --arch qwen3-8b --tp-size 2 --batch 1 --output-len 256 --repeats 2

@@ -9,6 +9,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from worker.layers.fused import fused_ops
 
+_FUSED_HEAD_DIMS = (64, 128, 256)  # what FlashInfer's rotary kernel is built for
+
 
 def rope_parameters(config: PretrainedConfig) -> dict:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -37,7 +39,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim] (rotated in place on the fused path)."""
-        ops = fused_ops(q)
+        ops = fused_ops(q) if q.shape[-1] in _FUSED_HEAD_DIMS else None
         if ops is not None:
             head_dim = q.shape[-1]
             ops.rope_inplace(positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), head_dim, self.cos_sin,
