@@ -39,24 +39,31 @@ async def generate(client, uid: int, ids: list[int], params: SamplingParams, det
     finished = False
     try:
         while True:
-            delta = await queue.get()
-            if delta.error is not None:
-                finished = True
-                raise EngineError(delta.error)
-            piece = Piece(detok.add(delta.token), [delta.token])
+            deltas = [await queue.get()]
+            # under load several steps' tokens wait here: send them as one piece (one SSE event)
+            while not queue.empty() and not deltas[-1].finished:
+                deltas.append(queue.get_nowait())
+            piece = Piece("")
+            for delta in deltas:
+                if delta.error is not None:
+                    finished = True
+                    raise EngineError(delta.error)
+                piece.text += detok.add(delta.token)
+                piece.token_ids.append(delta.token)
+                if delta.logprob is not None:
+                    piece.logprobs.append(delta.logprob)
+                    piece.top_logprobs.append(delta.top_logprobs or [])
+                if detok.stopped:
+                    piece.finish_reason = "stop"
+                    break
+                if delta.finished:
+                    piece.text += detok.flush()
+                    piece.finish_reason = delta.finish_reason
+            finished = deltas[-1].finished
             now = time.perf_counter()
             timing.first_token = timing.first_token or now
             timing.last_token = now
-            timing.tokens += 1
-            if delta.logprob is not None:
-                piece.logprobs.append(delta.logprob)
-                piece.top_logprobs.append(delta.top_logprobs or [])
-            if detok.stopped:
-                piece.finish_reason = "stop"
-            elif delta.finished:
-                piece.text += detok.flush()
-                piece.finish_reason = delta.finish_reason
-            finished = delta.finished
+            timing.tokens += len(piece.token_ids)
             yield piece
             if piece.finish_reason is not None:
                 return
