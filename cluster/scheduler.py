@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-import random
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-import numpy as np
-
+from cluster.batch_builder import BatchBuilder
 from cluster.cache_manager import CacheManager
 from cluster.config import SchedulerConfig
 from cluster.executor import ReplicaBrokenError
@@ -73,10 +72,10 @@ class Scheduler:
         self.running: dict[int, Req] = {}       # decoding, by uid
         self.reqs: dict[int, Req] = {}          # every live request, by uid
         self.finished_reqs: set[Req] = set()    # ended while a batch holding them may be in flight
-        self.rewrite_rows: dict[int, Req] = {}  # slots whose page-table row changed on the host
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight: Launched | None = None
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+        self.builder = BatchBuilder(self.cache, self.stats)
         # aborts that arrived before their request (messages from several callers may reorder)
         self._early_aborts: OrderedDict[int, None] = OrderedDict()
 
@@ -170,7 +169,7 @@ class Scheduler:
 
     def _free(self, req: Req) -> None:
         self.cache.release(req, min(req.cached_len, len(req.input_ids)))
-        self.rewrite_rows.pop(req.table_idx, None)
+        self.builder.rewrite_rows.pop(req.table_idx, None)
         self.slots.free(req.table_idx)
         req.table_idx = -1
 
@@ -180,66 +179,11 @@ class Scheduler:
         in_flight = self.in_flight.slots if self.in_flight is not None else frozenset()
         chosen = self.prefill.schedule(in_flight)
         if chosen:
-            return self._prefill_batch(chosen)
+            desc, reqs, emits = self.builder.prefill(chosen)
+            self.running.update((r.uid, r) for r, done in zip(reqs, emits) if done)
+            return desc, reqs, emits
         decoding = [r for r in self.running.values() if r.can_decode]
-        return self._decode_batch(decoding) if decoding else None
-
-    def _prefill_batch(self, chosen: list[tuple[Req, int]]):
-        reqs, emits, ids, locs, seq_lens = [], [], [], [], []
-        for req, ext in chosen:
-            start, end = req.cached_len, req.cached_len + ext
-            self.cache.allocate(req, end)
-            if start == req.prefix_hit_len and start > 0:
-                self.rewrite_rows[req.table_idx] = req
-            if req.scheduled is None:
-                req.scheduled = time.perf_counter()
-            ids.append(req.input_ids[start:end])
-            locs.append(self.cache.locations(req, start, end))
-            seq_lens.append(end)
-            req.cached_len = end
-            done = end == req.prompt_len
-            if done:  # the prompt's last token samples the first output token
-                req.device_len = req.prompt_len + 1
-                self.running[req.uid] = req
-            reqs.append(req)
-            emits.append(done)
-        self.stats["prefill_tokens"] += sum(len(x) for x in ids)
-        desc = self._desc(True, reqs, seq_lens, [len(x) for x in ids], np.concatenate(locs),
-                          np.fromiter((t for x in ids for t in x), dtype=np.int32))
-        return desc, reqs, emits
-
-    def _decode_batch(self, reqs: list[Req]):
-        locs = np.empty(len(reqs), dtype=np.int32)
-        seq_lens = []
-        for i, req in enumerate(reqs):
-            pos = req.cached_len
-            self.cache.allocate(req, pos + 1)
-            page = req.pages[pos // self.cache.page_size]
-            locs[i] = page * self.cache.page_size + pos % self.cache.page_size
-            req.cached_len += 1
-            req.device_len += 1
-            seq_lens.append(req.cached_len)
-        self.stats["decode_tokens"] += len(reqs)
-        return self._desc(False, reqs, seq_lens, [1] * len(reqs), locs, None), reqs, [True] * len(reqs)
-
-    def _desc(self, is_prefill: bool, reqs: list[Req], seq_lens: list[int], extend_lens: list[int],
-              out_loc: np.ndarray, input_ids: np.ndarray | None) -> BatchDesc:
-        params = [r.params for r in reqs]
-        rows = [(slot, self.cache.locations(r, 0, r.num_cached_pages * self.cache.page_size))
-                for slot, r in self.rewrite_rows.items()]
-        self.rewrite_rows.clear()
-        want = [p.logprobs for p in params if p.logprobs is not None]
-        return BatchDesc(
-            is_prefill=is_prefill,
-            table_idx=np.fromiter((r.table_idx for r in reqs), dtype=np.int32, count=len(reqs)),
-            seq_lens=np.asarray(seq_lens, dtype=np.int32),
-            extend_lens=np.asarray(extend_lens, dtype=np.int32),
-            out_loc=out_loc, input_ids=input_ids,
-            temperature=np.fromiter((p.temperature for p in params), dtype=np.float32, count=len(reqs)),
-            top_p=np.fromiter((p.top_p for p in params), dtype=np.float32, count=len(reqs)),
-            top_k=np.fromiter((p.top_k for p in params), dtype=np.int32, count=len(reqs)),
-            seeds=np.fromiter((r.seed for r in reqs), dtype=np.int64, count=len(reqs)),
-            prefix_rows=rows, top_logprobs=max(want) if want else -1)
+        return self.builder.decode(decoding) if decoding else None
 
     # -- the two loops -------------------------------------------------------------------------------
 
@@ -326,7 +270,7 @@ class Scheduler:
                 if self.on_finish is not None:
                     self.on_finish(req, delta.finish_reason)
             elif launched.desc.is_prefill and self.cache.cache_prefix(req, req.prompt_len):
-                self.rewrite_rows[req.table_idx] = req
+                self.builder.rewrite_rows[req.table_idx] = req
         self.finished_reqs = newly_finished
         if deltas:
             self.on_output(deltas)

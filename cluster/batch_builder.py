@@ -1,0 +1,76 @@
+"""Turning the requests chosen for a step into its batch description: allocating the KV pages the
+step writes and advancing each request's state at launch (what lets the overlap loop schedule step
+N+1 before step N's tokens are known)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from cluster.cache_manager import CacheManager
+from cluster.req import Req
+from worker.batch import BatchDesc
+
+
+class BatchBuilder:
+    def __init__(self, cache: CacheManager, stats: dict) -> None:
+        self.cache, self.stats = cache, stats
+        self.rewrite_rows: dict[int, Req] = {}  # slots whose page-table row changed on the host
+
+    def prefill(self, chosen: list[tuple[Req, int]]) -> tuple[BatchDesc, list[Req], list[bool]]:
+        """A prefill step: (description, requests, whether each one's sample is an output token)."""
+        reqs, emits, ids, locs, seq_lens = [], [], [], [], []
+        for req, ext in chosen:
+            start, end = req.cached_len, req.cached_len + ext
+            self.cache.allocate(req, end)
+            if start == req.prefix_hit_len and start > 0:
+                self.rewrite_rows[req.table_idx] = req
+            if req.scheduled is None:
+                req.scheduled = time.perf_counter()
+            ids.append(req.input_ids[start:end])
+            locs.append(self.cache.locations(req, start, end))
+            seq_lens.append(end)
+            req.cached_len = end
+            done = end == req.prompt_len
+            if done:  # the prompt's last token samples the first output token
+                req.device_len = req.prompt_len + 1
+            reqs.append(req)
+            emits.append(done)
+        self.stats["prefill_tokens"] += sum(len(x) for x in ids)
+        desc = self._desc(True, reqs, seq_lens, [len(x) for x in ids], np.concatenate(locs),
+                          np.fromiter((t for x in ids for t in x), dtype=np.int32))
+        return desc, reqs, emits
+
+    def decode(self, reqs: list[Req]) -> tuple[BatchDesc, list[Req], list[bool]]:
+        locs = np.empty(len(reqs), dtype=np.int32)
+        seq_lens = []
+        for i, req in enumerate(reqs):
+            pos = req.cached_len
+            self.cache.allocate(req, pos + 1)
+            page = req.pages[pos // self.cache.page_size]
+            locs[i] = page * self.cache.page_size + pos % self.cache.page_size
+            req.cached_len += 1
+            req.device_len += 1
+            seq_lens.append(req.cached_len)
+        self.stats["decode_tokens"] += len(reqs)
+        return self._desc(False, reqs, seq_lens, [1] * len(reqs), locs, None), reqs, [True] * len(reqs)
+
+    def _desc(self, is_prefill: bool, reqs: list[Req], seq_lens: list[int], extend_lens: list[int],
+              out_loc: np.ndarray, input_ids: np.ndarray | None) -> BatchDesc:
+        params = [r.params for r in reqs]
+        rows = [(slot, self.cache.locations(r, 0, r.num_cached_pages * self.cache.page_size))
+                for slot, r in self.rewrite_rows.items()]
+        self.rewrite_rows.clear()
+        want = [p.logprobs for p in params if p.logprobs is not None]
+        return BatchDesc(
+            is_prefill=is_prefill,
+            table_idx=np.fromiter((r.table_idx for r in reqs), dtype=np.int32, count=len(reqs)),
+            seq_lens=np.asarray(seq_lens, dtype=np.int32),
+            extend_lens=np.asarray(extend_lens, dtype=np.int32),
+            out_loc=out_loc, input_ids=input_ids,
+            temperature=np.fromiter((p.temperature for p in params), dtype=np.float32, count=len(reqs)),
+            top_p=np.fromiter((p.top_p for p in params), dtype=np.float32, count=len(reqs)),
+            top_k=np.fromiter((p.top_k for p in params), dtype=np.int32, count=len(reqs)),
+            seeds=np.fromiter((r.seed for r in reqs), dtype=np.int64, count=len(reqs)),
+            prefix_rows=rows, top_logprobs=max(want) if want else -1)
