@@ -100,3 +100,11 @@ def test_a_replica_spans_two_nodes_with_pack_placement(tmp_path, qwen3_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
     assert "NODES 2 TOKENS 4" in out.stdout, out.stdout + out.stderr
+
+
+def test_an_unreachable_hub_model_id_exits_with_what_to_do(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--model", "Qwen/Qwen3-0.6B"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "cannot find 'Qwen/Qwen3-0.6B'" in out.stderr and "--local-dir" in out.stderr
