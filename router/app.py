@@ -134,8 +134,10 @@ async def _until_disconnect(request: Request, work, timeout_s: float | None):
     while not task.done():
         watcher = asyncio.ensure_future(request.is_disconnected())
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED, timeout=0.5)
-        if watcher.done() and watcher.result():
+        if watcher.done() and watcher.result() and not task.done():
             task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task  # let the generation unwind (and abort) before anything else touches it
             raise APIError(499, "client closed the request")
         watcher.cancel()
     return task.result()
