@@ -62,7 +62,10 @@ class Server:
 
     def _make_uvicorn(self) -> uvicorn.Server:
         cfg = uvicorn.Config(self.app, host=self.config.host, port=self.config.port, log_level="warning",
-                             timeout_graceful_shutdown=int(self.config.drain_timeout_s), access_log=False)
+                             timeout_graceful_shutdown=int(self.config.drain_timeout_s), access_log=False,
+                             # longer than clients keep idle connections (httpx: 5 s), so the server never
+                             # closes one just as a client sends on it
+                             timeout_keep_alive=30)
         self._uvicorn = uvicorn.Server(cfg)
         return self._uvicorn
 

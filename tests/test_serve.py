@@ -158,6 +158,7 @@ def test_logprobs_are_returned_for_the_generated_tokens(server):
 def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
     body = {"model": "tiny", "prompt": PROMPT_TEXTS[4], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": True}
+    decoded_before = sum(s["decode_tokens"] for s in wait_until_idle(server))
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body) as response:
             lines = response.iter_lines()
@@ -165,8 +166,8 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
             assert any(line.startswith("data: {") for line in got)
     stats = wait_until_idle(server)
     assert [s["live"] for s in stats] == [0] * len(stats)
-    # far fewer than 400 tokens were decoded for it: the abort landed within a few steps
-    assert sum(s["decode_tokens"] for s in stats) < 10_000
+    # far fewer than its 400 tokens were decoded: the abort landed within a few steps
+    assert sum(s["decode_tokens"] for s in stats) - decoded_before < 200
     check_replicas_whole(server)
 
 

@@ -53,12 +53,13 @@ async def traffic(url: str, n: int, seed: int) -> dict:
                                 counts["left"] += 1
                                 return  # closing the stream here is the disconnect
                     counts["ok"] += 1
-                elif leave:
-                    try:
-                        await asyncio.wait_for(http.post("/v1/completions", json=body), timeout=0.01)
-                        counts["ok"] += 1
-                    except asyncio.TimeoutError:
-                        counts["left"] += 1
+                elif leave:  # its own connection: a request cancelled mid-flight must not touch the shared pool
+                    async with httpx.AsyncClient(base_url=url, timeout=60) as own:
+                        try:
+                            await asyncio.wait_for(own.post("/v1/completions", json=body), timeout=0.01)
+                            counts["ok"] += 1
+                        except asyncio.TimeoutError:
+                            counts["left"] += 1
                 else:
                     r = await http.post("/v1/completions", json=body)
                     assert r.status_code == 200, r.text
