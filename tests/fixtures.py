@@ -8,7 +8,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from cluster.tiny_model import PROMPT_TEXTS, build_checkpoint, build_sharded_checkpoint, build_tokenizer  # noqa: F401
+from cluster.tiny_model import (  # noqa: F401
+    PROMPT_TEXTS,
+    build_checkpoint,
+    build_sharded_checkpoint,
+    build_tokenizer,
+)
 
 _MODEL_CACHE: dict[str, PreTrainedModel] = {}
 

@@ -27,3 +27,25 @@ def checked_llm(path, **kw):
 
 def encode_all(llm: LLM, texts: list[str]) -> list[list[int]]:
     return [llm.tokenizer(t).input_ids for t in texts]
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving(model_path, **config):
+    """A real HTTP server on 127.0.0.1 over replicas on the session's Ray; stopped afterwards."""
+    from cluster.config import ServeConfig
+    from router.server import Server
+    config.setdefault("served_model_name", "tiny")
+    config.setdefault("page_size", 4)
+    srv = Server(ServeConfig(model=str(model_path), port=free_port(), **config))
+    srv.start_in_thread()
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 import torch
-
-from cluster import LLM, InvalidRequestError, SamplingParams
 from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy
+
+from cluster import LLM, InvalidRequestError, SamplingParams
 from worker.loader import CheckpointError
 from worker.models import UnsupportedModelError
 

@@ -5,28 +5,19 @@ replica is replaced and takes traffic again."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import httpx
 import pytest
 import ray
-
-from cluster.config import ServeConfig
-from router.server import Server
+from helpers import serving
 
 
 @pytest.fixture(scope="module")
 def tp2_pair(ray_cluster, qwen3_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = Server(ServeConfig(model=str(qwen3_path), served_model_name="tiny", port=port, replicas=2, tp_size=2,
-                             page_size=4, num_pages=1024, max_running_reqs=8, routing="round_robin",
-                             collective_timeout_s=10))
-    srv.start_in_thread()
-    yield srv
-    srv.stop()
+    with serving(qwen3_path, replicas=2, tp_size=2, num_pages=1024, max_running_reqs=8, routing="round_robin",
+                 collective_timeout_s=10) as srv:
+        yield srv
 
 
 def wait_for(condition, timeout_s: float, what: str):

@@ -12,12 +12,12 @@ import random
 import numpy as np
 import pytest
 import torch
+from fixtures import PROMPT_TEXTS, hf_greedy
+from helpers import checked_llm, encode_all, greedy
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from cluster import SamplingParams
 from cluster.tiny_model import EOS_TOKEN, INIT_STD, build_tokenizer
-from fixtures import PROMPT_TEXTS, hf_greedy
-from helpers import checked_llm, encode_all, greedy
 from worker.batch import BatchDesc
 from worker.config import EngineConfig
 from worker.engine import Engine

@@ -4,28 +4,21 @@ the server keeps serving."""
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import pytest
+from helpers import serving
 
 from cluster.config import ServeConfig
-from router.server import Server
 
 KEY = "sk-test-123"
 
 
 @pytest.fixture(scope="module")
 def guarded(ray_cluster, qwen3_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = Server(ServeConfig(model=str(qwen3_path), served_model_name="tiny", port=port, page_size=4,
-                             num_pages=1024, max_running_reqs=16, api_key=KEY, max_body_bytes=64_000,
-                             max_stop_strings=4, max_tokens_limit=256, request_timeout_s=60))
-    srv.start_in_thread()
-    yield srv
-    srv.stop()
+    with serving(qwen3_path, num_pages=1024, max_running_reqs=16, api_key=KEY, max_body_bytes=64_000,
+                 max_stop_strings=4, max_tokens_limit=256, request_timeout_s=60) as srv:
+        yield srv
 
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -115,8 +108,9 @@ def test_binds_loopback_by_default():
 
 
 def test_an_exception_inside_one_step_fails_that_batch_not_the_engine(qwen3_path):
-    from cluster import LLM
     from helpers import greedy
+
+    from cluster import LLM
     with LLM(str(qwen3_path)) as llm:
         sched = llm.scheduler
         launch = sched.executor.launch
@@ -142,13 +136,7 @@ def test_an_exception_inside_one_step_fails_that_batch_not_the_engine(qwen3_path
 
 
 def test_request_timeout_ends_a_slow_request_with_408(ray_cluster, qwen3_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = Server(ServeConfig(model=str(qwen3_path), served_model_name="tiny", port=port, page_size=4,
-                             num_pages=1024, max_running_reqs=4, request_timeout_s=0.3))
-    srv.start_in_thread()
-    try:
+    with serving(qwen3_path, num_pages=1024, max_running_reqs=4, request_timeout_s=0.3) as srv:
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 450, "ignore_eos": True}
         r = httpx.post(srv.url + C, json=body, timeout=60)
         assert r.status_code == 408 and r.json()["error"]["type"] == "timeout_error"
@@ -159,5 +147,3 @@ def test_request_timeout_ends_a_slow_request_with_408(ray_cluster, qwen3_path):
         from test_serve import wait_until_idle
         assert [s["live"] for s in wait_until_idle(srv)] == [0]
         ray.get(srv.replicas[0].actor.check_integrity.remote())
-    finally:
-        srv.stop()

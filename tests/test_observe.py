@@ -4,29 +4,20 @@ both count exactly what was sent."""
 from __future__ import annotations
 
 import re
-import socket
 import time
 
 import httpx
 import pytest
-
-from cluster.config import ServeConfig
 from fixtures import PROMPT_TEXTS
-from router.server import Server
+from helpers import serving
 
 MAX_TOKENS = 7
 
 
 @pytest.fixture(scope="module")
 def observed(ray_cluster, qwen3_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = Server(ServeConfig(model=str(qwen3_path), served_model_name="observed", port=port, page_size=4,
-                             num_pages=1024, max_running_reqs=16))
-    srv.start_in_thread()
-    yield srv
-    srv.stop()
+    with serving(qwen3_path, served_model_name="observed", num_pages=1024, max_running_reqs=16) as srv:
+        yield srv
 
 
 def sample_value(text: str, name: str, **labels) -> float:

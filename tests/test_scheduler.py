@@ -6,11 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from fixtures import PROMPT_TEXTS, hf_greedy
+from helpers import checked_llm, encode_all, greedy
 
 from cluster import InvalidRequestError
 from cluster.messages import TokenDelta
-from fixtures import PROMPT_TEXTS, hf_greedy
-from helpers import checked_llm, encode_all, greedy
 
 
 def capture(llm) -> list[TokenDelta]:

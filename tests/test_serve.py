@@ -4,35 +4,22 @@ Outputs must equal the offline engine's; disconnects must free pages."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import httpx
 import openai
 import pytest
+from fixtures import PROMPT_TEXTS
+from helpers import greedy, serving
 
 from cluster import LLM
-from cluster.config import ServeConfig
-from fixtures import PROMPT_TEXTS
-from helpers import greedy
-from router.server import Server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["2-replicas-tp1", "1-replica-tp2"])
 def server(request, ray_cluster, qwen3_path):
     replicas, tp = request.param
-    config = ServeConfig(model=str(qwen3_path), served_model_name="tiny", replicas=replicas, tp_size=tp,
-                         port=free_port(), page_size=4, num_pages=2048, max_running_reqs=64)
-    srv = Server(config)
-    srv.start_in_thread()
-    yield srv
-    srv.stop()
+    with serving(qwen3_path, replicas=replicas, tp_size=tp, num_pages=2048, max_running_reqs=64) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from conftest import live_ray_objects
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 
 import httpx
 import pytest
 import ray
-
-from cluster.config import ServeConfig
-from router.server import Server
+from helpers import serving
 from test_serve import wait_until_idle
 
 REQUESTS = 2000
@@ -22,14 +19,8 @@ CONCURRENCY = 48
 
 @pytest.fixture(scope="module")
 def soaked(ray_cluster, qwen3_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = Server(ServeConfig(model=str(qwen3_path), served_model_name="tiny", port=port, replicas=2, page_size=4,
-                             num_pages=300, max_running_reqs=32))
-    srv.start_in_thread()
-    yield srv
-    srv.stop()
+    with serving(qwen3_path, replicas=2, num_pages=300, max_running_reqs=32) as srv:
+        yield srv
 
 
 async def traffic(url: str, n: int, seed: int) -> dict:

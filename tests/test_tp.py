@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from cluster import LLM, SamplingParams
-from cluster.llm import GenerationError
 from conftest import live_ray_objects
 from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy
+
+from cluster import LLM, SamplingParams
+from cluster.llm import GenerationError
 
 
 @pytest.mark.parametrize("family,overlap,cache_type", [
