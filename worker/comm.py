@@ -50,6 +50,9 @@ def init_tensor_parallel(rank: int, size: int, address: str, device: torch.devic
     timeout_s (a dead rank) raises instead of hanging."""
     timeout = timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda" and device.index is None:  # NCCL binds the group to one indexed device
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
