@@ -67,7 +67,9 @@ class LLM:
             if d.token is not None:
                 out.token_ids.append(d.token)
             if d.logprob is not None:
-                out.logprobs = (out.logprobs or []) + [d.logprob]
+                if out.logprobs is None:
+                    out.logprobs = []
+                out.logprobs.append(d.logprob)
             if d.finished:
                 out.finish_reason = d.finish_reason
 

@@ -6,7 +6,8 @@ new work while draining."""
 from __future__ import annotations
 
 import hmac
-import json
+
+from router.errors import error_response
 
 
 class RequestGuard:
@@ -21,10 +22,11 @@ class RequestGuard:
             if cfg.api_key is not None:
                 given = dict(scope["headers"]).get(b"authorization", b"")
                 if not hmac.compare_digest(given, f"Bearer {cfg.api_key}".encode()):
-                    return await _error(send, 401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                                        "authentication_error", "invalid_api_key")
+                    return await error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                                                "authentication_error", code="invalid_api_key")(scope, receive, send)
             if self.state.draining and scope["method"] == "POST":
-                return await _error(send, 503, "the server is shutting down", "service_unavailable")
+                return await error_response(503, "the server is shutting down",
+                                            "service_unavailable")(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
@@ -35,7 +37,8 @@ class RequestGuard:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > cfg.max_body_bytes:
-                return await _error(send, 413, f"the request body is over {cfg.max_body_bytes} bytes")
+                return await error_response(413, f"the request body is over {cfg.max_body_bytes} bytes")(
+                    scope, receive, send)
             if not message.get("more_body", False):
                 break
         replayed = False
@@ -49,11 +52,3 @@ class RequestGuard:
 
         await self.app(scope, replay, send)
 
-
-async def _error(send, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None):
-    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if status == 401:
-        headers.append((b"www-authenticate", b"Bearer"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
