@@ -12,9 +12,13 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import socket
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -89,6 +93,32 @@ def engine_options(args) -> dict:
     return opts
 
 
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    """`launch.py` in its own process (the router there, the replicas on the Ray it starts), so the
+    client's work here never competes with the router's for one interpreter."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, str(Path(__file__).resolve().parent.parent / "launch.py"), "--model", args.model,
+           "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(args.tp_size), "--replicas", str(args.replicas),
+           "--page-size", str(args.page_size), "--served-model-name", "bench", "--max-extend-tokens", "16384",
+           "--load-format", args.load_format or "auto", "--log-level", "WARNING"]
+    server = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"launch.py exited with code {server.returncode} before it served")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return server, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    server.kill()
+    raise SystemExit("launch.py did not become healthy within 600 s")
+
+
 def print_report(name: str, rep: dict) -> None:
     print(f"== {name} ==")
     print(f"requests {rep['requests']}  duration {rep['duration_s']:.2f} s  "
@@ -103,7 +133,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url")
     p.add_argument("--model-name")
-    p.add_argument("--model", help="start a server on this model (in this process)")
+    p.add_argument("--model", help="start a server on this model (launch.py, in its own process)")
     p.add_argument("--arch", help="instead of --model: a bench architecture (random weights, bf16)")
     p.add_argument("--c1-prompts", type=int, default=None, help="requests for the concurrency-1 run")
     p.add_argument("--tp-size", type=int, default=1)
@@ -137,16 +167,8 @@ def main() -> None:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             print(f"== offline engine ==\noutput throughput {report['offline_output_tok_s']:.1f} tok/s")
-        from cluster.config import ServeConfig
-        from router.server import Server
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        config = ServeConfig(model=args.model, tp_size=args.tp_size, replicas=args.replicas, port=port,
-                             page_size=args.page_size, served_model_name="bench", max_extend_tokens=16384,
-                             load_format=args.load_format or "auto", log_level="WARNING")
-        server = Server(config)
-        url, name = server.start_in_thread(), "bench"
+        server, url = start_server(args)
+        name = "bench"
     else:
         url, name = args.url, args.model_name
         requests = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.vocab or 32000,
@@ -161,7 +183,8 @@ def main() -> None:
                 print(f"  online / offline output throughput: {rep['output_token_throughput'] / report['offline_output_tok_s']:.3f}")
     finally:
         if server is not None:
-            server.stop()
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=120)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

@@ -2,7 +2,7 @@
 # The second round on a 2-GPU host: GPU tests (fused kernels included), the benchmarks with and
 # without FlashInfer's fused kernels, tp=1 against tp=2 on Qwen3-8B, tensor-parallel parity over NCCL,
 # the broadcast time of a batch description, and the online path against the offline engine.
-#   usage: bench/run_gpu_final.sh PART   (PART: 1 or 2 on one GPU, 3 on two; each fits one device call)
+#   usage: bench/run_gpu_final.sh PART   (PART: 1 or 2 on one GPU, 3 or 4 on two; each fits one device call)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/bench_out}; mkdir -p "$OUT"
@@ -10,8 +10,10 @@ LOG=$OUT/run_gpu_final_$1.log
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 log() { echo "[$(date +%T)] $*" | tee -a "$LOG"; }
 step() { local name=$1 limit=$2; shift 2; log "=== $name: $*"; local t0=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | grep -v -E "Writing|Loading weights|capturing" | tee -a "$LOG"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | grep --line-buffered -v -E "Writing|Loading weights|capturing" | tee -a "$LOG"
   log "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"; }
+# what the Ray actors said (a rank's traceback lands here, not in this script's output)
+ray_logs() { tail -n 60 /tmp/ray/session_latest/logs/worker-*.err > "$OUT/ray_worker_err_tail.txt" 2>/dev/null || true; }
 log "host: $(nvidia-smi --query-gpu=name --format=csv,noheader | tr '\n' ' ')"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
@@ -37,8 +39,15 @@ case $1 in
     step q8b_tp1 75 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 64 --output-len 128 --repeats 2
     step q8b_tp1_b1 45 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 1 --output-len 256 --repeats 2
     step broadcast 30 $B/broadcast_desc.py --out "$OUT/broadcast.json" ;;
-  3)  # two GPUs
+  3)  # two GPUs: NCCL first on its own, then the parity tests, then Qwen3-8B tp=2
+    step nccl_broadcast 60 $B/broadcast_desc.py --device cuda --out "$OUT/broadcast_nccl.json"
+    step tp_nccl_parity 300 python3 -m pytest -v -x -p no:cacheprovider -o faulthandler_timeout=100 \
+      tests/test_tp.py -k "not stalled"
     step q8b_tp2 110 $B/decode_latency.py --arch qwen3-8b --tp-size 2 --batch 64 --output-len 128 --repeats 2
+    ray_logs ;;
+  4)  # two GPUs: Qwen3-8B tp=1 and tp=2 side by side
+    step q8b_tp1 75 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 64 --output-len 128 --repeats 2
     step q8b_tp2_b1 80 $B/decode_latency.py --arch qwen3-8b --tp-size 2 --batch 1 --output-len 256 --repeats 2
-    step tp_nccl_parity 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_tp.py -k "not stalled" ;;
+    step q8b_tp1_b1 45 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 1 --output-len 256 --repeats 2
+    ray_logs ;;
 esac

@@ -37,6 +37,12 @@ class TorchDistComm:
         dist.all_gather(parts, x.contiguous(), group=self.device_group)
         return torch.cat(parts, dim=dim)
 
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's value (on the CPU group): for sizes all ranks must share."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
     def broadcast_desc(self, desc: BatchDesc | None) -> BatchDesc | None:
         """Rank 0 sends the step (None: stop); the others receive it."""
         box = [desc]

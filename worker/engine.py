@@ -99,7 +99,9 @@ class Engine:
             raise ValueError(f"unknown load_format {config.load_format!r}; choose auto or dummy")
         self.model.eval()
         attn0 = self.model.model.layers[0].self_attn
-        self.num_pages = config.num_pages or self._pages_from_budget(attn0.num_kv_heads, attn0.head_dim)
+        # every rank must hold the pages rank 0 hands out; free memory can differ a little per GPU
+        self.num_pages = config.num_pages or self.tp.comm.min_over_ranks(
+            self._pages_from_budget(attn0.num_kv_heads, attn0.head_dim))
         # one page more than the scheduler hands out: the scratch page that padded graph rows write to
         self.scratch_page = self.num_pages
         self.kv = KVCachePool(self.hf_config.num_hidden_layers, self.num_pages + 1, self.page_size,

@@ -13,6 +13,8 @@ class Collectives(Protocol):
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor: ...
 
+    def min_over_ranks(self, value: int) -> int: ...
+
 
 class SingleRank:
     """The collectives of a group of one: every operation is the identity."""
@@ -22,6 +24,9 @@ class SingleRank:
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return x
+
+    def min_over_ranks(self, value: int) -> int:
+        return value
 
 
 @dataclass(frozen=True)
