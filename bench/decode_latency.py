@@ -71,36 +71,44 @@ def measure(llm: LLM, batch: int, prompt_len: int, output_len: int, seed: int) -
     return {"ms_per_token": statistics.median(per_token_ms), "decode_tok_per_s": decoded / (end - start)}
 
 
+def run_batch(llm: LLM, args, batch: int) -> dict:
+    runs = []
+    if args.tp_size > 1 or args.wall_clock:
+        vocab = ARCHS[args.arch]["vocab_size"]
+        measure_wall(llm, batch, args.prompt_len, 64, 100, vocab)  # warm-up
+        runs = [measure_wall(llm, batch, args.prompt_len, args.output_len, i, vocab) for i in range(args.repeats)]
+    else:
+        measure(llm, batch, args.prompt_len, 64, seed=100)  # warm-up
+    for i in range(args.repeats if not runs else 0):
+        llm.engine.step_timer = timer = StepTimer()
+        runs.append({**measure(llm, batch, args.prompt_len, args.output_len, seed=i), **timer.decode_summary()})
+        llm.engine.step_timer = None
+    median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {"benchmark": "decode_latency", **config_of(args), "batch": batch, "prompt_len": args.prompt_len,
+            "output_len": args.output_len, **median, "runs": runs}
+
+
+def table_rows(args, r: dict) -> list[tuple[str, object]]:
+    return [("arch", args.arch), ("tp", args.tp_size), ("batch", r["batch"]), ("overlap", not args.no_overlap),
+            ("cuda graphs", not args.no_cuda_graph), ("ms per output token (median)", r["ms_per_token"]),
+            ("decode tok/s", r["decode_tok_per_s"]),
+            ("GPU decode step ms (median)", r.get("decode_step_ms_median", float("nan"))),
+            ("idle between decode steps % (median)", r.get("idle_pct_of_step_median", float("nan")))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1], help="one or more batch sizes, run in turn")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--wall-clock", action="store_true", help="time as for tp > 1 (whole generations)")
     args = parser.parse_args()
     llm = make_llm(args)
-    runs = []
-    if args.tp_size > 1 or args.wall_clock:
-        vocab = ARCHS[args.arch]["vocab_size"]
-        measure_wall(llm, args.batch, args.prompt_len, 64, 100, vocab)  # warm-up
-        runs = [measure_wall(llm, args.batch, args.prompt_len, args.output_len, i, vocab) for i in range(args.repeats)]
-    else:
-        measure(llm, args.batch, args.prompt_len, 64, seed=100)  # warm-up
-    for i in range(args.repeats if not runs else 0):
-        llm.engine.step_timer = timer = StepTimer()
-        runs.append({**measure(llm, args.batch, args.prompt_len, args.output_len, seed=i), **timer.decode_summary()})
-        llm.engine.step_timer = None
-    median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    result = {"benchmark": "decode_latency", **config_of(args), "batch": args.batch, "prompt_len": args.prompt_len,
-              "output_len": args.output_len, **median, "runs": runs}
-    report(result, args.out, [
-        ("arch", args.arch), ("batch", args.batch), ("overlap", not args.no_overlap),
-        ("cuda graphs", not args.no_cuda_graph), ("ms per output token (median)", median["ms_per_token"]),
-        ("decode tok/s", median["decode_tok_per_s"]),
-        ("GPU decode step ms (median)", median.get("decode_step_ms_median", float("nan"))),
-        ("idle between decode steps % (median)", median.get("idle_pct_of_step_median", float("nan")))])
+    results = [run_batch(llm, args, batch) for batch in args.batch]
+    report(results[0] if len(results) == 1 else {"benchmark": "decode_latency", "results": results}, args.out,
+           [row for r in results for row in table_rows(args, r)])
     llm.shutdown()
 
 

@@ -45,9 +45,13 @@ case $1 in
       tests/test_tp.py -k "not stalled"
     step q8b_tp2 110 $B/decode_latency.py --arch qwen3-8b --tp-size 2 --batch 64 --output-len 128 --repeats 2
     ray_logs ;;
-  4)  # two GPUs: Qwen3-8B tp=1 and tp=2 side by side
-    step q8b_tp1 75 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 64 --output-len 128 --repeats 2
-    step q8b_tp2_b1 80 $B/decode_latency.py --arch qwen3-8b --tp-size 2 --batch 1 --output-len 256 --repeats 2
-    step q8b_tp1_b1 45 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 1 --output-len 256 --repeats 2
-    ray_logs ;;
+  4)  # two GPUs: the failure tests over NCCL, then Qwen3-8B tp=1 and tp=2 side by side
+    step tp_nccl_faults 170 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=100 \
+      tests/test_tp.py -k "killed or shutdown or stalled"
+    ray_logs
+    step q8b_tp1 150 $B/decode_latency.py --arch qwen3-8b --wall-clock --batch 64 1 --output-len 256 --repeats 2 \
+      --max-running-reqs 64 --out "$OUT/q8b_tp1.json"
+    step q8b_tp2 150 $B/decode_latency.py --arch qwen3-8b --tp-size 2 --batch 64 1 --output-len 256 --repeats 2 \
+      --max-running-reqs 64 --out "$OUT/q8b_tp2.json"
+    tar -C "$HOME/.cache" -czf "$OUT/flashinfer-jit.tgz" flashinfer ;;
 esac

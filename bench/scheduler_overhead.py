@@ -25,6 +25,9 @@ class NullEngine:
     def launch(self, desc: BatchDesc) -> StepOutput:
         return StepOutput(next_tokens=np.full(desc.batch_size, 7, dtype=np.int32), done=NullEvent())
 
+    def wait(self, out: StepOutput) -> None:
+        pass
+
 
 def measure(batch: int, overlap: bool, steps: int = 300) -> float:
     engine = NullEngine()

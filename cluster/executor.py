@@ -9,6 +9,9 @@ from worker.comm import KEEPALIVE, destroy_tensor_parallel
 from worker.engine import Engine
 
 
+_POLL_S = 50e-6  # the host polls a step's event this often; the overlap loop hides the delay
+
+
 class ReplicaBrokenError(RuntimeError):
     """The replica's group cannot run steps any more (a rank died or a collective timed out)."""
 
@@ -22,6 +25,9 @@ class LocalExecutor:
     def launch(self, desc: BatchDesc) -> StepOutput:
         return self.engine.forward(desc)
 
+    def wait(self, out: StepOutput) -> None:
+        out.done.synchronize()
+
     def keepalive(self) -> None:
         pass
 
@@ -32,10 +38,11 @@ class LocalExecutor:
 class TensorParallelExecutor:
     """Rank 0 of a group: broadcasts each step before launching it itself, so followers start at once."""
 
-    def __init__(self, engine: Engine, keepalive_s: float) -> None:
+    def __init__(self, engine: Engine, keepalive_s: float, step_timeout_s: float) -> None:
         self.engine = engine
         self.comm = engine.tp.comm
         self.keepalive_s = keepalive_s
+        self.step_timeout_s = step_timeout_s
         self._last_broadcast = time.monotonic()
 
     def launch(self, desc: BatchDesc) -> StepOutput:
@@ -44,6 +51,18 @@ class TensorParallelExecutor:
             return self.engine.forward(desc)
         except RuntimeError as e:  # gloo/NCCL errors: a peer is gone or stalled
             raise ReplicaBrokenError(f"tensor-parallel group failed: {e}") from e
+
+    def wait(self, out: StepOutput) -> None:
+        """Waits for a step with a deadline. On GPUs a collective whose peer died never returns an error
+        to the host: its kernel spins on the device, so an unbounded wait here would hang the replica."""
+        if out.done.query():
+            return
+        deadline = time.monotonic() + self.step_timeout_s
+        while not out.done.query():
+            if time.monotonic() > deadline:
+                raise ReplicaBrokenError(f"tensor-parallel group failed: a step did not finish within "
+                                         f"{self.step_timeout_s:g} s (a rank is gone or stalled)")
+            time.sleep(_POLL_S)
 
     def keepalive(self) -> None:
         """While idle, tells the followers (waiting for the next step) that rank 0 lives, well before

@@ -47,7 +47,8 @@ class SchedulerActor:
             device = resolve_device(cfg.engine.device)
             tp = init_tensor_parallel(0, cfg.tp_size, self.address, device, cfg.collective_timeout_s)
             engine = Engine(cfg.engine, tp)
-            executor = TensorParallelExecutor(engine, keepalive_s=cfg.collective_timeout_s / 4)
+            executor = TensorParallelExecutor(engine, keepalive_s=cfg.collective_timeout_s / 4,
+                                              step_timeout_s=cfg.collective_timeout_s)
         else:
             engine = Engine(cfg.engine)
             executor = LocalExecutor(engine)
@@ -127,4 +128,7 @@ class SchedulerActor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        self.executor.shutdown()
+        if self.broken is None:
+            self.executor.shutdown()
+        # a broken group cannot be taken down in order (a peer is gone, a kernel may spin on the
+        # GPU): the caller kills this process, which frees everything

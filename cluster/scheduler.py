@@ -32,6 +32,9 @@ class Executor(Protocol):
 
     def launch(self, desc: BatchDesc) -> StepOutput: ...
 
+    def wait(self, out: StepOutput) -> None:
+        """Returns once `out` has reached the host; raises ReplicaBrokenError if it never can."""
+
 
 @dataclass
 class Launched:
@@ -236,7 +239,12 @@ class Scheduler:
 
     def _handle(self, launched: Launched) -> None:
         out = launched.output
-        out.done.synchronize()  # this batch, and every one before it, is done on the device
+        try:
+            self.executor.wait(out)  # this batch, and every one before it, is done on the device
+        except ReplicaBrokenError as e:
+            self.in_flight = None
+            self.fail_all(str(e))
+            raise
         self.slots.release_deferred()
         tokens = out.next_tokens.tolist()
         now = time.perf_counter()

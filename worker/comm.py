@@ -52,17 +52,26 @@ class TorchDistComm:
 
 def init_tensor_parallel(rank: int, size: int, address: str, device: torch.device,
                          timeout_s: float) -> TPGroup:
-    """Joins the replica's group (blocks until every rank has joined). A collective that stalls for
-    timeout_s (a dead rank) raises instead of hanging."""
+    """Joins the replica's group (blocks until every rank has joined). A collective on the CPU group
+    that stalls for timeout_s (a dead rank) raises instead of hanging; on GPUs rank 0's host bounds
+    its wait for each step instead (cluster.executor), and NCCL's own watchdog, given more time, is the
+    backstop."""
     timeout = timedelta(seconds=timeout_s)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda" and device.index is None:  # NCCL binds the group to one indexed device
         device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size, timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
+    device_timeout = timedelta(seconds=2 * timeout_s + 30) if backend == "nccl" else timeout
+    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size,
+                            timeout=device_timeout, device_id=device if device.type == "cuda" else None)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
-    return TPGroup(rank, size, TorchDistComm(dist.group.WORLD, cpu_group))
+    comm = TorchDistComm(dist.group.WORLD, cpu_group)
+    if backend == "nccl":
+        # NCCL connects peers on their first collective; do it now, while every rank is known alive,
+        # so a rank that dies later cannot leave rank 0 in a minute of connection retries
+        comm.all_gather(comm.all_reduce(torch.ones(size, device=device)))
+        torch.cuda.synchronize(device)
+    return TPGroup(rank, size, comm)
 
 
 def destroy_tensor_parallel() -> None:
