@@ -2,7 +2,7 @@
 # Everything the GPU host runs, in one go, from the project root: installs the wheels in .whl/, runs the
 # GPU tests, then the benchmarks and their ablations. Every step is guarded (a time limit each, and a
 # failure does not stop the rest); results go to $OUT/results.json (merged after every step), the
-# whole output to $OUT/run_gpu.log, and FlashInfer's compiled kernels to $OUT/flashinfer-jit.tgz.*
+# whole output to $OUT/run_gpu.log, and FlashInfer's compiled kernels to $OUT/flashinfer-jit.tar.xz
 # (copy those into .cache/ for the next run: restoring them saves the JIT's minute or two).
 #   usage: [TESTS=tests/test_gpu.py] bench/run_gpu.sh [STEP ...]   (default: every step; see STEPS below)
 set -u
@@ -34,17 +34,16 @@ PY
 
 save_jit_cache() {  # FlashInfer's kernels and tvm-ffi's torch addon, both built on first use
   [ -d "$HOME/.cache/flashinfer" ] || return 0
-  rm -f "$OUT"/flashinfer-jit.tgz.*
-  (cd "$HOME/.cache" && tar -czf - flashinfer $(ls -d tvm-ffi 2>/dev/null)) | split -b 15m - "$OUT/flashinfer-jit.tgz."
-  log "saved FlashInfer JIT cache: $(du -ch "$OUT"/flashinfer-jit.tgz.* | tail -1)"
+  tar -C "$HOME/.cache" -cJf "$OUT/flashinfer-jit.tar.xz" flashinfer
+  log "saved FlashInfer JIT cache: $(du -h "$OUT/flashinfer-jit.tar.xz")"
 }
 
 log "=== host: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   2>&1 | tail -3 | tee -a "$LOG"
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-if ls .cache/flashinfer-jit.tgz.* >/dev/null 2>&1; then
-  mkdir -p "$HOME/.cache" && cat .cache/flashinfer-jit.tgz.* | tar -C "$HOME/.cache" -xzf -
+if [ -f .cache/flashinfer-jit.tar.xz ]; then
+  mkdir -p "$HOME/.cache" && tar -C "$HOME/.cache" -xJf .cache/flashinfer-jit.tar.xz
   # the freshly installed sources must look older than the restored build outputs, or ninja rebuilds them
   find /tmp/site/flashinfer -exec touch -h -d '2020-01-01' {} +
   log "restored FlashInfer JIT cache"

@@ -2,7 +2,7 @@
 # The second round on a 2-GPU host: GPU tests (fused kernels included), the benchmarks with and
 # without FlashInfer's fused kernels, tp=1 against tp=2 on Qwen3-8B, tensor-parallel parity over NCCL,
 # the broadcast time of a batch description, and the online path against the offline engine.
-#   usage: bench/run_gpu_final.sh PART   (PART: 1 or 2 on one GPU, 3 or 4 on two; each fits one device call)
+#   usage: bench/run_gpu_final.sh PART   (PART: 1 or 2 on one GPU, 3, 4 or 5 on two; each fits one device call)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/bench_out}; mkdir -p "$OUT"
@@ -17,8 +17,8 @@ ray_logs() { tail -n 60 /tmp/ray/session_latest/logs/worker-*.err > "$OUT/ray_wo
 log "host: $(nvidia-smi --query-gpu=name --format=csv,noheader | tr '\n' ' ')"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-if ls .cache/flashinfer-jit.tgz.* >/dev/null 2>&1; then
-  mkdir -p "$HOME/.cache" && cat .cache/flashinfer-jit.tgz.* | tar -C "$HOME/.cache" -xzf -
+if [ -f .cache/flashinfer-jit.tar.xz ]; then
+  mkdir -p "$HOME/.cache" && tar -C "$HOME/.cache" -xJf .cache/flashinfer-jit.tar.xz
   find /tmp/site/flashinfer -exec touch -h -d '2020-01-01' {} +
 fi
 B="python3 bench"
@@ -53,5 +53,10 @@ case $1 in
       --max-running-reqs 64 --out "$OUT/q8b_tp1.json"
     step q8b_tp2 150 $B/decode_latency.py --arch qwen3-8b --tp-size 2 --batch 64 1 --output-len 256 --repeats 2 \
       --max-running-reqs 64 --out "$OUT/q8b_tp2.json"
-    tar -C "$HOME/.cache" -czf "$OUT/flashinfer-jit.tgz" flashinfer ;;
+    tar -C "$HOME/.cache" -cJf "$OUT/flashinfer-jit.tar.xz" flashinfer ;;
+  5)  # two GPUs: the failure tests over NCCL, what the all-reduces of a decode step cost
+    step tp_nccl_faults 200 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 \
+      tests/test_tp.py -k "killed or shutdown or stalled or watchdog"
+    ray_logs
+    step allreduce 90 $B/allreduce.py --out "$OUT/allreduce.json" ;;
 esac

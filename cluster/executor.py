@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from worker.batch import BatchDesc, StepOutput
 from worker.comm import KEEPALIVE, destroy_tensor_parallel
 from worker.engine import Engine
-
-
-_POLL_S = 50e-6  # the host polls a step's event this often; the overlap loop hides the delay
 
 
 class ReplicaBrokenError(RuntimeError):
@@ -38,31 +36,39 @@ class LocalExecutor:
 class TensorParallelExecutor:
     """Rank 0 of a group: broadcasts each step before launching it itself, so followers start at once."""
 
-    def __init__(self, engine: Engine, keepalive_s: float, step_timeout_s: float) -> None:
+    def __init__(self, engine: Engine, keepalive_s: float) -> None:
         self.engine = engine
         self.comm = engine.tp.comm
         self.keepalive_s = keepalive_s
-        self.step_timeout_s = step_timeout_s
         self._last_broadcast = time.monotonic()
+        self._busy_since: float | None = None
 
     def launch(self, desc: BatchDesc) -> StepOutput:
         try:
-            self._broadcast(desc)
-            return self.engine.forward(desc)
+            with self._busy():
+                self._broadcast(desc)
+                return self.engine.forward(desc)
         except RuntimeError as e:  # gloo/NCCL errors: a peer is gone or stalled
             raise ReplicaBrokenError(f"tensor-parallel group failed: {e}") from e
 
     def wait(self, out: StepOutput) -> None:
-        """Waits for a step with a deadline. On GPUs a collective whose peer died never returns an error
-        to the host: its kernel spins on the device, so an unbounded wait here would hang the replica."""
-        if out.done.query():
-            return
-        deadline = time.monotonic() + self.step_timeout_s
-        while not out.done.query():
-            if time.monotonic() > deadline:
-                raise ReplicaBrokenError(f"tensor-parallel group failed: a step did not finish within "
-                                         f"{self.step_timeout_s:g} s (a rank is gone or stalled)")
-            time.sleep(_POLL_S)
+        with self._busy():
+            out.done.synchronize()
+
+    def stuck_for(self) -> float:
+        """Seconds the current launch or wait has lasted (0 when neither runs). On GPUs a collective
+        whose peer died does not fail: its kernel spins on the device and the host blocks in whatever
+        waits on it next, so the replica's watchdog looks here instead."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    @contextlib.contextmanager
+    def _busy(self):
+        self._busy_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._busy_since = None
 
     def keepalive(self) -> None:
         """While idle, tells the followers (waiting for the next step) that rank 0 lives, well before

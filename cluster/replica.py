@@ -29,6 +29,7 @@ class SchedulerActor:
         self.scheduler: Scheduler | None = None
         self.broken: str | None = None
         self._outbox: list[TokenDelta] = []
+        self._live: set[int] = set()  # submitted and not yet finished
         self._ready = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -47,8 +48,7 @@ class SchedulerActor:
             device = resolve_device(cfg.engine.device)
             tp = init_tensor_parallel(0, cfg.tp_size, self.address, device, cfg.collective_timeout_s)
             engine = Engine(cfg.engine, tp)
-            executor = TensorParallelExecutor(engine, keepalive_s=cfg.collective_timeout_s / 4,
-                                              step_timeout_s=cfg.collective_timeout_s)
+            executor = TensorParallelExecutor(engine, keepalive_s=cfg.collective_timeout_s / 4)
         else:
             engine = Engine(cfg.engine)
             executor = LocalExecutor(engine)
@@ -60,19 +60,20 @@ class SchedulerActor:
                                    eos_ids=eos, on_output=self._publish, on_finish=self.metrics.on_finish)
         self._thread = threading.Thread(target=self._loop, name=f"scheduler-{self.replica_id}", daemon=True)
         self._thread.start()
+        if isinstance(executor, TensorParallelExecutor):
+            threading.Thread(target=self._watch, args=(executor,), name="tp-watchdog", daemon=True).start()
         return {"max_seq_len": engine.max_seq_len, "num_pages": engine.num_pages, "page_size": engine.page_size,
                 "vocab_size": engine.hf_config.vocab_size, "eos_ids": sorted(eos)}
 
     def _loop(self) -> None:
         sched = self.scheduler
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self.broken:
             try:
                 sched.step(block=True)
                 self.metrics.on_step(sched.snapshot)
                 self.executor.keepalive()
             except ReplicaBrokenError as e:
-                log.error("replica %d is broken: %s", self.replica_id, e)
-                self.broken = str(e)
+                self._fail_replica(str(e))
                 break
             except Exception as e:  # noqa: BLE001 - never let the loop die silently
                 log.exception("scheduler step failed")
@@ -82,14 +83,47 @@ class SchedulerActor:
             sched.fail_all(self.broken)
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
-        self.metrics.on_output(deltas)
         with self._ready:
+            if self.broken:  # the watchdog has failed every request: nothing more may reach them
+                deltas = [d for d in deltas if d.uid in self._live]
+            self.metrics.on_output(deltas)
+            self._live.difference_update(d.uid for d in deltas if d.finished)
             self._outbox.extend(deltas)
+            self._ready.notify_all()
+
+    def _watch(self, executor: TensorParallelExecutor) -> None:
+        """Fails the replica when one step's launch or wait outlasts the collective timeout: on GPUs a
+        dead or stalled rank leaves the scheduler thread blocked on the device, unable to fail its own
+        requests."""
+        limit = self.config.collective_timeout_s
+        while not self._stop.wait(limit / 8) and not self.broken:
+            if executor.stuck_for() > limit:
+                self._fail_replica(f"tensor-parallel group failed: a step has not finished in {limit:g} s "
+                                   "(a rank is gone or stalled)")
+
+    def _fail_replica(self, why: str) -> None:
+        """Marks the replica broken and ends every request it holds with the error; later requests get
+        the error at once. The router replaces a broken replica."""
+        with self._ready:
+            if self.broken:
+                return
+            log.error("replica %d is broken: %s", self.replica_id, why)
+            self.broken = why
+            self._outbox.extend(TokenDelta(uid, None, finished=True, finish_reason="error", error=why)
+                                for uid in sorted(self._live))
+            self._live.clear()
             self._ready.notify_all()
 
     # -- called through Ray ------------------------------------------------------------------------
 
     def submit(self, requests: list[tuple[int, list[int], SamplingParams]]) -> None:
+        with self._ready:
+            if self.broken:
+                self._outbox.extend(TokenDelta(uid, None, finished=True, finish_reason="error", error=self.broken)
+                                    for uid, _, _ in requests)
+                self._ready.notify_all()
+                return
+            self._live.update(uid for uid, _, _ in requests)
         for uid, ids, params in requests:
             self.scheduler.submit(uid, ids, params)
 

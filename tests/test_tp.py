@@ -3,6 +3,7 @@ follower applies; outputs equal tp=1 and Hugging Face; failures end requests ins
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -11,7 +12,11 @@ from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy
 
 from cluster import LLM, SamplingParams
+from cluster.config import ReplicaConfig, SchedulerConfig
 from cluster.llm import GenerationError
+from cluster.messages import TokenDelta
+from cluster.replica import SchedulerActor
+from worker.config import EngineConfig
 
 
 @pytest.mark.parametrize("family,overlap,cache_type", [
@@ -96,3 +101,59 @@ def test_stalled_follower_times_out_instead_of_hanging(ray_cluster, qwen3_path):
     finally:
         os.kill(pid, signal.SIGCONT)
         llm.shutdown()
+
+
+class _HangingExecutor:
+    """Wraps a replica's executor. Once `hang` is set, a launch blocks on the host, as a GPU rank's
+    host does when a peer of its collective is gone (the kernel spins; it never returns an error)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.hang, self.release = threading.Event(), threading.Event()
+        self._since: float | None = None
+
+    def launch(self, desc):
+        if self.hang.is_set():
+            self._since = time.monotonic()
+            self.release.wait()
+        return self.inner.launch(desc)
+
+    def wait(self, out) -> None:
+        self.inner.wait(out)
+
+    def keepalive(self) -> None:
+        pass
+
+    def stuck_for(self) -> float:
+        return 0.0 if self._since is None else time.monotonic() - self._since
+
+
+def test_watchdog_fails_a_replica_whose_step_blocks_on_the_host(ray_cluster, qwen3_path):
+    limit = 2.0
+    config = ReplicaConfig(engine=EngineConfig(model_path=str(qwen3_path), page_size=4), scheduler=SchedulerConfig(),
+                           collective_timeout_s=limit)
+    actor = SchedulerActor(config)
+    actor.start()
+    hanging = _HangingExecutor(actor.executor)
+    actor.scheduler.executor = hanging
+    threading.Thread(target=actor._watch, args=(hanging,), daemon=True).start()
+
+    def until_finished(uid: int) -> TokenDelta:
+        while True:
+            for d in actor.poll(1.0):
+                if d.uid == uid and d.finished:
+                    return d
+    try:
+        assert actor.ping()
+        hanging.hang.set()
+        start = time.monotonic()
+        actor.submit([(1, [5, 6, 7], greedy(8))])
+        failed = until_finished(1)
+        assert failed.finish_reason == "error" and "tensor-parallel group failed" in failed.error
+        assert limit <= time.monotonic() - start < 3 * limit
+        assert not actor.ping()  # the router's supervisor replaces a replica that answers False
+        actor.submit([(2, [5, 6], greedy(2))])  # later requests get the error at once
+        assert "tensor-parallel group failed" in until_finished(2).error
+    finally:
+        hanging.release.set()
+        actor.shutdown()
