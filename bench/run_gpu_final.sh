@@ -2,7 +2,7 @@
 # The second round on a 2-GPU host: GPU tests (fused kernels included), the benchmarks with and
 # without FlashInfer's fused kernels, tp=1 against tp=2 on Qwen3-8B, tensor-parallel parity over NCCL,
 # the broadcast time of a batch description, and the online path against the offline engine.
-#   usage: bench/run_gpu_final.sh PART   (PART: 1 or 2 on one GPU, 3, 4 or 5 on two; each fits one device call)
+#   usage: bench/run_gpu_final.sh PART   (PART: 1 or 2 on one GPU, 3 to 6 on two; each fits one device call)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/bench_out}; mkdir -p "$OUT"
@@ -59,4 +59,10 @@ case $1 in
       tests/test_tp.py -k "killed or shutdown or stalled or watchdog"
     ray_logs
     step allreduce 90 $B/allreduce.py --out "$OUT/allreduce.json" ;;
+  6)  # two GPUs: tp=2 over NCCL after the group-timeout change, then Qwen3-8B decode steps timed on rank 0
+    step tp_nccl 240 python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=60 tests/test_tp.py \
+      -k "qwen3-True-radix or llama-False-radix or seeded or killed or stalled or shutdown or watchdog"
+    ray_logs
+    step q8b_steps_tp2 120 $B/tp_step_time.py --arch qwen3-8b --tp-size 2 --batch 64 1 --out "$OUT/q8b_steps_tp2.json"
+    step q8b_steps_tp1 100 $B/tp_step_time.py --arch qwen3-8b --tp-size 1 --batch 64 1 --out "$OUT/q8b_steps_tp1.json" ;;
 esac

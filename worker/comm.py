@@ -24,8 +24,8 @@ def free_address(host: str) -> str:
 
 
 class TorchDistComm:
-    def __init__(self, device_group, cpu_group) -> None:
-        self.device_group, self.cpu_group = device_group, cpu_group
+    def __init__(self, device_group, cpu_group, device: torch.device) -> None:
+        self.device_group, self.cpu_group, self.device = device_group, cpu_group, device
         self.size = dist.get_world_size(device_group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,9 +38,10 @@ class TorchDistComm:
         return torch.cat(parts, dim=dim)
 
     def min_over_ranks(self, value: int) -> int:
-        """The smallest of every rank's value (on the CPU group): for sizes all ranks must share."""
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        """The smallest of every rank's value, for sizes all ranks must share. At start-up, so on the
+        device group: its timeout allows for ranks that load at different speeds."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.device_group)
         return int(t.item())
 
     def broadcast_desc(self, desc: BatchDesc | None) -> BatchDesc | None:
@@ -50,22 +51,24 @@ class TorchDistComm:
         return box[0]
 
 
-def init_tensor_parallel(rank: int, size: int, address: str, device: torch.device,
-                         timeout_s: float) -> TPGroup:
-    """Joins the replica's group (blocks until every rank has joined). A collective on the CPU group
-    that stalls for timeout_s (a dead rank) raises instead of hanging; on GPUs rank 0's host bounds
-    its wait for each step instead (cluster.executor), and NCCL's own watchdog, given more time, is the
-    backstop."""
-    timeout = timedelta(seconds=timeout_s)
+def init_tensor_parallel(rank: int, size: int, address: str, device: torch.device, timeout_s: float,
+                         startup_timeout_s: float = 600.0) -> TPGroup:
+    """Joins the replica's group (blocks until every rank has joined).
+
+    Two groups: the device group (NCCL on GPUs, gloo on CPUs) for the model's collectives and for
+    start-up, whose timeout allows for one rank loading a checkpoint slower than another; and a gloo
+    group for the step broadcast, whose timeout_s bounds how long a follower waits for a rank 0 that
+    died. A dead or stalled rank in the middle of a step is caught by rank 0's watchdog
+    (cluster.replica), after timeout_s too: on GPUs its collective never fails, it spins."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda" and device.index is None:  # NCCL binds the group to one indexed device
         device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-    device_timeout = timedelta(seconds=2 * timeout_s + 30) if backend == "nccl" else timeout
     dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size,
-                            timeout=device_timeout, device_id=device if device.type == "cuda" else None)
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
-    comm = TorchDistComm(dist.group.WORLD, cpu_group)
+                            timeout=timedelta(seconds=max(startup_timeout_s, timeout_s)),
+                            device_id=device if device.type == "cuda" else None)
+    cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    comm = TorchDistComm(dist.group.WORLD, cpu_group, device)
     if backend == "nccl":
         # NCCL connects peers on their first collective; do it now, while every rank is known alive,
         # so a rank that dies later cannot leave rank 0 in a minute of connection retries
