@@ -2,7 +2,7 @@
 # The second round on a 2-GPU host: GPU tests (fused kernels included), the benchmarks with and
 # without FlashInfer's fused kernels, tp=1 against tp=2 on Qwen3-8B, tensor-parallel parity over NCCL,
 # the broadcast time of a batch description, and the online path against the offline engine.
-#   usage: bench/run_gpu_final.sh PART   (PART: 1 or 2 on one GPU, 3 to 6 on two; each fits one device call)
+#   usage: bench/run_gpu_final.sh PART   (PART: 1 or 2 on one GPU, 3 to 7 on two; each fits one device call)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/bench_out}; mkdir -p "$OUT"
@@ -65,4 +65,8 @@ case $1 in
     ray_logs
     step q8b_steps_tp2 120 $B/tp_step_time.py --arch qwen3-8b --tp-size 2 --batch 64 1 --out "$OUT/q8b_steps_tp2.json"
     step q8b_steps_tp1 100 $B/tp_step_time.py --arch qwen3-8b --tp-size 1 --batch 64 1 --out "$OUT/q8b_steps_tp1.json" ;;
+  7)  # two GPUs: the online path against the offline engine (launch.py in its own process), tp=2 steps
+    step online 170 $B/online_serving.py --arch qwen3-0.6b --page-size 256 --num-prompts 256 \
+      --input-len 100 1024 --output-len 100 1024 --concurrency 1 256 --c1-prompts 8 --offline --out "$OUT/online.json"
+    step q8b_steps_tp2 100 $B/tp_step_time.py --arch qwen3-8b --tp-size 2 --batch 64 1 --out "$OUT/q8b_steps_tp2.json" ;;
 esac

@@ -43,17 +43,17 @@ class Rank0:
 
 
 def rank_main(rank: int, args, folder: str, address: str, out: dict) -> None:
+    if args.device == "cuda":  # one visible GPU per rank, as Ray gives each rank of a replica
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     config = EngineConfig(model_path=folder, dtype="bfloat16", load_format="dummy", page_size=args.page_size,
-                          max_running_reqs=max(args.batch),
-                          device=f"cuda:{rank}" if args.device == "cuda" else "cpu")
+                          max_running_reqs=max(args.batch), device=args.device)
     if rank > 0:
         follower = Follower(config, rank, args.tp_size, address, 60)
         follower.start()
         follower.run()
         return
     if args.tp_size > 1:
-        device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-        tp = init_tensor_parallel(0, args.tp_size, address, device, 60)
+        tp = init_tensor_parallel(0, args.tp_size, address, torch.device(args.device), 60)
         engine = Engine(config, tp)
         executor = TensorParallelExecutor(engine, keepalive_s=15)
     else:
