@@ -32,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.add_argument(flag, dest=f.name, type=kind, default=None)
     p.add_argument("--metrics-export-port", type=int, default=None,
                    help="where Ray exports the replicas' metrics for Prometheus to scrape")
+    p.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="start the Ray dashboard with the local Ray this command starts (on by default)")
     return p.parse_args(argv)
 
 
@@ -62,6 +64,28 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
     return config
 
 
+def local_ray_options(dashboard: bool = True) -> dict:
+    """Options for the Ray this command starts: with the dashboard where Ray's dashboard packages are
+    installed (`ray[default]`); without it, and a note, where they are not (Ray refuses to start when
+    asked for a dashboard it cannot run)."""
+    if not dashboard:
+        return {"include_dashboard": False}
+    missing = dashboard_dependency_error()
+    if missing is not None:
+        print(f"Ray dashboard off: its packages are missing ({missing}); install 'ray[default]' for it",
+              file=sys.stderr, flush=True)
+        return {"include_dashboard": False}
+    return {"include_dashboard": True, "dashboard_host": "127.0.0.1"}
+
+
+def dashboard_dependency_error() -> ImportError | None:
+    try:
+        import ray.dashboard.optional_deps  # noqa: F401 - what Ray itself imports to decide
+    except ImportError as e:
+        return e
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     config = build_config(args)
@@ -71,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         sys.exit(str(e))
     from router.server import Server
-    ray_options = {"include_dashboard": True, "dashboard_host": "127.0.0.1"} if config.address is None else {}
+    ray_options = local_ray_options(args.dashboard) if config.address is None else {}
     if args.metrics_export_port is not None and config.address is None:
         ray_options["_metrics_export_port"] = args.metrics_export_port
     server = Server(config, **ray_options)

@@ -102,7 +102,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, str(Path(__file__).resolve().parent.parent / "launch.py"), "--model", args.model,
            "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(args.tp_size), "--replicas", str(args.replicas),
            "--page-size", str(args.page_size), "--served-model-name", "bench", "--max-extend-tokens", "16384",
-           "--load-format", args.load_format or "auto", "--log-level", "WARNING"]
+           "--load-format", args.load_format or "auto", "--log-level", "WARNING", "--no-dashboard"]
     server = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600

@@ -5,6 +5,10 @@ step, and its idle time between steps (waiting for the host, or for a peer insid
 `--tp-size 1` runs the same harness on one GPU, for a side-by-side ratio.
 
     python bench/tp_step_time.py --arch qwen3-8b --tp-size 2 --batch 64 1 [--out r.json]
+
+Known problem: on the 2-GPU H200 host its tp=2 run has hung twice before printing anything (with the
+ranks' devices given explicitly, then with one visible GPU per rank); tp=1 there and tp=2 on CPUs
+(gloo) run. Until that is understood, `decode_latency.py --tp-size 2` (through Ray) is the tp=2 figure.
 """
 
 from __future__ import annotations
