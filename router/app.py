@@ -154,7 +154,7 @@ async def _stream(state: RouterState, pieces, fmt: Formatter, prompt_tokens: int
                 if piece.finish_reason is not None:
                     outcome["reason"] = piece.finish_reason
                 if piece.text or piece.finish_reason is not None or piece.logprobs:
-                    yield sse(fmt.chunk(piece))
+                    yield fmt.chunk_sse(piece)
         if include_usage:
             yield sse(fmt.usage_chunk(prompt_tokens, completion))
         yield sse("[DONE]")

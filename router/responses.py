@@ -24,6 +24,9 @@ class Formatter:
         self.top_logprobs = top_logprobs  # None: no logprobs
         self.created = int(time.time())
         self.offset = 0
+        head = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": self.created, "model": self.model}
+        self._sse_head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ', "choices": ['
 
     def _token(self, t: int) -> str:
         return self.tok.decode([t])
@@ -79,6 +82,20 @@ class Formatter:
         choice["finish_reason"] = piece.finish_reason if piece is not None else None
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice]}
+
+    def chunk_sse(self, piece: Piece) -> str:
+        """`sse(self.chunk(piece))`, built from this request's fixed head: a streamed token's only
+        per-token work here is encoding its text (the router does this for every token it streams)."""
+        if self.top_logprobs is not None:
+            return sse(self.chunk(piece))
+        text, reason = json.dumps(piece.text, ensure_ascii=False), json.dumps(piece.finish_reason)
+        if not self.chat:
+            choice = '{"index": 0, "text": ' + text
+        elif piece.finish_reason is not None and not piece.text:
+            choice = '{"index": 0, "delta": {}'
+        else:
+            choice = '{"index": 0, "delta": {"content": ' + text + "}"
+        return self._sse_head + choice + ', "logprobs": null, "finish_reason": ' + reason + "}]}\n\n"
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
