@@ -7,6 +7,10 @@ import os
 # Tiny models gain nothing from intra-op threads, and on a 2-core machine shared with Ray workers,
 # OpenMP's spinning threads slow each matmul a thousandfold.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+if not os.path.exists("/dev/nvidiactl"):
+    # without a GPU, Triton kernels (worker/layers/prologue.py) run under Triton's interpreter; set
+    # before torch is imported, which may import Triton (the interpreter is chosen at its import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pathlib import Path  # noqa: E402
 

@@ -194,3 +194,15 @@ def test_fused_kernels_agree_with_torch_elementwise_in_bfloat16(qwen3_hd128_path
     ref, ref_tops = run(path, prompts, params, fused_kernels=False, **common)
     got, _ = run(path, prompts, params, fused_kernels=True, **common)
     assert agreement(ref, got, ref_tops) >= 0.99
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_triton_prologue_agrees_with_the_unfused_layers_in_bfloat16(qwen3_hd128_path, model_paths, family):
+    pytest.importorskip("triton")
+    path = qwen3_hd128_path if family == "qwen3" else model_paths["llama"]
+    prompts = random_prompts(12, 5, 200)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=4)
+    common = dict(dtype="bfloat16", page_size=16, cuda_graph_max_bs=16)  # FlashInfer, CUDA graphs
+    ref, ref_tops = run(path, prompts, params, triton_prologue=False, **common)
+    got, _ = run(path, prompts, params, triton_prologue=True, **common)
+    assert agreement(ref, got, ref_tops) >= 0.99

@@ -7,14 +7,18 @@ from abc import ABC, abstractmethod
 import torch
 
 from worker.batch import ForwardBatch
+from worker.kv_cache import KVCachePool
 
 
 class AttentionBackend(ABC):
+    kv: KVCachePool
+    out_loc: torch.Tensor  # this step's KV-cache locations, one per token (set by prepare)
+
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None:
         """Derive this step's metadata (shared by every layer) from the batch."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """Write k and v at the batch's out_loc, then attend q ([T, heads, head_dim]) over each request's
+        """Write k and v at the batch's out_loc (unless they are None: already written), then attend q ([T, heads, head_dim]) over each request's
         cached prefix and its new tokens, causally. Returns [T, heads, head_dim]."""

@@ -158,6 +158,7 @@ class FlashInferBackend(AttentionBackend):
     # -- attention -----------------------------------------------------------------------------------
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        self.kv.store(layer_id, self.out_loc, k, v)
+        if k is not None:
+            self.kv.store(layer_id, self.out_loc, k, v)
         with self._on_torch_stream():
             return self.wrapper.run(q, self.caches[layer_id])

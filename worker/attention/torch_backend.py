@@ -18,7 +18,7 @@ class TorchBackend(AttentionBackend):
         self.batch: ForwardBatch | None = None
 
     def prepare(self, batch: ForwardBatch) -> None:
-        self.batch = batch
+        self.batch, self.out_loc = batch, batch.out_loc
         desc = batch.desc
         max_len = int(desc.seq_lens.max())
         # every request's KV locations, padded to the longest; masked below
@@ -37,7 +37,8 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         batch = self.batch
-        self.kv.store(layer_id, batch.out_loc, k, v)
+        if k is not None:
+            self.kv.store(layer_id, batch.out_loc, k, v)
         k_cache, v_cache = self.kv.k(layer_id), self.kv.v(layer_id)
         if batch.desc.is_prefill:
             out = torch.empty_like(q)

@@ -10,6 +10,7 @@ from worker.attention.base import AttentionBackend
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from worker.layers.mlp import SwiGLU
+from worker.layers import prologue
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
 from worker.parallel import TPGroup
@@ -37,7 +38,16 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+        qkv = self.qkv_proj(x)
+        if prologue.applies(qkv, self.head_dim):  # norm, rotary and the KV write in one kernel
+            norm = self.q_norm is not None
+            q = prologue.qkv_prologue(qkv, positions, attn.out_loc, self.rotary.cos_sin,
+                                      self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                                      self.q_norm.eps if norm else 0.0, attn.kv.k(self.layer_id),
+                                      attn.kv.v(self.layer_id), self.num_heads, self.num_kv_heads, self.head_dim)
+            out = attn.forward(q, None, None, self.layer_id)
+            return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                                           self.num_kv_heads * self.head_dim], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
