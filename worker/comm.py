@@ -12,7 +12,6 @@ import torch.distributed as dist
 from worker.batch import BatchDesc
 from worker.parallel import TPGroup
 
-
 KEEPALIVE = "keepalive"  # sent by an idle rank 0 in place of a step
 
 

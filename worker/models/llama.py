@@ -7,10 +7,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from worker.attention.base import AttentionBackend
+from worker.layers import prologue
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from worker.layers.mlp import SwiGLU
-from worker.layers import prologue
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
 from worker.parallel import TPGroup
