@@ -69,10 +69,10 @@ case $1 in
     step online 170 $B/online_serving.py --arch qwen3-0.6b --page-size 256 --num-prompts 256 \
       --input-len 100 1024 --output-len 100 1024 --concurrency 1 256 --c1-prompts 8 --offline --out "$OUT/online.json"
     step q8b_steps_tp2 100 $B/tp_step_time.py --arch qwen3-8b --tp-size 2 --batch 64 1 --out "$OUT/q8b_steps_tp2.json" ;;
-  8)  # one GPU: the Triton attention prologue, tested then measured against the FlashInfer-fused layers
-    step prologue_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -k "prologue or fused"
+  8)  # one GPU: the Triton kernels (attention prologue, sampler), tested, then measured beside the default
+    step triton_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -k "triton or fused"
     step latency 60 $B/decode_latency.py --repeats 2 --out "$OUT/latency.json"
-    step latency_prologue 60 $B/decode_latency.py --repeats 2 --triton-prologue --out "$OUT/latency_prologue.json"
+    step latency_triton 60 $B/decode_latency.py --repeats 2 --triton-kernels --out "$OUT/latency_triton.json"
     step offline 110 $B/offline_throughput.py --out "$OUT/offline.json"
-    step offline_prologue 110 $B/offline_throughput.py --triton-prologue --out "$OUT/offline_prologue.json" ;;
+    step offline_triton 110 $B/offline_throughput.py --triton-kernels --out "$OUT/offline_triton.json" ;;
 esac

@@ -8,7 +8,7 @@ import os
 # OpenMP's spinning threads slow each matmul a thousandfold.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if not os.path.exists("/dev/nvidiactl"):
-    # without a GPU, Triton kernels (worker/layers/prologue.py) run under Triton's interpreter; set
+    # without a GPU, Triton kernels (worker/triton_ops.py) run under Triton's interpreter; set
     # before torch is imported, which may import Triton (the interpreter is chosen at its import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -197,12 +197,33 @@ def test_fused_kernels_agree_with_torch_elementwise_in_bfloat16(qwen3_hd128_path
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_triton_prologue_agrees_with_the_unfused_layers_in_bfloat16(qwen3_hd128_path, model_paths, family):
+def test_triton_kernels_agree_with_the_unfused_layers_in_bfloat16(qwen3_hd128_path, model_paths, family):
     pytest.importorskip("triton")
     path = qwen3_hd128_path if family == "qwen3" else model_paths["llama"]
     prompts = random_prompts(12, 5, 200)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=4)
     common = dict(dtype="bfloat16", page_size=16, cuda_graph_max_bs=16)  # FlashInfer, CUDA graphs
-    ref, ref_tops = run(path, prompts, params, triton_prologue=False, **common)
-    got, _ = run(path, prompts, params, triton_prologue=True, **common)
+    ref, ref_tops = run(path, prompts, params, triton_kernels=False, **common)
+    got, _ = run(path, prompts, params, triton_kernels=True, **common)
     assert agreement(ref, got, ref_tops) >= 0.99
+
+
+def test_triton_sampling_kernel_picks_what_the_torch_sampler_picks_at_full_vocabulary():
+    pytest.importorskip("triton")
+    from worker import triton_ops
+    from worker.sampler import sample, uniform_from
+    torch.manual_seed(1)
+    rows, vocab = 256, 151_936
+    logits = torch.randn(rows, vocab, device="cuda") * 3
+    temperature = torch.rand(rows, device="cuda") * 1.5
+    temperature[::7] = 0.0
+    seeds, positions = torch.arange(rows, device="cuda") * 7919 + 3, torch.arange(rows, device="cuda") + 11
+    triton_ops.enable(True)
+    try:
+        got = triton_ops.sample_rows(logits, temperature, uniform_from(seeds, positions))
+    finally:
+        triton_ops.enable(False)
+    want = sample(logits, temperature, torch.ones(rows, device="cuda"), torch.full((rows,), -1, device="cuda"),
+                  seeds, positions, all_greedy=False, any_filter=False)
+    assert torch.equal(got[::7], logits[::7].argmax(-1))
+    assert (got == want).float().mean() >= 0.95

@@ -20,5 +20,5 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 2.0        # KV-cache budget on the CPU
     cuda_graph_max_bs: int = 256        # 0 turns CUDA graphs off
     fused_kernels: bool = True          # FlashInfer's fused norm/rope/activation on CUDA in half precision
-    triton_prologue: bool = False       # q/k norm, rotary and the KV write in one Triton kernel (not yet measured)
+    triton_kernels: bool = False        # Triton attention prologue and sampler (not yet measured on a GPU)
     seed: int = 0                       # for dummy weights

@@ -8,7 +8,7 @@ Padded rows read token 0 at position 0 and write their KV to a scratch page that
 from __future__ import annotations
 
 import bisect
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -19,11 +19,12 @@ import numpy as np
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from worker import triton_ops
 from worker.attention import create_backend
 from worker.batch import BatchDesc, ForwardBatch, StepOutput
 from worker.config import EngineConfig
 from worker.kv_cache import KVCachePool
-from worker.layers import fused, prologue
+from worker.layers import fused
 from worker.loader import CheckpointError, init_dummy_weights, load_weights
 from worker.models import build_model
 from worker.parallel import TPGroup
@@ -85,7 +86,7 @@ class Engine:
             torch.cuda.set_device(self.device.index or 0)
             self.device = torch.device("cuda", torch.cuda.current_device())
         fused.enable(config.fused_kernels)
-        prologue.enable(config.triton_prologue)
+        triton_ops.enable(config.triton_kernels)
         self.hf_config = load_hf_config(config.model_path)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_seq_len = config.max_seq_len or self.hf_config.max_position_embeddings

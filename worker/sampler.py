@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from worker import triton_ops
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -30,9 +32,11 @@ def uniform_from(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
            seeds: torch.Tensor, positions: torch.Tensor, *, all_greedy: bool, any_filter: bool) -> torch.Tensor:
     """logits: float32 [B, V]. `all_greedy` and `any_filter` are known on the host and skip work."""
-    greedy = logits.argmax(dim=-1)
     if all_greedy:
-        return greedy
+        return logits.argmax(dim=-1)
+    if not any_filter and triton_ops.available(logits):  # one kernel for what follows
+        return triton_ops.sample_rows(logits, temperature, uniform_from(seeds, positions))
+    greedy = logits.argmax(dim=-1)
     probs = torch.softmax(logits / temperature.clamp(min=1e-5).unsqueeze(1), dim=-1)
     order = None
     if any_filter:

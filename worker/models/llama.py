@@ -6,8 +6,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from worker import triton_ops
 from worker.attention.base import AttentionBackend
-from worker.layers import prologue
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from worker.layers.mlp import SwiGLU
@@ -39,9 +39,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if prologue.applies(qkv, self.head_dim):  # norm, rotary and the KV write in one kernel
+        if triton_ops.prologue_applies(qkv, self.head_dim):  # norm, rotary and the KV write in one kernel
             norm = self.q_norm is not None
-            q = prologue.qkv_prologue(qkv, positions, attn.out_loc, self.rotary.cos_sin,
+            q = triton_ops.qkv_prologue(qkv, positions, attn.out_loc, self.rotary.cos_sin,
                                       self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
                                       self.q_norm.eps if norm else 0.0, attn.kv.k(self.layer_id),
                                       attn.kv.v(self.layer_id), self.num_heads, self.num_kv_heads, self.head_dim)

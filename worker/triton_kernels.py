@@ -1,5 +1,5 @@
-"""The Triton kernel of worker/layers/prologue.py (a module of its own: Triton's interpreter patches
-`tl` in the kernel's module globals, and importing it needs Triton)."""
+"""Triton kernels of worker/triton_ops.py (a module of their own: Triton's interpreter patches `tl` in
+the kernels' module globals, and importing this needs Triton)."""
 
 import triton
 import triton.language as tl
@@ -44,3 +44,40 @@ def qkv_prologue_kernel(qkv_ptr, pos_ptr, loc_ptr, cos_sin_ptr, q_weight_ptr, k_
         v_src = row + (NUM_HEADS + NUM_KV_HEADS + j) * HEAD_DIM
         tl.store(v_cache_ptr + cell + offs, tl.load(v_src + offs))
         tl.store(v_cache_ptr + cell + half + offs, tl.load(v_src + half + offs))
+
+
+@triton.jit
+def sample_rows_kernel(logits_ptr, row_stride, temperature_ptr, u_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+    # one program per row: the row's argmax and its softmax(logits / T) normalizer in one pass (an
+    # online max and sum), then the inverse CDF at u * normalizer in a second; T <= 0 is greedy
+    row = tl.program_id(0)
+    base = logits_ptr + row.to(tl.int64) * row_stride
+    t = tl.load(temperature_ptr + row)
+    inv_t = 1.0 / tl.maximum(t, 1e-5)
+    offs = tl.arange(0, BLOCK)
+    best = -float("inf")
+    best_idx = 0
+    total = 0.0
+    for start in range(0, vocab, BLOCK):
+        x = tl.load(base + start + offs, mask=start + offs < vocab, other=-float("inf"))
+        block_max = tl.max(x, axis=0)
+        block_idx = start + tl.argmax(x, axis=0)
+        new_best = tl.maximum(best, block_max)
+        # the first index of the row's largest value, as torch.argmax picks it
+        best_idx = tl.where(block_max > best, block_idx, best_idx)
+        total = total * tl.exp((best - new_best) * inv_t) + tl.sum(tl.exp((x - new_best) * inv_t), axis=0)
+        best = new_best
+    target = (tl.load(u_ptr + row) * total).to(tl.float32)
+    found = vocab - 1
+    done = 0
+    below = 0.0
+    for start in range(0, vocab, BLOCK):
+        valid = start + offs < vocab
+        x = tl.load(base + start + offs, mask=valid, other=-float("inf"))
+        cdf = below + tl.cumsum(tl.where(valid, tl.exp((x - best) * inv_t), 0.0), axis=0)
+        first = tl.min(tl.where((cdf > target) & valid, offs, BLOCK), axis=0)
+        hit = (first < BLOCK) & (done == 0)
+        found = tl.where(hit, start + first, found)
+        done = tl.where(hit, 1, done)
+        below = tl.max(tl.where(valid, cdf, 0.0), axis=0)
+    tl.store(out_ptr + row, tl.where(t <= 0, best_idx, found).to(tl.int64))
