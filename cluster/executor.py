@@ -52,8 +52,11 @@ class TensorParallelExecutor:
             raise ReplicaBrokenError(f"tensor-parallel group failed: {e}") from e
 
     def wait(self, out: StepOutput) -> None:
-        with self._busy():
-            out.done.synchronize()
+        try:
+            with self._busy():
+                out.done.synchronize()
+        except RuntimeError as e:  # an NCCL abort or a CUDA error surfaces here
+            raise ReplicaBrokenError(f"tensor-parallel group failed: {e}") from e
 
     def stuck_for(self) -> float:
         """Seconds the current launch or wait has lasted (0 when neither runs). On GPUs a collective

@@ -128,6 +128,8 @@ class SchedulerActor:
             self.scheduler.submit(uid, ids, params)
 
     def abort(self, uids: list[int]) -> None:
+        with self._ready:  # an aborted request gets no delta: it leaves the live set here
+            self._live.difference_update(uids)
         for uid in uids:
             self.scheduler.abort(uid)
 

@@ -138,19 +138,25 @@ def test_watchdog_fails_a_replica_whose_step_blocks_on_the_host(ray_cluster, qwe
     actor.scheduler.executor = hanging
     threading.Thread(target=actor._watch, args=(hanging,), daemon=True).start()
 
+    seen: list[TokenDelta] = []
+
     def until_finished(uid: int) -> TokenDelta:
         while True:
-            for d in actor.poll(1.0):
-                if d.uid == uid and d.finished:
-                    return d
+            seen.extend(actor.poll(1.0))
+            ends = [d for d in seen if d.uid == uid and d.finished]
+            if ends:
+                return ends[0]
     try:
         assert actor.ping()
+        actor.submit([(9, [5, 6, 7], greedy(200, ignore_eos=True))])
+        actor.abort([9])  # ended by its client: nothing more may reach it, the failure below neither
         hanging.hang.set()
         start = time.monotonic()
         actor.submit([(1, [5, 6, 7], greedy(8))])
         failed = until_finished(1)
         assert failed.finish_reason == "error" and "tensor-parallel group failed" in failed.error
         assert limit <= time.monotonic() - start < 3 * limit
+        assert not [d for d in seen if d.uid == 9 and d.error is not None]
         assert not actor.ping()  # the router's supervisor replaces a replica that answers False
         actor.submit([(2, [5, 6], greedy(2))])  # later requests get the error at once
         assert "tensor-parallel group failed" in until_finished(2).error

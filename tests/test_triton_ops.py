@@ -94,3 +94,20 @@ def test_sampling_kernel_picks_what_the_torch_sampler_picks(triton_on, vocab):
     assert torch.equal(got[::7], logits[::7].argmax(-1))
     assert (got == want).float().mean() >= 0.95  # they may part only where u is within rounding of a step
     assert ((got >= 0) & (got < vocab)).all()
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+def test_a_draw_at_the_top_of_the_cdf_lands_on_a_token_with_probability(monkeypatch, use_triton):
+    import worker.sampler as sampler
+    vocab = 5000
+    logits = torch.zeros(2, vocab)
+    logits[:, 4000:] = -1e4  # a tail of tokens with no probability (exp underflows to 0)
+    near_one = torch.tensor([1 - 1e-12, 1 - 1e-9], dtype=torch.float64)
+    monkeypatch.setattr(sampler, "uniform_from", lambda seeds, positions: near_one)
+    triton_ops.enable(use_triton)
+    try:
+        got = sample(logits, torch.ones(2), torch.ones(2), torch.full((2,), -1), torch.zeros(2, dtype=torch.int64),
+                     torch.zeros(2, dtype=torch.int64), all_greedy=False, any_filter=False)
+    finally:
+        triton_ops.enable(False)
+    assert (got < 4000).all() and (got >= 3990).all(), got

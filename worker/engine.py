@@ -119,6 +119,20 @@ class Engine:
         self.staging = PinnedStaging(self.device)
         self.step_timer = None  # optional: an object with begin(stream, desc) and end(stream), for benchmarks
         self.graphs = self._capture_graphs()
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One sampled prefill step of one token into the scratch page, on every rank alike (its
+        collectives too): what the first request would otherwise wait for (FlashInfer's prefill
+        kernels, Triton kernels: compiled on first use, a minute on a fresh host) happens here, before
+        the replica takes traffic and before rank 0's watchdog times steps."""
+        def one(value, dtype):
+            return np.array([value], dtype=dtype)
+        desc = BatchDesc(True, table_idx=one(0, np.int32), seq_lens=one(1, np.int32), extend_lens=one(1, np.int32),
+                         out_loc=one(self.scratch_page * self.page_size, np.int32), input_ids=one(0, np.int32),
+                         temperature=one(0.5, np.float32), top_p=one(1.0, np.float32), top_k=one(-1, np.int32),
+                         seeds=one(0, np.int64))
+        self.forward(desc).done.synchronize()
 
     def _pages_from_budget(self, kv_heads: int, head_dim: int) -> int:
         per_page = KVCachePool.bytes_per_page(self.hf_config.num_hidden_layers, self.page_size, kv_heads, head_dim,

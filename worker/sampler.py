@@ -48,8 +48,11 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
         keep = (rank < k) & ((before < top_p.unsqueeze(1)) | (rank == 0))
         probs = probs * keep
     cdf = probs.cumsum(dim=-1)
-    u = (uniform_from(seeds, positions) * cdf[:, -1].double()).to(cdf.dtype).unsqueeze(1)
-    idx = torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[1] - 1).squeeze(1)
+    total = cdf[:, -1:]
+    u = (uniform_from(seeds, positions).unsqueeze(1) * total.double()).to(cdf.dtype)
+    # strictly below the total, so the search lands on a token with probability, never past the end
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    idx = torch.searchsorted(cdf, u, right=True).squeeze(1)
     if order is not None:
         idx = order.gather(1, idx.unsqueeze(1)).squeeze(1)
     return torch.where(temperature <= 0, greedy, idx)

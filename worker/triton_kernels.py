@@ -68,16 +68,17 @@ def sample_rows_kernel(logits_ptr, row_stride, temperature_ptr, u_ptr, out_ptr, 
         total = total * tl.exp((best - new_best) * inv_t) + tl.sum(tl.exp((x - new_best) * inv_t), axis=0)
         best = new_best
     target = (tl.load(u_ptr + row) * total).to(tl.float32)
-    found = vocab - 1
-    done = 0
+    found = -1
+    last = best_idx  # the last token with probability: where rounding leaves the target past the end
     below = 0.0
     for start in range(0, vocab, BLOCK):
         valid = start + offs < vocab
         x = tl.load(base + start + offs, mask=valid, other=-float("inf"))
-        cdf = below + tl.cumsum(tl.where(valid, tl.exp((x - best) * inv_t), 0.0), axis=0)
+        p = tl.where(valid, tl.exp((x - best) * inv_t), 0.0)
+        cdf = below + tl.cumsum(p, axis=0)
         first = tl.min(tl.where((cdf > target) & valid, offs, BLOCK), axis=0)
-        hit = (first < BLOCK) & (done == 0)
-        found = tl.where(hit, start + first, found)
-        done = tl.where(hit, 1, done)
+        found = tl.where((first < BLOCK) & (found < 0), start + first, found)
+        last = tl.maximum(last, tl.max(tl.where(p > 0, start + offs, -1), axis=0))
         below = tl.max(tl.where(valid, cdf, 0.0), axis=0)
+    found = tl.where(found < 0, last, found)
     tl.store(out_ptr + row, tl.where(t <= 0, best_idx, found).to(tl.int64))
