@@ -109,8 +109,7 @@ class SchedulerActor:
                 return
             log.error("replica %d is broken: %s", self.replica_id, why)
             self.broken = why
-            self._outbox.extend(TokenDelta(uid, None, finished=True, finish_reason="error", error=why)
-                                for uid in sorted(self._live))
+            self._outbox.extend(_error_deltas(sorted(self._live), why))
             self._live.clear()
             self._ready.notify_all()
 
@@ -119,8 +118,7 @@ class SchedulerActor:
     def submit(self, requests: list[tuple[int, list[int], SamplingParams]]) -> None:
         with self._ready:
             if self.broken:
-                self._outbox.extend(TokenDelta(uid, None, finished=True, finish_reason="error", error=self.broken)
-                                    for uid, _, _ in requests)
+                self._outbox.extend(_error_deltas([uid for uid, _, _ in requests], self.broken))
                 self._ready.notify_all()
                 return
             self._live.update(uid for uid, _, _ in requests)
@@ -168,3 +166,7 @@ class SchedulerActor:
             self.executor.shutdown()
         # a broken group cannot be taken down in order (a peer is gone, a kernel may spin on the
         # GPU): the caller kills this process, which frees everything
+
+
+def _error_deltas(uids: list[int], why: str) -> list[TokenDelta]:
+    return [TokenDelta(uid, None, finished=True, finish_reason="error", error=why) for uid in uids]

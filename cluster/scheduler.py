@@ -242,7 +242,6 @@ class Scheduler:
         try:
             self.executor.wait(out)  # this batch, and every one before it, is done on the device
         except ReplicaBrokenError as e:
-            self.in_flight = None
             self.fail_all(str(e))
             raise
         self.slots.release_deferred()

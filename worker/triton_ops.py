@@ -10,24 +10,29 @@ under Triton's interpreter (TRITON_INTERPRET=1: how the tests check them against
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
+log = logging.getLogger(__name__)
+
 _enabled = False
+_interpreted = False  # Triton's interpreter runs the kernels on CPU tensors
 _SAMPLE_BLOCK = 4096
 
 
 def enable(on: bool) -> None:
     """Set from EngineConfig.triton_kernels when an engine is built (one engine per process)."""
-    global _enabled
-    _enabled = on
+    global _enabled, _interpreted
+    _enabled = on and _kernels() is not None
+    _interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if on and not _enabled:
+        log.warning("triton_kernels is on but Triton is not installed: using the torch kernels")
 
 
 def available(x: torch.Tensor) -> bool:
-    if not _enabled or not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return False
-    return _kernels() is not None
+    return _enabled and (x.is_cuda or _interpreted)
 
 
 def prologue_applies(qkv: torch.Tensor, head_dim: int) -> bool:

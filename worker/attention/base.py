@@ -20,5 +20,6 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """Write k and v at the batch's out_loc (unless they are None: already written), then attend q ([T, heads, head_dim]) over each request's
-        cached prefix and its new tokens, causally. Returns [T, heads, head_dim]."""
+        """Write k and v at the batch's out_loc (unless they are None: already written), then attend q
+        ([T, heads, head_dim]) over each request's cached prefix and its new tokens, causally.
+        Returns [T, heads, head_dim]."""

@@ -42,21 +42,25 @@ class Attention(nn.Module):
         if triton_ops.prologue_applies(qkv, self.head_dim):  # norm, rotary and the KV write in one kernel
             norm = self.q_norm is not None
             q = triton_ops.qkv_prologue(qkv, positions, attn.out_loc, self.rotary.cos_sin,
-                                      self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                                      self.q_norm.eps if norm else 0.0, attn.kv.k(self.layer_id),
-                                      attn.kv.v(self.layer_id), self.num_heads, self.num_kv_heads, self.head_dim)
-            out = attn.forward(q, None, None, self.layer_id)
-            return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+                                        self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                                        self.q_norm.eps if norm else 0.0, attn.kv.k(self.layer_id),
+                                        attn.kv.v(self.layer_id), self.num_heads, self.num_kv_heads, self.head_dim)
+            out = attn.forward(q, None, None, self.layer_id)  # keys and values are in the cache already
+        else:
+            out = attn.forward(*self._qkv(qkv, positions), self.layer_id)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+    def _qkv(self, qkv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The unfused prologue: split, q/k norm, rotary."""
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                                          self.num_kv_heads * self.head_dim], dim=-1)
+                             self.num_kv_heads * self.head_dim], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = attn.forward(q, k, v, self.layer_id)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        return q, k, v
 
 
 class DecoderLayer(nn.Module):
