@@ -72,6 +72,7 @@ class ServeConfig:
     max_stop_strings: int = 16
     request_timeout_s: float | None = None
     drain_timeout_s: float = 30.0
+    health_check_timeout_s: float = 30.0  # a replica silent this long is replaced (a dead one at once)
     log_level: str = "INFO"
 
     @classmethod

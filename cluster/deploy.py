@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 import uuid
 
 import ray
@@ -50,7 +52,10 @@ def uses_gpus(config: ReplicaConfig) -> bool:
 class ReplicaHandle:
     """The driver's handle on one replica: its actors and placement group."""
 
-    def __init__(self, config: ReplicaConfig, replica_id: int = 0, ready_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: ReplicaConfig, replica_id: int = 0, ready_timeout_s: float = 600.0,
+                 abandon: threading.Event | None = None) -> None:
+        """Places and starts the replica; blocks until it serves. `abandon` set while the placement
+        group waits for resources gives up (the server is stopping)."""
         self.config, self.replica_id = config, replica_id
         gpu = uses_gpus(config)
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
@@ -59,11 +64,22 @@ class ReplicaHandle:
         self.actor = None
         self.followers: list = []
         try:
-            ray.get(self.pg.ready(), timeout=ready_timeout_s)
+            self._wait_placed(ready_timeout_s, abandon)
             self._start(gpu, ready_timeout_s)
         except BaseException:
             self.shutdown()
             raise
+
+    def _wait_placed(self, timeout_s: float, abandon: threading.Event | None) -> None:
+        ready, deadline = self.pg.ready(), time.monotonic() + timeout_s
+        while not ray.wait([ready], timeout=1.0)[0]:
+            if abandon is not None and abandon.is_set():
+                raise RuntimeError(f"replica {self.replica_id}: abandoned while waiting for resources")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {self.replica_id}: the cluster has not had {self.config.tp_size} "
+                                   f"free {'GPU' if 'GPU' in self.pg.bundle_specs[0] else 'CPU'} bundles "
+                                   f"for {timeout_s:g} s")
+        ray.get(ready)
 
     def _start(self, gpu: bool, timeout_s: float) -> None:
         cfg = self.config
@@ -84,7 +100,7 @@ class ReplicaHandle:
         self.follower_loops = [f.run.remote() for f in self.followers]
 
     def shutdown(self) -> None:
-        """Stops every rank and removes the placement group; nothing is left behind."""
+        """Stops every rank and removes the placement group; nothing is left behind. Idempotent."""
         if self.actor is not None:
             try:
                 ray.get(self.actor.shutdown.remote(), timeout=30)
@@ -94,4 +110,6 @@ class ReplicaHandle:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
         self.actor, self.followers = None, []
-        remove_placement_group(self.pg)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None

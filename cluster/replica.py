@@ -35,6 +35,12 @@ class SchedulerActor:
         self._thread: threading.Thread | None = None
         self.address: str | None = None
 
+    def node_and_pid(self) -> tuple[str, int]:
+        import os
+
+        import ray
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
     def rendezvous_address(self) -> str:
         import ray
         self.address = free_address(ray.util.get_node_ip_address())
@@ -155,8 +161,9 @@ class SchedulerActor:
     def check_integrity(self) -> None:
         self.scheduler.call_between_steps(self.scheduler.check_integrity).result(timeout=30)
 
-    def ping(self) -> bool:
-        return self.broken is None
+    def health(self) -> str | None:
+        """None while the replica serves; once it is broken, why (what its requests were told)."""
+        return self.broken
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -49,8 +49,8 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        down = [c.replica_id for c in state.clients if not c.healthy]
-        if down or not state.clients or state.draining:
+        down = {str(c.replica_id): c.error for c in state.clients if not c.healthy}
+        if down or not state.clients or state.draining:  # down: replica id -> why (it is being replaced)
             return JSONResponse({"status": "unavailable", "replicas_down": down}, status_code=503)
         return {"status": "ok", "replicas": len(state.clients)}
 

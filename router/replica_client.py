@@ -13,8 +13,9 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaClient:
-    def __init__(self, replica_id: int, actor, info: dict) -> None:
+    def __init__(self, replica_id: int, actor, info: dict, health_timeout_s: float = 30.0) -> None:
         self.replica_id, self.actor, self.info = replica_id, actor, info
+        self.health_timeout_s = health_timeout_s
         self.queues: dict[int, asyncio.Queue] = {}
         self._submits: list[tuple[int, list[int], SamplingParams]] = []
         self._aborts: list[int] = []
@@ -79,14 +80,19 @@ class ReplicaClient:
                     queue.put_nowait(d)
                     if d.finished:
                         del self.queues[d.uid]
-            if any(d.error is not None for d in deltas) and not await self.answers_ping():
-                self.mark_failed(f"replica {self.replica_id} lost a rank")
+            if any(d.error is not None for d in deltas) and (why := await self.check_health()) is not None:
+                self.mark_failed(why)  # stop routing to it now, not at the supervisor's next round
 
-    async def answers_ping(self) -> bool:
+    async def check_health(self) -> str | None:
+        """None when the replica answers that it serves; otherwise why it cannot. A busy replica on a
+        loaded host may take seconds to answer, so only a long silence counts as a hang."""
         try:
-            return await asyncio.wait_for(self.actor.ping.remote(), 5.0)
-        except Exception:  # noqa: BLE001 - dead or stuck
-            return False
+            why = await asyncio.wait_for(self.actor.health.remote(), self.health_timeout_s)
+        except asyncio.TimeoutError:
+            return f"replica {self.replica_id} has not answered a health check in {self.health_timeout_s:g} s"
+        except Exception as e:  # noqa: BLE001 - the actor is gone
+            return f"replica {self.replica_id} failed: {type(e).__name__}"
+        return None if why is None else f"replica {self.replica_id} is broken: {why}"
 
     def mark_failed(self, why: str) -> None:
         self.error = why

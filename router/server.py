@@ -50,7 +50,7 @@ class Server:
             config=config, tokenizer=tokenizer, model_name=name, max_seq_len=info["max_seq_len"],
             vocab_size=info["vocab_size"], policy=create_policy(config.routing), metrics=RouterMetrics(name),
             defaults=generation_defaults(config.model),
-            clients=[ReplicaClient(r.replica_id, r.actor, r.info) for r in self.replicas])
+            clients=[ReplicaClient(r.replica_id, r.actor, r.info, config.health_check_timeout_s) for r in self.replicas])
         self.supervisor = Supervisor(self)
         self.app = build_app(self.state, background=[self.supervisor.run])
         self._uvicorn: uvicorn.Server | None = None
@@ -97,6 +97,8 @@ class Server:
         self.shutdown_replicas()
 
     def shutdown_replicas(self) -> None:
+        if getattr(self, "supervisor", None) is not None:
+            self.supervisor.close()  # first: a replacement being built must not outlive the server
         for replica in getattr(self, "replicas", []):
             replica.shutdown()
         self.replicas = []

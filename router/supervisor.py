@@ -1,11 +1,15 @@
-"""Keeps the replicas serving: a replica whose scheduler actor died, or whose tensor-parallel group
-broke (a follower died, a collective timed out), is taken out of routing at once and replaced with a
-fresh one placed by Ray; traffic returns to it when it is ready."""
+"""Keeps the replicas serving: a replica whose scheduler actor died, whose tensor-parallel group broke
+(a follower died, a collective timed out), or that stays silent past the health-check timeout is
+taken out of routing and replaced with a fresh one placed by Ray; traffic returns to it when it is
+ready. Replacements are built on the supervisor's own threads, so stopping the server never waits
+on the event loop's executor, and `close()` takes down any replacement still being built."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from cluster.deploy import ReplicaHandle
 from router.replica_client import ReplicaClient
@@ -17,35 +21,79 @@ class Supervisor:
     def __init__(self, server, interval_s: float = 1.0) -> None:
         self.server, self.interval_s = server, interval_s
         self.restarts = 0
-        self._replacing: set[int] = set()
+        self._checking: set[int] = set()
+        self._building: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=max(len(server.replicas), 1), thread_name_prefix="replica-rebuild")
 
     async def run(self) -> None:
-        while True:
+        loop = asyncio.get_running_loop()
+        while not self._closed.is_set():
             await asyncio.sleep(self.interval_s)
             for i, client in enumerate(self.server.state.clients):
-                if client.healthy and not await client.answers_ping():
-                    client.mark_failed(f"replica {client.replica_id} stopped answering or lost a rank")
-                if not client.healthy and i not in self._replacing:
-                    self._replacing.add(i)
-                    asyncio.get_running_loop().create_task(self._replace(i))
+                if client.healthy and i not in self._checking:
+                    self._checking.add(i)  # one check in flight per replica: a slow one delays no other
+                    loop.create_task(self._check(i, client))
+                elif not client.healthy and i not in self._building:
+                    self._replace(i)
 
-    async def _replace(self, i: int) -> None:
-        server = self.server
-        old = server.replicas[i]
-        log.warning("replacing replica %d", i)
+    async def _check(self, i: int, client: ReplicaClient) -> None:
         try:
-            await server.state.clients[i].stop()
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, old.shutdown)
-            new = await loop.run_in_executor(None, ReplicaHandle, old.config, i)
+            why = await client.check_health()
+            if why is not None and client.healthy:
+                client.mark_failed(why)
+        finally:
+            self._checking.discard(i)
+
+    def _replace(self, i: int) -> None:
+        with self._lock:
+            if self._closed.is_set():
+                return
+            log.warning("replacing replica %d: %s", i, self.server.state.clients[i].error)
+            future = self._pool.submit(self._rebuild, i, self.server.replicas[i])
+            self._building[i] = future
+        asyncio.ensure_future(self._install(i, future))
+        asyncio.get_running_loop().create_task(self.server.state.clients[i].stop())
+
+    def _rebuild(self, i: int, old: ReplicaHandle) -> ReplicaHandle | None:
+        """On a supervisor thread: the old replica down, a new one up (None when closed meanwhile)."""
+        old.shutdown()
+        new = ReplicaHandle(old.config, i, abandon=self._closed)
+        with self._lock:
+            if self._closed.is_set():
+                new.shutdown()
+                return None
+        return new
+
+    async def _install(self, i: int, future: Future) -> None:
+        try:
+            new = await asyncio.wrap_future(future)
         except Exception as e:  # noqa: BLE001 - try again on the next round
             log.error("replica %d could not be replaced: %s", i, e)
-            self._replacing.discard(i)
-            return
-        client = ReplicaClient(i, new.actor, new.info)
-        client.start()
-        server.replicas[i] = new
-        server.state.clients[i] = client
-        self.restarts += 1
-        self._replacing.discard(i)
+            new = None
+        with self._lock:
+            self._building.pop(i, None)
+            if new is None or self._closed.is_set():
+                return  # when closed, close() has this future and shuts its replica down
+            client = ReplicaClient(i, new.actor, new.info, self.server.config.health_check_timeout_s)
+            client.start()
+            self.server.replicas[i] = new
+            self.server.state.clients[i] = client
+            self.restarts += 1
         log.warning("replica %d is serving again", i)
+
+    def close(self, timeout_s: float = 600.0) -> None:
+        """Stops replacing; a replacement still being built is abandoned or, once up, shut down. Call
+        before shutting the installed replicas down."""
+        with self._lock:
+            self._closed.set()
+            building = list(self._building.values())
+        for future in building:
+            try:
+                new = future.result(timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - it failed or was abandoned: it cleaned up after itself
+                continue
+            if new is not None:
+                new.shutdown()  # never installed: _install saw the supervisor closed
+        self._pool.shutdown(wait=False)

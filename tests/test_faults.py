@@ -5,6 +5,8 @@ replica is replaced and takes traffic again."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -75,3 +77,40 @@ def test_killed_follower_fails_its_stream_and_is_replaced(tp2_pair):
     assert "error" in events[-1] and "tensor-parallel group failed" in events[-1]["error"]["message"]
     assert seconds < 5
     check_recovers(tp2_pair, restarts)
+
+
+def _raylm_objects() -> tuple[list[str], list[str]]:
+    from conftest import live_ray_objects
+    actors, groups = live_ray_objects()
+    return (sorted(a for a in actors if a in ("SchedulerActor", "Follower")),
+            sorted(g for g in groups if g.startswith("raylm-")))
+
+
+def test_a_replica_paused_shorter_than_the_health_timeout_keeps_serving(ray_cluster, qwen3_path):
+    """A busy host can keep a replica from answering for seconds; that alone must not replace it."""
+    with serving(qwen3_path, replicas=1, tp_size=1, num_pages=256, health_check_timeout_s=30) as srv:
+        _, pid = ray.get(srv.replicas[0].actor.node_and_pid.remote())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(3)  # the state under test is "silent for a while", not a synchronisation
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3},
+                       timeout=30)
+        assert r.status_code == 200
+        assert srv.supervisor.restarts == 0 and httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_a_silent_replica_is_replaced_and_stopping_mid_replacement_leaves_nothing(ray_cluster, qwen3_path):
+    before = _raylm_objects()  # the module's other server is still up
+    with serving(qwen3_path, replicas=1, tp_size=1, num_pages=256, health_check_timeout_s=2) as srv:
+        _, pid = ray.get(srv.replicas[0].actor.node_and_pid.remote())
+        os.kill(pid, signal.SIGSTOP)  # alive but answering nothing: a hung replica
+        try:
+            wait_for(lambda: httpx.get(srv.url + "/health").status_code == 503, 30, "the replica to be marked down")
+            body = httpx.get(srv.url + "/health").json()
+            assert "has not answered a health check in 2 s" in json.dumps(body)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # the server stops while the replacement is being built
+    assert _raylm_objects() == before
