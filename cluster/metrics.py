@@ -55,6 +55,15 @@ class ReplicaMetrics:
                 self.itl.observe(per_token, tags)
                 self.tpot.observe(per_token, tags)
 
+    def on_replica_failed(self, num_requests: int) -> None:
+        """The replica broke with num_requests live: each ended with an error, and nothing runs any more
+        (its scheduler may be stuck, so its state is not read)."""
+        tags = self.tags
+        if num_requests:
+            self.requests.inc(num_requests, {**tags, "finish_reason": "error"})
+        self.running.set(0, tags)
+        self.queued.set(0, tags)
+
     def on_step(self, snapshot_fn) -> None:
         """Gauges and token counters, at most once per interval (the scheduler's state is read then)."""
         now = time.monotonic()

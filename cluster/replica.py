@@ -63,7 +63,7 @@ class SchedulerActor:
         self.metrics = ReplicaMetrics(self.replica_id, cfg.model_name or Path(cfg.engine.model_path).name)
         self.scheduler = Scheduler(cfg.scheduler, executor, num_pages=engine.num_pages, page_size=engine.page_size,
                                    max_running_reqs=cfg.engine.max_running_reqs, max_seq_len=engine.max_seq_len,
-                                   eos_ids=eos, on_output=self._publish, on_finish=self.metrics.on_finish)
+                                   eos_ids=eos, on_output=self._publish, on_finish=self._on_finish)
         self._thread = threading.Thread(target=self._loop, name=f"scheduler-{self.replica_id}", daemon=True)
         self._thread.start()
         if isinstance(executor, TensorParallelExecutor):
@@ -97,6 +97,11 @@ class SchedulerActor:
             self._outbox.extend(deltas)
             self._ready.notify_all()
 
+    def _on_finish(self, req, reason: str) -> None:
+        if self.broken and req.uid not in self._live:
+            return  # counted when the replica failed
+        self.metrics.on_finish(req, reason)
+
     def _watch(self, executor: TensorParallelExecutor) -> None:
         """Fails the replica when one step's launch or wait outlasts the collective timeout: on GPUs a
         dead or stalled rank leaves the scheduler thread blocked on the device, unable to fail its own
@@ -116,6 +121,7 @@ class SchedulerActor:
             log.error("replica %d is broken: %s", self.replica_id, why)
             self.broken = why
             self._outbox.extend(_error_deltas(sorted(self._live), why))
+            self.metrics.on_replica_failed(len(self._live))
             self._live.clear()
             self._ready.notify_all()
 
@@ -125,6 +131,7 @@ class SchedulerActor:
         with self._ready:
             if self.broken:
                 self._outbox.extend(_error_deltas([uid for uid, _, _ in requests], self.broken))
+                self.metrics.on_replica_failed(len(requests))
                 self._ready.notify_all()
                 return
             self._live.update(uid for uid, _, _ in requests)

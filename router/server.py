@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -71,11 +72,20 @@ class Server:
 
     def run(self) -> None:
         """Serves until SIGINT or SIGTERM, lets requests in flight finish (up to the drain timeout),
-        then stops every replica."""
+        then stops every replica and returns."""
+        # uvicorn re-raises the signal that stopped it once it has drained; with the default handler
+        # in place that would end the process before the replicas are stopped in order
+        noted: list[int] = []
+        previous = {sig: signal.signal(sig, lambda s, _: noted.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._make_uvicorn().run()
         finally:
-            self.shutdown_replicas()
+            try:
+                self.shutdown_replicas()
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+        log.info("stopped (%s)", ", ".join(signal.Signals(s).name for s in noted) or "no signal")
 
     def start_in_thread(self, timeout_s: float = 60.0) -> str:
         server = self._make_uvicorn()

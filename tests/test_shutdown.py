@@ -75,6 +75,7 @@ def test_sigterm_drains_in_flight_requests_then_leaves_nothing_behind(ray_cluste
     assert streamed[-1] == {"done": True}
     assert streamed[-2]["choices"][0]["finish_reason"] == "length"
     assert "Traceback" not in out, out
+    assert proc.returncode == 0, out  # a drained, orderly stop is a clean exit
     deadline = time.monotonic() + 30
     while live_ray_objects() != ([], []) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from conftest import live_ray_objects
@@ -13,6 +14,7 @@ from helpers import checked_llm, encode_all, greedy
 
 from cluster import LLM, SamplingParams
 from cluster.config import ReplicaConfig, SchedulerConfig
+from cluster.executor import ReplicaBrokenError
 from cluster.llm import GenerationError
 from cluster.messages import TokenDelta
 from cluster.replica import SchedulerActor
@@ -116,6 +118,7 @@ class _HangingExecutor:
         if self.hang.is_set():
             self._since = time.monotonic()
             self.release.wait()
+            raise ReplicaBrokenError("tensor-parallel group failed: the peer's collective timed out at last")
         return self.inner.launch(desc)
 
     def wait(self, out) -> None:
@@ -136,6 +139,8 @@ def test_watchdog_fails_a_replica_whose_step_blocks_on_the_host(ray_cluster, qwe
     actor.start()
     hanging = _HangingExecutor(actor.executor)
     actor.scheduler.executor = hanging
+    ended: list[str] = []  # finish reasons the replica's request counter was given, one per request
+    actor.metrics.requests = SimpleNamespace(inc=lambda n, tags: ended.extend([tags["finish_reason"]] * n))
     threading.Thread(target=actor._watch, args=(hanging,), daemon=True).start()
 
     seen: list[TokenDelta] = []
@@ -160,6 +165,11 @@ def test_watchdog_fails_a_replica_whose_step_blocks_on_the_host(ray_cluster, qwe
         assert "tensor-parallel group failed" in actor.health()  # the router's supervisor replaces it
         actor.submit([(2, [5, 6], greedy(2))])  # later requests get the error at once
         assert "tensor-parallel group failed" in until_finished(2).error
+        hanging.release.set()  # the stuck step fails at last: the loop fails what it held once more
+        for _ in range(2):  # the broken loop drains its inbox, then fails all: twice round it has done both
+            actor.scheduler.call_between_steps(lambda: None).result(timeout=30)
     finally:
         hanging.release.set()
         actor.shutdown()
+    # the two failed requests counted once each, though the released loop fails request 1 again
+    assert sorted(ended) == ["abort", "error", "error"]
