@@ -1,5 +1,10 @@
 """A radix tree over token ids, one edge unit per page: requests that share a prompt prefix share its
-KV pages. Reference counts keep pages in use; unreferenced leaves are evicted least recently used."""
+KV pages. Reference counts keep pages in use; unreferenced leaves are evicted least recently used.
+
+Once the cache fills the memory requests leave free, every page a request allocates comes from an
+eviction, so eviction must not walk the tree: a heap holds each leaf as it becomes evictable, keyed
+by its last use then. Entries go stale (the leaf was locked, touched, given a child, or evicted) and
+are checked when popped; the heap is rebuilt when stale entries outnumber the nodes."""
 
 from __future__ import annotations
 
@@ -27,6 +32,15 @@ class RadixCache(PrefixCache):
         self._pages = 0
         self._evictable = 0
         self._clock = itertools.count(1)
+        self._num_nodes = 1
+        self._leaves: list[tuple[int, int, Node]] = []  # (last use when pushed, tie-break, leaf)
+        self._tie = itertools.count()
+
+    def _push_if_evictable(self, node: Node) -> None:
+        if node.ref == 0 and not node.children and node.parent is not None:
+            if len(self._leaves) > 2 * self._num_nodes + 64:  # mostly stale: rebuild (amortized O(1))
+                self._rebuild_heap()
+            heapq.heappush(self._leaves, (node.last_use, next(self._tie), node))
 
     @property
     def num_pages(self) -> int:
@@ -68,6 +82,7 @@ class RadixCache(PrefixCache):
         child.parent.children[self._key(upper.tokens, 0)] = upper
         child.tokens, child.pages, child.parent = child.tokens[n * ps:], child.pages[n:], upper
         upper.children[self._key(child.tokens, 0)] = child
+        self._num_nodes += 1
         return upper
 
     def match(self, ids: list[int]) -> tuple[Node, list[int]]:
@@ -83,6 +98,8 @@ class RadixCache(PrefixCache):
             node.children[self._key(leaf.tokens, 0)] = leaf
             self._pages += len(leaf.pages)
             self._evictable += len(leaf.pages)
+            self._num_nodes += 1
+            self._push_if_evictable(leaf)
             cached = cached + leaf.pages
             node = leaf
         return node, cached
@@ -102,22 +119,32 @@ class RadixCache(PrefixCache):
             assert node.ref >= 0, "prefix-cache node unlocked more often than locked"
             if node.ref == 0:
                 self._evictable += len(node.pages)
+                self._push_if_evictable(node)
             node = node.parent
 
     def evict(self, n: int) -> list[int]:
-        leaves = [(x.last_use, id(x), x) for x in self._nodes() if not x.children and x.ref == 0]
-        heapq.heapify(leaves)
-        freed: list[int] = []
+        leaves, freed = self._leaves, []
         while leaves and len(freed) < n:
-            _, _, leaf = heapq.heappop(leaves)
+            used, _, leaf = heapq.heappop(leaves)
+            if leaf.ref or leaf.children or leaf.parent is None:
+                continue  # stale: locked, no longer a leaf, or gone; pushed again when evictable
+            if leaf.last_use != used:  # touched since it was pushed: back in at its place
+                heapq.heappush(leaves, (leaf.last_use, next(self._tie), leaf))
+                continue
             parent = leaf.parent
             del parent.children[self._key(leaf.tokens, 0)]
+            leaf.parent = None
+            self._num_nodes -= 1
             freed.extend(leaf.pages)
             self._pages -= len(leaf.pages)
             self._evictable -= len(leaf.pages)
-            if not parent.children and parent.ref == 0:
-                heapq.heappush(leaves, (parent.last_use, id(parent), parent))
+            self._push_if_evictable(parent)
         return freed
+
+    def _rebuild_heap(self) -> None:
+        self._leaves = [(x.last_use, next(self._tie), x) for x in self._nodes()
+                        if x.ref == 0 and not x.children and x.parent is not None]
+        heapq.heapify(self._leaves)
 
     def _nodes(self):
         stack = [self.root]
