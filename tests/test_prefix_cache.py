@@ -82,3 +82,23 @@ def test_many_lock_cycles_without_eviction_keep_the_heap_bounded():
         cache.unlock(handle)
     assert len(cache._leaves) <= 2 * cache._num_nodes + 64 + 1
     assert cache.evict(1) == [0, 1]
+
+
+@pytest.mark.parametrize("cycles", [150, 200, 240, 260])
+def test_one_eviction_frees_every_evictable_page_it_is_asked_for_while_the_heap_is_rebuilt(cycles: int):
+    """Evicting a long chain exposes one parent per eviction; a rebuild of a mostly stale heap part-way
+    through must not lose them."""
+    cache = RadixCache(PAGE)
+    chain = list(range(200))  # 100 pages
+    cache.insert(chain, list(range(100)))
+    for k in range(1, 100):  # matching every prefix splits the edge into 100 one-page nodes
+        cache.match(chain[:k * PAGE])
+    hot, _ = cache.insert([7, 7, 7, 7], [100, 101])
+    for _ in range(cycles):  # stale heap entries, all more recent than the chain
+        cache.match([7, 7, 7, 7])
+        cache.lock(hot)
+        cache.unlock(hot)
+    cache.lock(hot)
+    assert cache.num_evictable == 100
+    assert sorted(cache.evict(100)) == list(range(100))
+    assert cache.num_evictable == 0 and cache.num_pages == 2

@@ -123,13 +123,13 @@ class RadixCache(PrefixCache):
             node = node.parent
 
     def evict(self, n: int) -> list[int]:
-        leaves, freed = self._leaves, []
-        while leaves and len(freed) < n:
-            used, _, leaf = heapq.heappop(leaves)
+        freed: list[int] = []
+        while self._leaves and len(freed) < n:  # not aliased: a push below may rebuild the heap
+            used, _, leaf = heapq.heappop(self._leaves)
             if leaf.ref or leaf.children or leaf.parent is None:
                 continue  # stale: locked, no longer a leaf, or gone; pushed again when evictable
             if leaf.last_use != used:  # touched since it was pushed: back in at its place
-                heapq.heappush(leaves, (leaf.last_use, next(self._tie), leaf))
+                heapq.heappush(self._leaves, (leaf.last_use, next(self._tie), leaf))
                 continue
             parent = leaf.parent
             del parent.children[self._key(leaf.tokens, 0)]
