@@ -32,9 +32,9 @@ class BatchBuilder:
             locs.append(self.cache.locations(req, start, end))
             seq_lens.append(end)
             req.cached_len = end
-            done = end == req.prompt_len
-            if done:  # the prompt's last token samples the first output token
-                req.device_len = req.prompt_len + 1
+            done = end == req.fill_len
+            if done:  # the prompt's last token samples the first output token (the next, after a preemption)
+                req.device_len = req.fill_len + 1
             reqs.append(req)
             emits.append(done)
         self.stats["prefill_tokens"] += sum(len(x) for x in ids)

@@ -16,8 +16,9 @@ class IntegrityError(AssertionError):
 
 
 class CacheManager:
-    def __init__(self, num_pages: int, page_size: int, cache_type: str) -> None:
+    def __init__(self, num_pages: int, page_size: int, cache_type: str, decode_reserve_tokens: int = 1 << 30) -> None:
         self.page_size = page_size
+        self.decode_reserve_tokens = decode_reserve_tokens
         self.allocator = PageAllocator(num_pages)
         self.cache = create_prefix_cache(cache_type, page_size)
         self.caching = cache_type != "naive"
@@ -38,14 +39,16 @@ class CacheManager:
         return self.allocator.num_free + self.cache.num_evictable - self.reserved
 
     def admit(self, req: Req) -> bool:
-        """Matches the prompt against the prefix cache and reserves every page the request may need.
-        False (and nothing held) when they are not available now."""
+        """Matches the tokens to prefill against the prefix cache and reserves the pages the request
+        needs for them and for up to decode_reserve_tokens new tokens. False (and nothing held) when
+        they are not available now."""
         ps = self.page_size
-        # at least one prompt token must be computed to sample from
-        limit = (req.prompt_len - 1) // ps * ps
+        # at least one token must be computed to sample from
+        limit = (req.fill_len - 1) // ps * ps
         handle, pages = self.cache.match(req.input_ids[:limit])
         self.cache.lock(handle)
-        need = self.pages_for(req.max_device_len) - len(pages)
+        upto = min(req.max_device_len, req.fill_len + self.decode_reserve_tokens)
+        need = max(0, self.pages_for(upto) - len(pages))
         if need > self.available:
             self.cache.unlock(handle)
             return False
@@ -53,23 +56,30 @@ class CacheManager:
         req.num_cached_pages = len(pages)
         req.cached_len = req.prefix_hit_len = len(pages) * ps
         req.reserved_pages = need
+        req.may_outgrow = upto < req.max_device_len
         self.reserved += need
         self.prefill_tokens_saved += req.cached_len
         self.prompt_tokens_admitted += req.prompt_len
         return True
 
+    def extra_pages(self, req: Req, upto_len: int) -> int:
+        """Pages req needs for every position below upto_len beyond what it has and has reserved."""
+        return max(0, self.pages_for(upto_len) - len(req.pages) - req.reserved_pages)
+
     def allocate(self, req: Req, upto_len: int) -> None:
-        """Gives req pages for every position below upto_len."""
+        """Gives req pages for every position below upto_len: its reserved ones first, then any
+        available (the caller has checked `extra_pages` against `available`)."""
         n = self.pages_for(upto_len) - len(req.pages)
         if n <= 0:
             return
-        assert n <= req.reserved_pages, "a request allocated past its reservation"
+        reserved = min(n, req.reserved_pages)
+        assert n - reserved <= self.available, "a request allocated pages that are promised to others"
         short = n - self.allocator.num_free
         if short > 0:
             self.allocator.free(self.cache.evict(short))
         req.pages.extend(self.allocator.alloc(n))
-        req.reserved_pages -= n
-        self.reserved -= n
+        req.reserved_pages -= reserved
+        self.reserved -= reserved
 
     def locations(self, req: Req, start: int, end: int) -> np.ndarray:
         """KV locations of positions [start, end)."""

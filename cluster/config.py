@@ -20,6 +20,11 @@ class SchedulerConfig:
     cache_type: str = "radix"       # radix (prefix sharing) or naive
     max_extend_tokens: int = 8192   # prompt tokens per prefill step; longer prompts are chunked
     overlap: bool = True            # launch step N+1 before handling step N's results
+    # KV pages for up to this many new tokens are set aside when a request is admitted; one that
+    # outgrows them takes free pages, and when none are left the newest request is preempted (its
+    # pages go to the prefix cache) and recomputed later. A request whose max_tokens fits is never
+    # preempted.
+    decode_reserve_tokens: int = 1024
 
 
 @dataclass
@@ -62,6 +67,7 @@ class ServeConfig:
     cache_type: str = "radix"
     max_extend_tokens: int = 8192
     overlap: bool = True
+    decode_reserve_tokens: int = 1024
     collective_timeout_s: float = 60.0
     placement_strategy: str = "STRICT_PACK"
     # limits and access
@@ -97,6 +103,8 @@ class ServeConfig:
             raise ValueError("tp_size and replicas must be at least 1")
         if self.routing not in ("cache_aware", "round_robin"):
             raise ValueError(f"routing must be cache_aware or round_robin, not {self.routing!r}")
+        if self.decode_reserve_tokens < 0:
+            raise ValueError(f"decode_reserve_tokens must be at least 0, not {self.decode_reserve_tokens}")
         if self.cache_type not in ("radix", "naive"):
             raise ValueError(f"cache_type must be radix or naive, not {self.cache_type!r}")
 
@@ -107,6 +115,7 @@ class ServeConfig:
             load_format=self.load_format, attention_backend=self.attention_backend,
             gpu_memory_utilization=self.gpu_memory_utilization, cuda_graph_max_bs=self.cuda_graph_max_bs)
         scheduler = SchedulerConfig(cache_type=self.cache_type, max_extend_tokens=self.max_extend_tokens,
-                                    overlap=overlap_from_env(self.overlap))
+                                    overlap=overlap_from_env(self.overlap),
+                                    decode_reserve_tokens=self.decode_reserve_tokens)
         return ReplicaConfig(engine, scheduler, self.tp_size, self.collective_timeout_s, self.placement_strategy,
                              self.served_model_name or Path(self.model).name, self.log_level)

@@ -34,11 +34,12 @@ class LLM:
     def __init__(self, model_path: str, tp_size: int = 1, dtype: str = "auto", page_size: int = 1,
                  cache_type: str = "radix", max_extend_tokens: int = 8192, max_running_reqs: int = 256,
                  num_pages: int | None = None, load_format: str = "auto", overlap: bool = True,
-                 collective_timeout_s: float = 60.0, **engine_options) -> None:
+                 collective_timeout_s: float = 60.0, decode_reserve_tokens: int = 1024, **engine_options) -> None:
         self.engine_config = EngineConfig(model_path=model_path, dtype=dtype, page_size=page_size, num_pages=num_pages,
                                           max_running_reqs=max_running_reqs, load_format=load_format, **engine_options)
         self.scheduler_config = SchedulerConfig(cache_type=cache_type, max_extend_tokens=max_extend_tokens,
-                                                overlap=overlap_from_env(overlap))
+                                                overlap=overlap_from_env(overlap),
+                                                decode_reserve_tokens=decode_reserve_tokens)
         self.tokenizer = load_tokenizer(model_path)
         self._outputs: dict[int, RequestOutput] = {}
         self._uids = itertools.count()

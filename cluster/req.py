@@ -24,13 +24,16 @@ class Req:
     cache_handle: object = None
     reserved_pages: int = 0         # pages it may still allocate, set aside at admission
     prefix_hit_len: int = 0         # prompt tokens found in the prefix cache
+    fill_len: int = 0               # tokens to prefill: the prompt, or after a preemption all tokens so far
+    may_outgrow: bool = False       # its reservation does not cover max_tokens: it may be preempted
+    num_preempted: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     scheduled: float | None = None  # first prefill launch
     first_token: float | None = None
     last_token: float | None = None
 
     def __post_init__(self) -> None:
-        self.prompt_len = len(self.input_ids)
+        self.prompt_len = self.fill_len = len(self.input_ids)
         self.device_len = self.prompt_len
 
     @property
@@ -39,8 +42,8 @@ class Req:
 
     @property
     def extend_len(self) -> int:
-        """Prompt tokens still to prefill."""
-        return self.prompt_len - self.cached_len
+        """Tokens still to prefill."""
+        return self.fill_len - self.cached_len
 
     @property
     def can_decode(self) -> bool:

@@ -69,7 +69,7 @@ class Scheduler:
         self.max_seq_len, self.eos_ids = max_seq_len, frozenset(eos_ids)
         self.on_output = on_output
         self.on_finish = on_finish  # every request that ends (for metrics), with its finish reason
-        self.cache = CacheManager(num_pages, page_size, config.cache_type)
+        self.cache = CacheManager(num_pages, page_size, config.cache_type, config.decode_reserve_tokens)
         self.slots = SlotTable(max_running_reqs)
         self.prefill = PrefillManager(self.cache, self.slots, config.max_extend_tokens)
         self.running: dict[int, Req] = {}       # decoding, by uid
@@ -77,7 +77,7 @@ class Scheduler:
         self.finished_reqs: set[Req] = set()    # ended while a batch holding them may be in flight
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight: Launched | None = None
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0}
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "steps": 0, "preempted": 0}
         self.builder = BatchBuilder(self.cache, self.stats)
         # aborts that arrived before their request (messages from several callers may reorder)
         self._early_aborts: OrderedDict[int, None] = OrderedDict()
@@ -185,8 +185,37 @@ class Scheduler:
             desc, reqs, emits = self.builder.prefill(chosen)
             self.running.update((r.uid, r) for r, done in zip(reqs, emits) if done)
             return desc, reqs, emits
-        decoding = [r for r in self.running.values() if r.can_decode]
+        decoding = self._make_room([r for r in self.running.values() if r.can_decode])
         return self.builder.decode(decoding) if decoding else None
+
+    def _make_room(self, decoding: list[Req]) -> list[Req]:
+        """Preempts requests that have outgrown their reservation, newest first, until the pages this
+        decode step needs beyond reservations are available. Reservations are never taken: a request
+        whose max_tokens fit its reservation runs to its end."""
+        cache = self.cache
+        need = sum(cache.extra_pages(r, r.cached_len + 1) for r in decoding)
+        if need <= cache.available:
+            return decoding
+        for victim in sorted((r for r in decoding if r.may_outgrow), key=lambda r: r.arrival, reverse=True):
+            need -= cache.extra_pages(victim, victim.cached_len + 1)
+            self._preempt(victim)
+            if need <= cache.available:
+                break
+        return [r for r in decoding if r.table_idx >= 0]
+
+    def _preempt(self, req: Req) -> None:
+        """Frees a running request's pages (its computed ones go to the prefix cache) and queues it
+        first to be prefilled again over all its tokens; sampling is a function of (seed, position), so
+        it goes on with the tokens it would have produced."""
+        self.running.pop(req.uid)
+        self._free(req)
+        self.finished_reqs.add(req)  # a step of it in flight: its result is recomputed, so dropped
+        req.cached_len = req.prefix_hit_len = 0
+        req.fill_len = req.device_len = len(req.input_ids)
+        req.num_preempted += 1
+        self.stats["preempted"] += 1
+        self.prefill.waiting.appendleft(req)  # newest preempted first: each goes in front of the later ones
+        log.debug("preempted request %d at %d tokens", req.uid, req.fill_len)
 
     # -- the two loops -------------------------------------------------------------------------------
 
@@ -276,7 +305,7 @@ class Scheduler:
                 newly_finished.add(req)
                 if self.on_finish is not None:
                     self.on_finish(req, delta.finish_reason)
-            elif launched.desc.is_prefill and self.cache.cache_prefix(req, req.prompt_len):
+            elif launched.desc.is_prefill and self.cache.cache_prefix(req, req.fill_len):
                 self.builder.rewrite_rows[req.table_idx] = req
         self.finished_reqs = newly_finished
         if deltas:

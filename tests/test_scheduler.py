@@ -9,7 +9,7 @@ import pytest
 from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy
 
-from cluster import InvalidRequestError
+from cluster import InvalidRequestError, SamplingParams
 from cluster.messages import TokenDelta
 
 
@@ -147,11 +147,12 @@ def test_a_request_that_can_never_fit_is_rejected(qwen3_path):
             llm.generate([[3] * 20], greedy(40))
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_random_workload_with_aborts_matches_hf(qwen3_path, overlap):
+@pytest.mark.parametrize("overlap,reserve", [(True, 1024), (False, 1024), (True, 1), (False, 1)],
+                         ids=["overlap", "normal", "overlap-preempting", "normal-preempting"])
+def test_random_workload_with_aborts_matches_hf(qwen3_path, overlap, reserve):
     rng = random.Random(1234 + overlap)
     with checked_llm(qwen3_path, page_size=2, num_pages=160, max_extend_tokens=48, max_running_reqs=8,
-                     overlap=overlap) as llm:
+                     overlap=overlap, decode_reserve_tokens=reserve) as llm:
         sched = llm.scheduler
         got: dict[int, list[int]] = {}
         done: set[int] = set()
@@ -176,6 +177,7 @@ def test_random_workload_with_aborts_matches_hf(qwen3_path, overlap):
             for uid in [u for u in aborted if rng.random() < 0.1]:
                 sched.abort(uid)
         sched.check_integrity()
+        assert (sched.stats["preempted"] > 0) == (reserve == 1)
     finished = set(prompts) - aborted
     assert finished <= done
     for uid in prompts:
@@ -184,3 +186,53 @@ def test_random_workload_with_aborts_matches_hf(qwen3_path, overlap):
             assert got[uid] == ref, uid
         else:
             assert got.get(uid, []) == ref[:len(got.get(uid, []))], uid
+
+
+def _record_preemptions(llm) -> list[tuple[int, ...]]:
+    """The prompts of the requests the scheduler preempts, in order."""
+    prompts: list[tuple[int, ...]] = []
+    preempt = llm.scheduler._preempt
+
+    def recording(req):
+        prompts.append(tuple(req.input_ids[:req.prompt_len]))
+        preempt(req)
+
+    llm.scheduler._preempt = recording
+    return prompts
+
+
+@pytest.mark.parametrize("overlap,cache_type", [(True, "radix"), (False, "radix"), (True, "naive")])
+def test_requests_that_outgrow_their_reservation_are_preempted_and_still_match_hf(qwen3_path, overlap, cache_type):
+    # 12 prompts that grow by 40 tokens each, 4 tokens reserved at admission, 64 pages of 4 tokens: they
+    # are all admitted, then run out of pages while decoding
+    with checked_llm(qwen3_path, page_size=4, num_pages=64, decode_reserve_tokens=4, overlap=overlap,
+                     cache_type=cache_type) as llm:
+        preempted = _record_preemptions(llm)
+        prompts = encode_all(llm, PROMPT_TEXTS)
+        outs = llm.generate(prompts, greedy(40, ignore_eos=True))
+        assert llm.stats()["preempted"] == len(preempted) > 0
+    assert [o.token_ids for o in outs] == hf_greedy(qwen3_path, prompts, 40, ignore_eos=True)
+
+
+def test_seeded_sampling_is_the_same_with_and_without_preemption(qwen3_path):
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, ignore_eos=True, seed=100 + i)
+              for i in range(len(PROMPT_TEXTS))]
+    results = {}
+    for num_pages in (2048, 96):
+        with checked_llm(qwen3_path, page_size=4, num_pages=num_pages, decode_reserve_tokens=2) as llm:
+            preempted = _record_preemptions(llm)
+            results[num_pages] = [o.token_ids for o in llm.generate(encode_all(llm, PROMPT_TEXTS), params)]
+            assert bool(preempted) == (num_pages == 96)
+    assert results[2048] == results[96]
+
+
+def test_a_request_within_its_reservation_is_never_preempted(qwen3_path):
+    with checked_llm(qwen3_path, page_size=4, num_pages=64, decode_reserve_tokens=8) as llm:
+        preempted = _record_preemptions(llm)
+        prompts = encode_all(llm, PROMPT_TEXTS)
+        # even-numbered requests fit their reservation (8 new tokens); odd ones grow to 40
+        params = [greedy(8 if i % 2 == 0 else 40, ignore_eos=True) for i in range(len(prompts))]
+        outs = [o.token_ids for o in llm.generate(prompts, params)]
+    assert preempted and not {tuple(p) for p in prompts[0::2]} & set(preempted)
+    assert outs[0::2] == hf_greedy(qwen3_path, prompts[0::2], 8, ignore_eos=True)
+    assert outs[1::2] == hf_greedy(qwen3_path, prompts[1::2], 40, ignore_eos=True)

@@ -21,15 +21,20 @@ from cluster.replica import SchedulerActor
 from worker.config import EngineConfig
 
 
-@pytest.mark.parametrize("family,overlap,cache_type", [
-    ("qwen3", True, "radix"), ("qwen3", False, "naive"), ("llama", True, "naive"), ("llama", False, "radix")])
-def test_tp2_greedy_equals_tp1_and_hf(ray_cluster, model_paths, family, overlap, cache_type):
+@pytest.mark.parametrize("family,overlap,cache_type,preempting", [
+    ("qwen3", True, "radix", False), ("qwen3", False, "naive", False), ("llama", True, "naive", True),
+    ("llama", False, "radix", False)])
+def test_tp2_greedy_equals_tp1_and_hf(ray_cluster, model_paths, family, overlap, cache_type, preempting):
     path = model_paths[family]
-    with checked_llm(path, tp_size=2, overlap=overlap, cache_type=cache_type, page_size=4) as llm:
+    # preempting: too few pages for every request's growth, so rank 0 preempts and recomputes some
+    kw = dict(overlap=overlap, cache_type=cache_type, page_size=4,
+              **(dict(num_pages=80, decode_reserve_tokens=1) if preempting else {}))
+    with checked_llm(path, tp_size=2, **kw) as llm:
         prompts = encode_all(llm, PROMPT_TEXTS)
         tp2 = [o.token_ids for o in llm.generate(prompts, greedy(10))]
         assert [o.token_ids for o in llm.generate(prompts, greedy(10))] == tp2  # warm prefix cache
-    with checked_llm(path, overlap=overlap, cache_type=cache_type, page_size=4) as llm:
+        assert (llm.stats()["preempted"] > 0) == preempting
+    with checked_llm(path, **kw) as llm:
         tp1 = [o.token_ids for o in llm.generate(prompts, greedy(10))]
     assert tp2 == tp1 == hf_greedy(path, prompts, 10)
 
