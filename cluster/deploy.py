@@ -65,7 +65,7 @@ class ReplicaHandle:
         self.followers: list = []
         try:
             self._wait_placed(ready_timeout_s, abandon)
-            self._start(gpu, ready_timeout_s)
+            self._start(gpu, ready_timeout_s, abandon)
         except BaseException:
             self.shutdown()
             raise
@@ -81,7 +81,20 @@ class ReplicaHandle:
                                    f"for {timeout_s:g} s")
         ray.get(ready)
 
-    def _start(self, gpu: bool, timeout_s: float) -> None:
+    def _get(self, refs: list, timeout_s: float, abandon: threading.Event | None) -> list:
+        """ray.get, giving up when abandon is set (an error on any ref raises at once)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done, pending = ray.wait(refs, num_returns=len(refs), timeout=1.0)
+            ray.get(done)  # raises at once if a rank failed to start
+            if not pending:
+                return ray.get(refs)
+            if abandon is not None and abandon.is_set():
+                raise RuntimeError(f"replica {self.replica_id}: abandoned while starting")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replica {self.replica_id} did not start within {timeout_s:g} s")
+
+    def _start(self, gpu: bool, timeout_s: float, abandon: threading.Event | None = None) -> None:
         cfg = self.config
 
         def placed(i: int) -> dict:
@@ -90,12 +103,13 @@ class ReplicaHandle:
 
         self.actor = ray.remote(SchedulerActor).options(max_concurrency=16, name=None, **placed(0)).remote(
             cfg, self.replica_id)
-        address = ray.get(self.actor.rendezvous_address.remote(), timeout=timeout_s)
+        address = self._get([self.actor.rendezvous_address.remote()], timeout_s, abandon)[0]
         self.followers = [
             ray.remote(Follower).options(max_concurrency=2, **placed(rank)).remote(
                 cfg.engine, rank, cfg.tp_size, address, cfg.collective_timeout_s)
             for rank in range(1, cfg.tp_size)]
-        started = ray.get([self.actor.start.remote()] + [f.start.remote() for f in self.followers], timeout=timeout_s)
+        started = self._get([self.actor.start.remote()] + [f.start.remote() for f in self.followers], timeout_s,
+                            abandon)
         self.info: dict = started[0]
         self.follower_loops = [f.run.remote() for f in self.followers]
 

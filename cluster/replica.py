@@ -76,7 +76,8 @@ class SchedulerActor:
         while not self._stop.is_set() and not self.broken:
             try:
                 sched.step(block=True)
-                self.metrics.on_step(sched.snapshot)
+                if not self.broken:  # a broken replica's gauges stay at zero
+                    self.metrics.on_step(sched.snapshot)
                 self.executor.keepalive()
             except ReplicaBrokenError as e:
                 self._fail_replica(str(e))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -73,19 +74,34 @@ class Server:
     def run(self) -> None:
         """Serves until SIGINT or SIGTERM, lets requests in flight finish (up to the drain timeout),
         then stops every replica and returns."""
+        if threading.current_thread() is not threading.main_thread():  # no signals here: uvicorn's way
+            try:
+                self._make_uvicorn().run()
+            finally:
+                self.shutdown_replicas()
+            return
         # uvicorn re-raises the signal that stopped it once it has drained; with the default handler
-        # in place that would end the process before the replicas are stopped in order
-        noted: list[int] = []
-        previous = {sig: signal.signal(sig, lambda s, _: noted.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # in place that would end the process before the replicas are stopped in order. A signal that
+        # arrives while they are being stopped ends the process at once (Ray then removes the actors of
+        # the dead driver).
+        state = {"serving": True}
+
+        def on_signal(sig: int, _frame) -> None:
+            if state["serving"]:
+                return  # uvicorn's re-raise of what stopped it
+            log.warning("%s while stopping the replicas: exiting now", signal.Signals(sig).name)
+            os._exit(128 + sig)
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             self._make_uvicorn().run()
         finally:
+            state["serving"] = False
             try:
                 self.shutdown_replicas()
             finally:
                 for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-        log.info("stopped (%s)", ", ".join(signal.Signals(s).name for s in noted) or "no signal")
+                    signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
     def start_in_thread(self, timeout_s: float = 60.0) -> str:
         server = self._make_uvicorn()
@@ -110,5 +126,8 @@ class Server:
         if getattr(self, "supervisor", None) is not None:
             self.supervisor.close()  # first: a replacement being built must not outlive the server
         for replica in getattr(self, "replicas", []):
-            replica.shutdown()
+            try:
+                replica.shutdown()
+            except Exception as e:  # noqa: BLE001 - the others must still be shut down
+                log.error("replica %d did not shut down cleanly: %s", replica.replica_id, e)
         self.replicas = []

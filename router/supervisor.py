@@ -35,7 +35,7 @@ class Supervisor:
                 if client.healthy and i not in self._checking:
                     self._checking.add(i)  # one check in flight per replica: a slow one delays no other
                     loop.create_task(self._check(i, client))
-                elif not client.healthy and i not in self._building:
+                elif not client.healthy and i not in self._building and not self.server.state.draining:
                     self._replace(i)
 
     async def _check(self, i: int, client: ReplicaClient) -> None:
@@ -61,9 +61,10 @@ class Supervisor:
         old.shutdown()
         new = ReplicaHandle(old.config, i, abandon=self._closed)
         with self._lock:
-            if self._closed.is_set():
-                new.shutdown()
-                return None
+            closed = self._closed.is_set()
+        if closed:  # close() may have given up waiting for this one
+            _shutdown_quietly(new)
+            return None
         return new
 
     async def _install(self, i: int, future: Future) -> None:
@@ -92,8 +93,18 @@ class Supervisor:
         for future in building:
             try:
                 new = future.result(timeout=timeout_s)
+            except TimeoutError:
+                log.error("a replacement replica is still starting after %g s; it stops once started", timeout_s)
+                continue
             except Exception:  # noqa: BLE001 - it failed or was abandoned: it cleaned up after itself
                 continue
             if new is not None:
-                new.shutdown()  # never installed: _install saw the supervisor closed
+                _shutdown_quietly(new)  # never installed: _install saw the supervisor closed
         self._pool.shutdown(wait=False)
+
+
+def _shutdown_quietly(replica: ReplicaHandle) -> None:
+    try:
+        replica.shutdown()
+    except Exception as e:  # noqa: BLE001 - the others must still be shut down
+        log.error("replica %d did not shut down cleanly: %s", replica.replica_id, e)
