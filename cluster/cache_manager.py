@@ -38,7 +38,7 @@ class CacheManager:
         """Pages that a new request could still be promised."""
         return self.allocator.num_free + self.cache.num_evictable - self.reserved
 
-    def admit(self, req: Req) -> bool:
+    def admit(self, req: Req, headroom: int = 0) -> bool:
         """Matches the tokens to prefill against the prefix cache and reserves the pages the request
         needs for them and for up to decode_reserve_tokens new tokens. False (and nothing held) when
         they are not available now."""
@@ -49,7 +49,7 @@ class CacheManager:
         self.cache.lock(handle)
         upto = min(req.max_device_len, req.fill_len + self.decode_reserve_tokens)
         need = max(0, self.pages_for(upto) - len(pages))
-        if need > self.available:
+        if need + headroom > self.available:
             self.cache.unlock(handle)
             return False
         req.cache_handle, req.pages = handle, list(pages)
@@ -58,8 +58,9 @@ class CacheManager:
         req.reserved_pages = need
         req.may_outgrow = upto < req.max_device_len
         self.reserved += need
-        self.prefill_tokens_saved += req.cached_len
-        self.prompt_tokens_admitted += req.prompt_len
+        if not req.num_preempted:  # the hit rate is of prompts, counted at their first admission
+            self.prefill_tokens_saved += req.cached_len
+            self.prompt_tokens_admitted += req.prompt_len
         return True
 
     def extra_pages(self, req: Req, upto_len: int) -> int:

@@ -25,16 +25,17 @@ class PrefillManager:
     def remove(self, req: Req) -> None:
         self.waiting.remove(req)
 
-    def schedule(self, in_flight: frozenset[int]) -> list[tuple[Req, int]]:
+    def schedule(self, in_flight: frozenset[int], headroom: int = 0) -> list[tuple[Req, int]]:
         """Picks (request, tokens to compute) in arrival order until the budget is spent. A request
-        that does not fit whole takes what is left and carries on next time, at the head of the queue."""
+        that does not fit whole takes what is left and carries on next time, at the head of the queue.
+        `headroom` pages are left free at admission for running requests past their reservation."""
         batch: list[tuple[Req, int]] = []
         budget = self.max_extend_tokens
         for req in list(self.waiting):
             if budget == 0:
                 break
             if req.table_idx < 0:
-                if self.slots.available == 0 or not self.cache.admit(req):
+                if self.slots.available == 0 or not self.cache.admit(req, headroom):
                     break  # first come, first served: later requests do not jump the queue
                 req.table_idx = self.slots.allocate(in_flight)
             ext = min(req.extend_len, budget)

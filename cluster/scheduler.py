@@ -180,7 +180,11 @@ class Scheduler:
 
     def schedule(self) -> tuple[BatchDesc, list[Req], list[bool]] | None:
         in_flight = self.in_flight.slots if self.in_flight is not None else frozenset()
-        chosen = self.prefill.schedule(in_flight)
+        # a page each for running requests past their reservation: admitting into their next pages
+        # would only preempt someone at the next step
+        headroom = sum(1 for r in self.running.values() if r.may_outgrow and not r.reserved_pages) \
+            if self.prefill.waiting else 0
+        chosen = self.prefill.schedule(in_flight, headroom)
         if chosen:
             desc, reqs, emits = self.builder.prefill(chosen)
             self.running.update((r.uid, r) for r, done in zip(reqs, emits) if done)
@@ -196,6 +200,12 @@ class Scheduler:
         need = sum(cache.extra_pages(r, r.cached_len + 1) for r in decoding)
         if need <= cache.available:
             return decoding
+        if self.in_flight is not None:
+            # requests whose last token is in flight free their pages once it is handled, after this
+            # launch: if that covers the shortage, the requests short of a page wait one step instead
+            ending = sum(len(r.pages) + r.reserved_pages for r in self.running.values() if not r.can_decode)
+            if need <= cache.available + ending:
+                return [r for r in decoding if cache.extra_pages(r, r.cached_len + 1) == 0]
         for victim in sorted((r for r in decoding if r.may_outgrow), key=lambda r: r.arrival, reverse=True):
             need -= cache.extra_pages(victim, victim.cached_len + 1)
             self._preempt(victim)
@@ -209,7 +219,8 @@ class Scheduler:
         it goes on with the tokens it would have produced."""
         self.running.pop(req.uid)
         self._free(req)
-        self.finished_reqs.add(req)  # a step of it in flight: its result is recomputed, so dropped
+        if self.in_flight is not None and req in self.in_flight.reqs:
+            self.finished_reqs.add(req)  # its result in flight is dropped: the token is recomputed
         req.cached_len = req.prefix_hit_len = 0
         req.fill_len = req.device_len = len(req.input_ids)
         req.num_preempted += 1

@@ -131,6 +131,14 @@ class RadixCache(PrefixCache):
             if leaf.last_use != used:  # touched since it was pushed: back in at its place
                 heapq.heappush(self._leaves, (leaf.last_use, next(self._tie), leaf))
                 continue
+            k = n - len(freed)
+            if k < len(leaf.pages):  # only its last k pages: the rest of the prefix stays cached
+                freed.extend(leaf.pages[-k:])
+                del leaf.pages[-k:], leaf.tokens[-k * self.page_size:]
+                self._pages -= k
+                self._evictable -= k
+                heapq.heappush(self._leaves, (leaf.last_use, next(self._tie), leaf))
+                break
             parent = leaf.parent
             del parent.children[self._key(leaf.tokens, 0)]
             leaf.parent = None
