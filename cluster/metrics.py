@@ -20,6 +20,7 @@ class ReplicaMetrics:
         self.interval_s = interval_s
         self._last = time.monotonic()
         self._tokens_since = 0
+        self._preempted = 0
         self.running = Gauge("raylm_num_running_reqs", "Requests decoding", _TAGS)
         self.queued = Gauge("raylm_num_queue_reqs", "Requests waiting for prefill", _TAGS)
         self.token_usage = Gauge("raylm_token_usage", "KV-cache pages in use / all pages", _TAGS)
@@ -28,6 +29,8 @@ class ReplicaMetrics:
         self.gen_throughput = Gauge("raylm_gen_throughput", "Generated tokens per second", _TAGS)
         self.prompt_tokens = Counter("raylm_prompt_tokens", "Prompt tokens of admitted requests", _TAGS)
         self.generation_tokens = Counter("raylm_generation_tokens", "Generated tokens", _TAGS)
+        self.preemptions = Counter("raylm_num_preemptions", "Requests preempted for KV pages (recomputed later)",
+                                   _TAGS)
         self.requests = Counter("raylm_request_success", "Ended requests by finish reason", _TAGS + ("finish_reason",))
         self.ttft = Histogram("raylm_time_to_first_token_seconds", "Time to first token", _LATENCY, _TAGS)
         self.itl = Histogram("raylm_inter_token_latency_seconds", "Mean time between a request's tokens",
@@ -78,6 +81,9 @@ class ReplicaMetrics:
         self.gen_throughput.set(self._tokens_since / (now - self._last), tags)
         if self._tokens_since:
             self.generation_tokens.inc(self._tokens_since, tags)
+        if s["preempted"] > self._preempted:
+            self.preemptions.inc(s["preempted"] - self._preempted, tags)
+            self._preempted = s["preempted"]
         self._tokens_since = 0
         self._last = now
 

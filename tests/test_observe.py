@@ -76,3 +76,17 @@ def test_router_and_ray_metrics_count_the_traffic_sent(observed, ray_metrics_por
 def ray_stats(srv) -> dict:
     import ray
     return ray.get(srv.replicas[0].actor.stats.remote())  # also flushes the replica's counters
+
+
+def test_preemptions_are_counted_once_each(ray_cluster):
+    from types import SimpleNamespace
+
+    from cluster.metrics import ReplicaMetrics
+    metrics = ReplicaMetrics(0, "m", interval_s=0.0)
+    counted: list[float] = []
+    metrics.preemptions = SimpleNamespace(inc=lambda n, tags: counted.append(n))
+    snap = {"running": 1, "waiting": 0, "pages_total": 8, "pages_free": 4, "pages_cached": 0, "prefix_hit_tokens": 0,
+            "prompt_tokens_admitted": 1, "preempted": 0}
+    for preempted in (0, 2, 2, 5):
+        metrics.flush(lambda: {**snap, "preempted": preempted})
+    assert counted == [2, 3]
