@@ -178,3 +178,26 @@ def test_bad_requests_get_openai_style_errors(server, body, status, param):
     assert r.status_code == status
     err = r.json()["error"]
     assert err["message"] and err["type"] and err["param"] == param
+
+
+def test_preempted_streams_get_the_same_tokens(ray_cluster, qwen3_path, offline):
+    """Too few KV pages for every request's growth: the replica preempts and recomputes some, and no
+    client can tell from its stream."""
+    import ray
+    prompts = [PROMPT_TEXTS[i % 11] + f" {i}" for i in range(16)]
+    expected = offline(prompts, 30)
+    with serving(qwen3_path, replicas=1, tp_size=1, num_pages=100, decode_reserve_tokens=2) as srv:
+        aclient = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+        async def one(prompt: str) -> str:
+            chunks = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
+                                                      stream=True)
+            return "".join([ch.choices[0].text async for ch in chunks])
+
+        async def all_of_them():
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        texts = asyncio.run(all_of_them())
+        assert ray.get(srv.replicas[0].actor.stats.remote())["preempted"] > 0
+        check_replicas_whole(srv)
+    assert texts == [e.text for e in expected]
