@@ -22,6 +22,7 @@ class ReplicaClient:
         self._flush_pending = False
         self.error: str | None = None
         self._poller: asyncio.Task | None = None
+        self._error_check: asyncio.Task | None = None
 
     @property
     def load(self) -> int:
@@ -80,8 +81,17 @@ class ReplicaClient:
                     queue.put_nowait(d)
                     if d.finished:
                         del self.queues[d.uid]
-            if any(d.error is not None for d in deltas) and (why := await self.check_health()) is not None:
-                self.mark_failed(why)  # stop routing to it now, not at the supervisor's next round
+            if any(d.error is not None for d in deltas) and self._error_check is None:
+                # stop routing to a broken replica now, not at the supervisor's next round; in a task,
+                # so later deltas are not held up while it waits for an answer
+                self._error_check = asyncio.get_running_loop().create_task(self._check_after_error())
+
+    async def _check_after_error(self) -> None:
+        try:
+            if (why := await self.check_health()) is not None and self.healthy:
+                self.mark_failed(why)
+        finally:
+            self._error_check = None
 
     async def check_health(self) -> str | None:
         """None when the replica answers that it serves; otherwise why it cannot. A busy replica on a

@@ -21,8 +21,9 @@ class Supervisor:
     def __init__(self, server, interval_s: float = 1.0) -> None:
         self.server, self.interval_s = server, interval_s
         self.restarts = 0
-        self._checking: set[int] = set()
+        self._checking: set[ReplicaClient] = set()  # one check in flight per client: a slow one delays no other
         self._building: dict[int, Future] = {}
+        self._retry_at: dict[int, tuple[float, float]] = {}  # replica -> (when, backoff) after a failed start
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=max(len(server.replicas), 1), thread_name_prefix="replica-rebuild")
@@ -32,19 +33,20 @@ class Supervisor:
         while not self._closed.is_set():
             await asyncio.sleep(self.interval_s)
             for i, client in enumerate(self.server.state.clients):
-                if client.healthy and i not in self._checking:
-                    self._checking.add(i)  # one check in flight per replica: a slow one delays no other
-                    loop.create_task(self._check(i, client))
-                elif not client.healthy and i not in self._building and not self.server.state.draining:
+                if client.healthy and client not in self._checking:
+                    self._checking.add(client)
+                    loop.create_task(self._check(client))
+                elif (not client.healthy and i not in self._building and not self.server.state.draining
+                      and loop.time() >= self._retry_at.get(i, (0.0, 0.0))[0]):
                     self._replace(i)
 
-    async def _check(self, i: int, client: ReplicaClient) -> None:
+    async def _check(self, client: ReplicaClient) -> None:
         try:
             why = await client.check_health()
             if why is not None and client.healthy:
                 client.mark_failed(why)
         finally:
-            self._checking.discard(i)
+            self._checking.discard(client)
 
     def _replace(self, i: int) -> None:
         with self._lock:
@@ -70,8 +72,10 @@ class Supervisor:
     async def _install(self, i: int, future: Future) -> None:
         try:
             new = await asyncio.wrap_future(future)
-        except Exception as e:  # noqa: BLE001 - try again on the next round
-            log.error("replica %d could not be replaced: %s", i, e)
+        except Exception as e:  # noqa: BLE001 - try again, backing off (a cluster short of GPUs stays so a while)
+            backoff = min(2 * self._retry_at.get(i, (0.0, self.interval_s / 2))[1], 60.0)
+            self._retry_at[i] = (asyncio.get_running_loop().time() + backoff, backoff)
+            log.error("replica %d could not be replaced (next try in %g s): %s", i, backoff, e)
             new = None
         with self._lock:
             self._building.pop(i, None)
@@ -82,6 +86,7 @@ class Supervisor:
             self.server.replicas[i] = new
             self.server.state.clients[i] = client
             self.restarts += 1
+            self._retry_at.pop(i, None)
         log.warning("replica %d is serving again", i)
 
     def close(self, timeout_s: float = 600.0) -> None:
