@@ -36,8 +36,9 @@ class ReplicaClient:
         self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
 
     async def stop(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
+        for task in (self._poller, self._error_check):
+            if task is not None:
+                task.cancel()
 
     def submit(self, uid: int, ids: list[int], params: SamplingParams) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
