@@ -35,6 +35,14 @@ def ensure_ray(address: str | None = None, **init_options) -> str | None:
     return getattr(context, "dashboard_url", None) or None
 
 
+def shutdown_quietly(replica: ReplicaHandle) -> None:
+    """Shuts a replica down, logging a failure instead of raising (the others must still be shut down)."""
+    try:
+        replica.shutdown()
+    except Exception as e:  # noqa: BLE001
+        log.error("replica %d did not shut down cleanly: %s", replica.replica_id, e)
+
+
 def _has_gpu_locally() -> bool:
     try:
         import torch

@@ -18,6 +18,7 @@ from cluster.sampling_params import SamplingParams
 from cluster.scheduler import Scheduler
 from worker.comm import free_address, init_tensor_parallel
 from worker.engine import Engine, resolve_device
+from worker.follower import node_and_pid
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +37,7 @@ class SchedulerActor:
         self.address: str | None = None
 
     def node_and_pid(self) -> tuple[str, int]:
-        import os
-
-        import ray
-        return ray.get_runtime_context().get_node_id(), os.getpid()
+        return node_and_pid()
 
     def rendezvous_address(self) -> str:
         import ray

@@ -197,6 +197,8 @@ class Scheduler:
         decode step needs beyond reservations are available. Reservations are never taken: a request
         whose max_tokens fit its reservation runs to its end."""
         cache = self.cache
+        if cache.available >= len(decoding):  # a decode step takes at most one page per request
+            return decoding
         need = sum(cache.extra_pages(r, r.cached_len + 1) for r in decoding)
         if need <= cache.available:
             return decoding

@@ -13,7 +13,7 @@ from pathlib import Path
 import uvicorn
 
 from cluster.config import ServeConfig
-from cluster.deploy import ReplicaHandle, ensure_ray
+from cluster.deploy import ReplicaHandle, ensure_ray, shutdown_quietly
 from cluster.model_info import load_tokenizer
 from router.app import build_app
 from router.metrics import RouterMetrics
@@ -126,8 +126,5 @@ class Server:
         if getattr(self, "supervisor", None) is not None:
             self.supervisor.close()  # first: a replacement being built must not outlive the server
         for replica in getattr(self, "replicas", []):
-            try:
-                replica.shutdown()
-            except Exception as e:  # noqa: BLE001 - the others must still be shut down
-                log.error("replica %d did not shut down cleanly: %s", replica.replica_id, e)
+            shutdown_quietly(replica)
         self.replicas = []

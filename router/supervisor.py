@@ -11,7 +11,7 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from cluster.deploy import ReplicaHandle
+from cluster.deploy import ReplicaHandle, shutdown_quietly
 from router.replica_client import ReplicaClient
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class Supervisor:
         with self._lock:
             closed = self._closed.is_set()
         if closed:  # close() may have given up waiting for this one
-            _shutdown_quietly(new)
+            shutdown_quietly(new)
             return None
         return new
 
@@ -104,12 +104,6 @@ class Supervisor:
             except Exception:  # noqa: BLE001 - it failed or was abandoned: it cleaned up after itself
                 continue
             if new is not None:
-                _shutdown_quietly(new)  # never installed: _install saw the supervisor closed
+                shutdown_quietly(new)  # never installed: _install saw the supervisor closed
         self._pool.shutdown(wait=False)
 
-
-def _shutdown_quietly(replica: ReplicaHandle) -> None:
-    try:
-        replica.shutdown()
-    except Exception as e:  # noqa: BLE001 - the others must still be shut down
-        log.error("replica %d did not shut down cleanly: %s", replica.replica_id, e)

@@ -16,6 +16,12 @@ from worker.engine import Engine, resolve_device
 log = logging.getLogger(__name__)
 
 
+def node_and_pid() -> tuple[str, int]:
+    """This Ray worker's node id and process id (tests stall or kill a rank by its pid)."""
+    import ray
+    return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
 class Follower:
     def __init__(self, config: EngineConfig, rank: int, size: int, address: str, timeout_s: float) -> None:
         self.config, self.rank, self.size = config, rank, size
@@ -23,8 +29,7 @@ class Follower:
         self.engine: Engine | None = None
 
     def node_and_pid(self) -> tuple[str, int]:
-        import ray
-        return ray.get_runtime_context().get_node_id(), os.getpid()
+        return node_and_pid()
 
     def start(self) -> None:
         """Joins the group and loads this rank's shard of the model."""

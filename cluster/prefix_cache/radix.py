@@ -36,8 +36,12 @@ class RadixCache(PrefixCache):
         self._leaves: list[tuple[int, int, Node]] = []  # (last use when pushed, tie-break, leaf)
         self._tie = itertools.count()
 
+    @staticmethod
+    def _is_evictable_leaf(node: Node) -> bool:
+        return node.ref == 0 and not node.children and node.parent is not None  # the root has no parent
+
     def _push_if_evictable(self, node: Node) -> None:
-        if node.ref == 0 and not node.children and node.parent is not None:
+        if self._is_evictable_leaf(node):
             if len(self._leaves) > 2 * self._num_nodes + 64:  # mostly stale: rebuild (amortized O(1))
                 self._rebuild_heap()
             heapq.heappush(self._leaves, (node.last_use, next(self._tie), node))
@@ -126,7 +130,7 @@ class RadixCache(PrefixCache):
         freed: list[int] = []
         while self._leaves and len(freed) < n:  # not aliased: a push below may rebuild the heap
             used, _, leaf = heapq.heappop(self._leaves)
-            if leaf.ref or leaf.children or leaf.parent is None:
+            if not self._is_evictable_leaf(leaf):
                 continue  # stale: locked, no longer a leaf, or gone; pushed again when evictable
             if leaf.last_use != used:  # touched since it was pushed: back in at its place
                 heapq.heappush(self._leaves, (leaf.last_use, next(self._tie), leaf))
@@ -150,8 +154,7 @@ class RadixCache(PrefixCache):
         return freed
 
     def _rebuild_heap(self) -> None:
-        self._leaves = [(x.last_use, next(self._tie), x) for x in self._nodes()
-                        if x.ref == 0 and not x.children and x.parent is not None]
+        self._leaves = [(x.last_use, next(self._tie), x) for x in self._nodes() if self._is_evictable_leaf(x)]
         heapq.heapify(self._leaves)
 
     def _nodes(self):
