@@ -10,14 +10,11 @@ from cluster.config import ReplicaConfig, SchedulerConfig, overlap_from_env
 from cluster.executor import LocalExecutor
 from cluster.messages import TokenDelta
 from cluster.model_info import eos_token_ids, load_tokenizer
-from cluster.sampling_params import InvalidRequestError, SamplingParams
+from cluster.errors import ErrorKind, InvalidRequestError, error_for
+from cluster.sampling_params import SamplingParams
 from cluster.scheduler import Scheduler
 from worker.config import EngineConfig
 from worker.engine import Engine
-
-
-class GenerationError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -28,6 +25,7 @@ class RequestOutput:
     finish_reason: str | None = None
     logprobs: list[float] | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None
 
 
 class LLM:
@@ -64,7 +62,7 @@ class LLM:
             if out is None:
                 continue
             if d.error is not None:
-                out.error = d.error
+                out.error, out.error_kind = d.error, d.error_kind
             if d.token is not None:
                 out.token_ids.append(d.token)
             if d.logprob is not None:
@@ -103,8 +101,8 @@ class LLM:
         finally:
             outputs = [self._outputs.pop(uid) for uid in uids]
         for out in outputs:
-            if out.error is not None:
-                raise GenerationError(out.error)
+            if out.error is not None:  # the same exception whether the scheduler ran here or in an actor
+                raise error_for(out.error_kind or ErrorKind.ENGINE, out.error)
             if self.tokenizer is not None:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return outputs

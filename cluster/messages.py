@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.errors import ErrorKind
+
 
 @dataclass
 class TokenDelta:
@@ -13,4 +15,10 @@ class TokenDelta:
     finish_reason: str | None = None  # stop, length, abort or error
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-    error: str | None = None
+    error: str | None = None          # why the request failed (finish_reason "error")
+    error_kind: ErrorKind | None = None
+
+    @classmethod
+    def failure(cls, uid: int, kind: ErrorKind, why: str) -> TokenDelta:
+        """The last delta of a request that failed."""
+        return cls(uid, None, finished=True, finish_reason="error", error=why, error_kind=kind)

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from cluster.config import ReplicaConfig
+from cluster.errors import ErrorKind
 from cluster.executor import LocalExecutor, ReplicaBrokenError, TensorParallelExecutor
 from cluster.messages import TokenDelta
 from cluster.metrics import ReplicaMetrics
@@ -82,10 +83,10 @@ class SchedulerActor:
                 break
             except Exception as e:  # noqa: BLE001 - never let the loop die silently
                 log.exception("scheduler step failed")
-                sched.fail_all(f"scheduler error: {type(e).__name__}: {e}")
+                sched.fail_all(f"scheduler error: {type(e).__name__}: {e}", ErrorKind.ENGINE)
         while self.broken and not self._stop.is_set():  # answer what still arrives with the error
             sched._drain_inbox(block=True)
-            sched.fail_all(self.broken)
+            sched.fail_all(self.broken, ErrorKind.REPLICA_DOWN)
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
         with self._ready:
@@ -182,4 +183,4 @@ class SchedulerActor:
 
 
 def _error_deltas(uids: list[int], why: str) -> list[TokenDelta]:
-    return [TokenDelta(uid, None, finished=True, finish_reason="error", error=why) for uid in uids]
+    return [TokenDelta.failure(uid, ErrorKind.REPLICA_DOWN, why) for uid in uids]

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-class InvalidRequestError(ValueError):
-    """A request the engine cannot run as given; the message says what to change."""
+from cluster.errors import InvalidRequestError
 
 
 @dataclass

@@ -16,11 +16,12 @@ from typing import Callable, Protocol
 from cluster.batch_builder import BatchBuilder
 from cluster.cache_manager import CacheManager
 from cluster.config import SchedulerConfig
+from cluster.errors import ErrorKind, InvalidRequestError
 from cluster.executor import ReplicaBrokenError
 from cluster.messages import TokenDelta
 from cluster.prefill import PrefillManager
 from cluster.req import Req
-from cluster.sampling_params import InvalidRequestError, SamplingParams
+from cluster.sampling_params import SamplingParams
 from cluster.slot_table import SlotTable
 from worker.batch import BatchDesc, StepOutput
 
@@ -124,7 +125,7 @@ class Scheduler:
         try:
             req = self._make_req(msg)
         except InvalidRequestError as e:
-            self.on_output([TokenDelta(msg.uid, None, True, "error", error=str(e))])
+            self.on_output([TokenDelta.failure(msg.uid, ErrorKind.INVALID_REQUEST, str(e))])
             return
         self.reqs[req.uid] = req
         self.prefill.add(req)
@@ -247,11 +248,11 @@ class Scheduler:
             output = self.executor.launch(desc)
         except ReplicaBrokenError as e:
             self.in_flight = None
-            self.fail_all(str(e))
+            self.fail_all(str(e), ErrorKind.REPLICA_DOWN)
             raise
         except Exception as e:  # noqa: BLE001 - an engine failure fails this batch, not the replica
             log.exception("step failed")
-            self._fail(reqs, f"the engine failed this step: {type(e).__name__}: {e}")
+            self._fail(reqs, f"the engine failed this step: {type(e).__name__}: {e}", ErrorKind.ENGINE)
             return None
         return Launched(desc, reqs, emits, output)
 
@@ -284,7 +285,7 @@ class Scheduler:
         try:
             self.executor.wait(out)  # this batch, and every one before it, is done on the device
         except ReplicaBrokenError as e:
-            self.fail_all(str(e))
+            self.fail_all(str(e), ErrorKind.REPLICA_DOWN)
             raise
         self.slots.release_deferred()
         tokens = out.next_tokens.tolist()
@@ -324,17 +325,17 @@ class Scheduler:
         if deltas:
             self.on_output(deltas)
 
-    def _fail(self, reqs: list[Req], why: str) -> None:
+    def _fail(self, reqs: list[Req], why: str, kind: ErrorKind) -> None:
         for req in reqs:
             if req.uid in self.reqs:
                 self._abort(req.uid, "error")
-        self.on_output([TokenDelta(r.uid, None, True, "error", error=why) for r in reqs])
+        self.on_output([TokenDelta.failure(r.uid, kind, why) for r in reqs])
 
-    def fail_all(self, why: str) -> None:
-        """Ends every live request with an error (the replica can no longer run them)."""
+    def fail_all(self, why: str, kind: ErrorKind = ErrorKind.ENGINE) -> None:
+        """Ends every live request with an error of this kind."""
         self.in_flight = None
         self._drain_inbox(block=False)
-        self._fail(list(self.reqs.values()), why)
+        self._fail(list(self.reqs.values()), why, kind)
 
     # -- checks --------------------------------------------------------------------------------------
 

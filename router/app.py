@@ -14,8 +14,9 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.detokenizer import IncrementalDetokenizer
+from cluster import RaylmError
 from router.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
-from router.generation import EngineError, Timing, generate
+from router.generation import Timing, generate
 from router.guard import RequestGuard
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import Formatter, sse
@@ -115,9 +116,9 @@ async def _serve(state: RouterState, request: Request, body, ids, params, fmt: F
         outcome["reason"] = "timeout"
         raise APIError(408, f"the request took longer than {state.config.request_timeout_s} s",
                        "timeout_error") from e
-    except EngineError as e:
+    except RaylmError as e:
         outcome["reason"] = "error"
-        raise APIError(503 if "replica" in str(e) else 500, str(e), "server_error") from e
+        raise APIError.of(e) from e
     finally:
         await pieces.aclose()
         done()
@@ -160,11 +161,11 @@ async def _stream(state: RouterState, pieces, fmt: Formatter, prompt_tokens: int
         yield sse("[DONE]")
     except TimeoutError:
         outcome["reason"] = "timeout"
-        yield sse({"error": {"message": f"the request took longer than {state.config.request_timeout_s} s",
-                             "type": "timeout_error", "param": None, "code": 408}})
-    except EngineError as e:
+        yield sse(APIError(408, f"the request took longer than {state.config.request_timeout_s} s",
+                           "timeout_error").event())
+    except RaylmError as e:
         outcome["reason"] = "error"
-        yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": 500}})
+        yield sse(APIError.of(e).event())
     finally:
         await pieces.aclose()  # a disconnect lands here too: generate() aborts the request
         done()

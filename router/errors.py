@@ -7,6 +7,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.errors import ErrorKind, RaylmError
+
+# every failure that crosses the replica boundary, as the HTTP status and OpenAI error type a client sees
+STATUS_OF_KIND: dict[ErrorKind, tuple[int, str]] = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorKind.ENGINE: (500, "server_error"),
+    ErrorKind.REPLICA_DOWN: (503, "service_unavailable"),
+    ErrorKind.TIMEOUT: (408, "timeout_error"),
+    ErrorKind.OVERLOADED: (429, "rate_limit_error"),
+}
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -17,12 +28,26 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return error_response(self.status, self.message, self.type, self.param, self.code)
 
+    @classmethod
+    def of(cls, error: RaylmError) -> APIError:
+        """The API error a request failure of this kind becomes."""
+        status, type_ = STATUS_OF_KIND[error.kind]
+        return cls(status, str(error), type_)
+
+    def body(self) -> dict:
+        """The OpenAI error object."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def event(self) -> dict:
+        """The payload of the SSE error event that ends a stream: the status is its code, since a
+        stream's HTTP status (200) was sent before the failure."""
+        return {"error": {**self.body()["error"], "code": self.code or self.status}}
+
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status, headers=headers)
+    return JSONResponse(APIError(status, message, type_, param, code).body(), status_code=status, headers=headers)
 
 
 async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:

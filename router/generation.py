@@ -7,12 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from cluster.errors import ErrorKind, error_for
 from cluster.sampling_params import SamplingParams
 from router.detokenizer import IncrementalDetokenizer
-
-
-class EngineError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -34,7 +31,8 @@ class Timing:
 
 async def generate(client, uid: int, ids: list[int], params: SamplingParams, detok: IncrementalDetokenizer,
                    timing: Timing) -> AsyncIterator[Piece]:
-    """Yields pieces until the request ends; the last one carries finish_reason."""
+    """Yields pieces until the request ends; the last one carries finish_reason. A failed request
+    raises the RaylmError of its kind."""
     queue = client.submit(uid, ids, params)
     finished = False
     try:
@@ -47,7 +45,7 @@ async def generate(client, uid: int, ids: list[int], params: SamplingParams, det
             for delta in deltas:
                 if delta.error is not None:
                     finished = True
-                    raise EngineError(delta.error)
+                    raise error_for(delta.error_kind or ErrorKind.ENGINE, delta.error)
                 piece.text += detok.add(delta.token)
                 piece.token_ids.append(delta.token)
                 if delta.logprob is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from cluster.errors import ErrorKind
 from cluster.messages import TokenDelta
 from cluster.sampling_params import SamplingParams
 
@@ -108,5 +109,5 @@ class ReplicaClient:
     def mark_failed(self, why: str) -> None:
         self.error = why
         for uid, queue in list(self.queues.items()):
-            queue.put_nowait(TokenDelta(uid, None, True, "error", error=why))
+            queue.put_nowait(TokenDelta.failure(uid, ErrorKind.REPLICA_DOWN, why))
         self.queues.clear()

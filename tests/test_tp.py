@@ -15,7 +15,7 @@ from helpers import checked_llm, encode_all, greedy
 from cluster import LLM, SamplingParams
 from cluster.config import ReplicaConfig, SchedulerConfig
 from cluster.executor import ReplicaBrokenError
-from cluster.llm import GenerationError
+from cluster.errors import GenerationError
 from cluster.messages import TokenDelta
 from cluster.replica import SchedulerActor
 from worker.config import EngineConfig

@@ -1,0 +1,106 @@
+"""Failures keep their kind across the replica boundary: the same exception offline at every
+tensor-parallel size, the status and OpenAI error type from one table over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from helpers import greedy, serving
+
+from cluster import (LLM, EngineError, ErrorKind, GenerationError, InvalidRequestError, RaylmError, ReplicaDownError,
+                     error_for)
+from cluster.messages import TokenDelta
+from router.detokenizer import IncrementalDetokenizer
+from router.errors import STATUS_OF_KIND, APIError
+from router.generation import Timing, generate
+
+C = "/v1/completions"
+# 8 pages of 4 tokens: a request for 100 new tokens can never fit, whatever else runs
+SMALL_CACHE = dict(num_pages=8, page_size=4)
+
+
+@pytest.mark.parametrize("kind", list(ErrorKind))
+def test_every_kind_has_one_exception_and_one_http_status(kind):
+    error = error_for(kind, "why")
+    assert isinstance(error, RaylmError) and error.kind is kind and str(error) == "why"
+    api = APIError.of(error)
+    assert (api.status, api.type) == STATUS_OF_KIND[kind]
+    assert 400 <= api.status < 600 and api.body()["error"]["message"] == "why"
+
+
+def test_statuses_of_the_kinds_a_client_acts_on():
+    assert STATUS_OF_KIND[ErrorKind.INVALID_REQUEST][0] == 400
+    assert STATUS_OF_KIND[ErrorKind.ENGINE] == (500, "server_error")
+    assert STATUS_OF_KIND[ErrorKind.REPLICA_DOWN][0] == 503
+    assert STATUS_OF_KIND[ErrorKind.TIMEOUT][0] == 408
+    assert STATUS_OF_KIND[ErrorKind.OVERLOADED][0] == 429
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_request_that_can_never_fit_the_cache_raises_invalid_request_at_every_tp(ray_cluster, qwen3_path,
+                                                                                   tp_size):
+    with LLM(str(qwen3_path), tp_size=tp_size, **SMALL_CACHE) as llm:
+        with pytest.raises(InvalidRequestError, match="KV-cache pages"):
+            llm.generate([[5, 6, 7]], greedy(100))
+        assert len(llm.generate([[5, 6, 7]], greedy(4, ignore_eos=True))[0].token_ids) == 4  # still serves
+        llm.check_integrity()
+
+
+def test_a_request_that_can_never_fit_the_cache_is_a_400_over_http(ray_cluster, qwen3_path):
+    with serving(qwen3_path, **SMALL_CACHE) as srv:
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 100}
+        r = httpx.post(srv.url + C, json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error" and "KV-cache pages" in r.json()["error"]["message"]
+        with httpx.stream("POST", srv.url + C, json={**body, "stream": True}, timeout=60) as resp:
+            events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == 400 and events[-1]["error"]["type"] == "invalid_request_error"
+        ok = httpx.post(srv.url + C, json={**body, "max_tokens": 4}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_an_engine_failure_in_a_step_is_an_engine_error_offline(qwen3_path):
+    with LLM(str(qwen3_path)) as llm:
+        launch = llm.scheduler.executor.launch
+        calls = {"n": 0}
+
+        def fails_once(desc):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected kernel failure")
+            return launch(desc)
+
+        llm.scheduler.executor.launch = fails_once
+        with pytest.raises(EngineError, match="injected kernel failure") as caught:
+            llm.generate([[5, 6, 7]], greedy(4))
+        assert isinstance(caught.value, GenerationError) and caught.value.kind is ErrorKind.ENGINE
+        assert len(llm.generate([[5, 6, 7]], greedy(4, ignore_eos=True))[0].token_ids) == 4
+        llm.check_integrity()
+
+
+class _FailingClient:
+    """A replica client whose replica went down after the request was sent."""
+
+    def submit(self, uid, ids, params):
+        queue: asyncio.Queue = asyncio.Queue()
+        queue.put_nowait(TokenDelta.failure(uid, ErrorKind.REPLICA_DOWN, "replica 0 failed: ActorDiedError"))
+        return queue
+
+    def abort(self, uid):
+        pass
+
+
+def test_a_replica_going_down_reaches_the_router_as_replica_down(qwen3_path):
+    from cluster.model_info import load_tokenizer
+    detok = IncrementalDetokenizer(load_tokenizer(str(qwen3_path)), [])
+
+    async def run():
+        async for _ in generate(_FailingClient(), 0, [5, 6], greedy(4), detok, Timing()):
+            pass
+
+    with pytest.raises(ReplicaDownError, match="ActorDiedError") as caught:
+        asyncio.run(run())
+    assert APIError.of(caught.value).status == 503
