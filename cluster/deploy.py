@@ -14,6 +14,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ReplicaConfig
+from cluster.messages import ReplicaInfo
 from cluster.replica import SchedulerActor
 from worker.follower import Follower
 
@@ -118,7 +119,7 @@ class ReplicaHandle:
             for rank in range(1, cfg.tp_size)]
         started = self._get([self.actor.start.remote()] + [f.start.remote() for f in self.followers], timeout_s,
                             abandon)
-        self.info: dict = started[0]
+        self.info: ReplicaInfo = started[0]
         self.follower_loops = [f.run.remote() for f in self.followers]
 
     def shutdown(self) -> None:

@@ -1,4 +1,5 @@
-"""What the scheduler sends back: one batch of deltas per step, one delta per request that got a token."""
+"""What crosses a replica's boundary: what a replica tells its callers once it has started, and the
+batch of deltas per step (one delta per request that got a token)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,14 @@ class TokenDelta:
     def failure(cls, uid: int, kind: ErrorKind, why: str) -> TokenDelta:
         """The last delta of a request that failed."""
         return cls(uid, None, finished=True, finish_reason="error", error=why, error_kind=kind)
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What a started replica tells the router about its model and cache."""
+
+    max_seq_len: int
+    num_pages: int
+    page_size: int
+    vocab_size: int
+    eos_ids: tuple[int, ...]

@@ -12,7 +12,7 @@ from pathlib import Path
 from cluster.config import ReplicaConfig
 from cluster.errors import ErrorKind
 from cluster.executor import LocalExecutor, ReplicaBrokenError, TensorParallelExecutor
-from cluster.messages import TokenDelta
+from cluster.messages import ReplicaInfo, TokenDelta
 from cluster.metrics import ReplicaMetrics
 from cluster.model_info import eos_token_ids, load_tokenizer
 from cluster.sampling_params import SamplingParams
@@ -45,7 +45,7 @@ class SchedulerActor:
         self.address = free_address(ray.util.get_node_ip_address())
         return self.address
 
-    def start(self) -> dict:
+    def start(self) -> ReplicaInfo:
         """Joins the group (tp > 1), loads rank 0's engine and starts the loop. Returns what the
         router needs to know of the model."""
         cfg = self.config
@@ -67,8 +67,8 @@ class SchedulerActor:
         self._thread.start()
         if isinstance(executor, TensorParallelExecutor):
             threading.Thread(target=self._watch, args=(executor,), name="tp-watchdog", daemon=True).start()
-        return {"max_seq_len": engine.max_seq_len, "num_pages": engine.num_pages, "page_size": engine.page_size,
-                "vocab_size": engine.hf_config.vocab_size, "eos_ids": sorted(eos)}
+        return ReplicaInfo(max_seq_len=engine.max_seq_len, num_pages=engine.num_pages, page_size=engine.page_size,
+                           vocab_size=engine.hf_config.vocab_size, eos_ids=tuple(sorted(eos)))
 
     def _loop(self) -> None:
         sched = self.scheduler

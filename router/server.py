@@ -49,8 +49,8 @@ class Server:
         info = self.replicas[0].info
         name = config.served_model_name or Path(config.model).name
         self.state = RouterState(
-            config=config, tokenizer=tokenizer, model_name=name, max_seq_len=info["max_seq_len"],
-            vocab_size=info["vocab_size"], policy=create_policy(config.routing), metrics=RouterMetrics(name),
+            config=config, tokenizer=tokenizer, model_name=name, max_seq_len=info.max_seq_len,
+            vocab_size=info.vocab_size, policy=create_policy(config.routing), metrics=RouterMetrics(name),
             defaults=generation_defaults(config.model),
             clients=[ReplicaClient(r.replica_id, r.actor, r.info, config.health_check_timeout_s) for r in self.replicas])
         self.supervisor = Supervisor(self)
