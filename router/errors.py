@@ -56,9 +56,15 @@ async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:
 
 async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
-    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-    message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-    return error_response(400, message, param=where or None)
+    loc = [str(p) for p in first.get("loc", ())]
+    content_type = request.headers.get("content-type", "")
+    if loc == ["body"] and "json" not in content_type.split(";")[0]:
+        # FastAPI parses only JSON bodies: anything else reaches validation as a string
+        return error_response(400, f"the body must be JSON, sent with Content-Type: application/json "
+                                   f"(got {content_type or 'no Content-Type'})")
+    where = ".".join(p for p in loc if p != "body")
+    msg = first.get("msg", "invalid request").removeprefix("Value error, ")
+    return error_response(400, f"{where}: {msg}" if where else msg, param=where or None)
 
 
 async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -1,15 +1,97 @@
 """The OpenAI API's request and response bodies (the parts this server supports), as pydantic models.
-Validation errors become 400 responses with an OpenAI-style body."""
+Validation errors become 400 responses with an OpenAI-style body. Types are strict, as OpenAI's are
+("stream": "yes" is an error, not true); fields that would change what a request means but are not
+supported yet are refused by name rather than ignored; unknown fields that do not (user, metadata)
+are ignored."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+# fields that change a request's meaning and are not supported: each with the values that leave the
+# meaning unchanged (what a client sends when it sets them to their defaults)
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
 
 
-class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _bad_text(value: Any, where: str) -> str | None:
+    """The path of the first string that is not valid Unicode (a lone surrogate such as "\ud800",
+    which JSON allows and no tokenizer can encode), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if (bad := _bad_text(k, where) or _bad_text(v, f"{where}.{k}" if where else str(k))) is not None:
+                return bad
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if (bad := _bad_text(v, f"{where}.{i}")) is not None:
+                return bad
+    return None
+
+
+class APIRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    # declared so that a refusal names its field; never read
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        if _bad_text(value, "") is not None:
+            raise ValueError("holds a string that is not valid Unicode (a lone surrogate)")
+        return value
+
+    @field_validator(*UNSUPPORTED_FIELDS)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if not any(value == v and type(value) is type(v) for v in UNSUPPORTED_FIELDS[info.field_name]):
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
+
+
+class SamplingFields(APIRequest):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -40,11 +122,10 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None

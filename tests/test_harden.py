@@ -68,21 +68,80 @@ BAD = [  # (name, path, body (dict, or bytes sent raw), expected status)
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
     ("chat top_logprobs too many", CHAT, {"model": "tiny", "messages": MSG, "logprobs": True, "top_logprobs": 99}, 400),
     ("chat max_completion_tokens zero", CHAT, {"model": "tiny", "messages": MSG, "max_completion_tokens": 0}, 400),
+    # text that is not valid Unicode: JSON allows a lone surrogate, no tokenizer can encode one
+    ("lone surrogate in the prompt", C, {**OK, "prompt": "hi \ud800"}, 400),
+    ("lone surrogate in a prompt list", C, {**OK, "prompt": ["\udfff"]}, 400),
+    ("lone surrogate in the model", C, {**OK, "model": "tiny\ud800"}, 400),
+    ("lone surrogate in a stop string", C, {**OK, "stop": ["\ud800"]}, 400),
+    ("lone surrogate in a message", CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "\ud800"}]}, 400),
+    ("lone surrogate in a content part", CHAT, {"model": "tiny", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a\udc00"}]}]}, 400),
+    # strict types, as OpenAI's API has them: no coercion
+    ("stream as a string", C, {**OK, "stream": "yes"}, 400),
+    ("stream as a number", C, {**OK, "stream": 1}, 400),
+    ("max_tokens as a boolean", C, {**OK, "max_tokens": True}, 400),
+    ("max_tokens as a float", C, {**OK, "max_tokens": 2.5}, 400),
+    ("max_tokens as a numeric string", C, {**OK, "max_tokens": "2"}, 400),
+    ("ignore_eos as a string", C, {**OK, "ignore_eos": "true"}, 400),
+    ("seed as a float", C, {**OK, "seed": 1.5}, 400),
+    ("top_k as a string", C, {**OK, "top_k": "5"}, 400),
+    ("temperature as a boolean", C, {**OK, "temperature": True}, 400),
+    ("logprobs as a boolean on completions", C, {**OK, "logprobs": True}, 400),
+    ("stop token ids as strings", C, {**OK, "stop_token_ids": ["1"]}, 400),
+    ("stream_options not an object", C, {**OK, "stream": True, "stream_options": "usage"}, 400),
+    ("chat logprobs as a string", CHAT, {"model": "tiny", "messages": MSG, "logprobs": "yes"}, 400),
+    ("chat content as a number", CHAT, {"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400),
+    ("chat message without a role", CHAT, {"model": "tiny", "messages": [{"content": "hi"}]}, 400),
+    # fields that would change what the request means are refused, never ignored
+    ("tools", CHAT, {"model": "tiny", "messages": MSG, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400),
+    ("tool_choice required", CHAT, {"model": "tiny", "messages": MSG, "tool_choice": "required"}, 400),
+    ("response_format json_object", CHAT, {"model": "tiny", "messages": MSG, "response_format": {"type": "json_object"}}, 400),
+    ("logit_bias", C, {**OK, "logit_bias": {"5": 10}}, 400),
+    ("presence_penalty", C, {**OK, "presence_penalty": 0.5}, 400),
+    ("frequency_penalty", CHAT, {"model": "tiny", "messages": MSG, "frequency_penalty": 1}, 400),
+    ("repetition_penalty", C, {**OK, "repetition_penalty": 1.2}, 400),
+    ("min_p", C, {**OK, "min_p": 0.1}, 400),
+    ("min_tokens", C, {**OK, "min_tokens": 3}, 400),
+    ("echo", C, {**OK, "echo": True}, 400),
+    ("suffix", C, {**OK, "suffix": "the end"}, 400),
+    ("best_of", C, {**OK, "best_of": 2}, 400),
+    ("guided_json", C, {**OK, "guided_json": {"type": "object"}}, 400),
 ]
+
+# what a refused field's message must name
+NAMED = {"tools", "tool_choice", "response_format", "logit_bias", "presence_penalty", "frequency_penalty",
+         "repetition_penalty", "min_p", "min_tokens", "echo", "suffix", "best_of", "guided_json"}
 
 
 @pytest.mark.parametrize("name,path,body,status", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_gets_a_4xx_with_an_openai_error_body(guarded, name, path, body, status):
     with httpx.Client(base_url=guarded.url, headers=AUTH, timeout=30) as http:
-        if isinstance(body, bytes):
-            r = http.post(path, content=body, headers={"content-type": "application/json"})
-        else:
-            r = http.post(path, json=body)
+        # json.dumps escapes a lone surrogate as JSON allows ("\\ud800"); httpx's json= cannot send one
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = http.post(path, content=raw, headers={"content-type": "application/json"})
         assert r.status_code == status, r.text
         err = r.json()["error"]
         assert isinstance(err["message"], str) and err["message"] and err["type"]
+        if name in NAMED:
+            assert err["param"] == name and name in err["message"], err
         good = http.post(C, json={**OK, "ignore_eos": True})
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 0), ("frequency_penalty", 0.0), ("echo", False),
+                                         ("best_of", 1), ("logit_bias", {}), ("tools", []), ("suffix", None)])
+def test_fields_at_their_neutral_value_are_accepted(guarded, field, value):
+    r = httpx.post(guarded.url + C, json={**OK, field: value}, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_without_a_json_content_type_is_told_so(guarded, content_type):
+    headers = {**AUTH, **({"content-type": content_type} if content_type else {})}
+    r = httpx.post(guarded.url + C, content=json.dumps(OK).encode(), headers=headers, timeout=30)
+    assert r.status_code == 400
+    assert "Content-Type: application/json" in r.json()["error"]["message"]
 
 
 def test_chunked_body_over_the_limit_is_refused(guarded):
