@@ -36,14 +36,6 @@ def ensure_ray(address: str | None = None, **init_options) -> str | None:
     return getattr(context, "dashboard_url", None) or None
 
 
-def shutdown_quietly(replica: ReplicaHandle) -> None:
-    """Shuts a replica down, logging a failure instead of raising (the others must still be shut down)."""
-    try:
-        replica.shutdown()
-    except Exception as e:  # noqa: BLE001
-        log.error("replica %d did not shut down cleanly: %s", replica.replica_id, e)
-
-
 def _has_gpu_locally() -> bool:
     try:
         import torch
@@ -120,7 +112,10 @@ class ReplicaHandle:
         started = self._get([self.actor.start.remote()] + [f.start.remote() for f in self.followers], timeout_s,
                             abandon)
         self.info: ReplicaInfo = started[0]
-        self.follower_loops = [f.run.remote() for f in self.followers]
+        for follower in self.followers:
+            # runs until rank 0 stops the group; Ray keeps an actor task running whether or not
+            # anyone holds its result
+            follower.run.remote()
 
     def shutdown(self) -> None:
         """Stops every rank and removes the placement group; nothing is left behind. Idempotent."""

@@ -7,20 +7,19 @@ import os
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import uvicorn
 
 from cluster.config import ServeConfig
-from cluster.deploy import ReplicaHandle, ensure_ray, shutdown_quietly
+from cluster.deploy import ReplicaHandle, ensure_ray
+from cluster.fleet import Fleet
 from cluster.model_info import load_tokenizer
 from router.app import build_app
 from router.metrics import RouterMetrics
-from router.replica_client import ReplicaClient
 from router.routing import create_policy
 from router.state import RouterState, generation_defaults
-from router.supervisor import Supervisor
+from router.supervisor import Supervisor, client_for
 
 log = logging.getLogger(__name__)
 
@@ -33,30 +32,27 @@ class Server:
         if tokenizer is None:
             raise ValueError(f"{config.model} has no tokenizer files; the HTTP server needs one")
         self.dashboard_url = ensure_ray(config.address, **ray_options)
-        replica_config = config.replica_config()
-        with ThreadPoolExecutor(max_workers=config.replicas) as pool:
-            futures = [pool.submit(ReplicaHandle, replica_config, i) for i in range(config.replicas)]
-            self.replicas: list[ReplicaHandle] = []
-            errors = []
-            for f in futures:
-                try:
-                    self.replicas.append(f.result())
-                except Exception as e:  # noqa: BLE001 - shut the others down, then report
-                    errors.append(e)
-        if errors:
-            self.shutdown_replicas()
-            raise errors[0]
-        info = self.replicas[0].info
-        name = config.served_model_name or Path(config.model).name
-        self.state = RouterState(
-            config=config, tokenizer=tokenizer, model_name=name, max_seq_len=info.max_seq_len,
-            vocab_size=info.vocab_size, policy=create_policy(config.routing), metrics=RouterMetrics(name),
-            defaults=generation_defaults(config.model),
-            clients=[ReplicaClient(r.replica_id, r.actor, r.info, config.health_check_timeout_s) for r in self.replicas])
-        self.supervisor = Supervisor(self)
-        self.app = build_app(self.state, background=[self.supervisor.run])
+        self.fleet = Fleet.start(config.replica_config(), config.replicas)
+        try:
+            info = self.fleet.replicas[0].info
+            name = config.served_model_name or Path(config.model).name
+            self.state = RouterState(
+                config=config, tokenizer=tokenizer, model_name=name, max_seq_len=info.max_seq_len,
+                vocab_size=info.vocab_size, policy=create_policy(config.routing), metrics=RouterMetrics(name),
+                defaults=generation_defaults(config.model),
+                clients=[client_for(r, config.health_check_timeout_s) for r in self.fleet.replicas])
+            self.supervisor = Supervisor(self.state, self.fleet)
+            self.app = build_app(self.state, background=[self.supervisor.run])
+        except BaseException:  # the replicas must not outlive a server that never started
+            self.fleet.shutdown()
+            raise
         self._uvicorn: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
+
+    @property
+    def replicas(self) -> list[ReplicaHandle]:
+        """The replica serving each id (for inspecting them: their actors and followers)."""
+        return self.fleet.replicas
 
     @property
     def url(self) -> str:
@@ -123,8 +119,5 @@ class Server:
         self.shutdown_replicas()
 
     def shutdown_replicas(self) -> None:
-        if getattr(self, "supervisor", None) is not None:
-            self.supervisor.close()  # first: a replacement being built must not outlive the server
-        for replica in getattr(self, "replicas", []):
-            shutdown_quietly(replica)
-        self.replicas = []
+        """Stops every replica, and any replacement still being built. Idempotent."""
+        self.fleet.shutdown()

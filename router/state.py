@@ -40,6 +40,10 @@ class RouterState:
     defaults: dict = field(default_factory=dict)
     uids: itertools.count = field(default_factory=itertools.count)
 
+    def set_client(self, i: int, client) -> None:
+        """Routes replica i's traffic to client from now on (its replacement is serving)."""
+        self.clients[i] = client
+
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",

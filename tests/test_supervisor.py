@@ -1,13 +1,17 @@
-"""The supervisor's replacement policy on its own (no Ray): a replica that cannot be started again,
-e.g. on a cluster short of GPUs, is retried with growing waits instead of every round."""
+"""The supervisor's replacement policy and the fleet's replica lifecycle on their own (no Ray): a
+replica that cannot be started again, e.g. on a cluster short of GPUs, is retried with growing waits
+instead of every round; a replacement is built on a fleet thread, then routed to; shutting the fleet
+down leaves no replacement running."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 
-import router.supervisor as supervisor_module
+from cluster.fleet import Fleet
+from router.state import RouterState
 from router.supervisor import Supervisor
 
 
@@ -19,7 +23,7 @@ class _DownClient:
         pass
 
 
-def test_a_replacement_that_cannot_start_is_retried_with_growing_waits(monkeypatch):
+def test_a_replacement_that_cannot_start_is_retried_with_growing_waits():
     attempts: list[float] = []
 
     class NoRoom:
@@ -27,11 +31,9 @@ def test_a_replacement_that_cannot_start_is_retried_with_growing_waits(monkeypat
             attempts.append(time.monotonic())
             raise TimeoutError("the cluster has not had 1 free GPU bundles")
 
-    monkeypatch.setattr(supervisor_module, "ReplicaHandle", NoRoom)
-    server = SimpleNamespace(state=SimpleNamespace(clients=[_DownClient()], draining=False),
-                             replicas=[SimpleNamespace(config=None, shutdown=lambda: None)],
-                             config=SimpleNamespace(health_check_timeout_s=1.0))
-    supervisor = Supervisor(server, interval_s=0.05)
+    fleet = Fleet(None, [SimpleNamespace(replica_id=0, shutdown=lambda: None)], build=NoRoom)
+    state = SimpleNamespace(clients=[_DownClient()], draining=False, config=SimpleNamespace(health_check_timeout_s=1.0))
+    supervisor = Supervisor(state, fleet, interval_s=0.05)
 
     async def supervise_for(seconds: float) -> None:
         try:
@@ -40,9 +42,82 @@ def test_a_replacement_that_cannot_start_is_retried_with_growing_waits(monkeypat
             pass
 
     asyncio.run(supervise_for(2.0))
-    supervisor.close()
+    fleet.shutdown()
     gaps = [b - a for a, b in zip(attempts, attempts[1:])]
     # every round (0.05 s) would be about 40 tries; doubling waits from 0.05 s give about 6
     assert 3 <= len(attempts) <= 10, attempts
     assert gaps[-1] >= 4 * gaps[0], gaps
     assert supervisor.restarts == 0
+
+
+class _Replica:
+    def __init__(self, replica_id: int = 0) -> None:
+        self.replica_id, self.down = replica_id, False
+        self.actor = SimpleNamespace(poll=SimpleNamespace(remote=lambda timeout_s: asyncio.sleep(timeout_s, [])),
+                                     health=SimpleNamespace(remote=lambda: asyncio.sleep(0, None)))
+        self.info = None
+
+    def shutdown(self) -> None:
+        self.down = True
+
+
+def test_a_replacement_is_built_on_a_fleet_thread_then_routed_to():
+    built: list[tuple[_Replica, str]] = []
+
+    def build(config, replica_id, abandon=None) -> _Replica:
+        built.append((_Replica(replica_id), threading.current_thread().name))
+        return built[-1][0]
+
+    old = _Replica()
+    fleet = Fleet(None, [old], build=build)
+    state = RouterState(config=SimpleNamespace(health_check_timeout_s=1.0), tokenizer=None, model_name="m",
+                        max_seq_len=8, vocab_size=8, clients=[_DownClient()])
+    supervisor = Supervisor(state, fleet, interval_s=0.05)
+
+    async def supervise_until_replaced() -> None:
+        task = asyncio.get_running_loop().create_task(supervisor.run())
+        while supervisor.restarts == 0:
+            await asyncio.sleep(0.05)
+        task.cancel()
+        await state.clients[0].stop()
+
+    asyncio.run(asyncio.wait_for(supervise_until_replaced(), 10))
+    fleet.shutdown()
+    assert old.down and len(built) == 1
+    new, thread = built[0]
+    assert thread.startswith("replica-rebuild")  # never the event loop's default executor
+    assert state.clients[0].actor is new.actor and fleet.replicas == []
+    assert new.down
+
+
+def test_shutting_down_abandons_a_replacement_waiting_for_resources():
+    waiting = threading.Event()
+
+    def build(config, replica_id, abandon=None) -> _Replica:
+        waiting.set()
+        abandon.wait()
+        raise RuntimeError("abandoned while waiting for resources")
+
+    fleet = Fleet(None, [_Replica()], build=build)
+    fleet.replace(0)
+    assert waiting.wait(5)
+    start = time.monotonic()
+    fleet.shutdown()
+    assert time.monotonic() - start < 5
+    assert fleet.replace(0) is None  # no replacement starts once shut down
+
+
+def test_a_replacement_that_comes_up_after_shutdown_is_shut_down_too():
+    release, built = threading.Event(), []
+
+    def build(config, replica_id, abandon=None) -> _Replica:
+        release.wait()
+        built.append(_Replica(replica_id))
+        return built[-1]
+
+    fleet = Fleet(None, [_Replica()], build=build)
+    future = fleet.replace(0)
+    fleet.shutdown(timeout_s=0.1)  # gives up waiting for it
+    release.set()
+    assert future.result(timeout=5) is None
+    assert built[0].down
