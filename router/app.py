@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import uuid
 
@@ -18,7 +19,7 @@ from cluster import RaylmError
 from router.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from router.generation import Timing, generate
 from router.guard import RequestGuard
-from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.responses import Formatter, sse
 from router.routing import NoReplicaError
 from router.state import RouterState
@@ -57,13 +58,43 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
+        await state.metrics.replica_gauges.refresh(state.clients)
         return PlainTextResponse(generate_latest(state.metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "owned_by": "raylm",
-                                            "max_model_len": state.max_seq_len}]}
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        state.check_model(model_id)
+        return _model_card(state)
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None:
+            state.check_model(body.model)
+        if body.messages is not None:
+            ids = state.chat_ids(ChatCompletionRequest(model=state.model_name, messages=body.messages),
+                                 add_generation_prompt=body.add_generation_prompt)
+        else:
+            ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_seq_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None:
+            state.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < state.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{state.vocab_size - 1})",
+                           param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -83,6 +114,18 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
         return await _serve(state, request, body, ids, params, fmt)
 
     return app
+
+
+def _model_card(state: RouterState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "raylm",
+            "max_model_len": state.max_seq_len}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("raylm")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown"
 
 
 async def _serve(state: RouterState, request: Request, body, ids, params, fmt: Formatter):

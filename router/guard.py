@@ -10,6 +10,10 @@ import hmac
 from router.errors import error_response
 
 
+# what the API key protects: everything but the probes (/health, /metrics, /version)
+_GUARDED = ("/v1", "/tokenize", "/detokenize")
+
+
 class RequestGuard:
     def __init__(self, app, state) -> None:
         self.app, self.state = app, state
@@ -18,7 +22,7 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         cfg = self.state.config
-        if scope["path"].startswith("/v1"):
+        if scope["path"].startswith(_GUARDED):
             if cfg.api_key is not None:
                 given = dict(scope["headers"]).get(b"authorization", b"")
                 if not hmac.compare_digest(given, f"Bearer {cfg.api_key}".encode()):

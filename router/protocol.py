@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # fields that change a request's meaning and are not supported: each with the values that leave the
 # meaning unchanged (what a client sends when it sets them to their defaults)
@@ -146,3 +146,24 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class TokenizeRequest(APIRequest):
+    """POST /tokenize: a prompt, or chat messages rendered by the chat template first."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(APIRequest):
+    model: str | None = None
+    tokens: list[int]

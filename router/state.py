@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,7 @@ class RouterState:
     draining: bool = False
     defaults: dict = field(default_factory=dict)
     uids: itertools.count = field(default_factory=itertools.count)
+    created: int = field(default_factory=lambda: int(time.time()))  # the model card's creation time
 
     def set_client(self, i: int, client) -> None:
         """Routes replica i's traffic to client from now on (its replacement is serving)."""
@@ -65,10 +67,11 @@ class RouterState:
             ids = list(prompt)
         return ids
 
-    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def chat_ids(self, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False)
         except ValueError as e:
             raise APIError(400, f"messages: {e}", param="messages") from e
         except Exception as e:  # noqa: BLE001 - template errors come as many types
