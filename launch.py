@@ -8,33 +8,111 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
+import re
 import sys
-from dataclasses import fields
 from pathlib import Path
 
-from cluster.config import ServeConfig
+import yaml
+
+from cluster.config import GROUPS, ConfigError, ServeConfig, Setting, settings
 
 DEMO_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "raylm" / "demo-model"
 
 
+class Parser(argparse.ArgumentParser):
+    """Errors in one line that names the flag (no usage block); exit code 2, as argparse's."""
+
+    def error(self, message: str) -> None:
+        message = re.sub(r"^argument (--[\w-]+)(/--[\w-]+)?: ", r"\1 ", message)
+        fail(re.sub(r"^--([\w-]+) ignored explicit argument .*", r"--\1 takes no value (--\1 or --no-\1)", message))
+
+    def parse_args(self, args: list[str] | None = None, namespace: argparse.Namespace | None = None):
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            flags = [f for f in self._option_string_actions if f.startswith("--")]
+            close = difflib.get_close_matches(extra[0].split("=")[0], flags, n=3)
+            fail(f"unknown argument {extra[0]}" + (f" (did you mean {' or '.join(close)}?)" if close else
+                                                   " (see --help)"))
+        return parsed
+
+
+def fail(message: str) -> None:
+    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_setting(group: argparse._ArgumentGroup, s: Setting) -> None:
+    """One flag per setting; the default is left out of the namespace, so only what was given overrides."""
+    shown = s.allowed() if s.type in (int, float) and not s.choices else None
+    text = f"{s.help} ({shown + '; ' if shown else ''}default: {s.default_text})".replace("%", "%%")
+    if s.type is bool:
+        group.add_argument(flag(s.name), dest=s.name, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=text)
+        return
+
+    def convert(value: str):
+        try:
+            return s.type(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {s.allowed()}, not {value!r}") from None
+
+    metavar = "{" + ",".join(s.choices) + "}" if s.choices else {int: "INT", float: "NUMBER", str: "TEXT"}[s.type]
+    group.add_argument(flag(s.name), dest=s.name, type=convert, metavar=metavar, default=argparse.SUPPRESS,
+                       help=text)
+
+
+def build_parser() -> Parser:
+    """Flags generated from the settings, in the README's groups, each with its help, choices and default."""
+    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    command = p.add_argument_group("this command")
+    command.add_argument("--config", metavar="YAML", help="a serving YAML from configs/ (flat keys: the settings "
+                                                          "below, with underscores); flags override it")
+    command.add_argument("--demo", action="store_true", help="serve a tiny random model built locally "
+                                                             "(meaningless output)")
+    groups = {name: p.add_argument_group(name) for name in GROUPS}
+    for s in settings(ServeConfig).values():
+        add_setting(groups[s.group], s)
+    return p
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="a serving YAML from configs/; flags override it")
-    p.add_argument("--demo", action="store_true", help="serve a tiny random model built locally (meaningless output)")
-    for f in fields(ServeConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+    return build_parser().parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> ServeConfig:
+    """The YAML file, then the flags, each value checked; the model fetched (or the demo built) last."""
+    config = ServeConfig()
+    if args.config:
+        try:
+            config = ServeConfig.from_yaml(args.config)
+        except (OSError, yaml.YAMLError) as e:
+            fail(f"--config {args.config}: cannot read it ({' '.join(str(e).split())})")
+        except ConfigError as e:
+            fail(f"{args.config}: {e}")
+    given = {name: value for name, value in vars(args).items() if name in settings(ServeConfig)}
+    try:
+        config = config.override(**given)
+        if not args.demo and not config.model:
+            raise ConfigError("model", "is required: a local model folder or a Hugging Face id (or --demo)")
+        if args.demo:
+            from cluster.tiny_model import build_checkpoint
+            if not (DEMO_DIR / "config.json").exists():
+                build_checkpoint("qwen3", DEMO_DIR)
+            config = config.override(model=str(DEMO_DIR), served_model_name=config.served_model_name or "demo")
         else:
-            kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            p.add_argument(flag, dest=f.name, type=kind, default=None)
-    p.add_argument("--metrics-export-port", type=int, default=None,
-                   help="where Ray exports the replicas' metrics for Prometheus to scrape")
-    p.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True,
-                   help="start the Ray dashboard with the local Ray this command starts (on by default)")
-    return p.parse_args(argv)
+            config = config.override(model=resolve_model(config.model))
+        config.validate()
+        config.check_against_model()
+    except ConfigError as e:
+        fail(f"{flag(e.key)} {e.problem}")
+    return config
 
 
 def resolve_model(model: str) -> str:
@@ -48,20 +126,6 @@ def resolve_model(model: str) -> str:
         sys.exit(f"cannot find '{model}' locally or fetch it from the Hugging Face hub ({type(e).__name__}: {e}).\n"
                  f"Give a local model folder (config.json, *.safetensors, tokenizer files), or download it first "
                  f"on a machine with network: huggingface-cli download {model} --local-dir DIR")
-
-
-def build_config(args: argparse.Namespace) -> ServeConfig:
-    config = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
-    given = {f.name: getattr(args, f.name) for f in fields(ServeConfig) if getattr(args, f.name) is not None}
-    config = config.override(**given)
-    if args.demo:
-        from cluster.tiny_model import build_checkpoint
-        if not (DEMO_DIR / "config.json").exists():
-            build_checkpoint("qwen3", DEMO_DIR)
-        config = config.override(model=str(DEMO_DIR), served_model_name=config.served_model_name or "demo")
-    elif config.model:
-        config = config.override(model=resolve_model(config.model))
-    return config
 
 
 def local_ray_options(dashboard: bool = True) -> dict:
@@ -87,25 +151,20 @@ def dashboard_dependency_error() -> ImportError | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    config = build_config(args)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config.validate()
-    except ValueError as e:
-        sys.exit(str(e))
+    config = build_config(parse_args(argv))
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from router.server import Server
-    ray_options = local_ray_options(args.dashboard) if config.address is None else {}
-    if args.metrics_export_port is not None and config.address is None:
-        ray_options["_metrics_export_port"] = args.metrics_export_port
+    ray_options = local_ray_options(config.dashboard) if config.address is None else {}
+    if config.metrics_export_port is not None and config.address is None:
+        ray_options["_metrics_export_port"] = config.metrics_export_port
     server = Server(config, **ray_options)
     dashboard = server.dashboard_url
     print(f"OpenAI-compatible API: {server.url}/v1  (model '{server.state.model_name}', "
           f"{config.replicas} replica(s) x tp {config.tp_size})", flush=True)
     if dashboard:
         print(f"Ray dashboard: {dashboard if dashboard.startswith('http') else 'http://' + dashboard}", flush=True)
-    if args.metrics_export_port is not None:
-        print(f"Prometheus: scrape {server.url}/metrics (router) and port {args.metrics_export_port} (Ray)",
+    if config.metrics_export_port is not None:
+        print(f"Prometheus: scrape {server.url}/metrics (router) and port {config.metrics_export_port} (Ray)",
               flush=True)
     server.run()
 

@@ -24,7 +24,8 @@ from common import ARCHS, StepTimer, model_folder
 from decode_latency import measure
 
 from cluster.config import SchedulerConfig
-from cluster.executor import LocalExecutor, TensorParallelExecutor
+from cluster.engine_executors import LocalExecutor, TensorParallelExecutor
+from cluster.messages import AddRequest
 from cluster.scheduler import Scheduler
 from worker.comm import free_address, init_tensor_parallel
 from worker.config import EngineConfig
@@ -41,7 +42,7 @@ class Rank0:
 
     def generate(self, prompts, params) -> None:
         for ids in prompts:
-            self.scheduler.submit(next(self._uids), ids, params)
+            self.scheduler.submit(AddRequest(next(self._uids), ids, params))
         while self.scheduler.has_work:
             self.scheduler.step()
 

@@ -5,6 +5,7 @@ N+1 before step N's tokens are known)."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -13,13 +14,23 @@ from cluster.req import Req
 from worker.batch import BatchDesc
 
 
-class BatchBuilder:
-    def __init__(self, cache: CacheManager, stats: dict) -> None:
-        self.cache, self.stats = cache, stats
-        self.rewrite_rows: dict[int, Req] = {}  # slots whose page-table row changed on the host
+@dataclass
+class Batch:
+    """A step as the scheduler sees it: its description, and its requests in the description's order."""
 
-    def prefill(self, chosen: list[tuple[Req, int]]) -> tuple[BatchDesc, list[Req], list[bool]]:
-        """A prefill step: (description, requests, whether each one's sample is an output token)."""
+    desc: BatchDesc
+    reqs: list[Req]
+    emits: list[bool]  # False for a chunk that does not end its prompt: its sample is meaningless
+
+
+class BatchBuilder:
+    def __init__(self, cache: CacheManager) -> None:
+        self.cache = cache
+        # request slots whose page-table row changed on the host, written by the next step
+        self.rewrite_rows: dict[int, Req] = {}
+
+    def prefill(self, chosen: list[tuple[Req, int]]) -> Batch:
+        """A prefill step over (request, tokens to compute) pairs."""
         reqs, emits, ids, locs, seq_lens = [], [], [], [], []
         for req, ext in chosen:
             start, end = req.cached_len, req.cached_len + ext
@@ -37,12 +48,11 @@ class BatchBuilder:
                 req.device_len = req.fill_len + 1
             reqs.append(req)
             emits.append(done)
-        self.stats["prefill_tokens"] += sum(len(x) for x in ids)
         desc = self._desc(True, reqs, seq_lens, [len(x) for x in ids], np.concatenate(locs),
                           np.fromiter((t for x in ids for t in x), dtype=np.int32))
-        return desc, reqs, emits
+        return Batch(desc, reqs, emits)
 
-    def decode(self, reqs: list[Req]) -> tuple[BatchDesc, list[Req], list[bool]]:
+    def decode(self, reqs: list[Req]) -> Batch:
         locs = np.empty(len(reqs), dtype=np.int32)
         seq_lens = []
         for i, req in enumerate(reqs):
@@ -53,14 +63,14 @@ class BatchBuilder:
             req.cached_len += 1
             req.device_len += 1
             seq_lens.append(req.cached_len)
-        self.stats["decode_tokens"] += len(reqs)
-        return self._desc(False, reqs, seq_lens, [1] * len(reqs), locs, None), reqs, [True] * len(reqs)
+        return Batch(self._desc(False, reqs, seq_lens, [1] * len(reqs), locs, None), reqs, [True] * len(reqs))
 
     def _desc(self, is_prefill: bool, reqs: list[Req], seq_lens: list[int], extend_lens: list[int],
               out_loc: np.ndarray, input_ids: np.ndarray | None) -> BatchDesc:
         params = [r.params for r in reqs]
+        # a request that has left its row since (ended or preempted) needs no rewrite
         rows = [(slot, self.cache.locations(r, 0, r.num_cached_pages * self.cache.page_size))
-                for slot, r in self.rewrite_rows.items()]
+                for slot, r in self.rewrite_rows.items() if r.table_idx == slot]
         self.rewrite_rows.clear()
         want = [p.logprobs for p in params if p.logprobs is not None]
         return BatchDesc(

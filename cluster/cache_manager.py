@@ -16,11 +16,11 @@ class IntegrityError(AssertionError):
 
 
 class CacheManager:
-    def __init__(self, num_pages: int, page_size: int, cache_type: str, decode_reserve_tokens: int = 1 << 30) -> None:
+    def __init__(self, num_pages: int, page_size: int, cache_type: str, decode_reserve_tokens: int) -> None:
         self.page_size = page_size
         self.decode_reserve_tokens = decode_reserve_tokens
         self.allocator = PageAllocator(num_pages)
-        self.cache = create_prefix_cache(cache_type, page_size)
+        self.prefix_cache = create_prefix_cache(cache_type, page_size)
         self.caching = cache_type != "naive"
         self.reserved = 0  # pages promised to admitted requests, not allocated yet
         self.prefill_tokens_saved = 0    # prompt tokens found in the prefix cache
@@ -36,7 +36,7 @@ class CacheManager:
     @property
     def available(self) -> int:
         """Pages that a new request could still be promised."""
-        return self.allocator.num_free + self.cache.num_evictable - self.reserved
+        return self.allocator.num_free + self.prefix_cache.num_evictable - self.reserved
 
     def admit(self, req: Req, headroom: int = 0) -> bool:
         """Matches the tokens to prefill against the prefix cache and reserves the pages the request
@@ -45,12 +45,12 @@ class CacheManager:
         ps = self.page_size
         # at least one token must be computed to sample from
         limit = (req.fill_len - 1) // ps * ps
-        handle, pages = self.cache.match(req.input_ids[:limit])
-        self.cache.lock(handle)
+        handle, pages = self.prefix_cache.match(req.input_ids[:limit])
+        self.prefix_cache.lock(handle)
         upto = min(req.max_device_len, req.fill_len + self.decode_reserve_tokens)
         need = max(0, self.pages_for(upto) - len(pages))
         if need + headroom > self.available:
-            self.cache.unlock(handle)
+            self.prefix_cache.unlock(handle)
             return False
         req.cache_handle, req.pages = handle, list(pages)
         req.num_cached_pages = len(pages)
@@ -77,7 +77,7 @@ class CacheManager:
         assert n - reserved <= self.available, "a request allocated pages that are promised to others"
         short = n - self.allocator.num_free
         if short > 0:
-            self.allocator.free(self.cache.evict(short))
+            self.allocator.free(self.prefix_cache.evict(short))
         req.pages.extend(self.allocator.alloc(n))
         req.reserved_pages -= reserved
         self.reserved -= reserved
@@ -96,10 +96,10 @@ class CacheManager:
         n = kv_len // self.page_size
         if n <= req.num_cached_pages:
             return False
-        handle, cached = self.cache.insert(req.input_ids[:n * self.page_size], req.pages[:n])
+        handle, cached = self.prefix_cache.insert(req.input_ids[:n * self.page_size], req.pages[:n])
         replaced = self._drop_duplicates(req, cached)
-        self.cache.lock(handle)
-        self.cache.unlock(req.cache_handle)
+        self.prefix_cache.lock(handle)
+        self.prefix_cache.unlock(req.cache_handle)
         req.cache_handle, req.num_cached_pages = handle, n
         return replaced
 
@@ -108,11 +108,11 @@ class CacheManager:
         back to the free list, and what it had reserved is given back."""
         n = kv_len // self.page_size if self.caching else 0
         if n > req.num_cached_pages:
-            handle, cached = self.cache.insert(req.input_ids[:n * self.page_size], req.pages[:n])
+            handle, cached = self.prefix_cache.insert(req.input_ids[:n * self.page_size], req.pages[:n])
             self._drop_duplicates(req, cached)
         else:
             n = req.num_cached_pages
-        self.cache.unlock(req.cache_handle)
+        self.prefix_cache.unlock(req.cache_handle)
         self.allocator.free(req.pages[n:])
         self.reserved -= req.reserved_pages
         req.pages, req.num_cached_pages, req.cache_handle, req.reserved_pages = [], 0, None, 0
@@ -126,7 +126,7 @@ class CacheManager:
     def check_integrity(self, live: list[Req]) -> None:
         """free + prefix-cached + held by live requests == all pages, each page in exactly one place."""
         free = self.allocator.free_pages()
-        cached = self.cache.all_pages()
+        cached = self.prefix_cache.all_pages()
         held = [p for r in live for p in r.pages[r.num_cached_pages:]]
         total = len(free) + len(cached) + len(held)
         everyone = set(free) | set(cached) | set(held)

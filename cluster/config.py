@@ -1,121 +1,276 @@
-"""Scheduler configuration; the one place that reads the environment."""
+"""The configuration tree, one default per setting: a ReplicaConfig (what `LLM(...)` takes) holds an
+EngineConfig and a SchedulerConfig; a ServeConfig (what `launch.py` takes) is a ReplicaConfig plus the
+fleet, the HTTP server and its limits. Flags, YAML keys and `LLM` keywords are the leaf fields' names,
+flat (`page_size`, not `engine.page_size`), and every value is checked against its field's setting()
+before anything starts. `python -m cluster.config` prints the README's table of them."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, fields, replace
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from functools import cache
 from pathlib import Path
+from typing import Any, TypeVar
 
-from worker.config import EngineConfig
+from worker.config import EngineConfig, setting
+
+GROUPS = ("engine", "scheduler", "cluster", "server", "limits and access")
+LIMITS = "limits and access"
+C = TypeVar("C", bound="ReplicaConfig")
 
 
-def overlap_from_env(default: bool) -> bool:
-    """RAYLM_OVERLAP=0 turns the overlap loop off everywhere (for ablations)."""
-    value = os.environ.get("RAYLM_OVERLAP")
-    return default if value is None else value not in ("0", "false", "False", "off")
+class ConfigError(ValueError):
+    """A setting with a value it does not allow; `key` is its flat name, `problem` what is wrong."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{key} {problem}")
+        self.key, self.problem = key, problem
+
+
+class UnknownSettingError(ConfigError, TypeError):
+    """A name that is no setting (a TypeError too, as for any unexpected keyword argument)."""
 
 
 @dataclass
 class SchedulerConfig:
-    cache_type: str = "radix"       # radix (prefix sharing) or naive
-    max_extend_tokens: int = 8192   # prompt tokens per prefill step; longer prompts are chunked
-    overlap: bool = True            # launch step N+1 before handling step N's results
-    # KV pages for up to this many new tokens are set aside when a request is admitted; one that
-    # outgrows them takes free pages, and when none are left the newest request is preempted (its
-    # pages go to the prefix cache) and recomputed later. A request whose max_tokens fits is never
-    # preempted.
-    decode_reserve_tokens: int = 1024
+    cache_type: str = setting("radix", "radix: prompts with a common prefix share KV pages; naive: never shared",
+                              choices=("radix", "naive"))
+    max_extend_tokens: int = setting(8192, "prompt tokens computed per prefill step; longer prompts are chunked",
+                                     at_least=1)
+    overlap: bool = setting(True, "the overlap loop: launch step N+1 before handling step N's results")
+    # a request whose max_tokens fits its reservation is never preempted
+    decode_reserve_tokens: int = setting(
+        1024, "KV set aside per request at admission for new tokens; a request that outgrows it takes free "
+              "pages, and when none are left the newest such request is preempted and recomputed later",
+        at_least=0)
 
 
 @dataclass
 class ReplicaConfig:
     """One replica: a scheduler (tensor-parallel rank 0) and tp_size - 1 followers."""
 
-    engine: EngineConfig
-    scheduler: SchedulerConfig
-    tp_size: int = 1
-    collective_timeout_s: float = 60.0  # a collective stalled this long (a dead rank) fails the replica
-    placement_strategy: str = "STRICT_PACK"  # PACK lets a replica span nodes
-    model_name: str | None = None       # the served name, for metric tags
-    log_level: str = "INFO"
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata={"group": "engine"})
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata={"group": "scheduler"})
+    tp_size: int = setting(1, "GPUs per replica (tensor-parallel ranks)", at_least=1, group="cluster")
+    collective_timeout_s: float = setting(60.0, "a collective stalled this long (a dead rank) fails the replica",
+                                          above=0, group="cluster")
+    placement_strategy: str = setting("STRICT_PACK", "Ray placement of a replica's ranks: STRICT_PACK on one node, "
+                                                     "PACK may span nodes", choices=("STRICT_PACK", "PACK"),
+                                      group="cluster")
+    served_model_name: str | None = setting(None, "the id clients send as model, and the replicas' metric tag",
+                                            unset="the model folder's name", group="server")
+    log_level: str = setting("INFO", "log level of every process (DEBUG adds per-step batch statistics)",
+                             choices=("DEBUG", "INFO", "WARNING", "ERROR"), group="server")
+
+    @property
+    def model(self) -> str:
+        return self.engine.model_path
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+    def override(self: C, **values: Any) -> C:
+        """A copy with the given settings (flat names) set, each value checked."""
+        known = settings(type(self))
+        unknown = [name for name in values if name not in known]
+        if unknown:
+            raise UnknownSettingError(unknown[0], unknown_problem(unknown[0], known, type(self)))
+        changes = {}
+        for name, value in values.items():
+            known[name].check(value)
+            changes[known[name].path] = value
+        return _replaced(self, changes)
+
+    def validate(self) -> None:
+        """Every value allowed, and a model given."""
+        for s in settings(type(self)).values():
+            s.check(s.get(self))
+        if not self.model:
+            raise ConfigError("model", "is required: a local model folder or a Hugging Face id")
+
+    def check_against_model(self) -> None:
+        """What only the model's config.json can tell: the context and how its layers split across ranks.
+        A folder whose config.json cannot be read passes; loading it says why."""
+        try:
+            hf_config = json.loads((Path(self.model) / "config.json").read_text())
+        except (OSError, ValueError):
+            return
+        context = hf_config.get("max_position_embeddings")
+        if context and self.engine.max_seq_len and self.engine.max_seq_len > context:
+            raise ConfigError("max_seq_len", f"must be at most the model's context of {context} tokens "
+                                             f"(max_position_embeddings), not {self.engine.max_seq_len}")
+        heads = hf_config.get("num_attention_heads", 1)
+        kv_heads = hf_config.get("num_key_value_heads", heads)
+        width = hf_config.get("intermediate_size", 0)
+        if heads % self.tp_size or width % self.tp_size or (self.tp_size > kv_heads and self.tp_size % kv_heads):
+            raise ConfigError("tp_size", f"must divide the model's {heads} attention heads and its MLP width of "
+                                         f"{width}, and divide or be a multiple of its {kv_heads} KV heads; "
+                                         f"not {self.tp_size}")
+
+    def replica_config(self) -> ReplicaConfig:
+        """The part of this configuration one replica needs, with its served name resolved."""
+        own = {f.name: getattr(self, f.name) for f in fields(ReplicaConfig)}
+        return ReplicaConfig(**dict(own, served_model_name=self.model_name))
 
 
 @dataclass
-class ServeConfig:
+class ServeConfig(ReplicaConfig):
     """Everything `launch.py` needs: loaded from a YAML file in configs/, then overridden by flags."""
 
-    model: str = ""
-    served_model_name: str | None = None  # the id clients send as "model"; default: the folder's name
-    tp_size: int = 1
-    replicas: int = 1
-    host: str = "127.0.0.1"
-    port: int = 8000
-    address: str | None = None        # a Ray cluster to join ("auto"); None starts a local one
-    routing: str = "cache_aware"      # cache_aware or round_robin
-    # engine
-    dtype: str = "auto"
-    device: str = "auto"
-    page_size: int = 16
-    num_pages: int | None = None
-    max_running_reqs: int = 256
-    max_seq_len: int | None = None
-    load_format: str = "auto"
-    attention_backend: str = "auto"
-    gpu_memory_utilization: float = 0.85
-    cuda_graph_max_bs: int = 256
-    # scheduler
-    cache_type: str = "radix"
-    max_extend_tokens: int = 8192
-    overlap: bool = True
-    decode_reserve_tokens: int = 1024
-    collective_timeout_s: float = 60.0
-    placement_strategy: str = "STRICT_PACK"
-    # limits and access
-    api_key: str | None = None
-    max_body_bytes: int = 4 * 2**20
-    max_prompt_tokens: int | None = None  # None: the model's context
-    max_tokens_limit: int | None = None   # the most max_tokens a request may ask for; None: the context
-    max_stop_strings: int = 16
-    request_timeout_s: float | None = None
-    drain_timeout_s: float = 30.0
-    health_check_timeout_s: float = 30.0  # a replica silent this long is replaced (a dead one at once)
-    log_level: str = "INFO"
+    replicas: int = setting(1, "replicas of the model, each of tp_size GPUs", at_least=1, group="cluster")
+    address: str | None = setting(None, "a Ray cluster to join (auto: the one this node is part of)",
+                                  unset="start a local Ray", group="cluster")
+    health_check_timeout_s: float = setting(30.0, "a replica silent this long is replaced (a dead or broken one "
+                                                  "at once)", above=0, group="cluster")
+    dashboard: bool = setting(True, "the Ray dashboard (on 127.0.0.1) with the local Ray this command starts",
+                              group="cluster")
+    metrics_export_port: int | None = setting(None, "where Ray exports the replicas' metrics for Prometheus",
+                                              at_least=1, at_most=65535, unset="Ray's choice", group="cluster")
+    host: str = setting("127.0.0.1", "where the API listens; 0.0.0.0 exposes it (set api_key then)",
+                        group="server")
+    port: int = setting(8000, "the API's port", at_least=1, at_most=65535, group="server")
+    routing: str = setting("cache_aware", "cache_aware: prefix affinity with a least-loaded fallback; "
+                                          "round_robin", choices=("cache_aware", "round_robin"), group="server")
+    api_key: str | None = setting(None, "every /v1 route then requires Authorization: Bearer KEY",
+                                  unset="none, open", group=LIMITS)
+    max_body_bytes: int = setting(4 * 2**20, "largest request body, counted as it arrives", at_least=1,
+                                  group=LIMITS)
+    max_prompt_tokens: int | None = setting(None, "longest prompt accepted", at_least=1,
+                                            unset="the model's context", group=LIMITS)
+    max_tokens_limit: int | None = setting(None, "the most max_tokens a request may ask for", at_least=1,
+                                           unset="the model's context", group=LIMITS)
+    max_stop_strings: int = setting(16, "stop strings a request may give", at_least=0, group=LIMITS)
+    request_timeout_s: float | None = setting(None, "a request taking longer ends with 408", above=0,
+                                              unset="none", group=LIMITS)
+    drain_timeout_s: float = setting(30.0, "on SIGTERM or Ctrl-C, how long requests in flight may take to finish",
+                                     at_least=0, group=LIMITS)
 
     @classmethod
     def from_yaml(cls, path: str) -> ServeConfig:
+        """A flat mapping of settings (`page_size: 16`); an unknown key or a bad value names the file."""
         import yaml
         with open(path) as f:
             data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(path, "must be a mapping of settings (page_size: 16, ...)")
         return cls().override(**data)
 
-    def override(self, **values) -> ServeConfig:
-        """A copy with the given fields set; unknown names are an error that names them."""
-        known = {f.name for f in fields(self)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown configuration keys: {', '.join(unknown)}")
-        return replace(self, **values)
 
-    def validate(self) -> None:
-        if not self.model:
-            raise ValueError("no model given: pass --model PATH (or --demo)")
-        if self.tp_size < 1 or self.replicas < 1:
-            raise ValueError("tp_size and replicas must be at least 1")
-        if self.routing not in ("cache_aware", "round_robin"):
-            raise ValueError(f"routing must be cache_aware or round_robin, not {self.routing!r}")
-        if self.decode_reserve_tokens < 0:
-            raise ValueError(f"decode_reserve_tokens must be at least 0, not {self.decode_reserve_tokens}")
-        if self.cache_type not in ("radix", "naive"):
-            raise ValueError(f"cache_type must be radix or naive, not {self.cache_type!r}")
+@dataclass(frozen=True)
+class Setting:
+    """One leaf of the tree: its flat name, where it sits, its type and what it allows."""
 
-    def replica_config(self) -> ReplicaConfig:
-        engine = EngineConfig(
-            model_path=self.model, dtype=self.dtype, device=self.device, page_size=self.page_size,
-            num_pages=self.num_pages, max_running_reqs=self.max_running_reqs, max_seq_len=self.max_seq_len,
-            load_format=self.load_format, attention_backend=self.attention_backend,
-            gpu_memory_utilization=self.gpu_memory_utilization, cuda_graph_max_bs=self.cuda_graph_max_bs)
-        scheduler = SchedulerConfig(cache_type=self.cache_type, max_extend_tokens=self.max_extend_tokens,
-                                    overlap=overlap_from_env(self.overlap),
-                                    decode_reserve_tokens=self.decode_reserve_tokens)
-        return ReplicaConfig(engine, scheduler, self.tp_size, self.collective_timeout_s, self.placement_strategy,
-                             self.served_model_name or Path(self.model).name, self.log_level)
+    name: str
+    path: tuple[str, ...]
+    type: type
+    optional: bool
+    default: Any
+    help: str
+    group: str
+    choices: tuple | None = None
+    at_least: float | None = None
+    above: float | None = None
+    at_most: float | None = None
+    unset: str | None = None
+
+    def get(self, config: Any) -> Any:
+        for attr in self.path:
+            config = getattr(config, attr)
+        return config
+
+    @property
+    def default_text(self) -> str:
+        if self.unset is not None and self.default in (None, ""):
+            return self.unset
+        if self.type is bool:
+            return "true" if self.default else "false"
+        return str(self.default)
+
+    def allowed(self) -> str:
+        """What a value may be, in words: 'an integer >= 1', 'one of radix, naive'."""
+        if self.choices:
+            return "one of " + ", ".join(map(str, self.choices))
+        kind = {bool: "true or false", int: "an integer", float: "a number", str: "a non-empty string"}[self.type]
+        if self.at_least is not None and self.at_most is not None:
+            return f"{kind} from {_num(self.at_least)} to {_num(self.at_most)}"
+        bounds = [f"{op} {_num(v)}" for op, v in ((">=", self.at_least), (">", self.above), ("<=", self.at_most))
+                  if v is not None]
+        return " ".join([kind, " and ".join(bounds)]) if bounds else kind
+
+    def check(self, value: Any) -> None:
+        if value is None and self.optional:
+            return
+        ok = {bool: lambda v: isinstance(v, bool),
+              int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              str: lambda v: isinstance(v, str) and v != ""}[self.type](value)
+        ok = ok and (not self.choices or value in self.choices)
+        if ok and self.type in (int, float):
+            ok = ((self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
+                  and (self.at_most is None or value <= self.at_most))
+        if not ok:
+            raise ConfigError(self.name, f"must be {self.allowed()}, not {value!r}")
+
+
+@cache
+def settings(cls: type) -> dict[str, Setting]:
+    """Every leaf setting of a config class, by flat name, in declaration order."""
+    found: dict[str, Setting] = {}
+    _collect(cls, (), None, found)
+    return found
+
+
+def _collect(cls: type, path: tuple[str, ...], group: str | None, found: dict[str, Setting]) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        hint, meta = hints[f.name], f.metadata
+        assert "help" in meta or is_dataclass(hint), f"{cls.__name__}.{f.name} is not declared with setting()"
+        if is_dataclass(hint):
+            _collect(hint, path + (f.name,), meta.get("group", group), found)
+            continue
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        base = next(a for a in args if a is not type(None))
+        name = meta.get("name") or f.name
+        assert name not in found, f"two settings named {name}"
+        found[name] = Setting(name, path + (f.name,), base, type(None) in args, f.default, meta["help"],
+                              meta.get("group") or group, meta["choices"], meta["at_least"], meta["above"],
+                              meta["at_most"], meta["unset"])
+
+
+def unknown_problem(name: str, known: dict[str, Setting], cls: type) -> str:
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+    if cls is not ServeConfig and name in settings(ServeConfig):
+        return f"is not a setting here: it is one of the server's (launch.py --{name.replace('_', '-')})"
+    hint = f"did you mean {' or '.join(close)}?" if close else "see python launch.py --help"
+    return f"is not a setting ({hint})"
+
+
+def _replaced(obj: Any, changes: dict[tuple[str, ...], Any]) -> Any:
+    """A copy of a dataclass tree with the values at the given attribute paths replaced."""
+    direct = {path[0]: value for path, value in changes.items() if len(path) == 1}
+    for head in {path[0] for path in changes if len(path) > 1}:
+        inner = {path[1:]: value for path, value in changes.items() if len(path) > 1 and path[0] == head}
+        direct[head] = _replaced(getattr(obj, head), inner)
+    return replace(obj, **direct)
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def markdown_table(cls: type = ServeConfig) -> str:
+    """The README's Configure table: every setting, grouped, with its default and meaning."""
+    rows = ["| setting | default | allowed | meaning |", "| --- | --- | --- | --- |"]
+    for group in GROUPS:
+        members = [s for s in settings(cls).values() if s.group == group]
+        rows += [f"| **{group}** | | | |"] if members else []
+        rows += [f"| `{s.name}` | {s.default_text} | {s.allowed()} | {s.help} |" for s in members]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -1,94 +1,22 @@
-"""Executors run a batch description on every rank of a replica and return rank 0's output."""
+"""The scheduler's view of the engines: an Executor runs a batch description on every rank of a replica
+and returns rank 0's output. The executors over real engines are in cluster/engine_executors.py; tests
+and benchmarks run the scheduler over scripted ones, with no model."""
 
 from __future__ import annotations
 
-import contextlib
-import time
+from typing import Protocol
 
 from worker.batch import BatchDesc, StepOutput
-from worker.comm import KEEPALIVE, destroy_tensor_parallel
-from worker.engine import Engine
 
 
 class ReplicaBrokenError(RuntimeError):
     """The replica's group cannot run steps any more (a rank died or a collective timed out)."""
 
 
-class LocalExecutor:
-    """A replica of one rank."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
+class Executor(Protocol):
     def launch(self, desc: BatchDesc) -> StepOutput:
-        return self.engine.forward(desc)
+        """Starts the step on every rank; returns without waiting for it (on a GPU). Any exception but
+        ReplicaBrokenError fails this step's requests only."""
 
     def wait(self, out: StepOutput) -> None:
-        out.done.synchronize()
-
-    def keepalive(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
-
-
-class TensorParallelExecutor:
-    """Rank 0 of a group: broadcasts each step before launching it itself, so followers start at once."""
-
-    def __init__(self, engine: Engine, keepalive_s: float) -> None:
-        self.engine = engine
-        self.comm = engine.tp.comm
-        self.keepalive_s = keepalive_s
-        self._last_broadcast = time.monotonic()
-        self._busy_since: float | None = None
-
-    def launch(self, desc: BatchDesc) -> StepOutput:
-        try:
-            with self._busy():
-                self._broadcast(desc)
-                return self.engine.forward(desc)
-        except RuntimeError as e:  # gloo/NCCL errors: a peer is gone or stalled
-            raise ReplicaBrokenError(f"tensor-parallel group failed: {e}") from e
-
-    def wait(self, out: StepOutput) -> None:
-        try:
-            with self._busy():
-                out.done.synchronize()
-        except RuntimeError as e:  # an NCCL abort or a CUDA error surfaces here
-            raise ReplicaBrokenError(f"tensor-parallel group failed: {e}") from e
-
-    def stuck_for(self) -> float:
-        """Seconds the current launch or wait has lasted (0 when neither runs). On GPUs a collective
-        whose peer died does not fail: its kernel spins on the device and the host blocks in whatever
-        waits on it next, so the replica's watchdog looks here instead."""
-        since = self._busy_since
-        return 0.0 if since is None else time.monotonic() - since
-
-    @contextlib.contextmanager
-    def _busy(self):
-        self._busy_since = time.monotonic()
-        try:
-            yield
-        finally:
-            self._busy_since = None
-
-    def keepalive(self) -> None:
-        """While idle, tells the followers (waiting for the next step) that rank 0 lives, well before
-        their wait would time out as a stalled collective."""
-        if time.monotonic() - self._last_broadcast > self.keepalive_s:
-            try:
-                self._broadcast(KEEPALIVE)
-            except RuntimeError as e:
-                raise ReplicaBrokenError(f"tensor-parallel group failed: {e}") from e
-
-    def _broadcast(self, message) -> None:
-        self.comm.broadcast_desc(message)
-        self._last_broadcast = time.monotonic()
-
-    def shutdown(self) -> None:
-        try:
-            self.comm.broadcast_desc(None)
-        except RuntimeError:
-            pass  # the followers are gone already
-        destroy_tensor_parallel()
+        """Returns once `out` has reached the host; raises ReplicaBrokenError if it never can."""

@@ -6,14 +6,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from cluster.config import ReplicaConfig, SchedulerConfig, overlap_from_env
-from cluster.executor import LocalExecutor
-from cluster.messages import TokenDelta
+from cluster.config import ReplicaConfig
+from cluster.engine_executors import LocalExecutor
+from cluster.messages import AddRequest, SchedulerStats, TokenDelta
 from cluster.model_info import eos_token_ids, load_tokenizer
 from cluster.errors import ErrorKind, InvalidRequestError, error_for
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler import Scheduler
-from worker.config import EngineConfig
 from worker.engine import Engine
 
 
@@ -29,32 +28,29 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model_path: str, tp_size: int = 1, dtype: str = "auto", page_size: int = 1,
-                 cache_type: str = "radix", max_extend_tokens: int = 8192, max_running_reqs: int = 256,
-                 num_pages: int | None = None, load_format: str = "auto", overlap: bool = True,
-                 collective_timeout_s: float = 60.0, decode_reserve_tokens: int = 1024, **engine_options) -> None:
-        self.engine_config = EngineConfig(model_path=model_path, dtype=dtype, page_size=page_size, num_pages=num_pages,
-                                          max_running_reqs=max_running_reqs, load_format=load_format, **engine_options)
-        self.scheduler_config = SchedulerConfig(cache_type=cache_type, max_extend_tokens=max_extend_tokens,
-                                                overlap=overlap_from_env(overlap),
-                                                decode_reserve_tokens=decode_reserve_tokens)
-        self.tokenizer = load_tokenizer(model_path)
+    def __init__(self, model: str, **settings) -> None:
+        """`model`: a local Hugging Face folder. `settings`: any of ReplicaConfig's, by name (page_size=16,
+        tp_size=2, overlap=False, ...: `python -m cluster.config` lists them); a misspelt one is an error."""
+        self.config = ReplicaConfig().override(model=model, **settings)
+        self.config.validate()
+        self.config.check_against_model()
+        self.engine_config, self.scheduler_config = self.config.engine, self.config.scheduler
+        self.tokenizer = load_tokenizer(model)
         self._outputs: dict[int, RequestOutput] = {}
         self._uids = itertools.count()
         self.replica = None
         self.scheduler = None
-        if tp_size > 1:
+        if self.config.tp_size > 1:
             from cluster.deploy import ReplicaHandle, ensure_ray
             ensure_ray()
-            self.replica = ReplicaHandle(ReplicaConfig(self.engine_config, self.scheduler_config, tp_size,
-                                                       collective_timeout_s))
+            self.replica = ReplicaHandle(self.config)
             return
         self.engine = Engine(self.engine_config)
         self.executor = LocalExecutor(self.engine)
         self.scheduler = Scheduler(
-            self.scheduler_config, self.executor, num_pages=self.engine.num_pages, page_size=page_size,
-            max_running_reqs=max_running_reqs, max_seq_len=self.engine.max_seq_len,
-            eos_ids=eos_token_ids(model_path, self.engine.hf_config, self.tokenizer), on_output=self._collect)
+            self.scheduler_config, self.executor, num_pages=self.engine.num_pages, page_size=self.engine.page_size,
+            max_running_reqs=self.engine_config.max_running_reqs, max_seq_len=self.engine.max_seq_len,
+            eos_ids=eos_token_ids(model, self.engine.hf_config, self.tokenizer), on_output=self._collect)
 
     def _collect(self, deltas: list[TokenDelta]) -> None:
         for d in deltas:
@@ -85,17 +81,16 @@ class LLM:
         if self.scheduler is not None:
             for ids, p in zip(encoded, params):
                 self.scheduler.validate(ids, p)
-        uids = []
-        for ids in encoded:
-            uid = next(self._uids)
-            self._outputs[uid] = RequestOutput(prompt_token_ids=ids)
-            uids.append(uid)
+        requests = [AddRequest(next(self._uids), ids, p) for ids, p in zip(encoded, params)]
+        uids = [r.uid for r in requests]
+        for r in requests:
+            self._outputs[r.uid] = RequestOutput(prompt_token_ids=r.input_ids)
         try:
             if self.replica is not None:
-                self._run_remote(list(zip(uids, encoded, params)))
+                self._run_remote(requests)
             else:
-                for uid, ids, p in zip(uids, encoded, params):
-                    self.scheduler.submit(uid, ids, p)
+                for r in requests:
+                    self.scheduler.submit(r)
                 while self.scheduler.has_work:
                     self.scheduler.step()
         finally:
@@ -107,11 +102,11 @@ class LLM:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return outputs
 
-    def _run_remote(self, requests: list) -> None:
+    def _run_remote(self, requests: list[AddRequest]) -> None:
         import ray
         actor = self.replica.actor
         ray.get(actor.submit.remote(requests))
-        pending = {uid for uid, _, _ in requests}
+        pending = {r.uid for r in requests}
         while pending:
             deltas = ray.get(actor.poll.remote(1.0))
             self._collect(deltas)
@@ -124,7 +119,8 @@ class LLM:
             return self.tokenizer(prompt).input_ids
         return list(prompt)
 
-    def stats(self) -> dict:
+    def stats(self) -> SchedulerStats:
+        """The scheduler's counts (at tp > 1 a ReplicaStats, with the replica's own)."""
         if self.replica is not None:
             import ray
             return ray.get(self.replica.actor.stats.remote())

@@ -1,11 +1,44 @@
-"""What crosses a replica's boundary: what a replica tells its callers once it has started, and the
-batch of deltas per step (one delta per request that got a token)."""
+"""What crosses a replica's boundary, as records: the requests and aborts sent to a scheduler (and the
+calls it runs between steps), the batch of deltas it sends back per step (one delta per request that
+got a token), what a replica tells its callers once it has started, and the counts it reports."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from cluster.errors import ErrorKind
+from cluster.sampling_params import SamplingParams
+
+
+@dataclass
+class AddRequest:
+    """A request for a scheduler to run: its prompt's token ids and how to sample."""
+
+    uid: int
+    input_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class AbortRequest:
+    uid: int
+
+
+@dataclass
+class CallBetweenSteps:
+    """A function for the scheduler's loop to run between two steps, where its state is consistent;
+    its result (or exception) goes to `future`."""
+
+    fn: Callable[[], Any]
+    future: Future = field(default_factory=Future)
+
+    def run(self) -> None:
+        try:
+            self.future.set_result(self.fn())
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            self.future.set_exception(e)
 
 
 @dataclass
@@ -34,3 +67,42 @@ class ReplicaInfo:
     page_size: int
     vocab_size: int
     eos_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A scheduler's state and counters at one moment, for an operator, the metrics or a test."""
+
+    running: int                 # requests decoding
+    waiting: int                 # requests waiting for (the rest of) their prefill
+    live: int                    # every request not ended
+    request_slots_total: int
+    request_slots_free: int      # including those whose release waits for the batch in flight
+    pages_total: int
+    pages_free: int
+    pages_cached: int            # held by the prefix cache
+    pages_reserved: int          # promised to admitted requests, not allocated yet
+    prefix_hit_tokens: int       # prompt tokens found in the prefix cache
+    prompt_tokens_admitted: int
+    steps: int
+    prefill_tokens: int          # prompt tokens computed (prefix-cache hits excluded)
+    decode_tokens: int
+    preempted: int               # preemptions so far (a request may be preempted more than once)
+
+    @property
+    def kv_usage(self) -> float:
+        """Pages held by live requests / all pages."""
+        return (self.pages_total - self.pages_free - self.pages_cached) / self.pages_total
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / max(1, self.prompt_tokens_admitted)
+
+
+@dataclass(frozen=True)
+class ReplicaStats(SchedulerStats):
+    """A replica's scheduler stats, with the replica's own."""
+
+    replica: int = 0
+    broken: str | None = None    # why the replica cannot serve any more; None while it serves
+    rss_bytes: int = 0           # rank 0's resident memory

@@ -4,10 +4,11 @@ by every node's metrics agent), tagged with replica and model. Only rank 0 (the 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from cluster.messages import TokenDelta
+from cluster.messages import SchedulerStats, TokenDelta
 from cluster.req import Req
 
 _LATENCY = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
@@ -67,26 +68,26 @@ class ReplicaMetrics:
         self.running.set(0, tags)
         self.queued.set(0, tags)
 
-    def on_step(self, snapshot_fn) -> None:
+    def on_step(self, snapshot_fn: Callable[[], SchedulerStats]) -> None:
         """Gauges and token counters, at most once per interval (the scheduler's state is read then)."""
         now = time.monotonic()
         if now - self._last < self.interval_s:
             return
         s = snapshot_fn()
         tags = self.tags
-        self.running.set(s["running"], tags)
-        self.queued.set(s["waiting"], tags)
-        self.token_usage.set((s["pages_total"] - s["pages_free"] - s["pages_cached"]) / s["pages_total"], tags)
-        self.cache_hit_rate.set(s["prefix_hit_tokens"] / max(1, s["prompt_tokens_admitted"]), tags)
+        self.running.set(s.running, tags)
+        self.queued.set(s.waiting, tags)
+        self.token_usage.set(s.kv_usage, tags)
+        self.cache_hit_rate.set(s.prefix_hit_rate, tags)
         self.gen_throughput.set(self._tokens_since / (now - self._last), tags)
         if self._tokens_since:
             self.generation_tokens.inc(self._tokens_since, tags)
-        if s["preempted"] > self._preempted:
-            self.preemptions.inc(s["preempted"] - self._preempted, tags)
-            self._preempted = s["preempted"]
+        if s.preempted > self._preempted:
+            self.preemptions.inc(s.preempted - self._preempted, tags)
+            self._preempted = s.preempted
         self._tokens_since = 0
         self._last = now
 
-    def flush(self, snapshot_fn) -> None:
+    def flush(self, snapshot_fn: Callable[[], SchedulerStats]) -> None:
         self._last = 0.0
         self.on_step(snapshot_fn)

@@ -1,4 +1,5 @@
-"""The prefill manager: admits waiting requests within a token budget and chunks long prompts."""
+"""The prefill manager: the queue of requests waiting for their prefill, admitted in arrival order
+within a token budget, long prompts in chunks."""
 
 from __future__ import annotations
 
@@ -6,21 +7,21 @@ from collections import deque
 
 from cluster.cache_manager import CacheManager
 from cluster.req import Req
-from cluster.slot_table import SlotTable
+from cluster.request_slots import RequestSlots
 
 
 class PrefillManager:
-    def __init__(self, cache: CacheManager, slots: SlotTable, max_extend_tokens: int) -> None:
-        self.cache, self.slots = cache, slots
+    def __init__(self, cache: CacheManager, req_slots: RequestSlots, max_extend_tokens: int) -> None:
+        self.cache, self.req_slots = cache, req_slots
         self.max_extend_tokens = max_extend_tokens
         self.waiting: deque[Req] = deque()  # the head may be part-way through a chunked prefill
 
-    @property
-    def runnable(self) -> bool:
-        return bool(self.waiting)
-
     def add(self, req: Req) -> None:
         self.waiting.append(req)
+
+    def requeue(self, req: Req) -> None:
+        """Puts a preempted request first: the newest preempted goes in front of those preempted before."""
+        self.waiting.appendleft(req)
 
     def remove(self, req: Req) -> None:
         self.waiting.remove(req)
@@ -28,16 +29,17 @@ class PrefillManager:
     def schedule(self, in_flight: frozenset[int], headroom: int = 0) -> list[tuple[Req, int]]:
         """Picks (request, tokens to compute) in arrival order until the budget is spent. A request
         that does not fit whole takes what is left and carries on next time, at the head of the queue.
-        `headroom` pages are left free at admission for running requests past their reservation."""
+        `in_flight`: the request slots of the batch in flight. `headroom` pages are left free at
+        admission for running requests past their reservation."""
         batch: list[tuple[Req, int]] = []
         budget = self.max_extend_tokens
         for req in list(self.waiting):
             if budget == 0:
                 break
             if req.table_idx < 0:
-                if self.slots.available == 0 or not self.cache.admit(req, headroom):
+                if self.req_slots.available == 0 or not self.cache.admit(req, headroom):
                     break  # first come, first served: later requests do not jump the queue
-                req.table_idx = self.slots.allocate(in_flight)
+                req.table_idx = self.req_slots.allocate(in_flight)
             ext = min(req.extend_len, budget)
             budget -= ext
             batch.append((req, ext))

@@ -11,11 +11,12 @@ from pathlib import Path
 
 from cluster.config import ReplicaConfig
 from cluster.errors import ErrorKind
-from cluster.executor import LocalExecutor, ReplicaBrokenError, TensorParallelExecutor
-from cluster.messages import ReplicaInfo, TokenDelta
+from cluster.engine_executors import LocalExecutor, TensorParallelExecutor
+from cluster.executor import ReplicaBrokenError
+from cluster.messages import AddRequest, ReplicaInfo, ReplicaStats, TokenDelta
 from cluster.metrics import ReplicaMetrics
 from cluster.model_info import eos_token_ids, load_tokenizer
-from cluster.sampling_params import SamplingParams
+from cluster.req import Req
 from cluster.scheduler import Scheduler
 from worker.comm import free_address, init_tensor_parallel
 from worker.engine import Engine, resolve_device
@@ -85,7 +86,7 @@ class SchedulerActor:
                 log.exception("scheduler step failed")
                 sched.fail_all(f"scheduler error: {type(e).__name__}: {e}", ErrorKind.ENGINE)
         while self.broken and not self._stop.is_set():  # answer what still arrives with the error
-            sched._drain_inbox(block=True)
+            sched.receive(block=True)
             sched.fail_all(self.broken, ErrorKind.REPLICA_DOWN)
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
@@ -97,7 +98,7 @@ class SchedulerActor:
             self._outbox.extend(deltas)
             self._ready.notify_all()
 
-    def _on_finish(self, req, reason: str) -> None:
+    def _on_finish(self, req: Req, reason: str) -> None:
         if self.broken and req.uid not in self._live:
             return  # counted when the replica failed
         self.metrics.on_finish(req, reason)
@@ -127,16 +128,16 @@ class SchedulerActor:
 
     # -- called through Ray ------------------------------------------------------------------------
 
-    def submit(self, requests: list[tuple[int, list[int], SamplingParams]]) -> None:
+    def submit(self, requests: list[AddRequest]) -> None:
         with self._ready:
             if self.broken:
-                self._outbox.extend(_error_deltas([uid for uid, _, _ in requests], self.broken))
+                self._outbox.extend(_error_deltas([r.uid for r in requests], self.broken))
                 self.metrics.on_replica_failed(len(requests))
                 self._ready.notify_all()
                 return
-            self._live.update(uid for uid, _, _ in requests)
-        for uid, ids, params in requests:
-            self.scheduler.submit(uid, ids, params)
+            self._live.update(r.uid for r in requests)
+        for request in requests:
+            self.scheduler.submit(request)
 
     def abort(self, uids: list[int]) -> None:
         with self._ready:  # an aborted request gets no delta: it leaves the live set here
@@ -156,14 +157,14 @@ class SchedulerActor:
             out, self._outbox = self._outbox, []
         return out
 
-    def stats(self) -> dict:
+    def stats(self) -> ReplicaStats:
         return self.scheduler.call_between_steps(self._stats).result(timeout=30)
 
-    def _stats(self) -> dict:
+    def _stats(self) -> ReplicaStats:
         self.metrics.flush(self.scheduler.snapshot)  # so a scrape after this call sees every token so far
         import psutil
-        return {"replica": self.replica_id, "broken": self.broken, "rss_bytes": psutil.Process().memory_info().rss,
-                **self.scheduler.snapshot()}
+        return ReplicaStats(**vars(self.scheduler.snapshot()), replica=self.replica_id, broken=self.broken,
+                            rss_bytes=psutil.Process().memory_info().rss)
 
     def check_integrity(self) -> None:
         self.scheduler.call_between_steps(self.scheduler.check_integrity).result(timeout=30)

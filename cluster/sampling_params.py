@@ -29,7 +29,3 @@ class SamplingParams:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(f"logprobs must be between 0 and 20, got {self.logprobs}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0

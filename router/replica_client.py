@@ -7,18 +7,18 @@ import asyncio
 import logging
 
 from cluster.errors import ErrorKind
-from cluster.messages import TokenDelta
+from cluster.messages import AddRequest, ReplicaInfo, TokenDelta
 from cluster.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 class ReplicaClient:
-    def __init__(self, replica_id: int, actor, info: dict, health_timeout_s: float = 30.0) -> None:
+    def __init__(self, replica_id: int, actor, info: ReplicaInfo, health_timeout_s: float = 30.0) -> None:
         self.replica_id, self.actor, self.info = replica_id, actor, info
         self.health_timeout_s = health_timeout_s
         self.queues: dict[int, asyncio.Queue] = {}
-        self._submits: list[tuple[int, list[int], SamplingParams]] = []
+        self._submits: list[AddRequest] = []
         self._aborts: list[int] = []
         self._flush_pending = False
         self.error: str | None = None
@@ -44,7 +44,7 @@ class ReplicaClient:
     def submit(self, uid: int, ids: list[int], params: SamplingParams) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[uid] = queue
-        self._submits.append((uid, ids, params))
+        self._submits.append(AddRequest(uid, ids, params))
         self._schedule_flush()
         return queue
 

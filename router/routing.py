@@ -6,17 +6,6 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from typing import Protocol
-
-
-class Routable(Protocol):
-    replica_id: int
-
-    @property
-    def load(self) -> int: ...
-
-    @property
-    def healthy(self) -> bool: ...
 
 
 class NoReplicaError(RuntimeError):

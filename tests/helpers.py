@@ -19,8 +19,8 @@ def checked_llm(path, **kw):
         yield llm
         llm.check_integrity()
         stats = llm.stats()
-        assert stats["live"] == 0, "requests left running"
-        assert stats["slots_free"] == stats["slots_total"], "request slots leaked"
+        assert stats.live == 0, "requests left running"
+        assert stats.request_slots_free == stats.request_slots_total, "request slots leaked"
     finally:
         llm.shutdown()
 
@@ -43,7 +43,7 @@ def serving(model_path, **config):
     from router.server import Server
     config.setdefault("served_model_name", "tiny")
     config.setdefault("page_size", 4)
-    srv = Server(ServeConfig(model=str(model_path), port=free_port(), **config))
+    srv = Server(ServeConfig().override(model=str(model_path), port=free_port(), **config))
     srv.start_in_thread()
     try:
         yield srv

@@ -54,12 +54,12 @@ def check_recovers(srv, restarts_before: int) -> None:
     assert r.status_code == 200
     wait_for(lambda: httpx.get(srv.url + "/health").status_code == 200, 180, "the replica to be replaced")
     assert srv.supervisor.restarts == restarts_before + 1
-    before = [ray.get(rep.actor.stats.remote())["decode_tokens"] for rep in srv.replicas]
+    before = [ray.get(rep.actor.stats.remote()).decode_tokens for rep in srv.replicas]
     for _ in range(4):  # round-robin: both replicas get some
         r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3,
                                                           "ignore_eos": True}, timeout=30)
         assert r.status_code == 200
-    after = [ray.get(rep.actor.stats.remote())["decode_tokens"] for rep in srv.replicas]
+    after = [ray.get(rep.actor.stats.remote()).decode_tokens for rep in srv.replicas]
     assert all(a > b for a, b in zip(after, before))
 
 

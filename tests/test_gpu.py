@@ -63,9 +63,9 @@ def run(path, prompts, params, **kw) -> tuple[list[list[int]], list[list[dict[in
     with checked_llm(path, **kw) as llm:
         submit, collect = llm.scheduler.submit, llm.scheduler.on_output
 
-        def on_submit(uid, input_ids, p):
-            uids.append(uid)
-            submit(uid, input_ids, p)
+        def on_submit(request):
+            uids.append(request.uid)
+            submit(request)
 
         def on_output(deltas):
             for d in deltas:

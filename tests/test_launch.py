@@ -89,6 +89,7 @@ def test_a_replica_spans_two_nodes_with_pack_placement(tmp_path, qwen3_path):
         from ray.cluster_utils import Cluster
         from cluster import SamplingParams
         from cluster.config import ReplicaConfig, SchedulerConfig
+        from cluster.messages import AddRequest
         from cluster.deploy import ReplicaHandle
         from worker.config import EngineConfig
         cluster = Cluster(initialize_head=True, head_node_args={{"num_cpus": 1}})
@@ -99,8 +100,8 @@ def test_a_replica_spans_two_nodes_with_pack_placement(tmp_path, qwen3_path):
         replica = ReplicaHandle(config)
         nodes = {{ray.get(replica.actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))}}
         nodes |= {{ray.get(f.node_and_pid.remote())[0] for f in replica.followers}}
-        ray.get(replica.actor.submit.remote([(0, [5, 6, 7], SamplingParams(temperature=0, max_tokens=4,
-                                                                           ignore_eos=True))]))
+        ray.get(replica.actor.submit.remote([AddRequest(0, [5, 6, 7], SamplingParams(temperature=0, max_tokens=4,
+                                                                                     ignore_eos=True))]))
         got = []
         while not any(d.finished for d in got):
             got += ray.get(replica.actor.poll.remote(1.0))

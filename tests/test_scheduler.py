@@ -10,7 +10,7 @@ from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy
 
 from cluster import InvalidRequestError, SamplingParams
-from cluster.messages import TokenDelta
+from cluster.messages import AddRequest, TokenDelta
 
 
 def capture(llm) -> list[TokenDelta]:
@@ -93,7 +93,7 @@ def test_abort_while_prefill_is_in_flight_yields_no_output(qwen3_path):
         out = llm.generate([llm.tokenizer(PROMPT_TEXTS[5]).input_ids], greedy(8))[0]
         assert launches[0] is True
         assert seen == [] and out.token_ids == []
-        assert sched.slots.available == sched.slots.num_slots
+        assert sched.req_slots.available == sched.req_slots.num_slots
         sched.executor.launch = launch
         # the replica keeps serving, and what it cached for the aborted prompt is sound
         prompt = llm.tokenizer(PROMPT_TEXTS[5]).input_ids
@@ -110,7 +110,7 @@ def test_radix_cache_computes_far_fewer_prefill_tokens_on_shared_prefixes(qwen3_
             prompts = encode_all(llm, [prefix + s for s in suffixes])
             first = llm.generate(prompts[:1], greedy(6))
             rest = llm.generate(prompts[1:], greedy(6))
-            counts[cache_type] = llm.scheduler.stats["prefill_tokens"]
+            counts[cache_type] = llm.scheduler.snapshot().prefill_tokens
             outputs[cache_type] = [o.token_ids for o in first + rest]
     total = sum(len(p) for p in prompts)
     assert counts["naive"] == total
@@ -126,7 +126,7 @@ def test_requests_beyond_capacity_wait_and_all_complete_without_over_commit(qwen
         peak = []
 
         def checked_launch(desc):
-            assert cache.reserved <= cache.allocator.num_free + cache.cache.num_evictable
+            assert cache.reserved <= cache.allocator.num_free + cache.prefix_cache.num_evictable
             peak.append(len(desc.table_idx))
             return launch(desc)
 
@@ -169,7 +169,7 @@ def test_random_workload_with_aborts_matches_hf(qwen3_path, overlap, reserve):
         # the preempting runs grow further than their 1-token reservations, into too few pages for all
         max_tokens = {uid: rng.randint(1, 16) if reserve > 1 else rng.randint(8, 48) for uid in prompts}
         for uid, ids in prompts.items():
-            sched.submit(uid, ids, greedy(max_tokens[uid]))
+            sched.submit(AddRequest(uid, ids, greedy(max_tokens[uid])))
         aborted = set(rng.sample(sorted(prompts), 10))
         steps = 0
         while sched.has_work:
@@ -178,7 +178,7 @@ def test_random_workload_with_aborts_matches_hf(qwen3_path, overlap, reserve):
             for uid in [u for u in aborted if rng.random() < 0.1]:
                 sched.abort(uid)
         sched.check_integrity()
-        assert (sched.stats["preempted"] > 0) == (reserve == 1)
+        assert (sched.snapshot().preempted > 0) == (reserve == 1)
     finished = set(prompts) - aborted
     assert finished <= done
     for uid in prompts:
@@ -190,15 +190,13 @@ def test_random_workload_with_aborts_matches_hf(qwen3_path, overlap, reserve):
 
 
 def _record_preemptions(llm) -> list[tuple[int, ...]]:
-    """The prompts of the requests the scheduler preempts, in order."""
+    """The prompts of the requests the scheduler preempted, once per preemption, as they end."""
     prompts: list[tuple[int, ...]] = []
-    preempt = llm.scheduler._preempt
 
-    def recording(req):
-        prompts.append(tuple(req.input_ids[:req.prompt_len]))
-        preempt(req)
+    def recording(req, reason):
+        prompts.extend([tuple(req.input_ids[:req.prompt_len])] * req.num_preempted)
 
-    llm.scheduler._preempt = recording
+    llm.scheduler.on_finish = recording
     return prompts
 
 
@@ -211,7 +209,7 @@ def test_requests_that_outgrow_their_reservation_are_preempted_and_still_match_h
         preempted = _record_preemptions(llm)
         prompts = encode_all(llm, PROMPT_TEXTS)
         outs = llm.generate(prompts, greedy(40, ignore_eos=True))
-        assert llm.stats()["preempted"] == len(preempted) > 0
+        assert llm.stats().preempted == len(preempted) > 0
     assert [o.token_ids for o in outs] == hf_greedy(qwen3_path, prompts, 40, ignore_eos=True)
 
 
@@ -248,7 +246,7 @@ def test_an_engine_failure_right_after_a_preemption_loses_no_token(qwen3_path, o
         launch, failed = sched.executor.launch, []
 
         def fail_after_first_preemption(desc):
-            if sched.stats["preempted"] and not failed:
+            if sched.snapshot().preempted and not failed:
                 failed.append(desc)
                 raise RuntimeError("a transient engine error")
             return launch(desc)
@@ -267,7 +265,7 @@ def test_an_engine_failure_right_after_a_preemption_loses_no_token(qwen3_path, o
         sched.on_output = collect
         prompts = encode_all(llm, PROMPT_TEXTS)
         for uid, ids in enumerate(prompts):
-            sched.submit(uid, ids, greedy(40, ignore_eos=True))
+            sched.submit(AddRequest(uid, ids, greedy(40, ignore_eos=True)))
         for _ in range(5000):
             if not sched.has_work:
                 break

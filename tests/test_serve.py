@@ -42,14 +42,14 @@ def wait_until_idle(srv, timeout_s: float = 20.0) -> list[dict]:
     deadline = time.monotonic() + timeout_s
     while True:
         stats = ray.get([r.actor.stats.remote() for r in srv.replicas])
-        if all(s["live"] == 0 for s in stats) or time.monotonic() > deadline:
+        if all(s.live == 0 for s in stats) or time.monotonic() > deadline:
             return stats
 
 
 def check_replicas_whole(srv) -> None:
     import ray
     stats = wait_until_idle(srv)
-    assert [s["live"] for s in stats] == [0] * len(stats)
+    assert [s.live for s in stats] == [0] * len(stats)
     ray.get([r.actor.check_integrity.remote() for r in srv.replicas])
 
 
@@ -152,9 +152,9 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
             got = [next(lines) for _ in range(4)]
             assert any(line.startswith("data: {") for line in got)
     stats = wait_until_idle(server)
-    assert [s["live"] for s in stats] == [0] * len(stats)
+    assert [s.live for s in stats] == [0] * len(stats)
     # far fewer than its 400 tokens were decoded: the abort landed within a few steps
-    assert sum(s["decode_tokens"] for s in stats) - decoded_before < 200
+    assert sum(s.decode_tokens for s in stats) - decoded_before < 200
     check_replicas_whole(server)
 
 
@@ -198,6 +198,6 @@ def test_preempted_streams_get_the_same_tokens(ray_cluster, qwen3_path, offline)
             return await asyncio.gather(*(one(p) for p in prompts))
 
         texts = asyncio.run(all_of_them())
-        assert ray.get(srv.replicas[0].actor.stats.remote())["preempted"] > 0
+        assert ray.get(srv.replicas[0].actor.stats.remote()).preempted > 0
         check_replicas_whole(srv)
     assert texts == [e.text for e in expected]

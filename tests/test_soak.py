@@ -66,9 +66,9 @@ def test_soak_leaves_every_replica_whole_idle_and_no_bigger(soaked):
     counts = asyncio.run(traffic(soaked.url, REQUESTS, seed=2))
     after = wait_until_idle(soaked, 60)
     assert counts["ok"] + counts["left"] == REQUESTS and counts["left"] > REQUESTS // 10
-    assert [s["live"] for s in after] == [0, 0] and [s["running"] for s in after] == [0, 0]
-    assert [s["slots_free"] for s in after] == [s["slots_total"] for s in after]
+    assert [s.live for s in after] == [0, 0] and [s.running for s in after] == [0, 0]
+    assert [s.request_slots_free for s in after] == [s.request_slots_total for s in after]
     ray.get([r.actor.check_integrity.remote() for r in soaked.replicas])
     for b, a in zip(before, after):
-        assert a["rss_bytes"] - b["rss_bytes"] < 64 * 2**20, (b["rss_bytes"], a["rss_bytes"])
+        assert a.rss_bytes - b.rss_bytes < 64 * 2**20, (b.rss_bytes, a.rss_bytes)
     assert httpx.get(soaked.url + "/health").status_code == 200

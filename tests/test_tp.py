@@ -16,7 +16,7 @@ from cluster import LLM, SamplingParams
 from cluster.config import ReplicaConfig, SchedulerConfig
 from cluster.executor import ReplicaBrokenError
 from cluster.errors import GenerationError
-from cluster.messages import TokenDelta
+from cluster.messages import AddRequest, TokenDelta
 from cluster.replica import SchedulerActor
 from worker.config import EngineConfig
 
@@ -33,7 +33,7 @@ def test_tp2_greedy_equals_tp1_and_hf(ray_cluster, model_paths, family, overlap,
         prompts = encode_all(llm, PROMPT_TEXTS)
         tp2 = [o.token_ids for o in llm.generate(prompts, greedy(10))]
         assert [o.token_ids for o in llm.generate(prompts, greedy(10))] == tp2  # warm prefix cache
-        assert (llm.stats()["preempted"] > 0) == preempting
+        assert (llm.stats().preempted > 0) == preempting
     with checked_llm(path, **kw) as llm:
         tp1 = [o.token_ids for o in llm.generate(prompts, greedy(10))]
     assert tp2 == tp1 == hf_greedy(path, prompts, 10)
@@ -58,7 +58,7 @@ def test_tp2_seeded_sampling_equals_tp1_and_aborts_keep_every_rank_whole(ray_clu
         # still agree (a rank out of step would change the outputs that follow)
         actor = llm.replica.actor
         long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-        actor.submit.remote([(1000 + i, p, long) for i, p in enumerate(prompts)])
+        actor.submit.remote([AddRequest(1000 + i, p, long) for i, p in enumerate(prompts)])
         got = []
         while not got:
             got = ray_cluster.get(actor.poll.remote(1.0))
@@ -158,17 +158,17 @@ def test_watchdog_fails_a_replica_whose_step_blocks_on_the_host(ray_cluster, qwe
                 return ends[0]
     try:
         assert actor.health() is None
-        actor.submit([(9, [5, 6, 7], greedy(200, ignore_eos=True))])
+        actor.submit([AddRequest(9, [5, 6, 7], greedy(200, ignore_eos=True))])
         actor.abort([9])  # ended by its client: nothing more may reach it, the failure below neither
         hanging.hang.set()
         start = time.monotonic()
-        actor.submit([(1, [5, 6, 7], greedy(8))])
+        actor.submit([AddRequest(1, [5, 6, 7], greedy(8))])
         failed = until_finished(1)
         assert failed.finish_reason == "error" and "tensor-parallel group failed" in failed.error
         assert limit <= time.monotonic() - start < 3 * limit
         assert not [d for d in seen if d.uid == 9 and d.error is not None]
         assert "tensor-parallel group failed" in actor.health()  # the router's supervisor replaces it
-        actor.submit([(2, [5, 6], greedy(2))])  # later requests get the error at once
+        actor.submit([AddRequest(2, [5, 6], greedy(2))])  # later requests get the error at once
         assert "tensor-parallel group failed" in until_finished(2).error
         hanging.release.set()  # the stuck step fails at last: the loop fails what it held once more
         for _ in range(2):  # the broken loop drains its inbox, then fails all: twice round it has done both

@@ -4,6 +4,7 @@ collectives, plus a gloo group on which rank 0 broadcasts each step's batch desc
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -12,7 +13,11 @@ import torch.distributed as dist
 from worker.batch import BatchDesc
 from worker.parallel import TPGroup
 
-KEEPALIVE = "keepalive"  # sent by an idle rank 0 in place of a step
+
+@dataclass(frozen=True)
+class Keepalive:
+    """Sent by an idle rank 0 in place of a step: followers waiting for the next step learn that rank 0
+    lives, well before their wait would time out as a stalled collective."""
 
 
 def free_address(host: str) -> str:
@@ -43,7 +48,7 @@ class TorchDistComm:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.device_group)
         return int(t.item())
 
-    def broadcast_desc(self, desc: BatchDesc | None) -> BatchDesc | None:
+    def broadcast_desc(self, desc: BatchDesc | Keepalive | None) -> BatchDesc | Keepalive | None:
         """Rank 0 sends the step (None: stop); the others receive it."""
         box = [desc]
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)

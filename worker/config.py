@@ -1,24 +1,52 @@
-"""The engine's configuration: which model, on what device, with how much KV cache."""
+"""The engine's configuration: which model, on what device, with how much KV cache.
+
+Every field is declared with `setting(default, help, ...)`. Its help text and allowed values are what
+the `launch.py` flag shows, what flags, YAML files and `LLM(...)` keywords are checked against
+(cluster/config.py) and what the README's Configure table says. A new option is one more line in the
+same form; nothing else needs to change for it to be a flag, a YAML key and an `LLM` keyword."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def setting(default: Any, help: str, *, choices: Sequence | None = None, at_least: float | None = None,
+            above: float | None = None, at_most: float | None = None, unset: str | None = None,
+            name: str | None = None, group: str | None = None) -> Any:
+    """A dataclass field that carries its own documentation and allowed values.
+
+    choices: the values allowed; at_least / above / at_most: bounds on a number; unset: what a None
+    (or empty) default means, shown as the default; name: the key in flags, YAML and keywords when it
+    is not the field's name; group: the heading it is listed under (default: its dataclass's)."""
+    return field(default=default, metadata={
+        "help": help, "choices": tuple(choices) if choices else None, "at_least": at_least, "above": above,
+        "at_most": at_most, "unset": unset, "name": name, "group": group})
 
 
 @dataclass
 class EngineConfig:
-    model_path: str
-    dtype: str = "auto"                 # auto: the checkpoint's dtype on GPU, float32 on CPU
-    device: str = "auto"                # auto: cuda when available
-    page_size: int = 1
-    num_pages: int | None = None        # None: from the memory budget below
-    max_running_reqs: int = 256
-    max_seq_len: int | None = None      # None: the model's max_position_embeddings
-    load_format: str = "auto"           # auto (safetensors) or dummy (random weights)
-    attention_backend: str = "auto"     # auto, torch or flashinfer
-    gpu_memory_utilization: float = 0.85  # share of the GPU's memory for weights, KV cache and activations
-    cpu_kv_cache_gb: float = 2.0        # KV-cache budget on the CPU
-    cuda_graph_max_bs: int = 256        # 0 turns CUDA graphs off
-    fused_kernels: bool = True          # FlashInfer's fused norm/rope/activation on CUDA in half precision
-    triton_kernels: bool = False        # Triton attention prologue and sampler (not yet measured on a GPU)
-    seed: int = 0                       # for dummy weights
+    model_path: str = setting("", "a local Hugging Face model folder, or a Hugging Face id (fetched by launch.py)",
+                              name="model", unset="required")
+    dtype: str = setting("auto", "weights and KV cache; auto: the checkpoint's dtype on a GPU, float32 on a CPU",
+                         choices=("auto", "float32", "bfloat16", "float16"))
+    device: str = setting("auto", "auto: cuda when available", choices=("auto", "cuda", "cpu"))
+    page_size: int = setting(16, "tokens per KV-cache page", at_least=1)
+    num_pages: int | None = setting(None, "KV-cache size in pages", at_least=1, unset="from the memory budget")
+    max_running_reqs: int = setting(256, "requests decoded at once (the decode batch limit)", at_least=1)
+    max_seq_len: int | None = setting(None, "the longest sequence, prompt and output together", at_least=1,
+                                      unset="the model's max_position_embeddings")
+    load_format: str = setting("auto", "auto: the checkpoint's safetensors; dummy: random weights (benchmarks)",
+                               choices=("auto", "dummy"))
+    attention_backend: str = setting("auto", "auto: FlashInfer on a GPU in half precision, torch otherwise",
+                                     choices=("auto", "torch", "flashinfer"))
+    gpu_memory_utilization: float = setting(0.85, "share of the GPU's memory for weights, KV cache and activations",
+                                            above=0, at_most=1)
+    cpu_kv_cache_gb: float = setting(2.0, "KV-cache budget in GiB on a CPU", above=0)
+    cuda_graph_max_bs: int = setting(256, "largest decode batch replayed from a CUDA graph; 0 turns graphs off",
+                                     at_least=0)
+    fused_kernels: bool = setting(True, "FlashInfer's fused norm, rotary and SiLU kernels (CUDA, half precision)")
+    triton_kernels: bool = setting(False, "Triton attention prologue and sampler (needs triton; not yet measured "
+                                          "on a GPU)")
+    seed: int = setting(0, "seed of the random weights of load_format dummy")

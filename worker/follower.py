@@ -8,8 +8,7 @@ import os
 
 import torch
 
-from worker.batch import BatchDesc
-from worker.comm import destroy_tensor_parallel, init_tensor_parallel
+from worker.comm import Keepalive, destroy_tensor_parallel, init_tensor_parallel
 from worker.config import EngineConfig
 from worker.engine import Engine, resolve_device
 
@@ -43,7 +42,7 @@ class Follower:
         try:
             with torch.inference_mode():
                 while (desc := comm.broadcast_desc(None)) is not None:
-                    if isinstance(desc, BatchDesc):  # otherwise rank 0's keepalive while idle
+                    if not isinstance(desc, Keepalive):
                         self.engine.forward(desc)
         except Exception as e:  # noqa: BLE001 - rank 0 died or the group timed out: this rank is done
             log.warning("follower rank %d stops: %s", self.rank, e)

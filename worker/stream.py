@@ -15,9 +15,6 @@ class NullEvent:
     def synchronize(self) -> None:
         pass
 
-    def query(self) -> bool:
-        return True
-
 
 class NullStream:
     def wait_stream(self, other: object) -> None:
