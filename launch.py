@@ -95,7 +95,7 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
         except (OSError, yaml.YAMLError) as e:
             fail(f"--config {args.config}: cannot read it ({' '.join(str(e).split())})")
         except ConfigError as e:
-            fail(f"{args.config}: {e}")
+            fail(str(e))
     given = {name: value for name, value in vars(args).items() if name in settings(ServeConfig)}
     try:
         config = config.override(**given)

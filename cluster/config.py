@@ -157,7 +157,10 @@ class ServeConfig(ReplicaConfig):
             data = yaml.safe_load(f) or {}
         if not isinstance(data, dict):
             raise ConfigError(path, "must be a mapping of settings (page_size: 16, ...)")
-        return cls().override(**data)
+        try:
+            return cls().override(**{str(key): value for key, value in data.items()})
+        except ConfigError as e:
+            raise type(e)(f"{path}: {e.key}", e.problem) from None
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ both count exactly what was sent."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 
@@ -10,6 +11,8 @@ import httpx
 import pytest
 from fixtures import PROMPT_TEXTS
 from helpers import serving
+
+from cluster.messages import ReplicaStats, SchedulerStats
 
 MAX_TOKENS = 7
 
@@ -52,7 +55,7 @@ def test_router_and_ray_metrics_count_the_traffic_sent(observed, ray_metrics_por
 
     # the replica's own metrics, through Ray's metrics agent (it exports every few seconds)
     ray_cluster_stats = ray_stats(observed)
-    assert ray_cluster_stats["live"] == 0
+    assert ray_cluster_stats.live == 0
     tags = {"model": "observed", "replica": "0"}
     deadline = time.monotonic() + 60
     while True:
@@ -73,7 +76,7 @@ def test_router_and_ray_metrics_count_the_traffic_sent(observed, ray_metrics_por
         assert gauge + "{" in exported, gauge
 
 
-def ray_stats(srv) -> dict:
+def ray_stats(srv) -> ReplicaStats:
     import ray
     return ray.get(srv.replicas[0].actor.stats.remote())  # also flushes the replica's counters
 
@@ -85,8 +88,9 @@ def test_preemptions_are_counted_once_each(ray_cluster):
     metrics = ReplicaMetrics(0, "m", interval_s=0.0)
     counted: list[float] = []
     metrics.preemptions = SimpleNamespace(inc=lambda n, tags: counted.append(n))
-    snap = {"running": 1, "waiting": 0, "pages_total": 8, "pages_free": 4, "pages_cached": 0, "prefix_hit_tokens": 0,
-            "prompt_tokens_admitted": 1, "preempted": 0}
+    snap = SchedulerStats(running=1, waiting=0, live=1, request_slots_total=4, request_slots_free=3, pages_total=8,
+                          pages_free=4, pages_cached=0, pages_reserved=0, prefix_hit_tokens=0, prompt_tokens_admitted=1,
+                          steps=0, prefill_tokens=0, decode_tokens=0, preempted=0)
     for preempted in (0, 2, 2, 5):
-        metrics.flush(lambda: {**snap, "preempted": preempted})
+        metrics.flush(lambda: dataclasses.replace(snap, preempted=preempted))
     assert counted == [2, 3]
