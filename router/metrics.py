@@ -1,8 +1,19 @@
-"""The router's Prometheus metrics (GET /metrics), named as SGLang and vLLM name theirs."""
+"""The router's Prometheus metrics (GET /metrics), named as SGLang and vLLM name theirs: what the
+router measures of each request, and each replica's own gauges, read from the replicas on scrape, so
+one scrape of one process shows KV usage, queues and cache hit rate."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from cluster.messages import ReplicaStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -28,6 +39,8 @@ class RouterMetrics:
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("raylm:e2e_request_latency_seconds", "End-to-end request latency", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.replica_gauges = ReplicaGauges(model)
+        self.registry.register(self.replica_gauges)
 
     def finished(self, reason: str, prompt_tokens: int, timing) -> None:
         m = self.model
@@ -41,3 +54,56 @@ class RouterMetrics:
                 per_token = (timing.last_token - timing.first_token) / (timing.tokens - 1)
                 self.itl.labels(m).observe(per_token)
                 self.tpot.labels(m).observe(per_token)
+
+
+class ReplicaGauges(Collector):
+    """Each replica's running and waiting requests, KV usage, prefix hit rate and preemptions, labelled
+    by replica: the names its scheduler reports through Ray (cluster/metrics.py), as read at the last
+    refresh(). A replica that does not answer in time is left out of that scrape rather than holding
+    it up (Prometheus then shows a gap, not a stale value)."""
+
+    def __init__(self, model: str, timeout_s: float = 2.0) -> None:
+        self.model, self.timeout_s = model, timeout_s
+        self._stats: dict[int, ReplicaStats] = {}
+        self._pending: dict[object, asyncio.Future] = {}  # client -> its stats call still running
+
+    async def refresh(self, clients: Sequence) -> None:
+        """Reads every serving replica's stats at once, waiting at most timeout_s."""
+        serving = [c for c in clients if c.healthy]
+        # a call that outlived its scrape is awaited again, not repeated: calls piling up on a stuck
+        # replica would take the actor's threads from its submits and polls
+        self._pending = {c: self._pending.get(c) or asyncio.ensure_future(c.actor.stats.remote()) for c in serving}
+        done, _ = await asyncio.wait(self._pending.values(), timeout=self.timeout_s) if serving else (set(), set())
+        stats = {}
+        for client, call in list(self._pending.items()):
+            if call in done:
+                del self._pending[client]
+                if call.exception() is None:  # a failed call: the health checks deal with its replica
+                    stats[client.replica_id] = call.result()
+        self._stats = stats
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def _families(self) -> list[Metric]:
+        labels = ["model", "replica"]
+        running = GaugeMetricFamily("raylm:num_running_reqs", "Requests decoding, per replica", labels=labels)
+        queued = GaugeMetricFamily("raylm:num_queue_reqs", "Requests waiting for prefill, per replica",
+                                   labels=labels)
+        usage = GaugeMetricFamily("raylm:token_usage", "KV-cache pages held by requests / all pages, per replica",
+                                  labels=labels)
+        hit_rate = GaugeMetricFamily("raylm:cache_hit_rate", "Prompt tokens found in the prefix cache / admitted, "
+                                     "per replica", labels=labels)
+        preemptions = CounterMetricFamily("raylm:num_preemptions", "Requests preempted for KV pages (recomputed "
+                                          "later), per replica", labels=labels)
+        for replica, s in sorted(self._stats.items()):
+            values = [self.model, str(replica)]
+            running.add_metric(values, s.running)
+            queued.add_metric(values, s.waiting)
+            usage.add_metric(values, s.kv_usage)
+            hit_rate.add_metric(values, s.prefix_hit_rate)
+            preemptions.add_metric(values, s.preempted)
+        return [running, queued, usage, hit_rate, preemptions]

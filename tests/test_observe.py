@@ -3,14 +3,20 @@ both count exactly what was sent."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import re
+import threading
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from fixtures import PROMPT_TEXTS
 from helpers import serving
+from prometheus_client import generate_latest
 
 from cluster.messages import ReplicaStats, SchedulerStats
 
@@ -94,3 +100,110 @@ def test_preemptions_are_counted_once_each(ray_cluster):
     for preempted in (0, 2, 2, 5):
         metrics.flush(lambda: dataclasses.replace(snap, preempted=preempted))
     assert counted == [2, 3]
+
+
+class _StatsActor:
+    """Answers stats() with the given record, or never (a stuck replica)."""
+
+    def __init__(self, stats=None) -> None:
+        self.calls, self._stats = 0, stats
+        self.stats = SimpleNamespace(remote=self._remote)
+
+    def _remote(self):
+        self.calls += 1
+        future = asyncio.get_running_loop().create_future()
+        if self._stats is not None:
+            future.set_result(self._stats)
+        return future
+
+
+class _Client:
+    healthy = True
+
+    def __init__(self, replica_id: int, actor: _StatsActor) -> None:
+        self.replica_id, self.actor = replica_id, actor
+
+
+def test_a_replica_that_does_not_answer_is_left_out_of_the_scrape_without_holding_it_up():
+    from router.metrics import RouterMetrics
+    stats = SimpleNamespace(running=2, waiting=1, kv_usage=0.25, prefix_hit_rate=0.5, preempted=3)
+    answering, stuck = _Client(0, _StatsActor(stats)), _Client(1, _StatsActor())
+    metrics = RouterMetrics("m")
+    metrics.replica_gauges.timeout_s = 0.2
+
+    async def scrape_twice() -> list[str]:
+        texts = []
+        for _ in range(2):
+            await metrics.replica_gauges.refresh([answering, stuck])
+            texts.append(generate_latest(metrics.registry).decode())
+        return texts
+
+    start = time.monotonic()
+    texts = asyncio.run(scrape_twice())
+    assert time.monotonic() - start < 2
+    for text in texts:
+        assert sample_value(text, "raylm:num_running_reqs", replica="0") == 2
+        assert sample_value(text, "raylm:token_usage", replica="0") == 0.25
+        assert sample_value(text, "raylm:num_preemptions_total", replica="0") == 3
+        assert 'replica="1"' not in text
+    assert stuck.actor.calls == 1  # its call still running is awaited again, not repeated
+
+
+def test_router_metrics_show_each_replicas_gauges_by_replica(ray_cluster, qwen3_path):
+    prompt = PROMPT_TEXTS[-1]  # many pages: the second request finds them in the prefix cache
+    with serving(qwen3_path, served_model_name="observed2", replicas=2, num_pages=512) as srv:
+        for _ in range(2):
+            body = {"model": "observed2", "prompt": prompt, "max_tokens": 2}
+            assert httpx.post(srv.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        streaming, stop = threading.Event(), threading.Event()
+
+        def long_stream() -> None:
+            body = {"model": "observed2", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+                    "stream": True}
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    streaming.set()
+                    if stop.is_set():
+                        return  # the router aborts the request when the client goes
+
+        client = threading.Thread(target=long_stream)
+        client.start()
+        try:
+            assert streaming.wait(30)
+            text = httpx.get(srv.url + "/metrics", timeout=10).text
+        finally:
+            stop.set()
+            client.join(60)
+    for gauge in ("raylm:num_running_reqs", "raylm:num_queue_reqs", "raylm:token_usage", "raylm:cache_hit_rate",
+                  "raylm:num_preemptions_total"):
+        for replica in ("0", "1"):
+            assert f'{gauge}{{model="observed2",replica="{replica}"}}' in text, (gauge, replica)
+    assert sample_value(text, "raylm:num_running_reqs") == 1
+    assert 0 < sample_value(text, "raylm:token_usage") < 1
+    assert sample_value(text, "raylm:cache_hit_rate") > 0
+
+
+def test_the_grafana_dashboard_queries_only_metrics_that_are_exported():
+    from ray.util.metrics import Counter, Histogram
+
+    from cluster.metrics import ReplicaMetrics
+    from router.metrics import RouterMetrics
+    dashboard = json.loads((Path(__file__).resolve().parents[1] / "configs" / "grafana-dashboard.json").read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queries += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    queried = {name for q in queries for name in re.findall(r"\b(?:ray_)?raylm[:_][a-z0-9_:]+", q)}
+
+    router = RouterMetrics("m")  # with a sample of every series, so each is in the text
+    router.running.labels("m").inc()
+    router.finished("stop", 3, SimpleNamespace(tokens=2, arrival=0.0, first_token=0.1, last_token=0.2))
+    router.replica_gauges._stats = {0: SimpleNamespace(running=1, waiting=0, kv_usage=0.1, prefix_hit_rate=0.0,
+                                                       preempted=0)}
+    exported = {line.split("{")[0].split(" ")[0] for line in generate_latest(router.registry).decode().splitlines()
+                if line and not line.startswith("#")}
+    suffixes = {Counter: ("_total",), Histogram: ("_bucket", "_count", "_sum")}
+    for metric in vars(ReplicaMetrics(0, "m")).values():  # Ray prefixes the names it exports with ray_
+        if hasattr(metric, "info"):
+            exported |= {f"ray_{metric.info['name']}{s}" for s in suffixes.get(type(metric), ("",))}
+    assert queried and queried <= exported, sorted(queried - exported)
+    assert {"datasource", "model"} <= {v["name"] for v in dashboard["templating"]["list"]}
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"])
