@@ -14,7 +14,7 @@ import pytest
 import torch
 from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from cluster import SamplingParams
 from cluster.tiny_model import EOS_TOKEN, INIT_STD, build_tokenizer
@@ -41,6 +41,30 @@ def qwen3_hd128_path(tmp_path_factory: pytest.TempPathFactory):
                          pad_token_id=eos, dtype="float32", rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.normal_(0.0, INIT_STD)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_hd128_path(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny Llama 3 (its rope scaling) with a head size FlashInfer builds kernels for (it has none for
+    the CPU suite's head_dim 16)."""
+    out = tmp_path_factory.mktemp("llama_hd128")
+    build_tokenizer(out)
+    eos = PreTrainedTokenizerFast.from_pretrained(out).convert_tokens_to_ids(EOS_TOKEN)
+    config = LlamaConfig(vocab_size=360, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=2048,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos,
+                         pad_token_id=eos, dtype="float32",
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 64})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
@@ -197,9 +221,9 @@ def test_fused_kernels_agree_with_torch_elementwise_in_bfloat16(qwen3_hd128_path
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_triton_kernels_agree_with_the_unfused_layers_in_bfloat16(qwen3_hd128_path, model_paths, family):
+def test_triton_kernels_agree_with_the_unfused_layers_in_bfloat16(qwen3_hd128_path, llama_hd128_path, family):
     pytest.importorskip("triton")
-    path = qwen3_hd128_path if family == "qwen3" else model_paths["llama"]
+    path = qwen3_hd128_path if family == "qwen3" else llama_hd128_path  # FlashInfer: head_dim 128
     prompts = random_prompts(12, 5, 200)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=4)
     common = dict(dtype="bfloat16", page_size=16, cuda_graph_max_bs=16)  # FlashInfer, CUDA graphs
@@ -211,19 +235,29 @@ def test_triton_kernels_agree_with_the_unfused_layers_in_bfloat16(qwen3_hd128_pa
 def test_triton_sampling_kernel_picks_what_the_torch_sampler_picks_at_full_vocabulary():
     pytest.importorskip("triton")
     from worker import triton_ops
-    from worker.sampler import sample, uniform_from
+    from worker.sampler import sample, sample_unfiltered
     torch.manual_seed(1)
     rows, vocab = 256, 151_936
-    logits = torch.randn(rows, vocab, device="cuda") * 3
+    logits = (torch.randn(rows, vocab, device="cuda") * 3).bfloat16()
     temperature = torch.rand(rows, device="cuda") * 1.5
     temperature[::7] = 0.0
     seeds, positions = torch.arange(rows, device="cuda") * 7919 + 3, torch.arange(rows, device="cuda") + 11
-    triton_ops.enable(True)
-    try:
-        got = triton_ops.sample_rows(logits, temperature, uniform_from(seeds, positions))
-    finally:
-        triton_ops.enable(False)
-    want = sample(logits, temperature, torch.ones(rows, device="cuda"), torch.full((rows,), -1, device="cuda"),
-                  seeds, positions, all_greedy=False, any_filter=False)
-    assert torch.equal(got[::7], logits[::7].argmax(-1))
-    assert (got == want).float().mean() >= 0.95
+    got = triton_ops.sample_rows(logits, temperature, seeds, positions)
+    want = sample_unfiltered(logits, temperature, seeds, positions)
+    assert torch.equal(got[::7].long(), logits[::7].float().argmax(-1))
+    assert (got.long() == want).float().mean() >= 0.97
+    top_p, top_k = torch.full((rows,), 0.8, device="cuda"), torch.full((rows,), 50, device="cuda")
+    filtered = sample(logits, temperature, top_p, top_k, seeds, positions, any_filter=True)
+    ranks = (logits.float() > logits.float().gather(1, filtered.unsqueeze(1))).sum(dim=1)
+    assert (ranks < 50).all()
+
+
+def test_sampling_with_top_p_in_a_graph_batch_leaves_plain_rows_alone(qwen3_hd128_path):
+    # rows without top-k/top-p draw the same tokens whether or not other rows of their batch filter
+    prompts = random_prompts(6, 5, 60, seed=4)
+    plain = [SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=10 + i) for i in range(6)]
+    mixed = [p if i % 2 else SamplingParams(temperature=0.8, top_p=0.7, top_k=20, max_tokens=16, ignore_eos=True,
+                                            seed=10 + i) for i, p in enumerate(plain)]
+    a, _ = run(qwen3_hd128_path, prompts, plain, dtype="bfloat16", page_size=16)
+    b, _ = run(qwen3_hd128_path, prompts, mixed, dtype="bfloat16", page_size=16)
+    assert [a[i] for i in (1, 3, 5)] == [b[i] for i in (1, 3, 5)]

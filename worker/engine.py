@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,7 +29,7 @@ from worker.layers import fused
 from worker.loader import CheckpointError, init_dummy_weights, load_weights
 from worker.models import build_model
 from worker.parallel import TPGroup
-from worker.sampler import sample
+from worker.sampler import filter_logits, sample_unfiltered
 from worker.staging import PinnedStaging, Staged
 from worker.stream import new_event, new_stream, use_stream
 from worker.token_table import TokenTable
@@ -75,6 +76,35 @@ def _default_dtype(dtype: torch.dtype):
         yield
     finally:
         torch.set_default_dtype(old)
+
+
+@dataclass
+class StepInputs:
+    """One step's arrays on the device, as `Engine._stage` uploads them (None: not needed by this kind
+    of step), and what the host knows of its sampling."""
+
+    staged: Staged               # release(stream) once the step's last reader is enqueued
+    all_greedy: bool             # every row has temperature 0: the argmax, no sampling arrays staged
+    any_filter: bool             # some row uses top-k or top-p (top_p and top_k are staged then)
+    page_idx: torch.Tensor       # int64 [T]: page-table cells this step fills ...
+    page_val: torch.Tensor       # int32 [T]: ... with these KV locations
+    prefix_idx: torch.Tensor | None = None  # page-table cells of prefix-cache hits, and their locations
+    prefix_val: torch.Tensor | None = None
+    graph_io: torch.Tensor | None = None    # uint8: a graph-replayed decode step's per-row block (cuda_graph.pack_io)
+    # eager steps
+    table_idx: torch.Tensor | None = None   # int64 [B]
+    seq_lens: torch.Tensor | None = None    # int32 [B]
+    positions: torch.Tensor | None = None   # int64 [T]
+    out_loc: torch.Tensor | None = None     # int64 [T]
+    last_idx: torch.Tensor | None = None    # int64 [B] (prefill): each request's last new token in [T]
+    input_ids: torch.Tensor | None = None   # int32 [T] (prefill)
+    token_idx: torch.Tensor | None = None   # int64 [T] (prefill): token-pool cells of the prompt tokens
+    token_read: torch.Tensor | None = None  # int64 [B] (decode): token-pool cells of the input tokens
+    token_write: torch.Tensor | None = None  # int64 [B]: token-pool cells of the sampled tokens
+    temperature: torch.Tensor | None = None  # float32 [B] (unless all greedy)
+    seeds: torch.Tensor | None = None       # int64 [B] (unless all greedy)
+    top_p: torch.Tensor | None = None       # float32 [B] (when any_filter)
+    top_k: torch.Tensor | None = None       # int32 [B] (when any_filter)
 
 
 class Engine:
@@ -158,50 +188,64 @@ class Engine:
         if not isinstance(self.attn, FlashInferBackend):
             return None  # the torch backend's shapes change with every step's lengths
         from worker.cuda_graph import CudaGraphRunner
-        graphs = CudaGraphRunner(self.model, self.attn, max_bs, self.scratch_page, self.device)
+        graphs = CudaGraphRunner(self.model, self.attn, max_bs, self.scratch_page, self.table, self.device)
         with torch.inference_mode():
             graphs.capture(self.stream, progress=self.tp.rank == 0)
         return graphs
 
     # -- one step --------------------------------------------------------------------------------
 
-    def _stage(self, desc: BatchDesc, bs: int) -> Staged:
+    def _stage(self, desc: BatchDesc, bs: int) -> StepInputs:
         """Packs every array the step needs into pinned staging and copies it to the device (on the
-        current stream). `bs` > 0 pads the decode rows to that CUDA-graph batch size."""
+        current stream). `bs` > 0: a decode step replayed from the graph of that batch size, whose
+        per-row inputs travel as one block (`graph_io`)."""
         slots = desc.table_idx.astype(np.int64)
         seq = desc.seq_lens.astype(np.int64)
-        ext = desc.extend_lens.astype(np.int64)
-        ends = np.cumsum(ext)
         pool_row = self.table.token_pool.shape[1]
+        all_greedy = bool((desc.temperature <= 0).all())
+        any_filter = not all_greedy and bool(((desc.top_k > 0) | (desc.top_p < 1)).any())
         if desc.is_prefill:
+            ext = desc.extend_lens.astype(np.int64)
+            ends = np.cumsum(ext)
             positions = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(seq - ends, ext)
             token_slots = np.repeat(slots, ext)
         else:
             positions, token_slots = seq - 1, slots
-        a = {
-            "table_idx": slots,
-            "seq_lens": desc.seq_lens.astype(np.int32),
+        a: dict[str, np.ndarray] = {
             "page_idx": token_slots * self.max_seq_len + positions,  # page-table cells this step fills
             "page_val": desc.out_loc.astype(np.int32),
-            "token_write": slots * pool_row + seq,  # where each sampled token goes
-            "last_idx": ends - 1,
         }
-        if desc.is_prefill:
-            a["input_ids"] = desc.input_ids.astype(np.int32)
-            a["token_idx"] = token_slots * pool_row + positions
-        else:
-            pad = max(bs - desc.batch_size, 0)
-            a["token_read"] = np.pad(slots * pool_row + seq - 1, (0, pad))
-            positions = np.pad(positions, (0, pad))
-        a["positions"] = positions
-        a["out_loc"] = np.pad(desc.out_loc.astype(np.int64), (0, len(positions) - desc.num_tokens),
-                              constant_values=self.scratch_page * self.page_size)
         if desc.prefix_rows:
             a["prefix_idx"] = np.concatenate([slot * self.max_seq_len + np.arange(len(locs)) for slot, locs in desc.prefix_rows])
             a["prefix_val"] = np.concatenate([locs for _, locs in desc.prefix_rows]).astype(np.int32)
-        if not (desc.temperature <= 0).all():
-            a.update(temperature=desc.temperature, top_p=desc.top_p, top_k=desc.top_k, seeds=desc.seeds)
-        return self.staging.upload(a)
+        token_write = slots * pool_row + seq  # where each sampled token goes
+        if any_filter:
+            a.update(top_p=desc.top_p.astype(np.float32), top_k=desc.top_k.astype(np.int32))
+        if bs:
+            from worker.cuda_graph import pack_io
+            a["graph_io"] = pack_io(bs, {"token_read": slots * pool_row + seq - 1, "positions": positions,
+                                         "out_loc": desc.out_loc, "token_write": token_write,
+                                         "seeds": desc.seeds, "sample_pos": seq},
+                                    desc.temperature.astype(np.float32), self.graphs.pad)
+        else:
+            a.update(table_idx=slots, seq_lens=desc.seq_lens.astype(np.int32), positions=positions,
+                     out_loc=desc.out_loc.astype(np.int64), token_write=token_write)
+            if desc.is_prefill:
+                a.update(last_idx=ends - 1, input_ids=desc.input_ids.astype(np.int32),
+                         token_idx=token_slots * pool_row + positions)
+            else:
+                a.update(token_read=slots * pool_row + seq - 1)
+            if not all_greedy:
+                a.update(temperature=desc.temperature.astype(np.float32), seeds=desc.seeds.astype(np.int64))
+        staged = self.staging.upload(a)
+        d = staged.device
+        return StepInputs(staged=staged, all_greedy=all_greedy, any_filter=any_filter, page_idx=d["page_idx"],
+                          page_val=d["page_val"], prefix_idx=d.get("prefix_idx"), prefix_val=d.get("prefix_val"),
+                          graph_io=d.get("graph_io"), table_idx=d.get("table_idx"), seq_lens=d.get("seq_lens"),
+                          positions=d.get("positions"), out_loc=d.get("out_loc"), last_idx=d.get("last_idx"),
+                          input_ids=d.get("input_ids"), token_idx=d.get("token_idx"), token_read=d.get("token_read"),
+                          token_write=d.get("token_write"), temperature=d.get("temperature"), seeds=d.get("seeds"),
+                          top_p=d.get("top_p"), top_k=d.get("top_k"))
 
     @torch.inference_mode()
     def forward(self, desc: BatchDesc) -> StepOutput:
@@ -211,55 +255,80 @@ class Engine:
         n, pages = desc.num_tokens, self.table.page_table.view(-1)
         with use_stream(self.sched_stream):
             self.sched_stream.wait_event(self.inputs_free)
-            staged = self._stage(desc, bs)
-            d = staged.device
-            pages.index_copy_(0, d["page_idx"], d["page_val"])
-            if "prefix_idx" in d:
-                pages.index_copy_(0, d["prefix_idx"], d["prefix_val"])
-            # a decode step's input_ids are read from the token pool on the compute stream, below
-            batch = ForwardBatch(desc=desc, input_ids=d.get("input_ids"), positions=d["positions"][:n],
-                                 out_loc=d["out_loc"][:n], table_idx=d["table_idx"], seq_lens=d["seq_lens"],
-                                 last_idx=d["last_idx"])
+            s = self._stage(desc, bs)
+            pages.index_copy_(0, s.page_idx, s.page_val)
+            if s.prefix_idx is not None:
+                pages.index_copy_(0, s.prefix_idx, s.prefix_val)
             if bs:
-                self.graphs.prepare(desc, bs, d["positions"], d["out_loc"])
+                self.graphs.prepare(desc, bs)
             else:
+                # a decode step's input_ids are read from the token pool on the compute stream, below
+                batch = ForwardBatch(desc=desc, input_ids=s.input_ids, positions=s.positions[:n],
+                                     out_loc=s.out_loc[:n], table_idx=s.table_idx, seq_lens=s.seq_lens,
+                                     last_idx=s.last_idx)
                 self.attn.prepare(batch)
         with use_stream(self.stream):
             self.stream.wait_stream(self.sched_stream)
             if self.step_timer is not None:
                 self.step_timer.begin(self.stream, desc)
-            tokens = self.table.token_pool.view(-1)
-            if desc.is_prefill:
-                tokens.index_copy_(0, d["token_idx"], batch.input_ids)
             if bs:
-                hidden = self.graphs.replay(bs, self.table.token_pool, d["token_read"], desc.batch_size)
+                logits, next_tokens = self._replay(desc, bs, s)
             else:
-                if not desc.is_prefill:
-                    batch.input_ids = tokens.index_select(0, d["token_read"])
-                hidden = self.model(batch.input_ids.long(), batch.positions, self.attn)
-            self.inputs_free.record(self.stream)
-            logits = self.model.compute_logits(hidden[batch.last_idx] if desc.is_prefill else hidden)
-            next_tokens = self._sample(logits, batch, d)
-            # the next step reads its input here, on the device: the host never has to know it first
-            tokens.index_copy_(0, d["token_write"], next_tokens.to(torch.int32))
+                logits, next_tokens = self._forward_eager(desc, batch, s)
             out = self._to_host(next_tokens, logits, desc.top_logprobs)
-            staged.release(self.stream)
+            s.staged.release(self.stream)
             if self.step_timer is not None:
                 self.step_timer.end(self.stream)
             return out
 
-    def _sample(self, logits: torch.Tensor, batch: ForwardBatch, d: dict[str, torch.Tensor]) -> torch.Tensor:
-        if "temperature" not in d:
-            return logits.argmax(dim=-1)
-        desc = batch.desc
-        any_filter = bool(((desc.top_k > 0) | (desc.top_p < 1)).any())
-        return sample(logits, d["temperature"], d["top_p"], d["top_k"], d["seeds"], batch.seq_lens.long(),
-                      all_greedy=False, any_filter=any_filter)
+    def _replay(self, desc: BatchDesc, bs: int, s: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.graphs.replay(bs, s.graph_io, lambda: self.inputs_free.record(self.stream))
+        n = desc.batch_size
+        logits, next_tokens = b.logits[:n], b.next_tokens[:n]
+        if s.any_filter:  # redone with the mask: the same draw over the tokens top-k/top-p keep
+            self._sample_into(logits, b.temperature[:n], s.top_p, s.top_k, b.seeds[:n], b.sample_pos[:n],
+                              b.token_write[:n], any_filter=True, out=next_tokens)
+        return logits, next_tokens
+
+    def _forward_eager(self, desc: BatchDesc, batch: ForwardBatch, s: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.table.flat_pool
+        if desc.is_prefill:
+            tokens.index_copy_(0, s.token_idx, batch.input_ids)
+        else:
+            batch.input_ids = tokens.index_select(0, s.token_read)
+        hidden = self.model(batch.input_ids.long(), batch.positions, self.attn)
+        self.inputs_free.record(self.stream)
+        logits = self.model.compute_logits(hidden[batch.last_idx] if desc.is_prefill else hidden)
+        if s.all_greedy:
+            next_tokens = logits.argmax(dim=-1).to(torch.int32)
+            # the next step reads its input here, on the device: the host never has to know it first
+            tokens.index_copy_(0, s.token_write, next_tokens)
+            return logits, next_tokens
+        next_tokens = self._sample_into(logits, s.temperature, s.top_p, s.top_k, s.seeds, batch.seq_lens,
+                                        s.token_write, any_filter=s.any_filter)
+        return logits, next_tokens
+
+    def _sample_into(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None,
+                     top_k: torch.Tensor | None, seeds: torch.Tensor, positions: torch.Tensor,
+                     token_write: torch.Tensor, *, any_filter: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Samples each row (worker/sampler.py's draw) and writes the tokens into the token pool at
+        token_write; int32 [B] (in `out` when given)."""
+        if any_filter:
+            logits = filter_logits(logits, temperature, top_p, top_k)
+        if triton_ops.kernels_available(logits):
+            return triton_ops.sample_rows(logits, temperature, seeds, positions, out=out,
+                                          token_pool=self.table.flat_pool, token_write=token_write)
+        tokens = sample_unfiltered(logits, temperature, seeds, positions).to(torch.int32)
+        self.table.flat_pool.index_copy_(0, token_write, tokens)
+        if out is not None:
+            out.copy_(tokens)
+            return out
+        return tokens
 
     def _to_host(self, next_tokens: torch.Tensor, logits: torch.Tensor, top_logprobs: int) -> StepOutput:
-        out = StepOutput(next_tokens=self._host_copy(next_tokens.to(torch.int32)), done=new_event(self.device))
+        out = StepOutput(next_tokens=self._host_copy(next_tokens), done=new_event(self.device))
         if top_logprobs >= 0:
-            logp = torch.log_softmax(logits, dim=-1)
+            logp = torch.log_softmax(logits.float(), dim=-1)
             out.logprobs = self._host_copy(logp.gather(1, next_tokens.long().unsqueeze(1)).squeeze(1))
             if top_logprobs > 0:
                 values, ids = logp.topk(top_logprobs, dim=-1)

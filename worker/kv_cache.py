@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from worker import triton_ops
+
 
 class KVCachePool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -28,5 +30,7 @@ class KVCachePool:
         return self.buffer[1, layer]
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if triton_ops.kernels_available(k) and triton_ops.kv_store(loc, k, v, self.k(layer), self.v(layer)):
+            return  # one launch for both
         self.buffer[0, layer].index_copy_(0, loc, k)
         self.buffer[1, layer].index_copy_(0, loc, v)

@@ -1,14 +1,20 @@
 """Batched sampling on the device: greedy, temperature, top-k and top-p.
 
-Randomness comes from a hash of (request seed, position), not from a generator's state, so a seeded
+A sampled row draws the token that maximizes logit / temperature + g, where g is Gumbel noise made
+from a hash of (request seed, position, token id): the Gumbel-max trick, which picks each token with
+its softmax probability. Randomness comes from the hash, not from a generator's state, so a seeded
 request samples the same tokens whatever else is in its batch, on any device, and every
-tensor-parallel rank (holding the same logits) samples the same token without a broadcast."""
+tensor-parallel rank (holding the same logits) samples the same token without a broadcast. Top-k and
+top-p mask the tokens they drop (to -inf) before the draw; a row that filters nothing keeps its
+logits as they are, so it draws the same token in a batch where other rows filter. A greedy row
+(temperature 0) is exactly the argmax.
+
+This module is the reference: plain torch, any device. `worker.triton_ops.sample_rows` computes the
+same draw in two kernels over many blocks (the engine's path on CUDA, inside the decode graph)."""
 
 from __future__ import annotations
 
 import torch
-
-from worker import triton_ops
 
 _MASK32 = 0xFFFFFFFF
 
@@ -22,37 +28,56 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def uniform_from(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One number in (0, 1) per row, a pure function of (seed, position)."""
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row (int64 holding 0..2**32-1), a pure function of (seed, position)."""
+    seeds, positions = seeds.long(), positions.long()
     h = _mix32(seeds & _MASK32) ^ _mix32((seeds >> 32) & _MASK32 ^ 0x5BD1E995)
-    h = _mix32(h ^ _mix32(positions & _MASK32))
-    return (h.double() + 0.5) / 2.0**32
+    return _mix32(h ^ _mix32(positions & _MASK32))
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 [B, vocab]: Gumbel noise of token t in row b, from the hash of (keys[b], t). The uniform
+    has 24 bits, so it is exact in float32 and strictly inside (0, 1)."""
+    tokens = torch.arange(vocab, device=keys.device, dtype=torch.int64).unsqueeze(0)
+    k = keys.unsqueeze(1)
+    e = _mix32(_mix32(k ^ tokens) ^ k)
+    u = ((e >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    return -torch.log(-torch.log(u))
+
+
+def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    return 1.0 / temperature.float().clamp(min=1e-5)
+
+
+def sample_unfiltered(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                      positions: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: the argmax of logits where temperature <= 0, else the Gumbel-max draw."""
+    x = logits.float()
+    greedy = x.argmax(dim=-1)
+    noisy = x * inverse_temperature(temperature).unsqueeze(1) + gumbel_noise(row_keys(seeds, positions), x.shape[1])
+    return torch.where(temperature <= 0, greedy, noisy.argmax(dim=-1))
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  top_k: torch.Tensor) -> torch.Tensor:
+    """float32 logits with the tokens top-k and top-p drop set to -inf (computed on softmax(logits / T));
+    a row with top_k <= 0 and top_p >= 1 comes back unchanged. The most likely token is always kept."""
+    x = logits.float()
+    probs = torch.softmax(x * inverse_temperature(temperature).unsqueeze(1), dim=-1)
+    probs, order = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).unsqueeze(1)
+    rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    keep_sorted = (rank < k) & ((before < top_p.unsqueeze(1)) | (top_p >= 1).unsqueeze(1) | (rank == 0))
+    keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
+    return x.masked_fill(~keep, float("-inf"))
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-           seeds: torch.Tensor, positions: torch.Tensor, *, all_greedy: bool, any_filter: bool) -> torch.Tensor:
-    """logits: float32 [B, V]. `all_greedy` and `any_filter` are known on the host and skip work."""
-    if all_greedy:
-        return logits.argmax(dim=-1)
-    if not any_filter and triton_ops.available(logits):  # one kernel for what follows
-        return triton_ops.sample_rows(logits, temperature, uniform_from(seeds, positions))
-    greedy = logits.argmax(dim=-1)
-    probs = torch.softmax(logits / temperature.clamp(min=1e-5).unsqueeze(1), dim=-1)
-    order = None
+           seeds: torch.Tensor, positions: torch.Tensor, *, any_filter: bool) -> torch.Tensor:
+    """logits [B, V] (any float dtype) -> int64 [B]. `any_filter` (known on the host: some row has
+    top_k > 0 or top_p < 1) adds the top-k/top-p mask; without it the mask is skipped."""
     if any_filter:
-        probs, order = probs.sort(dim=-1, descending=True)
-        vocab = probs.shape[1]
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).unsqueeze(1)
-        rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
-        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-        keep = (rank < k) & ((before < top_p.unsqueeze(1)) | (rank == 0))
-        probs = probs * keep
-    cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1:]
-    u = (uniform_from(seeds, positions).unsqueeze(1) * total.double()).to(cdf.dtype)
-    # strictly below the total, so the search lands on a token with probability, never past the end
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-    idx = torch.searchsorted(cdf, u, right=True).squeeze(1)
-    if order is not None:
-        idx = order.gather(1, idx.unsqueeze(1)).squeeze(1)
-    return torch.where(temperature <= 0, greedy, idx)
+        logits = filter_logits(logits, temperature, top_p, top_k)
+    return sample_unfiltered(logits, temperature, seeds, positions)

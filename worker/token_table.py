@@ -8,6 +8,10 @@ import torch
 
 class TokenTable:
     def __init__(self, max_reqs: int, max_seq_len: int, device: torch.device) -> None:
-        # one extra column: the token sampled after the last position has a place to go
-        self.token_pool = torch.zeros(max_reqs, max_seq_len + 1, dtype=torch.int32, device=device)
+        # one extra column: the token sampled after the last position has a place to go; and one cell
+        # past every row (`scratch_cell` of the flat pool), where the padded rows of a decode graph write
+        row = max_seq_len + 1
+        self.flat_pool = torch.zeros(max_reqs * row + 1, dtype=torch.int32, device=device)
+        self.token_pool = self.flat_pool[:-1].view(max_reqs, row)
+        self.scratch_cell = max_reqs * row
         self.page_table = torch.zeros(max_reqs, max_seq_len, dtype=torch.int32, device=device)

@@ -47,38 +47,70 @@ def qkv_prologue_kernel(qkv_ptr, pos_ptr, loc_ptr, cos_sin_ptr, q_weight_ptr, k_
 
 
 @triton.jit
-def sample_rows_kernel(logits_ptr, row_stride, temperature_ptr, u_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
-    # one program per row: the row's argmax and its softmax(logits / T) normalizer in one pass (an
-    # online max and sum), then the inverse CDF at u * normalizer in a second; T <= 0 is greedy
+def _mix32(h):
+    # the finalizer of worker/sampler.py, on uint32 (products wrap modulo 2**32 as its masks do)
+    h = h ^ (h >> 16)
+    h = h * 0x7FEB352D
+    h = h ^ (h >> 15)
+    h = h * 0x6C8E9CF5
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def sample_partial_kernel(logits_ptr, row_stride, temperature_ptr, seeds_ptr, pos_ptr, val_ptr, idx_ptr, vocab,
+                          num_blocks, BLOCK: tl.constexpr):
+    # one program per (row, block of the vocabulary): the block's largest logit / T + Gumbel noise (the
+    # logit itself for a greedy row) and its first index; sample_reduce_kernel picks among the blocks
     row = tl.program_id(0)
-    base = logits_ptr + row.to(tl.int64) * row_stride
+    blk = tl.program_id(1)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < vocab
+    x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + offs, mask=valid, other=-float("inf")).to(tl.float32)
     t = tl.load(temperature_ptr + row)
-    inv_t = 1.0 / tl.maximum(t, 1e-5)
+    if t > 0:
+        seed = tl.load(seeds_ptr + row).to(tl.int64)
+        pos = tl.load(pos_ptr + row).to(tl.int64)
+        lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+        hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        h = _mix32(lo) ^ _mix32(hi ^ 0x5BD1E995)
+        key = _mix32(h ^ _mix32((pos & 0xFFFFFFFF).to(tl.uint32)))
+        e = _mix32(_mix32(key ^ offs.to(tl.uint32)) ^ key)
+        u = ((e >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        inv_t = 1.0 / tl.maximum(t, 1e-5)
+        x = x * inv_t - tl.log(-tl.log(u))
+    best, where = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(val_ptr + row * num_blocks + blk, best)
+    tl.store(idx_ptr + row * num_blocks + blk, blk * BLOCK + where)
+
+
+@triton.jit
+def sample_reduce_kernel(val_ptr, idx_ptr, num_blocks, vocab, out_ptr, pool_ptr, write_ptr, HAS_POOL: tl.constexpr,
+                         NB: tl.constexpr):
+    # one program per row: the largest of the blocks' values, the first index among equals (as
+    # torch.argmax picks it); written to out and, with a pool, into the token pool at write[row]
+    row = tl.program_id(0)
+    offs = tl.arange(0, NB)
+    m = offs < num_blocks
+    v = tl.load(val_ptr + row * num_blocks + offs, mask=m, other=-float("inf"))
+    i = tl.load(idx_ptr + row * num_blocks + offs, mask=m, other=2**30)
+    best = tl.max(v, axis=0)
+    tok = tl.min(tl.where(v == best, i, 2**30), axis=0)
+    tok = tl.minimum(tok, vocab - 1)  # no row is all -inf or NaN, but a write must stay in the pool
+    tl.store(out_ptr + row, tok)
+    if HAS_POOL:
+        tl.store(pool_ptr + tl.load(write_ptr + row), tok)
+
+
+@triton.jit
+def kv_store_kernel(k_ptr, v_ptr, k_row_stride, v_row_stride, loc_ptr, k_cache_ptr, v_cache_ptr,
+                    ROW: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per token: its keys and values (ROW = kv_heads * head_dim, contiguous within the
+    # row) stored at its location of both caches in one launch
+    t = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
-    best = -float("inf")
-    best_idx = 0
-    total = 0.0
-    for start in range(0, vocab, BLOCK):
-        x = tl.load(base + start + offs, mask=start + offs < vocab, other=-float("inf"))
-        block_max = tl.max(x, axis=0)
-        block_idx = start + tl.argmax(x, axis=0)
-        new_best = tl.maximum(best, block_max)
-        # the first index of the row's largest value, as torch.argmax picks it
-        best_idx = tl.where(block_max > best, block_idx, best_idx)
-        total = total * tl.exp((best - new_best) * inv_t) + tl.sum(tl.exp((x - new_best) * inv_t), axis=0)
-        best = new_best
-    target = (tl.load(u_ptr + row) * total).to(tl.float32)
-    found = -1
-    last = best_idx  # the last token with probability: where rounding leaves the target past the end
-    below = 0.0
-    for start in range(0, vocab, BLOCK):
-        valid = start + offs < vocab
-        x = tl.load(base + start + offs, mask=valid, other=-float("inf"))
-        p = tl.where(valid, tl.exp((x - best) * inv_t), 0.0)
-        cdf = below + tl.cumsum(p, axis=0)
-        first = tl.min(tl.where((cdf > target) & valid, offs, BLOCK), axis=0)
-        found = tl.where((first < BLOCK) & (found < 0), start + first, found)
-        last = tl.maximum(last, tl.max(tl.where(p > 0, start + offs, -1), axis=0))
-        below = tl.max(tl.where(valid, cdf, 0.0), axis=0)
-    found = tl.where(found < 0, last, found)
-    tl.store(out_ptr + row, tl.where(t <= 0, best_idx, found).to(tl.int64))
+    m = offs < ROW
+    cell = tl.load(loc_ptr + t).to(tl.int64) * ROW
+    k = tl.load(k_ptr + t.to(tl.int64) * k_row_stride + offs, mask=m)
+    v = tl.load(v_ptr + t.to(tl.int64) * v_row_stride + offs, mask=m)
+    tl.store(k_cache_ptr + cell + offs, k.to(k_cache_ptr.dtype.element_ty), mask=m)
+    tl.store(v_cache_ptr + cell + offs, v.to(v_cache_ptr.dtype.element_ty), mask=m)

@@ -1,11 +1,12 @@
-"""Triton kernels for steps' small work, where one launch replaces several: the attention prologue
-(from the QKV projection's output: RMSNorm on each query and key head for Qwen3, rotary embedding on
-both, and the step's keys and values written into the KV cache: about seven kernels a layer
-unfused), and sampling with temperature (argmax, softmax, cumulative sum and search over the
-vocabulary: two passes of one kernel).
-
-Off by default (EngineConfig.triton_kernels) until measured on a GPU. Used on CUDA, and on the CPU
-under Triton's interpreter (TRITON_INTERPRET=1: how the tests check them against the torch paths)."""
+"""Triton kernels for steps' small work, where one launch replaces several:
+- the attention prologue (from the QKV projection's output: RMSNorm on each query and key head for
+  Qwen3, rotary embedding on both, and the step's keys and values written into the KV cache: about
+  seven kernels a layer unfused), under EngineConfig.triton_kernels;
+- sampling (greedy and Gumbel-max temperature sampling, the (seed, position, token) hash inside: two
+  kernels over many blocks where the torch path launches about seventy), and the KV-cache store of
+  keys and values in one launch instead of two: used on CUDA whenever Triton is installed.
+On the CPU they run under Triton's interpreter (TRITON_INTERPRET=1, with triton_kernels on: how the
+tests check them against the torch paths, which stay the reference)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 
 _enabled = False
 _interpreted = False  # Triton's interpreter runs the kernels on CPU tensors
-_SAMPLE_BLOCK = 4096
+_SAMPLE_BLOCK = 2048  # 75 blocks a row over a vocabulary of 151,936
 
 
 def enable(on: bool) -> None:
@@ -48,6 +49,19 @@ def _kernels():
     return triton_kernels
 
 
+class _Cdiv:
+    @staticmethod
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    @staticmethod
+    def next_power_of_2(n: int) -> int:
+        return 1 << max(n - 1, 0).bit_length()
+
+
+triton = _Cdiv  # the two helpers the launchers need, without importing Triton where it is absent
+
+
 def qkv_prologue(qkv: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor, cos_sin: torch.Tensor,
                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -66,13 +80,49 @@ def qkv_prologue(qkv: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tens
     return q
 
 
-def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """For each row of logits (float32 [B, V]): its argmax where temperature <= 0, else the token at
-    u (in (0, 1)) of the inverse CDF of softmax(logits / temperature), as `worker.sampler` computes it
-    with torch (the two may differ where u falls within float rounding of a CDF step)."""
+def kernels_available(x: torch.Tensor) -> bool:
+    """The sampler and KV-store kernels: on CUDA whenever Triton is installed (they replace dozens of
+    torch launches, or two, with two, or one); on the CPU only under the interpreter with
+    triton_kernels on (the tests)."""
+    return _kernels() is not None and (x.is_cuda or (_enabled and _interpreted))
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                out: torch.Tensor | None = None, token_pool: torch.Tensor | None = None,
+                token_write: torch.Tensor | None = None) -> torch.Tensor:
+    """What `worker.sampler.sample_unfiltered` computes (the argmax where temperature <= 0, else the
+    Gumbel-max draw of (seed, position)), for logits [B, V] of any float dtype with unit stride along
+    V: one kernel over (row, block of the vocabulary), one over rows. Returns int32 [B] (in `out` when
+    given); with `token_pool` (flat int32) also writes each row's token at token_pool[token_write[row]].
+    The two may part from the torch path only where float rounding of the noise breaks a near-tie."""
     rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows:
-        _kernels().sample_rows_kernel[(rows,)](logits, logits.stride(0), temperature.float().contiguous(),
-                                              u.double().contiguous(), out, vocab, BLOCK=_SAMPLE_BLOCK)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int32, device=logits.device)
+    if rows == 0:
+        return out
+    assert logits.stride(1) == 1
+    blocks = triton.cdiv(vocab, _SAMPLE_BLOCK)
+    val = torch.empty(rows, blocks, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(rows, blocks, dtype=torch.int32, device=logits.device)
+    k = _kernels()
+    k.sample_partial_kernel[(rows, blocks)](logits, logits.stride(0), temperature, seeds, positions, val, idx,
+                                            vocab, blocks, BLOCK=_SAMPLE_BLOCK)
+    has_pool = token_pool is not None
+    k.sample_reduce_kernel[(rows,)](val, idx, blocks, vocab, out, token_pool if has_pool else out,
+                                    token_write if has_pool else out, HAS_POOL=has_pool,
+                                    NB=max(triton.next_power_of_2(blocks), 2))
     return out
+
+
+def kv_store(loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """k_cache[loc] = k and v_cache[loc] = v in one launch, when each token's [kv_heads, head_dim] is
+    contiguous in k and v (views of the QKV projection's output are); False when it does not apply."""
+    tokens = k.shape[0]
+    row = k_cache[0].numel()
+    if not (k[0].numel() == row and k.stride(-1) == 1 and v.stride(-1) == 1 and k.dim() == 3
+            and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]):
+        return False
+    if tokens:
+        _kernels().kv_store_kernel[(tokens,)](k, v, k.stride(0), v.stride(0), loc, k_cache, v_cache, ROW=row,
+                                              BLOCK=triton.next_power_of_2(row))
+    return True

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call on one H200: install (skipped on a warm machine), the FlashInfer JIT cache restored,
+# then PART's GPU tests and benchmarks, each under its own timeout, logged into $OUT.
+#   usage: bench/run_gpu_perf.sh PART   (see the case below; .old/ may hold an older tree to compare with)
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/bench_out}; mkdir -p "$OUT"
+LOG=$OUT/perf_$1.log
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+log() { echo "[$(date +%T)] $*" | tee -a "$LOG"; }
+step() { local name=$1 limit=$2; shift 2; log "=== $name: $*"; local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | grep --line-buffered -v -E "Writing|Loading weights|capturing" | tee -a "$LOG"
+  log "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"; }
+log "host: $(nvidia-smi --query-gpu=name --format=csv,noheader | tr '\n' ' ') commit $(git rev-parse --short HEAD 2>/dev/null)"
+if [ ! -d /tmp/site/flashinfer ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+  if [ -f .cache/flashinfer-jit.tar.xz ]; then
+    mkdir -p "$HOME/.cache" && tar -C "$HOME/.cache" -xJf .cache/flashinfer-jit.tar.xz
+    find /tmp/site/flashinfer -exec touch -h -d '2020-01-01' {} +
+  fi
+fi
+export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+jit() { tar -C "$HOME/.cache" -cf - flashinfer | xz -T0 -1 > "$OUT/flashinfer-jit.tar.xz"; log "jit cache $(du -h "$OUT/flashinfer-jit.tar.xz" | cut -f1)"; }
+B="python3 bench"; OLD="python3 .old/bench"
+lat() { step "latency_$1" 100 "${@:2}" --repeats 3 --out "$OUT/latency_$1.json"; }
+off() { step "offline_$1" 100 "${@:2}" --out "$OUT/offline_$1.json"; }
+case $1 in
+  1)
+    step gpu_tests 260 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_gpu.py \
+      -k "triton or sampling or cuda_graph or default or overlap"
+    jit
+    lat new16 $B/decode_latency.py --page-size 16
+    lat new256 $B/decode_latency.py --page-size 256
+    off new256 $B/offline_throughput.py --page-size 256 ;;
+  2)
+    lat old256 $OLD/decode_latency.py --page-size 256
+    off old256 $OLD/offline_throughput.py --page-size 256
+    off new16 $B/offline_throughput.py --page-size 16
+    step gpu_tests_all 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py ;;
+  *) bash -c "$2" ;;
+esac
