@@ -1,6 +1,7 @@
 """How many requests run at once when clients leave max_tokens unset (the OpenAI chat default: up to
-the context), under the KV budget of a real deployment. A stand-in engine with no model work ends
-each request at a random length; the figures are scheduling decisions, not GPU time.
+the context), under the KV budget of a real deployment. A scripted executor with no model work
+(tests/scripted.py) ends each request at a random length; the figures are scheduling decisions, not
+GPU time.
 
 Compares reserving KV for all of max_tokens at admission (`--reserve` of the context length) with
 reserving a bounded amount and preempting requests that outgrow it (the default, 1024 tokens).
@@ -13,50 +14,27 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
+from pathlib import Path
 
-import numpy as np
-
-from cluster.config import SchedulerConfig
-from cluster.sampling_params import SamplingParams
-from cluster.scheduler import Scheduler
-from worker.batch import BatchDesc, StepOutput
-from worker.stream import NullEvent
-
-EOS = 0
-
-
-class RandomLengthEngine:
-    """Samples EOS with probability 1/mean_len per token (a geometric output length), else token 7."""
-
-    def __init__(self, mean_len: int, seed: int) -> None:
-        self.p, self.rng = 1.0 / mean_len, random.Random(seed)
-
-    def launch(self, desc: BatchDesc) -> StepOutput:
-        ids = [EOS if self.rng.random() < self.p else 7 for _ in range(desc.batch_size)]
-        return StepOutput(next_tokens=np.asarray(ids, dtype=np.int32), done=NullEvent())
-
-    def wait(self, out: StepOutput) -> None:
-        pass
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from scripted import eos_with_probability, scripted_scheduler  # noqa: E402
 
 
 def run(reserve: int, args) -> dict:
-    sched = Scheduler(SchedulerConfig(decode_reserve_tokens=reserve), RandomLengthEngine(args.mean_output, 0),
-                      num_pages=args.pages, page_size=16, max_running_reqs=256, max_seq_len=args.context,
-                      eos_ids={EOS}, on_output=lambda deltas: None)
-    params = SamplingParams(temperature=0.6, max_tokens=None)
+    scripted = scripted_scheduler(eos_with_probability(1.0 / args.mean_output, seed=0), num_pages=args.pages,
+                                  page_size=16, max_running_reqs=256, max_seq_len=args.context,
+                                  decode_reserve_tokens=reserve)
     rng = random.Random(1)
     for uid in range(args.requests):
-        sched.submit(uid, [rng.randrange(1, 50_000) for _ in range(args.prompt)], params)
-    decode_steps, batches = 0, []
-    while sched.has_work:
-        sched.step()
-        if sched.in_flight is not None and not sched.in_flight.desc.is_prefill:
-            decode_steps += 1
-            batches.append(sched.in_flight.desc.batch_size)
-    sched.check_integrity()
-    return {"reserve_tokens": reserve, "decode_steps": decode_steps, "peak_batch": max(batches),
-            "mean_batch": round(sum(batches) / len(batches), 1), "preempted": sched.stats["preempted"],
-            "prefill_tokens": sched.stats["prefill_tokens"]}
+        scripted.submit(uid, [rng.randrange(1, 50_000) for _ in range(args.prompt)], max_tokens=None, temperature=0.6)
+    scripted.run(max_steps=10**7)
+    scripted.scheduler.check_integrity()
+    batches = [desc.batch_size for desc in scripted.executor.launched if not desc.is_prefill]
+    stats = scripted.scheduler.snapshot()
+    return {"reserve_tokens": reserve, "decode_steps": len(batches), "peak_batch": max(batches),
+            "mean_batch": round(sum(batches) / len(batches), 1), "preempted": stats.preempted,
+            "prefill_tokens": stats.prefill_tokens}
 
 
 def main() -> None:

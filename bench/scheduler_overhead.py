@@ -1,5 +1,6 @@
-"""CPU time per scheduler step with a stand-in engine that does no model work: scheduling, building
-the batch description and handling results, at several batch sizes, normal and overlap loops.
+"""CPU time per scheduler step over a scripted executor that does no model work (tests/scripted.py):
+scheduling, building the batch description and handling results, at several batch sizes, normal and
+overlap loops.
 
     python bench/scheduler_overhead.py [--out results.json]
 """
@@ -8,35 +9,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
-import numpy as np
-
-from cluster.config import SchedulerConfig
-from cluster.sampling_params import SamplingParams
-from cluster.scheduler import Scheduler
-from worker.batch import BatchDesc, StepOutput
-from worker.stream import NullEvent
-
-
-class NullEngine:
-    """Returns a fixed token for every request at once, like an infinitely fast GPU."""
-
-    def launch(self, desc: BatchDesc) -> StepOutput:
-        return StepOutput(next_tokens=np.full(desc.batch_size, 7, dtype=np.int32), done=NullEvent())
-
-    def wait(self, out: StepOutput) -> None:
-        pass
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from scripted import scripted_scheduler  # noqa: E402
 
 
 def measure(batch: int, overlap: bool, steps: int = 300) -> float:
-    engine = NullEngine()
-    sched = Scheduler(SchedulerConfig(overlap=overlap), engine, num_pages=batch * 2304 // 16, page_size=16,
-                      max_running_reqs=batch, max_seq_len=4096, eos_ids={0}, on_output=lambda deltas: None)
-    params = SamplingParams(temperature=0.6, max_tokens=2048, ignore_eos=True)
+    run = scripted_scheduler(num_pages=batch * 2304 // 16, page_size=16, max_running_reqs=batch, max_seq_len=4096,
+                             overlap=overlap)
+    sched = run.scheduler
     for uid in range(batch):
-        sched.submit(uid, list(range(1, 129)), params)
-    while len(sched.running) < batch:  # admit and prefill everything first
+        run.submit(uid, list(range(1, 129)), max_tokens=2048, temperature=0.6, ignore_eos=True)
+    while len(sched.decode.running) < batch:  # admit and prefill everything first
         sched.step()
     for _ in range(5):
         sched.step()

@@ -1,4 +1,5 @@
-"""Session-scoped tiny checkpoint fixtures and the `gpu` marker."""
+"""Session-scoped tiny checkpoint fixtures, a scheduler with no model (`scripted`), and the `gpu`
+marker."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ if not os.path.exists("/dev/nvidiactl"):
     # before torch is imported, which may import Triton (the interpreter is chosen at its import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from fixtures import build_checkpoint, build_sharded_checkpoint  # noqa: E402
+from scripted import ScriptedScheduler, scripted_scheduler  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -67,6 +70,13 @@ def qwen3_sharded_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def model_paths(qwen3_path: Path, llama_path: Path, qwen2_path: Path) -> dict[str, Path]:
     return {"qwen3": qwen3_path, "llama": llama_path, "qwen2": qwen2_path}
+
+
+@pytest.fixture
+def scripted() -> Callable[..., ScriptedScheduler]:
+    """Builds a Scheduler over a scripted executor (tests/scripted.py): no model, no engine, each
+    step's tokens from a script. Takes the Scheduler's sizes and SchedulerConfig's fields."""
+    return scripted_scheduler
 
 
 @pytest.fixture(scope="session")

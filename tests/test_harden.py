@@ -1,5 +1,5 @@
-"""Hostile and malformed input, access control, faults inside the engine: each gets a clear error and
-the server keeps serving."""
+"""Hostile and malformed input, access control and time limits: each gets a clear error and the server
+keeps serving."""
 
 from __future__ import annotations
 
@@ -164,34 +164,6 @@ def test_api_key_is_required_on_every_v1_route(guarded):
 
 def test_binds_loopback_by_default():
     assert ServeConfig().host == "127.0.0.1"
-
-
-def test_an_exception_inside_one_step_fails_that_batch_not_the_engine(qwen3_path):
-    from helpers import greedy
-
-    from cluster import LLM
-    with LLM(str(qwen3_path)) as llm:
-        sched = llm.scheduler
-        launch = sched.executor.launch
-        calls = {"n": 0}
-
-        def faulty(desc):
-            calls["n"] += 1
-            if calls["n"] == 1:
-                raise RuntimeError("injected kernel failure")
-            return launch(desc)
-
-        sched.executor.launch = faulty
-        ended = []
-        sched.on_output = ended.extend
-        sched.submit(0, [5, 6, 7], greedy(4))
-        while sched.has_work:
-            sched.step()
-        assert [d.error for d in ended if d.error] and "injected kernel failure" in ended[0].error
-        sched.on_output = llm._collect
-        out = llm.generate([[5, 6, 7]], greedy(4, ignore_eos=True))[0]
-        assert len(out.token_ids) == 4
-        llm.check_integrity()
 
 
 def test_request_timeout_ends_a_slow_request_with_408(ray_cluster, qwen3_path):

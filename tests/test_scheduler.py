@@ -1,5 +1,6 @@
-"""The scheduler: both loops against Hugging Face, the prefix cache, chunked prefill, memory
-pressure, and the four overlap bugs, each pinned by a test that fails if the bug comes back."""
+"""The scheduler over a real engine: both loops against Hugging Face, the prefix cache, chunked prefill,
+memory pressure and preemption, a failing step, and the four overlap bugs, each pinned by a test that
+fails if the bug comes back. Scheduling decisions without a model are in test_scheduling.py."""
 
 from __future__ import annotations
 
@@ -276,3 +277,27 @@ def test_an_engine_failure_right_after_a_preemption_loses_no_token(qwen3_path, o
     for uid in range(len(prompts)):
         if ends[uid] != "error":
             assert got[uid] == refs[uid], uid
+
+
+def test_an_exception_inside_one_step_fails_that_batch_not_the_engine(qwen3_path):
+    with checked_llm(qwen3_path) as llm:
+        sched = llm.scheduler
+        launch, collect = sched.executor.launch, sched.on_output
+        calls = {"n": 0}
+
+        def faulty(desc):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected kernel failure")
+            return launch(desc)
+
+        sched.executor.launch = faulty
+        ended = []
+        sched.on_output = ended.extend
+        sched.submit(AddRequest(0, [5, 6, 7], greedy(4)))
+        while sched.has_work:
+            sched.step()
+        assert [d.error for d in ended if d.error] and "injected kernel failure" in ended[0].error
+        sched.on_output = collect
+        out = llm.generate([[5, 6, 7]], greedy(4, ignore_eos=True))[0]
+        assert len(out.token_ids) == 4
