@@ -7,7 +7,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import uvicorn
 
@@ -35,7 +34,7 @@ class Server:
         self.fleet = Fleet.start(config.replica_config(), config.replicas)
         try:
             info = self.fleet.replicas[0].info
-            name = config.served_model_name or Path(config.model).name
+            name = config.model_name
             self.state = RouterState(
                 config=config, tokenizer=tokenizer, model_name=name, max_seq_len=info.max_seq_len,
                 vocab_size=info.vocab_size, policy=create_policy(config.routing), metrics=RouterMetrics(name),
