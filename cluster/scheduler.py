@@ -192,14 +192,14 @@ class Scheduler:
 
     def overlap_step(self, block: bool = False) -> None:
         """Schedules and launches step N+1, then handles step N's results while N+1 computes."""
-        last = self.in_flight
+        last = self.in_flight                                    # step N
         self.receive(block and last is None and not self.reqs)
         if last is None:
             self.req_slots.release()  # nothing in flight can still write into a freed row
-        batch = self.schedule()
+        batch = self.schedule()                                   # step N+1
         self.in_flight = self._launch(batch) if batch is not None else None
         if last is not None:
-            self._handle(last)
+            self._handle(last)                                    # step N's tokens, while N+1 computes
 
     def step(self, block: bool = False) -> None:
         (self.overlap_step if self.config.overlap else self.normal_step)(block)

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from cluster.errors import ErrorKind
 from cluster.messages import AddRequest, ReplicaInfo, TokenDelta
 from cluster.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
 log = logging.getLogger(__name__)
 
 
 class ReplicaClient:
-    def __init__(self, replica_id: int, actor, info: ReplicaInfo, health_timeout_s: float = 30.0) -> None:
+    def __init__(self, replica_id: int, actor: ActorHandle, info: ReplicaInfo, health_timeout_s: float = 30.0) -> None:
         self.replica_id, self.actor, self.info = replica_id, actor, info
         self.health_timeout_s = health_timeout_s
         self.queues: dict[int, asyncio.Queue] = {}

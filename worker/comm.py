@@ -28,7 +28,7 @@ def free_address(host: str) -> str:
 
 
 class TorchDistComm:
-    def __init__(self, device_group, cpu_group, device: torch.device) -> None:
+    def __init__(self, device_group: dist.ProcessGroup, cpu_group: dist.ProcessGroup, device: torch.device) -> None:
         self.device_group, self.cpu_group, self.device = device_group, cpu_group, device
         self.size = dist.get_world_size(device_group)
 

@@ -27,13 +27,13 @@ class NullStream:
         pass
 
 
-def new_stream(device: torch.device):
+def new_stream(device: torch.device) -> torch.cuda.Stream | NullStream:
     return torch.cuda.Stream(device=device) if device.type == "cuda" else NullStream()
 
 
-def new_event(device: torch.device):
+def new_event(device: torch.device) -> torch.cuda.Event | NullEvent:
     return torch.cuda.Event() if device.type == "cuda" else NullEvent()
 
 
-def use_stream(stream) -> contextlib.AbstractContextManager:
+def use_stream(stream: torch.cuda.Stream | NullStream) -> contextlib.AbstractContextManager:
     return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
