@@ -72,12 +72,15 @@ class ReplicaGauges(Collector):
         serving = [c for c in clients if c.healthy]
         # a call that outlived its scrape is awaited again, not repeated: calls piling up on a stuck
         # replica would take the actor's threads from its submits and polls
-        self._pending = {c: self._pending.get(c) or asyncio.ensure_future(c.actor.stats.remote()) for c in serving}
-        done, _ = await asyncio.wait(self._pending.values(), timeout=self.timeout_s) if serving else (set(), set())
+        calls = {c: self._pending.pop(c, None) or asyncio.ensure_future(c.actor.stats.remote()) for c in serving}
+        for gone in self._pending.values():  # its replica left routing: nobody reads the answer
+            gone.cancel()
+        self._pending = calls
+        done, _ = await asyncio.wait(calls.values(), timeout=self.timeout_s) if calls else (set(), set())
         stats = {}
-        for client, call in list(self._pending.items()):
+        for client, call in list(calls.items()):
             if call in done:
-                del self._pending[client]
+                self._pending.pop(client, None)  # a scrape at the same time may have taken it already
                 if call.exception() is None:  # a failed call: the health checks deal with its replica
                     stats[client.replica_id] = call.result()
         self._stats = stats
