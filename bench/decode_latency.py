@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from common import ARCHS, StepTimer, add_common_args, config_of, make_llm, report
+from common import ARCHS, ProfileWindow, StepTimer, add_common_args, config_of, make_llm, report
 
 from cluster import LLM, SamplingParams
 
@@ -26,9 +26,9 @@ def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     scheduler = llm.scheduler
     submit, collect = scheduler.submit, scheduler.on_output
 
-    def on_submit(uid, input_ids, p):
-        uids.append(uid)
-        submit(uid, input_ids, p)
+    def on_submit(request, *rest):  # an AddRequest (or, before it, uid, input_ids, params)
+        uids.append(getattr(request, "uid", request))
+        submit(request, *rest)
 
     def on_output(deltas):
         now = time.perf_counter()
@@ -81,11 +81,48 @@ def run_batch(llm: LLM, args, batch: int) -> dict:
         measure(llm, batch, args.prompt_len, 64, seed=100)  # warm-up
     for i in range(args.repeats if not runs else 0):
         llm.engine.step_timer = timer = StepTimer()
-        runs.append({**measure(llm, batch, args.prompt_len, args.output_len, seed=i), **timer.decode_summary()})
+        with HostTimer(llm.engine) as host:
+            r = measure(llm, batch, args.prompt_len, args.output_len, seed=i)
+        runs.append({**r, **timer.decode_summary(), **host.summary()})
         llm.engine.step_timer = None
     median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    if getattr(args, "profile", False) and not args.wall_clock and args.tp_size == 1:
+        llm.engine.step_timer = window = ProfileWindow(first=200, count=50)
+        measure(llm, batch, args.prompt_len, args.output_len, seed=0)
+        llm.engine.step_timer = None
+        median["profile"] = window.top_kernels(40)
     return {"benchmark": "decode_latency", **config_of(args), "batch": batch, "prompt_len": args.prompt_len,
             "output_len": args.output_len, **median, "runs": runs}
+
+
+class HostTimer:
+    """Host time of each decode step's Engine.forward (staging, planning, launches: what the host spends
+    on a step besides the scheduler's own work), by wrapping the method."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.times = engine, []
+
+    def __enter__(self) -> HostTimer:
+        forward = self.engine.forward
+
+        def timed(desc):
+            start = time.perf_counter()
+            out = forward(desc)
+            if not desc.is_prefill:
+                self.times.append(time.perf_counter() - start)
+            return out
+
+        self.engine.forward = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.forward  # the class's method again
+
+    def summary(self) -> dict:
+        if not self.times:
+            return {}
+        return {"host_forward_ms_median": 1e3 * statistics.median(self.times),
+                "host_forward_ms_p90": 1e3 * sorted(self.times)[int(0.9 * len(self.times))]}
 
 
 def table_rows(args, r: dict) -> list[tuple[str, object]]:
@@ -93,7 +130,10 @@ def table_rows(args, r: dict) -> list[tuple[str, object]]:
             ("cuda graphs", not args.no_cuda_graph), ("ms per output token (median)", r["ms_per_token"]),
             ("decode tok/s", r["decode_tok_per_s"]),
             ("GPU decode step ms (median)", r.get("decode_step_ms_median", float("nan"))),
-            ("idle between decode steps % (median)", r.get("idle_pct_of_step_median", float("nan")))]
+            ("idle between decode steps % (median)", r.get("idle_pct_of_step_median", float("nan"))),
+            ("idle % per run", " ".join(f"{x.get('idle_pct_of_step_total', float('nan')):.2f}" for x in r["runs"])),
+            ("ms per token per run", " ".join(f"{x['ms_per_token']:.3f}" for x in r["runs"])),
+            ("host Engine.forward ms per decode step (median)", r.get("host_forward_ms_median", float("nan")))]
 
 
 def main() -> None:
@@ -104,11 +144,15 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--wall-clock", action="store_true", help="time as for tp > 1 (whole generations)")
+    parser.add_argument("--profile", action="store_true", help="then profile the kernels of decode steps 200-249")
     args = parser.parse_args()
     llm = make_llm(args)
     results = [run_batch(llm, args, batch) for batch in args.batch]
     report(results[0] if len(results) == 1 else {"benchmark": "decode_latency", "results": results}, args.out,
            [row for r in results for row in table_rows(args, r)])
+    for r in results:
+        for row in r.get("profile", []):
+            print(f"  {row['pct']:5.1f}%  {row['ms']:8.3f} ms  {row['calls']:6d}  {row['kernel']}")
     llm.shutdown()
 
 

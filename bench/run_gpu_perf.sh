@@ -8,8 +8,9 @@ OUT=${OUT:-$PWD/bench_out}; mkdir -p "$OUT"
 LOG=$OUT/perf_$1.log
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 log() { echo "[$(date +%T)] $*" | tee -a "$LOG"; }
+export PYTHONFAULTHANDLER=1  # a step stopped at its limit (SIGABRT) prints where every thread was
 step() { local name=$1 limit=$2; shift 2; log "=== $name: $*"; local t0=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | grep --line-buffered -v -E "Writing|Loading weights|capturing" | tee -a "$LOG"
+  timeout --signal=ABRT --kill-after=10 "$limit" "$@" 2>&1 | grep --line-buffered -v -E "Writing|Loading weights|capturing" | tee -a "$LOG"
   log "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"; }
 log "host: $(nvidia-smi --query-gpu=name --format=csv,noheader | tr '\n' ' ') commit $(git rev-parse --short HEAD 2>/dev/null)"
 if [ ! -d /tmp/site/flashinfer ]; then
@@ -33,9 +34,25 @@ case $1 in
     lat new256 $B/decode_latency.py --page-size 256
     off new256 $B/offline_throughput.py --page-size 256 ;;
   2)
+    step small_gemm 60 $B/small_gemm.py --m 1 4 --out "$OUT/small_gemm.json"
+    lat new16 $B/decode_latency.py --page-size 16
+    lat old16 $OLD/decode_latency.py --page-size 16
     lat old256 $OLD/decode_latency.py --page-size 256
     off old256 $OLD/offline_throughput.py --page-size 256
-    off new16 $B/offline_throughput.py --page-size 16
-    step gpu_tests_all 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py ;;
+    step gpu_tests_all 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py
+    jit ;;
+  3)
+    step small_gemm 90 $B/small_gemm.py --m 1 --out "$OUT/small_gemm.json"
+    step gpu_graph_tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -k "decode_step or sampling"
+    step latency_new16 120 $B/decode_latency.py --page-size 16 --repeats 3 --out "$OUT/latency_new16.json" ;;
+  4)
+    lat new16 $B/decode_latency.py --page-size 16 --profile
+    lat new256 $B/decode_latency.py --page-size 256
+    RAYLM_SMALL_LINEAR=0 lat new16_cublas $B/decode_latency.py --page-size 16
+    RAYLM_DECODE_TENSOR_CORES=0 lat new16_cudacores $B/decode_latency.py --page-size 16
+    off new16 $B/offline_throughput.py --page-size 16 --profile
+    off new256 $B/offline_throughput.py --page-size 256
+    RAYLM_DECODE_TENSOR_CORES=0 off new256_cudacores $B/offline_throughput.py --page-size 256
+    step gpu_tests_all 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py ;;
   *) bash -c "$2" ;;
 esac

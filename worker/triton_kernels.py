@@ -114,3 +114,25 @@ def kv_store_kernel(k_ptr, v_ptr, k_row_stride, v_row_stride, loc_ptr, k_cache_p
     v = tl.load(v_ptr + t.to(tl.int64) * v_row_stride + offs, mask=m)
     tl.store(k_cache_ptr + cell + offs, k.to(k_cache_ptr.dtype.element_ty), mask=m)
     tl.store(v_cache_ptr + cell + offs, v.to(v_cache_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def small_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride, M_BLOCK: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # out[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (decode at small batch): one program per
+    # BLOCK_N output columns, reading its weight rows once for every m, accumulating in float32
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, M_BLOCK)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * w_stride + kk[None, :],
+                    mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0).to(tl.float32)
+        for mi in tl.static_range(M_BLOCK):
+            x = tl.load(x_ptr + tl.minimum(mi, M - 1) * x_stride + kk, mask=kk < K, other=0.0).to(tl.float32)
+            part = tl.sum(w * x[None, :], axis=1)
+            acc += tl.where(rm[:, None] == mi, part[None, :], 0.0)
+    tl.store(out_ptr + rm[:, None] * out_stride + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))

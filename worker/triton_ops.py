@@ -126,3 +126,27 @@ def kv_store(loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch
         _kernels().kv_store_kernel[(tokens,)](k, v, k.stride(0), v.stride(0), loc, k_cache, v_cache, ROW=row,
                                               BLOCK=triton.next_power_of_2(row))
     return True
+
+
+def small_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and x.is_contiguous() and weight.is_contiguous() and _kernels() is not None and _small_linear_on)
+
+
+_small_linear_on = os.environ.get("RAYLM_SMALL_LINEAR", "1") == "1"  # 0: cuBLAS at M=1 too (to compare)
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
+                 num_warps: int | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T for small M (a GEMV-like kernel that reads each weight once)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    # measured on an H200 at M=1 over Qwen3-0.6B's layers (bench/small_gemm.py): one output column a
+    # program up to N = 2048, two beyond, 1024 of K a step, four warps
+    block_n = block_n or (1 if n <= 2048 else 2)
+    block_k, num_warps = block_k or 1024, num_warps or 4
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _kernels().small_linear_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        M_BLOCK=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    return out

@@ -15,6 +15,7 @@ event). FlashInfer's plan also rewrites a pinned host buffer and copies from it 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ FA3_HEAD_DIMS = (64, 128, 256)
 # at batch 256 for a group of 2 too. At batch 1 and page 16 the CUDA-core kernels are about 0.5 us a
 # layer faster, but one kernel for every batch size keeps eager and graph-replayed decode (which pads
 # the batch) on the same arithmetic.
-USE_TENSOR_CORES = True
+USE_TENSOR_CORES = os.environ.get("RAYLM_DECODE_TENSOR_CORES", "1") == "1"  # 0: CUDA cores (to compare)
 
 
 def prefill_backend(device: torch.device, head_dim: int) -> str:
