@@ -33,11 +33,8 @@ class ReplicaMetrics:
         self.preemptions = Counter("raylm_num_preemptions", "Requests preempted for KV pages (recomputed later)",
                                    _TAGS)
         self.requests = Counter("raylm_request_success", "Ended requests by finish reason", _TAGS + ("finish_reason",))
-        self.ttft = Histogram("raylm_time_to_first_token_seconds", "Time to first token", _LATENCY, _TAGS)
-        self.itl = Histogram("raylm_inter_token_latency_seconds", "Mean time between a request's tokens",
-                             _LATENCY, _TAGS)
-        self.tpot = Histogram("raylm_time_per_output_token_seconds", "Decode time per output token", _LATENCY, _TAGS)
-        self.e2e = Histogram("raylm_e2e_request_latency_seconds", "Arrival to last token", _LATENCY, _TAGS)
+        # client-visible latencies (TTFT, inter-token, per output token, end to end) are measured once,
+        # where the client's tokens arrive: by the router (router/metrics.py)
         self.queue_time = Histogram("raylm_queue_time_seconds", "Arrival to first prefill", _LATENCY, _TAGS)
 
     def on_output(self, deltas: list[TokenDelta]) -> None:
@@ -50,14 +47,6 @@ class ReplicaMetrics:
             self.prompt_tokens.inc(req.prompt_len, tags)
         if req.scheduled is not None:
             self.queue_time.observe(req.scheduled - req.arrival, tags)
-        if req.first_token is not None:
-            self.ttft.observe(req.first_token - req.arrival, tags)
-            self.e2e.observe(req.last_token - req.arrival, tags)
-            n = len(req.output_ids)
-            if n > 1:
-                per_token = (req.last_token - req.first_token) / (n - 1)
-                self.itl.observe(per_token, tags)
-                self.tpot.observe(per_token, tags)
 
     def on_replica_failed(self, num_requests: int) -> None:
         """The replica broke with num_requests live: each ended with an error, and nothing runs any more

@@ -23,10 +23,28 @@ class Piece:
 
 @dataclass
 class Timing:
+    """When a request's tokens reached the router: the one measurement of its client-visible latencies."""
+
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     last_token: float | None = None
     tokens: int = 0
+    # the gap before each token after the first; tokens that arrive together (one piece of several
+    # steps' tokens) have a gap of 0 after the first of them, as a client sees them
+    gaps: list[float] = field(default_factory=list)
+
+    def received(self, num_tokens: int, now: float) -> None:
+        if num_tokens == 0:
+            return
+        if self.first_token is None:
+            self.first_token = now
+            num_tokens -= 1
+        else:
+            self.gaps.append(now - self.last_token)
+            num_tokens -= 1
+        self.gaps.extend([0.0] * num_tokens)
+        self.last_token = now
+        self.tokens = len(self.gaps) + 1
 
 
 async def generate(client, uid: int, ids: list[int], params: SamplingParams, detok: IncrementalDetokenizer,
@@ -58,10 +76,7 @@ async def generate(client, uid: int, ids: list[int], params: SamplingParams, det
                     piece.text += detok.flush()
                     piece.finish_reason = delta.finish_reason
             finished = deltas[-1].finished
-            now = time.perf_counter()
-            timing.first_token = timing.first_token or now
-            timing.last_token = now
-            timing.tokens += len(piece.token_ids)
+            timing.received(len(piece.token_ids), time.perf_counter())
             yield piece
             if piece.finish_reason is not None:
                 return

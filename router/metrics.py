@@ -14,8 +14,11 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from cluster.messages import ReplicaStats
+    from router.generation import Timing
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# gaps between tokens: 0 for tokens that arrived together, a few ms per decode step on a GPU
+_ITL_BUCKETS = (0.0, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class RouterMetrics:
@@ -33,16 +36,18 @@ class RouterMetrics:
                              registry=self.registry)
         self.ttft = Histogram("raylm:time_to_first_token_seconds", "Time to first token", labels,
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("raylm:inter_token_latency_seconds", "Mean time between output tokens per request",
-                             labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("raylm:time_per_output_token_seconds", "Decode time per output token", labels,
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("raylm:inter_token_latency_seconds",
+                             "Time between two consecutive output tokens of a request, one sample per gap", labels,
+                             buckets=_ITL_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("raylm:time_per_output_token_seconds",
+                              "A request's decode time per output token after the first (one sample per request)",
+                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("raylm:e2e_request_latency_seconds", "End-to-end request latency", labels,
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.replica_gauges = ReplicaGauges(model)
         self.registry.register(self.replica_gauges)
 
-    def finished(self, reason: str, prompt_tokens: int, timing) -> None:
+    def finished(self, reason: str, prompt_tokens: int, timing: Timing) -> None:
         m = self.model
         self.requests.labels(m, reason).inc()
         self.prompt_tokens.labels(m).inc(prompt_tokens)
@@ -50,10 +55,11 @@ class RouterMetrics:
         if timing.first_token is not None:
             self.ttft.labels(m).observe(timing.first_token - timing.arrival)
             self.e2e.labels(m).observe(timing.last_token - timing.arrival)
+            itl = self.itl.labels(m)
+            for gap in timing.gaps:
+                itl.observe(gap)
             if timing.tokens > 1:
-                per_token = (timing.last_token - timing.first_token) / (timing.tokens - 1)
-                self.itl.labels(m).observe(per_token)
-                self.tpot.labels(m).observe(per_token)
+                self.tpot.labels(m).observe((timing.last_token - timing.first_token) / (timing.tokens - 1))
 
 
 class ReplicaGauges(Collector):

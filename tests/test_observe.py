@@ -19,6 +19,7 @@ from helpers import serving
 from prometheus_client import generate_latest
 
 from cluster.messages import ReplicaStats, SchedulerStats
+from router.generation import Timing
 
 MAX_TOKENS = 7
 
@@ -55,6 +56,9 @@ def test_router_and_ray_metrics_count_the_traffic_sent(observed, ray_metrics_por
     assert sample_value(text, "raylm:generation_tokens_total") == generated
     assert sample_value(text, "raylm:prompt_tokens_total") == prompt_tokens
     assert sample_value(text, "raylm:time_to_first_token_seconds_count") == len(prompts)
+    # one inter-token sample per gap between two tokens, one TPOT sample per request
+    assert sample_value(text, "raylm:inter_token_latency_seconds_count") == generated - len(prompts)
+    assert sample_value(text, "raylm:time_per_output_token_seconds_count") == len(prompts)
     for family in ("raylm:inter_token_latency_seconds", "raylm:time_per_output_token_seconds",
                    "raylm:e2e_request_latency_seconds"):
         assert f"# TYPE {family} histogram" in text
@@ -73,13 +77,31 @@ def test_router_and_ray_metrics_count_the_traffic_sent(observed, ray_metrics_por
             break
         time.sleep(1)
     assert counts == (len(prompts), generated, prompt_tokens)
+    assert sample_value(exported, "ray_raylm_queue_time_seconds_count", **tags) == len(prompts)
+    # client-visible latencies are measured once, by the router
     for family in ("ray_raylm_time_to_first_token_seconds", "ray_raylm_inter_token_latency_seconds",
-                   "ray_raylm_time_per_output_token_seconds", "ray_raylm_e2e_request_latency_seconds",
-                   "ray_raylm_queue_time_seconds"):
-        assert sample_value(exported, family + "_count", **tags) == len(prompts), family
+                   "ray_raylm_time_per_output_token_seconds", "ray_raylm_e2e_request_latency_seconds"):
+        assert family + "_count" not in exported, family
     for gauge in ("ray_raylm_num_running_reqs", "ray_raylm_num_queue_reqs", "ray_raylm_token_usage",
                   "ray_raylm_cache_hit_rate", "ray_raylm_gen_throughput"):
         assert gauge + "{" in exported, gauge
+
+
+def test_inter_token_latency_is_one_sample_per_gap_and_tokens_that_arrive_together_have_none():
+    from router.metrics import RouterMetrics
+    timing = Timing(arrival=10.0)
+    timing.received(1, 10.5)   # the first token
+    timing.received(1, 10.6)
+    timing.received(3, 11.0)   # three steps' tokens in one message
+    assert timing.tokens == 5 and timing.gaps == pytest.approx([0.1, 0.4, 0.0, 0.0])
+    metrics = RouterMetrics("m")
+    metrics.finished("length", 3, timing)
+    registry = metrics.registry
+    assert registry.get_sample_value("raylm:inter_token_latency_seconds_count", {"model": "m"}) == 4
+    assert registry.get_sample_value("raylm:inter_token_latency_seconds_sum", {"model": "m"}) == pytest.approx(0.5)
+    assert registry.get_sample_value("raylm:time_per_output_token_seconds_sum", {"model": "m"}) == pytest.approx(0.125)
+    assert registry.get_sample_value("raylm:time_to_first_token_seconds_sum", {"model": "m"}) == pytest.approx(0.5)
+    assert registry.get_sample_value("raylm:e2e_request_latency_seconds_sum", {"model": "m"}) == pytest.approx(1.0)
 
 
 def ray_stats(srv) -> ReplicaStats:
@@ -195,7 +217,10 @@ def test_the_grafana_dashboard_queries_only_metrics_that_are_exported():
 
     router = RouterMetrics("m")  # with a sample of every series, so each is in the text
     router.running.labels("m").inc()
-    router.finished("stop", 3, SimpleNamespace(tokens=2, arrival=0.0, first_token=0.1, last_token=0.2))
+    timing = Timing(arrival=0.0)
+    timing.received(1, 0.1)
+    timing.received(1, 0.2)
+    router.finished("stop", 3, timing)
     router.replica_gauges._stats = {0: SimpleNamespace(running=1, waiting=0, kv_usage=0.1, prefix_hit_rate=0.0,
                                                        preempted=0)}
     exported = {line.split("{")[0].split(" ")[0] for line in generate_latest(router.registry).decode().splitlines()
