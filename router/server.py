@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 class Server:
     def __init__(self, config: ServeConfig, **ray_options) -> None:
         config.validate()
+        config.check_against_model()
         self.config = config
         tokenizer = load_tokenizer(config.model)
         if tokenizer is None:

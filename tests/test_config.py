@@ -185,3 +185,9 @@ def test_a_nested_or_unknown_yaml_key_is_named(tmp_path):
     (tmp_path / "c.yaml").write_text("engine:\n  page_size: 4\n")
     with pytest.raises(ValueError, match="engine is not a setting"):
         ServeConfig.from_yaml(str(tmp_path / "c.yaml"))
+
+
+def test_a_server_refuses_what_the_model_cannot_take_before_starting_ray(qwen3_path):
+    from router.server import Server
+    with pytest.raises(ConfigError, match="tp_size must divide the model's 4 attention heads"):
+        Server(ServeConfig().override(model=str(qwen3_path), tp_size=3))
