@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
@@ -25,7 +26,7 @@ DEMO_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ray
 class Parser(argparse.ArgumentParser):
     """Errors in one line that names the flag (no usage block); exit code 2, as argparse's."""
 
-    def error(self, message: str) -> None:
+    def error(self, message: str) -> NoReturn:
         message = re.sub(r"^argument (--[\w-]+)(/--[\w-]+)?: ", r"\1 ", message)
         fail(re.sub(r"^--([\w-]+) ignored explicit argument .*", r"--\1 takes no value (--\1 or --no-\1)", message))
 
@@ -39,7 +40,7 @@ class Parser(argparse.ArgumentParser):
         return parsed
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
