@@ -206,9 +206,11 @@ async def _stream(state: RouterState, pieces, fmt: Formatter, prompt_tokens: int
         outcome["reason"] = "timeout"
         yield sse(APIError(408, f"the request took longer than {state.config.request_timeout_s} s",
                            "timeout_error").event())
+        yield sse("[DONE]")
     except RaylmError as e:
         outcome["reason"] = "error"
         yield sse(APIError.of(e).event())
+        yield sse("[DONE]")
     finally:
         await pieces.aclose()  # a disconnect lands here too: generate() aborts the request
         done()

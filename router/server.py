@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -64,7 +65,7 @@ class Server:
                              # longer than clients keep idle connections (httpx: 5 s), so the server never
                              # closes one just as a client sends on it
                              timeout_keep_alive=30)
-        self._uvicorn = uvicorn.Server(cfg)
+        self._uvicorn = _DrainingServer(cfg, self.state, self.config.drain_timeout_s)
         return self._uvicorn
 
     def run(self) -> None:
@@ -121,3 +122,31 @@ class Server:
     def shutdown_replicas(self) -> None:
         """Stops every replica, and any replacement still being built. Idempotent."""
         self.fleet.shutdown()
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, draining as the router needs: once shutdown begins, new requests get a 503, and requests
+    still running just before the drain timeout ends are failed in order (a stream gets an SSE error
+    event and [DONE], a whole response a 503), instead of being cancelled mid-response by uvicorn."""
+
+    def __init__(self, config: uvicorn.Config, state: RouterState, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.state, self.drain_timeout_s = state, drain_timeout_s
+
+    async def shutdown(self, sockets=None) -> None:
+        self.state.draining = True
+        # uvicorn cancels what still runs at the timeout: end it a little before, so each response is whole
+        cut_after = max(0.0, self.drain_timeout_s - min(1.0, self.drain_timeout_s / 4))
+        timer = asyncio.get_running_loop().call_later(cut_after, self._cut)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _cut(self) -> None:
+        running = sum(c.load for c in self.state.clients)
+        if running:
+            log.warning("drain timeout of %g s ran out: failing %d request(s) still running", self.drain_timeout_s,
+                        running)
+        for client in self.state.clients:
+            client.mark_failed(f"the server is shutting down: its drain timeout of {self.drain_timeout_s:g} s ran out")

@@ -80,3 +80,44 @@ def test_sigterm_drains_in_flight_requests_then_leaves_nothing_behind(ray_cluste
     while live_ray_objects() != ([], []) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert live_ray_objects() == ([], [])
+
+
+def test_streams_still_running_when_the_drain_timeout_ends_get_an_error_event_and_done(ray_cluster, qwen3_path,
+                                                                                        caplog):
+    import ray
+    from helpers import serving
+    with serving(qwen3_path, num_pages=1024, drain_timeout_s=2, health_check_timeout_s=60) as srv:
+        _, pid = ray.get(srv.replicas[0].actor.node_and_pid.remote())
+        endings: list[list[str]] = []
+        started = threading.Barrier(4)
+
+        def stream() -> None:
+            body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+                    "stream": True}
+            lines: list[str] = []
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        if len(lines) == 2:
+                            started.wait(30)
+            endings.append(lines[-2:])
+
+        clients = [threading.Thread(target=stream) for _ in range(3)]
+        for c in clients:
+            c.start()
+        started.wait(30)  # every stream has its first tokens
+        os.kill(pid, signal.SIGSTOP)  # the replica stops producing: these streams outlast any drain
+        try:
+            stopper = threading.Thread(target=srv.stop)
+            stopper.start()
+            for c in clients:
+                c.join(30)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        stopper.join(60)
+    assert len(endings) == 3
+    for error, done in endings:
+        assert json.loads(error)["error"]["code"] == 503 and "drain timeout" in json.loads(error)["error"]["message"]
+        assert done == "[DONE]"
+    assert not [r for r in caplog.records if r.exc_info], "no traceback for a cut request"
