@@ -176,5 +176,5 @@ def test_request_timeout_ends_a_slow_request_with_408(ray_cluster, qwen3_path):
         assert events[-1]["error"]["code"] == 408
         import ray
         from test_serve import wait_until_idle
-        assert [s["live"] for s in wait_until_idle(srv)] == [0]
+        assert [s.live for s in wait_until_idle(srv)] == [0]
         ray.get(srv.replicas[0].actor.check_integrity.remote())

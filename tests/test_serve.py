@@ -145,7 +145,7 @@ def test_logprobs_are_returned_for_the_generated_tokens(server):
 def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
     body = {"model": "tiny", "prompt": PROMPT_TEXTS[4], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    decoded_before = sum(s["decode_tokens"] for s in wait_until_idle(server))
+    decoded_before = sum(s.decode_tokens for s in wait_until_idle(server))
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body) as response:
             lines = response.iter_lines()
