@@ -60,7 +60,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-overlap", action="store_true", help="the normal loop instead of the overlap loop")
     parser.add_argument("--no-cuda-graph", action="store_true", help="eager decode")
     parser.add_argument("--cache", choices=["radix", "naive"], default="radix")
-    parser.add_argument("--page-size", type=int, default=256)
+    parser.add_argument("--page-size", type=int, default=16)  # the server's default (ServeConfig)
     parser.add_argument("--max-running-reqs", type=int, default=256)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--no-fused", action="store_true", help="torch elementwise kernels instead of FlashInfer's fused ones")

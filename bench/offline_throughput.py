@@ -1,6 +1,6 @@
 """Offline throughput: 256 requests with random token-id prompts of 100..1024 tokens and 100..1024
 output tokens each (ignore_eos, temperature 0.6, seed 0), Qwen3-0.6B's architecture with random
-weights, bf16, page size 256, prefill chunks of 16384 tokens, CUDA graphs up to batch 256.
+weights, bf16, page size 16 (--page-size), prefill chunks of 16384 tokens, CUDA graphs up to batch 256.
 
     python bench/offline_throughput.py [--out r.json] [--no-overlap] [--no-cuda-graph] [--cache naive]
                                        [--profile]

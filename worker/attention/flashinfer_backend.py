@@ -29,12 +29,21 @@ from worker.stream import new_event
 WORKSPACE_BYTES = 256 << 20    # FlashInfer's float workspace (split-KV partial results), shared by all wrappers
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 FA3_HEAD_DIMS = (64, 128, 256)
-# Decode runs on tensor cores (FlashInfer's prefill kernels, one query a row) at every GQA group: on an
-# H200 they read the KV cache at about the HBM copy bandwidth, 12% faster than the CUDA-core kernels
-# at batch 256 for a group of 2 too. At batch 1 and page 16 the CUDA-core kernels are about 0.5 us a
-# layer faster, but one kernel for every batch size keeps eager and graph-replayed decode (which pads
-# the batch) on the same arithmetic.
-USE_TENSOR_CORES = os.environ.get("RAYLM_DECODE_TENSOR_CORES", "1") == "1"  # 0: CUDA cores (to compare)
+# Decode kernels by batch size, measured on an H200 (Qwen3-0.6B shapes, GQA group 2): above
+# TENSOR_CORE_ABOVE_BATCH rows FlashInfer's tensor-core path (its prefill kernels, one query a row),
+# which reads the KV cache at about the HBM copy bandwidth, 12% faster than the CUDA-core kernels at
+# batch 256 (offline workload: 22,820 against 21,160 output tok/s); at and below it the CUDA-core
+# kernels, about 0.5 us a layer faster at batch 1 (../shared/perf/decode-attention.md). The graph
+# buckets up to 8 are 1, 2, 4, 8, so an eager step of n rows and the graph it would pad to use the same
+# kernel. RAYLM_DECODE_TENSOR_CORES=0 or 1 forces one path (to compare).
+TENSOR_CORE_ABOVE_BATCH = 8
+_FORCED = os.environ.get("RAYLM_DECODE_TENSOR_CORES")
+
+
+def use_tensor_cores(batch_size: int) -> bool:
+    if _FORCED is not None:
+        return _FORCED == "1"
+    return batch_size > TENSOR_CORE_ABOVE_BATCH
 
 
 def prefill_backend(device: torch.device, head_dim: int) -> str:
@@ -77,21 +86,25 @@ class FlashInferBackend(AttentionBackend):
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=prefill_backend(device, self.head_dim))
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=USE_TENSOR_CORES)
+        self.decode_wrappers = {tc: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                                  use_tensor_cores=tc)
+                                for tc in (False, True)}
         self.graph_wrappers: dict[int, object] = {}
         self.graph_indptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self.graph_last_page_len = torch.ones(rows, dtype=torch.int32, device=device)
         self.staging = PinnedStaging(device, capacity=1 << 16)
         self._plan_copied = new_event(device)
-        self.wrapper = self.decode_wrapper
+        self.wrapper = self.decode_wrappers[True]
         self.out_loc: torch.Tensor | None = None
 
     # -- planning ------------------------------------------------------------------------------------
 
     def prepare(self, batch: ForwardBatch) -> None:
         desc = batch.desc
-        wrapper = self.prefill_wrapper if desc.is_prefill else self.decode_wrapper
+        if desc.is_prefill:
+            wrapper = self.prefill_wrapper
+        else:
+            wrapper = self.decode_wrappers[use_tensor_cores(desc.batch_size)]
         self._plan(wrapper, desc, desc.batch_size, scratch_page=-1)
         self.wrapper, self.out_loc = wrapper, batch.out_loc
 
@@ -101,7 +114,7 @@ class FlashInferBackend(AttentionBackend):
         wrapper = self.graph_wrappers.get(bs)
         if wrapper is None:
             wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=USE_TENSOR_CORES,
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=use_tensor_cores(bs),
                 paged_kv_indptr_buffer=self.graph_indptr[: bs + 1], paged_kv_indices_buffer=self.kv_indices,
                 paged_kv_last_page_len_buffer=self.graph_last_page_len[:bs])
             self.graph_wrappers[bs] = wrapper
