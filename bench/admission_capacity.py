@@ -24,7 +24,7 @@ from scripted import eos_with_probability, scripted_scheduler  # noqa: E402
 def run(reserve: int, args) -> dict:
     scripted = scripted_scheduler(eos_with_probability(1.0 / args.mean_output, seed=0), num_pages=args.pages,
                                   page_size=16, max_running_reqs=256, max_seq_len=args.context,
-                                  decode_reserve_tokens=reserve)
+                                  decode_reserve_tokens=reserve, keep_deltas=False)
     rng = random.Random(1)
     for uid in range(args.requests):
         scripted.submit(uid, [rng.randrange(1, 50_000) for _ in range(args.prompt)], max_tokens=None, temperature=0.6)

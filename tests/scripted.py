@@ -82,8 +82,10 @@ class ScriptedScheduler:
 
 def scripted_scheduler(tokens: Callable[[BatchDesc], Sequence[int]] | None = None, *, num_pages: int = 256,
                        page_size: int = 4, max_running_reqs: int = 8, max_seq_len: int = 1024,
-                       eos_ids: set[int] | None = None, **config) -> ScriptedScheduler:
-    """`config`: SchedulerConfig fields (overlap, cache_type, max_extend_tokens, decode_reserve_tokens)."""
+                       eos_ids: set[int] | None = None, keep_deltas: bool = True, **config) -> ScriptedScheduler:
+    """`config`: SchedulerConfig fields (overlap, cache_type, max_extend_tokens, decode_reserve_tokens).
+    Benchmarks pass keep_deltas=False: a list growing by every delta would be timed too (its garbage
+    collection most of all)."""
     executor = ScriptedExecutor(tokens)
     deltas: list[TokenDelta] = []
     ended: dict[int, str] = {}
@@ -94,6 +96,7 @@ def scripted_scheduler(tokens: Callable[[BatchDesc], Sequence[int]] | None = Non
 
     scheduler = Scheduler(SchedulerConfig(**config), executor, num_pages=num_pages, page_size=page_size,
                           max_running_reqs=max_running_reqs, max_seq_len=max_seq_len,
-                          eos_ids={EOS} if eos_ids is None else eos_ids, on_output=deltas.extend,
+                          eos_ids={EOS} if eos_ids is None else eos_ids,
+                          on_output=deltas.extend if keep_deltas else lambda step_deltas: None,
                           on_finish=on_finish)
     return ScriptedScheduler(scheduler, executor, deltas, ended, preempted)
