@@ -103,9 +103,9 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
         if not args.demo and not config.model:
             raise ConfigError("model", "is required: a local model folder or a Hugging Face id (or --demo)")
         if args.demo:
-            from cluster.tiny_model import build_checkpoint
+            from demo import build_demo_model
             if not (DEMO_DIR / "config.json").exists():
-                build_checkpoint("qwen3", DEMO_DIR)
+                build_demo_model(DEMO_DIR)
             config = config.override(model=str(DEMO_DIR), served_model_name=config.served_model_name or "demo")
         else:
             config = config.override(model=resolve_model(config.model))

@@ -1,4 +1,4 @@
-"""Test fixtures: tiny checkpoints (from cluster.tiny_model) and Hugging Face greedy references."""
+"""Test fixtures: tiny checkpoints (tests/tiny_checkpoints.py) and Hugging Face greedy references."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from cluster.tiny_model import (  # noqa: F401
+from tiny_checkpoints import (  # noqa: F401
     PROMPT_TEXTS,
     build_checkpoint,
     build_sharded_checkpoint,

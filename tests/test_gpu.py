@@ -17,7 +17,7 @@ from helpers import checked_llm, encode_all, greedy
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from cluster import SamplingParams
-from cluster.tiny_model import EOS_TOKEN, INIT_STD, build_tokenizer
+from tiny_checkpoints import EOS_TOKEN, INIT_STD, build_tokenizer
 from worker.batch import BatchDesc
 from worker.config import EngineConfig
 from worker.engine import Engine

@@ -1,43 +1,23 @@
-"""Tiny random checkpoints with a small trained tokenizer, built locally with transformers and
-tokenizers: for `launch.py --demo` (no network needed) and for the tests. Their output is meaningless."""
+"""The tests' tiny random checkpoints: every supported family, tied embeddings, one KV head, sharded
+files; with a tokenizer trained on the tests' prompts. Built with the demo model's writer (demo.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
-    GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
-    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
 
-EOS_TOKEN = "<|endoftext|>"
-IM_START_TOKEN = "<|im_start|>"
-IM_END_TOKEN = "<|im_end|>"
-SPECIAL_TOKENS = [EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN]
-
-TOKENIZER_VOCAB_SIZE = 360
-
-# Std of the normal re-init of every Linear/Embedding weight and bias. Small values (HF's 0.02)
-# give flat logits and greedy loops; 0.5 makes Llama/Qwen2 attention near one-hot, which hides
-# attention bugs. 0.35 keeps greedy output varied for every fixture variant and seeds 0-2.
-INIT_STD = 0.35
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+from demo import EOS_TOKEN, INIT_STD, build_tokenizer as _build_tokenizer, save_random_model  # noqa: F401
 
 PROMPT_TEXTS: list[str] = [
     "Hello",
@@ -75,33 +55,10 @@ _EXTRA_CORPUS: list[str] = [
 ]
 
 
-def build_tokenizer(out_dir: Path) -> None:
-    """Train a tiny byte-level BPE tokenizer and save it as a PreTrainedTokenizerFast."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    # Repeating the English part makes merges favour it, so CJK/emoji stay split into byte tokens.
-    corpus = (PROMPT_TEXTS + _EXTRA_CORPUS[:4]) * 3 + _EXTRA_CORPUS
-    tok.train_from_iterator(corpus, trainer=trainer)
-
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
-        clean_up_tokenization_spaces=False,
-        model_max_length=512,
-    )
-    hf_tok.chat_template = CHAT_TEMPLATE
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf_tok.save_pretrained(out_dir)
+def build_tokenizer(out_dir: Path):
+    """The tiny tokenizer, trained on the tests' prompts (repeating the English part makes merges
+    favour it, so CJK and emoji stay split into byte tokens)."""
+    return _build_tokenizer(out_dir, (PROMPT_TEXTS + _EXTRA_CORPUS[:4]) * 3 + _EXTRA_CORPUS)
 
 
 _FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
@@ -163,31 +120,12 @@ def build_checkpoint(
     if family not in _FAMILIES:
         raise ValueError(f"unknown model family: {family!r}")
     out_dir = Path(out_dir)
-    build_tokenizer(out_dir)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(out_dir)
+    tokenizer = build_tokenizer(out_dir)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    im_end_id = tokenizer.convert_tokens_to_ids(IM_END_TOKEN)
-
     config = _make_config(family, len(tokenizer), eos_id, tie_word_embeddings, num_kv_heads)
+    options = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     torch.manual_seed(seed)
-    model = _FAMILIES[family][1](config).to(torch.float32).eval()
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                module.weight.normal_(0.0, INIT_STD)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.normal_(0.0, INIT_STD)
-
-    save_kwargs: dict[str, str] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    # transformers 5 always writes safetensors (`safe_serialization` is gone).
-    model.save_pretrained(out_dir, **save_kwargs)
-    GenerationConfig(
-        bos_token_id=eos_id,
-        eos_token_id=[eos_id, im_end_id],
-        pad_token_id=eos_id,
-        do_sample=False,
-    ).save_pretrained(out_dir)
-    return out_dir
+    return save_random_model(_FAMILIES[family][1](config), tokenizer, out_dir, **options)
 
 
 def build_sharded_checkpoint(
@@ -211,6 +149,3 @@ def build_sharded_checkpoint(
     if not (out_dir / "model.safetensors.index.json").exists():
         raise RuntimeError(f"max_shard_size={max_shard_size} did not produce a sharded checkpoint")
     return out_dir
-
-
-# Keyed by resolved path: rebuilding a checkpoint in place needs `_MODEL_CACHE.clear()`.

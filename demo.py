@@ -1,0 +1,80 @@
+"""A tiny random model built locally, for `launch.py --demo`: a small byte-level BPE tokenizer trained
+in a second and a two-layer Qwen3 with random weights, saved as a Hugging Face folder. It needs no
+network; its output is meaningless (it shows that the install serves). The tests build their
+checkpoints with the same two functions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START_TOKEN = "<|im_start|>"
+IM_END_TOKEN = "<|im_end|>"
+VOCAB_SIZE = 360
+# Std of the normal init of every Linear/Embedding weight and bias. Small values (HF's 0.02) give
+# flat logits and greedy loops; 0.5 makes attention near one-hot. 0.35 keeps greedy output varied.
+INIT_STD = 0.35
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+_DEMO_CORPUS = [
+    "Hello! How are you today? I am a tiny random model, built to show that the server runs.",
+    "The quick brown fox jumps over the lazy dog. A language model predicts the next token.",
+    "Élève, garçon, déjà vu. 机器学习是人工智能的一个分支。こんにちは。😀 🎉",
+]
+
+
+def build_tokenizer(out_dir: Path, corpus: list[str] = _DEMO_CORPUS) -> PreTrainedTokenizerFast:
+    """Trains a byte-level BPE tokenizer with a chat template on `corpus` and saves it in out_dir."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+                                     additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
+                                     clean_up_tokenization_spaces=False, model_max_length=512)
+    hf_tok.chat_template = CHAT_TEMPLATE
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_tok.save_pretrained(out_dir)
+    return PreTrainedTokenizerFast.from_pretrained(out_dir)
+
+
+def save_random_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir: Path,
+                      **save_options) -> Path:
+    """Re-draws model's weights from torch's generator (seed it first) and saves them, with a
+    generation config that stops at end-of-text and end-of-turn, beside the tokenizer in out_dir."""
+    model = model.to(torch.float32).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.normal_(0.0, INIT_STD)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.normal_(0.0, INIT_STD)
+    model.save_pretrained(out_dir, **save_options)
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    GenerationConfig(bos_token_id=eos, eos_token_id=[eos, tokenizer.convert_tokens_to_ids(IM_END_TOKEN)],
+                     pad_token_id=eos, do_sample=False).save_pretrained(out_dir)
+    return out_dir
+
+
+def build_demo_model(out_dir: Path) -> Path:
+    """The --demo model: a two-layer Qwen3 with random weights and the tiny tokenizer."""
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer(out_dir)
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, dtype="float32",
+                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    torch.manual_seed(0)
+    return save_random_model(Qwen3ForCausalLM(config), tokenizer, out_dir)
