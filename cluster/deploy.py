@@ -36,6 +36,18 @@ def ensure_ray(address: str | None = None, **init_options) -> str | None:
     return getattr(context, "dashboard_url", None) or None
 
 
+def control_store_answers(timeout_s: float) -> bool:
+    """Whether Ray's control store (the GCS) answers within timeout_s. Without it nothing can be placed,
+    replaced or restarted, while calls to running actors may still go through for a minute until the
+    driver gives up: so a health check must ask it directly."""
+    try:
+        gcs = ray._private.worker.global_worker.gcs_client
+        gcs.internal_kv_get(b"raylm-health-probe", b"raylm", timeout=timeout_s)
+        return True
+    except Exception:  # noqa: BLE001 - an RpcError when it is gone; anything else means the same here
+        return False
+
+
 def _has_gpu_locally() -> bool:
     try:
         import torch

@@ -52,8 +52,12 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         down = {str(c.replica_id): c.error for c in state.clients if not c.healthy}
-        if down or not state.clients or state.draining:  # down: replica id -> why (it is being replaced)
-            return JSONResponse({"status": "unavailable", "replicas_down": down}, status_code=503)
+        if down or not state.clients or state.draining or state.control_store_error:
+            # down: replica id -> why (it is being replaced)
+            body = {"status": "unavailable", "replicas_down": down}
+            if state.control_store_error:
+                body["cluster"] = state.control_store_error
+            return JSONResponse(body, status_code=503)
         return {"status": "ok", "replicas": len(state.clients)}
 
     @app.get("/metrics")

@@ -38,6 +38,7 @@ class RouterState:
     policy: object = None
     metrics: RouterMetrics | None = None
     draining: bool = False
+    control_store_error: str | None = None  # set while Ray's control store does not answer
     defaults: dict = field(default_factory=dict)
     uids: itertools.count = field(default_factory=itertools.count)
     created: int = field(default_factory=lambda: int(time.time()))  # the model card's creation time

@@ -1,15 +1,19 @@
-"""Keeps the replicas serving: a replica whose scheduler actor died, whose tensor-parallel group broke
-(a follower died, a collective timed out), or that stays silent past the health-check timeout is
+"""Keeps the replicas serving, and /health true: a replica whose scheduler actor died, whose
+tensor-parallel group broke (a follower died, a collective timed out), or that stays silent past the
+health-check timeout is
 taken out of routing, and the fleet is asked to replace it; traffic returns to it when its
-replacement is ready. This decides when; the fleet (cluster/fleet.py) does the replacing."""
+replacement is ready. This decides when; the fleet (cluster/fleet.py) does the replacing. It also
+watches Ray's control store: with it gone for longer than the health-check timeout, /health fails."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from concurrent.futures import Future
 
-from cluster.deploy import ReplicaHandle
+from cluster.deploy import ReplicaHandle, control_store_answers
 from cluster.fleet import Fleet
 from router.replica_client import ReplicaClient
 from router.state import RouterState
@@ -31,11 +35,19 @@ class Supervisor:
         self._checking: set[ReplicaClient] = set()  # one check in flight per client: a slow one delays no other
         self._replacing: set[int] = set()  # until the replacement's client is routed to, or it failed
         self._retry_at: dict[int, tuple[float, float]] = {}  # replica -> (when, backoff) after a failed start
+        self._control_store_seen = time.monotonic()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        watch = threading.Thread(target=self._watch_control_store, name="control-store-watch", daemon=True)
+        watch.start()
         while not self.fleet.closed:
             await asyncio.sleep(self.interval_s)
+            silent = time.monotonic() - self._control_store_seen
+            limit = self.state.config.health_check_timeout_s
+            self.state.control_store_error = (
+                f"Ray's control store (GCS) has not answered for {silent:.0f} s: the cluster can place and "
+                f"replace nothing" if silent > limit else None)
             for i, client in enumerate(self.state.clients):
                 if client.healthy and client not in self._checking:
                     self._checking.add(client)
@@ -43,6 +55,14 @@ class Supervisor:
                 elif (not client.healthy and i not in self._replacing and not self.state.draining
                       and loop.time() >= self._retry_at.get(i, (0.0, 0.0))[0]):
                     self._replace(i, client)
+
+    def _watch_control_store(self) -> None:
+        """On its own thread (a probe blocks for up to its timeout): when Ray's control store last answered."""
+        timeout = min(2.0, self.state.config.health_check_timeout_s / 2)
+        while not self.fleet.closed:
+            if control_store_answers(timeout):
+                self._control_store_seen = time.monotonic()
+            time.sleep(self.interval_s)
 
     async def _check(self, client: ReplicaClient) -> None:
         try:

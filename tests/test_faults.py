@@ -115,3 +115,41 @@ def test_a_silent_replica_is_replaced_and_stopping_mid_replacement_leaves_nothin
         # the server stops while the replacement is being built
     # the control store sees killed actors as dead a moment after the kill: a bounded wait
     wait_for(lambda: _raylm_objects() == before, 30, "the replacement's actors and placement group to go")
+
+
+def test_health_fails_within_the_health_timeout_when_rays_control_store_is_gone(qwen3_path, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import psutil
+    from helpers import free_port
+    port, timeout_s = free_port(), 5
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, str(root / "launch.py"), "--model", str(qwen3_path), "--port", str(port),
+                             "--page-size", "4", "--num-pages", "256", "--no-dashboard",
+                             "--health-check-timeout-s", str(timeout_s)],
+                            cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/health"
+    try:
+        wait_for(lambda: proc.poll() is None and _status(url) == 200, 120, "the server to come up")
+        gcs = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("gcs_server")]
+        assert len(gcs) == 1, "the local Ray's control store"
+        gcs[0].kill()
+        gone = time.monotonic()
+        wait_for(lambda: _status(url) != 200, timeout_s + 10, "/health to fail")
+        # failing within the timeout (plus one probe and one supervisor round), long before the driver exits
+        assert time.monotonic() - gone < timeout_s + 6
+        r = httpx.get(url, timeout=5)
+        assert r.status_code == 503 and "control store" in r.json()["cluster"]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.TransportError:
+        return None
