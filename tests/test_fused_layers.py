@@ -49,3 +49,43 @@ def test_layers_on_the_fused_path_match_hf(monkeypatch, model_paths, family):
         prompts = encode_all(llm, PROMPT_TEXTS[:6])
         outs = llm.generate(prompts, greedy(10))
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 10)
+
+
+def test_a_graph_decode_step_stages_one_block_that_the_bucket_views_read_back(qwen3_path):
+    # the CUDA-graph decode path on the CPU: Engine._stage packs a step's per-row inputs into one block
+    # (cuda_graph.pack_io) and the graph reads it through its bucket's views of the static buffer
+    import numpy as np
+
+    from worker.batch import BatchDesc
+    from worker.config import EngineConfig
+    from worker.cuda_graph import _Bucket, io_bytes
+    from worker.engine import Engine
+
+    engine = Engine(EngineConfig(str(qwen3_path), page_size=4, num_pages=64, max_running_reqs=8))
+    pad = {"out_loc": 999, "token_write": engine.table.scratch_cell}
+    engine.graphs = SimpleNamespace(pad=pad)  # what _stage reads of the graph runner
+    desc = BatchDesc(False, table_idx=np.array([3, 0, 5], np.int32), seq_lens=np.array([9, 17, 4], np.int32),
+                     extend_lens=np.ones(3, np.int32), out_loc=np.array([40, 81, 130], np.int32), input_ids=None,
+                     temperature=np.array([0.0, 0.7, 1.5], np.float32), top_p=np.array([1.0, 0.9, 1.0], np.float32),
+                     top_k=np.array([-1, -1, 20], np.int32), seeds=np.array([1, 2, 1 << 40], np.int64))
+    s = engine._stage(desc, 4)
+    assert not s.all_greedy and s.any_filter
+    assert s.top_p.tolist() == pytest.approx([1.0, 0.9, 1.0]) and s.top_k.tolist() == [-1, -1, 20]
+    io = torch.zeros(io_bytes(8), dtype=torch.uint8)
+    io[: s.graph_io.numel()].copy_(s.graph_io)
+    b = _Bucket(io, 4)
+    row = engine.table.token_pool.shape[1]
+    slots, seq = desc.table_idx.astype(np.int64), desc.seq_lens.astype(np.int64)
+    assert b.token_read.tolist() == (slots * row + seq - 1).tolist() + [0]
+    assert b.positions.tolist() == (seq - 1).tolist() + [0]
+    assert b.out_loc.tolist() == [40, 81, 130, 999]
+    assert b.token_write.tolist() == (slots * row + seq).tolist() + [engine.table.scratch_cell]
+    assert b.seeds.tolist() == [1, 2, 1 << 40, 0] and b.sample_pos.tolist() == [9, 17, 4, 0]
+    assert b.temperature.tolist() == pytest.approx([0.0, 0.7, 1.5, 0.0])
+    s.staged.release()
+    greedy = engine._stage(BatchDesc(False, table_idx=desc.table_idx, seq_lens=desc.seq_lens,
+                                     extend_lens=desc.extend_lens, out_loc=desc.out_loc, input_ids=None,
+                                     temperature=desc.temperature * 0, top_p=desc.top_p, top_k=desc.top_k,
+                                     seeds=desc.seeds), 4)
+    assert greedy.all_greedy and not greedy.any_filter and greedy.top_p is None
+    greedy.staged.release()
