@@ -148,6 +148,12 @@ class ServeConfig(ReplicaConfig):
                                               unset="none", group=LIMITS)
     drain_timeout_s: float = setting(30.0, "on SIGTERM or Ctrl-C, how long requests in flight may take to finish",
                                      at_least=0, group=LIMITS)
+    header_timeout_s: float = setting(10.0, "a connection must send a request's headers within this long (a "
+                                            "slow or silent client is disconnected)", above=0, group=LIMITS)
+    keep_alive_timeout_s: float = setting(30.0, "an idle connection between two requests is closed after this "
+                                                "long", above=0, group=LIMITS)
+    max_connections: int = setting(4096, "open connections at once; more are answered 503 and closed",
+                                   at_least=1, group=LIMITS)
 
     @classmethod
     def from_yaml(cls, path: str) -> ServeConfig:

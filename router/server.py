@@ -16,6 +16,7 @@ from cluster.deploy import ReplicaHandle, ensure_ray
 from cluster.fleet import Fleet
 from cluster.model_info import load_tokenizer
 from router.app import build_app
+from router.connection import bounded_protocol
 from router.metrics import RouterMetrics
 from router.routing import create_policy
 from router.state import RouterState, generation_defaults
@@ -60,11 +61,13 @@ class Server:
         return f"http://{self.config.host}:{self.config.port}"
 
     def _make_uvicorn(self) -> uvicorn.Server:
-        cfg = uvicorn.Config(self.app, host=self.config.host, port=self.config.port, log_level="warning",
-                             timeout_graceful_shutdown=int(self.config.drain_timeout_s), access_log=False,
-                             # longer than clients keep idle connections (httpx: 5 s), so the server never
-                             # closes one just as a client sends on it
-                             timeout_keep_alive=30)
+        c = self.config
+        cfg = uvicorn.Config(self.app, host=c.host, port=c.port, log_level="warning",
+                             timeout_graceful_shutdown=int(c.drain_timeout_s), access_log=False,
+                             # longer than clients keep idle connections (httpx: 5 s) by default, so the
+                             # server never closes one just as a client sends on it
+                             timeout_keep_alive=c.keep_alive_timeout_s,
+                             http=bounded_protocol(c.header_timeout_s, c.max_connections))
         self._uvicorn = _DrainingServer(cfg, self.state, self.config.drain_timeout_s)
         return self._uvicorn
 

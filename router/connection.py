@@ -1,0 +1,71 @@
+"""Bounds on the HTTP connections themselves, which uvicorn leaves open-ended: a connection must send
+each request's headers within `header_timeout_s` (a silent or slow-header client, such as a
+slowloris, is disconnected instead of holding a connection for ever), and at most `max_connections`
+are open at once (more get a 503 and are closed). Idle time between requests is uvicorn's keep-alive
+timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger(__name__)
+
+_BUSY_BODY = json.dumps({"error": {"message": "too many open connections; try again later",
+                                   "type": "service_unavailable", "param": None, "code": None}}).encode()
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+         b"content-length: %d\r\n\r\n" % len(_BUSY_BODY)) + _BUSY_BODY
+
+
+class BoundedH11Protocol(H11Protocol):
+    def __init__(self, *args, header_timeout_s: float, max_connections: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s, self.max_connections = header_timeout_s, max_connections
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            transport.write(_BUSY)
+            transport.close()
+            return
+        self._await_headers()
+
+    def data_received(self, data: bytes) -> None:
+        cycle = self.cycle
+        if self._header_timer is None and (cycle is None or cycle.response_complete):
+            self._await_headers()  # the first bytes of the next request on a kept-alive connection
+        super().data_received(data)
+        if self.cycle is not cycle:  # its headers are complete: the request runs
+            self._stop_waiting()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_waiting()
+        super().connection_lost(exc)
+
+    def _await_headers(self) -> None:
+        self._stop_waiting()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _stop_waiting(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            log.debug("closing a connection that sent no complete request headers in %g s", self.header_timeout_s)
+            if self.conn.our_state in (h11.IDLE, h11.DONE):
+                self.conn.send(h11.ConnectionClosed())
+            self.transport.close()
+
+
+def bounded_protocol(header_timeout_s: float, max_connections: int):
+    """The protocol class (a factory with uvicorn's constructor signature) for uvicorn.Config(http=...)."""
+    return functools.partial(BoundedH11Protocol, header_timeout_s=header_timeout_s, max_connections=max_connections)

@@ -1,0 +1,112 @@
+"""Connections themselves are bounded: slow or silent clients are disconnected after the header
+timeout, good requests are served while many of them are held, and connections beyond the limit are
+refused with a 503."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from helpers import serving
+
+HEADER_TIMEOUT_S = 2.0
+OK = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def srv(ray_cluster, qwen3_path):
+    with serving(qwen3_path, num_pages=256, header_timeout_s=HEADER_TIMEOUT_S, max_connections=400) as server:
+        yield server
+
+
+def _connect(srv, first_bytes: bytes = b"") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", srv.config.port), timeout=30)
+    if first_bytes:
+        sock.sendall(first_bytes)
+    return sock
+
+
+def _closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    sock.settimeout(within_s)
+    try:
+        while data := sock.recv(4096):  # a refusal may come first; then the close
+            del data
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_good_requests_are_served_while_many_slow_header_connections_are_held(srv):
+    slow = [_connect(srv, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") for _ in range(150)]
+    idle = [_connect(srv) for _ in range(150)]
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            for _ in range(5):
+                r = http.post("/v1/completions", json=OK)
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        # the slow and the silent are cut off once their headers are overdue
+        deadline = HEADER_TIMEOUT_S + 10
+        assert all(_closed_by_server(s, deadline) for s in slow[:10] + idle[:10])
+    finally:
+        for s in slow + idle:
+            s.close()
+
+
+def test_a_client_that_trickles_its_headers_is_cut_off_at_the_header_timeout(srv):
+    sock = _connect(srv, b"POST /v1/completions HTTP/1.1\r\n")
+    started = time.monotonic()
+    try:
+        for _ in range(int(HEADER_TIMEOUT_S * 4)):  # a header line each 0.5 s: never complete
+            try:
+                sock.sendall(b"X-Slow: 1\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            time.sleep(0.5)  # the client's pace under test, not a synchronisation
+        assert _closed_by_server(sock, HEADER_TIMEOUT_S + 10)
+        assert time.monotonic() - started < HEADER_TIMEOUT_S + 10
+    finally:
+        sock.close()
+
+
+def test_an_idle_kept_alive_connection_is_bounded_by_the_keep_alive_timeout_not_the_header_timeout(srv):
+    body = json.dumps(OK).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n" % len(body)) + body
+    sock = _connect(srv)
+    try:
+        for _ in range(2):
+            sock.sendall(request)
+            answer = b""
+            while b'"usage"' not in answer:
+                answer += sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200")
+            time.sleep(HEADER_TIMEOUT_S * 1.5)  # idle between requests: the state under test
+    finally:
+        sock.close()
+
+
+def test_connections_beyond_the_limit_get_a_503_and_are_closed(srv):
+    held = [_connect(srv) for _ in range(400)]
+    try:
+        extra = _connect(srv)
+        extra.settimeout(10)
+        answer = extra.recv(4096)
+        extra.close()
+        assert answer.startswith(b"HTTP/1.1 503") and b"too many open connections" in answer
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 10
+    while True:  # the held ones are gone: new connections are served again
+        try:
+            if httpx.post(srv.url + "/v1/completions", json=OK, timeout=30).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
