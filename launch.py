@@ -12,6 +12,7 @@ import difflib
 import logging
 import os
 import re
+import socket
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -117,9 +118,9 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
 
 
 def resolve_model(model: str) -> str:
-    """A local folder as is; otherwise a Hugging Face id, downloaded with progress."""
-    if Path(model).exists():
-        return model
+    """A local folder as is; otherwise a Hugging Face id (org/name), downloaded with progress."""
+    if Path(model).exists() or not looks_like_hub_id(model):
+        return model  # a missing local folder is named by the model check, without hub advice
     try:
         from huggingface_hub import snapshot_download
         return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
@@ -127,6 +128,22 @@ def resolve_model(model: str) -> str:
         sys.exit(f"cannot find '{model}' locally or fetch it from the Hugging Face hub ({type(e).__name__}: {e}).\n"
                  f"Give a local model folder (config.json, *.safetensors, tokenizer files), or download it first "
                  f"on a machine with network: huggingface-cli download {model} --local-dir DIR")
+
+
+def looks_like_hub_id(model: str) -> bool:
+    """org/name, as Hugging Face ids are; not a path (/x, ./x, ~/x, a/b/c)."""
+    return model.count("/") == 1 and not model.startswith((".", "/", "~")) and "\\" not in model
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why the API could not listen on host:port, found before anything starts."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        return f"cannot listen on {host}:{port} ({e.strerror or e}): stop what uses it or choose another --port"
+    return None
 
 
 def local_ray_options(dashboard: bool = True) -> dict:
@@ -151,23 +168,49 @@ def dashboard_dependency_error() -> ImportError | None:
     return None
 
 
+def startup_problem(e: BaseException) -> str:
+    """One line for a start-up failure: the first cause a user can act on, not Ray's wrapping of it."""
+    import ray.exceptions
+    while isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
+        e = e.cause
+    if isinstance(e, ray.exceptions.RayActorError):
+        return f"a replica's process died while starting ({type(e).__name__}); its log is in /tmp/ray/session_latest/logs"
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> None:
     config = build_config(parse_args(argv))
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cluster.model_check import ModelFolderError, check_model_folder
+    try:
+        check_model_folder(config.model, load_format=config.engine.load_format)
+    except ModelFolderError as e:
+        fail(f"--model {e}")
+    if (problem := port_problem(config.host, config.port)) is not None:
+        fail(f"--port {problem}")
     from router.server import Server
     ray_options = local_ray_options(config.dashboard) if config.address is None else {}
     if config.metrics_export_port is not None and config.address is None:
         ray_options["_metrics_export_port"] = config.metrics_export_port
-    server = Server(config, **ray_options)
+    try:
+        server = Server(config, on_ready=lambda s: print_ready(s, config), **ray_options)
+    except Exception as e:  # noqa: BLE001 - every start-up failure: one line, then exit
+        logging.getLogger(__name__).debug("start-up failed", exc_info=True)
+        print(f"{Path(sys.argv[0]).name}: error: {startup_problem(e)}", file=sys.stderr, flush=True)
+        sys.exit(1)
     dashboard = server.dashboard_url
-    print(f"OpenAI-compatible API: {server.url}/v1  (model '{server.state.model_name}', "
-          f"{config.replicas} replica(s) x tp {config.tp_size})", flush=True)
     if dashboard:
-        print(f"Ray dashboard: {dashboard if dashboard.startswith('http') else 'http://' + dashboard}", flush=True)
+        print(f"Ray dashboard: {dashboard if dashboard.startswith('http') else 'http://' + dashboard} "
+              f"(if it asks for a token: run `ray get-auth-token` as the user who started this)", flush=True)
     if config.metrics_export_port is not None:
         print(f"Prometheus: scrape {server.url}/metrics (router) and port {config.metrics_export_port} (Ray)",
               flush=True)
     server.run()
+
+
+def print_ready(server, config: ServeConfig) -> None:
+    print(f"ready: OpenAI-compatible API at {server.url}/v1  (model '{server.state.model_name}', "
+          f"{config.replicas} replica(s) x tp {config.tp_size})", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,17 @@ from worker.follower import Follower
 log = logging.getLogger(__name__)
 
 
+class ClusterAuthError(ConnectionError):
+    """The Ray cluster asks for a token this process does not have."""
+
+
 def ensure_ray(address: str | None = None, **init_options) -> str | None:
     """Connects to the Ray cluster at address, or starts a local one; reuses one already joined.
     Returns the dashboard's address when there is one."""
     if ray.is_initialized():
         return None
+    if address is not None:
+        check_cluster_auth(address)
     if address is None:
         if not _has_gpu_locally():
             # without GPUs, ranks are CPU processes; let a small machine hold several of them
@@ -34,6 +40,30 @@ def ensure_ray(address: str | None = None, **init_options) -> str | None:
     # "local" starts a new Ray even when another one runs on this machine
     context = ray.init(address=address or "local", **init_options)
     return getattr(context, "dashboard_url", None) or None
+
+
+def check_cluster_auth(address: str) -> None:
+    """A cluster started with `ray start` uses token authentication, which a driver uses only when
+    RAY_AUTH_MODE=token is set before Ray is imported: without it, joining fails after 20 s of errors.
+    Asks the cluster first (in milliseconds) and raises ClusterAuthError saying what to do."""
+    if os.environ.get("RAY_AUTH_MODE"):
+        return  # the user chose
+    try:
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+        from ray._raylet import GcsClient
+        GcsClient(address=canonicalize_bootstrap_address_or_die(address)).internal_kv_get(b"probe", b"raylm",
+                                                                                           timeout=2)
+        return
+    except Exception as e:  # noqa: BLE001 - anything but a refused token is ray.init's to report
+        if type(e).__name__ != "AuthenticationError":
+            return
+    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(token_file):
+        raise ClusterAuthError(f"the Ray cluster at {address} uses token authentication: run again with "
+                               f"RAY_AUTH_MODE=token set (the token in {token_file} is then used)")
+    raise ClusterAuthError(f"the Ray cluster at {address} uses token authentication: put its token (`ray "
+                           f"get-auth-token` on its head node prints it) in ~/.ray/auth_token here, and run again "
+                           f"with RAY_AUTH_MODE=token set")
 
 
 def control_store_answers(timeout_s: float) -> bool:

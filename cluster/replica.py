@@ -37,6 +37,7 @@ class SchedulerActor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.address: str | None = None
+        self.executor = None
 
     def node_and_pid(self) -> tuple[str, int]:
         return node_and_pid()
@@ -177,7 +178,7 @@ class SchedulerActor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        if self.broken is None:
+        if self.broken is None and self.executor is not None:  # None: start() failed before it had one
             self.executor.shutdown()
         # a broken group cannot be taken down in order (a peer is gone, a kernel may spin on the
         # GPU): the caller kills this process, which frees everything

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import uvicorn
 
@@ -26,7 +27,10 @@ log = logging.getLogger(__name__)
 
 
 class Server:
-    def __init__(self, config: ServeConfig, **ray_options) -> None:
+    def __init__(self, config: ServeConfig, on_ready: Callable[[Server], None] | None = None,
+                 **ray_options) -> None:
+        """Starts the replicas; `run` then serves. `on_ready(server)` is called once the API listens."""
+        self.on_ready = on_ready
         config.validate()
         config.check_against_model()
         self.config = config
@@ -68,7 +72,8 @@ class Server:
                              # server never closes one just as a client sends on it
                              timeout_keep_alive=c.keep_alive_timeout_s,
                              http=bounded_protocol(c.header_timeout_s, c.max_connections))
-        self._uvicorn = _DrainingServer(cfg, self.state, self.config.drain_timeout_s)
+        on_ready = (lambda: self.on_ready(self)) if self.on_ready is not None else None
+        self._uvicorn = _DrainingServer(cfg, self.state, self.config.drain_timeout_s, on_ready)
         return self._uvicorn
 
     def run(self) -> None:
@@ -132,12 +137,21 @@ class _DrainingServer(uvicorn.Server):
     still running just before the drain timeout ends are failed in order (a stream gets an SSE error
     event and [DONE], a whole response a 503), instead of being cancelled mid-response by uvicorn."""
 
-    def __init__(self, config: uvicorn.Config, state: RouterState, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: RouterState, drain_timeout_s: float,
+                 on_ready: Callable[[], None] | None = None) -> None:
         super().__init__(config)
-        self.state, self.drain_timeout_s = state, drain_timeout_s
+        self.state, self.drain_timeout_s, self.on_ready = state, drain_timeout_s, on_ready
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_ready is not None:
+            self.on_ready()
 
     async def shutdown(self, sockets=None) -> None:
         self.state.draining = True
+        running = sum(c.load for c in self.state.clients)
+        log.warning("draining: no new requests; %d in flight may take up to %g s to finish", running,
+                    self.drain_timeout_s)
         # uvicorn cancels what still runs at the timeout: end it a little before, so each response is whole
         cut_after = max(0.0, self.drain_timeout_s - min(1.0, self.drain_timeout_s / 4))
         timer = asyncio.get_running_loop().call_later(cut_after, self._cut)

@@ -75,7 +75,7 @@ def test_demo_serves_and_stops_cleanly_on_sigterm(tmp_path, dashboard_packages):
     # uvicorn re-raises the signal after its graceful shutdown; Ray's handler then exits with 15
     assert proc.returncode in (0, signal.SIGTERM, -signal.SIGTERM), out
     assert "Traceback" not in out, out
-    assert f"http://127.0.0.1:{port}/v1" in out
+    assert f"ready: OpenAI-compatible API at http://127.0.0.1:{port}/v1" in out and "draining" in out, out
     if dashboard_packages:
         assert "Ray dashboard: http" in out, out
     else:

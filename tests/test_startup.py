@@ -1,0 +1,106 @@
+"""What a new user sees when start-up cannot work: one line saying what is wrong and what to change,
+a non-zero exit, within seconds when Ray is not needed to know, and nothing left running."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch(*args: str, cwd: Path) -> tuple[int, str, float]:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - started
+
+
+def broken_copy(qwen3_path: Path, tmp_path: Path, name: str) -> Path:
+    """A copy of the tiny checkpoint, damaged as `name` says."""
+    folder = tmp_path / name
+    if name == "empty":
+        folder.mkdir()
+        return folder
+    shutil.copytree(qwen3_path, folder)
+    if name == "unknown-architecture":
+        config = json.loads((folder / "config.json").read_text())
+        config["architectures"] = ["MambaForCausalLM"]
+        (folder / "config.json").write_text(json.dumps(config))
+    elif name == "truncated-weights":
+        weights = folder / "model.safetensors"
+        with open(weights, "r+b") as f:
+            f.truncate(weights.stat().st_size // 2)
+    elif name == "no-weights":
+        (folder / "model.safetensors").unlink()
+    elif name == "no-tokenizer":
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (folder / f).unlink(missing_ok=True)
+    elif name == "bad-config-json":
+        (folder / "config.json").write_text("{not json")
+    return folder
+
+
+@pytest.mark.parametrize("name,says", [
+    ("missing", "there is no folder"),
+    ("empty", "has no config.json"),
+    ("bad-config-json", "cannot be read as JSON"),
+    ("unknown-architecture", "MambaForCausalLM, which this server does not run; it runs"),
+    ("truncated-weights", "not a whole safetensors file"),
+    ("no-weights", "has no *.safetensors weights"),
+    ("no-tokenizer", "has no tokenizer files"),
+])
+def test_a_model_folder_that_cannot_serve_is_named_in_one_line(qwen3_path, tmp_path, name, says):
+    model = tmp_path / "nowhere" / "model" if name == "missing" else broken_copy(qwen3_path, tmp_path, name)
+    code, out, elapsed = launch("--model", str(model), cwd=tmp_path)
+    lines = out.strip().splitlines()
+    assert code == 2 and len(lines) == 1, out
+    assert says in lines[0] and "--model" in lines[0], out
+    assert "Traceback" not in out and "huggingface" not in out.lower() and "AttributeError" not in out
+    assert elapsed < 20, "known before Ray starts"
+
+
+def test_a_port_in_use_is_named_before_anything_starts(qwen3_path, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, elapsed = launch("--model", str(qwen3_path), "--port", str(port), cwd=tmp_path)
+    assert code == 2 and len(out.strip().splitlines()) == 1, out
+    assert f"127.0.0.1:{port}" in out and "--port" in out and "OpenAI-compatible API" not in out
+    assert "Ray" not in out and elapsed < 20, out
+
+
+def test_a_hub_id_still_goes_to_the_hub(tmp_path):
+    from launch import looks_like_hub_id
+    assert looks_like_hub_id("Qwen/Qwen3-0.6B")
+    assert not any(looks_like_hub_id(p) for p in ("/models/Qwen3-8B", "./model", "~/m/x", "a/b/c", "model"))
+
+
+def test_joining_a_cluster_that_wants_a_token_says_how(monkeypatch):
+    from cluster import deploy
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+
+    class AuthenticationError(Exception):
+        pass
+
+    class RefusingGcs:
+        def __init__(self, address):
+            pass
+
+        def internal_kv_get(self, *args, **kwargs):
+            raise AuthenticationError("RPC error: InvalidAuthToken")
+
+    monkeypatch.setattr("ray._raylet.GcsClient", RefusingGcs)
+    with pytest.raises(deploy.ClusterAuthError, match="RAY_AUTH_MODE=token"):
+        deploy.check_cluster_auth("127.0.0.1:6379")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    deploy.check_cluster_auth("127.0.0.1:6379")  # the user chose: nothing to say
