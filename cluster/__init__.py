@@ -1,17 +1,29 @@
-"""Control plane: requests, scheduling, replicas on Ray, and the offline `LLM` API."""
+"""Control plane: requests, scheduling, replicas on Ray, and the offline `LLM` API. What the router
+(and any other caller) uses is exported here; the rest of cluster/ is its own business."""
 
+from cluster.config import ReplicaConfig, ServeConfig
 from cluster.errors import (EngineError, ErrorKind, GenerationError, InvalidRequestError, OverloadedError, RaylmError,
                             ReplicaDownError, RequestTimeoutError, error_for)
+from cluster.messages import AddRequest, ReplicaInfo, ReplicaStats, TokenDelta
 from cluster.sampling_params import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "ErrorKind", "RaylmError", "InvalidRequestError",
-           "GenerationError", "EngineError", "ReplicaDownError", "RequestTimeoutError", "OverloadedError", "error_for"]
+# loaded on first use: they import torch, Ray or transformers, and cluster.config (which launch.py
+# checks its flags with before anything starts) must import in a fraction of a second
+_LAZY = {
+    "LLM": "cluster.llm", "RequestOutput": "cluster.llm",
+    "Fleet": "cluster.fleet",
+    "ReplicaHandle": "cluster.deploy", "ensure_ray": "cluster.deploy", "control_store_answers": "cluster.deploy",
+    "load_tokenizer": "cluster.model_info",
+}
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "ReplicaConfig", "ServeConfig", "AddRequest", "ReplicaInfo",
+           "ReplicaStats", "TokenDelta", "ErrorKind", "RaylmError", "InvalidRequestError", "GenerationError",
+           "EngineError", "ReplicaDownError", "RequestTimeoutError", "OverloadedError", "error_for", "Fleet",
+           "ReplicaHandle", "ensure_ray", "control_store_answers", "load_tokenizer"]
 
 
 def __getattr__(name: str):
-    # the offline API imports torch: loaded on first use, so that cluster.config (which launch.py checks its
-    # flags with before anything starts) imports in a fraction of a second
-    if name in ("LLM", "RequestOutput"):
-        from cluster import llm
-        return getattr(llm, name)
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'cluster' has no attribute {name!r}")

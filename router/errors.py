@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.errors import ErrorKind, RaylmError
+from cluster import ErrorKind, RaylmError
 
 # every failure that crosses the replica boundary, as the HTTP status and OpenAI error type a client sees
 STATUS_OF_KIND: dict[ErrorKind, tuple[int, str]] = {

@@ -7,8 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from cluster.errors import ErrorKind, error_for
-from cluster.sampling_params import SamplingParams
+from cluster import ErrorKind, SamplingParams, error_for
 from router.detokenizer import IncrementalDetokenizer
 
 

@@ -7,9 +7,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from cluster.errors import ErrorKind
-from cluster.messages import AddRequest, ReplicaInfo, TokenDelta
-from cluster.sampling_params import SamplingParams
+from cluster import AddRequest, ErrorKind, ReplicaInfo, SamplingParams, TokenDelta
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle

@@ -12,10 +12,7 @@ from collections.abc import Callable
 
 import uvicorn
 
-from cluster.config import ServeConfig
-from cluster.deploy import ReplicaHandle, ensure_ray
-from cluster.fleet import Fleet
-from cluster.model_info import load_tokenizer
+from cluster import Fleet, ReplicaHandle, ServeConfig, ensure_ray, load_tokenizer
 from router.app import build_app
 from router.connection import bounded_protocol
 from router.metrics import RouterMetrics

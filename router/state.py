@@ -11,8 +11,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from cluster.config import ServeConfig
-from cluster.sampling_params import InvalidRequestError, SamplingParams
+from cluster import InvalidRequestError, SamplingParams, ServeConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields

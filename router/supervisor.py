@@ -13,8 +13,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from cluster.deploy import ReplicaHandle, control_store_answers
-from cluster.fleet import Fleet
+from cluster import Fleet, ReplicaHandle, control_store_answers
 from router.replica_client import ReplicaClient
 from router.state import RouterState
 
