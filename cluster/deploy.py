@@ -102,8 +102,10 @@ class ReplicaHandle:
         self.config, self.replica_id = config, replica_id
         gpu = uses_gpus(config)
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+        # in the dashboard's names; a replacement gets a new suffix, so it never clashes with its predecessor
+        self.suffix = uuid.uuid4().hex[:8]
         self.pg = placement_group([dict(bundle) for _ in range(config.tp_size)], strategy=config.placement_strategy,
-                                  name=f"raylm-replica-{replica_id}-{uuid.uuid4().hex[:8]}")
+                                  name=f"raylm-replica-{replica_id}-{self.suffix}")
         self.actor = None
         self.followers: list = []
         try:
@@ -144,11 +146,14 @@ class ReplicaHandle:
             return {"num_gpus": 1 if gpu else 0, "num_cpus": 1,
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)}
 
-        self.actor = ray.remote(SchedulerActor).options(max_concurrency=16, name=None, **placed(0)).remote(
+        def name(rank: int) -> str:
+            return f"raylm-replica-{self.replica_id}-rank-{rank}-{self.suffix}"
+
+        self.actor = ray.remote(SchedulerActor).options(max_concurrency=16, name=name(0), **placed(0)).remote(
             cfg, self.replica_id)
         address = self._get([self.actor.rendezvous_address.remote()], timeout_s, abandon)[0]
         self.followers = [
-            ray.remote(Follower).options(max_concurrency=2, **placed(rank)).remote(
+            ray.remote(Follower).options(max_concurrency=2, name=name(rank), **placed(rank)).remote(
                 cfg.engine, rank, cfg.tp_size, address, cfg.collective_timeout_s)
             for rank in range(1, cfg.tp_size)]
         started = self._get([self.actor.start.remote()] + [f.start.remote() for f in self.followers], timeout_s,

@@ -178,3 +178,11 @@ def test_watchdog_fails_a_replica_whose_step_blocks_on_the_host(ray_cluster, qwe
         actor.shutdown()
     # the two failed requests counted once each, though the released loop fails request 1 again
     assert sorted(ended) == ["abort", "error", "error"]
+
+
+def test_every_rank_is_named_by_replica_and_rank_for_the_dashboard(ray_cluster, qwen3_path):
+    import ray._private.state as state
+    with checked_llm(qwen3_path, tp_size=2) as llm:
+        suffix = llm.replica.suffix
+        names = {v["Name"] for v in state.actors().values() if v["State"] == "ALIVE"}
+        assert {f"raylm-replica-0-rank-0-{suffix}", f"raylm-replica-0-rank-1-{suffix}"} <= names
