@@ -49,3 +49,17 @@ def serving(model_path, **config):
         yield srv
     finally:
         srv.stop()
+
+
+def fail_first_launch(executor, message: str = "injected kernel failure") -> None:
+    """Makes the executor's next launch raise, as a kernel error would; later launches run."""
+    launch = executor.launch
+    calls = {"n": 0}
+
+    def launch_or_fail(desc):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError(message)
+        return launch(desc)
+
+    executor.launch = launch_or_fail

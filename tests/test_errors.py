@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from helpers import greedy, serving
+from helpers import fail_first_launch, greedy, serving
 
 from cluster import (LLM, EngineError, ErrorKind, GenerationError, InvalidRequestError, RaylmError, ReplicaDownError,
                      error_for)
@@ -64,16 +64,7 @@ def test_a_request_that_can_never_fit_the_cache_is_a_400_over_http(ray_cluster, 
 
 def test_an_engine_failure_in_a_step_is_an_engine_error_offline(qwen3_path):
     with LLM(str(qwen3_path)) as llm:
-        launch = llm.scheduler.executor.launch
-        calls = {"n": 0}
-
-        def fails_once(desc):
-            calls["n"] += 1
-            if calls["n"] == 1:
-                raise RuntimeError("injected kernel failure")
-            return launch(desc)
-
-        llm.scheduler.executor.launch = fails_once
+        fail_first_launch(llm.scheduler.executor)
         with pytest.raises(EngineError, match="injected kernel failure") as caught:
             llm.generate([[5, 6, 7]], greedy(4))
         assert isinstance(caught.value, GenerationError) and caught.value.kind is ErrorKind.ENGINE

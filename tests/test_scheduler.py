@@ -8,7 +8,7 @@ import random
 
 import pytest
 from fixtures import PROMPT_TEXTS, hf_greedy
-from helpers import checked_llm, encode_all, greedy
+from helpers import checked_llm, encode_all, fail_first_launch, greedy
 
 from cluster import InvalidRequestError, SamplingParams
 from cluster.messages import AddRequest, TokenDelta
@@ -282,16 +282,8 @@ def test_an_engine_failure_right_after_a_preemption_loses_no_token(qwen3_path, o
 def test_an_exception_inside_one_step_fails_that_batch_not_the_engine(qwen3_path):
     with checked_llm(qwen3_path) as llm:
         sched = llm.scheduler
-        launch, collect = sched.executor.launch, sched.on_output
-        calls = {"n": 0}
-
-        def faulty(desc):
-            calls["n"] += 1
-            if calls["n"] == 1:
-                raise RuntimeError("injected kernel failure")
-            return launch(desc)
-
-        sched.executor.launch = faulty
+        collect = sched.on_output
+        fail_first_launch(sched.executor)
         ended = []
         sched.on_output = ended.extend
         sched.submit(AddRequest(0, [5, 6, 7], greedy(4)))
