@@ -47,6 +47,6 @@ class EngineConfig:
     cuda_graph_max_bs: int = setting(256, "largest decode batch replayed from a CUDA graph; 0 turns graphs off",
                                      at_least=0)
     fused_kernels: bool = setting(True, "FlashInfer's fused norm, rotary and SiLU kernels (CUDA, half precision)")
-    triton_kernels: bool = setting(False, "Triton attention prologue and sampler (needs triton; not yet measured "
-                                          "on a GPU)")
+    triton_kernels: bool = setting(False, "the Triton attention prologue (q/k norm, rotary and the KV write in one "
+                                          "launch); Triton's sampler and KV store run on CUDA regardless")
     seed: int = setting(0, "seed of the random weights of load_format dummy")
