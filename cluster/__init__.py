@@ -1,7 +1,6 @@
 """Control plane: requests, scheduling, replicas on Ray, and the offline `LLM` API. What the router
 (and any other caller) uses is exported here; the rest of cluster/ is its own business."""
 
-from cluster.config import ReplicaConfig, ServeConfig
 from cluster.errors import (EngineError, ErrorKind, GenerationError, InvalidRequestError, OverloadedError, RaylmError,
                             ReplicaDownError, RequestTimeoutError, error_for)
 from cluster.messages import AddRequest, ReplicaInfo, ReplicaStats, TokenDelta
@@ -10,6 +9,7 @@ from cluster.sampling_params import SamplingParams
 # loaded on first use: they import torch, Ray or transformers, and cluster.config (which launch.py
 # checks its flags with before anything starts) must import in a fraction of a second
 _LAZY = {
+    "ReplicaConfig": "cluster.config", "ServeConfig": "cluster.config",  # lazy too: `python -m cluster.config`
     "LLM": "cluster.llm", "RequestOutput": "cluster.llm",
     "Fleet": "cluster.fleet",
     "ReplicaHandle": "cluster.deploy", "ensure_ray": "cluster.deploy", "control_store_answers": "cluster.deploy",
