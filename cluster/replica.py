@@ -18,9 +18,9 @@ from cluster.metrics import ReplicaMetrics
 from cluster.model_info import eos_token_ids, load_tokenizer
 from cluster.req import Req
 from cluster.scheduler import Scheduler
-from worker.comm import free_address, init_tensor_parallel
-from worker.engine import Engine, resolve_device
+from worker.comm import free_address
 from worker.follower import node_and_pid
+from worker.rank import build_rank
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +51,9 @@ class SchedulerActor:
         """Joins the group (tp > 1), loads rank 0's engine and starts the loop. Returns what the
         router needs to know of the model."""
         cfg = self.config
-        if cfg.tp_size > 1:
-            device = resolve_device(cfg.engine.device)
-            tp = init_tensor_parallel(0, cfg.tp_size, self.address, device, cfg.collective_timeout_s)
-            engine = Engine(cfg.engine, tp)
-            executor = TensorParallelExecutor(engine, keepalive_s=cfg.collective_timeout_s / 4)
-        else:
-            engine = Engine(cfg.engine)
-            executor = LocalExecutor(engine)
+        engine = build_rank(cfg.engine, 0, cfg.tp_size, self.address, cfg.collective_timeout_s)
+        executor = (TensorParallelExecutor(engine, keepalive_s=cfg.collective_timeout_s / 4) if cfg.tp_size > 1
+                    else LocalExecutor(engine))
         self.engine, self.executor = engine, executor
         eos = eos_token_ids(cfg.engine.model_path, engine.hf_config, load_tokenizer(cfg.engine.model_path))
         self.metrics = ReplicaMetrics(self.replica_id, cfg.model_name or Path(cfg.engine.model_path).name)

@@ -7,7 +7,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from cluster import AddRequest, ErrorKind, ReplicaInfo, SamplingParams, TokenDelta
+from cluster import AddRequest, ErrorKind, SamplingParams, TokenDelta
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -16,8 +16,8 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaClient:
-    def __init__(self, replica_id: int, actor: ActorHandle, info: ReplicaInfo, health_timeout_s: float = 30.0) -> None:
-        self.replica_id, self.actor, self.info = replica_id, actor, info
+    def __init__(self, replica_id: int, actor: ActorHandle, health_timeout_s: float = 30.0) -> None:
+        self.replica_id, self.actor = replica_id, actor
         self.health_timeout_s = health_timeout_s
         self.queues: dict[int, asyncio.Queue] = {}
         self._submits: list[AddRequest] = []

@@ -24,7 +24,7 @@ _MAX_BACKOFF_S = 60.0  # a cluster short of GPUs stays so a while; never wait lo
 
 def client_for(replica: ReplicaHandle, health_timeout_s: float) -> ReplicaClient:
     """The router's client of a started replica (not yet polling: start() it on the event loop)."""
-    return ReplicaClient(replica.replica_id, replica.actor, replica.info, health_timeout_s)
+    return ReplicaClient(replica.replica_id, replica.actor, health_timeout_s)
 
 
 class Supervisor:

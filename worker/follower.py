@@ -8,9 +8,10 @@ import os
 
 import torch
 
-from worker.comm import Keepalive, destroy_tensor_parallel, init_tensor_parallel
+from worker.comm import Keepalive, destroy_tensor_parallel
 from worker.config import EngineConfig
-from worker.engine import Engine, resolve_device
+from worker.engine import Engine
+from worker.rank import build_rank
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,7 @@ class Follower:
 
     def start(self) -> None:
         """Joins the group and loads this rank's shard of the model."""
-        device = resolve_device(self.config.device)
-        tp = init_tensor_parallel(self.rank, self.size, self.address, device, self.timeout_s)
-        self.engine = Engine(self.config, tp)
+        self.engine = build_rank(self.config, self.rank, self.size, self.address, self.timeout_s)
 
     def run(self) -> str:
         """Applies broadcast steps until rank 0 says stop (or the group breaks)."""
