@@ -77,7 +77,7 @@ def test_demo_serves_and_stops_cleanly_on_sigterm(tmp_path, dashboard_packages):
     assert "Traceback" not in out, out
     assert f"ready: OpenAI-compatible API at http://127.0.0.1:{port}/v1" in out and "draining" in out, out
     if dashboard_packages:
-        assert "Ray dashboard: http" in out, out
+        assert "Ray dashboard: http" in out and "ray get-auth-token" in out, out
     else:
         assert "Ray dashboard off" in out and "ray[default]" in out, out
 
