@@ -48,11 +48,11 @@ case $1 in
   4)
     lat new16 $B/decode_latency.py --page-size 16 --profile
     lat new256 $B/decode_latency.py --page-size 256
-    RAYLM_SMALL_LINEAR=0 lat new16_cublas $B/decode_latency.py --page-size 16
-    RAYLM_DECODE_TENSOR_CORES=0 lat new16_cudacores $B/decode_latency.py --page-size 16
+    lat new16_cublas $B/decode_latency.py --page-size 16 --no-small-linear
+    lat new16_cudacores $B/decode_latency.py --page-size 16 --decode-kernel cuda_cores
     off new16 $B/offline_throughput.py --page-size 16 --profile
     off new256 $B/offline_throughput.py --page-size 256
-    RAYLM_DECODE_TENSOR_CORES=0 off new256_cudacores $B/offline_throughput.py --page-size 256
+    off new256_cudacores $B/offline_throughput.py --page-size 256 --decode-kernel cuda_cores
     step gpu_tests_all 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py ;;
   5)  # the committed default, first compiling every FlashInfer module the benchmarks use (a fresh JIT
       # cache lacks some: a step killed mid-compile loses the build), then (b) 5 times, profiled, and (a)

@@ -49,4 +49,9 @@ class EngineConfig:
     fused_kernels: bool = setting(True, "FlashInfer's fused norm, rotary and SiLU kernels (CUDA, half precision)")
     triton_kernels: bool = setting(False, "the Triton attention prologue (q/k norm, rotary and the KV write in one "
                                           "launch); Triton's sampler and KV store run on CUDA regardless")
+    decode_kernel: str = setting("auto", "decode attention on a GPU: auto (FlashInfer's tensor-core path above 8 "
+                                         "rows, its CUDA-core kernels at and below, as measured fastest), "
+                                         "tensor_cores, cuda_cores", choices=("auto", "tensor_cores", "cuda_cores"))
+    small_linear: bool = setting(True, "a Triton matrix-vector kernel for linear layers at batch 1 on CUDA (cuBLAS "
+                                       "when off)")
     seed: int = setting(0, "seed of the random weights of load_format dummy")

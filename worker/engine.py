@@ -117,6 +117,10 @@ class Engine:
             self.device = torch.device("cuda", torch.cuda.current_device())
         fused.enable(config.fused_kernels)
         triton_ops.enable(config.triton_kernels)
+        triton_ops.enable_small_linear(config.small_linear)
+        if self.device.type == "cuda" and config.attention_backend != "torch":
+            from worker.attention.flashinfer_backend import set_decode_kernel
+            set_decode_kernel(config.decode_kernel)
         self.hf_config = load_hf_config(config.model_path)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_seq_len = config.max_seq_len or self.hf_config.max_position_embeddings

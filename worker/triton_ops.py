@@ -133,7 +133,12 @@ def small_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.is_contiguous() and weight.is_contiguous() and _kernels() is not None and _small_linear_on)
 
 
-_small_linear_on = os.environ.get("RAYLM_SMALL_LINEAR", "1") == "1"  # 0: cuBLAS at M=1 too (to compare)
+_small_linear_on = True  # EngineConfig.small_linear; off: cuBLAS at M=1 too (to compare)
+
+
+def enable_small_linear(on: bool) -> None:
+    global _small_linear_on
+    _small_linear_on = on
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,

@@ -15,7 +15,6 @@ event). FlashInfer's plan also rewrites a pinned host buffer and copies from it 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import numpy as np
 import torch
@@ -35,14 +34,20 @@ FA3_HEAD_DIMS = (64, 128, 256)
 # batch 256 (offline workload: 22,820 against 21,160 output tok/s); at and below it the CUDA-core
 # kernels, about 0.5 us a layer faster at batch 1 (../shared/perf/decode-attention.md). The graph
 # buckets up to 8 are 1, 2, 4, 8, so an eager step of n rows and the graph it would pad to use the same
-# kernel. RAYLM_DECODE_TENSOR_CORES=0 or 1 forces one path (to compare).
+# kernel. EngineConfig.decode_kernel forces one path (to compare).
 TENSOR_CORE_ABOVE_BATCH = 8
-_FORCED = os.environ.get("RAYLM_DECODE_TENSOR_CORES")
+_decode_kernel = "auto"
+
+
+def set_decode_kernel(choice: str) -> None:
+    """auto, tensor_cores or cuda_cores (EngineConfig.decode_kernel)."""
+    global _decode_kernel
+    _decode_kernel = choice
 
 
 def use_tensor_cores(batch_size: int) -> bool:
-    if _FORCED is not None:
-        return _FORCED == "1"
+    if _decode_kernel != "auto":
+        return _decode_kernel == "tensor_cores"
     return batch_size > TENSOR_CORE_ABOVE_BATCH
 
 
