@@ -46,6 +46,13 @@ class SchedulerConfig:
         1024, "KV set aside per request at admission for new tokens; a request that outgrows it takes free "
               "pages, and when none are left the newest such request is preempted and recomputed later",
         at_least=0)
+    # the router refuses at these bounds too, before it sends a request (and tries another replica)
+    max_queued_requests: int | None = setting(
+        None, "requests waiting for their prefill, per replica; more are refused with 429 (offline: OverloadedError)",
+        at_least=1, unset="unbounded")
+    max_queued_tokens: int | None = setting(
+        None, "prompt tokens of the requests waiting for their prefill, per replica; a request that would pass it "
+              "is refused with 429, unless the queue is empty", at_least=1, unset="unbounded")
 
 
 @dataclass

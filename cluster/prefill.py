@@ -1,30 +1,50 @@
-"""The prefill manager: the queue of requests waiting for their prefill, admitted in arrival order
-within a token budget, long prompts in chunks."""
+"""The prefill manager: the queue of requests waiting for their prefill (bounded when the settings say
+so: a full queue refuses new requests), admitted in arrival order within a token budget, long prompts
+in chunks."""
 
 from __future__ import annotations
 
 from collections import deque
 
 from cluster.cache_manager import CacheManager
+from cluster.config import SchedulerConfig
+from cluster.errors import OverloadedError
 from cluster.req import Req
 from cluster.request_slots import RequestSlots
 
 
 class PrefillManager:
-    def __init__(self, cache: CacheManager, req_slots: RequestSlots, max_extend_tokens: int) -> None:
+    def __init__(self, cache: CacheManager, req_slots: RequestSlots, config: SchedulerConfig) -> None:
         self.cache, self.req_slots = cache, req_slots
-        self.max_extend_tokens = max_extend_tokens
+        self.max_extend_tokens = config.max_extend_tokens
+        self.max_queued_requests, self.max_queued_tokens = config.max_queued_requests, config.max_queued_tokens
         self.waiting: deque[Req] = deque()  # the head may be part-way through a chunked prefill
+        self.queued_tokens = 0  # tokens to prefill (fill_len) of the waiting requests
+
+    def check_room(self, num_tokens: int) -> None:
+        """Raises OverloadedError when a new request of num_tokens to prefill would overfill the queue.
+        An empty queue takes any request, so a prompt longer than max_queued_tokens still runs (alone)."""
+        n, bound = len(self.waiting), self.max_queued_requests
+        if bound is not None and n >= bound:
+            raise OverloadedError(f"the server is busy: {n} requests are waiting (at most {bound}); retry later")
+        bound = self.max_queued_tokens
+        if bound is not None and n and self.queued_tokens + num_tokens > bound:
+            raise OverloadedError(f"the server is busy: {self.queued_tokens} prompt tokens are waiting and this "
+                                  f"request has {num_tokens} (at most {bound} may wait); retry later")
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
+        self.queued_tokens += req.fill_len
 
     def requeue(self, req: Req) -> None:
-        """Puts a preempted request first: the newest preempted goes in front of those preempted before."""
+        """Puts a preempted request first: the newest preempted goes in front of those preempted before.
+        It was accepted already: the bounds do not apply."""
         self.waiting.appendleft(req)
+        self.queued_tokens += req.fill_len
 
     def remove(self, req: Req) -> None:
         self.waiting.remove(req)
+        self.queued_tokens -= req.fill_len
 
     def schedule(self, in_flight: frozenset[int], headroom: int = 0) -> list[tuple[Req, int]]:
         """Picks (request, tokens to compute) in arrival order until the budget is spent. A request
@@ -45,5 +65,5 @@ class PrefillManager:
             batch.append((req, ext))
             if ext < req.extend_len:
                 break
-            self.waiting.popleft()
+            self.queued_tokens -= self.waiting.popleft().fill_len
         return batch

@@ -19,7 +19,7 @@ from cluster.batch_builder import Batch, BatchBuilder
 from cluster.cache_manager import CacheManager
 from cluster.config import SchedulerConfig
 from cluster.decode import DecodeManager
-from cluster.errors import ErrorKind, InvalidRequestError
+from cluster.errors import ErrorKind, InvalidRequestError, RaylmError
 from cluster.executor import Executor, ReplicaBrokenError
 from cluster.messages import AbortRequest, AddRequest, CallBetweenSteps, SchedulerStats, TokenDelta
 from cluster.prefill import PrefillManager
@@ -59,7 +59,7 @@ class Scheduler:
         self.on_finish = on_finish  # every request that ends, with its finish reason (metrics, tests)
         self.cache = CacheManager(num_pages, page_size, config.cache_type, config.decode_reserve_tokens)
         self.req_slots = RequestSlots(max_running_reqs)
-        self.prefill = PrefillManager(self.cache, self.req_slots, config.max_extend_tokens)
+        self.prefill = PrefillManager(self.cache, self.req_slots, config)
         self.decode = DecodeManager(self.cache, self.prefill, self._free)
         self.builder = BatchBuilder(self.cache)
         self.reqs: dict[int, Req] = {}          # every live request, by uid
@@ -127,8 +127,9 @@ class Scheduler:
             max_len = self.validate(msg.input_ids, msg.params)
             if msg.uid in self.reqs:
                 raise InvalidRequestError(f"request id {msg.uid} is already running")
-        except InvalidRequestError as e:
-            self.on_output([TokenDelta.failure(msg.uid, ErrorKind.INVALID_REQUEST, str(e))])
+            self.prefill.check_room(len(msg.input_ids))  # a full queue: OverloadedError
+        except RaylmError as e:
+            self.on_output([TokenDelta.failure(msg.uid, e.kind, str(e))])
             return
         seed = msg.params.seed if msg.params.seed is not None else random.getrandbits(62)
         req = Req(msg.uid, list(msg.input_ids), msg.params, max_len, seed)  # its own list: tokens are appended

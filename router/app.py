@@ -21,7 +21,7 @@ from router.generation import Timing, generate
 from router.guard import RequestGuard
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.responses import Formatter, sse
-from router.routing import NoReplicaError
+from router.routing import NoReplicaError, with_room
 from router.state import RouterState
 
 log = logging.getLogger("raylm.requests")
@@ -133,10 +133,14 @@ def _version() -> str:
 
 
 async def _serve(state: RouterState, request: Request, body, ids, params, fmt: Formatter):
+    bounds = state.config.scheduler
     try:
-        client = state.policy.pick(state.clients, ids)
+        room = with_room(state.clients, len(ids), bounds.max_queued_requests, bounds.max_queued_tokens)
+        client = state.policy.pick(room, ids)
     except NoReplicaError as e:
         raise APIError(503, str(e), "service_unavailable") from e
+    except RaylmError as e:  # every queue is full: a 429 before anything is sent, a stream's included
+        raise APIError.of(e) from e
     uid = next(state.uids)
     timing = Timing()
     detok = IncrementalDetokenizer(state.tokenizer, body.stop_list)

@@ -44,9 +44,14 @@ class APIError(Exception):
         return {"error": {**self.body()["error"], "code": self.code or self.status}}
 
 
+# a full queue drains at the replicas' prefill rate: within a second it has usually made room
+RETRY_AFTER_S = 1
+
+
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    headers = ({"WWW-Authenticate": "Bearer"} if status == 401 else
+               {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None)
     return JSONResponse(APIError(status, message, type_, param, code).body(), status_code=status, headers=headers)
 
 

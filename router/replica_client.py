@@ -1,5 +1,6 @@
 """The router's side of one replica: submits and aborts are batched into one Ray call per event-loop
-tick, and one long-poll loop receives every request's deltas per scheduler step."""
+tick, and one long-poll loop receives every request's deltas per scheduler step. It counts the
+requests it sent that have no token yet: the replica's queue as the router sees it, for admission."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ class ReplicaClient:
         self.replica_id, self.actor = replica_id, actor
         self.health_timeout_s = health_timeout_s
         self.queues: dict[int, asyncio.Queue] = {}
+        # sent and without a token yet (waiting in the replica's queue, or in its first prefill): prompt tokens
+        self.queued: dict[int, int] = {}
+        self.queued_tokens = 0
         self._submits: list[AddRequest] = []
         self._aborts: list[int] = []
         self._flush_pending = False
@@ -35,6 +39,18 @@ class ReplicaClient:
     def healthy(self) -> bool:
         return self.error is None
 
+    def has_room(self, num_tokens: int, max_requests: int | None, max_tokens: int | None) -> bool:
+        """Whether a request of num_tokens would fit the replica's queue bounds (its own check, in
+        PrefillManager.check_room, is the same; this count also holds requests in their first prefill)."""
+        n = len(self.queued)
+        if max_requests is not None and n >= max_requests:
+            return False
+        return max_tokens is None or not n or self.queued_tokens + num_tokens <= max_tokens
+
+    def _dequeue(self, uid: int) -> None:
+        if (n := self.queued.pop(uid, None)) is not None:
+            self.queued_tokens -= n
+
     def start(self) -> None:
         self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
 
@@ -46,11 +62,14 @@ class ReplicaClient:
     def submit(self, uid: int, ids: list[int], params: SamplingParams) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[uid] = queue
+        self.queued[uid] = len(ids)
+        self.queued_tokens += len(ids)
         self._submits.append(AddRequest(uid, ids, params))
         self._schedule_flush()
         return queue
 
     def abort(self, uid: int) -> None:
+        self._dequeue(uid)
         if self.queues.pop(uid, None) is not None:
             self._aborts.append(uid)
             self._schedule_flush()
@@ -80,6 +99,8 @@ class ReplicaClient:
                 log.error("replica %d poll failed: %s", self.replica_id, e)
                 return
             for d in deltas:
+                if self.queued:
+                    self._dequeue(d.uid)
                 queue = self.queues.get(d.uid)
                 if queue is not None:
                     queue.put_nowait(d)
@@ -113,3 +134,5 @@ class ReplicaClient:
         for uid, queue in list(self.queues.items()):
             queue.put_nowait(TokenDelta.failure(uid, ErrorKind.REPLICA_DOWN, why))
         self.queues.clear()
+        self.queued.clear()
+        self.queued_tokens = 0

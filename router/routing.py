@@ -1,11 +1,14 @@
 """Choosing a replica for a request. Cache-aware (default): send a prompt where its prefix was sent
 before, so that replica's radix cache already holds it, unless that replica is much busier than the
-least loaded one; otherwise the least loaded. Round-robin is the simple alternative."""
+least loaded one; otherwise the least loaded. Round-robin is the simple alternative. Either picks
+among the replicas whose queue has room for the request (`with_room`)."""
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+
+from cluster import OverloadedError
 
 
 class NoReplicaError(RuntimeError):
@@ -17,6 +20,17 @@ def _healthy(replicas: list) -> list:
     if not up:
         raise NoReplicaError("no replica is ready to serve")
     return up
+
+
+def with_room(replicas: list, num_tokens: int, max_requests: int | None, max_tokens: int | None) -> list:
+    """The healthy replicas whose queue bounds (max_queued_requests, max_queued_tokens) have room for a
+    request of num_tokens; OverloadedError when none has."""
+    up = _healthy(replicas)
+    room = [r for r in up if r.has_room(num_tokens, max_requests, max_tokens)]
+    if not room:
+        raise OverloadedError(f"the server is busy: every replica's queue is full ({len(up)} replica(s)); "
+                              "retry later")
+    return room
 
 
 class RoundRobin:
