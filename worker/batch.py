@@ -49,40 +49,47 @@ def desc_layout(desc: BatchDesc) -> tuple[int, ...]:
             len(desc.prefix_rows), sum(len(locs) for _, locs in desc.prefix_rows), desc.top_logprobs)
 
 
-def _sections(layout: tuple[int, ...]) -> list[tuple[str, type, int]]:
+# (field, dtype, which count of the layout sizes it: 1 requests, 2 tokens, 3 tokens if input_ids,
+# 4 prefix rows, 5 prefix locations)
+_SECTIONS = (("seeds", np.dtype(np.int64), 1), ("table_idx", np.dtype(np.int32), 1),
+             ("seq_lens", np.dtype(np.int32), 1), ("extend_lens", np.dtype(np.int32), 1),
+             ("top_k", np.dtype(np.int32), 1), ("temperature", np.dtype(np.float32), 1),
+             ("top_p", np.dtype(np.float32), 1), ("out_loc", np.dtype(np.int32), 2),
+             ("input_ids", np.dtype(np.int32), 3), ("prefix_slots", np.dtype(np.int32), 4),
+             ("prefix_lens", np.dtype(np.int32), 4), ("prefix_locs", np.dtype(np.int32), 5))
+
+
+def _counts(layout: tuple[int, ...]) -> tuple[int, ...]:
     _, b, t, has_ids, rows, locs, _ = layout
-    return [("seeds", np.int64, b), ("table_idx", np.int32, b), ("seq_lens", np.int32, b),
-            ("extend_lens", np.int32, b), ("top_k", np.int32, b), ("temperature", np.float32, b),
-            ("top_p", np.float32, b), ("out_loc", np.int32, t), ("input_ids", np.int32, t * has_ids),
-            ("prefix_slots", np.int32, rows), ("prefix_lens", np.int32, rows), ("prefix_locs", np.int32, locs)]
+    return (0, b, t, t * has_ids, rows, locs)
 
 
 def packed_nbytes(layout: tuple[int, ...]) -> int:
-    return sum(np.dtype(dtype).itemsize * n for _, dtype, n in _sections(layout))
+    counts = _counts(layout)
+    return sum(dtype.itemsize * counts[which] for _, dtype, which in _SECTIONS)
 
 
 def pack_desc(desc: BatchDesc, layout: tuple[int, ...], out: np.ndarray) -> None:
     """Writes `desc`'s arrays into the uint8 buffer `out` (at least packed_nbytes(layout) long), each
     cast to its field's dtype."""
     rows = desc.prefix_rows
-    arrays = {"prefix_slots": [slot for slot, _ in rows], "prefix_lens": [len(locs) for _, locs in rows],
+    prefix = {"prefix_slots": [slot for slot, _ in rows], "prefix_lens": [len(locs) for _, locs in rows],
               "prefix_locs": np.concatenate([locs for _, locs in rows]) if rows else ()}
-    offset = 0
-    for name, dtype, n in _sections(layout):
-        size = np.dtype(dtype).itemsize * n
-        if n:
-            out[offset:offset + size].view(dtype)[:] = arrays[name] if name in arrays else getattr(desc, name)
-        offset += size
+    counts, offset = _counts(layout), 0
+    for name, dtype, which in _SECTIONS:
+        if n := counts[which]:
+            np.frombuffer(out, dtype, n, offset)[:] = prefix[name] if name in prefix else getattr(desc, name)
+            offset += dtype.itemsize * n
 
 
 def unpack_desc(layout: tuple[int, ...], payload: np.ndarray) -> BatchDesc:
     """The BatchDesc that pack_desc wrote into `payload`; its arrays are views of it, valid until it is
     written again."""
-    arrays, offset = {}, 0
-    for name, dtype, n in _sections(layout):
-        size = np.dtype(dtype).itemsize * n
-        arrays[name] = payload[offset:offset + size].view(dtype)
-        offset += size
+    arrays, counts, offset = {}, _counts(layout), 0
+    for name, dtype, which in _SECTIONS:
+        n = counts[which]
+        arrays[name] = np.frombuffer(payload, dtype, n, offset)
+        offset += dtype.itemsize * n
     is_prefill, _, _, has_ids, rows, _, top_logprobs = layout
     prefix_rows = []
     if rows:

@@ -40,12 +40,12 @@ class DescChannel:
 
     MESSAGE_BYTES = 32 * 1024
     HEADER_BYTES = 8 * (1 + LAYOUT_LEN)
-    INLINE_BYTES = MESSAGE_BYTES - HEADER_BYTES  # the largest payload sent in the one broadcast
+    INLINE_BYTES = MESSAGE_BYTES - HEADER_BYTES  # the largest payload sent in one broadcast
     STEP, KEEPALIVE, STOP = 0, 1, 2
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.message = torch.zeros(self.MESSAGE_BYTES, dtype=torch.uint8)
+    def __init__(self, group: dist.ProcessGroup, message_bytes: int = MESSAGE_BYTES) -> None:
+        self.group = group  # message_bytes: the same on every rank; other sizes for benchmarks only
+        self.message = torch.zeros(message_bytes, dtype=torch.uint8)
         raw = self.message.numpy()
         self._header, self._inline = raw[:self.HEADER_BYTES].view(np.int64), raw[self.HEADER_BYTES:]
         self.overflow = torch.empty(0, dtype=torch.uint8)
