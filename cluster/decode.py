@@ -1,6 +1,6 @@
 """The decode manager: the running set (requests past their prefill, one token each per decode step)
-and making room for a decode step, by preempting requests that have outgrown their reservation when
-the step needs more KV pages than are available."""
+and making room for a decode step, by preempting requests that have outgrown their reservation
+(lowest priority, then newest, first) when the step needs more KV pages than are available."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 from typing import Callable
 
 from cluster.cache_manager import CacheManager
-from cluster.prefill import PrefillManager
+from cluster.prefill import PrefillManager, queue_order
 from cluster.req import Req
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,8 @@ class DecodeManager:
         return self._make_room([r for r in self.running.values() if r.can_decode], in_flight)
 
     def _make_room(self, decoding: list[Req], in_flight: bool) -> list[Req]:
-        """Preempts requests that have outgrown their reservation, newest first, until the pages this
+        """Preempts requests that have outgrown their reservation, the last in queue order first (the
+        lowest priority, a higher number, then the newest), until the pages this
         decode step needs beyond reservations are available. Reservations are never taken: a request
         whose max_tokens fit its reservation runs to its end."""
         cache = self.cache
@@ -55,7 +56,7 @@ class DecodeManager:
             ending = sum(len(r.pages) + r.reserved_pages for r in self.running.values() if not r.can_decode)
             if need <= cache.available + ending:
                 return [r for r in decoding if cache.extra_pages(r, r.cached_len + 1) == 0]
-        for victim in sorted((r for r in decoding if r.may_outgrow), key=lambda r: r.arrival, reverse=True):
+        for victim in sorted((r for r in decoding if r.may_outgrow), key=queue_order, reverse=True):
             need -= cache.extra_pages(victim, victim.cached_len + 1)
             self._preempt(victim)
             if need <= cache.available:
@@ -64,13 +65,13 @@ class DecodeManager:
 
     def _preempt(self, req: Req) -> None:
         """Frees a running request's pages (its computed ones go to the prefix cache) and queues it
-        first to be prefilled again over all its tokens; sampling is a function of (seed, position), so
-        it goes on with the tokens it would have produced."""
+        again, in front of the later requests of its priority, to be prefilled over all its tokens;
+        sampling is a function of (seed, position), so it goes on with the tokens it would have produced."""
         del self.running[req.uid]
         self.free(req)  # a result of it in flight is dropped: that token is recomputed
         req.cached_len = req.prefix_hit_len = 0
         req.fill_len = req.device_len = len(req.input_ids)
         req.num_preempted += 1
         self.num_preempted += 1
-        self.prefill.requeue(req)
+        self.prefill.add(req)
         log.debug("preempted request %d at %d tokens", req.uid, req.fill_len)

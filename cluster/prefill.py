@@ -1,10 +1,10 @@
-"""The prefill manager: the queue of requests waiting for their prefill (bounded when the settings say
-so: a full queue refuses new requests), admitted in arrival order within a token budget, long prompts
-in chunks."""
+"""The prefill manager: the queue of requests waiting for their prefill, ordered by priority (lower
+first) then arrival, and bounded when the settings say so (a full queue refuses new requests);
+admitted in that order within a token budget, long prompts in chunks."""
 
 from __future__ import annotations
 
-from collections import deque
+from bisect import insort
 
 from cluster.cache_manager import CacheManager
 from cluster.config import SchedulerConfig
@@ -18,7 +18,7 @@ class PrefillManager:
         self.cache, self.req_slots = cache, req_slots
         self.max_extend_tokens = config.max_extend_tokens
         self.max_queued_requests, self.max_queued_tokens = config.max_queued_requests, config.max_queued_tokens
-        self.waiting: deque[Req] = deque()  # the head may be part-way through a chunked prefill
+        self.waiting: list[Req] = []  # in queue_order; the head may be part-way through a chunked prefill
         self.queued_tokens = 0  # tokens to prefill (fill_len) of the waiting requests
 
     def check_room(self, num_tokens: int) -> None:
@@ -33,13 +33,12 @@ class PrefillManager:
                                   f"request has {num_tokens} (at most {bound} may wait); retry later")
 
     def add(self, req: Req) -> None:
-        self.waiting.append(req)
-        self.queued_tokens += req.fill_len
-
-    def requeue(self, req: Req) -> None:
-        """Puts a preempted request first: the newest preempted goes in front of those preempted before.
-        It was accepted already: the bounds do not apply."""
-        self.waiting.appendleft(req)
+        """Queues req behind every request of its priority or a higher one (a lower number) that came
+        before it. A preempted request comes back this way too, so it goes in front of the later ones of
+        its priority; it was accepted already: the bounds do not apply."""
+        # a head part-way through its chunked prefill holds pages and a request slot: it keeps its place
+        start = 1 if self.waiting and self.waiting[0].table_idx >= 0 else 0
+        insort(self.waiting, req, lo=start, key=queue_order)
         self.queued_tokens += req.fill_len
 
     def remove(self, req: Req) -> None:
@@ -47,23 +46,30 @@ class PrefillManager:
         self.queued_tokens -= req.fill_len
 
     def schedule(self, in_flight: frozenset[int], headroom: int = 0) -> list[tuple[Req, int]]:
-        """Picks (request, tokens to compute) in arrival order until the budget is spent. A request
+        """Picks (request, tokens to compute) in queue order until the budget is spent. A request
         that does not fit whole takes what is left and carries on next time, at the head of the queue.
         `in_flight`: the request slots of the batch in flight. `headroom` pages are left free at
         admission for running requests past their reservation."""
         batch: list[tuple[Req, int]] = []
-        budget = self.max_extend_tokens
-        for req in list(self.waiting):
+        budget, done = self.max_extend_tokens, 0
+        for req in self.waiting:
             if budget == 0:
                 break
             if req.table_idx < 0:
                 if self.req_slots.available == 0 or not self.cache.admit(req, headroom):
-                    break  # first come, first served: later requests do not jump the queue
+                    break  # in queue order: later (or lower-priority) requests do not jump the queue
                 req.table_idx = self.req_slots.allocate(in_flight)
             ext = min(req.extend_len, budget)
             budget -= ext
             batch.append((req, ext))
             if ext < req.extend_len:
                 break
-            self.queued_tokens -= self.waiting.popleft().fill_len
+            done += 1
+        self.queued_tokens -= sum(req.fill_len for req in self.waiting[:done])
+        del self.waiting[:done]
         return batch
+
+
+def queue_order(req: Req) -> tuple[int, float]:
+    """Lower priority numbers first (vLLM's meaning), then arrival."""
+    return req.params.priority, req.arrival

@@ -17,6 +17,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     logprobs: int | None = None     # None: none; k >= 0: the sampled token's logprob and the k most likely
+    # not a sampling value, but it travels with them: lower runs first (vLLM's meaning), in the waiting
+    # queue and when a request is chosen for preemption (the highest number goes first)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -102,6 +102,7 @@ class SamplingFields(APIRequest):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    priority: int = Field(default=0, ge=-2**63, lt=2**63)  # lower runs first, as vLLM's
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: dict | None = None

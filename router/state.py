@@ -106,6 +106,7 @@ class RouterState:
         try:
             return SamplingParams(temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
                                   top_k=pick("top_k", -1), max_tokens=min(chosen, room), ignore_eos=req.ignore_eos,
-                                  stop_token_ids=list(req.stop_token_ids or []), seed=req.seed, logprobs=logprobs)
+                                  stop_token_ids=list(req.stop_token_ids or []), seed=req.seed, logprobs=logprobs,
+                                  priority=req.priority)
         except InvalidRequestError as e:
             raise APIError(400, str(e)) from e

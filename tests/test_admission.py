@@ -1,7 +1,7 @@
-"""Admission control: a replica's waiting queue is bounded by max_queued_requests and
-max_queued_tokens (unbounded by default). Beyond them a request is refused, as OVERLOADED (HTTP 429
-with Retry-After), by the router before it is sent and by the replica itself; what was accepted runs
-to its end."""
+"""Admission: a replica's waiting queue is bounded by max_queued_requests and max_queued_tokens
+(unbounded by default). Beyond them a request is refused, as OVERLOADED (HTTP 429 with Retry-After),
+by the router before it is sent and by the replica itself; what was accepted runs to its end. Within
+the queue, a request's priority (lower first) decides who is admitted next."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from scripted import TOKEN
 
 from cluster import LLM, ErrorKind, OverloadedError, SamplingParams
 from cluster.messages import AddRequest
+from router.protocol import ChatCompletionRequest, CompletionRequest
 
 LOOPS = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
 C = "/v1/completions"
@@ -80,14 +81,42 @@ def test_offline_generate_raises_overloaded_only_when_bounds_are_set(qwen3_path)
         assert [len(o.token_ids) for o in llm.generate(prompts, greedy(3, ignore_eos=True))] == [3] * 3
 
 
-def _body(prompt: str, stream: bool = False) -> dict:
+def _body(prompt: str, stream: bool = False, priority: int = 0) -> dict:
     """One greedy completion of 8 tokens."""
-    return {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": stream}
+    return {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "stream": stream, "priority": priority}
 
 
-async def _completion(http: httpx.AsyncClient, prompt: str, stream: bool) -> tuple[int, dict, str | dict]:
+def test_offline_a_high_priority_request_starts_before_low_priority_ones_and_tokens_do_not_change(qwen3_path):
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12], [13, 14]]
+    with checked_llm(qwen3_path, max_running_reqs=1) as llm:
+        plain = llm.generate(prompts, greedy(4, ignore_eos=True))
+        started: list[int] = []
+        collect = llm.scheduler.on_output
+
+        def spy(deltas):
+            started.extend(d.uid for d in deltas if d.uid not in started)
+            collect(deltas)
+
+        llm.scheduler.on_output = spy
+        params = [greedy(4, ignore_eos=True, priority=p) for p in (5, 5, 5, -1)]
+        ordered = llm.generate(prompts, params)
+    first = min(started)  # the first prompt's request id
+    assert [uid - first for uid in started] == [3, 0, 1, 2]  # priority -1 first, then the rest as they came
+    assert [o.token_ids for o in ordered] == [o.token_ids for o in plain]
+
+
+def test_priority_is_a_strict_int_in_both_request_bodies():
+    assert CompletionRequest(model="m", prompt="x").priority == 0
+    assert ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], priority=-3).priority == -3
+    with pytest.raises(ValueError):
+        CompletionRequest(model="m", prompt="x", priority="1")
+
+
+async def _completion(http: httpx.AsyncClient, prompt: str, stream: bool,
+                      priority: int = 0) -> tuple[int, dict, str | dict]:
     """(status, headers, the text or the error object) of one completion."""
-    body = _body(prompt, stream)
+    body = _body(prompt, stream, priority)
     if not stream:
         r = await http.post(C, json=body)
         return r.status_code, r.headers, r.json()["choices"][0]["text"] if r.status_code == 200 else r.json()
@@ -118,7 +147,7 @@ def test_a_flood_beyond_the_bounds_gets_full_outputs_or_429s_and_the_server_serv
     with serving(qwen3_path, num_pages=512, max_running_reqs=2, max_queued_requests=3, max_queued_tokens=200) as srv:
         async def flood():
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
-                return await asyncio.gather(*(_completion(http, p, i % 2 == 0) for i, p in enumerate(prompts)))
+                return await asyncio.gather(*(_completion(http, p, i % 2 == 0, i % 3 - 1) for i, p in enumerate(prompts)))
 
         results = asyncio.run(flood())
         done = [i for i, (status, _, _) in enumerate(results) if status == 200]

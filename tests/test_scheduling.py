@@ -1,10 +1,13 @@
 """Scheduling decisions at the scheduler's own API, over a scripted executor (no model): admission,
-chunked prefill, the prefix cache, decode batches, preemption, aborts and request slots."""
+chunked prefill, the prefix cache, decode batches, preemption, aborts, request slots and priorities."""
 
 from __future__ import annotations
 
 import pytest
 from scripted import EOS, TOKEN
+
+from cluster.req import Req
+from cluster.sampling_params import SamplingParams
 
 LOOPS = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
 
@@ -141,4 +144,61 @@ def test_an_engine_failure_fails_that_steps_requests_and_the_rest_go_on(scripted
     failed = [d for d in run.deltas if d.error is not None]
     assert failed and all("injected kernel failure" in d.error for d in failed)
     assert {d.uid for d in failed} | {uid for uid, reason in run.ended.items() if reason == "length"} == {0, 1}
+    run.check()
+
+
+def _req(uid: int, priority: int, arrival: float) -> Req:
+    req = Req(uid, [1, 2, 3], SamplingParams(priority=priority), 8, seed=0)
+    req.arrival = arrival
+    return req
+
+
+def test_the_queue_is_ordered_by_priority_then_arrival_and_a_preempted_request_goes_before_later_ones(scripted):
+    run = scripted()
+    prefill = run.scheduler.prefill
+    for req in [_req(1, 0, 1.0), _req(2, 5, 2.0), _req(3, -1, 3.0), _req(4, 0, 4.0)]:
+        prefill.add(req)
+    prefill.add(_req(0, 0, 0.5))  # preempted: it came before the others of priority 0
+    assert [r.uid for r in prefill.waiting] == [3, 0, 1, 4, 2]
+    run.scheduler.check_integrity()
+
+
+@LOOPS
+def test_a_high_priority_request_admitted_behind_low_priority_ones_starts_first(scripted, overlap):
+    run = scripted(max_running_reqs=1, overlap=overlap)
+    for uid in range(4):
+        run.submit(uid, [uid + 1] * 5, max_tokens=4, priority=5)
+    run.scheduler.step()  # request 0 runs; 1, 2 and 3 wait for its request slot
+    run.submit(9, [9] * 5, max_tokens=4, priority=-1)
+    run.run()
+    assert sorted([0, 1, 2, 3, 9], key=lambda uid: first_delta(run, uid)) == [0, 9, 1, 2, 3]
+    assert all(len(run.tokens(uid)) == 4 for uid in (0, 1, 2, 3, 9))
+    run.check()
+
+
+@LOOPS
+def test_a_chunked_prefill_at_the_head_keeps_its_place_before_a_higher_priority_request(scripted, overlap):
+    run = scripted(max_extend_tokens=5, overlap=overlap)
+    run.submit(0, list(range(1, 13)), max_tokens=3, priority=3)
+    run.scheduler.step()  # its first chunk of 5
+    run.submit(1, [20, 21, 22], max_tokens=3, priority=-5)
+    run.run()
+    prefills = [d.extend_lens.tolist() for d in run.executor.launched if d.is_prefill]
+    assert prefills == [[5], [5], [2, 3]]  # its chunks go on; the newcomer takes what the budget leaves
+    assert run.tokens(0) == [TOKEN] * 3 and run.tokens(1) == [TOKEN] * 3
+    run.check()
+
+
+@LOOPS
+def test_preemption_takes_the_lowest_priority_first_then_the_newest(scripted, overlap):
+    # the preemption test's four requests; the oldest has the lowest priority (the highest number)
+    run = scripted(num_pages=16, page_size=4, decode_reserve_tokens=1, overlap=overlap)
+    for uid in range(4):
+        run.submit(uid, [uid + 1] * 8, max_tokens=24, ignore_eos=True, priority=9 if uid == 0 else 0)
+    while run.scheduler.snapshot().preempted == 0:
+        run.scheduler.step()
+    assert [r.uid for r in run.scheduler.prefill.waiting] == [0]
+    run.run()
+    assert run.preempted[0] > 0 and run.preempted[1] == 0  # the oldest of priority 0 runs through
+    assert [len(run.tokens(uid)) for uid in range(4)] == [24] * 4
     run.check()
