@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -18,6 +19,8 @@ from scripted import TOKEN
 from cluster import LLM, ErrorKind, OverloadedError, SamplingParams
 from cluster.messages import AddRequest
 from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.replica_client import ReplicaClient
+from router.routing import CacheAware, with_room
 
 LOOPS = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
 C = "/v1/completions"
@@ -79,6 +82,24 @@ def test_offline_generate_raises_overloaded_only_when_bounds_are_set(qwen3_path)
         assert len(llm.generate(prompts[:1], greedy(3, ignore_eos=True))[0].token_ids) == 3  # serves on
     with checked_llm(qwen3_path) as llm:  # unbounded by default
         assert [len(o.token_ids) for o in llm.generate(prompts, greedy(3, ignore_eos=True))] == [3] * 3
+
+
+def test_the_router_picks_a_replica_whose_queue_has_room_and_refuses_when_none_has():
+    calls = SimpleNamespace(remote=lambda *args: None)
+    full, spare = (ReplicaClient(i, SimpleNamespace(submit=calls, abort=calls)) for i in range(2))
+
+    async def route() -> None:
+        for uid in range(2):  # sent, no token yet: two wait in replica 0's queue as the router sees it
+            full.submit(uid, [1, 2, 3], SamplingParams())
+        assert with_room([full, spare], 3, 2, None) == [spare]
+        assert CacheAware().pick(with_room([full, spare], 3, None, 8), [1, 2, 3]) is spare  # 6 + 3 tokens > 8
+        spare.submit(2, [4] * 20, SamplingParams())  # over the token bound, but it came into an empty queue
+        with pytest.raises(OverloadedError):
+            with_room([full, spare], 3, 2, 8)
+        full.abort(0)
+        assert with_room([full, spare], 3, 2, None) == [full, spare] and full.queued_tokens == 3
+
+    asyncio.run(route())
 
 
 def _body(prompt: str, stream: bool = False, priority: int = 0) -> dict:
