@@ -1,10 +1,14 @@
 """Tensor parallelism on the CPU (gloo, tp=2, Ray actors): rank 0 schedules and broadcasts, the
-follower applies; outputs equal tp=1 and Hugging Face; failures end requests instead of hanging."""
+follower applies; outputs equal tp=1 and Hugging Face; failures end requests instead of hanging, and
+the step-time benchmark says where its ranks are instead of hanging."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -186,3 +190,17 @@ def test_every_rank_is_named_by_replica_and_rank_for_the_dashboard(ray_cluster, 
         suffix = llm.replica.suffix
         names = {v["Name"] for v in state.actors().values() if v["State"] == "ALIVE"}
         assert {f"raylm-replica-0-rank-0-{suffix}", f"raylm-replica-0-rank-1-{suffix}"} <= names
+
+
+def test_tp_step_time_bench_says_where_each_rank_is_when_one_stalls_and_exits_124():
+    root = Path(__file__).resolve().parents[1]
+    # rank 1 hangs before its 30th launch, so rank 0 waits in that step's first all-reduce
+    run = subprocess.run([sys.executable, str(root / "bench" / "tp_step_time.py"), "--arch", "tiny", "--device", "cpu",
+                          "--tp-size", "2", "--batch", "4", "--output-len", "32", "--page-size", "16",
+                          "--timeout-s", "20", "--inject-stall", "1:30"],
+                         cwd=root, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 124, run.stderr[-3000:]
+    assert "rank 0 (pid" in run.stderr and "warming up (batch 4), 30 steps launched" in run.stderr
+    assert "rank 1 (pid" in run.stderr and "running the follower loop, 30 steps launched" in run.stderr
+    rank0_stack, rank1_stack = run.stderr.split("--- rank 0: Python stacks")[1].split("--- rank 1: Python stacks")
+    assert "in all_reduce" in rank0_stack and "in counted" in rank1_stack
