@@ -168,7 +168,9 @@ def test_a_flood_beyond_the_bounds_gets_full_outputs_or_429s_and_the_server_serv
     with serving(qwen3_path, num_pages=512, max_running_reqs=2, max_queued_requests=3, max_queued_tokens=200) as srv:
         async def flood():
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
-                return await asyncio.gather(*(_completion(http, p, i % 2 == 0, i % 3 - 1) for i, p in enumerate(prompts)))
+                # every other one streamed; priorities -1, 0 and 1 in turn (they change no token)
+                return await asyncio.gather(*(_completion(http, p, i % 2 == 0, i % 3 - 1)
+                                              for i, p in enumerate(prompts)))
 
         results = asyncio.run(flood())
         done = [i for i, (status, _, _) in enumerate(results) if status == 200]
@@ -198,6 +200,9 @@ def test_a_replica_refuses_what_the_router_could_not_know_was_too_much(ray_clust
             while (stats := ray.get(actor.stats.remote())).running != running or stats.waiting != waiting:
                 assert time.monotonic() < deadline, stats
                 time.sleep(0.02)
+
+        metrics = httpx.get(srv.url + "/metrics", timeout=60).text  # the waiting gauge, read from the replica
+        assert 'raylm:num_queue_reqs{model="tiny",replica="0"} 1.0' in metrics
 
         async def both():
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
