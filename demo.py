@@ -5,6 +5,9 @@ checkpoints with the same two functions."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -68,8 +71,24 @@ def save_random_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast
 
 
 def build_demo_model(out_dir: Path) -> Path:
-    """The --demo model: a two-layer Qwen3 with random weights and the tiny tokenizer."""
+    """The --demo model: a two-layer Qwen3 with random weights and the tiny tokenizer. Built beside
+    out_dir and moved into place whole, so an interrupted or concurrent first run never leaves half a
+    model there."""
     out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent) as tmp:
+        built = _build_demo_model(Path(tmp) / "model")
+        if out_dir.exists() and not (out_dir / "model.safetensors").exists():
+            shutil.rmtree(out_dir)  # what an interrupted run of an older version left
+        try:
+            os.replace(built, out_dir)
+        except OSError:  # another run moved its model there first: that one serves
+            if not (out_dir / "model.safetensors").exists():
+                raise
+    return out_dir
+
+
+def _build_demo_model(out_dir: Path) -> Path:
     tokenizer = build_tokenizer(out_dir)
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

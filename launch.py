@@ -105,7 +105,7 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
             raise ConfigError("model", "is required: a local model folder or a Hugging Face id (or --demo)")
         if args.demo:
             from demo import build_demo_model
-            if not (DEMO_DIR / "config.json").exists():
+            if not (DEMO_DIR / "model.safetensors").exists():  # written last: a whole model
                 build_demo_model(DEMO_DIR)
             config = config.override(model=str(DEMO_DIR), served_model_name=config.served_model_name or "demo")
         else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass, replace
@@ -113,7 +114,9 @@ class ReplicaConfig:
         heads = hf_config.get("num_attention_heads", 1)
         kv_heads = hf_config.get("num_key_value_heads", heads)
         width = hf_config.get("intermediate_size", 0)
-        if heads % self.tp_size or width % self.tp_size or (self.tp_size > kv_heads and self.tp_size % kv_heads):
+        # KV heads split evenly across ranks, or (fewer heads than ranks) each replicated to a whole number of ranks
+        kv_split = kv_heads % self.tp_size if self.tp_size <= kv_heads else self.tp_size % kv_heads
+        if heads % self.tp_size or width % self.tp_size or kv_split:
             raise ConfigError("tp_size", f"must divide the model's {heads} attention heads and its MLP width of "
                                          f"{width}, and divide or be a multiple of its {kv_heads} KV heads; "
                                          f"not {self.tp_size}")
@@ -142,7 +145,8 @@ class ServeConfig(ReplicaConfig):
     port: int = setting(8000, "the API's port", at_least=1, at_most=65535, group="server")
     routing: str = setting("cache_aware", "cache_aware: prefix affinity with a least-loaded fallback; "
                                           "round_robin", choices=("cache_aware", "round_robin"), group="server")
-    api_key: str | None = setting(None, "every /v1 route then requires Authorization: Bearer KEY",
+    api_key: str | None = setting(None, "every /v1 route, /tokenize and /detokenize then require "
+                                        "Authorization: Bearer KEY",
                                   unset="none, open", group=LIMITS)
     max_body_bytes: int = setting(4 * 2**20, "largest request body, counted as it arrives", at_least=1,
                                   group=LIMITS)
@@ -222,7 +226,7 @@ class Setting:
             return
         ok = {bool: lambda v: isinstance(v, bool),
               int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
               str: lambda v: isinstance(v, str) and v != ""}[self.type](value)
         ok = ok and (not self.choices or value in self.choices)
         if ok and self.type in (int, float):

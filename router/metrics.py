@@ -81,13 +81,14 @@ class ReplicaGauges(Collector):
         calls = {c: self._pending.pop(c, None) or asyncio.ensure_future(c.actor.stats.remote()) for c in serving}
         for gone in self._pending.values():  # its replica left routing: nobody reads the answer
             gone.cancel()
-        self._pending = calls
+        self._pending = dict(calls)  # a copy: a scrape at the same time takes from it, not from ours
         done, _ = await asyncio.wait(calls.values(), timeout=self.timeout_s) if calls else (set(), set())
         stats = {}
         for client, call in list(calls.items()):
             if call in done:
                 self._pending.pop(client, None)  # a scrape at the same time may have taken it already
-                if call.exception() is None:  # a failed call: the health checks deal with its replica
+                # a failed call: the health checks deal with its replica
+                if not call.cancelled() and call.exception() is None:
                     stats[client.replica_id] = call.result()
         self._stats = stats
 

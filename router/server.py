@@ -64,7 +64,7 @@ class Server:
     def _make_uvicorn(self) -> uvicorn.Server:
         c = self.config
         cfg = uvicorn.Config(self.app, host=c.host, port=c.port, log_level="warning",
-                             timeout_graceful_shutdown=int(c.drain_timeout_s), access_log=False,
+                             timeout_graceful_shutdown=c.drain_timeout_s, access_log=False,
                              # longer than clients keep idle connections (httpx: 5 s) by default, so the
                              # server never closes one just as a client sends on it
                              timeout_keep_alive=c.keep_alive_timeout_s,
