@@ -65,13 +65,22 @@ class BatchBuilder:
             seq_lens.append(req.cached_len)
         return Batch(self._desc(False, reqs, seq_lens, [1] * len(reqs), locs, None), reqs, [True] * len(reqs))
 
+    def launched(self) -> None:
+        """The last batch built reached the device, and with it the page-table rows it rewrote."""
+        self.rewrite_rows.clear()
+
+    def failed(self, batch: Batch) -> None:
+        """The last batch built never ran: its requests' KV for this step was not computed, so none of
+        it may reach the prefix cache when they are freed (its rewrites stay pending for the next step)."""
+        for req, seq_len, ext in zip(batch.reqs, batch.desc.seq_lens.tolist(), batch.desc.extend_lens.tolist()):
+            req.cached_len = seq_len - ext
+
     def _desc(self, is_prefill: bool, reqs: list[Req], seq_lens: list[int], extend_lens: list[int],
               out_loc: np.ndarray, input_ids: np.ndarray | None) -> BatchDesc:
         params = [r.params for r in reqs]
         # a request that has left its row since (ended or preempted) needs no rewrite
         rows = [(slot, self.cache.locations(r, 0, r.num_cached_pages * self.cache.page_size))
                 for slot, r in self.rewrite_rows.items() if r.table_idx == slot]
-        self.rewrite_rows.clear()
         want = [p.logprobs for p in params if p.logprobs is not None]
         return BatchDesc(
             is_prefill=is_prefill,

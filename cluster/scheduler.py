@@ -218,14 +218,17 @@ class Scheduler:
                       len(self.decode.running), len(self.prefill.waiting), self.cache.allocator.num_free,
                       self.cache.prefix_cache.num_pages)
         try:
-            return Launched(batch, self.executor.launch(desc))
+            launched = Launched(batch, self.executor.launch(desc))
         except ReplicaBrokenError as e:
             self.fail_all(str(e), ErrorKind.REPLICA_DOWN)
             raise
         except Exception as e:  # noqa: BLE001 - an engine failure fails this batch, not the replica
             log.exception("step failed")
+            self.builder.failed(batch)
             self._fail(batch.reqs, f"the engine failed this step: {type(e).__name__}: {e}", ErrorKind.ENGINE)
             return None
+        self.builder.launched()
+        return launched
 
     def _handle(self, launched: Launched) -> None:
         """Waits for a step's sampled tokens and sends them as deltas; ends the requests they finish."""
