@@ -80,10 +80,19 @@ class SchedulerActor:
                 break
             except Exception as e:  # noqa: BLE001 - never let the loop die silently
                 log.exception("scheduler step failed")
-                sched.fail_all(f"scheduler error: {type(e).__name__}: {e}", ErrorKind.ENGINE)
+                try:
+                    sched.fail_all(f"scheduler error: {type(e).__name__}: {e}", ErrorKind.ENGINE)
+                except Exception as again:  # noqa: BLE001 - its state is not to be trusted: the replica is replaced
+                    log.exception("failing the requests after a scheduler error failed too")
+                    self._fail_replica(f"scheduler error: {type(e).__name__}: {e}; then {type(again).__name__}")
+                    break
         while self.broken and not self._stop.is_set():  # answer what still arrives with the error
-            sched.receive(block=True)
-            sched.fail_all(self.broken, ErrorKind.REPLICA_DOWN)
+            try:
+                sched.receive(block=True)
+                sched.fail_all(self.broken, ErrorKind.REPLICA_DOWN)
+            except Exception:  # noqa: BLE001 - a broken scheduler's state may be anything; submit() answers
+                log.exception("a broken replica could not answer a request")
+                self._stop.wait(0.1)
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
         with self._ready:
