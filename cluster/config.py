@@ -45,7 +45,8 @@ class SchedulerConfig:
     # a request whose max_tokens fits its reservation is never preempted
     decode_reserve_tokens: int = setting(
         1024, "KV set aside per request at admission for new tokens; a request that outgrows it takes free "
-              "pages, and when none are left the newest such request is preempted and recomputed later",
+              "pages, and when none are left the lowest-priority, then newest, such request is preempted and "
+              "recomputed later",
         at_least=0)
     # the router refuses at these bounds too, before it sends a request (and tries another replica)
     max_queued_requests: int | None = setting(
