@@ -36,7 +36,12 @@ class DescChannel:
     buffers are allocated once (the overflow one grows), and what a follower receives is unpacked into
     views of them: valid until its next receive, which the engine never outlives (it copies a step's
     arrays before forward returns). One broadcast costs what a 64-byte one does up to 32 KiB on gloo
-    (docs/BENCHMARKS.md), which holds a decode step of about 900 requests."""
+    (docs/BENCHMARKS.md), which holds a decode step of about 900 requests.
+
+    Rank 0 only posts its broadcasts and goes on to launch the step; it waits for them to complete
+    before it next writes the buffers (by then, a step later, they long have), so that a follower's
+    receive is no longer serialized before rank 0's own launch. A follower gone or stalled surfaces
+    there, as the failed wait (or in the step's first collective, before it)."""
 
     MESSAGE_BYTES = 32 * 1024
     HEADER_BYTES = 8 * (1 + LAYOUT_LEN)
@@ -49,8 +54,11 @@ class DescChannel:
         raw = self.message.numpy()
         self._header, self._inline = raw[:self.HEADER_BYTES].view(np.int64), raw[self.HEADER_BYTES:]
         self.overflow = torch.empty(0, dtype=torch.uint8)
+        self._in_flight: list[dist.Work] = []
 
     def send(self, desc: BatchDesc | Keepalive | None) -> None:
+        """Posts the message; returns before it has arrived, but for the stop (None)."""
+        self.wait_sent()
         if isinstance(desc, BatchDesc):
             layout = desc_layout(desc)
             self._header[0], self._header[1:] = self.STEP, layout
@@ -59,9 +67,17 @@ class DescChannel:
             pack_desc(desc, layout, payload)
         else:
             self._header[0] = self.KEEPALIVE if isinstance(desc, Keepalive) else self.STOP
-        dist.broadcast(self.message, src=0, group=self.group)
+        self._in_flight.append(dist.broadcast(self.message, src=0, group=self.group, async_op=True))
         if isinstance(desc, BatchDesc) and nbytes > len(self._inline):
-            dist.broadcast(self.overflow[:nbytes], src=0, group=self.group)
+            self._in_flight.append(dist.broadcast(self.overflow[:nbytes], src=0, group=self.group, async_op=True))
+        if desc is None:
+            self.wait_sent()
+
+    def wait_sent(self) -> None:
+        """Returns once rank 0's posted broadcasts have completed (raises if they failed)."""
+        in_flight, self._in_flight = self._in_flight, []
+        for work in in_flight:
+            work.wait()
 
     def receive(self) -> BatchDesc | Keepalive | None:
         dist.broadcast(self.message, src=0, group=self.group)
