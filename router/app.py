@@ -140,6 +140,7 @@ async def _serve(state: RouterState, request: Request, body, ids, params, fmt: F
     except NoReplicaError as e:
         raise APIError(503, str(e), "service_unavailable") from e
     except RaylmError as e:  # every queue is full: a 429 before anything is sent, a stream's included
+        state.metrics.requests.labels(state.model_name, "rejected").inc()
         raise APIError.of(e) from e
     uid = next(state.uids)
     timing = Timing()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from types import SimpleNamespace
 
@@ -183,6 +184,11 @@ def test_a_flood_beyond_the_bounds_gets_full_outputs_or_429s_and_the_server_serv
             assert headers == {} or int(headers["retry-after"]) >= 1  # {}: refused mid-stream, by the replica
         after = httpx.post(srv.url + C, json=_body(prompts[0]), timeout=60)
         assert after.status_code == 200 and after.json()["choices"][0]["text"] == expected[0]
+        # the router's own refusals are counted, by their own reason (the replica's, as errors)
+        metrics = httpx.get(srv.url + "/metrics").text
+        rejected = re.search(r'^raylm:request_success_total\{(?=[^}]*finish_reason="rejected")[^}]*\} (\S+)$', metrics,
+                             re.M)
+        assert rejected and 1 <= float(rejected.group(1)) <= len(busy), metrics
         _wait_idle(srv)
         assert ray.get(srv.replicas[0].actor.stats.remote()).waiting == 0
 
