@@ -4,6 +4,8 @@ keepalive and stop messages between steps."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -62,18 +64,23 @@ def assert_same(got: BatchDesc | Keepalive | None, want: BatchDesc | Keepalive |
         assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
-def _rank(rank: int, address: str) -> None:
+def _rank(rank: int, address: str, report: str) -> None:
     tp = init_tensor_parallel(rank, 2, address, torch.device("cpu"), 30)
     try:
+        checked = 0
         for want in messages():
             got = tp.comm.broadcast_desc(want if rank == 0 else None)
             assert_same(got, want)
+            checked += 1
+        Path(f"{report}.{rank}").write_text(str(checked))  # a rank that failed writes nothing
     finally:
         destroy_tensor_parallel()
 
 
-def test_every_rank_gets_the_identical_description_keepalive_and_stop():
-    mp.spawn(_rank, args=(free_address("127.0.0.1"),), nprocs=2, join=True)
+def test_every_rank_gets_the_identical_description_keepalive_and_stop(tmp_path):
+    report = str(tmp_path / "checked")
+    mp.spawn(_rank, args=(free_address("127.0.0.1"), report), nprocs=2, join=True)
+    assert [int(Path(f"{report}.{rank}").read_text()) for rank in (0, 1)] == [len(messages())] * 2
 
 
 @pytest.mark.parametrize("is_prefill,batch,rows,top_logprobs", [
