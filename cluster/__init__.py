@@ -3,6 +3,7 @@
 
 from cluster.errors import (EngineError, ErrorKind, GenerationError, InvalidRequestError, OverloadedError, RaylmError,
                             ReplicaDownError, RequestTimeoutError, error_for)
+from cluster.choices import fan_out
 from cluster.messages import AddRequest, ReplicaInfo, ReplicaStats, TokenDelta
 from cluster.sampling_params import SamplingParams
 
@@ -19,7 +20,7 @@ _LAZY = {
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "ReplicaConfig", "ServeConfig", "AddRequest", "ReplicaInfo",
            "ReplicaStats", "TokenDelta", "ErrorKind", "RaylmError", "InvalidRequestError", "GenerationError",
            "EngineError", "ReplicaDownError", "RequestTimeoutError", "OverloadedError", "error_for", "Fleet",
-           "ReplicaHandle", "ensure_ray", "control_store_answers", "load_tokenizer"]
+           "ReplicaHandle", "ensure_ray", "control_store_answers", "load_tokenizer", "fan_out"]
 
 
 def __getattr__(name: str):

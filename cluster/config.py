@@ -156,6 +156,7 @@ class ServeConfig(ReplicaConfig):
     max_tokens_limit: int | None = setting(None, "the most max_tokens a request may ask for", at_least=1,
                                            unset="the model's context", group=LIMITS)
     max_stop_strings: int = setting(16, "stop strings a request may give", at_least=0, group=LIMITS)
+    max_n: int = setting(16, "choices (n) a request may ask for", at_least=1, group=LIMITS)
     request_timeout_s: float | None = setting(None, "a request taking longer ends with 408", above=0,
                                               unset="none", group=LIMITS)
     drain_timeout_s: float = setting(30.0, "on SIGTERM or Ctrl-C, how long requests in flight may take to finish",

@@ -22,9 +22,14 @@ class RaylmError(Exception):
 
 
 class InvalidRequestError(RaylmError, ValueError):
-    """A request the engine cannot run as given; the message says what to change."""
+    """A request the engine cannot run as given; the message says what to change, and `field` (when
+    one field is at fault) names it, as an OpenAI error's `param` does."""
 
     kind = ErrorKind.INVALID_REQUEST
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class GenerationError(RaylmError, RuntimeError):

@@ -19,6 +19,9 @@ class AddRequest:
     uid: int
     input_ids: list[int]
     params: SamplingParams
+    # another choice of the same prompt (cluster/choices.py): this one is admitted once that request's
+    # prompt is in the prefix cache (or it has ended), so the prompt is prefilled once
+    after: int | None = None
 
 
 @dataclass
@@ -51,6 +54,9 @@ class TokenDelta:
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None          # why the request failed (finish_reason "error")
     error_kind: ErrorKind | None = None
+    # with SamplingParams.prompt_logprobs, on a request's first token: for prompt positions 1.. (the first
+    # has none), the prompt token's logprob and the k most likely (id, logprob) there
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @classmethod
     def failure(cls, uid: int, kind: ErrorKind, why: str) -> TokenDelta:

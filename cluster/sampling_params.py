@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from cluster.errors import InvalidRequestError
+
+_PENALTY_RANGE = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
+_BIAS_RANGE = 100.0   # OpenAI's bound on a logit_bias value
 
 
 @dataclass
@@ -12,23 +17,75 @@ class SamplingParams:
     temperature: float = 1.0        # 0 is greedy
     top_p: float = 1.0
     top_k: int = -1                 # -1 (or 0) keeps the whole vocabulary
+    min_p: float = 0.0              # drops tokens less likely than min_p times the most likely one
     max_tokens: int | None = 16     # None: up to the context length
+    min_tokens: int = 0             # EOS and stop_token_ids cannot end the output before this many tokens
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    # OpenAI's penalties over the generated tokens: a token's logit loses frequency_penalty times its
+    # count so far, and presence_penalty once it has appeared
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Hugging Face's (and vLLM's) over the prompt and the generated tokens: a seen token's logit is
+    # divided by it when positive, multiplied when negative; 1 is off
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit; -100 bans
     logprobs: int | None = None     # None: none; k >= 0: the sampled token's logprob and the k most likely
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and its k most likely
+    n: int = 1                      # choices sampled from one prompt (cluster/choices.py fans them out)
     # not a sampling value, but it travels with them: lower runs first (vLLM's meaning), in the waiting
     # queue and when a request is chosen for preemption (the highest number goes first)
     priority: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise InvalidRequestError(f"top_k must be -1 (off) or positive, got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequestError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        def need(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                raise InvalidRequestError(f"{name} {what}, got {getattr(self, name)!r}", field=name)
+
+        need(self.temperature >= 0, "temperature", "must be >= 0")
+        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(self.top_k >= -1, "top_k", "must be -1 (off) or positive")
+        need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        need(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1")
+        need(self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             f"must not exceed max_tokens ({self.max_tokens})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            need(math.isfinite(getattr(self, name)) and abs(getattr(self, name)) <= _PENALTY_RANGE, name,
+                 f"must be in [-{_PENALTY_RANGE:g}, {_PENALTY_RANGE:g}]")
+        need(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+             "must be > 0")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise InvalidRequestError(f"logit_bias has token id {token!r}; ids are integers >= 0",
+                                          field="logit_bias")
+            if not (math.isfinite(bias) and abs(bias) <= _BIAS_RANGE):
+                raise InvalidRequestError(f"logit_bias of token {token} is {bias!r}; values are in "
+                                          f"[-{_BIAS_RANGE:g}, {_BIAS_RANGE:g}]", field="logit_bias")
+        need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20")
+        need(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             "must be between 0 and 20")
+        need(self.n >= 1, "n", "must be at least 1")
+
+    @property
+    def uses_processors(self) -> bool:
+        """Whether sampling needs the per-request state on the device (penalties, biases, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of an n-choice request: one choice, with its own seed."""
+        seed = None if self.seed is None else choice_seed(self.seed, index)
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Choice `index`'s seed, derived from the request's: choice 0 keeps it (so n=1 samples as before);
+    the others get distinct seeds spread over 62 bits (a splitmix64 step of seed + index)."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 2

@@ -34,6 +34,8 @@ class EngineConfig:
     device: str = setting("auto", "auto: cuda when available", choices=("auto", "cuda", "cpu"))
     page_size: int = setting(16, "tokens per KV-cache page", at_least=1)
     num_pages: int | None = setting(None, "KV-cache size in pages", at_least=1, unset="from the memory budget")
+    kv_cache_dtype: str = setting("auto", "KV-cache storage; auto: the model's dtype; fp8_e4m3: 8-bit floats (half "
+                                          "the memory of bfloat16, so twice the tokens)", choices=("auto", "fp8_e4m3"))
     max_running_reqs: int = setting(256, "requests decoded at once (the decode batch limit)", at_least=1)
     max_seq_len: int | None = setting(None, "the longest sequence, prompt and output together", at_least=1,
                                       unset="the model's max_position_embeddings")
@@ -54,4 +56,7 @@ class EngineConfig:
                                          "tensor_cores, cuda_cores", choices=("auto", "tensor_cores", "cuda_cores"))
     small_linear: bool = setting(True, "a Triton matrix-vector kernel for linear layers at batch 1 on CUDA (cuBLAS "
                                        "when off)")
+    max_logit_bias: int = setting(1024, "token ids a request's logit_bias may name (with its stop ids while "
+                                         "min_tokens holds them back); sizes a per-request table on the device",
+                                  at_least=1)
     seed: int = setting(0, "seed of the random weights of load_format dummy")

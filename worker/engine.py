@@ -123,6 +123,7 @@ class Engine:
             set_decode_kernel(config.decode_kernel)
         self.hf_config = load_hf_config(config.model_path)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
         self.max_seq_len = config.max_seq_len or self.hf_config.max_position_embeddings
         self.page_size = config.page_size
         with _default_dtype(self.dtype), torch.device(self.device):
@@ -141,7 +142,7 @@ class Engine:
         # one page more than the scheduler hands out: the scratch page that padded graph rows write to
         self.scratch_page = self.num_pages
         self.kv = KVCachePool(self.hf_config.num_hidden_layers, self.num_pages + 1, self.page_size,
-                              attn0.num_kv_heads, attn0.head_dim, self.dtype, self.device)
+                              attn0.num_kv_heads, attn0.head_dim, self.kv_dtype, self.device)
         self.table = TokenTable(config.max_running_reqs, self.max_seq_len, self.device)
         backend = config.attention_backend
         if backend == "auto" and self.dtype == torch.float32:
@@ -170,7 +171,7 @@ class Engine:
 
     def _pages_from_budget(self, kv_heads: int, head_dim: int) -> int:
         per_page = KVCachePool.bytes_per_page(self.hf_config.num_hidden_layers, self.page_size, kv_heads, head_dim,
-                                              self.dtype)
+                                              self.kv_dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - self.config.gpu_memory_utilization) * total
