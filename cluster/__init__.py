@@ -11,13 +11,13 @@ from cluster.sampling_params import SamplingParams
 # checks its flags with before anything starts) must import in a fraction of a second
 _LAZY = {
     "ReplicaConfig": "cluster.config", "ServeConfig": "cluster.config",  # lazy too: `python -m cluster.config`
-    "LLM": "cluster.llm", "RequestOutput": "cluster.llm",
+    "LLM": "cluster.llm", "RequestOutput": "cluster.llm", "CompletionOutput": "cluster.llm",
     "Fleet": "cluster.fleet",
     "ReplicaHandle": "cluster.deploy", "ensure_ray": "cluster.deploy", "control_store_answers": "cluster.deploy",
     "load_tokenizer": "cluster.model_info",
 }
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "ReplicaConfig", "ServeConfig", "AddRequest", "ReplicaInfo",
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "ReplicaConfig", "ServeConfig", "AddRequest", "ReplicaInfo",
            "ReplicaStats", "TokenDelta", "ErrorKind", "RaylmError", "InvalidRequestError", "GenerationError",
            "EngineError", "ReplicaDownError", "RequestTimeoutError", "OverloadedError", "error_for", "Fleet",
            "ReplicaHandle", "ensure_ray", "control_store_answers", "load_tokenizer", "fan_out"]

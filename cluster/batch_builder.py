@@ -5,13 +5,14 @@ N+1 before step N's tokens are known)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from cluster.cache_manager import CacheManager
 from cluster.req import Req
 from worker.batch import BatchDesc
+from worker.processors import ProcessorInit, ProcessorRows
 
 
 @dataclass
@@ -21,22 +22,38 @@ class Batch:
     desc: BatchDesc
     reqs: list[Req]
     emits: list[bool]  # False for a chunk that does not end its prompt: its sample is meaningless
+    # prompt logprobs: (request, where its scored positions start in desc.plp_idx, how many)
+    scored: list[tuple[Req, int, int]] = field(default_factory=list)
 
 
 class BatchBuilder:
-    def __init__(self, cache: CacheManager) -> None:
+    def __init__(self, cache: CacheManager, eos_ids: frozenset[int], scratch_row: int) -> None:
+        """`eos_ids`: what min_tokens holds back with the stop ids; `scratch_row`: the processor-state row
+        of rows that use no processors (the number of request slots)."""
         self.cache = cache
+        self.eos_ids, self.scratch_row = eos_ids, scratch_row
         # request slots whose page-table row changed on the host, written by the next step
         self.rewrite_rows: dict[int, Req] = {}
 
     def prefill(self, chosen: list[tuple[Req, int]]) -> Batch:
         """A prefill step over (request, tokens to compute) pairs."""
-        reqs, emits, ids, locs, seq_lens = [], [], [], [], []
+        reqs, emits, ids, locs, seq_lens, inits, scored = [], [], [], [], [], [], []
+        plp_idx, plp_target, offset = [], [], 0
         for req, ext in chosen:
             start, end = req.cached_len, req.cached_len + ext
             self.cache.allocate(req, end)
             if start == req.prefix_hit_len and start > 0:
                 self.rewrite_rows[req.table_idx] = req
+            if start == req.prefix_hit_len and req.params.uses_processors:
+                inits.append(self._init(req))
+            if req.params.prompt_logprobs is not None and not req.num_preempted:
+                # position p scores prompt token p + 1; the prompt's last position samples instead
+                upto = min(end, req.prompt_len - 1)
+                if upto > start:
+                    scored.append((req, sum(len(x) for x in plp_idx), upto - start))
+                    plp_idx.append(np.arange(offset, offset + upto - start, dtype=np.int32))
+                    plp_target.append(np.asarray(req.input_ids[start + 1:upto + 1], dtype=np.int32))
+            offset += ext
             if req.scheduled is None:
                 req.scheduled = time.perf_counter()
             ids.append(req.input_ids[start:end])
@@ -49,8 +66,31 @@ class BatchBuilder:
             reqs.append(req)
             emits.append(done)
         desc = self._desc(True, reqs, seq_lens, [len(x) for x in ids], np.concatenate(locs),
-                          np.fromiter((t for x in ids for t in x), dtype=np.int32))
-        return Batch(desc, reqs, emits)
+                          np.fromiter((t for x in ids for t in x), dtype=np.int32), emits)
+        desc.proc_init = inits
+        if scored:
+            desc.plp_idx, desc.plp_target = np.concatenate(plp_idx), np.concatenate(plp_target)
+            desc.prompt_logprobs = max(r.params.prompt_logprobs for r, _, _ in scored)
+        return Batch(desc, reqs, emits, scored)
+
+    def _init(self, req: Req) -> ProcessorInit:
+        """req's processor state from scratch: its prompt (for the repetition penalty), its tokens so far
+        (after a preemption) and its sparse entries: biases, then the ids min_tokens holds back."""
+        p = req.params
+        stops = self.stop_ids(req) if p.min_tokens > len(req.output_ids) else []
+        bias_ids = list(p.logit_bias)
+        return ProcessorInit(
+            slot=req.table_idx,
+            prompt_ids=np.asarray(req.input_ids[:req.prompt_len] if p.repetition_penalty != 1 else [], dtype=np.int32),
+            output_ids=np.asarray(req.output_ids, dtype=np.int32),
+            sparse_ids=np.asarray(bias_ids + stops, dtype=np.int32),
+            sparse_bias=np.asarray([p.logit_bias[t] for t in bias_ids] + [0.0] * len(stops), dtype=np.float32),
+            sparse_ban=np.asarray([0] * len(bias_ids) + [1] * len(stops), dtype=np.uint8))
+
+    def stop_ids(self, req: Req) -> list[int]:
+        """The tokens that would end req's output: EOS (unless ignored) and its stop ids."""
+        eos = [] if req.params.ignore_eos else sorted(self.eos_ids)
+        return eos + [t for t in req.params.stop_token_ids if t not in self.eos_ids or req.params.ignore_eos]
 
     def decode(self, reqs: list[Req]) -> Batch:
         locs = np.empty(len(reqs), dtype=np.int32)
@@ -63,7 +103,8 @@ class BatchBuilder:
             req.cached_len += 1
             req.device_len += 1
             seq_lens.append(req.cached_len)
-        return Batch(self._desc(False, reqs, seq_lens, [1] * len(reqs), locs, None), reqs, [True] * len(reqs))
+        emits = [True] * len(reqs)
+        return Batch(self._desc(False, reqs, seq_lens, [1] * len(reqs), locs, None, emits), reqs, emits)
 
     def launched(self) -> None:
         """The last batch built reached the device, and with it the page-table rows it rewrote."""
@@ -76,8 +117,9 @@ class BatchBuilder:
             req.cached_len = seq_len - ext
 
     def _desc(self, is_prefill: bool, reqs: list[Req], seq_lens: list[int], extend_lens: list[int],
-              out_loc: np.ndarray, input_ids: np.ndarray | None) -> BatchDesc:
+              out_loc: np.ndarray, input_ids: np.ndarray | None, emits: list[bool]) -> BatchDesc:
         params = [r.params for r in reqs]
+        n = len(reqs)
         # a request that has left its row since (ended or preempted) needs no rewrite
         rows = [(slot, self.cache.locations(r, 0, r.num_cached_pages * self.cache.page_size))
                 for slot, r in self.rewrite_rows.items() if r.table_idx == slot]
@@ -92,4 +134,24 @@ class BatchBuilder:
             top_p=np.fromiter((p.top_p for p in params), dtype=np.float32, count=len(reqs)),
             top_k=np.fromiter((p.top_k for p in params), dtype=np.int32, count=len(reqs)),
             seeds=np.fromiter((r.seed for r in reqs), dtype=np.int64, count=len(reqs)),
-            prefix_rows=rows, top_logprobs=max(want) if want else -1)
+            prefix_rows=rows, top_logprobs=max(want) if want else -1,
+            min_p=np.fromiter((p.min_p for p in params), dtype=np.float32, count=n)
+            if any(p.min_p > 0 for p in params) else None,
+            procs=self._procs(reqs, seq_lens, emits) if any(p.uses_processors for p in params) else None)
+
+    def _procs(self, reqs: list[Req], seq_lens: list[int], emits: list[bool]) -> ProcessorRows:
+        """Per-row processor arguments. A row reads and counts into its request's slot only when its
+        request uses processors and its sample is kept (not a mid-prompt chunk's)."""
+        n = len(reqs)
+        rows = ProcessorRows(np.full(n, self.scratch_row, dtype=np.int32), np.zeros(n, np.float32),
+                             np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.uint8))
+        for i, (req, seq_len, emit) in enumerate(zip(reqs, seq_lens, emits)):
+            p = req.params
+            if not (p.uses_processors and emit):
+                continue
+            rows.state_row[i] = req.table_idx
+            rows.presence[i], rows.frequency[i], rows.repetition[i] = (p.presence_penalty, p.frequency_penalty,
+                                                                        p.repetition_penalty)
+            # this step samples output token number seq_len - prompt_len (from 0)
+            rows.ban_stop[i] = seq_len - req.prompt_len < p.min_tokens
+        return rows

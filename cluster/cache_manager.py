@@ -43,8 +43,10 @@ class CacheManager:
         needs for them and for up to decode_reserve_tokens new tokens. False (and nothing held) when
         they are not available now."""
         ps = self.page_size
-        # at least one token must be computed to sample from
+        # at least one token must be computed to sample from; a prompt to score is computed whole
         limit = (req.fill_len - 1) // ps * ps
+        if req.params.prompt_logprobs is not None and not req.num_preempted:
+            limit = 0
         handle, pages = self.prefix_cache.match(req.input_ids[:limit])
         self.prefix_cache.lock(handle)
         upto = min(req.max_device_len, req.fill_len + self.decode_reserve_tokens)

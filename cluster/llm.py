@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from cluster.config import ReplicaConfig
 from cluster.engine_executors import LocalExecutor
+from cluster.choices import fan_out
 from cluster.messages import AddRequest, SchedulerStats, TokenDelta
 from cluster.model_info import eos_token_ids, load_tokenizer
 from cluster.errors import ErrorKind, InvalidRequestError, error_for
@@ -17,14 +18,42 @@ from worker.engine import Engine
 
 
 @dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One choice of a request."""
+
+    index: int
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
     finish_reason: str | None = None
     logprobs: list[float] | None = None
     error: str | None = None
     error_kind: ErrorKind | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A prompt's result: its choices (`outputs`, n of them); the fields below are the first choice's."""
+
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    # with SamplingParams.prompt_logprobs: positions 1.. of the prompt, (logprob, [(id, logprob) of the k most likely])
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self.outputs[0].logprobs
 
 
 class LLM:
@@ -36,7 +65,7 @@ class LLM:
         self.config.check_against_model()
         self.engine_config, self.scheduler_config = self.config.engine, self.config.scheduler
         self.tokenizer = load_tokenizer(model)
-        self._outputs: dict[int, RequestOutput] = {}
+        self._outputs: dict[int, tuple[RequestOutput, CompletionOutput]] = {}  # by uid: each choice's
         self._uids = itertools.count()
         self.replica = None
         self.scheduler = None
@@ -50,13 +79,16 @@ class LLM:
         self.scheduler = Scheduler(
             self.scheduler_config, self.executor, num_pages=self.engine.num_pages, page_size=self.engine.page_size,
             max_running_reqs=self.engine_config.max_running_reqs, max_seq_len=self.engine.max_seq_len,
-            eos_ids=eos_token_ids(model, self.engine.hf_config, self.tokenizer), on_output=self._collect)
+            eos_ids=eos_token_ids(model, self.engine.hf_config, self.tokenizer), on_output=self._collect,
+            vocab_size=self.engine.hf_config.vocab_size, max_logit_bias=self.engine_config.max_logit_bias)
 
     def _collect(self, deltas: list[TokenDelta]) -> None:
         for d in deltas:
-            out = self._outputs.get(d.uid)
-            if out is None:
+            if (found := self._outputs.get(d.uid)) is None:
                 continue
+            request, out = found
+            if d.prompt_logprobs is not None:
+                request.prompt_logprobs = d.prompt_logprobs
             if d.error is not None:
                 out.error, out.error_kind = d.error, d.error_kind
             if d.token is not None:
@@ -80,11 +112,16 @@ class LLM:
         encoded = [self._encode(prompt) for prompt in prompts]
         if self.scheduler is not None:
             for ids, p in zip(encoded, params):
-                self.scheduler.validate(ids, p)
-        requests = [AddRequest(next(self._uids), ids, p) for ids, p in zip(encoded, params)]
+                self.scheduler.validate(ids, p.for_choice(0))
+        results, requests = [], []
+        for ids, p in zip(encoded, params):
+            choices = fan_out(self._uids, ids, p)
+            result = RequestOutput(ids, [CompletionOutput(i) for i in range(len(choices))])
+            for r, out in zip(choices, result.outputs):
+                self._outputs[r.uid] = (result, out)
+            results.append(result)
+            requests += choices
         uids = [r.uid for r in requests]
-        for r in requests:
-            self._outputs[r.uid] = RequestOutput(prompt_token_ids=r.input_ids)
         try:
             if self.replica is not None:
                 self._run_remote(requests)
@@ -94,13 +131,13 @@ class LLM:
                 while self.scheduler.has_work:
                     self.scheduler.step()
         finally:
-            outputs = [self._outputs.pop(uid) for uid in uids]
+            outputs = [self._outputs.pop(uid)[1] for uid in uids]
         for out in outputs:
             if out.error is not None:  # the same exception whether the scheduler ran here or in an actor
                 raise error_for(out.error_kind or ErrorKind.ENGINE, out.error)
             if self.tokenizer is not None:
                 out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        return outputs
+        return results
 
     def _run_remote(self, requests: list[AddRequest]) -> None:
         import ray

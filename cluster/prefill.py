@@ -51,10 +51,12 @@ class PrefillManager:
         `in_flight`: the request slots of the batch in flight. `headroom` pages are left free at
         admission for running requests past their reservation."""
         batch: list[tuple[Req, int]] = []
-        budget, done = self.max_extend_tokens, 0
+        budget, whole = self.max_extend_tokens, set()
         for req in self.waiting:
             if budget == 0:
                 break
+            if req.held:
+                continue  # a later choice of a prompt not cached yet: the requests behind it go first
             if req.table_idx < 0:
                 if self.req_slots.available == 0 or not self.cache.admit(req, headroom):
                     break  # in queue order: later (or lower-priority) requests do not jump the queue
@@ -63,10 +65,14 @@ class PrefillManager:
             budget -= ext
             batch.append((req, ext))
             if ext < req.extend_len:
+                if self.waiting[0] is not req:  # past held choices: it holds a slot, so it leads from now on
+                    self.waiting.remove(req)
+                    self.waiting.insert(0, req)
                 break
-            done += 1
-        self.queued_tokens -= sum(req.fill_len for req in self.waiting[:done])
-        del self.waiting[:done]
+            whole.add(req)
+        if whole:
+            self.queued_tokens -= sum(req.fill_len for req in whole)
+            self.waiting = [req for req in self.waiting if req not in whole]
         return batch
 
 

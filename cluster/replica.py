@@ -59,7 +59,8 @@ class SchedulerActor:
         self.metrics = ReplicaMetrics(self.replica_id, cfg.model_name or Path(cfg.engine.model_path).name)
         self.scheduler = Scheduler(cfg.scheduler, executor, num_pages=engine.num_pages, page_size=engine.page_size,
                                    max_running_reqs=cfg.engine.max_running_reqs, max_seq_len=engine.max_seq_len,
-                                   eos_ids=eos, on_output=self._publish, on_finish=self._on_finish)
+                                   eos_ids=eos, on_output=self._publish, on_finish=self._on_finish,
+                                   vocab_size=engine.hf_config.vocab_size, max_logit_bias=cfg.engine.max_logit_bias)
         self._thread = threading.Thread(target=self._loop, name=f"scheduler-{self.replica_id}", daemon=True)
         self._thread.start()
         if isinstance(executor, TensorParallelExecutor):

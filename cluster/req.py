@@ -27,6 +27,10 @@ class Req:
     fill_len: int = 0               # tokens to prefill: the prompt, or after a preemption all tokens so far
     may_outgrow: bool = False       # its reservation does not cover max_tokens: it may be preempted
     num_preempted: int = 0
+    after: Req | None = None        # another choice of the same prompt: admitted once that one's prompt is cached
+    ended: bool = False
+    # with params.prompt_logprobs: (logprob, top (id, logprob) pairs) of prompt positions 1.., as chunks are scored
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     arrival: float = field(default_factory=time.perf_counter)
     scheduled: float | None = None  # first prefill launch
     first_token: float | None = None
@@ -44,6 +48,13 @@ class Req:
     def extend_len(self) -> int:
         """Tokens still to prefill."""
         return self.fill_len - self.cached_len
+
+    @property
+    def held(self) -> bool:
+        """Waits for the choice it shares a prompt with to have that prompt in the prefix cache."""
+        if self.after is not None and (self.after.ended or self.after.first_token is not None):
+            self.after = None
+        return self.after is not None
 
     @property
     def can_decode(self) -> bool:

@@ -31,6 +31,11 @@ from worker.batch import StepOutput
 log = logging.getLogger(__name__)
 
 
+def _probe(params: SamplingParams) -> Req:
+    """A request of these parameters, for the checks that look at one."""
+    return Req(-1, [0], params, 2, 0)
+
+
 @dataclass
 class Launched:
     """A step launched and not yet handled."""
@@ -52,16 +57,19 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, executor: Executor, *, num_pages: int, page_size: int,
                  max_running_reqs: int, max_seq_len: int, eos_ids: set[int],
                  on_output: Callable[[list[TokenDelta]], None],
-                 on_finish: Callable[[Req, str], None] | None = None) -> None:
+                 on_finish: Callable[[Req, str], None] | None = None, vocab_size: int | None = None,
+                 max_logit_bias: int | None = None) -> None:
+        """`vocab_size` and `max_logit_bias` (the engine's) bound what logit_bias may name; None: unchecked."""
         self.config, self.executor = config, executor
         self.max_seq_len, self.eos_ids = max_seq_len, frozenset(eos_ids)
+        self.vocab_size, self.max_logit_bias = vocab_size, max_logit_bias
         self.on_output = on_output
         self.on_finish = on_finish  # every request that ends, with its finish reason (metrics, tests)
         self.cache = CacheManager(num_pages, page_size, config.cache_type, config.decode_reserve_tokens)
         self.req_slots = RequestSlots(max_running_reqs)
         self.prefill = PrefillManager(self.cache, self.req_slots, config)
         self.decode = DecodeManager(self.cache, self.prefill, self._free)
-        self.builder = BatchBuilder(self.cache)
+        self.builder = BatchBuilder(self.cache, self.eos_ids, max_running_reqs)
         self.reqs: dict[int, Req] = {}          # every live request, by uid
         self.finished_reqs: set[Req] = set()    # left the batch in flight: its result there is dropped
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -118,7 +126,23 @@ class Scheduler:
         if need > self.cache.num_pages:
             raise InvalidRequestError(f"the request needs {need} KV-cache pages (prompt {n} + up to {max_len - n} "
                                       f"new tokens) but the cache has {self.cache.num_pages}; lower max_tokens or shorten the prompt")
+        self._validate_processors(params)
         return max_len
+
+    def _validate_processors(self, params: SamplingParams) -> None:
+        if params.n != 1:
+            raise InvalidRequestError("a scheduler runs one choice per request: fan n choices out first "
+                                      "(cluster.fan_out)", field="n")
+        if self.vocab_size is not None and (bad := [t for t in params.logit_bias if t >= self.vocab_size]):
+            raise InvalidRequestError(f"logit_bias names token {bad[0]}, outside this model's vocabulary of "
+                                      f"{self.vocab_size} tokens", field="logit_bias")
+        if self.max_logit_bias is not None and params.uses_processors:
+            stops = len(self.builder.stop_ids(_probe(params))) if params.min_tokens else 0
+            if len(params.logit_bias) + stops > self.max_logit_bias:
+                raise InvalidRequestError(
+                    f"logit_bias names {len(params.logit_bias)} tokens" + (f" and min_tokens holds back {stops} stop "
+                                                                          f"tokens" if stops else "")
+                    + f"; at most {self.max_logit_bias} (the max_logit_bias setting)", field="logit_bias")
 
     def _add(self, msg: AddRequest) -> None:
         if self._early_aborts.pop(msg.uid, 0) is None:
@@ -133,6 +157,8 @@ class Scheduler:
             return
         seed = msg.params.seed if msg.params.seed is not None else random.getrandbits(62)
         req = Req(msg.uid, list(msg.input_ids), msg.params, max_len, seed)  # its own list: tokens are appended
+        if msg.after is not None:
+            req.after = self.reqs.get(msg.after)
         self.reqs[req.uid] = req
         self.prefill.add(req)
 
@@ -150,6 +176,7 @@ class Scheduler:
     def _end(self, req: Req, reason: str) -> None:
         """The one way a request ends, whether it finished, was aborted or failed."""
         del self.reqs[req.uid]
+        req.ended = True
         if not self.decode.remove(req):
             self.prefill.remove(req)  # waiting, or part-way through a chunked prefill
         if req.table_idx >= 0:
@@ -242,6 +269,8 @@ class Scheduler:
         stale, self.finished_reqs = self.finished_reqs, set()
         tokens = out.next_tokens.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        if batch.scored:
+            self._keep_prompt_logprobs(batch, out, stale)
         now = time.perf_counter()
         deltas: list[TokenDelta] = []
         for i, req in enumerate(batch.reqs):
@@ -252,6 +281,8 @@ class Scheduler:
             req.first_token = req.first_token or now
             req.last_token = now
             delta = TokenDelta(req.uid, token)
+            if req.params.prompt_logprobs is not None and len(req.input_ids) == req.prompt_len + 1:
+                delta.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
             if logprobs is not None and req.params.logprobs is not None:
                 delta.logprob = logprobs[i]
                 if k := req.params.logprobs:
@@ -268,6 +299,19 @@ class Scheduler:
                 self.builder.rewrite_rows[req.table_idx] = req
         if deltas:
             self.on_output(deltas)
+
+    def _keep_prompt_logprobs(self, batch: Batch, out: StepOutput, stale: set[Req]) -> None:
+        """Appends each scored request's prompt logprobs of this step (sent with its first token)."""
+        values = out.prompt_logprobs.tolist()
+        top_ids = out.prompt_top_ids.tolist() if out.prompt_top_ids is not None else None
+        top_values = out.prompt_top_logprobs.tolist() if out.prompt_top_logprobs is not None else None
+        for req, start, count in batch.scored:
+            if req in stale:
+                continue
+            k = req.params.prompt_logprobs
+            for i in range(start, start + count):
+                top = list(zip(top_ids[i][:k], top_values[i][:k])) if k and top_ids is not None else []
+                req.prompt_logprobs.append((values[i], top))
 
     # -- failure -------------------------------------------------------------------------------------
 

@@ -77,6 +77,30 @@ def test_tp2_seeded_sampling_equals_tp1_and_aborts_keep_every_rank_whole(ray_clu
     assert after == hf_greedy(qwen3_path, prompts, 8)
 
 
+@pytest.mark.parametrize("family,overlap", [("qwen3", True), ("llama", False)])
+def test_tp2_penalties_biases_min_tokens_choices_and_prompt_logprobs_equal_tp1(ray_cluster, model_paths, family,
+                                                                              overlap):
+    """Every rank applies the same processors to the same gathered logits and counts the same tokens:
+    tp=2 equals tp=1 (which tests/test_sampling.py referees against Hugging Face)."""
+    path = model_paths[family]
+    params = [greedy(16, ignore_eos=True, repetition_penalty=1.6), greedy(16, ignore_eos=True, logit_bias={5: 3.0}),
+              greedy(16, stop_token_ids=[7], min_tokens=6), greedy(16, presence_penalty=0.8, frequency_penalty=0.9),
+              SamplingParams(temperature=0.9, min_p=0.05, max_tokens=10, n=3, seed=77), greedy(4, prompt_logprobs=2)]
+
+    def run(llm):
+        outs = llm.generate(encode_all(llm, PROMPT_TEXTS[:len(params)]), params)
+        return [[o.token_ids for o in out.outputs] for out in outs], outs[-1].prompt_logprobs
+
+    with checked_llm(path, tp_size=2, overlap=overlap, page_size=4) as llm:
+        tp2, tp2_scores = run(llm)
+    with checked_llm(path, overlap=overlap, page_size=4) as llm:
+        tp1, tp1_scores = run(llm)
+    assert tp2 == tp1
+    assert [top for _, top in tp2_scores] == [top for _, top in tp1_scores] or \
+        [[i for i, _ in top] for _, top in tp2_scores] == [[i for i, _ in top] for _, top in tp1_scores]
+    assert [lp for lp, _ in tp2_scores] == pytest.approx([lp for lp, _ in tp1_scores], abs=1e-4)
+
+
 def test_killed_follower_fails_requests_with_an_error_not_a_hang(ray_cluster, qwen3_path):
     llm = LLM(str(qwen3_path), tp_size=2, collective_timeout_s=10)
     try:

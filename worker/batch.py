@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from worker.processors import ProcessorInit, ProcessorRows
+
 
 @dataclass
 class BatchDesc:
@@ -27,6 +29,13 @@ class BatchDesc:
     # page-table rows of prefix-cache hits: (slot, KV locations of positions 0..len-1)
     prefix_rows: list[tuple[int, np.ndarray]] = field(default_factory=list)
     top_logprobs: int = -1     # -1: no logprobs; k >= 0: the sampled token's logprob and the k most likely
+    min_p: np.ndarray | None = None         # float32 [B]; None: 0 for every row
+    procs: ProcessorRows | None = None      # when some row uses penalties, biases or min_tokens
+    proc_init: list[ProcessorInit] = field(default_factory=list)  # slots whose processor state starts afresh
+    # prompt logprobs (prefill): the step's tokens whose next prompt token is scored, and that token
+    prompt_logprobs: int = -1  # -1: none; k >= 0: with the k most likely
+    plp_idx: np.ndarray | None = None       # int32 [P]: indices into the step's T tokens
+    plp_target: np.ndarray | None = None    # int32 [P]
 
     @property
     def batch_size(self) -> int:
@@ -38,30 +47,42 @@ class BatchDesc:
 
 
 # The packed form of a BatchDesc (worker/comm.py broadcasts it): a few integers that fix its layout,
-# then every array back to back in one byte payload, the int64 one first so that each lies aligned.
-# Unpacking makes numpy views of the payload: no copy, no unpickling.
-LAYOUT_LEN = 7  # is_prefill, batch size, tokens, has input_ids, prefix rows, prefix locations, top_logprobs
+# then every array back to back in one byte payload, the int64 one first and the bytes last, so that
+# each lies aligned. Unpacking makes numpy views of the payload: no copy, no unpickling.
+_LAYOUT = ("is_prefill", "B", "T", "has_ids", "prefix_rows", "prefix_locs", "top_logprobs", "has_min_p",
+           "has_procs", "inits", "init_prompt", "init_output", "init_sparse", "plp", "prompt_logprobs")
+LAYOUT_LEN = len(_LAYOUT)
+
+_I64, _I32, _F32, _U8 = np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint8)
+
+# (name, dtype, what sizes it: a count of _counts)
+_SECTIONS = (("seeds", _I64, "B"), ("table_idx", _I32, "B"), ("seq_lens", _I32, "B"), ("extend_lens", _I32, "B"),
+             ("top_k", _I32, "B"), ("temperature", _F32, "B"), ("top_p", _F32, "B"), ("min_p", _F32, "B_min_p"),
+             ("out_loc", _I32, "T"), ("input_ids", _I32, "T_ids"), ("prefix_slots", _I32, "prefix_rows"),
+             ("prefix_lens", _I32, "prefix_rows"), ("prefix_locs", _I32, "prefix_locs"),
+             ("state_row", _I32, "B_procs"), ("presence", _F32, "B_procs"), ("frequency", _F32, "B_procs"),
+             ("repetition", _F32, "B_procs"), ("init_slots", _I32, "inits"), ("init_prompt_lens", _I32, "inits"),
+             ("init_output_lens", _I32, "inits"), ("init_sparse_lens", _I32, "inits"),
+             ("init_prompt", _I32, "init_prompt"), ("init_output", _I32, "init_output"),
+             ("init_sparse_ids", _I32, "init_sparse"), ("init_sparse_bias", _F32, "init_sparse"),
+             ("plp_idx", _I32, "plp"), ("plp_target", _I32, "plp"),
+             ("ban_stop", _U8, "B_procs"), ("init_sparse_ban", _U8, "init_sparse"))
 
 
 def desc_layout(desc: BatchDesc) -> tuple[int, ...]:
     """The integers that, with the payload, give back `desc` (LAYOUT_LEN of them)."""
+    inits = desc.proc_init
     return (int(desc.is_prefill), desc.batch_size, desc.num_tokens, int(desc.input_ids is not None),
-            len(desc.prefix_rows), sum(len(locs) for _, locs in desc.prefix_rows), desc.top_logprobs)
+            len(desc.prefix_rows), sum(len(locs) for _, locs in desc.prefix_rows), desc.top_logprobs,
+            int(desc.min_p is not None), int(desc.procs is not None), len(inits),
+            sum(len(x.prompt_ids) for x in inits), sum(len(x.output_ids) for x in inits),
+            sum(len(x.sparse_ids) for x in inits), 0 if desc.plp_idx is None else len(desc.plp_idx),
+            desc.prompt_logprobs)
 
 
-# (field, dtype, which count of the layout sizes it: 1 requests, 2 tokens, 3 tokens if input_ids,
-# 4 prefix rows, 5 prefix locations)
-_SECTIONS = (("seeds", np.dtype(np.int64), 1), ("table_idx", np.dtype(np.int32), 1),
-             ("seq_lens", np.dtype(np.int32), 1), ("extend_lens", np.dtype(np.int32), 1),
-             ("top_k", np.dtype(np.int32), 1), ("temperature", np.dtype(np.float32), 1),
-             ("top_p", np.dtype(np.float32), 1), ("out_loc", np.dtype(np.int32), 2),
-             ("input_ids", np.dtype(np.int32), 3), ("prefix_slots", np.dtype(np.int32), 4),
-             ("prefix_lens", np.dtype(np.int32), 4), ("prefix_locs", np.dtype(np.int32), 5))
-
-
-def _counts(layout: tuple[int, ...]) -> tuple[int, ...]:
-    _, b, t, has_ids, rows, locs, _ = layout
-    return (0, b, t, t * has_ids, rows, locs)
+def _counts(layout: tuple[int, ...]) -> dict[str, int]:
+    v = dict(zip(_LAYOUT, layout))
+    return {**v, "B_min_p": v["B"] * v["has_min_p"], "T_ids": v["T"] * v["has_ids"], "B_procs": v["B"] * v["has_procs"]}
 
 
 def packed_nbytes(layout: tuple[int, ...]) -> int:
@@ -69,38 +90,62 @@ def packed_nbytes(layout: tuple[int, ...]) -> int:
     return sum(dtype.itemsize * counts[which] for _, dtype, which in _SECTIONS)
 
 
+def _flat(desc: BatchDesc) -> dict[str, object]:
+    """Every section's values, by name."""
+    rows, inits, procs = desc.prefix_rows, desc.proc_init, desc.procs
+    cat = np.concatenate
+    out: dict[str, object] = {
+        "prefix_slots": [slot for slot, _ in rows], "prefix_lens": [len(locs) for _, locs in rows],
+        "prefix_locs": cat([locs for _, locs in rows]) if rows else (),
+        "init_slots": [x.slot for x in inits], "init_prompt_lens": [len(x.prompt_ids) for x in inits],
+        "init_output_lens": [len(x.output_ids) for x in inits], "init_sparse_lens": [len(x.sparse_ids) for x in inits],
+    }
+    for key, name in (("init_prompt", "prompt_ids"), ("init_output", "output_ids"), ("init_sparse_ids", "sparse_ids"),
+                      ("init_sparse_bias", "sparse_bias"), ("init_sparse_ban", "sparse_ban")):
+        out[key] = cat([getattr(x, name) for x in inits]) if inits else ()
+    if procs is not None:
+        out.update(state_row=procs.state_row, presence=procs.presence, frequency=procs.frequency,
+                   repetition=procs.repetition, ban_stop=procs.ban_stop)
+    return out
+
+
 def pack_desc(desc: BatchDesc, layout: tuple[int, ...], out: np.ndarray) -> None:
     """Writes `desc`'s arrays into the uint8 buffer `out` (at least packed_nbytes(layout) long), each
     cast to its field's dtype."""
-    rows = desc.prefix_rows
-    prefix = {"prefix_slots": [slot for slot, _ in rows], "prefix_lens": [len(locs) for _, locs in rows],
-              "prefix_locs": np.concatenate([locs for _, locs in rows]) if rows else ()}
-    counts, offset = _counts(layout), 0
+    flat, counts, offset = _flat(desc), _counts(layout), 0
     for name, dtype, which in _SECTIONS:
         if n := counts[which]:
-            np.frombuffer(out, dtype, n, offset)[:] = prefix[name] if name in prefix else getattr(desc, name)
+            np.frombuffer(out, dtype, n, offset)[:] = flat[name] if name in flat else getattr(desc, name)
             offset += dtype.itemsize * n
+
+
+def _split(values: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:
+    return np.split(values, np.cumsum(lens[:-1])) if len(lens) else []
 
 
 def unpack_desc(layout: tuple[int, ...], payload: np.ndarray) -> BatchDesc:
     """The BatchDesc that pack_desc wrote into `payload`; its arrays are views of it, valid until it is
     written again."""
-    arrays, counts, offset = {}, _counts(layout), 0
+    a, counts, offset = {}, _counts(layout), 0
     for name, dtype, which in _SECTIONS:
         n = counts[which]
-        arrays[name] = np.frombuffer(payload, dtype, n, offset)
+        a[name] = np.frombuffer(payload, dtype, n, offset)
         offset += dtype.itemsize * n
-    is_prefill, _, _, has_ids, rows, _, top_logprobs = layout
-    prefix_rows = []
-    if rows:
-        locs = np.split(arrays["prefix_locs"], np.cumsum(arrays["prefix_lens"][:-1]))
-        prefix_rows = list(zip(arrays["prefix_slots"].tolist(), locs))
+    v = dict(zip(_LAYOUT, layout))
+    prefix_rows = list(zip(a["prefix_slots"].tolist(), _split(a["prefix_locs"], a["prefix_lens"])))
+    inits = [ProcessorInit(slot, prompt, output, ids, bias, ban) for slot, prompt, output, ids, bias, ban in zip(
+        a["init_slots"].tolist(), _split(a["init_prompt"], a["init_prompt_lens"]),
+        _split(a["init_output"], a["init_output_lens"]), _split(a["init_sparse_ids"], a["init_sparse_lens"]),
+        _split(a["init_sparse_bias"], a["init_sparse_lens"]), _split(a["init_sparse_ban"], a["init_sparse_lens"]))]
+    procs = ProcessorRows(a["state_row"], a["presence"], a["frequency"], a["repetition"], a["ban_stop"]) \
+        if v["has_procs"] else None
     return BatchDesc(
-        is_prefill=bool(is_prefill), table_idx=arrays["table_idx"], seq_lens=arrays["seq_lens"],
-        extend_lens=arrays["extend_lens"], out_loc=arrays["out_loc"],
-        input_ids=arrays["input_ids"] if has_ids else None, temperature=arrays["temperature"],
-        top_p=arrays["top_p"], top_k=arrays["top_k"], seeds=arrays["seeds"], prefix_rows=prefix_rows,
-        top_logprobs=int(top_logprobs))
+        is_prefill=bool(v["is_prefill"]), table_idx=a["table_idx"], seq_lens=a["seq_lens"],
+        extend_lens=a["extend_lens"], out_loc=a["out_loc"], input_ids=a["input_ids"] if v["has_ids"] else None,
+        temperature=a["temperature"], top_p=a["top_p"], top_k=a["top_k"], seeds=a["seeds"], prefix_rows=prefix_rows,
+        top_logprobs=int(v["top_logprobs"]), min_p=a["min_p"] if v["has_min_p"] else None, procs=procs,
+        proc_init=inits, prompt_logprobs=int(v["prompt_logprobs"]),
+        plp_idx=a["plp_idx"] if v["plp"] else None, plp_target=a["plp_target"] if v["plp"] else None)
 
 
 @dataclass
@@ -125,3 +170,7 @@ class StepOutput:
     logprobs: torch.Tensor | None = None       # float32 [B] on the host
     top_ids: torch.Tensor | None = None        # int32 [B, k]
     top_logprobs: torch.Tensor | None = None   # float32 [B, k]
+    # prompt logprobs of the step's scored tokens (desc.plp_idx): the target's, and the k most likely
+    prompt_logprobs: torch.Tensor | None = None   # float32 [P]
+    prompt_top_ids: torch.Tensor | None = None    # int32 [P, k]
+    prompt_top_logprobs: torch.Tensor | None = None  # float32 [P, k]

@@ -9,8 +9,12 @@ plan (which the forward reads) are written on the scheduler stream while the hea
 A step pads its batch to the next bucket, stages its per-row inputs (token-pool read and write cells,
 positions, KV locations, seeds, temperatures) as one block, copies that block into the static
 buffer on the compute stream (one copy: the previous step's replays have read it by then) and
-replays. Top-k/top-p rows are redone eagerly after the head (the tokens they drop masked, the same
-draw), overwriting what the head wrote for them.
+replays. A step where some row filters (top-k, top-p, min-p) or uses the logits processors (penalties,
+biases, min_tokens) then replays one more graph of its bucket, chosen by which of the two it needs: it
+stages those rows' arguments as a second block, redraws every row over the processed and filtered
+logits of the head (the same draw: a row that neither filters nor processes gets its token again) and
+overwrites the head's tokens; with processors it counts the tokens into the request slots' state. A
+step that needs neither pays nothing for them.
 
 Padded rows read token 0 at position 0, write their KV to a scratch page that no request owns and
 their token to the token pool's scratch cell; they are greedy."""
@@ -25,10 +29,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from worker import triton_ops
 from worker.attention.flashinfer_backend import FlashInferBackend
 from worker.batch import BatchDesc
-from worker.sampler import sample_unfiltered
+from worker.step_sampler import SampleArgs, StepSampler
 from worker.token_table import TokenTable
 
 # the int64 rows of the per-step block, then one float32 row (temperature)
@@ -54,6 +57,35 @@ def pack_io(bs: int, rows: dict[str, np.ndarray], temperature: np.ndarray, pad: 
     return block
 
 
+# the second block, of a step that filters or processes: float32 rows, then int64 rows
+SAMPLER_FLOATS = ("top_p", "min_p", "presence", "frequency", "repetition")
+SAMPLER_INTS = ("top_k", "state_row", "ban_stop")
+# what a row that neither filters nor processes holds (state_row: the processors' scratch row, set per runner)
+SAMPLER_PAD = {"top_p": 1.0, "min_p": 0.0, "presence": 0.0, "frequency": 0.0, "repetition": 1.0, "top_k": -1,
+               "ban_stop": 0}
+# the graphs a bucket holds beyond its head, by (processors, filter)
+VARIANTS = ((True, False), (False, True), (True, True))
+
+
+def sampler_io_bytes(bs: int) -> int:
+    return (4 * len(SAMPLER_FLOATS) + 8 * len(SAMPLER_INTS)) * bs
+
+
+def pack_sampler_io(bs: int, rows: dict[str, np.ndarray], pad: dict[str, float]) -> np.ndarray:
+    """The second block of a bucket of `bs` rows: each field's values for the real rows (its pad value
+    where `rows` lacks it: a step that filters but does not process), then its pad value."""
+    block = np.empty(sampler_io_bytes(bs), dtype=np.uint8)
+    nf = 4 * len(SAMPLER_FLOATS) * bs
+    floats = block[:nf].view(np.float32).reshape(len(SAMPLER_FLOATS), bs)
+    ints = block[nf:].view(np.int64).reshape(len(SAMPLER_INTS), bs)
+    n = len(next(iter(rows.values())))
+    for table, names in ((floats, SAMPLER_FLOATS), (ints, SAMPLER_INTS)):
+        for i, name in enumerate(names):
+            table[i, :n] = rows[name] if name in rows else pad[name]
+            table[i, n:] = pad[name]
+    return block
+
+
 def graph_batch_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 32 and every 16 beyond, ending at max_bs."""
     sizes = [bs for bs in (1, 2, 4, 8, 16, 24, 32) if bs <= max_bs]
@@ -76,19 +108,40 @@ class _Bucket:
         self.head: Callable[[], None] | None = None
         self.logits: torch.Tensor | None = None       # [bs, vocab], the model's dtype
         self.next_tokens: torch.Tensor | None = None  # int32 [bs]
+        # the variants, by (processors, filter): their graphs and sampled tokens
+        self.resample: dict[tuple[bool, bool], Callable[[], None]] = {}
+        self.resampled: dict[tuple[bool, bool], torch.Tensor] = {}
+
+    def bind_sampler_io(self, sio: torch.Tensor) -> None:
+        bs, nf = self.bs, 4 * len(SAMPLER_FLOATS) * self.bs
+        floats = sio[:nf].view(torch.float32).view(len(SAMPLER_FLOATS), bs)
+        ints = sio[nf: sampler_io_bytes(bs)].view(torch.int64).view(len(SAMPLER_INTS), bs)
+        self.sampler_args = {name: floats[i] for i, name in enumerate(SAMPLER_FLOATS)}
+        self.sampler_args.update({name: ints[i] for i, name in enumerate(SAMPLER_INTS)})
+
+    def args(self, procs: bool, filtered: bool) -> SampleArgs:
+        a = self.sampler_args
+        return SampleArgs(self.temperature, self.seeds, self.sample_pos, self.token_write,
+                          *((a["top_p"], a["top_k"], a["min_p"]) if filtered else (None, None, None)),
+                          *((a["state_row"], a["presence"], a["frequency"], a["repetition"], a["ban_stop"].bool())
+                            if procs else (None,) * 5))
 
 
 class CudaGraphRunner:
     def __init__(self, model: nn.Module, attn: FlashInferBackend, max_bs: int, scratch_page: int,
-                 table: TokenTable, device: torch.device) -> None:
-        self.model, self.attn, self.table = model, attn, table
+                 table: TokenTable, sampler: StepSampler, device: torch.device) -> None:
+        self.model, self.attn, self.table, self.sampler = model, attn, table, sampler
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         self.scratch_page = scratch_page
         self.scratch_loc = scratch_page * attn.page_size
         self.io = torch.zeros(io_bytes(self.max_bs), dtype=torch.uint8, device=device)
         self.buckets = {bs: _Bucket(self.io, bs) for bs in self.batch_sizes}
+        self.sio = torch.zeros(sampler_io_bytes(self.max_bs), dtype=torch.uint8, device=device)
+        for b in self.buckets.values():
+            b.bind_sampler_io(self.sio)
         self.pad = {"out_loc": self.scratch_loc, "token_write": table.scratch_cell}
+        self.sampler_pad = {**SAMPLER_PAD, "state_row": sampler.state.scratch_row}
         self.graphs = self.buckets  # the captured batch sizes (tests look at the keys)
 
     def bucket(self, desc: BatchDesc) -> int:
@@ -105,9 +158,13 @@ class CudaGraphRunner:
             with torch.cuda.stream(stream):
                 b.out_loc.fill_(self.scratch_loc)
                 b.token_write.fill_(self.table.scratch_cell)
+                idle = pack_sampler_io(bs, {"top_p": np.ones(1)}, self.sampler_pad)  # every row padding
+                self.sio[: idle.size].copy_(torch.from_numpy(idle))
                 self.attn.prepare_graph(None, bs, b.out_loc, self.scratch_page)
                 # warm-up outside the graph: JIT kernels, cuBLAS workspaces, lazily made buffers
-                self._head(b, self._forward(b))
+                logits, _ = self._head(b, self._forward(b))
+                for procs, filtered in VARIANTS:
+                    self.sampler(logits, b.args(procs, filtered), procs=procs, filtered=filtered)
             stream.synchronize()
             g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(g1, pool=pool, stream=stream):
@@ -115,6 +172,12 @@ class CudaGraphRunner:
             with torch.cuda.graph(g2, pool=pool, stream=stream):
                 b.logits, b.next_tokens = self._head(b, hidden)
             b.forward, b.head = g1.replay, g2.replay
+            for procs, filtered in VARIANTS:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, stream=stream):
+                    b.resampled[procs, filtered] = self.sampler(b.logits, b.args(procs, filtered), procs=procs,
+                                                                filtered=filtered)
+                b.resample[procs, filtered] = g.replay
 
     def _forward(self, b: _Bucket) -> torch.Tensor:
         ids = self.table.flat_pool.index_select(0, b.token_read)
@@ -122,13 +185,7 @@ class CudaGraphRunner:
 
     def _head(self, b: _Bucket, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.model.lm_head(hidden)
-        if triton_ops.kernels_available(logits):
-            tokens = triton_ops.sample_rows(logits, b.temperature, b.seeds, b.sample_pos,
-                                            token_pool=self.table.flat_pool, token_write=b.token_write)
-        else:
-            tokens = sample_unfiltered(logits, b.temperature, b.seeds, b.sample_pos).to(torch.int32)
-            self.table.flat_pool.index_copy_(0, b.token_write, tokens)
-        return logits, tokens
+        return logits, self.sampler(logits, b.args(False, False), procs=False, filtered=False)
 
     def prepare(self, desc: BatchDesc, bs: int) -> None:
         """On the scheduler stream, once the previous step's forward is done with the attention buffers:
@@ -145,3 +202,11 @@ class CudaGraphRunner:
         after_forward()
         b.head()
         return b
+
+    def resample(self, bs: int, sio: torch.Tensor, *, procs: bool, filtered: bool) -> torch.Tensor:
+        """On the compute stream, after `replay`: copies the step's second block and replays the variant
+        it needs; its tokens (the first n rows are real) replace the head's."""
+        self.sio[: sio.numel()].copy_(sio)
+        b = self.buckets[bs]
+        b.resample[procs, filtered]()
+        return b.resampled[procs, filtered]

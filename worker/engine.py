@@ -29,8 +29,10 @@ from worker.layers import fused
 from worker.loader import CheckpointError, init_dummy_weights, load_weights
 from worker.models import build_model
 from worker.parallel import TPGroup
-from worker.sampler import filter_logits, sample_unfiltered
+from worker.logprobs import prompt_logprobs, token_logprobs
+from worker.processors import ProcessorState
 from worker.staging import PinnedStaging, Staged
+from worker.step_sampler import SampleArgs, StepSampler
 from worker.stream import new_event, new_stream, use_stream
 from worker.token_table import TokenTable
 
@@ -85,7 +87,8 @@ class StepInputs:
 
     staged: Staged               # release(stream) once the step's last reader is enqueued
     all_greedy: bool             # every row has temperature 0: the argmax, no sampling arrays staged
-    any_filter: bool             # some row uses top-k or top-p (top_p and top_k are staged then)
+    any_filter: bool             # some row uses top-k, top-p or min-p (top_p, top_k and min_p are staged then)
+    procs: bool                  # some row uses the logits processors (their per-row arrays are staged then)
     page_idx: torch.Tensor       # int64 [T]: page-table cells this step fills ...
     page_val: torch.Tensor       # int32 [T]: ... with these KV locations
     prefix_idx: torch.Tensor | None = None  # page-table cells of prefix-cache hits, and their locations
@@ -105,6 +108,16 @@ class StepInputs:
     seeds: torch.Tensor | None = None       # int64 [B] (unless all greedy)
     top_p: torch.Tensor | None = None       # float32 [B] (when any_filter)
     top_k: torch.Tensor | None = None       # int32 [B] (when any_filter)
+    min_p: torch.Tensor | None = None       # float32 [B] (when any_filter)
+    state_row: torch.Tensor | None = None   # int64 [B] } (when procs)
+    presence: torch.Tensor | None = None    # float32   }
+    frequency: torch.Tensor | None = None   # float32   }
+    repetition: torch.Tensor | None = None  # float32   }
+    ban_stop: torch.Tensor | None = None    # bool      }
+    sampler_io: torch.Tensor | None = None  # uint8: a replayed step's filter and processor block (cuda_graph.pack_sampler_io)
+    init: dict[str, torch.Tensor] | None = None  # processor state set afresh (ProcessorState.init_arrays)
+    plp_idx: torch.Tensor | None = None     # int64 [P]: the prompt tokens scored (prompt logprobs) ...
+    plp_target: torch.Tensor | None = None  # int64 [P]: ... and the prompt token that follows each
 
 
 class Engine:
@@ -136,6 +149,9 @@ class Engine:
             raise ValueError(f"unknown load_format {config.load_format!r}; choose auto or dummy")
         self.model.eval()
         attn0 = self.model.model.layers[0].self_attn
+        # before the KV cache takes what memory is left
+        self.proc_state = ProcessorState(config.max_running_reqs, self.hf_config.vocab_size, config.max_logit_bias,
+                                         self.device)
         # every rank must hold the pages rank 0 hands out; free memory can differ a little per GPU
         self.num_pages = config.num_pages or self.tp.comm.min_over_ranks(
             self._pages_from_budget(attn0.num_kv_heads, attn0.head_dim))
@@ -144,6 +160,7 @@ class Engine:
         self.kv = KVCachePool(self.hf_config.num_hidden_layers, self.num_pages + 1, self.page_size,
                               attn0.num_kv_heads, attn0.head_dim, self.kv_dtype, self.device)
         self.table = TokenTable(config.max_running_reqs, self.max_seq_len, self.device)
+        self.sampler = StepSampler(self.table.flat_pool, self.proc_state)
         backend = config.attention_backend
         if backend == "auto" and self.dtype == torch.float32:
             backend = "torch"  # FlashInfer has no float32 kernels
@@ -193,7 +210,8 @@ class Engine:
         if not isinstance(self.attn, FlashInferBackend):
             return None  # the torch backend's shapes change with every step's lengths
         from worker.cuda_graph import CudaGraphRunner
-        graphs = CudaGraphRunner(self.model, self.attn, max_bs, self.scratch_page, self.table, self.device)
+        graphs = CudaGraphRunner(self.model, self.attn, max_bs, self.scratch_page, self.table, self.sampler,
+                                 self.device)
         with torch.inference_mode():
             graphs.capture(self.stream, progress=self.tp.rank == 0)
         return graphs
@@ -203,12 +221,14 @@ class Engine:
     def _stage(self, desc: BatchDesc, bs: int) -> StepInputs:
         """Packs every array the step needs into pinned staging and copies it to the device (on the
         current stream). `bs` > 0: a decode step replayed from the graph of that batch size, whose
-        per-row inputs travel as one block (`graph_io`)."""
+        per-row inputs travel as one block (`graph_io`, and `sampler_io` when it filters or processes)."""
         slots = desc.table_idx.astype(np.int64)
         seq = desc.seq_lens.astype(np.int64)
         pool_row = self.table.token_pool.shape[1]
         all_greedy = bool((desc.temperature <= 0).all())
-        any_filter = not all_greedy and bool(((desc.top_k > 0) | (desc.top_p < 1)).any())
+        min_p = desc.min_p if desc.min_p is not None else np.zeros(desc.batch_size, dtype=np.float32)
+        any_filter = not all_greedy and bool(((desc.top_k > 0) | (desc.top_p < 1) | (min_p > 0)).any())
+        procs = desc.procs
         if desc.is_prefill:
             ext = desc.extend_lens.astype(np.int64)
             ends = np.cumsum(ext)
@@ -224,14 +244,22 @@ class Engine:
             a["prefix_idx"] = np.concatenate([slot * self.max_seq_len + np.arange(len(locs)) for slot, locs in desc.prefix_rows])
             a["prefix_val"] = np.concatenate([locs for _, locs in desc.prefix_rows]).astype(np.int32)
         token_write = slots * pool_row + seq  # where each sampled token goes
-        if any_filter:
-            a.update(top_p=desc.top_p.astype(np.float32), top_k=desc.top_k.astype(np.int32))
+        if desc.proc_init:
+            a.update(self.proc_state.init_arrays(desc.proc_init))
+        if desc.plp_idx is not None:
+            a.update(plp_idx=desc.plp_idx.astype(np.int64), plp_target=desc.plp_target.astype(np.int64))
+        filters = {"top_p": desc.top_p, "top_k": desc.top_k, "min_p": min_p} if any_filter else {}
+        if procs is not None:
+            filters.update(state_row=procs.state_row, presence=procs.presence, frequency=procs.frequency,
+                           repetition=procs.repetition, ban_stop=procs.ban_stop)
         if bs:
-            from worker.cuda_graph import pack_io
+            from worker.cuda_graph import pack_io, pack_sampler_io
             a["graph_io"] = pack_io(bs, {"token_read": slots * pool_row + seq - 1, "positions": positions,
                                          "out_loc": desc.out_loc, "token_write": token_write,
                                          "seeds": desc.seeds, "sample_pos": seq},
                                     desc.temperature.astype(np.float32), self.graphs.pad)
+            if filters:
+                a["sampler_io"] = pack_sampler_io(bs, filters, self.graphs.sampler_pad)
         else:
             a.update(table_idx=slots, seq_lens=desc.seq_lens.astype(np.int32), positions=positions,
                      out_loc=desc.out_loc.astype(np.int64), token_write=token_write)
@@ -242,15 +270,27 @@ class Engine:
                 a.update(token_read=slots * pool_row + seq - 1)
             if not all_greedy:
                 a.update(temperature=desc.temperature.astype(np.float32), seeds=desc.seeds.astype(np.int64))
+            if any_filter:
+                a.update(top_p=desc.top_p.astype(np.float32), top_k=desc.top_k.astype(np.int32),
+                         min_p=min_p.astype(np.float32))
+            if procs is not None:
+                a.update(state_row=procs.state_row.astype(np.int64), presence=procs.presence.astype(np.float32),
+                         frequency=procs.frequency.astype(np.float32), repetition=procs.repetition.astype(np.float32),
+                         ban_stop=procs.ban_stop.astype(bool))
         staged = self.staging.upload(a)
         d = staged.device
-        return StepInputs(staged=staged, all_greedy=all_greedy, any_filter=any_filter, page_idx=d["page_idx"],
-                          page_val=d["page_val"], prefix_idx=d.get("prefix_idx"), prefix_val=d.get("prefix_val"),
-                          graph_io=d.get("graph_io"), table_idx=d.get("table_idx"), seq_lens=d.get("seq_lens"),
-                          positions=d.get("positions"), out_loc=d.get("out_loc"), last_idx=d.get("last_idx"),
-                          input_ids=d.get("input_ids"), token_idx=d.get("token_idx"), token_read=d.get("token_read"),
-                          token_write=d.get("token_write"), temperature=d.get("temperature"), seeds=d.get("seeds"),
-                          top_p=d.get("top_p"), top_k=d.get("top_k"))
+        init = {k: v for k, v in d.items() if k.startswith("init_")} if desc.proc_init else None
+        return StepInputs(staged=staged, all_greedy=all_greedy, any_filter=any_filter, procs=procs is not None,
+                          page_idx=d["page_idx"], page_val=d["page_val"], prefix_idx=d.get("prefix_idx"),
+                          prefix_val=d.get("prefix_val"), graph_io=d.get("graph_io"), table_idx=d.get("table_idx"),
+                          seq_lens=d.get("seq_lens"), positions=d.get("positions"), out_loc=d.get("out_loc"),
+                          last_idx=d.get("last_idx"), input_ids=d.get("input_ids"), token_idx=d.get("token_idx"),
+                          token_read=d.get("token_read"), token_write=d.get("token_write"),
+                          temperature=d.get("temperature"), seeds=d.get("seeds"), top_p=d.get("top_p"),
+                          top_k=d.get("top_k"), min_p=d.get("min_p"), state_row=d.get("state_row"),
+                          presence=d.get("presence"), frequency=d.get("frequency"), repetition=d.get("repetition"),
+                          ban_stop=d.get("ban_stop"), sampler_io=d.get("sampler_io"), init=init,
+                          plp_idx=d.get("plp_idx"), plp_target=d.get("plp_target"))
 
     @torch.inference_mode()
     def forward(self, desc: BatchDesc) -> StepOutput:
@@ -276,11 +316,20 @@ class Engine:
             self.stream.wait_stream(self.sched_stream)
             if self.step_timer is not None:
                 self.step_timer.begin(self.stream, desc)
+            if s.init is not None:  # before this step samples (and after the last step that counted into these slots)
+                self.proc_state.apply_init(s.init)
             if bs:
                 logits, next_tokens = self._replay(desc, bs, s)
+                scored = None
             else:
-                logits, next_tokens = self._forward_eager(desc, batch, s)
+                logits, next_tokens, scored = self._forward_eager(desc, batch, s)
             out = self._to_host(next_tokens, logits, desc.top_logprobs)
+            if scored is not None:
+                chosen, values, ids = scored
+                out.prompt_logprobs = self._host_copy(chosen)
+                if values is not None:
+                    out.prompt_top_logprobs, out.prompt_top_ids = self._host_copy(values), self._host_copy(ids)
+            out.done.record()
             s.staged.release(self.stream)
             if self.step_timer is not None:
                 self.step_timer.end(self.stream)
@@ -289,13 +338,13 @@ class Engine:
     def _replay(self, desc: BatchDesc, bs: int, s: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.graphs.replay(bs, s.graph_io, lambda: self.inputs_free.record(self.stream))
         n = desc.batch_size
-        logits, next_tokens = b.logits[:n], b.next_tokens[:n]
-        if s.any_filter:  # redone with the mask: the same draw over the tokens top-k/top-p keep
-            self._sample_into(logits, b.temperature[:n], s.top_p, s.top_k, b.seeds[:n], b.sample_pos[:n],
-                              b.token_write[:n], any_filter=True, out=next_tokens)
-        return logits, next_tokens
+        next_tokens = b.next_tokens
+        if s.sampler_io is not None:  # redrawn over the processed and filtered logits (the same draw)
+            next_tokens = self.graphs.resample(bs, s.sampler_io, procs=s.procs, filtered=s.any_filter)
+        return b.logits[:n], next_tokens[:n]
 
-    def _forward_eager(self, desc: BatchDesc, batch: ForwardBatch, s: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_eager(self, desc: BatchDesc, batch: ForwardBatch, s: StepInputs):
+        """Runs the step eagerly: (logits, sampled tokens, prompt logprobs or None)."""
         tokens = self.table.flat_pool
         if desc.is_prefill:
             tokens.index_copy_(0, s.token_idx, batch.input_ids)
@@ -304,41 +353,21 @@ class Engine:
         hidden = self.model(batch.input_ids.long(), batch.positions, self.attn)
         self.inputs_free.record(self.stream)
         logits = self.model.compute_logits(hidden[batch.last_idx] if desc.is_prefill else hidden)
-        if s.all_greedy:
-            next_tokens = logits.argmax(dim=-1).to(torch.int32)
-            # the next step reads its input here, on the device: the host never has to know it first
-            tokens.index_copy_(0, s.token_write, next_tokens)
-            return logits, next_tokens
-        next_tokens = self._sample_into(logits, s.temperature, s.top_p, s.top_k, s.seeds, batch.seq_lens,
-                                        s.token_write, any_filter=s.any_filter)
-        return logits, next_tokens
-
-    def _sample_into(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor | None,
-                     top_k: torch.Tensor | None, seeds: torch.Tensor, positions: torch.Tensor,
-                     token_write: torch.Tensor, *, any_filter: bool, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Samples each row (worker/sampler.py's draw) and writes the tokens into the token pool at
-        token_write; int32 [B] (in `out` when given)."""
-        if any_filter:
-            logits = filter_logits(logits, temperature, top_p, top_k)
-        if triton_ops.kernels_available(logits):
-            return triton_ops.sample_rows(logits, temperature, seeds, positions, out=out,
-                                          token_pool=self.table.flat_pool, token_write=token_write)
-        tokens = sample_unfiltered(logits, temperature, seeds, positions).to(torch.int32)
-        self.table.flat_pool.index_copy_(0, token_write, tokens)
-        if out is not None:
-            out.copy_(tokens)
-            return out
-        return tokens
+        args = SampleArgs(s.temperature, s.seeds, batch.seq_lens, s.token_write, s.top_p, s.top_k, s.min_p,
+                          s.state_row, s.presence, s.frequency, s.repetition, s.ban_stop)
+        next_tokens = self.sampler(logits, args, procs=s.procs, filtered=s.any_filter)
+        scored = None
+        if s.plp_idx is not None:
+            scored = prompt_logprobs(self.model.compute_logits, hidden, s.plp_idx, s.plp_target, desc.prompt_logprobs)
+        return logits, next_tokens, scored
 
     def _to_host(self, next_tokens: torch.Tensor, logits: torch.Tensor, top_logprobs: int) -> StepOutput:
         out = StepOutput(next_tokens=self._host_copy(next_tokens), done=new_event(self.device))
         if top_logprobs >= 0:
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            out.logprobs = self._host_copy(logp.gather(1, next_tokens.long().unsqueeze(1)).squeeze(1))
-            if top_logprobs > 0:
-                values, ids = logp.topk(top_logprobs, dim=-1)
-                out.top_logprobs, out.top_ids = self._host_copy(values), self._host_copy(ids.to(torch.int32))
-        out.done.record()
+            chosen, values, ids = token_logprobs(logits, next_tokens, top_logprobs)
+            out.logprobs = self._host_copy(chosen)
+            if values is not None:
+                out.top_logprobs, out.top_ids = self._host_copy(values), self._host_copy(ids)
         return out
 
     def _host_copy(self, t: torch.Tensor) -> torch.Tensor:

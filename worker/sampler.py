@@ -58,10 +58,11 @@ def sample_unfiltered(logits: torch.Tensor, temperature: torch.Tensor, seeds: to
     return torch.where(temperature <= 0, greedy, noisy.argmax(dim=-1))
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                  top_k: torch.Tensor) -> torch.Tensor:
-    """float32 logits with the tokens top-k and top-p drop set to -inf (computed on softmax(logits / T));
-    a row with top_k <= 0 and top_p >= 1 comes back unchanged. The most likely token is always kept."""
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                  min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 logits with the tokens top-k, top-p and min-p drop set to -inf (computed on
+    softmax(logits / T); min-p drops tokens less likely than min_p times the most likely one); a row
+    with top_k <= 0, top_p >= 1 and min_p 0 comes back unchanged. The most likely token is always kept."""
     x = logits.float()
     probs = torch.softmax(x * inverse_temperature(temperature).unsqueeze(1), dim=-1)
     probs, order = probs.sort(dim=-1, descending=True)
@@ -70,14 +71,17 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
     before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
     keep_sorted = (rank < k) & ((before < top_p.unsqueeze(1)) | (top_p >= 1).unsqueeze(1) | (rank == 0))
+    if min_p is not None:
+        keep_sorted &= probs >= min_p.unsqueeze(1) * probs[:, :1]
     keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
     return x.masked_fill(~keep, float("-inf"))
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-           seeds: torch.Tensor, positions: torch.Tensor, *, any_filter: bool) -> torch.Tensor:
+           seeds: torch.Tensor, positions: torch.Tensor, *, any_filter: bool,
+           min_p: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] (any float dtype) -> int64 [B]. `any_filter` (known on the host: some row has
-    top_k > 0 or top_p < 1) adds the top-k/top-p mask; without it the mask is skipped."""
+    top_k > 0, top_p < 1 or min_p > 0) adds the filter's mask; without it the mask is skipped."""
     if any_filter:
-        logits = filter_logits(logits, temperature, top_p, top_k)
+        logits = filter_logits(logits, temperature, top_p, top_k, min_p)
     return sample_unfiltered(logits, temperature, seeds, positions)

@@ -1,0 +1,109 @@
+"""Logits processors whose state lives on the device, per request slot: penalties over the tokens a
+request has generated (OpenAI's presence and frequency penalties) or seen (Hugging Face's repetition
+penalty, over prompt and output), logit biases, and min_tokens' ban on stop tokens.
+
+The state is updated from the sampled ids on the device, in the same graph as sampling, so step N+1
+applies step N's token without the host ever knowing it: the overlap loop keeps running. A step whose
+requests use none of these never touches the state (the engine picks a graph without it).
+
+Per slot (one row more than there are request slots: the scratch row, all zeros, that rows without
+processors read and that no update writes):
+- `counts` int32 [slots + 1, vocab]: how often the slot's request generated each token;
+- `prompt_seen` bool [slots + 1, vocab]: the tokens of its prompt (for the repetition penalty);
+- `sparse_ids`, `sparse_bias`, `sparse_ban` [slots + 1, K]: its logit biases, then its stop ids, which
+  are banned (-inf) while the step's row says min_tokens is not reached. Unused entries add 0 to token 0.
+
+The order is vLLM's: biases and the ban first, then the repetition penalty, then frequency and presence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class ProcessorRows:
+    """A step's per-row processor arguments ([B] each), present when some row uses processors."""
+
+    state_row: np.ndarray    # int32: the slot whose state the row reads and updates; the scratch row if none
+    presence: np.ndarray     # float32
+    frequency: np.ndarray    # float32
+    repetition: np.ndarray   # float32; 1 is off
+    ban_stop: np.ndarray     # uint8: 1 while the row's min_tokens is not reached (its stop ids are banned)
+
+
+@dataclass
+class ProcessorInit:
+    """A slot's state set afresh (a request's prefill begins, first or after a preemption)."""
+
+    slot: int
+    prompt_ids: np.ndarray   # int32: the prompt (the repetition penalty sees them; empty when unused)
+    output_ids: np.ndarray   # int32: tokens generated so far (after a preemption)
+    sparse_ids: np.ndarray   # int32: biased token ids, then stop ids
+    sparse_bias: np.ndarray  # float32: their biases (0 for the stop ids)
+    sparse_ban: np.ndarray   # uint8: 1 for the stop ids
+
+
+class ProcessorState:
+    def __init__(self, num_slots: int, vocab: int, max_sparse: int, device: torch.device) -> None:
+        self.vocab, self.max_sparse = vocab, max_sparse
+        self.scratch_row = num_slots
+        rows = num_slots + 1
+        self.counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
+        self.prompt_seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+        self.sparse_ids = torch.zeros(rows, max_sparse, dtype=torch.int64, device=device)
+        self.sparse_bias = torch.zeros(rows, max_sparse, dtype=torch.float32, device=device)
+        self.sparse_ban = torch.zeros(rows, max_sparse, dtype=torch.bool, device=device)
+
+    @staticmethod
+    def bytes_needed(num_slots: int, vocab: int, max_sparse: int) -> int:
+        return (num_slots + 1) * (vocab * 5 + max_sparse * 13)
+
+    def init_arrays(self, inits: list[ProcessorInit]) -> dict[str, np.ndarray]:
+        """The flat indices and values that `apply_init` writes, computed on the host (staged as one copy)."""
+        slots = np.fromiter((x.slot for x in inits), dtype=np.int64, count=len(inits))
+        prompt = [x.slot * self.vocab + x.prompt_ids.astype(np.int64) for x in inits]
+        output = [x.slot * self.vocab + x.output_ids.astype(np.int64) for x in inits]
+        sparse = [x.slot * self.max_sparse + np.arange(len(x.sparse_ids), dtype=np.int64) for x in inits]
+        cat = np.concatenate
+        return {"init_slots": slots, "init_prompt": cat(prompt), "init_output": cat(output),
+                "init_sparse_at": cat(sparse), "init_sparse_ids": cat([x.sparse_ids for x in inits]).astype(np.int64),
+                "init_sparse_bias": cat([x.sparse_bias for x in inits]).astype(np.float32),
+                "init_sparse_ban": cat([x.sparse_ban for x in inits]).astype(bool)}
+
+    def apply_init(self, d: dict[str, torch.Tensor]) -> None:
+        """Resets the slots of `d["init_slots"]` and writes their prompt, output and sparse entries (the
+        device twins of `init_arrays`), on the current stream."""
+        slots = d["init_slots"]
+        for t in (self.counts, self.prompt_seen, self.sparse_ids, self.sparse_bias, self.sparse_ban):
+            t.index_fill_(0, slots, 0)
+        self.prompt_seen.view(-1).index_fill_(0, d["init_prompt"], True)
+        out = d["init_output"]
+        self.counts.view(-1).index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+        at = d["init_sparse_at"]
+        self.sparse_ids.view(-1).index_copy_(0, at, d["init_sparse_ids"])
+        self.sparse_bias.view(-1).index_copy_(0, at, d["init_sparse_bias"])
+        self.sparse_ban.view(-1).index_copy_(0, at, d["init_sparse_ban"])
+
+    def apply(self, logits: torch.Tensor, state_row: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+              repetition: torch.Tensor, ban_stop: torch.Tensor) -> torch.Tensor:
+        """float32 logits [B, vocab] with every row's processors applied. A row on the scratch row with
+        zero penalties and repetition 1 comes back exactly as it was."""
+        rows = state_row.long()
+        x = logits.float().clone()
+        ban = self.sparse_ban[rows] & ban_stop.bool().unsqueeze(1)
+        add = self.sparse_bias[rows].masked_fill(ban, float("-inf"))
+        x.scatter_add_(1, self.sparse_ids[rows], add)
+        counts = self.counts[rows]
+        generated = counts > 0
+        rep = repetition.unsqueeze(1)
+        x = torch.where(generated | self.prompt_seen[rows], torch.where(x > 0, x / rep, x * rep), x)
+        return x - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * generated
+
+    def update(self, state_row: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Counts each row's sampled token in its slot (rows on the scratch row count nothing)."""
+        rows = state_row.long()
+        self.counts.view(-1).index_add_(0, rows * self.vocab + tokens.long(), (rows != self.scratch_row).int())

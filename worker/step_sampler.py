@@ -1,0 +1,68 @@
+"""A step's sampling on the device, the same in an eager step and in a captured graph: the logits
+processors (worker/processors.py) when some row uses them, the top-k/top-p/min-p filter when some row
+filters, then the draw of worker/sampler.py; the sampled tokens go into the token pool (where the next
+step reads its input) and, with processors, into the request slots' counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker import triton_ops
+from worker.processors import ProcessorState
+from worker.sampler import filter_logits, sample_unfiltered
+
+
+@dataclass
+class SampleArgs:
+    """Per-row device tensors ([B]) of one step's sampling; the groups are None when not needed."""
+
+    temperature: torch.Tensor | None    # float32 (None: every row greedy)
+    seeds: torch.Tensor | None          # int64
+    positions: torch.Tensor | None      # int64: the position each row samples (its key with the seed)
+    token_write: torch.Tensor           # int64: the token-pool cell of each row's sampled token
+    top_p: torch.Tensor | None = None   # float32 } the filter
+    top_k: torch.Tensor | None = None   # int32   }
+    min_p: torch.Tensor | None = None   # float32 }
+    state_row: torch.Tensor | None = None   # int64   } the processors
+    presence: torch.Tensor | None = None    # float32 }
+    frequency: torch.Tensor | None = None   # float32 }
+    repetition: torch.Tensor | None = None  # float32 }
+    ban_stop: torch.Tensor | None = None    # bool    }
+
+
+class StepSampler:
+    def __init__(self, flat_pool: torch.Tensor, state: ProcessorState) -> None:
+        self.flat_pool, self.state = flat_pool, state
+
+    def __call__(self, logits: torch.Tensor, a: SampleArgs, *, procs: bool, filtered: bool,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """int32 [B] sampled tokens (written into `out` when given); `procs` and `filtered` say which
+        groups of `a` to apply (known on the host)."""
+        x = logits
+        if procs:
+            x = self.state.apply(x, a.state_row, a.presence, a.frequency, a.repetition, a.ban_stop)
+        if a.temperature is None:
+            tokens = x.argmax(dim=-1).to(torch.int32)
+            # the next step reads its input here, on the device: the host never has to know it first
+            self.flat_pool.index_copy_(0, a.token_write, tokens)
+            if out is not None:
+                tokens = out.copy_(tokens)
+        else:
+            if filtered:
+                x = filter_logits(x, a.temperature, a.top_p, a.top_k, a.min_p)
+            tokens = self._draw(x, a, out)
+        if procs:
+            self.state.update(a.state_row, tokens)
+        return tokens
+
+    def _draw(self, x: torch.Tensor, a: SampleArgs, out: torch.Tensor | None) -> torch.Tensor:
+        if triton_ops.kernels_available(x):
+            return triton_ops.sample_rows(x, a.temperature, a.seeds, a.positions, out=out,
+                                          token_pool=self.flat_pool, token_write=a.token_write)
+        tokens = sample_unfiltered(x, a.temperature, a.seeds, a.positions).to(torch.int32)
+        self.flat_pool.index_copy_(0, a.token_write, tokens)
+        if out is not None:
+            return out.copy_(tokens)
+        return tokens
