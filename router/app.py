@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib.metadata
 import logging
 import uuid
@@ -15,12 +16,12 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.detokenizer import IncrementalDetokenizer
-from cluster import RaylmError
+from cluster import AddRequest, RaylmError, SamplingParams, fan_out
 from router.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
-from router.generation import Timing, generate
+from router.generation import Timing, generate_choices
 from router.guard import RequestGuard
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from router.responses import Formatter, sse
+from router.responses import Echo, Formatter, sse
 from router.routing import NoReplicaError, with_room
 from router.state import RouterState
 
@@ -104,8 +105,12 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         state.check_model(body.model)
         ids = state.completion_ids(body)
-        params = state.sampling_params(body, ids, body.max_tokens, 16, body.logprobs)
-        fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", state.model_name, False, state.tokenizer, body.logprobs)
+        # an echo with logprobs shows the prompt's too: the replica scores the prompt for them
+        params = state.sampling_params(body, ids, body.max_tokens, 16, body.logprobs,
+                                       body.logprobs if body.echo else None)
+        echo = Echo(state.prompt_text(body, ids), ids) if body.echo else None
+        fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", state.model_name, False, state.tokenizer, body.logprobs,
+                        params.n, echo)
         return await _serve(state, request, body, ids, params, fmt)
 
     @app.post("/v1/chat/completions")
@@ -114,7 +119,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
         ids = state.chat_ids(body)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = state.sampling_params(body, ids, body.max_completion_tokens or body.max_tokens, None, top)
-        fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, True, state.tokenizer, top)
+        fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, True, state.tokenizer, top, params.n)
         return await _serve(state, request, body, ids, params, fmt)
 
     return app
@@ -135,17 +140,17 @@ def _version() -> str:
 async def _serve(state: RouterState, request: Request, body, ids, params, fmt: Formatter):
     bounds = state.config.scheduler
     try:
-        room = with_room(state.clients, len(ids), bounds.max_queued_requests, bounds.max_queued_tokens)
+        room = with_room(state.clients, len(ids), bounds.max_queued_requests, bounds.max_queued_tokens, params.n)
         client = state.policy.pick(room, ids)
     except NoReplicaError as e:
         raise APIError(503, str(e), "service_unavailable") from e
     except RaylmError as e:  # every queue is full: a 429 before anything is sent, a stream's included
         state.metrics.requests.labels(state.model_name, "rejected").inc()
         raise APIError.of(e) from e
-    uid = next(state.uids)
+    requests = _choices(state, ids, params)
     timing = Timing()
-    detok = IncrementalDetokenizer(state.tokenizer, body.stop_list)
-    pieces = generate(client, uid, ids, params, detok, timing)
+    detoks = [IncrementalDetokenizer(state.tokenizer, body.stop_list) for _ in requests]  # stops apply per choice
+    pieces = generate_choices(client, requests, detoks, timing)
     state.metrics.running.labels(state.model_name).inc()
     outcome = {"reason": "abort"}
 
@@ -163,7 +168,7 @@ async def _serve(state: RouterState, request: Request, body, ids, params, fmt: F
                                  media_type="text/event-stream")
     try:
         collected = await _until_disconnect(request, _collect(pieces), state.config.request_timeout_s)
-        outcome["reason"] = collected[-1].finish_reason
+        outcome["reason"] = _request_reason([p.finish_reason for p in collected if p.finish_reason is not None])
     except asyncio.TimeoutError as e:
         outcome["reason"] = "timeout"
         raise APIError(408, f"the request took longer than {state.config.request_timeout_s} s",
@@ -175,6 +180,22 @@ async def _serve(state: RouterState, request: Request, body, ids, params, fmt: F
         await pieces.aclose()
         done()
     return fmt.whole(collected, len(ids))
+
+
+def _choices(state: RouterState, ids: list[int], params: SamplingParams) -> list[AddRequest]:
+    """The request's choices as the replica runs them, one uid each, choice 0 first."""
+    requests = fan_out(state.uids, ids, params)
+    # the later choices find the prompt in the prefix cache, without its logits: choice 0 scores it
+    for r in requests[1:]:
+        if r.params.prompt_logprobs is not None:
+            r.params = dataclasses.replace(r.params, prompt_logprobs=None)
+    return requests
+
+
+def _request_reason(reasons: list[str]) -> str:
+    """One finish reason for a request's metrics and log line: its choices' when all stopped, otherwise
+    the first other one (a choice cut at max_tokens makes it "length")."""
+    return next((r for r in reasons if r != "stop"), "stop")
 
 
 async def _collect(pieces) -> list:
@@ -198,15 +219,17 @@ async def _until_disconnect(request: Request, work, timeout_s: float | None):
 
 async def _stream(state: RouterState, pieces, fmt: Formatter, prompt_tokens: int, include_usage: bool,
                   outcome: dict, done):
-    completion = 0
+    completion, reasons = 0, []
     try:
-        yield sse(fmt.chunk(None, first=True)) if fmt.chat else ""
+        yield "".join(fmt.role_chunks()) if fmt.chat else ""
         async with asyncio.timeout(state.config.request_timeout_s):
             async for piece in pieces:
                 completion += len(piece.token_ids)
                 if piece.finish_reason is not None:
-                    outcome["reason"] = piece.finish_reason
-                if piece.text or piece.finish_reason is not None or piece.logprobs:
+                    reasons.append(piece.finish_reason)
+                    if len(reasons) == fmt.n:  # until then a disconnect still aborts the rest
+                        outcome["reason"] = _request_reason(reasons)
+                if piece.text or piece.finish_reason is not None or piece.logprobs or fmt.echoes(piece):
                     yield fmt.chunk_sse(piece)
         if include_usage:
             yield sse(fmt.usage_chunk(prompt_tokens, completion))

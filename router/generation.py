@@ -1,5 +1,6 @@
-"""One request's life in the router: send it to a replica, turn its token deltas into text pieces
-(stop strings applied), and abort it on the replica when the client goes away or a stop string ends it."""
+"""One request's life in the router: send its choices to a replica, turn their token deltas into text
+pieces (stop strings applied per choice), and abort them on the replica when the client goes away or a
+stop string ends one."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from cluster import ErrorKind, SamplingParams, error_for
+from cluster import AddRequest, ErrorKind, SamplingParams, TokenDelta, error_for
 from router.detokenizer import IncrementalDetokenizer
+
+# for each prompt position after the first: the prompt token's logprob and the k most likely (id, logprob)
+PromptLogprobs = list[tuple[float, list[tuple[int, float]]]]
 
 
 @dataclass
@@ -18,67 +22,109 @@ class Piece:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
+    index: int = 0                              # the choice it belongs to
+    first: bool = False                         # its choice's first piece (where an echoed prompt goes)
+    prompt_logprobs: PromptLogprobs | None = None  # on a first piece, when the request asked for them
 
 
 @dataclass
 class Timing:
-    """When a request's tokens reached the router: the one measurement of its client-visible latencies."""
+    """When a request's tokens reached the router: the one measurement of its client-visible latencies.
+    Over all its choices: the first token of any, the last of all, every choice's tokens and gaps."""
 
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     last_token: float | None = None
     tokens: int = 0
-    # the gap before each token after the first; tokens that arrive together (one piece of several
-    # steps' tokens) have a gap of 0 after the first of them, as a client sees them
+    # the gap before each token after its choice's first; tokens that arrive together (one piece of
+    # several steps' tokens) have a gap of 0 after the first of them, as a client sees them
     gaps: list[float] = field(default_factory=list)
+    _choices: dict[int, list] = field(default_factory=dict)  # index -> [first, last, tokens]
 
-    def received(self, num_tokens: int, now: float) -> None:
+    def received(self, num_tokens: int, now: float, index: int = 0) -> None:
         if num_tokens == 0:
             return
-        if self.first_token is None:
-            self.first_token = now
-            num_tokens -= 1
+        choice = self._choices.get(index)
+        if choice is None:
+            choice = self._choices[index] = [now, now, 0]
         else:
-            self.gaps.append(now - self.last_token)
-            num_tokens -= 1
-        self.gaps.extend([0.0] * num_tokens)
+            self.gaps.append(now - choice[1])
+        self.gaps.extend([0.0] * (num_tokens - 1))
+        choice[1], choice[2] = now, choice[2] + num_tokens
+        self.first_token = now if self.first_token is None else self.first_token
         self.last_token = now
-        self.tokens = len(self.gaps) + 1
+        self.tokens += num_tokens
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Decode time per token after the first, averaged over the choices that have more than one."""
+        per = [(last - first) / (n - 1) for first, last, n in self._choices.values() if n > 1]
+        return sum(per) / len(per) if per else None
 
 
-async def generate(client, uid: int, ids: list[int], params: SamplingParams, detok: IncrementalDetokenizer,
-                   timing: Timing) -> AsyncIterator[Piece]:
-    """Yields pieces until the request ends; the last one carries finish_reason. A failed request
-    raises the RaylmError of its kind."""
-    queue = client.submit(uid, ids, params)
-    finished = False
+def generate(client, uid: int, ids: list[int], params: SamplingParams, detok: IncrementalDetokenizer,
+             timing: Timing) -> AsyncIterator[Piece]:
+    """The pieces of a one-choice request (see generate_choices)."""
+    return generate_choices(client, [AddRequest(uid, ids, params)], [detok], timing)
+
+
+async def generate_choices(client, requests: list[AddRequest], detoks: list[IncrementalDetokenizer],
+                           timing: Timing) -> AsyncIterator[Piece]:
+    """Yields the pieces of every choice (requests[i] is choice i, each with its own detokenizer) as
+    they come, until all have ended; each choice's last piece carries its finish_reason. A failed
+    choice raises the RaylmError of its kind, and the others are aborted."""
+    # sent in one flush, choice 0 first: the others wait on the replica for its prompt's pages
+    first = requests[0]
+    queue = client.submit(first.uid, first.input_ids, first.params)
+    for r in requests[1:]:
+        client.submit(r.uid, r.input_ids, r.params, after=r.after, queue=queue)
+    index = {r.uid: i for i, r in enumerate(requests)}
+    live = set(index)
+    prompt_logprobs: PromptLogprobs | None = None  # asked of one choice, shown with every choice
+    started: set[int] = set()
     try:
-        while True:
+        while live:
             deltas = [await queue.get()]
-            # under load several steps' tokens wait here: send them as one piece (one SSE event)
-            while not queue.empty() and not deltas[-1].finished:
+            # under load several steps' tokens wait here: send them as one piece per choice (one SSE event)
+            while not queue.empty():
                 deltas.append(queue.get_nowait())
-            piece = Piece("")
+            prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None),
+                                   prompt_logprobs)
+            pieces: dict[int, Piece] = {}
             for delta in deltas:
+                if delta.uid not in live:  # sent before its abort (a stop string) landed
+                    continue
                 if delta.error is not None:
-                    finished = True
+                    live.discard(delta.uid)
                     raise error_for(delta.error_kind or ErrorKind.ENGINE, delta.error)
-                piece.text += detok.add(delta.token)
-                piece.token_ids.append(delta.token)
-                if delta.logprob is not None:
-                    piece.logprobs.append(delta.logprob)
-                    piece.top_logprobs.append(delta.top_logprobs or [])
-                if detok.stopped:
-                    piece.finish_reason = "stop"
-                    break
-                if delta.finished:
-                    piece.text += detok.flush()
-                    piece.finish_reason = delta.finish_reason
-            finished = deltas[-1].finished
-            timing.received(len(piece.token_ids), time.perf_counter())
-            yield piece
-            if piece.finish_reason is not None:
-                return
+                i = index[delta.uid]
+                piece = pieces.setdefault(i, Piece("", index=i))
+                if _add(piece, delta, detoks[i]):
+                    live.discard(delta.uid)
+                    if not delta.finished:  # a stop string: stop spending the replica's time
+                        client.abort(delta.uid)
+            now = time.perf_counter()
+            for i, piece in pieces.items():
+                if i not in started:
+                    started.add(i)
+                    piece.first, piece.prompt_logprobs = True, prompt_logprobs
+                timing.received(len(piece.token_ids), now, i)
+                yield piece
     finally:
-        if not finished:  # a stop string, a disconnect, a timeout: stop spending the replica's time
+        for uid in live:  # a disconnect, a timeout, another choice's failure
             client.abort(uid)
+
+
+def _add(piece: Piece, delta: TokenDelta, detok: IncrementalDetokenizer) -> bool:
+    """Adds delta's token to its choice's piece; whether the choice has ended."""
+    piece.text += detok.add(delta.token)
+    piece.token_ids.append(delta.token)
+    if delta.logprob is not None:
+        piece.logprobs.append(delta.logprob)
+        piece.top_logprobs.append(delta.top_logprobs or [])
+    if detok.stopped:
+        piece.finish_reason = "stop"
+    elif delta.finished:
+        piece.text += detok.flush()
+        piece.finish_reason = delta.finish_reason
+    return piece.finish_reason is not None

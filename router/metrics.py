@@ -58,8 +58,8 @@ class RouterMetrics:
             itl = self.itl.labels(m)
             for gap in timing.gaps:
                 itl.observe(gap)
-            if timing.tokens > 1:
-                self.tpot.labels(m).observe((timing.last_token - timing.first_token) / (timing.tokens - 1))
+            if (tpot := timing.time_per_output_token) is not None:
+                self.tpot.labels(m).observe(tpot)
 
 
 class ReplicaGauges(Collector):

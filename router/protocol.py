@@ -18,15 +18,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "min_p": (None, 0, 0.0),
-    "min_tokens": (None, 0),
-    "echo": (None, False),
     "suffix": (None, ""),
-    "best_of": (None, 1),
+    "best_of": (None, 1),  # deprecated upstream; n choices are sampled, never ranked
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
@@ -62,13 +55,6 @@ class APIRequest(BaseModel):
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    min_p: Any = None
-    min_tokens: Any = None
-    echo: Any = None
     suffix: Any = None
     best_of: Any = None
     guided_json: Any = None
@@ -103,7 +89,14 @@ class SamplingFields(APIRequest):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     priority: int = Field(default=0, ge=-2**63, lt=2**63)  # lower runs first, as vLLM's
-    n: int = Field(default=1, ge=1, le=1)
+    # ranges are checked where SamplingParams is made (router/state.py), with the limits of the config
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string, as JSON keys are) -> bias
+    n: int | None = None
     stream: bool = False
     stream_options: dict | None = None
 
@@ -123,6 +116,7 @@ class SamplingFields(APIRequest):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool | None = None  # the prompt returned before each choice's text (and its logprobs first)
 
 
 class ChatMessage(BaseModel):
@@ -147,6 +141,14 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    echo: bool | None = None  # declared so that a refusal names it: echo is a completions field
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_is_for_completions(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("echo is not supported by this server for chat completions (use /v1/completions)")
+        return value
 
 
 class TokenizeRequest(APIRequest):

@@ -39,13 +39,15 @@ class ReplicaClient:
     def healthy(self) -> bool:
         return self.error is None
 
-    def has_room(self, num_tokens: int, max_requests: int | None, max_tokens: int | None) -> bool:
-        """Whether a request of num_tokens would fit the replica's queue bounds (its own check, in
-        PrefillManager.check_room, is the same; this count also holds requests in their first prefill)."""
+    def has_room(self, num_tokens: int, max_requests: int | None, max_tokens: int | None,
+                 num_requests: int = 1) -> bool:
+        """Whether num_requests requests of num_tokens each (the choices of one request) would fit the
+        replica's queue bounds (its own check, in PrefillManager.check_room, is the same; this count
+        also holds requests in their first prefill)."""
         n = len(self.queued)
-        if max_requests is not None and n >= max_requests:
+        if max_requests is not None and n + num_requests > max_requests:
             return False
-        return max_tokens is None or not n or self.queued_tokens + num_tokens <= max_tokens
+        return max_tokens is None or not n or self.queued_tokens + num_tokens * num_requests <= max_tokens
 
     def _dequeue(self, uid: int) -> None:
         if (n := self.queued.pop(uid, None)) is not None:
@@ -59,12 +61,15 @@ class ReplicaClient:
             if task is not None:
                 task.cancel()
 
-    def submit(self, uid: int, ids: list[int], params: SamplingParams) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue()
+    def submit(self, uid: int, ids: list[int], params: SamplingParams, after: int | None = None,
+               queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Sends the request with the next flush and returns the queue its deltas arrive on: `queue`
+        when given, so that the choices of one request share one (`after`: see AddRequest)."""
+        queue = asyncio.Queue() if queue is None else queue
         self.queues[uid] = queue
         self.queued[uid] = len(ids)
         self.queued_tokens += len(ids)
-        self._submits.append(AddRequest(uid, ids, params))
+        self._submits.append(AddRequest(uid, ids, params, after=after))
         self._schedule_flush()
         return queue
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 from router.generation import Piece
 
@@ -16,14 +17,24 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-class Formatter:
-    """Builds one request's bodies; `chat` picks the chat.completion shapes."""
+@dataclass
+class Echo:
+    """The prompt a completion returns before each choice's text (the request's echo)."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, tokenizer, top_logprobs: int | None) -> None:
+    text: str              # as the client sent it (its decoded ids when it sent token ids)
+    token_ids: list[int]
+
+
+class Formatter:
+    """Builds one request's bodies; `chat` picks the chat.completion shapes, `n` is its choices."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, tokenizer, top_logprobs: int | None, n: int = 1,
+                 echo: Echo | None = None) -> None:
         self.id, self.model, self.chat, self.tok = request_id, model, chat, tokenizer
         self.top_logprobs = top_logprobs  # None: no logprobs
+        self.n, self.echo = n, echo
         self.created = int(time.time())
-        self.offset = 0
+        self.offsets = [0] * n  # each choice's text_offset so far
         head = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": self.created, "model": self.model}
         self._sse_head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ', "choices": ['
@@ -31,8 +42,15 @@ class Formatter:
     def _token(self, t: int) -> str:
         return self.tok.decode([t])
 
+    def echoes(self, piece: Piece) -> bool:
+        return self.echo is not None and piece.first
+
+    def text(self, piece: Piece) -> str:
+        """The piece's text, after the prompt when it is its choice's first and the request echoes."""
+        return self.echo.text + piece.text if self.echoes(piece) else piece.text
+
     def logprobs(self, piece: Piece) -> dict | None:
-        if self.top_logprobs is None or not piece.logprobs:
+        if self.top_logprobs is None or not (piece.logprobs or self.echoes(piece)):
             return None
         if self.chat:
             return {"content": [
@@ -40,14 +58,24 @@ class Formatter:
                  "top_logprobs": [{"token": self._token(i), "logprob": v, "bytes": list(self._token(i).encode())}
                                   for i, v in top]}
                 for t, lp, top in zip(piece.token_ids, piece.logprobs, piece.top_logprobs)]}
-        tokens = [self._token(t) for t in piece.token_ids]
+        ids, values, tops = list(piece.token_ids), list(piece.logprobs), [self._top_dict(t) for t in piece.top_logprobs]
+        if self.echoes(piece):
+            prompt_values, prompt_tops = self._prompt_logprobs(piece)
+            ids, values, tops = self.echo.token_ids + ids, prompt_values + values, prompt_tops + tops
+        tokens = [self._token(t) for t in ids]
         offsets = []
         for text in tokens:
-            offsets.append(self.offset)
-            self.offset += len(text)
-        return {"tokens": tokens, "token_logprobs": piece.logprobs,
-                "top_logprobs": [self._top_dict(top) for top in piece.top_logprobs],
-                "text_offset": offsets}
+            offsets.append(self.offsets[piece.index])
+            self.offsets[piece.index] += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _prompt_logprobs(self, piece: Piece) -> tuple[list[float | None], list[dict | None]]:
+        """The echoed prompt's token_logprobs and top_logprobs: none for its first token (nothing comes
+        before it), nor for any the replica did not score."""
+        scored = list(piece.prompt_logprobs or [])[:len(self.echo.token_ids) - 1]
+        scored += [None] * (len(self.echo.token_ids) - 1 - len(scored))
+        return ([None] + [s[0] if s else None for s in scored],
+                [None] + [self._top_dict(s[1]) if s else None for s in scored])
 
     def _top_dict(self, top: list[tuple[int, float]]) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -56,45 +84,57 @@ class Formatter:
         return out
 
     def whole(self, pieces: list[Piece], prompt_tokens: int) -> dict:
-        text = "".join(p.text for p in pieces)
-        merged = Piece(text, [t for p in pieces for t in p.token_ids], [x for p in pieces for x in p.logprobs],
-                       [x for p in pieces for x in p.top_logprobs], pieces[-1].finish_reason if pieces else "stop")
-        choice = {"index": 0, "logprobs": self.logprobs(merged), "finish_reason": merged.finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+        choices = [self._whole_choice(i, [p for p in pieces if p.index == i]) for i in range(self.n)]
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice],
-                "usage": usage(prompt_tokens, len(merged.token_ids))}
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": usage(prompt_tokens, sum(len(p.token_ids) for p in pieces))}
 
-    def chunk(self, piece: Piece | None, first: bool = False) -> dict:
+    def _whole_choice(self, index: int, own: list[Piece]) -> dict:
+        merged = Piece("".join(p.text for p in own), [t for p in own for t in p.token_ids],
+                       [x for p in own for x in p.logprobs], [x for p in own for x in p.top_logprobs],
+                       own[-1].finish_reason if own else "stop", index, first=True,
+                       prompt_logprobs=own[0].prompt_logprobs if own else None)
+        choice = {"index": index, "logprobs": self.logprobs(merged), "finish_reason": merged.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": merged.text}
+        else:
+            choice["text"] = self.text(merged)
+        return choice
+
+    def chunk(self, piece: Piece | None, first: bool = False, index: int = 0) -> dict:
+        """A stream chunk of piece (None: an empty one; `first`: chat's role chunk of choice `index`)."""
+        index = piece.index if piece is not None else index
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else {}
             if piece is not None and (piece.text or not first):
                 delta["content"] = piece.text
             if piece is not None and piece.finish_reason is not None and not piece.text:
                 delta = {}
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": piece.text if piece else ""}
+            choice = {"index": index, "text": self.text(piece) if piece else ""}
         choice["logprobs"] = self.logprobs(piece) if piece is not None else None
         choice["finish_reason"] = piece.finish_reason if piece is not None else None
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice]}
 
+    def role_chunks(self) -> list[str]:
+        """Chat's first events: one per choice, naming the assistant's role."""
+        return [sse(self.chunk(None, first=True, index=i)) for i in range(self.n)]
+
     def chunk_sse(self, piece: Piece) -> str:
         """`sse(self.chunk(piece))`, built from this request's fixed head: a streamed token's only
         per-token work here is encoding its text (the router does this for every token it streams)."""
-        if self.top_logprobs is not None:
+        if self.top_logprobs is not None or self.echoes(piece):
             return sse(self.chunk(piece))
         text, reason = json.dumps(piece.text, ensure_ascii=False), json.dumps(piece.finish_reason)
+        index = '{"index": ' + str(piece.index)
         if not self.chat:
-            choice = '{"index": 0, "text": ' + text
+            choice = index + ', "text": ' + text
         elif piece.finish_reason is not None and not piece.text:
-            choice = '{"index": 0, "delta": {}'
+            choice = index + ', "delta": {}'
         else:
-            choice = '{"index": 0, "delta": {"content": ' + text + "}"
+            choice = index + ', "delta": {"content": ' + text + "}"
         return self._sse_head + choice + ', "logprobs": null, "finish_reason": ' + reason + "}]}\n\n"
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:

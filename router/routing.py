@@ -22,11 +22,13 @@ def _healthy(replicas: list) -> list:
     return up
 
 
-def with_room(replicas: list, num_tokens: int, max_requests: int | None, max_tokens: int | None) -> list:
-    """The healthy replicas whose queue bounds (max_queued_requests, max_queued_tokens) have room for a
-    request of num_tokens; OverloadedError when none has."""
+def with_room(replicas: list, num_tokens: int, max_requests: int | None, max_tokens: int | None,
+              num_requests: int = 1) -> list:
+    """The healthy replicas whose queue bounds (max_queued_requests, max_queued_tokens) have room for
+    num_requests requests of num_tokens (the n choices of one request go to one replica); OverloadedError
+    when none has."""
     up = _healthy(replicas)
-    room = [r for r in up if r.has_room(num_tokens, max_requests, max_tokens)]
+    room = [r for r in up if r.has_room(num_tokens, max_requests, max_tokens, num_requests)]
     if not room:
         raise OverloadedError(f"the server is busy: every replica's queue is full ({len(up)} replica(s)); "
                               "retry later")

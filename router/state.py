@@ -23,7 +23,8 @@ def generation_defaults(model_path: str) -> dict:
     if not path.exists():
         return {}
     data = json.loads(path.read_text())
-    return {k: data[k] for k in ("temperature", "top_p", "top_k") if data.get(k) is not None}
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # the ones vLLM takes from it
+    return {k: data[k] for k in keys if data.get(k) is not None}
 
 
 @dataclass
@@ -67,6 +68,13 @@ class RouterState:
             ids = list(prompt)
         return ids
 
+    def prompt_text(self, req: CompletionRequest, ids: list[int]) -> str:
+        """The prompt as an echo returns it: the text the client sent, or its token ids decoded."""
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+
     def chat_ids(self, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -79,7 +87,7 @@ class RouterState:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def sampling_params(self, req: SamplingFields, ids: list[int], max_tokens: int | None, default_max: int | None,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         cfg, n = self.config, len(ids)
         if n == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
@@ -99,14 +107,40 @@ class RouterState:
         bad = [t for t in req.stop_token_ids or [] if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(400, f"stop token id {bad[0]} is outside the vocabulary", param="stop_token_ids")
+        choices = 1 if req.n is None else req.n
+        if not 1 <= choices <= cfg.max_n:
+            raise APIError(400, f"n must be between 1 and {cfg.max_n}, got {choices}", param="n")
         chosen = max_tokens or default_max or room
         if cfg.max_tokens_limit:
             chosen = min(chosen, cfg.max_tokens_limit)
         pick = lambda name, fallback: getattr(req, name) if getattr(req, name) is not None else self.defaults.get(name, fallback)  # noqa: E731
         try:
             return SamplingParams(temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
-                                  top_k=pick("top_k", -1), max_tokens=min(chosen, room), ignore_eos=req.ignore_eos,
-                                  stop_token_ids=list(req.stop_token_ids or []), seed=req.seed, logprobs=logprobs,
-                                  priority=req.priority)
+                                  top_k=pick("top_k", -1), min_p=pick("min_p", 0.0), max_tokens=min(chosen, room),
+                                  min_tokens=req.min_tokens or 0, ignore_eos=req.ignore_eos,
+                                  stop_token_ids=list(req.stop_token_ids or []), seed=req.seed,
+                                  presence_penalty=req.presence_penalty or 0.0,
+                                  frequency_penalty=req.frequency_penalty or 0.0,
+                                  repetition_penalty=pick("repetition_penalty", 1.0),
+                                  logit_bias=self.logit_bias(req), logprobs=logprobs,
+                                  prompt_logprobs=prompt_logprobs, n=choices, priority=req.priority)
         except InvalidRequestError as e:
-            raise APIError(400, str(e)) from e
+            raise APIError(400, str(e), param=e.field) from e
+
+    def logit_bias(self, req: SamplingFields) -> dict[int, float]:
+        """The request's logit_bias keyed by token id; ids must be in the vocabulary, and no more than
+        the device's per-request table holds (its stop ids count too while min_tokens holds them back)."""
+        biases: dict[int, float] = {}
+        for key, value in (req.logit_bias or {}).items():
+            token = int(key) if key.isascii() and key.isdecimal() else -1
+            if not 0 <= token < self.vocab_size:
+                raise APIError(400, f"logit_bias has the key {key!r}; keys are token ids from 0 to "
+                                    f"{self.vocab_size - 1}", param="logit_bias")
+            biases[token] = value
+        held_back = set(req.stop_token_ids or []) if req.min_tokens else set()
+        limit = self.config.engine.max_logit_bias
+        if len(biases.keys() | held_back) > limit:
+            raise APIError(400, f"logit_bias names {len(biases)} token ids"
+                                + (f" (and min_tokens holds back {len(held_back)} stop ids)" if held_back else "")
+                                + f"; at most {limit} are allowed", param="logit_bias")
+        return biases

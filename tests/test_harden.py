@@ -52,7 +52,7 @@ BAD = [  # (name, path, body (dict, or bytes sent raw), expected status)
     ("negative token id", C, {**OK, "prompt": [1, -5]}, 400),
     ("several prompts", C, {**OK, "prompt": ["a", "b"]}, 400),
     ("unknown model", C, {**OK, "model": "gpt-5"}, 404),
-    ("n of two", C, {**OK, "n": 2}, 400),
+    ("n above the limit", C, {**OK, "n": 17}, 400),
     ("huge n", C, {**OK, "n": 10**9}, 400),
     ("oversized body", C, {**OK, "prompt": "x" * 100_000}, 413),
     ("too many stop strings", C, {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400),
@@ -92,18 +92,19 @@ BAD = [  # (name, path, body (dict, or bytes sent raw), expected status)
     ("chat logprobs as a string", CHAT, {"model": "tiny", "messages": MSG, "logprobs": "yes"}, 400),
     ("chat content as a number", CHAT, {"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400),
     ("chat message without a role", CHAT, {"model": "tiny", "messages": [{"content": "hi"}]}, 400),
+    # sampling values outside their ranges (tests/test_sampling_api.py has every bound)
+    ("logit_bias", C, {**OK, "logit_bias": {"5": 101}}, 400),
+    ("presence_penalty", C, {**OK, "presence_penalty": 2.5}, 400),
+    ("frequency_penalty", CHAT, {"model": "tiny", "messages": MSG, "frequency_penalty": -3}, 400),
+    ("repetition_penalty", C, {**OK, "repetition_penalty": 0}, 400),
+    ("min_p", C, {**OK, "min_p": 1.5}, 400),
+    ("min_tokens", C, {**OK, "min_tokens": 3}, 400),  # above max_tokens (2)
     # fields that would change what the request means are refused, never ignored
     ("tools", CHAT, {"model": "tiny", "messages": MSG, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400),
     ("tool_choice required", CHAT, {"model": "tiny", "messages": MSG, "tool_choice": "required"}, 400),
     ("response_format json_object", CHAT, {"model": "tiny", "messages": MSG, "response_format": {"type": "json_object"}}, 400),
-    ("logit_bias", C, {**OK, "logit_bias": {"5": 10}}, 400),
-    ("presence_penalty", C, {**OK, "presence_penalty": 0.5}, 400),
-    ("frequency_penalty", CHAT, {"model": "tiny", "messages": MSG, "frequency_penalty": 1}, 400),
-    ("repetition_penalty", C, {**OK, "repetition_penalty": 1.2}, 400),
-    ("min_p", C, {**OK, "min_p": 0.1}, 400),
-    ("min_tokens", C, {**OK, "min_tokens": 3}, 400),
-    ("echo", C, {**OK, "echo": True}, 400),
+    ("echo", CHAT, {"model": "tiny", "messages": MSG, "echo": True}, 400),  # a completions field
     ("suffix", C, {**OK, "suffix": "the end"}, 400),
     ("best_of", C, {**OK, "best_of": 2}, 400),
     ("guided_json", C, {**OK, "guided_json": {"type": "object"}}, 400),

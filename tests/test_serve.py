@@ -168,7 +168,7 @@ def test_health_models_and_metrics_endpoints(server):
 
 @pytest.mark.parametrize("body,status,param", [
     ({"model": "nope", "prompt": "hi"}, 404, "model"),
-    ({"model": "tiny", "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": "tiny", "prompt": "hi", "n": 17}, 400, "n"),  # above max_n (16)
     ({"model": "tiny", "prompt": "hi " * 600, "max_tokens": 4}, 400, "prompt"),
     ({"model": "tiny", "prompt": "hi", "max_tokens": 100_000}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
