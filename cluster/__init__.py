@@ -5,7 +5,7 @@ from cluster.errors import (EngineError, ErrorKind, GenerationError, InvalidRequ
                             ReplicaDownError, RequestTimeoutError, error_for)
 from cluster.choices import fan_out
 from cluster.messages import AddRequest, ReplicaInfo, ReplicaStats, TokenDelta
-from cluster.sampling_params import SamplingParams
+from cluster.sampling_params import GrammarSpec, SamplingParams
 
 # loaded on first use: they import torch, Ray or transformers, and cluster.config (which launch.py
 # checks its flags with before anything starts) must import in a fraction of a second
@@ -20,7 +20,7 @@ _LAZY = {
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "ReplicaConfig", "ServeConfig", "AddRequest", "ReplicaInfo",
            "ReplicaStats", "TokenDelta", "ErrorKind", "RaylmError", "InvalidRequestError", "GenerationError",
            "EngineError", "ReplicaDownError", "RequestTimeoutError", "OverloadedError", "error_for", "Fleet",
-           "ReplicaHandle", "ensure_ray", "control_store_answers", "load_tokenizer", "fan_out"]
+           "ReplicaHandle", "ensure_ray", "control_store_answers", "load_tokenizer", "fan_out", "GrammarSpec"]
 
 
 def __getattr__(name: str):

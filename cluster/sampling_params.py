@@ -5,11 +5,30 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from cluster.errors import InvalidRequestError
 
 _PENALTY_RANGE = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
 _BIAS_RANGE = 100.0   # OpenAI's bound on a logit_bias value
+
+
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the output, compiled by xgrammar (cluster/grammars.py) and cached by its value."""
+
+    kind: Literal["json_schema", "json_object", "regex", "ebnf", "structural_tag"]
+    # the JSON schema (JSON text), the regular expression, the EBNF grammar or the structural tag (JSON
+    # text, xgrammar's format); empty for json_object
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidRequestError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}",
+                                      field="response_format")
 
 
 @dataclass
@@ -34,6 +53,7 @@ class SamplingParams:
     logprobs: int | None = None     # None: none; k >= 0: the sampled token's logprob and the k most likely
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and its k most likely
     n: int = 1                      # choices sampled from one prompt (cluster/choices.py fans them out)
+    grammar: GrammarSpec | None = None  # the output follows it (and ends once it is complete)
     # not a sampling value, but it travels with them: lower runs first (vLLM's meaning), in the waiting
     # queue and when a request is chosen for preemption (the highest number goes first)
     priority: int = 0
