@@ -61,5 +61,16 @@ case $1 in
     step latency5 150 $B/decode_latency.py --repeats 5 --profile --out "$OUT/latency5.json"
     off new16 $B/offline_throughput.py
     step gpu_tests_all 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py ;;
+  6)  # the GPU tests, then (b) on this tree (5 runs) and on .old/ (the tree before, 3 runs)
+    step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_sampling.py tests/test_kv_fp8.py \
+      tests/test_gpu.py
+    jit
+    step latency_new 110 $B/decode_latency.py --repeats 5 --out "$OUT/latency_new.json"
+    step latency_old 90 $OLD/decode_latency.py --repeats 3 --out "$OUT/latency_old.json" ;;
+  7)  # (a) on this tree and on .old/, the processors' cost, and (a) with an FP8 KV cache
+    off new $B/offline_throughput.py
+    off old $OLD/offline_throughput.py
+    step sampling_cost 200 $B/sampling_cost.py --share 0.1 1.0 --out "$OUT/sampling_cost.json"
+    off fp8 $B/offline_throughput.py --kv-cache-dtype fp8_e4m3 ;;
   *) bash -c "$2" ;;
 esac

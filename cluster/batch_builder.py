@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster.cache_manager import CacheManager
+from cluster.grammars import Grammars
 from cluster.req import Req
 from worker.batch import BatchDesc
 from worker.processors import ProcessorInit, ProcessorRows
@@ -27,11 +28,14 @@ class Batch:
 
 
 class BatchBuilder:
-    def __init__(self, cache: CacheManager, eos_ids: frozenset[int], scratch_row: int) -> None:
+    def __init__(self, cache: CacheManager, eos_ids: frozenset[int], scratch_row: int,
+                 grammars: Grammars | None = None) -> None:
         """`eos_ids`: what min_tokens holds back with the stop ids; `scratch_row`: the processor-state row
-        of rows that use no processors (the number of request slots)."""
+        of rows that use no processors (the number of request slots); `grammars`: builds constrained
+        rows' masks."""
         self.cache = cache
         self.eos_ids, self.scratch_row = eos_ids, scratch_row
+        self.grammars = grammars
         # request slots whose page-table row changed on the host, written by the next step
         self.rewrite_rows: dict[int, Req] = {}
 
@@ -124,7 +128,10 @@ class BatchBuilder:
         rows = [(slot, self.cache.locations(r, 0, r.num_cached_pages * self.cache.page_size))
                 for slot, r in self.rewrite_rows.items() if r.table_idx == slot]
         want = [p.logprobs for p in params if p.logprobs is not None]
-        return BatchDesc(
+        # constrained rows whose sample is kept: their masks, from their matchers' state now (every token
+        # they produced so far has been handled: the scheduler keeps them out of the step after their last)
+        constrained = [i for i, (r, emit) in enumerate(zip(reqs, emits)) if r.matcher is not None and emit]
+        desc = BatchDesc(
             is_prefill=is_prefill,
             table_idx=np.fromiter((r.table_idx for r in reqs), dtype=np.int32, count=len(reqs)),
             seq_lens=np.asarray(seq_lens, dtype=np.int32),
@@ -137,7 +144,12 @@ class BatchBuilder:
             prefix_rows=rows, top_logprobs=max(want) if want else -1,
             min_p=np.fromiter((p.min_p for p in params), dtype=np.float32, count=n)
             if any(p.min_p > 0 for p in params) else None,
-            procs=self._procs(reqs, seq_lens, emits) if any(p.uses_processors for p in params) else None)
+            procs=self._procs(reqs, seq_lens, emits) if constrained or any(p.uses_processors for p in params)
+            else None)
+        if constrained:
+            desc.grammar_rows = np.asarray(constrained, dtype=np.int32)
+            desc.grammar_mask = self.grammars.masks([reqs[i].matcher for i in constrained])
+        return desc
 
     def _procs(self, reqs: list[Req], seq_lens: list[int], emits: list[bool]) -> ProcessorRows:
         """Per-row processor arguments. A row reads and counts into its request's slot only when its

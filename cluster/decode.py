@@ -35,9 +35,13 @@ class DecodeManager:
         that admitting into their next pages does not preempt someone at the next step."""
         return sum(1 for r in self.running.values() if r.may_outgrow and not r.reserved_pages)
 
-    def schedule(self, in_flight: bool) -> list[Req]:
-        """The requests to decode this step (`in_flight`: whether a step is in flight), after making room."""
-        return self._make_room([r for r in self.running.values() if r.can_decode], in_flight)
+    def schedule(self, in_flight: frozenset[Req] | None) -> list[Req]:
+        """The requests to decode this step (`in_flight`: the requests of the step in flight, if one is),
+        after making room. A constrained request whose last token is in flight waits for it: its grammar
+        must see that token before its next mask can be built."""
+        decoding = [r for r in self.running.values()
+                    if r.can_decode and not (r.matcher is not None and in_flight and r in in_flight)]
+        return self._make_room(decoding, in_flight is not None)
 
     def _make_room(self, decoding: list[Req], in_flight: bool) -> list[Req]:
         """Preempts requests that have outgrown their reservation, the last in queue order first (the

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from cluster.config import ReplicaConfig
+from cluster.grammars import Grammars
 from cluster.errors import ErrorKind
 from cluster.engine_executors import LocalExecutor, TensorParallelExecutor
 from cluster.executor import ReplicaBrokenError
@@ -55,12 +56,15 @@ class SchedulerActor:
         executor = (TensorParallelExecutor(engine, keepalive_s=cfg.collective_timeout_s / 4) if cfg.tp_size > 1
                     else LocalExecutor(engine))
         self.engine, self.executor = engine, executor
-        eos = eos_token_ids(cfg.engine.model_path, engine.hf_config, load_tokenizer(cfg.engine.model_path))
+        tokenizer = load_tokenizer(cfg.engine.model_path)
+        eos = eos_token_ids(cfg.engine.model_path, engine.hf_config, tokenizer)
+        vocab = engine.hf_config.vocab_size
         self.metrics = ReplicaMetrics(self.replica_id, cfg.model_name or Path(cfg.engine.model_path).name)
         self.scheduler = Scheduler(cfg.scheduler, executor, num_pages=engine.num_pages, page_size=engine.page_size,
                                    max_running_reqs=cfg.engine.max_running_reqs, max_seq_len=engine.max_seq_len,
                                    eos_ids=eos, on_output=self._publish, on_finish=self._on_finish,
-                                   vocab_size=engine.hf_config.vocab_size, max_logit_bias=cfg.engine.max_logit_bias)
+                                   vocab_size=vocab, max_logit_bias=cfg.engine.max_logit_bias,
+                                   grammars=Grammars(tokenizer, vocab, sorted(eos)) if tokenizer is not None else None)
         self._thread = threading.Thread(target=self._loop, name=f"scheduler-{self.replica_id}", daemon=True)
         self._thread.start()
         if isinstance(executor, TensorParallelExecutor):

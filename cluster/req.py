@@ -28,6 +28,7 @@ class Req:
     may_outgrow: bool = False       # its reservation does not cover max_tokens: it may be preempted
     num_preempted: int = 0
     after: Req | None = None        # another choice of the same prompt: admitted once that one's prompt is cached
+    matcher: object = None          # with params.grammar: its xgrammar matcher, once the grammar is compiled
     ended: bool = False
     # with params.prompt_logprobs: (logprob, top (id, logprob) pairs) of prompt positions 1.., as chunks are scored
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
@@ -51,7 +52,10 @@ class Req:
 
     @property
     def held(self) -> bool:
-        """Waits for the choice it shares a prompt with to have that prompt in the prefix cache."""
+        """Waits: for its grammar to compile, or for the choice it shares a prompt with to have that prompt
+        in the prefix cache."""
+        if self.params.grammar is not None and self.matcher is None:
+            return True
         if self.after is not None and (self.after.ended or self.after.first_token is not None):
             self.after = None
         return self.after is not None

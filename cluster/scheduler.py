@@ -20,6 +20,7 @@ from cluster.cache_manager import CacheManager
 from cluster.config import SchedulerConfig
 from cluster.decode import DecodeManager
 from cluster.errors import ErrorKind, InvalidRequestError, RaylmError
+from cluster.grammars import Grammars
 from cluster.executor import Executor, ReplicaBrokenError
 from cluster.messages import AbortRequest, AddRequest, CallBetweenSteps, SchedulerStats, TokenDelta
 from cluster.prefill import PrefillManager
@@ -34,6 +35,14 @@ log = logging.getLogger(__name__)
 def _probe(params: SamplingParams) -> Req:
     """A request of these parameters, for the checks that look at one."""
     return Req(-1, [0], params, 2, 0)
+
+
+@dataclass
+class GrammarReady:
+    """A constrained request's grammar has compiled (or failed to): `future` holds it."""
+
+    uid: int
+    future: Future
 
 
 @dataclass
@@ -58,18 +67,20 @@ class Scheduler:
                  max_running_reqs: int, max_seq_len: int, eos_ids: set[int],
                  on_output: Callable[[list[TokenDelta]], None],
                  on_finish: Callable[[Req, str], None] | None = None, vocab_size: int | None = None,
-                 max_logit_bias: int | None = None) -> None:
-        """`vocab_size` and `max_logit_bias` (the engine's) bound what logit_bias may name; None: unchecked."""
+                 max_logit_bias: int | None = None, grammars: Grammars | None = None) -> None:
+        """`vocab_size` and `max_logit_bias` (the engine's) bound what logit_bias may name; None: unchecked.
+        `grammars` compiles and matches constrained requests; None: they are refused."""
         self.config, self.executor = config, executor
         self.max_seq_len, self.eos_ids = max_seq_len, frozenset(eos_ids)
         self.vocab_size, self.max_logit_bias = vocab_size, max_logit_bias
+        self.grammars = grammars
         self.on_output = on_output
         self.on_finish = on_finish  # every request that ends, with its finish reason (metrics, tests)
         self.cache = CacheManager(num_pages, page_size, config.cache_type, config.decode_reserve_tokens)
         self.req_slots = RequestSlots(max_running_reqs)
         self.prefill = PrefillManager(self.cache, self.req_slots, config)
         self.decode = DecodeManager(self.cache, self.prefill, self._free)
-        self.builder = BatchBuilder(self.cache, self.eos_ids, max_running_reqs)
+        self.builder = BatchBuilder(self.cache, self.eos_ids, max_running_reqs, grammars)
         self.reqs: dict[int, Req] = {}          # every live request, by uid
         self.finished_reqs: set[Req] = set()    # left the batch in flight: its result there is dropped
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -111,6 +122,8 @@ class Scheduler:
                     self._abort(uid)
                 case CallBetweenSteps():
                     msg.run()
+                case GrammarReady():
+                    self._grammar_ready(msg)
 
     def validate(self, input_ids: list[int], params: SamplingParams) -> int:
         """Raises InvalidRequestError for a request this replica can never run; returns its maximum
@@ -133,6 +146,9 @@ class Scheduler:
         if params.n != 1:
             raise InvalidRequestError("a scheduler runs one choice per request: fan n choices out first "
                                       "(cluster.fan_out)", field="n")
+        if params.grammar is not None and self.grammars is None:
+            raise InvalidRequestError("this replica cannot serve grammars (its model folder has no tokenizer)",
+                                      field="response_format")
         if self.vocab_size is not None and (bad := [t for t in params.logit_bias if t >= self.vocab_size]):
             raise InvalidRequestError(f"logit_bias names token {bad[0]}, outside this model's vocabulary of "
                                       f"{self.vocab_size} tokens", field="logit_bias")
@@ -160,7 +176,20 @@ class Scheduler:
         if msg.after is not None:
             req.after = self.reqs.get(msg.after)
         self.reqs[req.uid] = req
+        if msg.params.grammar is not None:  # it waits in the queue until its grammar is compiled
+            self.grammars.compile(msg.params.grammar).add_done_callback(
+                lambda future, uid=req.uid: self.inbox.put(GrammarReady(uid, future)))
         self.prefill.add(req)
+
+    def _grammar_ready(self, msg: GrammarReady) -> None:
+        req = self.reqs.get(msg.uid)
+        if req is None or req.matcher is not None:
+            return  # ended while its grammar compiled
+        try:
+            req.matcher = self.grammars.matcher(msg.future.result())
+        except RaylmError as e:
+            self._end(req, "error")
+            self.on_output([TokenDelta.failure(req.uid, e.kind, str(e))])
 
     def _abort(self, uid: int) -> None:
         req = self.reqs.get(uid)
@@ -205,7 +234,7 @@ class Scheduler:
                 if prompt_done:
                     self.decode.add(req)
             return batch
-        decoding = self.decode.schedule(in_flight=self.in_flight is not None)
+        decoding = self.decode.schedule(self.in_flight.req_set if self.in_flight is not None else None)
         return self.builder.decode(decoding) if decoding else None
 
     # -- the two loops -------------------------------------------------------------------------------
@@ -290,6 +319,8 @@ class Scheduler:
             # judged by tokens received: req.device_len is already a step ahead under overlap
             if (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
                 delta.finished, delta.finish_reason = True, "stop"
+            elif req.matcher is not None and not self._advance_grammar(req, token):
+                delta.finished, delta.finish_reason = True, "stop"
             elif len(req.input_ids) >= req.max_device_len:
                 delta.finished, delta.finish_reason = True, "length"
             deltas.append(delta)
@@ -299,6 +330,15 @@ class Scheduler:
                 self.builder.rewrite_rows[req.table_idx] = req
         if deltas:
             self.on_output(deltas)
+
+    @staticmethod
+    def _advance_grammar(req: Req, token: int) -> bool:
+        """Feeds a constrained request's token to its matcher; False once the grammar is complete (its
+        output is whole: nothing more may follow)."""
+        if not req.matcher.accept_token(token):
+            log.warning("request %d: its grammar rejected token %d", req.uid, token)
+            return False
+        return not req.matcher.is_terminated()
 
     def _keep_prompt_logprobs(self, batch: Batch, out: StepOutput, stale: set[Req]) -> None:
         """Appends each scored request's prompt logprobs of this step (sent with its first token)."""

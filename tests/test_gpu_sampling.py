@@ -57,3 +57,22 @@ def test_overlap_equals_normal_loop_with_penalties_and_min_tokens(qwen3_hd128_pa
     overlap, _ = run(qwen3_hd128_path, prompts, params, dtype="bfloat16", page_size=16, overlap=True)
     assert overlap == normal
     assert all(len(t) >= 12 and 3 not in t for t in overlap)
+
+
+def test_grammar_masks_hold_in_graph_decode_steps_and_leave_plain_rows_alone(qwen3_hd128_path):
+    import re
+
+    from cluster import GrammarSpec
+    pytest.importorskip("xgrammar")
+    prompts = random_prompts(6, 5, 60, seed=9)
+    regex = r"[a-z]{4,12} (yes|no)"
+    plain = [SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=30 + i) for i in range(6)]
+    mixed = [SamplingParams(temperature=0.8, max_tokens=60, seed=30 + i, grammar=GrammarSpec("regex", regex))
+             if i % 2 else p for i, p in enumerate(plain)]
+    alone, _ = run(qwen3_hd128_path, prompts, plain, dtype="bfloat16", page_size=16)
+    with checked_llm(qwen3_hd128_path, dtype="bfloat16", page_size=16, num_pages=KV_TOKENS // 16,
+                     max_running_reqs=16) as llm:
+        outs = llm.generate(prompts, mixed)
+    assert [o.token_ids for o in outs[0::2]] == alone[0::2]
+    for out in outs[1::2]:
+        assert out.finish_reason == "stop" and re.fullmatch(regex, out.text)

@@ -36,6 +36,9 @@ class BatchDesc:
     prompt_logprobs: int = -1  # -1: none; k >= 0: with the k most likely
     plp_idx: np.ndarray | None = None       # int32 [P]: indices into the step's T tokens
     plp_target: np.ndarray | None = None    # int32 [P]
+    # constrained rows (grammars): which rows of the batch, and their allowed next tokens (one bit a token)
+    grammar_rows: np.ndarray | None = None  # int32 [G]
+    grammar_mask: np.ndarray | None = None  # int32 [G, W]
 
     @property
     def batch_size(self) -> int:
@@ -50,7 +53,8 @@ class BatchDesc:
 # then every array back to back in one byte payload, the int64 one first and the bytes last, so that
 # each lies aligned. Unpacking makes numpy views of the payload: no copy, no unpickling.
 _LAYOUT = ("is_prefill", "B", "T", "has_ids", "prefix_rows", "prefix_locs", "top_logprobs", "has_min_p",
-           "has_procs", "inits", "init_prompt", "init_output", "init_sparse", "plp", "prompt_logprobs")
+           "has_procs", "inits", "init_prompt", "init_output", "init_sparse", "plp", "prompt_logprobs", "grammar_rows",
+           "grammar_words")
 LAYOUT_LEN = len(_LAYOUT)
 
 _I64, _I32, _F32, _U8 = np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint8)
@@ -65,7 +69,8 @@ _SECTIONS = (("seeds", _I64, "B"), ("table_idx", _I32, "B"), ("seq_lens", _I32, 
              ("init_output_lens", _I32, "inits"), ("init_sparse_lens", _I32, "inits"),
              ("init_prompt", _I32, "init_prompt"), ("init_output", _I32, "init_output"),
              ("init_sparse_ids", _I32, "init_sparse"), ("init_sparse_bias", _F32, "init_sparse"),
-             ("plp_idx", _I32, "plp"), ("plp_target", _I32, "plp"),
+             ("plp_idx", _I32, "plp"), ("plp_target", _I32, "plp"), ("grammar_rows", _I32, "grammar_rows"),
+             ("grammar_mask", _I32, "grammar_mask"),
              ("ban_stop", _U8, "B_procs"), ("init_sparse_ban", _U8, "init_sparse"))
 
 
@@ -77,12 +82,14 @@ def desc_layout(desc: BatchDesc) -> tuple[int, ...]:
             int(desc.min_p is not None), int(desc.procs is not None), len(inits),
             sum(len(x.prompt_ids) for x in inits), sum(len(x.output_ids) for x in inits),
             sum(len(x.sparse_ids) for x in inits), 0 if desc.plp_idx is None else len(desc.plp_idx),
-            desc.prompt_logprobs)
+            desc.prompt_logprobs, 0 if desc.grammar_rows is None else len(desc.grammar_rows),
+            0 if desc.grammar_mask is None else desc.grammar_mask.shape[1])
 
 
 def _counts(layout: tuple[int, ...]) -> dict[str, int]:
     v = dict(zip(_LAYOUT, layout))
-    return {**v, "B_min_p": v["B"] * v["has_min_p"], "T_ids": v["T"] * v["has_ids"], "B_procs": v["B"] * v["has_procs"]}
+    return {**v, "B_min_p": v["B"] * v["has_min_p"], "T_ids": v["T"] * v["has_ids"], "B_procs": v["B"] * v["has_procs"],
+            "grammar_mask": v["grammar_rows"] * v["grammar_words"]}
 
 
 def packed_nbytes(layout: tuple[int, ...]) -> int:
@@ -103,6 +110,8 @@ def _flat(desc: BatchDesc) -> dict[str, object]:
     for key, name in (("init_prompt", "prompt_ids"), ("init_output", "output_ids"), ("init_sparse_ids", "sparse_ids"),
                       ("init_sparse_bias", "sparse_bias"), ("init_sparse_ban", "sparse_ban")):
         out[key] = cat([getattr(x, name) for x in inits]) if inits else ()
+    if desc.grammar_mask is not None:
+        out["grammar_mask"] = desc.grammar_mask.reshape(-1)
     if procs is not None:
         out.update(state_row=procs.state_row, presence=procs.presence, frequency=procs.frequency,
                    repetition=procs.repetition, ban_stop=procs.ban_stop)
@@ -145,7 +154,9 @@ def unpack_desc(layout: tuple[int, ...], payload: np.ndarray) -> BatchDesc:
         temperature=a["temperature"], top_p=a["top_p"], top_k=a["top_k"], seeds=a["seeds"], prefix_rows=prefix_rows,
         top_logprobs=int(v["top_logprobs"]), min_p=a["min_p"] if v["has_min_p"] else None, procs=procs,
         proc_init=inits, prompt_logprobs=int(v["prompt_logprobs"]),
-        plp_idx=a["plp_idx"] if v["plp"] else None, plp_target=a["plp_target"] if v["plp"] else None)
+        plp_idx=a["plp_idx"] if v["plp"] else None, plp_target=a["plp_target"] if v["plp"] else None,
+        grammar_rows=a["grammar_rows"] if v["grammar_rows"] else None,
+        grammar_mask=a["grammar_mask"].reshape(v["grammar_rows"], v["grammar_words"]) if v["grammar_rows"] else None)
 
 
 @dataclass

@@ -71,14 +71,13 @@ def sampler_io_bytes(bs: int) -> int:
     return (4 * len(SAMPLER_FLOATS) + 8 * len(SAMPLER_INTS)) * bs
 
 
-def pack_sampler_io(bs: int, rows: dict[str, np.ndarray], pad: dict[str, float]) -> np.ndarray:
-    """The second block of a bucket of `bs` rows: each field's values for the real rows (its pad value
-    where `rows` lacks it: a step that filters but does not process), then its pad value."""
+def pack_sampler_io(bs: int, n: int, rows: dict[str, np.ndarray], pad: dict[str, float]) -> np.ndarray:
+    """The second block of a bucket of `bs` rows, `n` of them real: each field's values for the real rows
+    (its pad value where `rows` lacks it: a step that filters but does not process), then its pad value."""
     block = np.empty(sampler_io_bytes(bs), dtype=np.uint8)
     nf = 4 * len(SAMPLER_FLOATS) * bs
     floats = block[:nf].view(np.float32).reshape(len(SAMPLER_FLOATS), bs)
     ints = block[nf:].view(np.int64).reshape(len(SAMPLER_INTS), bs)
-    n = len(next(iter(rows.values())))
     for table, names in ((floats, SAMPLER_FLOATS), (ints, SAMPLER_INTS)):
         for i, name in enumerate(names):
             table[i, :n] = rows[name] if name in rows else pad[name]
@@ -123,8 +122,8 @@ class _Bucket:
         a = self.sampler_args
         return SampleArgs(self.temperature, self.seeds, self.sample_pos, self.token_write,
                           *((a["top_p"], a["top_k"], a["min_p"]) if filtered else (None, None, None)),
-                          *((a["state_row"], a["presence"], a["frequency"], a["repetition"], a["ban_stop"].bool())
-                            if procs else (None,) * 5))
+                          *((a["state_row"], a["presence"], a["frequency"], a["repetition"], a["ban_stop"].bool(),
+                             self.allowed) if procs else (None,) * 6))
 
 
 class CudaGraphRunner:
@@ -138,8 +137,11 @@ class CudaGraphRunner:
         self.io = torch.zeros(io_bytes(self.max_bs), dtype=torch.uint8, device=device)
         self.buckets = {bs: _Bucket(self.io, bs) for bs in self.batch_sizes}
         self.sio = torch.zeros(sampler_io_bytes(self.max_bs), dtype=torch.uint8, device=device)
+        # grammars' allowed tokens per row (-1: every token), read by the processor variants
+        self.allowed = torch.full((self.max_bs, -(-sampler.state.vocab // 32)), -1, dtype=torch.int32, device=device)
         for b in self.buckets.values():
             b.bind_sampler_io(self.sio)
+            b.allowed = self.allowed[:b.bs]
         self.pad = {"out_loc": self.scratch_loc, "token_write": table.scratch_cell}
         self.sampler_pad = {**SAMPLER_PAD, "state_row": sampler.state.scratch_row}
         self.graphs = self.buckets  # the captured batch sizes (tests look at the keys)
@@ -158,7 +160,7 @@ class CudaGraphRunner:
             with torch.cuda.stream(stream):
                 b.out_loc.fill_(self.scratch_loc)
                 b.token_write.fill_(self.table.scratch_cell)
-                idle = pack_sampler_io(bs, {"top_p": np.ones(1)}, self.sampler_pad)  # every row padding
+                idle = pack_sampler_io(bs, 0, {}, self.sampler_pad)  # every row padding
                 self.sio[: idle.size].copy_(torch.from_numpy(idle))
                 self.attn.prepare_graph(None, bs, b.out_loc, self.scratch_page)
                 # warm-up outside the graph: JIT kernels, cuBLAS workspaces, lazily made buffers
@@ -203,10 +205,16 @@ class CudaGraphRunner:
         b.head()
         return b
 
-    def resample(self, bs: int, sio: torch.Tensor, *, procs: bool, filtered: bool) -> torch.Tensor:
-        """On the compute stream, after `replay`: copies the step's second block and replays the variant
-        it needs; its tokens (the first n rows are real) replace the head's."""
+    def resample(self, bs: int, sio: torch.Tensor, grammar_rows: torch.Tensor | None, grammar_mask: torch.Tensor | None,
+                 *, procs: bool, filtered: bool) -> torch.Tensor:
+        """On the compute stream, after `replay`: copies the step's second block (and its constrained rows'
+        allowed tokens) and replays the variant it needs; its tokens (the first n rows are real) replace
+        the head's."""
         self.sio[: sio.numel()].copy_(sio)
+        if procs:
+            self.allowed[:bs].fill_(-1)
+            if grammar_rows is not None:
+                self.allowed.index_copy_(0, grammar_rows, grammar_mask)
         b = self.buckets[bs]
         b.resample[procs, filtered]()
         return b.resampled[procs, filtered]

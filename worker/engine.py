@@ -118,6 +118,8 @@ class StepInputs:
     init: dict[str, torch.Tensor] | None = None  # processor state set afresh (ProcessorState.init_arrays)
     plp_idx: torch.Tensor | None = None     # int64 [P]: the prompt tokens scored (prompt logprobs) ...
     plp_target: torch.Tensor | None = None  # int64 [P]: ... and the prompt token that follows each
+    grammar_rows: torch.Tensor | None = None  # int64 [G]: the constrained rows (when procs) ...
+    grammar_mask: torch.Tensor | None = None  # int32 [G, W]: ... and their allowed tokens
 
 
 class Engine:
@@ -248,6 +250,8 @@ class Engine:
             a.update(self.proc_state.init_arrays(desc.proc_init))
         if desc.plp_idx is not None:
             a.update(plp_idx=desc.plp_idx.astype(np.int64), plp_target=desc.plp_target.astype(np.int64))
+        if desc.grammar_rows is not None:
+            a.update(grammar_rows=desc.grammar_rows.astype(np.int64), grammar_mask=desc.grammar_mask.astype(np.int32))
         filters = {"top_p": desc.top_p, "top_k": desc.top_k, "min_p": min_p} if any_filter else {}
         if procs is not None:
             filters.update(state_row=procs.state_row, presence=procs.presence, frequency=procs.frequency,
@@ -259,7 +263,7 @@ class Engine:
                                          "seeds": desc.seeds, "sample_pos": seq},
                                     desc.temperature.astype(np.float32), self.graphs.pad)
             if filters:
-                a["sampler_io"] = pack_sampler_io(bs, filters, self.graphs.sampler_pad)
+                a["sampler_io"] = pack_sampler_io(bs, desc.batch_size, filters, self.graphs.sampler_pad)
         else:
             a.update(table_idx=slots, seq_lens=desc.seq_lens.astype(np.int32), positions=positions,
                      out_loc=desc.out_loc.astype(np.int64), token_write=token_write)
@@ -280,6 +284,7 @@ class Engine:
         staged = self.staging.upload(a)
         d = staged.device
         init = {k: v for k, v in d.items() if k.startswith("init_")} if desc.proc_init else None
+        grammar_mask = d["grammar_mask"].view(len(desc.grammar_rows), -1) if desc.grammar_rows is not None else None
         return StepInputs(staged=staged, all_greedy=all_greedy, any_filter=any_filter, procs=procs is not None,
                           page_idx=d["page_idx"], page_val=d["page_val"], prefix_idx=d.get("prefix_idx"),
                           prefix_val=d.get("prefix_val"), graph_io=d.get("graph_io"), table_idx=d.get("table_idx"),
@@ -290,7 +295,8 @@ class Engine:
                           top_k=d.get("top_k"), min_p=d.get("min_p"), state_row=d.get("state_row"),
                           presence=d.get("presence"), frequency=d.get("frequency"), repetition=d.get("repetition"),
                           ban_stop=d.get("ban_stop"), sampler_io=d.get("sampler_io"), init=init,
-                          plp_idx=d.get("plp_idx"), plp_target=d.get("plp_target"))
+                          plp_idx=d.get("plp_idx"), plp_target=d.get("plp_target"),
+                          grammar_rows=d.get("grammar_rows"), grammar_mask=grammar_mask)
 
     @torch.inference_mode()
     def forward(self, desc: BatchDesc) -> StepOutput:
@@ -340,7 +346,8 @@ class Engine:
         n = desc.batch_size
         next_tokens = b.next_tokens
         if s.sampler_io is not None:  # redrawn over the processed and filtered logits (the same draw)
-            next_tokens = self.graphs.resample(bs, s.sampler_io, procs=s.procs, filtered=s.any_filter)
+            next_tokens = self.graphs.resample(bs, s.sampler_io, s.grammar_rows, s.grammar_mask, procs=s.procs,
+                                               filtered=s.any_filter)
         return b.logits[:n], next_tokens[:n]
 
     def _forward_eager(self, desc: BatchDesc, batch: ForwardBatch, s: StepInputs):
@@ -353,8 +360,12 @@ class Engine:
         hidden = self.model(batch.input_ids.long(), batch.positions, self.attn)
         self.inputs_free.record(self.stream)
         logits = self.model.compute_logits(hidden[batch.last_idx] if desc.is_prefill else hidden)
+        allowed = None
+        if s.grammar_rows is not None:
+            allowed = torch.full((desc.batch_size, s.grammar_mask.shape[1]), -1, dtype=torch.int32, device=self.device)
+            allowed.index_copy_(0, s.grammar_rows, s.grammar_mask)
         args = SampleArgs(s.temperature, s.seeds, batch.seq_lens, s.token_write, s.top_p, s.top_k, s.min_p,
-                          s.state_row, s.presence, s.frequency, s.repetition, s.ban_stop)
+                          s.state_row, s.presence, s.frequency, s.repetition, s.ban_stop, allowed)
         next_tokens = self.sampler(logits, args, procs=s.procs, filtered=s.any_filter)
         scored = None
         if s.plp_idx is not None:

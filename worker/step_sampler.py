@@ -30,6 +30,15 @@ class SampleArgs:
     frequency: torch.Tensor | None = None   # float32 }
     repetition: torch.Tensor | None = None  # float32 }
     ban_stop: torch.Tensor | None = None    # bool    }
+    allowed: torch.Tensor | None = None     # int32 [B, W] } grammars: allowed tokens, one bit each (-1: all)
+
+
+def apply_bitmask(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """x [B, V] with the tokens whose bit is clear in `allowed` [B, ceil(V / 32)] (xgrammar's layout:
+    token t is bit t % 32 of word t // 32) set to -inf."""
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+    keep = ((allowed.unsqueeze(-1) >> shifts) & 1).view(x.shape[0], -1)[:, : x.shape[1]]
+    return x.masked_fill(keep == 0, float("-inf"))
 
 
 class StepSampler:
@@ -43,6 +52,8 @@ class StepSampler:
         x = logits
         if procs:
             x = self.state.apply(x, a.state_row, a.presence, a.frequency, a.repetition, a.ban_stop)
+            if a.allowed is not None:
+                x = apply_bitmask(x, a.allowed)
         if a.temperature is None:
             tokens = x.argmax(dim=-1).to(torch.int32)
             # the next step reads its input here, on the device: the host never has to know it first
