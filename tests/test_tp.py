@@ -16,7 +16,7 @@ from conftest import live_ray_objects
 from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy
 
-from cluster import LLM, SamplingParams
+from cluster import LLM, GrammarSpec, SamplingParams
 from cluster.config import ReplicaConfig, SchedulerConfig
 from cluster.executor import ReplicaBrokenError
 from cluster.errors import GenerationError
@@ -78,13 +78,16 @@ def test_tp2_seeded_sampling_equals_tp1_and_aborts_keep_every_rank_whole(ray_clu
 
 
 def test_tp2_penalties_biases_min_tokens_choices_and_prompt_logprobs_equal_tp1(ray_cluster, qwen3_path):
-    """Every rank applies the same processors to the same gathered logits and counts the same tokens:
+    """Every rank applies the same processors (and grammar masks) to the same gathered logits and counts
+    the same tokens:
     tp=2 equals tp=1 (which tests/test_sampling.py referees against Hugging Face for every family, both
     loops); here with the overlap loop, where step N+1's penalties need step N's token on the device."""
     path, overlap = qwen3_path, True
     params = [greedy(16, ignore_eos=True, repetition_penalty=1.6), greedy(16, ignore_eos=True, logit_bias={5: 3.0}),
               greedy(16, stop_token_ids=[7], min_tokens=6), greedy(16, presence_penalty=0.8, frequency_penalty=0.9),
-              SamplingParams(temperature=0.9, min_p=0.05, max_tokens=10, n=3, seed=77), greedy(4, prompt_logprobs=2)]
+              SamplingParams(temperature=0.9, min_p=0.05, max_tokens=10, n=3, seed=77),
+              SamplingParams(temperature=0.9, max_tokens=40, seed=3, grammar=GrammarSpec("regex", "[a-z]{3,9} ok")),
+              greedy(4, prompt_logprobs=2)]
 
     def run(llm):
         outs = llm.generate(encode_all(llm, PROMPT_TEXTS[:len(params)]), params)
