@@ -71,6 +71,7 @@ case $1 in
     off new $B/offline_throughput.py
     off old $OLD/offline_throughput.py
     step sampling_cost 200 $B/sampling_cost.py --share 0.1 1.0 --out "$OUT/sampling_cost.json"
+    step grammar_cost 150 $B/grammar_cost.py --share 0.1 --out "$OUT/grammar_cost.json"
     off fp8 $B/offline_throughput.py --kv-cache-dtype fp8_e4m3 ;;
   *) bash -c "$2" ;;
 esac
