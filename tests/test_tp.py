@@ -77,12 +77,15 @@ def test_tp2_seeded_sampling_equals_tp1_and_aborts_keep_every_rank_whole(ray_clu
     assert after == hf_greedy(qwen3_path, prompts, 8)
 
 
-def test_tp2_penalties_biases_min_tokens_choices_and_prompt_logprobs_equal_tp1(ray_cluster, qwen3_path):
+@pytest.mark.parametrize("family,overlap", [("qwen3", True), ("llama", False)])
+def test_tp2_penalties_biases_min_tokens_choices_and_prompt_logprobs_equal_tp1(ray_cluster, model_paths, family,
+                                                                              overlap):
     """Every rank applies the same processors (and grammar masks) to the same gathered logits and counts
     the same tokens:
     tp=2 equals tp=1 (which tests/test_sampling.py referees against Hugging Face for every family, both
-    loops); here with the overlap loop, where step N+1's penalties need step N's token on the device."""
-    path, overlap = qwen3_path, True
+    loops); here for two families and both loops (in the overlap loop step N+1's penalties need step N's
+    token on the device)."""
+    path = model_paths[family]
     params = [greedy(16, ignore_eos=True, repetition_penalty=1.6), greedy(16, ignore_eos=True, logit_bias={5: 3.0}),
               greedy(16, stop_token_ids=[7], min_tokens=6), greedy(16, presence_penalty=0.8, frequency_penalty=0.9),
               SamplingParams(temperature=0.9, min_p=0.05, max_tokens=10, n=3, seed=77),
