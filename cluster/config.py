@@ -146,6 +146,14 @@ class ServeConfig(ReplicaConfig):
     port: int = setting(8000, "the API's port", at_least=1, at_most=65535, group="server")
     routing: str = setting("cache_aware", "cache_aware: prefix affinity with a least-loaded fallback; "
                                           "round_robin", choices=("cache_aware", "round_robin"), group="server")
+    tool_call_parser: str = setting(
+        "auto", "how a chat's tool calls are read from its output: qwen (the tool_call tags of Qwen2.5 and Qwen3), "
+                "llama (Llama 3.1's JSON); auto: by the model's model_type (qwen2, qwen3: qwen; llama: llama; "
+                "others: none)", choices=("auto", "qwen", "llama", "none"), group="server")
+    reasoning_parser: str = setting(
+        "auto", "how a chat's reasoning is told from its answer: qwen3 (the think block, returned as "
+                "reasoning_content); auto: qwen3 for Qwen3 models, none for others",
+        choices=("auto", "qwen3", "none"), group="server")
     api_key: str | None = setting(None, "every /v1 route, /tokenize and /detokenize then require "
                                         "Authorization: Bearer KEY",
                                   unset="none, open", group=LIMITS)

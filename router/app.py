@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.chat import prepare_chat
 from router.detokenizer import IncrementalDetokenizer
 from cluster import AddRequest, RaylmError, SamplingParams, fan_out
 from router.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
@@ -24,6 +25,7 @@ from router.protocol import ChatCompletionRequest, CompletionRequest, Detokenize
 from router.responses import Echo, Formatter, sse
 from router.routing import NoReplicaError, with_room
 from router.state import RouterState
+from router.structured import request_grammar
 
 log = logging.getLogger("raylm.requests")
 
@@ -107,7 +109,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
         ids = state.completion_ids(body)
         # an echo with logprobs shows the prompt's too: the replica scores the prompt for them
         params = state.sampling_params(body, ids, body.max_tokens, 16, body.logprobs,
-                                       body.logprobs if body.echo else None)
+                                       body.logprobs if body.echo else None, grammar=request_grammar(body))
         echo = Echo(state.prompt_text(body, ids), ids) if body.echo else None
         fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", state.model_name, False, state.tokenizer, body.logprobs,
                         params.n, echo)
@@ -116,11 +118,13 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         state.check_model(body.model)
-        ids = state.chat_ids(body)
+        chat = prepare_chat(state, body)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = state.sampling_params(body, ids, body.max_completion_tokens or body.max_tokens, None, top)
-        fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, True, state.tokenizer, top, params.n)
-        return await _serve(state, request, body, ids, params, fmt)
+        params = state.sampling_params(body, chat.ids, body.max_completion_tokens or body.max_tokens, None, top,
+                                       grammar=chat.grammar)
+        fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, True, state.tokenizer, top, params.n,
+                        output=chat.output)
+        return await _serve(state, request, body, chat.ids, params, fmt)
 
     return app
 
@@ -230,7 +234,8 @@ async def _stream(state: RouterState, pieces, fmt: Formatter, prompt_tokens: int
                     if len(reasons) == fmt.n:  # until then a disconnect still aborts the rest
                         outcome["reason"] = _request_reason(reasons)
                 if piece.text or piece.finish_reason is not None or piece.logprobs or fmt.echoes(piece):
-                    yield fmt.chunk_sse(piece)
+                    if event := fmt.chunk_sse(piece):  # "": a parser holds its text back for now
+                        yield event
         if include_usage:
             yield sse(fmt.usage_chunk(prompt_tokens, completion))
         yield sse("[DONE]")

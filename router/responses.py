@@ -6,6 +6,7 @@ import json
 import time
 from dataclasses import dataclass
 
+from router.chat_output import ChatOutput, ChatOutputParser, ChatParts, delta, message
 from router.generation import Piece
 
 
@@ -26,13 +27,16 @@ class Echo:
 
 
 class Formatter:
-    """Builds one request's bodies; `chat` picks the chat.completion shapes, `n` is its choices."""
+    """Builds one request's bodies; `chat` picks the chat.completion shapes, `n` is its choices, and
+    `output` how a chat choice's text is read (reasoning, tool calls; None: all of it is content)."""
 
     def __init__(self, request_id: str, model: str, chat: bool, tokenizer, top_logprobs: int | None, n: int = 1,
-                 echo: Echo | None = None) -> None:
+                 echo: Echo | None = None, output: ChatOutput | None = None) -> None:
         self.id, self.model, self.chat, self.tok = request_id, model, chat, tokenizer
         self.top_logprobs = top_logprobs  # None: no logprobs
         self.n, self.echo = n, echo
+        self.output = output if chat and output is not None and output.parses else None
+        self._parsers: dict[int, ChatOutputParser] = {}  # a streamed choice's, by index
         self.created = int(time.time())
         self.offsets = [0] * n  # each choice's text_offset so far
         head = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -95,7 +99,13 @@ class Formatter:
                        own[-1].finish_reason if own else "stop", index, first=True,
                        prompt_logprobs=own[0].prompt_logprobs if own else None)
         choice = {"index": index, "logprobs": self.logprobs(merged), "finish_reason": merged.finish_reason}
-        if self.chat:
+        if self.output is not None:
+            parser = self.output.parser()
+            parts = parser.feed(merged.text)
+            parts += parser.finish()
+            choice["message"] = message(parts, self.output)
+            choice["finish_reason"] = _finish_reason(merged.finish_reason, parser)
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": merged.text}
         else:
             choice["text"] = self.text(merged)
@@ -118,13 +128,35 @@ class Formatter:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice]}
 
+    def _parsed_chunk(self, piece: Piece) -> dict:
+        """A chat chunk whose delta holds what the choice's parser gives out of piece's text: reasoning,
+        content, tool calls (numbered within the choice), any of them possibly empty."""
+        parser = self._parsers.get(piece.index)
+        if parser is None:
+            parser = self._parsers[piece.index] = self.output.parser()
+        first_call = parser.calls
+        parts: ChatParts = parser.feed(piece.text)
+        reason = piece.finish_reason
+        if reason is not None:
+            parts += parser.finish()
+            reason = _finish_reason(reason, parser)
+        choice = {"index": piece.index, "delta": delta(parts, first_call), "logprobs": self.logprobs(piece),
+                  "finish_reason": reason}
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [choice]}
+
     def role_chunks(self) -> list[str]:
         """Chat's first events: one per choice, naming the assistant's role."""
         return [sse(self.chunk(None, first=True, index=i)) for i in range(self.n)]
 
     def chunk_sse(self, piece: Piece) -> str:
         """`sse(self.chunk(piece))`, built from this request's fixed head: a streamed token's only
-        per-token work here is encoding its text (the router does this for every token it streams)."""
+        per-token work here is encoding its text (the router does this for every token it streams).
+        "" when there is nothing to send: a parser holds the piece's text back (it may open a tool call)."""
+        if self.output is not None:
+            chunk = self._parsed_chunk(piece)
+            choice = chunk["choices"][0]
+            return sse(chunk) if choice["delta"] or choice["finish_reason"] or choice["logprobs"] else ""
         if self.top_logprobs is not None or self.echoes(piece):
             return sse(self.chunk(piece))
         text, reason = json.dumps(piece.text, ensure_ascii=False), json.dumps(piece.finish_reason)
@@ -141,3 +173,8 @@ class Formatter:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [],
                 "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def _finish_reason(reason: str | None, parser: ChatOutputParser) -> str | None:
+    """OpenAI's "tool_calls" for a choice that stopped after making calls (one cut at max_tokens stays "length")."""
+    return "tool_calls" if reason == "stop" and parser.calls else reason

@@ -17,7 +17,9 @@ from router.app import build_app
 from router.connection import bounded_protocol
 from router.metrics import RouterMetrics
 from router.routing import create_policy
-from router.state import RouterState, generation_defaults
+from router.reasoning import reasoning_parser_for
+from router.state import RouterState, generation_defaults, model_type
+from router.tool_calls import tool_call_parser_for
 from router.supervisor import Supervisor, client_for
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ class Server:
                 config=config, tokenizer=tokenizer, model_name=name, max_seq_len=info.max_seq_len,
                 vocab_size=info.vocab_size, policy=create_policy(config.routing), metrics=RouterMetrics(name),
                 defaults=generation_defaults(config.model),
+                tool_call_parser=tool_call_parser_for(config.tool_call_parser, model_type(config.model)),
+                reasoning_parser=reasoning_parser_for(config.reasoning_parser, model_type(config.model)),
                 clients=[client_for(r, config.health_check_timeout_s) for r in self.fleet.replicas])
             self.supervisor = Supervisor(self.state, self.fleet)
             self.app = build_app(self.state, background=[self.supervisor.run])

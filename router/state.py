@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from cluster import InvalidRequestError, SamplingParams, ServeConfig
+from cluster import GrammarSpec, InvalidRequestError, SamplingParams, ServeConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -25,6 +25,21 @@ def generation_defaults(model_path: str) -> dict:
     data = json.loads(path.read_text())
     keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # the ones vLLM takes from it
     return {k: data[k] for k in keys if data.get(k) is not None}
+
+
+def model_type(model_path: str) -> str | None:
+    """The model folder's config.json model_type ("qwen3", "llama", ...), which picks its parsers."""
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+# apply_chat_template's own arguments: chat_template_kwargs may not set them
+_TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 @dataclass
@@ -42,6 +57,8 @@ class RouterState:
     defaults: dict = field(default_factory=dict)
     uids: itertools.count = field(default_factory=itertools.count)
     created: int = field(default_factory=lambda: int(time.time()))  # the model card's creation time
+    tool_call_parser: str | None = None  # the served model's tool-call format (router/tool_calls.py)
+    reasoning_parser: str | None = None  # its reasoning format (router/reasoning.py)
 
     def set_client(self, i: int, client) -> None:
         """Routes replica i's traffic to client from now on (its replacement is serving)."""
@@ -76,18 +93,27 @@ class RouterState:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
 
     def chat_ids(self, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
+        return self.tokenizer(self.chat_prompt(req, add_generation_prompt), add_special_tokens=False).input_ids
+
+    def chat_prompt(self, req: ChatCompletionRequest, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The messages (and tools) rendered by the chat template, with the request's chat_template_kwargs."""
+        extra = req.chat_template_kwargs or {}
+        if reserved := sorted(_TEMPLATE_ARGUMENTS & extra.keys()):
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)} (the request's own "
+                                f"fields do)", param="chat_template_kwargs")
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
+            messages = [m.for_template() for m in req.messages]
+            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **extra)
         except ValueError as e:
             raise APIError(400, f"messages: {e}", param="messages") from e
         except Exception as e:  # noqa: BLE001 - template errors come as many types
             raise APIError(400, f"messages cannot be rendered by the chat template: {e}", param="messages") from e
-        return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def sampling_params(self, req: SamplingFields, ids: list[int], max_tokens: int | None, default_max: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        grammar: GrammarSpec | None = None) -> SamplingParams:
         cfg, n = self.config, len(ids)
         if n == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
@@ -123,7 +149,8 @@ class RouterState:
                                   frequency_penalty=req.frequency_penalty or 0.0,
                                   repetition_penalty=pick("repetition_penalty", 1.0),
                                   logit_bias=self.logit_bias(req), logprobs=logprobs,
-                                  prompt_logprobs=prompt_logprobs, n=choices, priority=req.priority)
+                                  prompt_logprobs=prompt_logprobs, n=choices, priority=req.priority,
+                                  grammar=grammar)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.field) from e
 

@@ -99,15 +99,18 @@ BAD = [  # (name, path, body (dict, or bytes sent raw), expected status)
     ("repetition_penalty", C, {**OK, "repetition_penalty": 0}, 400),
     ("min_p", C, {**OK, "min_p": 1.5}, 400),
     ("min_tokens", C, {**OK, "min_tokens": 3}, 400),  # above max_tokens (2)
-    # fields that would change what the request means are refused, never ignored
+    # bad schemas and tool choices (tests/test_structured_api.py has the rest)
     ("tools", CHAT, {"model": "tiny", "messages": MSG, "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400),
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]}, 400),
     ("tool_choice required", CHAT, {"model": "tiny", "messages": MSG, "tool_choice": "required"}, 400),
-    ("response_format json_object", CHAT, {"model": "tiny", "messages": MSG, "response_format": {"type": "json_object"}}, 400),
+    ("response_format", CHAT, {"model": "tiny", "messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}, 400),
+    ("guided_json", C, {**OK, "guided_json": {"type": "objekt"}}, 400),
+    # fields that would change what the request means are refused, never ignored
     ("echo", CHAT, {"model": "tiny", "messages": MSG, "echo": True}, 400),  # a completions field
     ("suffix", C, {**OK, "suffix": "the end"}, 400),
     ("best_of", C, {**OK, "best_of": 2}, 400),
-    ("guided_json", C, {**OK, "guided_json": {"type": "object"}}, 400),
+    ("tools on completions", C, {**OK, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
 ]
 
 # what a refused field's message must name

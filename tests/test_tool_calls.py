@@ -1,0 +1,153 @@
+"""The chat output parsers on text: tool calls in the Qwen and Llama formats, Qwen3's reasoning split,
+and both together; a text split into pieces anyhow (as a stream splits it) reads as the whole does."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from router.chat_output import ChatOutput, ChatParts
+from router.reasoning import ReasoningParser, reasoning_parser_for
+from router.tool_calls import tool_call_parser, tool_call_parser_for
+
+
+def splits(text: str, seed: int = 0) -> list[list[str]]:
+    """Ways a stream may cut text: whole, one character at a time, at every single point, and at random."""
+    rng = random.Random(seed)
+    ways = [[text], list(text)] + [[text[:i], text[i:]] for i in range(1, len(text))]
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6)))) if len(text) > 1 else []
+        ways.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+    return ways
+
+
+def read(output: ChatOutput, pieces: list[str]) -> ChatParts:
+    parser, parts = output.parser(), ChatParts()
+    for piece in pieces:
+        parts += parser.feed(piece)
+    parts += parser.finish()
+    return parts
+
+
+def calls(parts: ChatParts) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in parts.tool_calls]
+
+
+QWEN_TWO_CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "note": '
+                  '"a } and a \\" inside"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+                  '</tool_call>')
+
+
+def test_qwen_calls_are_read_with_the_text_before_them_as_content():
+    parts = read(ChatOutput(tool_calls="qwen"), [QWEN_TWO_CALLS])
+    assert parts.content == "Let me check.\n"
+    assert calls(parts) == [("get_weather", {"city": "Paris", "note": 'a } and a " inside'}), ("get_time", {})]
+    assert all(c.id.startswith("call_") for c in parts.tool_calls)
+    assert len({c.id for c in parts.tool_calls}) == 2
+
+
+def test_llama_calls_are_read_from_its_json_form():
+    text = '{"name": "get_weather", "parameters": {"city": "Paris", "days": [1, 2]}}; {"name": "get_time", "parameters": {}}'
+    parts = read(ChatOutput(tool_calls="llama"), [text])
+    assert parts.content == ""
+    assert calls(parts) == [("get_weather", {"city": "Paris", "days": [1, 2]}), ("get_time", {})]
+
+
+def test_arguments_come_back_as_json_text_of_an_object():
+    parts = read(ChatOutput(tool_calls="qwen"), ['<tool_call>\n{"name": "f", "arguments": {"x":1,"y" : "é"}}\n</tool_call>'])
+    assert json.loads(parts.tool_calls[0].arguments) == {"x": 1, "y": "é"}
+    assert parts.tool_calls[0].as_openai(3) == {"index": 3, "id": parts.tool_calls[0].id, "type": "function",
+                                                "function": {"name": "f", "arguments": parts.tool_calls[0].arguments}}
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\nnot json\n</tool_call>",
+    '<tool_call>\n{"arguments": {}}\n</tool_call>',       # no name
+    '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',  # arguments not an object
+    "a < b and <tool_ca",                                  # a marker's start that never completes
+    "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": ",  # cut before the call closes
+])
+def test_text_that_is_no_call_stays_content(text):
+    parts = read(ChatOutput(tool_calls="qwen"), [text])
+    assert (parts.content, parts.tool_calls) == (text, [])
+
+
+def test_a_call_whose_closing_tag_never_comes_is_still_read_when_its_json_is_whole():
+    parts = read(ChatOutput(tool_calls="qwen"), ['<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n'])
+    assert calls(parts) == [("f", {"x": 1})] and parts.content == ""
+
+
+def test_llama_text_that_is_no_call_stays_content():
+    for text in ('{"name": "f", "parameters": 3}', 'The answer is {"name": "x"} and more', '{"name": "f", "par'):
+        parts = read(ChatOutput(tool_calls="llama"), [text])
+        assert (parts.content, parts.tool_calls) == (text, []), text
+
+
+def test_reasoning_is_split_from_the_answer():
+    parts = read(ChatOutput(reasoning=True), ["<think>\nLet me see.\n</think>\n\nThe answer."])
+    assert (parts.reasoning, parts.content) == ("\nLet me see.\n", "The answer.")
+
+
+def test_without_a_think_block_everything_is_content():
+    text = "  Just an answer, with <think> later on."
+    assert (read(ChatOutput(reasoning=True), [text]).reasoning, read(ChatOutput(reasoning=True), [text]).content) \
+        == ("", text)
+
+
+def test_a_prompt_that_opened_the_think_block_starts_the_output_in_it():
+    parts = read(ChatOutput(reasoning=True, starts_in_reasoning=True), ["thinking...</think>answer"])
+    assert (parts.reasoning, parts.content) == ("thinking...", "answer")
+
+
+def test_an_unclosed_think_block_is_all_reasoning():
+    parts = read(ChatOutput(reasoning=True), ["<think>still thinking when max_tokens came"])
+    assert (parts.reasoning, parts.content) == ("still thinking when max_tokens came", "")
+
+
+def test_reasoning_then_a_tool_call():
+    text = '<think>I need the weather.</think>\n\n<tool_call>\n{"name": "w", "arguments": {"c": "Oslo"}}\n</tool_call>'
+    parts = read(ChatOutput(reasoning=True, tool_calls="qwen"), [text])
+    assert parts.reasoning == "I need the weather." and parts.content == ""
+    assert calls(parts) == [("w", {"c": "Oslo"})]
+
+
+CASES = [
+    (ChatOutput(tool_calls="qwen"), QWEN_TWO_CALLS),
+    (ChatOutput(tool_calls="qwen"), "no call here, only <tool and <tool_call> that is broken </tool_call> x"),
+    (ChatOutput(tool_calls="llama"), '{"name": "a", "parameters": {"s": "}{\\\\\\"", "n": {"m": [1]}}};\n{"name": "b", '
+                                     '"parameters": {}}'),
+    (ChatOutput(tool_calls="llama"), 'Plain text with a { brace and {"name" in it'),
+    (ChatOutput(reasoning=True), "<think>abc</think>hello"),
+    (ChatOutput(reasoning=True), "\n<think>a</thin</think>  \n b </think>"),
+    (ChatOutput(reasoning=True), "<thinking is not a tag"),
+    (ChatOutput(reasoning=True, starts_in_reasoning=True), "x</think>\n\n"),
+    (ChatOutput(reasoning=True, tool_calls="qwen"),
+     '<think>\nhm\n</think>\n\nSure <tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call>'),
+]
+
+
+@pytest.mark.parametrize("output,text", CASES, ids=[f"case-{i}" for i in range(len(CASES))])
+def test_any_split_of_the_text_reads_as_the_whole_does(output, text):
+    whole = read(output, [text])
+    for pieces in splits(text):
+        parts = read(output, pieces)
+        assert (parts.reasoning, parts.content, calls(parts)) == (whole.reasoning, whole.content, calls(whole)), pieces
+
+
+def test_the_parsers_are_picked_by_model_type():
+    assert [tool_call_parser_for("auto", t) for t in ("qwen3", "qwen2", "qwen3_moe", "llama", "mistral", None)] == \
+        ["qwen", "qwen", "qwen", "llama", None, None]
+    assert tool_call_parser_for("none", "qwen3") is None and tool_call_parser_for("llama", "qwen3") == "llama"
+    assert [reasoning_parser_for("auto", t) for t in ("qwen3", "qwen3_moe", "qwen2", "llama")] == \
+        ["qwen3", "qwen3", None, None]
+    assert reasoning_parser_for("none", "qwen3") is None and reasoning_parser_for("qwen3", "llama") == "qwen3"
+
+
+def test_parsers_hold_back_only_what_may_start_a_marker():
+    tools, reasoning = tool_call_parser("qwen"), ReasoningParser()
+    assert tools.feed("abc <tool") == ("abc ", [])
+    assert tools.feed("box") == ("<toolbox", [])
+    assert reasoning.feed("<thi") == ("", "")
+    assert reasoning.feed("s") == ("", "<this")
