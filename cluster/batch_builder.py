@@ -25,6 +25,7 @@ class Batch:
     emits: list[bool]  # False for a chunk that does not end its prompt: its sample is meaningless
     # prompt logprobs: (request, where its scored positions start in desc.plp_idx, how many)
     scored: list[tuple[Req, int, int]] = field(default_factory=list)
+    num_decode: int = 0  # the first rows that decode (all of a decode step's; a mixed step's before its prompts)
 
 
 class BatchBuilder:
@@ -39,10 +40,17 @@ class BatchBuilder:
         # request slots whose page-table row changed on the host, written by the next step
         self.rewrite_rows: dict[int, Req] = {}
 
-    def prefill(self, chosen: list[tuple[Req, int]]) -> Batch:
-        """A prefill step over (request, tokens to compute) pairs."""
+    def prefill(self, chosen: list[tuple[Req, int]], decoding: list[Req] | tuple = ()) -> Batch:
+        """A prefill step over (request, tokens to compute) pairs; with `decoding`, a mixed step whose
+        first rows decode those requests (one token each, read from the token pool on the device: the
+        host may not know it yet), so that no running decode waits for a prompt."""
         reqs, emits, ids, locs, seq_lens, inits, scored = [], [], [], [], [], [], []
-        plp_idx, plp_target, offset = [], [], 0
+        plp_idx, plp_target = [], []
+        if decoding:
+            decode_locs, decode_lens = self._decode_rows(decoding)
+            reqs, emits, seq_lens = list(decoding), [True] * len(decoding), decode_lens
+            ids, locs = [[-1]] * len(decoding), [decode_locs]  # -1: the input is in the token pool
+        offset = len(decoding)
         for req, ext in chosen:
             start, end = req.cached_len, req.cached_len + ext
             self.cache.allocate(req, end)
@@ -75,7 +83,7 @@ class BatchBuilder:
         if scored:
             desc.plp_idx, desc.plp_target = np.concatenate(plp_idx), np.concatenate(plp_target)
             desc.prompt_logprobs = max(r.params.prompt_logprobs for r, _, _ in scored)
-        return Batch(desc, reqs, emits, scored)
+        return Batch(desc, reqs, emits, scored, num_decode=len(decoding))
 
     def _init(self, req: Req) -> ProcessorInit:
         """req's processor state from scratch: its prompt (for the repetition penalty), its tokens so far
@@ -97,6 +105,14 @@ class BatchBuilder:
         return eos + [t for t in req.params.stop_token_ids if t not in self.eos_ids or req.params.ignore_eos]
 
     def decode(self, reqs: list[Req]) -> Batch:
+        locs, seq_lens = self._decode_rows(reqs)
+        emits = [True] * len(reqs)
+        return Batch(self._desc(False, reqs, seq_lens, [1] * len(reqs), locs, None, emits), reqs, emits,
+                     num_decode=len(reqs))
+
+    def _decode_rows(self, reqs: list[Req]) -> tuple[np.ndarray, list[int]]:
+        """Each request's next position: its KV location (a page allocated where it starts one) and its
+        length once the step is done; advances the requests at launch."""
         locs = np.empty(len(reqs), dtype=np.int32)
         seq_lens = []
         for i, req in enumerate(reqs):
@@ -107,8 +123,7 @@ class BatchBuilder:
             req.cached_len += 1
             req.device_len += 1
             seq_lens.append(req.cached_len)
-        emits = [True] * len(reqs)
-        return Batch(self._desc(False, reqs, seq_lens, [1] * len(reqs), locs, None, emits), reqs, emits)
+        return locs, seq_lens
 
     def launched(self) -> None:
         """The last batch built reached the device, and with it the page-table rows it rewrote."""

@@ -39,8 +39,10 @@ class UnknownSettingError(ConfigError, TypeError):
 class SchedulerConfig:
     cache_type: str = setting("radix", "radix: prompts with a common prefix share KV pages; naive: never shared",
                               choices=("radix", "naive"))
-    max_extend_tokens: int = setting(8192, "prompt tokens computed per prefill step; longer prompts are chunked",
-                                     at_least=1)
+    max_extend_tokens: int = setting(8192, "tokens computed per step: prompt chunks and, in a mixed step, one per "
+                                           "running decode; longer prompts are chunked", at_least=1)
+    mixed_steps: bool = setting(True, "a step carries every running decode beside the prompt chunks that fit, so "
+                                      "no decode waits for a prompt; off: a step prefills or decodes, prefill first")
     overlap: bool = setting(True, "the overlap loop: launch step N+1 before handling step N's results")
     # a request whose max_tokens fits its reservation is never preempted
     decode_reserve_tokens: int = setting(

@@ -94,6 +94,7 @@ class SchedulerStats:
     prefill_tokens: int          # prompt tokens computed (prefix-cache hits excluded)
     decode_tokens: int
     preempted: int               # preemptions so far (a request may be preempted more than once)
+    mixed_steps: int = 0         # steps that decoded running requests beside prompt chunks
 
     @property
     def kv_usage(self) -> float:

@@ -45,13 +45,13 @@ class PrefillManager:
         self.waiting.remove(req)
         self.queued_tokens -= req.fill_len
 
-    def schedule(self, in_flight: frozenset[int], headroom: int = 0) -> list[tuple[Req, int]]:
-        """Picks (request, tokens to compute) in queue order until the budget is spent. A request
-        that does not fit whole takes what is left and carries on next time, at the head of the queue.
-        `in_flight`: the request slots of the batch in flight. `headroom` pages are left free at
-        admission for running requests past their reservation."""
+    def schedule(self, in_flight: frozenset[int], headroom: int = 0, budget: int | None = None) -> list[tuple[Req, int]]:
+        """Picks (request, tokens to compute) in queue order until the budget (max_extend_tokens unless
+        given) is spent. A request that does not fit whole takes what is left and carries on next time,
+        at the head of the queue. `in_flight`: the request slots of the batch in flight. `headroom` pages
+        are left free at admission for running requests past their reservation."""
         batch: list[tuple[Req, int]] = []
-        budget, whole = self.max_extend_tokens, set()
+        budget, whole = self.max_extend_tokens if budget is None else budget, set()
         for req in self.waiting:
             if budget == 0:
                 break

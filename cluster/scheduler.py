@@ -85,7 +85,7 @@ class Scheduler:
         self.finished_reqs: set[Req] = set()    # left the batch in flight: its result there is dropped
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight: Launched | None = None
-        self.steps = self.prefill_tokens = self.decode_tokens = 0
+        self.steps = self.prefill_tokens = self.decode_tokens = self.mixed_steps = 0
         # aborts that arrived before their request (messages from several callers may reorder)
         self._early_aborts: OrderedDict[int, None] = OrderedDict()
 
@@ -225,16 +225,26 @@ class Scheduler:
     # -- building a step ---------------------------------------------------------------------------
 
     def schedule(self) -> Batch | None:
-        """The next step: a prefill if any waiting request can be admitted, else a decode."""
+        """The next step. With mixed steps: every running decode, and beside them the prompt chunks that
+        fit the token budget; else a prefill if any waiting request can be admitted, else a decode."""
         in_flight = self.in_flight.rows if self.in_flight is not None else frozenset()
-        chosen = self.prefill.schedule(in_flight, self.decode.headroom if self.prefill.waiting else 0)
+        decoding: list[Req] = []
+        budget = None
+        if self.config.mixed_steps and self.decode.running:
+            decoding = self.decode.schedule(self.in_flight.req_set if self.in_flight is not None else None)
+            budget = self.config.max_extend_tokens - len(decoding)
+        chosen = []
+        if self.prefill.waiting and (budget is None or budget > 0):
+            # admission leaves `headroom` pages free: the decode rows allocate theirs after it
+            chosen = self.prefill.schedule(in_flight, self.decode.headroom, budget)
         if chosen:
-            batch = self.builder.prefill(chosen)
-            for req, prompt_done in zip(batch.reqs, batch.emits):
+            batch = self.builder.prefill(chosen, decoding)
+            for req, prompt_done in zip(batch.reqs[batch.num_decode:], batch.emits[batch.num_decode:]):
                 if prompt_done:
                     self.decode.add(req)
             return batch
-        decoding = self.decode.schedule(self.in_flight.req_set if self.in_flight is not None else None)
+        if not self.config.mixed_steps:
+            decoding = self.decode.schedule(self.in_flight.req_set if self.in_flight is not None else None)
         return self.builder.decode(decoding) if decoding else None
 
     # -- the two loops -------------------------------------------------------------------------------
@@ -264,10 +274,9 @@ class Scheduler:
     def _launch(self, batch: Batch) -> Launched | None:
         desc = batch.desc
         self.steps += 1
-        if desc.is_prefill:
-            self.prefill_tokens += desc.num_tokens
-        else:
-            self.decode_tokens += desc.batch_size
+        self.prefill_tokens += desc.num_tokens - batch.num_decode
+        self.decode_tokens += batch.num_decode
+        self.mixed_steps += desc.is_prefill and batch.num_decode > 0
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d %s batch=%d tokens=%d running=%d waiting=%d free_pages=%d cached_pages=%d",
                       self.steps, "prefill" if desc.is_prefill else "decode", desc.batch_size, desc.num_tokens,
@@ -379,7 +388,7 @@ class Scheduler:
             pages_cached=cache.prefix_cache.num_pages, pages_reserved=cache.reserved,
             prefix_hit_tokens=cache.prefill_tokens_saved, prompt_tokens_admitted=cache.prompt_tokens_admitted,
             steps=self.steps, prefill_tokens=self.prefill_tokens, decode_tokens=self.decode_tokens,
-            preempted=self.decode.num_preempted)
+            preempted=self.decode.num_preempted, mixed_steps=self.mixed_steps)
 
     def check_integrity(self) -> None:
         """Raises IntegrityError unless every KV page is free, prefix-cached or held by a live request."""

@@ -101,8 +101,8 @@ class StepInputs:
     out_loc: torch.Tensor | None = None     # int64 [T]
     last_idx: torch.Tensor | None = None    # int64 [B] (prefill): each request's last new token in [T]
     input_ids: torch.Tensor | None = None   # int32 [T] (prefill)
-    token_idx: torch.Tensor | None = None   # int64 [T] (prefill): token-pool cells of the prompt tokens
-    token_read: torch.Tensor | None = None  # int64 [B] (decode): token-pool cells of the input tokens
+    token_idx: torch.Tensor | None = None   # int64 (prefill): token-pool cells of the prompt tokens given
+    token_read: torch.Tensor | None = None  # int64 [B] (decode) or [T] (mixed): token-pool cells of the inputs
     token_write: torch.Tensor | None = None  # int64 [B]: token-pool cells of the sampled tokens
     temperature: torch.Tensor | None = None  # float32 [B] (unless all greedy)
     seeds: torch.Tensor | None = None       # int64 [B] (unless all greedy)
@@ -268,8 +268,14 @@ class Engine:
             a.update(table_idx=slots, seq_lens=desc.seq_lens.astype(np.int32), positions=positions,
                      out_loc=desc.out_loc.astype(np.int64), token_write=token_write)
             if desc.is_prefill:
-                a.update(last_idx=ends - 1, input_ids=desc.input_ids.astype(np.int32),
-                         token_idx=token_slots * pool_row + positions)
+                cells = token_slots * pool_row + positions
+                given = desc.input_ids >= 0  # a mixed step's decode rows (-1) read their input from the pool
+                if given.all():
+                    a.update(input_ids=desc.input_ids.astype(np.int32), token_idx=cells)
+                else:
+                    a.update(input_ids=desc.input_ids[given].astype(np.int32), token_idx=cells[given],
+                             token_read=cells)
+                a["last_idx"] = ends - 1
             else:
                 a.update(token_read=slots * pool_row + seq - 1)
             if not all_greedy:
@@ -355,7 +361,7 @@ class Engine:
         tokens = self.table.flat_pool
         if desc.is_prefill:
             tokens.index_copy_(0, s.token_idx, batch.input_ids)
-        else:
+        if s.token_read is not None:
             batch.input_ids = tokens.index_select(0, s.token_read)
         hidden = self.model(batch.input_ids.long(), batch.positions, self.attn)
         self.inputs_free.record(self.stream)
