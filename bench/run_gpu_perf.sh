@@ -72,6 +72,7 @@ case $1 in
     off old $OLD/offline_throughput.py
     step sampling_cost 200 $B/sampling_cost.py --share 0.1 1.0 --out "$OUT/sampling_cost.json"
     step grammar_cost 150 $B/grammar_cost.py --share 0.1 --out "$OUT/grammar_cost.json"
-    off fp8 $B/offline_throughput.py --kv-cache-dtype fp8_e4m3 ;;
+    off fp8 $B/offline_throughput.py --kv-cache-dtype fp8_e4m3
+    step mixed_steps 150 $B/mixed_steps.py --out "$OUT/mixed_steps.json" ;;
   *) bash -c "$2" ;;
 esac
