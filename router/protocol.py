@@ -120,7 +120,7 @@ class SamplingFields(APIRequest):
     stream_options: dict | None = None
     # structured outputs (router/structured.py): OpenAI's response_format, or one of vLLM's fields
     response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | bool | str | None = None  # a JSON Schema (or its JSON text)
+    guided_json: Any = None  # a JSON Schema, or its JSON text (checked in router/structured.py)
     guided_regex: str | None = None
     guided_choice: list[str] | None = None  # the output is one of these strings
     guided_grammar: str | None = None       # an EBNF grammar (xgrammar's, with a root rule)
