@@ -1,6 +1,6 @@
-"""Test fixtures for chat with tools: a copy of a tiny checkpoint whose chat template renders tools,
-tool calls and tool results as Qwen3's does (and its enable_thinking switch), and the logit bias that
-keeps random weights from filling JSON with whitespace."""
+"""Test fixtures for chat with tools: a copy of a tiny checkpoint whose chat template renders tools
+(by name), tool calls and tool results as Qwen3's does (and its enable_thinking switch), and the logit
+bias that keeps random weights from filling JSON with whitespace."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ QWEN3_TOOLS_TEMPLATE = (
     "<|im_start|>system\n"
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
     "# Tools\n\n<tools>"
-    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    # Qwen3's writes each tool as JSON; the names alone keep the tiny tokenizer's prompts short
+    "{% for tool in tools %}{{ '\\n' }}{{ tool.function.name }}{% endfor %}{{ '\\n' }}</tools>\n\n"
     "Call them as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
     "<|im_end|>\n"
     "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"

@@ -1,0 +1,194 @@
+"""Tools over HTTP with the real openai client: the chat template renders tools, tool calls and tool
+results; tool_choice "required" or a named function makes the output a call (in the Qwen format, and in
+Llama 3.1's JSON on a Llama model) whose arguments validate against the function's schema, read back
+into tool_calls whole and as stream deltas; "auto" and "none" leave random weights to plain text; bad
+tools and choices are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from chat_fixtures import chat_checkpoint, no_whitespace
+from helpers import serving
+from test_serve import check_replicas_whole
+
+from cluster.model_info import load_tokenizer
+
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER = {"type": "object",
+           "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                          "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                          "unit": {"enum": ["C", "F"]}},
+           "required": ["city", "days"]}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["zone"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMA_OF = {"get_weather": WEATHER, "get_time": TIME}
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def qwen_model(tmp_path_factory, qwen3_path):
+    return chat_checkpoint(qwen3_path, tmp_path_factory.mktemp("tools") / "qwen")
+
+
+@pytest.fixture(scope="module")
+def srv(ray_cluster, qwen_model):
+    with serving(qwen_model, num_pages=1024, max_running_reqs=16) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen_model):
+    return load_tokenizer(str(qwen_model))
+
+
+@pytest.fixture(scope="module")
+def bias(tokenizer):
+    return no_whitespace(tokenizer)
+
+
+def client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+def check_calls(calls) -> None:
+    """Every call names a listed function, with arguments that validate against its parameters."""
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+
+
+def test_required_makes_a_call_whose_arguments_validate(srv, bias):
+    for seed in (1, 2):
+        r = client(srv).chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice="required",
+                                                parallel_tool_calls=False, max_tokens=150, temperature=1, seed=seed,
+                                                logit_bias=bias, extra_body=NO_THINKING)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        assert choice.message.content is None
+        check_calls(choice.message.tool_calls)
+
+
+def test_required_with_parallel_calls_makes_at_least_one(srv, bias):
+    r = client(srv).chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice="required",
+                                            max_tokens=150, temperature=0, logit_bias=bias, extra_body=NO_THINKING)
+    check_calls(r.choices[0].message.tool_calls)  # text may follow the calls until max_tokens
+
+
+def test_a_named_function_is_the_one_called(srv, bias):
+    for name in ("get_weather", "get_time"):
+        r = client(srv).chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, max_tokens=150, temperature=0,
+                                                tool_choice={"type": "function", "function": {"name": name}},
+                                                logit_bias=bias, extra_body=NO_THINKING)
+        calls = r.choices[0].message.tool_calls
+        assert [c.function.name for c in calls] == [name] and r.choices[0].finish_reason == "tool_calls"
+        check_calls(calls)
+
+
+def test_a_thinking_model_may_think_before_a_required_call(srv, bias):
+    # without enable_thinking false the grammar lets a think block come first, and the output's start
+    # is read as reasoning
+    r = client(srv).chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, max_tokens=60, temperature=0,
+                                            tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                            logit_bias=bias)
+    choice = r.choices[0]
+    if choice.finish_reason == "length":  # random weights, once thinking, think on until max_tokens
+        assert choice.message.reasoning_content and choice.message.content is None
+    else:
+        check_calls(choice.message.tool_calls)
+
+
+def test_streamed_calls_are_deltas_that_add_up_to_the_whole_message(srv, bias):
+    args = dict(model="tiny", messages=MSG, tools=TOOLS, tool_choice="required", max_tokens=150, temperature=1,
+                seed=5, logit_bias=bias, extra_body=NO_THINKING)
+    whole = client(srv).chat.completions.create(**args).choices[0]
+    chunks = list(client(srv).chat.completions.create(**args, stream=True))
+    deltas = [d for ch in chunks for d in ch.choices[0].delta.tool_calls or []]
+    assert [d.index for d in deltas] == list(range(len(whole.message.tool_calls)))
+    assert all(d.id.startswith("call_") and d.type == "function" for d in deltas)
+    assert [(d.function.name, d.function.arguments) for d in deltas] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == (whole.message.content or "")
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+
+
+def prompt_ids(tokenizer, messages, tools=None, **kwargs) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none", None])
+def test_without_a_forced_call_random_weights_write_text_and_the_tools_are_rendered(srv, tokenizer, tool_choice):
+    extra = {} if tool_choice is None else {"tool_choice": tool_choice}
+    r = client(srv).chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, max_tokens=8, temperature=0,
+                                            **extra)
+    choice = r.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(prompt_ids(tokenizer, MSG, TOOLS)) > len(prompt_ids(tokenizer, MSG))
+
+
+def test_calls_and_tool_results_sent_back_are_rendered_by_the_template(srv, tokenizer):
+    sent = [*MSG,
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    rendered = [*MSG,
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    r = client(srv).chat.completions.create(model="tiny", messages=sent, tools=TOOLS, max_tokens=2)
+    assert r.usage.prompt_tokens == len(prompt_ids(tokenizer, rendered, TOOLS))
+    text = tokenizer.apply_chat_template(rendered, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert '"arguments": {"city": "Paris", "days": 2}' in text and "sunny, 21 C" in text
+    check_replicas_whole(srv)
+
+
+BAD = [  # (param, body): each a 400 whose param names the field
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]}),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}]}),
+    ("tools", {"tools": [TOOLS[0], TOOLS[0]]}),  # one name twice
+    ("tools.0.function.name", {"tools": [{"type": "function", "function": {"name": "has space"}}]}),
+    ("tool_choice", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}),
+    ("tool_choice", {"tool_choice": "required"}),  # no tools
+    ("tool_choice", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}),
+    ("tool_choice", {"tools": TOOLS, "tool_choice": "always"}),
+    ("messages.1", {"messages": [*MSG, {"role": "tool", "content": "sunny"}]}),  # no tool_call_id
+    ("functions", {"functions": [{"name": "f"}]}),  # the deprecated form stays refused
+]
+
+
+@pytest.mark.parametrize("param,body", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_tools_and_choices_are_400s_naming_the_field(srv, param, body):
+    r = httpx.post(srv.url + CHAT, json={"model": "tiny", "messages": MSG, "max_tokens": 4, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"].startswith(param) and param.split(".")[0] in err["message"], err
+
+
+@pytest.fixture(scope="module")
+def llama_srv(ray_cluster, tmp_path_factory, llama_path):
+    model = chat_checkpoint(llama_path, tmp_path_factory.mktemp("tools") / "llama")
+    with serving(model, num_pages=512, max_running_reqs=8) as server:
+        yield server
+
+
+def test_a_llama_model_calls_in_its_json_form_and_has_no_reasoning(llama_srv):
+    c = client(llama_srv)
+    r = c.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice="required",
+                                  parallel_tool_calls=False, max_tokens=150, temperature=0,
+                                  logit_bias=no_whitespace(load_tokenizer(llama_srv.config.model)))
+    assert r.choices[0].finish_reason == "tool_calls"
+    check_calls(r.choices[0].message.tool_calls)
+    text = c.chat.completions.create(model="tiny", messages=MSG, max_tokens=40, temperature=0,
+                                     extra_body={"guided_regex": "<think>abc</think>hello"}).choices[0].message
+    assert text.content == "<think>abc</think>hello" and getattr(text, "reasoning_content", None) is None
