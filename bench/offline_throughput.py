@@ -3,8 +3,9 @@ output tokens each (ignore_eos, temperature 0.6, seed 0), Qwen3-0.6B's architect
 weights, bf16, page size 16 (--page-size), prefill chunks of 16384 tokens, CUDA graphs up to batch 256.
 
     python bench/offline_throughput.py [--out r.json] [--no-overlap] [--no-cuda-graph] [--cache naive]
-                                       [--profile]
-Reports output tokens per second, and the GPU's idle time between consecutive decode steps."""
+                                       [--kv-cache-dtype fp8_e4m3] [--profile]
+Reports output tokens per second, the KV-cache size in tokens (fp8_e4m3 holds twice bf16's), and the
+GPU's idle time between consecutive decode steps."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def main() -> None:
     input_tokens = sum(len(p) for p in prompts)
     result = {"benchmark": "offline_throughput", **config_of(args), "requests": len(prompts),
               "input_tokens": input_tokens, "output_tokens": output_tokens, "seconds": elapsed,
+              "kv_cache_tokens": llm.engine.num_pages * llm.engine.page_size,
               "output_tok_per_s": output_tokens / elapsed, "total_tok_per_s": (input_tokens + output_tokens) / elapsed,
               **timer.decode_summary()}
     if args.profile:  # the same run again, profiling 50 decode steps while the batch is still full
@@ -59,7 +61,8 @@ def main() -> None:
         llm.engine.step_timer = None
         result["profile"] = window.top_kernels()
     table = [("arch", args.arch), ("overlap", not args.no_overlap), ("cuda graphs", not args.no_cuda_graph),
-             ("cache", args.cache), ("seconds", elapsed), ("output tok/s", result["output_tok_per_s"]),
+             ("cache", args.cache), ("kv cache", f"{args.kv_cache_dtype}, {result['kv_cache_tokens']:,} tokens"),
+             ("seconds", elapsed), ("output tok/s", result["output_tok_per_s"]),
              ("decode step ms (median)", result.get("decode_step_ms_median", float("nan"))),
              ("idle between decode steps % (median)", result.get("idle_pct_of_step_median", float("nan"))),
              ("idle between decode steps % (total)", result.get("idle_pct_of_step_total", float("nan")))]

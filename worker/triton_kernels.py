@@ -4,12 +4,22 @@ the kernels' module globals, and importing this needs Triton)."""
 import triton
 import triton.language as tl
 
+FP8_MAX = tl.constexpr(448.0)  # float8 e4m3's largest finite value (worker/kv_cache.py saturates there too)
+
+
+@triton.jit
+def _to_cache(x, cache_ptr, FP8: tl.constexpr):
+    # an fp8 cache saturates as the torch store does (Triton's conversion need not), NaN kept
+    if FP8:
+        x = tl.clamp(x.to(tl.float32), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return x.to(cache_ptr.dtype.element_ty)
+
 
 @triton.jit
 def qkv_prologue_kernel(qkv_ptr, pos_ptr, loc_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr,
                         k_cache_ptr, v_cache_ptr, eps, qkv_row_stride, cos_sin_row_stride,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        HAS_NORM: tl.constexpr):
+                        HAS_NORM: tl.constexpr, FP8: tl.constexpr):
     # one program per (token, head) of the queries and keys; a key head's program also copies
     # the value head of the same index
     t = tl.program_id(0)
@@ -39,11 +49,11 @@ def qkv_prologue_kernel(qkv_ptr, pos_ptr, loc_ptr, cos_sin_ptr, q_weight_ptr, k_
     else:
         j = h - NUM_HEADS
         cell = (tl.load(loc_ptr + t).to(tl.int64) * NUM_KV_HEADS + j) * HEAD_DIM
-        tl.store(k_cache_ptr + cell + offs, o1.to(k_cache_ptr.dtype.element_ty))
-        tl.store(k_cache_ptr + cell + half + offs, o2.to(k_cache_ptr.dtype.element_ty))
+        tl.store(k_cache_ptr + cell + offs, _to_cache(o1, k_cache_ptr, FP8))
+        tl.store(k_cache_ptr + cell + half + offs, _to_cache(o2, k_cache_ptr, FP8))
         v_src = row + (NUM_HEADS + NUM_KV_HEADS + j) * HEAD_DIM
-        tl.store(v_cache_ptr + cell + offs, tl.load(v_src + offs))
-        tl.store(v_cache_ptr + cell + half + offs, tl.load(v_src + half + offs))
+        tl.store(v_cache_ptr + cell + offs, _to_cache(tl.load(v_src + offs), v_cache_ptr, FP8))
+        tl.store(v_cache_ptr + cell + half + offs, _to_cache(tl.load(v_src + half + offs), v_cache_ptr, FP8))
 
 
 @triton.jit
@@ -103,7 +113,7 @@ def sample_reduce_kernel(val_ptr, idx_ptr, num_blocks, vocab, out_ptr, pool_ptr,
 
 @triton.jit
 def kv_store_kernel(k_ptr, v_ptr, k_row_stride, v_row_stride, loc_ptr, k_cache_ptr, v_cache_ptr,
-                    ROW: tl.constexpr, BLOCK: tl.constexpr):
+                    ROW: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
     # one program per token: its keys and values (ROW = kv_heads * head_dim, contiguous within the
     # row) stored at its location of both caches in one launch
     t = tl.program_id(0)
@@ -112,8 +122,8 @@ def kv_store_kernel(k_ptr, v_ptr, k_row_stride, v_row_stride, loc_ptr, k_cache_p
     cell = tl.load(loc_ptr + t).to(tl.int64) * ROW
     k = tl.load(k_ptr + t.to(tl.int64) * k_row_stride + offs, mask=m)
     v = tl.load(v_ptr + t.to(tl.int64) * v_row_stride + offs, mask=m)
-    tl.store(k_cache_ptr + cell + offs, k.to(k_cache_ptr.dtype.element_ty), mask=m)
-    tl.store(v_cache_ptr + cell + offs, v.to(v_cache_ptr.dtype.element_ty), mask=m)
+    tl.store(k_cache_ptr + cell + offs, _to_cache(k, k_cache_ptr, FP8), mask=m)
+    tl.store(v_cache_ptr + cell + offs, _to_cache(v, v_cache_ptr, FP8), mask=m)
 
 
 @triton.jit

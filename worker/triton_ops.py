@@ -36,8 +36,21 @@ def available(x: torch.Tensor) -> bool:
     return _enabled and (x.is_cuda or _interpreted)
 
 
-def prologue_applies(qkv: torch.Tensor, head_dim: int) -> bool:
-    return not head_dim & (head_dim - 1) and qkv.is_contiguous() and available(qkv)
+def prologue_applies(qkv: torch.Tensor, head_dim: int, cache_dtype: torch.dtype | None = None) -> bool:
+    return (not head_dim & (head_dim - 1) and qkv.is_contiguous() and available(qkv)
+            and (cache_dtype is None or cache_dtype_supported(cache_dtype, qkv.device)))
+
+
+def cache_dtype_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernels can write a KV cache of dtype there. Float8 e4m3 (Triton's float8e4nv) needs
+    CUDA compute capability 8.9 (Ada, Hopper); Triton's interpreter rounds to it wrongly (it drops the
+    carry into the exponent: 31.2 becomes 16), so on the CPU the torch store writes an fp8 cache."""
+    return dtype != torch.float8_e4m3fn or (device.type == "cuda" and _capability(device.index) >= (8, 9))
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 @functools.cache
@@ -76,7 +89,8 @@ def qkv_prologue(qkv: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tens
     _kernels().qkv_prologue_kernel[(tokens, num_heads + num_kv_heads)](
         qkv, positions, out_loc, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin,
         q, k_cache, v_cache, eps, qkv.stride(0), cos_sin.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm)
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
+        FP8=k_cache.dtype == torch.float8_e4m3fn)
     return q
 
 
@@ -116,15 +130,18 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
 
 def kv_store(loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """k_cache[loc] = k and v_cache[loc] = v in one launch, when each token's [kv_heads, head_dim] is
-    contiguous in k and v (views of the QKV projection's output are); False when it does not apply."""
+    contiguous in k and v (views of the QKV projection's output are); False when it does not apply.
+    A float8 cache gets k and v saturated at +-448 and rounded to nearest, as worker/kv_cache.py stores them."""
     tokens = k.shape[0]
     row = k_cache[0].numel()
     if not (k[0].numel() == row and k.stride(-1) == 1 and v.stride(-1) == 1 and k.dim() == 3
-            and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]):
+            and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]
+            and cache_dtype_supported(k_cache.dtype, k_cache.device)):
         return False
     if tokens:
         _kernels().kv_store_kernel[(tokens,)](k, v, k.stride(0), v.stride(0), loc, k_cache, v_cache, ROW=row,
-                                              BLOCK=triton.next_power_of_2(row))
+                                              BLOCK=triton.next_power_of_2(row),
+                                              FP8=k_cache.dtype == torch.float8_e4m3fn)
     return True
 
 

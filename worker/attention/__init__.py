@@ -8,7 +8,9 @@ from worker.attention.base import AttentionBackend
 from worker.kv_cache import KVCachePool
 
 
-def create_backend(name: str, kv: KVCachePool, page_table: torch.Tensor, num_heads: int) -> AttentionBackend:
+def create_backend(name: str, kv: KVCachePool, page_table: torch.Tensor, num_heads: int,
+                   q_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """q_dtype: the model's dtype, which the queries have (FlashInfer plans for it; None: see FlashInferBackend)."""
     if name == "auto":
         name = "flashinfer" if kv.device.type == "cuda" and _has_flashinfer() else "torch"
     if name == "torch":
@@ -16,7 +18,7 @@ def create_backend(name: str, kv: KVCachePool, page_table: torch.Tensor, num_hea
         return TorchBackend(kv, page_table)
     if name == "flashinfer":
         from worker.attention.flashinfer_backend import FlashInferBackend
-        return FlashInferBackend(kv, page_table, num_heads)
+        return FlashInferBackend(kv, page_table, num_heads, q_dtype)
     raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or flashinfer")
 
 

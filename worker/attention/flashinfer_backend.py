@@ -1,6 +1,6 @@
-"""FlashInfer paged attention (CUDA, float16/bfloat16): a prefill wrapper (FA3 on Hopper, FA2 otherwise;
-causal) for extend steps, a decode wrapper for decode steps, and one CUDA-graph decode wrapper per
-captured batch size.
+"""FlashInfer paged attention (CUDA, float16/bfloat16 queries over a KV cache of the same dtype or of
+float8 e4m3): a prefill wrapper (FA3 on Hopper, FA2 otherwise and for a float8 cache; causal) for extend
+steps, a decode wrapper for decode steps, and one CUDA-graph decode wrapper per captured batch size.
 
 The pool's pages are FlashInfer's pages (NHD layout). The page table holds token locations
 (page * page_size + offset); a request's page ids are its row's locations at positions 0, page_size,
@@ -27,6 +27,10 @@ from worker.stream import new_event
 
 WORKSPACE_BYTES = 256 << 20    # FlashInfer's float workspace (split-KV partial results), shared by all wrappers
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# a float8 cache is dequantized inside the kernels: FA2's prefill and both decode paths take it beside
+# half-precision queries; FlashInfer 0.5.3's FA3 does not build for it. Its values are unscaled
+# (worker/kv_cache.py), so run() gets no k_scale / v_scale (each would cost a multiply, v_scale a kernel).
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 FA3_HEAD_DIMS = (64, 128, 256)
 # Decode kernels by batch size, measured on an H200 (Qwen3-0.6B shapes, GQA group 2): above
 # TENSOR_CORE_ABOVE_BATCH rows FlashInfer's tensor-core path (its prefill kernels, one query a row),
@@ -51,21 +55,30 @@ def use_tensor_cores(batch_size: int) -> bool:
     return batch_size > TENSOR_CORE_ABOVE_BATCH
 
 
-def prefill_backend(device: torch.device, head_dim: int) -> str:
-    """FA3 on Hopper, where its paged prefill beats FA2; FA2 elsewhere and for head sizes FA3 lacks."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and head_dim in FA3_HEAD_DIMS:
+def prefill_backend(device: torch.device, head_dim: int, kv_dtype: torch.dtype = torch.bfloat16) -> str:
+    """FA3 on Hopper, where its paged prefill beats FA2; FA2 elsewhere, for head sizes FA3 lacks and for a
+    float8 cache."""
+    if (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and head_dim in FA3_HEAD_DIMS
+            and kv_dtype in SUPPORTED_DTYPES):
         return "fa3"
     return "fa2"
 
 
 class FlashInferBackend(AttentionBackend):
-    def __init__(self, kv: KVCachePool, page_table: torch.Tensor, num_heads: int) -> None:
+    def __init__(self, kv: KVCachePool, page_table: torch.Tensor, num_heads: int,
+                 q_dtype: torch.dtype | None = None) -> None:
+        """q_dtype: the queries' (the model's) dtype; None: the cache's, or bfloat16 over a float8 cache."""
         import flashinfer  # imported here: the package exists on GPU hosts only
 
-        if kv.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"FlashInfer attention runs in float16 or bfloat16, not {kv.dtype}; "
-                             f"use attention_backend='torch' for {kv.dtype}")
+        q_dtype = q_dtype or (torch.bfloat16 if kv.dtype in FP8_KV_DTYPES else kv.dtype)
+        if q_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"FlashInfer attention runs in float16 or bfloat16, not {q_dtype}; "
+                             f"use attention_backend='torch' for {q_dtype}")
+        if kv.dtype != q_dtype and kv.dtype not in FP8_KV_DTYPES:
+            raise ValueError(f"FlashInfer reads a KV cache of the model's dtype ({q_dtype}) or float8 e4m3, "
+                             f"not {kv.dtype}")
         self.flashinfer = flashinfer
+        self.q_dtype = q_dtype
         # tvm-ffi launches FlashInfer's kernels on torch's current stream when torch exports its DLPack
         # exchange API; without it they would go to the default stream, so the stream is set by hand
         if hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
@@ -90,7 +103,7 @@ class FlashInferBackend(AttentionBackend):
         self.page_starts = torch.arange(capacity, dtype=torch.int32, device=device) * self.page_size
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend=prefill_backend(device, self.head_dim))
+            self.workspace, "NHD", backend=prefill_backend(device, self.head_dim, kv.dtype))
         self.decode_wrappers = {tc: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                                   use_tensor_cores=tc)
                                 for tc in (False, True)}
@@ -156,16 +169,16 @@ class FlashInferBackend(AttentionBackend):
             self.kv_indices[num_real:num_real + bs - n].fill_(scratch_page)
         indices = self.kv_indices[: num_real + bs - n]
         self._plan_copied.synchronize()  # FlashInfer's pinned plan buffer is free again
-        dtype = self.kv.dtype
+        q_dtype, kv_dtype = self.q_dtype, self.kv.dtype
         h = staged.host
         with self._on_torch_stream():
             if desc is not None and desc.is_prefill:
                 wrapper.plan(h["qo_indptr"], h["kv_indptr"], indices, h["last_page_len"], self.num_heads,
-                             self.num_kv_heads, self.head_dim, self.page_size, causal=True, q_data_type=dtype,
-                             kv_data_type=dtype, non_blocking=True)
+                             self.num_kv_heads, self.head_dim, self.page_size, causal=True, q_data_type=q_dtype,
+                             kv_data_type=kv_dtype, non_blocking=True)
             else:
                 wrapper.plan(h["kv_indptr"], indices, h["last_page_len"], self.num_heads, self.num_kv_heads,
-                             self.head_dim, self.page_size, q_data_type=dtype, kv_data_type=dtype,
+                             self.head_dim, self.page_size, q_data_type=q_dtype, kv_data_type=kv_dtype,
                              non_blocking=True)
         self._plan_copied.record()
         staged.release()  # every reader of the staged arrays (copies, gathers, plan) is on this stream

@@ -1,5 +1,6 @@
 """The plain-torch paged attention backend: the reference the fast backends are checked against.
-It runs anywhere torch does (CPU and CUDA), in any dtype, with grouped-query attention."""
+It runs anywhere torch does (CPU and CUDA), in any dtype, with grouped-query attention; a float8 KV
+cache is read back in the queries' dtype."""
 
 from __future__ import annotations
 
@@ -39,18 +40,17 @@ class TorchBackend(AttentionBackend):
         batch = self.batch
         if k is not None:
             self.kv.store(layer_id, batch.out_loc, k, v)
-        k_cache, v_cache = self.kv.k(layer_id), self.kv.v(layer_id)
         if batch.desc.is_prefill:
             out = torch.empty_like(q)
             for i, (start, ext, seq, mask) in enumerate(self.spans):
-                locs = self.locs[i, :seq]
+                keys, values = self.kv.gather(layer_id, self.locs[i, :seq], q.dtype)
                 qi = q[start:start + ext].transpose(0, 1).unsqueeze(0)          # [1, H, ext, D]
-                ki = k_cache[locs].transpose(0, 1).unsqueeze(0)                  # [1, KV, seq, D]
-                vi = v_cache[locs].transpose(0, 1).unsqueeze(0)
+                ki = keys.transpose(0, 1).unsqueeze(0)                           # [1, KV, seq, D]
+                vi = values.transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
                 out[start:start + ext] = o[0].transpose(0, 1)
             return out
-        return self._decode(q, k_cache[self.locs], v_cache[self.locs])
+        return self._decode(q, *self.kv.gather(layer_id, self.locs, q.dtype))
 
     def _decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         b, h, d = q.shape

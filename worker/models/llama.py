@@ -39,7 +39,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if triton_ops.prologue_applies(qkv, self.head_dim):  # norm, rotary and the KV write in one kernel
+        if triton_ops.prologue_applies(qkv, self.head_dim, attn.kv.dtype):  # norm, rotary, KV write: one kernel
             norm = self.q_norm is not None
             q = triton_ops.qkv_prologue(qkv, positions, attn.out_loc, self.rotary.cos_sin,
                                         self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
