@@ -57,7 +57,7 @@ def pack_io(bs: int, rows: dict[str, np.ndarray], temperature: np.ndarray, pad: 
     return block
 
 
-# the second block, of a step that filters or processes: float32 rows, then int64 rows
+# the second block, of a step that filters or processes: int64 rows, then float32 rows
 SAMPLER_FLOATS = ("top_p", "min_p", "presence", "frequency", "repetition")
 SAMPLER_INTS = ("top_k", "state_row", "ban_stop")
 # what a row that neither filters nor processes holds (state_row: the processors' scratch row, set per runner)
@@ -75,9 +75,9 @@ def pack_sampler_io(bs: int, n: int, rows: dict[str, np.ndarray], pad: dict[str,
     """The second block of a bucket of `bs` rows, `n` of them real: each field's values for the real rows
     (its pad value where `rows` lacks it: a step that filters but does not process), then its pad value."""
     block = np.empty(sampler_io_bytes(bs), dtype=np.uint8)
-    nf = 4 * len(SAMPLER_FLOATS) * bs
-    floats = block[:nf].view(np.float32).reshape(len(SAMPLER_FLOATS), bs)
-    ints = block[nf:].view(np.int64).reshape(len(SAMPLER_INTS), bs)
+    ni = 8 * len(SAMPLER_INTS) * bs  # the int64 rows first: every view then starts aligned
+    ints = block[:ni].view(np.int64).reshape(len(SAMPLER_INTS), bs)
+    floats = block[ni:].view(np.float32).reshape(len(SAMPLER_FLOATS), bs)
     for table, names in ((floats, SAMPLER_FLOATS), (ints, SAMPLER_INTS)):
         for i, name in enumerate(names):
             table[i, :n] = rows[name] if name in rows else pad[name]
@@ -110,11 +110,12 @@ class _Bucket:
         # the variants, by (processors, filter): their graphs and sampled tokens
         self.resample: dict[tuple[bool, bool], Callable[[], None]] = {}
         self.resampled: dict[tuple[bool, bool], torch.Tensor] = {}
+        self.allowed: torch.Tensor | None = None  # [bs, W] int32: grammars' allowed tokens (the runner's buffer)
 
     def bind_sampler_io(self, sio: torch.Tensor) -> None:
-        bs, nf = self.bs, 4 * len(SAMPLER_FLOATS) * self.bs
-        floats = sio[:nf].view(torch.float32).view(len(SAMPLER_FLOATS), bs)
-        ints = sio[nf: sampler_io_bytes(bs)].view(torch.int64).view(len(SAMPLER_INTS), bs)
+        bs, ni = self.bs, 8 * len(SAMPLER_INTS) * self.bs
+        ints = sio[:ni].view(torch.int64).view(len(SAMPLER_INTS), bs)
+        floats = sio[ni: sampler_io_bytes(bs)].view(torch.float32).view(len(SAMPLER_FLOATS), bs)
         self.sampler_args = {name: floats[i] for i, name in enumerate(SAMPLER_FLOATS)}
         self.sampler_args.update({name: ints[i] for i, name in enumerate(SAMPLER_INTS)})
 
