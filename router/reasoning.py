@@ -4,7 +4,8 @@ the text streams or whole: both give the same split."""
 
 from __future__ import annotations
 
-REASONING_PARSERS = ("qwen3",)
+from router.markers import split_held
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 
@@ -25,14 +26,6 @@ def opens_thinking(prompt: str) -> bool:
 def closes_thinking(prompt: str) -> bool:
     """Whether the prompt ends with a closed think block (a template told not to think writes an empty one)."""
     return prompt.rstrip().endswith(THINK_END)
-
-
-def _held(text: str, marker: str) -> int:
-    """How many characters at text's end could begin marker (held back until the next piece says)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -58,8 +51,7 @@ class ReasoningParser:
         if self._state == "reasoning":
             end = self._buffer.find(THINK_END)
             if end < 0:
-                keep = _held(self._buffer, THINK_END)
-                reasoning, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+                reasoning, self._buffer = split_held(self._buffer, THINK_END)
                 return reasoning, ""
             reasoning, self._buffer = self._buffer[:end], self._buffer[end + len(THINK_END):]
             self._state = "answer"

@@ -104,8 +104,8 @@ class RouterState:
                                 f"fields do)", param="chat_template_kwargs")
         try:
             messages = [m.for_template() for m in req.messages]
-            return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False, **extra)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **extra)
         except ValueError as e:
             raise APIError(400, f"messages: {e}", param="messages") from e
         except Exception as e:  # noqa: BLE001 - template errors come as many types

@@ -9,8 +9,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-TOOL_CALL_PARSERS = ("qwen", "llama")
-
+from router.markers import split_held
 
 def tool_call_parser_for(setting: str, model_type: str | None) -> str | None:
     """The format a served model's calls are read in: the setting's, or for auto its model_type's."""
@@ -35,13 +34,6 @@ class ToolCall:
         """The message's tool_calls entry (with `index`: a stream delta's)."""
         call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
         return call if index is None else {"index": index, **call}
-
-
-def _held(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def _call(body: str, arguments_key: str, tagged: bool) -> ToolCall | None:
@@ -103,10 +95,8 @@ class ToolCallParser:
             if not self._in_call:
                 at = self._buffer.find(self.begin)
                 if at < 0:
-                    keep = _held(self._buffer, self.begin)
-                    content += self._buffer[:len(self._buffer) - keep]
-                    self._buffer = self._buffer[len(self._buffer) - keep:]
-                    return content, calls
+                    out, self._buffer = split_held(self._buffer, self.begin)
+                    return content + out, calls
                 content += self._buffer[:at]
                 self._buffer, self._in_call = self._buffer[at:], True
                 self._started()
@@ -179,5 +169,5 @@ class LlamaToolCallParser(ToolCallParser):
 
 
 def tool_call_parser(kind: str) -> ToolCallParser:
-    """A parser of one choice's output in the format `kind` (one of TOOL_CALL_PARSERS)."""
+    """A parser of one choice's output in the format `kind` ("qwen" or "llama")."""
     return {"qwen": QwenToolCallParser, "llama": LlamaToolCallParser}[kind]()

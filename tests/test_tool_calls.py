@@ -49,14 +49,16 @@ def test_qwen_calls_are_read_with_the_text_before_them_as_content():
 
 
 def test_llama_calls_are_read_from_its_json_form():
-    text = '{"name": "get_weather", "parameters": {"city": "Paris", "days": [1, 2]}}; {"name": "get_time", "parameters": {}}'
+    text = ('{"name": "get_weather", "parameters": {"city": "Paris", "days": [1, 2]}}; '
+            '{"name": "get_time", "parameters": {}}')
     parts = read(ChatOutput(tool_calls="llama"), [text])
     assert parts.content == ""
     assert calls(parts) == [("get_weather", {"city": "Paris", "days": [1, 2]}), ("get_time", {})]
 
 
 def test_arguments_come_back_as_json_text_of_an_object():
-    parts = read(ChatOutput(tool_calls="qwen"), ['<tool_call>\n{"name": "f", "arguments": {"x":1,"y" : "é"}}\n</tool_call>'])
+    text = '<tool_call>\n{"name": "f", "arguments": {"x":1,"y" : "é"}}\n</tool_call>'
+    parts = read(ChatOutput(tool_calls="qwen"), [text])
     assert json.loads(parts.tool_calls[0].arguments) == {"x": 1, "y": "é"}
     assert parts.tool_calls[0].as_openai(3) == {"index": 3, "id": parts.tool_calls[0].id, "type": "function",
                                                 "function": {"name": "f", "arguments": parts.tool_calls[0].arguments}}

@@ -26,7 +26,8 @@ WEATHER = {"type": "object",
                           "unit": {"enum": ["C", "F"]}},
            "required": ["city", "days"]}
 TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["zone"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the forecast", "parameters": WEATHER}},
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "the forecast", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 SCHEMA_OF = {"get_weather": WEATHER, "get_time": TIME}
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
