@@ -128,9 +128,9 @@ class Formatter:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [choice]}
 
-    def _parsed_chunk(self, piece: Piece) -> dict:
-        """A chat chunk whose delta holds what the choice's parser gives out of piece's text: reasoning,
-        content, tool calls (numbered within the choice), any of them possibly empty."""
+    def _parsed(self, piece: Piece) -> tuple[dict, str | None]:
+        """What the choice's parser gives out of piece's text, as a chunk's delta (reasoning, content and
+        tool calls numbered within the choice, each only when there is some), and the finish reason."""
         parser = self._parsers.get(piece.index)
         if parser is None:
             parser = self._parsers[piece.index] = self.output.parser()
@@ -140,10 +140,7 @@ class Formatter:
         if reason is not None:
             parts += parser.finish()
             reason = _finish_reason(reason, parser)
-        choice = {"index": piece.index, "delta": delta(parts, first_call), "logprobs": self.logprobs(piece),
-                  "finish_reason": reason}
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [choice]}
+        return delta(parts, first_call), reason
 
     def role_chunks(self) -> list[str]:
         """Chat's first events: one per choice, naming the assistant's role."""
@@ -153,21 +150,29 @@ class Formatter:
         """`sse(self.chunk(piece))`, built from this request's fixed head: a streamed token's only
         per-token work here is encoding its text (the router does this for every token it streams).
         "" when there is nothing to send: a parser holds the piece's text back (it may open a tool call)."""
+        reason = piece.finish_reason
         if self.output is not None:
-            chunk = self._parsed_chunk(piece)
-            choice = chunk["choices"][0]
-            return sse(chunk) if choice["delta"] or choice["finish_reason"] or choice["logprobs"] else ""
-        if self.top_logprobs is not None or self.echoes(piece):
+            parsed, reason = self._parsed(piece)
+            if not parsed and reason is None and not piece.logprobs:
+                return ""
+            if self.top_logprobs is not None or parsed.keys() - {"content"}:
+                choice = {"index": piece.index, "delta": parsed, "logprobs": self.logprobs(piece),
+                          "finish_reason": reason}
+                return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                            "model": self.model, "choices": [choice]})
+            text = parsed.get("content", "")
+        elif self.top_logprobs is not None or self.echoes(piece):
             return sse(self.chunk(piece))
-        text, reason = json.dumps(piece.text, ensure_ascii=False), json.dumps(piece.finish_reason)
+        else:
+            text = piece.text
         index = '{"index": ' + str(piece.index)
         if not self.chat:
-            choice = index + ', "text": ' + text
-        elif piece.finish_reason is not None and not piece.text:
+            choice = index + ', "text": ' + json.dumps(text, ensure_ascii=False)
+        elif reason is not None and not text:
             choice = index + ', "delta": {}'
         else:
-            choice = index + ', "delta": {"content": ' + text + "}"
-        return self._sse_head + choice + ', "logprobs": null, "finish_reason": ' + reason + "}]}\n\n"
+            choice = index + ', "delta": {"content": ' + json.dumps(text, ensure_ascii=False) + "}"
+        return self._sse_head + choice + ', "logprobs": null, "finish_reason": ' + json.dumps(reason) + "}]}\n\n"
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",

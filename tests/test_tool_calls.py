@@ -9,7 +9,9 @@ import random
 import pytest
 
 from router.chat_output import ChatOutput, ChatParts
+from router.generation import Piece
 from router.reasoning import ReasoningParser, reasoning_parser_for
+from router.responses import Formatter
 from router.tool_calls import tool_call_parser, tool_call_parser_for
 
 
@@ -153,3 +155,24 @@ def test_parsers_hold_back_only_what_may_start_a_marker():
     assert tools.feed("box") == ("<toolbox", [])
     assert reasoning.feed("<thi") == ("", "")
     assert reasoning.feed("s") == ("", "<this")
+
+
+def test_a_streamed_chat_of_reasoning_text_and_calls_adds_up_to_the_whole_message():
+    text = ('<think>plan</think>\n\nOn it. <tool_call>\n{"name": "w", "arguments": {"c": "Oslo"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "t", "arguments": {}}\n</tool_call>')
+    output = ChatOutput(reasoning=True, tool_calls="qwen")
+    cuts = [0, 3, 9, 20, 31, 44, 60, 77, 100, len(text)]
+    pieces = [Piece(text[a:b]) for a, b in zip(cuts, cuts[1:])]
+    pieces[-1].finish_reason = "stop"
+    whole = Formatter("id", "m", True, None, None, output=output).whole(pieces, 1)["choices"][0]
+    stream = Formatter("id", "m", True, None, None, output=output)
+    chunks = [json.loads(event.removeprefix("data: ")) for p in pieces if (event := stream.chunk_sse(p))]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert whole["finish_reason"] == chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    message = whole["message"]
+    assert (message["reasoning_content"], message["content"]) == ("plan", "On it. ")
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "plan"
+    assert "".join(d.get("content", "") for d in deltas) == "On it. "
+    streamed = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert [c["index"] for c in streamed] == [0, 1]
+    assert [c["function"] for c in streamed] == [c["function"] for c in message["tool_calls"]]
