@@ -36,8 +36,8 @@ class Grammars:
             match spec.kind:
                 case "json_schema":
                     return c.compile_json_schema(spec.spec)
-                case "json_object":
-                    return c.compile_builtin_json_grammar()
+                case "json_object":  # an object, as OpenAI's JSON mode promises (xgrammar's builtin is any value)
+                    return c.compile_json_schema('{"type": "object"}')
                 case "regex":
                     return c.compile_regex(spec.spec)
                 case "ebnf":

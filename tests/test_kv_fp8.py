@@ -298,9 +298,6 @@ def test_cuda_graph_decode_over_an_fp8_cache_equals_eager(qwen3_hd128):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(raises=ValueError, strict=False,
-                   reason="FlashInfer is planned for bfloat16 queries over an fp8 cache until the engine passes "
-                          "the model's dtype (create_backend(..., q_dtype=self.dtype))")
 def test_flashinfer_runs_over_an_fp8_cache_with_float16_weights(qwen3_hd128):
     outs = _generate(qwen3_hd128, _random_prompts(4, 5, 100, seed=6), greedy(8, ignore_eos=True), dtype="float16",
                      **FP8_KV)

@@ -166,7 +166,8 @@ class Engine:
         backend = config.attention_backend
         if backend == "auto" and self.dtype == torch.float32:
             backend = "torch"  # FlashInfer has no float32 kernels
-        self.attn = create_backend(backend, self.kv, self.table.page_table, attn0.num_heads)
+        self.attn = create_backend(backend, self.kv, self.table.page_table, attn0.num_heads,
+                                   q_dtype=self.dtype)
         self.stream = new_stream(self.device)          # compute
         self.sched_stream = new_stream(self.device)    # metadata copies and attention planning
         self.inputs_free = new_event(self.device)      # the last step's forward no longer reads its inputs
