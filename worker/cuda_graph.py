@@ -122,7 +122,8 @@ class _Bucket:
     def args(self, procs: bool, filtered: bool) -> SampleArgs:
         a = self.sampler_args
         return SampleArgs(self.temperature, self.seeds, self.sample_pos, self.token_write,
-                          *((a["top_p"], a["top_k"], a["min_p"]) if filtered else (None, None, None)),
+                          *((a["top_p"], a["top_k"]) if filtered else (None, None)),
+                          a["min_p"] if procs or filtered else None,
                           *((a["state_row"], a["presence"], a["frequency"], a["repetition"], a["ban_stop"].bool(),
                              self.allowed) if procs else (None,) * 6))
 

@@ -87,8 +87,9 @@ class StepInputs:
 
     staged: Staged               # release(stream) once the step's last reader is enqueued
     all_greedy: bool             # every row has temperature 0: the argmax, no sampling arrays staged
-    any_filter: bool             # some row uses top-k, top-p or min-p (top_p, top_k and min_p are staged then)
-    procs: bool                  # some row uses the logits processors (their per-row arrays are staged then)
+    any_filter: bool             # some row uses top-k or top-p: a sort (top_p and top_k are staged then)
+    procs: bool                  # some row uses the logits processors or a grammar (their arrays are staged then)
+    any_min_p: bool              # some row uses min-p (min_p is staged then)
     page_idx: torch.Tensor       # int64 [T]: page-table cells this step fills ...
     page_val: torch.Tensor       # int32 [T]: ... with these KV locations
     prefix_idx: torch.Tensor | None = None  # page-table cells of prefix-cache hits, and their locations
@@ -108,7 +109,7 @@ class StepInputs:
     seeds: torch.Tensor | None = None       # int64 [B] (unless all greedy)
     top_p: torch.Tensor | None = None       # float32 [B] (when any_filter)
     top_k: torch.Tensor | None = None       # int32 [B] (when any_filter)
-    min_p: torch.Tensor | None = None       # float32 [B] (when any_filter)
+    min_p: torch.Tensor | None = None       # float32 [B] (when any_min_p)
     state_row: torch.Tensor | None = None   # int64 [B] } (when procs)
     presence: torch.Tensor | None = None    # float32   }
     frequency: torch.Tensor | None = None   # float32   }
@@ -230,7 +231,8 @@ class Engine:
         pool_row = self.table.token_pool.shape[1]
         all_greedy = bool((desc.temperature <= 0).all())
         min_p = desc.min_p if desc.min_p is not None else np.zeros(desc.batch_size, dtype=np.float32)
-        any_filter = not all_greedy and bool(((desc.top_k > 0) | (desc.top_p < 1) | (min_p > 0)).any())
+        any_filter = not all_greedy and bool(((desc.top_k > 0) | (desc.top_p < 1)).any())
+        any_min_p = not all_greedy and bool((min_p > 0).any())
         procs = desc.procs
         if desc.is_prefill:
             ext = desc.extend_lens.astype(np.int64)
@@ -253,7 +255,9 @@ class Engine:
             a.update(plp_idx=desc.plp_idx.astype(np.int64), plp_target=desc.plp_target.astype(np.int64))
         if desc.grammar_rows is not None:
             a.update(grammar_rows=desc.grammar_rows.astype(np.int64), grammar_mask=desc.grammar_mask.astype(np.int32))
-        filters = {"top_p": desc.top_p, "top_k": desc.top_k, "min_p": min_p} if any_filter else {}
+        filters = {"top_p": desc.top_p, "top_k": desc.top_k} if any_filter else {}
+        if any_min_p:
+            filters["min_p"] = min_p
         if procs is not None:
             filters.update(state_row=procs.state_row, presence=procs.presence, frequency=procs.frequency,
                            repetition=procs.repetition, ban_stop=procs.ban_stop)
@@ -282,8 +286,9 @@ class Engine:
             if not all_greedy:
                 a.update(temperature=desc.temperature.astype(np.float32), seeds=desc.seeds.astype(np.int64))
             if any_filter:
-                a.update(top_p=desc.top_p.astype(np.float32), top_k=desc.top_k.astype(np.int32),
-                         min_p=min_p.astype(np.float32))
+                a.update(top_p=desc.top_p.astype(np.float32), top_k=desc.top_k.astype(np.int32))
+            if any_min_p:
+                a["min_p"] = min_p.astype(np.float32)
             if procs is not None:
                 a.update(state_row=procs.state_row.astype(np.int64), presence=procs.presence.astype(np.float32),
                          frequency=procs.frequency.astype(np.float32), repetition=procs.repetition.astype(np.float32),
@@ -293,6 +298,7 @@ class Engine:
         init = {k: v for k, v in d.items() if k.startswith("init_")} if desc.proc_init else None
         grammar_mask = d["grammar_mask"].view(len(desc.grammar_rows), -1) if desc.grammar_rows is not None else None
         return StepInputs(staged=staged, all_greedy=all_greedy, any_filter=any_filter, procs=procs is not None,
+                          any_min_p=any_min_p,
                           page_idx=d["page_idx"], page_val=d["page_val"], prefix_idx=d.get("prefix_idx"),
                           prefix_val=d.get("prefix_val"), graph_io=d.get("graph_io"), table_idx=d.get("table_idx"),
                           seq_lens=d.get("seq_lens"), positions=d.get("positions"), out_loc=d.get("out_loc"),
@@ -353,8 +359,9 @@ class Engine:
         n = desc.batch_size
         next_tokens = b.next_tokens
         if s.sampler_io is not None:  # redrawn over the processed and filtered logits (the same draw)
-            next_tokens = self.graphs.resample(bs, s.sampler_io, s.grammar_rows, s.grammar_mask, procs=s.procs,
-                                               filtered=s.any_filter)
+            # min-p alone runs in the processor variant (no sort), over idle processor rows
+            next_tokens = self.graphs.resample(bs, s.sampler_io, s.grammar_rows, s.grammar_mask,
+                                               procs=s.procs or s.any_min_p, filtered=s.any_filter)
         return b.logits[:n], next_tokens[:n]
 
     def _forward_eager(self, desc: BatchDesc, batch: ForwardBatch, s: StepInputs):

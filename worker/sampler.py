@@ -77,6 +77,15 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     return x.masked_fill(~keep, float("-inf"))
 
 
+def apply_min_p(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """float32 logits with the tokens less likely than min_p times the most likely one (on
+    softmax(logits / T)) set to -inf: no sort needed. A row with min_p 0 comes back unchanged."""
+    x = logits.float()
+    probs = torch.softmax(x * inverse_temperature(temperature).unsqueeze(1), dim=-1)
+    keep = probs >= min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    return x.masked_fill(~keep, float("-inf"))
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
            seeds: torch.Tensor, positions: torch.Tensor, *, any_filter: bool,
            min_p: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from worker import triton_ops
 from worker.processors import ProcessorState
-from worker.sampler import filter_logits, sample_unfiltered
+from worker.sampler import apply_min_p, filter_logits, sample_unfiltered
 
 
 @dataclass
@@ -22,9 +22,9 @@ class SampleArgs:
     seeds: torch.Tensor | None          # int64
     positions: torch.Tensor | None      # int64: the position each row samples (its key with the seed)
     token_write: torch.Tensor           # int64: the token-pool cell of each row's sampled token
-    top_p: torch.Tensor | None = None   # float32 } the filter
+    top_p: torch.Tensor | None = None   # float32 } the filter (a sort)
     top_k: torch.Tensor | None = None   # int32   }
-    min_p: torch.Tensor | None = None   # float32 }
+    min_p: torch.Tensor | None = None   # float32: min-p (no sort)
     state_row: torch.Tensor | None = None   # int64   } the processors
     presence: torch.Tensor | None = None    # float32 }
     frequency: torch.Tensor | None = None   # float32 }
@@ -47,11 +47,12 @@ class StepSampler:
 
     def __call__(self, logits: torch.Tensor, a: SampleArgs, *, procs: bool, filtered: bool,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """int32 [B] sampled tokens (written into `out` when given); `procs` and `filtered` say which
-        groups of `a` to apply (known on the host)."""
+        """int32 [B] sampled tokens (written into `out` when given). `procs`: apply the processors (and
+        grammar masks) of `a` that are given; `filtered`: top-k and top-p; min-p when `a.min_p` is given."""
         x = logits
         if procs:
-            x = self.state.apply(x, a.state_row, a.presence, a.frequency, a.repetition, a.ban_stop)
+            if a.state_row is not None:
+                x = self.state.apply(x, a.state_row, a.presence, a.frequency, a.repetition, a.ban_stop)
             if a.allowed is not None:
                 x = apply_bitmask(x, a.allowed)
         if a.temperature is None:
@@ -61,10 +62,12 @@ class StepSampler:
             if out is not None:
                 tokens = out.copy_(tokens)
         else:
+            if a.min_p is not None:
+                x = apply_min_p(x, a.temperature, a.min_p)
             if filtered:
-                x = filter_logits(x, a.temperature, a.top_p, a.top_k, a.min_p)
+                x = filter_logits(x, a.temperature, a.top_p, a.top_k)
             tokens = self._draw(x, a, out)
-        if procs:
+        if procs and a.state_row is not None:
             self.state.update(a.state_row, tokens)
         return tokens
 
