@@ -52,9 +52,10 @@ def test_repetition_penalty_equals_hf_generate(model_paths, family, overlap):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
-def test_logit_bias_equals_hf_sequence_bias(model_paths, family):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_logit_bias_equals_hf_sequence_bias(model_paths, family, overlap):
     path = model_paths[family]
-    with checked_llm(path) as llm:
+    with checked_llm(path, overlap=overlap) as llm:
         prompts = _prompts(llm)
         plain = llm.generate(prompts, greedy(NEW, ignore_eos=True))
         # push down the tokens plain greedy likes, and pull up two it never picked
@@ -66,9 +67,10 @@ def test_logit_bias_equals_hf_sequence_bias(model_paths, family):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
-def test_min_tokens_equals_hf_min_new_tokens(model_paths, family):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_min_tokens_equals_hf_min_new_tokens(model_paths, family, overlap):
     path = model_paths[family]
-    with checked_llm(path) as llm:
+    with checked_llm(path, overlap=overlap) as llm:
         prompts = _prompts(llm)
         plain = llm.generate(prompts, greedy(NEW, ignore_eos=True))
         # a stop id that plain greedy emits early, so that holding it back changes the argmax
@@ -81,10 +83,10 @@ def test_min_tokens_equals_hf_min_new_tokens(model_paths, family):
     assert all(len(o.token_ids) >= 8 for o in got)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_presence_and_frequency_penalties_equal_openais_formula(model_paths, family):
+@pytest.mark.parametrize("family,overlap", [("qwen3", True), ("llama", False), ("qwen2", True)])
+def test_presence_and_frequency_penalties_equal_openais_formula(model_paths, family, overlap):
     path = model_paths[family]
-    with checked_llm(path) as llm:
+    with checked_llm(path, overlap=overlap) as llm:
         prompts = _prompts(llm)
         plain = [o.token_ids for o in llm.generate(prompts, greedy(NEW, ignore_eos=True))]
         for presence, frequency in ((0.0, 1.5), (1.2, 0.0), (0.7, 0.6), (-0.5, 0.0)):

@@ -77,7 +77,7 @@ def test_tp2_seeded_sampling_equals_tp1_and_aborts_keep_every_rank_whole(ray_clu
     assert after == hf_greedy(qwen3_path, prompts, 8)
 
 
-@pytest.mark.parametrize("family,overlap", [("qwen3", True), ("llama", False)])
+@pytest.mark.parametrize("family,overlap", [("qwen3", True), ("llama", False), ("qwen2", True)])
 def test_tp2_penalties_biases_min_tokens_choices_and_prompt_logprobs_equal_tp1(ray_cluster, model_paths, family,
                                                                               overlap):
     """Every rank applies the same processors (and grammar masks) to the same gathered logits and counts
