@@ -4,7 +4,9 @@ a fixed-size byte tensor rather than pickled."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -14,6 +16,10 @@ import torch.distributed as dist
 
 from worker.batch import LAYOUT_LEN, BatchDesc, desc_layout, pack_desc, packed_nbytes, unpack_desc
 from worker.parallel import TPGroup
+
+
+class CollectiveError(RuntimeError):
+    """A collective or the step broadcast failed (a peer is gone, or it timed out): the group is unusable."""
 
 
 @dataclass(frozen=True)
@@ -67,20 +73,23 @@ class DescChannel:
             pack_desc(desc, layout, payload)
         else:
             self._header[0] = self.KEEPALIVE if isinstance(desc, Keepalive) else self.STOP
-        self._in_flight.append(dist.broadcast(self.message, src=0, group=self.group, async_op=True))
-        if isinstance(desc, BatchDesc) and nbytes > len(self._inline):
-            self._in_flight.append(dist.broadcast(self.overflow[:nbytes], src=0, group=self.group, async_op=True))
+        with _collective("the step broadcast"):
+            self._in_flight.append(dist.broadcast(self.message, src=0, group=self.group, async_op=True))
+            if isinstance(desc, BatchDesc) and nbytes > len(self._inline):
+                self._in_flight.append(dist.broadcast(self.overflow[:nbytes], src=0, group=self.group, async_op=True))
         if desc is None:
             self.wait_sent()
 
     def wait_sent(self) -> None:
         """Returns once rank 0's posted broadcasts have completed (raises if they failed)."""
         in_flight, self._in_flight = self._in_flight, []
-        for work in in_flight:
-            work.wait()
+        with _collective("the step broadcast"):
+            for work in in_flight:
+                work.wait()
 
     def receive(self) -> BatchDesc | Keepalive | None:
-        dist.broadcast(self.message, src=0, group=self.group)
+        with _collective("the step broadcast"):
+            dist.broadcast(self.message, src=0, group=self.group)
         kind = self._header[0]
         if kind == self.KEEPALIVE:
             return Keepalive()
@@ -91,7 +100,8 @@ class DescChannel:
         payload = self._inline
         if nbytes > len(payload):
             payload = self._overflow(nbytes)
-            dist.broadcast(self.overflow[:nbytes], src=0, group=self.group)
+            with _collective("the step broadcast"):
+                dist.broadcast(self.overflow[:nbytes], src=0, group=self.group)
         return unpack_desc(layout, payload)
 
     def _overflow(self, nbytes: int) -> np.ndarray:
@@ -101,19 +111,28 @@ class DescChannel:
 
 
 class TorchDistComm:
+    """Rank 0 may hold a step's description back until its own forward reaches the step's first
+    collective (`post_with_first_collective`): a failure of rank 0 before that point is then its own,
+    the followers never saw the step, and the group stays in step."""
+
     def __init__(self, device_group: dist.ProcessGroup, cpu_group: dist.ProcessGroup, device: torch.device) -> None:
         self.device_group, self.cpu_group, self.device = device_group, cpu_group, device
         self.size = dist.get_world_size(device_group)
         self.rank = dist.get_rank(cpu_group)
         self.desc_channel = DescChannel(cpu_group)
+        self._held: BatchDesc | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x, group=self.device_group)
+        self.post_held()
+        with _collective("all_reduce"):
+            dist.all_reduce(x, group=self.device_group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        self.post_held()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.device_group)
+        with _collective("all_gather"):
+            dist.all_gather(parts, x.contiguous(), group=self.device_group)
         return torch.cat(parts, dim=dim)
 
     def min_over_ranks(self, value: int) -> int:
@@ -130,6 +149,29 @@ class TorchDistComm:
             self.desc_channel.send(desc)
             return desc
         return self.desc_channel.receive()
+
+    def post_with_first_collective(self, desc: BatchDesc) -> None:
+        """Rank 0: sends `desc` just before this rank's next collective (or at `post_held`)."""
+        self._held = desc
+
+    def post_held(self) -> None:
+        """Sends the held description, if any."""
+        if self._held is not None:
+            desc, self._held = self._held, None
+            self.broadcast_desc(desc)
+
+    def withdraw_held(self) -> bool:
+        """Drops the held description; True if it had not been sent (the followers never saw it)."""
+        held, self._held = self._held is not None, None
+        return held
+
+
+@contextlib.contextmanager
+def _collective(what: str) -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as e:  # gloo/NCCL (DistBackendError is one): a peer is gone or timed out
+        raise CollectiveError(f"{what} failed: {e}") from e
 
 
 def init_tensor_parallel(rank: int, size: int, address: str, device: torch.device, timeout_s: float,
