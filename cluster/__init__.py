@@ -4,7 +4,8 @@
 from cluster.errors import (EngineError, ErrorKind, GenerationError, InvalidRequestError, OverloadedError, RaylmError,
                             ReplicaDownError, RequestTimeoutError, error_for)
 from cluster.choices import fan_out
-from cluster.messages import AddRequest, ReplicaInfo, ReplicaStats, TokenDelta
+from cluster.messages import AddRequest, KVEvents, ReplicaInfo, ReplicaOutput, ReplicaStats, TokenDelta
+from cluster.prefix_cache.events import block_hashes
 from cluster.sampling_params import GrammarSpec, SamplingParams
 
 # loaded on first use: they import torch, Ray or transformers, and cluster.config (which launch.py
@@ -20,7 +21,8 @@ _LAZY = {
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "ReplicaConfig", "ServeConfig", "AddRequest", "ReplicaInfo",
            "ReplicaStats", "TokenDelta", "ErrorKind", "RaylmError", "InvalidRequestError", "GenerationError",
            "EngineError", "ReplicaDownError", "RequestTimeoutError", "OverloadedError", "error_for", "Fleet",
-           "ReplicaHandle", "ensure_ray", "control_store_answers", "load_tokenizer", "fan_out", "GrammarSpec"]
+           "ReplicaHandle", "ensure_ray", "control_store_answers", "load_tokenizer", "fan_out", "GrammarSpec",
+           "KVEvents", "ReplicaOutput", "block_hashes"]
 
 
 def __getattr__(name: str):

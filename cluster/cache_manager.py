@@ -1,6 +1,7 @@
 """KV-page accounting for the scheduler: prefix matching at admission, reservations so that admitted
 requests can always run to their end, allocation (evicting from the prefix cache when short),
-hand-over of finished requests' pages to the prefix cache, and the integrity check."""
+hand-over of finished requests' pages to the prefix cache, the prefix cache's KV events, and the
+integrity check."""
 
 from __future__ import annotations
 
@@ -124,6 +125,10 @@ class CacheManager:
         self.allocator.free(dup)
         req.pages[:len(cached)] = cached
         return bool(dup)
+
+    def take_kv_events(self) -> tuple[list[int], list[int]]:
+        """(stored, removed) hashes of the prefix cache's blocks since the last call (its KV events)."""
+        return self.prefix_cache.take_events()
 
     def check_integrity(self, live: list[Req]) -> None:
         """free + prefix-cached + held by live requests == all pages, each page in exactly one place."""

@@ -146,8 +146,12 @@ class ServeConfig(ReplicaConfig):
     host: str = setting("127.0.0.1", "where the API listens; 0.0.0.0 exposes it (set api_key then)",
                         group="server")
     port: int = setting(8000, "the API's port", at_least=1, at_most=65535, group="server")
-    routing: str = setting("cache_aware", "cache_aware: prefix affinity with a least-loaded fallback; "
-                                          "round_robin", choices=("cache_aware", "round_robin"), group="server")
+    routing: str = setting("cache_exact", "cache_exact: to the replica whose prefix cache holds the longest "
+                                          "prefix of the prompt (its KV events), unless much busier than the "
+                                          "least loaded, else the less loaded of two at random; cache_aware: "
+                                          "prefix affinity on what the router sent where, with a least-loaded "
+                                          "fallback; round_robin",
+                           choices=("cache_exact", "cache_aware", "round_robin"), group="server")
     tool_call_parser: str = setting(
         "auto", "how a chat's tool calls are read from its output: qwen (the tool_call tags of Qwen2.5 and Qwen3), "
                 "llama (Llama 3.1's JSON); auto: by the model's model_type (qwen2, qwen3: qwen; llama: llama; "

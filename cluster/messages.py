@@ -1,6 +1,7 @@
 """What crosses a replica's boundary, as records: the requests and aborts sent to a scheduler (and the
 calls it runs between steps), the batch of deltas it sends back per step (one delta per request that
-got a token), what a replica tells its callers once it has started, and the counts it reports."""
+got a token) with its prefix cache's KV events, what a replica tells its callers once it has
+started, and the counts it reports."""
 
 from __future__ import annotations
 
@@ -62,6 +63,26 @@ class TokenDelta:
     def failure(cls, uid: int, kind: ErrorKind, why: str) -> TokenDelta:
         """The last delta of a request that failed."""
         return cls(uid, None, finished=True, finish_reason="error", error=why, error_kind=kind)
+
+
+@dataclass
+class KVEvents:
+    """Changes to the block hashes a replica's prefix cache holds (cluster/prefix_cache/events.py) since
+    its last message; with `full`, the whole set, to replace what the receiver knew."""
+
+    page_size: int
+    stored: list[int]
+    removed: list[int]
+    full: bool = False
+
+
+class ReplicaOutput(list):
+    """What one poll of a replica returns: its deltas (this is their list, in order) and, beside them,
+    the KV events of the same steps (None when its cache did not change)."""
+
+    def __init__(self, deltas: list[TokenDelta] = (), kv_events: KVEvents | None = None) -> None:
+        super().__init__(deltas)
+        self.kv_events = kv_events
 
 
 @dataclass(frozen=True)

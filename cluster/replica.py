@@ -1,6 +1,7 @@
 """The scheduler actor: one replica's tensor-parallel rank 0. Its loop runs on its own thread; the
 Ray methods beside it (submit, abort, poll, stats) only touch thread-safe queues. Results leave as
-one batch of deltas per poll, never one call per token."""
+one batch of deltas per poll, never one call per token, with the prefix cache's KV events of the same
+steps beside them (a snapshot of every block it holds first, to a new receiver: `kv_subscribe`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from cluster.grammars import Grammars
 from cluster.errors import ErrorKind
 from cluster.engine_executors import LocalExecutor, TensorParallelExecutor
 from cluster.executor import ReplicaBrokenError
-from cluster.messages import AddRequest, ReplicaInfo, ReplicaStats, TokenDelta
+from cluster.messages import AddRequest, ReplicaInfo, ReplicaOutput, ReplicaStats, TokenDelta
 from cluster.metrics import ReplicaMetrics
 from cluster.model_info import eos_token_ids, load_tokenizer
+from cluster.prefix_cache.events import KVEventStream
 from cluster.req import Req
 from cluster.scheduler import Scheduler
 from worker.comm import free_address
@@ -34,6 +36,7 @@ class SchedulerActor:
         self.broken: str | None = None
         self._outbox: list[TokenDelta] = []
         self._live: set[int] = set()  # submitted and not yet finished
+        self._kv: KVEventStream | None = None
         self._ready = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -65,6 +68,7 @@ class SchedulerActor:
                                    eos_ids=eos, on_output=self._publish, on_finish=self._on_finish,
                                    vocab_size=vocab, max_logit_bias=cfg.engine.max_logit_bias,
                                    grammars=Grammars(tokenizer, vocab, sorted(eos)) if tokenizer is not None else None)
+        self._kv = KVEventStream(engine.page_size)
         self._thread = threading.Thread(target=self._loop, name=f"scheduler-{self.replica_id}", daemon=True)
         self._thread.start()
         if isinstance(executor, TensorParallelExecutor):
@@ -77,6 +81,7 @@ class SchedulerActor:
         while not self._stop.is_set() and not self.broken:
             try:
                 sched.step(block=True)
+                self._take_kv_events()  # a step without deltas: its events go with the next ones
                 if not self.broken:  # a broken replica's gauges stay at zero
                     self.metrics.on_step(sched.snapshot)
                 self.executor.keepalive()
@@ -106,7 +111,15 @@ class SchedulerActor:
             self.metrics.on_output(deltas)
             self._live.difference_update(d.uid for d in deltas if d.finished)
             self._outbox.extend(deltas)
+            # the step's cache changes (a finished request's pages among them) in the same message
+            self._kv.add(*self.scheduler.cache.take_kv_events())
             self._ready.notify_all()
+
+    def _take_kv_events(self) -> None:
+        stored, removed = self.scheduler.cache.take_kv_events()
+        if stored or removed:
+            with self._ready:
+                self._kv.add(stored, removed)
 
     def _on_finish(self, req: Req, reason: str) -> None:
         if self.broken and req.uid not in self._live:
@@ -155,17 +168,30 @@ class SchedulerActor:
         for uid in uids:
             self.scheduler.abort(uid)
 
-    def poll(self, timeout_s: float = 1.0) -> list[TokenDelta]:
-        """Every delta since the last poll; waits up to timeout_s for the first one."""
+    def poll(self, timeout_s: float = 1.0) -> ReplicaOutput:
+        """Every delta since the last poll, and the KV events since then; waits up to timeout_s for the
+        first delta (or a snapshot due). Changes to the cache alone wake no poll: they go with the
+        next deltas, so a step is one message."""
         deadline = time.monotonic() + timeout_s
         with self._ready:
-            while not self._outbox and not self._stop.is_set():
+            while not self._outbox and not self._kv_snapshot_due() and not self._stop.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._ready.wait(left)
             out, self._outbox = self._outbox, []
-        return out
+            return ReplicaOutput(out, self._kv.take() if self._kv is not None else None)
+
+    def _kv_snapshot_due(self) -> bool:
+        return self._kv is not None and self._kv.snapshot_due
+
+    def kv_subscribe(self) -> None:
+        """The next poll carries every block hash the prefix cache holds (a router that connects late,
+        or the router of a replacement), and the later ones what changed since."""
+        with self._ready:
+            if self._kv is not None:
+                self._kv.resync()
+            self._ready.notify_all()
 
     def stats(self) -> ReplicaStats:
         return self.scheduler.call_between_steps(self._stats).result(timeout=30)

@@ -1,6 +1,8 @@
 """The router's side of one replica: submits and aborts are batched into one Ray call per event-loop
 tick, and one long-poll loop receives every request's deltas per scheduler step. It counts the
-requests it sent that have no token yet: the replica's queue as the router sees it, for admission."""
+requests it sent that have no token yet: the replica's queue as the router sees it, for admission. It
+keeps the block hashes the replica's prefix cache holds from the KV events that come with the
+deltas, starting from a snapshot it asks for when it starts (for cache-exact routing)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from cluster import AddRequest, ErrorKind, SamplingParams, TokenDelta
+from cluster import AddRequest, ErrorKind, KVEvents, SamplingParams, TokenDelta
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -30,6 +32,10 @@ class ReplicaClient:
         self.error: str | None = None
         self._poller: asyncio.Task | None = None
         self._error_check: asyncio.Task | None = None
+        # the block hashes the replica's prefix cache holds, and the page size they are of; None
+        # until its snapshot has arrived
+        self.kv_blocks: set[int] | None = None
+        self.page_size: int | None = None
 
     @property
     def load(self) -> int:
@@ -93,7 +99,24 @@ class ReplicaClient:
             self.actor.abort.remote(self._aborts)
             self._aborts = []
 
+    def apply_kv_events(self, events: KVEvents | None) -> None:
+        if events is None:
+            return
+        if events.full:
+            self.kv_blocks, self.page_size = set(events.stored), events.page_size
+        elif self.kv_blocks is not None:  # changes before the snapshot are in it
+            self.kv_blocks.difference_update(events.removed)
+            self.kv_blocks.update(events.stored)
+
+    async def _subscribe_kv(self) -> None:
+        try:
+            await self.actor.kv_subscribe.remote()
+        except Exception as e:  # noqa: BLE001 - routing goes on without this replica's cache contents
+            log.warning("replica %d sends no KV events (%s: %s); cache-exact routing cannot see its cache",
+                        self.replica_id, type(e).__name__, e)
+
     async def _poll_loop(self) -> None:
+        await self._subscribe_kv()
         while True:
             try:
                 deltas = await self.actor.poll.remote(1.0)
@@ -103,6 +126,7 @@ class ReplicaClient:
                 self.mark_failed(f"replica {self.replica_id} failed: {type(e).__name__}")
                 log.error("replica %d poll failed: %s", self.replica_id, e)
                 return
+            self.apply_kv_events(getattr(deltas, "kv_events", None))  # a plain list: a replica without them
             for d in deltas:
                 if self.queued:
                     self._dequeue(d.uid)
@@ -141,3 +165,4 @@ class ReplicaClient:
         self.queues.clear()
         self.queued.clear()
         self.queued_tokens = 0
+        self.kv_blocks = None

@@ -1,14 +1,17 @@
-"""Choosing a replica for a request. Cache-aware (default): send a prompt where its prefix was sent
-before, so that replica's radix cache already holds it, unless that replica is much busier than the
-least loaded one; otherwise the least loaded. Round-robin is the simple alternative. Either picks
-among the replicas whose queue has room for the request (`with_room`)."""
+"""Choosing a replica for a request. Cache-exact: send a prompt to the replica whose prefix cache holds
+the longest prefix of it, as its KV events tell (router/replica_client.py), unless that replica is
+much busier than the least loaded one; otherwise the less loaded of two chosen at random.
+Cache-aware: the same on what the router once sent where (it never sees an eviction, nor what other
+routers sent). Round-robin is the simple alternative. Each picks among the replicas whose queue has
+room for the request (`with_room`)."""
 
 from __future__ import annotations
 
 import itertools
+import random
 from collections import OrderedDict
 
-from cluster import OverloadedError
+from cluster import OverloadedError, block_hashes
 
 
 class NoReplicaError(RuntimeError):
@@ -87,9 +90,53 @@ class CacheAware:
             seen.popitem(last=False)
 
 
+class CacheExact:
+    """Routes on the block hashes each replica's cache holds (`kv_blocks`, hashed with its `page_size`).
+    A replica is too busy when its load exceeds both the least load plus balance_abs and the least
+    load times balance_rel (SGLang's router bounds imbalance the same way)."""
+
+    def __init__(self, balance_abs: int = 8, balance_rel: float = 1.5, seed: int | None = None) -> None:
+        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self._rng = random.Random(seed)
+
+    def pick(self, replicas: list, ids: list[int]):
+        up = _healthy(replicas)
+        least = min(r.load for r in up)
+        limit = max(least + self.balance_abs, least * self.balance_rel)
+        hashes: dict[int, list[int]] = {}  # by page size
+        best, best_n = None, 0
+        for r in up:
+            if r.load > limit or not r.kv_blocks:
+                continue
+            if r.page_size not in hashes:  # at least one token is computed: the last one is never a hit
+                hashes[r.page_size] = block_hashes(ids[:len(ids) - 1], r.page_size)
+            n = matched_blocks(hashes[r.page_size], r.kv_blocks)
+            if n > best_n or (n == best_n and n and r.load < best.load):
+                best, best_n = r, n
+        return best if best is not None else self.two_choices(up)
+
+    def two_choices(self, up: list):
+        """The less loaded of two replicas drawn at random: near the least loaded, without every router
+        sending its next request to the same one."""
+        if len(up) == 1:
+            return up[0]
+        a, b = self._rng.sample(up, 2)
+        return b if b.load < a.load else a
+
+
+def matched_blocks(hashes: list[int], held: set[int]) -> int:
+    """How many of a prompt's leading blocks a cache holds (its blocks form prefixes: a block is held
+    only with its parent)."""
+    n = 0
+    while n < len(hashes) and hashes[n] in held:
+        n += 1
+    return n
+
+
+POLICIES = {"cache_exact": CacheExact, "cache_aware": CacheAware, "round_robin": RoundRobin}
+
+
 def create_policy(name: str):
-    if name == "cache_aware":
-        return CacheAware()
-    if name == "round_robin":
-        return RoundRobin()
-    raise ValueError(f"unknown routing policy {name!r}; choose cache_aware or round_robin")
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; choose {', '.join(POLICIES)}")
+    return POLICIES[name]()

@@ -1,4 +1,5 @@
-"""Choosing a replica: prefix affinity with a load-balance fallback, and round-robin."""
+"""Choosing a replica: on the replicas' cache contents (their KV events) with a load bound and a
+power-of-two-choices fallback, on prefix affinity with a load-balance fallback, and round-robin."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from router.routing import CacheAware, NoReplicaError, RoundRobin
+from cluster import KVEvents, block_hashes
+from router.replica_client import ReplicaClient
+from router.routing import CacheAware, CacheExact, NoReplicaError, RoundRobin, create_policy
 
 
 @dataclass
@@ -14,6 +17,71 @@ class FakeReplica:
     replica_id: int
     load: int = 0
     healthy: bool = True
+    kv_blocks: set[int] | None = None
+    page_size: int | None = 4
+
+    def holds(self, ids: list[int]) -> FakeReplica:
+        self.kv_blocks = (self.kv_blocks or set()) | set(block_hashes(ids, self.page_size))
+        return self
+
+
+SYSTEM = list(range(100, 164))  # 16 pages of 4
+
+
+def test_cache_exact_sends_a_prompt_to_the_replica_holding_its_longest_prefix():
+    replicas = [FakeReplica(0).holds(SYSTEM[:16]), FakeReplica(1, load=3).holds(SYSTEM), FakeReplica(2)]
+    assert CacheExact().pick(replicas, SYSTEM + [1, 2, 3]).replica_id == 1
+
+
+def test_cache_exact_stops_sending_a_prompt_where_its_prefix_was_evicted():
+    """As the router's client sees it: the replica's KV events remove the prefix's blocks."""
+    holder, other = ReplicaClient(0, None), ReplicaClient(1, None)
+    hashes = block_hashes(SYSTEM, 4)
+    holder.apply_kv_events(KVEvents(4, hashes, [], full=True))
+    other.apply_kv_events(KVEvents(4, [], [], full=True))
+    policy = CacheExact(seed=0)
+    assert {policy.pick([holder, other], SYSTEM + [9]).replica_id for _ in range(10)} == {0}
+    holder.apply_kv_events(KVEvents(4, [], hashes[1:]))  # evicted but the first page
+    other.apply_kv_events(KVEvents(4, hashes[:4], []))
+    assert policy.pick([holder, other], SYSTEM + [9]).replica_id == 1
+
+
+def test_cache_exact_skips_a_holder_much_busier_than_the_least_loaded():
+    holder, idle = FakeReplica(0, load=20).holds(SYSTEM), FakeReplica(1, load=2)
+    policy = CacheExact(balance_abs=8, balance_rel=1.5)
+    assert policy.pick([holder, idle], SYSTEM + [1]) is idle
+    holder.load = 10  # within least + 8
+    assert policy.pick([holder, idle], SYSTEM + [1]) is holder
+    holder.load, idle.load = 140, 100  # beyond least + 8, within least * 1.5
+    assert policy.pick([holder, idle], SYSTEM + [1]) is holder
+
+
+def test_cache_exact_falls_back_to_the_less_loaded_of_two_when_nothing_matches():
+    replicas = [FakeReplica(0, load=1).holds(SYSTEM), FakeReplica(1, load=5), FakeReplica(2, load=9)]
+    policy = CacheExact(seed=0)
+    picked = [policy.pick(replicas, list(range(500, 540))).replica_id for _ in range(60)]
+    assert set(picked) == {0, 1}  # two drawn, the less loaded taken: the busiest never is
+    assert picked.count(0) > picked.count(1)
+
+
+def test_cache_exact_hashes_with_each_replicas_page_size():
+    small, large = FakeReplica(0, page_size=2), FakeReplica(1, page_size=8).holds(SYSTEM)
+    small.kv_blocks = set(block_hashes(SYSTEM, 4))  # hashed with the wrong page size: no match
+    assert CacheExact().pick([small, large], SYSTEM + [1]) is large
+
+
+def test_a_replica_without_a_snapshot_yet_is_routed_to_by_load_only():
+    fresh = ReplicaClient(0, None)
+    fresh.apply_kv_events(KVEvents(4, block_hashes(SYSTEM, 4), []))  # changes before any snapshot
+    assert fresh.kv_blocks is None
+    busy = FakeReplica(1, load=4)
+    assert CacheExact(seed=0).pick([fresh, busy], SYSTEM + [1]) is fresh
+
+
+def test_every_routing_setting_names_a_policy():
+    from cluster.config import ServeConfig, settings
+    choices = settings(ServeConfig)["routing"].choices
+    assert {type(create_policy(name)) for name in choices} == {CacheExact, CacheAware, RoundRobin}
 
 
 def test_cache_aware_sends_a_shared_prefix_where_it_went_before():

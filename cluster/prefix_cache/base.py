@@ -1,14 +1,22 @@
 """The prefix-cache interface. Pages handed to `insert` belong to the cache from then on; pages of a
-locked handle's path are never evicted."""
+locked handle's path are never evicted. A cache records the chained hashes of the blocks it stores
+and removes (its KV events, cluster/prefix_cache/events.py) for `take_events`."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from cluster.prefix_cache.events import BlockChanges
+
 
 class PrefixCache(ABC):
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
+        self.events = BlockChanges()
+
+    def take_events(self) -> tuple[list[int], list[int]]:
+        """(stored, removed) block hashes since the last call, netted."""
+        return self.events.take()
 
     @abstractmethod
     def match(self, ids: list[int]) -> tuple[object, list[int]]:

@@ -4,7 +4,10 @@ KV pages. Reference counts keep pages in use; unreferenced leaves are evicted le
 Once the cache fills the memory requests leave free, every page a request allocates comes from an
 eviction, so eviction must not walk the tree: a heap holds each leaf as it becomes evictable, keyed
 by its last use then. Entries go stale (the leaf was locked, touched, given a child, or evicted) and
-are checked when popped; the heap is rebuilt when stale entries outnumber the nodes."""
+are checked when popped; the heap is rebuilt when stale entries outnumber the nodes.
+
+Each node keeps the chained hash of each of its pages (events.block_hashes over the path from the
+root), so what it stores and evicts is reported as KV events without rehashing a prefix."""
 
 from __future__ import annotations
 
@@ -12,13 +15,14 @@ import heapq
 import itertools
 
 from cluster.prefix_cache.base import PrefixCache
+from cluster.prefix_cache.events import ROOT_HASH, block_hashes
 
 
 class Node:
-    __slots__ = ("tokens", "pages", "parent", "children", "ref", "last_use")
+    __slots__ = ("tokens", "pages", "hashes", "parent", "children", "ref", "last_use")
 
-    def __init__(self, tokens: list[int], pages: list[int], parent: Node | None) -> None:
-        self.tokens, self.pages, self.parent = tokens, pages, parent
+    def __init__(self, tokens: list[int], pages: list[int], parent: Node | None, hashes: list[int]) -> None:
+        self.tokens, self.pages, self.parent, self.hashes = tokens, pages, parent, hashes
         self.children: dict[tuple[int, ...], Node] = {}
         self.ref = 0
         self.last_use = 0
@@ -27,7 +31,7 @@ class Node:
 class RadixCache(PrefixCache):
     def __init__(self, page_size: int) -> None:
         super().__init__(page_size)
-        self.root = Node([], [], None)
+        self.root = Node([], [], None, [])
         self.root.ref = 1  # never evicted
         self._pages = 0
         self._evictable = 0
@@ -81,10 +85,11 @@ class RadixCache(PrefixCache):
     def _split(self, child: Node, n: int) -> Node:
         """Cuts child's edge after n pages; returns the new upper part."""
         ps = self.page_size
-        upper = Node(child.tokens[:n * ps], child.pages[:n], child.parent)
+        upper = Node(child.tokens[:n * ps], child.pages[:n], child.parent, child.hashes[:n])
         upper.ref, upper.last_use = child.ref, child.last_use
         child.parent.children[self._key(upper.tokens, 0)] = upper
         child.tokens, child.pages, child.parent = child.tokens[n * ps:], child.pages[n:], upper
+        child.hashes = child.hashes[n:]
         upper.children[self._key(child.tokens, 0)] = child
         self._num_nodes += 1
         return upper
@@ -97,7 +102,10 @@ class RadixCache(PrefixCache):
         assert len(ids) == len(pages) * self.page_size, "insert takes whole pages"
         node, at, cached = self._walk(ids)
         if at < len(ids):
-            leaf = Node(list(ids[at:]), list(pages[at // self.page_size:]), node)
+            tail = list(ids[at:])
+            leaf = Node(tail, list(pages[at // self.page_size:]), node,
+                        block_hashes(tail, self.page_size, node.hashes[-1] if node.hashes else ROOT_HASH))
+            self.events.store(leaf.hashes)
             leaf.last_use = node.last_use
             node.children[self._key(leaf.tokens, 0)] = leaf
             self._pages += len(leaf.pages)
@@ -138,7 +146,8 @@ class RadixCache(PrefixCache):
             k = n - len(freed)
             if k < len(leaf.pages):  # only its last k pages: the rest of the prefix stays cached
                 freed.extend(leaf.pages[-k:])
-                del leaf.pages[-k:], leaf.tokens[-k * self.page_size:]
+                self.events.remove(leaf.hashes[-k:])
+                del leaf.pages[-k:], leaf.tokens[-k * self.page_size:], leaf.hashes[-k:]
                 self._pages -= k
                 self._evictable -= k
                 heapq.heappush(self._leaves, (leaf.last_use, next(self._tie), leaf))
@@ -148,6 +157,7 @@ class RadixCache(PrefixCache):
             leaf.parent = None
             self._num_nodes -= 1
             freed.extend(leaf.pages)
+            self.events.remove(leaf.hashes)
             self._pages -= len(leaf.pages)
             self._evictable -= len(leaf.pages)
             self._push_if_evictable(parent)

@@ -1,0 +1,89 @@
+"""KV events: what a prefix cache holds, as chained hashes of its page-aligned blocks (a block's hash
+covers its tokens and its parent's hash, as in vLLM's and SGLang's KV events), so that a router can
+tell which replica holds the longest prefix of a prompt from the prompt alone.
+
+The hash is Python's hash of a tuple of ints, which does not depend on PYTHONHASHSEED: every process
+of one Python version (a Ray cluster runs one) computes the same. A collision costs only a routing
+choice: the replica matches tokens, never hashes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from cluster.messages import KVEvents
+
+ROOT_HASH = 0  # the parent of a prompt's first block
+
+
+def block_hashes(ids: list[int], page_size: int, parent: int = ROOT_HASH) -> list[int]:
+    """The chained hash of each whole page of ids (a partial last page has none)."""
+    out, h = [], parent
+    for start in range(0, len(ids) - page_size + 1, page_size):
+        h = hash((h, tuple(ids[start:start + page_size])))
+        out.append(h)
+    return out
+
+
+class BlockChanges:
+    """Blocks stored and removed since the last `take`, netted: a block stored then removed (or removed
+    then stored) in between is in neither, so applying both sets in any order to the state at the
+    last take gives the state now."""
+
+    def __init__(self) -> None:
+        self.stored: set[int] = set()
+        self.removed: set[int] = set()
+
+    def store(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            if h in self.removed:
+                self.removed.discard(h)
+            else:
+                self.stored.add(h)
+
+    def remove(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            if h in self.stored:
+                self.stored.discard(h)
+            else:
+                self.removed.add(h)
+
+    def take(self) -> tuple[list[int], list[int]]:
+        out = list(self.stored), list(self.removed)
+        self.stored, self.removed = set(), set()
+        return out
+
+
+class KVEventStream:
+    """A replica's side of its KV events: every block its cache holds, and the changes its receiver has
+    not been sent yet. A new receiver (`resync`) is sent the whole set first, then changes only. Not
+    thread-safe: the replica holds its lock around every call."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.held: set[int] = set()
+        self._changes = BlockChanges()
+        self._full = True  # the first receiver starts from a snapshot too
+
+    def add(self, stored: list[int], removed: list[int]) -> None:
+        """One step's netted changes (from the cache's BlockChanges)."""
+        self.held.difference_update(removed)
+        self.held.update(stored)
+        if not self._full:
+            self._changes.remove(removed)
+            self._changes.store(stored)
+
+    def resync(self) -> None:
+        self._full = True
+        self._changes = BlockChanges()
+
+    @property
+    def snapshot_due(self) -> bool:
+        return self._full
+
+    def take(self) -> KVEvents | None:
+        """What to send now: the whole set when a snapshot is due, else the changes (None: nothing)."""
+        if self._full:
+            self._full = False
+            return KVEvents(self.page_size, stored=list(self.held), removed=[], full=True)
+        stored, removed = self._changes.take()
+        return KVEvents(self.page_size, stored, removed) if stored or removed else None
