@@ -5,7 +5,7 @@ from cluster.errors import (EngineError, ErrorKind, GenerationError, InvalidRequ
                             ReplicaDownError, RequestTimeoutError, error_for)
 from cluster.choices import fan_out
 from cluster.messages import AddRequest, KVEvents, ReplicaInfo, ReplicaOutput, ReplicaStats, TokenDelta
-from cluster.prefix_cache.events import block_hashes
+from cluster.prefix_cache.events import block_hashes, iter_block_hashes
 from cluster.sampling_params import GrammarSpec, SamplingParams
 
 # loaded on first use: they import torch, Ray or transformers, and cluster.config (which launch.py
@@ -22,7 +22,7 @@ __all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "Replic
            "ReplicaStats", "TokenDelta", "ErrorKind", "RaylmError", "InvalidRequestError", "GenerationError",
            "EngineError", "ReplicaDownError", "RequestTimeoutError", "OverloadedError", "error_for", "Fleet",
            "ReplicaHandle", "ensure_ray", "control_store_answers", "load_tokenizer", "fan_out", "GrammarSpec",
-           "KVEvents", "ReplicaOutput", "block_hashes"]
+           "KVEvents", "ReplicaOutput", "block_hashes", "iter_block_hashes"]
 
 
 def __getattr__(name: str):

@@ -11,7 +11,7 @@ import itertools
 import random
 from collections import OrderedDict
 
-from cluster import OverloadedError, block_hashes
+from cluster import OverloadedError, iter_block_hashes
 
 
 class NoReplicaError(RuntimeError):
@@ -103,16 +103,24 @@ class CacheExact:
         up = _healthy(replicas)
         least = min(r.load for r in up)
         limit = max(least + self.balance_abs, least * self.balance_rel)
-        hashes: dict[int, list[int]] = {}  # by page size
-        best, best_n = None, 0
+        by_page_size: dict[int, list] = {}
         for r in up:
-            if r.load > limit or not r.kv_blocks:
-                continue
-            if r.page_size not in hashes:  # at least one token is computed: the last one is never a hit
-                hashes[r.page_size] = block_hashes(ids[:len(ids) - 1], r.page_size)
-            n = matched_blocks(hashes[r.page_size], r.kv_blocks)
-            if n > best_n or (n == best_n and n and r.load < best.load):
-                best, best_n = r, n
+            if r.load <= limit and r.kv_blocks:
+                by_page_size.setdefault(r.page_size, []).append(r)
+        best, best_tokens = None, 0
+        for page_size, holders in by_page_size.items():
+            n = 0
+            # at least one token is computed, so the last is never a hit; hashing stops where no
+            # replica holds the block (a cache holds a block only with its parent)
+            for h in iter_block_hashes(ids[:len(ids) - 1], page_size):
+                still = [r for r in holders if h in r.kv_blocks]
+                if not still:
+                    break
+                holders, n = still, n + 1
+            if n and n * page_size >= best_tokens:
+                choice = min(holders, key=lambda r: r.load)
+                if n * page_size > best_tokens or choice.load < best.load:
+                    best, best_tokens = choice, n * page_size
         return best if best is not None else self.two_choices(up)
 
     def two_choices(self, up: list):
@@ -122,15 +130,6 @@ class CacheExact:
             return up[0]
         a, b = self._rng.sample(up, 2)
         return b if b.load < a.load else a
-
-
-def matched_blocks(hashes: list[int], held: set[int]) -> int:
-    """How many of a prompt's leading blocks a cache holds (its blocks form prefixes: a block is held
-    only with its parent)."""
-    n = 0
-    while n < len(hashes) and hashes[n] in held:
-        n += 1
-    return n
 
 
 POLICIES = {"cache_exact": CacheExact, "cache_aware": CacheAware, "round_robin": RoundRobin}

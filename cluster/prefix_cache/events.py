@@ -8,20 +8,24 @@ choice: the replica matches tokens, never hashes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from cluster.messages import KVEvents
 
 ROOT_HASH = 0  # the parent of a prompt's first block
 
 
-def block_hashes(ids: list[int], page_size: int, parent: int = ROOT_HASH) -> list[int]:
-    """The chained hash of each whole page of ids (a partial last page has none)."""
-    out, h = [], parent
+def iter_block_hashes(ids: list[int], page_size: int, parent: int = ROOT_HASH) -> Iterator[int]:
+    """The chained hash of each whole page of ids in turn (a partial last page has none): a caller
+    that stops at the first block no cache holds hashes no further."""
+    h = parent
     for start in range(0, len(ids) - page_size + 1, page_size):
         h = hash((h, tuple(ids[start:start + page_size])))
-        out.append(h)
-    return out
+        yield h
+
+
+def block_hashes(ids: list[int], page_size: int, parent: int = ROOT_HASH) -> list[int]:
+    return list(iter_block_hashes(ids, page_size, parent))
 
 
 class BlockChanges:
