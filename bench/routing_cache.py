@@ -56,6 +56,7 @@ class Replica:
     stream: KVEventStream
     clients: list[ReplicaClient]
     busy: bool = False
+    live: int = 0  # submitted and not finished, as the replica counts them (every router's)
     deltas: list = field(default_factory=list)
 
 
@@ -108,8 +109,9 @@ def simulate(policy_name: str, args: argparse.Namespace) -> dict:
         tokens = sum(d.num_tokens for d in launched)
         done = now + (args.step_ms * 1e-3 + args.token_us * 1e-6 * tokens if launched else 0.0)
         out, rep.deltas[:] = list(rep.deltas), []
+        rep.live -= sum(d.finished for d in out)
         rep.busy = True
-        heapq.heappush(events, (done, next(tie), "done", (i, out, rep.stream.take())))
+        heapq.heappush(events, (done, next(tie), "done", (i, out, rep.stream.take(), rep.live)))
 
     while events:
         now, _, kind, payload = heapq.heappop(events)
@@ -123,16 +125,18 @@ def simulate(policy_name: str, args: argparse.Namespace) -> dict:
             client = policy.pick(clients, ids)
             client.queues[uid] = None  # its load, as that router counts it
             owner[uid] = (payload, now, client)
+            replicas[client.replica_id].live += 1
             replicas[client.replica_id].run.submit(uid, ids, max_tokens=chat.rng.randint(*args.output_tokens),
                                                    ignore_eos=True)
             uid += 1
             start_step(client.replica_id, now)
             continue
-        i, out, kv = payload
+        i, out, kv, live = payload
         rep = replicas[i]
         rep.busy = False
         for client in rep.clients:
             client.apply_kv_events(kv)
+            client.replica_live = live
         for d in out:
             c, arrival, client = owner[d.uid]
             if d.token is not None and client.queues[d.uid] is None:

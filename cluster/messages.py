@@ -78,11 +78,13 @@ class KVEvents:
 
 class ReplicaOutput(list):
     """What one poll of a replica returns: its deltas (this is their list, in order) and, beside them,
-    the KV events of the same steps (None when its cache did not change)."""
+    the KV events of the same steps (None when its cache did not change) and how many requests it
+    holds (from every router: what one router sent is only its own share)."""
 
-    def __init__(self, deltas: list[TokenDelta] = (), kv_events: KVEvents | None = None) -> None:
+    def __init__(self, deltas: list[TokenDelta] = (), kv_events: KVEvents | None = None,
+                 live: int | None = None) -> None:
         super().__init__(deltas)
-        self.kv_events = kv_events
+        self.kv_events, self.live = kv_events, live
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,7 @@ class SchedulerActor:
                     break
                 self._ready.wait(left)
             out, self._outbox = self._outbox, []
-            return ReplicaOutput(out, self._kv.take() if self._kv is not None else None)
+            return ReplicaOutput(out, self._kv.take() if self._kv is not None else None, len(self._live))
 
     def _kv_snapshot_due(self) -> bool:
         return self._kv is not None and self._kv.snapshot_due

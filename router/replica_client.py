@@ -36,10 +36,17 @@ class ReplicaClient:
         # until its snapshot has arrived
         self.kv_blocks: set[int] | None = None
         self.page_size: int | None = None
+        self.replica_live = 0  # requests the replica held at its last message, every router's
 
     @property
     def load(self) -> int:
         return len(self.queues)
+
+    @property
+    def routing_load(self) -> int:
+        """The load to balance on: the replica's own count when it holds more than this router sent it
+        (other routers send to it too); this router's when newer (sent since the replica's message)."""
+        return max(len(self.queues), self.replica_live)
 
     @property
     def healthy(self) -> bool:
@@ -127,6 +134,7 @@ class ReplicaClient:
                 log.error("replica %d poll failed: %s", self.replica_id, e)
                 return
             self.apply_kv_events(getattr(deltas, "kv_events", None))  # a plain list: a replica without them
+            self.replica_live = getattr(deltas, "live", None) or 0
             for d in deltas:
                 if self.queued:
                     self._dequeue(d.uid)

@@ -93,7 +93,8 @@ class CacheAware:
 class CacheExact:
     """Routes on the block hashes each replica's cache holds (`kv_blocks`, hashed with its `page_size`).
     A replica is too busy when its load exceeds both the least load plus balance_abs and the least
-    load times balance_rel (SGLang's router bounds imbalance the same way)."""
+    load times balance_rel (SGLang's router bounds imbalance the same way). Load is `routing_load`: the
+    replica's own count of its requests, which holds every router's."""
 
     def __init__(self, balance_abs: int = 8, balance_rel: float = 1.5, seed: int | None = None) -> None:
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
@@ -101,11 +102,11 @@ class CacheExact:
 
     def pick(self, replicas: list, ids: list[int]):
         up = _healthy(replicas)
-        least = min(r.load for r in up)
+        least = min(r.routing_load for r in up)
         limit = max(least + self.balance_abs, least * self.balance_rel)
         by_page_size: dict[int, list] = {}
         for r in up:
-            if r.load <= limit and r.kv_blocks:
+            if r.routing_load <= limit and r.kv_blocks:
                 by_page_size.setdefault(r.page_size, []).append(r)
         best, best_tokens = None, 0
         for page_size, holders in by_page_size.items():
@@ -118,8 +119,8 @@ class CacheExact:
                     break
                 holders, n = still, n + 1
             if n and n * page_size >= best_tokens:
-                choice = min(holders, key=lambda r: r.load)
-                if n * page_size > best_tokens or choice.load < best.load:
+                choice = min(holders, key=lambda r: r.routing_load)
+                if n * page_size > best_tokens or choice.routing_load < best.routing_load:
                     best, best_tokens = choice, n * page_size
         return best if best is not None else self.two_choices(up)
 
@@ -129,7 +130,7 @@ class CacheExact:
         if len(up) == 1:
             return up[0]
         a, b = self._rng.sample(up, 2)
-        return b if b.load < a.load else a
+        return b if b.routing_load < a.routing_load else a
 
 
 POLICIES = {"cache_exact": CacheExact, "cache_aware": CacheAware, "round_robin": RoundRobin}

@@ -20,6 +20,10 @@ class FakeReplica:
     kv_blocks: set[int] | None = None
     page_size: int | None = 4
 
+    @property
+    def routing_load(self) -> int:
+        return self.load
+
     def holds(self, ids: list[int]) -> FakeReplica:
         self.kv_blocks = (self.kv_blocks or set()) | set(block_hashes(ids, self.page_size))
         return self
@@ -76,6 +80,17 @@ def test_a_replica_without_a_snapshot_yet_is_routed_to_by_load_only():
     assert fresh.kv_blocks is None
     busy = FakeReplica(1, load=4)
     assert CacheExact(seed=0).pick([fresh, busy], SYSTEM + [1]) is fresh
+
+
+def test_cache_exact_balances_on_what_the_replica_holds_from_every_router():
+    """A router that sent a replica little may still find it busy with other routers' requests."""
+    holder, idle = ReplicaClient(0, None), ReplicaClient(1, None)
+    holder.apply_kv_events(KVEvents(4, block_hashes(SYSTEM, 4), [], full=True))
+    idle.apply_kv_events(KVEvents(4, [], [], full=True))
+    holder.replica_live = 30  # from its last message: none of them this router's
+    assert CacheExact(seed=0).pick([holder, idle], SYSTEM + [1]) is idle
+    holder.replica_live = 5
+    assert CacheExact(seed=0).pick([holder, idle], SYSTEM + [1]) is holder
 
 
 def test_every_routing_setting_names_a_policy():
