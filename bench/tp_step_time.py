@@ -149,10 +149,13 @@ def run_ranks(args, folder: str, address: str, out: dict) -> None:
     context = mp.spawn(rank_main, args=(args, folder, address, out, progress), nprocs=args.tp_size, join=False)
     seen, since = progress.snapshot(), time.monotonic()
     while not context.join(timeout=1.0):
+        # importing and loading take a while on a loaded host: the start-up phases get their own limit
+        starting = any(phase < Progress.PHASES.index("warming up") for phase in seen[0::3])
+        limit = max(args.timeout_s, args.startup_timeout_s) if starting else args.timeout_s
         if (now := progress.snapshot()) != seen:
             seen, since = now, time.monotonic()
-        elif time.monotonic() - since > args.timeout_s:
-            report_hang(context, progress, args.timeout_s)
+        elif time.monotonic() - since > limit:
+            report_hang(context, progress, limit)
             sys.exit(124)
 
 
@@ -188,6 +191,8 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=180.0,
                         help="seconds without any rank moving on (a phase begun, a step launched) before the run "
                              "counts as hung; raise it for a cold FlashInfer JIT cache")
+    parser.add_argument("--startup-timeout-s", type=float, default=120.0,
+                        help="the same limit while some rank is still importing, joining or loading")
     parser.add_argument("--inject-stall", type=stall, metavar="RANK:STEP",
                         help="rank RANK hangs before its engine's launch STEP (from 0, once the engine is built)")
     parser.add_argument("--out")
