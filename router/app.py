@@ -19,7 +19,7 @@ from router.chat import prepare_chat
 from router.detokenizer import IncrementalDetokenizer
 from cluster import AddRequest, RaylmError, SamplingParams, fan_out
 from router.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
-from router.generation import Timing, generate_choices
+from router.generation import Generation, Timing
 from router.guard import RequestGuard
 from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.responses import Echo, Formatter, sse
@@ -154,11 +154,19 @@ async def _serve(state: RouterState, request: Request, body, ids, params, fmt: F
     requests = _choices(state, ids, params)
     timing = Timing()
     detoks = [IncrementalDetokenizer(state.tokenizer, body.stop_list) for _ in requests]  # stops apply per choice
-    pieces = generate_choices(client, requests, detoks, timing)
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    # sent now, before the response starts: the next request's room check counts these
+    pieces = Generation(client, requests, detoks, timing)
     state.metrics.running.labels(state.model_name).inc()
     outcome = {"reason": "abort"}
+    ended = False
 
     def done() -> None:
+        """Runs once however the request ends (a stream's client may leave before its body starts)."""
+        nonlocal ended
+        if ended:
+            return
+        ended = True
         state.metrics.running.labels(state.model_name).dec()
         state.metrics.finished(outcome["reason"], len(ids), timing)
         log.info("request %s replica=%d prompt_tokens=%d completion_tokens=%d ttft=%.4f latency=%.4f finish=%s",
@@ -166,10 +174,14 @@ async def _serve(state: RouterState, request: Request, body, ids, params, fmt: F
                  (timing.first_token or timing.arrival) - timing.arrival,
                  (timing.last_token or timing.arrival) - timing.arrival, outcome["reason"])
 
+    async def finish() -> None:
+        try:
+            await pieces.aclose()  # aborts on the replica whatever has not ended
+        finally:
+            done()
+
     if body.stream:
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(_stream(state, pieces, fmt, len(ids), include_usage, outcome, done),
-                                 media_type="text/event-stream")
+        return _EventStream(_stream(state, pieces, fmt, len(ids), include_usage, outcome, finish), finish)
     try:
         collected = await _until_disconnect(request, _collect(pieces), state.config.request_timeout_s)
         outcome["reason"] = _request_reason([p.finish_reason for p in collected if p.finish_reason is not None])
@@ -181,8 +193,7 @@ async def _serve(state: RouterState, request: Request, body, ids, params, fmt: F
         outcome["reason"] = "error"
         raise APIError.of(e) from e
     finally:
-        await pieces.aclose()
-        done()
+        await finish()
     return fmt.whole(collected, len(ids))
 
 
@@ -221,8 +232,23 @@ async def _until_disconnect(request: Request, work, timeout_s: float | None):
     return task.result()
 
 
+class _EventStream(StreamingResponse):
+    """An SSE response that runs `finish` however it ends: a client that leaves before the body starts
+    leaves the body's generator unstarted, and its own `finally` never runs."""
+
+    def __init__(self, body, finish) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self.finish = finish
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.finish()
+
+
 async def _stream(state: RouterState, pieces, fmt: Formatter, prompt_tokens: int, include_usage: bool,
-                  outcome: dict, done):
+                  outcome: dict, finish):
     completion, reasons = 0, []
     try:
         yield "".join(fmt.role_chunks()) if fmt.chat else ""
@@ -249,5 +275,4 @@ async def _stream(state: RouterState, pieces, fmt: Formatter, prompt_tokens: int
         yield sse(APIError.of(e).event())
         yield sse("[DONE]")
     finally:
-        await pieces.aclose()  # a disconnect lands here too: generate() aborts the request
-        done()
+        await finish()  # a disconnect mid-stream lands here too

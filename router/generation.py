@@ -63,56 +63,76 @@ class Timing:
 
 
 def generate(client, uid: int, ids: list[int], params: SamplingParams, detok: IncrementalDetokenizer,
-             timing: Timing) -> AsyncIterator[Piece]:
-    """The pieces of a one-choice request (see generate_choices)."""
-    return generate_choices(client, [AddRequest(uid, ids, params)], [detok], timing)
+             timing: Timing) -> Generation:
+    """The pieces of a one-choice request (see Generation)."""
+    return Generation(client, [AddRequest(uid, ids, params)], [detok], timing)
 
 
-async def generate_choices(client, requests: list[AddRequest], detoks: list[IncrementalDetokenizer],
-                           timing: Timing) -> AsyncIterator[Piece]:
-    """Yields the pieces of every choice (requests[i] is choice i, each with its own detokenizer) as
-    they come, until all have ended; each choice's last piece carries its finish_reason. A failed
-    choice raises the RaylmError of its kind, and the others are aborted."""
-    # sent in one flush, choice 0 first: the others wait on the replica for its prompt's pages
-    first = requests[0]
-    queue = client.submit(first.uid, first.input_ids, first.params)
-    for r in requests[1:]:
-        client.submit(r.uid, r.input_ids, r.params, after=r.after, queue=queue)
-    index = {r.uid: i for i, r in enumerate(requests)}
-    live = set(index)
-    prompt_logprobs: PromptLogprobs | None = None  # asked of one choice, shown with every choice
-    started: set[int] = set()
-    try:
-        while live:
-            deltas = [await queue.get()]
-            # under load several steps' tokens wait here: send them as one piece per choice (one SSE event)
-            while not queue.empty():
-                deltas.append(queue.get_nowait())
-            prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None),
-                                   prompt_logprobs)
-            pieces: dict[int, Piece] = {}
-            for delta in deltas:
-                if delta.uid not in live:  # sent before its abort (a stop string) landed
-                    continue
-                if delta.error is not None:
-                    live.discard(delta.uid)
-                    raise error_for(delta.error_kind or ErrorKind.ENGINE, delta.error)
-                i = index[delta.uid]
-                piece = pieces.setdefault(i, Piece("", index=i))
-                if _add(piece, delta, detoks[i]):
-                    live.discard(delta.uid)
-                    if not delta.finished:  # a stop string: stop spending the replica's time
-                        client.abort(delta.uid)
-            now = time.perf_counter()
-            for i, piece in pieces.items():
-                if i not in started:
-                    started.add(i)
-                    piece.first, piece.prompt_logprobs = True, prompt_logprobs
-                timing.received(len(piece.token_ids), now, i)
-                yield piece
-    finally:
-        for uid in live:  # a disconnect, a timeout, another choice's failure
-            client.abort(uid)
+class Generation:
+    """A request's choices on one replica, sent when this is made (so the replica's queue as the router
+    counts it holds them from the moment they were admitted); iterating it yields the pieces of every
+    choice (requests[i] is choice i, each with its own detokenizer) as they come, until all have ended,
+    each choice's last piece carrying its finish_reason. A failed choice raises the RaylmError of its
+    kind, and the others are aborted. `aclose` aborts what has not ended, iterated or not."""
+
+    def __init__(self, client, requests: list[AddRequest], detoks: list[IncrementalDetokenizer],
+                 timing: Timing) -> None:
+        self.client, self.requests, self.detoks, self.timing = client, requests, detoks, timing
+        self.index = {r.uid: i for i, r in enumerate(requests)}
+        self.live = set(self.index)
+        # sent in one flush, choice 0 first: the others wait on the replica for its prompt's pages
+        first = requests[0]
+        self.queue = client.submit(first.uid, first.input_ids, first.params)
+        for r in requests[1:]:
+            client.submit(r.uid, r.input_ids, r.params, after=r.after, queue=self.queue)
+        self._pieces = self._run()
+
+    def __aiter__(self) -> AsyncIterator[Piece]:
+        return self._pieces
+
+    async def aclose(self) -> None:
+        await self._pieces.aclose()
+        self._abort_live()  # a generator never started has run no finally
+
+    def _abort_live(self) -> None:
+        for uid in self.live:  # a disconnect, a timeout, another choice's failure
+            self.client.abort(uid)
+        self.live.clear()
+
+    async def _run(self) -> AsyncIterator[Piece]:
+        live, queue, detoks = self.live, self.queue, self.detoks
+        prompt_logprobs: PromptLogprobs | None = None  # asked of one choice, shown with every choice
+        started: set[int] = set()
+        try:
+            while live:
+                deltas = [await queue.get()]
+                # under load several steps' tokens wait here: send them as one piece per choice (one SSE event)
+                while not queue.empty():
+                    deltas.append(queue.get_nowait())
+                prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None),
+                                       prompt_logprobs)
+                pieces: dict[int, Piece] = {}
+                for delta in deltas:
+                    if delta.uid not in live:  # sent before its abort (a stop string) landed
+                        continue
+                    if delta.error is not None:
+                        live.discard(delta.uid)
+                        raise error_for(delta.error_kind or ErrorKind.ENGINE, delta.error)
+                    i = self.index[delta.uid]
+                    piece = pieces.setdefault(i, Piece("", index=i))
+                    if _add(piece, delta, detoks[i]):
+                        live.discard(delta.uid)
+                        if not delta.finished:  # a stop string: stop spending the replica's time
+                            self.client.abort(delta.uid)
+                now = time.perf_counter()
+                for i, piece in pieces.items():
+                    if i not in started:
+                        started.add(i)
+                        piece.first, piece.prompt_logprobs = True, prompt_logprobs
+                    self.timing.received(len(piece.token_ids), now, i)
+                    yield piece
+        finally:
+            self._abort_live()
 
 
 def _add(piece: Piece, delta: TokenDelta, detok: IncrementalDetokenizer) -> bool:

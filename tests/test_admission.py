@@ -160,7 +160,7 @@ def _wait_idle(srv) -> None:
     ray.get(srv.replicas[0].actor.check_integrity.remote())
 
 
-def test_a_flood_beyond_the_bounds_gets_full_outputs_or_429s_and_the_server_serves_on(ray_cluster, qwen3_path):
+def test_a_flood_beyond_the_bounds_gets_full_outputs_or_real_429s_and_the_server_serves_on(ray_cluster, qwen3_path):
     import ray
     prompts = [PROMPT_TEXTS[i % len(PROMPT_TEXTS)] + f" {i}" for i in range(24)]
     with LLM(str(qwen3_path)) as llm:
@@ -180,7 +180,9 @@ def test_a_flood_beyond_the_bounds_gets_full_outputs_or_429s_and_the_server_serv
         for i in busy:
             status, headers, error = results[i]
             assert error["error"]["type"] == "rate_limit_error" and "busy" in error["error"]["message"]
-            assert headers == {} or int(headers["retry-after"]) >= 1  # {}: refused mid-stream, by the replica
+            # a real 429, a stream's too: each request is sent as it is admitted, so the next one's room
+            # check counts it (in-stream refusals are left for what one router cannot see)
+            assert int(headers["retry-after"]) >= 1
         after = httpx.post(srv.url + C, json=_body(prompts[0]), timeout=60)
         assert after.status_code == 200 and after.json()["choices"][0]["text"] == expected[0]
         _wait_idle(srv)

@@ -116,3 +116,40 @@ def test_connections_beyond_the_limit_get_a_503_and_are_closed(srv):
             pass
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def _running(srv) -> float:
+    text = httpx.get(srv.url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("raylm:num_requests_running{"))
+
+
+def test_a_stream_whose_client_leaves_before_its_body_starts_is_ended_and_aborted_once(srv, monkeypatch):
+    import ray
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    handle_events = H11Protocol.handle_events
+
+    def backed_up(self) -> None:
+        """The response's start waits on the connection's writes until the client has left and its
+        leaving has cancelled the response: its body never starts."""
+        handle_events(self)
+        if self.cycle is not None and not self.cycle.response_started:
+            self.flow.pause_writing()
+            self.flow.resume_writing = lambda: None
+
+    monkeypatch.setattr(H11Protocol, "handle_events", backed_up)
+    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 480, "ignore_eos": True,
+                       "stream": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n" % len(body)) + body
+    for _ in range(3):
+        sock = _connect(srv, request)
+        time.sleep(0.3)  # the response waits to start; then the client leaves
+        sock.close()
+    monkeypatch.undo()
+    deadline = time.monotonic() + 20
+    while (_running(srv), ray.get(srv.replicas[0].actor.stats.remote()).live) != (0, 0):
+        assert time.monotonic() < deadline, "a request still counts as running, or still runs on the replica"
+        time.sleep(0.1)
+    r = httpx.post(srv.url + "/v1/completions", json=OK, timeout=30)  # and the server serves on
+    assert r.status_code == 200 and _running(srv) == 0
