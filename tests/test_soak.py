@@ -12,7 +12,7 @@ import ray
 from helpers import serving
 from test_serve import wait_until_idle
 
-REQUESTS = 2000
+REQUESTS = 1500
 WARMUP = 200
 CONCURRENCY = 48
 
