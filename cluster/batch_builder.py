@@ -12,6 +12,7 @@ import numpy as np
 from cluster.cache_manager import CacheManager
 from cluster.grammars import Grammars
 from cluster.req import Req
+from cluster.sampling_params import SamplingParams
 from worker.batch import BatchDesc
 from worker.processors import ProcessorInit, ProcessorRows
 
@@ -89,7 +90,7 @@ class BatchBuilder:
         """req's processor state from scratch: its prompt (for the repetition penalty), its tokens so far
         (after a preemption) and its sparse entries: biases, then the ids min_tokens holds back."""
         p = req.params
-        stops = self.stop_ids(req) if p.min_tokens > len(req.output_ids) else []
+        stops = self.stop_ids(p) if p.min_tokens > len(req.output_ids) else []
         bias_ids = list(p.logit_bias)
         return ProcessorInit(
             slot=req.table_idx,
@@ -99,10 +100,10 @@ class BatchBuilder:
             sparse_bias=np.asarray([p.logit_bias[t] for t in bias_ids] + [0.0] * len(stops), dtype=np.float32),
             sparse_ban=np.asarray([0] * len(bias_ids) + [1] * len(stops), dtype=np.uint8))
 
-    def stop_ids(self, req: Req) -> list[int]:
-        """The tokens that would end req's output: EOS (unless ignored) and its stop ids."""
-        eos = [] if req.params.ignore_eos else sorted(self.eos_ids)
-        return eos + [t for t in req.params.stop_token_ids if t not in self.eos_ids or req.params.ignore_eos]
+    def stop_ids(self, params: SamplingParams) -> list[int]:
+        """The tokens that would end a request's output: EOS (unless ignored) and its stop ids."""
+        eos = [] if params.ignore_eos else sorted(self.eos_ids)
+        return eos + [t for t in params.stop_token_ids if t not in self.eos_ids or params.ignore_eos]
 
     def decode(self, reqs: list[Req]) -> Batch:
         locs, seq_lens = self._decode_rows(reqs)
@@ -145,7 +146,9 @@ class BatchBuilder:
         want = [p.logprobs for p in params if p.logprobs is not None]
         # constrained rows whose sample is kept: their masks, from their matchers' state now (every token
         # they produced so far has been handled: the scheduler keeps them out of the step after their last)
-        constrained = [i for i, (r, emit) in enumerate(zip(reqs, emits)) if r.matcher is not None and emit]
+        extras = any(r.sampling_extras for r in reqs)  # else none of the scans below can find anything
+        constrained = [i for i, (r, emit) in enumerate(zip(reqs, emits)) if r.matcher is not None and emit] \
+            if extras else []
         desc = BatchDesc(
             is_prefill=is_prefill,
             table_idx=np.fromiter((r.table_idx for r in reqs), dtype=np.int32, count=len(reqs)),
@@ -158,9 +161,9 @@ class BatchBuilder:
             seeds=np.fromiter((r.seed for r in reqs), dtype=np.int64, count=len(reqs)),
             prefix_rows=rows, top_logprobs=max(want) if want else -1,
             min_p=np.fromiter((p.min_p for p in params), dtype=np.float32, count=n)
-            if any(p.min_p > 0 for p in params) else None,
-            procs=self._procs(reqs, seq_lens, emits) if constrained or any(p.uses_processors for p in params)
-            else None)
+            if extras and any(p.min_p > 0 for p in params) else None,
+            procs=self._procs(reqs, seq_lens, emits)
+            if extras and (constrained or any(p.uses_processors for p in params)) else None)
         if constrained:
             desc.grammar_rows = np.asarray(constrained, dtype=np.int32)
             desc.grammar_mask = self.grammars.masks([reqs[i].matcher for i in constrained])

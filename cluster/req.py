@@ -40,6 +40,9 @@ class Req:
     def __post_init__(self) -> None:
         self.prompt_len = self.fill_len = len(self.input_ids)
         self.device_len = self.prompt_len
+        p = self.params
+        # whether a step holding it needs more than temperature, top-p and top-k (checked every step)
+        self.sampling_extras = p.uses_processors or p.min_p > 0 or p.grammar is not None
 
     @property
     def output_ids(self) -> list[int]:

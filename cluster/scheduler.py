@@ -32,11 +32,6 @@ from worker.batch import StepOutput
 log = logging.getLogger(__name__)
 
 
-def _probe(params: SamplingParams) -> Req:
-    """A request of these parameters, for the checks that look at one."""
-    return Req(-1, [0], params, 2, 0)
-
-
 @dataclass
 class GrammarReady:
     """A constrained request's grammar has compiled (or failed to): `future` holds it."""
@@ -153,7 +148,7 @@ class Scheduler:
             raise InvalidRequestError(f"logit_bias names token {bad[0]}, outside this model's vocabulary of "
                                       f"{self.vocab_size} tokens", field="logit_bias")
         if self.max_logit_bias is not None and params.uses_processors:
-            stops = len(self.builder.stop_ids(_probe(params))) if params.min_tokens else 0
+            stops = len(self.builder.stop_ids(params)) if params.min_tokens else 0
             if len(params.logit_bias) + stops > self.max_logit_bias:
                 raise InvalidRequestError(
                     f"logit_bias names {len(params.logit_bias)} tokens" + (f" and min_tokens holds back {stops} stop "

@@ -29,6 +29,12 @@ def encode_all(llm: LLM, texts: list[str]) -> list[list[int]]:
     return [llm.tokenizer(t).input_ids for t in texts]
 
 
+def client(srv):
+    """The real `openai` client of a server from `serving`."""
+    import openai
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:

@@ -7,17 +7,14 @@ so they compile the same kernels once."""
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 import torch
 from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from cluster import SamplingParams
-from tiny_checkpoints import EOS_TOKEN, INIT_STD, build_tokenizer
+from tiny_checkpoints import build_llama_hd128, build_qwen3_hd128, random_prompts
 from worker.batch import BatchDesc
 from worker.config import EngineConfig
 from worker.engine import Engine
@@ -32,50 +29,14 @@ KV_TOKENS = 16384
 @pytest.fixture(scope="session")
 def qwen3_hd128_path(tmp_path_factory: pytest.TempPathFactory):
     """A tiny Qwen3 with the benchmark's head size (128) and GQA group (2)."""
-    out = tmp_path_factory.mktemp("qwen3_hd128")
-    build_tokenizer(out)
-    eos = PreTrainedTokenizerFast.from_pretrained(out).convert_tokens_to_ids(EOS_TOKEN)
-    config = Qwen3Config(vocab_size=360, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos,
-                         pad_token_id=eos, dtype="float32", rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                module.weight.normal_(0.0, INIT_STD)
-    model.save_pretrained(out)
-    return out
+    return build_qwen3_hd128(tmp_path_factory.mktemp("qwen3_hd128"))
 
 
 @pytest.fixture(scope="session")
 def llama_hd128_path(tmp_path_factory: pytest.TempPathFactory):
     """A tiny Llama 3 (its rope scaling) with a head size FlashInfer builds kernels for (it has none for
     the CPU suite's head_dim 16)."""
-    out = tmp_path_factory.mktemp("llama_hd128")
-    build_tokenizer(out)
-    eos = PreTrainedTokenizerFast.from_pretrained(out).convert_tokens_to_ids(EOS_TOKEN)
-    config = LlamaConfig(vocab_size=360, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=2048,
-                         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos,
-                         pad_token_id=eos, dtype="float32",
-                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                          "original_max_position_embeddings": 64})
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                module.weight.normal_(0.0, INIT_STD)
-    model.save_pretrained(out)
-    return out
-
-
-def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 360) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return build_llama_hd128(tmp_path_factory.mktemp("llama_hd128"))
 
 
 def run(path, prompts, params, **kw) -> tuple[list[list[int]], list[list[dict[int, float]]]]:

@@ -8,16 +8,15 @@ bits: 2^-8), so the tolerances below are set against bfloat16's error, measured 
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
 from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config
 
 from cluster import SamplingParams
-from tiny_checkpoints import EOS_TOKEN, INIT_STD, build_tokenizer
+from tiny_checkpoints import build_qwen3_hd128, random_prompts
 from worker import triton_ops
 from worker.kv_cache import FP8, FP8_MAX, KVCachePool, to_fp8
 from worker.layers.norm import RMSNorm
@@ -190,30 +189,6 @@ def qwen3_hd128(tmp_path_factory: pytest.TempPathFactory):
     return build_qwen3_hd128(tmp_path_factory.mktemp("qwen3_hd128_fp8"))
 
 
-def build_qwen3_hd128(out):
-    """A tiny Qwen3 with the benchmark's head size (128) and GQA group (2): FlashInfer builds kernels
-    for it (none for the CPU models' head_dim 16 and 32)."""
-    build_tokenizer(out)
-    eos = PreTrainedTokenizerFast.from_pretrained(out).convert_tokens_to_ids(EOS_TOKEN)
-    config = Qwen3Config(vocab_size=360, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos,
-                         pad_token_id=eos, dtype="float32", rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                module.weight.normal_(0.0, INIT_STD)
-    model.save_pretrained(out)
-    return out
-
-
-def _random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 360) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
 def _generate(path, prompts, params, **kw) -> list:
     kw = {"dtype": "bfloat16", "page_size": 16, "max_running_reqs": 16, **kw}
     kw.setdefault("num_pages", KV_TOKENS // kw["page_size"])
@@ -253,7 +228,7 @@ def test_flashinfer_runs_over_an_fp8_cache_with_cuda_graphs(qwen3_hd128):
         assert llm.engine.kv.dtype == FP8 and llm.engine.attn.q_dtype == torch.bfloat16
         assert prefill_backend(llm.engine.device, 128, FP8) == "fa2"  # FlashInfer 0.5.3's FA3 has no fp8 build
         assert sorted(llm.engine.graphs.graphs) == [1, 2, 4, 8, 16]
-        outs = llm.generate(_random_prompts(12, 5, 300), greedy(16, ignore_eos=True))
+        outs = llm.generate(random_prompts(12, 5, 300), greedy(16, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [16] * 12
 
 
@@ -261,7 +236,7 @@ def test_flashinfer_runs_over_an_fp8_cache_with_cuda_graphs(qwen3_hd128):
 def test_greedy_over_an_fp8_cache_follows_the_bfloat16_cache_but_at_near_ties(qwen3_hd128):
     # FlashInfer and CUDA graphs both times; prefill in 64-token chunks over cached fp8 pages
     n = 32
-    prompts = _random_prompts(16, 20, 300, seed=1)
+    prompts = random_prompts(16, 20, 300, seed=1)
     common = {"dtype": "bfloat16", "page_size": 16, "num_pages": KV_TOKENS // 16, "max_running_reqs": 16,
               "max_extend_tokens": 64}
     ref = _generate(qwen3_hd128, prompts, _greedy_logprobs(n), **common)
@@ -280,7 +255,7 @@ def test_greedy_over_an_fp8_cache_follows_the_bfloat16_cache_but_at_near_ties(qw
 @pytest.mark.gpu
 def test_flashinfer_over_an_fp8_cache_agrees_with_the_torch_backend_over_it(qwen3_hd128):
     # the same e4m3 values read by both: what differs is only how the kernels add them up
-    prompts = _random_prompts(12, 20, 300, seed=2)
+    prompts = random_prompts(12, 20, 300, seed=2)
     ref = _generate(qwen3_hd128, prompts, _greedy_logprobs(24), attention_backend="torch", **FP8_KV)
     got = _generate(qwen3_hd128, prompts, _greedy_logprobs(24), attention_backend="flashinfer", **FP8_KV)
     rows = _assert_part_only_at_near_ties(ref, got)
@@ -289,7 +264,7 @@ def test_flashinfer_over_an_fp8_cache_agrees_with_the_torch_backend_over_it(qwen
 
 @pytest.mark.gpu
 def test_cuda_graph_decode_over_an_fp8_cache_equals_eager(qwen3_hd128):
-    prompts = _random_prompts(16, 5, 120, seed=3)
+    prompts = random_prompts(16, 5, 120, seed=3)
     params = [greedy(8 + 2 * i, ignore_eos=True) for i in range(16)]  # the batch shrinks: every bucket is used
     eager = _generate(qwen3_hd128, prompts, params, cuda_graph_max_bs=0, **FP8_KV)
     graph = _generate(qwen3_hd128, prompts, params, **FP8_KV)
@@ -299,7 +274,7 @@ def test_cuda_graph_decode_over_an_fp8_cache_equals_eager(qwen3_hd128):
 
 @pytest.mark.gpu
 def test_flashinfer_runs_over_an_fp8_cache_with_float16_weights(qwen3_hd128):
-    outs = _generate(qwen3_hd128, _random_prompts(4, 5, 100, seed=6), greedy(8, ignore_eos=True), dtype="float16",
+    outs = _generate(qwen3_hd128, random_prompts(4, 5, 100, seed=6), greedy(8, ignore_eos=True), dtype="float16",
                      **FP8_KV)
     assert [len(o.token_ids) for o in outs] == [8] * 4
 
@@ -355,7 +330,7 @@ def test_triton_prologue_writes_normed_rotated_keys_and_values_into_an_fp8_cache
 def test_triton_prologue_over_an_fp8_cache_agrees_with_the_unfused_layers(qwen3_hd128, triton_off_after):
     # the fused kernel rounds its float32 keys to e4m3 once, the unfused layers through bfloat16 first:
     # now and then one value lands a step of e4m3 away (6%), and the near-tied tokens of this model part
-    prompts = _random_prompts(12, 5, 200, seed=5)
+    prompts = random_prompts(12, 5, 200, seed=5)
     ref = _generate(qwen3_hd128, prompts, _greedy_logprobs(24), triton_kernels=False, **FP8_KV)
     got = _generate(qwen3_hd128, prompts, _greedy_logprobs(24), triton_kernels=True, **FP8_KV)
     _assert_part_only_at_near_ties(ref, got)

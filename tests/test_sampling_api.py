@@ -9,7 +9,7 @@ import openai
 import pytest
 import torch
 from fixtures import PROMPT_TEXTS, _load_model
-from helpers import serving
+from helpers import client, serving
 from test_observe import sample_value
 from test_serve import check_replicas_whole, wait_until_idle
 
@@ -32,9 +32,6 @@ def srv(ray_cluster, qwen3_path):
 def tokenizer(qwen3_path):
     return load_tokenizer(str(qwen3_path))
 
-
-def client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
 
 
 def sampled(srv, **kw) -> openai.types.Completion:

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 from fixtures import PROMPT_TEXTS
-from helpers import greedy, serving
+from helpers import client, greedy, serving
 
 from cluster import LLM
 
@@ -31,9 +31,6 @@ def offline(qwen3_path):
         run.tokenizer = llm.tokenizer
         yield run
 
-
-def client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
 
 
 def wait_until_idle(srv, timeout_s: float = 20.0) -> list[dict]:

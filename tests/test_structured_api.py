@@ -13,11 +13,10 @@ from typing import Literal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from chat_fixtures import chat_checkpoint, no_whitespace
 from fixtures import PROMPT_TEXTS
-from helpers import serving
+from helpers import client, serving
 from pydantic import BaseModel, Field
 from test_serve import check_replicas_whole
 
@@ -72,9 +71,6 @@ def tokenizer(model):
 def bias(tokenizer):
     return no_whitespace(tokenizer)
 
-
-def client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
 
 
 def json_schema_format(schema: dict) -> dict:

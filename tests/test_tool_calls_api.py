@@ -10,10 +10,9 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from chat_fixtures import chat_checkpoint, no_whitespace
-from helpers import serving
+from helpers import client, serving
 from test_serve import check_replicas_whole
 
 from cluster.model_info import load_tokenizer
@@ -53,9 +52,6 @@ def tokenizer(qwen_model):
 def bias(tokenizer):
     return no_whitespace(tokenizer)
 
-
-def client(srv) -> openai.OpenAI:
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
 
 
 def check_calls(calls) -> None:

@@ -3,6 +3,7 @@ files; with a tokenizer trained on the tests' prompts. Built with the demo model
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -149,3 +150,50 @@ def build_sharded_checkpoint(
     if not (out_dir / "model.safetensors.index.json").exists():
         raise RuntimeError(f"max_shard_size={max_shard_size} did not produce a sharded checkpoint")
     return out_dir
+
+
+def _save_hd128(model: PreTrainedModel, out: Path) -> Path:
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.normal_(0.0, INIT_STD)
+    model.save_pretrained(out)
+    return out
+
+
+def _hd128_eos(out: Path) -> int:
+    from transformers import PreTrainedTokenizerFast
+    _build_tokenizer(out)
+    return PreTrainedTokenizerFast.from_pretrained(out).convert_tokens_to_ids(EOS_TOKEN)
+
+
+def build_qwen3_hd128(out: Path) -> Path:
+    """A tiny Qwen3 with the benchmark's head size (128) and GQA group (2): FlashInfer builds kernels for
+    it (none for the CPU models' head sizes)."""
+    eos = _hd128_eos(out)
+    config = Qwen3Config(vocab_size=360, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos,
+                         pad_token_id=eos, dtype="float32", rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    torch.manual_seed(0)
+    return _save_hd128(Qwen3ForCausalLM(config), out)
+
+
+def build_llama_hd128(out: Path) -> Path:
+    """A tiny Llama 3 (its rope scaling) with a head size FlashInfer builds kernels for."""
+    eos = _hd128_eos(out)
+    config = LlamaConfig(vocab_size=360, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=2048,
+                         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos,
+                         pad_token_id=eos, dtype="float32",
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 64})
+    torch.manual_seed(0)
+    return _save_hd128(LlamaForCausalLM(config), out)
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of lo..hi random ids of the head-size-128 models' vocabulary (3..359)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 360) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
