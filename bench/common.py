@@ -69,6 +69,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-kernel", choices=["auto", "tensor_cores", "cuda_cores"], default="auto",
                         help="force one decode attention path (to compare)")
     parser.add_argument("--no-small-linear", action="store_true", help="cuBLAS for batch-1 linear layers too")
+    parser.add_argument("--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
                         help="KV-cache storage: auto (bf16) or fp8_e4m3 (twice the pages for the same memory)")
 
@@ -80,13 +81,14 @@ def make_llm(args: argparse.Namespace) -> LLM:
                overlap=not args.no_overlap, cuda_graph_max_bs=0 if args.no_cuda_graph else 256,
                fused_kernels=not args.no_fused, triton_kernels=args.triton_kernels,
                decode_kernel=args.decode_kernel, small_linear=not args.no_small_linear,
-               kv_cache_dtype=args.kv_cache_dtype)
+               kv_cache_dtype=args.kv_cache_dtype, mixed_steps=not args.no_mixed_steps)
 
 
 def config_of(args: argparse.Namespace) -> dict:
     return {"arch": args.arch, "tp_size": args.tp_size, "fused": not args.no_fused, "triton_kernels": args.triton_kernels,
             "decode_kernel": args.decode_kernel, "small_linear": not args.no_small_linear, "overlap": not args.no_overlap, "cuda_graph": not args.no_cuda_graph,
             "cache": args.cache, "page_size": args.page_size, "kv_cache_dtype": args.kv_cache_dtype,
+            "mixed_steps": not args.no_mixed_steps,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
             "torch": torch.__version__}
 
