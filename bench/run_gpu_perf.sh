@@ -82,6 +82,14 @@ case $1 in
     step latency_triton 110 $B/decode_latency.py --repeats 5 --triton-kernels --out "$OUT/latency_triton.json"
     off nomixed $B/offline_throughput.py --no-mixed-steps
     jit ;;
+  10) # (a) by default and with the Triton prologue; the processors', grammars' and FP8's cost; mixed steps
+    off new $B/offline_throughput.py
+    off triton $B/offline_throughput.py --triton-kernels
+    step sampling_cost 120 $B/sampling_cost.py --share 0.1 --out "$OUT/sampling_cost.json"
+    step grammar_cost 120 $B/grammar_cost.py --share 0.1 --out "$OUT/grammar_cost.json"
+    off fp8 $B/offline_throughput.py --kv-cache-dtype fp8_e4m3
+    step mixed_steps 100 $B/mixed_steps.py --out "$OUT/mixed_steps.json"
+    jit ;;
   9)  # the GPU tests, then the processors', grammars' and FP8's cost, and mixed steps
     step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py
