@@ -64,8 +64,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running-reqs", type=int, default=256)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--no-fused", action="store_true", help="torch elementwise kernels instead of FlashInfer's fused ones")
-    parser.add_argument("--triton-kernels", action="store_true",
-                        help="q/k norm, rotary and the KV write in one Triton kernel (worker/triton_ops.py)")
+    parser.add_argument("--no-triton-kernels", action="store_true",
+                        help="FlashInfer's q/k norm and rotary and a KV store instead of the Triton prologue (to compare)")
     parser.add_argument("--decode-kernel", choices=["auto", "tensor_cores", "cuda_cores"], default="auto",
                         help="force one decode attention path (to compare)")
     parser.add_argument("--no-small-linear", action="store_true", help="cuBLAS for batch-1 linear layers too")
@@ -79,13 +79,13 @@ def make_llm(args: argparse.Namespace) -> LLM:
                page_size=args.page_size,
                cache_type=args.cache, max_extend_tokens=16384, max_running_reqs=args.max_running_reqs,
                overlap=not args.no_overlap, cuda_graph_max_bs=0 if args.no_cuda_graph else 256,
-               fused_kernels=not args.no_fused, triton_kernels=args.triton_kernels,
+               fused_kernels=not args.no_fused, triton_kernels=not args.no_triton_kernels,
                decode_kernel=args.decode_kernel, small_linear=not args.no_small_linear,
                kv_cache_dtype=args.kv_cache_dtype, mixed_steps=not args.no_mixed_steps)
 
 
 def config_of(args: argparse.Namespace) -> dict:
-    return {"arch": args.arch, "tp_size": args.tp_size, "fused": not args.no_fused, "triton_kernels": args.triton_kernels,
+    return {"arch": args.arch, "tp_size": args.tp_size, "fused": not args.no_fused, "triton_kernels": not args.no_triton_kernels,
             "decode_kernel": args.decode_kernel, "small_linear": not args.no_small_linear, "overlap": not args.no_overlap, "cuda_graph": not args.no_cuda_graph,
             "cache": args.cache, "page_size": args.page_size, "kv_cache_dtype": args.kv_cache_dtype,
             "mixed_steps": not args.no_mixed_steps,

@@ -11,12 +11,14 @@ output throughput. --scripted counts in steps only (an executor that samples at 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -105,6 +107,10 @@ def main() -> None:
         seen, arrivals = drive(llm.scheduler, vocab, args.seed)
         runs["mixed" if mixed else "prefill_first"] = summarize(seen, arrivals, time.perf_counter() - start)
         llm.shutdown()
+        del llm  # the next mode's engine sizes its KV cache from the memory this one frees
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     result = {"benchmark": "mixed_steps", **config_of(args), "scripted": args.scripted, "chunk": args.chunk,
               "runs": runs}
     report(result, args.out, [(mode, ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"

@@ -72,7 +72,7 @@ case $1 in
   8)  # one GPU: the Triton kernels (attention prologue, sampler), tested, then measured beside the default
     step triton_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -k "triton or fused"
     step latency 60 $B/decode_latency.py --repeats 2 --out "$OUT/latency.json"
-    step latency_triton 60 $B/decode_latency.py --repeats 2 --triton-kernels --out "$OUT/latency_triton.json"
+    step latency_no_triton 60 $B/decode_latency.py --repeats 2 --no-triton-kernels --out "$OUT/latency_no_triton.json"
     step offline 110 $B/offline_throughput.py --out "$OUT/offline.json"
-    step offline_triton 110 $B/offline_throughput.py --triton-kernels --out "$OUT/offline_triton.json" ;;
+    step offline_no_triton 110 $B/offline_throughput.py --no-triton-kernels --out "$OUT/offline_no_triton.json" ;;
 esac

@@ -74,17 +74,17 @@ case $1 in
     step grammar_cost 150 $B/grammar_cost.py --share 0.1 --out "$OUT/grammar_cost.json"
     off fp8 $B/offline_throughput.py --kv-cache-dtype fp8_e4m3
     step mixed_steps 150 $B/mixed_steps.py --out "$OUT/mixed_steps.json" ;;
-  8)  # (a) and (b) by default, with the Triton prologue, and (a) prefill-first
+  8)  # (a) and (b) by default (the Triton prologue), without it, and (a) prefill-first
     off new $B/offline_throughput.py
-    off triton $B/offline_throughput.py --triton-kernels --profile
+    off no_triton $B/offline_throughput.py --no-triton-kernels
     jit
     step latency_new 110 $B/decode_latency.py --repeats 5 --out "$OUT/latency_new.json"
-    step latency_triton 110 $B/decode_latency.py --repeats 5 --triton-kernels --out "$OUT/latency_triton.json"
+    step latency_no_triton 110 $B/decode_latency.py --repeats 5 --no-triton-kernels --out "$OUT/latency_no_triton.json"
     off nomixed $B/offline_throughput.py --no-mixed-steps
     jit ;;
-  10) # (a) by default and with the Triton prologue; the processors', grammars' and FP8's cost; mixed steps
+  10) # (a) by default and without the Triton prologue; the processors', grammars' and FP8's cost; mixed steps
     off new $B/offline_throughput.py
-    off triton $B/offline_throughput.py --triton-kernels
+    off no_triton $B/offline_throughput.py --no-triton-kernels
     step sampling_cost 120 $B/sampling_cost.py --share 0.1 --out "$OUT/sampling_cost.json"
     step grammar_cost 120 $B/grammar_cost.py --share 0.1 --out "$OUT/grammar_cost.json"
     off fp8 $B/offline_throughput.py --kv-cache-dtype fp8_e4m3

@@ -159,9 +159,9 @@ def test_every_engine_option_is_a_flag_and_a_yaml_key(tmp_path):
     engine_fields = {s.name for s in settings(ServeConfig).values() if s.path[0] == "engine"}
     assert engine_fields == {f.metadata.get("name") or f.name for f in EngineConfig.__dataclass_fields__.values()}
     launch = load_launch()
-    config = launch.build_config(launch.parse_args(["--model", str(tmp_path), "--no-fused-kernels", "--triton-kernels"]))
-    assert config.engine.fused_kernels is False and config.engine.triton_kernels is True
-    assert ServeConfig().override(triton_kernels=True).engine.triton_kernels is True
+    config = launch.build_config(launch.parse_args(["--model", str(tmp_path), "--no-fused-kernels", "--no-triton-kernels"]))
+    assert config.engine.fused_kernels is False and config.engine.triton_kernels is False
+    assert ServeConfig().override(triton_kernels=False).engine.triton_kernels is False
 
 
 def test_every_flag_has_help_its_default_and_its_choices_in_the_readme_groups():

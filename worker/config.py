@@ -49,8 +49,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = setting(256, "largest decode batch replayed from a CUDA graph; 0 turns graphs off",
                                      at_least=0)
     fused_kernels: bool = setting(True, "FlashInfer's fused norm, rotary and SiLU kernels (CUDA, half precision)")
-    triton_kernels: bool = setting(False, "the Triton attention prologue (q/k norm, rotary and the KV write in one "
-                                          "launch); Triton's sampler and KV store run on CUDA regardless")
+    triton_kernels: bool = setting(True, "the Triton attention prologue on CUDA (q/k norm, rotary and the KV write "
+                                         "in one launch; off: FlashInfer's norm and rotary kernels and the Triton "
+                                         "KV store); Triton's sampler runs on CUDA regardless")
     decode_kernel: str = setting("auto", "decode attention on a GPU: auto (FlashInfer's tensor-core path above 8 "
                                          "rows, its CUDA-core kernels at and below, as measured fastest), "
                                          "tensor_cores, cuda_cores", choices=("auto", "tensor_cores", "cuda_cores"))

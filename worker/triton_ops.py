@@ -28,7 +28,7 @@ def enable(on: bool) -> None:
     global _enabled, _interpreted
     _enabled = on and _kernels() is not None
     _interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if on and not _enabled:
+    if on and not _enabled and torch.cuda.is_available():
         log.warning("triton_kernels is on but Triton is not installed: using the torch kernels")
 
 
