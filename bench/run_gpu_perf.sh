@@ -90,6 +90,16 @@ case $1 in
     off fp8 $B/offline_throughput.py --kv-cache-dtype fp8_e4m3
     step mixed_steps 100 $B/mixed_steps.py --out "$OUT/mixed_steps.json"
     jit ;;
+  11) # the processors' and grammars' cost (few rows redrawn alone), the GPU tests, mixed steps, (a) bf16 and FP8
+    step sampling_cost 100 $B/sampling_cost.py --share 0.1 --out "$OUT/sampling_cost.json"
+    step grammar_cost 100 $B/grammar_cost.py --share 0.1 --out "$OUT/grammar_cost.json"
+    step gpu_tests 270 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_sampling.py tests/test_gpu.py \
+      tests/test_kv_fp8.py
+    jit
+    step mixed_steps 90 $B/mixed_steps.py --out "$OUT/mixed_steps.json"
+    off new $B/offline_throughput.py
+    off fp8 $B/offline_throughput.py --kv-cache-dtype fp8_e4m3
+    jit ;;
   9)  # the GPU tests, then the processors', grammars' and FP8's cost, and mixed steps
     step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py

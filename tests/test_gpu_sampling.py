@@ -76,3 +76,35 @@ def test_grammar_masks_hold_in_graph_decode_steps_and_leave_plain_rows_alone(qwe
     assert [o.token_ids for o in outs[0::2]] == alone[0::2]
     for out in outs[1::2]:
         assert out.finish_reason == "stop" and re.fullmatch(regex, out.text)
+
+
+def test_redrawing_a_large_batchs_few_special_rows_alone_equals_the_bucket_variant(qwen3_hd128_path, monkeypatch):
+    """40 requests decode together, 8 of them with penalties and a bias, 4 under a grammar: the redraw
+    of those rows alone (worker/resample.py) gives exactly the tokens that the bucket's variant graph
+    gives, and the other 28 draw what they draw with no special row beside them."""
+    import re
+
+    from cluster import GrammarSpec
+    from worker import resample
+    pytest.importorskip("xgrammar")
+    n = 40
+    prompts = random_prompts(n, 5, 60, seed=12)
+    regex = r"[a-z]{4,12} (yes|no)"
+    plain = [SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=40 + i) for i in range(n)]
+    special = [SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=40 + i, presence_penalty=1.0,
+                              frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={5: 4.0}) if i % 5 == 0
+               else SamplingParams(temperature=0.8, max_tokens=60, seed=40 + i, grammar=GrammarSpec("regex", regex))
+               if i % 10 == 3 else p for i, p in enumerate(plain)]
+    kw = dict(dtype="bfloat16", page_size=16, max_running_reqs=64)
+    alone, _ = run(qwen3_hd128_path, prompts, plain, **kw)
+    compact, _ = run(qwen3_hd128_path, prompts, special, **kw)
+    monkeypatch.setattr(resample, "COMPACT_MIN_BATCH", 10**6)  # the bucket's variant graph for every step
+    variant, _ = run(qwen3_hd128_path, prompts, special, **kw)
+    assert compact == variant
+    others = [i for i in range(n) if i % 5 and i % 10 != 3]
+    assert [compact[i] for i in others] == [alone[i] for i in others]
+    assert [compact[i] for i in range(0, n, 5)] != [alone[i] for i in range(0, n, 5)]
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(qwen3_hd128_path)
+    for i in range(3, n, 10):
+        assert re.fullmatch(regex, tok.decode(compact[i], skip_special_tokens=True)), tok.decode(compact[i])

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from worker import triton_ops
+from worker import resample, triton_ops
 from worker.attention import create_backend
 from worker.batch import BatchDesc, ForwardBatch, StepOutput
 from worker.config import EngineConfig
@@ -121,6 +121,7 @@ class StepInputs:
     plp_target: torch.Tensor | None = None  # int64 [P]: ... and the prompt token that follows each
     grammar_rows: torch.Tensor | None = None  # int64 [G]: the constrained rows (when procs) ...
     grammar_mask: torch.Tensor | None = None  # int32 [G, W]: ... and their allowed tokens
+    redraw: dict[str, torch.Tensor] | None = None  # a replayed step's rows redrawn alone (worker/resample.py)
 
 
 class Engine:
@@ -267,7 +268,12 @@ class Engine:
                                          "out_loc": desc.out_loc, "token_write": token_write,
                                          "seeds": desc.seeds, "sample_pos": seq},
                                     desc.temperature.astype(np.float32), self.graphs.pad)
-            if filters:
+            redrawn = resample.rows_to_redraw(desc.batch_size, filters, self.proc_state.scratch_row,
+                                              desc.grammar_rows) if filters else None
+            if redrawn is not None:  # few rows of a large batch: those rows alone, eagerly
+                a.update(resample.compact_arrays(redrawn, filters, desc.temperature, desc.seeds, seq, token_write,
+                                                 desc.grammar_rows))
+            elif filters:
                 a["sampler_io"] = pack_sampler_io(bs, desc.batch_size, filters, self.graphs.sampler_pad)
         else:
             a.update(table_idx=slots, seq_lens=desc.seq_lens.astype(np.int32), positions=positions,
@@ -297,6 +303,7 @@ class Engine:
         d = staged.device
         init = {k: v for k, v in d.items() if k.startswith("init_")} if desc.proc_init else None
         grammar_mask = d["grammar_mask"].view(len(desc.grammar_rows), -1) if desc.grammar_rows is not None else None
+        redraw = {k: v for k, v in d.items() if k.startswith("rd_")} if "rd_rows" in d else None
         return StepInputs(staged=staged, all_greedy=all_greedy, any_filter=any_filter, procs=procs is not None,
                           any_min_p=any_min_p,
                           page_idx=d["page_idx"], page_val=d["page_val"], prefix_idx=d.get("prefix_idx"),
@@ -309,7 +316,7 @@ class Engine:
                           presence=d.get("presence"), frequency=d.get("frequency"), repetition=d.get("repetition"),
                           ban_stop=d.get("ban_stop"), sampler_io=d.get("sampler_io"), init=init,
                           plp_idx=d.get("plp_idx"), plp_target=d.get("plp_target"),
-                          grammar_rows=d.get("grammar_rows"), grammar_mask=grammar_mask)
+                          grammar_rows=d.get("grammar_rows"), grammar_mask=grammar_mask, redraw=redraw)
 
     @torch.inference_mode()
     def forward(self, desc: BatchDesc) -> StepOutput:
@@ -358,7 +365,10 @@ class Engine:
         b = self.graphs.replay(bs, s.graph_io, lambda: self.inputs_free.record(self.stream))
         n = desc.batch_size
         next_tokens = b.next_tokens
-        if s.sampler_io is not None:  # redrawn over the processed and filtered logits (the same draw)
+        if s.redraw is not None:
+            next_tokens = resample.redraw(self.sampler, b.logits, next_tokens, s.redraw, s.grammar_mask,
+                                          procs=s.procs, filtered=s.any_filter)
+        elif s.sampler_io is not None:  # redrawn over the processed and filtered logits (the same draw)
             # min-p alone runs in the processor variant (no sort), over idle processor rows
             next_tokens = self.graphs.resample(bs, s.sampler_io, s.grammar_rows, s.grammar_mask,
                                                procs=s.procs or s.any_min_p, filtered=s.any_filter)
