@@ -21,7 +21,7 @@ if [ ! -d /tmp/site/flashinfer ]; then
   fi
 fi
 export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-jit() { tar -C "$HOME/.cache" -cf - flashinfer | xz -T0 -1 > "$OUT/flashinfer-jit.tar.xz"; log "jit cache $(du -h "$OUT/flashinfer-jit.tar.xz" | cut -f1)"; }
+jit() { tar -C "$HOME/.cache" -cf - flashinfer | xz -T0 -9 > "$OUT/flashinfer-jit.tar.xz"; log "jit cache $(du -h "$OUT/flashinfer-jit.tar.xz" | cut -f1)"; }
 B="python3 bench"; OLD="python3 .old/bench"
 lat() { step "latency_$1" 100 "${@:2}" --repeats 3 --out "$OUT/latency_$1.json"; }
 off() { step "offline_$1" 100 "${@:2}" --out "$OUT/offline_$1.json"; }
