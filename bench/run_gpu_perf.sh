@@ -100,6 +100,12 @@ case $1 in
     off new $B/offline_throughput.py
     off fp8 $B/offline_throughput.py --kv-cache-dtype fp8_e4m3
     jit ;;
+  12) # the processors' cost, the GPU tests changed since part 11, (b) 5 runs with the batch-1 kernel profile
+    step sampling_cost 120 $B/sampling_cost.py --share 0.1 1.0 --out "$OUT/sampling_cost.json"
+    step gpu_tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_sampling.py \
+      tests/test_gpu.py -k "redrawing or flashinfer_agrees or triton"
+    step latency_profile 120 $B/decode_latency.py --repeats 5 --profile --out "$OUT/latency_profile.json"
+    jit ;;
   9)  # the GPU tests, then the processors', grammars' and FP8's cost, and mixed steps
     step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py

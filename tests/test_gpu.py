@@ -107,7 +107,9 @@ def test_flashinfer_agrees_with_torch_backend_in_bfloat16(qwen3_hd128_path, page
     prompts = random_prompts(14, 20, 300)
     prompts += [prompts[0][:150] + [7, 8, 9], prompts[1] + [11]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=4)
-    common = dict(dtype="bfloat16", page_size=page_size, max_extend_tokens=64)
+    # the attention backends alone differ (the Triton prologue, which rounds q and k once and so moves
+    # bfloat16 near-ties of its own, is off in both; its own agreement test is below)
+    common = dict(dtype="bfloat16", page_size=page_size, max_extend_tokens=64, triton_kernels=False)
     ref, ref_tops = run(qwen3_hd128_path, prompts, params, attention_backend="torch", **common)
     got, got_tops = run(qwen3_hd128_path, prompts, params, attention_backend="flashinfer", **common)
     assert agreement(ref, got, ref_tops) >= 0.99
