@@ -42,5 +42,6 @@ def prepare_chat(state: RouterState, req: ChatCompletionRequest) -> PreparedChat
     # calls are read unless the output follows a format of the client's own
     reads_calls = tools.parse and (tools.forced or grammar is None)
     output = ChatOutput(reasoning=reasoning, starts_in_reasoning=in_think,
-                        tool_calls=state.tool_call_parser if reads_calls else None)
+                        tool_calls=state.tool_call_parser if reads_calls else None,
+                        max_calls=1 if req.parallel_tool_calls is False else None)
     return PreparedChat(ids, grammar, output)

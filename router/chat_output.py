@@ -33,6 +33,8 @@ class ChatOutput:
     reasoning: bool = False
     starts_in_reasoning: bool = False
     tool_calls: str | None = None
+    max_calls: int | None = None  # 1 for parallel_tool_calls false: later calls are dropped
+
 
     @property
     def parses(self) -> bool:
@@ -40,15 +42,15 @@ class ChatOutput:
 
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(ReasoningParser(self.starts_in_reasoning) if self.reasoning else None,
-                                tool_call_parser(self.tool_calls) if self.tool_calls else None)
+                                tool_call_parser(self.tool_calls) if self.tool_calls else None, self.max_calls)
 
 
 class ChatOutputParser:
     """One choice: feed its text pieces, then finish; the parts given out add up to the whole message,
     however the text was split."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools) -> None:
-        self._reasoning, self._tools = reasoning, tools
+    def __init__(self, reasoning: ReasoningParser | None, tools, max_calls: int | None = None) -> None:
+        self._reasoning, self._tools, self._max_calls = reasoning, tools, max_calls
         self.calls = 0  # tool calls given out so far (the next one's index in a stream)
 
     def feed(self, text: str) -> ChatParts:
@@ -69,6 +71,8 @@ class ChatOutputParser:
                 rest, calls = self._tools.finish()
                 parts.content += rest
                 parts.tool_calls += calls
+        if self._max_calls is not None:  # an unconstrained model may call more often than the client allows
+            parts.tool_calls = parts.tool_calls[: max(self._max_calls - self.calls, 0)]
         self.calls += len(parts.tool_calls)
         return parts
 

@@ -247,7 +247,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # False: at most one call (when a grammar makes the call)
+    parallel_tool_calls: bool | None = None  # False: at most one call (the grammar's, or the first one parsed)
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template ({"enable_thinking": false})
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)

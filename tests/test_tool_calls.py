@@ -50,6 +50,13 @@ def test_qwen_calls_are_read_with_the_text_before_them_as_content():
     assert len({c.id for c in parts.tool_calls}) == 2
 
 
+@pytest.mark.parametrize("pieces", [[QWEN_TWO_CALLS], list(QWEN_TWO_CALLS)])
+def test_with_parallel_calls_off_only_the_first_call_is_kept(pieces):
+    parts = read(ChatOutput(tool_calls="qwen", max_calls=1), pieces)
+    assert parts.content == "Let me check.\n"
+    assert calls(parts) == [("get_weather", {"city": "Paris", "note": 'a } and a " inside'})]
+
+
 def test_llama_calls_are_read_from_its_json_form():
     text = ('{"name": "get_weather", "parameters": {"city": "Paris", "days": [1, 2]}}; '
             '{"name": "get_time", "parameters": {}}')
