@@ -106,6 +106,9 @@ case $1 in
       tests/test_gpu.py -k "redrawing or flashinfer_agrees or triton"
     step latency_profile 120 $B/decode_latency.py --repeats 5 --profile --out "$OUT/latency_profile.json"
     jit ;;
+  13) # the online path (e) against the offline engine: launch.py and the benchmark client in their own processes
+    step online 220 $B/online_serving.py --arch qwen3-0.6b --num-prompts 256 --input-len 100 1024 \
+      --output-len 100 1024 --concurrency 1 256 --c1-prompts 8 --offline --out "$OUT/online.json" ;;
   9)  # the GPU tests, then the processors', grammars' and FP8's cost, and mixed steps
     step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py
