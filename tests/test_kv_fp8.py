@@ -31,12 +31,12 @@ def triton_off_after():
     """triton_kernels is process-wide (an engine sets it): off again after the test."""
     pytest.importorskip("triton")
     yield
-    triton_ops.enable(False)
+    triton_ops.enable(False, interpret_on_cpu=False)
 
 
 @pytest.fixture
 def triton_on(triton_off_after):
-    triton_ops.enable(True)
+    triton_ops.enable(True, interpret_on_cpu=True)
 
 
 def test_store_rounds_to_the_nearest_e4m3_and_saturates_at_448():

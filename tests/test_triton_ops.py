@@ -22,9 +22,9 @@ pytest.importorskip("triton")
 
 @pytest.fixture
 def triton_on():
-    triton_ops.enable(True)
+    triton_ops.enable(True, interpret_on_cpu=True)
     yield
-    triton_ops.enable(False)
+    triton_ops.enable(False, interpret_on_cpu=False)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,qk_norm", [(4, 2, 16, True), (4, 2, 16, False), (2, 1, 128, True)])
@@ -64,7 +64,7 @@ def test_prologue_declines_what_it_cannot_do(triton_on):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_engine_with_triton_kernels_equals_hf_greedy_and_samples_as_torch_does(model_paths, family):
+def test_engine_with_triton_kernels_equals_hf_greedy_and_samples_as_torch_does(model_paths, family, triton_on):
     path = model_paths[family]
     seeded = [SamplingParams(temperature=0.8, max_tokens=12, seed=s, ignore_eos=True) for s in range(3)]
     with checked_llm(path, page_size=4, triton_kernels=True) as llm:
@@ -72,7 +72,7 @@ def test_engine_with_triton_kernels_equals_hf_greedy_and_samples_as_torch_does(m
         got = [o.token_ids for o in llm.generate(prompts, greedy(6))]
         sampled = [o.token_ids for o in llm.generate(prompts, seeded)]
         assert [o.token_ids for o in llm.generate(prompts, seeded)] == sampled  # seeded: reproducible
-    with checked_llm(path, page_size=4) as llm:
+    with checked_llm(path, page_size=4, triton_kernels=False) as llm:
         torch_sampled = [o.token_ids for o in llm.generate(prompts, seeded)]
     triton_ops.enable(False)
     assert got == hf_greedy(path, prompts, 6)
@@ -143,3 +143,11 @@ def test_top_k_and_top_p_keep_what_they_promise_and_leave_other_rows_alone():
     assert filtered[0] == plain[0] and filtered[4] == plain[4]  # rows that filter nothing: the same draw
     assert torch.isfinite(masked.gather(1, filtered.unsqueeze(1))).all()
     assert filtered[5] == logits[5].argmax()
+
+
+def test_on_the_cpu_an_engines_default_runs_no_interpreted_kernel():
+    triton_ops.enable(True, interpret_on_cpu=False)  # what an engine with triton_kernels on does on a CPU
+    try:
+        assert not triton_ops.available(torch.zeros(2, 48)) and not triton_ops.kernels_available(torch.zeros(2, 48))
+    finally:
+        triton_ops.enable(False)

@@ -5,8 +5,8 @@
 - sampling (greedy and Gumbel-max temperature sampling, the (seed, position, token) hash inside: two
   kernels over many blocks where the torch path launches about seventy), and the KV-cache store of
   keys and values in one launch instead of two: used on CUDA whenever Triton is installed.
-On the CPU they run under Triton's interpreter (TRITON_INTERPRET=1, with triton_kernels on: how the
-tests check them against the torch paths, which stay the reference)."""
+On the CPU they run only under Triton's interpreter, when a test asks (`enable(..., interpret_on_cpu=True)`
+with TRITON_INTERPRET=1: how the tests check them against the torch paths, which stay the reference)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,20 @@ log = logging.getLogger(__name__)
 
 _enabled = False
 _interpreted = False  # Triton's interpreter runs the kernels on CPU tensors
+_interpret_on_cpu = False  # asked for by the tests of these kernels (TRITON_INTERPRET=1 as well)
 _SAMPLE_BLOCK = 2048  # 75 blocks a row over a vocabulary of 151,936
 
 
-def enable(on: bool) -> None:
-    """Set from EngineConfig.triton_kernels when an engine is built (one engine per process)."""
-    global _enabled, _interpreted
+def enable(on: bool, interpret_on_cpu: bool | None = None) -> None:
+    """Set from EngineConfig.triton_kernels when an engine is built (one engine per process). On the
+    CPU the kernels run only under Triton's interpreter (TRITON_INTERPRET=1) and only when
+    `interpret_on_cpu` was asked for (None keeps what was asked before): they are the tests' to check
+    against the torch paths; the interpreter is far too slow to serve with."""
+    global _enabled, _interpreted, _interpret_on_cpu
+    if interpret_on_cpu is not None:
+        _interpret_on_cpu = interpret_on_cpu
     _enabled = on and _kernels() is not None
-    _interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    _interpreted = _interpret_on_cpu and os.environ.get("TRITON_INTERPRET") == "1"
     if on and not _enabled and torch.cuda.is_available():
         log.warning("triton_kernels is on but Triton is not installed: using the torch kernels")
 
