@@ -146,6 +146,9 @@ class ServeConfig(ReplicaConfig):
     host: str = setting("127.0.0.1", "where the API listens; 0.0.0.0 exposes it (set api_key then)",
                         group="server")
     port: int = setting(8000, "the API's port", at_least=1, at_most=65535, group="server")
+    routers: int = setting(0, "HTTP ingress processes: N Ray actors (raylm-router-0..N-1, restarted by Ray when they "
+                              "die) sharing the port on this node; 0 serves from the launching process",
+                           at_least=0, at_most=64, group="server")
     routing: str = setting("cache_exact", "cache_exact: to the replica whose prefix cache holds the longest "
                                           "prefix of the prompt (its KV events), unless much busier than the "
                                           "least loaded, else the less loaded of two at random; cache_aware: "

@@ -1,7 +1,11 @@
 """The scheduler actor: one replica's tensor-parallel rank 0. Its loop runs on its own thread; the
 Ray methods beside it (submit, abort, poll, stats) only touch thread-safe queues. Results leave as
 one batch of deltas per poll, never one call per token, with the prefix cache's KV events of the same
-steps beside them (a snapshot of every block it holds first, to a new receiver: `kv_subscribe`)."""
+steps beside them (a snapshot of every block it holds first, to a new receiver: `kv_subscribe`).
+
+Several routers may send to one replica: each is a subscriber (its index), whose requests' deltas
+and whose KV events wait for its own polls. A router that restarts releases what its predecessor
+left (`release_subscriber`), so nothing keeps generating for a connection that is gone."""
 
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ class SchedulerActor:
         self.config, self.replica_id = config, replica_id
         self.scheduler: Scheduler | None = None
         self.broken: str | None = None
-        self._outbox: list[TokenDelta] = []
+        self._outboxes: dict[int, list[TokenDelta]] = {}  # by subscriber
+        self._owner: dict[int, int] = {}  # uid -> the subscriber that submitted it
         self._live: set[int] = set()  # submitted and not yet finished
         self._kv: KVEventStream | None = None
         self._ready = threading.Condition()
@@ -110,7 +115,7 @@ class SchedulerActor:
                 deltas = [d for d in deltas if d.uid in self._live]
             self.metrics.on_output(deltas)
             self._live.difference_update(d.uid for d in deltas if d.finished)
-            self._outbox.extend(deltas)
+            self._deliver(deltas)
             # the step's cache changes (a finished request's pages among them) in the same message
             self._kv.add(*self.scheduler.cache.take_kv_events())
             self._ready.notify_all()
@@ -144,53 +149,76 @@ class SchedulerActor:
                 return
             log.error("replica %d is broken: %s", self.replica_id, why)
             self.broken = why
-            self._outbox.extend(_error_deltas(sorted(self._live), why))
+            self._deliver(_error_deltas(sorted(self._live), why))
             self.metrics.on_replica_failed(len(self._live))
             self._live.clear()
             self._ready.notify_all()
 
     # -- called through Ray ------------------------------------------------------------------------
 
-    def submit(self, requests: list[AddRequest]) -> None:
+    def _deliver(self, deltas: list[TokenDelta]) -> None:
+        """Into each delta's subscriber's outbox (the lock held); a finished request forgets its owner."""
+        for d in deltas:
+            owner = self._owner.pop(d.uid, 0) if d.finished else self._owner.get(d.uid, 0)
+            self._outboxes.setdefault(owner, []).append(d)
+
+    def submit(self, requests: list[AddRequest], subscriber: int = 0) -> None:
         with self._ready:
             if self.broken:
-                self._outbox.extend(_error_deltas([r.uid for r in requests], self.broken))
+                self._outboxes.setdefault(subscriber, []).extend(_error_deltas([r.uid for r in requests], self.broken))
                 self.metrics.on_replica_failed(len(requests))
                 self._ready.notify_all()
                 return
             self._live.update(r.uid for r in requests)
+            if subscriber:
+                self._owner.update((r.uid, subscriber) for r in requests)
         for request in requests:
             self.scheduler.submit(request)
 
     def abort(self, uids: list[int]) -> None:
         with self._ready:  # an aborted request gets no delta: it leaves the live set here
             self._live.difference_update(uids)
+            for uid in uids:
+                self._owner.pop(uid, None)
         for uid in uids:
             self.scheduler.abort(uid)
 
-    def poll(self, timeout_s: float = 1.0) -> ReplicaOutput:
-        """Every delta since the last poll, and the KV events since then; waits up to timeout_s for the
-        first delta (or a snapshot due). Changes to the cache alone wake no poll: they go with the
-        next deltas, so a step is one message."""
+    def release_subscriber(self, subscriber: int) -> int:
+        """Aborts every request that subscriber sent and drops what waits for it: a router that restarts
+        calls this for its predecessor, whose clients' connections closed with it. Returns how many
+        requests were aborted."""
+        with self._ready:
+            uids = sorted(uid for uid, owner in self._owner.items() if owner == subscriber and uid in self._live)
+            self._outboxes.pop(subscriber, None)
+            if self._kv is not None:
+                self._kv.drop(subscriber)
+        self.abort(uids)
+        return len(uids)
+
+    def poll(self, timeout_s: float = 1.0, subscriber: int = 0) -> ReplicaOutput:
+        """Every delta for subscriber since its last poll, and the KV events since then; waits up to
+        timeout_s for the first delta (or a snapshot due). Changes to the cache alone wake no poll: they
+        go with the next deltas, so a step is one message."""
         deadline = time.monotonic() + timeout_s
         with self._ready:
-            while not self._outbox and not self._kv_snapshot_due() and not self._stop.is_set():
+            while (not self._outboxes.get(subscriber) and not self._kv_snapshot_due(subscriber)
+                   and not self._stop.is_set()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._ready.wait(left)
-            out, self._outbox = self._outbox, []
-            return ReplicaOutput(out, self._kv.take() if self._kv is not None else None, len(self._live))
+            out = self._outboxes.pop(subscriber, [])
+            return ReplicaOutput(out, self._kv.take(subscriber) if self._kv is not None else None, len(self._live))
 
-    def _kv_snapshot_due(self) -> bool:
-        return self._kv is not None and self._kv.snapshot_due
+    def _kv_snapshot_due(self, subscriber: int = 0) -> bool:
+        return self._kv is not None and self._kv.snapshot_due(subscriber)
 
-    def kv_subscribe(self) -> None:
-        """The next poll carries every block hash the prefix cache holds (a router that connects late,
-        or the router of a replacement), and the later ones what changed since."""
+    def kv_subscribe(self, subscriber: int = 0) -> None:
+        """The next poll of subscriber carries every block hash the prefix cache holds (a router that
+        connects late, or the router of a replacement), and the later ones what changed since."""
         with self._ready:
             if self._kv is not None:
-                self._kv.resync()
+                self._kv.resync(subscriber)
             self._ready.notify_all()
 
     def stats(self) -> ReplicaStats:

@@ -19,8 +19,11 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaClient:
-    def __init__(self, replica_id: int, actor: ActorHandle, health_timeout_s: float = 30.0) -> None:
-        self.replica_id, self.actor = replica_id, actor
+    def __init__(self, replica_id: int, actor: ActorHandle, health_timeout_s: float = 30.0,
+                 subscriber: int = 0) -> None:
+        """`subscriber`: this router's index among the routers sending to the replica (each polls its own
+        requests' deltas)."""
+        self.replica_id, self.actor, self.subscriber = replica_id, actor, subscriber
         self.health_timeout_s = health_timeout_s
         self.queues: dict[int, asyncio.Queue] = {}
         # sent and without a token yet (waiting in the replica's queue, or in its first prefill): prompt tokens
@@ -100,7 +103,7 @@ class ReplicaClient:
     def _flush(self) -> None:
         self._flush_pending = False
         if self._submits:
-            self.actor.submit.remote(self._submits)
+            self.actor.submit.remote(self._submits, self.subscriber)
             self._submits = []
         if self._aborts:
             self.actor.abort.remote(self._aborts)
@@ -117,7 +120,7 @@ class ReplicaClient:
 
     async def _subscribe_kv(self) -> None:
         try:
-            await self.actor.kv_subscribe.remote()
+            await self.actor.kv_subscribe.remote(self.subscriber)
         except Exception as e:  # noqa: BLE001 - routing goes on without this replica's cache contents
             log.warning("replica %d sends no KV events (%s: %s); cache-exact routing cannot see its cache",
                         self.replica_id, type(e).__name__, e)
@@ -126,7 +129,7 @@ class ReplicaClient:
         await self._subscribe_kv()
         while True:
             try:
-                deltas = await self.actor.poll.remote(1.0)
+                deltas = await self.actor.poll.remote(1.0, self.subscriber)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the actor died: fail what it held

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ from router.reasoning import reasoning_parser_for
 from router.state import RouterState, generation_defaults, model_type
 from router.tool_calls import tool_call_parser_for
 from router.supervisor import Supervisor, client_for
+from router.tier import RouterTier
 
 log = logging.getLogger(__name__)
 
@@ -38,19 +40,19 @@ class Server:
             raise ValueError(f"{config.model} has no tokenizer files; the HTTP server needs one")
         self.dashboard_url = ensure_ray(config.address, **ray_options)
         self.fleet = Fleet.start(config.replica_config(), config.replicas)
+        self.tier: RouterTier | None = None
         try:
             info = self.fleet.replicas[0].info
-            name = config.model_name
-            self.state = RouterState(
-                config=config, tokenizer=tokenizer, model_name=name, max_seq_len=info.max_seq_len,
-                vocab_size=info.vocab_size, policy=create_policy(config.routing), metrics=RouterMetrics(name),
-                defaults=generation_defaults(config.model),
-                tool_call_parser=tool_call_parser_for(config.tool_call_parser, model_type(config.model)),
-                reasoning_parser=reasoning_parser_for(config.reasoning_parser, model_type(config.model)),
-                clients=[client_for(r, config.health_check_timeout_s) for r in self.fleet.replicas])
-            self.supervisor = Supervisor(self.state, self.fleet)
-            self.app = build_app(self.state, background=[self.supervisor.run])
+            self.state = router_state(config, tokenizer, info, self.fleet.replicas)
+            if config.routers:  # the router actors serve; this process supervises the replicas
+                self.tier = RouterTier(config, self.fleet.replicas, info)
+            self.supervisor = Supervisor(self.state, self.fleet,
+                                         on_replaced=self.tier.replaced if self.tier is not None else None)
+            background = [self.supervisor.run] + ([self.tier.watch] if self.tier is not None else [])
+            self.app = build_app(self.state, background=background)
         except BaseException:  # the replicas must not outlive a server that never started
+            if self.tier is not None:
+                self.tier.shutdown()
             self.fleet.shutdown()
             raise
         self._uvicorn: uvicorn.Server | None = None
@@ -67,6 +69,7 @@ class Server:
 
     def _make_uvicorn(self) -> uvicorn.Server:
         c = self.config
+        # with router actors on the port, this process serves the supervisor alone, on no socket
         cfg = uvicorn.Config(self.app, host=c.host, port=c.port, log_level="warning",
                              timeout_graceful_shutdown=c.drain_timeout_s, access_log=False,
                              # longer than clients keep idle connections (httpx: 5 s) by default, so the
@@ -74,7 +77,10 @@ class Server:
                              timeout_keep_alive=c.keep_alive_timeout_s,
                              http=bounded_protocol(c.header_timeout_s, c.max_connections))
         on_ready = (lambda: self.on_ready(self)) if self.on_ready is not None else None
-        self._uvicorn = _DrainingServer(cfg, self.state, self.config.drain_timeout_s, on_ready)
+        self._uvicorn = (_TierDriver if self.tier is not None else DrainingServer)(
+            cfg, self.state, self.config.drain_timeout_s, on_ready)
+        if self.tier is not None:
+            self._uvicorn.tier = self.tier
         return self._uvicorn
 
     def run(self) -> None:
@@ -129,11 +135,29 @@ class Server:
         self.shutdown_replicas()
 
     def shutdown_replicas(self) -> None:
-        """Stops every replica, and any replacement still being built. Idempotent."""
+        """Stops the router actors (drained already on a normal stop), then every replica, and any
+        replacement still being built. Idempotent."""
+        if self.tier is not None:
+            self.tier.shutdown()
         self.fleet.shutdown()
 
 
-class _DrainingServer(uvicorn.Server):
+def router_state(config: ServeConfig, tokenizer, info, replicas, subscriber: int = 0) -> RouterState:
+    """A router's state over the replicas (ReplicaHandles or router.actor.ReplicaRefs): its clients
+    poll as `subscriber`, and its request ids start at subscriber << 40, so that no two routers' ids
+    meet on a replica."""
+    name = config.model_name
+    return RouterState(
+        config=config, tokenizer=tokenizer, model_name=name, max_seq_len=info.max_seq_len,
+        vocab_size=info.vocab_size, policy=create_policy(config.routing), metrics=RouterMetrics(name),
+        defaults=generation_defaults(config.model),
+        tool_call_parser=tool_call_parser_for(config.tool_call_parser, model_type(config.model)),
+        reasoning_parser=reasoning_parser_for(config.reasoning_parser, model_type(config.model)),
+        clients=[client_for(r, config.health_check_timeout_s, subscriber) for r in replicas],
+        uids=itertools.count(subscriber << 40))
+
+
+class DrainingServer(uvicorn.Server):
     """uvicorn, draining as the router needs: once shutdown begins, new requests get a 503, and requests
     still running just before the drain timeout ends are failed in order (a stream gets an SSE error
     event and [DONE], a whole response a 503), instead of being cancelled mid-response by uvicorn."""
@@ -168,3 +192,18 @@ class _DrainingServer(uvicorn.Server):
                         running)
         for client in self.state.clients:
             client.mark_failed(f"the server is shutting down: its drain timeout of {self.drain_timeout_s:g} s ran out")
+
+
+class _TierDriver(DrainingServer):
+    """The launching process when router actors serve: no socket of its own (they hold the port), the
+    supervisor on its event loop; once stopped it drains the router actors."""
+
+    tier: RouterTier
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=[])
+
+    async def shutdown(self, sockets=None) -> None:
+        self.state.draining = True
+        await asyncio.get_running_loop().run_in_executor(None, self.tier.drain)
+        await uvicorn.Server.shutdown(self, sockets)

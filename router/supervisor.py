@@ -11,6 +11,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from cluster import Fleet, ReplicaHandle, control_store_answers
@@ -22,14 +23,17 @@ log = logging.getLogger(__name__)
 _MAX_BACKOFF_S = 60.0  # a cluster short of GPUs stays so a while; never wait longer than this to retry
 
 
-def client_for(replica: ReplicaHandle, health_timeout_s: float) -> ReplicaClient:
-    """The router's client of a started replica (not yet polling: start() it on the event loop)."""
-    return ReplicaClient(replica.replica_id, replica.actor, health_timeout_s)
+def client_for(replica: ReplicaHandle, health_timeout_s: float, subscriber: int = 0) -> ReplicaClient:
+    """The router's client of a started replica (not yet polling: start() it on the event loop);
+    `subscriber`: the router's index."""
+    return ReplicaClient(replica.replica_id, replica.actor, health_timeout_s, subscriber)
 
 
 class Supervisor:
-    def __init__(self, state: RouterState, fleet: Fleet, interval_s: float = 1.0) -> None:
-        self.state, self.fleet, self.interval_s = state, fleet, interval_s
+    def __init__(self, state: RouterState, fleet: Fleet, interval_s: float = 1.0,
+                 on_replaced: Callable[[int, ReplicaHandle], None] | None = None) -> None:
+        """`on_replaced(i, replica)`: told when replica i's replacement serves (the router actors)."""
+        self.state, self.fleet, self.interval_s, self.on_replaced = state, fleet, interval_s, on_replaced
         self.restarts = 0
         self._checking: set[ReplicaClient] = set()  # one check in flight per client: a slow one delays no other
         self._replacing: set[int] = set()  # until the replacement's client is routed to, or it failed
@@ -96,6 +100,8 @@ class Supervisor:
         client = client_for(new, self.state.config.health_check_timeout_s)
         client.start()
         self.state.set_client(i, client)
+        if self.on_replaced is not None:
+            self.on_replaced(i, new)
         self.restarts += 1
         self._retry_at.pop(i, None)
         log.warning("replica %d is serving again", i)

@@ -58,36 +58,40 @@ class BlockChanges:
 
 
 class KVEventStream:
-    """A replica's side of its KV events: every block its cache holds, and the changes its receiver has
-    not been sent yet. A new receiver (`resync`) is sent the whole set first, then changes only. Not
-    thread-safe: the replica holds its lock around every call."""
+    """A replica's side of its KV events: every block its cache holds, and for each receiver (a router,
+    by its index) the changes it has not been sent yet. A new receiver, or one that asks again
+    (`resync`), is sent the whole set first, then changes only. Not thread-safe: the replica holds its
+    lock around every call."""
 
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.held: set[int] = set()
-        self._changes = BlockChanges()
-        self._full = True  # the first receiver starts from a snapshot too
+        self._changes: dict[int, BlockChanges | None] = {}  # None: a snapshot is due
 
     def add(self, stored: list[int], removed: list[int]) -> None:
         """One step's netted changes (from the cache's BlockChanges)."""
         self.held.difference_update(removed)
         self.held.update(stored)
-        if not self._full:
-            self._changes.remove(removed)
-            self._changes.store(stored)
+        for changes in self._changes.values():
+            if changes is not None:
+                changes.remove(removed)
+                changes.store(stored)
 
-    def resync(self) -> None:
-        self._full = True
-        self._changes = BlockChanges()
+    def resync(self, receiver: int = 0) -> None:
+        self._changes[receiver] = None
 
-    @property
-    def snapshot_due(self) -> bool:
-        return self._full
+    def snapshot_due(self, receiver: int = 0) -> bool:
+        return self._changes.get(receiver) is None
 
-    def take(self) -> KVEvents | None:
-        """What to send now: the whole set when a snapshot is due, else the changes (None: nothing)."""
-        if self._full:
-            self._full = False
+    def drop(self, receiver: int) -> None:
+        self._changes.pop(receiver, None)
+
+    def take(self, receiver: int = 0) -> KVEvents | None:
+        """What to send receiver now: the whole set when a snapshot is due (the first time too), else the
+        changes (None: nothing)."""
+        changes = self._changes.get(receiver)
+        if changes is None:
+            self._changes[receiver] = BlockChanges()
             return KVEvents(self.page_size, stored=list(self.held), removed=[], full=True)
-        stored, removed = self._changes.take()
+        stored, removed = changes.take()
         return KVEvents(self.page_size, stored, removed) if stored or removed else None

@@ -1,0 +1,78 @@
+"""The router tier, from the launching process: `routers` RouterActors (router/actor.py) on this node,
+named raylm-router-PORT-K in Ray's dashboard, restarted by Ray when they die. This side tells them
+when a replica is replaced, tells a restarted one which replicas serve now (it starts over with those
+it was created with), and drains them when the server stops."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cluster import ReplicaInfo, ServeConfig
+from router.actor import ReplicaRef, RouterActor
+
+log = logging.getLogger(__name__)
+
+
+def ref_of(replica) -> ReplicaRef:
+    return ReplicaRef(replica.replica_id, replica.actor)
+
+
+class RouterTier:
+    def __init__(self, config: ServeConfig, replicas: list, info: ReplicaInfo, interval_s: float = 1.0) -> None:
+        """Starts the routers and waits until each serves on the port."""
+        self.config, self.info, self.interval_s = config, info, interval_s
+        self._closed = False
+        self.replicas = [ref_of(r) for r in replicas]
+        here = ray.get_runtime_context().get_node_id()  # SO_REUSEPORT shares a port on one node only
+        # held here for the tier's lifetime: Ray restarts an actor from its constructor's arguments
+        self._pinned = [ray.put(config), ray.put(self.replicas), ray.put(info)]
+        self.actors = [ray.remote(RouterActor).options(
+            name=f"raylm-router-{config.port}-{k}", max_restarts=-1, max_task_retries=0, num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+        ).remote(self._pinned[0], k, self._pinned[1], self._pinned[2]) for k in range(config.routers)]
+        try:
+            self.started = ray.get([a.ping.remote() for a in self.actors], timeout=300)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def replaced(self, i: int, replica) -> None:
+        """Replica i's replacement serves: every router routes to it from now on."""
+        self.replicas[i] = ref_of(replica)
+        for actor in self.actors:
+            actor.set_replica.remote(i, self.replicas[i])
+
+    async def watch(self) -> None:
+        """A router that Ray restarted serves with the replicas it was created with: tell it the current ones."""
+        while not self._closed:
+            await asyncio.sleep(self.interval_s)
+            for k, actor in enumerate(self.actors):
+                try:
+                    started = await asyncio.wait_for(actor.ping.remote(), timeout=10 * self.interval_s)
+                except Exception:  # noqa: BLE001 - dead or restarting: Ray brings it back, the next round sees it
+                    continue
+                if started != self.started[k]:
+                    log.warning("router %d was restarted; routing it to the replicas serving now", k)
+                    self.started[k] = started
+                    for i, ref in enumerate(self.replicas):
+                        actor.set_replica.remote(i, ref)
+
+    def drain(self) -> None:
+        """Each router stops taking requests and finishes those in flight (up to the drain timeout)."""
+        self._closed = True
+        try:
+            ray.get([a.drain.remote() for a in self.actors], timeout=self.config.drain_timeout_s + 20)
+        except Exception as e:  # noqa: BLE001 - a router gone mid-drain: its connections are closed already
+            log.warning("draining the routers: %s: %s", type(e).__name__, e)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - gone already
+                pass

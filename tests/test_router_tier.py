@@ -1,0 +1,92 @@
+"""The router tier on real Ray: `routers` RouterActors, named in Ray, sharing one port (SO_REUSEPORT),
+each answering what the offline engine answers; one killed under load is restarted by Ray while the
+other serves, its streams end with the connection, and its replica aborts them (no request keeps
+generating for a client that is gone), pages all returned."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from helpers import serving
+
+from cluster import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+PROMPTS = [[5 + (7 * i + j) % 90 for j in range(6 + i % 5)] for i in range(12)]
+
+
+def _texts(url: str, ids: list[int], n: int) -> str:
+    with httpx.Client(timeout=60) as http:  # a fresh connection: the kernel picks a router for each
+        r = http.post(url + "/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": n,
+                                                     "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_two_router_actors_share_the_port_and_answer_as_the_offline_engine(qwen3_path):
+    import ray
+    with serving(qwen3_path, routers=2, num_pages=256, max_running_reqs=8) as srv:
+        for k in range(2):  # named in Ray (and its dashboard)
+            assert ray.get(ray.get_actor(f"raylm-router-{srv.config.port}-{k}").ping.remote()) > 0
+        got = [_texts(srv.url, ids, 8) for ids in PROMPTS * 2]
+        admitted = ray.get([a.admitted.remote() for a in srv.tier.actors])
+        assert sum(admitted) == 2 * len(PROMPTS) and min(admitted) > 0, admitted  # both routers served
+        for replica in srv.replicas:
+            ray.get(replica.actor.check_integrity.remote())
+    with LLM(str(qwen3_path), page_size=4) as llm:  # after the server: the two would share this machine's cores
+        want = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+    assert got == want * 2
+
+
+async def _stream(url: str, ids: list[int], n: int) -> str:
+    """'done' when the stream ends with [DONE], 'cut' when its connection closes first."""
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            async with http.stream("POST", url + "/v1/completions", json={
+                    "model": "tiny", "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                    "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line == "data: [DONE]":
+                        return "done"
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        return "cut"
+    return "cut"
+
+
+def test_a_router_killed_under_load_is_restarted_and_its_requests_are_aborted(qwen3_path):
+    import ray
+    with serving(qwen3_path, routers=2, num_pages=1024, max_running_reqs=16) as srv:
+        victim = srv.tier.actors[0]
+        first_start = ray.get(victim.ping.remote())
+
+        async def load_then_kill() -> list[str]:
+            streams = [asyncio.create_task(_stream(srv.url, ids, 400)) for ids in PROMPTS]
+            deadline = time.monotonic() + 60
+            while ray.get(victim.in_flight.remote()) == 0:  # some of them reached the victim
+                assert time.monotonic() < deadline, "no stream reached router 0"
+                await asyncio.sleep(0.05)
+            ray.kill(victim, no_restart=False)  # as a crash: Ray restarts it
+            return await asyncio.gather(*streams)
+
+        outcomes = asyncio.run(load_then_kill())
+        assert "cut" in outcomes and "done" in outcomes, outcomes  # the other router's streams finished
+        # Ray restarts the victim; its successor releases what it had sent: nothing keeps generating
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if ray.get(victim.ping.remote(), timeout=10) != first_start:
+                    break
+            except Exception:  # noqa: BLE001 - restarting
+                pass
+            assert time.monotonic() < deadline, "router 0 was not restarted"
+            time.sleep(0.2)
+        replica = srv.replicas[0].actor
+        while ray.get(replica.stats.remote()).running:
+            assert time.monotonic() < deadline, "the killed router's requests still run on the replica"
+            time.sleep(0.1)
+        ray.get(replica.check_integrity.remote())
+        assert all(_texts(srv.url, ids, 4) for ids in PROMPTS[:6])  # both routers serve again
