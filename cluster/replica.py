@@ -31,6 +31,8 @@ from worker.rank import build_rank
 
 log = logging.getLogger(__name__)
 
+SUBSCRIBER_TIMEOUT_S = 60.0  # a router silent this long is gone: its requests are aborted
+
 
 class SchedulerActor:
     def __init__(self, config: ReplicaConfig, replica_id: int = 0) -> None:
@@ -40,6 +42,7 @@ class SchedulerActor:
         self.broken: str | None = None
         self._outboxes: dict[int, list[TokenDelta]] = {}  # by subscriber
         self._owner: dict[int, int] = {}  # uid -> the subscriber that submitted it
+        self._last_poll: dict[int, float] = {}  # subscriber -> when it last polled (monotonic)
         self._live: set[int] = set()  # submitted and not yet finished
         self._kv: KVEventStream | None = None
         self._ready = threading.Condition()
@@ -78,6 +81,7 @@ class SchedulerActor:
         self._thread.start()
         if isinstance(executor, TensorParallelExecutor):
             threading.Thread(target=self._watch, args=(executor,), name="tp-watchdog", daemon=True).start()
+        threading.Thread(target=self._reap_loop, name="subscriber-reaper", daemon=True).start()
         return ReplicaInfo(max_seq_len=engine.max_seq_len, num_pages=engine.num_pages, page_size=engine.page_size,
                            vocab_size=engine.hf_config.vocab_size, eos_ids=tuple(sorted(eos)))
 
@@ -141,6 +145,24 @@ class SchedulerActor:
                 self._fail_replica(f"tensor-parallel group failed: a step has not finished in {limit:g} s "
                                    "(a rank is gone or stalled)")
 
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(SUBSCRIBER_TIMEOUT_S / 4):
+            self.reap_silent_subscribers(time.monotonic())
+
+    def reap_silent_subscribers(self, now: float) -> list[int]:
+        """Releases the routers (subscribers 1 and up) that have not polled for SUBSCRIBER_TIMEOUT_S:
+        a router polls at least every second, so one that stopped is gone for good (Ray would have
+        restarted it by then), and its requests must not run on for no one. Returns those released."""
+        with self._ready:
+            silent = [sub for sub, seen in self._last_poll.items() if sub and now - seen > SUBSCRIBER_TIMEOUT_S]
+            for sub in silent:
+                del self._last_poll[sub]
+        for sub in silent:
+            if n := self.release_subscriber(sub):
+                log.warning("replica %d: router %d stopped polling; aborted its %d request(s)", self.replica_id,
+                            sub - 1, n)
+        return silent
+
     def _fail_replica(self, why: str) -> None:
         """Marks the replica broken and ends every request it holds with the error; later requests get
         the error at once. The router replaces a broken replica."""
@@ -201,6 +223,7 @@ class SchedulerActor:
         go with the next deltas, so a step is one message."""
         deadline = time.monotonic() + timeout_s
         with self._ready:
+            self._last_poll[subscriber] = time.monotonic()
             while (not self._outboxes.get(subscriber) and not self._kv_snapshot_due(subscriber)
                    and not self._stop.is_set()):
                 left = deadline - time.monotonic()

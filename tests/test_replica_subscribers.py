@@ -1,6 +1,7 @@
 """Several routers on one replica: each subscriber (a router's index) polls only its own requests'
 deltas and gets its own KV events (a snapshot first, then changes, whatever the others took); a
-restarted router releases what its predecessor sent, which the replica aborts, pages freed."""
+restarted router releases what its predecessor sent, which the replica aborts, pages freed, and so
+does a router that stops polling."""
 
 from __future__ import annotations
 
@@ -63,5 +64,26 @@ def test_releasing_a_subscriber_aborts_its_requests_and_leaves_the_others(script
     _step_all(actor)
     out = actor.poll(0.0, subscriber=1)
     assert out[-1].uid == 1 and out[-1].finished and out.live == 0
+    assert actor.scheduler.snapshot().running == 0
+    run.check()
+
+
+def test_a_router_that_stops_polling_has_its_requests_aborted(scripted):
+    import time
+
+    from cluster.replica import SUBSCRIBER_TIMEOUT_S
+    actor, run = in_process_replica(scripted)
+    long = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    actor.submit([AddRequest(1, [1, 2, 3], long)], subscriber=1)
+    actor.submit([AddRequest(2, [4, 5, 6], long)], subscriber=2)
+    actor.poll(0.0, subscriber=1)
+    actor.poll(0.0, subscriber=2)
+    actor.poll(0.0, subscriber=0)
+    now = time.monotonic()
+    assert actor.reap_silent_subscribers(now) == []
+    actor._last_poll[2] = now + SUBSCRIBER_TIMEOUT_S  # router 2 polls again later; router 1 and process 0 do not
+    assert actor.reap_silent_subscribers(now + SUBSCRIBER_TIMEOUT_S + 1) == [1]  # 0 is never reaped
+    _step_all(actor)
+    assert [d.uid for d in actor.poll(0.0, subscriber=2) if d.finished] == [2]
     assert actor.scheduler.snapshot().running == 0
     run.check()
