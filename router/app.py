@@ -12,7 +12,6 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.chat import prepare_chat
@@ -66,7 +65,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         await state.metrics.replica_gauges.refresh(state.clients)
-        return PlainTextResponse(generate_latest(state.metrics.registry).decode(),
+        return PlainTextResponse(state.metrics.exposition().decode(),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

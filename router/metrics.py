@@ -5,10 +5,11 @@ one scrape of one process shows KV usage, queues and cache hit rate."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -22,8 +23,13 @@ _ITL_BUCKETS = (0.0, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05
 
 
 class RouterMetrics:
+    """With PROMETHEUS_MULTIPROC_DIR set (the router actors of one tier share one such folder on their
+    node), every router's counters and histograms are kept in that folder too, and a scrape of any of
+    them (`exposition`) shows the tier's sums: a scrape of the shared port reaches one router at random."""
+
     def __init__(self, model: str) -> None:
         self.registry = CollectorRegistry()
+        self.shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         labels = ["model"]
         self.model = model
         self.requests = Counter("raylm:request_success", "Finished requests by finish reason",
@@ -33,7 +39,7 @@ class RouterMetrics:
         self.generation_tokens = Counter("raylm:generation_tokens", "Generated tokens", labels,
                                          registry=self.registry)
         self.running = Gauge("raylm:num_requests_running", "Requests in flight through the router", labels,
-                             registry=self.registry)
+                             registry=self.registry, multiprocess_mode="livesum")
         self.ttft = Histogram("raylm:time_to_first_token_seconds", "Time to first token", labels,
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("raylm:inter_token_latency_seconds",
@@ -46,6 +52,17 @@ class RouterMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.replica_gauges = ReplicaGauges(model)
         self.registry.register(self.replica_gauges)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text of a scrape: this router's metrics, or the tier's with a shared folder,
+        then the replicas' gauges as last refreshed."""
+        if self.shared_dir is None:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=self.shared_dir)
+        registry.register(self.replica_gauges)
+        return generate_latest(registry)
 
     def finished(self, reason: str, prompt_tokens: int, timing: Timing) -> None:
         m = self.model

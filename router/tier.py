@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import tempfile
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -30,9 +32,12 @@ class RouterTier:
         here = ray.get_runtime_context().get_node_id()  # SO_REUSEPORT shares a port on one node only
         # held here for the tier's lifetime: Ray restarts an actor from its constructor's arguments
         self._pinned = [ray.put(config), ray.put(self.replicas), ray.put(info)]
+        # the routers' request metrics, summed over the tier by whichever router a scrape reaches
+        self.metrics_dir = tempfile.mkdtemp(prefix=f"raylm-metrics-{config.port}-")
         self.actors = [ray.remote(RouterActor).options(
             name=f"raylm-router-{config.port}-{k}", max_restarts=-1, max_task_retries=0, num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+            runtime_env={"env_vars": {"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}},
         ).remote(self._pinned[0], k, self._pinned[1], self._pinned[2]) for k in range(config.routers)]
         try:
             self.started = ray.get([a.ping.remote() for a in self.actors], timeout=300)
@@ -71,8 +76,9 @@ class RouterTier:
 
     def shutdown(self) -> None:
         self._closed = True
-        for actor in self.actors:
+        for actor in getattr(self, "actors", []):
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - gone already
                 pass
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)

@@ -35,6 +35,11 @@ def test_two_router_actors_share_the_port_and_answer_as_the_offline_engine(qwen3
         got = [_texts(srv.url, ids, 8) for ids in PROMPTS * 2]
         admitted = ray.get([a.admitted.remote() for a in srv.tier.actors])
         assert sum(admitted) == 2 * len(PROMPTS) and min(admitted) > 0, admitted  # both routers served
+        for _ in range(4):  # whichever router a scrape reaches shows the tier's counts
+            text = httpx.get(srv.url + "/metrics", timeout=30).text
+            line = next(x for x in text.splitlines() if x.startswith("raylm:request_success_total{"))
+            assert float(line.split()[-1]) == 2 * len(PROMPTS), line
+            assert "raylm:num_requests_running" in text
         for replica in srv.replicas:
             ray.get(replica.actor.check_integrity.remote())
     with LLM(str(qwen3_path), page_size=4) as llm:  # after the server: the two would share this machine's cores
