@@ -17,6 +17,7 @@ import numpy as np
 from common import ARCHS, ProfileWindow, StepTimer, add_common_args, config_of, make_llm, report
 
 from cluster import LLM, SamplingParams
+from worker import stream
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[float]]:
@@ -97,32 +98,44 @@ def run_batch(llm: LLM, args, batch: int) -> dict:
 
 class HostTimer:
     """Host time of each decode step's Engine.forward (staging, planning, launches: what the host spends
-    on a step besides the scheduler's own work), by wrapping the method."""
+    on a step besides the scheduler's own work), by wrapping the method; and the host's own work per
+    step over the whole run: its wall time less the time it was blocked on device events
+    (worker.stream.host_wait_s: the previous step's result, a staging slot, FlashInfer's plan copy)."""
 
     def __init__(self, engine) -> None:
-        self.engine, self.times = engine, []
+        self.engine, self.times, self.work = engine, [], []
+        self.decode_steps = 0
 
     def __enter__(self) -> HostTimer:
         forward = self.engine.forward
 
         def timed(desc):
-            start = time.perf_counter()
+            start, waited = time.perf_counter(), stream.host_wait_s
             out = forward(desc)
             if not desc.is_prefill:
-                self.times.append(time.perf_counter() - start)
+                took = time.perf_counter() - start
+                self.times.append(took)
+                self.work.append(took - (stream.host_wait_s - waited))
+                self.decode_steps += 1
             return out
 
         self.engine.forward = timed
+        self._start, self._waited = time.perf_counter(), stream.host_wait_s
         return self
 
     def __exit__(self, *exc) -> None:
         del self.engine.forward  # the class's method again
+        self._wall, self._blocked = time.perf_counter() - self._start, stream.host_wait_s - self._waited
 
     def summary(self) -> dict:
         if not self.times:
             return {}
         return {"host_forward_ms_median": 1e3 * statistics.median(self.times),
-                "host_forward_ms_p90": 1e3 * sorted(self.times)[int(0.9 * len(self.times))]}
+                "host_forward_ms_p90": 1e3 * sorted(self.times)[int(0.9 * len(self.times))],
+                # Engine.forward less its waits; then every host thread's work per decode step (the
+                # scheduler's too), the prefill's counted in
+                "host_forward_work_ms_median": 1e3 * statistics.median(self.work),
+                "host_work_ms_per_step": 1e3 * (self._wall - self._blocked) / self.decode_steps}
 
 
 def table_rows(args, r: dict) -> list[tuple[str, object]]:
@@ -133,6 +146,10 @@ def table_rows(args, r: dict) -> list[tuple[str, object]]:
             ("idle between decode steps % (median)", r.get("idle_pct_of_step_median", float("nan"))),
             ("idle % per run", " ".join(f"{x.get('idle_pct_of_step_total', float('nan')):.2f}" for x in r["runs"])),
             ("ms per token per run", " ".join(f"{x['ms_per_token']:.3f}" for x in r["runs"])),
+            ("host Engine.forward work ms per decode step (median, waits excluded)",
+             r.get("host_forward_work_ms_median", float("nan"))),
+            ("host work ms per decode step (the scheduler's too, waits excluded)",
+             r.get("host_work_ms_per_step", float("nan"))),
             ("host Engine.forward ms per decode step (median)", r.get("host_forward_ms_median", float("nan")))]
 
 

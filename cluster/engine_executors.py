@@ -11,6 +11,7 @@ from cluster.executor import ReplicaBrokenError
 from worker.batch import BatchDesc, StepOutput
 from worker.comm import CollectiveError, Keepalive, destroy_tensor_parallel
 from worker.engine import Engine
+from worker.stream import wait_for
 
 
 class LocalExecutor:
@@ -23,7 +24,7 @@ class LocalExecutor:
         return self.engine.forward(desc)
 
     def wait(self, out: StepOutput) -> None:
-        out.done.synchronize()
+        wait_for(out.done)
 
     def keepalive(self) -> None:
         pass
@@ -82,7 +83,7 @@ class TensorParallelExecutor:
     def wait(self, out: StepOutput) -> None:
         try:
             with self._busy():
-                out.done.synchronize()
+                wait_for(out.done)
         except RuntimeError as e:  # an NCCL abort, or a CUDA error (sticky: the device is unusable)
             raise ReplicaBrokenError(f"tensor-parallel group failed: {e}") from e
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker.stream import new_event
+from worker.stream import new_event, wait_for
 
 _ALIGN = 16  # so that every view starts on a boundary of its element size
 
@@ -57,7 +57,7 @@ class PinnedStaging:
         self.next = (self.next + 1) % len(self.slots)
         if slot.in_use:
             raise RuntimeError("a staging slot was reused before the step that held it released it")
-        slot.event.synchronize()  # the step that last used this slot is done with it
+        wait_for(slot.event)  # the step that last used this slot is done with it
         offsets, end = [], 0
         for a in arrays.values():
             offsets.append(end)

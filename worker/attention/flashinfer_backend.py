@@ -23,7 +23,7 @@ from worker.attention.base import AttentionBackend
 from worker.batch import BatchDesc, ForwardBatch
 from worker.kv_cache import KVCachePool
 from worker.staging import PinnedStaging
-from worker.stream import new_event
+from worker.stream import new_event, wait_for
 
 WORKSPACE_BYTES = 256 << 20    # FlashInfer's float workspace (split-KV partial results), shared by all wrappers
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -168,7 +168,7 @@ class FlashInferBackend(AttentionBackend):
         if bs > n:
             self.kv_indices[num_real:num_real + bs - n].fill_(scratch_page)
         indices = self.kv_indices[: num_real + bs - n]
-        self._plan_copied.synchronize()  # FlashInfer's pinned plan buffer is free again
+        wait_for(self._plan_copied)  # FlashInfer's pinned plan buffer is free again
         q_dtype, kv_dtype = self.q_dtype, self.kv.dtype
         h = staged.host
         with self._on_torch_stream():
