@@ -153,14 +153,14 @@ class SchedulerActor:
         """Releases the routers (subscribers 1 and up) that have not polled for SUBSCRIBER_TIMEOUT_S:
         a router polls at least every second, so one that stopped is gone for good (Ray would have
         restarted it by then), and its requests must not run on for no one. Returns those released."""
-        with self._ready:
+        with self._ready:  # decided and released at once: a poll in between would keep the router
             silent = [sub for sub, seen in self._last_poll.items() if sub and now - seen > SUBSCRIBER_TIMEOUT_S]
-            for sub in silent:
-                del self._last_poll[sub]
-        for sub in silent:
-            if n := self.release_subscriber(sub):
-                log.warning("replica %d: router %d stopped polling; aborted its %d request(s)", self.replica_id,
-                            sub - 1, n)
+            released = {sub: self._release_locked(sub) for sub in silent}
+        for sub, uids in released.items():
+            if uids:
+                log.warning("replica %d: router %d stopped polling; aborting its %d request(s)", self.replica_id,
+                            sub - 1, len(uids))
+                self.abort(uids)
         return silent
 
     def _fail_replica(self, why: str) -> None:
@@ -210,12 +210,17 @@ class SchedulerActor:
         calls this for its predecessor, whose clients' connections closed with it. Returns how many
         requests were aborted."""
         with self._ready:
-            uids = sorted(uid for uid, owner in self._owner.items() if owner == subscriber and uid in self._live)
-            self._outboxes.pop(subscriber, None)
-            if self._kv is not None:
-                self._kv.drop(subscriber)
+            uids = self._release_locked(subscriber)
         self.abort(uids)
         return len(uids)
+
+    def _release_locked(self, subscriber: int) -> list[int]:
+        uids = sorted(uid for uid, owner in self._owner.items() if owner == subscriber and uid in self._live)
+        self._outboxes.pop(subscriber, None)
+        self._last_poll.pop(subscriber, None)
+        if self._kv is not None:
+            self._kv.drop(subscriber)
+        return uids
 
     def poll(self, timeout_s: float = 1.0, subscriber: int = 0) -> ReplicaOutput:
         """Every delta for subscriber since its last poll, and the KV events since then; waits up to

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import threading
 import time
@@ -55,7 +56,10 @@ class RouterActor:
         logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config, self.index, self.subscriber = config, index, index + 1
         tokenizer = load_tokenizer(config.model)
-        self.state: RouterState = router_state(config, tokenizer, info, replicas, self.subscriber)
+        # each incarnation draws ids from its own range: its predecessor's may still be finishing (or
+        # remembered as aborted) on a replica it could not reach
+        first_uid = (self.subscriber << 48) | (_next_incarnation(config.port, index) << 32)
+        self.state: RouterState = router_state(config, tokenizer, info, replicas, self.subscriber, first_uid)
         self._release_predecessor(replicas)
         uv = uvicorn.Config(build_app(self.state), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=config.drain_timeout_s,
@@ -75,16 +79,21 @@ class RouterActor:
         self.started_at = time.time()
 
     def _release_predecessor(self, replicas: list[ReplicaRef]) -> None:
-        import ray
         for ref in replicas:
-            try:
-                n = ray.get(ref.actor.release_subscriber.remote(self.subscriber), timeout=30)
-            except Exception as e:  # noqa: BLE001 - a replica being replaced: its requests died with it
-                log.warning("router %d: replica %d did not answer (%s)", self.index, ref.replica_id, type(e).__name__)
-                continue
-            if n:
-                log.warning("router %d: replica %d aborted %d request(s) of this router's predecessor",
-                            self.index, ref.replica_id, n)
+            self._release(ref)
+
+    def _release(self, ref: ReplicaRef) -> None:
+        """What an earlier incarnation of this router (or this one, over a client given up) left on the
+        replica is aborted there."""
+        import ray
+        try:
+            n = ray.get(ref.actor.release_subscriber.remote(self.subscriber), timeout=30)
+        except Exception as e:  # noqa: BLE001 - a replica being replaced: its requests died with it
+            log.warning("router %d: replica %d did not answer (%s)", self.index, ref.replica_id, type(e).__name__)
+            return
+        if n:
+            log.warning("router %d: replica %d aborted %d request(s) this router had sent", self.index,
+                        ref.replica_id, n)
 
     def _serve(self, sock: socket.socket) -> None:
         self._loop = asyncio.new_event_loop()
@@ -93,39 +102,40 @@ class RouterActor:
 
     # -- called through Ray ------------------------------------------------------------------------
 
-    def ping(self) -> float:
-        """When this incarnation started serving (a restart by Ray changes it)."""
-        return self.started_at
+    def ping(self) -> tuple[float, int]:
+        """When this incarnation started serving (a restart by Ray changes it), and its process id."""
+        return self.started_at, os.getpid()
 
     def in_flight(self) -> int:
         """Requests this router has on the replicas now."""
         return sum(c.load for c in self.state.clients)
 
     def admitted(self) -> int:
-        """Request ids issued so far (one per request and choice)."""
-        return self._uids_issued()
+        """Request ids issued so far by this incarnation (one per request and choice)."""
+        return self.state.uids.issued
 
-    def _uids_issued(self) -> int:
-        first = self.subscriber << 40
-        current = self.state.uids.__reduce__()[1][0]  # itertools.count's next value
-        return current - first
+    def down_replicas(self) -> list[int]:
+        """The replicas this router has stopped routing to (its client of each failed)."""
+        return [i for i, c in enumerate(self.state.clients) if not c.healthy]
 
-    def set_replica(self, i: int, ref: ReplicaRef) -> None:
-        """Routes replica i's traffic to ref from now on (its replacement is serving)."""
+    def set_replica(self, i: int, ref: ReplicaRef, repair: bool = False) -> None:
+        """Routes replica i's traffic to ref from now on: its replacement serves, or (repair) the
+        replica serves and this router's client of it had failed (a transient error)."""
         from router.supervisor import client_for
-        done = threading.Event()
+        old = self.state.clients[i]
+        if _actor_id(old.actor) == _actor_id(ref.actor) and not (repair and not old.healthy):
+            return  # the push after a restart repeats the replicas that did not change
+        self._release(ref)  # a predecessor's requests there, or the failed client's
 
-        def install() -> None:
-            old = self.state.clients[i]
-            if _actor_id(old.actor) != _actor_id(ref.actor):  # the restart push repeats unchanged ones
-                client = client_for(ref, self.config.health_check_timeout_s, self.subscriber)
-                client.start()
-                self.state.set_client(i, client)
-                self._loop.create_task(old.stop())
-            done.set()
+        async def install() -> None:
+            client = client_for(ref, self.config.health_check_timeout_s, self.subscriber)
+            client.start()
+            self.state.set_client(i, client)
+            await old.stop()
 
-        self._loop.call_soon_threadsafe(install)
-        done.wait(30)
+        if self._loop is None or not self._loop.is_running():
+            return  # draining or stopped: there is nothing to route any more
+        asyncio.run_coroutine_threadsafe(install(), self._loop).result(timeout=30)
 
     def drain(self) -> None:
         """Stops taking requests and lets those in flight finish (up to the drain timeout), then returns."""
@@ -135,3 +145,13 @@ class RouterActor:
 
 def _actor_id(actor) -> object:
     return getattr(actor, "_actor_id", actor)
+
+
+def _next_incarnation(port: int, index: int) -> int:
+    """How many times router `index` of the deployment on `port` has started, this time counted (kept
+    in Ray's control store, so a restart by Ray counts on), modulo 2**16."""
+    from ray.experimental import internal_kv
+    key = f"raylm-router-{port}-{index}-incarnation".encode()
+    n = (int(internal_kv._internal_kv_get(key) or 0) + 1) % (1 << 16)
+    internal_kv._internal_kv_put(key, str(n).encode(), overwrite=True)
+    return n

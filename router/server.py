@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import signal
@@ -19,7 +18,7 @@ from router.connection import bounded_protocol
 from router.metrics import RouterMetrics
 from router.routing import create_policy
 from router.reasoning import reasoning_parser_for
-from router.state import RouterState, generation_defaults, model_type
+from router.state import RequestIds, RouterState, generation_defaults, model_type
 from router.tool_calls import tool_call_parser_for
 from router.supervisor import Supervisor, client_for
 from router.tier import RouterTier
@@ -45,7 +44,7 @@ class Server:
             info = self.fleet.replicas[0].info
             self.state = router_state(config, tokenizer, info, self.fleet.replicas)
             if config.routers:  # the router actors serve; this process supervises the replicas
-                self.tier = RouterTier(config, self.fleet.replicas, info)
+                self.tier = RouterTier(config, self.fleet.replicas, info, self.state)
             self.supervisor = Supervisor(self.state, self.fleet,
                                          on_replaced=self.tier.replaced if self.tier is not None else None)
             background = [self.supervisor.run] + ([self.tier.watch] if self.tier is not None else [])
@@ -130,8 +129,8 @@ class Server:
     def stop(self) -> None:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=self.config.drain_timeout_s + 10)
+        if self._thread is not None:  # the router actors' drain has its own margin (router/tier.py)
+            self._thread.join(timeout=self.config.drain_timeout_s + (30 if self.tier is not None else 10))
         self.shutdown_replicas()
 
     def shutdown_replicas(self) -> None:
@@ -142,10 +141,11 @@ class Server:
         self.fleet.shutdown()
 
 
-def router_state(config: ServeConfig, tokenizer, info, replicas, subscriber: int = 0) -> RouterState:
+def router_state(config: ServeConfig, tokenizer, info, replicas, subscriber: int = 0,
+                 first_uid: int = 0) -> RouterState:
     """A router's state over the replicas (ReplicaHandles or router.actor.ReplicaRefs): its clients
-    poll as `subscriber`, and its request ids start at subscriber << 40, so that no two routers' ids
-    meet on a replica."""
+    poll as `subscriber`, and its request ids start at first_uid (each router and each of its
+    incarnations has its own range)."""
     name = config.model_name
     return RouterState(
         config=config, tokenizer=tokenizer, model_name=name, max_seq_len=info.max_seq_len,
@@ -154,7 +154,7 @@ def router_state(config: ServeConfig, tokenizer, info, replicas, subscriber: int
         tool_call_parser=tool_call_parser_for(config.tool_call_parser, model_type(config.model)),
         reasoning_parser=reasoning_parser_for(config.reasoning_parser, model_type(config.model)),
         clients=[client_for(r, config.health_check_timeout_s, subscriber) for r in replicas],
-        uids=itertools.count(subscriber << 40))
+        uids=RequestIds(first_uid))
 
 
 class DrainingServer(uvicorn.Server):

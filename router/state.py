@@ -3,7 +3,6 @@ and turning an API request into token ids and SamplingParams (with the checks th
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -42,6 +41,26 @@ _TEMPLATE_ARGUMENTS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+class RequestIds:
+    """Request ids from `start` on (a router's own range: no two routers' ids meet on a replica),
+    counting how many were issued."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.start = self.next_id = start
+
+    def __iter__(self) -> RequestIds:
+        return self
+
+    def __next__(self) -> int:
+        uid = self.next_id
+        self.next_id += 1
+        return uid
+
+    @property
+    def issued(self) -> int:
+        return self.next_id - self.start
+
+
 @dataclass
 class RouterState:
     config: ServeConfig
@@ -55,7 +74,7 @@ class RouterState:
     draining: bool = False
     control_store_error: str | None = None  # set while Ray's control store does not answer
     defaults: dict = field(default_factory=dict)
-    uids: itertools.count = field(default_factory=itertools.count)
+    uids: RequestIds = field(default_factory=lambda: RequestIds())
     created: int = field(default_factory=lambda: int(time.time()))  # the model card's creation time
     tool_call_parser: str | None = None  # the served model's tool-call format (router/tool_calls.py)
     reasoning_parser: str | None = None  # its reasoning format (router/reasoning.py)

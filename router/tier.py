@@ -24,9 +24,11 @@ def ref_of(replica) -> ReplicaRef:
 
 
 class RouterTier:
-    def __init__(self, config: ServeConfig, replicas: list, info: ReplicaInfo, interval_s: float = 1.0) -> None:
-        """Starts the routers and waits until each serves on the port."""
-        self.config, self.info, self.interval_s = config, info, interval_s
+    def __init__(self, config: ServeConfig, replicas: list, info: ReplicaInfo, state, interval_s: float = 1.0) -> None:
+        """Starts the routers and waits until each serves on the port. `state`: the launching
+        process's RouterState, whose clients (their health checked by its supervisor) say which
+        replicas serve."""
+        self.config, self.info, self.state, self.interval_s = config, info, state, interval_s
         self._closed = False
         self.replicas = [ref_of(r) for r in replicas]
         here = ray.get_runtime_context().get_node_id()  # SO_REUSEPORT shares a port on one node only
@@ -52,19 +54,25 @@ class RouterTier:
             actor.set_replica.remote(i, self.replicas[i])
 
     async def watch(self) -> None:
-        """A router that Ray restarted serves with the replicas it was created with: tell it the current ones."""
+        """A router that Ray restarted serves with the replicas it was created with: tell it the current
+        ones. A router whose client of a serving replica failed (a transient error) gets it back."""
         while not self._closed:
             await asyncio.sleep(self.interval_s)
             for k, actor in enumerate(self.actors):
                 try:
                     started = await asyncio.wait_for(actor.ping.remote(), timeout=10 * self.interval_s)
+                    down = await asyncio.wait_for(actor.down_replicas.remote(), timeout=10 * self.interval_s)
                 except Exception:  # noqa: BLE001 - dead or restarting: Ray brings it back, the next round sees it
                     continue
                 if started != self.started[k]:
                     log.warning("router %d was restarted; routing it to the replicas serving now", k)
+                    _forget_process(self.metrics_dir, self.started[k][1])
                     self.started[k] = started
                     for i, ref in enumerate(self.replicas):
                         actor.set_replica.remote(i, ref)
+                for i in down:
+                    if self.state.clients[i].healthy:  # the replica serves: only that router's client failed
+                        actor.set_replica.remote(i, self.replicas[i], True)
 
     def drain(self) -> None:
         """Each router stops taking requests and finishes those in flight (up to the drain timeout)."""
@@ -82,3 +90,12 @@ class RouterTier:
             except Exception:  # noqa: BLE001 - gone already
                 pass
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+
+def _forget_process(metrics_dir: str, pid: int) -> None:
+    """A dead router's live gauges leave the tier's sums (its counters stay: they were counted)."""
+    from prometheus_client import multiprocess
+    try:
+        multiprocess.mark_process_dead(pid, metrics_dir)
+    except OSError:
+        pass

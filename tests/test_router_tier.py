@@ -1,5 +1,6 @@
 """The router tier on real Ray: `routers` RouterActors, named in Ray, sharing one port (SO_REUSEPORT),
-each answering what the offline engine answers; one killed under load is restarted by Ray while the
+each answering what the offline engine answers, /metrics the tier's sums, a router's failed client of
+a serving replica repaired; one killed under load is restarted by Ray while the
 other serves, its streams end with the connection, and its replica aborts them (no request keeps
 generating for a client that is gone), pages all returned."""
 
@@ -31,7 +32,7 @@ def test_two_router_actors_share_the_port_and_answer_as_the_offline_engine(qwen3
     import ray
     with serving(qwen3_path, routers=2, num_pages=256, max_running_reqs=8) as srv:
         for k in range(2):  # named in Ray (and its dashboard)
-            assert ray.get(ray.get_actor(f"raylm-router-{srv.config.port}-{k}").ping.remote()) > 0
+            assert ray.get(ray.get_actor(f"raylm-router-{srv.config.port}-{k}").ping.remote())[0] > 0
         got = [_texts(srv.url, ids, 8) for ids in PROMPTS * 2]
         admitted = ray.get([a.admitted.remote() for a in srv.tier.actors])
         assert sum(admitted) == 2 * len(PROMPTS) and min(admitted) > 0, admitted  # both routers served
@@ -40,6 +41,14 @@ def test_two_router_actors_share_the_port_and_answer_as_the_offline_engine(qwen3
             line = next(x for x in text.splitlines() if x.startswith("raylm:request_success_total{"))
             assert float(line.split()[-1]) == 2 * len(PROMPTS), line
             assert "raylm:num_requests_running" in text
+        # a router whose client of a serving replica failed (a transient error) is given it back
+        router = srv.tier.actors[0]
+        ray.get(router.__ray_call__.remote(lambda self: self._loop.call_soon_threadsafe(
+            self.state.clients[0].mark_failed, "injected: a poll failed") and None))
+        deadline = time.monotonic() + 30
+        while ray.get(router.down_replicas.remote()) != []:
+            assert time.monotonic() < deadline, "router 0 did not get replica 0 back"
+            time.sleep(0.1)
         for replica in srv.replicas:
             ray.get(replica.actor.check_integrity.remote())
     with LLM(str(qwen3_path), page_size=4) as llm:  # after the server: the two would share this machine's cores
