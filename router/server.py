@@ -76,10 +76,10 @@ class Server:
                              timeout_keep_alive=c.keep_alive_timeout_s,
                              http=bounded_protocol(c.header_timeout_s, c.max_connections))
         on_ready = (lambda: self.on_ready(self)) if self.on_ready is not None else None
-        self._uvicorn = (_TierDriver if self.tier is not None else DrainingServer)(
-            cfg, self.state, self.config.drain_timeout_s, on_ready)
         if self.tier is not None:
-            self._uvicorn.tier = self.tier
+            self._uvicorn = _TierDriver(cfg, self.state, self.config.drain_timeout_s, on_ready, self.tier)
+        else:
+            self._uvicorn = DrainingServer(cfg, self.state, self.config.drain_timeout_s, on_ready)
         return self._uvicorn
 
     def run(self) -> None:
@@ -198,7 +198,10 @@ class _TierDriver(DrainingServer):
     """The launching process when router actors serve: no socket of its own (they hold the port), the
     supervisor on its event loop; once stopped it drains the router actors."""
 
-    tier: RouterTier
+    def __init__(self, config: uvicorn.Config, state: RouterState, drain_timeout_s: float,
+                 on_ready: Callable[[], None] | None, tier: RouterTier) -> None:
+        super().__init__(config, state, drain_timeout_s, on_ready)
+        self.tier = tier
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=[])

@@ -74,7 +74,7 @@ class RouterState:
     draining: bool = False
     control_store_error: str | None = None  # set while Ray's control store does not answer
     defaults: dict = field(default_factory=dict)
-    uids: RequestIds = field(default_factory=lambda: RequestIds())
+    uids: RequestIds = field(default_factory=RequestIds)
     created: int = field(default_factory=lambda: int(time.time()))  # the model card's creation time
     tool_call_parser: str | None = None  # the served model's tool-call format (router/tool_calls.py)
     reasoning_parser: str | None = None  # its reasoning format (router/reasoning.py)
