@@ -99,10 +99,15 @@ class StepTimer:
 
     def __init__(self) -> None:
         self.steps: list[tuple[bool, torch.cuda.Event, torch.cuda.Event | None]] = []
+        # per step: whether the device had already finished the step before when the host reached this
+        # one's launch (a gap the host caused; otherwise the gap is the device's own, between streams)
+        self.late: list[bool] = []
 
     def begin(self, stream: torch.cuda.Stream, desc: BatchDesc) -> None:
         if not torch.cuda.is_available():
             return
+        prev = self.steps[-1][2] if self.steps else None
+        self.late.append(prev is not None and prev.query())
         start = torch.cuda.Event(enable_timing=True)
         start.record(stream)
         self.steps.append((desc.is_prefill, start, None))
@@ -121,30 +126,40 @@ class StepTimer:
         if not self.steps:
             return {}
         torch.cuda.synchronize()
-        busy, idle, ratios = [], [], []
-        for (p0, s0, e0), (p1, s1, _) in zip(self.steps, self.steps[1:]):
+        busy, idle, ratios, late_idle, late = [], [], [], [], 0
+        for (p0, s0, e0), (p1, s1, _), was_late in zip(self.steps, self.steps[1:], self.late[1:]):
             if p0 or p1:
                 continue
             step_ms, gap_ms = s0.elapsed_time(e0), e0.elapsed_time(s1)
             busy.append(step_ms)
             idle.append(gap_ms)
             ratios.append(gap_ms / step_ms)
+            if was_late:
+                late += 1
+                late_idle.append(gap_ms)
         if not busy:
             return {}
         return {"decode_steps": len(busy), "decode_step_ms_median": statistics.median(busy),
                 "idle_gap_ms_median": statistics.median(idle),
                 "idle_pct_of_step_median": 100 * statistics.median(ratios),
-                "idle_pct_of_step_total": 100 * sum(idle) / sum(busy)}
+                "idle_pct_of_step_total": 100 * sum(idle) / sum(busy),
+                # steps the host launched only after the device had run out of work, and their share of
+                # the idle time: what a faster host would remove
+                "host_late_pct_of_steps": 100 * late / len(busy),
+                "idle_pct_host_late": 100 * sum(late_idle) / (sum(idle) or 1)}
 
 
 class ProfileWindow:
     """Profiles the kernels of decode steps first..first+count-1 (as an engine step hook, like StepTimer)."""
 
-    def __init__(self, first: int = 200, count: int = 50) -> None:
+    def __init__(self, first: int = 200, count: int = 50, trace: str | None = None) -> None:
+        """`trace`: also write the window's host and device timeline there (Chrome trace JSON, gzipped
+        when the name ends in .gz) for a look at what the host does between launches."""
         from torch.profiler import ProfilerActivity, profile
         self.first, self.last = first, first + count
         self.seen = 0
-        self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        self.trace = trace
+        self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=trace is not None)
 
     def begin(self, stream: torch.cuda.Stream, desc: BatchDesc) -> None:
         if desc.is_prefill:
@@ -158,6 +173,8 @@ class ProfileWindow:
             torch.cuda.synchronize()
             self.prof.stop()
             self.seen += 1  # stop once
+            if self.trace:
+                self.prof.export_chrome_trace(self.trace)
 
     def top_kernels(self, top: int = 25) -> list[dict]:
         """The kernels that took the most GPU time in the window, with their share of it."""

@@ -88,7 +88,7 @@ def run_batch(llm: LLM, args, batch: int) -> dict:
         llm.engine.step_timer = None
     median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     if getattr(args, "profile", False) and not args.wall_clock and args.tp_size == 1:
-        llm.engine.step_timer = window = ProfileWindow(first=200, count=50)
+        llm.engine.step_timer = window = ProfileWindow(first=200, count=50, trace=getattr(args, "trace", None))
         measure(llm, batch, args.prompt_len, args.output_len, seed=0)
         llm.engine.step_timer = None
         median["profile"] = window.top_kernels(40)
@@ -145,6 +145,10 @@ def table_rows(args, r: dict) -> list[tuple[str, object]]:
             ("GPU decode step ms (median)", r.get("decode_step_ms_median", float("nan"))),
             ("idle between decode steps % (median)", r.get("idle_pct_of_step_median", float("nan"))),
             ("idle % per run", " ".join(f"{x.get('idle_pct_of_step_total', float('nan')):.2f}" for x in r["runs"])),
+            ("steps the host launched late % per run",
+             " ".join(f"{x.get('host_late_pct_of_steps', float('nan')):.1f}" for x in r["runs"])),
+            ("share of idle after late launches % per run",
+             " ".join(f"{x.get('idle_pct_host_late', float('nan')):.1f}" for x in r["runs"])),
             ("ms per token per run", " ".join(f"{x['ms_per_token']:.3f}" for x in r["runs"])),
             ("host Engine.forward work ms per decode step (median, waits excluded)",
              r.get("host_forward_work_ms_median", float("nan"))),
@@ -162,6 +166,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--wall-clock", action="store_true", help="time as for tp > 1 (whole generations)")
     parser.add_argument("--profile", action="store_true", help="then profile the kernels of decode steps 200-249")
+    parser.add_argument("--trace", help="with --profile: write that window's host and device timeline here "
+                                        "(Chrome trace JSON; .json.gz to compress)")
     args = parser.parse_args()
     llm = make_llm(args)
     results = [run_batch(llm, args, batch) for batch in args.batch]

@@ -3,7 +3,10 @@ TTFT / TPOT / ITL / end-to-end latency (mean, median, p99), against a running se
 with the offline engine's throughput on the same workload beside it.
 
     python bench/online_serving.py --url http://127.0.0.1:8000 --model-name NAME [...]
-    python bench/online_serving.py --model PATH [--tp-size K --replicas N] [--offline] [...]
+    python bench/online_serving.py --model PATH [--tp-size K --replicas N --routers R] [--offline] [...]
+
+With --client-procs P the client runs in P processes (each a share of the requests and of the
+concurrency), so that its own work (HTTP, SSE parsing, JSON) does not bound what it measures.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import signal
 import socket
@@ -47,7 +51,9 @@ async def one(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], 
             "tpot": (end - stamps[0]) / (max_tokens - 1) if max_tokens > 1 else 0.0}
 
 
-async def run(url: str, model: str, requests: list, concurrency: int) -> dict:
+async def run_share(url: str, model: str, requests: list, concurrency: int, ready=None) -> tuple[list, float, float]:
+    """One client process's requests at its concurrency: the results, and when (time.monotonic, the
+    same clock in every process) it started and ended. `ready`: a barrier to pass first."""
     limits = httpx.Limits(max_connections=concurrency + 8)
     async with httpx.AsyncClient(timeout=None, limits=limits) as http:
         sem = asyncio.Semaphore(concurrency)
@@ -56,9 +62,35 @@ async def run(url: str, model: str, requests: list, concurrency: int) -> dict:
             async with sem:
                 return await one(http, url, model, *req)
 
-        start = time.perf_counter()
+        if ready is not None:
+            await asyncio.get_running_loop().run_in_executor(None, ready.wait)
+        start = time.monotonic()
         results = await asyncio.gather(*(guarded(r) for r in requests))
-        wall = time.perf_counter() - start
+        return results, start, time.monotonic()
+
+
+def _client_process(url, model, requests, concurrency, ready, answers) -> None:
+    answers.put(asyncio.run(run_share(url, model, requests, concurrency, ready)))
+
+
+def run(url: str, model: str, requests: list, concurrency: int, procs: int = 1) -> dict:
+    procs = max(1, min(procs, concurrency, len(requests)))
+    if procs == 1:
+        results, start, end = asyncio.run(run_share(url, model, requests, concurrency))
+        return summarize(results, end - start, sum(len(p) for p, _ in requests))
+    ctx = multiprocessing.get_context("spawn")
+    ready, answers = ctx.Barrier(procs), ctx.Queue()
+    shares = [requests[i::procs] for i in range(procs)]
+    limits = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
+    workers = [ctx.Process(target=_client_process, args=(url, model, share, limit, ready, answers))
+               for share, limit in zip(shares, limits)]
+    for w in workers:
+        w.start()
+    parts = [answers.get() for _ in workers]
+    for w in workers:
+        w.join()
+    results = [r for part, _, _ in parts for r in part]
+    wall = max(end for _, _, end in parts) - min(start for _, start, _ in parts)
     return summarize(results, wall, sum(len(p) for p, _ in requests))
 
 
@@ -102,7 +134,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, str(Path(__file__).resolve().parent.parent / "launch.py"), "--model", args.model,
            "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(args.tp_size), "--replicas", str(args.replicas),
            "--page-size", str(args.page_size), "--served-model-name", "bench", "--max-extend-tokens", "16384",
-           "--load-format", args.load_format or "auto", "--log-level", "WARNING", "--no-dashboard"]
+           "--load-format", args.load_format or "auto", "--log-level", "WARNING", "--no-dashboard",
+           "--routers", str(args.routers)]
     server = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -138,6 +171,8 @@ def main() -> None:
     p.add_argument("--c1-prompts", type=int, default=None, help="requests for the concurrency-1 run")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--routers", type=int, default=0, help="router actors (launch.py --routers); 0: the launching process")
+    p.add_argument("--client-procs", type=int, default=1, help="client processes sharing the requests and concurrency")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--load-format", default=None)
     p.add_argument("--num-prompts", type=int, default=64)
@@ -174,9 +209,10 @@ def main() -> None:
         requests = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.vocab or 32000,
                             args.seed)
     try:
-        asyncio.run(run(url, name, requests[:2], 1))  # warm-up
+        run(url, name, requests[:2], 1)  # warm-up
         for c in args.concurrency:
-            rep = asyncio.run(run(url, name, requests[:args.c1_prompts] if c == 1 and args.c1_prompts else requests, c))
+            rep = run(url, name, requests[:args.c1_prompts] if c == 1 and args.c1_prompts else requests, c,
+                      args.client_procs)
             report[f"concurrency_{c}"] = rep
             print_report(f"online, concurrency {c}", rep)
             if "offline_output_tok_s" in report:

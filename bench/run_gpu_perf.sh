@@ -109,6 +109,17 @@ case $1 in
   13) # the online path (e) against the offline engine: launch.py and the benchmark client in their own processes
     step online 220 $B/online_serving.py --arch qwen3-0.6b --num-prompts 256 --input-len 100 1024 \
       --output-len 100 1024 --concurrency 1 256 --c1-prompts 8 --offline --out "$OUT/online.json" ;;
+  14) # (b) 5 runs: idle split by whether the host launched late, the host's own work, and a host+device
+      # trace of 50 steps; then the online path with the router in the launching process and in 2 and
+      # 4 router actors, the client in 4 processes
+    step latency_trace 150 $B/decode_latency.py --repeats 5 --profile --trace "$OUT/trace_b1.json.gz" \
+      --out "$OUT/latency_trace.json"
+    jit
+    ON="$B/online_serving.py --arch qwen3-0.6b --num-prompts 256 --input-len 100 1024 --output-len 100 1024 \
+      --c1-prompts 8 --client-procs 4"
+    step online_r0 200 $ON --concurrency 1 256 --offline --routers 0 --out "$OUT/online_r0.json"
+    step online_r2 150 $ON --concurrency 1 256 --routers 2 --out "$OUT/online_r2.json"
+    step online_r4 150 $ON --concurrency 256 --routers 4 --out "$OUT/online_r4.json" ;;
   9)  # the GPU tests, then the processors', grammars' and FP8's cost, and mixed steps
     step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py
