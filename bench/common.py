@@ -9,6 +9,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -147,6 +148,47 @@ class StepTimer:
                 # the idle time: what a faster host would remove
                 "host_late_pct_of_steps": 100 * late / len(busy),
                 "idle_pct_host_late": 100 * sum(late_idle) / (sum(idle) or 1)}
+
+
+class Sections:
+    """Host wall time of named methods (wrapped on their objects for the duration, so nothing else is
+    slowed as a profiler would), summed over the calls: `add(name, obj, attr)`, then `summary(steps)`
+    gives microseconds per step. Nested sections count inside their parents too."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._wrapped: list[tuple[object, str]] = []
+
+    def add(self, name: str, obj: object, attr: str) -> None:
+        if obj is None or not hasattr(obj, attr):
+            return
+        inner = getattr(obj, attr)
+        self.total.setdefault(name, 0.0)
+        self.calls.setdefault(name, 0)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.total[name] += time.perf_counter() - start
+                self.calls[name] += 1
+
+        setattr(obj, attr, timed)
+        self._wrapped.append((obj, attr))
+
+    def remove(self) -> None:
+        for obj, attr in reversed(self._wrapped):
+            try:
+                delattr(obj, attr)  # the class's method again
+            except AttributeError:
+                pass
+        self._wrapped.clear()
+
+    def summary(self, steps: int) -> dict[str, dict[str, float]]:
+        return {name: {"us_per_step": 1e6 * t / max(steps, 1), "calls_per_step": self.calls[name] / max(steps, 1)}
+                for name, t in self.total.items()}
 
 
 class ProfileWindow:

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from common import ARCHS, ProfileWindow, StepTimer, add_common_args, config_of, make_llm, report
+from common import ARCHS, ProfileWindow, Sections, StepTimer, add_common_args, config_of, make_llm, report
 
 from cluster import LLM, SamplingParams
 from worker import stream
@@ -87,6 +87,8 @@ def run_batch(llm: LLM, args, batch: int) -> dict:
         runs.append({**r, **timer.decode_summary(), **host.summary()})
         llm.engine.step_timer = None
     median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    if not (args.tp_size > 1 or args.wall_clock):
+        median["host_sections"] = host_sections(llm, batch, args)
     if getattr(args, "profile", False) and not args.wall_clock and args.tp_size == 1:
         llm.engine.step_timer = window = ProfileWindow(first=200, count=50, trace=getattr(args, "trace", None))
         measure(llm, batch, args.prompt_len, args.output_len, seed=0)
@@ -94,6 +96,43 @@ def run_batch(llm: LLM, args, batch: int) -> dict:
         median["profile"] = window.top_kernels(40)
     return {"benchmark": "decode_latency", **config_of(args), "batch": batch, "prompt_len": args.prompt_len,
             "output_len": args.output_len, **median, "runs": runs}
+
+
+def host_sections(llm: LLM, batch: int, args) -> dict:
+    """One more run with the host's main parts of a step timed (microseconds per step, each wrapped
+    method's wall time, waits included; nested parts count in their parents too)."""
+    engine, sched = llm.engine, llm.scheduler
+    sections = Sections()
+    sections.add("scheduler.schedule", sched, "schedule")
+    sections.add("scheduler._handle (waits for the step)", sched, "_handle")
+    sections.add("scheduler.receive", sched, "receive")
+    sections.add("builder.decode", sched.builder, "decode")
+    sections.add("engine.forward", engine, "forward")
+    sections.add("engine._stage", engine, "_stage")
+    sections.add("engine.staging.upload", engine.staging, "upload")
+    sections.add("engine._replay", engine, "_replay")
+    sections.add("engine._to_host", engine, "_to_host")
+    if engine.graphs is not None:
+        sections.add("graphs.prepare (attention plan)", engine.graphs, "prepare")
+        sections.add("graphs.replay", engine.graphs, "replay")
+    attn = engine.attn
+    sections.add("attn._plan", attn, "_plan")
+    sections.add("attn._gather_page_ids", attn, "_gather_page_ids")
+    sections.add("attn.staging.upload", getattr(attn, "staging", None), "upload")
+    for bs, wrapper in getattr(attn, "graph_wrappers", {}).items():
+        sections.add("flashinfer plan (graph wrappers)", wrapper, "plan")
+    waited = stream.host_wait_s
+    try:
+        start = time.perf_counter()
+        measure(llm, batch, args.prompt_len, args.output_len, seed=0)
+        wall = time.perf_counter() - start
+    finally:
+        sections.remove()
+    steps = args.output_len  # about one step per token
+    out = sections.summary(steps)
+    out["host waits on device events"] = {"us_per_step": 1e6 * (stream.host_wait_s - waited) / steps}
+    out["run wall"] = {"us_per_step": 1e6 * wall / steps}
+    return out
 
 
 class HostTimer:
@@ -174,6 +213,8 @@ def main() -> None:
     report(results[0] if len(results) == 1 else {"benchmark": "decode_latency", "results": results}, args.out,
            [row for r in results for row in table_rows(args, r)])
     for r in results:
+        for name, v in r.get("host_sections", {}).items():
+            print(f"  host {v['us_per_step']:8.1f} us/step  {v.get('calls_per_step', 0):5.2f} calls/step  {name}")
         for row in r.get("profile", []):
             print(f"  {row['pct']:5.1f}%  {row['ms']:8.3f} ms  {row['calls']:6d}  {row['kernel']}")
     llm.shutdown()

@@ -152,11 +152,38 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     raise SystemExit("launch.py did not become healthy within 600 s")
 
 
+def router_processes(server: subprocess.Popen | None) -> list:
+    """The processes that serve HTTP: launch.py's (the router with `routers` 0, the driver otherwise)
+    and every router actor's on this host (Ray names their processes ray::RouterActor...)."""
+    import psutil
+    procs = [psutil.Process(server.pid)] if server is not None else []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if cmd and cmd[0].startswith("ray::RouterActor"):
+            procs.append(p)
+    return procs
+
+
+def cpu_seconds(procs: list) -> float:
+    import psutil
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:  # gone since it was listed
+            pass
+    return total
+
+
 def print_report(name: str, rep: dict) -> None:
     print(f"== {name} ==")
     print(f"requests {rep['requests']}  duration {rep['duration_s']:.2f} s  "
           f"request throughput {rep['request_throughput']:.2f} req/s  "
           f"output throughput {rep['output_token_throughput']:.1f} tok/s")
+    if "router_cpu_s" in rep:
+        print(f"  router CPU {rep['router_cpu_s']:.2f} s ({rep['router_cpu_us_per_token']:.1f} us per output token) "
+              f"in {rep['router_processes']} process(es)")
     for key in ("ttft", "tpot", "itl", "e2e"):
         s = rep[key]
         print(f"  {key.upper():5} mean {s['mean_ms']:9.2f} ms  median {s['median_ms']:9.2f} ms  p99 {s['p99_ms']:9.2f} ms")
@@ -210,9 +237,15 @@ def main() -> None:
                             args.seed)
     try:
         run(url, name, requests[:2], 1)  # warm-up
+        procs = router_processes(server)
         for c in args.concurrency:
+            before = cpu_seconds(procs)
             rep = run(url, name, requests[:args.c1_prompts] if c == 1 and args.c1_prompts else requests, c,
                       args.client_procs)
+            if procs:
+                used = cpu_seconds(procs) - before
+                rep.update(router_cpu_s=used, router_processes=len(procs),
+                           router_cpu_us_per_token=1e6 * used / (rep["output_token_throughput"] * rep["duration_s"]))
             report[f"concurrency_{c}"] = rep
             print_report(f"online, concurrency {c}", rep)
             if "offline_output_tok_s" in report:
