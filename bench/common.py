@@ -103,10 +103,22 @@ class StepTimer:
         # per step: whether the device had already finished the step before when the host reached this
         # one's launch (a gap the host caused; otherwise the gap is the device's own, between streams)
         self.late: list[bool] = []
+        # per step: the scheduler stream's events around its part (metadata copies, page table, plan)
+        self.sched: list[list[torch.cuda.Event] | None] = []
+
+    def sched_begin(self, stream: torch.cuda.Stream) -> None:
+        if torch.cuda.is_available():
+            self._sched = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
+            self._sched[0].record(stream)
+
+    def sched_end(self, stream: torch.cuda.Stream) -> None:
+        if torch.cuda.is_available():
+            self._sched[1].record(stream)
 
     def begin(self, stream: torch.cuda.Stream, desc: BatchDesc) -> None:
         if not torch.cuda.is_available():
             return
+        self.sched.append(getattr(self, "_sched", None))
         prev = self.steps[-1][2] if self.steps else None
         self.late.append(prev is not None and prev.query())
         start = torch.cuda.Event(enable_timing=True)
@@ -128,9 +140,16 @@ class StepTimer:
             return {}
         torch.cuda.synchronize()
         busy, idle, ratios, late_idle, late = [], [], [], [], 0
-        for (p0, s0, e0), (p1, s1, _), was_late in zip(self.steps, self.steps[1:], self.late[1:]):
+        chain, chain_start, chain_end = [], [], []
+        for (p0, s0, e0), (p1, s1, _), was_late, sched in zip(self.steps, self.steps[1:], self.late[1:], self.sched[1:]):
             if p0 or p1:
                 continue
+            if sched is not None:
+                # the next step's scheduler-stream part: how long it ran, and when it began and ended
+                # against the end of this step (positive: after it, so the compute stream waited)
+                chain.append(sched[0].elapsed_time(sched[1]))
+                chain_start.append(e0.elapsed_time(sched[0]))
+                chain_end.append(e0.elapsed_time(sched[1]))
             step_ms, gap_ms = s0.elapsed_time(e0), e0.elapsed_time(s1)
             busy.append(step_ms)
             idle.append(gap_ms)
@@ -147,7 +166,10 @@ class StepTimer:
                 # steps the host launched only after the device had run out of work, and their share of
                 # the idle time: what a faster host would remove
                 "host_late_pct_of_steps": 100 * late / len(busy),
-                "idle_pct_host_late": 100 * sum(late_idle) / (sum(idle) or 1)}
+                "idle_pct_host_late": 100 * sum(late_idle) / (sum(idle) or 1),
+                **({"sched_part_ms_median": statistics.median(chain),
+                    "sched_part_start_after_step_end_ms_median": statistics.median(chain_start),
+                    "sched_part_end_after_step_end_ms_median": statistics.median(chain_end)} if chain else {})}
 
 
 class Sections:
@@ -202,6 +224,12 @@ class ProfileWindow:
         self.seen = 0
         self.trace = trace
         self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=trace is not None)
+
+    def sched_begin(self, stream: torch.cuda.Stream) -> None:
+        pass
+
+    def sched_end(self, stream: torch.cuda.Stream) -> None:
+        pass
 
     def begin(self, stream: torch.cuda.Stream, desc: BatchDesc) -> None:
         if desc.is_prefill:

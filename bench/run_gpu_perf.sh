@@ -122,6 +122,8 @@ case $1 in
     step online_r4 150 $ON --concurrency 256 --routers 4 --out "$OUT/online_r4.json" ;;
   15) # (b): the host's parts of a step, timed without a profiler
     step latency_sections 150 $B/decode_latency.py --repeats 3 --out "$OUT/latency_sections.json" ;;
+  16) # (b): where the idle between steps is (the scheduler stream's part against the compute stream's steps)
+    step latency_sched 150 $B/decode_latency.py --repeats 3 --out "$OUT/latency_sched.json" ;;
   9)  # the GPU tests, then the processors', grammars' and FP8's cost, and mixed steps
     step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py

@@ -174,7 +174,9 @@ class Engine:
         self.sched_stream = new_stream(self.device)    # metadata copies and attention planning
         self.inputs_free = new_event(self.device)      # the last step's forward no longer reads its inputs
         self.staging = PinnedStaging(self.device)
-        self.step_timer = None  # optional: an object with begin(stream, desc) and end(stream), for benchmarks
+        # optional, for benchmarks: an object with begin(stream, desc) and end(stream) (the compute
+        # stream's step), sched_begin(stream) and sched_end(stream) (the scheduler stream's part of it)
+        self.step_timer = None
         self.graphs = self._capture_graphs()
         self._warm_up()
 
@@ -324,8 +326,11 @@ class Engine:
         reached the host."""
         bs = self.graphs.bucket(desc) if self.graphs is not None else 0
         n, pages = desc.num_tokens, self.table.page_table.view(-1)
+        timer = self.step_timer
         with use_stream(self.sched_stream):
             self.sched_stream.wait_event(self.inputs_free)
+            if timer is not None:
+                timer.sched_begin(self.sched_stream)
             s = self._stage(desc, bs)
             pages.index_copy_(0, s.page_idx, s.page_val)
             if s.prefix_idx is not None:
@@ -338,6 +343,8 @@ class Engine:
                                      out_loc=s.out_loc[:n], table_idx=s.table_idx, seq_lens=s.seq_lens,
                                      last_idx=s.last_idx)
                 self.attn.prepare(batch)
+            if timer is not None:
+                timer.sched_end(self.sched_stream)
         with use_stream(self.stream):
             self.stream.wait_stream(self.sched_stream)
             if self.step_timer is not None:
