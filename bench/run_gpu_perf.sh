@@ -124,6 +124,14 @@ case $1 in
     step latency_sections 150 $B/decode_latency.py --repeats 3 --out "$OUT/latency_sections.json" ;;
   16) # (b): where the idle between steps is (the scheduler stream's part against the compute stream's steps)
     step latency_sched 150 $B/decode_latency.py --repeats 3 --out "$OUT/latency_sched.json" ;;
+  17) # the GPU tests of the attention plan's paths; (b) 5 runs on this tree and 3 on .old/; (a) on both
+    step gpu_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_kv_fp8.py \
+      tests/test_gpu_sampling.py -k "flashinfer or overlap or cuda_graph or triton_kernels or graph"
+    jit
+    step latency_new 150 $B/decode_latency.py --repeats 5 --out "$OUT/latency_new.json"
+    step latency_old 100 $OLD/decode_latency.py --repeats 3 --out "$OUT/latency_old.json"
+    off new $B/offline_throughput.py
+    off old $OLD/offline_throughput.py ;;
   9)  # the GPU tests, then the processors', grammars' and FP8's cost, and mixed steps
     step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py

@@ -45,7 +45,11 @@ class SchedulerActor:
         self._last_poll: dict[int, float] = {}  # subscriber -> when it last polled (monotonic)
         self._live: set[int] = set()  # submitted and not yet finished
         self._kv: KVEventStream | None = None
-        self._ready = threading.Condition()
+        # one lock for the outboxes and the live set; each subscriber's poll waits on its own condition
+        # of it, so a step wakes only the routers it has deltas for (an idle poller woken at every step
+        # would take the interpreter from the scheduler thread for nothing)
+        self._lock = threading.Lock()
+        self._wakeups: dict[int, threading.Condition] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.address: str | None = None
@@ -114,20 +118,20 @@ class SchedulerActor:
                 self._stop.wait(0.1)
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
-        with self._ready:
+        with self._lock:
             if self.broken:  # the watchdog has failed every request: nothing more may reach them
                 deltas = [d for d in deltas if d.uid in self._live]
             self.metrics.on_output(deltas)
             self._live.difference_update(d.uid for d in deltas if d.finished)
-            self._deliver(deltas)
+            owners = self._deliver(deltas)
             # the step's cache changes (a finished request's pages among them) in the same message
             self._kv.add(*self.scheduler.cache.take_kv_events())
-            self._ready.notify_all()
+            self._notify(owners)
 
     def _take_kv_events(self) -> None:
         stored, removed = self.scheduler.cache.take_kv_events()
         if stored or removed:
-            with self._ready:
+            with self._lock:
                 self._kv.add(stored, removed)
 
     def _on_finish(self, req: Req, reason: str) -> None:
@@ -153,7 +157,7 @@ class SchedulerActor:
         """Releases the routers (subscribers 1 and up) that have not polled for SUBSCRIBER_TIMEOUT_S:
         a router polls at least every second, so one that stopped is gone for good (Ray would have
         restarted it by then), and its requests must not run on for no one. Returns those released."""
-        with self._ready:  # decided and released at once: a poll in between would keep the router
+        with self._lock:  # decided and released at once: a poll in between would keep the router
             silent = [sub for sub, seen in self._last_poll.items() if sub and now - seen > SUBSCRIBER_TIMEOUT_S]
             released = {sub: self._release_locked(sub) for sub in silent}
         for sub, uids in released.items():
@@ -166,7 +170,7 @@ class SchedulerActor:
     def _fail_replica(self, why: str) -> None:
         """Marks the replica broken and ends every request it holds with the error; later requests get
         the error at once. The router replaces a broken replica."""
-        with self._ready:
+        with self._lock:
             if self.broken:
                 return
             log.error("replica %d is broken: %s", self.replica_id, why)
@@ -174,22 +178,38 @@ class SchedulerActor:
             self._deliver(_error_deltas(sorted(self._live), why))
             self.metrics.on_replica_failed(len(self._live))
             self._live.clear()
-            self._ready.notify_all()
+            self._notify(self._wakeups)
 
     # -- called through Ray ------------------------------------------------------------------------
 
-    def _deliver(self, deltas: list[TokenDelta]) -> None:
-        """Into each delta's subscriber's outbox (the lock held); a finished request forgets its owner."""
+    def _deliver(self, deltas: list[TokenDelta]) -> set[int]:
+        """Into each delta's subscriber's outbox (the lock held); a finished request forgets its owner.
+        Returns the subscribers delivered to."""
+        owners = set()
         for d in deltas:
             owner = self._owner.pop(d.uid, 0) if d.finished else self._owner.get(d.uid, 0)
             self._outboxes.setdefault(owner, []).append(d)
+            owners.add(owner)
+        return owners
+
+    def _wakeup(self, subscriber: int) -> threading.Condition:
+        """The condition subscriber's poll waits on (the lock held)."""
+        if (cond := self._wakeups.get(subscriber)) is None:
+            cond = self._wakeups[subscriber] = threading.Condition(self._lock)
+        return cond
+
+    def _notify(self, subscribers) -> None:
+        """Wakes the polls of these subscribers (the lock held)."""
+        for sub in subscribers:
+            if (cond := self._wakeups.get(sub)) is not None:
+                cond.notify_all()
 
     def submit(self, requests: list[AddRequest], subscriber: int = 0) -> None:
-        with self._ready:
+        with self._lock:
             if self.broken:
                 self._outboxes.setdefault(subscriber, []).extend(_error_deltas([r.uid for r in requests], self.broken))
                 self.metrics.on_replica_failed(len(requests))
-                self._ready.notify_all()
+                self._notify((subscriber,))
                 return
             self._live.update(r.uid for r in requests)
             if subscriber:
@@ -198,7 +218,7 @@ class SchedulerActor:
             self.scheduler.submit(request)
 
     def abort(self, uids: list[int]) -> None:
-        with self._ready:  # an aborted request gets no delta: it leaves the live set here
+        with self._lock:  # an aborted request gets no delta: it leaves the live set here
             self._live.difference_update(uids)
             for uid in uids:
                 self._owner.pop(uid, None)
@@ -209,7 +229,7 @@ class SchedulerActor:
         """Aborts every request that subscriber sent and drops what waits for it: a router that restarts
         calls this for its predecessor, whose clients' connections closed with it. Returns how many
         requests were aborted."""
-        with self._ready:
+        with self._lock:
             uids = self._release_locked(subscriber)
         self.abort(uids)
         return len(uids)
@@ -227,14 +247,15 @@ class SchedulerActor:
         timeout_s for the first delta (or a snapshot due). Changes to the cache alone wake no poll: they
         go with the next deltas, so a step is one message."""
         deadline = time.monotonic() + timeout_s
-        with self._ready:
+        with self._lock:
             self._last_poll[subscriber] = time.monotonic()
+            wakeup = self._wakeup(subscriber)
             while (not self._outboxes.get(subscriber) and not self._kv_snapshot_due(subscriber)
                    and not self._stop.is_set()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._ready.wait(left)
+                wakeup.wait(left)
             out = self._outboxes.pop(subscriber, [])
             return ReplicaOutput(out, self._kv.take(subscriber) if self._kv is not None else None, len(self._live))
 
@@ -244,10 +265,10 @@ class SchedulerActor:
     def kv_subscribe(self, subscriber: int = 0) -> None:
         """The next poll of subscriber carries every block hash the prefix cache holds (a router that
         connects late, or the router of a replacement), and the later ones what changed since."""
-        with self._ready:
+        with self._lock:
             if self._kv is not None:
                 self._kv.resync(subscriber)
-            self._ready.notify_all()
+            self._notify((subscriber,))
 
     def stats(self) -> ReplicaStats:
         return self.scheduler.call_between_steps(self._stats).result(timeout=30)

@@ -2,7 +2,11 @@
 each request's headers within `header_timeout_s` (a silent or slow-header client, such as a
 slowloris, is disconnected instead of holding a connection for ever), and at most `max_connections`
 are open at once (more get a 503 and are closed). Idle time between requests is uvicorn's keep-alive
-timeout."""
+timeout.
+
+Two protocols carry the same bounds: uvicorn's httptools one (a C parser, and a response body
+written as chunks without a Python state machine: about half the router's CPU per streamed event
+is this send path), used when httptools is installed, and its h11 one otherwise."""
 
 from __future__ import annotations
 
@@ -66,6 +70,62 @@ class BoundedH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def bounded_protocol(header_timeout_s: float, max_connections: int):
-    """The protocol class (a factory with uvicorn's constructor signature) for uvicorn.Config(http=...)."""
-    return functools.partial(BoundedH11Protocol, header_timeout_s=header_timeout_s, max_connections=max_connections)
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools is not installed
+    HttpToolsProtocol = None
+
+if HttpToolsProtocol is not None:
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+        """The bounds of BoundedH11Protocol on uvicorn's httptools protocol."""
+
+        def __init__(self, *args, header_timeout_s: float, max_connections: int, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.header_timeout_s, self.max_connections = header_timeout_s, max_connections
+            self._header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > self.max_connections:
+                transport.write(_BUSY)
+                transport.close()
+                return
+            self._await_headers()
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            if self._header_timer is None and (cycle is None or cycle.response_complete):
+                self._await_headers()  # the first bytes of the next request on a kept-alive connection
+            super().data_received(data)
+
+        def on_headers_complete(self) -> None:
+            self._stop_waiting()  # the request runs
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._stop_waiting()
+            super().connection_lost(exc)
+
+        def _await_headers(self) -> None:
+            self._stop_waiting()
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+        def _stop_waiting(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                log.debug("closing a connection that sent no complete request headers in %g s", self.header_timeout_s)
+                self.transport.close()
+
+
+def bounded_protocol(header_timeout_s: float, max_connections: int, impl: str = "auto"):
+    """The protocol class (a factory with uvicorn's constructor signature) for uvicorn.Config(http=...):
+    `impl` "httptools", "h11", or "auto" (httptools when installed)."""
+    if impl == "auto":
+        impl = "h11" if HttpToolsProtocol is None else "httptools"
+    cls = BoundedHttpToolsProtocol if impl == "httptools" else BoundedH11Protocol
+    return functools.partial(cls, header_timeout_s=header_timeout_s, max_connections=max_connections)

@@ -4,6 +4,7 @@ refused with a 503."""
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import time
@@ -12,16 +13,30 @@ import httpx
 import pytest
 from helpers import serving
 
+import router.server as server_module
+from router import connection
+
 HEADER_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 350  # above the 300 slow and silent ones held below; both ends stay well under 1024 files
 OK = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def srv(ray_cluster, qwen3_path):
-    with serving(qwen3_path, num_pages=256, header_timeout_s=HEADER_TIMEOUT_S,
-                 max_connections=MAX_CONNECTIONS) as server:
-        yield server
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def srv(request, ray_cluster, qwen3_path):
+    """A server on each of the two HTTP protocols that carry the bounds (httptools when installed)."""
+    if request.param == "httptools" and connection.HttpToolsProtocol is None:
+        pytest.skip("httptools is not installed")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(server_module, "bounded_protocol", functools.partial(connection.bounded_protocol, impl=request.param))
+        with serving(qwen3_path, num_pages=256, header_timeout_s=HEADER_TIMEOUT_S,
+                     max_connections=MAX_CONNECTIONS) as server:
+            yield server
+
+
+def test_httptools_is_the_protocol_when_installed():
+    made = connection.bounded_protocol(1.0, 1)
+    assert made.func is (connection.BoundedH11Protocol if connection.HttpToolsProtocol is None
+                         else connection.BoundedHttpToolsProtocol)
 
 
 def _connect(srv, first_bytes: bytes = b"") -> socket.socket:
@@ -127,17 +142,20 @@ def _running(srv) -> float:
 def test_a_stream_whose_client_leaves_before_its_body_starts_is_ended_and_aborted_once(srv, monkeypatch):
     import ray
     from uvicorn.protocols.http.h11_impl import H11Protocol
-    handle_events = H11Protocol.handle_events
+    bases = [H11Protocol] + ([connection.HttpToolsProtocol] if connection.HttpToolsProtocol is not None else [])
 
-    def backed_up(self) -> None:
-        """The response's start waits on the connection's writes until the client has left and its
-        leaving has cancelled the response: its body never starts."""
-        handle_events(self)
-        if self.cycle is not None and not self.cycle.response_started:
-            self.flow.pause_writing()
-            self.flow.resume_writing = lambda: None
+    def backed_up(received):
+        def data_received(self, data: bytes) -> None:
+            """The response's start waits on the connection's writes until the client has left and its
+            leaving has cancelled the response: its body never starts."""
+            received(self, data)
+            if self.cycle is not None and not self.cycle.response_started:
+                self.flow.pause_writing()
+                self.flow.resume_writing = lambda: None
+        return data_received
 
-    monkeypatch.setattr(H11Protocol, "handle_events", backed_up)
+    for base in bases:
+        monkeypatch.setattr(base, "data_received", backed_up(base.data_received))
     body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 480, "ignore_eos": True,
                        "stream": True}).encode()
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"

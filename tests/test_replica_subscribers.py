@@ -87,3 +87,30 @@ def test_a_router_that_stops_polling_has_its_requests_aborted(scripted):
     assert [d.uid for d in actor.poll(0.0, subscriber=2) if d.finished] == [2]
     assert actor.scheduler.snapshot().running == 0
     run.check()
+
+
+def test_a_step_wakes_only_the_polls_of_routers_it_has_deltas_for(scripted):
+    """An idle router's poll sleeps through the steps of other routers' requests (woken at every step,
+    it would take the interpreter from the scheduler thread for nothing)."""
+    import threading
+
+    actor, run = in_process_replica(scripted)
+    for sub in (1, 2):
+        actor.poll(0.0, subscriber=sub)  # each router has polled once: its condition exists
+    woken = {1: 0, 2: 0}
+
+    class Counting(threading.Condition):
+        def __init__(self, sub: int) -> None:
+            super().__init__(actor._lock)
+            self.sub = sub
+
+        def notify_all(self) -> None:
+            woken[self.sub] += 1
+            super().notify_all()
+
+    actor._wakeups.update({sub: Counting(sub) for sub in (1, 2)})
+    actor.submit([AddRequest(1, [1, 2, 3], _params(4))], subscriber=1)
+    _step_all(actor)
+    assert woken[1] >= 4 and woken[2] == 0
+    assert [d.uid for d in actor.poll(0.0, subscriber=1)] == [1] * 4 and actor.poll(0.0, subscriber=2) == []
+    run.check()

@@ -1,4 +1,4 @@
-"""A soak: thousands of requests of random lengths, streaming and not, a fifth of the clients
+"""A soak: hundreds of requests of random lengths, streaming and not, a fifth of the clients
 disconnecting part-way. Afterwards every replica is whole, idle, and has not grown."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import ray
 from helpers import serving
 from test_serve import wait_until_idle
 
-REQUESTS = 1500
-WARMUP = 200
+REQUESTS = 700
+WARMUP = 100
 CONCURRENCY = 48
 
 

@@ -191,10 +191,10 @@ class CudaGraphRunner:
         logits = self.model.lm_head(hidden)
         return logits, self.sampler(logits, b.args(False, False), procs=False, filtered=False)
 
-    def prepare(self, desc: BatchDesc, bs: int) -> None:
+    def prepare(self, desc: BatchDesc, bs: int, staged: object | None = None) -> None:
         """On the scheduler stream, once the previous step's forward is done with the attention buffers:
-        plans attention for this step."""
-        self.attn.prepare_graph(desc, bs, self.buckets[bs].out_loc, self.scratch_page)
+        plans attention for this step (`staged`: the backend's `stage` for it, run before)."""
+        self.attn.prepare_graph(desc, bs, self.buckets[bs].out_loc, self.scratch_page, staged)
 
     def replay(self, bs: int, io: torch.Tensor, after_forward: Callable[[], None]) -> _Bucket:
         """On the compute stream: copies the step's block into the static buffer and replays the

@@ -2,9 +2,10 @@
 descriptions. It knows nothing of requests or scheduling; every rank applies the same description.
 
 A step runs on two CUDA streams. The scheduler stream copies the step's metadata to the device (one
-copy from pinned staging), writes the page table and plans attention; it first waits for the previous
-step's forward (`inputs_free`), which is the last reader of what it rewrites, so it overlaps that
-step's LM head and sampling. The compute stream waits for it, runs the forward (a CUDA graph for
+copy from pinned staging), writes the page table and stages the attention plan's arrays, all of which
+the step in flight does not read, so they overlap its forward; then it waits for that step's forward
+(`inputs_free`), the last reader of the attention buffers, and plans attention into them, which
+overlaps that step's LM head and sampling. The compute stream waits for it, runs the forward (a CUDA graph for
 decode), samples, writes the sampled tokens into the token pool and copies them to the host. Nothing
 here synchronizes the device; the host waits only on `StepOutput.done`."""
 
@@ -328,21 +329,26 @@ class Engine:
         n, pages = desc.num_tokens, self.table.page_table.view(-1)
         timer = self.step_timer
         with use_stream(self.sched_stream):
-            self.sched_stream.wait_event(self.inputs_free)
-            if timer is not None:
-                timer.sched_begin(self.sched_stream)
+            # first what the step in flight does not read, so that it overlaps that step's forward: the
+            # step's metadata (into a staging slot of its own), its cells of the page table (read by
+            # this stream alone, by the attention plans), the attention plan's arrays
             s = self._stage(desc, bs)
             pages.index_copy_(0, s.page_idx, s.page_val)
             if s.prefix_idx is not None:
                 pages.index_copy_(0, s.prefix_idx, s.prefix_val)
+            plan = self.attn.stage(desc, bs or desc.batch_size)
+            # then what it reads (the attention buffers the plan rewrites), once its forward is done
+            self.sched_stream.wait_event(self.inputs_free)
+            if timer is not None:
+                timer.sched_begin(self.sched_stream)
             if bs:
-                self.graphs.prepare(desc, bs)
+                self.graphs.prepare(desc, bs, plan)
             else:
                 # a decode step's input_ids are read from the token pool on the compute stream, below
                 batch = ForwardBatch(desc=desc, input_ids=s.input_ids, positions=s.positions[:n],
                                      out_loc=s.out_loc[:n], table_idx=s.table_idx, seq_lens=s.seq_lens,
                                      last_idx=s.last_idx)
-                self.attn.prepare(batch)
+                self.attn.prepare(batch, plan)
             if timer is not None:
                 timer.sched_end(self.sched_stream)
         with use_stream(self.stream):
@@ -362,7 +368,7 @@ class Engine:
                 out.prompt_logprobs = self._host_copy(chosen)
                 if values is not None:
                     out.prompt_top_logprobs, out.prompt_top_ids = self._host_copy(values), self._host_copy(ids)
-            out.done.record()
+            out.done.record(self.stream)
             s.staged.release(self.stream)
             if self.step_timer is not None:
                 self.step_timer.end(self.stream)

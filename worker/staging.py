@@ -9,12 +9,15 @@ by then, so the wait costs nothing. On the CPU there is no copy: the views are t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from worker.stream import new_event, wait_for
 
 _ALIGN = 16  # so that every view starts on a boundary of its element size
+_MAX_LAYOUTS = 64  # cached view sets per slot
 
 
 class Staged:
@@ -31,6 +34,16 @@ class Staged:
         self._slot.in_use = False
 
 
+@dataclass(frozen=True)
+class _Views:
+    """One layout's typed views of a slot, and the slot's used span to copy (None on the CPU)."""
+
+    host: dict[str, torch.Tensor]
+    device: dict[str, torch.Tensor]
+    offsets: list[int]
+    copy: tuple[torch.Tensor, torch.Tensor] | None
+
+
 class _Slot:
     def __init__(self, device: torch.device, capacity: int) -> None:
         self.device = device
@@ -43,6 +56,9 @@ class _Slot:
         self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=on_gpu)
         self.dev = torch.empty(capacity, dtype=torch.uint8, device=self.device) if on_gpu else self.host
         self.host_np = self.host.numpy()
+        # the typed views of each layout seen (a decode step's arrays have the same names, sizes and
+        # dtypes step after step): made once, since each view costs the host more than the packing
+        self.views: dict[tuple, _Views] = {}
 
 
 class PinnedStaging:
@@ -58,20 +74,27 @@ class PinnedStaging:
         if slot.in_use:
             raise RuntimeError("a staging slot was reused before the step that held it released it")
         wait_for(slot.event)  # the step that last used this slot is done with it
-        offsets, end = [], 0
-        for a in arrays.values():
-            offsets.append(end)
-            end += -(-a.nbytes // _ALIGN) * _ALIGN
-        if end > slot.host.numel():
-            slot.resize(max(end, 2 * slot.host.numel()))
-        host, device = {}, {}
-        for (name, a), off in zip(arrays.items(), offsets):
-            a = np.ascontiguousarray(a)
+        layout = tuple((name, a.dtype, a.nbytes) for name, a in arrays.items())
+        if (views := slot.views.get(layout)) is None:
+            if len(slot.views) >= _MAX_LAYOUTS:  # prefill steps vary: keep the cache bounded
+                slot.views.clear()
+            offsets, end = [], 0
+            for a in arrays.values():
+                offsets.append(end)
+                end += -(-a.nbytes // _ALIGN) * _ALIGN
+            if end > slot.host.numel():
+                slot.resize(max(end, 2 * slot.host.numel()))
+            host, device = {}, {}
+            for (name, a), off in zip(arrays.items(), offsets):
+                dtype = torch.from_numpy(np.empty(0, a.dtype)).dtype
+                host[name] = slot.host[off:off + a.nbytes].view(dtype)
+                device[name] = slot.dev[off:off + a.nbytes].view(dtype)
+            copy = (slot.dev[:end], slot.host[:end]) if slot.dev is not slot.host and end else None
+            views = slot.views[layout] = _Views(host, device, offsets, copy)
+        for a, off in zip(arrays.values(), views.offsets):
             slot.host_np[off:off + a.nbytes].view(a.dtype)[:] = a.reshape(-1)
-            dtype = torch.from_numpy(a[:0]).dtype
-            host[name] = slot.host[off:off + a.nbytes].view(dtype)
-            device[name] = slot.dev[off:off + a.nbytes].view(dtype)
-        if slot.dev is not slot.host and end:
-            slot.dev[:end].copy_(slot.host[:end], non_blocking=True)
+        if views.copy is not None:
+            dst, src = views.copy
+            dst.copy_(src, non_blocking=True)
         slot.in_use = True
-        return Staged(slot, host, device)
+        return Staged(slot, views.host, views.device)

@@ -40,8 +40,34 @@ def new_event(device: torch.device) -> torch.cuda.Event | NullEvent:
     return torch.cuda.Event() if device.type == "cuda" else NullEvent()
 
 
+class _StreamScope:
+    """torch.cuda.stream(stream) for a stream of the current device, without its device lookups (on a
+    slow host, torch.cuda.stream and a record() on the current stream cost several microseconds each
+    in is_available and device-index checks; a decode step enters two scopes)."""
+
+    __slots__ = ("stream", "prev")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> torch.cuda.Stream:
+        self.prev = torch.cuda.current_stream(self.stream.device_index)
+        torch.cuda.set_stream(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_stream(self.prev)
+
+
 def use_stream(stream: torch.cuda.Stream | NullStream) -> contextlib.AbstractContextManager:
-    return torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
+    return _StreamScope(stream) if isinstance(stream, torch.cuda.Stream) else contextlib.nullcontext()
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The current stream of a CUDA device, looked up without torch's device checks; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def wait_for(event: torch.cuda.Event | NullEvent) -> None:

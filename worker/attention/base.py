@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from worker.batch import ForwardBatch
+from worker.batch import BatchDesc, ForwardBatch
 from worker.kv_cache import KVCachePool
 
 
@@ -14,9 +14,16 @@ class AttentionBackend(ABC):
     kv: KVCachePool
     out_loc: torch.Tensor  # this step's KV-cache locations, one per token (set by prepare)
 
+    def stage(self, desc: BatchDesc, rows: int) -> object | None:
+        """The first part of a step's planning, which rewrites nothing the step before may still read
+        (host arrays, and their copy to the device into a buffer of their own): the engine runs it
+        before waiting for that step's forward, and passes what it returns to prepare. `rows`: the
+        batch size the plan is for (a CUDA graph's bucket)."""
+        return None
+
     @abstractmethod
-    def prepare(self, batch: ForwardBatch) -> None:
-        """Derive this step's metadata (shared by every layer) from the batch."""
+    def prepare(self, batch: ForwardBatch, staged: object | None = None) -> None:
+        """Derive this step's metadata (shared by every layer) from the batch (and `stage`'s result)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:

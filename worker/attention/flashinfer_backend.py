@@ -9,12 +9,14 @@ The pool's pages are FlashInfer's pages (NHD layout). The page table holds token
 Planning runs on whatever stream is current (the engine's scheduler stream). Everything a plan
 writes on the device (index buffers, FlashInfer's int workspace) is shared from step to step, so the
 caller must order a plan after the previous step's attention kernels (the engine's `inputs_free`
-event). FlashInfer's plan also rewrites a pinned host buffer and copies from it asynchronously; the
+event); `stage`, the plan's arrays copied into a staging ring of their own, need not wait, and the
+engine runs it before. FlashInfer's plan also rewrites a pinned host buffer and copies from it asynchronously; the
 `_plan_copied` event keeps the next plan from rewriting it while that copy may be pending."""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,8 +24,8 @@ import torch
 from worker.attention.base import AttentionBackend
 from worker.batch import BatchDesc, ForwardBatch
 from worker.kv_cache import KVCachePool
-from worker.staging import PinnedStaging
-from worker.stream import new_event, wait_for
+from worker.staging import PinnedStaging, Staged
+from worker.stream import current_stream, new_event, wait_for
 
 WORKSPACE_BYTES = 256 << 20    # FlashInfer's float workspace (split-KV partial results), shared by all wrappers
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -64,6 +66,17 @@ def prefill_backend(device: torch.device, head_dim: int, kv_dtype: torch.dtype =
     return "fa2"
 
 
+@dataclass
+class _PlanArrays:
+    """`FlashInferBackend.stage`'s result: a step's plan arrays, staged, for its `_plan`."""
+
+    desc: BatchDesc | None
+    rows: int      # the plan's batch size (a graph's bucket: rows past n are padding)
+    n: int         # the step's requests
+    num_real: int  # their pages
+    staged: Staged
+
+
 class FlashInferBackend(AttentionBackend):
     def __init__(self, kv: KVCachePool, page_table: torch.Tensor, num_heads: int,
                  q_dtype: torch.dtype | None = None) -> None:
@@ -100,7 +113,7 @@ class FlashInferBackend(AttentionBackend):
         # every row full, plus one scratch page for each padded row of a CUDA-graph batch
         capacity = rows * -(-row_len // self.page_size) + rows
         self.kv_indices = torch.zeros(capacity, dtype=torch.int32, device=device)
-        self.page_starts = torch.arange(capacity, dtype=torch.int32, device=device) * self.page_size
+        self.page_starts = np.arange(capacity, dtype=np.int32) * self.page_size
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=prefill_backend(device, self.head_dim, kv.dtype))
@@ -117,16 +130,17 @@ class FlashInferBackend(AttentionBackend):
 
     # -- planning ------------------------------------------------------------------------------------
 
-    def prepare(self, batch: ForwardBatch) -> None:
+    def prepare(self, batch: ForwardBatch, staged: _PlanArrays | None = None) -> None:
         desc = batch.desc
         if desc.is_prefill:
             wrapper = self.prefill_wrapper
         else:
             wrapper = self.decode_wrappers[use_tensor_cores(desc.batch_size)]
-        self._plan(wrapper, desc, desc.batch_size, scratch_page=-1)
+        self._plan(wrapper, staged or self.stage(desc, desc.batch_size), scratch_page=-1)
         self.wrapper, self.out_loc = wrapper, batch.out_loc
 
-    def prepare_graph(self, desc: BatchDesc | None, bs: int, out_loc: torch.Tensor, scratch_page: int) -> None:
+    def prepare_graph(self, desc: BatchDesc | None, bs: int, out_loc: torch.Tensor, scratch_page: int,
+                      staged: _PlanArrays | None = None) -> None:
         """Plans the CUDA-graph decode wrapper of batch size `bs` (made on first use) for `desc`; the rows
         past the batch (every row when `desc` is None, at capture) attend over the scratch page only."""
         wrapper = self.graph_wrappers.get(bs)
@@ -136,10 +150,13 @@ class FlashInferBackend(AttentionBackend):
                 paged_kv_indptr_buffer=self.graph_indptr[: bs + 1], paged_kv_indices_buffer=self.kv_indices,
                 paged_kv_last_page_len_buffer=self.graph_last_page_len[:bs])
             self.graph_wrappers[bs] = wrapper
-        self._plan(wrapper, desc, bs, scratch_page)
+        self._plan(wrapper, staged or self.stage(desc, bs), scratch_page)
         self.wrapper, self.out_loc = wrapper, out_loc
 
-    def _plan(self, wrapper, desc: BatchDesc | None, bs: int, scratch_page: int) -> None:
+    def stage(self, desc: BatchDesc | None, rows: int) -> _PlanArrays:
+        """The plan's arrays on the host and (one copy, into this backend's own staging ring) on the
+        device: nothing the step in flight reads."""
+        bs = rows
         n = 0 if desc is None else desc.batch_size
         seq = np.ones(bs, dtype=np.int64)  # padded rows: one token on the scratch page
         slots = np.zeros(bs, dtype=np.int64)
@@ -151,20 +168,26 @@ class FlashInferBackend(AttentionBackend):
         np.cumsum(pages, out=kv_indptr[1:])
         last_page_len = (seq - (pages - 1) * self.page_size).astype(np.int32)
         num_real = int(kv_indptr[n])
+        # the page-table cell holding request i's page j is base[i] + page_starts[kv_indptr[i] + j]
+        # (computed here: one host array in the step's one copy, where the device would take three kernels)
+        base = (slots[:n] * self.row_len - kv_indptr[:n].astype(np.int64) * self.page_size).astype(np.int32)
         arrays = {
             "kv_indptr": kv_indptr,
             "last_page_len": last_page_len,
-            # flat page-table index of request i's page j is base[i] + page_starts[kv_indptr[i] + j]
-            "base": (slots[:n] * self.row_len - kv_indptr[:n].astype(np.int64) * self.page_size).astype(np.int32),
-            "page_counts": pages[:n],
+            "cells": np.repeat(base, pages[:n]) + self.page_starts[:num_real],
         }
         if desc is not None and desc.is_prefill:
             qo_indptr = np.zeros(n + 1, dtype=np.int32)
             np.cumsum(desc.extend_lens, out=qo_indptr[1:])
             arrays["qo_indptr"] = qo_indptr
-        staged = self.staging.upload(arrays)
+        return _PlanArrays(desc, bs, n, num_real, self.staging.upload(arrays))
+
+    def _plan(self, wrapper, plan: _PlanArrays, scratch_page: int) -> None:
+        """The part that rewrites what the step before reads (the page ids, FlashInfer's buffers): after
+        that step's forward."""
+        desc, bs, n, num_real, staged = plan.desc, plan.rows, plan.n, plan.num_real, plan.staged
         if n:
-            self._gather_page_ids(staged.device["base"], staged.device["page_counts"], num_real)
+            self._gather_page_ids(staged.device["cells"])
         if bs > n:
             self.kv_indices[num_real:num_real + bs - n].fill_(scratch_page)
         indices = self.kv_indices[: num_real + bs - n]
@@ -180,15 +203,15 @@ class FlashInferBackend(AttentionBackend):
                 wrapper.plan(h["kv_indptr"], indices, h["last_page_len"], self.num_heads, self.num_kv_heads,
                              self.head_dim, self.page_size, q_data_type=q_dtype, kv_data_type=kv_dtype,
                              non_blocking=True)
-        self._plan_copied.record()
-        staged.release()  # every reader of the staged arrays (copies, gathers, plan) is on this stream
+        stream = current_stream(self.kv.device)
+        self._plan_copied.record(stream)
+        staged.release(stream)  # every reader of the staged arrays (copies, gathers, plan) is on this stream
 
-    def _gather_page_ids(self, base: torch.Tensor, page_counts: torch.Tensor, total: int) -> None:
-        """kv_indices[:total] = each request's page ids, in order, read from the page table."""
-        req = torch.repeat_interleave(page_counts, output_size=total)
-        flat = base.index_select(0, req).add_(self.page_starts[:total])
-        out = self.kv_indices[:total]
-        torch.index_select(self.page_table.view(-1), 0, flat, out=out)
+    def _gather_page_ids(self, cells: torch.Tensor) -> None:
+        """kv_indices[:len(cells)] = each request's page ids, in order: the page table's token
+        locations at those cells (each the first position of a page), divided by the page size."""
+        out = self.kv_indices[: cells.numel()]
+        torch.index_select(self.page_table.view(-1), 0, cells, out=out)
         if self.page_size > 1:
             out.floor_divide_(self.page_size)
 

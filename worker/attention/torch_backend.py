@@ -18,7 +18,7 @@ class TorchBackend(AttentionBackend):
         self.page_table = page_table
         self.batch: ForwardBatch | None = None
 
-    def prepare(self, batch: ForwardBatch) -> None:
+    def prepare(self, batch: ForwardBatch, staged: object | None = None) -> None:
         self.batch, self.out_loc = batch, batch.out_loc
         desc = batch.desc
         max_len = int(desc.seq_lens.max())
