@@ -108,14 +108,23 @@ def summarize(results: list[dict], wall: float, prompt_tokens: int) -> dict:
             "itl": _stats([x for r in results for x in r["itl"]] or [0.0]), "e2e": _stats([r["e2e"] for r in results])}
 
 
-def offline_throughput(args, requests) -> float:
+def offline_engine(args, requests, ttft_prompts: int) -> tuple[float, dict]:
+    """The offline engine's output throughput on the requests, and its time to the first token of the
+    first ttft_prompts prompts one at a time (each a whole generation of one token: prefill, sampling,
+    and the token back on the host), to set beside the online TTFT at concurrency 1."""
     from cluster import LLM, SamplingParams
     with LLM(args.model, tp_size=args.tp_size, **engine_options(args)) as llm:
         params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True, seed=len(p)) for p, m in requests]
         llm.generate([p for p, _ in requests[:4]], params[:4])  # warm-up
         start = time.perf_counter()
         llm.generate([p for p, _ in requests], params)
-        return sum(m for _, m in requests) / (time.perf_counter() - start)
+        throughput = sum(m for _, m in requests) / (time.perf_counter() - start)
+        ttfts = []
+        for prompt, _ in requests[:ttft_prompts]:
+            start = time.perf_counter()
+            llm.generate([prompt], SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, seed=len(prompt)))
+            ttfts.append(time.perf_counter() - start)
+        return throughput, _stats(ttfts)
 
 
 def engine_options(args) -> dict:
@@ -221,14 +230,17 @@ def main() -> None:
         vocab = args.vocab or AutoConfig.from_pretrained(args.model).vocab_size
         requests = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
         if args.offline:
-            report["offline_output_tok_s"] = offline_throughput(args, requests)
+            report["offline_output_tok_s"], report["offline_ttft"] = offline_engine(args, requests, args.c1_prompts or 8)
             import gc
 
             import torch
             gc.collect()  # give the offline engine's GPU memory back before the server's replica takes its share
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            print(f"== offline engine ==\noutput throughput {report['offline_output_tok_s']:.1f} tok/s")
+            t = report["offline_ttft"]
+            print(f"== offline engine ==\noutput throughput {report['offline_output_tok_s']:.1f} tok/s\n"
+                  f"  TTFT  mean {t['mean_ms']:9.2f} ms  median {t['median_ms']:9.2f} ms  p99 {t['p99_ms']:9.2f} ms "
+                  "(one prompt at a time)")
         server, url = start_server(args)
         name = "bench"
     else:

@@ -132,6 +132,12 @@ case $1 in
     step latency_old 100 $OLD/decode_latency.py --repeats 3 --out "$OUT/latency_old.json"
     off new $B/offline_throughput.py
     off old $OLD/offline_throughput.py ;;
+  18) # the online path (e): the router in the launching process and in 2 router actors, the client in 4
+      # processes; the offline engine's throughput and TTFT (one prompt at a time) on the same requests
+    ON="$B/online_serving.py --arch qwen3-0.6b --num-prompts 256 --input-len 100 1024 --output-len 100 1024 \
+      --c1-prompts 8 --client-procs 4"
+    step online_r0 200 $ON --concurrency 1 256 --offline --routers 0 --out "$OUT/online_r0.json"
+    step online_r2 150 $ON --concurrency 1 256 --routers 2 --out "$OUT/online_r2.json" ;;
   9)  # the GPU tests, then the processors', grammars' and FP8's cost, and mixed steps
     step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py
