@@ -242,22 +242,24 @@ class SchedulerActor:
             self._kv.drop(subscriber)
         return uids
 
-    def poll(self, timeout_s: float = 1.0, subscriber: int = 0) -> ReplicaOutput:
-        """Every delta for subscriber since its last poll, and the KV events since then; waits up to
-        timeout_s for the first delta (or a snapshot due). Changes to the cache alone wake no poll: they
-        go with the next deltas, so a step is one message."""
+    def poll(self, timeout_s: float = 1.0, subscriber: int = 0, kv_events: bool = True) -> ReplicaOutput:
+        """Every delta for subscriber since its last poll, and (`kv_events`) the KV events since then;
+        waits up to timeout_s for the first delta (or a snapshot due). Changes to the cache alone wake no
+        poll: they go with the next deltas, so a step is one message. A subscriber that polls without
+        kv_events is no receiver of them: nothing is kept for it."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             self._last_poll[subscriber] = time.monotonic()
             wakeup = self._wakeup(subscriber)
-            while (not self._outboxes.get(subscriber) and not self._kv_snapshot_due(subscriber)
+            while (not self._outboxes.get(subscriber) and not (kv_events and self._kv_snapshot_due(subscriber))
                    and not self._stop.is_set()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 wakeup.wait(left)
             out = self._outboxes.pop(subscriber, [])
-            return ReplicaOutput(out, self._kv.take(subscriber) if self._kv is not None else None, len(self._live))
+            kv = self._kv.take(subscriber) if self._kv is not None and kv_events else None
+            return ReplicaOutput(out, kv, len(self._live))
 
     def _kv_snapshot_due(self, subscriber: int = 0) -> bool:
         return self._kv is not None and self._kv.snapshot_due(subscriber)

@@ -20,10 +20,13 @@ log = logging.getLogger(__name__)
 
 class ReplicaClient:
     def __init__(self, replica_id: int, actor: ActorHandle, health_timeout_s: float = 30.0,
-                 subscriber: int = 0) -> None:
+                 subscriber: int = 0, kv_events: bool = True) -> None:
         """`subscriber`: this router's index among the routers sending to the replica (each polls its own
-        requests' deltas)."""
+        requests' deltas). `kv_events`: receive the replica's cache contents (a client that routes
+        nothing, the launching process's beside router actors, need not: the replica then keeps no
+        changes for it)."""
         self.replica_id, self.actor, self.subscriber = replica_id, actor, subscriber
+        self.kv_events = kv_events
         self.health_timeout_s = health_timeout_s
         self.queues: dict[int, asyncio.Queue] = {}
         # sent and without a token yet (waiting in the replica's queue, or in its first prefill): prompt tokens
@@ -126,10 +129,11 @@ class ReplicaClient:
                         self.replica_id, type(e).__name__, e)
 
     async def _poll_loop(self) -> None:
-        await self._subscribe_kv()
+        if self.kv_events:
+            await self._subscribe_kv()
         while True:
             try:
-                deltas = await self.actor.poll.remote(1.0, self.subscriber)
+                deltas = await self.actor.poll.remote(1.0, self.subscriber, self.kv_events)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the actor died: fail what it held

@@ -42,7 +42,8 @@ class Server:
         self.tier: RouterTier | None = None
         try:
             info = self.fleet.replicas[0].info
-            self.state = router_state(config, tokenizer, info, self.fleet.replicas)
+            # beside router actors this process only supervises: its clients need no cache contents
+            self.state = router_state(config, tokenizer, info, self.fleet.replicas, kv_events=not config.routers)
             if config.routers:  # the router actors serve; this process supervises the replicas
                 self.tier = RouterTier(config, self.fleet.replicas, info, self.state)
             self.supervisor = Supervisor(self.state, self.fleet,
@@ -142,7 +143,7 @@ class Server:
 
 
 def router_state(config: ServeConfig, tokenizer, info, replicas, subscriber: int = 0,
-                 first_uid: int = 0) -> RouterState:
+                 first_uid: int = 0, kv_events: bool = True) -> RouterState:
     """A router's state over the replicas (ReplicaHandles or router.actor.ReplicaRefs): its clients
     poll as `subscriber`, and its request ids start at first_uid (each router and each of its
     incarnations has its own range)."""
@@ -153,7 +154,7 @@ def router_state(config: ServeConfig, tokenizer, info, replicas, subscriber: int
         defaults=generation_defaults(config.model),
         tool_call_parser=tool_call_parser_for(config.tool_call_parser, model_type(config.model)),
         reasoning_parser=reasoning_parser_for(config.reasoning_parser, model_type(config.model)),
-        clients=[client_for(r, config.health_check_timeout_s, subscriber) for r in replicas],
+        clients=[client_for(r, config.health_check_timeout_s, subscriber, kv_events) for r in replicas],
         uids=RequestIds(first_uid))
 
 

@@ -23,10 +23,11 @@ log = logging.getLogger(__name__)
 _MAX_BACKOFF_S = 60.0  # a cluster short of GPUs stays so a while; never wait longer than this to retry
 
 
-def client_for(replica: ReplicaHandle, health_timeout_s: float, subscriber: int = 0) -> ReplicaClient:
+def client_for(replica: ReplicaHandle, health_timeout_s: float, subscriber: int = 0,
+               kv_events: bool = True) -> ReplicaClient:
     """The router's client of a started replica (not yet polling: start() it on the event loop);
-    `subscriber`: the router's index."""
-    return ReplicaClient(replica.replica_id, replica.actor, health_timeout_s, subscriber)
+    `subscriber`: the router's index; `kv_events`: see ReplicaClient."""
+    return ReplicaClient(replica.replica_id, replica.actor, health_timeout_s, subscriber, kv_events)
 
 
 class Supervisor:
@@ -97,7 +98,8 @@ class Supervisor:
             self._replacing.discard(i)
         if new is None or self.fleet.closed:
             return  # when closed, the fleet shuts the new replica down with the others
-        client = client_for(new, self.state.config.health_check_timeout_s)
+        # beside router actors this process routes nothing: no cache contents for it
+        client = client_for(new, self.state.config.health_check_timeout_s, kv_events=not self.state.config.routers)
         client.start()
         self.state.set_client(i, client)
         if self.on_replaced is not None:

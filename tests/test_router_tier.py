@@ -51,6 +51,10 @@ def test_two_router_actors_share_the_port_and_answer_as_the_offline_engine(qwen3
             time.sleep(0.1)
         for replica in srv.replicas:
             ray.get(replica.actor.check_integrity.remote())
+            # the routers (subscribers 1 and 2) get the cache's contents; the launching process, which
+            # routes nothing beside them, does not
+            receivers = ray.get(replica.actor.__ray_call__.remote(lambda self: sorted(self._kv._changes)))
+            assert receivers == [1, 2], receivers
     with LLM(str(qwen3_path), page_size=4) as llm:  # after the server: the two would share this machine's cores
         want = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
     assert got == want * 2
