@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def print_ready(server, config: ServeConfig) -> None:
-    routers = f", {config.routers} router actor(s)" if config.routers else ""
+    routers = f", {config.num_routers} router actor(s)" if config.num_routers else ""
     print(f"ready: OpenAI-compatible API at {server.url}/v1  (model '{server.state.model_name}', "
           f"{config.replicas} replica(s) x tp {config.tp_size}{routers})", flush=True)
 

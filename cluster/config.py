@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass, replace
@@ -19,8 +20,17 @@ from typing import Any, TypeVar
 from worker.config import EngineConfig, setting
 
 GROUPS = ("engine", "scheduler", "cluster", "server", "limits and access")
+CORES_PER_ROUTER = 8  # the default router count leaves a node this many cores for each router actor
 LIMITS = "limits and access"
 C = TypeVar("C", bound="ReplicaConfig")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container's CPU set narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 class ConfigError(ValueError):
@@ -146,9 +156,11 @@ class ServeConfig(ReplicaConfig):
     host: str = setting("127.0.0.1", "where the API listens; 0.0.0.0 exposes it (set api_key then)",
                         group="server")
     port: int = setting(8000, "the API's port", at_least=1, at_most=65535, group="server")
-    routers: int = setting(0, "HTTP ingress processes: N Ray actors (raylm-router-0..N-1, restarted by Ray when they "
-                              "die) sharing the port on this node; 0 serves from the launching process",
-                           at_least=0, at_most=64, group="server")
+    routers: int | None = setting(
+        None, "HTTP ingress processes: N Ray actors (raylm-router-0..N-1, restarted by Ray when they die) sharing the "
+              "port on this node; 0 serves from the launching process",
+        at_least=0, at_most=64, unset=f"two per replica, at most one per {CORES_PER_ROUTER} of this node's cores "
+                                      "(so 0 on a small machine)", group="server")
     routing: str = setting("cache_exact", "cache_exact: to the replica whose prefix cache holds the longest "
                                           "prefix of the prompt (its KV events), unless much busier than the "
                                           "least loaded, else the less loaded of two at random; cache_aware: "
@@ -184,6 +196,15 @@ class ServeConfig(ReplicaConfig):
                                                 "long", above=0, group=LIMITS)
     max_connections: int = setting(4096, "open connections at once; more are answered 503 and closed",
                                    at_least=1, group=LIMITS)
+
+    @property
+    def num_routers(self) -> int:
+        """The router actors to start: `routers`, or by default two per replica (one router process
+        delivered 0.88 of a replica's offline throughput on an H200, two 0.94), as long as this node has
+        the cores for them beside the launching process and Ray."""
+        if self.routers is not None:
+            return self.routers
+        return min(2 * self.replicas, usable_cores() // CORES_PER_ROUTER, 64)
 
     @classmethod
     def from_yaml(cls, path: str) -> ServeConfig:

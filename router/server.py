@@ -43,8 +43,8 @@ class Server:
         try:
             info = self.fleet.replicas[0].info
             # beside router actors this process only supervises: its clients need no cache contents
-            self.state = router_state(config, tokenizer, info, self.fleet.replicas, kv_events=not config.routers)
-            if config.routers:  # the router actors serve; this process supervises the replicas
+            self.state = router_state(config, tokenizer, info, self.fleet.replicas, kv_events=not config.num_routers)
+            if config.num_routers:  # the router actors serve; this process supervises the replicas
                 self.tier = RouterTier(config, self.fleet.replicas, info, self.state)
             self.supervisor = Supervisor(self.state, self.fleet,
                                          on_replaced=self.tier.replaced if self.tier is not None else None)

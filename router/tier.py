@@ -40,7 +40,7 @@ class RouterTier:
             name=f"raylm-router-{config.port}-{k}", max_restarts=-1, max_task_retries=0, num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
             runtime_env={"env_vars": {"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}},
-        ).remote(self._pinned[0], k, self._pinned[1], self._pinned[2]) for k in range(config.routers)]
+        ).remote(self._pinned[0], k, self._pinned[1], self._pinned[2]) for k in range(config.num_routers)]
         try:
             self.started = ray.get([a.ping.remote() for a in self.actors], timeout=300)
         except BaseException:

@@ -49,6 +49,7 @@ def serving(model_path, **config):
     from router.server import Server
     config.setdefault("served_model_name", "tiny")
     config.setdefault("page_size", 4)
+    config.setdefault("routers", 0)  # the router in this process, whose state the tests inspect, whatever the cores
     srv = Server(ServeConfig().override(model=str(model_path), port=free_port(), **config))
     srv.start_in_thread()
     try:

@@ -191,3 +191,18 @@ def test_a_server_refuses_what_the_model_cannot_take_before_starting_ray(qwen3_p
     from router.server import Server
     with pytest.raises(ConfigError, match="tp_size must divide the model's 4 attention heads"):
         Server(ServeConfig().override(model=str(qwen3_path), tp_size=3))
+
+
+@pytest.mark.parametrize("cores, replicas, routers, expected", [
+    (2, 1, None, 0),     # a small machine: the launching process serves
+    (16, 1, None, 2),    # two router actors per replica
+    (16, 4, None, 2),    # ... as long as the node has the cores for them
+    (64, 4, None, 8),
+    (2, 1, 3, 3),        # a set value is kept
+    (64, 1, 0, 0),
+])
+def test_the_default_router_count_follows_the_replicas_and_the_nodes_cores(monkeypatch, cores, replicas, routers,
+                                                                           expected):
+    import cluster.config as config_module
+    monkeypatch.setattr(config_module, "usable_cores", lambda: cores)
+    assert ServeConfig(replicas=replicas, routers=routers).num_routers == expected
