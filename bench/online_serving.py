@@ -249,7 +249,9 @@ def main() -> None:
         requests = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.vocab or 32000,
                             args.seed)
     try:
-        run(url, name, requests[:2], 1)  # warm-up
+        # warm-up: prompts of many lengths, so that the concurrency-1 TTFT, like the offline engine's
+        # (taken after its whole run), does not pay for first-time allocations of new shapes
+        run(url, name, requests[:64], 64, args.client_procs)
         procs = router_processes(server)
         for c in args.concurrency:
             before = cpu_seconds(procs)
