@@ -36,16 +36,21 @@ class RouterTier:
         self._pinned = [ray.put(config), ray.put(self.replicas), ray.put(info)]
         # the routers' request metrics, summed over the tier by whichever router a scrape reaches
         self.metrics_dir = tempfile.mkdtemp(prefix=f"raylm-metrics-{config.port}-")
-        self.actors = [ray.remote(RouterActor).options(
-            name=f"raylm-router-{config.port}-{k}", max_restarts=-1, max_task_retries=0, num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-            runtime_env={"env_vars": {"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}},
-        ).remote(self._pinned[0], k, self._pinned[1], self._pinned[2]) for k in range(config.num_routers)]
+        self._node = here
+        self.recreated = 0  # routers made anew after Ray gave up restarting them
+        self.actors = [self._create(k) for k in range(config.num_routers)]
         try:
             self.started = ray.get([a.ping.remote() for a in self.actors], timeout=300)
         except BaseException:
             self.shutdown()
             raise
+
+    def _create(self, k: int):
+        return ray.remote(RouterActor).options(
+            name=f"raylm-router-{self.config.port}-{k}", max_restarts=-1, max_task_retries=0, num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(self._node, soft=False),
+            runtime_env={"env_vars": {"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}},
+        ).remote(self._pinned[0], k, self._pinned[1], self._pinned[2])
 
     def replaced(self, i: int, replica) -> None:
         """Replica i's replacement serves: every router routes to it from now on."""
@@ -62,7 +67,11 @@ class RouterTier:
                 try:
                     started = await asyncio.wait_for(actor.ping.remote(), timeout=10 * self.interval_s)
                     down = await asyncio.wait_for(actor.down_replicas.remote(), timeout=10 * self.interval_s)
-                except Exception:  # noqa: BLE001 - dead or restarting: Ray brings it back, the next round sees it
+                except ray.exceptions.ActorDiedError as e:
+                    if not self._closed:  # Ray gave up on it (killed for good, or its restart raised): a new one
+                        self._recreate(k, e)
+                    continue
+                except Exception:  # noqa: BLE001 - restarting: Ray brings it back, the next round sees it
                     continue
                 if started != self.started[k]:
                     log.warning("router %d was restarted; routing it to the replicas serving now", k)
@@ -73,6 +82,17 @@ class RouterTier:
                 for i in down:
                     if self.state.clients[i].healthy:  # the replica serves: only that router's client failed
                         actor.set_replica.remote(i, self.replicas[i], True)
+
+    def _recreate(self, k: int, why: Exception) -> None:
+        try:
+            actor = self._create(k)
+        except ValueError:  # its name is still held: Ray is restarting it after all; the next round sees
+            return
+        log.error("router %d is gone for good (%s); started a new one", k, str(why).splitlines()[0])
+        _forget_process(self.metrics_dir, self.started[k][1])
+        self.actors[k] = actor
+        self.started[k] = (0.0, 0)  # the next round sees a new start, and tells it the replicas serving now
+        self.recreated += 1
 
     def drain(self) -> None:
         """Each router stops taking requests and finishes those in flight (up to the drain timeout)."""

@@ -60,3 +60,5 @@ def test_the_quickstart_runs_as_written(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
     assert "http://127.0.0.1:8000/v1" in out and "Traceback" not in out, out
+    # with Ray's dashboard packages (this suite's install): where the dashboard is, and how to log in
+    assert "Ray dashboard: http" in out and "ray get-auth-token" in out, out

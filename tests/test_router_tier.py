@@ -108,3 +108,12 @@ def test_a_router_killed_under_load_is_restarted_and_its_requests_are_aborted(qw
             time.sleep(0.1)
         ray.get(replica.check_integrity.remote())
         assert all(_texts(srv.url, ids, 4) for ids in PROMPTS[:6])  # both routers serve again
+        # a router Ray will not restart (killed for good, or its restart failed) is made anew by the tier
+        ray.kill(srv.tier.actors[1], no_restart=True)
+        while srv.tier.recreated == 0:
+            assert time.monotonic() < deadline + 60, "the tier did not replace router 1"
+            time.sleep(0.1)
+        new = srv.tier.actors[1]
+        assert ray.get(new.ping.remote(), timeout=60)[0] > 0
+        assert ray.get(ray.get_actor(f"raylm-router-{srv.config.port}-1").ping.remote()) == ray.get(new.ping.remote())
+        assert all(_texts(srv.url, ids, 4) for ids in PROMPTS[:6])

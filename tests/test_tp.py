@@ -226,7 +226,7 @@ def test_tp_step_time_bench_says_where_each_rank_is_when_one_stalls_and_exits_12
     # rank 1 hangs before its 30th launch, so rank 0 waits in that step's first all-reduce
     run = subprocess.run([sys.executable, str(root / "bench" / "tp_step_time.py"), "--arch", "tiny", "--device", "cpu",
                           "--tp-size", "2", "--batch", "4", "--output-len", "32", "--page-size", "16",
-                          "--timeout-s", "10", "--inject-stall", "1:30"],
+                          "--timeout-s", "5", "--inject-stall", "1:30"],
                          cwd=root, capture_output=True, text=True, timeout=240)
     assert run.returncode == 124, run.stderr[-3000:]
     assert "rank 0 (pid" in run.stderr and "warming up (batch 4), 30 steps launched" in run.stderr
