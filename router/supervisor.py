@@ -98,8 +98,8 @@ class Supervisor:
             self._replacing.discard(i)
         if new is None or self.fleet.closed:
             return  # when closed, the fleet shuts the new replica down with the others
-        # beside router actors this process routes nothing: no cache contents for it
-        client = client_for(new, self.state.config.health_check_timeout_s, kv_events=not self.state.config.num_routers)
+        # beside router actors (they are told of replacements) this process routes nothing: no cache contents
+        client = client_for(new, self.state.config.health_check_timeout_s, kv_events=self.on_replaced is None)
         client.start()
         self.state.set_client(i, client)
         if self.on_replaced is not None:

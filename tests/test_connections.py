@@ -4,16 +4,15 @@ refused with a 503."""
 
 from __future__ import annotations
 
-import functools
 import json
 import socket
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from helpers import serving
 
-import router.server as server_module
 from router import connection
 
 HEADER_TIMEOUT_S = 2.0
@@ -21,22 +20,62 @@ MAX_CONNECTIONS = 350  # above the 300 slow and silent ones held below; both end
 OK = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module", params=["httptools", "h11"])
-def srv(request, ray_cluster, qwen3_path):
-    """A server on each of the two HTTP protocols that carry the bounds (httptools when installed)."""
-    if request.param == "httptools" and connection.HttpToolsProtocol is None:
-        pytest.skip("httptools is not installed")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(server_module, "bounded_protocol", functools.partial(connection.bounded_protocol, impl=request.param))
-        with serving(qwen3_path, num_pages=256, header_timeout_s=HEADER_TIMEOUT_S,
-                     max_connections=MAX_CONNECTIONS) as server:
-            yield server
+@pytest.fixture(scope="module")
+def srv(ray_cluster, qwen3_path):
+    with serving(qwen3_path, num_pages=256, header_timeout_s=HEADER_TIMEOUT_S,
+                 max_connections=MAX_CONNECTIONS) as server:
+        yield server
 
 
 def test_httptools_is_the_protocol_when_installed():
     made = connection.bounded_protocol(1.0, 1)
     assert made.func is (connection.BoundedH11Protocol if connection.HttpToolsProtocol is None
                          else connection.BoundedHttpToolsProtocol)
+
+
+@pytest.mark.parametrize("impl", ["h11", "httptools"])
+def test_both_protocols_bound_silent_clients_and_the_connection_count(impl):
+    """The bounds on each protocol (the server above runs the default one), over a bare ASGI app."""
+    import threading
+
+    import uvicorn
+    if impl == "httptools" and connection.HttpToolsProtocol is None:
+        pytest.skip("httptools is not installed")
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    from helpers import free_port
+    port, timeout_s = free_port(), 1.0
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+                                           timeout_keep_alive=30,
+                                           http=connection.bounded_protocol(timeout_s, 3, impl=impl)))
+    server.install_signal_handlers = lambda: None
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    target = SimpleNamespace(config=SimpleNamespace(port=port))
+    try:
+        silent = _connect(target)
+        kept = _connect(target, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+        extra = [_connect(target) for _ in range(2)]  # the third and fourth: one past the limit of 3
+        extra[-1].settimeout(10)
+        assert extra[-1].recv(4096).startswith(b"HTTP/1.1 503")
+        assert _closed_by_server(silent, timeout_s + 5)  # no headers within the header timeout
+        time.sleep(timeout_s)  # kept idle past the header timeout: the state under test
+        kept.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # idle past it between requests, still served
+        assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+        for sock in [silent, kept] + extra:
+            sock.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def _connect(srv, first_bytes: bytes = b"") -> socket.socket:
