@@ -124,7 +124,7 @@ def test_health_fails_within_the_health_timeout_when_rays_control_store_is_gone(
 
     import psutil
     from helpers import free_port
-    port, timeout_s = free_port(), 5
+    port, timeout_s = free_port(), 3
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen([sys.executable, str(root / "launch.py"), "--model", str(qwen3_path), "--port", str(port),
                              "--page-size", "4", "--num-pages", "256", "--no-dashboard",

@@ -12,7 +12,7 @@ import ray
 from helpers import serving
 from test_serve import wait_until_idle
 
-REQUESTS = 700
+REQUESTS = 500
 WARMUP = 100
 CONCURRENCY = 48
 

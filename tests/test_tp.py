@@ -26,8 +26,7 @@ from worker.config import EngineConfig
 
 
 @pytest.mark.parametrize("family,overlap,cache_type,preempting", [
-    ("qwen3", True, "radix", False), ("qwen3", False, "naive", False), ("llama", True, "naive", True),
-    ("llama", False, "radix", False)])
+    ("qwen3", True, "radix", False), ("llama", True, "naive", True), ("llama", False, "radix", False)])
 def test_tp2_greedy_equals_tp1_and_hf(ray_cluster, model_paths, family, overlap, cache_type, preempting):
     path = model_paths[family]
     # preempting: too few pages for every request's growth, so rank 0 preempts and recomputes some
