@@ -105,6 +105,7 @@ class StepTimer:
         self.late: list[bool] = []
         # per step: the scheduler stream's events around its part (metadata copies, page table, plan)
         self.sched: list[list[torch.cuda.Event] | None] = []
+        self._sched: list[torch.cuda.Event] | None = None  # the events of the step being launched
 
     def sched_begin(self, stream: torch.cuda.Stream) -> None:
         if torch.cuda.is_available():
@@ -118,7 +119,7 @@ class StepTimer:
     def begin(self, stream: torch.cuda.Stream, desc: BatchDesc) -> None:
         if not torch.cuda.is_available():
             return
-        self.sched.append(getattr(self, "_sched", None))
+        self.sched.append(self._sched)
         prev = self.steps[-1][2] if self.steps else None
         self.late.append(prev is not None and prev.query())
         start = torch.cuda.Event(enable_timing=True)

@@ -26,7 +26,10 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\
          b"content-length: %d\r\n\r\n" % len(_BUSY_BODY)) + _BUSY_BODY
 
 
-class BoundedH11Protocol(H11Protocol):
+class _HeaderBounds:
+    """The bounds, over either of uvicorn's HTTP protocols (listed after this in a class's bases): both
+    keep the request in flight as `cycle`, set once its headers are complete."""
+
     def __init__(self, *args, header_timeout_s: float, max_connections: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout_s, self.max_connections = header_timeout_s, max_connections
@@ -65,9 +68,17 @@ class BoundedH11Protocol(H11Protocol):
         self._header_timer = None
         if not self.transport.is_closing():
             log.debug("closing a connection that sent no complete request headers in %g s", self.header_timeout_s)
-            if self.conn.our_state in (h11.IDLE, h11.DONE):
-                self.conn.send(h11.ConnectionClosed())
+            self._before_close()
             self.transport.close()
+
+    def _before_close(self) -> None:
+        pass
+
+
+class BoundedH11Protocol(_HeaderBounds, H11Protocol):
+    def _before_close(self) -> None:
+        if self.conn.our_state in (h11.IDLE, h11.DONE):
+            self.conn.send(h11.ConnectionClosed())
 
 
 try:
@@ -76,50 +87,8 @@ except ImportError:  # httptools is not installed
     HttpToolsProtocol = None
 
 if HttpToolsProtocol is not None:
-    class BoundedHttpToolsProtocol(HttpToolsProtocol):
-        """The bounds of BoundedH11Protocol on uvicorn's httptools protocol."""
-
-        def __init__(self, *args, header_timeout_s: float, max_connections: int, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            self.header_timeout_s, self.max_connections = header_timeout_s, max_connections
-            self._header_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            if len(self.connections) > self.max_connections:
-                transport.write(_BUSY)
-                transport.close()
-                return
-            self._await_headers()
-
-        def data_received(self, data: bytes) -> None:
-            cycle = self.cycle
-            if self._header_timer is None and (cycle is None or cycle.response_complete):
-                self._await_headers()  # the first bytes of the next request on a kept-alive connection
-            super().data_received(data)
-
-        def on_headers_complete(self) -> None:
-            self._stop_waiting()  # the request runs
-            super().on_headers_complete()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._stop_waiting()
-            super().connection_lost(exc)
-
-        def _await_headers(self) -> None:
-            self._stop_waiting()
-            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
-
-        def _stop_waiting(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _headers_too_slow(self) -> None:
-            self._header_timer = None
-            if not self.transport.is_closing():
-                log.debug("closing a connection that sent no complete request headers in %g s", self.header_timeout_s)
-                self.transport.close()
+    class BoundedHttpToolsProtocol(_HeaderBounds, HttpToolsProtocol):
+        pass
 
 
 def bounded_protocol(header_timeout_s: float, max_connections: int, impl: str = "auto"):
