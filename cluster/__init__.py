@@ -3,6 +3,7 @@
 
 from cluster.errors import (EngineError, ErrorKind, GenerationError, InvalidRequestError, OverloadedError, RaylmError,
                             ReplicaDownError, RequestTimeoutError, error_for)
+from cluster.channel import FRAME as CHANNEL_FRAME, ChannelAddress, channel_frames, channel_hello
 from cluster.choices import fan_out
 from cluster.messages import AddRequest, KVEvents, ReplicaInfo, ReplicaOutput, ReplicaStats, TokenDelta
 from cluster.prefix_cache.events import block_hashes, iter_block_hashes
@@ -22,7 +23,8 @@ __all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "Replic
            "ReplicaStats", "TokenDelta", "ErrorKind", "RaylmError", "InvalidRequestError", "GenerationError",
            "EngineError", "ReplicaDownError", "RequestTimeoutError", "OverloadedError", "error_for", "Fleet",
            "ReplicaHandle", "ensure_ray", "control_store_answers", "load_tokenizer", "fan_out", "GrammarSpec",
-           "KVEvents", "ReplicaOutput", "block_hashes", "iter_block_hashes"]
+           "KVEvents", "ReplicaOutput", "block_hashes", "iter_block_hashes", "CHANNEL_FRAME", "ChannelAddress",
+           "channel_frames", "channel_hello"]
 
 
 def __getattr__(name: str):

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from cluster.channel import ChannelAddress, ChannelListener
 from cluster.config import ReplicaConfig
 from cluster.grammars import Grammars
 from cluster.errors import ErrorKind
@@ -54,6 +55,7 @@ class SchedulerActor:
         self._thread: threading.Thread | None = None
         self.address: str | None = None
         self.executor = None
+        self.channel: ChannelListener | None = None
 
     def node_and_pid(self) -> tuple[str, int]:
         return node_and_pid()
@@ -86,6 +88,7 @@ class SchedulerActor:
         if isinstance(executor, TensorParallelExecutor):
             threading.Thread(target=self._watch, args=(executor,), name="tp-watchdog", daemon=True).start()
         threading.Thread(target=self._reap_loop, name="subscriber-reaper", daemon=True).start()
+        self.channel = ChannelListener(self, _node_ip())
         return ReplicaInfo(max_seq_len=engine.max_seq_len, num_pages=engine.num_pages, page_size=engine.page_size,
                            vocab_size=engine.hf_config.vocab_size, eos_ids=tuple(sorted(eos)))
 
@@ -284,18 +287,30 @@ class SchedulerActor:
     def check_integrity(self) -> None:
         self.scheduler.call_between_steps(self.scheduler.check_integrity).result(timeout=30)
 
+    def channel_address(self) -> ChannelAddress | None:
+        """Where routers connect for submits and deltas without Ray calls (cluster/channel.py)."""
+        return None if self.channel is None else self.channel.address
+
     def health(self) -> str | None:
         """None while the replica serves; once it is broken, why (what its requests were told)."""
         return self.broken
 
     def shutdown(self) -> None:
         self._stop.set()
+        if self.channel is not None:
+            self.channel.close()
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self.broken is None and self.executor is not None:  # None: start() failed before it had one
             self.executor.shutdown()
         # a broken group cannot be taken down in order (a peer is gone, a kernel may spin on the
         # GPU): the caller kills this process, which frees everything
+
+
+def _node_ip() -> str:
+    """This node's address as Ray knows it (what routers on other nodes reach); loopback outside Ray."""
+    import ray
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 def _error_deltas(uids: list[int], why: str) -> list[TokenDelta]:

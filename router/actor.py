@@ -128,7 +128,7 @@ class RouterActor:
         self._release(ref)  # a predecessor's requests there, or the failed client's
 
         async def install() -> None:
-            client = client_for(ref, self.config.health_check_timeout_s, self.subscriber)
+            client = client_for(ref, self.config, self.subscriber)
             client.start()
             self.state.set_client(i, client)
             await old.stop()

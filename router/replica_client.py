@@ -1,5 +1,6 @@
-"""The router's side of one replica: submits and aborts are batched into one Ray call per event-loop
-tick, and one long-poll loop receives every request's deltas per scheduler step. It counts the
+"""The router's side of one replica: submits and aborts are batched into one message per event-loop
+tick, and every request's deltas arrive in one message per scheduler step: over the replica's direct
+channel (cluster/channel.py) by default, else as Ray calls (a long poll for the deltas). It counts the
 requests it sent that have no token yet: the replica's queue as the router sees it, for admission. It
 keeps the block hashes the replica's prefix cache holds from the KV events that come with the
 deltas, starting from a snapshot it asks for when it starts (for cache-exact routing)."""
@@ -8,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 from typing import TYPE_CHECKING
 
-from cluster import AddRequest, ErrorKind, KVEvents, SamplingParams, TokenDelta
+from cluster import (CHANNEL_FRAME, AddRequest, ChannelAddress, ErrorKind, KVEvents, SamplingParams, TokenDelta,
+                     channel_frames, channel_hello)
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -20,13 +23,15 @@ log = logging.getLogger(__name__)
 
 class ReplicaClient:
     def __init__(self, replica_id: int, actor: ActorHandle, health_timeout_s: float = 30.0,
-                 subscriber: int = 0, kv_events: bool = True) -> None:
+                 subscriber: int = 0, kv_events: bool = True, channel: bool = False) -> None:
         """`subscriber`: this router's index among the routers sending to the replica (each polls its own
         requests' deltas). `kv_events`: receive the replica's cache contents (a client that routes
         nothing, the launching process's beside router actors, need not: the replica then keeps no
-        changes for it)."""
+        changes for it). `channel`: connect to the replica's direct channel (Ray calls when it cannot)."""
         self.replica_id, self.actor, self.subscriber = replica_id, actor, subscriber
-        self.kv_events = kv_events
+        self.kv_events, self.channel = kv_events, channel
+        self._out: asyncio.StreamWriter | None = None  # the channel, once connected
+        self._connecting = channel  # until the channel is up or given up: submits wait in _submits
         self.health_timeout_s = health_timeout_s
         self.queues: dict[int, asyncio.Queue] = {}
         # sent and without a token yet (waiting in the replica's queue, or in its first prefill): prompt tokens
@@ -105,12 +110,16 @@ class ReplicaClient:
 
     def _flush(self) -> None:
         self._flush_pending = False
-        if self._submits:
-            self.actor.submit.remote(self._submits, self.subscriber)
-            self._submits = []
-        if self._aborts:
-            self.actor.abort.remote(self._aborts)
-            self._aborts = []
+        if self._connecting:
+            return  # sent once the channel is up (or Ray calls are chosen)
+        if self._out is not None:
+            self._out.write(channel_frames(self._submits, self._aborts))
+        else:
+            if self._submits:
+                self.actor.submit.remote(self._submits, self.subscriber)
+            if self._aborts:
+                self.actor.abort.remote(self._aborts)
+        self._submits, self._aborts = [], []
 
     def apply_kv_events(self, events: KVEvents | None) -> None:
         if events is None:
@@ -129,8 +138,67 @@ class ReplicaClient:
                         self.replica_id, type(e).__name__, e)
 
     async def _poll_loop(self) -> None:
+        while self.channel:
+            reader = await self._connect()
+            if reader is None:
+                break  # Ray calls from now on
+            if not await self._receive(reader):
+                return  # the replica failed
         if self.kv_events:
             await self._subscribe_kv()
+        await self._ray_poll_loop()
+
+    async def _connect(self) -> asyncio.StreamReader | None:
+        """Opens the replica's channel and sends what waited for it; None when there is none to open
+        (then Ray calls carry the traffic)."""
+        self._connecting = True
+        try:
+            if self.kv_events:  # a snapshot first, with the first message (again after a lost connection)
+                await self._subscribe_kv()
+            address: ChannelAddress | None = await self.actor.channel_address.remote()
+            if address is None:
+                raise ConnectionError("the replica has no channel")
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(address.host, address.port), 10.0)
+            writer.write(channel_hello(address, self.subscriber, self.kv_events))
+            self._out = writer
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - Ray calls still reach the replica
+            log.warning("replica %d: no direct channel (%s: %s); using Ray calls", self.replica_id,
+                        type(e).__name__, e)
+            self.channel, reader = False, None
+        self._connecting = False
+        self._flush()
+        return reader
+
+    async def _receive(self, reader: asyncio.StreamReader) -> bool:
+        """Takes the channel's messages until it closes. Returns whether to connect again: the replica
+        still serves, but this connection was lost (its requests there are aborted, and fail here)."""
+        try:
+            while True:
+                (n,) = CHANNEL_FRAME.unpack(await reader.readexactly(CHANNEL_FRAME.size))
+                self._take(pickle.loads(await reader.readexactly(n)))
+        except asyncio.CancelledError:
+            self._close_channel()
+            raise
+        except (ConnectionError, asyncio.IncompleteReadError, OSError) as e:
+            lost = f"{type(e).__name__}: {e}"
+        self._close_channel()
+        if (why := await self.check_health()) is not None:
+            self.mark_failed(why)
+            log.error("replica %d: channel closed (%s)", self.replica_id, lost)
+            return False
+        log.warning("replica %d: channel lost (%s) while the replica serves; its requests fail, reconnecting",
+                    self.replica_id, lost)
+        self._fail_requests(f"the connection to replica {self.replica_id} was lost")
+        return True
+
+    def _close_channel(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+
+    async def _ray_poll_loop(self) -> None:
         while True:
             try:
                 deltas = await self.actor.poll.remote(1.0, self.subscriber, self.kv_events)
@@ -140,20 +208,24 @@ class ReplicaClient:
                 self.mark_failed(f"replica {self.replica_id} failed: {type(e).__name__}")
                 log.error("replica %d poll failed: %s", self.replica_id, e)
                 return
-            self.apply_kv_events(getattr(deltas, "kv_events", None))  # a plain list: a replica without them
-            self.replica_live = getattr(deltas, "live", None) or 0
-            for d in deltas:
-                if self.queued:
-                    self._dequeue(d.uid)
-                queue = self.queues.get(d.uid)
-                if queue is not None:
-                    queue.put_nowait(d)
-                    if d.finished:
-                        del self.queues[d.uid]
-            if any(d.error is not None for d in deltas) and self._error_check is None:
-                # stop routing to a broken replica now, not at the supervisor's next round; in a task,
-                # so later deltas are not held up while it waits for an answer
-                self._error_check = asyncio.get_running_loop().create_task(self._check_after_error())
+            self._take(deltas)
+
+    def _take(self, deltas: list[TokenDelta]) -> None:
+        """One message of the replica: its deltas to their requests' queues, its KV events and count."""
+        self.apply_kv_events(getattr(deltas, "kv_events", None))  # a plain list: a replica without them
+        self.replica_live = getattr(deltas, "live", None) or 0
+        for d in deltas:
+            if self.queued:
+                self._dequeue(d.uid)
+            queue = self.queues.get(d.uid)
+            if queue is not None:
+                queue.put_nowait(d)
+                if d.finished:
+                    del self.queues[d.uid]
+        if any(d.error is not None for d in deltas) and self._error_check is None:
+            # stop routing to a broken replica now, not at the supervisor's next round; in a task,
+            # so later deltas are not held up while it waits for an answer
+            self._error_check = asyncio.get_running_loop().create_task(self._check_after_error())
 
     async def _check_after_error(self) -> None:
         try:
@@ -175,9 +247,12 @@ class ReplicaClient:
 
     def mark_failed(self, why: str) -> None:
         self.error = why
+        self._fail_requests(why)
+        self.kv_blocks = None
+
+    def _fail_requests(self, why: str) -> None:
         for uid, queue in list(self.queues.items()):
             queue.put_nowait(TokenDelta.failure(uid, ErrorKind.REPLICA_DOWN, why))
         self.queues.clear()
         self.queued.clear()
         self.queued_tokens = 0
-        self.kv_blocks = None

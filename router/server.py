@@ -154,7 +154,7 @@ def router_state(config: ServeConfig, tokenizer, info, replicas, subscriber: int
         defaults=generation_defaults(config.model),
         tool_call_parser=tool_call_parser_for(config.tool_call_parser, model_type(config.model)),
         reasoning_parser=reasoning_parser_for(config.reasoning_parser, model_type(config.model)),
-        clients=[client_for(r, config.health_check_timeout_s, subscriber, kv_events) for r in replicas],
+        clients=[client_for(r, config, subscriber, kv_events) for r in replicas],
         uids=RequestIds(first_uid))
 
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from cluster import Fleet, ReplicaHandle, control_store_answers
+from cluster import Fleet, ReplicaHandle, ServeConfig, control_store_answers
 from router.replica_client import ReplicaClient
 from router.state import RouterState
 
@@ -23,11 +23,12 @@ log = logging.getLogger(__name__)
 _MAX_BACKOFF_S = 60.0  # a cluster short of GPUs stays so a while; never wait longer than this to retry
 
 
-def client_for(replica: ReplicaHandle, health_timeout_s: float, subscriber: int = 0,
+def client_for(replica: ReplicaHandle, config: ServeConfig, subscriber: int = 0,
                kv_events: bool = True) -> ReplicaClient:
     """The router's client of a started replica (not yet polling: start() it on the event loop);
     `subscriber`: the router's index; `kv_events`: see ReplicaClient."""
-    return ReplicaClient(replica.replica_id, replica.actor, health_timeout_s, subscriber, kv_events)
+    return ReplicaClient(replica.replica_id, replica.actor, config.health_check_timeout_s, subscriber, kv_events,
+                         channel=config.replica_channel)
 
 
 class Supervisor:
@@ -99,7 +100,7 @@ class Supervisor:
         if new is None or self.fleet.closed:
             return  # when closed, the fleet shuts the new replica down with the others
         # beside router actors (they are told of replacements) this process routes nothing: no cache contents
-        client = client_for(new, self.state.config.health_check_timeout_s, kv_events=self.on_replaced is None)
+        client = client_for(new, self.state.config, kv_events=self.on_replaced is None)
         client.start()
         self.state.set_client(i, client)
         if self.on_replaced is not None:

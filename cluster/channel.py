@@ -1,0 +1,177 @@
+"""A replica's direct channel: one TCP connection per router carries that router's submits and aborts
+in, and its deltas (with the KV events of the same steps) out, as length-prefixed pickles.
+
+Through Ray, every submit is an actor task and every step's deltas the answer to a long poll: two
+hops of Ray's task machinery on the path of a request's first token (milliseconds each on a busy
+host, and work for the replica's process every step). Over the channel a submit is one write, and a
+step's deltas one send from a thread that waits on the same outbox a Ray poll does.
+
+A connection proves itself first with the replica's token (random, handed out only through a Ray call,
+so only processes of the cluster hold it); nothing is unpickled before that. When a router's connection
+closes (the router died, or its node lost the network), the replica aborts the requests that router
+sent, at once: nobody can receive them any more."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import pickle
+import secrets
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+from cluster.messages import AddRequest, ReplicaOutput
+
+log = logging.getLogger(__name__)
+
+FRAME = struct.Struct("!I")       # a frame's payload length
+HELLO = struct.Struct("!32sIB")   # token, subscriber, whether it takes KV events
+POLL_S = 1.0                      # an idle connection still gets a (heartbeat) frame this often
+SUBMIT, ABORT = 0, 1
+
+
+@dataclass(frozen=True)
+class ChannelAddress:
+    """Where a replica's channel listens, and the token a connection must present."""
+
+    host: str
+    port: int
+    token: bytes
+
+
+class ChannelEnd(Protocol):
+    """What the channel needs of its replica (cluster.replica.SchedulerActor)."""
+
+    def submit(self, requests: list[AddRequest], subscriber: int = 0) -> None: ...
+    def abort(self, uids: list[int]) -> None: ...
+    def poll(self, timeout_s: float = 1.0, subscriber: int = 0, kv_events: bool = True) -> ReplicaOutput: ...
+    def release_subscriber(self, subscriber: int) -> int: ...
+
+
+def channel_hello(address: ChannelAddress, subscriber: int, kv_events: bool) -> bytes:
+    """What a router sends first on a new connection."""
+    return HELLO.pack(address.token, subscriber, kv_events)
+
+
+def channel_frames(submits: list[AddRequest], aborts: list[int]) -> bytes:
+    """A router's submits and aborts as frames (submits first: an abort may name one of them)."""
+    out = b""
+    for kind, items in ((SUBMIT, submits), (ABORT, aborts)):
+        if items:
+            payload = pickle.dumps((kind, items), protocol=pickle.HIGHEST_PROTOCOL)
+            out += FRAME.pack(len(payload)) + payload
+    return out
+
+
+def send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(FRAME.pack(len(payload)) + payload)
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """n bytes from sock; raises ConnectionError when it closes first."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the channel closed")
+        buf += chunk
+    return bytes(buf)
+
+
+class ChannelListener:
+    """The replica's side: accepts routers' connections, each served by two threads (one reads its
+    submits and aborts, one sends its deltas)."""
+
+    def __init__(self, replica: ChannelEnd, host: str) -> None:
+        self.replica = replica
+        self._sock = socket.create_server((host, 0))
+        self.address = ChannelAddress(host, self._sock.getsockname()[1], secrets.token_bytes(32))
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._current: dict[int, socket.socket] = {}  # subscriber -> its newest connection
+        threading.Thread(target=self._accept_loop, name="channel-accept", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._sock.close()
+        with self._lock:
+            conns = list(self._current.values())
+        for conn in conns:
+            _shutdown(conn)
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn,), name="channel-in", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            conn.settimeout(10.0)  # a peer that connects and says nothing is not held on to
+            token, subscriber, kv_events = HELLO.unpack(recv_exactly(conn, HELLO.size))
+            if not hmac.compare_digest(token, self.address.token):
+                log.warning("a channel connection presented a wrong token: closed")
+                conn.close()
+                return
+            conn.settimeout(None)
+        except (OSError, ConnectionError, struct.error):
+            conn.close()
+            return
+        with self._lock:
+            self._current[subscriber] = conn
+        threading.Thread(target=self._send_loop, args=(conn, subscriber, bool(kv_events)), name="channel-out",
+                         daemon=True).start()
+        try:
+            while True:
+                (n,) = FRAME.unpack(recv_exactly(conn, FRAME.size))
+                kind, body = pickle.loads(recv_exactly(conn, n))
+                if kind == SUBMIT:
+                    self.replica.submit(body, subscriber)
+                elif kind == ABORT:
+                    self.replica.abort(body)
+        except (OSError, ConnectionError):
+            pass  # the router is gone (or the replica is closing)
+        except Exception:  # noqa: BLE001 - a frame this side cannot read: the connection is unusable
+            log.exception("channel of router %d: a bad frame; closing it", subscriber)
+        finally:
+            _shutdown(conn)
+            self._drop(conn, subscriber)
+
+    def _send_loop(self, conn: socket.socket, subscriber: int, kv_events: bool) -> None:
+        try:
+            while not self._closed.is_set():
+                with self._lock:
+                    if self._current.get(subscriber) is not conn:
+                        return  # a newer connection of the subscriber receives from now on
+                out = self.replica.poll(POLL_S, subscriber, kv_events)
+                send_frame(conn, pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:
+            pass
+        finally:
+            _shutdown(conn)
+
+    def _drop(self, conn: socket.socket, subscriber: int) -> None:
+        """The connection closed: unless the subscriber has connected again since, the requests it sent
+        have no receiver and end here."""
+        with self._lock:
+            current = self._current.get(subscriber) is conn
+            if current:
+                del self._current[subscriber]
+        conn.close()
+        if current and not self._closed.is_set():
+            aborted = self.replica.release_subscriber(subscriber)
+            if aborted:
+                log.warning("router %d's channel closed: %d request(s) aborted", subscriber, aborted)
+
+
+def _shutdown(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

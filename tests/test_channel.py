@@ -1,0 +1,172 @@
+"""The replica's direct channel (cluster/channel.py): a connection must prove itself with the
+replica's token before anything it sends is read; submits and aborts reach the replica, its
+deltas come back per poll, and a router's closed connection aborts that router's requests. Served end
+to end over the channel (the default) and over Ray calls, outputs equal the offline engine's."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import socket
+import threading
+
+import pytest
+from fixtures import PROMPT_TEXTS
+from helpers import greedy, serving
+
+from cluster import LLM, AddRequest, SamplingParams, TokenDelta
+from cluster.channel import ABORT, FRAME, HELLO, SUBMIT, ChannelListener, recv_exactly
+from cluster.messages import ReplicaOutput
+
+
+class FakeReplica:
+    """Records what the channel hands it; its outbox is filled by the test."""
+
+    def __init__(self) -> None:
+        self.submitted: list[tuple[list[AddRequest], int]] = []
+        self.aborted: list[int] = []
+        self.released: list[int] = []
+        self.outbox: list[TokenDelta] = []
+        self.changed = threading.Condition()
+
+    def submit(self, requests, subscriber=0):
+        with self.changed:
+            self.submitted.append((requests, subscriber))
+            self.changed.notify_all()
+
+    def abort(self, uids):
+        with self.changed:
+            self.aborted.extend(uids)
+            self.changed.notify_all()
+
+    def poll(self, timeout_s=1.0, subscriber=0, kv_events=True):
+        with self.changed:
+            self.changed.wait_for(lambda: self.outbox, timeout_s)
+            out, self.outbox = self.outbox, []
+            return ReplicaOutput(out, None, len(out))
+
+    def release_subscriber(self, subscriber):
+        with self.changed:
+            self.released.append(subscriber)
+            self.changed.notify_all()
+        return 0
+
+    def wait(self, predicate) -> None:
+        with self.changed:
+            assert self.changed.wait_for(predicate, 10.0)
+
+
+class Unpickled:
+    """A payload whose unpickling leaves a mark: proof that the listener read a frame."""
+
+    marks: list[str] = []
+
+    def __reduce__(self):
+        return (Unpickled.marks.append, ("unpickled",))
+
+
+@pytest.fixture
+def listener():
+    replica = FakeReplica()
+    chan = ChannelListener(replica, "127.0.0.1")
+    yield chan, replica
+    chan.close()
+
+
+def connect(chan, token: bytes, subscriber: int = 1) -> socket.socket:
+    sock = socket.create_connection((chan.address.host, chan.address.port), timeout=10)
+    sock.sendall(HELLO.pack(token, subscriber, 1))
+    return sock
+
+
+def send(sock, kind: int, body) -> None:
+    payload = pickle.dumps((kind, body))
+    sock.sendall(FRAME.pack(len(payload)) + payload)
+
+
+def receive(sock) -> ReplicaOutput:
+    (n,) = FRAME.unpack(recv_exactly(sock, FRAME.size))
+    return pickle.loads(recv_exactly(sock, n))
+
+
+def test_a_wrong_token_is_refused_before_anything_is_unpickled(listener):
+    chan, replica = listener
+    Unpickled.marks.clear()
+    sock = connect(chan, b"x" * 32)
+    payload = pickle.dumps(Unpickled())
+    try:
+        sock.sendall(FRAME.pack(len(payload)) + payload)
+    except OSError:
+        pass  # closed already
+    try:
+        assert sock.recv(1) == b""  # the listener closed the connection
+    except ConnectionResetError:
+        pass  # closed with the frame unread
+    sock.close()
+    assert Unpickled.marks == [] and replica.submitted == [] and replica.released == []
+
+
+def test_submits_aborts_and_deltas_cross_the_channel(listener):
+    chan, replica = listener
+    sock = connect(chan, chan.address.token, subscriber=3)
+    request = AddRequest(7, [1, 2, 3], SamplingParams(max_tokens=2))
+    send(sock, SUBMIT, [request])
+    send(sock, ABORT, [7])
+    replica.wait(lambda: replica.aborted)
+    assert replica.submitted == [([request], 3)] and replica.aborted == [7]
+    with replica.changed:
+        replica.outbox = [TokenDelta(7, 42), TokenDelta(7, 43, finished=True, finish_reason="length")]
+        replica.changed.notify_all()
+    out = receive(sock)
+    while not out:  # a heartbeat (an empty message) may come first
+        out = receive(sock)
+    assert [(d.uid, d.token, d.finished) for d in out] == [(7, 42, False), (7, 43, True)]
+    assert out.live == 2
+    sock.close()
+    # the router is gone: what it sent is released at once
+    replica.wait(lambda: replica.released)
+    assert replica.released == [3]
+
+
+def test_only_a_subscribers_newest_connection_releases_it(listener):
+    chan, replica = listener
+    old = connect(chan, chan.address.token, subscriber=2)
+    send(old, SUBMIT, [])
+    replica.wait(lambda: replica.submitted)
+    new = connect(chan, chan.address.token, subscriber=2)
+    send(new, SUBMIT, [])
+    replica.wait(lambda: len(replica.submitted) == 2)
+    old.close()  # a restarted router's predecessor: its successor serves on
+    new.close()
+    replica.wait(lambda: replica.released)
+    assert replica.released == [2]
+
+
+@pytest.mark.parametrize("channel", [True, False], ids=["channel", "ray-calls"])
+def test_served_outputs_equal_the_offline_engine_over_either_path(ray_cluster, qwen3_path, channel):
+    import openai
+    import ray
+    prompts = [PROMPT_TEXTS[i % len(PROMPT_TEXTS)] + f" {i}" for i in range(8)]
+    with LLM(str(qwen3_path)) as llm:
+        expected = [o.text for o in llm.generate(prompts, greedy(8))]
+    with serving(qwen3_path, replica_channel=channel, num_pages=512) as srv:
+        clients = srv.state.clients
+        assert all(c.channel == channel for c in clients)
+        aclient = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+        async def one(i: int, prompt: str) -> str:
+            if i % 2:
+                r = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+                return r.choices[0].text
+            chunks = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                                      stream=True)
+            return "".join([ch.choices[0].text async for ch in chunks])
+
+        async def all_of_them():
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+        assert asyncio.run(all_of_them()) == expected
+        assert all(c._out is not None for c in clients) == channel  # it did not fall back to Ray calls
+        stats = ray.get([r.actor.stats.remote() for r in srv.replicas])
+        assert [s.live for s in stats] == [0] * len(stats)
+        ray.get([r.actor.check_integrity.remote() for r in srv.replicas])
