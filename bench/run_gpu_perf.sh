@@ -141,6 +141,14 @@ case $1 in
   19) # the online path at saturation with 4 router actors (after the replica's per-router wakeups)
     step online_r4 170 $B/online_serving.py --arch qwen3-0.6b --num-prompts 256 --input-len 100 1024 \
       --output-len 100 1024 --client-procs 4 --concurrency 256 --offline --routers 4 --out "$OUT/online_r4.json" ;;
+  20) # the online path over the replicas' direct channel against Ray calls (2 router actors), and with 4
+      # actors; the offline engine's throughput and TTFT first
+    ON="$B/online_serving.py --arch qwen3-0.6b --num-prompts 256 --input-len 100 1024 --output-len 100 1024 \
+      --c1-prompts 8 --client-procs 4"
+    step online_r2 220 $ON --concurrency 1 256 --offline --routers 2 --out "$OUT/online_r2.json"
+    step online_r2_ray 130 $ON --concurrency 1 256 --routers 2 --no-replica-channel --out "$OUT/online_r2_ray.json"
+    step online_r0 110 $ON --concurrency 1 256 --routers 0 --out "$OUT/online_r0.json"
+    step online_r4 110 $ON --concurrency 256 --routers 4 --out "$OUT/online_r4.json" ;;
   9)  # the GPU tests, then the processors', grammars' and FP8's cost, and mixed steps
     step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py

@@ -263,6 +263,21 @@ def test_flashinfer_over_an_fp8_cache_agrees_with_the_torch_backend_over_it(qwen
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+def test_the_triton_decode_kernel_agrees_with_flashinfers(qwen3_hd128, kv):
+    # over an fp8 cache it decodes by default; over bfloat16 when asked for (decode_kernel="triton")
+    cache = FP8_KV if kv == "fp8" else {}
+    prompts = random_prompts(12, 20, 300, seed=4)
+    common = {"dtype": "bfloat16", "num_pages": KV_TOKENS // 16, "max_running_reqs": 16, **cache}
+    ref = _generate(qwen3_hd128, prompts, _greedy_logprobs(24), decode_kernel="tensor_cores", **common)
+    with checked_llm(qwen3_hd128, **common, **({} if cache else {"decode_kernel": "triton"})) as llm:
+        assert llm.engine.attn.triton_decode
+        got = llm.generate(prompts, _greedy_logprobs(24))
+    rows = _assert_part_only_at_near_ties(ref, got)
+    assert sum(p is None for _, p in rows) >= len(rows) // 2, rows
+
+
+@pytest.mark.gpu
 def test_cuda_graph_decode_over_an_fp8_cache_equals_eager(qwen3_hd128):
     prompts = random_prompts(16, 5, 120, seed=3)
     params = [greedy(8 + 2 * i, ignore_eos=True) for i in range(16)]  # the batch shrinks: every bucket is used

@@ -59,6 +59,10 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def triton_installed() -> bool:
+    return _kernels() is not None
+
+
 @functools.cache
 def _kernels():
     try:

@@ -46,9 +46,20 @@ _decode_kernel = "auto"
 
 
 def set_decode_kernel(choice: str) -> None:
-    """auto, tensor_cores or cuda_cores (EngineConfig.decode_kernel)."""
+    """auto, tensor_cores, cuda_cores or triton (EngineConfig.decode_kernel)."""
     global _decode_kernel
     _decode_kernel = choice
+
+
+def triton_decode_applies(kv_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether decode steps run worker/triton_decode.py's kernel instead of FlashInfer's: asked for, or
+    by default over a float8 cache, which FlashInfer 0.5.3's decode kernels read at half the memory's
+    speed (they dequantize slowly: no faster than over bfloat16). Needs Triton, and for float8 a GPU that
+    converts it (compute capability 8.9 and up)."""
+    if _decode_kernel not in ("auto", "triton") or (_decode_kernel == "auto" and kv_dtype not in FP8_KV_DTYPES):
+        return False
+    from worker import triton_ops
+    return device.type == "cuda" and triton_ops.triton_installed() and triton_ops.cache_dtype_supported(kv_dtype, device)
 
 
 def use_tensor_cores(batch_size: int) -> bool:
@@ -127,6 +138,17 @@ class FlashInferBackend(AttentionBackend):
         self._plan_copied = new_event(device)
         self.wrapper = self.decode_wrappers[True]
         self.out_loc: torch.Tensor | None = None
+        self.triton_decode = triton_decode_applies(kv.dtype, device)
+        self._decode: _TritonDecode | None = None  # this step's, when the Triton kernel attends
+        if self.triton_decode:
+            from worker import triton_decode
+            self._triton = triton_decode
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            # the split results of any batch: decode_num_splits keeps rows * splits near rows + 4 * SMs / kv heads
+            most = max(rows * triton_decode.decode_num_splits(rows, self.num_kv_heads, self._num_sms),
+                       triton_decode.decode_num_splits(1, self.num_kv_heads, self._num_sms)) + 4 * self._num_sms
+            self._part_out = torch.empty(most * num_heads * self.head_dim, dtype=torch.float32, device=device)
+            self._part_lse = torch.empty(most * num_heads, dtype=torch.float32, device=device)
 
     # -- planning ------------------------------------------------------------------------------------
 
@@ -134,6 +156,8 @@ class FlashInferBackend(AttentionBackend):
         desc = batch.desc
         if desc.is_prefill:
             wrapper = self.prefill_wrapper
+        elif self.triton_decode:
+            wrapper = None
         else:
             wrapper = self.decode_wrappers[use_tensor_cores(desc.batch_size)]
         self._plan(wrapper, staged or self.stage(desc, desc.batch_size), scratch_page=-1)
@@ -144,7 +168,7 @@ class FlashInferBackend(AttentionBackend):
         """Plans the CUDA-graph decode wrapper of batch size `bs` (made on first use) for `desc`; the rows
         past the batch (every row when `desc` is None, at capture) attend over the scratch page only."""
         wrapper = self.graph_wrappers.get(bs)
-        if wrapper is None:
+        if wrapper is None and not self.triton_decode:
             wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=use_tensor_cores(bs),
                 paged_kv_indptr_buffer=self.graph_indptr[: bs + 1], paged_kv_indices_buffer=self.kv_indices,
@@ -191,6 +215,11 @@ class FlashInferBackend(AttentionBackend):
         if bs > n:
             self.kv_indices[num_real:num_real + bs - n].fill_(scratch_page)
         indices = self.kv_indices[: num_real + bs - n]
+        self._decode = None
+        if wrapper is None:  # a decode step through the Triton kernel: its arrays where graphs read them
+            self._decode = self._plan_triton(staged, bs)
+            staged.release(current_stream(self.kv.device))
+            return
         wait_for(self._plan_copied)  # FlashInfer's pinned plan buffer is free again
         q_dtype, kv_dtype = self.q_dtype, self.kv.dtype
         h = staged.host
@@ -207,6 +236,16 @@ class FlashInferBackend(AttentionBackend):
         self._plan_copied.record(stream)
         staged.release(stream)  # every reader of the staged arrays (copies, gathers, plan) is on this stream
 
+    def _plan_triton(self, staged: Staged, bs: int) -> _TritonDecode:
+        indptr, last_page_len = self.graph_indptr[: bs + 1], self.graph_last_page_len[:bs]
+        indptr.copy_(staged.device["kv_indptr"], non_blocking=True)
+        last_page_len.copy_(staged.device["last_page_len"], non_blocking=True)
+        splits = self._triton.decode_num_splits(bs, self.num_kv_heads, self._num_sms)
+        h, d = self.num_heads, self.head_dim
+        scratch = self._triton.DecodeScratch(self._part_out[: bs * h * splits * d].view(bs, h, splits, d),
+                                             self._part_lse[: bs * h * splits].view(bs, h, splits))
+        return _TritonDecode(indptr, last_page_len, splits, scratch)
+
     def _gather_page_ids(self, cells: torch.Tensor) -> None:
         """kv_indices[:len(cells)] = each request's page ids, in order: the page table's token
         locations at those cells (each the first position of a page), divided by the page size."""
@@ -220,5 +259,19 @@ class FlashInferBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         if k is not None:
             self.kv.store(layer_id, self.out_loc, k, v)
+        if (dec := self._decode) is not None:
+            k_cache, v_cache = self.caches[layer_id]
+            return self._triton.paged_decode(q, k_cache, v_cache, dec.indptr, self.kv_indices, dec.last_page_len,
+                                             num_splits=dec.splits, scratch=dec.scratch)
         with self._on_torch_stream():
             return self.wrapper.run(q, self.caches[layer_id])
+
+
+@dataclass
+class _TritonDecode:
+    """A decode step's launch arguments for worker/triton_decode.py (fixed addresses: graphs replay them)."""
+
+    indptr: torch.Tensor
+    last_page_len: torch.Tensor
+    splits: int
+    scratch: object
