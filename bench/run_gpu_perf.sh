@@ -149,6 +149,22 @@ case $1 in
     step online_r2_ray 130 $ON --concurrency 1 256 --routers 2 --no-replica-channel --out "$OUT/online_r2_ray.json"
     step online_r0 110 $ON --concurrency 1 256 --routers 0 --out "$OUT/online_r0.json"
     step online_r4 110 $ON --concurrency 256 --routers 4 --out "$OUT/online_r4.json" ;;
+  21) # the Triton decode kernel over an fp8 cache: its tests and the fp8 cache's, one layer's decode
+      # against FlashInfer's, then (a) in bf16, over fp8 with the Triton kernel (the default) and with FlashInfer's
+    step decode_tests 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_triton_decode.py tests/test_kv_fp8.py
+    jit
+    step fp8_decode 120 $B/fp8_decode.py --out "$OUT/fp8_decode.json"
+    off bf16 $B/offline_throughput.py
+    off fp8 $B/offline_throughput.py --kv-cache-dtype fp8_e4m3
+    off fp8_flashinfer $B/offline_throughput.py --kv-cache-dtype fp8_e4m3 --decode-kernel tensor_cores
+    jit ;;
+  22) # (a) over an fp8 cache (the Triton decode kernel) and in bf16, the fp8 cache's GPU tests, then the
+      # online path's TTFT at concurrency 1 (16 requests, a connection opened first) and saturation
+    off fp8 $B/offline_throughput.py --kv-cache-dtype fp8_e4m3
+    off bf16 $B/offline_throughput.py
+    step fp8_tests 130 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kv_fp8.py tests/test_triton_decode.py
+    step online_r2 120 $B/online_serving.py --arch qwen3-0.6b --num-prompts 256 --input-len 100 1024 \
+      --output-len 100 1024 --c1-prompts 16 --client-procs 4 --concurrency 1 256 --routers 2 --out "$OUT/online_r2.json" ;;
   9)  # the GPU tests, then the processors', grammars' and FP8's cost, and mixed steps
     step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py

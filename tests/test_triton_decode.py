@@ -1,0 +1,181 @@
+"""The Triton split-KV paged decode kernel (worker/triton_decode.py) against a float32 torch reference over
+fp8 and half-precision caches, its CUDA-graph property (the same launch over lengths changed in place),
+and on a GPU against FlashInfer's tensor-core decode. On the CPU it runs under Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.kv_cache import to_fp8
+
+pytest.importorskip("triton")
+
+from worker import triton_decode  # noqa: E402
+from worker.triton_decode import (  # noqa: E402
+    decode_num_splits,
+    decode_scratch,
+    paged_decode,
+    paged_decode_reference,
+)
+
+if not (triton_decode.INTERPRETED or torch.cuda.is_available()):
+    pytest.skip("needs CUDA or Triton's interpreter (TRITON_INTERPRET=1)", allow_module_level=True)
+DEVICE = "cpu" if triton_decode.INTERPRETED else "cuda"
+
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp16": torch.float16}
+UNIT_ROUNDOFF = 2.0**-8  # bfloat16's (8 significant bits); float16's is 2**-11
+
+
+def page_lists(lens: list[int], page_size: int, num_pages: int, generator: torch.Generator):
+    """CSR page lists of requests with these lengths over shuffled, non-contiguous page ids."""
+    pages = [-(-n // page_size) for n in lens]
+    ids = torch.randperm(num_pages, generator=generator)[: sum(pages)].to(torch.int32)
+    indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lens, pages)], dtype=torch.int32)
+    return indptr, ids, last
+
+
+def make_decode(lens: list[int], page_size: int, num_kv_heads: int, group: int, head_dim: int, kv: str,
+                q_dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """(q, k_cache, v_cache, kv_indptr, kv_indices, last_page_len) on DEVICE, with a few spare pages."""
+    g = torch.Generator().manual_seed(seed)
+    num_pages = sum(-(-n // page_size) for n in lens) + 3
+    indptr, ids, last = page_lists(lens, page_size, num_pages, g)
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    k, v = (to_fp8(x) if kv == "fp8" else x.to(KV_DTYPES[kv]) for x in (k, v))
+    q = (2 * torch.randn(len(lens), num_kv_heads * group, head_dim, generator=g)).to(q_dtype)  # peaked softmax
+    return tuple(x.to(DEVICE) for x in (q, k, v, indptr, ids, last))
+
+
+def assert_close_to_reference(got: torch.Tensor, args: tuple[torch.Tensor, ...]) -> None:
+    # Past float32 (q and K/V exact in the dot's dtype, float32 accumulation), the kernel rounds the
+    # probabilities to 16 bits before P.V and the output to q's dtype, each to a relative u <= 2^-8:
+    # |error| <= u * (sum p|v| / sum p + |o|) <= 2u * max|v|
+    want = paged_decode_reference(*args).float()
+    bound = 2 * UNIT_ROUNDOFF * args[2].float().abs().max().item()
+    torch.testing.assert_close(got.float(), want, atol=bound, rtol=0)
+
+
+def lens_around(page_size: int) -> list[int]:
+    # one token, a page but one, a page, a page and one, a few pages
+    return [n for n in (1, page_size - 1, page_size, page_size + 1, 3 * page_size + 5) if n >= 1]
+
+
+CASES = {  # page_size, num_kv_heads, group, head_dim, num_splits, block_n
+    "page16-group2-d64-one-split-blocks-across-pages": (16, 2, 2, 64, 1, None),
+    "page16-group4-d128-three-splits": (16, 1, 4, 128, 3, None),
+    "page1-group1-d64-four-splits": (1, 2, 1, 64, 4, 32),
+    "page64-group2-d64-two-splits-blocks-inside-pages": (64, 1, 2, 64, 2, 32),
+    "page16-group2-d64-more-splits-than-tokens": (16, 1, 2, 64, 12, 32),
+}
+
+
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_equals_float32_attention_over_the_pages(kv, case):
+    page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
+    args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, kv)
+    got = paged_decode(*args, num_splits=num_splits, block_n=block_n)
+    assert got.dtype == torch.bfloat16 and got.shape == args[0].shape
+    assert_close_to_reference(got, args)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp16"])
+def test_float16_queries_over_fp8_and_float16_caches(kv):
+    args = make_decode([1, 30, 70], 16, 2, 2, 64, kv, q_dtype=torch.float16, seed=1)
+    got = paged_decode(*args, num_splits=2)
+    assert got.dtype == torch.float16
+    assert_close_to_reference(got, args)
+
+
+def test_fp8_cache_with_bfloat16_tensor_core_operands():
+    args = make_decode([5, 40], 16, 2, 2, 64, "fp8", seed=2)
+    assert_close_to_reference(paged_decode(*args, num_splits=2, f16_dot=False), args)
+
+
+def test_sm_scale_is_applied():
+    args = make_decode([9, 33], 16, 1, 2, 64, "bf16", seed=3)
+    got = paged_decode(*args, num_splits=2, sm_scale=0.3)
+    want = paged_decode_reference(*args, sm_scale=0.3).float()
+    torch.testing.assert_close(got.float(), want, atol=2 * UNIT_ROUNDOFF * args[2].float().abs().max().item(), rtol=0)
+
+
+def test_one_launch_follows_lengths_changed_in_place_on_the_device():
+    # a CUDA graph replays the same grid and arguments: only the page lists' contents change
+    page_size, num_kv_heads, group, head_dim, max_batch, capacity = 16, 2, 2, 64, 6, 24
+    g = torch.Generator().manual_seed(4)
+    shape = (capacity, page_size, num_kv_heads, head_dim)
+    k, v = (to_fp8(torch.randn(shape, generator=g)).to(DEVICE) for _ in range(2))
+    q = torch.randn(4, num_kv_heads * group, head_dim, generator=g).bfloat16().to(DEVICE)
+    kv_indptr = torch.zeros(5, dtype=torch.int32, device=DEVICE)
+    kv_indices = torch.zeros(capacity, dtype=torch.int32, device=DEVICE)
+    last_page_len = torch.ones(4, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(q)
+    scratch = decode_scratch(max_batch, num_kv_heads * group, head_dim, 8, DEVICE)
+
+    def launch() -> torch.Tensor:
+        return paged_decode(q, k, v, kv_indptr, kv_indices, last_page_len, num_splits=4, out=out, scratch=scratch)
+
+    def set_lengths(lens: list[int]) -> tuple[torch.Tensor, ...]:
+        indptr, ids, last = page_lists(lens, page_size, capacity, g)
+        kv_indptr.copy_(indptr)
+        kv_indices[: len(ids)].copy_(ids)
+        last_page_len.copy_(last)
+        return q, k, v, kv_indptr, kv_indices[: len(ids)], last_page_len
+
+    args = set_lengths([3, 20, 33, 1])
+    assert launch() is out
+    replay = launch
+    if DEVICE == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launch()
+        replay = graph.replay
+    replay()
+    assert_close_to_reference(out, args)
+    before = out.clone()
+
+    args = set_lengths([40, 2, 17, 64])
+    replay()
+    assert_close_to_reference(out, args)
+    assert not torch.equal(out, before)
+
+
+def test_scratch_must_hold_the_batch_and_the_splits():
+    args = make_decode([3, 4, 5], 16, 1, 2, 64, "bf16")
+    with pytest.raises(ValueError, match="too small"):
+        paged_decode(*args, num_splits=4, scratch=decode_scratch(2, 2, 64, 4, DEVICE))
+    with pytest.raises(ValueError, match="too small"):
+        paged_decode(*args, num_splits=4, scratch=decode_scratch(3, 2, 64, 2, DEVICE))
+
+
+def test_splits_fill_the_gpu_at_small_batches_and_stay_bounded():
+    splits = [decode_num_splits(bs, 8) for bs in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)]
+    assert splits[0] == 32 and splits[-2] == splits[-1] == 1
+    assert splits == sorted(splits, reverse=True)
+    assert decode_num_splits(1, 1, max_splits=16) == 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+def test_decode_agrees_with_flashinfer_tensor_core_decode(kv):
+    flashinfer = pytest.importorskip("flashinfer")
+    # Qwen3-0.6B's attention: 16 query heads, 8 kv heads, head_dim 128
+    num_heads, num_kv_heads, head_dim, page_size, batch = 16, 8, 128, 16, 64
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(1, 1001, (batch,), generator=g).tolist()
+    args = make_decode(lens, page_size, num_kv_heads, num_heads // num_kv_heads, head_dim, kv, seed=5)
+    q, k, v, kv_indptr, kv_indices, last_page_len = args
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        torch.zeros(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True)
+    wrapper.plan(kv_indptr.cpu(), kv_indices, last_page_len.cpu(), num_heads, num_kv_heads, head_dim, page_size,
+                 q_data_type=q.dtype, kv_data_type=k.dtype)
+    want = wrapper.run(q, (k, v)).float()
+    got = paged_decode(*args, num_splits=decode_num_splits(batch, num_kv_heads)).float()
+    bound = 2 * UNIT_ROUNDOFF * v.float().abs().max().item()
+    ref = paged_decode_reference(*args).float()
+    torch.testing.assert_close(got, ref, atol=bound, rtol=0)
+    torch.testing.assert_close(got, want, atol=bound, rtol=0)
+    assert (got - want).abs().mean() < 1e-3  # typical errors far inside the bound

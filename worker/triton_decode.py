@@ -1,0 +1,263 @@
+"""Split-KV paged decode attention in Triton: one query token a request over a paged KV cache of float8
+e4m3 (unscaled), bfloat16 or float16, laid out as FlashInfer's NHD pages and listed as FlashInfer's CSR
+page lists. Every launch argument depends only on shapes and the caller's `num_splits`, so a CUDA graph
+captured once replays over any lengths. On the CPU it runs only under Triton's interpreter (the tests)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+FP16_MAX = tl.constexpr(65504.0)
+
+
+@triton.jit
+def _mma(a, b, UPCAST: tl.constexpr):
+    # Triton's interpreter multiplies bfloat16 operands as their raw bits: there they go in as float32,
+    # which holds them exactly (numpy accumulates in float32 as the tensor cores do)
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, last_page_len_ptr, out_ptr, part_out_ptr,
+                  part_lse_ptr, qk_scale, stride_qb, stride_qh, stride_page, stride_tok, stride_kvh, stride_ob,
+                  stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                  GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F16_DOT: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    # one program per (request, kv head, split): the group's query heads against the split's tokens,
+    # with an online softmax in base 2 (qk_scale = sm_scale * log2(e)); one split writes `out` itself,
+    # several write their normalized partial output and log2-sum-exp for _merge_kernel
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    first_page = tl.load(kv_indptr_ptr + b)
+    num_pages = tl.load(kv_indptr_ptr + b + 1) - first_page
+    seq_len = (num_pages - 1) * PAGE_SIZE + tl.load(last_page_len_ptr + b)
+    # equal shares in whole blocks, so only a request's last block is partial; splits past its end
+    # get no tokens (a request shorter than num_splits blocks leaves some empty)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kvh * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    # the group's heads padded to BLOCK_H >= 16 rows: what tl.dot needs to run on tensor cores
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None], other=0.0)
+    if F16_DOT:
+        # float16 operands: e4m3 converts to float16 directly, to bfloat16 only through it (bfloat16
+        # operands took 40% longer on an H200). Every e4m3 value is exact in float16, and so is a
+        # bfloat16 query from 2^-17 up to float16's range (saturated there)
+        q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+    m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    pages = kv_indices_ptr + first_page
+    head = kvh.to(tl.int64) * stride_kvh
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + offs_n
+        t_mask = t < end
+        # each token's cell through the page table: right for any page size, within or across pages
+        # (t >= 0: unsigned, so a power-of-two page size divides by a shift and a mask; signed
+        # division's fix-ups cost about a tenth of the time over fp8 on an H200)
+        t_u = t.to(tl.uint32)
+        page = tl.load(pages + t_u // PAGE_SIZE, mask=t_mask, other=0)
+        row = page.to(tl.int64) * stride_page + (t_u % PAGE_SIZE).to(tl.int32) * stride_tok + head
+        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+        qk = _mma(q, tl.trans(k.to(q.dtype)), UPCAST) * qk_scale
+        qk = tl.where(t_mask[None, :], qk, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every block holds a token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v.to(q.dtype), UPCAST)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+    else:
+        # an empty split: output 0 and lse -inf, which the merge weighs by exp2(-inf) = 0
+        has = l_i > 0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf"))
+        part = part_out_ptr + b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
+        tl.store(part[:, None] + offs_d[None, :], o, mask=h_mask[:, None])
+        tl.store(part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                  stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # one program per (request, query head): the splits' outputs weighed by their share of the softmax
+    # mass; a request's first split always holds a token, so the largest lse is finite
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=s_mask,
+                  other=-float("inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    part = part_out_ptr + b.to(tl.int64) * stride_pb + h * stride_ph
+    o = tl.load(part + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    o = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+INTERPRETED = not isinstance(_split_kernel, triton.runtime.JITFunction)  # TRITON_INTERPRET=1 at Triton's import
+
+KV_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16)
+Q_DTYPES = (torch.bfloat16, torch.float16)
+MAX_SPLITS = 64
+
+
+@dataclass
+class DecodeScratch:
+    """The split results of a launch: part_out [max_batch, num_heads, max_splits, head_dim] and part_lse
+    [max_batch, num_heads, max_splits], float32, allocated once (a CUDA graph's launches reuse them)."""
+
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+
+
+def decode_scratch(max_batch_size: int, num_heads: int, head_dim: int, max_splits: int,
+                   device: torch.device | str) -> DecodeScratch:
+    """Scratch for any launch of up to max_batch_size requests and max_splits splits."""
+    return DecodeScratch(
+        torch.empty(max_batch_size, num_heads, max_splits, head_dim, dtype=torch.float32, device=device),
+        torch.empty(max_batch_size, num_heads, max_splits, dtype=torch.float32, device=device))
+
+
+def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = 132, max_splits: int = 32) -> int:
+    """Splits a request's KV for a batch: enough (request, kv head, split) programs to fill every
+    multiprocessor about four times over (one split at batch 256 with 8 kv heads; max_splits at batch 1).
+    Fixed by the batch size alone, so a CUDA graph of that size keeps it."""
+    programs = max(batch_size * num_kv_heads, 1)
+    return max(1, min(max_splits, math.ceil(4 * num_sms / programs)))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
+                 kv_indices: torch.Tensor, last_page_len: torch.Tensor, *, num_splits: int,
+                 sm_scale: float | None = None, out: torch.Tensor | None = None, scratch: DecodeScratch | None = None,
+                 block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                 f16_dot: bool | None = None) -> torch.Tensor:
+    """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
+    k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]: request b reads pages
+    kv_indices[kv_indptr[b]:kv_indptr[b + 1]], the last of them filled to last_page_len[b] (int32 all).
+    Returns [B, num_heads, head_dim] in q's dtype (into `out` when given). With `scratch` (from
+    decode_scratch) and `out` it allocates nothing. The rest tune it (None: what measured best on an
+    H200): block_n, num_warps, num_stages, the tile (tokens a step) and launch shape; f16_dot, float16
+    tensor-core operands (None: for an fp8 cache) or q's dtype."""
+    batch, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    _check(q, k_cache, v_cache, num_splits)
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    if f16_dot is None:
+        f16_dot = k_cache.dtype == torch.float8_e4m3fn
+    tile = _default_tile(head_dim, num_splits)
+    block_n, num_warps, num_stages = block_n or tile[0], num_warps or tile[1], num_stages or tile[2]
+    if num_splits > 1:
+        if scratch is None:
+            scratch = decode_scratch(batch, num_heads, head_dim, num_splits, q.device)
+        if scratch.part_out.shape[0] < batch or scratch.part_out.shape[2] < num_splits:
+            raise ValueError(f"scratch for {scratch.part_out.shape[0]} requests and {scratch.part_out.shape[2]} "
+                             f"splits is too small for {batch} and {num_splits}")
+        part_out, part_lse = scratch.part_out, scratch.part_lse
+    else:
+        part_out, part_lse = out, out  # unread: one split writes out itself
+    _split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, kv_indptr, kv_indices, last_page_len, out, part_out, part_lse, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
+        out.stride(1), part_out.stride(0), part_out.stride(1), _stride(part_out, 2), part_lse.stride(0),
+        part_lse.stride(1), GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits, F16_DOT=f16_dot,
+        UPCAST=INTERPRETED, num_warps=num_warps, num_stages=num_stages)
+    if num_splits > 1:
+        _merge_kernel[(batch, num_heads)](
+            part_out, part_lse, out, part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0),
+            part_lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4)
+    return out
+
+
+def _default_tile(head_dim: int, num_splits: int) -> tuple[int, int, int]:
+    """(block_n, num_warps, num_stages) measured best on an H200 (bench/fp8_decode.py: head_dim 128, page
+    16, fp8 and bf16 alike): 128 tokens a step at a split or two a request (batch 256), 32 where many
+    splits leave each a few blocks (batch 1). Past head_dim 128, 32 (a guess: K and V tiles twice the size)."""
+    if head_dim > 128:
+        return 32, 4, 2
+    return (128 if num_splits <= 2 else 32), 4, 2
+
+
+def _stride(x: torch.Tensor, dim: int) -> int:
+    return x.stride(dim) if x.dim() > dim else 0
+
+
+def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_splits: int) -> None:
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must have the same shape, strides and dtype")
+    if k_cache.dtype not in KV_DTYPES or q.dtype not in Q_DTYPES:
+        raise ValueError(f"decode reads {KV_DTYPES} caches with bfloat16/float16 queries, not {k_cache.dtype} "
+                         f"with {q.dtype}")
+    if k_cache.dtype != torch.float8_e4m3fn and k_cache.dtype != q.dtype:
+        raise ValueError(f"a {k_cache.dtype} cache needs queries of the same dtype, not {q.dtype}")
+    if k_cache.shape[3] != head_dim or head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two from 16 and match the cache's, not {head_dim} "
+                         f"against {k_cache.shape[3]}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are no multiple of {num_kv_heads} kv heads")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1:
+        raise ValueError("q and the caches need unit stride along head_dim")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must lie in 1..{MAX_SPLITS}, not {num_splits}")
+    if not (q.is_cuda or INTERPRETED):
+        raise ValueError("paged_decode runs on CUDA tensors, or on the CPU under Triton's interpreter "
+                         "(TRITON_INTERPRET=1 before Triton is imported)")
+
+
+def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
+                           kv_indices: torch.Tensor, last_page_len: torch.Tensor, *,
+                           sm_scale: float | None = None) -> torch.Tensor:
+    """What paged_decode computes, in float32 torch, one request at a time (for the tests)."""
+    batch, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    indptr, indices, last = kv_indptr.tolist(), kv_indices.long(), last_page_len.tolist()
+    out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        pages = indices[indptr[b]:indptr[b + 1]]
+        n = (len(pages) - 1) * page_size + last[b]
+        k, v = (_gather(c, pages).reshape(-1, num_kv_heads, head_dim)[:n] for c in (k_cache, v_cache))
+        k, v = (x.repeat_interleave(num_heads // num_kv_heads, dim=1) for x in (k, v))  # [n, num_heads, head_dim]
+        scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * sm_scale
+        out[b] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v)
+    return out.to(q.dtype)
+
+
+def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    # float8 tensors lack gather kernels (on the CPU at least): move their bytes
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8)[pages].view(torch.float8_e4m3fn).float()
+    return cache[pages].float()
