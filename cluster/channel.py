@@ -9,7 +9,7 @@ step's deltas one send from a thread that waits on the same outbox a Ray poll do
 A connection proves itself first with the replica's token (random, handed out only through a Ray call,
 so only processes of the cluster hold it); nothing is unpickled before that. When a router's connection
 closes (the router died, or its node lost the network), the replica aborts the requests that router
-sent, at once: nobody can receive them any more."""
+sent over it, at once: nobody can receive them any more."""
 
 from __future__ import annotations
 
@@ -125,15 +125,18 @@ class ChannelListener:
             return
         with self._lock:
             self._current[subscriber] = conn
-        threading.Thread(target=self._send_loop, args=(conn, subscriber, bool(kv_events)), name="channel-out",
+        sent = _Sent()
+        threading.Thread(target=self._send_loop, args=(conn, subscriber, bool(kv_events), sent), name="channel-out",
                          daemon=True).start()
         try:
             while True:
                 (n,) = FRAME.unpack(recv_exactly(conn, FRAME.size))
                 kind, body = pickle.loads(recv_exactly(conn, n))
                 if kind == SUBMIT:
+                    sent.add(r.uid for r in body)
                     self.replica.submit(body, subscriber)
                 elif kind == ABORT:
+                    sent.discard(body)
                     self.replica.abort(body)
         except (OSError, ConnectionError):
             pass  # the router is gone (or the replica is closing)
@@ -141,33 +144,58 @@ class ChannelListener:
             log.exception("channel of router %d: a bad frame; closing it", subscriber)
         finally:
             _shutdown(conn)
-            self._drop(conn, subscriber)
+            self._drop(conn, subscriber, sent)
 
-    def _send_loop(self, conn: socket.socket, subscriber: int, kv_events: bool) -> None:
+    def _send_loop(self, conn: socket.socket, subscriber: int, kv_events: bool, sent: _Sent) -> None:
         try:
             while not self._closed.is_set():
                 with self._lock:
                     if self._current.get(subscriber) is not conn:
                         return  # a newer connection of the subscriber receives from now on
                 out = self.replica.poll(POLL_S, subscriber, kv_events)
+                sent.discard(d.uid for d in out if d.finished)
                 send_frame(conn, pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
         except OSError:
             pass
         finally:
             _shutdown(conn)
 
-    def _drop(self, conn: socket.socket, subscriber: int) -> None:
-        """The connection closed: unless the subscriber has connected again since, the requests it sent
-        have no receiver and end here."""
+    def _drop(self, conn: socket.socket, subscriber: int, sent: _Sent) -> None:
+        """The connection closed: the requests sent over it have no receiver and end here (whether or
+        not the router has connected again since), and unless it has, what waits for it is dropped."""
         with self._lock:
             current = self._current.get(subscriber) is conn
             if current:
                 del self._current[subscriber]
         conn.close()
-        if current and not self._closed.is_set():
-            aborted = self.replica.release_subscriber(subscriber)
-            if aborted:
-                log.warning("router %d's channel closed: %d request(s) aborted", subscriber, aborted)
+        if self._closed.is_set():
+            return
+        if uids := sent.take():
+            self.replica.abort(uids)
+            log.warning("router %d's channel closed: %d request(s) aborted", subscriber, len(uids))
+        if current:
+            self.replica.release_subscriber(subscriber)
+
+
+class _Sent:
+    """The requests a connection sent that have not ended (its reader and its sender both change it)."""
+
+    def __init__(self) -> None:
+        self._uids: set[int] = set()
+        self._lock = threading.Lock()
+
+    def add(self, uids) -> None:
+        with self._lock:
+            self._uids.update(uids)
+
+    def discard(self, uids) -> None:
+        with self._lock:
+            self._uids.difference_update(uids)
+
+    def take(self) -> list[int]:
+        with self._lock:
+            uids, self._uids = sorted(self._uids), set()
+        return uids
 
 
 def _shutdown(conn: socket.socket) -> None:

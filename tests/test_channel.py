@@ -9,6 +9,7 @@ import asyncio
 import pickle
 import socket
 import threading
+import time
 
 import pytest
 from fixtures import PROMPT_TEXTS
@@ -128,18 +129,27 @@ def test_submits_aborts_and_deltas_cross_the_channel(listener):
     assert replica.released == [3]
 
 
-def test_only_a_subscribers_newest_connection_releases_it(listener):
+def test_a_closed_connection_aborts_what_it_sent_and_only_the_newest_releases_its_router(listener):
     chan, replica = listener
+    params = SamplingParams(max_tokens=8)
     old = connect(chan, chan.address.token, subscriber=2)
-    send(old, SUBMIT, [])
+    send(old, SUBMIT, [AddRequest(11, [1], params), AddRequest(12, [1], params)])
     replica.wait(lambda: replica.submitted)
+    with replica.changed:  # 12 ends before the connection does
+        replica.outbox = [TokenDelta(12, 5, finished=True, finish_reason="length")]
+        replica.changed.notify_all()
+    out = receive(old)
+    while not out:
+        out = receive(old)
     new = connect(chan, chan.address.token, subscriber=2)
-    send(new, SUBMIT, [])
+    send(new, SUBMIT, [AddRequest(13, [1], params)])
     replica.wait(lambda: len(replica.submitted) == 2)
-    old.close()  # a restarted router's predecessor: its successor serves on
+    old.close()  # a router that connected again: what it sent before is gone with the old connection
+    replica.wait(lambda: replica.aborted)
+    assert replica.aborted == [11] and replica.released == []
     new.close()
     replica.wait(lambda: replica.released)
-    assert replica.released == [2]
+    assert replica.aborted == [11, 13] and replica.released == [2]
 
 
 @pytest.mark.parametrize("channel", [True, False], ids=["channel", "ray-calls"])
@@ -170,3 +180,37 @@ def test_served_outputs_equal_the_offline_engine_over_either_path(ray_cluster, q
         stats = ray.get([r.actor.stats.remote() for r in srv.replicas])
         assert [s.live for s in stats] == [0] * len(stats)
         ray.get([r.actor.check_integrity.remote() for r in srv.replicas])
+
+
+def test_a_lost_connection_fails_its_requests_and_the_router_connects_again(ray_cluster, qwen3_path):
+    import httpx
+    import ray
+    body = {"model": "tiny", "prompt": PROMPT_TEXTS[2], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with serving(qwen3_path, num_pages=512) as srv:
+        (client,) = srv.state.clients
+        lost = client._out
+        decoded_before = ray.get(srv.replicas[0].actor.stats.remote()).decode_tokens
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", srv.url + "/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                assert any(next(lines).startswith("data: {") for _ in range(3))
+                # the router's end of the connection drops, as a network fault would drop it
+                client._poller.get_loop().call_soon_threadsafe(lost.transport.abort)
+                rest = list(lines)
+            assert any('"error"' in line for line in rest), rest[-3:]
+            assert rest[-1] == "data: [DONE]" or rest[-2:] == ["data: [DONE]", ""]
+            deadline = time.monotonic() + 20
+            while (client._out is None or client._out is lost) and time.monotonic() < deadline:
+                time.sleep(0.05)  # a bounded wait for an eventual state: the router connects again
+            assert client._out is not None and client._out is not lost and client.healthy
+            r = http.post(srv.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 5}).json()
+            assert r["usage"]["completion_tokens"] == 5
+        # the replica aborted what the lost connection had sent: nothing runs on for no one
+        deadline = time.monotonic() + 20
+        while (stats := ray.get(srv.replicas[0].actor.stats.remote())).live and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats.live == 0
+        # far fewer than the 400 tokens asked for were decoded: the abort came with the lost connection
+        assert stats.decode_tokens - decoded_before < 200
+        ray.get(srv.replicas[0].actor.check_integrity.remote())
