@@ -70,3 +70,25 @@ def fail_first_launch(executor, message: str = "injected kernel failure") -> Non
         return launch(desc)
 
     executor.launch = launch_or_fail
+
+
+def concurrent_completions(url: str, prompts: list[str], max_tokens: int) -> list[str]:
+    """Greedy completions of every prompt at once through the async openai client (every other one
+    streamed): their texts, in order."""
+    import asyncio
+
+    import openai
+    aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+    async def one(prompt: str, stream: bool) -> str:
+        if not stream:
+            r = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0)
+            return r.choices[0].text
+        chunks = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                  stream=True)
+        return "".join([ch.choices[0].text async for ch in chunks])
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(p, i % 2 == 0) for i, p in enumerate(prompts)))
+
+    return asyncio.run(all_of_them())

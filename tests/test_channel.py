@@ -5,7 +5,6 @@ to end over the channel (the default) and over Ray calls, outputs equal the offl
 
 from __future__ import annotations
 
-import asyncio
 import pickle
 import socket
 import threading
@@ -13,7 +12,7 @@ import time
 
 import pytest
 from fixtures import PROMPT_TEXTS
-from helpers import greedy, serving
+from helpers import concurrent_completions, greedy, serving
 
 from cluster import LLM, AddRequest, SamplingParams, TokenDelta
 from cluster.channel import ABORT, FRAME, HELLO, SUBMIT, ChannelListener, recv_exactly
@@ -154,7 +153,6 @@ def test_a_closed_connection_aborts_what_it_sent_and_only_the_newest_releases_it
 
 @pytest.mark.parametrize("channel", [True, False], ids=["channel", "ray-calls"])
 def test_served_outputs_equal_the_offline_engine_over_either_path(ray_cluster, qwen3_path, channel):
-    import openai
     import ray
     prompts = [PROMPT_TEXTS[i % len(PROMPT_TEXTS)] + f" {i}" for i in range(8)]
     with LLM(str(qwen3_path)) as llm:
@@ -162,20 +160,7 @@ def test_served_outputs_equal_the_offline_engine_over_either_path(ray_cluster, q
     with serving(qwen3_path, replica_channel=channel, num_pages=512) as srv:
         clients = srv.state.clients
         assert all(c.channel == channel for c in clients)
-        aclient = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-
-        async def one(i: int, prompt: str) -> str:
-            if i % 2:
-                r = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
-                return r.choices[0].text
-            chunks = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
-                                                      stream=True)
-            return "".join([ch.choices[0].text async for ch in chunks])
-
-        async def all_of_them():
-            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-
-        assert asyncio.run(all_of_them()) == expected
+        assert concurrent_completions(srv.url, prompts, 8) == expected
         assert all(c._out is not None for c in clients) == channel  # it did not fall back to Ray calls
         stats = ray.get([r.actor.stats.remote() for r in srv.replicas])
         assert [s.live for s in stats] == [0] * len(stats)

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 from fixtures import PROMPT_TEXTS
-from helpers import client, greedy, serving
+from helpers import client, concurrent_completions, greedy, serving
 
 from cluster import LLM
 
@@ -92,21 +92,7 @@ def test_chat_completion_applies_the_template_and_streams(server, offline):
 def test_32_concurrent_requests_each_equal_the_offline_engine(server, offline):
     prompts = [PROMPT_TEXTS[i % len(PROMPT_TEXTS)] + f" {i}" for i in range(32)]
     expected = offline(prompts, 8)
-    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-    async def one(prompt: str, stream: bool) -> str:
-        if not stream:
-            r = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
-            return r.choices[0].text
-        chunks = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
-                                                  stream=True)
-        return "".join([ch.choices[0].text async for ch in chunks])
-
-    async def all_of_them():
-        return await asyncio.gather(*(one(p, i % 2 == 0) for i, p in enumerate(prompts)))
-
-    texts = asyncio.run(all_of_them())
-    assert texts == [e.text for e in expected]
+    assert concurrent_completions(server.url, prompts, 8) == [e.text for e in expected]
     check_replicas_whole(server)
 
 
