@@ -156,7 +156,9 @@ class ChannelListener:
                 sent.discard(d.uid for d in out if d.finished)
                 send_frame(conn, pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
         except OSError:
-            pass
+            pass  # the router is gone (or the replica is closing)
+        except Exception:  # noqa: BLE001 - the router must see the connection end, not wait on it
+            log.exception("channel of router %d: sending failed; closing it", subscriber)
         finally:
             _shutdown(conn)
 

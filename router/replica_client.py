@@ -181,16 +181,19 @@ class ReplicaClient:
         except asyncio.CancelledError:
             self._close_channel()
             raise
-        except (ConnectionError, asyncio.IncompleteReadError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - closed, reset, or a message this side cannot read
             lost = f"{type(e).__name__}: {e}"
         self._close_channel()
+        self._connecting = True  # what is submitted from now on waits for the next connection
+        unsent = {r.uid for r in self._submits}
+        sent = [uid for uid in self.queues if uid not in unsent]  # the replica has aborted these
         if (why := await self.check_health()) is not None:
             self.mark_failed(why)
             log.error("replica %d: channel closed (%s)", self.replica_id, lost)
             return False
         log.warning("replica %d: channel lost (%s) while the replica serves; its requests fail, reconnecting",
                     self.replica_id, lost)
-        self._fail_requests(f"the connection to replica {self.replica_id} was lost")
+        self._fail_requests(f"the connection to replica {self.replica_id} was lost", sent)
         return True
 
     def _close_channel(self) -> None:
@@ -250,9 +253,12 @@ class ReplicaClient:
         self._fail_requests(why)
         self.kv_blocks = None
 
-    def _fail_requests(self, why: str) -> None:
-        for uid, queue in list(self.queues.items()):
-            queue.put_nowait(TokenDelta.failure(uid, ErrorKind.REPLICA_DOWN, why))
-        self.queues.clear()
-        self.queued.clear()
-        self.queued_tokens = 0
+    def _fail_requests(self, why: str, uids: list[int] | None = None) -> None:
+        """Ends these requests (None: every one) with why."""
+        for uid in list(self.queues) if uids is None else uids:
+            if (queue := self.queues.pop(uid, None)) is not None:
+                queue.put_nowait(TokenDelta.failure(uid, ErrorKind.REPLICA_DOWN, why))
+            self._dequeue(uid)
+        if uids is None:
+            self.queued.clear()
+            self.queued_tokens = 0
