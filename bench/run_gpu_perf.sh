@@ -165,6 +165,12 @@ case $1 in
     step fp8_tests 130 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_kv_fp8.py tests/test_triton_decode.py
     step online_r2 120 $B/online_serving.py --arch qwen3-0.6b --num-prompts 256 --input-len 100 1024 \
       --output-len 100 1024 --c1-prompts 16 --client-procs 4 --concurrency 1 256 --routers 2 --out "$OUT/online_r2.json" ;;
+  23) # the whole GPU test file, then (b) by default against the Triton decode kernel over bf16 (5 runs each)
+    step gpu_tests_all 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
+      tests/test_kv_fp8.py tests/test_triton_decode.py
+    jit
+    step latency_default 110 $B/decode_latency.py --repeats 5 --out "$OUT/latency_default.json"
+    step latency_triton 110 $B/decode_latency.py --repeats 5 --decode-kernel triton --out "$OUT/latency_triton.json" ;;
   9)  # the GPU tests, then the processors', grammars' and FP8's cost, and mixed steps
     step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py
