@@ -3,7 +3,8 @@
 
 from cluster.errors import (EngineError, ErrorKind, GenerationError, InvalidRequestError, OverloadedError, RaylmError,
                             ReplicaDownError, RequestTimeoutError, error_for)
-from cluster.channel import FRAME as CHANNEL_FRAME, ChannelAddress, channel_frames, channel_hello
+from cluster.channel import (FRAME as CHANNEL_FRAME, SILENCE_S as CHANNEL_SILENCE_S, ChannelAddress, channel_frames,
+                             channel_hello, detect_dead_peer)
 from cluster.choices import fan_out
 from cluster.messages import AddRequest, KVEvents, ReplicaInfo, ReplicaOutput, ReplicaStats, TokenDelta
 from cluster.prefix_cache.events import block_hashes, iter_block_hashes
@@ -24,7 +25,7 @@ __all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "Replic
            "EngineError", "ReplicaDownError", "RequestTimeoutError", "OverloadedError", "error_for", "Fleet",
            "ReplicaHandle", "ensure_ray", "control_store_answers", "load_tokenizer", "fan_out", "GrammarSpec",
            "KVEvents", "ReplicaOutput", "block_hashes", "iter_block_hashes", "CHANNEL_FRAME", "ChannelAddress",
-           "channel_frames", "channel_hello"]
+           "channel_frames", "channel_hello", "CHANNEL_SILENCE_S", "detect_dead_peer"]
 
 
 def __getattr__(name: str):

@@ -21,7 +21,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from cluster.messages import AddRequest, ReplicaOutput
 
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 FRAME = struct.Struct("!I")       # a frame's payload length
 HELLO = struct.Struct("!32sIB")   # token, subscriber, whether it takes KV events
 POLL_S = 1.0                      # an idle connection still gets a (heartbeat) frame this often
+SILENCE_S = 10 * POLL_S           # a connection silent this long is lost (its peer's host is gone)
 SUBMIT, ABORT = 0, 1
 
 
@@ -47,7 +48,8 @@ class ChannelEnd(Protocol):
 
     def submit(self, requests: list[AddRequest], subscriber: int = 0) -> None: ...
     def abort(self, uids: list[int]) -> None: ...
-    def poll(self, timeout_s: float = 1.0, subscriber: int = 0, kv_events: bool = True) -> ReplicaOutput: ...
+    def poll(self, timeout_s: float = 1.0, subscriber: int = 0, kv_events: bool = True,
+             receives: Callable[[], bool] | None = None) -> ReplicaOutput: ...
     def release_subscriber(self, subscriber: int) -> int: ...
 
 
@@ -64,6 +66,17 @@ def channel_frames(submits: list[AddRequest], aborts: list[int]) -> bytes:
             payload = pickle.dumps((kind, items), protocol=pickle.HIGHEST_PROTOCOL)
             out += FRAME.pack(len(payload)) + payload
     return out
+
+
+def detect_dead_peer(sock: socket.socket) -> None:
+    """TCP keepalive probes after a few idle seconds, and a bound on unacknowledged sends: a peer whose
+    host vanished (power, network) sends no FIN, and without these its connection would look open for
+    many minutes (Linux's options; elsewhere keepalive alone)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", int(SILENCE_S * 1000))):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def send_frame(sock: socket.socket, payload: bytes) -> None:
@@ -112,6 +125,7 @@ class ChannelListener:
 
     def _serve(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        detect_dead_peer(conn)
         try:
             conn.settimeout(10.0)  # a peer that connects and says nothing is not held on to
             token, subscriber, kv_events = HELLO.unpack(recv_exactly(conn, HELLO.size))
@@ -147,14 +161,16 @@ class ChannelListener:
             self._drop(conn, subscriber, sent)
 
     def _send_loop(self, conn: socket.socket, subscriber: int, kv_events: bool, sent: _Sent) -> None:
+        def receives() -> bool:  # asked under the replica's lock, before its outbox is taken
+            return self._current.get(subscriber) is conn
+
         try:
             while not self._closed.is_set():
-                with self._lock:
-                    if self._current.get(subscriber) is not conn:
-                        return  # a newer connection of the subscriber receives from now on
-                out = self.replica.poll(POLL_S, subscriber, kv_events)
+                out = self.replica.poll(POLL_S, subscriber, kv_events, receives)
                 sent.discard(d.uid for d in out if d.finished)
-                send_frame(conn, pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+                send_frame(conn, pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))  # taken while it received
+                if not receives():
+                    return  # a newer connection of the subscriber receives from now on
         except OSError:
             pass  # the router is gone (or the replica is closing)
         except Exception:  # noqa: BLE001 - the router must see the connection end, not wait on it
@@ -165,18 +181,16 @@ class ChannelListener:
     def _drop(self, conn: socket.socket, subscriber: int, sent: _Sent) -> None:
         """The connection closed: the requests sent over it have no receiver and end here (whether or
         not the router has connected again since), and unless it has, what waits for it is dropped."""
-        with self._lock:
-            current = self._current.get(subscriber) is conn
-            if current:
-                del self._current[subscriber]
         conn.close()
-        if self._closed.is_set():
-            return
         if uids := sent.take():
-            self.replica.abort(uids)
-            log.warning("router %d's channel closed: %d request(s) aborted", subscriber, len(uids))
-        if current:
-            self.replica.release_subscriber(subscriber)
+            if not self._closed.is_set():
+                self.replica.abort(uids)
+                log.warning("router %d's channel closed: %d request(s) aborted", subscriber, len(uids))
+        with self._lock:  # decided and released at once: a connection registering meanwhile keeps its own
+            if self._current.get(subscriber) is conn:
+                del self._current[subscriber]
+                if not self._closed.is_set():
+                    self.replica.release_subscriber(subscriber)
 
 
 class _Sent:

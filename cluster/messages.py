@@ -93,7 +93,7 @@ class ReplicaOutput(list):
         extra = [(i, d.finished, d.finish_reason, d.logprob, d.top_logprobs, d.error, d.error_kind, d.prompt_logprobs)
                  for i, d in enumerate(self)
                  if d.finished or d.logprob is not None or d.top_logprobs is not None or d.prompt_logprobs is not None
-                 or d.error is not None]
+                 or d.error is not None or d.finish_reason is not None or d.error_kind is not None]
         return _rebuild_output, ([d.uid for d in self], [d.token for d in self], extra, self.kv_events, self.live)
 
 

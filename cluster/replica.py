@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from cluster.channel import ChannelAddress, ChannelListener
 from cluster.config import ReplicaConfig
@@ -245,14 +246,16 @@ class SchedulerActor:
             self._kv.drop(subscriber)
         return uids
 
-    def poll(self, timeout_s: float = 1.0, subscriber: int = 0, kv_events: bool = True) -> ReplicaOutput:
+    def poll(self, timeout_s: float = 1.0, subscriber: int = 0, kv_events: bool = True,
+             receives: Callable[[], bool] | None = None) -> ReplicaOutput:
         """Every delta for subscriber since its last poll, and (`kv_events`) the KV events since then;
         waits up to timeout_s for the first delta (or a snapshot due). Changes to the cache alone wake no
         poll: they go with the next deltas, so a step is one message. A subscriber that polls without
-        kv_events is no receiver of them: nothing is kept for it."""
+        kv_events is no receiver of them: nothing is kept for it. `receives`: asked (the lock held)
+        before anything is taken; when it says no, the poll takes nothing (a channel's connection that
+        a newer one of its router has replaced must leave the deltas to that one)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            self._last_poll[subscriber] = time.monotonic()
             wakeup = self._wakeup(subscriber)
             while (not self._outboxes.get(subscriber) and not (kv_events and self._kv_snapshot_due(subscriber))
                    and not self._stop.is_set()):
@@ -260,6 +263,9 @@ class SchedulerActor:
                 if left <= 0:
                     break
                 wakeup.wait(left)
+            if receives is not None and not receives():
+                return ReplicaOutput([], None, len(self._live))
+            self._last_poll[subscriber] = time.monotonic()
             out = self._outboxes.pop(subscriber, [])
             kv = self._kv.take(subscriber) if self._kv is not None and kv_events else None
             return ReplicaOutput(out, kv, len(self._live))

@@ -12,8 +12,8 @@ import logging
 import pickle
 from typing import TYPE_CHECKING
 
-from cluster import (CHANNEL_FRAME, AddRequest, ChannelAddress, ErrorKind, KVEvents, SamplingParams, TokenDelta,
-                     channel_frames, channel_hello)
+from cluster import (CHANNEL_FRAME, CHANNEL_SILENCE_S, AddRequest, ChannelAddress, ErrorKind, KVEvents,
+                     SamplingParams, TokenDelta, channel_frames, channel_hello, detect_dead_peer)
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -81,9 +81,13 @@ class ReplicaClient:
         self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
 
     async def stop(self) -> None:
+        """Stops receiving; the requests still waiting here end (their replica was replaced, or the
+        router stops), so that none waits for deltas that will never come."""
         for task in (self._poller, self._error_check):
             if task is not None:
                 task.cancel()
+        self._close_channel()
+        self._fail_requests(f"replica {self.replica_id}'s client stopped")
 
     def submit(self, uid: int, ids: list[int], params: SamplingParams, after: int | None = None,
                queue: asyncio.Queue | None = None) -> asyncio.Queue:
@@ -159,6 +163,7 @@ class ReplicaClient:
             if address is None:
                 raise ConnectionError("the replica has no channel")
             reader, writer = await asyncio.wait_for(asyncio.open_connection(address.host, address.port), 10.0)
+            detect_dead_peer(writer.get_extra_info("socket"))
             writer.write(channel_hello(address, self.subscriber, self.kv_events))
             self._out = writer
         except asyncio.CancelledError:
@@ -176,7 +181,9 @@ class ReplicaClient:
         still serves, but this connection was lost (its requests there are aborted, and fail here)."""
         try:
             while True:
-                (n,) = CHANNEL_FRAME.unpack(await reader.readexactly(CHANNEL_FRAME.size))
+                # the replica sends at least every second: silence means its host is gone
+                header = await asyncio.wait_for(reader.readexactly(CHANNEL_FRAME.size), CHANNEL_SILENCE_S)
+                (n,) = CHANNEL_FRAME.unpack(header)
                 self._take(pickle.loads(await reader.readexactly(n)))
         except asyncio.CancelledError:
             self._close_channel()

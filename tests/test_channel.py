@@ -39,9 +39,11 @@ class FakeReplica:
             self.aborted.extend(uids)
             self.changed.notify_all()
 
-    def poll(self, timeout_s=1.0, subscriber=0, kv_events=True):
+    def poll(self, timeout_s=1.0, subscriber=0, kv_events=True, receives=None):
         with self.changed:
             self.changed.wait_for(lambda: self.outbox, timeout_s)
+            if receives is not None and not receives():
+                return ReplicaOutput([], None, 0)
             out, self.outbox = self.outbox, []
             return ReplicaOutput(out, None, len(out))
 
@@ -89,6 +91,15 @@ def receive(sock) -> ReplicaOutput:
     return pickle.loads(recv_exactly(sock, n))
 
 
+def receive_deltas(sock, within_s: float = 5.0) -> ReplicaOutput:
+    """The next message with deltas, past the heartbeats (empty messages); empty if none comes in time."""
+    deadline = time.monotonic() + within_s
+    out = receive(sock)
+    while not out and time.monotonic() < deadline:
+        out = receive(sock)
+    return out
+
+
 def test_a_wrong_token_is_refused_before_anything_is_unpickled(listener):
     chan, replica = listener
     Unpickled.marks.clear()
@@ -117,9 +128,7 @@ def test_submits_aborts_and_deltas_cross_the_channel(listener):
     with replica.changed:
         replica.outbox = [TokenDelta(7, 42), TokenDelta(7, 43, finished=True, finish_reason="length")]
         replica.changed.notify_all()
-    out = receive(sock)
-    while not out:  # a heartbeat (an empty message) may come first
-        out = receive(sock)
+    out = receive_deltas(sock)
     assert [(d.uid, d.token, d.finished) for d in out] == [(7, 42, False), (7, 43, True)]
     assert out.live == 2
     sock.close()
@@ -137,9 +146,7 @@ def test_a_closed_connection_aborts_what_it_sent_and_only_the_newest_releases_it
     with replica.changed:  # 12 ends before the connection does
         replica.outbox = [TokenDelta(12, 5, finished=True, finish_reason="length")]
         replica.changed.notify_all()
-    out = receive(old)
-    while not out:
-        out = receive(old)
+    assert receive_deltas(old)
     new = connect(chan, chan.address.token, subscriber=2)
     send(new, SUBMIT, [AddRequest(13, [1], params)])
     replica.wait(lambda: len(replica.submitted) == 2)
@@ -149,6 +156,24 @@ def test_a_closed_connection_aborts_what_it_sent_and_only_the_newest_releases_it
     new.close()
     replica.wait(lambda: replica.released)
     assert replica.aborted == [11, 13] and replica.released == [2]
+
+
+def test_deltas_go_to_a_routers_newest_connection_only(listener):
+    # the older connection's sender may be waiting on the same outbox when the newer one registers
+    chan, replica = listener
+    old = connect(chan, chan.address.token, subscriber=4)
+    send(old, SUBMIT, [])
+    replica.wait(lambda: replica.submitted)
+    new = connect(chan, chan.address.token, subscriber=4)
+    send(new, SUBMIT, [])
+    replica.wait(lambda: len(replica.submitted) == 2)
+    for uid in range(5):
+        with replica.changed:
+            replica.outbox = [TokenDelta(uid, 1, finished=True, finish_reason="length")]
+            replica.changed.notify_all()
+        assert [d.uid for d in receive_deltas(new)] == [uid]
+    old.close()
+    new.close()
 
 
 @pytest.mark.parametrize("channel", [True, False], ids=["channel", "ray-calls"])
