@@ -8,8 +8,9 @@ step's deltas one send from a thread that waits on the same outbox a Ray poll do
 
 A connection proves itself first with the replica's token (random, handed out only through a Ray call,
 so only processes of the cluster hold it); nothing is unpickled before that. When a router's connection
-closes (the router died, or its node lost the network), the replica aborts the requests that router
-sent over it, at once: nobody can receive them any more."""
+closes, the replica aborts the requests sent over it at once: nobody can receive them any more. A peer
+whose host vanished closes nothing; keepalive probes and a bound on unacknowledged sends end such a
+connection within about ten seconds on Linux, and a router counts ten seconds of silence as a loss."""
 
 from __future__ import annotations
 
