@@ -258,6 +258,30 @@ class ProfileWindow:
                 for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]]
 
 
+def time_graph(fn, reps: int = 20, calls: int = 1) -> float:
+    """Median microseconds of `calls` calls of fn, over `reps` replays of one CUDA graph holding them
+    (fn runs once first outside the capture: it compiles, plans and allocates there)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def report(result: dict, out: str | None, table: list[tuple[str, object]]) -> None:
     width = max(len(k) for k, _ in table)
     for key, value in table:

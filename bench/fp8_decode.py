@@ -13,13 +13,14 @@ import argparse
 import contextlib
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python bench/x.py` from anywhere
+
+from common import time_graph  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 CALLS, REPLAYS = 20, 5
@@ -61,29 +62,6 @@ def make_cache(lens: list[int], page_size: int, seed: int):
     return q, caches, indptr, ids, last
 
 
-def time_graph(fn) -> float:
-    """Median microseconds a call over REPLAYS replays of a graph of CALLS calls (after a warm-up)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compiles, plans, allocates outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(REPLAYS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / CALLS)
-    return statistics.median(times)
-
-
 def flashinfer_decode(flashinfer, q, cache, indptr, ids, last, page_size: int):
     """FlashInfer's tensor-core decode of q over cache, planned once: a callable."""
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
@@ -118,7 +96,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
         if flashinfer is not None:
             run = flashinfer_decode(flashinfer, q, cache, indptr, ids, last, args.page_size)
             want = run().float()
-            us = time_graph(run)
+            us = time_graph(run, REPLAYS, CALLS)
             rows.append({**base, "impl": "flashinfer_tensor_cores", "us": us, "tb_s": kv_bytes / us / 1e6})
             print(json.dumps(rows[-1]), flush=True)
         out = torch.empty_like(q)
@@ -133,7 +111,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                 return paged_decode(q, *cache, indptr, ids, last, num_splits=splits, out=out, scratch=scratch,
                                     block_n=block_n, num_warps=warps, num_stages=stages, f16_dot=f16_dot)
             got = call().float()
-            us = time_graph(call)
+            us = time_graph(call, REPLAYS, CALLS)
             row = {**base, "impl": "triton", "num_splits": splits, "block_n": block_n, "num_warps": warps,
                    "num_stages": stages, "dot": "bf16" if f16_dot is False or kv == "bf16" else "fp16",
                    "us": us, "tb_s": kv_bytes / us / 1e6}

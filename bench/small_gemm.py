@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -17,30 +16,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import time_graph  # noqa: E402
 from worker import triton_ops  # noqa: E402
 
 CONFIGS = [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
            (16, 512, 8), (32, 128, 4), (4, 256, 2), (2, 512, 2), (1, 1024, 4)]
 SHAPES = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)}
-
-
-def time_graph(fn, reps: int = 20) -> float:
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -90,17 +90,19 @@ class ReplicaOutput(list):
         # a step's deltas cross a process boundary every step: pickled one object at a time they cost
         # about 2 us each way per delta (0.5 ms a step at batch 256, on the replica's interpreter), so
         # they go as columns, with the fields beyond (uid, token) only for the deltas that have them
-        extra = [(i, d.finished, d.finish_reason, d.logprob, d.top_logprobs, d.error, d.error_kind, d.prompt_logprobs)
-                 for i, d in enumerate(self)
-                 if d.finished or d.logprob is not None or d.top_logprobs is not None or d.prompt_logprobs is not None
-                 or d.error is not None or d.finish_reason is not None or d.error_kind is not None]
+        extra = [(i, rest) for i, d in enumerate(self)
+                 if (rest := (d.finished, d.finish_reason, d.logprob, d.top_logprobs, d.error, d.error_kind,
+                              d.prompt_logprobs)) != _PLAIN]
         return _rebuild_output, ([d.uid for d in self], [d.token for d in self], extra, self.kv_events, self.live)
+
+
+_PLAIN = (False, None, None, None, None, None, None)  # a TokenDelta's fields after (uid, token), as defaulted
 
 
 def _rebuild_output(uids: list[int], tokens: list[int | None], extra: list[tuple], kv_events: KVEvents | None,
                     live: int | None) -> ReplicaOutput:
     out = ReplicaOutput([TokenDelta(u, t) for u, t in zip(uids, tokens)], kv_events, live)
-    for i, finished, reason, logprob, top, error, kind, prompt_logprobs in extra:
+    for i, (finished, reason, logprob, top, error, kind, prompt_logprobs) in extra:
         d = out[i]
         d.finished, d.finish_reason, d.logprob, d.top_logprobs = finished, reason, logprob, top
         d.error, d.error_kind, d.prompt_logprobs = error, kind, prompt_logprobs

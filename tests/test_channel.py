@@ -224,3 +224,17 @@ def test_a_lost_connection_fails_its_requests_and_the_router_connects_again(ray_
         # far fewer than the 400 tokens asked for were decoded: the abort came with the lost connection
         assert stats.decode_tokens - decoded_before < 200
         ray.get(srv.replicas[0].actor.check_integrity.remote())
+
+
+def test_every_delta_field_survives_the_columns():
+    # a step's deltas pickle as columns (ReplicaOutput.__reduce__): any field it forgot would vanish here
+    import dataclasses
+
+    from cluster import ErrorKind, KVEvents
+    values = {"finished": True, "finish_reason": "stop", "logprob": -0.5, "top_logprobs": [(3, -0.1)],
+              "error": "why", "error_kind": ErrorKind.ENGINE, "prompt_logprobs": [(-1.0, [(2, -0.2)])]}
+    fields = [f.name for f in dataclasses.fields(TokenDelta)][2:]
+    assert sorted(fields) == sorted(values)  # a new field needs a value here, and a column there
+    deltas = [TokenDelta(0, 1)] + [TokenDelta(i + 1, None, **{name: values[name]}) for i, name in enumerate(fields)]
+    out = pickle.loads(pickle.dumps(ReplicaOutput(deltas, KVEvents(4, [1], [2]), 7)))
+    assert list(out) == deltas and out.kv_events == KVEvents(4, [1], [2]) and out.live == 7

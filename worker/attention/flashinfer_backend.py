@@ -144,9 +144,9 @@ class FlashInferBackend(AttentionBackend):
             from worker import triton_decode
             self._triton = triton_decode
             self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-            # the split results of any batch: decode_num_splits keeps rows * splits near rows + 4 * SMs / kv heads
-            most = max(rows * triton_decode.decode_num_splits(rows, self.num_kv_heads, self._num_sms),
-                       triton_decode.decode_num_splits(1, self.num_kv_heads, self._num_sms)) + 4 * self._num_sms
+            # the split results of any batch of bs <= rows: decode_num_splits gives ceil(4 SMs / (bs kv heads))
+            # splits at most, so bs * splits < 4 SMs + bs
+            most = rows + 4 * self._num_sms
             self._part_out = torch.empty(most * num_heads * self.head_dim, dtype=torch.float32, device=device)
             self._part_lse = torch.empty(most * num_heads, dtype=torch.float32, device=device)
 
