@@ -171,6 +171,14 @@ case $1 in
     jit
     step latency_default 110 $B/decode_latency.py --repeats 5 --out "$OUT/latency_default.json"
     step latency_triton 110 $B/decode_latency.py --repeats 5 --decode-kernel triton --out "$OUT/latency_triton.json" ;;
+  24) # the whole GPU test file, (b) by default and with the Triton decode kernel, then one layer's decode
+      # attention at small batches (Triton against FlashInfer, bf16 and fp8)
+    step gpu_tests_all 330 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
+      tests/test_kv_fp8.py tests/test_triton_decode.py
+    jit
+    step latency_default 90 $B/decode_latency.py --repeats 3 --out "$OUT/latency_default.json"
+    step latency_triton 90 $B/decode_latency.py --repeats 3 --decode-kernel triton --out "$OUT/latency_triton.json"
+    step decode_small 100 $B/fp8_decode.py --batch 1 2 4 8 16 32 64 --sweep none --out "$OUT/decode_small.json" ;;
   9)  # the GPU tests, then the processors', grammars' and FP8's cost, and mixed steps
     step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py
