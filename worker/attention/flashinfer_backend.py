@@ -42,24 +42,39 @@ FA3_HEAD_DIMS = (64, 128, 256)
 # buckets up to 8 are 1, 2, 4, 8, so an eager step of n rows and the graph it would pad to use the same
 # kernel. EngineConfig.decode_kernel forces one path (to compare).
 TENSOR_CORE_ABOVE_BATCH = 8
+# Over a bfloat16 / float16 cache the Triton kernel decodes by default up to this many rows: there its
+# splits fill the GPU where FlashInfer's kernels leave it idle. On an H200 one layer took 5.7 against
+# 8.0 us at batch 1 (bench/fp8_decode.py), and a batch-1 token 1.050 against 1.178 ms; from 16 rows up
+# it was no faster with its default splits.
+TRITON_HALF_UP_TO_BATCH = 8
+ALL_BATCHES = 1 << 30
 _decode_kernel = "auto"
 
 
 def set_decode_kernel(choice: str) -> None:
-    """auto, tensor_cores, cuda_cores or triton (EngineConfig.decode_kernel)."""
+    """auto, tensor_cores, cuda_cores, triton or triton_cuda_cores (EngineConfig.decode_kernel)."""
     global _decode_kernel
     _decode_kernel = choice
 
 
-def triton_decode_applies(kv_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether decode steps run worker/triton_decode.py's kernel instead of FlashInfer's: asked for, or
-    by default over a float8 cache, which FlashInfer 0.5.3's decode kernels read at half the memory's
-    speed (they dequantize slowly: no faster than over bfloat16). Needs Triton, and for float8 a GPU that
-    converts it (compute capability 8.9 and up)."""
-    if _decode_kernel not in ("auto", "triton") or (_decode_kernel == "auto" and kv_dtype not in FP8_KV_DTYPES):
-        return False
+def triton_decode_batches(kv_dtype: torch.dtype, device: torch.device) -> int:
+    """Up to how many rows a decode step runs worker/triton_decode.py's kernel instead of FlashInfer's
+    (0: never): every batch when asked for, or by default over a float8 cache, which FlashInfer 0.5.3's
+    decode kernels read at half the memory's speed (they dequantize slowly: no faster than over
+    bfloat16); by default over a half-precision cache up to TRITON_HALF_UP_TO_BATCH rows, where it
+    measured faster. Needs Triton, and for float8 a GPU that converts it (compute capability 8.9 and up)."""
+    if _decode_kernel in ("triton", "triton_cuda_cores") or (_decode_kernel == "auto" and kv_dtype in FP8_KV_DTYPES):
+        batches = ALL_BATCHES
+    elif _decode_kernel == "auto":
+        batches = TRITON_HALF_UP_TO_BATCH
+    else:
+        return 0
+    if not batches:
+        return 0
     from worker import triton_ops
-    return device.type == "cuda" and triton_ops.triton_installed() and triton_ops.cache_dtype_supported(kv_dtype, device)
+    usable = device.type == "cuda" and triton_ops.triton_installed() and triton_ops.cache_dtype_supported(kv_dtype,
+                                                                                                          device)
+    return batches if usable else 0
 
 
 def use_tensor_cores(batch_size: int) -> bool:
@@ -138,11 +153,13 @@ class FlashInferBackend(AttentionBackend):
         self._plan_copied = new_event(device)
         self.wrapper = self.decode_wrappers[True]
         self.out_loc: torch.Tensor | None = None
-        self.triton_decode = triton_decode_applies(kv.dtype, device)
+        # decode steps of up to this many rows run the Triton kernel (graphs of that size too)
+        self.triton_decode = triton_decode_batches(kv.dtype, device)
         self._decode: _TritonDecode | None = None  # this step's, when the Triton kernel attends
         if self.triton_decode:
             from worker import triton_decode
             self._triton = triton_decode
+            self._triton_cores = "cuda" if _decode_kernel == "triton_cuda_cores" else "tensor"
             self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
             # the split results of any batch of bs <= rows: decode_num_splits gives ceil(4 SMs / (bs kv heads))
             # splits at most, so bs * splits < 4 SMs + bs
@@ -156,7 +173,7 @@ class FlashInferBackend(AttentionBackend):
         desc = batch.desc
         if desc.is_prefill:
             wrapper = self.prefill_wrapper
-        elif self.triton_decode:
+        elif desc.batch_size <= self.triton_decode:
             wrapper = None
         else:
             wrapper = self.decode_wrappers[use_tensor_cores(desc.batch_size)]
@@ -168,7 +185,7 @@ class FlashInferBackend(AttentionBackend):
         """Plans the CUDA-graph decode wrapper of batch size `bs` (made on first use) for `desc`; the rows
         past the batch (every row when `desc` is None, at capture) attend over the scratch page only."""
         wrapper = self.graph_wrappers.get(bs)
-        if wrapper is None and not self.triton_decode:
+        if wrapper is None and bs > self.triton_decode:
             wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=use_tensor_cores(bs),
                 paged_kv_indptr_buffer=self.graph_indptr[: bs + 1], paged_kv_indices_buffer=self.kv_indices,
@@ -262,7 +279,7 @@ class FlashInferBackend(AttentionBackend):
         if (dec := self._decode) is not None:
             k_cache, v_cache = self.caches[layer_id]
             return self._triton.paged_decode(q, k_cache, v_cache, dec.indptr, self.kv_indices, dec.last_page_len,
-                                             num_splits=dec.splits, scratch=dec.scratch)
+                                             num_splits=dec.splits, scratch=dec.scratch, cores=self._triton_cores)
         with self._on_torch_stream():
             return self.wrapper.run(q, self.caches[layer_id])
 
