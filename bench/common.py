@@ -67,7 +67,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-fused", action="store_true", help="torch elementwise kernels instead of FlashInfer's fused ones")
     parser.add_argument("--no-triton-kernels", action="store_true",
                         help="FlashInfer's q/k norm and rotary and a KV store instead of the Triton prologue (to compare)")
-    parser.add_argument("--decode-kernel", choices=["auto", "tensor_cores", "cuda_cores", "triton", "triton_cuda_cores"], default="auto",
+    parser.add_argument("--decode-kernel", choices=["auto", "tensor_cores", "cuda_cores", "triton"], default="auto",
                         help="force one decode attention path (to compare)")
     parser.add_argument("--no-small-linear", action="store_true", help="cuBLAS for batch-1 linear layers too")
     parser.add_argument("--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)")

@@ -9,6 +9,7 @@ and the decode throughput (tokens per second) is reported too.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -79,12 +80,13 @@ def run_batch(llm: LLM, args, batch: int) -> dict:
         measure_wall(llm, batch, args.prompt_len, 64, 100, vocab)  # warm-up
         runs = [measure_wall(llm, batch, args.prompt_len, args.output_len, i, vocab) for i in range(args.repeats)]
     else:
-        measure(llm, batch, args.prompt_len, 64, seed=100)  # warm-up
+        # warm-up over the whole length the runs reach: what a first visit to those positions costs lands here
+        measure(llm, batch, args.prompt_len, args.output_len, seed=100)
     for i in range(args.repeats if not runs else 0):
         llm.engine.step_timer = timer = StepTimer()
-        with HostTimer(llm.engine) as host:
+        with HostTimer(llm.engine) as host, GcPauses() as pauses:
             r = measure(llm, batch, args.prompt_len, args.output_len, seed=i)
-        runs.append({**r, **timer.decode_summary(), **host.summary()})
+        runs.append({**r, **timer.decode_summary(), **host.summary(), **pauses.summary()})
         llm.engine.step_timer = None
     median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     if not (args.tp_size > 1 or args.wall_clock):
@@ -135,6 +137,33 @@ def host_sections(llm: LLM, batch: int, args) -> dict:
     return out
 
 
+class GcPauses:
+    """The garbage collector's pauses during a run (gc.callbacks): how many collections of each generation,
+    and the host time they took, in all and the longest."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._start))
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict:
+        return {**{f"gc_gen{n}_collections": sum(g == n for g, _ in self.pauses) for n in range(3)},
+                "gc_pause_ms_total": 1e3 * sum(t for _, t in self.pauses),
+                "gc_pause_ms_max": 1e3 * max((t for _, t in self.pauses), default=0.0)}
+
+
 class HostTimer:
     """Host time of each decode step's Engine.forward (staging, planning, launches: what the host spends
     on a step besides the scheduler's own work), by wrapping the method; and the host's own work per
@@ -183,6 +212,11 @@ def table_rows(args, r: dict) -> list[tuple[str, object]]:
             ("decode tok/s", r["decode_tok_per_s"]),
             ("GPU decode step ms (median)", r.get("decode_step_ms_median", float("nan"))),
             ("idle between decode steps % (median)", r.get("idle_pct_of_step_median", float("nan"))),
+            ("GC collections (generations 0/1/2) per run", " ".join(
+                "/".join(str(x.get(f"gc_gen{n}_collections", "-")) for n in range(3)) for x in r["runs"])),
+            ("GC pause ms per run (total, longest)", " ".join(
+                f"{x.get('gc_pause_ms_total', float('nan')):.1f},{x.get('gc_pause_ms_max', float('nan')):.1f}"
+                for x in r["runs"])),
             ("idle % per run", " ".join(f"{x.get('idle_pct_of_step_total', float('nan')):.2f}" for x in r["runs"])),
             ("steps the host launched late % per run",
              " ".join(f"{x.get('host_late_pct_of_steps', float('nan')):.1f}" for x in r["runs"])),

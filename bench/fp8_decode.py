@@ -1,13 +1,11 @@
 """One layer's decode attention on one GPU, Qwen3-0.6B shapes (16 query heads, 8 KV heads, head_dim 128):
 the Triton split-KV kernel of worker/triton_decode.py over a float8 e4m3 and a bfloat16 cache (a sweep of
-its tile, warps, stages and splits, on tensor cores and with --cuda-cores its CUDA-core variant too)
-against FlashInfer's decode over both (tensor cores; and CUDA cores where the engine picks them). Batch 256 with KV
-lengths uniform in 150..1600 (seeded) and batch 1 with 560 tokens; 20 calls replayed in a CUDA graph,
-median of 5 replays; microseconds a call, TB/s of K and V read once, the largest difference from
-FlashInfer's output over the same cache.
+its tile, warps, stages and splits) against FlashInfer's decode over both (tensor cores, and at up to 8
+rows its CUDA-core kernels too). Batch 256 with KV lengths uniform in 150..1600 (seeded) and batch 1 with
+560 tokens; 20 calls replayed in a CUDA graph, median of 5 replays; microseconds a call, TB/s of K and V
+read once, the largest difference from FlashInfer's tensor-core output over the same cache.
 
-    python bench/fp8_decode.py [--batch 256 1] [--page-size 16] [--sweep none|small|full] [--cuda-cores]
-                               [--out r.json]"""
+    python bench/fp8_decode.py [--batch 256 1] [--page-size 16] [--sweep none|small|full] [--out r.json]"""
 
 from __future__ import annotations
 
@@ -31,8 +29,6 @@ TILES = {"none": [(None, None, None)],
          "small": [(None, None, None), (32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2)],
          "full": [(None, None, None), (16, 4, 2), (32, 4, 2), (32, 4, 3), (64, 2, 2), (64, 4, 2), (64, 4, 3),
                   (64, 8, 2), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3), (256, 8, 2)]}
-# the CUDA-core variant's (block_n, num_warps, num_stages): float32 tiles in registers, so smaller ones
-CUDA_CORE_TILES = [(None, None, None), (16, 2, 2), (32, 2, 2), (32, 4, 1), (32, 4, 3), (64, 4, 2), (64, 8, 2)]
 
 
 def splits_to_try(batch: int) -> list[int]:
@@ -110,22 +106,18 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                 print(json.dumps(rows[-1]), flush=True)
         out = torch.empty_like(q)
         dots = [None, False] if kv == "fp8" else [None]  # fp8: the float16 operands (default), bf16's
-        runs = [("tensor", tile, dot) for tile, dot in itertools.product(TILES[args.sweep], dots)
-                if dot is None or tile[0] is None]
-        if args.cuda_cores:
-            runs += [("cuda", tile, None) for tile in CUDA_CORE_TILES]
-        for splits, (cores, (block_n, warps, stages), f16_dot) in itertools.product(splits_to_try(batch), runs):
+        runs = [(tile, dot) for tile, dot in itertools.product(TILES[args.sweep], dots)
+                if dot is None or tile[0] is None]  # bf16 operands over fp8 with the default tile only
+        for splits, ((block_n, warps, stages), f16_dot) in itertools.product(splits_to_try(batch), runs):
             scratch = decode_scratch(batch, NUM_HEADS, HEAD_DIM, splits, "cuda")
 
             def call() -> torch.Tensor:
                 return paged_decode(q, *cache, indptr, ids, last, num_splits=splits, out=out, scratch=scratch,
-                                    block_n=block_n, num_warps=warps, num_stages=stages, f16_dot=f16_dot,
-                                    cores=cores)
+                                    block_n=block_n, num_warps=warps, num_stages=stages, f16_dot=f16_dot)
             got = call().float()
             us = time_graph(call, REPLAYS, CALLS)
-            dot = "fp32" if cores == "cuda" else "bf16" if f16_dot is False or kv == "bf16" else "fp16"
-            row = {**base, "impl": "triton" if cores == "tensor" else "triton_cuda_cores", "num_splits": splits,
-                   "block_n": block_n, "num_warps": warps, "num_stages": stages, "dot": dot,
+            row = {**base, "impl": "triton", "num_splits": splits, "block_n": block_n, "num_warps": warps,
+                   "num_stages": stages, "dot": "bf16" if f16_dot is False or kv == "bf16" else "fp16",
                    "us": us, "tb_s": kv_bytes / us / 1e6}
             if want is not None:
                 row["max_abs_diff_vs_flashinfer"] = (got - want).abs().max().item()
@@ -135,25 +127,23 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> None:
-    print(f"\n{'batch':>5} {'kv':>4} {'impl':<70} {'us':>8} {'TB/s':>6} {'max|diff|':>9}")
+    print(f"\n{'batch':>5} {'kv':>4} {'impl':<62} {'us':>8} {'TB/s':>6} {'max|diff|':>9}")
     for (batch, kv), group in itertools.groupby(rows, key=lambda r: (r["batch"], r["kv_dtype"])):
         group = list(group)
-        best = [r for r in group if not r["impl"].startswith("triton")]
-        for impl in ("triton", "triton_cuda_cores"):
-            triton_rows = [r for r in group if r["impl"] == impl]
-            if not triton_rows:
-                continue
-            default = [r for r in triton_rows if r["block_n"] is None and r["num_splits"] == _default_splits(batch)
-                       and r["dot"] in ("fp32", "fp16" if kv == "fp8" else "bf16")]  # the launcher's own choices
+        best = [r for r in group if r["impl"] != "triton"]
+        triton_rows = [r for r in group if r["impl"] == "triton"]
+        default = [r for r in triton_rows if r["block_n"] is None and r["num_splits"] == _default_splits(batch)
+                   and r["dot"] == ("fp16" if kv == "fp8" else "bf16")]  # the launcher's own choices
+        if triton_rows:
             fastest = min(triton_rows, key=lambda r: r["us"])
             best += [r for r in default[:1] if r is not fastest] + [fastest]
         for r in best:
             name = r["impl"]
-            if name.startswith("triton"):
+            if name == "triton":
                 name += (f" splits={r['num_splits']} block_n={r['block_n']} warps={r['num_warps']}"
                          f" stages={r['num_stages']} dot={r['dot']}")
             diff = r.get("max_abs_diff_vs_flashinfer")
-            print(f"{batch:>5} {kv:>4} {name:<70} {r['us']:>8.2f} {r['tb_s']:>6.2f} "
+            print(f"{batch:>5} {kv:>4} {name:<62} {r['us']:>8.2f} {r['tb_s']:>6.2f} "
                   f"{'' if diff is None else f'{diff:.2e}':>9}")
 
 
@@ -169,7 +159,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sweep", choices=sorted(TILES), default="small",
                         help="the tiles tried beside the launcher's default (none: it alone), at each split count")
-    parser.add_argument("--cuda-cores", action="store_true", help="the Triton kernel's CUDA-core variant too")
     parser.add_argument("--no-flashinfer", action="store_true", help="time the Triton kernel alone")
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()

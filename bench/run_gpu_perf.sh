@@ -179,15 +179,22 @@ case $1 in
     step latency_default 90 $B/decode_latency.py --repeats 3 --out "$OUT/latency_default.json"
     step latency_triton 90 $B/decode_latency.py --repeats 3 --decode-kernel triton --out "$OUT/latency_triton.json"
     step decode_small 100 $B/fp8_decode.py --batch 1 2 4 8 16 32 64 --sweep none --out "$OUT/decode_small.json" ;;
-  25) # the Triton decode kernel on the GPU (its CUDA-core variant too), the default small-batch decode against
-      # FlashInfer's CUDA cores, one layer's decode at batch 256 with the variant, (a) in fp8 with each variant
+  25) # the Triton decode kernel's tests on the GPU, the default small-batch decode against FlashInfer's CUDA
+      # cores, one layer's decode at batch 256, (a) over fp8
     step triton_decode_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_decode.py
     step latency_small 100 $B/decode_latency.py --batch 1 2 4 8 --repeats 2 --out "$OUT/latency_small.json"
     step latency_small_cc 100 $B/decode_latency.py --batch 1 2 4 8 --repeats 2 --decode-kernel cuda_cores \
       --out "$OUT/latency_small_cc.json"
-    step kernels_256 120 $B/fp8_decode.py --batch 256 --sweep none --cuda-cores --out "$OUT/kernels_256.json"
-    off fp8 $B/offline_throughput.py --kv-cache-dtype fp8_e4m3
-    off fp8_cuda_cores $B/offline_throughput.py --kv-cache-dtype fp8_e4m3 --decode-kernel triton_cuda_cores ;;
+    step kernels_256 120 $B/fp8_decode.py --batch 256 --sweep none --out "$OUT/kernels_256.json"
+    off fp8 $B/offline_throughput.py --kv-cache-dtype fp8_e4m3 ;;
+  26) # the whole GPU test file, then (b) 5 runs and (a) in bf16, each beside the tree in .old/
+    step gpu_tests_all 330 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
+      tests/test_kv_fp8.py tests/test_triton_decode.py
+    step latency_default 90 $B/decode_latency.py --repeats 5 --out "$OUT/latency_default.json"
+    step latency_old 70 $OLD/decode_latency.py --repeats 3 --out "$OUT/latency_old.json"
+    off bf16 $B/offline_throughput.py
+    off bf16_old $OLD/offline_throughput.py
+    off bf16_again $B/offline_throughput.py ;;
   9)  # the GPU tests, then the processors', grammars' and FP8's cost, and mixed steps
     step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py

@@ -82,19 +82,6 @@ def test_decode_equals_float32_attention_over_the_pages(kv, case):
     assert_close_to_reference(got, args)
 
 
-@pytest.mark.parametrize("kv", ["fp8", "bf16"])
-@pytest.mark.parametrize("case", ["page16-group4-d128-three-splits", "page1-group1-d64-four-splits",
-                                  "page16-group2-d64-one-split-blocks-across-pages"])
-def test_the_cuda_core_variant_computes_the_same_attention(kv, case):
-    page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
-    args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, kv)
-    got = paged_decode(*args, num_splits=num_splits, block_n=block_n, cores="cuda")
-    assert got.dtype == torch.bfloat16 and got.shape == args[0].shape
-    assert_close_to_reference(got, args)
-    with pytest.raises(ValueError, match="cores"):
-        paged_decode(*args, num_splits=num_splits, cores="vector")
-
-
 @pytest.mark.parametrize("kv", ["fp8", "fp16"])
 def test_float16_queries_over_fp8_and_float16_caches(kv):
     args = make_decode([1, 30, 70], 16, 2, 2, 64, kv, q_dtype=torch.float16, seed=1)

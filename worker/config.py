@@ -55,9 +55,8 @@ class EngineConfig:
     decode_kernel: str = setting("auto", "decode attention on a GPU: auto (the Triton kernel over an fp8 cache, "
                                          "and over a half-precision one at up to 8 rows; FlashInfer's "
                                          "tensor-core path above, as measured fastest), tensor_cores, cuda_cores "
-                                         "(FlashInfer's), triton (a split-KV Triton kernel that reads fp8 at "
-                                         "memory speed), triton_cuda_cores (its CUDA-core variant)",
-                                 choices=("auto", "tensor_cores", "cuda_cores", "triton", "triton_cuda_cores"))
+                                         "(FlashInfer's), triton (a split-KV Triton kernel, every batch)",
+                                 choices=("auto", "tensor_cores", "cuda_cores", "triton"))
     small_linear: bool = setting(True, "a Triton matrix-vector kernel for linear layers at batch 1 on CUDA (cuBLAS "
                                        "when off)")
     max_logit_bias: int = setting(1024, "token ids a request's logit_bias may name (with its stop ids while "

@@ -100,63 +100,6 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, last_page_
 
 
 @triton.jit
-def _split_kernel_fma(q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, last_page_len_ptr, out_ptr, part_out_ptr,
-                      part_lse_ptr, qk_scale, stride_qb, stride_qh, stride_page, stride_tok, stride_kvh, stride_ob,
-                      stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                      GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    # _split_kernel's work without tensor cores: one program per (query head, request, split), in float32
-    # on the CUDA cores, K and V straight from memory into registers (no shared-memory round trip, no
-    # operand layouts for float8). A group's heads read the same K/V: launched next to each other (the
-    # grid's fastest axis), the second read mostly hits L2
-    h = tl.program_id(0)
-    b = tl.program_id(1)
-    split = tl.program_id(2)
-    first_page = tl.load(kv_indptr_ptr + b)
-    num_pages = tl.load(kv_indptr_ptr + b + 1) - first_page
-    seq_len = (num_pages - 1) * PAGE_SIZE + tl.load(last_page_len_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
-
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh + offs_d).to(tl.float32) * qk_scale
-    m_i = -float("inf")
-    l_i = 0.0
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    pages = kv_indices_ptr + first_page
-    head = (h // GROUP).to(tl.int64) * stride_kvh
-    for n0 in range(start, end, BLOCK_N):
-        t = n0 + offs_n
-        t_mask = t < end
-        t_u = t.to(tl.uint32)
-        page = tl.load(pages + t_u // PAGE_SIZE, mask=t_mask, other=0)
-        row = page.to(tl.int64) * stride_page + (t_u % PAGE_SIZE).to(tl.int32) * stride_tok + head
-        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0).to(tl.float32)
-        qk = tl.sum(k * q[None, :], axis=1)
-        qk = tl.where(t_mask, qk, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        m_i = m_new
-
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-                 (acc / l_i).to(out_ptr.dtype.element_ty))
-    else:
-        has = l_i > 0
-        o = acc / tl.where(has, l_i, 1.0)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf"))
-        part = part_out_ptr + b.to(tl.int64) * stride_pb + h * stride_ph + split * stride_ps
-        tl.store(part + offs_d, o)
-        tl.store(part_lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + split, lse)
-
-
-@triton.jit
 def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
                   stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
     # one program per (request, query head): the splits' outputs weighed by their share of the softmax
@@ -211,15 +154,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  kv_indices: torch.Tensor, last_page_len: torch.Tensor, *, num_splits: int,
                  sm_scale: float | None = None, out: torch.Tensor | None = None, scratch: DecodeScratch | None = None,
                  block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 f16_dot: bool | None = None, cores: str = "tensor") -> torch.Tensor:
+                 f16_dot: bool | None = None) -> torch.Tensor:
     """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
     k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]: request b reads pages
     kv_indices[kv_indptr[b]:kv_indptr[b + 1]], the last of them filled to last_page_len[b] (int32 all).
     Returns [B, num_heads, head_dim] in q's dtype (into `out` when given). With `scratch` (from
     decode_scratch) and `out` it allocates nothing. The rest tune it (None: what measured best on an
     H200): block_n, num_warps, num_stages, the tile (tokens a step) and launch shape; f16_dot, float16
-    tensor-core operands (None: for an fp8 cache) or q's dtype; cores, "tensor" (a kv head's query
-    heads a program, on tensor cores) or "cuda" (a query head a program, float32 on the CUDA cores)."""
+    tensor-core operands (None: for an fp8 cache) or q's dtype."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -232,9 +174,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         sm_scale = 1.0 / math.sqrt(head_dim)
     if f16_dot is None:
         f16_dot = k_cache.dtype == torch.float8_e4m3fn
-    if cores not in ("tensor", "cuda"):
-        raise ValueError(f"cores must be 'tensor' or 'cuda', not {cores!r}")
-    tile = _default_tile(head_dim, num_splits) if cores == "tensor" else _default_cuda_core_tile(head_dim)
+    tile = _default_tile(head_dim, num_splits)
     block_n, num_warps, num_stages = block_n or tile[0], num_warps or tile[1], num_stages or tile[2]
     if num_splits > 1:
         if scratch is None:
@@ -245,20 +185,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_out, part_lse = scratch.part_out, scratch.part_lse
     else:
         part_out, part_lse = out, out  # unread: one split writes out itself
-    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-               out.stride(1), part_out.stride(0), part_out.stride(1), _stride(part_out, 2), part_lse.stride(0),
-               part_lse.stride(1))
-    if cores == "cuda":
-        _split_kernel_fma[(num_heads, batch, num_splits)](
-            q, k_cache, v_cache, kv_indptr, kv_indices, last_page_len, out, part_out, part_lse, sm_scale * LOG2E,
-            *strides, GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-            num_warps=num_warps, num_stages=num_stages)
-    else:
-        _split_kernel[(batch, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, kv_indptr, kv_indices, last_page_len, out, part_out, part_lse, sm_scale * LOG2E,
-            *strides, GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-            BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits, F16_DOT=f16_dot,
-            UPCAST=INTERPRETED, num_warps=num_warps, num_stages=num_stages)
+    _split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, kv_indptr, kv_indices, last_page_len, out, part_out, part_lse, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
+        out.stride(1), part_out.stride(0), part_out.stride(1), _stride(part_out, 2), part_lse.stride(0),
+        part_lse.stride(1), GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits, F16_DOT=f16_dot,
+        UPCAST=INTERPRETED, num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:
         _merge_kernel[(batch, num_heads)](
             part_out, part_lse, out, part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0),
@@ -274,12 +207,6 @@ def _default_tile(head_dim: int, num_splits: int) -> tuple[int, int, int]:
     if head_dim > 128:
         return 32, 4, 2
     return (128 if num_splits <= 2 else 32), 4, 2
-
-
-def _default_cuda_core_tile(head_dim: int) -> tuple[int, int, int]:
-    """The CUDA-core variant's (block_n, num_warps, num_stages): float32 K and V tiles of block_n x head_dim
-    in registers, about 32 values a thread each at 32 x 128 over 4 warps (unmeasured: a first guess)."""
-    return (32 if head_dim <= 128 else 16), 4, 2
 
 
 def _stride(x: torch.Tensor, dim: int) -> int:

@@ -38,21 +38,23 @@ FA3_HEAD_DIMS = (64, 128, 256)
 # TENSOR_CORE_ABOVE_BATCH rows FlashInfer's tensor-core path (its prefill kernels, one query a row),
 # which reads the KV cache at about the HBM copy bandwidth, 12% faster than the CUDA-core kernels at
 # batch 256 (offline workload: 22,820 against 21,160 output tok/s); at and below it the CUDA-core
-# kernels, about 0.5 us a layer faster at batch 1 (../shared/perf/decode-attention.md). The graph
-# buckets up to 8 are 1, 2, 4, 8, so an eager step of n rows and the graph it would pad to use the same
-# kernel. EngineConfig.decode_kernel forces one path (to compare).
+# kernels, about 0.5 us a layer faster at batch 1 (../shared/perf/decode-attention.md), where Triton
+# is not there to take those rows (below). The graph buckets up to 8 are 1, 2, 4, 8, so an eager step
+# of n rows and the graph it would pad to use the same kernel. EngineConfig.decode_kernel forces one
+# path (to compare).
 TENSOR_CORE_ABOVE_BATCH = 8
 # Over a bfloat16 / float16 cache the Triton kernel decodes by default up to this many rows: there its
-# splits fill the GPU where FlashInfer's kernels leave it idle. On an H200 one layer took 5.7 against
-# 8.0 us at batch 1 (bench/fp8_decode.py), and a batch-1 token 1.050 against 1.178 ms; from 16 rows up
-# it was no faster with its default splits.
+# splits fill the GPU where FlashInfer's kernels leave it idle. On an H200 (bench/decode_latency.py) a
+# step took 6.6-10.6% less than with FlashInfer's CUDA-core kernels at 1, 2, 4 and 8 rows (1.054 against
+# 1.179 ms at batch 1); one layer at 16 to 64 rows was no faster than FlashInfer's tensor cores with its
+# default splits (bench/fp8_decode.py).
 TRITON_HALF_UP_TO_BATCH = 8
 ALL_BATCHES = 1 << 30
 _decode_kernel = "auto"
 
 
 def set_decode_kernel(choice: str) -> None:
-    """auto, tensor_cores, cuda_cores, triton or triton_cuda_cores (EngineConfig.decode_kernel)."""
+    """auto, tensor_cores, cuda_cores or triton (EngineConfig.decode_kernel)."""
     global _decode_kernel
     _decode_kernel = choice
 
@@ -63,7 +65,7 @@ def triton_decode_batches(kv_dtype: torch.dtype, device: torch.device) -> int:
     decode kernels read at half the memory's speed (they dequantize slowly: no faster than over
     bfloat16); by default over a half-precision cache up to TRITON_HALF_UP_TO_BATCH rows, where it
     measured faster. Needs Triton, and for float8 a GPU that converts it (compute capability 8.9 and up)."""
-    if _decode_kernel in ("triton", "triton_cuda_cores") or (_decode_kernel == "auto" and kv_dtype in FP8_KV_DTYPES):
+    if _decode_kernel == "triton" or (_decode_kernel == "auto" and kv_dtype in FP8_KV_DTYPES):
         batches = ALL_BATCHES
     elif _decode_kernel == "auto":
         batches = TRITON_HALF_UP_TO_BATCH
@@ -159,7 +161,6 @@ class FlashInferBackend(AttentionBackend):
         if self.triton_decode:
             from worker import triton_decode
             self._triton = triton_decode
-            self._triton_cores = "cuda" if _decode_kernel == "triton_cuda_cores" else "tensor"
             self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
             # the split results of any batch of bs <= rows: decode_num_splits gives ceil(4 SMs / (bs kv heads))
             # splits at most, so bs * splits < 4 SMs + bs
@@ -279,7 +280,7 @@ class FlashInferBackend(AttentionBackend):
         if (dec := self._decode) is not None:
             k_cache, v_cache = self.caches[layer_id]
             return self._triton.paged_decode(q, k_cache, v_cache, dec.indptr, self.kv_indices, dec.last_page_len,
-                                             num_splits=dec.splits, scratch=dec.scratch, cores=self._triton_cores)
+                                             num_splits=dec.splits, scratch=dec.scratch)
         with self._on_torch_stream():
             return self.wrapper.run(q, self.caches[layer_id])
 
