@@ -179,3 +179,27 @@ def test_decode_agrees_with_flashinfer_tensor_core_decode(kv):
     torch.testing.assert_close(got, ref, atol=bound, rtol=0)
     torch.testing.assert_close(got, want, atol=bound, rtol=0)
     assert (got - want).abs().mean() < 1e-3  # typical errors far inside the bound
+
+
+def test_which_decode_steps_the_kernel_takes(monkeypatch):
+    # by default every step over an fp8 cache and half-precision steps of up to TRITON_HALF_UP_TO_BATCH
+    # rows; every step when asked for; none when FlashInfer's kernels are forced, off CUDA, without
+    # Triton, or over fp8 on a GPU that cannot convert it
+    from worker import triton_ops
+    from worker.attention import flashinfer_backend as fb
+    monkeypatch.setattr(triton_ops, "triton_installed", lambda: True)
+    monkeypatch.setattr(triton_ops, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(fb, "_decode_kernel", "auto")
+    cuda, fp8, bf16 = torch.device("cuda"), torch.float8_e4m3fn, torch.bfloat16
+    assert 1 <= fb.TRITON_HALF_UP_TO_BATCH < fb.ALL_BATCHES
+    for choice, kv, batches in [("auto", bf16, fb.TRITON_HALF_UP_TO_BATCH), ("auto", torch.float16,
+                                fb.TRITON_HALF_UP_TO_BATCH), ("auto", fp8, fb.ALL_BATCHES),
+                                ("triton", bf16, fb.ALL_BATCHES), ("tensor_cores", fp8, 0), ("cuda_cores", bf16, 0)]:
+        fb.set_decode_kernel(choice)
+        assert fb.triton_decode_batches(kv, cuda) == batches, (choice, kv)
+    fb.set_decode_kernel("auto")
+    assert fb.triton_decode_batches(bf16, torch.device("cpu")) == 0
+    monkeypatch.setattr(triton_ops, "_capability", lambda index: (8, 0))
+    assert fb.triton_decode_batches(fp8, cuda) == 0 and fb.triton_decode_batches(bf16, cuda) > 0
+    monkeypatch.setattr(triton_ops, "triton_installed", lambda: False)
+    assert fb.triton_decode_batches(bf16, cuda) == 0
