@@ -195,6 +195,11 @@ case $1 in
     off bf16 $B/offline_throughput.py
     off bf16_old $OLD/offline_throughput.py
     off bf16_again $B/offline_throughput.py ;;
+  27) # one split count up to 8 requests: the grammar test that saw a request's tokens change with the batch, the
+      # kernel's tests, (b)
+    step gpu_tests_small 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_decode.py \
+      tests/test_gpu_sampling.py -k "triton or decode or grammar or plain"
+    step latency_default 60 $B/decode_latency.py --repeats 3 --out "$OUT/latency_default.json" ;;
   9)  # the GPU tests, then the processors', grammars' and FP8's cost, and mixed steps
     step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py

@@ -162,9 +162,9 @@ class FlashInferBackend(AttentionBackend):
             from worker import triton_decode
             self._triton = triton_decode
             self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-            # the split results of any batch of bs <= rows: decode_num_splits gives ceil(4 SMs / (bs kv heads))
-            # splits at most, so bs * splits < 4 SMs + bs
-            most = rows + 4 * self._num_sms
+            # the split results of any batch the Triton kernel takes
+            most = max(bs * triton_decode.decode_num_splits(bs, self.num_kv_heads, self._num_sms)
+                       for bs in range(1, min(rows, self.triton_decode) + 1))
             self._part_out = torch.empty(most * num_heads * self.head_dim, dtype=torch.float32, device=device)
             self._part_lse = torch.empty(most * num_heads, dtype=torch.float32, device=device)
 
