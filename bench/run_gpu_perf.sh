@@ -195,8 +195,8 @@ case $1 in
     off bf16 $B/offline_throughput.py
     off bf16_old $OLD/offline_throughput.py
     off bf16_again $B/offline_throughput.py ;;
-  27) # one split count up to 8 requests: the grammar test that saw a request's tokens change with the batch, the
-      # kernel's tests, (b)
+  27) # the sampling tests that compare a request's tokens across batches (the grammar test among them), the
+      # Triton decode kernel's tests, then (b)
     step gpu_tests_small 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_decode.py \
       tests/test_gpu_sampling.py -k "triton or decode or grammar or plain"
     step latency_default 60 $B/decode_latency.py --repeats 3 --out "$OUT/latency_default.json" ;;

@@ -152,10 +152,8 @@ def test_scratch_must_hold_the_batch_and_the_splits():
 
 
 def test_splits_fill_the_gpu_at_small_batches_and_stay_bounded():
-    # up to 8 requests one count for all (a request's output does not depend on who decodes beside it)
-    splits = [decode_num_splits(bs, 8) for bs in (1, 2, 3, 4, 8, 9, 16, 32, 64, 128, 256, 512)]
-    assert splits[:5] == [triton_decode.SMALL_BATCH_SPLITS] * 5 and splits[5] < splits[4]
-    assert splits[-2] == splits[-1] == 1
+    splits = [decode_num_splits(bs, 8) for bs in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)]
+    assert splits[0] == 32 and splits[-2] == splits[-1] == 1
     assert splits == sorted(splits, reverse=True)
     assert decode_num_splits(1, 1, max_splits=16) == 16
 
@@ -193,7 +191,8 @@ def test_which_decode_steps_the_kernel_takes(monkeypatch):
     monkeypatch.setattr(triton_ops, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(fb, "_decode_kernel", "auto")
     cuda, fp8, bf16 = torch.device("cuda"), torch.float8_e4m3fn, torch.bfloat16
-    assert 1 <= fb.TRITON_HALF_UP_TO_BATCH < fb.ALL_BATCHES
+    assert fb.triton_decode_batches(bf16, cuda) == fb.TRITON_HALF_UP_TO_BATCH  # 0 by default: FlashInfer's
+    monkeypatch.setattr(fb, "TRITON_HALF_UP_TO_BATCH", 8)
     for choice, kv, batches in [("auto", bf16, fb.TRITON_HALF_UP_TO_BATCH), ("auto", torch.float16,
                                 fb.TRITON_HALF_UP_TO_BATCH), ("auto", fp8, fb.ALL_BATCHES),
                                 ("triton", bf16, fb.ALL_BATCHES), ("tensor_cores", fp8, 0), ("cuda_cores", bf16, 0)]:

@@ -52,10 +52,10 @@ class EngineConfig:
     triton_kernels: bool = setting(True, "the Triton attention prologue on CUDA (q/k norm, rotary and the KV write "
                                          "in one launch; off: FlashInfer's norm and rotary kernels and the Triton "
                                          "KV store); Triton's sampler runs on CUDA regardless")
-    decode_kernel: str = setting("auto", "decode attention on a GPU: auto (the Triton kernel over an fp8 cache, "
-                                         "and over a half-precision one at up to 8 rows; FlashInfer's "
-                                         "tensor-core path above, as measured fastest), tensor_cores, cuda_cores "
-                                         "(FlashInfer's), triton (a split-KV Triton kernel, every batch)",
+    decode_kernel: str = setting("auto", "decode attention on a GPU: auto (over an fp8 cache the Triton kernel; "
+                                         "otherwise FlashInfer's tensor-core path above 8 rows, its CUDA-core "
+                                         "kernels at and below, as measured fastest), tensor_cores, cuda_cores, "
+                                         "triton (a split-KV Triton kernel that reads fp8 at memory speed)",
                                  choices=("auto", "tensor_cores", "cuda_cores", "triton"))
     small_linear: bool = setting(True, "a Triton matrix-vector kernel for linear layers at batch 1 on CUDA (cuBLAS "
                                        "when off)")

@@ -142,22 +142,11 @@ def decode_scratch(max_batch_size: int, num_heads: int, head_dim: int, max_split
         torch.empty(max_batch_size, num_heads, max_splits, dtype=torch.float32, device=device))
 
 
-# Up to SMALL_BATCH requests (the CUDA-graph buckets 1, 2, 4 and 8) every launch splits a request's KV
-# SMALL_BATCH_SPLITS ways: the same tiles and the same merge whatever the batch, so a request's output does
-# not change when requests beside it finish or arrive. On an H200 (bench/fp8_decode.py, 8 kv heads) 16
-# splits were the fastest at 2, 4 and 8 requests over bf16, 3% off the fastest at 1 (32 splits); over fp8
-# 3% off at 1 and 8% off at 8 (9 splits).
-SMALL_BATCH = 8
-SMALL_BATCH_SPLITS = 16
-
-
 def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = 132, max_splits: int = 32) -> int:
-    """Splits a request's KV for a batch: SMALL_BATCH_SPLITS up to SMALL_BATCH requests; above, enough
-    (request, kv head, split) programs to fill every multiprocessor about four times over (one split at
-    batch 256 with 8 kv heads). Fixed by the batch size alone, so a CUDA graph of that size keeps it."""
-    if batch_size <= SMALL_BATCH:
-        return min(max_splits, SMALL_BATCH_SPLITS)
-    programs = batch_size * num_kv_heads
+    """Splits a request's KV for a batch: enough (request, kv head, split) programs to fill every
+    multiprocessor about four times over (one split at batch 256 with 8 kv heads; max_splits at batch 1).
+    Fixed by the batch size alone, so a CUDA graph of that size keeps it."""
+    programs = max(batch_size * num_kv_heads, 1)
     return max(1, min(max_splits, math.ceil(4 * num_sms / programs)))
 
 

@@ -38,17 +38,19 @@ FA3_HEAD_DIMS = (64, 128, 256)
 # TENSOR_CORE_ABOVE_BATCH rows FlashInfer's tensor-core path (its prefill kernels, one query a row),
 # which reads the KV cache at about the HBM copy bandwidth, 12% faster than the CUDA-core kernels at
 # batch 256 (offline workload: 22,820 against 21,160 output tok/s); at and below it the CUDA-core
-# kernels, about 0.5 us a layer faster at batch 1 (../shared/perf/decode-attention.md), where Triton
-# is not there to take those rows (below). The graph buckets up to 8 are 1, 2, 4, 8, so an eager step
-# of n rows and the graph it would pad to use the same kernel. EngineConfig.decode_kernel forces one
-# path (to compare).
+# kernels, about 0.5 us a layer faster at batch 1 (../shared/perf/decode-attention.md). The graph
+# buckets up to 8 are 1, 2, 4, 8, so an eager step of n rows and the graph it would pad to use the same
+# kernel. EngineConfig.decode_kernel forces one path (to compare).
 TENSOR_CORE_ABOVE_BATCH = 8
-# Over a bfloat16 / float16 cache the Triton kernel decodes by default up to this many rows: there its
-# splits fill the GPU where FlashInfer's kernels leave it idle. On an H200 (bench/decode_latency.py) a
-# step took 6.6-10.6% less than with FlashInfer's CUDA-core kernels at 1, 2, 4 and 8 rows (1.054 against
-# 1.179 ms at batch 1); one layer at 16 to 64 rows was no faster than FlashInfer's tensor cores with its
-# default splits (bench/fp8_decode.py).
-TRITON_HALF_UP_TO_BATCH = 8
+# Over a bfloat16 / float16 cache the Triton kernel decodes by default up to this many rows (0: none,
+# FlashInfer's kernels take them all). Measured on an H200 with 8 (bench/decode_latency.py): a step took
+# 6.6-10.6% less than with FlashInfer's CUDA-core kernels at 1, 2, 4 and 8 rows (1.054 against 1.179 ms
+# at batch 1), while one layer at 16 to 64 rows was no faster than FlashInfer's tensor cores
+# (bench/fp8_decode.py). But the kernel splits a request's KV by the batch size (decode_num_splits), so
+# a request's tokens can change as requests beside it finish and its graph changes from 8 rows to 4:
+# tests/test_gpu_sampling.py's grammar test saw one change, where FlashInfer's kernels keep them. One
+# split count for every batch of up to 8 would remove that difference.
+TRITON_HALF_UP_TO_BATCH = 0
 ALL_BATCHES = 1 << 30
 _decode_kernel = "auto"
 
@@ -162,9 +164,9 @@ class FlashInferBackend(AttentionBackend):
             from worker import triton_decode
             self._triton = triton_decode
             self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-            # the split results of any batch the Triton kernel takes
-            most = max(bs * triton_decode.decode_num_splits(bs, self.num_kv_heads, self._num_sms)
-                       for bs in range(1, min(rows, self.triton_decode) + 1))
+            # the split results of any batch of bs <= rows: decode_num_splits gives ceil(4 SMs / (bs kv heads))
+            # splits at most, so bs * splits < 4 SMs + bs
+            most = rows + 4 * self._num_sms
             self._part_out = torch.empty(most * num_heads * self.head_dim, dtype=torch.float32, device=device)
             self._part_lse = torch.empty(most * num_heads, dtype=torch.float32, device=device)
 
