@@ -65,8 +65,8 @@ def triton_decode_batches(kv_dtype: torch.dtype, device: torch.device) -> int:
     """Up to how many rows a decode step runs worker/triton_decode.py's kernel instead of FlashInfer's
     (0: never): every batch when asked for, or by default over a float8 cache, which FlashInfer 0.5.3's
     decode kernels read at half the memory's speed (they dequantize slowly: no faster than over
-    bfloat16); by default over a half-precision cache up to TRITON_HALF_UP_TO_BATCH rows, where it
-    measured faster. Needs Triton, and for float8 a GPU that converts it (compute capability 8.9 and up)."""
+    bfloat16); by default over a half-precision cache up to TRITON_HALF_UP_TO_BATCH rows (see there).
+    Needs Triton, and for float8 a GPU that converts it (compute capability 8.9 and up)."""
     if _decode_kernel == "triton" or (_decode_kernel == "auto" and kv_dtype in FP8_KV_DTYPES):
         batches = ALL_BATCHES
     elif _decode_kernel == "auto":
