@@ -10,8 +10,20 @@ from router.chat_output import ChatOutput, ChatOutputParser, ChatParts, delta, m
 from router.generation import Piece
 
 
+# An SSE line ends at CR or LF only, but str.splitlines (and so httpx's iter_lines) also ends one at NEL,
+# LINE SEPARATOR and PARAGRAPH SEPARATOR, which JSON carries unescaped. A stream escapes them, so that
+# a client reading it line by line never gets an event cut in two by a token's text. The other line
+# ends splitlines knows are control characters, which JSON always escapes.
+_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def stream_json(value) -> str:
+    """JSON for an SSE event: UTF-8 text as it is, save the line ends above."""
+    return json.dumps(value, ensure_ascii=False).translate(_LINE_ENDS)
+
+
 def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {data if isinstance(data, str) else stream_json(data)}\n\n"
 
 
 def usage(prompt: int, completion: int) -> dict:
@@ -41,7 +53,7 @@ class Formatter:
         self.offsets = [0] * n  # each choice's text_offset so far
         head = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": self.created, "model": self.model}
-        self._sse_head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ', "choices": ['
+        self._sse_head = "data: " + stream_json(head)[:-1] + ', "choices": ['
 
     def _token(self, t: int) -> str:
         return self.tok.decode([t])
@@ -167,11 +179,11 @@ class Formatter:
             text = piece.text
         index = '{"index": ' + str(piece.index)
         if not self.chat:
-            choice = index + ', "text": ' + json.dumps(text, ensure_ascii=False)
+            choice = index + ', "text": ' + stream_json(text)
         elif reason is not None and not text:
             choice = index + ', "delta": {}'
         else:
-            choice = index + ', "delta": {"content": ' + json.dumps(text, ensure_ascii=False) + "}"
+            choice = index + ', "delta": {"content": ' + stream_json(text) + "}"
         return self._sse_head + choice + ', "logprobs": null, "finish_reason": ' + json.dumps(reason) + "}]}\n\n"
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
