@@ -32,7 +32,8 @@ def test_a_replacement_that_cannot_start_is_retried_with_growing_waits():
             raise TimeoutError("the cluster has not had 1 free GPU bundles")
 
     fleet = Fleet(None, [SimpleNamespace(replica_id=0, shutdown=lambda: None)], build=NoRoom)
-    state = SimpleNamespace(clients=[_DownClient()], draining=False, config=SimpleNamespace(health_check_timeout_s=1.0, replica_channel=False))
+    state = SimpleNamespace(clients=[_DownClient()], draining=False,
+                            config=SimpleNamespace(health_check_timeout_s=1.0, replica_channel=False))
     supervisor = Supervisor(state, fleet, interval_s=0.05)
 
     async def supervise_for(seconds: float) -> None:
@@ -70,8 +71,8 @@ def test_a_replacement_is_built_on_a_fleet_thread_then_routed_to():
 
     old = _Replica()
     fleet = Fleet(None, [old], build=build)
-    state = RouterState(config=SimpleNamespace(health_check_timeout_s=1.0, replica_channel=False), tokenizer=None, model_name="m",
-                        max_seq_len=8, vocab_size=8, clients=[_DownClient()])
+    state = RouterState(config=SimpleNamespace(health_check_timeout_s=1.0, replica_channel=False), tokenizer=None,
+                        model_name="m", max_seq_len=8, vocab_size=8, clients=[_DownClient()])
     supervisor = Supervisor(state, fleet, interval_s=0.05)
 
     async def supervise_until_replaced() -> None:

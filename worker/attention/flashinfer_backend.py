@@ -76,9 +76,9 @@ def triton_decode_batches(kv_dtype: torch.dtype, device: torch.device) -> int:
     if not batches:
         return 0
     from worker import triton_ops
-    usable = device.type == "cuda" and triton_ops.triton_installed() and triton_ops.cache_dtype_supported(kv_dtype,
-                                                                                                          device)
-    return batches if usable else 0
+    if device.type != "cuda" or not triton_ops.triton_installed():
+        return 0
+    return batches if triton_ops.cache_dtype_supported(kv_dtype, device) else 0
 
 
 def use_tensor_cores(batch_size: int) -> bool:
