@@ -70,6 +70,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-kernel", choices=["auto", "tensor_cores", "cuda_cores", "triton"], default="auto",
                         help="force one decode attention path (to compare)")
     parser.add_argument("--no-small-linear", action="store_true", help="cuBLAS for batch-1 linear layers too")
+    parser.add_argument("--max-extend-tokens", type=int, default=16384, help="tokens computed per step")
     parser.add_argument("--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
                         help="KV-cache storage: auto (bf16) or fp8_e4m3 (twice the pages for the same memory)")
@@ -78,7 +79,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 def make_llm(args: argparse.Namespace) -> LLM:
     return LLM(model_folder(args.arch), tp_size=args.tp_size, dtype="bfloat16", load_format="dummy",
                page_size=args.page_size,
-               cache_type=args.cache, max_extend_tokens=16384, max_running_reqs=args.max_running_reqs,
+               cache_type=args.cache, max_extend_tokens=args.max_extend_tokens, max_running_reqs=args.max_running_reqs,
                overlap=not args.no_overlap, cuda_graph_max_bs=0 if args.no_cuda_graph else 256,
                fused_kernels=not args.no_fused, triton_kernels=not args.no_triton_kernels,
                decode_kernel=args.decode_kernel, small_linear=not args.no_small_linear,
@@ -89,7 +90,7 @@ def config_of(args: argparse.Namespace) -> dict:
     return {"arch": args.arch, "tp_size": args.tp_size, "fused": not args.no_fused, "triton_kernels": not args.no_triton_kernels,
             "decode_kernel": args.decode_kernel, "small_linear": not args.no_small_linear, "overlap": not args.no_overlap, "cuda_graph": not args.no_cuda_graph,
             "cache": args.cache, "page_size": args.page_size, "kv_cache_dtype": args.kv_cache_dtype,
-            "mixed_steps": not args.no_mixed_steps,
+            "mixed_steps": not args.no_mixed_steps, "max_extend_tokens": args.max_extend_tokens,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
             "torch": torch.__version__}
 

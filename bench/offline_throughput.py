@@ -1,9 +1,10 @@
-"""Offline throughput: 256 requests with random token-id prompts of 100..1024 tokens and 100..1024
-output tokens each (ignore_eos, temperature 0.6, seed 0), Qwen3-0.6B's architecture with random
-weights, bf16, page size 16 (--page-size), prefill chunks of 16384 tokens, CUDA graphs up to batch 256.
+"""Offline throughput, Qwen3-0.6B's architecture with random weights, bf16, the engine's defaults unless a
+flag says otherwise, random token-id prompts (ignore_eos, temperature 0.6, seed 0). Workloads:
+  default        256 requests of 100..1024 prompt and 100..1024 output tokens ((a))
+  prefill_heavy  128 requests of 3000..6000 prompt and 32..128 output tokens
 
-    python bench/offline_throughput.py [--out r.json] [--no-overlap] [--no-cuda-graph] [--cache naive]
-                                       [--kv-cache-dtype fp8_e4m3] [--profile]
+    python bench/offline_throughput.py [--workload prefill_heavy] [--out r.json] [--no-overlap]
+                                       [--no-cuda-graph] [--cache naive] [--kv-cache-dtype fp8_e4m3] [--profile]
 Reports output tokens per second, the KV-cache size in tokens (fp8_e4m3 holds twice bf16's), and the
 GPU's idle time between consecutive decode steps."""
 
@@ -19,10 +20,15 @@ from common import ProfileWindow, StepTimer, add_common_args, config_of, make_ll
 from cluster import SamplingParams
 
 
-def workload(n: int, seed: int, vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+# (requests, prompt lengths, output lengths), each length uniform in its range, both ends included
+WORKLOADS = {"default": (256, (100, 1024), (100, 1024)), "prefill_heavy": (128, (3000, 6000), (32, 128))}
+
+
+def workload(n: int, seed: int, vocab: int, name: str = "default") -> tuple[list[list[int]], list[SamplingParams]]:
+    _, (p_lo, p_hi), (o_lo, o_hi) = WORKLOADS[name]
     rng = np.random.default_rng(seed)
-    prompt_lens = rng.integers(100, 1024, size=n, endpoint=True)
-    output_lens = rng.integers(100, 1024, size=n, endpoint=True)
+    prompt_lens = rng.integers(p_lo, p_hi, size=n, endpoint=True)
+    output_lens = rng.integers(o_lo, o_hi, size=n, endpoint=True)
     prompts = [rng.integers(0, vocab, size=int(k)).tolist() for k in prompt_lens]
     params = [SamplingParams(temperature=0.6, max_tokens=int(k), ignore_eos=True, seed=seed + i)
               for i, k in enumerate(output_lens)]
@@ -32,13 +38,14 @@ def workload(n: int, seed: int, vocab: int) -> tuple[list[list[int]], list[Sampl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
-    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="default")
+    parser.add_argument("--num-requests", type=int, help="default: the workload's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="also profile kernels over a window of decode steps")
     args = parser.parse_args()
     llm = make_llm(args)
     vocab = llm.engine.hf_config.vocab_size
-    prompts, params = workload(args.num_requests, args.seed, vocab)
+    prompts, params = workload(args.num_requests or WORKLOADS[args.workload][0], args.seed, vocab, args.workload)
     # warm-up: kernel JIT, cuBLAS heuristics, the caching allocator's pools
     warm_prompts, _ = workload(32, args.seed + 1, vocab)
     llm.generate(warm_prompts, SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True, seed=0))
@@ -50,7 +57,7 @@ def main() -> None:
     llm.engine.step_timer = None
     output_tokens = sum(len(o.token_ids) for o in outs)
     input_tokens = sum(len(p) for p in prompts)
-    result = {"benchmark": "offline_throughput", **config_of(args), "requests": len(prompts),
+    result = {"benchmark": "offline_throughput", "workload": args.workload, **config_of(args), "requests": len(prompts),
               "input_tokens": input_tokens, "output_tokens": output_tokens, "seconds": elapsed,
               "kv_cache_tokens": llm.engine.num_pages * llm.engine.page_size,
               "output_tok_per_s": output_tokens / elapsed, "total_tok_per_s": (input_tokens + output_tokens) / elapsed,
@@ -60,7 +67,7 @@ def main() -> None:
         llm.generate(prompts, params)
         llm.engine.step_timer = None
         result["profile"] = window.top_kernels()
-    table = [("arch", args.arch), ("overlap", not args.no_overlap), ("cuda graphs", not args.no_cuda_graph),
+    table = [("arch", args.arch), ("workload", args.workload), ("overlap", not args.no_overlap), ("cuda graphs", not args.no_cuda_graph),
              ("cache", args.cache), ("kv cache", f"{args.kv_cache_dtype}, {result['kv_cache_tokens']:,} tokens"),
              ("seconds", elapsed), ("output tok/s", result["output_tok_per_s"]),
              ("decode step ms (median)", result.get("decode_step_ms_median", float("nan"))),

@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# The GPU driver: one device call runs the named suites in turn on this tree, each step under a time limit
+# (a failure does not stop the rest), logs into $OUT, and prints a table of the figures at the end.
+#
+#   bench/gpu.sh SUITE [SUITE ...]
+#
+# suites:
+#   tests          the GPU tests (pytest -m gpu over tests/)
+#   offline        (a) offline throughput, Qwen3-0.6B's architecture, RUNS runs (one process each)
+#   latency        (b) batch 1, ms per output token (5 runs in one process)
+#   fp8            (a) over an fp8 KV cache
+#   qwen3_8b       (a)'s shape on Qwen3-8B's architecture
+#   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens
+#   mixed          decode latency under arriving prompts, mixed steps against prefill-first
+#   sampling       what penalties, filters and grammars cost beside plain sampling
+#   online         the HTTP path against the offline engine at concurrency 1 and 256
+#   peer           mini-sglang on the same token lists ((a) and (b); needs .peer/, see ../shared/peer)
+#   save           FlashInfer's built modules and Triton's cache into $OUT/kernels.tar.xz
+#
+# environment:
+#   OUT    where logs and JSON go (default ./bench_out)
+#   BASE   another tree (e.g. `git worktree add .base <commit>`): offline, latency and prefill_heavy run
+#          there too, right after this tree's, so the two are compared in one call
+#   RUNS   processes per throughput figure (default 3; the table quotes the median)
+#   ARCH   the peer's architecture (default qwen3-0.6b)
+#
+# Wheels come from .whl/ (../shared/gpu/wheels.sh fills it); a machine still warm from the last call keeps
+# them, and nothing is reinstalled then (a reinstalled FlashInfer loses the kernels restored into it).
+# .cache/kernels.tar.xz, when carried, is the last call's `save`: restored before anything runs, it spares
+# FlashInfer's kernel builds (minutes on a fresh host).
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/bench_out}; mkdir -p "$OUT"
+SITE=/tmp/site
+RUNS=${RUNS:-3}
+LOG=$OUT/gpu.log
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 HF_HUB_OFFLINE=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
+
+log() { echo "[$(date +%T)] $*" | tee -a "$LOG"; }
+
+step() {  # step NAME SECONDS COMMAND...: SIGABRT at the limit, so faulthandler prints every thread's stack
+  local name=$1 limit=$2; shift 2
+  log "=== $name: $*"
+  local t0=$SECONDS
+  timeout --signal=ABRT --kill-after=10 "$limit" "$@" 2>&1 \
+    | grep --line-buffered -v -E "Writing|Loading weights|capturing|it/s\]" | tee -a "$LOG"
+  log "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"
+}
+
+setup() {
+  local missing=() w base name ver
+  for w in "$ROOT"/.whl/*.whl; do
+    [ -f "$w" ] || continue
+    base=$(basename "$w"); name=${base%%-*}; ver=${base#*-}; ver=${ver%%-*}
+    [ -d "$SITE/$name-$ver.dist-info" ] || missing+=("$w")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "installing ${#missing[@]} wheel(s) into $SITE"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "${missing[@]}" 2>&1 | grep -v -e "Target directory" -e "already exists" -e "as the .root. user" | tail -3
+  fi
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+  if [ -f .cache/kernels.tar.xz ] && [ ! -e /tmp/.kernels_restored ]; then
+    local tmp; tmp=$(mktemp -d)
+    tar -C "$tmp" -xJf .cache/kernels.tar.xz
+    # FlashInfer loads a module found in its own AOT folder as it is, without ninja
+    [ -d "$tmp/fi_aot" ] && mkdir -p "$SITE/flashinfer/data/aot" && cp -r "$tmp/fi_aot/." "$SITE/flashinfer/data/aot/"
+    [ -d "$tmp/home" ] && cp -r "$tmp/home/." "$HOME/"
+    find "$SITE/flashinfer" "$SITE/tvm_ffi" -exec touch -h -d 2020-01-01 {} + 2>/dev/null
+    rm -rf "$tmp"
+    # the peer's own setup (.peer/run_minisgl.sh) reads this mark and restores nothing more
+    touch /tmp/.kernels_restored /tmp/.minisgl_kernels_restored
+    log "restored $(ls "$SITE/flashinfer/data/aot" | wc -l) FlashInfer modules"
+  fi
+  log "host: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1);" \
+      "tree $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo +changes)"
+}
+
+save() {  # the modules restored and those built here, as an AOT tree, with tvm-ffi's and Triton's caches
+  local tmp so name d; tmp=$(mktemp -d); mkdir -p "$tmp/fi_aot" "$tmp/home"
+  [ -d "$SITE/flashinfer/data/aot" ] && cp -r "$SITE/flashinfer/data/aot/." "$tmp/fi_aot/"
+  for so in "$HOME"/.cache/flashinfer/*/*/cached_ops/*/*.so; do
+    [ -f "$so" ] || continue
+    name=$(basename "$(dirname "$so")"); [ "$(basename "$so")" = "$name.so" ] || continue
+    mkdir -p "$tmp/fi_aot/$name" && cp "$so" "$tmp/fi_aot/$name/"
+  done
+  for d in .cache/tvm-ffi .triton/cache; do
+    [ -d "$HOME/$d" ] && mkdir -p "$tmp/home/$(dirname "$d")" && cp -r "$HOME/$d" "$tmp/home/$d"
+  done
+  tar -C "$tmp" -cf - fi_aot home | xz -T0 -6 > "$OUT/kernels.tar.xz"
+  log "saved $(ls "$tmp/fi_aot" | wc -l) FlashInfer modules: $(du -h "$OUT/kernels.tar.xz" | cut -f1) (carry it as .cache/kernels.tar.xz)"
+  rm -rf "$tmp"
+}
+
+trees() { echo "$ROOT"; [ -n "${BASE:-}" ] && (cd "$BASE" && pwd); }
+tag() { [ "$1" = "$ROOT" ] && echo "" || echo "_base"; }
+
+offline() {  # offline NAME SECONDS ARGS...: RUNS processes on each tree
+  local name=$1 limit=$2; shift 2
+  local tree i
+  for tree in $(trees); do
+    for i in $(seq "$RUNS"); do
+      (cd "$tree" && step "$name$(tag "$tree")_$i" "$limit" python3 bench/offline_throughput.py "$@" \
+        --out "$OUT/$name$(tag "$tree")_$i.json")
+    done
+  done
+}
+
+summary() {
+  python3 - "$OUT" <<'PY' | tee -a "$LOG"
+import json, pathlib, re, statistics, sys
+runs: dict[str, list[dict]] = {}
+for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    try:
+        r = json.loads(p.read_text())
+    except ValueError:
+        continue
+    if isinstance(r, dict):
+        runs.setdefault(re.sub(r"_\d+$", "", p.stem), []).append(r)
+print(f"{'figure':<28} {'runs':>4} {'median':>10} {'min':>10} {'max':>10}  unit")
+for name, rs in runs.items():
+    for key, unit in (("output_tok_per_s", "out tok/s"), ("ms_per_token", "ms/token"), ("ttft_ms_mean", "TTFT ms")):
+        vals = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
+        if vals:
+            print(f"{name:<28} {len(vals):>4} {statistics.median(vals):>10.3f} {min(vals):>10.3f} {max(vals):>10.3f}  {unit}")
+PY
+}
+
+[ $# -gt 0 ] || { sed -n '2,/^set -u/p' "$0" | sed 's/^# \{0,1\}//' | head -n -1; exit 2; }
+setup
+for suite in "$@"; do
+  case $suite in
+    tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
+    offline) offline offline 150 ;;
+    latency)
+      for tree in $(trees); do
+        (cd "$tree" && step "latency$(tag "$tree")" 150 python3 bench/decode_latency.py --repeats 5 \
+          --out "$OUT/latency$(tag "$tree").json")
+      done ;;
+    fp8) offline fp8 150 --kv-cache-dtype fp8_e4m3 ;;
+    qwen3_8b) offline qwen3_8b 240 --arch qwen3-8b ;;
+    prefill_heavy) offline prefill_heavy 240 --workload prefill_heavy ;;
+    mixed) step mixed 200 python3 bench/mixed_steps.py --out "$OUT/mixed.json" ;;
+    sampling)
+      step sampling_cost 200 python3 bench/sampling_cost.py --share 0.1 1.0 --out "$OUT/sampling_cost.json"
+      step grammar_cost 150 python3 bench/grammar_cost.py --share 0.1 --out "$OUT/grammar_cost.json" ;;
+    online)
+      step online 300 python3 bench/online_serving.py --arch qwen3-0.6b --num-prompts 256 --input-len 100 1024 \
+        --output-len 100 1024 --concurrency 1 256 --c1-prompts 48 --client-procs 4 --offline --out "$OUT/online.json" ;;
+    peer)
+      [ -f .peer/run_minisgl.sh ] || { log "peer: no .peer/ (../shared/peer/README.md makes it)"; continue; }
+      OUT=$OUT step peer 540 bash .peer/run_minisgl.sh bench --arch "${ARCH:-qwen3-0.6b}" ;;
+    save) save ;;
+    *) log "unknown suite $suite" ;;
+  esac
+done
+summary
