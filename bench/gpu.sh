@@ -11,6 +11,7 @@
 #   fp8            (a) over an fp8 KV cache
 #   qwen3_8b       (a)'s shape on Qwen3-8B's architecture
 #   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens
+#   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
 #   mixed          decode latency under arriving prompts, mixed steps against prefill-first
 #   sampling       what penalties, filters and grammars cost beside plain sampling
 #   online         the HTTP path against the offline engine at concurrency 1 and 256
@@ -142,6 +143,12 @@ for suite in "$@"; do
     fp8) offline fp8 150 --kv-cache-dtype fp8_e4m3 ;;
     qwen3_8b) offline qwen3_8b 240 --arch qwen3-8b ;;
     prefill_heavy) offline prefill_heavy 240 --workload prefill_heavy ;;
+    prefill_sweep)
+      for met in 8192 16384 32768; do
+        offline "prefill_heavy_$met" 240 --workload prefill_heavy --max-extend-tokens "$met"
+        offline "prefill_heavy_${met}_prefill_first" 240 --workload prefill_heavy --max-extend-tokens "$met" --no-mixed-steps
+        offline "offline_$met" 150 --max-extend-tokens "$met"
+      done ;;
     mixed) step mixed 200 python3 bench/mixed_steps.py --out "$OUT/mixed.json" ;;
     sampling)
       step sampling_cost 200 python3 bench/sampling_cost.py --share 0.1 1.0 --out "$OUT/sampling_cost.json"
