@@ -13,7 +13,7 @@ import torch
 from worker.sampling import resample
 from worker.sampling.processors import ProcessorInit, ProcessorState
 from worker.sampling.step_sampler import SampleArgs, StepSampler
-from worker.staging import record_arrays, with_arrays
+from worker.staging import PinnedStaging, upload_record
 
 VOCAB, SLOTS, SPARSE = 97, 64, 8
 
@@ -49,7 +49,9 @@ def _batch(n: int, seed: int, *, filters: bool, procs: bool, grammar: bool):
 
 
 def _on_torch(record):
-    return with_arrays(record, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in record_arrays(record).items()})
+    """`record` with its arrays staged (on the CPU: tensors over the staging buffer)."""
+    upload_record(PinnedStaging(torch.device("cpu")), record)
+    return record
 
 
 def _args(n, rows, temperature, seeds, positions, token_write, allowed) -> SampleArgs:

@@ -165,7 +165,8 @@ def unpack_desc(layout: tuple[int, ...], payload: np.ndarray) -> BatchDesc:
         _split(a["init_output"], a["init_output_lens"]), _split(a["init_sparse_ids"], a["init_sparse_lens"]),
         _split(a["init_sparse_bias"], a["init_sparse_lens"]), _split(a["init_sparse_ban"], a["init_sparse_lens"]))]
     columns = {c.name: a[c.name] if v.get(f"has_{c.group}", 1) else None for c in COLUMNS}
-    procs = ProcessorRows(**{c.name: columns.pop(c.name) for c in columns_of(PROCS)}) if v[f"has_{PROCS}"] else None
+    procs_columns = {c.name: columns.pop(c.name) for c in columns_of(PROCS)}
+    procs = ProcessorRows(**procs_columns) if v[f"has_{PROCS}"] else None
     return BatchDesc(
         is_prefill=bool(v["is_prefill"]), table_idx=a["table_idx"], seq_lens=a["seq_lens"],
         extend_lens=a["extend_lens"], out_loc=a["out_loc"], input_ids=a["input_ids"] if v["has_ids"] else None,

@@ -74,7 +74,7 @@ class _Bucket:
         groups = {DRAW} | ({FILTER} if filtered else set()) | ({MIN_P} if procs or filtered else set()) \
             | ({PROCS} if procs else set())
         rows = {**self.io, **self.sampler_args}
-        columns = {c.name: rows[c.name].bool() if c.staged == bool else rows[c.name] for c in columns_of(*groups)}
+        columns = {c.name: rows[c.name].bool() if c.staged.kind == "b" else rows[c.name] for c in columns_of(*groups)}
         return SampleArgs.of(columns, self.sample_pos, self.token_write, self.allowed if procs else None)
 
 

@@ -226,8 +226,9 @@ class Engine:
         else:
             positions, token_slots = seq - 1, slots
         token_write = slots * pool_row + seq  # where each sampled token goes
+        columns = desc_columns(desc)
         s = StepInputs(page_idx=token_slots * self.max_seq_len + positions, page_val=desc.out_loc.astype(np.int32),
-                       sampling=stage_sampling(desc, bs, seq, token_write, self.proc_state))
+                       sampling=stage_sampling(desc, columns, bs, seq, token_write, self.proc_state))
         if desc.prefix_rows:
             s.prefix_idx = np.concatenate([slot * self.max_seq_len + np.arange(len(locs))
                                            for slot, locs in desc.prefix_rows])
@@ -235,7 +236,7 @@ class Engine:
         if bs:
             s.graph_io = IO.pack(bs, desc.batch_size, {
                 "token_read": slots * pool_row + seq - 1, "positions": positions, "out_loc": desc.out_loc,
-                "token_write": token_write, "sample_pos": seq, **desc_columns(desc)}, self.graphs.pad)
+                "token_write": token_write, "sample_pos": seq, **columns}, self.graphs.pad)
         else:
             s.table_idx, s.seq_lens, s.positions = slots, desc.seq_lens.astype(np.int32), positions
             s.out_loc = desc.out_loc.astype(np.int64)
@@ -249,8 +250,7 @@ class Engine:
                 s.last_idx = ends - 1
             else:
                 s.token_read = slots * pool_row + seq - 1
-        staged, s = upload_record(self.staging, s)
-        s.staged = staged
+        s.staged = upload_record(self.staging, s)  # s now holds the device views
         return s
 
     @torch.inference_mode()

@@ -9,16 +9,12 @@ by then, so the wait costs nothing. On the CPU there is no copy: the views are t
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 import torch
 
 from worker.stream import new_event, wait_for
-
-R = TypeVar("R")
 
 _ALIGN = 16  # so that every view starts on a boundary of its element size
 _MAX_LAYOUTS = 64  # cached view sets per slot
@@ -104,45 +100,30 @@ class PinnedStaging:
         return Staged(slot, views.host, views.device)
 
 
-def record_arrays(record: object, path: tuple = ()) -> dict[tuple, np.ndarray]:
-    """Every numpy array in `record` (a dataclass, whose fields may be dataclasses, dicts or arrays), by
-    its path of field names and keys."""
-    if isinstance(record, np.ndarray):
-        return {path: record}
-    if isinstance(record, dict):
-        items = record.items()
-    elif dataclasses.is_dataclass(record):
-        items = ((f.name, getattr(record, f.name)) for f in dataclasses.fields(record))
-    else:
-        return {}
-    out: dict[tuple, np.ndarray] = {}
-    for key, value in items:
-        if value is not None:
-            out.update(record_arrays(value, path + (key,)))
-    return out
+def _leaves(record: object, path: tuple, out: list) -> None:
+    """Appends (holder, key, path, array) for every numpy array under `record`: a dataclass's fields and
+    a dict's values, recursively."""
+    for key, value in (record.items() if type(record) is dict else vars(record).items()):
+        if value is None:
+            continue
+        if type(value) is np.ndarray:
+            out.append((record, key, path + (key,), value))
+        elif type(value) is dict or hasattr(type(value), "__dataclass_fields__"):
+            _leaves(value, path + (key,), out)
 
 
-def with_arrays(record: R, arrays: dict[tuple, object], path: tuple = ()) -> R:
-    """`record` with the array at each path of `record_arrays` replaced by `arrays[path]`."""
-    if isinstance(record, np.ndarray):
-        return arrays[path]
-    if isinstance(record, dict):
-        return {key: with_arrays(value, arrays, path + (key,)) for key, value in record.items()}
-    if not dataclasses.is_dataclass(record):
-        return record
-    changes = {}
-    for f in dataclasses.fields(record):
-        value = getattr(record, f.name)
-        if isinstance(value, (np.ndarray, dict)) or dataclasses.is_dataclass(value):
-            changes[f.name] = with_arrays(value, arrays, path + (f.name,))
-    return dataclasses.replace(record, **changes)
-
-
-def upload_record(staging: PinnedStaging, record: R) -> tuple[Staged, R]:
-    """Uploads every array of `record` in one copy (PinnedStaging.upload); returns the slot and the same
-    record over the device views, each shaped as its host array."""
-    host = record_arrays(record)
-    staged = staging.upload(host)
+def upload_record(staging: PinnedStaging, record: object) -> Staged:
+    """Uploads every numpy array of `record` (a dataclass whose fields may be arrays, dicts of them or
+    such dataclasses) in one copy, as PinnedStaging.upload does, and puts each array's device view,
+    shaped as the array was, in its place."""
+    leaves: list = []
+    _leaves(record, (), leaves)
+    staged = staging.upload({path: a for _, _, path, a in leaves})
     views = staged.device
-    return staged, with_arrays(record, {path: views[path] if a.ndim == 1 else views[path].view(a.shape)
-                                        for path, a in host.items()})
+    for holder, key, path, a in leaves:
+        view = views[path] if a.ndim == 1 else views[path].view(a.shape)
+        if type(holder) is dict:
+            holder[key] = view
+        else:
+            setattr(holder, key, view)
+    return staged

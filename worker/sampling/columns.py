@@ -54,6 +54,7 @@ COLUMNS = (
 NAMES = tuple(c.name for c in COLUMNS)
 
 
+@cache
 def columns_of(*groups: str) -> tuple[Column, ...]:
     return tuple(c for c in COLUMNS if c.group in groups)
 

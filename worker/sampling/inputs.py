@@ -10,9 +10,9 @@ from typing import Generic, TypeVar
 import numpy as np
 import torch
 
-from worker.batch import BatchDesc, desc_columns
+from worker.batch import BatchDesc
 from worker.graph_io import SAMPLER_IO, sampler_io_pads
-from worker.sampling.columns import COLUMNS, DRAW, FILTER, MIN_P, PROCS, VARIANT_GROUPS, rows_using
+from worker.sampling.columns import COLUMNS, DRAW, FILTER, MIN_P, PROCS, VARIANT_GROUPS, columns_of, rows_using
 from worker.sampling.processors import ProcessorInitArrays, ProcessorState
 from worker.sampling.resample import RedrawInputs, redraw_inputs, rows_to_redraw
 from worker.sampling.step_sampler import SampleArgs, allowed_tokens
@@ -69,17 +69,17 @@ def step_groups(columns: dict[str, np.ndarray], has_procs: bool, scratch_row: in
     count only when some row draws; the processors whenever the description has them."""
     used = {PROCS} if has_procs else set()
     if rows_using(DRAW, columns, scratch_row).any():
-        held = {c.group for c in COLUMNS if c.name in columns}
-        used |= {DRAW} | {g for g in (FILTER, MIN_P) if g in held and rows_using(g, columns, scratch_row).any()}
+        used.add(DRAW)
+        used.update(g for g in (FILTER, MIN_P)
+                    if columns_of(g)[0].name in columns and rows_using(g, columns, scratch_row).any())
     return frozenset(used)
 
 
-def stage_sampling(desc: BatchDesc, graph_bs: int, positions: np.ndarray, token_write: np.ndarray,
-                   state: ProcessorState) -> SamplingInputs[np.ndarray]:
-    """The host arrays of `desc`'s sampling, to upload. `graph_bs` > 0: a decode step replayed from the
-    graph of that batch size (whose draw columns travel in its per-step block); `positions` and
-    `token_write`: the position each row samples and its token-pool cell."""
-    columns = desc_columns(desc)
+def stage_sampling(desc: BatchDesc, columns: dict[str, np.ndarray], graph_bs: int, positions: np.ndarray,
+                   token_write: np.ndarray, state: ProcessorState) -> SamplingInputs[np.ndarray]:
+    """The host arrays of `desc`'s sampling, to upload (`columns`: desc_columns(desc)). `graph_bs` > 0:
+    a decode step replayed from the graph of that batch size (whose draw columns travel in its per-step
+    block); `positions` and `token_write`: the position each row samples and its token-pool cell."""
     s = SamplingInputs(step_groups(columns, desc.procs is not None, state.scratch_row))
     if desc.proc_init:
         s.init = state.init_arrays(desc.proc_init)
