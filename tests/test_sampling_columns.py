@@ -17,7 +17,8 @@ from worker.graph_io import IO, SAMPLER_IO, io_pads, sampler_io_pads
 from worker.sampling.columns import COLUMNS, DRAW, FILTER, MIN_P, NAMES, PROCS, column_pads, columns_of
 from worker.sampling.inputs import stage_sampling, step_groups
 from worker.sampling.processors import ProcessorInit, ProcessorRows, ProcessorState
-from worker.sampling.step_sampler import SampleArgs
+from worker.sampling.resample import redraw
+from worker.sampling.step_sampler import SampleArgs, StepSampler
 from worker.staging import PinnedStaging, upload_record
 
 SCRATCH = 64
@@ -145,3 +146,55 @@ def test_an_all_greedy_step_stages_no_draw_and_judges_no_filter():
     desc.top_k[:] = 5
     assert step_groups(desc_columns(desc), False, SCRATCH) == frozenset()
     assert step_groups(desc_columns(desc), True, SCRATCH) == {PROCS}
+
+
+@pytest.mark.parametrize("n,bs", [(6, 8), (40, 48)], ids=["variant-graph", "redraw"])
+def test_a_replayed_step_samples_what_the_eager_step_samples(n, bs):
+    """The graph path's arguments, on the CPU without the graphs: the head over the per-step block's
+    views, then the variant over the sampler block's (or the rows redrawn alone), give the eager
+    step's tokens, token-pool cells and processor counts."""
+    vocab, rng = 97, np.random.default_rng(n)
+    desc = _desc(rng, n, min_p=True, procs=True)
+    special = np.arange(n) % 7 == 1
+    desc.temperature[:] = np.where(np.arange(n) % 3 == 0, 0.0, 0.8)
+    desc.top_k[:], desc.top_p[:] = np.where(special, 5, -1), np.where(special, 0.8, 1.0)
+    desc.min_p[:] = np.where(special, 0.05, 0.0)
+    p = desc.procs
+    p.state_row[:] = np.where(special, np.arange(n), SCRATCH)
+    p.presence[:], p.frequency[:], p.repetition[:] = np.where(special, 0.5, 0), np.where(special, 0.3, 0), 1.0
+    p.ban_stop[:] = 0
+    seq, token_write = desc.seq_lens.astype(np.int64), np.arange(n, dtype=np.int64) * 2
+    logits = torch.randn(bs, vocab, generator=torch.Generator().manual_seed(n))
+    counts = torch.randint(0, 3, (SCRATCH + 1, vocab), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    counts[SCRATCH] = 0
+
+    def sampler():
+        state = ProcessorState(SCRATCH, vocab, 4, torch.device("cpu"))
+        state.counts.copy_(counts)
+        return StepSampler(torch.zeros(2 * bs + 1, dtype=torch.int32), state)
+
+    eager_sampler, staging = sampler(), PinnedStaging(torch.device("cpu"), depth=4)
+    e = stage_sampling(desc, desc_columns(desc), 0, seq, token_write, eager_sampler.state)
+    upload_record(staging, e)
+    want = eager_sampler(logits[:n], e.args(torch.from_numpy(seq), n), procs=e.procs, filtered=e.filtered)
+
+    graph_sampler = sampler()
+    g = stage_sampling(desc, desc_columns(desc), bs, seq, token_write, graph_sampler.state)
+    upload_record(staging, g)
+    assert g.groups == {DRAW, FILTER, MIN_P, PROCS} and (g.redraw is not None) == (n >= 32)
+    io = IO.pack(bs, n, {"token_read": seq - 1, "positions": seq - 1, "out_loc": seq, "token_write": token_write,
+                         "sample_pos": seq, **desc_columns(desc)}, io_pads(0, 2 * bs))
+    b = _Bucket(torch.from_numpy(io), bs)
+    sio = torch.zeros(SAMPLER_IO.nbytes(bs), dtype=torch.uint8)
+    b.bind_sampler_io(sio)
+    b.allowed = torch.full((bs, 4), -1, dtype=torch.int32)
+    head = graph_sampler(logits, b.args(False, False), procs=False, filtered=False)
+    if g.redraw is not None:
+        got = redraw(graph_sampler, logits, head, g.redraw, None, procs=g.procs, filtered=g.filtered)
+    else:
+        sio.copy_(g.sampler_io)
+        procs = g.procs or g.any_min_p  # the variant the engine replays
+        got = graph_sampler(logits, b.args(procs, g.filtered), procs=procs, filtered=g.filtered)
+    assert torch.equal(got[:n], want)
+    assert torch.equal(graph_sampler.flat_pool[:-1], eager_sampler.flat_pool[:-1])
+    assert torch.equal(graph_sampler.state.counts, eager_sampler.state.counts)
