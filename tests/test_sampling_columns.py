@@ -14,7 +14,7 @@ import torch
 from worker.batch import BatchDesc, desc_columns, desc_layout, pack_desc, packed_nbytes, unpack_desc
 from worker.cuda_graph import VARIANTS, _Bucket
 from worker.graph_io import IO, SAMPLER_IO, io_pads, sampler_io_pads
-from worker.sampling.columns import COLUMNS, DRAW, FILTER, MIN_P, NAMES, PROCS, column_pads, columns_of
+from worker.sampling.columns import COLUMNS, DRAW, FILTER, MIN_P, PROCS, column_pads, columns_of
 from worker.sampling.inputs import stage_sampling, step_groups
 from worker.sampling.processors import ProcessorInit, ProcessorRows, ProcessorState
 from worker.sampling.resample import redraw
@@ -22,6 +22,7 @@ from worker.sampling.step_sampler import SampleArgs, StepSampler
 from worker.staging import PinnedStaging, upload_record
 
 SCRATCH = 64
+NAMES = [c.name for c in COLUMNS]
 
 
 def _desc(rng: np.random.Generator, n: int, *, min_p: bool, procs: bool, inits: int = 0) -> BatchDesc:

@@ -15,7 +15,8 @@ from worker.sampling.processors import ProcessorInit, ProcessorRows
 @dataclass
 class BatchDesc:
     """A step, described on rank 0 and applied identically by every rank. Arrays are per request
-    ([B]) except `input_ids` and `out_loc`, which hold every new token of the step ([T])."""
+    ([B]) except `input_ids` and `out_loc`, which hold every new token of the step ([T]). The sampling
+    columns (temperature .. min_p, and `procs`' fields) are those of worker/sampling/columns.py."""
 
     is_prefill: bool
     table_idx: np.ndarray      # int32 [B]: each request's slot (its token-pool and page-table row)

@@ -51,7 +51,6 @@ COLUMNS = (
     Column("repetition", _F32, _F32, 1.0, PROCS),  # 1 is off
     Column("ban_stop", _U8, _BOOL, 0, PROCS),      # 1 while the row's min_tokens is not reached
 )
-NAMES = tuple(c.name for c in COLUMNS)
 
 
 @cache
