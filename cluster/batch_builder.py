@@ -14,7 +14,7 @@ from cluster.grammars import Grammars
 from cluster.req import Req
 from cluster.sampling_params import SamplingParams
 from worker.batch import BatchDesc
-from worker.processors import ProcessorInit, ProcessorRows
+from worker.sampling.processors import ProcessorInit, ProcessorRows
 
 
 @dataclass

@@ -53,30 +53,30 @@ def test_layers_on_the_fused_path_match_hf(monkeypatch, model_paths, family):
 
 def test_a_graph_decode_step_stages_one_block_that_the_bucket_views_read_back(qwen3_path):
     # the CUDA-graph decode path on the CPU: Engine._stage packs a step's per-row inputs into one block
-    # (cuda_graph.pack_io) and the graph reads it through its bucket's views of the static buffer
+    # (worker/graph_io.py) and the graph reads it through its bucket's views of the static buffer
     import numpy as np
 
     from worker.batch import BatchDesc
     from worker.config import EngineConfig
-    from worker.cuda_graph import SAMPLER_PAD, _Bucket, io_bytes, sampler_io_bytes
+    from worker.cuda_graph import _Bucket
     from worker.engine import Engine
+    from worker.graph_io import IO, SAMPLER_IO, io_pads
 
     engine = Engine(EngineConfig(str(qwen3_path), page_size=4, num_pages=64, max_running_reqs=8))
-    pad = {"out_loc": 999, "token_write": engine.table.scratch_cell}
     # what _stage reads of the graph runner
-    engine.graphs = SimpleNamespace(pad=pad, sampler_pad={**SAMPLER_PAD, "state_row": 8})
+    engine.graphs = SimpleNamespace(pad=io_pads(999, engine.table.scratch_cell))
     desc = BatchDesc(False, table_idx=np.array([3, 0, 5], np.int32), seq_lens=np.array([9, 17, 4], np.int32),
                      extend_lens=np.ones(3, np.int32), out_loc=np.array([40, 81, 130], np.int32), input_ids=None,
                      temperature=np.array([0.0, 0.7, 1.5], np.float32), top_p=np.array([1.0, 0.9, 1.0], np.float32),
                      top_k=np.array([-1, -1, 20], np.int32), seeds=np.array([1, 2, 1 << 40], np.int64))
     s = engine._stage(desc, 4)
-    assert not s.all_greedy and s.any_filter and not s.procs
-    io = torch.zeros(io_bytes(8), dtype=torch.uint8)
+    assert not s.sampling.all_greedy and s.sampling.filtered and not s.sampling.procs
+    io = torch.zeros(IO.nbytes(8), dtype=torch.uint8)
     io[: s.graph_io.numel()].copy_(s.graph_io)
     b = _Bucket(io, 4)
     # the filter's arguments travel in the second block, padded past the real rows
-    sio = torch.zeros(sampler_io_bytes(8), dtype=torch.uint8)
-    sio[: s.sampler_io.numel()].copy_(s.sampler_io)
+    sio = torch.zeros(SAMPLER_IO.nbytes(8), dtype=torch.uint8)
+    sio[: s.sampling.sampler_io.numel()].copy_(s.sampling.sampler_io)
     b.bind_sampler_io(sio)
     assert b.sampler_args["top_p"].tolist() == pytest.approx([1.0, 0.9, 1.0, 1.0])
     assert b.sampler_args["top_k"].tolist() == [-1, -1, 20, -1] and b.sampler_args["state_row"].tolist() == [8] * 4
@@ -86,12 +86,12 @@ def test_a_graph_decode_step_stages_one_block_that_the_bucket_views_read_back(qw
     assert b.positions.tolist() == (seq - 1).tolist() + [0]
     assert b.out_loc.tolist() == [40, 81, 130, 999]
     assert b.token_write.tolist() == (slots * row + seq).tolist() + [engine.table.scratch_cell]
-    assert b.seeds.tolist() == [1, 2, 1 << 40, 0] and b.sample_pos.tolist() == [9, 17, 4, 0]
-    assert b.temperature.tolist() == pytest.approx([0.0, 0.7, 1.5, 0.0])
+    assert b.io["seeds"].tolist() == [1, 2, 1 << 40, 0] and b.sample_pos.tolist() == [9, 17, 4, 0]
+    assert b.io["temperature"].tolist() == pytest.approx([0.0, 0.7, 1.5, 0.0])
     s.staged.release()
     greedy = engine._stage(BatchDesc(False, table_idx=desc.table_idx, seq_lens=desc.seq_lens,
                                      extend_lens=desc.extend_lens, out_loc=desc.out_loc, input_ids=None,
                                      temperature=desc.temperature * 0, top_p=desc.top_p, top_k=desc.top_k,
                                      seeds=desc.seeds), 4)
-    assert greedy.all_greedy and not greedy.any_filter and greedy.sampler_io is None
+    assert greedy.sampling.all_greedy and not greedy.sampling.filtered and greedy.sampling.sampler_io is None
     greedy.staged.release()

@@ -199,7 +199,7 @@ def test_triton_kernels_agree_with_the_unfused_layers_in_bfloat16(qwen3_hd128_pa
 def test_triton_sampling_kernel_picks_what_the_torch_sampler_picks_at_full_vocabulary():
     pytest.importorskip("triton")
     from worker import triton_ops
-    from worker.sampler import sample, sample_unfiltered
+    from worker.sampling.sampler import sample, sample_unfiltered
     torch.manual_seed(1)
     rows, vocab = 256, 151_936
     logits = (torch.randn(rows, vocab, device="cuda") * 3).bfloat16()

@@ -80,12 +80,12 @@ def test_grammar_masks_hold_in_graph_decode_steps_and_leave_plain_rows_alone(qwe
 
 def test_redrawing_a_large_batchs_few_special_rows_alone_equals_the_bucket_variant(qwen3_hd128_path, monkeypatch):
     """40 requests decode together, 8 of them with penalties and a bias, 4 under a grammar: the redraw
-    of those rows alone (worker/resample.py) gives exactly the tokens that the bucket's variant graph
+    of those rows alone (worker/sampling/resample.py) gives exactly the tokens that the bucket's variant graph
     gives, the constrained ones match their grammar, and the other 28 draw what they draw alone."""
     import re
 
     from cluster import GrammarSpec
-    from worker import resample
+    from worker.sampling import resample
     pytest.importorskip("xgrammar")
     n = 40
     prompts = random_prompts(n, 5, 60, seed=12)

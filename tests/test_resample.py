@@ -1,4 +1,4 @@
-"""The redraw of a replayed decode step over the rows that need it (worker/resample.py): the head's
+"""The redraw of a replayed decode step over the rows that need it (worker/sampling/resample.py): the head's
 plain draw of every row, then those rows drawn again alone over their processed and filtered logits,
 gives the tokens, token-pool cells and processor counts that the step sampler gives over the whole
 batch at once (what a bucket's variant graph and an eager step compute). Which rows are redrawn, and
@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from worker import resample
-from worker.processors import ProcessorInit, ProcessorState
-from worker.step_sampler import SampleArgs, StepSampler
+from worker.sampling import resample
+from worker.sampling.processors import ProcessorInit, ProcessorState
+from worker.sampling.step_sampler import SampleArgs, StepSampler
+from worker.staging import PinnedStaging, upload_record
 
 VOCAB, SLOTS, SPARSE = 97, 64, 8
 
@@ -38,7 +39,7 @@ def _batch(n: int, seed: int, *, filters: bool, procs: bool, grammar: bool):
         inits = [ProcessorInit(int(s), rng.integers(0, VOCAB, 6).astype(np.int32), rng.integers(0, VOCAB, 9).astype(np.int32),
                                np.array([3, 11, 2], dtype=np.int32), np.array([2.0, -1.5, 0.0], dtype=np.float32),
                                np.array([0, 0, 1], dtype=np.uint8)) for s in slots[special]]
-        state.apply_init({k: torch.from_numpy(v) for k, v in state.init_arrays(inits).items()})
+        state.apply_init(_on_torch(state.init_arrays(inits)))
     grammar_rows = np.flatnonzero(np.arange(n) % 5 == 0).astype(np.int32) if grammar else None
     grammar_mask = rng.integers(-2**31, 2**31, size=(len(grammar_rows), -(-VOCAB // 32)), dtype=np.int64).astype(
         np.int32) if grammar else None
@@ -47,11 +48,16 @@ def _batch(n: int, seed: int, *, filters: bool, procs: bool, grammar: bool):
             torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed)))
 
 
+def _on_torch(record):
+    """`record` with its arrays staged (on the CPU: tensors over the staging buffer)."""
+    upload_record(PinnedStaging(torch.device("cpu")), record)
+    return record
+
+
 def _args(n, rows, temperature, seeds, positions, token_write, allowed) -> SampleArgs:
     t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in rows.items()}
-    return SampleArgs(torch.from_numpy(temperature), torch.from_numpy(seeds), torch.from_numpy(positions),
-                      torch.from_numpy(token_write), t.get("top_p"), t.get("top_k"), t.get("min_p"), t.get("state_row"),
-                      t.get("presence"), t.get("frequency"), t.get("repetition"), t.get("ban_stop"), allowed)
+    return SampleArgs.of({**t, "temperature": torch.from_numpy(temperature), "seeds": torch.from_numpy(seeds)},
+                         torch.from_numpy(positions), torch.from_numpy(token_write), allowed)
 
 
 @pytest.mark.parametrize("filters,procs,grammar", [(True, False, False), (False, True, False), (False, True, True),
@@ -78,8 +84,8 @@ def test_redrawing_the_rows_that_need_it_equals_sampling_the_whole_batch(filters
     head = sampler(logits, _args(n, {}, temperature, seeds, positions, token_write, None), procs=False, filtered=False)
     picked = resample.rows_to_redraw(n, rows, state.scratch_row, grammar_rows)
     assert picked is not None and list(picked) == [i for i in range(n) if i % 3 == 0 or (grammar and i % 5 == 0)]
-    staged = {k: torch.from_numpy(v) for k, v in resample.compact_arrays(
-        picked, rows, temperature, seeds, positions, token_write, grammar_rows).items()}
+    staged = _on_torch(resample.redraw_inputs(picked, {**rows, "temperature": temperature, "seeds": seeds},
+                                              positions, token_write, grammar_rows))
     got = resample.redraw(sampler, logits, head.clone(), staged,
                           torch.from_numpy(grammar_mask) if grammar else None, procs=procs or grammar, filtered=filters)
     assert torch.equal(got, ref)

@@ -14,8 +14,8 @@ from helpers import checked_llm, encode_all, greedy
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from cluster import InvalidRequestError, SamplingParams
-from worker.processors import ProcessorState
-from worker.sampler import filter_logits
+from worker.sampling.processors import ProcessorState
+from worker.sampling.sampler import filter_logits
 
 NEW = 24  # long enough for random tiny models to repeat themselves, so penalties change the output
 

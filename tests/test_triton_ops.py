@@ -15,7 +15,7 @@ from worker import triton_ops
 from worker.kv_cache import KVCachePool
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
-from worker.sampler import filter_logits, sample, sample_unfiltered
+from worker.sampling.sampler import filter_logits, sample, sample_unfiltered
 
 pytest.importorskip("triton")
 

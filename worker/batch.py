@@ -8,13 +8,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from worker.processors import ProcessorInit, ProcessorRows
+from worker.sampling.columns import COLUMNS, GROUPS, MIN_P, PROCS, columns_of
+from worker.sampling.processors import ProcessorInit, ProcessorRows
 
 
 @dataclass
 class BatchDesc:
     """A step, described on rank 0 and applied identically by every rank. Arrays are per request
-    ([B]) except `input_ids` and `out_loc`, which hold every new token of the step ([T])."""
+    ([B]) except `input_ids` and `out_loc`, which hold every new token of the step ([T]). The sampling
+    columns (temperature .. min_p, and `procs`' fields) are those of worker/sampling/columns.py."""
 
     is_prefill: bool
     table_idx: np.ndarray      # int32 [B]: each request's slot (its token-pool and page-table row)
@@ -49,29 +51,48 @@ class BatchDesc:
         return len(self.out_loc)
 
 
+# Where a description holds each group's sampling columns: its own fields, or the processors' record;
+# an optional group is None when no row of the step uses it.
+_OPTIONAL_GROUPS = (MIN_P, PROCS)
+
+
+def _holder(desc: BatchDesc, group: str) -> object | None:
+    if group == PROCS:
+        return desc.procs
+    if group == MIN_P and desc.min_p is None:
+        return None
+    return desc
+
+
+def desc_columns(desc: BatchDesc) -> dict[str, np.ndarray]:
+    """The sampling columns (worker/sampling/columns.py) that `desc` holds, by name."""
+    holders = {g: _holder(desc, g) for g in GROUPS}
+    return {c.name: getattr(holders[c.group], c.name) for c in COLUMNS if holders[c.group] is not None}
+
+
 # The packed form of a BatchDesc (worker/comm.py broadcasts it): a few integers that fix its layout,
-# then every array back to back in one byte payload, the int64 one first and the bytes last, so that
-# each lies aligned. Unpacking makes numpy views of the payload: no copy, no unpickling.
-_LAYOUT = ("is_prefill", "B", "T", "has_ids", "prefix_rows", "prefix_locs", "top_logprobs", "has_min_p",
-           "has_procs", "inits", "init_prompt", "init_output", "init_sparse", "plp", "prompt_logprobs", "grammar_rows",
-           "grammar_words")
+# then every array back to back in one byte payload, the widest first, so that each lies aligned.
+# Unpacking makes numpy views of the payload: no copy, no unpickling.
+_LAYOUT = ("is_prefill", "B", "T", "has_ids", "prefix_rows", "prefix_locs", "top_logprobs",
+           *(f"has_{g}" for g in _OPTIONAL_GROUPS), "inits", "init_prompt", "init_output", "init_sparse", "plp",
+           "prompt_logprobs", "grammar_rows", "grammar_words")
 LAYOUT_LEN = len(_LAYOUT)
 
-_I64, _I32, _F32, _U8 = np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint8)
+_I32, _F32, _U8 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint8)
 
-# (name, dtype, what sizes it: a count of _counts)
-_SECTIONS = (("seeds", _I64, "B"), ("table_idx", _I32, "B"), ("seq_lens", _I32, "B"), ("extend_lens", _I32, "B"),
-             ("top_k", _I32, "B"), ("temperature", _F32, "B"), ("top_p", _F32, "B"), ("min_p", _F32, "B_min_p"),
-             ("out_loc", _I32, "T"), ("input_ids", _I32, "T_ids"), ("prefix_slots", _I32, "prefix_rows"),
-             ("prefix_lens", _I32, "prefix_rows"), ("prefix_locs", _I32, "prefix_locs"),
-             ("state_row", _I32, "B_procs"), ("presence", _F32, "B_procs"), ("frequency", _F32, "B_procs"),
-             ("repetition", _F32, "B_procs"), ("init_slots", _I32, "inits"), ("init_prompt_lens", _I32, "inits"),
-             ("init_output_lens", _I32, "inits"), ("init_sparse_lens", _I32, "inits"),
-             ("init_prompt", _I32, "init_prompt"), ("init_output", _I32, "init_output"),
-             ("init_sparse_ids", _I32, "init_sparse"), ("init_sparse_bias", _F32, "init_sparse"),
-             ("plp_idx", _I32, "plp"), ("plp_target", _I32, "plp"), ("grammar_rows", _I32, "grammar_rows"),
-             ("grammar_mask", _I32, "grammar_mask"),
-             ("ban_stop", _U8, "B_procs"), ("init_sparse_ban", _U8, "init_sparse"))
+# (name, dtype, what sizes it: a count of _counts); the sampling columns' sections follow their declaration
+_SECTIONS = tuple(sorted((
+    ("table_idx", _I32, "B"), ("seq_lens", _I32, "B"), ("extend_lens", _I32, "B"),
+    ("out_loc", _I32, "T"), ("input_ids", _I32, "T_ids"), ("prefix_slots", _I32, "prefix_rows"),
+    ("prefix_lens", _I32, "prefix_rows"), ("prefix_locs", _I32, "prefix_locs"),
+    ("init_slots", _I32, "inits"), ("init_prompt_lens", _I32, "inits"),
+    ("init_output_lens", _I32, "inits"), ("init_sparse_lens", _I32, "inits"),
+    ("init_prompt", _I32, "init_prompt"), ("init_output", _I32, "init_output"),
+    ("init_sparse_ids", _I32, "init_sparse"), ("init_sparse_bias", _F32, "init_sparse"),
+    ("plp_idx", _I32, "plp"), ("plp_target", _I32, "plp"), ("grammar_rows", _I32, "grammar_rows"),
+    ("grammar_mask", _I32, "grammar_mask"), ("init_sparse_ban", _U8, "init_sparse"),
+    *((c.name, c.dtype, f"B_{c.group}" if c.group in _OPTIONAL_GROUPS else "B") for c in COLUMNS),
+), key=lambda section: -section[1].itemsize))
 
 
 def desc_layout(desc: BatchDesc) -> tuple[int, ...]:
@@ -79,7 +100,7 @@ def desc_layout(desc: BatchDesc) -> tuple[int, ...]:
     inits = desc.proc_init
     return (int(desc.is_prefill), desc.batch_size, desc.num_tokens, int(desc.input_ids is not None),
             len(desc.prefix_rows), sum(len(locs) for _, locs in desc.prefix_rows), desc.top_logprobs,
-            int(desc.min_p is not None), int(desc.procs is not None), len(inits),
+            *(int(_holder(desc, g) is not None) for g in _OPTIONAL_GROUPS), len(inits),
             sum(len(x.prompt_ids) for x in inits), sum(len(x.output_ids) for x in inits),
             sum(len(x.sparse_ids) for x in inits), 0 if desc.plp_idx is None else len(desc.plp_idx),
             desc.prompt_logprobs, 0 if desc.grammar_rows is None else len(desc.grammar_rows),
@@ -88,7 +109,7 @@ def desc_layout(desc: BatchDesc) -> tuple[int, ...]:
 
 def _counts(layout: tuple[int, ...]) -> dict[str, int]:
     v = dict(zip(_LAYOUT, layout))
-    return {**v, "B_min_p": v["B"] * v["has_min_p"], "T_ids": v["T"] * v["has_ids"], "B_procs": v["B"] * v["has_procs"],
+    return {**v, **{f"B_{g}": v["B"] * v[f"has_{g}"] for g in _OPTIONAL_GROUPS}, "T_ids": v["T"] * v["has_ids"],
             "grammar_mask": v["grammar_rows"] * v["grammar_words"]}
 
 
@@ -99,22 +120,20 @@ def packed_nbytes(layout: tuple[int, ...]) -> int:
 
 def _flat(desc: BatchDesc) -> dict[str, object]:
     """Every section's values, by name."""
-    rows, inits, procs = desc.prefix_rows, desc.proc_init, desc.procs
+    rows, inits = desc.prefix_rows, desc.proc_init
     cat = np.concatenate
     out: dict[str, object] = {
         "prefix_slots": [slot for slot, _ in rows], "prefix_lens": [len(locs) for _, locs in rows],
         "prefix_locs": cat([locs for _, locs in rows]) if rows else (),
         "init_slots": [x.slot for x in inits], "init_prompt_lens": [len(x.prompt_ids) for x in inits],
         "init_output_lens": [len(x.output_ids) for x in inits], "init_sparse_lens": [len(x.sparse_ids) for x in inits],
+        **desc_columns(desc),
     }
     for key, name in (("init_prompt", "prompt_ids"), ("init_output", "output_ids"), ("init_sparse_ids", "sparse_ids"),
                       ("init_sparse_bias", "sparse_bias"), ("init_sparse_ban", "sparse_ban")):
         out[key] = cat([getattr(x, name) for x in inits]) if inits else ()
     if desc.grammar_mask is not None:
         out["grammar_mask"] = desc.grammar_mask.reshape(-1)
-    if procs is not None:
-        out.update(state_row=procs.state_row, presence=procs.presence, frequency=procs.frequency,
-                   repetition=procs.repetition, ban_stop=procs.ban_stop)
     return out
 
 
@@ -146,13 +165,13 @@ def unpack_desc(layout: tuple[int, ...], payload: np.ndarray) -> BatchDesc:
         a["init_slots"].tolist(), _split(a["init_prompt"], a["init_prompt_lens"]),
         _split(a["init_output"], a["init_output_lens"]), _split(a["init_sparse_ids"], a["init_sparse_lens"]),
         _split(a["init_sparse_bias"], a["init_sparse_lens"]), _split(a["init_sparse_ban"], a["init_sparse_lens"]))]
-    procs = ProcessorRows(a["state_row"], a["presence"], a["frequency"], a["repetition"], a["ban_stop"]) \
-        if v["has_procs"] else None
+    columns = {c.name: a[c.name] if v.get(f"has_{c.group}", 1) else None for c in COLUMNS}
+    procs_columns = {c.name: columns.pop(c.name) for c in columns_of(PROCS)}
+    procs = ProcessorRows(**procs_columns) if v[f"has_{PROCS}"] else None
     return BatchDesc(
         is_prefill=bool(v["is_prefill"]), table_idx=a["table_idx"], seq_lens=a["seq_lens"],
         extend_lens=a["extend_lens"], out_loc=a["out_loc"], input_ids=a["input_ids"] if v["has_ids"] else None,
-        temperature=a["temperature"], top_p=a["top_p"], top_k=a["top_k"], seeds=a["seeds"], prefix_rows=prefix_rows,
-        top_logprobs=int(v["top_logprobs"]), min_p=a["min_p"] if v["has_min_p"] else None, procs=procs,
+        **columns, prefix_rows=prefix_rows, top_logprobs=int(v["top_logprobs"]), procs=procs,
         proc_init=inits, prompt_logprobs=int(v["prompt_logprobs"]),
         plp_idx=a["plp_idx"] if v["plp"] else None, plp_target=a["plp_target"] if v["plp"] else None,
         grammar_rows=a["grammar_rows"] if v["grammar_rows"] else None,

@@ -2,12 +2,12 @@
 start-up over static buffers:
 - the forward: the input tokens read from the token pool, embedding, layers, final norm;
 - the head: the LM head, sampling (greedy rows exactly the argmax; the others the Gumbel-max draw of
-  (seed, position), see worker/sampler.py) and the sampled tokens written into the token pool.
+  (seed, position), see worker/sampling/sampler.py) and the sampled tokens written into the token pool.
 The engine records `inputs_free` between the two replays, so the next step's page table and attention
 plan (which the forward reads) are written on the scheduler stream while the head runs.
 
 A step pads its batch to the next bucket, stages its per-row inputs (token-pool read and write cells,
-positions, KV locations, seeds, temperatures) as one block, copies that block into the static
+positions, KV locations, seeds, temperatures) as one block (worker/graph_io.py), copies that block into the static
 buffer on the compute stream (one copy: the previous step's replays have read it by then) and
 replays. A step where some row filters (top-k, top-p, min-p) or uses the logits processors (penalties,
 biases, min_tokens) then replays one more graph of its bucket, chosen by which of the two it needs: it
@@ -17,72 +17,26 @@ overwrites the head's tokens; with processors it counts the tokens into the requ
 step that needs neither pays nothing for them.
 
 Padded rows read token 0 at position 0, write their KV to a scratch page that no request owns and
-their token to the token pool's scratch cell; they are greedy."""
+their token to the token pool's scratch cell; they are greedy (the blocks' pads)."""
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from worker.attention.flashinfer_backend import FlashInferBackend
 from worker.batch import BatchDesc
-from worker.step_sampler import SampleArgs, StepSampler
+from worker.graph_io import IO, SAMPLER_IO, io_pads, sampler_io_pads
+from worker.sampling.columns import DRAW, FILTER, MIN_P, PROCS, columns_of
+from worker.sampling.step_sampler import SampleArgs, StepSampler
 from worker.token_table import TokenTable
 
-# the int64 rows of the per-step block, then one float32 row (temperature)
-IO_FIELDS = ("token_read", "positions", "out_loc", "token_write", "seeds", "sample_pos")
-
-
-def io_bytes(bs: int) -> int:
-    return (8 * len(IO_FIELDS) + 4) * bs
-
-
-def pack_io(bs: int, rows: dict[str, np.ndarray], temperature: np.ndarray, pad: dict[str, int]) -> np.ndarray:
-    """The per-step block of a bucket of `bs` rows (uint8, as the static buffer holds it): each int64
-    field padded past the real rows with its `pad` value, then the temperatures (0 past them)."""
-    block = np.empty(io_bytes(bs), dtype=np.uint8)
-    ints = block[: 8 * len(IO_FIELDS) * bs].view(np.int64).reshape(len(IO_FIELDS), bs)
-    n = len(temperature)
-    for i, name in enumerate(IO_FIELDS):
-        ints[i, :n] = rows[name]
-        ints[i, n:] = pad.get(name, 0)
-    temp = block[8 * len(IO_FIELDS) * bs:].view(np.float32)
-    temp[:n] = temperature
-    temp[n:] = 0.0
-    return block
-
-
-# the second block, of a step that filters or processes: int64 rows, then float32 rows
-SAMPLER_FLOATS = ("top_p", "min_p", "presence", "frequency", "repetition")
-SAMPLER_INTS = ("top_k", "state_row", "ban_stop")
-# what a row that neither filters nor processes holds (state_row: the processors' scratch row, set per runner)
-SAMPLER_PAD = {"top_p": 1.0, "min_p": 0.0, "presence": 0.0, "frequency": 0.0, "repetition": 1.0, "top_k": -1,
-               "ban_stop": 0}
 # the graphs a bucket holds beyond its head, by (processors, filter)
 VARIANTS = ((True, False), (False, True), (True, True))
-
-
-def sampler_io_bytes(bs: int) -> int:
-    return (4 * len(SAMPLER_FLOATS) + 8 * len(SAMPLER_INTS)) * bs
-
-
-def pack_sampler_io(bs: int, n: int, rows: dict[str, np.ndarray], pad: dict[str, float]) -> np.ndarray:
-    """The second block of a bucket of `bs` rows, `n` of them real: each field's values for the real rows
-    (its pad value where `rows` lacks it: a step that filters but does not process), then its pad value."""
-    block = np.empty(sampler_io_bytes(bs), dtype=np.uint8)
-    ni = 8 * len(SAMPLER_INTS) * bs  # the int64 rows first: every view then starts aligned
-    ints = block[:ni].view(np.int64).reshape(len(SAMPLER_INTS), bs)
-    floats = block[ni:].view(np.float32).reshape(len(SAMPLER_FLOATS), bs)
-    for table, names in ((floats, SAMPLER_FLOATS), (ints, SAMPLER_INTS)):
-        for i, name in enumerate(names):
-            table[i, :n] = rows[name] if name in rows else pad[name]
-            table[i, n:] = pad[name]
-    return block
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -98,10 +52,9 @@ class _Bucket:
     """One batch size's views of the static buffers, its two graphs and their outputs."""
 
     def __init__(self, io: torch.Tensor, bs: int) -> None:
-        ints = io[: 8 * len(IO_FIELDS) * bs].view(torch.int64).view(len(IO_FIELDS), bs)
-        for i, name in enumerate(IO_FIELDS):
-            setattr(self, name, ints[i])
-        self.temperature = io[8 * len(IO_FIELDS) * bs: io_bytes(bs)].view(torch.float32)
+        self.io = IO.views(io, bs)
+        self.token_read, self.positions, self.out_loc = self.io["token_read"], self.io["positions"], self.io["out_loc"]
+        self.token_write, self.sample_pos = self.io["token_write"], self.io["sample_pos"]
         self.bs = bs
         self.forward: Callable[[], None] | None = None
         self.head: Callable[[], None] | None = None
@@ -113,19 +66,16 @@ class _Bucket:
         self.allowed: torch.Tensor | None = None  # [bs, W] int32: grammars' allowed tokens (the runner's buffer)
 
     def bind_sampler_io(self, sio: torch.Tensor) -> None:
-        bs, ni = self.bs, 8 * len(SAMPLER_INTS) * self.bs
-        ints = sio[:ni].view(torch.int64).view(len(SAMPLER_INTS), bs)
-        floats = sio[ni: sampler_io_bytes(bs)].view(torch.float32).view(len(SAMPLER_FLOATS), bs)
-        self.sampler_args = {name: floats[i] for i, name in enumerate(SAMPLER_FLOATS)}
-        self.sampler_args.update({name: ints[i] for i, name in enumerate(SAMPLER_INTS)})
+        self.sampler_args = SAMPLER_IO.views(sio, self.bs)
 
     def args(self, procs: bool, filtered: bool) -> SampleArgs:
-        a = self.sampler_args
-        return SampleArgs(self.temperature, self.seeds, self.sample_pos, self.token_write,
-                          *((a["top_p"], a["top_k"]) if filtered else (None, None)),
-                          a["min_p"] if procs or filtered else None,
-                          *((a["state_row"], a["presence"], a["frequency"], a["repetition"], a["ban_stop"].bool(),
-                             self.allowed) if procs else (None,) * 6))
+        """A variant's arguments (the head's: neither): the draw's columns, then those of the groups it
+        applies. Called while capturing, so a bool column's cast from its int64 row is in the graph."""
+        groups = {DRAW} | ({FILTER} if filtered else set()) | ({MIN_P} if procs or filtered else set()) \
+            | ({PROCS} if procs else set())
+        rows = {**self.io, **self.sampler_args}
+        columns = {c.name: rows[c.name].bool() if c.staged.kind == "b" else rows[c.name] for c in columns_of(*groups)}
+        return SampleArgs.of(columns, self.sample_pos, self.token_write, self.allowed if procs else None)
 
 
 class CudaGraphRunner:
@@ -136,16 +86,16 @@ class CudaGraphRunner:
         self.max_bs = self.batch_sizes[-1]
         self.scratch_page = scratch_page
         self.scratch_loc = scratch_page * attn.page_size
-        self.io = torch.zeros(io_bytes(self.max_bs), dtype=torch.uint8, device=device)
+        self.io = torch.zeros(IO.nbytes(self.max_bs), dtype=torch.uint8, device=device)
         self.buckets = {bs: _Bucket(self.io, bs) for bs in self.batch_sizes}
-        self.sio = torch.zeros(sampler_io_bytes(self.max_bs), dtype=torch.uint8, device=device)
+        self.sio = torch.zeros(SAMPLER_IO.nbytes(self.max_bs), dtype=torch.uint8, device=device)
         # grammars' allowed tokens per row (-1: every token), read by the processor variants
         self.allowed = torch.full((self.max_bs, -(-sampler.state.vocab // 32)), -1, dtype=torch.int32, device=device)
         for b in self.buckets.values():
             b.bind_sampler_io(self.sio)
             b.allowed = self.allowed[:b.bs]
-        self.pad = {"out_loc": self.scratch_loc, "token_write": table.scratch_cell}
-        self.sampler_pad = {**SAMPLER_PAD, "state_row": sampler.state.scratch_row}
+        self.pad = io_pads(self.scratch_loc, table.scratch_cell)
+        self.sampler_pad = sampler_io_pads(sampler.state.scratch_row)
         self.graphs = self.buckets  # the captured batch sizes (tests look at the keys)
 
     def bucket(self, desc: BatchDesc) -> int:
@@ -162,7 +112,7 @@ class CudaGraphRunner:
             with torch.cuda.stream(stream):
                 b.out_loc.fill_(self.scratch_loc)
                 b.token_write.fill_(self.table.scratch_cell)
-                idle = pack_sampler_io(bs, 0, {}, self.sampler_pad)  # every row padding
+                idle = SAMPLER_IO.pack(bs, 0, {}, self.sampler_pad)  # every row padding
                 self.sio[: idle.size].copy_(torch.from_numpy(idle))
                 self.attn.prepare_graph(None, bs, b.out_loc, self.scratch_page)
                 # warm-up outside the graph: JIT kernels, cuBLAS workspaces, lazily made buffers

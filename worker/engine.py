@@ -15,30 +15,35 @@ import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from worker import resample, triton_ops
+from worker import triton_ops
 from worker.attention import create_backend
-from worker.batch import BatchDesc, ForwardBatch, StepOutput
+from worker.batch import BatchDesc, ForwardBatch, StepOutput, desc_columns
 from worker.config import EngineConfig
+from worker.graph_io import IO
 from worker.kv_cache import KVCachePool
 from worker.layers import fused
 from worker.loader import CheckpointError, init_dummy_weights, load_weights
 from worker.models import build_model
 from worker.parallel import TPGroup
-from worker.logprobs import prompt_logprobs, token_logprobs
-from worker.processors import ProcessorState
-from worker.staging import PinnedStaging, Staged
-from worker.step_sampler import SampleArgs, StepSampler
+from worker.sampling.inputs import SamplingInputs, stage_sampling
+from worker.sampling.logprobs import prompt_logprobs, token_logprobs
+from worker.sampling.processors import ProcessorState
+from worker.sampling.resample import redraw
+from worker.sampling.step_sampler import StepSampler
+from worker.staging import PinnedStaging, Staged, upload_record
 from worker.stream import new_event, new_stream, use_stream
 from worker.token_table import TokenTable
 
 if TYPE_CHECKING:
     from worker.cuda_graph import CudaGraphRunner
+
+A = TypeVar("A")  # np.ndarray on the host, torch.Tensor once staged
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -82,47 +87,26 @@ def _default_dtype(dtype: torch.dtype):
 
 
 @dataclass
-class StepInputs:
-    """One step's arrays on the device, as `Engine._stage` uploads them (None: not needed by this kind
-    of step), and what the host knows of its sampling."""
+class StepInputs(Generic[A]):
+    """One step's arrays as `Engine._stage` uploads them (numpy on the host, then their device views;
+    None: not needed by this kind of step), its sampling's among them."""
 
-    staged: Staged               # release(stream) once the step's last reader is enqueued
-    all_greedy: bool             # every row has temperature 0: the argmax, no sampling arrays staged
-    any_filter: bool             # some row uses top-k or top-p: a sort (top_p and top_k are staged then)
-    procs: bool                  # some row uses the logits processors or a grammar (their arrays are staged then)
-    any_min_p: bool              # some row uses min-p (min_p is staged then)
-    page_idx: torch.Tensor       # int64 [T]: page-table cells this step fills ...
-    page_val: torch.Tensor       # int32 [T]: ... with these KV locations
-    prefix_idx: torch.Tensor | None = None  # page-table cells of prefix-cache hits, and their locations
-    prefix_val: torch.Tensor | None = None
-    graph_io: torch.Tensor | None = None    # uint8: a graph-replayed decode step's per-row block (cuda_graph.pack_io)
+    page_idx: A                  # int64 [T]: page-table cells this step fills ...
+    page_val: A                  # int32 [T]: ... with these KV locations
+    sampling: SamplingInputs[A]
+    prefix_idx: A | None = None  # page-table cells of prefix-cache hits, and their locations
+    prefix_val: A | None = None
+    graph_io: A | None = None    # uint8: a graph-replayed decode step's per-row block (worker/graph_io.py IO)
     # eager steps
-    table_idx: torch.Tensor | None = None   # int64 [B]
-    seq_lens: torch.Tensor | None = None    # int32 [B]
-    positions: torch.Tensor | None = None   # int64 [T]
-    out_loc: torch.Tensor | None = None     # int64 [T]
-    last_idx: torch.Tensor | None = None    # int64 [B] (prefill): each request's last new token in [T]
-    input_ids: torch.Tensor | None = None   # int32 [T] (prefill)
-    token_idx: torch.Tensor | None = None   # int64 (prefill): token-pool cells of the prompt tokens given
-    token_read: torch.Tensor | None = None  # int64 [B] (decode) or [T] (mixed): token-pool cells of the inputs
-    token_write: torch.Tensor | None = None  # int64 [B]: token-pool cells of the sampled tokens
-    temperature: torch.Tensor | None = None  # float32 [B] (unless all greedy)
-    seeds: torch.Tensor | None = None       # int64 [B] (unless all greedy)
-    top_p: torch.Tensor | None = None       # float32 [B] (when any_filter)
-    top_k: torch.Tensor | None = None       # int32 [B] (when any_filter)
-    min_p: torch.Tensor | None = None       # float32 [B] (when any_min_p)
-    state_row: torch.Tensor | None = None   # int64 [B] } (when procs)
-    presence: torch.Tensor | None = None    # float32   }
-    frequency: torch.Tensor | None = None   # float32   }
-    repetition: torch.Tensor | None = None  # float32   }
-    ban_stop: torch.Tensor | None = None    # bool      }
-    sampler_io: torch.Tensor | None = None  # uint8: a replayed step's filter and processor block (cuda_graph.pack_sampler_io)
-    init: dict[str, torch.Tensor] | None = None  # processor state set afresh (ProcessorState.init_arrays)
-    plp_idx: torch.Tensor | None = None     # int64 [P]: the prompt tokens scored (prompt logprobs) ...
-    plp_target: torch.Tensor | None = None  # int64 [P]: ... and the prompt token that follows each
-    grammar_rows: torch.Tensor | None = None  # int64 [G]: the constrained rows (when procs) ...
-    grammar_mask: torch.Tensor | None = None  # int32 [G, W]: ... and their allowed tokens
-    redraw: dict[str, torch.Tensor] | None = None  # a replayed step's rows redrawn alone (worker/resample.py)
+    table_idx: A | None = None   # int64 [B]
+    seq_lens: A | None = None    # int32 [B]
+    positions: A | None = None   # int64 [T]
+    out_loc: A | None = None     # int64 [T]
+    last_idx: A | None = None    # int64 [B] (prefill): each request's last new token in [T]
+    input_ids: A | None = None   # int32 [T] (prefill)
+    token_idx: A | None = None   # int64 (prefill): token-pool cells of the prompt tokens given
+    token_read: A | None = None  # int64 [B] (decode) or [T] (mixed): token-pool cells of the inputs
+    staged: Staged | None = None  # the device twin's slot: release(stream) once the step's last reader is enqueued
 
 
 class Engine:
@@ -226,18 +210,14 @@ class Engine:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def _stage(self, desc: BatchDesc, bs: int) -> StepInputs:
+    def _stage(self, desc: BatchDesc, bs: int) -> StepInputs[torch.Tensor]:
         """Packs every array the step needs into pinned staging and copies it to the device (on the
         current stream). `bs` > 0: a decode step replayed from the graph of that batch size, whose
-        per-row inputs travel as one block (`graph_io`, and `sampler_io` when it filters or processes)."""
+        per-row inputs travel as one block (`graph_io`, and `sampling.sampler_io` when it filters or
+        processes)."""
         slots = desc.table_idx.astype(np.int64)
         seq = desc.seq_lens.astype(np.int64)
         pool_row = self.table.token_pool.shape[1]
-        all_greedy = bool((desc.temperature <= 0).all())
-        min_p = desc.min_p if desc.min_p is not None else np.zeros(desc.batch_size, dtype=np.float32)
-        any_filter = not all_greedy and bool(((desc.top_k > 0) | (desc.top_p < 1)).any())
-        any_min_p = not all_greedy and bool((min_p > 0).any())
-        procs = desc.procs
         if desc.is_prefill:
             ext = desc.extend_lens.astype(np.int64)
             ends = np.cumsum(ext)
@@ -245,81 +225,33 @@ class Engine:
             token_slots = np.repeat(slots, ext)
         else:
             positions, token_slots = seq - 1, slots
-        a: dict[str, np.ndarray] = {
-            "page_idx": token_slots * self.max_seq_len + positions,  # page-table cells this step fills
-            "page_val": desc.out_loc.astype(np.int32),
-        }
-        if desc.prefix_rows:
-            a["prefix_idx"] = np.concatenate([slot * self.max_seq_len + np.arange(len(locs)) for slot, locs in desc.prefix_rows])
-            a["prefix_val"] = np.concatenate([locs for _, locs in desc.prefix_rows]).astype(np.int32)
         token_write = slots * pool_row + seq  # where each sampled token goes
-        if desc.proc_init:
-            a.update(self.proc_state.init_arrays(desc.proc_init))
-        if desc.plp_idx is not None:
-            a.update(plp_idx=desc.plp_idx.astype(np.int64), plp_target=desc.plp_target.astype(np.int64))
-        if desc.grammar_rows is not None:
-            a.update(grammar_rows=desc.grammar_rows.astype(np.int64), grammar_mask=desc.grammar_mask.astype(np.int32))
-        filters = {"top_p": desc.top_p, "top_k": desc.top_k} if any_filter else {}
-        if any_min_p:
-            filters["min_p"] = min_p
-        if procs is not None:
-            filters.update(state_row=procs.state_row, presence=procs.presence, frequency=procs.frequency,
-                           repetition=procs.repetition, ban_stop=procs.ban_stop)
+        columns = desc_columns(desc)
+        s = StepInputs(page_idx=token_slots * self.max_seq_len + positions, page_val=desc.out_loc.astype(np.int32),
+                       sampling=stage_sampling(desc, columns, bs, seq, token_write, self.proc_state))
+        if desc.prefix_rows:
+            s.prefix_idx = np.concatenate([slot * self.max_seq_len + np.arange(len(locs))
+                                           for slot, locs in desc.prefix_rows])
+            s.prefix_val = np.concatenate([locs for _, locs in desc.prefix_rows]).astype(np.int32)
         if bs:
-            from worker.cuda_graph import pack_io, pack_sampler_io
-            a["graph_io"] = pack_io(bs, {"token_read": slots * pool_row + seq - 1, "positions": positions,
-                                         "out_loc": desc.out_loc, "token_write": token_write,
-                                         "seeds": desc.seeds, "sample_pos": seq},
-                                    desc.temperature.astype(np.float32), self.graphs.pad)
-            redrawn = resample.rows_to_redraw(desc.batch_size, filters, self.proc_state.scratch_row,
-                                              desc.grammar_rows) if filters else None
-            if redrawn is not None:  # few rows of a large batch: those rows alone, eagerly
-                a.update(resample.compact_arrays(redrawn, filters, desc.temperature, desc.seeds, seq, token_write,
-                                                 desc.grammar_rows))
-            elif filters:
-                a["sampler_io"] = pack_sampler_io(bs, desc.batch_size, filters, self.graphs.sampler_pad)
+            s.graph_io = IO.pack(bs, desc.batch_size, {
+                "token_read": slots * pool_row + seq - 1, "positions": positions, "out_loc": desc.out_loc,
+                "token_write": token_write, "sample_pos": seq, **columns}, self.graphs.pad)
         else:
-            a.update(table_idx=slots, seq_lens=desc.seq_lens.astype(np.int32), positions=positions,
-                     out_loc=desc.out_loc.astype(np.int64), token_write=token_write)
+            s.table_idx, s.seq_lens, s.positions = slots, desc.seq_lens.astype(np.int32), positions
+            s.out_loc = desc.out_loc.astype(np.int64)
             if desc.is_prefill:
                 cells = token_slots * pool_row + positions
                 given = desc.input_ids >= 0  # a mixed step's decode rows (-1) read their input from the pool
                 if given.all():
-                    a.update(input_ids=desc.input_ids.astype(np.int32), token_idx=cells)
+                    s.input_ids, s.token_idx = desc.input_ids.astype(np.int32), cells
                 else:
-                    a.update(input_ids=desc.input_ids[given].astype(np.int32), token_idx=cells[given],
-                             token_read=cells)
-                a["last_idx"] = ends - 1
+                    s.input_ids, s.token_idx, s.token_read = desc.input_ids[given].astype(np.int32), cells[given], cells
+                s.last_idx = ends - 1
             else:
-                a.update(token_read=slots * pool_row + seq - 1)
-            if not all_greedy:
-                a.update(temperature=desc.temperature.astype(np.float32), seeds=desc.seeds.astype(np.int64))
-            if any_filter:
-                a.update(top_p=desc.top_p.astype(np.float32), top_k=desc.top_k.astype(np.int32))
-            if any_min_p:
-                a["min_p"] = min_p.astype(np.float32)
-            if procs is not None:
-                a.update(state_row=procs.state_row.astype(np.int64), presence=procs.presence.astype(np.float32),
-                         frequency=procs.frequency.astype(np.float32), repetition=procs.repetition.astype(np.float32),
-                         ban_stop=procs.ban_stop.astype(bool))
-        staged = self.staging.upload(a)
-        d = staged.device
-        init = {k: v for k, v in d.items() if k.startswith("init_")} if desc.proc_init else None
-        grammar_mask = d["grammar_mask"].view(len(desc.grammar_rows), -1) if desc.grammar_rows is not None else None
-        redraw = {k: v for k, v in d.items() if k.startswith("rd_")} if "rd_rows" in d else None
-        return StepInputs(staged=staged, all_greedy=all_greedy, any_filter=any_filter, procs=procs is not None,
-                          any_min_p=any_min_p,
-                          page_idx=d["page_idx"], page_val=d["page_val"], prefix_idx=d.get("prefix_idx"),
-                          prefix_val=d.get("prefix_val"), graph_io=d.get("graph_io"), table_idx=d.get("table_idx"),
-                          seq_lens=d.get("seq_lens"), positions=d.get("positions"), out_loc=d.get("out_loc"),
-                          last_idx=d.get("last_idx"), input_ids=d.get("input_ids"), token_idx=d.get("token_idx"),
-                          token_read=d.get("token_read"), token_write=d.get("token_write"),
-                          temperature=d.get("temperature"), seeds=d.get("seeds"), top_p=d.get("top_p"),
-                          top_k=d.get("top_k"), min_p=d.get("min_p"), state_row=d.get("state_row"),
-                          presence=d.get("presence"), frequency=d.get("frequency"), repetition=d.get("repetition"),
-                          ban_stop=d.get("ban_stop"), sampler_io=d.get("sampler_io"), init=init,
-                          plp_idx=d.get("plp_idx"), plp_target=d.get("plp_target"),
-                          grammar_rows=d.get("grammar_rows"), grammar_mask=grammar_mask, redraw=redraw)
+                s.token_read = slots * pool_row + seq - 1
+        s.staged = upload_record(self.staging, s)  # s now holds the device views
+        return s
 
     @torch.inference_mode()
     def forward(self, desc: BatchDesc) -> StepOutput:
@@ -355,8 +287,9 @@ class Engine:
             self.stream.wait_stream(self.sched_stream)
             if self.step_timer is not None:
                 self.step_timer.begin(self.stream, desc)
-            if s.init is not None:  # before this step samples (and after the last step that counted into these slots)
-                self.proc_state.apply_init(s.init)
+            # before this step samples (and after the last step that counted into these slots)
+            if s.sampling.init is not None:
+                self.proc_state.apply_init(s.sampling.init)
             if bs:
                 logits, next_tokens = self._replay(desc, bs, s)
                 scored = None
@@ -374,20 +307,20 @@ class Engine:
                 self.step_timer.end(self.stream)
             return out
 
-    def _replay(self, desc: BatchDesc, bs: int, s: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(self, desc: BatchDesc, bs: int, s: StepInputs[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.graphs.replay(bs, s.graph_io, lambda: self.inputs_free.record(self.stream))
-        n = desc.batch_size
+        n, sp = desc.batch_size, s.sampling
         next_tokens = b.next_tokens
-        if s.redraw is not None:
-            next_tokens = resample.redraw(self.sampler, b.logits, next_tokens, s.redraw, s.grammar_mask,
-                                          procs=s.procs, filtered=s.any_filter)
-        elif s.sampler_io is not None:  # redrawn over the processed and filtered logits (the same draw)
+        if sp.redraw is not None:
+            next_tokens = redraw(self.sampler, b.logits, next_tokens, sp.redraw, sp.grammar_mask,
+                                 procs=sp.procs, filtered=sp.filtered)
+        elif sp.sampler_io is not None:  # redrawn over the processed and filtered logits (the same draw)
             # min-p alone runs in the processor variant (no sort), over idle processor rows
-            next_tokens = self.graphs.resample(bs, s.sampler_io, s.grammar_rows, s.grammar_mask,
-                                               procs=s.procs or s.any_min_p, filtered=s.any_filter)
+            next_tokens = self.graphs.resample(bs, sp.sampler_io, sp.grammar_rows, sp.grammar_mask,
+                                               procs=sp.procs or sp.any_min_p, filtered=sp.filtered)
         return b.logits[:n], next_tokens[:n]
 
-    def _forward_eager(self, desc: BatchDesc, batch: ForwardBatch, s: StepInputs):
+    def _forward_eager(self, desc: BatchDesc, batch: ForwardBatch, s: StepInputs[torch.Tensor]):
         """Runs the step eagerly: (logits, sampled tokens, prompt logprobs or None)."""
         tokens = self.table.flat_pool
         if desc.is_prefill:
@@ -397,16 +330,12 @@ class Engine:
         hidden = self.model(batch.input_ids.long(), batch.positions, self.attn)
         self.inputs_free.record(self.stream)
         logits = self.model.compute_logits(hidden[batch.last_idx] if desc.is_prefill else hidden)
-        allowed = None
-        if s.grammar_rows is not None:
-            allowed = torch.full((desc.batch_size, s.grammar_mask.shape[1]), -1, dtype=torch.int32, device=self.device)
-            allowed.index_copy_(0, s.grammar_rows, s.grammar_mask)
-        args = SampleArgs(s.temperature, s.seeds, batch.seq_lens, s.token_write, s.top_p, s.top_k, s.min_p,
-                          s.state_row, s.presence, s.frequency, s.repetition, s.ban_stop, allowed)
-        next_tokens = self.sampler(logits, args, procs=s.procs, filtered=s.any_filter)
+        sp = s.sampling
+        next_tokens = self.sampler(logits, sp.args(batch.seq_lens, desc.batch_size), procs=sp.procs,
+                                   filtered=sp.filtered)
         scored = None
-        if s.plp_idx is not None:
-            scored = prompt_logprobs(self.model.compute_logits, hidden, s.plp_idx, s.plp_target, desc.prompt_logprobs)
+        if sp.plp_idx is not None:
+            scored = prompt_logprobs(self.model.compute_logits, hidden, sp.plp_idx, sp.plp_target, desc.prompt_logprobs)
         return logits, next_tokens, scored
 
     def _to_host(self, next_tokens: torch.Tensor, logits: torch.Tensor, top_logprobs: int) -> StepOutput:

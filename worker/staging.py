@@ -98,3 +98,32 @@ class PinnedStaging:
             dst.copy_(src, non_blocking=True)
         slot.in_use = True
         return Staged(slot, views.host, views.device)
+
+
+def _leaves(record: object, path: tuple, out: list) -> None:
+    """Appends (holder, key, path, array) for every numpy array under `record`: a dataclass's fields and
+    a dict's values, recursively."""
+    for key, value in (record.items() if type(record) is dict else vars(record).items()):
+        if value is None:
+            continue
+        if type(value) is np.ndarray:
+            out.append((record, key, path + (key,), value))
+        elif type(value) is dict or hasattr(type(value), "__dataclass_fields__"):
+            _leaves(value, path + (key,), out)
+
+
+def upload_record(staging: PinnedStaging, record: object) -> Staged:
+    """Uploads every numpy array of `record` (a dataclass whose fields may be arrays, dicts of them or
+    such dataclasses) in one copy, as PinnedStaging.upload does, and puts each array's device view,
+    shaped as the array was, in its place."""
+    leaves: list = []
+    _leaves(record, (), leaves)
+    staged = staging.upload({path: a for _, _, path, a in leaves})
+    views = staged.device
+    for holder, key, path, a in leaves:
+        view = views[path] if a.ndim == 1 else views[path].view(a.shape)
+        if type(holder) is dict:
+            holder[key] = view
+        else:
+            setattr(holder, key, view)
+    return staged

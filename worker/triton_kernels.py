@@ -58,7 +58,7 @@ def qkv_prologue_kernel(qkv_ptr, pos_ptr, loc_ptr, cos_sin_ptr, q_weight_ptr, k_
 
 @triton.jit
 def _mix32(h):
-    # the finalizer of worker/sampler.py, on uint32 (products wrap modulo 2**32 as its masks do)
+    # the finalizer of worker/sampling/sampler.py, on uint32 (products wrap modulo 2**32 as its masks do)
     h = h ^ (h >> 16)
     h = h * 0x7FEB352D
     h = h ^ (h >> 15)

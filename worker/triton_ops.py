@@ -114,7 +114,7 @@ def kernels_available(x: torch.Tensor) -> bool:
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                 out: torch.Tensor | None = None, token_pool: torch.Tensor | None = None,
                 token_write: torch.Tensor | None = None) -> torch.Tensor:
-    """What `worker.sampler.sample_unfiltered` computes (the argmax where temperature <= 0, else the
+    """What `worker.sampling.sampler.sample_unfiltered` computes (the argmax where temperature <= 0, else the
     Gumbel-max draw of (seed, position)), for logits [B, V] of any float dtype with unit stride along
     V: one kernel over (row, block of the vocabulary), one over rows. Returns int32 [B] (in `out` when
     given); with `token_pool` (flat int32) also writes each row's token at token_pool[token_write[row]].

@@ -1,36 +1,47 @@
 """A step's sampling on the device, the same in an eager step and in a captured graph: the logits
-processors (worker/processors.py) when some row uses them, the top-k/top-p/min-p filter when some row
-filters, then the draw of worker/sampler.py; the sampled tokens go into the token pool (where the next
+processors (processors.py) when some row uses them, the top-k/top-p/min-p filter when some row
+filters, then the draw of sampler.py; the sampled tokens go into the token pool (where the next
 step reads its input) and, with processors, into the request slots' counts."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from worker import triton_ops
-from worker.processors import ProcessorState
-from worker.sampler import apply_min_p, filter_logits, sample_unfiltered
+from worker.sampling.columns import COLUMNS
+from worker.sampling.processors import ProcessorState
+from worker.sampling.sampler import apply_min_p, filter_logits, sample_unfiltered
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SampleArgs:
-    """Per-row device tensors ([B]) of one step's sampling; the groups are None when not needed."""
+    """Per-row device tensors ([B]) of one step's sampling: where each row's token goes and what it
+    samples, then one field per column (worker/sampling/columns.py), None for a group the step leaves
+    out. Build it with `of`."""
 
-    temperature: torch.Tensor | None    # float32 (None: every row greedy)
-    seeds: torch.Tensor | None          # int64
-    positions: torch.Tensor | None      # int64: the position each row samples (its key with the seed)
+    positions: torch.Tensor             # the position each row samples (its key with the seed)
     token_write: torch.Tensor           # int64: the token-pool cell of each row's sampled token
-    top_p: torch.Tensor | None = None   # float32 } the filter (a sort)
-    top_k: torch.Tensor | None = None   # int32   }
-    min_p: torch.Tensor | None = None   # float32: min-p (no sort)
-    state_row: torch.Tensor | None = None   # int64   } the processors
-    presence: torch.Tensor | None = None    # float32 }
-    frequency: torch.Tensor | None = None   # float32 }
-    repetition: torch.Tensor | None = None  # float32 }
-    ban_stop: torch.Tensor | None = None    # bool    }
-    allowed: torch.Tensor | None = None     # int32 [B, W] } grammars: allowed tokens, one bit each (-1: all)
+    allowed: torch.Tensor | None = None  # int32 [B, W]: grammars' allowed tokens, one bit each (-1: all)
+    temperature: torch.Tensor | None = None  # draw (None: every row greedy)
+    seeds: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None        # filter (a sort)
+    top_k: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None        # min_p (no sort)
+    state_row: torch.Tensor | None = None    # procs
+    presence: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    ban_stop: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, columns: Mapping[str, torch.Tensor], positions: torch.Tensor, token_write: torch.Tensor,
+           allowed: torch.Tensor | None = None) -> SampleArgs:
+        """The arguments of the columns given (by name); those not given are None."""
+        return cls(positions=positions, token_write=token_write, allowed=allowed,
+                   **{c.name: columns.get(c.name) for c in COLUMNS})
 
 
 def apply_bitmask(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -39,6 +50,12 @@ def apply_bitmask(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=x.device)
     keep = ((allowed.unsqueeze(-1) >> shifts) & 1).view(x.shape[0], -1)[:, : x.shape[1]]
     return x.masked_fill(keep == 0, float("-inf"))
+
+
+def allowed_tokens(n: int, at: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """int32 [n, W]: the constrained rows `at` hold their `mask` rows, the others every token (-1)."""
+    allowed = torch.full((n, mask.shape[1]), -1, dtype=torch.int32, device=mask.device)
+    return allowed.index_copy_(0, at, mask)
 
 
 class StepSampler:

@@ -19,14 +19,18 @@ The order is vLLM's: biases and the ban first, then the repetition penalty, then
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
 
+A = TypeVar("A")  # np.ndarray on the host, torch.Tensor once staged
+
 
 @dataclass
 class ProcessorRows:
-    """A step's per-row processor arguments ([B] each), present when some row uses processors."""
+    """A step's per-row processor arguments ([B] each), present when some row uses processors: the
+    procs group's columns (worker/sampling/columns.py)."""
 
     state_row: np.ndarray    # int32: the slot whose state the row reads and updates; the scratch row if none
     presence: np.ndarray     # float32
@@ -47,6 +51,20 @@ class ProcessorInit:
     sparse_ban: np.ndarray   # uint8: 1 for the stop ids
 
 
+@dataclass
+class ProcessorInitArrays(Generic[A]):
+    """The flat writes that set a step's ProcessorInit slots afresh: numpy arrays on the host, their
+    staged device twins after the upload."""
+
+    slots: A        # int64: the slots reset
+    prompt: A       # int64: cells of `prompt_seen` set (slot * vocab + token)
+    output: A       # int64: cells of `counts` incremented
+    sparse_at: A    # int64: cells of the sparse entries written ...
+    sparse_ids: A   # int64 ... with these ids,
+    sparse_bias: A  # float32  biases
+    sparse_ban: A   # bool     and bans
+
+
 class ProcessorState:
     def __init__(self, num_slots: int, vocab: int, max_sparse: int, device: torch.device) -> None:
         self.vocab, self.max_sparse = vocab, max_sparse
@@ -58,35 +76,29 @@ class ProcessorState:
         self.sparse_bias = torch.zeros(rows, max_sparse, dtype=torch.float32, device=device)
         self.sparse_ban = torch.zeros(rows, max_sparse, dtype=torch.bool, device=device)
 
-    @staticmethod
-    def bytes_needed(num_slots: int, vocab: int, max_sparse: int) -> int:
-        return (num_slots + 1) * (vocab * 5 + max_sparse * 13)
-
-    def init_arrays(self, inits: list[ProcessorInit]) -> dict[str, np.ndarray]:
+    def init_arrays(self, inits: list[ProcessorInit]) -> ProcessorInitArrays[np.ndarray]:
         """The flat indices and values that `apply_init` writes, computed on the host (staged as one copy)."""
         slots = np.fromiter((x.slot for x in inits), dtype=np.int64, count=len(inits))
         prompt = [x.slot * self.vocab + x.prompt_ids.astype(np.int64) for x in inits]
         output = [x.slot * self.vocab + x.output_ids.astype(np.int64) for x in inits]
         sparse = [x.slot * self.max_sparse + np.arange(len(x.sparse_ids), dtype=np.int64) for x in inits]
         cat = np.concatenate
-        return {"init_slots": slots, "init_prompt": cat(prompt), "init_output": cat(output),
-                "init_sparse_at": cat(sparse), "init_sparse_ids": cat([x.sparse_ids for x in inits]).astype(np.int64),
-                "init_sparse_bias": cat([x.sparse_bias for x in inits]).astype(np.float32),
-                "init_sparse_ban": cat([x.sparse_ban for x in inits]).astype(bool)}
+        return ProcessorInitArrays(
+            slots=slots, prompt=cat(prompt), output=cat(output), sparse_at=cat(sparse),
+            sparse_ids=cat([x.sparse_ids for x in inits]).astype(np.int64),
+            sparse_bias=cat([x.sparse_bias for x in inits]).astype(np.float32),
+            sparse_ban=cat([x.sparse_ban for x in inits]).astype(bool))
 
-    def apply_init(self, d: dict[str, torch.Tensor]) -> None:
-        """Resets the slots of `d["init_slots"]` and writes their prompt, output and sparse entries (the
-        device twins of `init_arrays`), on the current stream."""
-        slots = d["init_slots"]
+    def apply_init(self, a: ProcessorInitArrays[torch.Tensor]) -> None:
+        """Resets the slots of `a.slots` and writes their prompt, output and sparse entries (the device
+        twins of `init_arrays`), on the current stream."""
         for t in (self.counts, self.prompt_seen, self.sparse_ids, self.sparse_bias, self.sparse_ban):
-            t.index_fill_(0, slots, 0)
-        self.prompt_seen.view(-1).index_fill_(0, d["init_prompt"], True)
-        out = d["init_output"]
-        self.counts.view(-1).index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-        at = d["init_sparse_at"]
-        self.sparse_ids.view(-1).index_copy_(0, at, d["init_sparse_ids"])
-        self.sparse_bias.view(-1).index_copy_(0, at, d["init_sparse_bias"])
-        self.sparse_ban.view(-1).index_copy_(0, at, d["init_sparse_ban"])
+            t.index_fill_(0, a.slots, 0)
+        self.prompt_seen.view(-1).index_fill_(0, a.prompt, True)
+        self.counts.view(-1).index_add_(0, a.output, torch.ones_like(a.output, dtype=torch.int32))
+        self.sparse_ids.view(-1).index_copy_(0, a.sparse_at, a.sparse_ids)
+        self.sparse_bias.view(-1).index_copy_(0, a.sparse_at, a.sparse_bias)
+        self.sparse_ban.view(-1).index_copy_(0, a.sparse_at, a.sparse_ban)
 
     def apply(self, logits: torch.Tensor, state_row: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
               repetition: torch.Tensor, ban_stop: torch.Tensor) -> torch.Tensor:
