@@ -25,8 +25,8 @@ class Kernels:
     # auto: FlashInfer on a GPU in half precision, torch otherwise
     attention: str = "auto"
     # decode attention over FlashInfer's pages. auto: over an fp8 cache the Triton split-KV kernel (where
-    # the GPU converts fp8), otherwise FlashInfer's tensor-core path above TENSOR_CORE_ABOVE_BATCH rows and
-    # its CUDA-core kernels at and below; the others force one path
+    # the GPU converts fp8), otherwise FlashInfer's tensor-core path above its TENSOR_CORE_ABOVE_BATCH rows
+    # (worker/attention/flashinfer_backend.py) and its CUDA-core kernels at and below; the others force one
     decode: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too

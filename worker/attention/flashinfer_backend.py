@@ -45,8 +45,8 @@ TENSOR_CORE_ABOVE_BATCH = 8
 
 
 def decodes_with_triton(kv_dtype: torch.dtype, device: torch.device, choice: str = "auto") -> bool:
-    """Whether decode steps run worker/triton_decode.py's kernel instead of FlashInfer's: when asked for
-    (`choice`, Kernels.decode, is triton), or by default over a float8 cache, which FlashInfer 0.5.3's
+    """Whether decode steps run worker/triton_decode.py's kernel instead of FlashInfer's: when `choice`
+    (Kernels.decode) is triton, or by default over a float8 cache, which FlashInfer 0.5.3's
     decode kernels read at half the memory's speed (they dequantize slowly: no faster than over
     bfloat16). Over a half-precision cache FlashInfer's kernels decode by default: the Triton kernel
     splits a request's KV by the batch size, so a request's tokens could change as requests beside it
@@ -88,7 +88,8 @@ class _PlanArrays:
 
 class FlashInferBackend(AttentionBackend):
     def __init__(self, kv: KVCachePool, page_table: torch.Tensor, num_heads: int,
-                 q_dtype: torch.dtype | None = None, decode: str = "auto", waits: HostWaits | None = None) -> None:
+                 q_dtype: torch.dtype | None = None, decode: str = "auto",
+                 waits: HostWaits | None = None) -> None:
         """q_dtype: the queries' (the model's) dtype; None: the cache's, or bfloat16 over a float8 cache.
         decode: Kernels.decode. waits: where the host's waits are counted (the engine's)."""
         import flashinfer  # imported here: the package exists on GPU hosts only
@@ -139,7 +140,7 @@ class FlashInferBackend(AttentionBackend):
         self._plan_copied = new_event(device)
         self.wrapper = self.decode_wrappers[True]
         self.out_loc: torch.Tensor | None = None
-        # every decode step runs the Triton kernel (graphs too)
+        # True: every decode step runs the Triton kernel (graphs too)
         self.triton_decode = decodes_with_triton(kv.dtype, device, decode)
         self._decode: _TritonDecode | None = None  # this step's, when the Triton kernel attends
         if self.triton_decode:
