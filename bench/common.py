@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `pytho
 
 from cluster import LLM  # noqa: E402
 from worker.batch import BatchDesc  # noqa: E402
+from worker.kernels import DECODE_KERNELS, Kernels  # noqa: E402
 
 _QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
           "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
@@ -67,7 +68,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-fused", action="store_true", help="torch elementwise kernels instead of FlashInfer's fused ones")
     parser.add_argument("--no-triton-kernels", action="store_true",
                         help="FlashInfer's q/k norm and rotary and a KV store instead of the Triton prologue (to compare)")
-    parser.add_argument("--decode-kernel", choices=["auto", "tensor_cores", "cuda_cores", "triton"], default="auto",
+    parser.add_argument("--decode-kernel", choices=DECODE_KERNELS, default="auto",
                         help="force one decode attention path (to compare)")
     parser.add_argument("--no-small-linear", action="store_true", help="cuBLAS for batch-1 linear layers too")
     parser.add_argument("--max-extend-tokens", type=int, default=16384, help="tokens computed per step")
@@ -76,13 +77,17 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                         help="KV-cache storage: auto (bf16) or fp8_e4m3 (twice the pages for the same memory)")
 
 
+def kernels_of(args: argparse.Namespace) -> Kernels:
+    """The kernels the flags ask for (by default the engine's automatic choices)."""
+    return Kernels(fused=not args.no_fused, triton=not args.no_triton_kernels, small_linear=not args.no_small_linear,
+                   decode=args.decode_kernel)
+
+
 def make_llm(args: argparse.Namespace) -> LLM:
-    return LLM(model_folder(args.arch), tp_size=args.tp_size, dtype="bfloat16", load_format="dummy",
-               page_size=args.page_size,
+    return LLM(model_folder(args.arch), kernels=kernels_of(args), tp_size=args.tp_size, dtype="bfloat16",
+               load_format="dummy", page_size=args.page_size,
                cache_type=args.cache, max_extend_tokens=args.max_extend_tokens, max_running_reqs=args.max_running_reqs,
                overlap=not args.no_overlap, cuda_graph_max_bs=0 if args.no_cuda_graph else 256,
-               fused_kernels=not args.no_fused, triton_kernels=not args.no_triton_kernels,
-               decode_kernel=args.decode_kernel, small_linear=not args.no_small_linear,
                kv_cache_dtype=args.kv_cache_dtype, mixed_steps=not args.no_mixed_steps)
 
 

@@ -18,7 +18,6 @@ import numpy as np
 from common import ARCHS, ProfileWindow, Sections, StepTimer, add_common_args, config_of, make_llm, report
 
 from cluster import LLM, SamplingParams
-from worker import stream
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[float]]:
@@ -123,7 +122,7 @@ def host_sections(llm: LLM, batch: int, args) -> dict:
     sections.add("attn.staging.upload", getattr(attn, "staging", None), "upload")
     for bs, wrapper in getattr(attn, "graph_wrappers", {}).items():
         sections.add("flashinfer plan (graph wrappers)", wrapper, "plan")
-    waited = stream.host_wait_s
+    waited = engine.host_waits.seconds
     try:
         start = time.perf_counter()
         measure(llm, batch, args.prompt_len, args.output_len, seed=0)
@@ -132,7 +131,7 @@ def host_sections(llm: LLM, batch: int, args) -> dict:
         sections.remove()
     steps = args.output_len  # about one step per token
     out = sections.summary(steps)
-    out["host waits on device events"] = {"us_per_step": 1e6 * (stream.host_wait_s - waited) / steps}
+    out["host waits on device events"] = {"us_per_step": 1e6 * (engine.host_waits.seconds - waited) / steps}
     out["run wall"] = {"us_per_step": 1e6 * wall / steps}
     return out
 
@@ -168,7 +167,7 @@ class HostTimer:
     """Host time of each decode step's Engine.forward (staging, planning, launches: what the host spends
     on a step besides the scheduler's own work), by wrapping the method; and the host's own work per
     step over the whole run: its wall time less the time it was blocked on device events
-    (worker.stream.host_wait_s: the previous step's result, a staging slot, FlashInfer's plan copy)."""
+    (the engine's host_waits: the previous step's result, a staging slot, FlashInfer's plan copy)."""
 
     def __init__(self, engine) -> None:
         self.engine, self.times, self.work = engine, [], []
@@ -178,22 +177,23 @@ class HostTimer:
         forward = self.engine.forward
 
         def timed(desc):
-            start, waited = time.perf_counter(), stream.host_wait_s
+            start, waited = time.perf_counter(), self.engine.host_waits.seconds
             out = forward(desc)
             if not desc.is_prefill:
                 took = time.perf_counter() - start
                 self.times.append(took)
-                self.work.append(took - (stream.host_wait_s - waited))
+                self.work.append(took - (self.engine.host_waits.seconds - waited))
                 self.decode_steps += 1
             return out
 
         self.engine.forward = timed
-        self._start, self._waited = time.perf_counter(), stream.host_wait_s
+        self._start, self._waited = time.perf_counter(), self.engine.host_waits.seconds
         return self
 
     def __exit__(self, *exc) -> None:
         del self.engine.forward  # the class's method again
-        self._wall, self._blocked = time.perf_counter() - self._start, stream.host_wait_s - self._waited
+        self._wall = time.perf_counter() - self._start
+        self._blocked = self.engine.host_waits.seconds - self._waited
 
     def summary(self) -> dict:
         if not self.times:

@@ -29,7 +29,6 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--out")
     args = parser.parse_args()
-    triton_ops.enable(True)
     results = []
     for m in args.m:
         for name, (k, n) in SHAPES.items():

@@ -291,6 +291,8 @@ def _collect(cls: type, path: tuple[str, ...], group: str | None, found: dict[st
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
         hint, meta = hints[f.name], f.metadata
+        if meta.get("setting") is False:  # EngineConfig.kernels: chosen by benchmarks and tests, not users
+            continue
         assert "help" in meta or is_dataclass(hint), f"{cls.__name__}.{f.name} is not declared with setting()"
         if is_dataclass(hint):
             _collect(hint, path + (f.name,), meta.get("group", group), found)

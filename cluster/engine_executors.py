@@ -11,7 +11,6 @@ from cluster.executor import ReplicaBrokenError
 from worker.batch import BatchDesc, StepOutput
 from worker.comm import CollectiveError, Keepalive, destroy_tensor_parallel
 from worker.engine import Engine
-from worker.stream import wait_for
 
 
 class LocalExecutor:
@@ -24,7 +23,7 @@ class LocalExecutor:
         return self.engine.forward(desc)
 
     def wait(self, out: StepOutput) -> None:
-        wait_for(out.done)
+        self.engine.host_waits.wait(out.done)
 
     def keepalive(self) -> None:
         pass
@@ -83,7 +82,7 @@ class TensorParallelExecutor:
     def wait(self, out: StepOutput) -> None:
         try:
             with self._busy():
-                wait_for(out.done)
+                self.engine.host_waits.wait(out.done)
         except RuntimeError as e:  # an NCCL abort, or a CUDA error (sticky: the device is unusable)
             raise ReplicaBrokenError(f"tensor-parallel group failed: {e}") from e
 

@@ -15,7 +15,9 @@ from cluster.errors import ErrorKind, InvalidRequestError, error_for
 from cluster.grammars import Grammars
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler import Scheduler
+from worker.config import EngineConfig
 from worker.engine import Engine
+from worker.kernels import Kernels
 
 
 @dataclass
@@ -58,10 +60,11 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str, **settings) -> None:
+    def __init__(self, model: str, *, kernels: Kernels = Kernels(), **settings) -> None:
         """`model`: a local Hugging Face folder. `settings`: any of ReplicaConfig's, by name (page_size=16,
-        tp_size=2, overlap=False, ...: `python -m cluster.config` lists them); a misspelt one is an error."""
-        self.config = ReplicaConfig().override(model=model, **settings)
+        tp_size=2, overlap=False, ...: `python -m cluster.config` lists them); a misspelt one is an error.
+        `kernels`: other kernels than the automatic choices, for benchmarks and tests that compare them."""
+        self.config = ReplicaConfig(engine=EngineConfig(kernels=kernels)).override(model=model, **settings)
         self.config.validate()
         self.config.check_against_model()
         self.engine_config, self.scheduler_config = self.config.engine, self.config.scheduler

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from cluster.cache_manager import CacheManager
-from cluster.config import GROUPS, ConfigError, ReplicaConfig, ServeConfig, markdown_table, settings
+from cluster.config import (GROUPS, ConfigError, ReplicaConfig, ServeConfig, UnknownSettingError, markdown_table,
+                            settings)
 from worker.config import EngineConfig
+from worker.kernels import Kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,13 +88,13 @@ def test_a_bad_value_in_a_yaml_file_names_the_file_and_the_key(tmp_path):
 def test_yaml_flags_and_llm_keywords_land_in_the_same_fields(tmp_path, qwen3_path):
     from cluster import LLM
     values = {"page_size": 4, "num_pages": 512, "cache_type": "naive", "overlap": False, "decode_reserve_tokens": 7,
-              "fused_kernels": False, "max_extend_tokens": 256}
+              "mixed_steps": False, "max_extend_tokens": 256}
     (tmp_path / "c.yaml").write_text("".join(f"{k}: {str(v).lower()}\n" for k, v in values.items())
                                      + f"model: {qwen3_path}\n")
     from_yaml = ServeConfig.from_yaml(str(tmp_path / "c.yaml"))
     launch = load_launch()
     argv = ["--model", str(qwen3_path), "--page-size", "4", "--num-pages", "512", "--cache-type", "naive",
-            "--no-overlap", "--decode-reserve-tokens", "7", "--no-fused-kernels", "--max-extend-tokens", "256"]
+            "--no-overlap", "--decode-reserve-tokens", "7", "--no-mixed-steps", "--max-extend-tokens", "256"]
     from_flags = launch.build_config(launch.parse_args(argv))
     with LLM(str(qwen3_path), **values) as llm:
         offline = llm.config
@@ -120,8 +122,10 @@ def test_server_and_offline_defaults_agree():
 def test_llm_has_no_defaults_of_its_own_and_takes_every_replica_setting():
     from cluster import LLM
     params = list(inspect.signature(LLM.__init__).parameters.values())
-    assert [p.kind for p in params[1:]] == [inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.VAR_KEYWORD]
-    assert {"fused_kernels", "triton_kernels", "overlap", "tp_size", "page_size"} <= set(settings(ReplicaConfig))
+    assert [p.kind for p in params[1:]] == [inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY,
+                                            inspect.Parameter.VAR_KEYWORD]
+    assert params[2].name == "kernels" and params[2].default == EngineConfig().kernels == Kernels()
+    assert {"mixed_steps", "overlap", "tp_size", "page_size"} <= set(settings(ReplicaConfig))
 
 
 def test_the_cache_manager_has_no_reserve_default_of_its_own():
@@ -155,13 +159,24 @@ def test_a_bad_llm_value_is_named_before_the_engine_loads(qwen3_path):
         LLM(str(qwen3_path), dtype="fp8")
 
 
-def test_every_engine_option_is_a_flag_and_a_yaml_key(tmp_path):
+def test_every_engine_option_but_the_kernels_is_a_flag_and_a_yaml_key(tmp_path):
     engine_fields = {s.name for s in settings(ServeConfig).values() if s.path[0] == "engine"}
-    assert engine_fields == {f.metadata.get("name") or f.name for f in EngineConfig.__dataclass_fields__.values()}
+    assert engine_fields == {f.metadata.get("name") or f.name for f in EngineConfig.__dataclass_fields__.values()
+                             if f.name != "kernels"}
     launch = load_launch()
-    config = launch.build_config(launch.parse_args(["--model", str(tmp_path), "--no-fused-kernels", "--no-triton-kernels"]))
-    assert config.engine.fused_kernels is False and config.engine.triton_kernels is False
-    assert ServeConfig().override(triton_kernels=False).engine.triton_kernels is False
+    config = launch.build_config(launch.parse_args(["--model", str(tmp_path), "--cuda-graph-max-bs", "0"]))
+    assert config.engine.cuda_graph_max_bs == 0
+    assert ServeConfig().override(cuda_graph_max_bs=8).engine.cuda_graph_max_bs == 8
+
+
+@pytest.mark.parametrize("name", ["kernels", "fused_kernels", "triton_kernels", "small_linear", "decode_kernel",
+                                  "attention_backend", "seed"])
+def test_kernel_choices_are_no_settings_and_survive_an_override(name):
+    assert name not in settings(ServeConfig)
+    with pytest.raises(UnknownSettingError):
+        ReplicaConfig().override(**{name: False})
+    chosen = ReplicaConfig(engine=EngineConfig(kernels=Kernels(fused=False, decode="triton")))
+    assert chosen.override(page_size=4).engine.kernels == Kernels(fused=False, decode="triton")
 
 
 def test_every_flag_has_help_its_default_and_its_choices_in_the_readme_groups():

@@ -18,6 +18,7 @@ from tiny_checkpoints import build_llama_hd128, build_qwen3_hd128, random_prompt
 from worker.batch import BatchDesc
 from worker.config import EngineConfig
 from worker.engine import Engine
+from worker.kernels import Kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -85,7 +86,7 @@ def agreement(ref: list[list[int]], got: list[list[int]], ref_tops: list[list[di
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
 def test_torch_backend_on_gpu_matches_hf_in_float32(model_paths, family):
     path = model_paths[family]
-    with checked_llm(path, attention_backend="torch", dtype="float32", num_pages=KV_TOKENS,
+    with checked_llm(path, kernels=Kernels(attention="torch"), dtype="float32", num_pages=KV_TOKENS,
                      overlap=False) as llm:
         assert llm.engine.device.type == "cuda"
         prompts = encode_all(llm, PROMPT_TEXTS[:8])
@@ -109,9 +110,10 @@ def test_flashinfer_agrees_with_torch_backend_in_bfloat16(qwen3_hd128_path, page
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=4)
     # the attention backends alone differ (the Triton prologue, which rounds q and k once and so moves
     # bfloat16 near-ties of its own, is off in both; its own agreement test is below)
-    common = dict(dtype="bfloat16", page_size=page_size, max_extend_tokens=64, triton_kernels=False)
-    ref, ref_tops = run(qwen3_hd128_path, prompts, params, attention_backend="torch", **common)
-    got, got_tops = run(qwen3_hd128_path, prompts, params, attention_backend="flashinfer", **common)
+    common = dict(dtype="bfloat16", page_size=page_size, max_extend_tokens=64)
+    ref, ref_tops = run(qwen3_hd128_path, prompts, params, kernels=Kernels(triton=False, attention="torch"), **common)
+    got, got_tops = run(qwen3_hd128_path, prompts, params, kernels=Kernels(triton=False, attention="flashinfer"),
+                        **common)
     assert agreement(ref, got, ref_tops) >= 0.99
     for x, y, tx, ty in zip(ref, got, ref_tops, got_tops):
         n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), len(x))
@@ -178,9 +180,9 @@ def test_fused_kernels_agree_with_torch_elementwise_in_bfloat16(qwen3_hd128_path
     path = qwen3_hd128_path if family == "qwen3" else model_paths["llama"]  # q/k norm, and Llama-3 rope
     prompts = random_prompts(12, 5, 200)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=4)
-    common = dict(dtype="bfloat16", page_size=16, attention_backend="torch", cuda_graph_max_bs=16)
-    ref, ref_tops = run(path, prompts, params, fused_kernels=False, **common)
-    got, _ = run(path, prompts, params, fused_kernels=True, **common)
+    common = dict(dtype="bfloat16", page_size=16, cuda_graph_max_bs=16)
+    ref, ref_tops = run(path, prompts, params, kernels=Kernels(fused=False, attention="torch"), **common)
+    got, _ = run(path, prompts, params, kernels=Kernels(fused=True, attention="torch"), **common)
     assert agreement(ref, got, ref_tops) >= 0.99
 
 
@@ -191,8 +193,8 @@ def test_triton_kernels_agree_with_the_unfused_layers_in_bfloat16(qwen3_hd128_pa
     prompts = random_prompts(12, 5, 200)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=4)
     common = dict(dtype="bfloat16", page_size=16, cuda_graph_max_bs=16)  # FlashInfer, CUDA graphs
-    ref, ref_tops = run(path, prompts, params, triton_kernels=False, **common)
-    got, _ = run(path, prompts, params, triton_kernels=True, **common)
+    ref, ref_tops = run(path, prompts, params, kernels=Kernels(triton=False), **common)
+    got, _ = run(path, prompts, params, kernels=Kernels(triton=True), **common)
     assert agreement(ref, got, ref_tops) >= 0.99
 
 

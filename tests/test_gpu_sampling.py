@@ -12,13 +12,14 @@ from helpers import checked_llm, encode_all, greedy
 from test_gpu import KV_TOKENS, agreement, qwen3_hd128_path, random_prompts, run  # noqa: F401
 
 from cluster import SamplingParams
+from worker.kernels import Kernels
 
 pytestmark = pytest.mark.gpu
 
 
 def test_processors_on_gpu_equal_hf_in_float32(model_paths):
     path = model_paths["qwen3"]
-    with checked_llm(path, device="cuda", dtype="float32", attention_backend="torch") as llm:
+    with checked_llm(path, device="cuda", dtype="float32", kernels=Kernels(attention="torch")) as llm:
         prompts = encode_all(llm, PROMPT_TEXTS[:6])
         got = [o.token_ids for o in llm.generate(prompts, greedy(24, ignore_eos=True, repetition_penalty=1.8,
                                                                  logit_bias={7: 3.0}))]

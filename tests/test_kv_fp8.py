@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from cluster import SamplingParams
 from tiny_checkpoints import build_qwen3_hd128, random_prompts
 from worker import triton_ops
+from worker.kernels import Kernels
 from worker.kv_cache import FP8, FP8_MAX, KVCachePool, to_fp8
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
@@ -26,17 +27,12 @@ FP8_KV = {"kv_cache_dtype": "fp8_e4m3"}
 CPU = torch.device("cpu")
 
 
+INTERPRETED = Kernels(interpret_on_cpu=True)  # the Triton kernels on CPU tensors too (conftest sets TRITON_INTERPRET)
+
+
 @pytest.fixture
-def triton_off_after():
-    """triton_kernels is process-wide (an engine sets it): off again after the test."""
+def needs_triton():
     pytest.importorskip("triton")
-    yield
-    triton_ops.enable(False, interpret_on_cpu=False)
-
-
-@pytest.fixture
-def triton_on(triton_off_after):
-    triton_ops.enable(True, interpret_on_cpu=True)
 
 
 def test_store_rounds_to_the_nearest_e4m3_and_saturates_at_448():
@@ -57,7 +53,7 @@ def test_store_rounds_to_the_nearest_e4m3_and_saturates_at_448():
     assert (pool.buffer[:, 0, others].view(torch.uint8) == 0).all()
 
 
-def test_under_tritons_interpreter_the_torch_store_writes_an_fp8_cache(triton_on):
+def test_under_tritons_interpreter_the_torch_store_writes_an_fp8_cache(needs_triton):
     # the interpreter's float8 conversion drops the carry into the exponent (31.2 becomes 16): the
     # Triton KV store and prologue decline an fp8 cache there, and run on a GPU (tested below)
     torch.manual_seed(1)
@@ -65,9 +61,9 @@ def test_under_tritons_interpreter_the_torch_store_writes_an_fp8_cache(triton_on
     qkv = torch.randn(tokens, 8 * head_dim) * 30
     k = qkv[:, 4 * head_dim:6 * head_dim].view(tokens, kv_heads, head_dim)
     v = qkv[:, 6 * head_dim:].view(tokens, kv_heads, head_dim)
-    pool = KVCachePool(1, 8, 2, kv_heads, head_dim, FP8, CPU)
-    assert triton_ops.kernels_available(k) and triton_ops.prologue_applies(qkv, head_dim)
-    assert not triton_ops.prologue_applies(qkv, head_dim, FP8)
+    pool = KVCachePool(1, 8, 2, kv_heads, head_dim, FP8, CPU, INTERPRETED)
+    assert triton_ops.kernels_available(INTERPRETED, k) and triton_ops.prologue_applies(INTERPRETED, qkv, head_dim)
+    assert not triton_ops.prologue_applies(INTERPRETED, qkv, head_dim, FP8)
     assert not triton_ops.kv_store(torch.arange(tokens), k, v, pool.k(0), pool.v(0))
     loc = torch.tensor([9, 2, 0, 15, 4, 11])
     pool.store(0, loc, k, v)
@@ -256,8 +252,8 @@ def test_greedy_over_an_fp8_cache_follows_the_bfloat16_cache_but_at_near_ties(qw
 def test_flashinfer_over_an_fp8_cache_agrees_with_the_torch_backend_over_it(qwen3_hd128):
     # the same e4m3 values read by both: what differs is only how the kernels add them up
     prompts = random_prompts(12, 20, 300, seed=2)
-    ref = _generate(qwen3_hd128, prompts, _greedy_logprobs(24), attention_backend="torch", **FP8_KV)
-    got = _generate(qwen3_hd128, prompts, _greedy_logprobs(24), attention_backend="flashinfer", **FP8_KV)
+    ref = _generate(qwen3_hd128, prompts, _greedy_logprobs(24), kernels=Kernels(attention="torch"), **FP8_KV)
+    got = _generate(qwen3_hd128, prompts, _greedy_logprobs(24), kernels=Kernels(attention="flashinfer"), **FP8_KV)
     rows = _assert_part_only_at_near_ties(ref, got)
     assert sum(p is None for _, p in rows) >= len(rows) // 2, rows  # measured: 9 of 12 never part
 
@@ -265,12 +261,12 @@ def test_flashinfer_over_an_fp8_cache_agrees_with_the_torch_backend_over_it(qwen
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp8", "bf16"])
 def test_the_triton_decode_kernel_agrees_with_flashinfers(qwen3_hd128, kv):
-    # over an fp8 cache it decodes by default; over bfloat16 when asked for (decode_kernel="triton")
+    # over an fp8 cache it decodes by default; over bfloat16 when asked for (Kernels(decode="triton"))
     cache = FP8_KV if kv == "fp8" else {}
     prompts = random_prompts(12, 20, 300, seed=4)
     common = {"dtype": "bfloat16", "num_pages": KV_TOKENS // 16, "max_running_reqs": 16, **cache}
-    ref = _generate(qwen3_hd128, prompts, _greedy_logprobs(24), decode_kernel="tensor_cores", **common)
-    with checked_llm(qwen3_hd128, **common, **({} if cache else {"decode_kernel": "triton"})) as llm:
+    ref = _generate(qwen3_hd128, prompts, _greedy_logprobs(24), kernels=Kernels(decode="tensor_cores"), **common)
+    with checked_llm(qwen3_hd128, **common, kernels=Kernels() if cache else Kernels(decode="triton")) as llm:
         assert llm.engine.attn.triton_decode
         got = llm.generate(prompts, _greedy_logprobs(24))
     rows = _assert_part_only_at_near_ties(ref, got)
@@ -295,7 +291,7 @@ def test_flashinfer_runs_over_an_fp8_cache_with_float16_weights(qwen3_hd128):
 
 
 @pytest.mark.gpu
-def test_triton_kernels_write_the_fp8_cache_as_the_torch_store_does_on_the_gpu(triton_off_after):
+def test_triton_kernels_write_the_fp8_cache_as_the_torch_store_does_on_the_gpu(needs_triton):
     torch.manual_seed(4)
     dev = torch.device("cuda")
     heads, kv_heads, head_dim, tokens = 4, 2, 128, 33
@@ -304,7 +300,7 @@ def test_triton_kernels_write_the_fp8_cache_as_the_torch_store_does_on_the_gpu(t
     v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
     loc = torch.randperm(64, device=dev)[:tokens]
     pool = KVCachePool(1, 64, 1, kv_heads, head_dim, FP8, dev)
-    assert triton_ops.kernels_available(k)
+    assert triton_ops.kernels_available(Kernels(), k)
     pool.store(0, loc, k, v)  # Triton's kv_store on CUDA
     want = torch.zeros(2, 64, kv_heads, head_dim, dtype=torch.uint8, device=dev)
     want[0, loc], want[1, loc] = to_fp8(k).view(torch.uint8), to_fp8(v).view(torch.uint8)
@@ -312,7 +308,7 @@ def test_triton_kernels_write_the_fp8_cache_as_the_torch_store_does_on_the_gpu(t
 
 
 @pytest.mark.gpu
-def test_triton_prologue_writes_normed_rotated_keys_and_values_into_an_fp8_cache(triton_on):
+def test_triton_prologue_writes_normed_rotated_keys_and_values_into_an_fp8_cache(needs_triton):
     torch.manual_seed(5)
     dev = torch.device("cuda")
     heads, kv_heads, head_dim, tokens, eps = 4, 2, 128, 7, 1e-6
@@ -329,7 +325,7 @@ def test_triton_prologue_writes_normed_rotated_keys_and_values_into_an_fp8_cache
     ref_q, ref_k = rotary(positions, q_norm(q.reshape(tokens, heads, head_dim)),
                           k_norm(k.reshape(tokens, kv_heads, head_dim)))
     pool = KVCachePool(1, 16, 1, kv_heads, head_dim, FP8, dev)
-    assert triton_ops.prologue_applies(qkv, head_dim, FP8)
+    assert triton_ops.prologue_applies(Kernels(), qkv, head_dim, FP8)
     got_q = triton_ops.qkv_prologue(qkv, positions, out_loc, rotary.cos_sin, q_norm.weight, k_norm.weight, eps,
                                     pool.k(0), pool.v(0), heads, kv_heads, head_dim)
     torch.testing.assert_close(got_q, ref_q, rtol=1e-5, atol=1e-5)
@@ -342,10 +338,10 @@ def test_triton_prologue_writes_normed_rotated_keys_and_values_into_an_fp8_cache
 
 
 @pytest.mark.gpu
-def test_triton_prologue_over_an_fp8_cache_agrees_with_the_unfused_layers(qwen3_hd128, triton_off_after):
+def test_triton_prologue_over_an_fp8_cache_agrees_with_the_unfused_layers(qwen3_hd128, needs_triton):
     # the fused kernel rounds its float32 keys to e4m3 once, the unfused layers through bfloat16 first:
     # now and then one value lands a step of e4m3 away (6%), and the near-tied tokens of this model part
     prompts = random_prompts(12, 5, 200, seed=5)
-    ref = _generate(qwen3_hd128, prompts, _greedy_logprobs(24), triton_kernels=False, **FP8_KV)
-    got = _generate(qwen3_hd128, prompts, _greedy_logprobs(24), triton_kernels=True, **FP8_KV)
+    ref = _generate(qwen3_hd128, prompts, _greedy_logprobs(24), kernels=Kernels(triton=False), **FP8_KV)
+    got = _generate(qwen3_hd128, prompts, _greedy_logprobs(24), **FP8_KV)
     _assert_part_only_at_near_ties(ref, got)

@@ -182,25 +182,27 @@ def test_decode_agrees_with_flashinfer_tensor_core_decode(kv):
 
 
 def test_which_decode_steps_the_kernel_takes(monkeypatch):
-    # by default every step over an fp8 cache and half-precision steps of up to TRITON_HALF_UP_TO_BATCH
-    # rows; every step when asked for; none when FlashInfer's kernels are forced, off CUDA, without
-    # Triton, or over fp8 on a GPU that cannot convert it
+    # by default every step over an fp8 cache and none over a half-precision one (FlashInfer's kernels);
+    # every step when asked for; none when FlashInfer's kernels are forced, off CUDA, without Triton, or
+    # over fp8 on a GPU that cannot convert it
     from worker import triton_ops
     from worker.attention import flashinfer_backend as fb
     monkeypatch.setattr(triton_ops, "triton_installed", lambda: True)
     monkeypatch.setattr(triton_ops, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(fb, "_decode_kernel", "auto")
     cuda, fp8, bf16 = torch.device("cuda"), torch.float8_e4m3fn, torch.bfloat16
-    assert fb.triton_decode_batches(bf16, cuda) == fb.TRITON_HALF_UP_TO_BATCH  # 0 by default: FlashInfer's
-    monkeypatch.setattr(fb, "TRITON_HALF_UP_TO_BATCH", 8)
-    for choice, kv, batches in [("auto", bf16, fb.TRITON_HALF_UP_TO_BATCH), ("auto", torch.float16,
-                                fb.TRITON_HALF_UP_TO_BATCH), ("auto", fp8, fb.ALL_BATCHES),
-                                ("triton", bf16, fb.ALL_BATCHES), ("tensor_cores", fp8, 0), ("cuda_cores", bf16, 0)]:
-        fb.set_decode_kernel(choice)
-        assert fb.triton_decode_batches(kv, cuda) == batches, (choice, kv)
-    fb.set_decode_kernel("auto")
-    assert fb.triton_decode_batches(bf16, torch.device("cpu")) == 0
+    for choice, kv, triton in [("auto", bf16, False), ("auto", torch.float16, False), ("auto", fp8, True),
+                               ("triton", bf16, True), ("tensor_cores", fp8, False), ("cuda_cores", bf16, False)]:
+        assert fb.decodes_with_triton(kv, cuda, choice) is triton, (choice, kv)
+    assert fb.decodes_with_triton(fp8, cuda) is True  # auto, by default
+    assert fb.decodes_with_triton(fp8, torch.device("cpu")) is False
     monkeypatch.setattr(triton_ops, "_capability", lambda index: (8, 0))
-    assert fb.triton_decode_batches(fp8, cuda) == 0 and fb.triton_decode_batches(bf16, cuda) > 0
+    assert fb.decodes_with_triton(fp8, cuda) is False and fb.decodes_with_triton(bf16, cuda, "triton") is True
     monkeypatch.setattr(triton_ops, "triton_installed", lambda: False)
-    assert fb.triton_decode_batches(bf16, cuda) == 0
+    assert fb.decodes_with_triton(bf16, cuda, "triton") is False
+
+
+def test_flashinfers_decode_path_follows_the_choice_it_is_given():
+    from worker.attention.flashinfer_backend import TENSOR_CORE_ABOVE_BATCH, use_tensor_cores
+    small, large = TENSOR_CORE_ABOVE_BATCH, TENSOR_CORE_ABOVE_BATCH + 1
+    assert not use_tensor_cores(small) and use_tensor_cores(large)  # auto
+    assert use_tensor_cores(small, "tensor_cores") and not use_tensor_cores(large, "cuda_cores")

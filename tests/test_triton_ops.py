@@ -12,6 +12,7 @@ from transformers import Qwen3Config
 
 from cluster import SamplingParams
 from worker import triton_ops
+from worker.kernels import Kernels
 from worker.kv_cache import KVCachePool
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
@@ -19,16 +20,11 @@ from worker.sampling.sampler import filter_logits, sample, sample_unfiltered
 
 pytest.importorskip("triton")
 
-
-@pytest.fixture
-def triton_on():
-    triton_ops.enable(True, interpret_on_cpu=True)
-    yield
-    triton_ops.enable(False, interpret_on_cpu=False)
+INTERPRETED = Kernels(interpret_on_cpu=True)  # the Triton kernels on CPU tensors too (conftest sets TRITON_INTERPRET)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,qk_norm", [(4, 2, 16, True), (4, 2, 16, False), (2, 1, 128, True)])
-def test_prologue_equals_norm_rotary_and_cache_write(triton_on, heads, kv_heads, head_dim, qk_norm):
+def test_prologue_equals_norm_rotary_and_cache_write(heads, kv_heads, head_dim, qk_norm):
     torch.manual_seed(0)
     tokens, eps = 7, 1e-6
     config = Qwen3Config(head_dim=head_dim, rope_theta=10000.0, max_position_embeddings=64)
@@ -48,7 +44,7 @@ def test_prologue_equals_norm_rotary_and_cache_write(triton_on, heads, kv_heads,
     ref_q, ref_k = rotary(positions, q, k)
     ref_kv.store(0, out_loc, ref_k, v.reshape(tokens, kv_heads, head_dim))
 
-    assert triton_ops.prologue_applies(qkv, head_dim)
+    assert triton_ops.prologue_applies(INTERPRETED, qkv, head_dim)
     got_q = triton_ops.qkv_prologue(qkv, positions, out_loc, rotary.cos_sin, q_norm.weight if qk_norm else None,
                                   k_norm.weight if qk_norm else None, eps, got_kv.k(0), got_kv.v(0), heads,
                                   kv_heads, head_dim)
@@ -56,31 +52,30 @@ def test_prologue_equals_norm_rotary_and_cache_write(triton_on, heads, kv_heads,
     torch.testing.assert_close(got_kv.buffer, ref_kv.buffer, rtol=1e-5, atol=1e-5)
 
 
-def test_prologue_declines_what_it_cannot_do(triton_on):
-    assert not triton_ops.prologue_applies(torch.zeros(2, 3 * 24), 24)  # head size not a power of two
-    assert not triton_ops.prologue_applies(torch.zeros(2, 3 * 32)[:, :64], 16)  # a strided view
-    triton_ops.enable(False)
-    assert not triton_ops.prologue_applies(torch.zeros(2, 3 * 16), 16)
+def test_prologue_declines_what_it_cannot_do():
+    assert not triton_ops.prologue_applies(INTERPRETED, torch.zeros(2, 3 * 24), 24)  # head size not a power of two
+    assert not triton_ops.prologue_applies(INTERPRETED, torch.zeros(2, 3 * 32)[:, :64], 16)  # a strided view
+    assert triton_ops.prologue_applies(INTERPRETED, torch.zeros(2, 3 * 16), 16)
+    assert not triton_ops.prologue_applies(Kernels(triton=False, interpret_on_cpu=True), torch.zeros(2, 3 * 16), 16)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_engine_with_triton_kernels_equals_hf_greedy_and_samples_as_torch_does(model_paths, family, triton_on):
+def test_engine_with_triton_kernels_equals_hf_greedy_and_samples_as_torch_does(model_paths, family):
     path = model_paths[family]
     seeded = [SamplingParams(temperature=0.8, max_tokens=12, seed=s, ignore_eos=True) for s in range(3)]
-    with checked_llm(path, page_size=4, triton_kernels=True) as llm:
+    with checked_llm(path, page_size=4, kernels=INTERPRETED) as llm:
         prompts = encode_all(llm, PROMPT_TEXTS[:3])
         got = [o.token_ids for o in llm.generate(prompts, greedy(6))]
         sampled = [o.token_ids for o in llm.generate(prompts, seeded)]
         assert [o.token_ids for o in llm.generate(prompts, seeded)] == sampled  # seeded: reproducible
-    with checked_llm(path, page_size=4, triton_kernels=False) as llm:
+    with checked_llm(path, page_size=4, kernels=Kernels(triton=False, interpret_on_cpu=True)) as llm:
         torch_sampled = [o.token_ids for o in llm.generate(prompts, seeded)]
-    triton_ops.enable(False)
     assert got == hf_greedy(path, prompts, 6)
     assert sampled == torch_sampled
 
 
 @pytest.mark.parametrize("vocab", [360, 10_000])  # one block; several, the last one partial
-def test_sampling_kernel_picks_what_the_torch_sampler_picks(triton_on, vocab):
+def test_sampling_kernel_picks_what_the_torch_sampler_picks(vocab):
     torch.manual_seed(1)
     rows = 64
     logits = torch.randn(rows, vocab) * 3
@@ -96,7 +91,7 @@ def test_sampling_kernel_picks_what_the_torch_sampler_picks(triton_on, vocab):
     assert torch.equal(pool[write], got) and (pool[::2] == -1).all()
 
 
-def test_sampling_kernel_reads_bfloat16_logits_and_int32_positions(triton_on):
+def test_sampling_kernel_reads_bfloat16_logits_and_int32_positions():
     torch.manual_seed(2)
     logits = (torch.randn(8, 3000) * 2).bfloat16()
     temperature = torch.tensor([0.0, 0.7, 1.0, 0.0, 1.3, 0.5, 0.9, 1.0])
@@ -146,8 +141,6 @@ def test_top_k_and_top_p_keep_what_they_promise_and_leave_other_rows_alone():
 
 
 def test_on_the_cpu_an_engines_default_runs_no_interpreted_kernel():
-    triton_ops.enable(True, interpret_on_cpu=False)  # what an engine with triton_kernels on does on a CPU
-    try:
-        assert not triton_ops.available(torch.zeros(2, 48)) and not triton_ops.kernels_available(torch.zeros(2, 48))
-    finally:
-        triton_ops.enable(False)
+    x, default = torch.zeros(2, 48), Kernels()
+    assert not triton_ops.available(default, x) and not triton_ops.kernels_available(default, x)
+    assert triton_ops.available(INTERPRETED, x) and triton_ops.kernels_available(INTERPRETED, x)

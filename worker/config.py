@@ -3,13 +3,18 @@
 Every field is declared with `setting(default, help, ...)`. Its help text and allowed values are what
 the `launch.py` flag shows, what flags, YAML files and `LLM(...)` keywords are checked against
 (cluster/config.py) and what the README's Configure table says. A new option is one more line in the
-same form; nothing else needs to change for it to be a flag, a YAML key and an `LLM` keyword."""
+same form; nothing else needs to change for it to be a flag, a YAML key and an `LLM` keyword.
+
+One field is no setting: `kernels` (worker/kernels.py), which kernels run where several compute the
+same thing; benchmarks and tests choose them to compare (`LLM(path, kernels=...)`), users never need to."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from worker.kernels import Kernels
 
 
 def setting(default: Any, help: str, *, choices: Sequence | None = None, at_least: float | None = None,
@@ -39,27 +44,14 @@ class EngineConfig:
     max_running_reqs: int = setting(256, "requests decoded at once (the decode batch limit)", at_least=1)
     max_seq_len: int | None = setting(None, "the longest sequence, prompt and output together", at_least=1,
                                       unset="the model's max_position_embeddings")
-    load_format: str = setting("auto", "auto: the checkpoint's safetensors; dummy: random weights (benchmarks)",
-                               choices=("auto", "dummy"))
-    attention_backend: str = setting("auto", "auto: FlashInfer on a GPU in half precision, torch otherwise",
-                                     choices=("auto", "torch", "flashinfer"))
+    load_format: str = setting("auto", "auto: the checkpoint's safetensors; dummy: random weights (to measure "
+                                       "speed and memory without the weights)", choices=("auto", "dummy"))
     gpu_memory_utilization: float = setting(0.85, "share of the GPU's memory for weights, KV cache and activations",
                                             above=0, at_most=1)
     cpu_kv_cache_gb: float = setting(2.0, "KV-cache budget in GiB on a CPU", above=0)
     cuda_graph_max_bs: int = setting(256, "largest decode batch replayed from a CUDA graph; 0 turns graphs off",
                                      at_least=0)
-    fused_kernels: bool = setting(True, "FlashInfer's fused norm, rotary and SiLU kernels (CUDA, half precision)")
-    triton_kernels: bool = setting(True, "the Triton attention prologue on CUDA (q/k norm, rotary and the KV write "
-                                         "in one launch; off: FlashInfer's norm and rotary kernels and the Triton "
-                                         "KV store); Triton's sampler runs on CUDA regardless")
-    decode_kernel: str = setting("auto", "decode attention on a GPU: auto (over an fp8 cache the Triton kernel; "
-                                         "otherwise FlashInfer's tensor-core path above 8 rows, its CUDA-core "
-                                         "kernels at and below, as measured fastest), tensor_cores, cuda_cores, "
-                                         "triton (a split-KV Triton kernel that reads fp8 at memory speed)",
-                                 choices=("auto", "tensor_cores", "cuda_cores", "triton"))
-    small_linear: bool = setting(True, "a Triton matrix-vector kernel for linear layers at batch 1 on CUDA (cuBLAS "
-                                       "when off)")
     max_logit_bias: int = setting(1024, "token ids a request's logit_bias may name (with its stop ids while "
                                          "min_tokens holds them back); sizes a per-request table on the device",
                                   at_least=1)
-    seed: int = setting(0, "seed of the random weights of load_format dummy")
+    kernels: Kernels = field(default_factory=Kernels, metadata={"setting": False})

@@ -27,7 +27,6 @@ from worker.batch import BatchDesc, ForwardBatch, StepOutput, desc_columns
 from worker.config import EngineConfig
 from worker.graph_io import IO
 from worker.kv_cache import KVCachePool
-from worker.layers import fused
 from worker.loader import CheckpointError, init_dummy_weights, load_weights
 from worker.models import build_model
 from worker.parallel import TPGroup
@@ -37,7 +36,7 @@ from worker.sampling.processors import ProcessorState
 from worker.sampling.resample import redraw
 from worker.sampling.step_sampler import StepSampler
 from worker.staging import PinnedStaging, Staged, upload_record
-from worker.stream import new_event, new_stream, use_stream
+from worker.stream import HostWaits, new_event, new_stream, use_stream
 from worker.token_table import TokenTable
 
 if TYPE_CHECKING:
@@ -117,21 +116,19 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
             self.device = torch.device("cuda", torch.cuda.current_device())
-        fused.enable(config.fused_kernels)
-        triton_ops.enable(config.triton_kernels)
-        triton_ops.enable_small_linear(config.small_linear)
-        if self.device.type == "cuda" and config.attention_backend != "torch":
-            from worker.attention.flashinfer_backend import set_decode_kernel
-            set_decode_kernel(config.decode_kernel)
+        # this engine's kernels, handed to what it builds: its model's layers, KV cache, sampler, attention
+        self.kernels = config.kernels
+        triton_ops.warn_if_absent(self.kernels, self.device)
+        self.host_waits = HostWaits()  # every wait of this engine's host on its device
         self.hf_config = load_hf_config(config.model_path)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
         self.max_seq_len = config.max_seq_len or self.hf_config.max_position_embeddings
         self.page_size = config.page_size
         with _default_dtype(self.dtype), torch.device(self.device):
-            self.model = build_model(self.hf_config, self.max_seq_len + 1, self.tp)
+            self.model = build_model(self.hf_config, self.max_seq_len + 1, self.tp, self.kernels)
         if config.load_format == "dummy":
-            init_dummy_weights(self.model, config.seed)
+            init_dummy_weights(self.model)
         elif config.load_format == "auto":
             load_weights(self.model, Path(config.model_path), progress=self.tp.rank == 0)
         else:
@@ -147,18 +144,18 @@ class Engine:
         # one page more than the scheduler hands out: the scratch page that padded graph rows write to
         self.scratch_page = self.num_pages
         self.kv = KVCachePool(self.hf_config.num_hidden_layers, self.num_pages + 1, self.page_size,
-                              attn0.num_kv_heads, attn0.head_dim, self.kv_dtype, self.device)
+                              attn0.num_kv_heads, attn0.head_dim, self.kv_dtype, self.device, self.kernels)
         self.table = TokenTable(config.max_running_reqs, self.max_seq_len, self.device)
-        self.sampler = StepSampler(self.table.flat_pool, self.proc_state)
-        backend = config.attention_backend
+        self.sampler = StepSampler(self.table.flat_pool, self.proc_state, self.kernels)
+        backend = self.kernels.attention
         if backend == "auto" and self.dtype == torch.float32:
             backend = "torch"  # FlashInfer has no float32 kernels
         self.attn = create_backend(backend, self.kv, self.table.page_table, attn0.num_heads,
-                                   q_dtype=self.dtype)
+                                   q_dtype=self.dtype, decode=self.kernels.decode, waits=self.host_waits)
         self.stream = new_stream(self.device)          # compute
         self.sched_stream = new_stream(self.device)    # metadata copies and attention planning
         self.inputs_free = new_event(self.device)      # the last step's forward no longer reads its inputs
-        self.staging = PinnedStaging(self.device)
+        self.staging = PinnedStaging(self.device, waits=self.host_waits)
         # optional, for benchmarks: an object with begin(stream, desc) and end(stream) (the compute
         # stream's step), sched_begin(stream) and sched_end(stream) (the scheduler stream's part of it)
         self.step_timer = None

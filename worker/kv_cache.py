@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from worker import triton_ops
+from worker.kernels import Kernels
 
 FP8 = torch.float8_e4m3fn
 # Keys and values are stored unscaled (a scale of 1.0), saturated to e4m3's largest finite value.
@@ -30,8 +31,9 @@ def to_fp8(x: torch.Tensor) -> torch.Tensor:
 
 class KVCachePool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, kernels: Kernels = Kernels()) -> None:
         self.num_pages, self.page_size = num_pages, page_size
+        self.kernels = kernels
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.is_fp8 = dtype == FP8
@@ -51,7 +53,8 @@ class KVCachePool:
         return self.buffer[1, layer]
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if triton_ops.kernels_available(k) and triton_ops.kv_store(loc, k, v, self.k(layer), self.v(layer)):
+        if triton_ops.kernels_available(self.kernels, k) and triton_ops.kv_store(loc, k, v, self.k(layer),
+                                                                                 self.v(layer)):
             return  # one launch for both
         if self.is_fp8:
             k, v = to_fp8(k).view(torch.uint8), to_fp8(v).view(torch.uint8)

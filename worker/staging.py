@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.stream import new_event, wait_for
+from worker.stream import HostWaits, new_event
 
 _ALIGN = 16  # so that every view starts on a boundary of its element size
 _MAX_LAYOUTS = 64  # cached view sets per slot
@@ -62,8 +62,11 @@ class _Slot:
 
 
 class PinnedStaging:
-    def __init__(self, device: torch.device, depth: int = 2, capacity: int = 1 << 20) -> None:
+    def __init__(self, device: torch.device, depth: int = 2, capacity: int = 1 << 20,
+                 waits: HostWaits | None = None) -> None:
+        """`waits`: where the waits for a slot to be free are counted (the engine's)."""
         self.device = device
+        self.waits = waits or HostWaits()
         self.slots = [_Slot(device, capacity) for _ in range(depth)]
         self.next = 0
 
@@ -73,7 +76,7 @@ class PinnedStaging:
         self.next = (self.next + 1) % len(self.slots)
         if slot.in_use:
             raise RuntimeError("a staging slot was reused before the step that held it released it")
-        wait_for(slot.event)  # the step that last used this slot is done with it
+        self.waits.wait(slot.event)  # the step that last used this slot is done with it
         layout = tuple((name, a.dtype, a.nbytes) for name, a in arrays.items())
         if (views := slot.views.get(layout)) is None:
             if len(slot.views) >= _MAX_LAYOUTS:  # prefill steps vary: keep the cache bounded

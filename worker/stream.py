@@ -8,10 +8,6 @@ import time
 
 import torch
 
-# seconds the host has spent blocked on device events (wait_for), process-wide: a benchmark reads it
-# before and after a window to tell the host's own work from its waits
-host_wait_s = 0.0
-
 
 class NullEvent:
     def record(self, stream: object = None) -> None:
@@ -70,9 +66,18 @@ def current_stream(device: torch.device) -> torch.cuda.Stream | None:
     return torch.cuda.current_stream(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def wait_for(event: torch.cuda.Event | NullEvent) -> None:
-    """event.synchronize(), its time counted in host_wait_s."""
-    global host_wait_s
-    start = time.perf_counter()
-    event.synchronize()
-    host_wait_s += time.perf_counter() - start
+class HostWaits:
+    """The host's waits on device events, and the seconds they took: an engine keeps one, which its
+    staging rings, its attention plans and its executor's waits for results all wait through, so a
+    benchmark can read `seconds` before and after a window to tell the host's own work from its waits."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def wait(self, event: torch.cuda.Event | NullEvent) -> None:
+        """event.synchronize(), its time counted in `seconds`."""
+        start = time.perf_counter()
+        event.synchronize()
+        self.seconds += time.perf_counter() - start

@@ -1,12 +1,13 @@
 """Triton kernels for steps' small work, where one launch replaces several:
 - the attention prologue (from the QKV projection's output: RMSNorm on each query and key head for
   Qwen3, rotary embedding on both, and the step's keys and values written into the KV cache: about
-  seven kernels a layer unfused), under EngineConfig.triton_kernels;
+  seven kernels a layer unfused), under Kernels.triton;
 - sampling (greedy and Gumbel-max temperature sampling, the (seed, position, token) hash inside: two
   kernels over many blocks where the torch path launches about seventy), and the KV-cache store of
   keys and values in one launch instead of two: used on CUDA whenever Triton is installed.
-On the CPU they run only under Triton's interpreter, when a test asks (`enable(..., interpret_on_cpu=True)`
-with TRITON_INTERPRET=1: how the tests check them against the torch paths, which stay the reference)."""
+On the CPU they run only under Triton's interpreter, for an engine whose Kernels ask for it
+(`interpret_on_cpu`, with TRITON_INTERPRET=1: how the tests check them against the torch paths, which
+stay the reference). Whether a kernel applies is a function of the tensors and the caller's Kernels."""
 
 from __future__ import annotations
 
@@ -16,35 +17,37 @@ import os
 
 import torch
 
-log = logging.getLogger(__name__)
+from worker.kernels import Kernels
 
-_enabled = False
-_interpreted = False  # Triton's interpreter runs the kernels on CPU tensors
-_interpret_on_cpu = False  # asked for by the tests of these kernels (TRITON_INTERPRET=1 as well)
+log = logging.getLogger(__name__)
 _SAMPLE_BLOCK = 2048  # 75 blocks a row over a vocabulary of 151,936
 
 
-def enable(on: bool, interpret_on_cpu: bool | None = None) -> None:
-    """Set from EngineConfig.triton_kernels when an engine is built (one engine per process). On the
-    CPU the kernels run only under Triton's interpreter (TRITON_INTERPRET=1) and only when
-    `interpret_on_cpu` was asked for (None keeps what was asked before): they are the tests' to check
-    against the torch paths; the interpreter is far too slow to serve with."""
-    global _enabled, _interpreted, _interpret_on_cpu
-    if interpret_on_cpu is not None:
-        _interpret_on_cpu = interpret_on_cpu
-    _enabled = on and _kernels() is not None
-    _interpreted = _interpret_on_cpu and os.environ.get("TRITON_INTERPRET") == "1"
-    if on and not _enabled and torch.cuda.is_available():
-        log.warning("triton_kernels is on but Triton is not installed: using the torch kernels")
+@functools.cache
+def _interpreter() -> bool:
+    """Triton was imported to interpret (it reads the variable once, at its import)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def available(x: torch.Tensor) -> bool:
-    return _enabled and (x.is_cuda or _interpreted)
+def _interpreted(kernels: Kernels) -> bool:
+    return kernels.interpret_on_cpu and kernels.triton and _interpreter()
 
 
-def prologue_applies(qkv: torch.Tensor, head_dim: int, cache_dtype: torch.dtype | None = None) -> bool:
-    return (not head_dim & (head_dim - 1) and qkv.is_contiguous() and available(qkv)
+def available(kernels: Kernels, x: torch.Tensor) -> bool:
+    """The kernels under Kernels.triton (the attention prologue) for x."""
+    return kernels.triton and _kernels() is not None and (x.is_cuda or _interpreted(kernels))
+
+
+def prologue_applies(kernels: Kernels, qkv: torch.Tensor, head_dim: int,
+                     cache_dtype: torch.dtype | None = None) -> bool:
+    return (not head_dim & (head_dim - 1) and qkv.is_contiguous() and available(kernels, qkv)
             and (cache_dtype is None or cache_dtype_supported(cache_dtype, qkv.device)))
+
+
+def warn_if_absent(kernels: Kernels, device: torch.device) -> None:
+    """At an engine's start: whether it runs the torch kernels where Triton's were asked for."""
+    if kernels.triton and device.type == "cuda" and _kernels() is None:
+        log.warning("Triton is not installed: using the torch kernels instead of Triton's")
 
 
 def cache_dtype_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -104,11 +107,11 @@ def qkv_prologue(qkv: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tens
     return q
 
 
-def kernels_available(x: torch.Tensor) -> bool:
+def kernels_available(kernels: Kernels, x: torch.Tensor) -> bool:
     """The sampler and KV-store kernels: on CUDA whenever Triton is installed (they replace dozens of
-    torch launches, or two, with two, or one); on the CPU only under the interpreter with
-    triton_kernels on (the tests)."""
-    return _kernels() is not None and (x.is_cuda or (_enabled and _interpreted))
+    torch launches, or two, with two, or one); on the CPU only under the interpreter, when `kernels`
+    ask for it (the tests)."""
+    return _kernels() is not None and (x.is_cuda or _interpreted(kernels))
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
@@ -156,16 +159,9 @@ def kv_store(loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch
 
 
 def small_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `small_linear` can compute x @ weight.T (the caller's Kernels.small_linear asks for it)."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.is_contiguous() and weight.is_contiguous() and _kernels() is not None and _small_linear_on)
-
-
-_small_linear_on = True  # EngineConfig.small_linear; off: cuBLAS at M=1 too (to compare)
-
-
-def enable_small_linear(on: bool) -> None:
-    global _small_linear_on
-    _small_linear_on = on
+            and x.is_contiguous() and weight.is_contiguous() and _kernels() is not None)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,

@@ -6,11 +6,15 @@ import torch
 
 from worker.attention.base import AttentionBackend
 from worker.kv_cache import KVCachePool
+from worker.stream import HostWaits
 
 
 def create_backend(name: str, kv: KVCachePool, page_table: torch.Tensor, num_heads: int,
-                   q_dtype: torch.dtype | None = None) -> AttentionBackend:
-    """q_dtype: the model's dtype, which the queries have (FlashInfer plans for it; None: see FlashInferBackend)."""
+                   q_dtype: torch.dtype | None = None, decode: str = "auto",
+                   waits: HostWaits | None = None) -> AttentionBackend:
+    """name: Kernels.attention; q_dtype: the model's dtype, which the queries have (FlashInfer plans for
+    it; None: see FlashInferBackend); decode: Kernels.decode (FlashInfer's decode path); waits: where
+    the host's waits are counted (the engine's)."""
     if name == "auto":
         name = "flashinfer" if kv.device.type == "cuda" and _has_flashinfer() else "torch"
     if name == "torch":
@@ -18,7 +22,7 @@ def create_backend(name: str, kv: KVCachePool, page_table: torch.Tensor, num_hea
         return TorchBackend(kv, page_table)
     if name == "flashinfer":
         from worker.attention.flashinfer_backend import FlashInferBackend
-        return FlashInferBackend(kv, page_table, num_heads, q_dtype)
+        return FlashInferBackend(kv, page_table, num_heads, q_dtype, decode, waits)
     raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or flashinfer")
 
 

@@ -25,7 +25,7 @@ from worker.attention.base import AttentionBackend
 from worker.batch import BatchDesc, ForwardBatch
 from worker.kv_cache import KVCachePool
 from worker.staging import PinnedStaging, Staged
-from worker.stream import current_stream, new_event, wait_for
+from worker.stream import HostWaits, current_stream, new_event
 
 WORKSPACE_BYTES = 256 << 20    # FlashInfer's float workspace (split-KV partial results), shared by all wrappers
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -40,50 +40,29 @@ FA3_HEAD_DIMS = (64, 128, 256)
 # batch 256 (offline workload: 22,820 against 21,160 output tok/s); at and below it the CUDA-core
 # kernels, about 0.5 us a layer faster at batch 1 (../shared/perf/decode-attention.md). The graph
 # buckets up to 8 are 1, 2, 4, 8, so an eager step of n rows and the graph it would pad to use the same
-# kernel. EngineConfig.decode_kernel forces one path (to compare).
+# kernel. Kernels.decode forces one path (to compare).
 TENSOR_CORE_ABOVE_BATCH = 8
-# Over a bfloat16 / float16 cache the Triton kernel decodes by default up to this many rows (0: none,
-# FlashInfer's kernels take them all). Measured on an H200 with 8 (bench/decode_latency.py): a step took
-# 6.6-10.6% less than with FlashInfer's CUDA-core kernels at 1, 2, 4 and 8 rows (1.054 against 1.179 ms
-# at batch 1), while one layer at 16 to 64 rows was no faster than FlashInfer's tensor cores
-# (bench/fp8_decode.py). But the kernel splits a request's KV by the batch size (decode_num_splits), so
-# a request's tokens can change as requests beside it finish and its graph changes from 8 rows to 4:
-# tests/test_gpu_sampling.py's grammar test saw one change, where FlashInfer's kernels keep them. One
-# split count for every batch of up to 8 would remove that difference.
-TRITON_HALF_UP_TO_BATCH = 0
-ALL_BATCHES = 1 << 30
-_decode_kernel = "auto"
 
 
-def set_decode_kernel(choice: str) -> None:
-    """auto, tensor_cores, cuda_cores or triton (EngineConfig.decode_kernel)."""
-    global _decode_kernel
-    _decode_kernel = choice
-
-
-def triton_decode_batches(kv_dtype: torch.dtype, device: torch.device) -> int:
-    """Up to how many rows a decode step runs worker/triton_decode.py's kernel instead of FlashInfer's
-    (0: never): every batch when asked for, or by default over a float8 cache, which FlashInfer 0.5.3's
+def decodes_with_triton(kv_dtype: torch.dtype, device: torch.device, choice: str = "auto") -> bool:
+    """Whether decode steps run worker/triton_decode.py's kernel instead of FlashInfer's: when `choice`
+    (Kernels.decode) is triton, or by default over a float8 cache, which FlashInfer 0.5.3's
     decode kernels read at half the memory's speed (they dequantize slowly: no faster than over
-    bfloat16); by default over a half-precision cache up to TRITON_HALF_UP_TO_BATCH rows (see there).
-    Needs Triton, and for float8 a GPU that converts it (compute capability 8.9 and up)."""
-    if _decode_kernel == "triton" or (_decode_kernel == "auto" and kv_dtype in FP8_KV_DTYPES):
-        batches = ALL_BATCHES
-    elif _decode_kernel == "auto":
-        batches = TRITON_HALF_UP_TO_BATCH
-    else:
-        return 0
-    if not batches:
-        return 0
+    bfloat16). Over a half-precision cache FlashInfer's kernels decode by default: the Triton kernel
+    splits a request's KV by the batch size, so a request's tokens could change as requests beside it
+    finish. Needs Triton, and for float8 a GPU that converts it (compute capability 8.9 and up)."""
+    if not (choice == "triton" or (choice == "auto" and kv_dtype in FP8_KV_DTYPES)):
+        return False
     from worker import triton_ops
     if device.type != "cuda" or not triton_ops.triton_installed():
-        return 0
-    return batches if triton_ops.cache_dtype_supported(kv_dtype, device) else 0
+        return False
+    return triton_ops.cache_dtype_supported(kv_dtype, device)
 
 
-def use_tensor_cores(batch_size: int) -> bool:
-    if _decode_kernel != "auto":
-        return _decode_kernel == "tensor_cores"
+def use_tensor_cores(batch_size: int, choice: str = "auto") -> bool:
+    """FlashInfer's decode path for a batch: its tensor-core kernels, or its CUDA-core ones."""
+    if choice != "auto":
+        return choice == "tensor_cores"
     return batch_size > TENSOR_CORE_ABOVE_BATCH
 
 
@@ -109,19 +88,23 @@ class _PlanArrays:
 
 class FlashInferBackend(AttentionBackend):
     def __init__(self, kv: KVCachePool, page_table: torch.Tensor, num_heads: int,
-                 q_dtype: torch.dtype | None = None) -> None:
-        """q_dtype: the queries' (the model's) dtype; None: the cache's, or bfloat16 over a float8 cache."""
+                 q_dtype: torch.dtype | None = None, decode: str = "auto",
+                 waits: HostWaits | None = None) -> None:
+        """q_dtype: the queries' (the model's) dtype; None: the cache's, or bfloat16 over a float8 cache.
+        decode: Kernels.decode. waits: where the host's waits are counted (the engine's)."""
         import flashinfer  # imported here: the package exists on GPU hosts only
 
         q_dtype = q_dtype or (torch.bfloat16 if kv.dtype in FP8_KV_DTYPES else kv.dtype)
         if q_dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"FlashInfer attention runs in float16 or bfloat16, not {q_dtype}; "
-                             f"use attention_backend='torch' for {q_dtype}")
+                             f"use the torch backend (Kernels(attention='torch')) for {q_dtype}")
         if kv.dtype != q_dtype and kv.dtype not in FP8_KV_DTYPES:
             raise ValueError(f"FlashInfer reads a KV cache of the model's dtype ({q_dtype}) or float8 e4m3, "
                              f"not {kv.dtype}")
         self.flashinfer = flashinfer
         self.q_dtype = q_dtype
+        self.decode_choice = decode
+        self.waits = waits or HostWaits()
         # tvm-ffi launches FlashInfer's kernels on torch's current stream when torch exports its DLPack
         # exchange API; without it they would go to the default stream, so the stream is set by hand
         if hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
@@ -153,12 +136,12 @@ class FlashInferBackend(AttentionBackend):
         self.graph_wrappers: dict[int, object] = {}
         self.graph_indptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self.graph_last_page_len = torch.ones(rows, dtype=torch.int32, device=device)
-        self.staging = PinnedStaging(device, capacity=1 << 16)
+        self.staging = PinnedStaging(device, capacity=1 << 16, waits=self.waits)
         self._plan_copied = new_event(device)
         self.wrapper = self.decode_wrappers[True]
         self.out_loc: torch.Tensor | None = None
-        # decode steps of up to this many rows run the Triton kernel (graphs of that size too)
-        self.triton_decode = triton_decode_batches(kv.dtype, device)
+        # True: every decode step runs the Triton kernel (graphs too)
+        self.triton_decode = decodes_with_triton(kv.dtype, device, decode)
         self._decode: _TritonDecode | None = None  # this step's, when the Triton kernel attends
         if self.triton_decode:
             from worker import triton_decode
@@ -176,10 +159,10 @@ class FlashInferBackend(AttentionBackend):
         desc = batch.desc
         if desc.is_prefill:
             wrapper = self.prefill_wrapper
-        elif desc.batch_size <= self.triton_decode:
+        elif self.triton_decode:
             wrapper = None
         else:
-            wrapper = self.decode_wrappers[use_tensor_cores(desc.batch_size)]
+            wrapper = self.decode_wrappers[use_tensor_cores(desc.batch_size, self.decode_choice)]
         self._plan(wrapper, staged or self.stage(desc, desc.batch_size), scratch_page=-1)
         self.wrapper, self.out_loc = wrapper, batch.out_loc
 
@@ -188,9 +171,9 @@ class FlashInferBackend(AttentionBackend):
         """Plans the CUDA-graph decode wrapper of batch size `bs` (made on first use) for `desc`; the rows
         past the batch (every row when `desc` is None, at capture) attend over the scratch page only."""
         wrapper = self.graph_wrappers.get(bs)
-        if wrapper is None and bs > self.triton_decode:
+        if wrapper is None and not self.triton_decode:
             wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=use_tensor_cores(bs),
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=use_tensor_cores(bs, self.decode_choice),
                 paged_kv_indptr_buffer=self.graph_indptr[: bs + 1], paged_kv_indices_buffer=self.kv_indices,
                 paged_kv_last_page_len_buffer=self.graph_last_page_len[:bs])
             self.graph_wrappers[bs] = wrapper
@@ -240,7 +223,7 @@ class FlashInferBackend(AttentionBackend):
             self._decode = self._plan_triton(staged, bs)
             staged.release(current_stream(self.kv.device))
             return
-        wait_for(self._plan_copied)  # FlashInfer's pinned plan buffer is free again
+        self.waits.wait(self._plan_copied)  # FlashInfer's pinned plan buffer is free again
         q_dtype, kv_dtype = self.q_dtype, self.kv.dtype
         h = staged.host
         with self._on_torch_stream():

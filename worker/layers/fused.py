@@ -1,7 +1,7 @@
 """FlashInfer's fused elementwise kernels (RMSNorm with the residual add, rotary embedding in place,
 SiLU-and-multiply), used on CUDA in half precision. Each replaces several small torch kernels: at
 small batch a decode step's time is mostly their launches. The torch versions stay as the reference
-(CPU, float32)."""
+(CPU, float32), and run where the engine's Kernels.fused is off."""
 
 from __future__ import annotations
 
@@ -11,13 +11,6 @@ from types import SimpleNamespace
 import torch
 
 _HALF = (torch.bfloat16, torch.float16)
-_enabled = True
-
-
-def enable(on: bool) -> None:
-    """Set from EngineConfig.fused_kernels when an engine is built (one engine per process)."""
-    global _enabled
-    _enabled = on
 
 
 @functools.cache
@@ -34,6 +27,6 @@ def _ops() -> SimpleNamespace | None:
 
 def fused_ops(x: torch.Tensor) -> SimpleNamespace | None:
     """The fused kernels when they apply to x, else None (use the torch path)."""
-    if not _enabled or not x.is_cuda or x.dtype not in _HALF:
+    if not x.is_cuda or x.dtype not in _HALF:
         return None
     return _ops()

@@ -8,13 +8,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker import triton_ops
+from worker.kernels import Kernels
 from worker.parallel import TPGroup
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, but for one row (batch-1 decode) on CUDA a Triton GEMV: cuBLAS reads these weights at
-    0.35-2 TB/s at M=1 (its o_proj kernel takes 12 us for 4 MiB), the GEMV at up to about twice that."""
-    if x.dim() == 2 and x.shape[0] == 1 and triton_ops.small_linear_applies(x, weight):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           small: bool = True) -> torch.Tensor:
+    """F.linear, but for one row (batch-1 decode) on CUDA a Triton GEMV unless `small` is off
+    (Kernels.small_linear): cuBLAS reads these weights at 0.35-2 TB/s at M=1 (its o_proj kernel takes
+    12 us for 4 MiB), the GEMV at up to about twice that."""
+    if small and x.dim() == 2 and x.shape[0] == 1 and triton_ops.small_linear_applies(x, weight):
         y = triton_ops.small_linear(x, weight)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
@@ -27,9 +30,11 @@ class ColumnParallelLinear(nn.Module):
     across ranks separately so that a rank holds matching slices of every part.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup) -> None:
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup,
+                 kernels: Kernels = Kernels()) -> None:
         super().__init__()
         self.tp = tp
+        self.small = kernels.small_linear
         self.local_sizes = [tp.shard(n, "a column-parallel output width") for n in output_sizes]
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False) if bias else None
@@ -42,14 +47,15 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, start, size).copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.small)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection. When there are fewer KV heads than ranks, KV heads are replicated so that
     every rank holds the KV head its query heads attend to."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup):
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup,
+                 kernels: Kernels = Kernels()) -> None:
         self.num_local_heads = tp.shard(num_heads, "num_attention_heads")
         self.kv_replicas = max(1, tp.size // num_kv_heads)
         if tp.size > num_kv_heads and tp.size % num_kv_heads:
@@ -58,6 +64,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         nn.Module.__init__(self)
         self.tp = tp
+        self.small = kernels.small_linear
         q, kv = self.num_local_heads * head_dim, self.num_local_kv_heads * head_dim
         self.local_sizes = [q, kv, kv]
         self.weight = nn.Parameter(torch.empty(q + 2 * kv, hidden), requires_grad=False)
@@ -73,9 +80,11 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns; partial sums are all-reduced across ranks."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
+                 kernels: Kernels = Kernels()) -> None:
         super().__init__()
         self.tp = tp
+        self.small = kernels.small_linear
         self.weight = nn.Parameter(torch.empty(out_features, tp.shard(in_features, "a row-parallel input width")),
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -88,7 +97,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(full.narrow(1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = linear(x, self.weight, small=self.small)
         if self.tp.size > 1:
             y = self.tp.comm.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -6,20 +6,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.kernels import Kernels
 from worker.layers.fused import fused_ops
 from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker.parallel import TPGroup
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, tp: TPGroup) -> None:
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, kernels: Kernels = Kernels()) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias=False, tp=tp)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False, tp=tp)
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias=False, tp=tp,
+                                                 kernels=kernels)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False, tp=tp, kernels=kernels)
+        self.fused = kernels.fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        ops = fused_ops(gate_up)
+        ops = fused_ops(gate_up) if self.fused else None
         if ops is not None:
             return self.down_proj(ops.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

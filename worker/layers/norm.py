@@ -5,19 +5,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker.kernels import Kernels
 from worker.layers.fused import fused_ops
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels: Kernels = Kernels()) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = kernels.fused
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and returns (normed, new residual), saving one pass.
         x: [..., dim]; on the fused path x and residual are updated in place."""
-        ops = fused_ops(x)
+        ops = fused_ops(x) if self.fused else None
         if ops is not None:
             if residual is None:
                 return ops.rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)

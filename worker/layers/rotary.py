@@ -7,6 +7,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from worker.kernels import Kernels
 from worker.layers.fused import fused_ops
 
 _FUSED_HEAD_DIMS = (64, 128, 256)  # what FlashInfer's rotary kernel is built for
@@ -21,8 +22,10 @@ def rope_parameters(config: PretrainedConfig) -> dict:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int,
+                 kernels: Kernels = Kernels()) -> None:
         super().__init__()
+        self.fused = kernels.fused and head_dim in _FUSED_HEAD_DIMS
         params = rope_parameters(config)
         if params["rope_type"] == "default":
             inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
@@ -39,7 +42,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim] (rotated in place on the fused path)."""
-        ops = fused_ops(q) if q.shape[-1] in _FUSED_HEAD_DIMS else None
+        ops = fused_ops(q) if self.fused else None
         if ops is not None:
             head_dim = q.shape[-1]
             ops.rope_inplace(positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), head_dim, self.cos_sin,

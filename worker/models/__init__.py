@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
+from worker.kernels import Kernels
 from worker.models.llama import LlamaForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
 from worker.models.qwen3 import Qwen3ForCausalLM
@@ -22,9 +23,11 @@ class UnsupportedModelError(ValueError):
     pass
 
 
-def build_model(config: PretrainedConfig, max_positions: int, tp: TPGroup) -> nn.Module:
+def build_model(config: PretrainedConfig, max_positions: int, tp: TPGroup,
+                kernels: Kernels = Kernels()) -> nn.Module:
+    """`kernels`: which of the layers' kernels run (each layer keeps its own choice)."""
     archs = getattr(config, "architectures", None) or []
     for arch in archs:
         if arch in MODELS:
-            return MODELS[arch](config, max_positions, tp)
+            return MODELS[arch](config, max_positions, tp, kernels)
     raise UnsupportedModelError(f"unsupported architecture {archs or config.model_type!r}; supported: {sorted(MODELS)}")

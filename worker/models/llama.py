@@ -8,6 +8,7 @@ from transformers import PretrainedConfig
 
 from worker import triton_ops
 from worker.attention.base import AttentionBackend
+from worker.kernels import Kernels
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from worker.layers.mlp import SwiGLU
@@ -22,24 +23,26 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 class Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup,
-                 bias: tuple[bool, bool], qk_norm: bool) -> None:
+                 bias: tuple[bool, bool], qk_norm: bool, kernels: Kernels) -> None:
         super().__init__()
         qkv_bias, o_bias = bias
         self.layer_id = layer_id
         self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, qkv_bias, tp)
+                                          config.num_key_value_heads, qkv_bias, tp, kernels)
         self.num_heads = self.qkv_proj.num_local_heads
         self.num_kv_heads = self.qkv_proj.num_local_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        bias=o_bias, tp=tp)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+                                        bias=o_bias, tp=tp, kernels=kernels)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
         self.rotary = rotary
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if triton_ops.prologue_applies(qkv, self.head_dim, attn.kv.dtype):  # norm, rotary, KV write: one kernel
+        # norm, rotary and the KV write in one kernel
+        if triton_ops.prologue_applies(self.kernels, qkv, self.head_dim, attn.kv.dtype):
             norm = self.q_norm is not None
             q = triton_ops.qkv_prologue(qkv, positions, attn.out_loc, self.rotary.cos_sin,
                                         self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
@@ -65,12 +68,12 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup,
-                 bias: tuple[bool, bool], qk_norm: bool) -> None:
+                 bias: tuple[bool, bool], qk_norm: bool, kernels: Kernels) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_id, rotary, tp, bias, qk_norm)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id, rotary, tp, bias, qk_norm, kernels)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, tp, kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(self, x, residual, positions, attn):
         if residual is None:
@@ -85,13 +88,13 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(self, config: PretrainedConfig, max_positions: int, tp: TPGroup, bias: tuple[bool, bool],
-                 qk_norm: bool) -> None:
+                 qk_norm: bool, kernels: Kernels) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions, kernels)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary, tp, bias, qk_norm)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary, tp, bias, qk_norm, kernels)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
@@ -107,13 +110,14 @@ class LlamaForCausalLM(nn.Module):
     packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TPGroup) -> None:
+    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TPGroup,
+                 kernels: Kernels = Kernels()) -> None:
         super().__init__()
         self.config = config
         attention_bias = getattr(config, "attention_bias", False)
         # Llama's attention_bias covers q, k, v and o; Qwen2 has a bias on q, k and v only
         bias = (self.qkv_bias or attention_bias, attention_bias and not self.qkv_bias)
-        self.model = DecoderModel(config, max_positions, tp, bias, self.qk_norm)
+        self.model = DecoderModel(config, max_positions, tp, bias, self.qk_norm, kernels)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from worker import triton_ops
+from worker.kernels import Kernels
 from worker.sampling.columns import COLUMNS
 from worker.sampling.processors import ProcessorState
 from worker.sampling.sampler import apply_min_p, filter_logits, sample_unfiltered
@@ -59,8 +60,8 @@ def allowed_tokens(n: int, at: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
 
 
 class StepSampler:
-    def __init__(self, flat_pool: torch.Tensor, state: ProcessorState) -> None:
-        self.flat_pool, self.state = flat_pool, state
+    def __init__(self, flat_pool: torch.Tensor, state: ProcessorState, kernels: Kernels = Kernels()) -> None:
+        self.flat_pool, self.state, self.kernels = flat_pool, state, kernels
 
     def __call__(self, logits: torch.Tensor, a: SampleArgs, *, procs: bool, filtered: bool,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,7 +90,7 @@ class StepSampler:
         return tokens
 
     def _draw(self, x: torch.Tensor, a: SampleArgs, out: torch.Tensor | None) -> torch.Tensor:
-        if triton_ops.kernels_available(x):
+        if triton_ops.kernels_available(self.kernels, x):
             return triton_ops.sample_rows(x, a.temperature, a.seeds, a.positions, out=out,
                                           token_pool=self.flat_pool, token_write=a.token_write)
         tokens = sample_unfiltered(x, a.temperature, a.seeds, a.positions).to(torch.int32)

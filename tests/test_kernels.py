@@ -1,0 +1,72 @@
+"""An engine's kernel choices (worker/kernels.py) and its count of host waits are its own: two engines
+in one process, built one after the other with different choices, each keep theirs."""
+
+from __future__ import annotations
+
+import pytest
+from fixtures import PROMPT_TEXTS, hf_greedy
+from helpers import checked_llm, encode_all, greedy
+from test_fused_layers import STAND_INS
+
+from cluster import SamplingParams
+from worker import triton_ops
+from worker.kernels import Kernels
+
+
+def test_two_engines_in_one_process_keep_their_own_fused_kernel_choice(monkeypatch, qwen3_path):
+    import worker.layers.mlp
+    import worker.layers.norm
+    import worker.layers.rotary
+    fused_calls = []
+
+    def stand_ins(x):  # FlashInfer's kernels, as tests/test_fused_layers.py stands them in on the CPU
+        fused_calls.append(x.shape)
+        return STAND_INS
+
+    for module in (worker.layers.norm, worker.layers.rotary, worker.layers.mlp):
+        monkeypatch.setattr(module, "fused_ops", stand_ins)
+    with checked_llm(qwen3_path, kernels=Kernels(fused=False)) as unfused, checked_llm(qwen3_path) as fused:
+        assert unfused.engine.kernels == Kernels(fused=False) and fused.engine.kernels == Kernels()
+        prompts = encode_all(fused, PROMPT_TEXTS[:2])
+        want = hf_greedy(qwen3_path, prompts, 4)
+        fused_calls.clear()  # the fused engine's warm-up step
+        # the engine built first still runs unfused once the second is built, and after the second ran
+        assert [o.token_ids for o in unfused.generate(prompts, greedy(4))] == want and not fused_calls
+        assert [o.token_ids for o in fused.generate(prompts, greedy(4))] == want and fused_calls
+        fused_calls.clear()
+        assert [o.token_ids for o in unfused.generate(prompts, greedy(4))] == want and not fused_calls
+
+
+def test_two_engines_in_one_process_keep_their_own_triton_kernel_choice(monkeypatch, qwen3_path):
+    pytest.importorskip("triton")
+    launches = {"prologue": 0, "sample": 0}
+
+    def counted(name, kernel):
+        def launch(*args, **kwargs):
+            launches[name] += 1
+            return kernel(*args, **kwargs)
+        return launch
+
+    monkeypatch.setattr(triton_ops, "qkv_prologue", counted("prologue", triton_ops.qkv_prologue))
+    monkeypatch.setattr(triton_ops, "sample_rows", counted("sample", triton_ops.sample_rows))
+    seeded = SamplingParams(temperature=0.8, max_tokens=3, seed=7, ignore_eos=True)  # a draw: the sampler's kernel
+    with checked_llm(qwen3_path, kernels=Kernels(interpret_on_cpu=True)) as interpreted, \
+            checked_llm(qwen3_path) as plain:
+        prompts = encode_all(plain, PROMPT_TEXTS[:2])
+        launches.update(prologue=0, sample=0)  # the interpreted engine's warm-up step
+        torch_tokens = [o.token_ids for o in plain.generate(prompts, seeded)]
+        assert launches == {"prologue": 0, "sample": 0}
+        triton_tokens = [o.token_ids for o in interpreted.generate(prompts, seeded)]
+        assert launches["prologue"] > 0 and launches["sample"] > 0
+        before = dict(launches)
+        assert [o.token_ids for o in plain.generate(prompts, seeded)] == torch_tokens and launches == before
+    assert triton_tokens == torch_tokens
+
+
+def test_each_engine_counts_its_own_host_waits(qwen3_path):
+    with checked_llm(qwen3_path) as first, checked_llm(qwen3_path) as second:
+        assert first.engine.host_waits is not second.engine.host_waits
+        prompts = encode_all(first, PROMPT_TEXTS[:1])
+        waited = second.engine.host_waits.seconds
+        first.generate(prompts, greedy(3))
+        assert second.engine.host_waits.seconds == waited and first.engine.host_waits.seconds > 0

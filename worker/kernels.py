@@ -1,0 +1,40 @@
+"""Which kernels an engine runs where several compute the same thing: one frozen record that the engine
+hands to its model's layers, its KV cache, its sampler and its attention backend when it builds them,
+so that two engines in one process can differ. Not a user's setting: every default is the automatic
+choice, and benchmarks and tests pass others (`LLM(path, kernels=Kernels(fused=False))`) to compare."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+DECODE_KERNELS = ("auto", "tensor_cores", "cuda_cores", "triton")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    # FlashInfer's fused RMSNorm (with the residual add), rotary embedding and SiLU-and-multiply on CUDA in
+    # half precision; off: the torch versions
+    fused: bool = True
+    # the Triton attention prologue on CUDA (q/k norm, rotary and the KV write in one launch); off:
+    # FlashInfer's norm and rotary kernels and the Triton KV store. Triton's sampler and KV store run on
+    # CUDA regardless
+    triton: bool = True
+    # a Triton matrix-vector kernel for linear layers at batch 1 on CUDA; off: cuBLAS
+    small_linear: bool = True
+    # auto: FlashInfer on a GPU in half precision, torch otherwise
+    attention: str = "auto"
+    # decode attention over FlashInfer's pages. auto: over an fp8 cache the Triton split-KV kernel (where
+    # the GPU converts fp8), otherwise FlashInfer's tensor-core path above its TENSOR_CORE_ABOVE_BATCH rows
+    # (worker/attention/flashinfer_backend.py) and its CUDA-core kernels at and below; the others force one
+    decode: str = "auto"
+    # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
+    # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too
+    # slow to serve with
+    interpret_on_cpu: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {self.attention!r}; choose {', '.join(ATTENTION_BACKENDS)}")
+        if self.decode not in DECODE_KERNELS:
+            raise ValueError(f"unknown decode kernel {self.decode!r}; choose {', '.join(DECODE_KERNELS)}")
