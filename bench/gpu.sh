@@ -5,7 +5,7 @@
 #   bench/gpu.sh SUITE [SUITE ...]
 #
 # suites:
-#   tests          the GPU tests (pytest -m gpu over tests/)
+#   tests          the GPU tests (those marked gpu in the files that hold them)
 #   offline        (a) offline throughput, Qwen3-0.6B's architecture, RUNS runs (one process each)
 #   latency        (b) batch 1, ms per output token (5 runs in one process)
 #   fp8            (a) over an fp8 KV cache
@@ -133,7 +133,8 @@ PY
 setup
 for suite in "$@"; do
   case $suite in
-    tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider tests ;;
+    tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
+      tests/test_kv_fp8.py tests/test_triton_decode.py ;;
     offline) offline offline 150 ;;
     latency)
       for tree in $(trees); do
