@@ -41,8 +41,8 @@ class DescChannel:
     payload does not fit there (a long prefill) follows in a second broadcast of its exact size. The
     buffers are allocated once (the overflow one grows), and what a follower receives is unpacked into
     views of them: valid until its next receive, which the engine never outlives (it copies a step's
-    arrays before forward returns). One broadcast costs what a 64-byte one does up to 32 KiB on gloo
-    (docs/BENCHMARKS.md), which holds a decode step of about 900 requests.
+    arrays before forward returns). On gloo a broadcast costs about the same up to 32 KiB (docs/BENCHMARKS.md),
+    which holds a decode step of about 900 requests.
 
     Rank 0 only posts its broadcasts and goes on to launch the step; it waits for them to complete
     before it next writes the buffers (by then, a step later, they long have), so that a follower's

@@ -56,8 +56,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, last_page_
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None], other=0.0)
     if F16_DOT:
-        # float16 operands: e4m3 converts to float16 directly, to bfloat16 only through it (bfloat16
-        # operands took 40% longer on an H200). Every e4m3 value is exact in float16, and so is a
+        # float16 operands: e4m3 converts to float16 directly, to bfloat16 only through it (so bfloat16
+        # operands are slower). Every e4m3 value is exact in float16, and so is a
         # bfloat16 query from 2^-17 up to float16's range (saturated there)
         q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
@@ -69,8 +69,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, last_page_
         t = n0 + offs_n
         t_mask = t < end
         # each token's cell through the page table: right for any page size, within or across pages
-        # (t >= 0: unsigned, so a power-of-two page size divides by a shift and a mask; signed
-        # division's fix-ups cost about a tenth of the time over fp8 on an H200)
+        # (t >= 0: unsigned, so a power-of-two page size divides by a shift and a mask, without signed
+        # division's fix-ups)
         t_u = t.to(tl.uint32)
         page = tl.load(pages + t_u // PAGE_SIZE, mask=t_mask, other=0)
         row = page.to(tl.int64) * stride_page + (t_u % PAGE_SIZE).to(tl.int32) * stride_tok + head
@@ -159,8 +159,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]: request b reads pages
     kv_indices[kv_indptr[b]:kv_indptr[b + 1]], the last of them filled to last_page_len[b] (int32 all).
     Returns [B, num_heads, head_dim] in q's dtype (into `out` when given). With `scratch` (from
-    decode_scratch) and `out` it allocates nothing. The rest tune it (None: what measured best on an
-    H200): block_n, num_warps, num_stages, the tile (tokens a step) and launch shape; f16_dot, float16
+    decode_scratch) and `out` it allocates nothing. The rest tune it (None: the fastest in bench/fp8_decode.py
+    on an H200): block_n, num_warps, num_stages, the tile (tokens a step) and launch shape; f16_dot, float16
     tensor-core operands (None: for an fp8 cache) or q's dtype."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -201,8 +201,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def _default_tile(head_dim: int, num_splits: int) -> tuple[int, int, int]:
-    """(block_n, num_warps, num_stages) measured best on an H200 (bench/fp8_decode.py: head_dim 128, page
-    16, fp8 and bf16 alike): 128 tokens a step at a split or two a request (batch 256), 32 where many
+    """(block_n, num_warps, num_stages), the fastest in bench/fp8_decode.py (head_dim 128, page 16, fp8 and
+    bf16 alike): 128 tokens a step at a split or two a request (batch 256), 32 where many
     splits leave each a few blocks (batch 1). Past head_dim 128, 32 (a guess: K and V tiles twice the size)."""
     if head_dim > 128:
         return 32, 4, 2

@@ -34,11 +34,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # (worker/kv_cache.py), so run() gets no k_scale / v_scale (each would cost a multiply, v_scale a kernel).
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 FA3_HEAD_DIMS = (64, 128, 256)
-# Decode kernels by batch size, measured on an H200 (Qwen3-0.6B shapes, GQA group 2): above
+# Decode kernels by batch size (the faster of the two on each side, docs/BENCHMARKS.md): above
 # TENSOR_CORE_ABOVE_BATCH rows FlashInfer's tensor-core path (its prefill kernels, one query a row),
-# which reads the KV cache at about the HBM copy bandwidth, 12% faster than the CUDA-core kernels at
-# batch 256 (offline workload: 22,820 against 21,160 output tok/s); at and below it the CUDA-core
-# kernels, about 0.5 us a layer faster at batch 1 (../shared/perf/decode-attention.md). The graph
+# which reads the KV cache at about the HBM copy bandwidth; at and below it the CUDA-core kernels,
+# whose launch is lighter at small batches. The graph
 # buckets up to 8 are 1, 2, 4, 8, so an eager step of n rows and the graph it would pad to use the same
 # kernel. Kernels.decode forces one path (to compare).
 TENSOR_CORE_ABOVE_BATCH = 8
@@ -47,8 +46,7 @@ TENSOR_CORE_ABOVE_BATCH = 8
 def decodes_with_triton(kv_dtype: torch.dtype, device: torch.device, choice: str = "auto") -> bool:
     """Whether decode steps run worker/triton_decode.py's kernel instead of FlashInfer's: when `choice`
     (Kernels.decode) is triton, or by default over a float8 cache, which FlashInfer 0.5.3's
-    decode kernels read at half the memory's speed (they dequantize slowly: no faster than over
-    bfloat16). Over a half-precision cache FlashInfer's kernels decode by default: the Triton kernel
+    decode kernels read far below the memory's speed (they dequantize slowly). Over a half-precision cache FlashInfer's kernels decode by default: the Triton kernel
     splits a request's KV by the batch size, so a request's tokens could change as requests beside it
     finish. Needs Triton, and for float8 a GPU that converts it (compute capability 8.9 and up)."""
     if not (choice == "triton" or (choice == "auto" and kv_dtype in FP8_KV_DTYPES)):

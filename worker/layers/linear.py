@@ -15,8 +15,8 @@ from worker.parallel import TPGroup
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            small: bool = True) -> torch.Tensor:
     """F.linear, but for one row (batch-1 decode) on CUDA a Triton GEMV unless `small` is off
-    (Kernels.small_linear): cuBLAS reads these weights at 0.35-2 TB/s at M=1 (its o_proj kernel takes
-    12 us for 4 MiB), the GEMV at up to about twice that."""
+    (Kernels.small_linear): at M=1 cuBLAS reads these weights well below the memory's bandwidth, and the
+    GEMV nearer it (bench/small_gemm.py compares them)."""
     if small and x.dim() == 2 and x.shape[0] == 1 and triton_ops.small_linear_applies(x, weight):
         y = triton_ops.small_linear(x, weight)
         return y if bias is None else y + bias
