@@ -146,7 +146,6 @@ case $1 in
     ON="$B/online_serving.py --arch qwen3-0.6b --num-prompts 256 --input-len 100 1024 --output-len 100 1024 \
       --c1-prompts 8 --client-procs 4"
     step online_r2 220 $ON --concurrency 1 256 --offline --routers 2 --out "$OUT/online_r2.json"
-    step online_r2_ray 130 $ON --concurrency 1 256 --routers 2 --no-replica-channel --out "$OUT/online_r2_ray.json"
     step online_r0 110 $ON --concurrency 1 256 --routers 0 --out "$OUT/online_r0.json"
     step online_r4 110 $ON --concurrency 256 --routers 4 --out "$OUT/online_r4.json" ;;
   21) # the Triton decode kernel over an fp8 cache: its tests and the fp8 cache's, one layer's decode

@@ -1,6 +1,6 @@
 """What can go wrong with a request, as a kind that survives every hop (scheduler, replica actor, Ray,
 router) and one exception per kind. The router maps kinds to HTTP statuses in one table
-(router/errors.py); the offline `LLM` raises the same exception whatever the tensor-parallel size."""
+(router/http/errors.py); the offline `LLM` raises the same exception whatever the tensor-parallel size."""
 
 from __future__ import annotations
 

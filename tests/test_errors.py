@@ -13,9 +13,9 @@ from helpers import fail_first_launch, greedy, serving
 from cluster import (LLM, EngineError, ErrorKind, GenerationError, InvalidRequestError, RaylmError, ReplicaDownError,
                      error_for)
 from cluster.messages import TokenDelta
-from router.detokenizer import IncrementalDetokenizer
-from router.errors import STATUS_OF_KIND, APIError
-from router.generation import Timing, generate
+from router.chat.detokenizer import IncrementalDetokenizer
+from router.http.errors import STATUS_OF_KIND, APIError
+from router.replicas.generation import Timing, generate
 
 C = "/v1/completions"
 # 8 pages of 4 tokens: a request for 100 new tokens can never fit, whatever else runs

@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ReplicaConfig
 from cluster.messages import ReplicaInfo
-from cluster.replica import SchedulerActor
+from cluster.replica.actor import SchedulerActor
 from worker.follower import Follower
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from cluster.config import ReplicaConfig
-from cluster.deploy import ReplicaHandle
+from cluster.fleet.deploy import ReplicaHandle
 
 log = logging.getLogger(__name__)
 

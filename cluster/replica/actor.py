@@ -1,11 +1,13 @@
 """The scheduler actor: one replica's tensor-parallel rank 0. Its loop runs on its own thread; the
-Ray methods beside it (submit, abort, poll, stats) only touch thread-safe queues. Results leave as
-one batch of deltas per poll, never one call per token, with the prefix cache's KV events of the same
-steps beside them (a snapshot of every block it holds first, to a new receiver: `kv_subscribe`).
+methods beside it (submit, abort, poll, stats; called over its channel, cluster/channel.py, or
+through Ray) only touch thread-safe queues. Results leave as one batch of deltas per poll, never one
+call per token, with the prefix cache's KV events of the same steps beside them (a snapshot of every
+block it holds first, to a new receiver: `kv_subscribe`).
 
-Several routers may send to one replica: each is a subscriber (its index), whose requests' deltas
-and whose KV events wait for its own polls. A router that restarts releases what its predecessor
-left (`release_subscriber`), so nothing keeps generating for a connection that is gone."""
+Several routers may send to one replica: each is a subscriber (cluster/replica/subscribers.py),
+whose requests' deltas and whose KV events wait for its own polls. A router that restarts releases
+what its predecessor left (`release_subscriber`), so nothing keeps generating for a connection that
+is gone."""
 
 from __future__ import annotations
 
@@ -17,23 +19,22 @@ from typing import Callable
 
 from cluster.channel import ChannelAddress, ChannelListener
 from cluster.config import ReplicaConfig
-from cluster.grammars import Grammars
 from cluster.errors import ErrorKind
-from cluster.engine_executors import LocalExecutor, TensorParallelExecutor
-from cluster.executor import ReplicaBrokenError
 from cluster.messages import AddRequest, ReplicaInfo, ReplicaOutput, ReplicaStats, TokenDelta
-from cluster.metrics import ReplicaMetrics
-from cluster.model_info import eos_token_ids, load_tokenizer
-from cluster.prefix_cache.events import KVEventStream
-from cluster.req import Req
-from cluster.scheduler import Scheduler
+from cluster.model_info import load_tokenizer
+from cluster.replica.engine_executors import LocalExecutor, TensorParallelExecutor
+from cluster.replica.metrics import ReplicaMetrics
+from cluster.replica.subscribers import Subscribers
+from cluster.scheduler.build import build_scheduler
+from cluster.scheduler.executor import ReplicaBrokenError
+from cluster.scheduler.prefix_cache.events import KVEventStream
+from cluster.scheduler.req import Req
+from cluster.scheduler.scheduler import Scheduler
 from worker.comm import free_address
 from worker.follower import node_and_pid
 from worker.rank import build_rank
 
 log = logging.getLogger(__name__)
-
-SUBSCRIBER_TIMEOUT_S = 60.0  # a router silent this long is gone: its requests are aborted
 
 
 class SchedulerActor:
@@ -41,17 +42,7 @@ class SchedulerActor:
         logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config, self.replica_id = config, replica_id
         self.scheduler: Scheduler | None = None
-        self.broken: str | None = None
-        self._outboxes: dict[int, list[TokenDelta]] = {}  # by subscriber
-        self._owner: dict[int, int] = {}  # uid -> the subscriber that submitted it
-        self._last_poll: dict[int, float] = {}  # subscriber -> when it last polled (monotonic)
-        self._live: set[int] = set()  # submitted and not yet finished
-        self._kv: KVEventStream | None = None
-        # one lock for the outboxes and the live set; each subscriber's poll waits on its own condition
-        # of it, so a step wakes only the routers it has deltas for (an idle poller woken at every step
-        # would take the interpreter from the scheduler thread for nothing)
-        self._lock = threading.Lock()
-        self._wakeups: dict[int, threading.Condition] = {}
+        self.subscribers = Subscribers()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.address: str | None = None
@@ -74,16 +65,10 @@ class SchedulerActor:
         executor = (TensorParallelExecutor(engine, keepalive_s=cfg.collective_timeout_s / 4) if cfg.tp_size > 1
                     else LocalExecutor(engine))
         self.engine, self.executor = engine, executor
-        tokenizer = load_tokenizer(cfg.engine.model_path)
-        eos = eos_token_ids(cfg.engine.model_path, engine.hf_config, tokenizer)
-        vocab = engine.hf_config.vocab_size
         self.metrics = ReplicaMetrics(self.replica_id, cfg.model_name or Path(cfg.engine.model_path).name)
-        self.scheduler = Scheduler(cfg.scheduler, executor, num_pages=engine.num_pages, page_size=engine.page_size,
-                                   max_running_reqs=cfg.engine.max_running_reqs, max_seq_len=engine.max_seq_len,
-                                   eos_ids=eos, on_output=self._publish, on_finish=self._on_finish,
-                                   vocab_size=vocab, max_logit_bias=cfg.engine.max_logit_bias,
-                                   grammars=Grammars(tokenizer, vocab, sorted(eos)) if tokenizer is not None else None)
-        self._kv = KVEventStream(engine.page_size)
+        self.scheduler = build_scheduler(cfg, engine, executor, load_tokenizer(cfg.engine.model_path),
+                                         on_output=self._publish, on_finish=self._on_finish)
+        self.subscribers.kv = KVEventStream(engine.page_size)
         self._thread = threading.Thread(target=self._loop, name=f"scheduler-{self.replica_id}", daemon=True)
         self._thread.start()
         if isinstance(executor, TensorParallelExecutor):
@@ -91,7 +76,7 @@ class SchedulerActor:
         threading.Thread(target=self._reap_loop, name="subscriber-reaper", daemon=True).start()
         self.channel = ChannelListener(self, _node_ip())
         return ReplicaInfo(max_seq_len=engine.max_seq_len, num_pages=engine.num_pages, page_size=engine.page_size,
-                           vocab_size=engine.hf_config.vocab_size, eos_ids=tuple(sorted(eos)))
+                           vocab_size=engine.hf_config.vocab_size, eos_ids=tuple(sorted(self.scheduler.eos_ids)))
 
     def _loop(self) -> None:
         sched = self.scheduler
@@ -121,25 +106,20 @@ class SchedulerActor:
                 log.exception("a broken replica could not answer a request")
                 self._stop.wait(0.1)
 
+    @property
+    def broken(self) -> str | None:
+        """Why the replica cannot serve any more; None while it serves."""
+        return self.subscribers.failed
+
     def _publish(self, deltas: list[TokenDelta]) -> None:
-        with self._lock:
-            if self.broken:  # the watchdog has failed every request: nothing more may reach them
-                deltas = [d for d in deltas if d.uid in self._live]
-            self.metrics.on_output(deltas)
-            self._live.difference_update(d.uid for d in deltas if d.finished)
-            owners = self._deliver(deltas)
-            # the step's cache changes (a finished request's pages among them) in the same message
-            self._kv.add(*self.scheduler.cache.take_kv_events())
-            self._notify(owners)
+        # once broken, the watchdog has failed every request: nothing more may reach them
+        self.metrics.on_output(self.subscribers.publish(deltas, *self.scheduler.cache.take_kv_events()))
 
     def _take_kv_events(self) -> None:
-        stored, removed = self.scheduler.cache.take_kv_events()
-        if stored or removed:
-            with self._lock:
-                self._kv.add(stored, removed)
+        self.subscribers.add_kv_events(*self.scheduler.cache.take_kv_events())
 
     def _on_finish(self, req: Req, reason: str) -> None:
-        if self.broken and req.uid not in self._live:
+        if self.broken and not self.subscribers.is_live(req.uid):
             return  # counted when the replica failed
         self.metrics.on_finish(req, reason)
 
@@ -154,78 +134,39 @@ class SchedulerActor:
                                    "(a rank is gone or stalled)")
 
     def _reap_loop(self) -> None:
-        while not self._stop.wait(SUBSCRIBER_TIMEOUT_S / 4):
+        while not self._stop.wait(self.subscribers.timeout_s / 4):
             self.reap_silent_subscribers(time.monotonic())
 
     def reap_silent_subscribers(self, now: float) -> list[int]:
-        """Releases the routers (subscribers 1 and up) that have not polled for SUBSCRIBER_TIMEOUT_S:
-        a router polls at least every second, so one that stopped is gone for good (Ray would have
-        restarted it by then), and its requests must not run on for no one. Returns those released."""
-        with self._lock:  # decided and released at once: a poll in between would keep the router
-            silent = [sub for sub, seen in self._last_poll.items() if sub and now - seen > SUBSCRIBER_TIMEOUT_S]
-            released = {sub: self._release_locked(sub) for sub in silent}
+        """Releases the routers that have not polled for the subscriber timeout and aborts their
+        requests (Subscribers.release_silent). Returns those released."""
+        released = self.subscribers.release_silent(now)
         for sub, uids in released.items():
             if uids:
                 log.warning("replica %d: router %d stopped polling; aborting its %d request(s)", self.replica_id,
                             sub - 1, len(uids))
                 self.abort(uids)
-        return silent
+        return list(released)
 
     def _fail_replica(self, why: str) -> None:
         """Marks the replica broken and ends every request it holds with the error; later requests get
         the error at once. The router replaces a broken replica."""
-        with self._lock:
-            if self.broken:
-                return
+        failed = self.subscribers.fail(why)
+        if failed is not None:
             log.error("replica %d is broken: %s", self.replica_id, why)
-            self.broken = why
-            self._deliver(_error_deltas(sorted(self._live), why))
-            self.metrics.on_replica_failed(len(self._live))
-            self._live.clear()
-            self._notify(self._wakeups)
+            self.metrics.on_replica_failed(failed)
 
-    # -- called through Ray ------------------------------------------------------------------------
-
-    def _deliver(self, deltas: list[TokenDelta]) -> set[int]:
-        """Into each delta's subscriber's outbox (the lock held); a finished request forgets its owner.
-        Returns the subscribers delivered to."""
-        owners = set()
-        for d in deltas:
-            owner = self._owner.pop(d.uid, 0) if d.finished else self._owner.get(d.uid, 0)
-            self._outboxes.setdefault(owner, []).append(d)
-            owners.add(owner)
-        return owners
-
-    def _wakeup(self, subscriber: int) -> threading.Condition:
-        """The condition subscriber's poll waits on (the lock held)."""
-        if (cond := self._wakeups.get(subscriber)) is None:
-            cond = self._wakeups[subscriber] = threading.Condition(self._lock)
-        return cond
-
-    def _notify(self, subscribers) -> None:
-        """Wakes the polls of these subscribers (the lock held)."""
-        for sub in subscribers:
-            if (cond := self._wakeups.get(sub)) is not None:
-                cond.notify_all()
+    # -- called over the channel, or through Ray ---------------------------------------------------
 
     def submit(self, requests: list[AddRequest], subscriber: int = 0) -> None:
-        with self._lock:
-            if self.broken:
-                self._outboxes.setdefault(subscriber, []).extend(_error_deltas([r.uid for r in requests], self.broken))
-                self.metrics.on_replica_failed(len(requests))
-                self._notify((subscriber,))
-                return
-            self._live.update(r.uid for r in requests)
-            if subscriber:
-                self._owner.update((r.uid, subscriber) for r in requests)
+        if not self.subscribers.submitted([r.uid for r in requests], subscriber):
+            self.metrics.on_replica_failed(len(requests))
+            return
         for request in requests:
             self.scheduler.submit(request)
 
     def abort(self, uids: list[int]) -> None:
-        with self._lock:  # an aborted request gets no delta: it leaves the live set here
-            self._live.difference_update(uids)
-            for uid in uids:
-                self._owner.pop(uid, None)
+        self.subscribers.aborted(uids)  # an aborted request gets no delta
         for uid in uids:
             self.scheduler.abort(uid)
 
@@ -233,53 +174,19 @@ class SchedulerActor:
         """Aborts every request that subscriber sent and drops what waits for it: a router that restarts
         calls this for its predecessor, whose clients' connections closed with it. Returns how many
         requests were aborted."""
-        with self._lock:
-            uids = self._release_locked(subscriber)
+        uids = self.subscribers.release(subscriber)
         self.abort(uids)
         return len(uids)
 
-    def _release_locked(self, subscriber: int) -> list[int]:
-        uids = sorted(uid for uid, owner in self._owner.items() if owner == subscriber and uid in self._live)
-        self._outboxes.pop(subscriber, None)
-        self._last_poll.pop(subscriber, None)
-        if self._kv is not None:
-            self._kv.drop(subscriber)
-        return uids
-
     def poll(self, timeout_s: float = 1.0, subscriber: int = 0, kv_events: bool = True,
              receives: Callable[[], bool] | None = None) -> ReplicaOutput:
-        """Every delta for subscriber since its last poll, and (`kv_events`) the KV events since then;
-        waits up to timeout_s for the first delta (or a snapshot due). Changes to the cache alone wake no
-        poll: they go with the next deltas, so a step is one message. A subscriber that polls without
-        kv_events is no receiver of them: nothing is kept for it. `receives`: asked (the lock held)
-        before anything is taken; when it says no, the poll takes nothing (a channel's connection that
-        a newer one of its router has replaced must leave the deltas to that one)."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            wakeup = self._wakeup(subscriber)
-            while (not self._outboxes.get(subscriber) and not (kv_events and self._kv_snapshot_due(subscriber))
-                   and not self._stop.is_set()):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                wakeup.wait(left)
-            if receives is not None and not receives():
-                return ReplicaOutput([], None, len(self._live))
-            self._last_poll[subscriber] = time.monotonic()
-            out = self._outboxes.pop(subscriber, [])
-            kv = self._kv.take(subscriber) if self._kv is not None and kv_events else None
-            return ReplicaOutput(out, kv, len(self._live))
-
-    def _kv_snapshot_due(self, subscriber: int = 0) -> bool:
-        return self._kv is not None and self._kv.snapshot_due(subscriber)
+        """Every delta for subscriber since its last poll, and its KV events (Subscribers.poll)."""
+        return self.subscribers.poll(timeout_s, subscriber, kv_events, receives)
 
     def kv_subscribe(self, subscriber: int = 0) -> None:
         """The next poll of subscriber carries every block hash the prefix cache holds (a router that
         connects late, or the router of a replacement), and the later ones what changed since."""
-        with self._lock:
-            if self._kv is not None:
-                self._kv.resync(subscriber)
-            self._notify((subscriber,))
+        self.subscribers.resync_kv(subscriber)
 
     def stats(self) -> ReplicaStats:
         return self.scheduler.call_between_steps(self._stats).result(timeout=30)
@@ -303,6 +210,7 @@ class SchedulerActor:
 
     def shutdown(self) -> None:
         self._stop.set()
+        self.subscribers.close()
         if self.channel is not None:
             self.channel.close()
         if self._thread is not None:
@@ -318,6 +226,3 @@ def _node_ip() -> str:
     import ray
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
-
-def _error_deltas(uids: list[int], why: str) -> list[TokenDelta]:
-    return [TokenDelta.failure(uid, ErrorKind.REPLICA_DOWN, why) for uid in uids]

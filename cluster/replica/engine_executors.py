@@ -1,4 +1,4 @@
-"""The executors over real engines (the Executor protocol is in cluster/executor.py): a replica of one
+"""The executors over real engines (the Executor protocol is in cluster/scheduler/executor.py): a replica of one
 rank, and rank 0 of a tensor-parallel group, which broadcasts each step to the followers."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from cluster.executor import ReplicaBrokenError
+from cluster.scheduler.executor import ReplicaBrokenError
 from worker.batch import BatchDesc, StepOutput
 from worker.comm import CollectiveError, Keepalive, destroy_tensor_parallel
 from worker.engine import Engine

@@ -9,7 +9,7 @@ from typing import Callable
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from cluster.messages import SchedulerStats, TokenDelta
-from cluster.req import Req
+from cluster.scheduler.req import Req
 
 _LATENCY = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 _TAGS = ("replica", "model")
@@ -34,7 +34,7 @@ class ReplicaMetrics:
                                    _TAGS)
         self.requests = Counter("raylm_request_success", "Ended requests by finish reason", _TAGS + ("finish_reason",))
         # client-visible latencies (TTFT, inter-token, per output token, end to end) are measured once,
-        # where the client's tokens arrive: by the router (router/metrics.py)
+        # where the client's tokens arrive: by the router (router/http/metrics.py)
         self.queue_time = Histogram("raylm_queue_time_seconds", "Arrival to first prefill", _LATENCY, _TAGS)
 
     def on_output(self, deltas: list[TokenDelta]) -> None:

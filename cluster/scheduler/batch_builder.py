@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cluster.cache_manager import CacheManager
-from cluster.grammars import Grammars
-from cluster.req import Req
+from cluster.scheduler.cache_manager import CacheManager
+from cluster.scheduler.grammars import Grammars
+from cluster.scheduler.req import Req
 from cluster.sampling_params import SamplingParams
 from worker.batch import BatchDesc
 from worker.processors import ProcessorInit, ProcessorRows

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from cluster.page_allocator import PageAllocator
-from cluster.prefix_cache import create_prefix_cache
-from cluster.req import Req
+from cluster.scheduler.page_allocator import PageAllocator
+from cluster.scheduler.prefix_cache import create_prefix_cache
+from cluster.scheduler.req import Req
 
 
 class IntegrityError(AssertionError):

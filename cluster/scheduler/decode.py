@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from cluster.cache_manager import CacheManager
-from cluster.prefill import PrefillManager, queue_order
-from cluster.req import Req
+from cluster.scheduler.cache_manager import CacheManager
+from cluster.scheduler.prefill import PrefillManager, queue_order
+from cluster.scheduler.req import Req
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The scheduler's view of the engines: an Executor runs a batch description on every rank of a replica
-and returns rank 0's output. The executors over real engines are in cluster/engine_executors.py; tests
+and returns rank 0's output. The executors over real engines are in cluster/replica/engine_executors.py; tests
 and benchmarks run the scheduler over scripted ones, with no model."""
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from bisect import insort
 
-from cluster.cache_manager import CacheManager
+from cluster.scheduler.cache_manager import CacheManager
 from cluster.config import SchedulerConfig
 from cluster.errors import OverloadedError
-from cluster.req import Req
-from cluster.request_slots import RequestSlots
+from cluster.scheduler.req import Req
+from cluster.scheduler.request_slots import RequestSlots
 
 
 class PrefillManager:

@@ -1,5 +1,5 @@
 """The scheduler of one replica (tensor-parallel rank 0): takes requests from its inbox, builds each
-step's batch (cluster/prefill.py admits and prefills, cluster/decode.py decodes and preempts), launches
+step's batch (cluster/scheduler/prefill.py admits and prefills, cluster/scheduler/decode.py decodes and preempts), launches
 it on the executor, and turns sampled tokens into per-request deltas. Two loops: `normal_step`
 (launch, then handle) and `overlap_step` (launch step N+1, then handle step N while it computes)."""
 
@@ -15,17 +15,17 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable
 
-from cluster.batch_builder import Batch, BatchBuilder
-from cluster.cache_manager import CacheManager
+from cluster.scheduler.batch_builder import Batch, BatchBuilder
+from cluster.scheduler.cache_manager import CacheManager
 from cluster.config import SchedulerConfig
-from cluster.decode import DecodeManager
+from cluster.scheduler.decode import DecodeManager
 from cluster.errors import ErrorKind, InvalidRequestError, RaylmError
-from cluster.grammars import Grammars
-from cluster.executor import Executor, ReplicaBrokenError
+from cluster.scheduler.grammars import Grammars
+from cluster.scheduler.executor import Executor, ReplicaBrokenError
 from cluster.messages import AbortRequest, AddRequest, CallBetweenSteps, SchedulerStats, TokenDelta
-from cluster.prefill import PrefillManager
-from cluster.req import Req
-from cluster.request_slots import RequestSlots
+from cluster.scheduler.prefill import PrefillManager
+from cluster.scheduler.req import Req
+from cluster.scheduler.request_slots import RequestSlots
 from cluster.sampling_params import SamplingParams
 from worker.batch import StepOutput
 

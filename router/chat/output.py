@@ -1,12 +1,12 @@
-"""A chat choice's text as the assistant message it holds: reasoning first (router/reasoning.py), then
-the answer's content and tool calls (router/tool_calls.py), piece by piece as it streams."""
+"""A chat choice's text as the assistant message it holds: reasoning first (router/chat/reasoning.py), then
+the answer's content and tool calls (router/chat/tool_calls.py), piece by piece as it streams."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router.reasoning import ReasoningParser
-from router.tool_calls import ToolCall, tool_call_parser
+from router.chat.reasoning import ReasoningParser
+from router.chat.tool_calls import ToolCall, tool_call_parser
 
 
 @dataclass

@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cluster import GrammarSpec
-from router.chat_output import ChatOutput
-from router.errors import APIError
-from router.protocol import ChatCompletionRequest
-from router.reasoning import closes_thinking, opens_thinking
-from router.state import RouterState
-from router.structured import request_grammar
-from router.tools import plan_tools, tool_grammar
+from router.chat.output import ChatOutput
+from router.http.errors import APIError
+from router.http.protocol import ChatCompletionRequest
+from router.chat.reasoning import closes_thinking, opens_thinking
+from router.http.state import RouterState
+from router.chat.structured import request_grammar
+from router.chat.tools import plan_tools, tool_grammar
 
 
 @dataclass(frozen=True)

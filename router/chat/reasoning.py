@@ -4,7 +4,7 @@ the text streams or whole: both give the same split."""
 
 from __future__ import annotations
 
-from router.markers import split_held
+from router.chat.markers import split_held
 
 THINK_START, THINK_END = "<think>", "</think>"
 

@@ -13,8 +13,8 @@ import jsonschema
 import xgrammar
 
 from cluster import GrammarSpec
-from router.errors import APIError
-from router.protocol import SamplingFields
+from router.http.errors import APIError
+from router.http.protocol import SamplingFields
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 

@@ -9,7 +9,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from router.markers import split_held
+from router.chat.markers import split_held
 
 def tool_call_parser_for(setting: str, model_type: str | None) -> str | None:
     """The format a served model's calls are read in: the setting's, or for auto its model_type's."""

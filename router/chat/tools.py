@@ -12,9 +12,9 @@ from typing import Literal
 import xgrammar
 
 from cluster import GrammarSpec
-from router.errors import APIError
-from router.protocol import ChatCompletionRequest, NamedToolChoice
-from router.structured import check_json_schema, checked
+from router.http.errors import APIError
+from router.http.protocol import ChatCompletionRequest, NamedToolChoice
+from router.chat.structured import check_json_schema, checked
 
 # our tool-call formats as xgrammar's builtin structural tags name them (Qwen2.5 writes Qwen3's calls)
 STRUCTURAL_TAG_MODELS = {"qwen": "qwen_3", "llama": "llama"}

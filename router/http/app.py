@@ -14,17 +14,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.chat import prepare_chat
-from router.detokenizer import IncrementalDetokenizer
+from router.chat.prepare import prepare_chat
+from router.chat.detokenizer import IncrementalDetokenizer
 from cluster import AddRequest, RaylmError, SamplingParams, fan_out
-from router.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
-from router.generation import Generation, Timing
-from router.guard import RequestGuard
-from router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from router.responses import Echo, Formatter, sse
-from router.routing import NoReplicaError, with_room
-from router.state import RouterState
-from router.structured import request_grammar
+from router.http.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
+from router.replicas.generation import Generation, Timing
+from router.http.guard import RequestGuard
+from router.http.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from router.http.responses import Echo, Formatter, sse
+from router.replicas.routing import NoReplicaError, with_room
+from router.http.state import RouterState
+from router.chat.structured import request_grammar
 
 log = logging.getLogger("raylm.requests")
 

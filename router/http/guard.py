@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hmac
 
-from router.errors import error_response
+from router.http.errors import error_response
 
 
 # what the API key protects: everything but the probes (/health, /metrics, /version)

@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from cluster import ReplicaStats
-    from router.generation import Timing
+    from router.replicas.generation import Timing
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # gaps between tokens: 0 for tokens that arrived together, a few ms per decode step on a GPU
@@ -81,7 +81,7 @@ class RouterMetrics:
 
 class ReplicaGauges(Collector):
     """Each replica's running and waiting requests, KV usage, prefix hit rate and preemptions, labelled
-    by replica: the names its scheduler reports through Ray (cluster/metrics.py), as read at the last
+    by replica: the names its scheduler reports through Ray (cluster/replica/metrics.py), as read at the last
     refresh(). A replica that does not answer in time is left out of that scrape rather than holding
     it up (Prometheus then shows a gap, not a stale value)."""
 

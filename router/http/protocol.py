@@ -108,7 +108,7 @@ class SamplingFields(APIRequest):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     priority: int = Field(default=0, ge=-2**63, lt=2**63)  # lower runs first, as vLLM's
-    # ranges are checked where SamplingParams is made (router/state.py), with the limits of the config
+    # ranges are checked where SamplingParams is made (router/http/state.py), with the limits of the config
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -118,9 +118,9 @@ class SamplingFields(APIRequest):
     n: int | None = None
     stream: bool = False
     stream_options: dict | None = None
-    # structured outputs (router/structured.py): OpenAI's response_format, or one of vLLM's fields
+    # structured outputs (router/chat/structured.py): OpenAI's response_format, or one of vLLM's fields
     response_format: ResponseFormat | None = None
-    guided_json: Any = None  # a JSON Schema, or its JSON text (checked in router/structured.py)
+    guided_json: Any = None  # a JSON Schema, or its JSON text (checked in router/chat/structured.py)
     guided_regex: str | None = None
     guided_choice: list[str] | None = None  # the output is one of these strings
     guided_grammar: str | None = None       # an EBNF grammar (xgrammar's, with a root rule)

@@ -6,8 +6,8 @@ import json
 import time
 from dataclasses import dataclass
 
-from router.chat_output import ChatOutput, ChatOutputParser, ChatParts, delta, message
-from router.generation import Piece
+from router.chat.output import ChatOutput, ChatOutputParser, ChatParts, delta, message
+from router.replicas.generation import Piece
 
 
 # An SSE line ends at CR or LF only, but str.splitlines (and so httpx's iter_lines) also ends one at NEL,

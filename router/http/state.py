@@ -11,9 +11,9 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from cluster import GrammarSpec, InvalidRequestError, SamplingParams, ServeConfig
-from router.errors import APIError
-from router.metrics import RouterMetrics
-from router.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from router.http.errors import APIError
+from router.http.metrics import RouterMetrics
+from router.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
 def generation_defaults(model_path: str) -> dict:
@@ -76,8 +76,8 @@ class RouterState:
     defaults: dict = field(default_factory=dict)
     uids: RequestIds = field(default_factory=RequestIds)
     created: int = field(default_factory=lambda: int(time.time()))  # the model card's creation time
-    tool_call_parser: str | None = None  # the served model's tool-call format (router/tool_calls.py)
-    reasoning_parser: str | None = None  # its reasoning format (router/reasoning.py)
+    tool_call_parser: str | None = None  # the served model's tool-call format (router/chat/tool_calls.py)
+    reasoning_parser: str | None = None  # its reasoning format (router/chat/reasoning.py)
 
     def set_client(self, i: int, client) -> None:
         """Routes replica i's traffic to client from now on (its replacement is serving)."""

@@ -1,6 +1,6 @@
 """The router's side of one replica: submits and aborts are batched into one message per event-loop
-tick, and every request's deltas arrive in one message per scheduler step: over the replica's direct
-channel (cluster/channel.py) by default, else as Ray calls (a long poll for the deltas). It counts the
+tick, and every request's deltas arrive in one message per scheduler step, both over the replica's
+direct channel (cluster/channel.py; Ray calls only start it and check health). It counts the
 requests it sent that have no token yet: the replica's queue as the router sees it, for admission. It
 keeps the block hashes the replica's prefix cache holds from the KV events that come with the
 deltas, starting from a snapshot it asks for when it starts (for cache-exact routing)."""
@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 from typing import TYPE_CHECKING
 
-from cluster import (CHANNEL_FRAME, CHANNEL_SILENCE_S, AddRequest, ChannelAddress, ErrorKind, KVEvents,
-                     SamplingParams, TokenDelta, channel_frames, channel_hello, detect_dead_peer)
+from cluster import (AddRequest, ChannelAddress, ChannelConnection, ErrorKind, KVEvents, ReplicaOutput, SamplingParams,
+                     ServeConfig, TokenDelta)
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -23,15 +22,14 @@ log = logging.getLogger(__name__)
 
 class ReplicaClient:
     def __init__(self, replica_id: int, actor: ActorHandle, health_timeout_s: float = 30.0,
-                 subscriber: int = 0, kv_events: bool = True, channel: bool = False) -> None:
-        """`subscriber`: this router's index among the routers sending to the replica (each polls its own
-        requests' deltas). `kv_events`: receive the replica's cache contents (a client that routes
+                 subscriber: int = 0, kv_events: bool = True) -> None:
+        """`subscriber`: this router's index among the routers sending to the replica (each receives its
+        own requests' deltas). `kv_events`: receive the replica's cache contents (a client that routes
         nothing, the launching process's beside router actors, need not: the replica then keeps no
-        changes for it). `channel`: connect to the replica's direct channel (Ray calls when it cannot)."""
-        self.replica_id, self.actor, self.subscriber = replica_id, actor, subscriber
-        self.kv_events, self.channel = kv_events, channel
-        self._out: asyncio.StreamWriter | None = None  # the channel, once connected
-        self._connecting = channel  # until the channel is up or given up: submits wait in _submits
+        changes for it)."""
+        self.replica_id, self.actor, self.subscriber, self.kv_events = replica_id, actor, subscriber, kv_events
+        self.channel: ChannelConnection | None = None  # once connected
+        self._connecting = True  # until the channel is up: submits wait in _submits
         self.health_timeout_s = health_timeout_s
         self.queues: dict[int, asyncio.Queue] = {}
         # sent and without a token yet (waiting in the replica's queue, or in its first prefill): prompt tokens
@@ -114,15 +112,9 @@ class ReplicaClient:
 
     def _flush(self) -> None:
         self._flush_pending = False
-        if self._connecting:
-            return  # sent once the channel is up (or Ray calls are chosen)
-        if self._out is not None:
-            self._out.write(channel_frames(self._submits, self._aborts))
-        else:
-            if self._submits:
-                self.actor.submit.remote(self._submits, self.subscriber)
-            if self._aborts:
-                self.actor.abort.remote(self._aborts)
+        if self._connecting or self.channel is None:
+            return  # sent once the channel is up
+        self.channel.send(self._submits, self._aborts)
         self._submits, self._aborts = [], []
 
     def apply_kv_events(self, events: KVEvents | None) -> None:
@@ -142,53 +134,39 @@ class ReplicaClient:
                         self.replica_id, type(e).__name__, e)
 
     async def _poll_loop(self) -> None:
-        while self.channel:
-            reader = await self._connect()
-            if reader is None:
-                break  # Ray calls from now on
-            if not await self._receive(reader):
-                return  # the replica failed
-        if self.kv_events:
-            await self._subscribe_kv()
-        await self._ray_poll_loop()
+        while await self._connect() and await self._receive():
+            pass
 
-    async def _connect(self) -> asyncio.StreamReader | None:
-        """Opens the replica's channel and sends what waited for it; None when there is none to open
-        (then Ray calls carry the traffic)."""
-        self._connecting = True
+    async def _connect(self) -> bool:
+        """Opens the replica's channel and sends what waited for it. A replica whose channel cannot be
+        reached is failed, as one whose connection closes for good is: nothing else carries its traffic."""
         try:
             if self.kv_events:  # a snapshot first, with the first message (again after a lost connection)
                 await self._subscribe_kv()
             address: ChannelAddress | None = await self.actor.channel_address.remote()
             if address is None:
                 raise ConnectionError("the replica has no channel")
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(address.host, address.port), 10.0)
-            detect_dead_peer(writer.get_extra_info("socket"))
-            writer.write(channel_hello(address, self.subscriber, self.kv_events))
-            self._out = writer
+            self.channel = await ChannelConnection.open(address, self.subscriber, self.kv_events)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - Ray calls still reach the replica
-            log.warning("replica %d: no direct channel (%s: %s); using Ray calls", self.replica_id,
-                        type(e).__name__, e)
-            self.channel, reader = False, None
+        except Exception as e:  # noqa: BLE001 - an actor gone, or a channel refused: the replica cannot serve here
+            self.mark_failed(f"replica {self.replica_id}'s channel cannot be reached: {type(e).__name__}: {e}")
+            log.error("replica %d: %s", self.replica_id, self.error)
+            return False
         self._connecting = False
         self._flush()
-        return reader
+        return True
 
-    async def _receive(self, reader: asyncio.StreamReader) -> bool:
+    async def _receive(self) -> bool:
         """Takes the channel's messages until it closes. Returns whether to connect again: the replica
         still serves, but this connection was lost (its requests there are aborted, and fail here)."""
         try:
             while True:
-                # the replica sends at least every second: silence means its host is gone
-                header = await asyncio.wait_for(reader.readexactly(CHANNEL_FRAME.size), CHANNEL_SILENCE_S)
-                (n,) = CHANNEL_FRAME.unpack(header)
-                self._take(pickle.loads(await reader.readexactly(n)))
+                self._take(await self.channel.receive())
         except asyncio.CancelledError:
             self._close_channel()
             raise
-        except Exception as e:  # noqa: BLE001 - closed, reset, or a message this side cannot read
+        except Exception as e:  # noqa: BLE001 - closed, reset, silent, or a message this side cannot read
             lost = f"{type(e).__name__}: {e}"
         self._close_channel()
         self._connecting = True  # what is submitted from now on waits for the next connection
@@ -204,26 +182,14 @@ class ReplicaClient:
         return True
 
     def _close_channel(self) -> None:
-        if self._out is not None:
-            self._out.close()
-            self._out = None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
-    async def _ray_poll_loop(self) -> None:
-        while True:
-            try:
-                deltas = await self.actor.poll.remote(1.0, self.subscriber, self.kv_events)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - the actor died: fail what it held
-                self.mark_failed(f"replica {self.replica_id} failed: {type(e).__name__}")
-                log.error("replica %d poll failed: %s", self.replica_id, e)
-                return
-            self._take(deltas)
-
-    def _take(self, deltas: list[TokenDelta]) -> None:
+    def _take(self, deltas: ReplicaOutput) -> None:
         """One message of the replica: its deltas to their requests' queues, its KV events and count."""
-        self.apply_kv_events(getattr(deltas, "kv_events", None))  # a plain list: a replica without them
-        self.replica_live = getattr(deltas, "live", None) or 0
+        self.apply_kv_events(deltas.kv_events)
+        self.replica_live = deltas.live or 0
         for d in deltas:
             if self.queued:
                 self._dequeue(d.uid)
@@ -269,3 +235,10 @@ class ReplicaClient:
         if uids is None:
             self.queued.clear()
             self.queued_tokens = 0
+
+
+def client_for(replica, config: ServeConfig, subscriber: int = 0, kv_events: bool = True) -> ReplicaClient:
+    """The router's client of a started replica (a ReplicaHandle, or a router.tier.actor.ReplicaRef; not
+    yet receiving: start() it on the event loop); `subscriber`: the router's index; `kv_events`: see
+    ReplicaClient."""
+    return ReplicaClient(replica.replica_id, replica.actor, config.health_check_timeout_s, subscriber, kv_events)

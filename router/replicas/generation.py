@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from cluster import AddRequest, ErrorKind, SamplingParams, TokenDelta, error_for
-from router.detokenizer import IncrementalDetokenizer
+from router.chat.detokenizer import IncrementalDetokenizer
 
 # for each prompt position after the first: the prompt token's logprob and the k most likely (id, logprob)
 PromptLogprobs = list[tuple[float, list[tuple[int, float]]]]

@@ -1,5 +1,5 @@
 """Choosing a replica for a request. Cache-exact: send a prompt to the replica whose prefix cache holds
-the longest prefix of it, as its KV events tell (router/replica_client.py), unless that replica is
+the longest prefix of it, as its KV events tell (router/replicas/client.py), unless that replica is
 much busier than the least loaded one; otherwise the less loaded of two chosen at random.
 Cache-aware: the same on what the router once sent where (it never sees an eviction, nor what other
 routers sent). Round-robin is the simple alternative. Each picks among the replicas whose queue has

@@ -5,7 +5,7 @@ clients see one endpoint and the per-token work runs in as many processes as the
 
 Ray restarts an actor that dies (its clients' connections close with it). A started router first
 releases what its predecessor of the same index had sent (the replicas abort those requests: no
-one reads them any more), then serves. The driver (router/tier.py) tells each router when a replica
+one reads them any more), then serves. The driver (router/tier/tier.py) tells each router when a replica
 is replaced."""
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ from dataclasses import dataclass
 import uvicorn
 
 from cluster import ReplicaInfo, ServeConfig, load_tokenizer
-from router.app import build_app
-from router.connection import bounded_protocol
-from router.state import RouterState
+from router.http.app import build_app
+from router.http.connection import bounded_protocol
+from router.http.draining import DrainingServer
+from router.http.state import RouterState
+from router.replicas.client import client_for
+from router.tier.router_state import router_state
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,6 @@ class RouterActor:
         """Serves at once (so that a restart by Ray serves again without the driver): `index` is this
         router's place in the tier, and its subscriber id on the replicas is index + 1 (0 is the
         launching process's)."""
-        from router.server import DrainingServer, router_state
         logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config, self.index, self.subscriber = config, index, index + 1
         tokenizer = load_tokenizer(config.model)
@@ -121,7 +123,6 @@ class RouterActor:
     def set_replica(self, i: int, ref: ReplicaRef, repair: bool = False) -> None:
         """Routes replica i's traffic to ref from now on: its replacement serves, or (repair) the
         replica serves and this router's client of it had failed (a transient error)."""
-        from router.supervisor import client_for
         old = self.state.clients[i]
         if _actor_id(old.actor) == _actor_id(ref.actor) and not (repair and not old.healthy):
             return  # the push after a restart repeats the replicas that did not change

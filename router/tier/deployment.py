@@ -1,4 +1,5 @@
-"""Bringing a deployment up and down: the replicas on Ray, the router state, and uvicorn."""
+"""Bringing a deployment up and down: the replicas on Ray, the router state (and the router actors
+when there are any), the supervisor, and uvicorn."""
 
 from __future__ import annotations
 
@@ -13,23 +14,23 @@ from collections.abc import Callable
 import uvicorn
 
 from cluster import Fleet, ReplicaHandle, ServeConfig, ensure_ray, load_tokenizer
-from router.app import build_app
-from router.connection import bounded_protocol
-from router.metrics import RouterMetrics
-from router.routing import create_policy
-from router.reasoning import reasoning_parser_for
-from router.state import RequestIds, RouterState, generation_defaults, model_type
-from router.tool_calls import tool_call_parser_for
-from router.supervisor import Supervisor, client_for
-from router.tier import RouterTier
+from router.http.app import build_app
+from router.http.connection import bounded_protocol
+from router.http.draining import DrainingServer
+from router.http.state import RouterState
+from router.tier.router_state import router_state
+from router.tier.supervisor import Supervisor
+from router.tier.tier import RouterTier
 
 log = logging.getLogger(__name__)
 
 
-class Server:
-    def __init__(self, config: ServeConfig, on_ready: Callable[[Server], None] | None = None,
+class Deployment:
+    """One deployment of the API: its replicas, its routers and the HTTP server over them."""
+
+    def __init__(self, config: ServeConfig, on_ready: Callable[[Deployment], None] | None = None,
                  **ray_options) -> None:
-        """Starts the replicas; `run` then serves. `on_ready(server)` is called once the API listens."""
+        """Starts the replicas; `run` then serves. `on_ready(deployment)` is called once the API listens."""
         self.on_ready = on_ready
         config.validate()
         config.check_against_model()
@@ -130,7 +131,7 @@ class Server:
     def stop(self) -> None:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
-        if self._thread is not None:  # the router actors' drain has its own margin (router/tier.py)
+        if self._thread is not None:  # the router actors' drain has its own margin (router/tier/tier.py)
             self._thread.join(timeout=self.config.drain_timeout_s + (30 if self.tier is not None else 10))
         self.shutdown_replicas()
 
@@ -140,59 +141,6 @@ class Server:
         if self.tier is not None:
             self.tier.shutdown()
         self.fleet.shutdown()
-
-
-def router_state(config: ServeConfig, tokenizer, info, replicas, subscriber: int = 0,
-                 first_uid: int = 0, kv_events: bool = True) -> RouterState:
-    """A router's state over the replicas (ReplicaHandles or router.actor.ReplicaRefs): its clients
-    poll as `subscriber`, and its request ids start at first_uid (each router and each of its
-    incarnations has its own range)."""
-    name = config.model_name
-    return RouterState(
-        config=config, tokenizer=tokenizer, model_name=name, max_seq_len=info.max_seq_len,
-        vocab_size=info.vocab_size, policy=create_policy(config.routing), metrics=RouterMetrics(name),
-        defaults=generation_defaults(config.model),
-        tool_call_parser=tool_call_parser_for(config.tool_call_parser, model_type(config.model)),
-        reasoning_parser=reasoning_parser_for(config.reasoning_parser, model_type(config.model)),
-        clients=[client_for(r, config, subscriber, kv_events) for r in replicas],
-        uids=RequestIds(first_uid))
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn, draining as the router needs: once shutdown begins, new requests get a 503, and requests
-    still running just before the drain timeout ends are failed in order (a stream gets an SSE error
-    event and [DONE], a whole response a 503), instead of being cancelled mid-response by uvicorn."""
-
-    def __init__(self, config: uvicorn.Config, state: RouterState, drain_timeout_s: float,
-                 on_ready: Callable[[], None] | None = None) -> None:
-        super().__init__(config)
-        self.state, self.drain_timeout_s, self.on_ready = state, drain_timeout_s, on_ready
-
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
-        if self.started and self.on_ready is not None:
-            self.on_ready()
-
-    async def shutdown(self, sockets=None) -> None:
-        self.state.draining = True
-        running = sum(c.load for c in self.state.clients)
-        log.warning("draining: no new requests; %d in flight may take up to %g s to finish", running,
-                    self.drain_timeout_s)
-        # uvicorn cancels what still runs at the timeout: end it a little before, so each response is whole
-        cut_after = max(0.0, self.drain_timeout_s - min(1.0, self.drain_timeout_s / 4))
-        timer = asyncio.get_running_loop().call_later(cut_after, self._cut)
-        try:
-            await super().shutdown(sockets)
-        finally:
-            timer.cancel()
-
-    def _cut(self) -> None:
-        running = sum(c.load for c in self.state.clients)
-        if running:
-            log.warning("drain timeout of %g s ran out: failing %d request(s) still running", self.drain_timeout_s,
-                        running)
-        for client in self.state.clients:
-            client.mark_failed(f"the server is shutting down: its drain timeout of {self.drain_timeout_s:g} s ran out")
 
 
 class _TierDriver(DrainingServer):

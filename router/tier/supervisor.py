@@ -2,7 +2,7 @@
 tensor-parallel group broke (a follower died, a collective timed out), or that stays silent past the
 health-check timeout is
 taken out of routing, and the fleet is asked to replace it; traffic returns to it when its
-replacement is ready. This decides when; the fleet (cluster/fleet.py) does the replacing. It also
+replacement is ready. This decides when; the fleet (cluster/fleet/fleet.py) does the replacing. It also
 watches Ray's control store: with it gone for longer than the health-check timeout, /health fails."""
 
 from __future__ import annotations
@@ -15,20 +15,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from cluster import Fleet, ReplicaHandle, ServeConfig, control_store_answers
-from router.replica_client import ReplicaClient
-from router.state import RouterState
+from router.replicas.client import ReplicaClient, client_for
+from router.http.state import RouterState
 
 log = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 60.0  # a cluster short of GPUs stays so a while; never wait longer than this to retry
-
-
-def client_for(replica: ReplicaHandle, config: ServeConfig, subscriber: int = 0,
-               kv_events: bool = True) -> ReplicaClient:
-    """The router's client of a started replica (not yet polling: start() it on the event loop);
-    `subscriber`: the router's index; `kv_events`: see ReplicaClient."""
-    return ReplicaClient(replica.replica_id, replica.actor, config.health_check_timeout_s, subscriber, kv_events,
-                         channel=config.replica_channel)
 
 
 class Supervisor:

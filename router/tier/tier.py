@@ -1,4 +1,4 @@
-"""The router tier, from the launching process: `routers` RouterActors (router/actor.py) on this node,
+"""The router tier, from the launching process: `routers` RouterActors (router/tier/actor.py) on this node,
 named raylm-router-PORT-K in Ray's dashboard, restarted by Ray when they die. This side tells them
 when a replica is replaced, tells a restarted one which replicas serve now (it starts over with those
 it was created with), and drains them when the server stops."""
@@ -14,7 +14,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster import ReplicaInfo, ServeConfig
-from router.actor import ReplicaRef, RouterActor
+from router.tier.actor import ReplicaRef, RouterActor
 
 log = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cluster.prefix_cache.base import PrefixCache
-from cluster.prefix_cache.naive import NaiveCache
-from cluster.prefix_cache.radix import RadixCache
+from cluster.scheduler.prefix_cache.base import PrefixCache
+from cluster.scheduler.prefix_cache.naive import NaiveCache
+from cluster.scheduler.prefix_cache.radix import RadixCache
 
 
 def create_prefix_cache(cache_type: str, page_size: int) -> PrefixCache:

@@ -1,12 +1,12 @@
 """The prefix-cache interface. Pages handed to `insert` belong to the cache from then on; pages of a
 locked handle's path are never evicted. A cache records the chained hashes of the blocks it stores
-and removes (its KV events, cluster/prefix_cache/events.py) for `take_events`."""
+and removes (its KV events, cluster/scheduler/prefix_cache/events.py) for `take_events`."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from cluster.prefix_cache.events import BlockChanges
+from cluster.scheduler.prefix_cache.events import BlockChanges
 
 
 class PrefixCache(ABC):

@@ -86,6 +86,11 @@ class KVEventStream:
     def drop(self, receiver: int) -> None:
         self._changes.pop(receiver, None)
 
+    @property
+    def receivers(self) -> list[int]:
+        """The receivers it keeps changes (or a due snapshot) for."""
+        return sorted(self._changes)
+
     def take(self, receiver: int = 0) -> KVEvents | None:
         """What to send receiver now: the whole set when a snapshot is due (the first time too), else the
         changes (None: nothing)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.prefix_cache.base import PrefixCache
+from cluster.scheduler.prefix_cache.base import PrefixCache
 
 
 class NaiveCache(PrefixCache):

@@ -14,8 +14,8 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from cluster.prefix_cache.base import PrefixCache
-from cluster.prefix_cache.events import ROOT_HASH, block_hashes
+from cluster.scheduler.prefix_cache.base import PrefixCache
+from cluster.scheduler.prefix_cache.events import ROOT_HASH, block_hashes
 
 
 class Node:

@@ -1,0 +1,1 @@
+"""The HTTP edge: the OpenAI-compatible app, its request and response models, errors, metrics and connection limits."""
