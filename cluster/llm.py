@@ -63,7 +63,6 @@ class LLM:
         self.config = ReplicaConfig().override(model=model, **settings)
         self.config.validate()
         self.config.check_against_model()
-        self.engine_config, self.scheduler_config = self.config.engine, self.config.scheduler
         self.tokenizer = load_tokenizer(model)
         self._outputs: dict[int, tuple[RequestOutput, CompletionOutput]] = {}  # by uid: each choice's
         self._uids = itertools.count()
@@ -74,7 +73,7 @@ class LLM:
             ensure_ray()
             self.replica = ReplicaHandle(self.config)
             return
-        self.engine = Engine(self.engine_config)
+        self.engine = Engine(self.config.engine)
         self.executor = LocalExecutor(self.engine)
         self.scheduler = build_scheduler(self.config, self.engine, self.executor, self.tokenizer,
                                          on_output=self._collect)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest

@@ -15,7 +15,7 @@ from fixtures import PROMPT_TEXTS
 from helpers import concurrent_completions, greedy, serving
 
 from cluster import LLM, AddRequest, SamplingParams, TokenDelta
-from cluster.channel import ABORT, FRAME, HELLO, SUBMIT, ChannelListener, recv_exactly
+from cluster.channel import ABORT, FRAME, HELLO, SUBMIT, ChannelConnection, ChannelListener, recv_exactly
 from cluster.messages import ReplicaOutput
 
 
@@ -135,6 +135,29 @@ def test_submits_aborts_and_deltas_cross_the_channel(listener):
     # the router is gone: what it sent is released at once
     replica.wait(lambda: replica.released)
     assert replica.released == [3]
+
+
+def test_a_routers_connection_sends_submits_then_aborts_and_receives_deltas(listener):
+    import asyncio
+    chan, replica = listener
+    request = AddRequest(8, [1, 2], SamplingParams(max_tokens=2))
+
+    async def talk() -> ReplicaOutput:
+        conn = await ChannelConnection.open(chan.address, subscriber=5, kv_events=False)
+        conn.send([request], [8])  # one write: the submit goes first
+        await asyncio.get_running_loop().run_in_executor(None, replica.wait, lambda: replica.aborted)
+        with replica.changed:
+            replica.outbox = [TokenDelta(8, 3, finished=True, finish_reason="length")]
+            replica.changed.notify_all()
+        out = await conn.receive()
+        while not out:  # past the heartbeats
+            out = await conn.receive()
+        conn.close()
+        return out
+
+    out = asyncio.run(talk())
+    assert replica.submitted == [([request], 5)] and replica.aborted == [8]
+    assert [(d.uid, d.token, d.finished) for d in out] == [(8, 3, True)]
 
 
 def test_a_closed_connection_aborts_what_it_sent_and_only_the_newest_releases_its_router(listener):

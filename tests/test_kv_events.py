@@ -196,5 +196,5 @@ def test_cache_exact_routes_to_the_replica_holding_the_prefix_on_ray(ray_cluster
 
         # what the router has learnt is what the replica's cache holds
         held = ray.get(srv.replicas[holder].actor.__ray_call__.remote(
-            lambda self: self.scheduler.call_between_steps(lambda: self._kv.held.copy()).result(timeout=10)))
+            lambda self: self.scheduler.call_between_steps(lambda: self.subscribers.kv.held.copy()).result(timeout=10)))
         assert clients[holder].kv_blocks == held

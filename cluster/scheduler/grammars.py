@@ -23,7 +23,6 @@ class Grammars:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
         self.vocab_size = vocab_size
-        self.mask_words = xgr.get_bitmask_shape(1, vocab_size)[1]  # int32 words of one row's bitmask
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
 
     def compile(self, spec: GrammarSpec) -> Future:
@@ -53,7 +52,7 @@ class Grammars:
         return self._xgr.GrammarMatcher(compiled)
 
     def masks(self, matchers: list) -> np.ndarray:
-        """int32 [len(matchers), mask_words]: each matcher's allowed next tokens, one bit a token."""
+        """int32 [len(matchers), ceil(vocab_size / 32)]: each matcher's allowed next tokens, one bit a token."""
         bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         for i, m in enumerate(matchers):
             m.fill_next_token_bitmask(bitmask, i)

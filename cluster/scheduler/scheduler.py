@@ -1,7 +1,7 @@
 """The scheduler of one replica (tensor-parallel rank 0): takes requests from its inbox, builds each
 step's batch (cluster/scheduler/prefill.py admits and prefills, cluster/scheduler/decode.py decodes and preempts), launches
 it on the executor, and turns sampled tokens into per-request deltas. Two loops: `normal_step`
-(launch, then handle) and `overlap_step` (launch step N+1, then handle step N while it computes)."""
+(launch, then emit its tokens) and `overlap_step` (launch step N+1, then emit step N's while it computes)."""
 
 from __future__ import annotations
 
@@ -250,7 +250,7 @@ class Scheduler:
         self.req_slots.release()  # nothing is in flight between two normal steps
         batch = self.schedule()
         if batch is not None and (launched := self._launch(batch)) is not None:
-            self._handle(launched)
+            self._emit_tokens(launched)
 
     def overlap_step(self, block: bool = False) -> None:
         """Schedules and launches step N+1, then handles step N's results while N+1 computes."""
@@ -261,7 +261,7 @@ class Scheduler:
         batch = self.schedule()                                   # step N+1
         self.in_flight = self._launch(batch) if batch is not None else None
         if last is not None:
-            self._handle(last)                                    # step N's tokens, while N+1 computes
+            self._emit_tokens(last)                                 # step N's tokens, while N+1 computes
 
     def step(self, block: bool = False) -> None:
         (self.overlap_step if self.config.overlap else self.normal_step)(block)
@@ -290,8 +290,9 @@ class Scheduler:
         self.builder.launched()
         return launched
 
-    def _handle(self, launched: Launched) -> None:
-        """Waits for a step's sampled tokens and sends them as deltas; ends the requests they finish."""
+    def _emit_tokens(self, launched: Launched) -> None:
+        """Waits for a step's sampled tokens, appends each to its request and sends them as deltas (one
+        message for the step); ends the requests they finish."""
         batch, out = launched.batch, launched.output
         try:
             self.executor.wait(out)  # this step, and every one before it, is done on the device

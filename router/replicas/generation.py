@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from cluster import AddRequest, ErrorKind, SamplingParams, TokenDelta, error_for
+from cluster import AddRequest, ErrorKind, TokenDelta, error_for
 from router.chat.detokenizer import IncrementalDetokenizer
 
 # for each prompt position after the first: the prompt token's logprob and the k most likely (id, logprob)
@@ -60,12 +60,6 @@ class Timing:
         """Decode time per token after the first, averaged over the choices that have more than one."""
         per = [(last - first) / (n - 1) for first, last, n in self._choices.values() if n > 1]
         return sum(per) / len(per) if per else None
-
-
-def generate(client, uid: int, ids: list[int], params: SamplingParams, detok: IncrementalDetokenizer,
-             timing: Timing) -> Generation:
-    """The pieces of a one-choice request (see Generation)."""
-    return Generation(client, [AddRequest(uid, ids, params)], [detok], timing)
 
 
 class Generation:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from cluster import Fleet, ReplicaHandle, ServeConfig, control_store_answers
+from cluster import Fleet, ReplicaHandle, control_store_answers
 from router.replicas.client import ReplicaClient, client_for
 from router.http.state import RouterState
 
