@@ -5,6 +5,7 @@ from cluster.errors import (EngineError, ErrorKind, GenerationError, InvalidRequ
                             ReplicaDownError, RequestTimeoutError, error_for)
 from cluster.channel import ChannelAddress, ChannelConnection
 from cluster.choices import fan_out
+from cluster.limits import RequestLimits
 from cluster.messages import AddRequest, KVEvents, ReplicaInfo, ReplicaOutput, ReplicaStats, TokenDelta
 from cluster.scheduler.prefix_cache.events import block_hashes, iter_block_hashes
 from cluster.sampling_params import GrammarSpec, SamplingParams
@@ -23,7 +24,8 @@ __all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "Replic
            "ReplicaStats", "TokenDelta", "ErrorKind", "RaylmError", "InvalidRequestError", "GenerationError",
            "EngineError", "ReplicaDownError", "RequestTimeoutError", "OverloadedError", "error_for", "Fleet",
            "ReplicaHandle", "ensure_ray", "control_store_answers", "load_tokenizer", "fan_out", "GrammarSpec",
-           "KVEvents", "ReplicaOutput", "block_hashes", "iter_block_hashes", "ChannelAddress", "ChannelConnection"]
+           "KVEvents", "ReplicaOutput", "block_hashes", "iter_block_hashes", "ChannelAddress", "ChannelConnection",
+           "RequestLimits"]
 
 
 def __getattr__(name: str):

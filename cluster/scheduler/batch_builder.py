@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cluster.limits import held_back_ids
 from cluster.scheduler.cache_manager import CacheManager
 from cluster.scheduler.grammars import Grammars
 from cluster.scheduler.req import Req
@@ -102,8 +103,7 @@ class BatchBuilder:
 
     def stop_ids(self, params: SamplingParams) -> list[int]:
         """The tokens that would end a request's output: EOS (unless ignored) and its stop ids."""
-        eos = [] if params.ignore_eos else sorted(self.eos_ids)
-        return eos + [t for t in params.stop_token_ids if t not in self.eos_ids or params.ignore_eos]
+        return held_back_ids(params, self.eos_ids)
 
     def decode(self, reqs: list[Req]) -> Batch:
         locs, seq_lens = self._decode_rows(reqs)

@@ -20,6 +20,7 @@ from cluster.scheduler.cache_manager import CacheManager
 from cluster.config import SchedulerConfig
 from cluster.scheduler.decode import DecodeManager
 from cluster.errors import ErrorKind, InvalidRequestError, RaylmError
+from cluster.limits import RequestLimits
 from cluster.scheduler.grammars import Grammars
 from cluster.scheduler.executor import Executor, ReplicaBrokenError
 from cluster.messages import AbortRequest, AddRequest, CallBetweenSteps, SchedulerStats, TokenDelta
@@ -67,7 +68,7 @@ class Scheduler:
         `grammars` compiles and matches constrained requests; None: they are refused."""
         self.config, self.executor = config, executor
         self.max_seq_len, self.eos_ids = max_seq_len, frozenset(eos_ids)
-        self.vocab_size, self.max_logit_bias = vocab_size, max_logit_bias
+        self.limits = RequestLimits(max_seq_len, vocab_size, max_logit_bias, self.eos_ids)
         self.grammars = grammars
         self.on_output = on_output
         self.on_finish = on_finish  # every request that ends, with its finish reason (metrics, tests)
@@ -123,37 +124,20 @@ class Scheduler:
     def validate(self, input_ids: list[int], params: SamplingParams) -> int:
         """Raises InvalidRequestError for a request this replica can never run; returns its maximum
         length (prompt plus new tokens, within the context)."""
+        self.limits.check(input_ids, params)
         n = len(input_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty")
-        if n >= self.max_seq_len:
-            raise InvalidRequestError(f"the prompt has {n} tokens; this model's context is {self.max_seq_len} "
-                                      f"tokens, which must hold the prompt and at least one new token")
         max_len = min(n + (params.max_tokens or self.max_seq_len), self.max_seq_len)
         need = self.cache.pages_for(max_len)
         if need > self.cache.num_pages:
             raise InvalidRequestError(f"the request needs {need} KV-cache pages (prompt {n} + up to {max_len - n} "
                                       f"new tokens) but the cache has {self.cache.num_pages}; lower max_tokens or shorten the prompt")
-        self._validate_processors(params)
-        return max_len
-
-    def _validate_processors(self, params: SamplingParams) -> None:
         if params.n != 1:
             raise InvalidRequestError("a scheduler runs one choice per request: fan n choices out first "
                                       "(cluster.fan_out)", field="n")
         if params.grammar is not None and self.grammars is None:
             raise InvalidRequestError("this replica cannot serve grammars (its model folder has no tokenizer)",
                                       field="response_format")
-        if self.vocab_size is not None and (bad := [t for t in params.logit_bias if t >= self.vocab_size]):
-            raise InvalidRequestError(f"logit_bias names token {bad[0]}, outside this model's vocabulary of "
-                                      f"{self.vocab_size} tokens", field="logit_bias")
-        if self.max_logit_bias is not None and params.uses_processors:
-            stops = len(self.builder.stop_ids(params)) if params.min_tokens else 0
-            if len(params.logit_bias) + stops > self.max_logit_bias:
-                raise InvalidRequestError(
-                    f"logit_bias names {len(params.logit_bias)} tokens" + (f" and min_tokens holds back {stops} stop "
-                                                                          f"tokens" if stops else "")
-                    + f"; at most {self.max_logit_bias} (the max_logit_bias setting)", field="logit_bias")
+        return max_len
 
     def _add(self, msg: AddRequest) -> None:
         if self._early_aborts.pop(msg.uid, 0) is None:

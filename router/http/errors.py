@@ -32,7 +32,7 @@ class APIError(Exception):
     def of(cls, error: RaylmError) -> APIError:
         """The API error a request failure of this kind becomes."""
         status, type_ = STATUS_OF_KIND[error.kind]
-        return cls(status, str(error), type_, getattr(error, "field", None))
+        return cls(status, str(error), type_, getattr(error, "field", None), getattr(error, "code", None))
 
     def body(self) -> dict:
         """The OpenAI error object."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from cluster import GrammarSpec, InvalidRequestError, SamplingParams, ServeConfig
+from cluster import GrammarSpec, InvalidRequestError, RequestLimits, SamplingParams, ServeConfig
 from router.http.errors import APIError
 from router.http.metrics import RouterMetrics
 from router.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -78,6 +78,13 @@ class RouterState:
     created: int = field(default_factory=lambda: int(time.time()))  # the model card's creation time
     tool_call_parser: str | None = None  # the served model's tool-call format (router/chat/tool_calls.py)
     reasoning_parser: str | None = None  # its reasoning format (router/chat/reasoning.py)
+    eos_ids: tuple[int, ...] = ()  # the replicas' (min_tokens holds them back, in logit_bias's table)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What the replicas' model allows a request (the checks a replica makes again on arrival)."""
+        return RequestLimits(self.max_seq_len, self.vocab_size, self.config.engine.max_logit_bias,
+                             frozenset(self.eos_ids), self.config.max_prompt_tokens)
 
     def set_client(self, i: int, client) -> None:
         """Routes replica i's traffic to client from now on (its replacement is serving)."""
@@ -133,13 +140,11 @@ class RouterState:
     def sampling_params(self, req: SamplingFields, ids: list[int], max_tokens: int | None, default_max: int | None,
                         logprobs: int | None, prompt_logprobs: int | None = None,
                         grammar: GrammarSpec | None = None) -> SamplingParams:
-        cfg, n = self.config, len(ids)
-        if n == 0:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        limit = min(cfg.max_prompt_tokens or self.max_seq_len, self.max_seq_len - 1)
-        if n > limit:
-            raise APIError(400, f"the prompt has {n} tokens; at most {limit} are accepted (this model's context "
-                                f"is {self.max_seq_len} tokens)", param="prompt", code="context_length_exceeded")
+        cfg, n, limits = self.config, len(ids), self.limits
+        try:
+            limits.check_prompt(n)
+        except InvalidRequestError as e:
+            raise APIError.of(e) from e
         room = self.max_seq_len - n
         if max_tokens is not None and max_tokens > room:
             raise APIError(400, f"max_tokens is {max_tokens}, but the prompt ({n} tokens) leaves room for {room} "
@@ -160,7 +165,7 @@ class RouterState:
             chosen = min(chosen, cfg.max_tokens_limit)
         pick = lambda name, fallback: getattr(req, name) if getattr(req, name) is not None else self.defaults.get(name, fallback)  # noqa: E731
         try:
-            return SamplingParams(temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+            params = SamplingParams(temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
                                   top_k=pick("top_k", -1), min_p=pick("min_p", 0.0), max_tokens=min(chosen, room),
                                   min_tokens=req.min_tokens or 0, ignore_eos=req.ignore_eos,
                                   stop_token_ids=list(req.stop_token_ids or []), seed=req.seed,
@@ -170,23 +175,17 @@ class RouterState:
                                   logit_bias=self.logit_bias(req), logprobs=logprobs,
                                   prompt_logprobs=prompt_logprobs, n=choices, priority=req.priority,
                                   grammar=grammar)
+            limits.check_params(params)
         except InvalidRequestError as e:
-            raise APIError(400, str(e), param=e.field) from e
+            raise APIError.of(e) from e
+        return params
 
     def logit_bias(self, req: SamplingFields) -> dict[int, float]:
-        """The request's logit_bias keyed by token id; ids must be in the vocabulary, and no more than
-        the device's per-request table holds (its stop ids count too while min_tokens holds them back)."""
+        """The request's logit_bias keyed by token id (RequestLimits bounds the ids and their number)."""
         biases: dict[int, float] = {}
         for key, value in (req.logit_bias or {}).items():
-            token = int(key) if key.isascii() and key.isdecimal() else -1
-            if not 0 <= token < self.vocab_size:
+            if not (key.isascii() and key.isdecimal()):
                 raise APIError(400, f"logit_bias has the key {key!r}; keys are token ids from 0 to "
                                     f"{self.vocab_size - 1}", param="logit_bias")
-            biases[token] = value
-        held_back = set(req.stop_token_ids or []) if req.min_tokens else set()
-        limit = self.config.engine.max_logit_bias
-        if len(biases.keys() | held_back) > limit:
-            raise APIError(400, f"logit_bias names {len(biases)} token ids"
-                                + (f" (and min_tokens holds back {len(held_back)} stop ids)" if held_back else "")
-                                + f"; at most {limit} are allowed", param="logit_bias")
+            biases[int(key)] = value
         return biases

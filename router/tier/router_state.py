@@ -25,4 +25,4 @@ def router_state(config: ServeConfig, tokenizer, info, replicas, subscriber: int
         tool_call_parser=tool_call_parser_for(config.tool_call_parser, model_type(config.model)),
         reasoning_parser=reasoning_parser_for(config.reasoning_parser, model_type(config.model)),
         clients=[client_for(r, config, subscriber, kv_events) for r in replicas],
-        uids=RequestIds(first_uid))
+        uids=RequestIds(first_uid), eos_ids=tuple(info.eos_ids))
