@@ -16,7 +16,8 @@ _LAZY = {
     "ReplicaConfig": "cluster.config", "ServeConfig": "cluster.config",  # lazy too: `python -m cluster.config`
     "LLM": "cluster.llm", "RequestOutput": "cluster.llm", "CompletionOutput": "cluster.llm",
     "Fleet": "cluster.fleet.fleet",
-    "ReplicaHandle": "cluster.fleet.deploy", "ensure_ray": "cluster.fleet.deploy", "control_store_answers": "cluster.fleet.deploy",
+    "ReplicaHandle": "cluster.fleet.deploy", "ensure_ray": "cluster.fleet.deploy",
+    "control_store_answers": "cluster.fleet.deploy",
     "load_tokenizer": "cluster.model_info",
 }
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from helpers import fail_first_launch, greedy, serving
 
-from cluster import (LLM, AddRequest, EngineError, ErrorKind, GenerationError, InvalidRequestError, RaylmError, ReplicaDownError,
-                     error_for)
+from cluster import (LLM, AddRequest, EngineError, ErrorKind, GenerationError, InvalidRequestError, RaylmError,
+                     ReplicaDownError, error_for)
 from cluster.messages import TokenDelta
 from router.chat.detokenizer import IncrementalDetokenizer
 from router.http.errors import STATUS_OF_KIND, APIError

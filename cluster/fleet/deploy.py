@@ -149,8 +149,8 @@ class ReplicaHandle:
         def name(rank: int) -> str:
             return f"raylm-replica-{self.replica_id}-rank-{rank}-{self.suffix}"
 
-        # a thread for each long poll (every router's, up to 64, and the launching process's) beside
-        # the submits, aborts and health checks, which must never queue behind them
+        # threads for the calls that wait (a long poll of the offline LLM, stats between steps, a
+        # router's release) beside the health checks, which must never queue behind them
         self.actor = ray.remote(SchedulerActor).options(max_concurrency=16 + 65, name=name(0), **placed(0)).remote(
             cfg, self.replica_id)
         address = self._get([self.actor.rendezvous_address.remote()], timeout_s, abandon)[0]

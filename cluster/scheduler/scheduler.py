@@ -1,6 +1,6 @@
 """The scheduler of one replica (tensor-parallel rank 0): takes requests from its inbox, builds each
-step's batch (cluster/scheduler/prefill.py admits and prefills, cluster/scheduler/decode.py decodes and preempts), launches
-it on the executor, and turns sampled tokens into per-request deltas. Two loops: `normal_step`
+step's batch (prefill.py admits and prefills, decode.py decodes and preempts), launches it on the
+executor, and turns sampled tokens into per-request deltas. Two loops: `normal_step`
 (launch, then emit its tokens) and `overlap_step` (launch step N+1, then emit step N's while it computes)."""
 
 from __future__ import annotations
