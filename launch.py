@@ -188,12 +188,12 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"--model {e}")
     if (problem := port_problem(config.host, config.port)) is not None:
         fail(f"--port {problem}")
-    from router.server import Server
+    from router.tier.deployment import Deployment
     ray_options = local_ray_options(config.dashboard) if config.address is None else {}
     if config.metrics_export_port is not None and config.address is None:
         ray_options["_metrics_export_port"] = config.metrics_export_port
     try:
-        server = Server(config, on_ready=lambda s: print_ready(s, config), **ray_options)
+        server = Deployment(config, on_ready=lambda s: print_ready(s, config), **ray_options)
     except Exception as e:  # noqa: BLE001 - every start-up failure: one line, then exit
         logging.getLogger(__name__).debug("start-up failed", exc_info=True)
         print(f"{Path(sys.argv[0]).name}: error: {startup_problem(e)}", file=sys.stderr, flush=True)

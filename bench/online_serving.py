@@ -148,8 +148,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
            "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(args.tp_size), "--replicas", str(args.replicas),
            "--page-size", str(args.page_size), "--served-model-name", "bench", "--max-extend-tokens", "16384",
            "--load-format", args.load_format or "auto", "--log-level", "WARNING", "--no-dashboard",
-           *(["--routers", str(args.routers)] if args.routers is not None else []),
-           *([] if args.replica_channel else ["--no-replica-channel"])]
+           *(["--routers", str(args.routers)] if args.routers is not None else [])]
     server = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -214,8 +213,6 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--routers", type=int, default=None,
                    help="router actors (launch.py --routers; 0: the launching process; unset: the server's default)")
-    p.add_argument("--no-replica-channel", dest="replica_channel", action="store_false",
-                   help="routers reach the replicas through Ray calls (launch.py --no-replica-channel)")
     p.add_argument("--client-procs", type=int, default=1, help="client processes sharing the requests and concurrency")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--load-format", default=None)

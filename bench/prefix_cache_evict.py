@@ -12,7 +12,7 @@ import json
 import random
 import time
 
-from cluster.prefix_cache.radix import RadixCache
+from cluster.scheduler.prefix_cache.radix import RadixCache
 
 
 def build(num_prompts: int, page_size: int, pages_per_prompt: int, shared_pages: int, seed: int) -> RadixCache:

@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 from scripted import scripted_scheduler  # noqa: E402
 
-from cluster.prefix_cache.events import KVEventStream  # noqa: E402
-from router.replica_client import ReplicaClient  # noqa: E402
-from router.routing import create_policy  # noqa: E402
+from cluster.scheduler.prefix_cache.events import KVEventStream  # noqa: E402
+from router.replicas.client import ReplicaClient  # noqa: E402
+from router.replicas.routing import create_policy  # noqa: E402
 
 
 @dataclass

@@ -36,9 +36,9 @@ from common import ARCHS, StepTimer, model_folder
 from decode_latency import measure
 
 from cluster.config import SchedulerConfig
-from cluster.engine_executors import LocalExecutor, TensorParallelExecutor
+from cluster.replica.engine_executors import LocalExecutor, TensorParallelExecutor
 from cluster.messages import AddRequest
-from cluster.scheduler import Scheduler
+from cluster.scheduler.scheduler import Scheduler
 from worker.comm import free_address, init_tensor_parallel
 from worker.config import EngineConfig
 from worker.engine import Engine

@@ -3,11 +3,11 @@
 
 from cluster.errors import (EngineError, ErrorKind, GenerationError, InvalidRequestError, OverloadedError, RaylmError,
                             ReplicaDownError, RequestTimeoutError, error_for)
-from cluster.channel import (FRAME as CHANNEL_FRAME, SILENCE_S as CHANNEL_SILENCE_S, ChannelAddress, channel_frames,
-                             channel_hello, detect_dead_peer)
+from cluster.channel import ChannelAddress, ChannelConnection
 from cluster.choices import fan_out
+from cluster.limits import RequestLimits
 from cluster.messages import AddRequest, KVEvents, ReplicaInfo, ReplicaOutput, ReplicaStats, TokenDelta
-from cluster.prefix_cache.events import block_hashes, iter_block_hashes
+from cluster.scheduler.prefix_cache.events import block_hashes, iter_block_hashes
 from cluster.sampling_params import GrammarSpec, SamplingParams
 
 # loaded on first use: they import torch, Ray or transformers, and cluster.config (which launch.py
@@ -15,8 +15,9 @@ from cluster.sampling_params import GrammarSpec, SamplingParams
 _LAZY = {
     "ReplicaConfig": "cluster.config", "ServeConfig": "cluster.config",  # lazy too: `python -m cluster.config`
     "LLM": "cluster.llm", "RequestOutput": "cluster.llm", "CompletionOutput": "cluster.llm",
-    "Fleet": "cluster.fleet",
-    "ReplicaHandle": "cluster.deploy", "ensure_ray": "cluster.deploy", "control_store_answers": "cluster.deploy",
+    "Fleet": "cluster.fleet.fleet",
+    "ReplicaHandle": "cluster.fleet.deploy", "ensure_ray": "cluster.fleet.deploy",
+    "control_store_answers": "cluster.fleet.deploy",
     "load_tokenizer": "cluster.model_info",
 }
 
@@ -24,8 +25,8 @@ __all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "Replic
            "ReplicaStats", "TokenDelta", "ErrorKind", "RaylmError", "InvalidRequestError", "GenerationError",
            "EngineError", "ReplicaDownError", "RequestTimeoutError", "OverloadedError", "error_for", "Fleet",
            "ReplicaHandle", "ensure_ray", "control_store_answers", "load_tokenizer", "fan_out", "GrammarSpec",
-           "KVEvents", "ReplicaOutput", "block_hashes", "iter_block_hashes", "CHANNEL_FRAME", "ChannelAddress",
-           "channel_frames", "channel_hello", "CHANNEL_SILENCE_S", "detect_dead_peer"]
+           "KVEvents", "ReplicaOutput", "block_hashes", "iter_block_hashes", "ChannelAddress", "ChannelConnection",
+           "RequestLimits"]
 
 
 def __getattr__(name: str):

@@ -1,10 +1,11 @@
-"""A replica's direct channel: one TCP connection per router carries that router's submits and aborts
-in, and its deltas (with the KV events of the same steps) out, as length-prefixed pickles.
+"""A replica's direct channel, both ends: one TCP connection per router carries that router's submits
+and aborts in, and its deltas (with the KV events of the same steps) out, as length-prefixed pickles.
+The replica listens (ChannelListener); a router connects (ChannelConnection, on its event loop).
 
-Through Ray, every submit is an actor task and every step's deltas the answer to a long poll: two
-hops of Ray's task machinery on the path of a request's first token (milliseconds each on a busy
+Through Ray, every submit would be an actor task and every step's deltas the answer to a long poll:
+two hops of Ray's task machinery on the path of a request's first token (milliseconds each on a busy
 host, and work for the replica's process every step). Over the channel a submit is one write, and a
-step's deltas one send from a thread that waits on the same outbox a Ray poll does.
+step's deltas one send from a thread that waits on the replica's outbox for that router.
 
 A connection proves itself first with the replica's token (random, handed out only through a Ray call,
 so only processes of the cluster hold it); nothing is unpickled before that. When a router's connection
@@ -14,6 +15,7 @@ connection within about ten seconds on Linux, and a router counts ten seconds of
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import pickle
@@ -45,28 +47,13 @@ class ChannelAddress:
 
 
 class ChannelEnd(Protocol):
-    """What the channel needs of its replica (cluster.replica.SchedulerActor)."""
+    """What the channel needs of its replica (cluster.replica.actor.SchedulerActor)."""
 
     def submit(self, requests: list[AddRequest], subscriber: int = 0) -> None: ...
     def abort(self, uids: list[int]) -> None: ...
     def poll(self, timeout_s: float = 1.0, subscriber: int = 0, kv_events: bool = True,
              receives: Callable[[], bool] | None = None) -> ReplicaOutput: ...
     def release_subscriber(self, subscriber: int) -> int: ...
-
-
-def channel_hello(address: ChannelAddress, subscriber: int, kv_events: bool) -> bytes:
-    """What a router sends first on a new connection."""
-    return HELLO.pack(address.token, subscriber, kv_events)
-
-
-def channel_frames(submits: list[AddRequest], aborts: list[int]) -> bytes:
-    """A router's submits and aborts as frames (submits first: an abort may name one of them)."""
-    out = b""
-    for kind, items in ((SUBMIT, submits), (ABORT, aborts)):
-        if items:
-            payload = pickle.dumps((kind, items), protocol=pickle.HIGHEST_PROTOCOL)
-            out += FRAME.pack(len(payload)) + payload
-    return out
 
 
 def detect_dead_peer(sock: socket.socket) -> None:
@@ -93,6 +80,46 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("the channel closed")
         buf += chunk
     return bytes(buf)
+
+
+class ChannelConnection:
+    """A router's end: one connection to a replica's channel, on the router's event loop."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader, self._writer = reader, writer
+
+    @classmethod
+    async def open(cls, address: ChannelAddress, subscriber: int, kv_events: bool,
+                   timeout_s: float = 10.0) -> ChannelConnection:
+        """Connects as router `subscriber` (taking the replica's KV events or not) and presents the token."""
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(address.host, address.port), timeout_s)
+        detect_dead_peer(writer.get_extra_info("socket"))
+        writer.write(HELLO.pack(address.token, subscriber, kv_events))
+        return cls(reader, writer)
+
+    def send(self, submits: list[AddRequest], aborts: list[int]) -> None:
+        """The router's submits and aborts, in one write (submits first: an abort may name one of them)."""
+        out = b""
+        for kind, items in ((SUBMIT, submits), (ABORT, aborts)):
+            if items:
+                payload = pickle.dumps((kind, items), protocol=pickle.HIGHEST_PROTOCOL)
+                out += FRAME.pack(len(payload)) + payload
+        if out:
+            self._writer.write(out)
+
+    async def receive(self) -> ReplicaOutput:
+        """The replica's next message. The replica sends at least every POLL_S: a connection silent for
+        SILENCE_S raises TimeoutError (its host is gone), a closed one IncompleteReadError."""
+        header = await asyncio.wait_for(self._reader.readexactly(FRAME.size), SILENCE_S)
+        (n,) = FRAME.unpack(header)
+        return pickle.loads(await self._reader.readexactly(n))
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def abort(self) -> None:
+        """Drops the connection at once, sending nothing more, as a network fault drops it."""
+        self._writer.transport.abort()
 
 
 class ChannelListener:

@@ -151,9 +151,6 @@ class ServeConfig(ReplicaConfig):
                                                   "at once)", above=0, group="cluster")
     dashboard: bool = setting(True, "the Ray dashboard (on 127.0.0.1) with the local Ray this command starts",
                               group="cluster")
-    replica_channel: bool = setting(True, "routers send requests and receive tokens over a direct TCP connection "
-                                          "to each replica (authenticated by a token handed over by Ray; any "
-                                          "port between nodes); off: as Ray calls", group="cluster")
     metrics_export_port: int | None = setting(None, "where Ray exports the replicas' metrics for Prometheus",
                                               at_least=1, at_most=65535, unset="Ray's choice", group="cluster")
     host: str = setting("127.0.0.1", "where the API listens; 0.0.0.0 exposes it (set api_key then)",

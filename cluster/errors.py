@@ -1,6 +1,6 @@
 """What can go wrong with a request, as a kind that survives every hop (scheduler, replica actor, Ray,
 router) and one exception per kind. The router maps kinds to HTTP statuses in one table
-(router/errors.py); the offline `LLM` raises the same exception whatever the tensor-parallel size."""
+(router/http/errors.py); the offline `LLM` raises the same exception whatever the tensor-parallel size."""
 
 from __future__ import annotations
 
@@ -23,13 +23,14 @@ class RaylmError(Exception):
 
 class InvalidRequestError(RaylmError, ValueError):
     """A request the engine cannot run as given; the message says what to change, and `field` (when
-    one field is at fault) names it, as an OpenAI error's `param` does."""
+    one field is at fault) names it, as an OpenAI error's `param` does, and `code` is an OpenAI error
+    code where one fits (context_length_exceeded)."""
 
     kind = ErrorKind.INVALID_REQUEST
 
-    def __init__(self, message: str, field: str | None = None) -> None:
+    def __init__(self, message: str, field: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.field = field
+        self.field, self.code = field, code
 
 
 class GenerationError(RaylmError, RuntimeError):

@@ -7,14 +7,13 @@ import itertools
 from dataclasses import dataclass, field
 
 from cluster.config import ReplicaConfig
-from cluster.engine_executors import LocalExecutor
+from cluster.replica.engine_executors import LocalExecutor
 from cluster.choices import fan_out
 from cluster.messages import AddRequest, SchedulerStats, TokenDelta
-from cluster.model_info import eos_token_ids, load_tokenizer
+from cluster.model_info import load_tokenizer
 from cluster.errors import ErrorKind, InvalidRequestError, error_for
-from cluster.grammars import Grammars
 from cluster.sampling_params import SamplingParams
-from cluster.scheduler import Scheduler
+from cluster.scheduler.build import build_scheduler
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.kernels import Kernels
@@ -67,26 +66,20 @@ class LLM:
         self.config = ReplicaConfig(engine=EngineConfig(kernels=kernels)).override(model=model, **settings)
         self.config.validate()
         self.config.check_against_model()
-        self.engine_config, self.scheduler_config = self.config.engine, self.config.scheduler
         self.tokenizer = load_tokenizer(model)
         self._outputs: dict[int, tuple[RequestOutput, CompletionOutput]] = {}  # by uid: each choice's
         self._uids = itertools.count()
         self.replica = None
         self.scheduler = None
         if self.config.tp_size > 1:
-            from cluster.deploy import ReplicaHandle, ensure_ray
+            from cluster.fleet.deploy import ReplicaHandle, ensure_ray
             ensure_ray()
             self.replica = ReplicaHandle(self.config)
             return
-        self.engine = Engine(self.engine_config)
+        self.engine = Engine(self.config.engine)
         self.executor = LocalExecutor(self.engine)
-        eos = eos_token_ids(model, self.engine.hf_config, self.tokenizer)
-        vocab = self.engine.hf_config.vocab_size
-        self.scheduler = Scheduler(
-            self.scheduler_config, self.executor, num_pages=self.engine.num_pages, page_size=self.engine.page_size,
-            max_running_reqs=self.engine_config.max_running_reqs, max_seq_len=self.engine.max_seq_len,
-            eos_ids=eos, on_output=self._collect, vocab_size=vocab, max_logit_bias=self.engine_config.max_logit_bias,
-            grammars=Grammars(self.tokenizer, vocab, sorted(eos)) if self.tokenizer is not None else None)
+        self.scheduler = build_scheduler(self.config, self.engine, self.executor, self.tokenizer,
+                                         on_output=self._collect)
 
     def _collect(self, deltas: list[TokenDelta]) -> None:
         for d in deltas:

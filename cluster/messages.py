@@ -67,7 +67,7 @@ class TokenDelta:
 
 @dataclass
 class KVEvents:
-    """Changes to the block hashes a replica's prefix cache holds (cluster/prefix_cache/events.py) since
+    """Changes to the block hashes a replica's prefix cache holds (cluster/scheduler/prefix_cache/events.py) since
     its last message; with `full`, the whole set, to replace what the receiver knew."""
 
     page_size: int

@@ -18,7 +18,7 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag"
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """A constraint on the output, compiled by xgrammar (cluster/grammars.py) and cached by its value."""
+    """A constraint on the output, compiled by xgrammar (cluster/scheduler/grammars.py) and cached by its value."""
 
     kind: Literal["json_schema", "json_object", "regex", "ebnf", "structural_tag"]
     # the JSON schema (JSON text), the regular expression, the EBNF grammar or the structural tag (JSON

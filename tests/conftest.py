@@ -93,7 +93,7 @@ def ray_cluster(ray_metrics_port):
     """One local Ray for the whole session (starting it costs seconds)."""
     import ray
 
-    from cluster.deploy import ensure_ray
+    from cluster.fleet.deploy import ensure_ray
     ensure_ray(_metrics_export_port=ray_metrics_port)
     yield ray
     ray.shutdown()

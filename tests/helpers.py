@@ -46,11 +46,11 @@ def free_port() -> int:
 def serving(model_path, **config):
     """A real HTTP server on 127.0.0.1 over replicas on the session's Ray; stopped afterwards."""
     from cluster.config import ServeConfig
-    from router.server import Server
+    from router.tier.deployment import Deployment
     config.setdefault("served_model_name", "tiny")
     config.setdefault("page_size", 4)
     config.setdefault("routers", 0)  # the router in this process, whose state the tests inspect, whatever the cores
-    srv = Server(ServeConfig().override(model=str(model_path), port=free_port(), **config))
+    srv = Deployment(ServeConfig().override(model=str(model_path), port=free_port(), **config))
     srv.start_in_thread()
     try:
         yield srv

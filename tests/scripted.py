@@ -12,9 +12,9 @@ import numpy as np
 
 from cluster.config import SchedulerConfig
 from cluster.messages import AddRequest, TokenDelta
-from cluster.req import Req
+from cluster.scheduler.req import Req
 from cluster.sampling_params import SamplingParams
-from cluster.scheduler import Scheduler
+from cluster.scheduler.scheduler import Scheduler
 from worker.batch import BatchDesc, StepOutput
 from worker.stream import NullEvent
 

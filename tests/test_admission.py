@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -18,9 +17,9 @@ from scripted import TOKEN
 
 from cluster import LLM, ErrorKind, OverloadedError, SamplingParams
 from cluster.messages import AddRequest
-from router.protocol import ChatCompletionRequest, CompletionRequest
-from router.replica_client import ReplicaClient
-from router.routing import CacheAware, with_room
+from router.http.protocol import ChatCompletionRequest, CompletionRequest
+from router.replicas.client import ReplicaClient
+from router.replicas.routing import CacheAware, with_room
 
 LOOPS = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
 C = "/v1/completions"
@@ -85,8 +84,7 @@ def test_offline_generate_raises_overloaded_only_when_bounds_are_set(qwen3_path)
 
 
 def test_the_router_picks_a_replica_whose_queue_has_room_and_refuses_when_none_has():
-    calls = SimpleNamespace(remote=lambda *args: None)
-    full, spare = (ReplicaClient(i, SimpleNamespace(submit=calls, abort=calls)) for i in range(2))
+    full, spare = (ReplicaClient(i, None) for i in range(2))  # not connected: what it sends waits
 
     async def route() -> None:
         for uid in range(2):  # sent, no token yet: two wait in replica 0's queue as the router sees it

@@ -1,7 +1,7 @@
 """The replica's direct channel (cluster/channel.py): a connection must prove itself with the
 replica's token before anything it sends is read; submits and aborts reach the replica, its
 deltas come back per poll, and a router's closed connection aborts that router's requests. Served end
-to end over the channel (the default) and over Ray calls, outputs equal the offline engine's."""
+to end over the channel, outputs equal the offline engine's."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from fixtures import PROMPT_TEXTS
 from helpers import concurrent_completions, greedy, serving
 
 from cluster import LLM, AddRequest, SamplingParams, TokenDelta
-from cluster.channel import ABORT, FRAME, HELLO, SUBMIT, ChannelListener, recv_exactly
+from cluster.channel import ABORT, FRAME, HELLO, SUBMIT, ChannelConnection, ChannelListener, recv_exactly
 from cluster.messages import ReplicaOutput
 
 
@@ -137,6 +137,29 @@ def test_submits_aborts_and_deltas_cross_the_channel(listener):
     assert replica.released == [3]
 
 
+def test_a_routers_connection_sends_submits_then_aborts_and_receives_deltas(listener):
+    import asyncio
+    chan, replica = listener
+    request = AddRequest(8, [1, 2], SamplingParams(max_tokens=2))
+
+    async def talk() -> ReplicaOutput:
+        conn = await ChannelConnection.open(chan.address, subscriber=5, kv_events=False)
+        conn.send([request], [8])  # one write: the submit goes first
+        await asyncio.get_running_loop().run_in_executor(None, replica.wait, lambda: replica.aborted)
+        with replica.changed:
+            replica.outbox = [TokenDelta(8, 3, finished=True, finish_reason="length")]
+            replica.changed.notify_all()
+        out = await conn.receive()
+        while not out:  # past the heartbeats
+            out = await conn.receive()
+        conn.close()
+        return out
+
+    out = asyncio.run(talk())
+    assert replica.submitted == [([request], 5)] and replica.aborted == [8]
+    assert [(d.uid, d.token, d.finished) for d in out] == [(8, 3, True)]
+
+
 def test_a_closed_connection_aborts_what_it_sent_and_only_the_newest_releases_its_router(listener):
     chan, replica = listener
     params = SamplingParams(max_tokens=8)
@@ -176,17 +199,15 @@ def test_deltas_go_to_a_routers_newest_connection_only(listener):
     new.close()
 
 
-@pytest.mark.parametrize("channel", [True, False], ids=["channel", "ray-calls"])
-def test_served_outputs_equal_the_offline_engine_over_either_path(ray_cluster, qwen3_path, channel):
+def test_served_outputs_equal_the_offline_engine(ray_cluster, qwen3_path):
     import ray
     prompts = [PROMPT_TEXTS[i % len(PROMPT_TEXTS)] + f" {i}" for i in range(8)]
     with LLM(str(qwen3_path)) as llm:
         expected = [o.text for o in llm.generate(prompts, greedy(8))]
-    with serving(qwen3_path, replica_channel=channel, num_pages=512) as srv:
+    with serving(qwen3_path, num_pages=512) as srv:
         clients = srv.state.clients
-        assert all(c.channel == channel for c in clients)
         assert concurrent_completions(srv.url, prompts, 8) == expected
-        assert all(c._out is not None for c in clients) == channel  # it did not fall back to Ray calls
+        assert all(c.channel is not None and c.healthy for c in clients)
         stats = ray.get([r.actor.stats.remote() for r in srv.replicas])
         assert [s.live for s in stats] == [0] * len(stats)
         ray.get([r.actor.check_integrity.remote() for r in srv.replicas])
@@ -199,21 +220,21 @@ def test_a_lost_connection_fails_its_requests_and_the_router_connects_again(ray_
             "stream": True}
     with serving(qwen3_path, num_pages=512) as srv:
         (client,) = srv.state.clients
-        lost = client._out
+        lost = client.channel
         decoded_before = ray.get(srv.replicas[0].actor.stats.remote()).decode_tokens
         with httpx.Client(timeout=30) as http:
             with http.stream("POST", srv.url + "/v1/completions", json=body) as response:
                 lines = response.iter_lines()
                 assert any(next(lines).startswith("data: {") for _ in range(3))
                 # the router's end of the connection drops, as a network fault would drop it
-                client._poller.get_loop().call_soon_threadsafe(lost.transport.abort)
+                client._poller.get_loop().call_soon_threadsafe(lost.abort)
                 rest = list(lines)
             assert any('"error"' in line for line in rest), rest[-3:]
             assert rest[-1] == "data: [DONE]" or rest[-2:] == ["data: [DONE]", ""]
             deadline = time.monotonic() + 20
-            while (client._out is None or client._out is lost) and time.monotonic() < deadline:
+            while (client.channel is None or client.channel is lost) and time.monotonic() < deadline:
                 time.sleep(0.05)  # a bounded wait for an eventual state: the router connects again
-            assert client._out is not None and client._out is not lost and client.healthy
+            assert client.channel is not None and client.channel is not lost and client.healthy
             r = http.post(srv.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 5}).json()
             assert r["usage"]["completion_tokens"] == 5
         # the replica aborted what the lost connection had sent: nothing runs on for no one

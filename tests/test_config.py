@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cache_manager import CacheManager
+from cluster.scheduler.cache_manager import CacheManager
 from cluster.config import (GROUPS, ConfigError, ReplicaConfig, ServeConfig, UnknownSettingError, markdown_table,
                             settings)
 from worker.config import EngineConfig
@@ -203,9 +203,9 @@ def test_a_nested_or_unknown_yaml_key_is_named(tmp_path):
 
 
 def test_a_server_refuses_what_the_model_cannot_take_before_starting_ray(qwen3_path):
-    from router.server import Server
+    from router.tier.deployment import Deployment
     with pytest.raises(ConfigError, match="tp_size must divide the model's 4 attention heads"):
-        Server(ServeConfig().override(model=str(qwen3_path), tp_size=3))
+        Deployment(ServeConfig().override(model=str(qwen3_path), tp_size=3))
 
 
 @pytest.mark.parametrize("cores, replicas, routers, expected", [

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from helpers import serving
 
-from router import connection
+from router.http import connection
 
 HEADER_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 350  # above the 300 slow and silent ones held below; both ends stay well under 1024 files

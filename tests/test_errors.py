@@ -10,12 +10,12 @@ import httpx
 import pytest
 from helpers import fail_first_launch, greedy, serving
 
-from cluster import (LLM, EngineError, ErrorKind, GenerationError, InvalidRequestError, RaylmError, ReplicaDownError,
-                     error_for)
+from cluster import (LLM, AddRequest, EngineError, ErrorKind, GenerationError, InvalidRequestError, RaylmError,
+                     ReplicaDownError, error_for)
 from cluster.messages import TokenDelta
-from router.detokenizer import IncrementalDetokenizer
-from router.errors import STATUS_OF_KIND, APIError
-from router.generation import Timing, generate
+from router.chat.detokenizer import IncrementalDetokenizer
+from router.http.errors import STATUS_OF_KIND, APIError
+from router.replicas.generation import Generation, Timing
 
 C = "/v1/completions"
 # 8 pages of 4 tokens: a request for 100 new tokens can never fit, whatever else runs
@@ -89,7 +89,7 @@ def test_a_replica_going_down_reaches_the_router_as_replica_down(qwen3_path):
     detok = IncrementalDetokenizer(load_tokenizer(str(qwen3_path)), [])
 
     async def run():
-        async for _ in generate(_FailingClient(), 0, [5, 6], greedy(4), detok, Timing()):
+        async for _ in Generation(_FailingClient(), [AddRequest(0, [5, 6], greedy(4))], [detok], Timing()):
             pass
 
     with pytest.raises(ReplicaDownError, match="ActorDiedError") as caught:

@@ -13,10 +13,10 @@ import pytest
 from helpers import serving
 
 from cluster import AddRequest, KVEvents, ReplicaOutput, SamplingParams, TokenDelta, block_hashes
-from cluster.replica import SchedulerActor
-from cluster.prefix_cache.events import KVEventStream
-from cluster.prefix_cache.radix import RadixCache
-from router.replica_client import ReplicaClient
+from cluster.replica.actor import SchedulerActor
+from cluster.scheduler.prefix_cache.events import KVEventStream
+from cluster.scheduler.prefix_cache.radix import RadixCache
+from router.replicas.client import ReplicaClient
 
 PAGE = 2
 
@@ -119,8 +119,9 @@ def in_process_replica(scripted) -> tuple[SchedulerActor, object]:
     actor = SchedulerActor.__new__(SchedulerActor)
     SchedulerActor.__init__(actor, SimpleNamespace(log_level="warning"))
     run = scripted(num_pages=24, page_size=4, max_running_reqs=4)
-    run.scheduler.on_output = actor._publish
-    actor.scheduler, actor.metrics, actor._kv = run.scheduler, SimpleNamespace(on_output=lambda d: None), KVEventStream(4)
+    run.scheduler.on_output = lambda deltas: actor.subscribers.publish(deltas, *run.scheduler.cache.take_kv_events())
+    actor.scheduler, actor.metrics = run.scheduler, SimpleNamespace(on_output=lambda d: None)
+    actor.subscribers.kv = KVEventStream(4)
     return actor, run
 
 
@@ -129,7 +130,7 @@ def run_one(actor: SchedulerActor, uid: int, ids: list[int]) -> ReplicaOutput:
     actor.submit([AddRequest(uid, ids, SamplingParams(max_tokens=2, temperature=0))])
     while actor.scheduler.has_work:
         actor.scheduler.step()
-        actor._take_kv_events()
+        actor.subscribers.add_kv_events(*actor.scheduler.cache.take_kv_events())
     return actor.poll(0.0)
 
 
@@ -195,5 +196,5 @@ def test_cache_exact_routes_to_the_replica_holding_the_prefix_on_ray(ray_cluster
 
         # what the router has learnt is what the replica's cache holds
         held = ray.get(srv.replicas[holder].actor.__ray_call__.remote(
-            lambda self: self.scheduler.call_between_steps(lambda: self._kv.held.copy()).result(timeout=10)))
+            lambda self: self.scheduler.call_between_steps(lambda: self.subscribers.kv.held.copy()).result(timeout=10)))
         assert clients[holder].kv_blocks == held

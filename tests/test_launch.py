@@ -92,7 +92,7 @@ def test_a_replica_spans_two_nodes_with_pack_placement(tmp_path, qwen3_path):
         from cluster import SamplingParams
         from cluster.config import ReplicaConfig, SchedulerConfig
         from cluster.messages import AddRequest
-        from cluster.deploy import ReplicaHandle
+        from cluster.fleet.deploy import ReplicaHandle
         from worker.config import EngineConfig
         cluster = Cluster(initialize_head=True, head_node_args={{"num_cpus": 1}})
         cluster.add_node(num_cpus=1)

@@ -19,7 +19,7 @@ from helpers import serving
 from prometheus_client import generate_latest
 
 from cluster.messages import ReplicaStats, SchedulerStats
-from router.generation import Timing
+from router.replicas.generation import Timing
 
 MAX_TOKENS = 7
 
@@ -88,7 +88,7 @@ def test_router_and_ray_metrics_count_the_traffic_sent(observed, ray_metrics_por
 
 
 def test_inter_token_latency_is_one_sample_per_gap_and_tokens_that_arrive_together_have_none():
-    from router.metrics import RouterMetrics
+    from router.http.metrics import RouterMetrics
     timing = Timing(arrival=10.0)
     timing.received(1, 10.5)   # the first token
     timing.received(1, 10.6)
@@ -112,7 +112,7 @@ def ray_stats(srv) -> ReplicaStats:
 def test_preemptions_are_counted_once_each(ray_cluster):
     from types import SimpleNamespace
 
-    from cluster.metrics import ReplicaMetrics
+    from cluster.replica.metrics import ReplicaMetrics
     metrics = ReplicaMetrics(0, "m", interval_s=0.0)
     counted: list[float] = []
     metrics.preemptions = SimpleNamespace(inc=lambda n, tags: counted.append(n))
@@ -147,7 +147,7 @@ class _Client:
 
 
 def test_a_replica_that_does_not_answer_is_left_out_of_the_scrape_without_holding_it_up():
-    from router.metrics import RouterMetrics
+    from router.http.metrics import RouterMetrics
     stats = SimpleNamespace(running=2, waiting=1, kv_usage=0.25, prefix_hit_rate=0.5, preempted=3)
     answering, stuck = _Client(0, _StatsActor(stats)), _Client(1, _StatsActor())
     metrics = RouterMetrics("m")
@@ -208,8 +208,8 @@ def test_router_metrics_show_each_replicas_gauges_by_replica(ray_cluster, qwen3_
 def test_the_grafana_dashboard_queries_only_metrics_that_are_exported():
     from ray.util.metrics import Counter, Histogram
 
-    from cluster.metrics import ReplicaMetrics
-    from router.metrics import RouterMetrics
+    from cluster.replica.metrics import ReplicaMetrics
+    from router.http.metrics import RouterMetrics
     dashboard = json.loads((Path(__file__).resolve().parents[1] / "configs" / "grafana-dashboard.json").read_text())
     queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     queries += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from cluster.prefix_cache.radix import Node, RadixCache
+from cluster.scheduler.prefix_cache.radix import Node, RadixCache
 
 PAGE = 2
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from router.generation import Piece
-from router.responses import Formatter, sse
+from router.replicas.generation import Piece
+from router.http.responses import Formatter, sse
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])

@@ -53,7 +53,7 @@ def test_two_router_actors_share_the_port_and_answer_as_the_offline_engine(qwen3
             ray.get(replica.actor.check_integrity.remote())
             # the routers (subscribers 1 and 2) get the cache's contents; the launching process, which
             # routes nothing beside them, does not
-            receivers = ray.get(replica.actor.__ray_call__.remote(lambda self: sorted(self._kv._changes)))
+            receivers = ray.get(replica.actor.__ray_call__.remote(lambda self: self.subscribers.kv_receivers()))
             assert receivers == [1, 2], receivers
     with LLM(str(qwen3_path), page_size=4) as llm:  # after the server: the two would share this machine's cores
         want = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 
 from cluster import KVEvents, block_hashes
-from router.replica_client import ReplicaClient
-from router.routing import CacheAware, CacheExact, NoReplicaError, RoundRobin, create_policy
+from router.replicas.client import ReplicaClient
+from router.replicas.routing import CacheAware, CacheExact, NoReplicaError, RoundRobin, create_policy
 
 
 @dataclass

@@ -293,3 +293,20 @@ def test_an_exception_inside_one_step_fails_that_batch_not_the_engine(qwen3_path
         sched.on_output = collect
         out = llm.generate([[5, 6, 7]], greedy(4, ignore_eos=True))[0]
         assert len(out.token_ids) == 4
+
+
+def test_one_set_of_request_limits_names_the_field_at_fault():
+    from cluster import RequestLimits
+    limits = RequestLimits(max_seq_len=8, vocab_size=10, max_logit_bias=3, eos_ids=frozenset({9}), max_prompt_tokens=5)
+    cases = [([], SamplingParams(), "prompt", "empty"), ([1] * 6, SamplingParams(), "prompt", "at most 5"),
+             ([1], SamplingParams(logit_bias={10: 1.0}), "logit_bias", "vocabulary"),
+             ([1], SamplingParams(logit_bias={1: 1.0, 2: 1.0}, min_tokens=2, stop_token_ids=[3]), "logit_bias",
+              "holds back 2")]
+    for ids, params, field, words in cases:
+        with pytest.raises(InvalidRequestError, match=words) as e:
+            limits.check(ids, params)
+        assert e.value.field == field
+    with pytest.raises(InvalidRequestError) as e:
+        RequestLimits(max_seq_len=8).check_prompt(8)  # the context must hold one new token too
+    assert e.value.code == "context_length_exceeded"
+    limits.check([1] * 5, SamplingParams(logit_bias={1: 1.0, 2: 1.0, 3: 1.0}))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from scripted import EOS, TOKEN
 
-from cluster.req import Req
+from cluster.scheduler.req import Req
 from cluster.sampling_params import SamplingParams
 
 LOOPS = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])

@@ -86,7 +86,7 @@ def test_a_hub_id_still_goes_to_the_hub(tmp_path):
 
 
 def test_joining_a_cluster_that_wants_a_token_says_how(monkeypatch):
-    from cluster import deploy
+    from cluster.fleet import deploy
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
 
     class AuthenticationError(Exception):

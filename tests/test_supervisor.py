@@ -10,9 +10,9 @@ import threading
 import time
 from types import SimpleNamespace
 
-from cluster.fleet import Fleet
-from router.state import RouterState
-from router.supervisor import Supervisor
+from cluster.fleet.fleet import Fleet
+from router.http.state import RouterState
+from router.tier.supervisor import Supervisor
 
 
 class _DownClient:
@@ -33,7 +33,7 @@ def test_a_replacement_that_cannot_start_is_retried_with_growing_waits():
 
     fleet = Fleet(None, [SimpleNamespace(replica_id=0, shutdown=lambda: None)], build=NoRoom)
     state = SimpleNamespace(clients=[_DownClient()], draining=False,
-                            config=SimpleNamespace(health_check_timeout_s=1.0, replica_channel=False))
+                            config=SimpleNamespace(health_check_timeout_s=1.0))
     supervisor = Supervisor(state, fleet, interval_s=0.05)
 
     async def supervise_for(seconds: float) -> None:
@@ -54,7 +54,9 @@ def test_a_replacement_that_cannot_start_is_retried_with_growing_waits():
 class _Replica:
     def __init__(self, replica_id: int = 0) -> None:
         self.replica_id, self.down = replica_id, False
-        self.actor = SimpleNamespace(poll=SimpleNamespace(remote=lambda timeout_s: asyncio.sleep(timeout_s, [])),
+        # a channel that takes its time to open: the client stays connecting until the test stops it
+        self.actor = SimpleNamespace(channel_address=SimpleNamespace(remote=lambda: asyncio.sleep(3600)),
+                                     kv_subscribe=SimpleNamespace(remote=lambda subscriber: asyncio.sleep(0)),
                                      health=SimpleNamespace(remote=lambda: asyncio.sleep(0, None)))
         self.info = None
 
@@ -71,7 +73,7 @@ def test_a_replacement_is_built_on_a_fleet_thread_then_routed_to():
 
     old = _Replica()
     fleet = Fleet(None, [old], build=build)
-    state = RouterState(config=SimpleNamespace(health_check_timeout_s=1.0, replica_channel=False), tokenizer=None,
+    state = RouterState(config=SimpleNamespace(health_check_timeout_s=1.0), tokenizer=None,
                         model_name="m", max_seq_len=8, vocab_size=8, clients=[_DownClient()])
     supervisor = Supervisor(state, fleet, interval_s=0.05)
 

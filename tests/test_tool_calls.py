@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from router.chat_output import ChatOutput, ChatParts
-from router.generation import Piece
-from router.reasoning import ReasoningParser, reasoning_parser_for
-from router.responses import Formatter
-from router.tool_calls import tool_call_parser, tool_call_parser_for
+from router.chat.output import ChatOutput, ChatParts
+from router.replicas.generation import Piece
+from router.chat.reasoning import ReasoningParser, reasoning_parser_for
+from router.http.responses import Formatter
+from router.chat.tool_calls import tool_call_parser, tool_call_parser_for
 
 
 def splits(text: str, seed: int = 0) -> list[list[str]]:

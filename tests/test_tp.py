@@ -18,10 +18,10 @@ from helpers import checked_llm, encode_all, greedy
 
 from cluster import LLM, GrammarSpec, SamplingParams
 from cluster.config import ReplicaConfig, SchedulerConfig
-from cluster.executor import ReplicaBrokenError
+from cluster.scheduler.executor import ReplicaBrokenError
 from cluster.errors import GenerationError
 from cluster.messages import AddRequest, TokenDelta
-from cluster.replica import SchedulerActor
+from cluster.replica.actor import SchedulerActor
 from worker.config import EngineConfig
 
 

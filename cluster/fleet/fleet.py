@@ -1,0 +1,112 @@
+"""A deployment's replicas on Ray: started together, replaced one at a time, shut down together.
+Whoever watches their health decides when to replace one; the fleet does it on its own threads, so
+stopping never waits on an event loop's executor, and `shutdown()` takes down a replacement still
+being built (it leaves no placement group behind)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from cluster.config import ReplicaConfig
+from cluster.fleet.deploy import ReplicaHandle
+
+log = logging.getLogger(__name__)
+
+# (config, replica id, abandon) -> a started replica; ReplicaHandle, or a stand-in in tests
+BuildReplica = Callable[..., ReplicaHandle]
+
+
+class Fleet:
+    def __init__(self, config: ReplicaConfig, replicas: list[ReplicaHandle],
+                 build: BuildReplica = ReplicaHandle) -> None:
+        """Takes over replicas already started; `start` places new ones."""
+        self.config, self._build = config, build
+        self._replicas = list(replicas)
+        self._building: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=max(len(replicas), 1), thread_name_prefix="replica-rebuild")
+
+    @classmethod
+    def start(cls, config: ReplicaConfig, size: int, build: BuildReplica = ReplicaHandle) -> Fleet:
+        """Places and starts `size` replicas at once; if any fails, shuts the others down and raises
+        its error."""
+        with ThreadPoolExecutor(max_workers=size) as pool:
+            futures = [pool.submit(build, config, i) for i in range(size)]
+            started, errors = [], []
+            for f in futures:
+                try:
+                    started.append(f.result())
+                except Exception as e:  # noqa: BLE001 - shut the others down, then report
+                    errors.append(e)
+        if errors:
+            for replica in started:
+                _shutdown_quietly(replica)
+            raise errors[0]
+        return cls(config, started, build)
+
+    @property
+    def replicas(self) -> list[ReplicaHandle]:
+        """The serving replica of each id (a replica whose replacement failed stays until one succeeds)."""
+        with self._lock:
+            return list(self._replicas)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def replace(self, i: int) -> Future | None:
+        """Shuts replica i down and starts a fresh one in its place, on a fleet thread. The future
+        gives the new replica once it serves, or None when the fleet was shut down meanwhile; it
+        raises when the new one could not start. None (no future) once the fleet is shut down."""
+        with self._lock:
+            if self._closed.is_set():
+                return None
+            future = self._pool.submit(self._rebuild, i, self._replicas[i])
+            self._building[i] = future
+        return future
+
+    def _rebuild(self, i: int, old: ReplicaHandle) -> ReplicaHandle | None:
+        try:
+            old.shutdown()
+            new = self._build(self.config, i, abandon=self._closed)
+            with self._lock:
+                if not self._closed.is_set():
+                    self._replicas[i] = new
+                    return new
+            # shutdown() came first; it may have stopped waiting for this one
+            _shutdown_quietly(new)
+            return None
+        finally:
+            with self._lock:
+                self._building.pop(i, None)
+
+    def shutdown(self, timeout_s: float = 600.0) -> None:
+        """Stops every replica. A replacement still being built is abandoned or, once up, shut down
+        by its own thread; this waits up to timeout_s for it. Idempotent."""
+        with self._lock:
+            self._closed.set()
+            building = list(self._building.values())
+        for future in building:
+            try:
+                future.result(timeout=timeout_s)
+            except TimeoutError:
+                log.error("a replacement replica is still starting after %g s; it stops once started", timeout_s)
+            except Exception:  # noqa: BLE001 - it failed or was abandoned: it cleaned up after itself
+                pass
+        self._pool.shutdown(wait=False)
+        with self._lock:
+            replicas, self._replicas = self._replicas, []
+        for replica in replicas:
+            _shutdown_quietly(replica)
+
+
+def _shutdown_quietly(replica: ReplicaHandle) -> None:
+    """Shuts a replica down, logging a failure instead of raising (the others must still be shut down)."""
+    try:
+        replica.shutdown()
+    except Exception as e:  # noqa: BLE001
+        log.error("replica %d did not shut down cleanly: %s", replica.replica_id, e)

@@ -1,0 +1,82 @@
+"""A replica's metrics through ray.util.metrics (shown by the Ray dashboard, exported to Prometheus
+by every node's metrics agent), tagged with replica and model. Only rank 0 (the scheduler) reports."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+from cluster.messages import SchedulerStats, TokenDelta
+from cluster.scheduler.req import Req
+
+_LATENCY = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+_TAGS = ("replica", "model")
+
+
+class ReplicaMetrics:
+    def __init__(self, replica_id: int, model: str, interval_s: float = 1.0) -> None:
+        self.tags = {"replica": str(replica_id), "model": model}
+        self.interval_s = interval_s
+        self._last = time.monotonic()
+        self._tokens_since = 0
+        self._preempted = 0
+        self.running = Gauge("raylm_num_running_reqs", "Requests decoding", _TAGS)
+        self.queued = Gauge("raylm_num_queue_reqs", "Requests waiting for prefill", _TAGS)
+        self.token_usage = Gauge("raylm_token_usage", "KV-cache pages in use / all pages", _TAGS)
+        self.cache_hit_rate = Gauge("raylm_cache_hit_rate", "Prompt tokens found in the prefix cache / admitted",
+                                    _TAGS)
+        self.gen_throughput = Gauge("raylm_gen_throughput", "Generated tokens per second", _TAGS)
+        self.prompt_tokens = Counter("raylm_prompt_tokens", "Prompt tokens of admitted requests", _TAGS)
+        self.generation_tokens = Counter("raylm_generation_tokens", "Generated tokens", _TAGS)
+        self.preemptions = Counter("raylm_num_preemptions", "Requests preempted for KV pages (recomputed later)",
+                                   _TAGS)
+        self.requests = Counter("raylm_request_success", "Ended requests by finish reason", _TAGS + ("finish_reason",))
+        # client-visible latencies (TTFT, inter-token, per output token, end to end) are measured once,
+        # where the client's tokens arrive: by the router (router/http/metrics.py)
+        self.queue_time = Histogram("raylm_queue_time_seconds", "Arrival to first prefill", _LATENCY, _TAGS)
+
+    def on_output(self, deltas: list[TokenDelta]) -> None:
+        self._tokens_since += sum(1 for d in deltas if d.token is not None)
+
+    def on_finish(self, req: Req, reason: str) -> None:
+        tags = self.tags
+        self.requests.inc(1, {**tags, "finish_reason": reason})
+        if req.prompt_len:
+            self.prompt_tokens.inc(req.prompt_len, tags)
+        if req.scheduled is not None:
+            self.queue_time.observe(req.scheduled - req.arrival, tags)
+
+    def on_replica_failed(self, num_requests: int) -> None:
+        """The replica broke with num_requests live: each ended with an error, and nothing runs any more
+        (its scheduler may be stuck, so its state is not read)."""
+        tags = self.tags
+        if num_requests:
+            self.requests.inc(num_requests, {**tags, "finish_reason": "error"})
+        self.running.set(0, tags)
+        self.queued.set(0, tags)
+
+    def on_step(self, snapshot_fn: Callable[[], SchedulerStats]) -> None:
+        """Gauges and token counters, at most once per interval (the scheduler's state is read then)."""
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return
+        s = snapshot_fn()
+        tags = self.tags
+        self.running.set(s.running, tags)
+        self.queued.set(s.waiting, tags)
+        self.token_usage.set(s.kv_usage, tags)
+        self.cache_hit_rate.set(s.prefix_hit_rate, tags)
+        self.gen_throughput.set(self._tokens_since / (now - self._last), tags)
+        if self._tokens_since:
+            self.generation_tokens.inc(self._tokens_since, tags)
+        if s.preempted > self._preempted:
+            self.preemptions.inc(s.preempted - self._preempted, tags)
+            self._preempted = s.preempted
+        self._tokens_since = 0
+        self._last = now
+
+    def flush(self, snapshot_fn: Callable[[], SchedulerStats]) -> None:
+        self._last = 0.0
+        self.on_step(snapshot_fn)

@@ -1,0 +1,69 @@
+"""Grammars for constrained requests, with xgrammar: compiled off the scheduler's thread (a complex JSON
+schema can take a while) and cached by value (xgrammar's compiler cache), then one matcher per request
+that advances on the host with each token received and fills the request's next-token bitmask."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from cluster.errors import InvalidRequestError
+from cluster.sampling_params import GrammarSpec
+
+
+class Grammars:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import xgrammar as xgr  # loaded with the first replica that serves grammars, not with the package
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
+        self.vocab_size = vocab_size
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+
+    def compile(self, spec: GrammarSpec) -> Future:
+        """A future of the compiled grammar; it raises InvalidRequestError for a grammar that does not compile."""
+        return self._pool.submit(self._compile, spec)
+
+    def _compile(self, spec: GrammarSpec):
+        c = self.compiler
+        try:
+            match spec.kind:
+                case "json_schema":
+                    return c.compile_json_schema(spec.spec)
+                case "json_object":  # an object, as OpenAI's JSON mode promises (xgrammar's builtin is any value)
+                    return c.compile_json_schema('{"type": "object"}')
+                case "regex":
+                    return c.compile_regex(spec.spec)
+                case "ebnf":
+                    return c.compile_grammar(spec.spec)
+                case "structural_tag":
+                    return c.compile_structural_tag(spec.spec)
+        except (RuntimeError, ValueError, TypeError, json.JSONDecodeError) as e:
+            raise InvalidRequestError(f"the {spec.kind} grammar does not compile: {_first_line(e)}",
+                                      field="response_format") from e
+        raise InvalidRequestError(f"unknown grammar kind {spec.kind!r}", field="response_format")
+
+    def matcher(self, compiled) -> object:
+        return self._xgr.GrammarMatcher(compiled)
+
+    def masks(self, matchers: list) -> np.ndarray:
+        """int32 [len(matchers), ceil(vocab_size / 32)]: each matcher's allowed next tokens, one bit a token."""
+        bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i, m in enumerate(matchers):
+            m.fill_next_token_bitmask(bitmask, i)
+        return bitmask.numpy()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    # xgrammar prefixes its messages with a time, a source location and the failed check
+    text = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[0] if lines else type(e).__name__)
+    return re.sub(r"^Check failed: .*? is false:\s*", "", text)[:300]

@@ -1,0 +1,375 @@
+"""The scheduler of one replica (tensor-parallel rank 0): takes requests from its inbox, builds each
+step's batch (prefill.py admits and prefills, decode.py decodes and preempts), launches it on the
+executor, and turns sampled tokens into per-request deltas. Two loops: `normal_step`
+(launch, then emit its tokens) and `overlap_step` (launch step N+1, then emit step N's while it computes)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Callable
+
+from cluster.scheduler.batch_builder import Batch, BatchBuilder
+from cluster.scheduler.cache_manager import CacheManager
+from cluster.config import SchedulerConfig
+from cluster.scheduler.decode import DecodeManager
+from cluster.errors import ErrorKind, InvalidRequestError, RaylmError
+from cluster.limits import RequestLimits
+from cluster.scheduler.grammars import Grammars
+from cluster.scheduler.executor import Executor, ReplicaBrokenError
+from cluster.messages import AbortRequest, AddRequest, CallBetweenSteps, SchedulerStats, TokenDelta
+from cluster.scheduler.prefill import PrefillManager
+from cluster.scheduler.req import Req
+from cluster.scheduler.request_slots import RequestSlots
+from cluster.sampling_params import SamplingParams
+from worker.batch import StepOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GrammarReady:
+    """A constrained request's grammar has compiled (or failed to): `future` holds it."""
+
+    uid: int
+    future: Future
+
+
+@dataclass
+class Launched:
+    """A step launched and not yet handled."""
+
+    batch: Batch
+    output: StepOutput
+
+    @cached_property
+    def rows(self) -> frozenset[int]:
+        """The request slots it uses."""
+        return frozenset(self.batch.desc.table_idx.tolist())
+
+    @cached_property
+    def req_set(self) -> frozenset[Req]:
+        return frozenset(self.batch.reqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, executor: Executor, *, num_pages: int, page_size: int,
+                 max_running_reqs: int, max_seq_len: int, eos_ids: set[int],
+                 on_output: Callable[[list[TokenDelta]], None],
+                 on_finish: Callable[[Req, str], None] | None = None, vocab_size: int | None = None,
+                 max_logit_bias: int | None = None, grammars: Grammars | None = None) -> None:
+        """`vocab_size` and `max_logit_bias` (the engine's) bound what logit_bias may name; None: unchecked.
+        `grammars` compiles and matches constrained requests; None: they are refused."""
+        self.config, self.executor = config, executor
+        self.max_seq_len, self.eos_ids = max_seq_len, frozenset(eos_ids)
+        self.limits = RequestLimits(max_seq_len, vocab_size, max_logit_bias, self.eos_ids)
+        self.grammars = grammars
+        self.on_output = on_output
+        self.on_finish = on_finish  # every request that ends, with its finish reason (metrics, tests)
+        self.cache = CacheManager(num_pages, page_size, config.cache_type, config.decode_reserve_tokens)
+        self.req_slots = RequestSlots(max_running_reqs)
+        self.prefill = PrefillManager(self.cache, self.req_slots, config)
+        self.decode = DecodeManager(self.cache, self.prefill, self._free)
+        self.builder = BatchBuilder(self.cache, self.eos_ids, max_running_reqs, grammars)
+        self.reqs: dict[int, Req] = {}          # every live request, by uid
+        self.finished_reqs: set[Req] = set()    # left the batch in flight: its result there is dropped
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.in_flight: Launched | None = None
+        self.steps = self.prefill_tokens = self.decode_tokens = self.mixed_steps = 0
+        # aborts that arrived before their request (messages from several callers may reorder)
+        self._early_aborts: OrderedDict[int, None] = OrderedDict()
+
+    # -- messages (thread-safe: anyone may call these) ---------------------------------------------
+
+    def submit(self, request: AddRequest) -> None:
+        self.inbox.put(request)
+
+    def abort(self, uid: int) -> None:
+        self.inbox.put(AbortRequest(uid))
+
+    def call_between_steps(self, fn: Callable[[], Any]) -> Future:
+        """Runs fn on the loop's thread between two steps (where the state is consistent)."""
+        call = CallBetweenSteps(fn)
+        self.inbox.put(call)
+        return call.future
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.reqs) or self.in_flight is not None or not self.inbox.empty()
+
+    def receive(self, block: bool = False) -> None:
+        """Applies every message in the inbox; with `block`, waits up to 50 ms for the first."""
+        while True:
+            try:
+                msg = self.inbox.get(block=block, timeout=0.05 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            match msg:
+                case AddRequest():
+                    self._add(msg)
+                case AbortRequest(uid=uid):
+                    self._abort(uid)
+                case CallBetweenSteps():
+                    msg.run()
+                case GrammarReady():
+                    self._grammar_ready(msg)
+
+    def validate(self, input_ids: list[int], params: SamplingParams) -> int:
+        """Raises InvalidRequestError for a request this replica can never run; returns its maximum
+        length (prompt plus new tokens, within the context)."""
+        self.limits.check(input_ids, params)
+        n = len(input_ids)
+        max_len = min(n + (params.max_tokens or self.max_seq_len), self.max_seq_len)
+        need = self.cache.pages_for(max_len)
+        if need > self.cache.num_pages:
+            raise InvalidRequestError(f"the request needs {need} KV-cache pages (prompt {n} + up to {max_len - n} "
+                                      f"new tokens) but the cache has {self.cache.num_pages}; lower max_tokens or shorten the prompt")
+        if params.n != 1:
+            raise InvalidRequestError("a scheduler runs one choice per request: fan n choices out first "
+                                      "(cluster.fan_out)", field="n")
+        if params.grammar is not None and self.grammars is None:
+            raise InvalidRequestError("this replica cannot serve grammars (its model folder has no tokenizer)",
+                                      field="response_format")
+        return max_len
+
+    def _add(self, msg: AddRequest) -> None:
+        if self._early_aborts.pop(msg.uid, 0) is None:
+            return
+        try:
+            max_len = self.validate(msg.input_ids, msg.params)
+            if msg.uid in self.reqs:
+                raise InvalidRequestError(f"request id {msg.uid} is already running")
+            self.prefill.check_room(len(msg.input_ids))  # a full queue: OverloadedError
+        except RaylmError as e:
+            self.on_output([TokenDelta.failure(msg.uid, e.kind, str(e))])
+            return
+        seed = msg.params.seed if msg.params.seed is not None else random.getrandbits(62)
+        req = Req(msg.uid, list(msg.input_ids), msg.params, max_len, seed)  # its own list: tokens are appended
+        if msg.after is not None:
+            req.after = self.reqs.get(msg.after)
+        self.reqs[req.uid] = req
+        if msg.params.grammar is not None:  # it waits in the queue until its grammar is compiled
+            self.grammars.compile(msg.params.grammar).add_done_callback(
+                lambda future, uid=req.uid: self.inbox.put(GrammarReady(uid, future)))
+        self.prefill.add(req)
+
+    def _grammar_ready(self, msg: GrammarReady) -> None:
+        req = self.reqs.get(msg.uid)
+        if req is None or req.matcher is not None:
+            return  # ended while its grammar compiled
+        try:
+            req.matcher = self.grammars.matcher(msg.future.result())
+        except RaylmError as e:
+            self._end(req, "error")
+            self.on_output([TokenDelta.failure(req.uid, e.kind, str(e))])
+
+    def _abort(self, uid: int) -> None:
+        req = self.reqs.get(uid)
+        if req is not None:
+            self._end(req, "abort")
+            return
+        self._early_aborts[uid] = None  # finished already, or not arrived yet
+        if len(self._early_aborts) > 10_000:
+            self._early_aborts.popitem(last=False)
+
+    # -- ending a request ----------------------------------------------------------------------------
+
+    def _end(self, req: Req, reason: str) -> None:
+        """The one way a request ends, whether it finished, was aborted or failed."""
+        del self.reqs[req.uid]
+        req.ended = True
+        if not self.decode.remove(req):
+            self.prefill.remove(req)  # waiting, or part-way through a chunked prefill
+        if req.table_idx >= 0:
+            self._free(req)
+        if self.on_finish is not None:
+            self.on_finish(req, reason)
+
+    def _free(self, req: Req) -> None:
+        """Gives back a request's pages (its computed ones go to the prefix cache) and its request slot
+        (released once the batch in flight is done); a result of it in that batch will be dropped."""
+        self.cache.release(req, min(req.cached_len, len(req.input_ids)))
+        self.req_slots.free(req.table_idx)
+        req.table_idx = -1
+        if self.in_flight is not None and req in self.in_flight.req_set:
+            self.finished_reqs.add(req)
+
+    # -- building a step ---------------------------------------------------------------------------
+
+    def schedule(self) -> Batch | None:
+        """The next step. With mixed steps: every running decode, and beside them the prompt chunks that
+        fit the token budget; else a prefill if any waiting request can be admitted, else a decode."""
+        in_flight = self.in_flight.rows if self.in_flight is not None else frozenset()
+        decoding: list[Req] = []
+        budget = None
+        if self.config.mixed_steps and self.decode.running:
+            decoding = self.decode.schedule(self.in_flight.req_set if self.in_flight is not None else None)
+            budget = self.config.max_extend_tokens - len(decoding)
+        chosen = []
+        if self.prefill.waiting and (budget is None or budget > 0):
+            # admission leaves `headroom` pages free: the decode rows allocate theirs after it
+            chosen = self.prefill.schedule(in_flight, self.decode.headroom, budget)
+        if chosen:
+            batch = self.builder.prefill(chosen, decoding)
+            for req, prompt_done in zip(batch.reqs[batch.num_decode:], batch.emits[batch.num_decode:]):
+                if prompt_done:
+                    self.decode.add(req)
+            return batch
+        if not self.config.mixed_steps:
+            decoding = self.decode.schedule(self.in_flight.req_set if self.in_flight is not None else None)
+        return self.builder.decode(decoding) if decoding else None
+
+    # -- the two loops -------------------------------------------------------------------------------
+
+    def normal_step(self, block: bool = False) -> None:
+        """Schedules step N, launches it, and handles its results before the next."""
+        self.receive(block and not self.reqs)
+        self.req_slots.release()  # nothing is in flight between two normal steps
+        batch = self.schedule()
+        if batch is not None and (launched := self._launch(batch)) is not None:
+            self._emit_tokens(launched)
+
+    def overlap_step(self, block: bool = False) -> None:
+        """Schedules and launches step N+1, then handles step N's results while N+1 computes."""
+        last = self.in_flight                                    # step N
+        self.receive(block and last is None and not self.reqs)
+        if last is None:
+            self.req_slots.release()  # nothing in flight can still write into a freed row
+        batch = self.schedule()                                   # step N+1
+        self.in_flight = self._launch(batch) if batch is not None else None
+        if last is not None:
+            self._emit_tokens(last)                                 # step N's tokens, while N+1 computes
+
+    def step(self, block: bool = False) -> None:
+        (self.overlap_step if self.config.overlap else self.normal_step)(block)
+
+    def _launch(self, batch: Batch) -> Launched | None:
+        desc = batch.desc
+        self.steps += 1
+        self.prefill_tokens += desc.num_tokens - batch.num_decode
+        self.decode_tokens += batch.num_decode
+        self.mixed_steps += desc.is_prefill and batch.num_decode > 0
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d %s batch=%d tokens=%d running=%d waiting=%d free_pages=%d cached_pages=%d",
+                      self.steps, "prefill" if desc.is_prefill else "decode", desc.batch_size, desc.num_tokens,
+                      len(self.decode.running), len(self.prefill.waiting), self.cache.allocator.num_free,
+                      self.cache.prefix_cache.num_pages)
+        try:
+            launched = Launched(batch, self.executor.launch(desc))
+        except ReplicaBrokenError as e:
+            self.fail_all(str(e), ErrorKind.REPLICA_DOWN)
+            raise
+        except Exception as e:  # noqa: BLE001 - an engine failure fails this batch, not the replica
+            log.exception("step failed")
+            self.builder.failed(batch)
+            self._fail(batch.reqs, f"the engine failed this step: {type(e).__name__}: {e}", ErrorKind.ENGINE)
+            return None
+        self.builder.launched()
+        return launched
+
+    def _emit_tokens(self, launched: Launched) -> None:
+        """Waits for a step's sampled tokens, appends each to its request and sends them as deltas (one
+        message for the step); ends the requests they finish."""
+        batch, out = launched.batch, launched.output
+        try:
+            self.executor.wait(out)  # this step, and every one before it, is done on the device
+        except ReplicaBrokenError as e:
+            self.fail_all(str(e), ErrorKind.REPLICA_DOWN)
+            raise
+        self.req_slots.release()
+        stale, self.finished_reqs = self.finished_reqs, set()
+        tokens = out.next_tokens.tolist()
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        if batch.scored:
+            self._keep_prompt_logprobs(batch, out, stale)
+        now = time.perf_counter()
+        deltas: list[TokenDelta] = []
+        for i, req in enumerate(batch.reqs):
+            if req in stale or not batch.emits[i]:
+                continue  # a result of a request that left the batch, or of a mid-prompt chunk
+            token = tokens[i]
+            req.input_ids.append(token)
+            req.first_token = req.first_token or now
+            req.last_token = now
+            delta = TokenDelta(req.uid, token)
+            if req.params.prompt_logprobs is not None and len(req.input_ids) == req.prompt_len + 1:
+                delta.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
+            if logprobs is not None and req.params.logprobs is not None:
+                delta.logprob = logprobs[i]
+                if k := req.params.logprobs:
+                    delta.top_logprobs = list(zip(out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()))
+            # judged by tokens received: req.device_len is already a step ahead under overlap
+            if (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
+                delta.finished, delta.finish_reason = True, "stop"
+            elif req.matcher is not None and not self._advance_grammar(req, token):
+                delta.finished, delta.finish_reason = True, "stop"
+            elif len(req.input_ids) >= req.max_device_len:
+                delta.finished, delta.finish_reason = True, "length"
+            deltas.append(delta)
+            if delta.finished:
+                self._end(req, delta.finish_reason)
+            elif batch.desc.is_prefill and self.cache.cache_prefix(req, req.fill_len):
+                self.builder.rewrite_rows[req.table_idx] = req
+        if deltas:
+            self.on_output(deltas)
+
+    @staticmethod
+    def _advance_grammar(req: Req, token: int) -> bool:
+        """Feeds a constrained request's token to its matcher; False once the grammar is complete (its
+        output is whole: nothing more may follow)."""
+        if not req.matcher.accept_token(token):
+            log.warning("request %d: its grammar rejected token %d", req.uid, token)
+            return False
+        return not req.matcher.is_terminated()
+
+    def _keep_prompt_logprobs(self, batch: Batch, out: StepOutput, stale: set[Req]) -> None:
+        """Appends each scored request's prompt logprobs of this step (sent with its first token)."""
+        values = out.prompt_logprobs.tolist()
+        top_ids = out.prompt_top_ids.tolist() if out.prompt_top_ids is not None else None
+        top_values = out.prompt_top_logprobs.tolist() if out.prompt_top_logprobs is not None else None
+        for req, start, count in batch.scored:
+            if req in stale:
+                continue
+            k = req.params.prompt_logprobs
+            for i in range(start, start + count):
+                top = list(zip(top_ids[i][:k], top_values[i][:k])) if k and top_ids is not None else []
+                req.prompt_logprobs.append((values[i], top))
+
+    # -- failure -------------------------------------------------------------------------------------
+
+    def _fail(self, reqs: list[Req], why: str, kind: ErrorKind) -> None:
+        for req in reqs:
+            if self.reqs.get(req.uid) is req:
+                self._end(req, "error")
+        self.on_output([TokenDelta.failure(r.uid, kind, why) for r in reqs])
+
+    def fail_all(self, why: str, kind: ErrorKind = ErrorKind.ENGINE) -> None:
+        """Ends every live request with an error of this kind."""
+        self.in_flight = None
+        self.receive(block=False)
+        self._fail(list(self.reqs.values()), why, kind)
+
+    # -- checks --------------------------------------------------------------------------------------
+
+    def snapshot(self) -> SchedulerStats:
+        """Counts an operator (or a test) wants to see."""
+        cache, slots = self.cache, self.req_slots
+        return SchedulerStats(
+            running=len(self.decode.running), waiting=len(self.prefill.waiting), live=len(self.reqs),
+            request_slots_total=slots.num_slots, request_slots_free=slots.available + slots.num_unreleased,
+            pages_total=cache.num_pages, pages_free=cache.allocator.num_free,
+            pages_cached=cache.prefix_cache.num_pages, pages_reserved=cache.reserved,
+            prefix_hit_tokens=cache.prefill_tokens_saved, prompt_tokens_admitted=cache.prompt_tokens_admitted,
+            steps=self.steps, prefill_tokens=self.prefill_tokens, decode_tokens=self.decode_tokens,
+            preempted=self.decode.num_preempted, mixed_steps=self.mixed_steps)
+
+    def check_integrity(self) -> None:
+        """Raises IntegrityError unless every KV page is free, prefix-cached or held by a live request."""
+        self.cache.check_integrity([r for r in self.reqs.values() if r.table_idx >= 0])

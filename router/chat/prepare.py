@@ -1,0 +1,47 @@
+"""A chat request made ready to run: its prompt (the template renders the messages and tools), the
+grammar its output follows (a response_format, a guided_* field, or a forced tool call) and how its
+output is read back (reasoning, tool calls)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cluster import GrammarSpec
+from router.chat.output import ChatOutput
+from router.http.errors import APIError
+from router.http.protocol import ChatCompletionRequest
+from router.chat.reasoning import closes_thinking, opens_thinking
+from router.http.state import RouterState
+from router.chat.structured import request_grammar
+from router.chat.tools import plan_tools, tool_grammar
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    ids: list[int]
+    grammar: GrammarSpec | None
+    output: ChatOutput
+
+
+def prepare_chat(state: RouterState, req: ChatCompletionRequest) -> PreparedChat:
+    """The request's prompt ids, grammar and output reading, or a 400 naming the field at fault."""
+    tools = plan_tools(req, state.tool_call_parser)
+    grammar = request_grammar(req)
+    if grammar is not None and tools.forced:
+        raise APIError(400, "tool_choice asks for a tool call, which cannot be combined with a response_format "
+                            "or guided_* field (both constrain the whole output)", param="tool_choice")
+    prompt = state.chat_prompt(req, tools=tools.template_tools)
+    ids = state.tokenizer(prompt, add_special_tokens=False).input_ids
+    reasoning = state.reasoning_parser is not None
+    thinking = reasoning and (req.chat_template_kwargs or {}).get("enable_thinking") is not False
+    # a requested format is the whole output: it never sits inside a think block the prompt opened
+    in_think = thinking and grammar is None and opens_thinking(prompt)
+    if tools.forced:
+        mode = "enabled" if in_think else "disabled" if not thinking or closes_thinking(prompt) else "auto"
+        grammar = tool_grammar(req, state.tool_call_parser, mode)
+    # calls are read unless the output follows a format of the client's own
+    reads_calls = tools.parse and (tools.forced or grammar is None)
+    output = ChatOutput(reasoning=reasoning, starts_in_reasoning=in_think,
+                        tool_calls=state.tool_call_parser if reads_calls else None,
+                        max_calls=1 if req.parallel_tool_calls is False else None)
+    return PreparedChat(ids, grammar, output)

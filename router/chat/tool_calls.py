@@ -1,0 +1,173 @@
+"""Tool calls read from a model's output, as the text streams or whole (both give the same calls):
+Qwen2.5 / Qwen3's `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (any number of them)
+and Llama 3.1's JSON `{"name": ..., "parameters": {...}}`. Text around the calls is content; a call
+that does not parse stays content too."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from router.chat.markers import split_held
+
+def tool_call_parser_for(setting: str, model_type: str | None) -> str | None:
+    """The format a served model's calls are read in: the setting's, or for auto its model_type's."""
+    if setting == "none":
+        return None
+    if setting == "auto":
+        kind = (model_type or "").split("_")[0]
+        return {"qwen2": "qwen", "qwen3": "qwen", "llama": "llama"}.get(kind)
+    return setting
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+    def as_openai(self, index: int | None = None) -> dict:
+        """The message's tool_calls entry (with `index`: a stream delta's)."""
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def _call(body: str, arguments_key: str, tagged: bool) -> ToolCall | None:
+    """The call a JSON object's text names, or None when it is not one. Untagged (Llama's bare JSON),
+    an object is a call only with its arguments key, so that an answer's own JSON stays content."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    key = arguments_key if arguments_key in value else "arguments"
+    if not tagged and key not in value:
+        return None
+    args = value.get(key, {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
+
+
+class ToolCallParser:
+    """One choice's content in pieces -> (content, calls) pieces. A subclass says where a call begins
+    (`begin`), where its text ends, and what it names; whitespace (and `separators`) between calls and
+    after the last one is dropped."""
+
+    begin: str
+    separators = " \t\r\n"
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._in_call = False
+        self._after_call = False
+        self.calls = 0  # calls found so far
+
+    def _started(self) -> None:
+        """A call's text begins at the buffer's start."""
+
+    def _end(self, text: str) -> int | None:
+        """Where the call that `text` starts (with `begin`) ends, or None while it has not."""
+        raise NotImplementedError
+
+    def _parse(self, text: str) -> ToolCall | None:
+        raise NotImplementedError
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._buffer += text
+        content, calls = "", []
+        while True:
+            if self._after_call:
+                self._buffer = self._buffer.lstrip(self.separators)
+                if not self._buffer:
+                    return content, calls
+                self._after_call = False
+            if not self._in_call:
+                at = self._buffer.find(self.begin)
+                if at < 0:
+                    out, self._buffer = split_held(self._buffer, self.begin)
+                    return content + out, calls
+                content += self._buffer[:at]
+                self._buffer, self._in_call = self._buffer[at:], True
+                self._started()
+            end = self._end(self._buffer)
+            if end is None:
+                return content, calls
+            call = self._parse(self._buffer[:end])
+            if call is None:
+                content += self._buffer[:end]
+            else:
+                calls.append(call)
+                self.calls += 1
+                self._after_call = True
+            self._buffer, self._in_call = self._buffer[end:], False
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The end of the choice: a call still open is taken if its text parses whole (the output may
+        end before a closing tag), otherwise it is content."""
+        rest, self._buffer = self._buffer, ""
+        if self._in_call and (call := self._parse(rest)) is not None:
+            self.calls += 1
+            return "", [call]
+        return rest, []
+
+
+class QwenToolCallParser(ToolCallParser):
+    begin, close = "<tool_call>", "</tool_call>"
+
+    def _end(self, text: str) -> int | None:
+        at = text.find(self.close)
+        return None if at < 0 else at + len(self.close)
+
+    def _parse(self, text: str) -> ToolCall | None:
+        body = text[len(self.begin):].removesuffix(self.close)
+        return _call(body.strip(), "arguments", tagged=True)
+
+
+class LlamaToolCallParser(ToolCallParser):
+    begin = '{"name"'
+    separators = " \t\r\n;"  # Llama 3.1 separates several calls with "; "
+
+    def _started(self) -> None:
+        # the scan of the JSON object goes on where it stopped, piece after piece
+        self._pos, self._depth, self._in_string, self._escaped = 0, 0, False, False
+
+    def _end(self, text: str) -> int | None:
+        """Just past the JSON object's closing brace (braces inside strings do not count)."""
+        for i in range(self._pos, len(text)):
+            ch = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch == "{":
+                self._depth += 1
+            elif ch == "}":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        self._pos = len(text)
+        return None
+
+    def _parse(self, text: str) -> ToolCall | None:
+        return _call(text.strip(), "parameters", tagged=False)
+
+
+def tool_call_parser(kind: str) -> ToolCallParser:
+    """A parser of one choice's output in the format `kind` ("qwen" or "llama")."""
+    return {"qwen": QwenToolCallParser, "llama": LlamaToolCallParser}[kind]()

@@ -1,0 +1,75 @@
+"""A chat request's tools: their definitions checked and handed to the chat template, and for
+tool_choice "required" or a named function, the grammar that makes the output such a call (an xgrammar
+structural tag in the model's tool-call format), so its arguments always validate against the
+function's parameter schema."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+import xgrammar
+
+from cluster import GrammarSpec
+from router.http.errors import APIError
+from router.http.protocol import ChatCompletionRequest, NamedToolChoice
+from router.chat.structured import check_json_schema, checked
+
+# our tool-call formats as xgrammar's builtin structural tags name them (Qwen2.5 writes Qwen3's calls)
+STRUCTURAL_TAG_MODELS = {"qwen": "qwen_3", "llama": "llama"}
+NO_ARGUMENTS = {"type": "object", "properties": {}}
+
+ReasoningMode = Literal["enabled", "disabled", "auto"]
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    template_tools: list[dict] | None  # what the chat template renders (None: no tools)
+    parse: bool                        # whether tool calls are read from the output
+    forced: bool                       # whether the output must be a call (a grammar makes it one)
+
+
+def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
+    """Checks the request's tools and tool_choice (400s naming the field) and says what to do with them.
+    `parser` is the served model's tool-call format (None: it has none)."""
+    tools = req.tools or []
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+    names = [t.function.name for t in tools]
+    if len(set(names)) < len(names):
+        twice = next(n for n in names if names.count(n) > 1)
+        raise APIError(400, f"tools: two functions are named {twice!r}", param="tools")
+    for tool in tools:
+        params = tool.function.parameters
+        if params is not None:
+            what = f"the parameters of function {tool.function.name!r}"
+            check_json_schema(params, "tools", what)
+            checked(GrammarSpec("json_schema", json.dumps(params, ensure_ascii=False)), "tools")
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    if forced and not tools:
+        raise APIError(400, "tool_choice asks for a tool call, but the request lists no tools", param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not among the "
+                            f"tools ({', '.join(names)})", param="tool_choice")
+    if forced and parser is None:
+        raise APIError(400, "tool_choice asks for a tool call, but this server reads no tool-call format for "
+                            "this model (its tool_call_parser setting is none)", param="tool_choice")
+    template_tools = [t.model_dump(exclude_none=True) for t in tools] or None
+    return ToolPlan(template_tools, parse=parser is not None and choice != "none" and bool(tools), forced=forced)
+
+
+def tool_grammar(req: ChatCompletionRequest, parser: str, reasoning: ReasoningMode) -> GrammarSpec:
+    """The structural tag that makes the output one call (a named function) or at least one (required),
+    each call's arguments following its function's parameters; `reasoning` says whether a think block
+    comes first (Qwen3's)."""
+    tools = [{"type": "function", "function": {"name": t.function.name,
+                                               "parameters": t.function.parameters or NO_ARGUMENTS}}
+             for t in req.tools or []]
+    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else "required"
+    try:
+        tag = xgrammar.get_model_structural_tag(STRUCTURAL_TAG_MODELS[parser], tools=tools, tool_choice=choice,
+                                                reasoning=reasoning,
+                                                parallel_tool_calls=req.parallel_tool_calls is not False)
+    except ValueError as e:
+        raise APIError(400, f"tools: {e}", param="tools") from e
+    return checked(GrammarSpec("structural_tag", tag.model_dump_json()), "tools")

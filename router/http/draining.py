@@ -1,0 +1,51 @@
+"""uvicorn as a router serves: new requests get a 503 once shutdown begins, and those still running
+near the drain timeout end in order instead of being cut mid-response."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import uvicorn
+
+from router.http.state import RouterState
+
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, draining as the router needs: once shutdown begins, new requests get a 503, and requests
+    still running just before the drain timeout ends are failed in order (a stream gets an SSE error
+    event and [DONE], a whole response a 503), instead of being cancelled mid-response by uvicorn."""
+
+    def __init__(self, config: uvicorn.Config, state: RouterState, drain_timeout_s: float,
+                 on_ready: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.state, self.drain_timeout_s, self.on_ready = state, drain_timeout_s, on_ready
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_ready is not None:
+            self.on_ready()
+
+    async def shutdown(self, sockets=None) -> None:
+        self.state.draining = True
+        running = sum(c.load for c in self.state.clients)
+        log.warning("draining: no new requests; %d in flight may take up to %g s to finish", running,
+                    self.drain_timeout_s)
+        # uvicorn cancels what still runs at the timeout: end it a little before, so each response is whole
+        cut_after = max(0.0, self.drain_timeout_s - min(1.0, self.drain_timeout_s / 4))
+        timer = asyncio.get_running_loop().call_later(cut_after, self._cut)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _cut(self) -> None:
+        running = sum(c.load for c in self.state.clients)
+        if running:
+            log.warning("drain timeout of %g s ran out: failing %d request(s) still running", self.drain_timeout_s,
+                        running)
+        for client in self.state.clients:
+            client.mark_failed(f"the server is shutting down: its drain timeout of {self.drain_timeout_s:g} s ran out")

@@ -1,0 +1,77 @@
+"""Errors as the OpenAI API reports them: a status code and {"error": {message, type, param, code}}."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster import ErrorKind, RaylmError
+
+# every failure that crosses the replica boundary, as the HTTP status and OpenAI error type a client sees
+STATUS_OF_KIND: dict[ErrorKind, tuple[int, str]] = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorKind.ENGINE: (500, "server_error"),
+    ErrorKind.REPLICA_DOWN: (503, "service_unavailable"),
+    ErrorKind.TIMEOUT: (408, "timeout_error"),
+    ErrorKind.OVERLOADED: (429, "rate_limit_error"),
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.param, self.code)
+
+    @classmethod
+    def of(cls, error: RaylmError) -> APIError:
+        """The API error a request failure of this kind becomes."""
+        status, type_ = STATUS_OF_KIND[error.kind]
+        return cls(status, str(error), type_, getattr(error, "field", None), getattr(error, "code", None))
+
+    def body(self) -> dict:
+        """The OpenAI error object."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def event(self) -> dict:
+        """The payload of the SSE error event that ends a stream: the status is its code, since a
+        stream's HTTP status (200) was sent before the failure."""
+        return {"error": {**self.body()["error"], "code": self.code or self.status}}
+
+
+# a full queue drains at the replicas' prefill rate: within a second it has usually made room
+RETRY_AFTER_S = 1
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    headers = ({"WWW-Authenticate": "Bearer"} if status == 401 else
+               {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None)
+    return JSONResponse(APIError(status, message, type_, param, code).body(), status_code=status, headers=headers)
+
+
+async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ())]
+    content_type = request.headers.get("content-type", "")
+    if loc == ["body"] and "json" not in content_type.split(";")[0]:
+        # FastAPI parses only JSON bodies: anything else reaches validation as a string
+        return error_response(400, f"the body must be JSON, sent with Content-Type: application/json "
+                                   f"(got {content_type or 'no Content-Type'})")
+    where = ".".join(p for p in loc if p != "body")
+    msg = first.get("msg", "invalid request").removeprefix("Value error, ")
+    return error_response(400, f"{where}: {msg}" if where else msg, param=where or None)
+
+
+async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(exc.status_code, str(exc.detail), type_)

@@ -1,0 +1,58 @@
+"""What every request passes before the API sees it, as plain ASGI (no per-request task, safe with
+streaming and disconnects): the API key on /v1 routes (constant-time compare), the body-size limit on
+the bytes actually received (a body without or lying in its Content-Length included), and refusal of
+new work while draining."""
+
+from __future__ import annotations
+
+import hmac
+
+from router.http.errors import error_response
+
+
+# what the API key protects: everything but the probes (/health, /metrics, /version)
+_GUARDED = ("/v1", "/tokenize", "/detokenize")
+
+
+class RequestGuard:
+    def __init__(self, app, state) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        cfg = self.state.config
+        if scope["path"].startswith(_GUARDED):
+            if cfg.api_key is not None:
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                if not hmac.compare_digest(given, f"Bearer {cfg.api_key}".encode()):
+                    return await error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                                                "authentication_error", code="invalid_api_key")(scope, receive, send)
+            if self.state.draining and scope["method"] == "POST":
+                return await error_response(503, "the server is shutting down",
+                                            "service_unavailable")(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:  # bodies are small: read it whole, refusing it as soon as it is too big
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending it all
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > cfg.max_body_bytes:
+                return await error_response(413, f"the request body is over {cfg.max_body_bytes} bytes")(
+                    scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # later calls wait for the disconnect
+
+        await self.app(scope, replay, send)
+

@@ -1,0 +1,197 @@
+"""OpenAI response bodies for completions and chat completions, whole and as stream chunks."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from router.chat.output import ChatOutput, ChatOutputParser, ChatParts, delta, message
+from router.replicas.generation import Piece
+
+
+# An SSE line ends at CR or LF only, but str.splitlines (and so httpx's iter_lines) also ends one at NEL,
+# LINE SEPARATOR and PARAGRAPH SEPARATOR, which JSON carries unescaped. A stream escapes them, so that
+# a client reading it line by line never gets an event cut in two by a token's text. The other line
+# ends splitlines knows are control characters, which JSON always escapes.
+_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def stream_json(value) -> str:
+    """JSON for an SSE event: UTF-8 text as it is, save the line ends above."""
+    return json.dumps(value, ensure_ascii=False).translate(_LINE_ENDS)
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else stream_json(data)}\n\n"
+
+
+def usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@dataclass
+class Echo:
+    """The prompt a completion returns before each choice's text (the request's echo)."""
+
+    text: str              # as the client sent it (its decoded ids when it sent token ids)
+    token_ids: list[int]
+
+
+class Formatter:
+    """Builds one request's bodies; `chat` picks the chat.completion shapes, `n` is its choices, and
+    `output` how a chat choice's text is read (reasoning, tool calls; None: all of it is content)."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, tokenizer, top_logprobs: int | None, n: int = 1,
+                 echo: Echo | None = None, output: ChatOutput | None = None) -> None:
+        self.id, self.model, self.chat, self.tok = request_id, model, chat, tokenizer
+        self.top_logprobs = top_logprobs  # None: no logprobs
+        self.n, self.echo = n, echo
+        self.output = output if chat and output is not None and output.parses else None
+        self._parsers: dict[int, ChatOutputParser] = {}  # a streamed choice's, by index
+        self.created = int(time.time())
+        self.offsets = [0] * n  # each choice's text_offset so far
+        head = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": self.created, "model": self.model}
+        self._sse_head = "data: " + stream_json(head)[:-1] + ', "choices": ['
+
+    def _token(self, t: int) -> str:
+        return self.tok.decode([t])
+
+    def echoes(self, piece: Piece) -> bool:
+        return self.echo is not None and piece.first
+
+    def text(self, piece: Piece) -> str:
+        """The piece's text, after the prompt when it is its choice's first and the request echoes."""
+        return self.echo.text + piece.text if self.echoes(piece) else piece.text
+
+    def logprobs(self, piece: Piece) -> dict | None:
+        if self.top_logprobs is None or not (piece.logprobs or self.echoes(piece)):
+            return None
+        if self.chat:
+            return {"content": [
+                {"token": self._token(t), "logprob": lp, "bytes": list(self._token(t).encode()),
+                 "top_logprobs": [{"token": self._token(i), "logprob": v, "bytes": list(self._token(i).encode())}
+                                  for i, v in top]}
+                for t, lp, top in zip(piece.token_ids, piece.logprobs, piece.top_logprobs)]}
+        ids, values, tops = list(piece.token_ids), list(piece.logprobs), [self._top_dict(t) for t in piece.top_logprobs]
+        if self.echoes(piece):
+            prompt_values, prompt_tops = self._prompt_logprobs(piece)
+            ids, values, tops = self.echo.token_ids + ids, prompt_values + values, prompt_tops + tops
+        tokens = [self._token(t) for t in ids]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offsets[piece.index])
+            self.offsets[piece.index] += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _prompt_logprobs(self, piece: Piece) -> tuple[list[float | None], list[dict | None]]:
+        """The echoed prompt's token_logprobs and top_logprobs: none for its first token (nothing comes
+        before it), nor for any the replica did not score."""
+        scored = list(piece.prompt_logprobs or [])[:len(self.echo.token_ids) - 1]
+        scored += [None] * (len(self.echo.token_ids) - 1 - len(scored))
+        return ([None] + [s[0] if s else None for s in scored],
+                [None] + [self._top_dict(s[1]) if s else None for s in scored])
+
+    def _top_dict(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for i, v in top:  # most likely first: where two tokens decode alike, the likelier one stays
+            out.setdefault(self._token(i), v)
+        return out
+
+    def whole(self, pieces: list[Piece], prompt_tokens: int) -> dict:
+        choices = [self._whole_choice(i, [p for p in pieces if p.index == i]) for i in range(self.n)]
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": usage(prompt_tokens, sum(len(p.token_ids) for p in pieces))}
+
+    def _whole_choice(self, index: int, own: list[Piece]) -> dict:
+        merged = Piece("".join(p.text for p in own), [t for p in own for t in p.token_ids],
+                       [x for p in own for x in p.logprobs], [x for p in own for x in p.top_logprobs],
+                       own[-1].finish_reason if own else "stop", index, first=True,
+                       prompt_logprobs=own[0].prompt_logprobs if own else None)
+        choice = {"index": index, "logprobs": self.logprobs(merged), "finish_reason": merged.finish_reason}
+        if self.output is not None:
+            parser = self.output.parser()
+            parts = parser.feed(merged.text)
+            parts += parser.finish()
+            choice["message"] = message(parts, self.output)
+            choice["finish_reason"] = _finish_reason(merged.finish_reason, parser)
+        elif self.chat:
+            choice["message"] = {"role": "assistant", "content": merged.text}
+        else:
+            choice["text"] = self.text(merged)
+        return choice
+
+    def chunk(self, piece: Piece | None, first: bool = False, index: int = 0) -> dict:
+        """A stream chunk of piece (None: an empty one; `first`: chat's role chunk of choice `index`)."""
+        index = piece.index if piece is not None else index
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if first else {}
+            if piece is not None and (piece.text or not first):
+                delta["content"] = piece.text
+            if piece is not None and piece.finish_reason is not None and not piece.text:
+                delta = {}
+            choice = {"index": index, "delta": delta}
+        else:
+            choice = {"index": index, "text": self.text(piece) if piece else ""}
+        choice["logprobs"] = self.logprobs(piece) if piece is not None else None
+        choice["finish_reason"] = piece.finish_reason if piece is not None else None
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice]}
+
+    def _parsed(self, piece: Piece) -> tuple[dict, str | None]:
+        """What the choice's parser gives out of piece's text, as a chunk's delta (reasoning, content and
+        tool calls numbered within the choice, each only when there is some), and the finish reason."""
+        parser = self._parsers.get(piece.index)
+        if parser is None:
+            parser = self._parsers[piece.index] = self.output.parser()
+        first_call = parser.calls
+        parts: ChatParts = parser.feed(piece.text)
+        reason = piece.finish_reason
+        if reason is not None:
+            parts += parser.finish()
+            reason = _finish_reason(reason, parser)
+        return delta(parts, first_call), reason
+
+    def role_chunks(self) -> list[str]:
+        """Chat's first events: one per choice, naming the assistant's role."""
+        return [sse(self.chunk(None, first=True, index=i)) for i in range(self.n)]
+
+    def chunk_sse(self, piece: Piece) -> str:
+        """`sse(self.chunk(piece))`, built from this request's fixed head: a streamed token's only
+        per-token work here is encoding its text (the router does this for every token it streams).
+        "" when there is nothing to send: a parser holds the piece's text back (it may open a tool call)."""
+        reason = piece.finish_reason
+        if self.output is not None:
+            parsed, reason = self._parsed(piece)
+            if not parsed and reason is None and not piece.logprobs:
+                return ""
+            if self.top_logprobs is not None or parsed.keys() - {"content"}:
+                choice = {"index": piece.index, "delta": parsed, "logprobs": self.logprobs(piece),
+                          "finish_reason": reason}
+                return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                            "model": self.model, "choices": [choice]})
+            text = parsed.get("content", "")
+        elif self.top_logprobs is not None or self.echoes(piece):
+            return sse(self.chunk(piece))
+        else:
+            text = piece.text
+        index = '{"index": ' + str(piece.index)
+        if not self.chat:
+            choice = index + ', "text": ' + stream_json(text)
+        elif reason is not None and not text:
+            choice = index + ', "delta": {}'
+        else:
+            choice = index + ', "delta": {"content": ' + stream_json(text) + "}"
+        return self._sse_head + choice + ', "logprobs": null, "finish_reason": ' + json.dumps(reason) + "}]}\n\n"
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [],
+                "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def _finish_reason(reason: str | None, parser: ChatOutputParser) -> str | None:
+    """OpenAI's "tool_calls" for a choice that stopped after making calls (one cut at max_tokens stays "length")."""
+    return "tool_calls" if reason == "stop" and parser.calls else reason

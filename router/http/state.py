@@ -1,0 +1,191 @@
+"""What the router holds: the model's tokenizer and limits, the replica clients, the routing policy,
+and turning an API request into token ids and SamplingParams (with the checks that give 400s)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from cluster import GrammarSpec, InvalidRequestError, RequestLimits, SamplingParams, ServeConfig
+from router.http.errors import APIError
+from router.http.metrics import RouterMetrics
+from router.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+
+def generation_defaults(model_path: str) -> dict:
+    """Sampling values the model's generation_config.json sets (used when a request leaves them out)."""
+    path = Path(model_path) / "generation_config.json"
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text())
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # the ones vLLM takes from it
+    return {k: data[k] for k in keys if data.get(k) is not None}
+
+
+def model_type(model_path: str) -> str | None:
+    """The model folder's config.json model_type ("qwen3", "llama", ...), which picks its parsers."""
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+# apply_chat_template's own arguments: chat_template_kwargs may not set them
+_TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+class RequestIds:
+    """Request ids from `start` on (a router's own range: no two routers' ids meet on a replica),
+    counting how many were issued."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.start = self.next_id = start
+
+    def __iter__(self) -> RequestIds:
+        return self
+
+    def __next__(self) -> int:
+        uid = self.next_id
+        self.next_id += 1
+        return uid
+
+    @property
+    def issued(self) -> int:
+        return self.next_id - self.start
+
+
+@dataclass
+class RouterState:
+    config: ServeConfig
+    tokenizer: PreTrainedTokenizerBase
+    model_name: str
+    max_seq_len: int
+    vocab_size: int
+    clients: list = field(default_factory=list)
+    policy: object = None
+    metrics: RouterMetrics | None = None
+    draining: bool = False
+    control_store_error: str | None = None  # set while Ray's control store does not answer
+    defaults: dict = field(default_factory=dict)
+    uids: RequestIds = field(default_factory=RequestIds)
+    created: int = field(default_factory=lambda: int(time.time()))  # the model card's creation time
+    tool_call_parser: str | None = None  # the served model's tool-call format (router/chat/tool_calls.py)
+    reasoning_parser: str | None = None  # its reasoning format (router/chat/reasoning.py)
+    eos_ids: tuple[int, ...] = ()  # the replicas' (min_tokens holds them back, in logit_bias's table)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What the replicas' model allows a request (the checks a replica makes again on arrival)."""
+        return RequestLimits(self.max_seq_len, self.vocab_size, self.config.engine.max_logit_bias,
+                             frozenset(self.eos_ids), self.config.max_prompt_tokens)
+
+    def set_client(self, i: int, client) -> None:
+        """Routes replica i's traffic to client from now on (its replacement is serving)."""
+        self.clients[i] = client
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def completion_ids(self, req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt).input_ids
+        else:
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                               param="prompt")
+            ids = list(prompt)
+        return ids
+
+    def prompt_text(self, req: CompletionRequest, ids: list[int]) -> str:
+        """The prompt as an echo returns it: the text the client sent, or its token ids decoded."""
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+
+    def chat_ids(self, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
+        return self.tokenizer(self.chat_prompt(req, add_generation_prompt), add_special_tokens=False).input_ids
+
+    def chat_prompt(self, req: ChatCompletionRequest, add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
+        """The messages (and tools) rendered by the chat template, with the request's chat_template_kwargs."""
+        extra = req.chat_template_kwargs or {}
+        if reserved := sorted(_TEMPLATE_ARGUMENTS & extra.keys()):
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)} (the request's own "
+                                f"fields do)", param="chat_template_kwargs")
+        try:
+            messages = [m.for_template() for m in req.messages]
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **extra)
+        except ValueError as e:
+            raise APIError(400, f"messages: {e}", param="messages") from e
+        except Exception as e:  # noqa: BLE001 - template errors come as many types
+            raise APIError(400, f"messages cannot be rendered by the chat template: {e}", param="messages") from e
+
+    def sampling_params(self, req: SamplingFields, ids: list[int], max_tokens: int | None, default_max: int | None,
+                        logprobs: int | None, prompt_logprobs: int | None = None,
+                        grammar: GrammarSpec | None = None) -> SamplingParams:
+        cfg, n, limits = self.config, len(ids), self.limits
+        try:
+            limits.check_prompt(n)
+        except InvalidRequestError as e:
+            raise APIError.of(e) from e
+        room = self.max_seq_len - n
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens is {max_tokens}, but the prompt ({n} tokens) leaves room for {room} "
+                                f"within this model's context of {self.max_seq_len} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        if max_tokens is not None and cfg.max_tokens_limit and max_tokens > cfg.max_tokens_limit:
+            raise APIError(400, f"max_tokens may be at most {cfg.max_tokens_limit}", param="max_tokens")
+        if len(req.stop_list) > cfg.max_stop_strings:
+            raise APIError(400, f"at most {cfg.max_stop_strings} stop strings are allowed", param="stop")
+        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"stop token id {bad[0]} is outside the vocabulary", param="stop_token_ids")
+        choices = 1 if req.n is None else req.n
+        if not 1 <= choices <= cfg.max_n:
+            raise APIError(400, f"n must be between 1 and {cfg.max_n}, got {choices}", param="n")
+        chosen = max_tokens or default_max or room
+        if cfg.max_tokens_limit:
+            chosen = min(chosen, cfg.max_tokens_limit)
+        pick = lambda name, fallback: getattr(req, name) if getattr(req, name) is not None else self.defaults.get(name, fallback)  # noqa: E731
+        try:
+            params = SamplingParams(temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+                                  top_k=pick("top_k", -1), min_p=pick("min_p", 0.0), max_tokens=min(chosen, room),
+                                  min_tokens=req.min_tokens or 0, ignore_eos=req.ignore_eos,
+                                  stop_token_ids=list(req.stop_token_ids or []), seed=req.seed,
+                                  presence_penalty=req.presence_penalty or 0.0,
+                                  frequency_penalty=req.frequency_penalty or 0.0,
+                                  repetition_penalty=pick("repetition_penalty", 1.0),
+                                  logit_bias=self.logit_bias(req), logprobs=logprobs,
+                                  prompt_logprobs=prompt_logprobs, n=choices, priority=req.priority,
+                                  grammar=grammar)
+            limits.check_params(params)
+        except InvalidRequestError as e:
+            raise APIError.of(e) from e
+        return params
+
+    def logit_bias(self, req: SamplingFields) -> dict[int, float]:
+        """The request's logit_bias keyed by token id (RequestLimits bounds the ids and their number)."""
+        biases: dict[int, float] = {}
+        for key, value in (req.logit_bias or {}).items():
+            if not (key.isascii() and key.isdecimal()):
+                raise APIError(400, f"logit_bias has the key {key!r}; keys are token ids from 0 to "
+                                    f"{self.vocab_size - 1}", param="logit_bias")
+            biases[int(key)] = value
+        return biases

@@ -1,0 +1,1 @@
+"""Deploying the router: the replicas and the router actors on Ray, their supervision, and draining."""

@@ -1,0 +1,158 @@
+"""One HTTP ingress of the router tier: a Ray actor that serves the whole API (tokenizing, routing,
+detokenizing, SSE) on the deployment's port, beside the tier's other actors on this node: each binds
+its own listening socket with SO_REUSEPORT, and the kernel spreads new connections over them, so
+clients see one endpoint and the per-token work runs in as many processes as there are routers.
+
+Ray restarts an actor that dies (its clients' connections close with it). A started router first
+releases what its predecessor of the same index had sent (the replicas abort those requests: no
+one reads them any more), then serves. The driver (router/tier/tier.py) tells each router when a replica
+is replaced."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from cluster import ReplicaInfo, ServeConfig, load_tokenizer
+from router.http.app import build_app
+from router.http.connection import bounded_protocol
+from router.http.draining import DrainingServer
+from router.http.state import RouterState
+from router.replicas.client import client_for
+from router.tier.router_state import router_state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaRef:
+    """What a router needs of a replica: its id and its scheduler actor."""
+
+    replica_id: int
+    actor: object
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port that other processes on this node may bind too."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class RouterActor:
+    def __init__(self, config: ServeConfig, index: int, replicas: list[ReplicaRef], info: ReplicaInfo) -> None:
+        """Serves at once (so that a restart by Ray serves again without the driver): `index` is this
+        router's place in the tier, and its subscriber id on the replicas is index + 1 (0 is the
+        launching process's)."""
+        logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.config, self.index, self.subscriber = config, index, index + 1
+        tokenizer = load_tokenizer(config.model)
+        # each incarnation draws ids from its own range: its predecessor's may still be finishing (or
+        # remembered as aborted) on a replica it could not reach
+        first_uid = (self.subscriber << 48) | (_next_incarnation(config.port, index) << 32)
+        self.state: RouterState = router_state(config, tokenizer, info, replicas, self.subscriber, first_uid)
+        self._release_predecessor(replicas)
+        uv = uvicorn.Config(build_app(self.state), log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=config.drain_timeout_s,
+                            timeout_keep_alive=config.keep_alive_timeout_s,
+                            http=bounded_protocol(config.header_timeout_s, config.max_connections))
+        self._server = DrainingServer(uv, self.state, config.drain_timeout_s)
+        self._server.install_signal_handlers = lambda: None  # not the main thread; the driver drains the tier
+        self._loop: asyncio.AbstractEventLoop | None = None
+        sock = listening_socket(config.host, config.port)
+        self._thread = threading.Thread(target=self._serve, args=(sock,), name="router-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"router {index} did not start serving on {config.host}:{config.port}")
+            time.sleep(0.02)
+        self.started_at = time.time()
+
+    def _release_predecessor(self, replicas: list[ReplicaRef]) -> None:
+        for ref in replicas:
+            self._release(ref)
+
+    def _release(self, ref: ReplicaRef) -> None:
+        """What an earlier incarnation of this router (or this one, over a client given up) left on the
+        replica is aborted there."""
+        import ray
+        try:
+            n = ray.get(ref.actor.release_subscriber.remote(self.subscriber), timeout=30)
+        except Exception as e:  # noqa: BLE001 - a replica being replaced: its requests died with it
+            log.warning("router %d: replica %d did not answer (%s)", self.index, ref.replica_id, type(e).__name__)
+            return
+        if n:
+            log.warning("router %d: replica %d aborted %d request(s) this router had sent", self.index,
+                        ref.replica_id, n)
+
+    def _serve(self, sock: socket.socket) -> None:
+        self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._server.serve(sockets=[sock]))
+
+    # -- called through Ray ------------------------------------------------------------------------
+
+    def ping(self) -> tuple[float, int]:
+        """When this incarnation started serving (a restart by Ray changes it), and its process id."""
+        return self.started_at, os.getpid()
+
+    def in_flight(self) -> int:
+        """Requests this router has on the replicas now."""
+        return sum(c.load for c in self.state.clients)
+
+    def admitted(self) -> int:
+        """Request ids issued so far by this incarnation (one per request and choice)."""
+        return self.state.uids.issued
+
+    def down_replicas(self) -> list[int]:
+        """The replicas this router has stopped routing to (its client of each failed)."""
+        return [i for i, c in enumerate(self.state.clients) if not c.healthy]
+
+    def set_replica(self, i: int, ref: ReplicaRef, repair: bool = False) -> None:
+        """Routes replica i's traffic to ref from now on: its replacement serves, or (repair) the
+        replica serves and this router's client of it had failed (a transient error)."""
+        old = self.state.clients[i]
+        if _actor_id(old.actor) == _actor_id(ref.actor) and not (repair and not old.healthy):
+            return  # the push after a restart repeats the replicas that did not change
+        self._release(ref)  # a predecessor's requests there, or the failed client's
+
+        async def install() -> None:
+            client = client_for(ref, self.config, self.subscriber)
+            client.start()
+            self.state.set_client(i, client)
+            await old.stop()
+
+        if self._loop is None or not self._loop.is_running():
+            return  # draining or stopped: there is nothing to route any more
+        asyncio.run_coroutine_threadsafe(install(), self._loop).result(timeout=30)
+
+    def drain(self) -> None:
+        """Stops taking requests and lets those in flight finish (up to the drain timeout), then returns."""
+        self._server.should_exit = True
+        self._thread.join(timeout=self.config.drain_timeout_s + 10)
+
+
+def _actor_id(actor) -> object:
+    return getattr(actor, "_actor_id", actor)
+
+
+def _next_incarnation(port: int, index: int) -> int:
+    """How many times router `index` of the deployment on `port` has started, this time counted (kept
+    in Ray's control store, so a restart by Ray counts on), modulo 2**16."""
+    from ray.experimental import internal_kv
+    key = f"raylm-router-{port}-{index}-incarnation".encode()
+    n = (int(internal_kv._internal_kv_get(key) or 0) + 1) % (1 << 16)
+    internal_kv._internal_kv_put(key, str(n).encode(), overwrite=True)
+    return n

@@ -1,0 +1,161 @@
+"""Bringing a deployment up and down: the replicas on Ray, the router state (and the router actors
+when there are any), the supervisor, and uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import uvicorn
+
+from cluster import Fleet, ReplicaHandle, ServeConfig, ensure_ray, load_tokenizer
+from router.http.app import build_app
+from router.http.connection import bounded_protocol
+from router.http.draining import DrainingServer
+from router.http.state import RouterState
+from router.tier.router_state import router_state
+from router.tier.supervisor import Supervisor
+from router.tier.tier import RouterTier
+
+log = logging.getLogger(__name__)
+
+
+class Deployment:
+    """One deployment of the API: its replicas, its routers and the HTTP server over them."""
+
+    def __init__(self, config: ServeConfig, on_ready: Callable[[Deployment], None] | None = None,
+                 **ray_options) -> None:
+        """Starts the replicas; `run` then serves. `on_ready(deployment)` is called once the API listens."""
+        self.on_ready = on_ready
+        config.validate()
+        config.check_against_model()
+        self.config = config
+        tokenizer = load_tokenizer(config.model)
+        if tokenizer is None:
+            raise ValueError(f"{config.model} has no tokenizer files; the HTTP server needs one")
+        self.dashboard_url = ensure_ray(config.address, **ray_options)
+        self.fleet = Fleet.start(config.replica_config(), config.replicas)
+        self.tier: RouterTier | None = None
+        try:
+            info = self.fleet.replicas[0].info
+            # beside router actors this process only supervises: its clients need no cache contents
+            self.state = router_state(config, tokenizer, info, self.fleet.replicas, kv_events=not config.num_routers)
+            if config.num_routers:  # the router actors serve; this process supervises the replicas
+                self.tier = RouterTier(config, self.fleet.replicas, info, self.state)
+            self.supervisor = Supervisor(self.state, self.fleet,
+                                         on_replaced=self.tier.replaced if self.tier is not None else None)
+            background = [self.supervisor.run] + ([self.tier.watch] if self.tier is not None else [])
+            self.app = build_app(self.state, background=background)
+        except BaseException:  # the replicas must not outlive a server that never started
+            if self.tier is not None:
+                self.tier.shutdown()
+            self.fleet.shutdown()
+            raise
+        self._uvicorn: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def replicas(self) -> list[ReplicaHandle]:
+        """The replica serving each id (for inspecting them: their actors and followers)."""
+        return self.fleet.replicas
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def _make_uvicorn(self) -> uvicorn.Server:
+        c = self.config
+        # with router actors on the port, this process serves the supervisor alone, on no socket
+        cfg = uvicorn.Config(self.app, host=c.host, port=c.port, log_level="warning",
+                             timeout_graceful_shutdown=c.drain_timeout_s, access_log=False,
+                             # longer than clients keep idle connections (httpx: 5 s) by default, so the
+                             # server never closes one just as a client sends on it
+                             timeout_keep_alive=c.keep_alive_timeout_s,
+                             http=bounded_protocol(c.header_timeout_s, c.max_connections))
+        on_ready = (lambda: self.on_ready(self)) if self.on_ready is not None else None
+        if self.tier is not None:
+            self._uvicorn = _TierDriver(cfg, self.state, self.config.drain_timeout_s, on_ready, self.tier)
+        else:
+            self._uvicorn = DrainingServer(cfg, self.state, self.config.drain_timeout_s, on_ready)
+        return self._uvicorn
+
+    def run(self) -> None:
+        """Serves until SIGINT or SIGTERM, lets requests in flight finish (up to the drain timeout),
+        then stops every replica and returns."""
+        if threading.current_thread() is not threading.main_thread():  # no signals here: uvicorn's way
+            try:
+                self._make_uvicorn().run()
+            finally:
+                self.shutdown_replicas()
+            return
+        # uvicorn re-raises the signal that stopped it once it has drained; with the default handler
+        # in place that would end the process before the replicas are stopped in order. A signal that
+        # arrives while they are being stopped ends the process at once (Ray then removes the actors of
+        # the dead driver).
+        state = {"serving": True}
+
+        def on_signal(sig: int, _frame) -> None:
+            if state["serving"]:
+                return  # uvicorn's re-raise of what stopped it
+            log.warning("%s while stopping the replicas: exiting now", signal.Signals(sig).name)
+            os._exit(128 + sig)
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._make_uvicorn().run()
+        finally:
+            state["serving"] = False
+            try:
+                self.shutdown_replicas()
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+    def start_in_thread(self, timeout_s: float = 60.0) -> str:
+        server = self._make_uvicorn()
+        server.install_signal_handlers = lambda: None  # not the main thread
+        self._thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.05)
+        return self.url
+
+    def stop(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        if self._thread is not None:  # the router actors' drain has its own margin (router/tier/tier.py)
+            self._thread.join(timeout=self.config.drain_timeout_s + (30 if self.tier is not None else 10))
+        self.shutdown_replicas()
+
+    def shutdown_replicas(self) -> None:
+        """Stops the router actors (drained already on a normal stop), then every replica, and any
+        replacement still being built. Idempotent."""
+        if self.tier is not None:
+            self.tier.shutdown()
+        self.fleet.shutdown()
+
+
+class _TierDriver(DrainingServer):
+    """The launching process when router actors serve: no socket of its own (they hold the port), the
+    supervisor on its event loop; once stopped it drains the router actors."""
+
+    def __init__(self, config: uvicorn.Config, state: RouterState, drain_timeout_s: float,
+                 on_ready: Callable[[], None] | None, tier: RouterTier) -> None:
+        super().__init__(config, state, drain_timeout_s, on_ready)
+        self.tier = tier
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=[])
+
+    async def shutdown(self, sockets=None) -> None:
+        self.state.draining = True
+        await asyncio.get_running_loop().run_in_executor(None, self.tier.drain)
+        await uvicorn.Server.shutdown(self, sockets)

@@ -1,0 +1,121 @@
+"""The router tier, from the launching process: `routers` RouterActors (router/tier/actor.py) on this node,
+named raylm-router-PORT-K in Ray's dashboard, restarted by Ray when they die. This side tells them
+when a replica is replaced, tells a restarted one which replicas serve now (it starts over with those
+it was created with), and drains them when the server stops."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cluster import ReplicaInfo, ServeConfig
+from router.tier.actor import ReplicaRef, RouterActor
+
+log = logging.getLogger(__name__)
+
+
+def ref_of(replica) -> ReplicaRef:
+    return ReplicaRef(replica.replica_id, replica.actor)
+
+
+class RouterTier:
+    def __init__(self, config: ServeConfig, replicas: list, info: ReplicaInfo, state, interval_s: float = 1.0) -> None:
+        """Starts the routers and waits until each serves on the port. `state`: the launching
+        process's RouterState, whose clients (their health checked by its supervisor) say which
+        replicas serve."""
+        self.config, self.info, self.state, self.interval_s = config, info, state, interval_s
+        self._closed = False
+        self.replicas = [ref_of(r) for r in replicas]
+        here = ray.get_runtime_context().get_node_id()  # SO_REUSEPORT shares a port on one node only
+        # held here for the tier's lifetime: Ray restarts an actor from its constructor's arguments
+        self._pinned = [ray.put(config), ray.put(self.replicas), ray.put(info)]
+        # the routers' request metrics, summed over the tier by whichever router a scrape reaches
+        self.metrics_dir = tempfile.mkdtemp(prefix=f"raylm-metrics-{config.port}-")
+        self._node = here
+        self.recreated = 0  # routers made anew after Ray gave up restarting them
+        self.actors = [self._create(k) for k in range(config.num_routers)]
+        try:
+            self.started = ray.get([a.ping.remote() for a in self.actors], timeout=300)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _create(self, k: int):
+        return ray.remote(RouterActor).options(
+            name=f"raylm-router-{self.config.port}-{k}", max_restarts=-1, max_task_retries=0, num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(self._node, soft=False),
+            runtime_env={"env_vars": {"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}},
+        ).remote(self._pinned[0], k, self._pinned[1], self._pinned[2])
+
+    def replaced(self, i: int, replica) -> None:
+        """Replica i's replacement serves: every router routes to it from now on."""
+        self.replicas[i] = ref_of(replica)
+        for actor in self.actors:
+            actor.set_replica.remote(i, self.replicas[i])
+
+    async def watch(self) -> None:
+        """A router that Ray restarted serves with the replicas it was created with: tell it the current
+        ones. A router whose client of a serving replica failed (a transient error) gets it back."""
+        while not self._closed:
+            await asyncio.sleep(self.interval_s)
+            for k, actor in enumerate(self.actors):
+                try:
+                    started = await asyncio.wait_for(actor.ping.remote(), timeout=10 * self.interval_s)
+                    down = await asyncio.wait_for(actor.down_replicas.remote(), timeout=10 * self.interval_s)
+                except ray.exceptions.ActorDiedError as e:
+                    if not self._closed:  # Ray gave up on it (killed for good, or its restart raised): a new one
+                        self._recreate(k, e)
+                    continue
+                except Exception:  # noqa: BLE001 - restarting: Ray brings it back, the next round sees it
+                    continue
+                if started != self.started[k]:
+                    log.warning("router %d was restarted; routing it to the replicas serving now", k)
+                    _forget_process(self.metrics_dir, self.started[k][1])
+                    self.started[k] = started
+                    for i, ref in enumerate(self.replicas):
+                        actor.set_replica.remote(i, ref)
+                for i in down:
+                    if self.state.clients[i].healthy:  # the replica serves: only that router's client failed
+                        actor.set_replica.remote(i, self.replicas[i], True)
+
+    def _recreate(self, k: int, why: Exception) -> None:
+        try:
+            actor = self._create(k)
+        except ValueError:  # its name is still held: Ray is restarting it after all; the next round sees
+            return
+        log.error("router %d is gone for good (%s); started a new one", k, str(why).splitlines()[0])
+        _forget_process(self.metrics_dir, self.started[k][1])
+        self.actors[k] = actor
+        self.started[k] = (0.0, 0)  # the next round sees a new start, and tells it the replicas serving now
+        self.recreated += 1
+
+    def drain(self) -> None:
+        """Each router stops taking requests and finishes those in flight (up to the drain timeout)."""
+        self._closed = True
+        try:
+            ray.get([a.drain.remote() for a in self.actors], timeout=self.config.drain_timeout_s + 20)
+        except Exception as e:  # noqa: BLE001 - a router gone mid-drain: its connections are closed already
+            log.warning("draining the routers: %s: %s", type(e).__name__, e)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        for actor in getattr(self, "actors", []):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - gone already
+                pass
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+
+def _forget_process(metrics_dir: str, pid: int) -> None:
+    """A dead router's live gauges leave the tier's sums (its counters stay: they were counted)."""
+    from prometheus_client import multiprocess
+    try:
+        multiprocess.mark_process_dead(pid, metrics_dir)
+    except OSError:
+        pass
