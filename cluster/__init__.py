@@ -1,6 +1,10 @@
 """Control plane: requests, scheduling, replicas on Ray, and the offline `LLM` API. What the router
 (and any other caller) uses is exported here; the rest of cluster/ is its own business."""
 
+from cluster.provenance import check_own_packages
+
+check_own_packages()  # before anything imports worker
+
 from cluster.errors import (EngineError, ErrorKind, GenerationError, InvalidRequestError, OverloadedError, RaylmError,
                             ReplicaDownError, RequestTimeoutError, error_for)
 from cluster.channel import ChannelAddress, ChannelConnection
