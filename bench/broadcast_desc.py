@@ -41,7 +41,7 @@ from worker.comm import DescChannel, free_address, init_tensor_parallel
 def decode_desc(batch: int) -> BatchDesc:
     rng = np.random.default_rng(0)
     return BatchDesc(
-        is_prefill=False, table_idx=np.arange(batch, dtype=np.int32),
+        is_prefill=False, slots=np.arange(batch, dtype=np.int32),
         seq_lens=rng.integers(100, 2048, batch).astype(np.int32), extend_lens=np.ones(batch, dtype=np.int32),
         out_loc=rng.integers(0, 1 << 20, batch).astype(np.int32), input_ids=None,
         temperature=np.full(batch, 0.6, dtype=np.float32), top_p=np.ones(batch, dtype=np.float32),
@@ -55,12 +55,12 @@ def prefill_desc(requests: int = 8, tokens_each: int = 1024, hit_rows: int = 2, 
     tokens = requests * tokens_each
     rows = [(i, rng.integers(0, 1 << 20, hit_len).astype(np.int32)) for i in range(hit_rows)]
     return BatchDesc(
-        is_prefill=True, table_idx=np.arange(requests, dtype=np.int32),
+        is_prefill=True, slots=np.arange(requests, dtype=np.int32),
         seq_lens=np.full(requests, tokens_each, dtype=np.int32), extend_lens=np.full(requests, tokens_each, np.int32),
         out_loc=rng.integers(0, 1 << 20, tokens).astype(np.int32),
         input_ids=rng.integers(0, 150000, tokens).astype(np.int32),
         temperature=np.full(requests, 0.6, dtype=np.float32), top_p=np.ones(requests, dtype=np.float32),
-        top_k=np.full(requests, -1, dtype=np.int32), seeds=rng.integers(0, 1 << 62, requests), prefix_rows=rows)
+        top_k=np.full(requests, -1, dtype=np.int32), seeds=rng.integers(0, 1 << 62, requests), prefix_slots=rows)
 
 
 CASES: dict[str, Callable[[], BatchDesc]] = {

@@ -65,7 +65,7 @@ def test_a_graph_decode_step_stages_one_block_that_the_bucket_views_read_back(qw
     engine = Engine(EngineConfig(str(qwen3_path), page_size=4, num_pages=64, max_running_reqs=8))
     # what _stage reads of the graph runner
     engine.graphs = SimpleNamespace(pad=io_pads(999, engine.table.scratch_cell))
-    desc = BatchDesc(False, table_idx=np.array([3, 0, 5], np.int32), seq_lens=np.array([9, 17, 4], np.int32),
+    desc = BatchDesc(False, slots=np.array([3, 0, 5], np.int32), seq_lens=np.array([9, 17, 4], np.int32),
                      extend_lens=np.ones(3, np.int32), out_loc=np.array([40, 81, 130], np.int32), input_ids=None,
                      temperature=np.array([0.0, 0.7, 1.5], np.float32), top_p=np.array([1.0, 0.9, 1.0], np.float32),
                      top_k=np.array([-1, -1, 20], np.int32), seeds=np.array([1, 2, 1 << 40], np.int64))
@@ -81,7 +81,7 @@ def test_a_graph_decode_step_stages_one_block_that_the_bucket_views_read_back(qw
     assert b.sampler_args["top_p"].tolist() == pytest.approx([1.0, 0.9, 1.0, 1.0])
     assert b.sampler_args["top_k"].tolist() == [-1, -1, 20, -1] and b.sampler_args["state_row"].tolist() == [8] * 4
     row = engine.table.token_pool.shape[1]
-    slots, seq = desc.table_idx.astype(np.int64), desc.seq_lens.astype(np.int64)
+    slots, seq = desc.slots.astype(np.int64), desc.seq_lens.astype(np.int64)
     assert b.token_read.tolist() == (slots * row + seq - 1).tolist() + [0]
     assert b.positions.tolist() == (seq - 1).tolist() + [0]
     assert b.out_loc.tolist() == [40, 81, 130, 999]
@@ -89,7 +89,7 @@ def test_a_graph_decode_step_stages_one_block_that_the_bucket_views_read_back(qw
     assert b.io["seeds"].tolist() == [1, 2, 1 << 40, 0] and b.sample_pos.tolist() == [9, 17, 4, 0]
     assert b.io["temperature"].tolist() == pytest.approx([0.0, 0.7, 1.5, 0.0])
     s.staged.release()
-    greedy = engine._stage(BatchDesc(False, table_idx=desc.table_idx, seq_lens=desc.seq_lens,
+    greedy = engine._stage(BatchDesc(False, slots=desc.slots, seq_lens=desc.seq_lens,
                                      extend_lens=desc.extend_lens, out_loc=desc.out_loc, input_ids=None,
                                      temperature=desc.temperature * 0, top_p=desc.top_p, top_k=desc.top_k,
                                      seeds=desc.seeds), 4)

@@ -153,7 +153,7 @@ def test_cuda_graph_decode_step_equals_eager_decode_step(qwen3_hd128_path, page_
     per_req = -(-128 // page_size)
     locs = [np.arange(i * per_req * page_size, i * per_req * page_size + 128) for i in range(5)]
     ones = np.ones(5, dtype=np.float32)
-    common = dict(table_idx=slots, temperature=ones * 0, top_p=ones, top_k=np.zeros(5, np.int32),
+    common = dict(slots=slots, temperature=ones * 0, top_p=ones, top_k=np.zeros(5, np.int32),
                   seeds=np.zeros(5, np.int64))
     lens = np.array([len(p) for p in prompts], dtype=np.int32)
     engine.forward(BatchDesc(True, seq_lens=lens, extend_lens=lens, out_loc=np.concatenate(

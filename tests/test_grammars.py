@@ -112,7 +112,7 @@ def test_compiled_grammars_are_cached_by_value(qwen3_path):
 
 def test_grammar_rows_travel_in_the_packed_step():
     ones = np.ones(3, dtype=np.float32)
-    desc = BatchDesc(False, table_idx=np.array([0, 2, 5], np.int32), seq_lens=np.array([4, 9, 7], np.int32),
+    desc = BatchDesc(False, slots=np.array([0, 2, 5], np.int32), seq_lens=np.array([4, 9, 7], np.int32),
                      extend_lens=np.ones(3, np.int32), out_loc=np.array([3, 8, 6], np.int32), input_ids=None,
                      temperature=ones, top_p=ones, top_k=np.zeros(3, np.int32), seeds=np.arange(3, dtype=np.int64),
                      grammar_rows=np.array([0, 2], np.int32),

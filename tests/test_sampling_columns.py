@@ -31,7 +31,7 @@ def _desc(rng: np.random.Generator, n: int, *, min_p: bool, procs: bool, inits: 
     values["seeds"] = rng.integers(-(1 << 63), (1 << 63) - 1, n, dtype=np.int64)
     draw_filter = {c.name: values[c.name] for c in columns_of(DRAW, FILTER)}
     return BatchDesc(
-        False, table_idx=rng.permutation(SCRATCH)[:n].astype(np.int32),
+        False, slots=rng.permutation(SCRATCH)[:n].astype(np.int32),
         seq_lens=rng.integers(1, 99, n).astype(np.int32),
         extend_lens=np.ones(n, np.int32), out_loc=rng.integers(0, 1 << 20, n).astype(np.int32), input_ids=None,
         **draw_filter, min_p=values["min_p"] if min_p else None,

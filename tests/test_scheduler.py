@@ -128,7 +128,7 @@ def test_requests_beyond_capacity_wait_and_all_complete_without_over_commit(qwen
 
         def checked_launch(desc):
             assert cache.reserved <= cache.allocator.num_free + cache.prefix_cache.num_evictable
-            peak.append(len(desc.table_idx))
+            peak.append(len(desc.slots))
             return launch(desc)
 
         llm.scheduler.executor.launch = checked_launch

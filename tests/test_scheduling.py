@@ -60,11 +60,11 @@ def test_a_cached_prefix_is_not_computed_again_and_its_pages_go_into_the_page_ta
     stats = run.scheduler.snapshot()
     if cache_type == "radix":
         assert second.extend_lens.tolist() == [3] and stats.prefix_hit_tokens == 16
-        [(row, locs)] = second.prefix_rows
-        assert row == second.table_idx[0] and len(locs) == 16
+        [(row, locs)] = second.prefix_slots
+        assert row == second.slots[0] and len(locs) == 16
     else:
         assert second.extend_lens.tolist() == [19] and stats.prefix_hit_tokens == 0
-        assert second.prefix_rows == []
+        assert second.prefix_slots == []
     assert stats.prefill_tokens == 17 + second.extend_lens.sum()
     run.check()
 

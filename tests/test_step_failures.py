@@ -29,14 +29,14 @@ def test_a_failed_step_keeps_the_page_table_rewrites_it_carried_for_others(scrip
     s.submit(0, prompt, max_tokens=30, ignore_eos=True)
     s.submit(1, prompt, max_tokens=30, ignore_eos=True)  # prefilled beside 0: its pages are duplicates
     s.scheduler.step()
-    pending = set(s.scheduler.builder.rewrite_rows)  # rows the host changed, not yet on the device
+    pending = set(s.scheduler.builder.rewrite_slots)  # rows the host changed, not yet on the device
     assert pending, "the second request's row points at the first one's pages now"
     s.executor.fail_next = RuntimeError("injected kernel failure")
     s.submit(2, [50, 51, 52], max_tokens=2)
     s.scheduler.step()  # the prefill of 2, carrying those rewrites, fails
     assert s.ended[2] == "error"
     s.scheduler.step()
-    assert pending <= {slot for slot, _ in s.executor.launched[-1].prefix_rows}, "a rewrite was lost"
+    assert pending <= {slot for slot, _ in s.executor.launched[-1].prefix_slots}, "a rewrite was lost"
     s.run()
     assert s.ended[0] == s.ended[1] == "length"
     s.check()

@@ -19,7 +19,7 @@ class BatchDesc:
     columns (temperature .. min_p, and `procs`' fields) are those of worker/sampling/columns.py."""
 
     is_prefill: bool
-    table_idx: np.ndarray      # int32 [B]: each request's slot (its token-pool and page-table row)
+    slots: np.ndarray      # int32 [B]: each request's slot (its token-pool and page-table row)
     seq_lens: np.ndarray       # int32 [B]: tokens with KV once this step is done
     extend_lens: np.ndarray    # int32 [B]: tokens computed this step (1 in decode)
     out_loc: np.ndarray        # int32 [T]: the KV-cache location each new token writes
@@ -29,7 +29,7 @@ class BatchDesc:
     top_k: np.ndarray          # int32 [B]; <= 0 is off
     seeds: np.ndarray          # int64 [B]
     # page-table rows of prefix-cache hits: (slot, KV locations of positions 0..len-1)
-    prefix_rows: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    prefix_slots: list[tuple[int, np.ndarray]] = field(default_factory=list)
     top_logprobs: int = -1     # -1: no logprobs; k >= 0: the sampled token's logprob and the k most likely
     min_p: np.ndarray | None = None         # float32 [B]; None: 0 for every row
     procs: ProcessorRows | None = None      # when some row uses penalties, biases or min_tokens
@@ -44,7 +44,7 @@ class BatchDesc:
 
     @property
     def batch_size(self) -> int:
-        return len(self.table_idx)
+        return len(self.slots)
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +73,7 @@ def desc_columns(desc: BatchDesc) -> dict[str, np.ndarray]:
 # The packed form of a BatchDesc (worker/comm.py broadcasts it): a few integers that fix its layout,
 # then every array back to back in one byte payload, the widest first, so that each lies aligned.
 # Unpacking makes numpy views of the payload: no copy, no unpickling.
-_LAYOUT = ("is_prefill", "B", "T", "has_ids", "prefix_rows", "prefix_locs", "top_logprobs",
+_LAYOUT = ("is_prefill", "B", "T", "has_ids", "prefix_slots", "prefix_locs", "top_logprobs",
            *(f"has_{g}" for g in _OPTIONAL_GROUPS), "inits", "init_prompt", "init_output", "init_sparse", "plp",
            "prompt_logprobs", "grammar_rows", "grammar_words")
 LAYOUT_LEN = len(_LAYOUT)
@@ -82,9 +82,9 @@ _I32, _F32, _U8 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint8)
 
 # (name, dtype, what sizes it: a count of _counts); the sampling columns' sections follow their declaration
 _SECTIONS = tuple(sorted((
-    ("table_idx", _I32, "B"), ("seq_lens", _I32, "B"), ("extend_lens", _I32, "B"),
-    ("out_loc", _I32, "T"), ("input_ids", _I32, "T_ids"), ("prefix_slots", _I32, "prefix_rows"),
-    ("prefix_lens", _I32, "prefix_rows"), ("prefix_locs", _I32, "prefix_locs"),
+    ("slots", _I32, "B"), ("seq_lens", _I32, "B"), ("extend_lens", _I32, "B"),
+    ("out_loc", _I32, "T"), ("input_ids", _I32, "T_ids"), ("prefix_slots", _I32, "prefix_slots"),
+    ("prefix_lens", _I32, "prefix_slots"), ("prefix_locs", _I32, "prefix_locs"),
     ("init_slots", _I32, "inits"), ("init_prompt_lens", _I32, "inits"),
     ("init_output_lens", _I32, "inits"), ("init_sparse_lens", _I32, "inits"),
     ("init_prompt", _I32, "init_prompt"), ("init_output", _I32, "init_output"),
@@ -99,7 +99,7 @@ def desc_layout(desc: BatchDesc) -> tuple[int, ...]:
     """The integers that, with the payload, give back `desc` (LAYOUT_LEN of them)."""
     inits = desc.proc_init
     return (int(desc.is_prefill), desc.batch_size, desc.num_tokens, int(desc.input_ids is not None),
-            len(desc.prefix_rows), sum(len(locs) for _, locs in desc.prefix_rows), desc.top_logprobs,
+            len(desc.prefix_slots), sum(len(locs) for _, locs in desc.prefix_slots), desc.top_logprobs,
             *(int(_holder(desc, g) is not None) for g in _OPTIONAL_GROUPS), len(inits),
             sum(len(x.prompt_ids) for x in inits), sum(len(x.output_ids) for x in inits),
             sum(len(x.sparse_ids) for x in inits), 0 if desc.plp_idx is None else len(desc.plp_idx),
@@ -120,7 +120,7 @@ def packed_nbytes(layout: tuple[int, ...]) -> int:
 
 def _flat(desc: BatchDesc) -> dict[str, object]:
     """Every section's values, by name."""
-    rows, inits = desc.prefix_rows, desc.proc_init
+    rows, inits = desc.prefix_slots, desc.proc_init
     cat = np.concatenate
     out: dict[str, object] = {
         "prefix_slots": [slot for slot, _ in rows], "prefix_lens": [len(locs) for _, locs in rows],
@@ -160,7 +160,7 @@ def unpack_desc(layout: tuple[int, ...], payload: np.ndarray) -> BatchDesc:
         a[name] = np.frombuffer(payload, dtype, n, offset)
         offset += dtype.itemsize * n
     v = dict(zip(_LAYOUT, layout))
-    prefix_rows = list(zip(a["prefix_slots"].tolist(), _split(a["prefix_locs"], a["prefix_lens"])))
+    prefix_slots = list(zip(a["prefix_slots"].tolist(), _split(a["prefix_locs"], a["prefix_lens"])))
     inits = [ProcessorInit(slot, prompt, output, ids, bias, ban) for slot, prompt, output, ids, bias, ban in zip(
         a["init_slots"].tolist(), _split(a["init_prompt"], a["init_prompt_lens"]),
         _split(a["init_output"], a["init_output_lens"]), _split(a["init_sparse_ids"], a["init_sparse_lens"]),
@@ -169,9 +169,9 @@ def unpack_desc(layout: tuple[int, ...], payload: np.ndarray) -> BatchDesc:
     procs_columns = {c.name: columns.pop(c.name) for c in columns_of(PROCS)}
     procs = ProcessorRows(**procs_columns) if v[f"has_{PROCS}"] else None
     return BatchDesc(
-        is_prefill=bool(v["is_prefill"]), table_idx=a["table_idx"], seq_lens=a["seq_lens"],
+        is_prefill=bool(v["is_prefill"]), slots=a["slots"], seq_lens=a["seq_lens"],
         extend_lens=a["extend_lens"], out_loc=a["out_loc"], input_ids=a["input_ids"] if v["has_ids"] else None,
-        **columns, prefix_rows=prefix_rows, top_logprobs=int(v["top_logprobs"]), procs=procs,
+        **columns, prefix_slots=prefix_slots, top_logprobs=int(v["top_logprobs"]), procs=procs,
         proc_init=inits, prompt_logprobs=int(v["prompt_logprobs"]),
         plp_idx=a["plp_idx"] if v["plp"] else None, plp_target=a["plp_target"] if v["plp"] else None,
         grammar_rows=a["grammar_rows"] if v["grammar_rows"] else None,
@@ -186,7 +186,7 @@ class ForwardBatch:
     input_ids: torch.Tensor    # [T]
     positions: torch.Tensor    # int64 [T]
     out_loc: torch.Tensor      # int64 [T]
-    table_idx: torch.Tensor    # int64 [B]
+    slots: torch.Tensor    # int64 [B]
     seq_lens: torch.Tensor     # int32 [B]
     last_idx: torch.Tensor     # int64 [B]: where each request's last new token sits in [T]
 

@@ -97,7 +97,7 @@ class StepInputs(Generic[A]):
     prefix_val: A | None = None
     graph_io: A | None = None    # uint8: a graph-replayed decode step's per-row block (worker/graph_io.py IO)
     # eager steps
-    table_idx: A | None = None   # int64 [B]
+    slots: A | None = None   # int64 [B]
     seq_lens: A | None = None    # int32 [B]
     positions: A | None = None   # int64 [T]
     out_loc: A | None = None     # int64 [T]
@@ -169,7 +169,7 @@ class Engine:
         the replica takes traffic and before rank 0's watchdog times steps."""
         def one(value, dtype):
             return np.array([value], dtype=dtype)
-        desc = BatchDesc(True, table_idx=one(0, np.int32), seq_lens=one(1, np.int32), extend_lens=one(1, np.int32),
+        desc = BatchDesc(True, slots=one(0, np.int32), seq_lens=one(1, np.int32), extend_lens=one(1, np.int32),
                          out_loc=one(self.scratch_page * self.page_size, np.int32), input_ids=one(0, np.int32),
                          temperature=one(0.5, np.float32), top_p=one(1.0, np.float32), top_k=one(-1, np.int32),
                          seeds=one(0, np.int64))
@@ -212,7 +212,7 @@ class Engine:
         current stream). `bs` > 0: a decode step replayed from the graph of that batch size, whose
         per-row inputs travel as one block (`graph_io`, and `sampling.sampler_io` when it filters or
         processes)."""
-        slots = desc.table_idx.astype(np.int64)
+        slots = desc.slots.astype(np.int64)
         seq = desc.seq_lens.astype(np.int64)
         pool_row = self.table.token_pool.shape[1]
         if desc.is_prefill:
@@ -226,16 +226,16 @@ class Engine:
         columns = desc_columns(desc)
         s = StepInputs(page_idx=token_slots * self.max_seq_len + positions, page_val=desc.out_loc.astype(np.int32),
                        sampling=stage_sampling(desc, columns, bs, seq, token_write, self.proc_state))
-        if desc.prefix_rows:
+        if desc.prefix_slots:
             s.prefix_idx = np.concatenate([slot * self.max_seq_len + np.arange(len(locs))
-                                           for slot, locs in desc.prefix_rows])
-            s.prefix_val = np.concatenate([locs for _, locs in desc.prefix_rows]).astype(np.int32)
+                                           for slot, locs in desc.prefix_slots])
+            s.prefix_val = np.concatenate([locs for _, locs in desc.prefix_slots]).astype(np.int32)
         if bs:
             s.graph_io = IO.pack(bs, desc.batch_size, {
                 "token_read": slots * pool_row + seq - 1, "positions": positions, "out_loc": desc.out_loc,
                 "token_write": token_write, "sample_pos": seq, **columns}, self.graphs.pad)
         else:
-            s.table_idx, s.seq_lens, s.positions = slots, desc.seq_lens.astype(np.int32), positions
+            s.slots, s.seq_lens, s.positions = slots, desc.seq_lens.astype(np.int32), positions
             s.out_loc = desc.out_loc.astype(np.int64)
             if desc.is_prefill:
                 cells = token_slots * pool_row + positions
@@ -275,7 +275,7 @@ class Engine:
             else:
                 # a decode step's input_ids are read from the token pool on the compute stream, below
                 batch = ForwardBatch(desc=desc, input_ids=s.input_ids, positions=s.positions[:n],
-                                     out_loc=s.out_loc[:n], table_idx=s.table_idx, seq_lens=s.seq_lens,
+                                     out_loc=s.out_loc[:n], slots=s.slots, seq_lens=s.seq_lens,
                                      last_idx=s.last_idx)
                 self.attn.prepare(batch, plan)
             if timer is not None:

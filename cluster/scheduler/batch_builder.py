@@ -40,7 +40,7 @@ class BatchBuilder:
         self.eos_ids, self.scratch_row = eos_ids, scratch_row
         self.grammars = grammars
         # request slots whose page-table row changed on the host, written by the next step
-        self.rewrite_rows: dict[int, Req] = {}
+        self.rewrite_slots: dict[int, Req] = {}
 
     def prefill(self, chosen: list[tuple[Req, int]], decoding: list[Req] | tuple = ()) -> Batch:
         """A prefill step over (request, tokens to compute) pairs; with `decoding`, a mixed step whose
@@ -57,7 +57,7 @@ class BatchBuilder:
             start, end = req.cached_len, req.cached_len + ext
             self.cache.allocate(req, end)
             if start == req.prefix_hit_len and start > 0:
-                self.rewrite_rows[req.table_idx] = req
+                self.rewrite_slots[req.slot] = req
             if start == req.prefix_hit_len and req.params.uses_processors:
                 inits.append(self._init(req))
             if req.params.prompt_logprobs is not None and not req.num_preempted:
@@ -94,7 +94,7 @@ class BatchBuilder:
         stops = self.stop_ids(p) if p.min_tokens > len(req.output_ids) else []
         bias_ids = list(p.logit_bias)
         return ProcessorInit(
-            slot=req.table_idx,
+            slot=req.slot,
             prompt_ids=np.asarray(req.input_ids[:req.prompt_len] if p.repetition_penalty != 1 else [], dtype=np.int32),
             output_ids=np.asarray(req.output_ids, dtype=np.int32),
             sparse_ids=np.asarray(bias_ids + stops, dtype=np.int32),
@@ -128,7 +128,7 @@ class BatchBuilder:
 
     def launched(self) -> None:
         """The last batch built reached the device, and with it the page-table rows it rewrote."""
-        self.rewrite_rows.clear()
+        self.rewrite_slots.clear()
 
     def failed(self, batch: Batch) -> None:
         """The last batch built never ran: its requests' KV for this step was not computed, so none of
@@ -142,7 +142,7 @@ class BatchBuilder:
         n = len(reqs)
         # a request that has left its row since (ended or preempted) needs no rewrite
         rows = [(slot, self.cache.locations(r, 0, r.num_cached_pages * self.cache.page_size))
-                for slot, r in self.rewrite_rows.items() if r.table_idx == slot]
+                for slot, r in self.rewrite_slots.items() if r.slot == slot]
         want = [p.logprobs for p in params if p.logprobs is not None]
         # constrained rows whose sample is kept: their masks, from their matchers' state now (every token
         # they produced so far has been handled: the scheduler keeps them out of the step after their last)
@@ -151,7 +151,7 @@ class BatchBuilder:
             if extras else []
         desc = BatchDesc(
             is_prefill=is_prefill,
-            table_idx=np.fromiter((r.table_idx for r in reqs), dtype=np.int32, count=len(reqs)),
+            slots=np.fromiter((r.slot for r in reqs), dtype=np.int32, count=len(reqs)),
             seq_lens=np.asarray(seq_lens, dtype=np.int32),
             extend_lens=np.asarray(extend_lens, dtype=np.int32),
             out_loc=out_loc, input_ids=input_ids,
@@ -159,7 +159,7 @@ class BatchBuilder:
             top_p=np.fromiter((p.top_p for p in params), dtype=np.float32, count=len(reqs)),
             top_k=np.fromiter((p.top_k for p in params), dtype=np.int32, count=len(reqs)),
             seeds=np.fromiter((r.seed for r in reqs), dtype=np.int64, count=len(reqs)),
-            prefix_rows=rows, top_logprobs=max(want) if want else -1,
+            prefix_slots=rows, top_logprobs=max(want) if want else -1,
             min_p=np.fromiter((p.min_p for p in params), dtype=np.float32, count=n)
             if extras and any(p.min_p > 0 for p in params) else None,
             procs=self._procs(reqs, seq_lens, emits)
@@ -179,7 +179,7 @@ class BatchBuilder:
             p = req.params
             if not (p.uses_processors and emit):
                 continue
-            rows.state_row[i] = req.table_idx
+            rows.state_row[i] = req.slot
             rows.presence[i], rows.frequency[i], rows.repetition[i] = (p.presence_penalty, p.frequency_penalty,
                                                                         p.repetition_penalty)
             # this step samples output token number seq_len - prompt_len (from 0)

@@ -65,7 +65,7 @@ class DecodeManager:
             self._preempt(victim)
             if need <= cache.available:
                 break
-        return [r for r in decoding if r.table_idx >= 0]
+        return [r for r in decoding if r.slot >= 0]
 
     def _preempt(self, req: Req) -> None:
         """Frees a running request's pages (its computed ones go to the prefix cache) and queues it

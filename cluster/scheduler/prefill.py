@@ -37,7 +37,7 @@ class PrefillManager:
         before it. A preempted request comes back this way too, so it goes in front of the later ones of
         its priority; it was accepted already: the bounds do not apply."""
         # a head part-way through its chunked prefill holds pages and a request slot: it keeps its place
-        start = 1 if self.waiting and self.waiting[0].table_idx >= 0 else 0
+        start = 1 if self.waiting and self.waiting[0].slot >= 0 else 0
         insort(self.waiting, req, lo=start, key=queue_order)
         self.queued_tokens += req.fill_len
 
@@ -57,10 +57,10 @@ class PrefillManager:
                 break
             if req.held:
                 continue  # a later choice of a prompt not cached yet: the requests behind it go first
-            if req.table_idx < 0:
+            if req.slot < 0:
                 if self.req_slots.available == 0 or not self.cache.admit(req, headroom):
                     break  # in queue order: later (or lower-priority) requests do not jump the queue
-                req.table_idx = self.req_slots.allocate(in_flight)
+                req.slot = self.req_slots.allocate(in_flight)
             ext = min(req.extend_len, budget)
             budget -= ext
             batch.append((req, ext))

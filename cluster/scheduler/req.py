@@ -18,7 +18,7 @@ class Req:
     prompt_len: int = 0
     cached_len: int = 0             # positions whose KV is written, or will be by launched steps
     device_len: int = 0             # tokens on the device, the in-flight sample included
-    table_idx: int = -1             # request slot; -1 while it has none
+    slot: int = -1                  # request slot; -1 while it has none
     pages: list[int] = field(default_factory=list)  # KV pages covering positions 0.. in order
     num_cached_pages: int = 0       # leading pages owned by the prefix cache (locked through cache_handle)
     cache_handle: object = None

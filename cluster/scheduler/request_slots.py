@@ -1,4 +1,4 @@
-"""Request slots: rows of the token pool and page table (`Req.table_idx`), one per running request.
+"""Request slots: rows of the token pool and page table (`Req.slot`), one per running request.
 
 A freed request slot is not handed out again until the scheduler has waited for the batch in flight:
 that batch may still write its sample into the row. The scheduler releases freed slots after every

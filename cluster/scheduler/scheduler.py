@@ -51,7 +51,7 @@ class Launched:
     @cached_property
     def rows(self) -> frozenset[int]:
         """The request slots it uses."""
-        return frozenset(self.batch.desc.table_idx.tolist())
+        return frozenset(self.batch.desc.slots.tolist())
 
     @cached_property
     def req_set(self) -> frozenset[Req]:
@@ -187,7 +187,7 @@ class Scheduler:
         req.ended = True
         if not self.decode.remove(req):
             self.prefill.remove(req)  # waiting, or part-way through a chunked prefill
-        if req.table_idx >= 0:
+        if req.slot >= 0:
             self._free(req)
         if self.on_finish is not None:
             self.on_finish(req, reason)
@@ -196,8 +196,8 @@ class Scheduler:
         """Gives back a request's pages (its computed ones go to the prefix cache) and its request slot
         (released once the batch in flight is done); a result of it in that batch will be dropped."""
         self.cache.release(req, min(req.cached_len, len(req.input_ids)))
-        self.req_slots.free(req.table_idx)
-        req.table_idx = -1
+        self.req_slots.free(req.slot)
+        req.slot = -1
         if self.in_flight is not None and req in self.in_flight.req_set:
             self.finished_reqs.add(req)
 
@@ -316,7 +316,7 @@ class Scheduler:
             if delta.finished:
                 self._end(req, delta.finish_reason)
             elif batch.desc.is_prefill and self.cache.cache_prefix(req, req.fill_len):
-                self.builder.rewrite_rows[req.table_idx] = req
+                self.builder.rewrite_slots[req.slot] = req
         if deltas:
             self.on_output(deltas)
 
@@ -372,4 +372,4 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raises IntegrityError unless every KV page is free, prefix-cached or held by a live request."""
-        self.cache.check_integrity([r for r in self.reqs.values() if r.table_idx >= 0])
+        self.cache.check_integrity([r for r in self.reqs.values() if r.slot >= 0])

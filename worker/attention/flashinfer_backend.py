@@ -187,7 +187,7 @@ class FlashInferBackend(AttentionBackend):
         slots = np.zeros(bs, dtype=np.int64)
         if n:
             seq[:n] = desc.seq_lens
-            slots[:n] = desc.table_idx
+            slots[:n] = desc.slots
         pages = -(-seq // self.page_size)
         kv_indptr = np.zeros(bs + 1, dtype=np.int32)
         np.cumsum(pages, out=kv_indptr[1:])

@@ -23,7 +23,7 @@ class TorchBackend(AttentionBackend):
         desc = batch.desc
         max_len = int(desc.seq_lens.max())
         # every request's KV locations, padded to the longest; masked below
-        self.locs = self.page_table[batch.table_idx, :max_len].long()
+        self.locs = self.page_table[batch.slots, :max_len].long()
         if desc.is_prefill:
             self.spans = []
             start = 0
