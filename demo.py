@@ -40,20 +40,30 @@ def build_tokenizer(out_dir: Path, corpus: list[str] = _DEMO_CORPUS) -> PreTrain
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=[EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus, trainer=trainer)
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
-                                     additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
-                                     clean_up_tokenization_spaces=False, model_max_length=512)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
+        clean_up_tokenization_spaces=False,
+        model_max_length=512,
+    )
     hf_tok.chat_template = CHAT_TEMPLATE
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_tok.save_pretrained(out_dir)
     return PreTrainedTokenizerFast.from_pretrained(out_dir)
 
 
-def save_random_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir: Path,
-                      **save_options) -> Path:
+def save_random_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, out_dir: Path, **save_options
+) -> Path:
     """Re-draws model's weights from torch's generator (seed it first) and saves them, with a
     generation config that stops at end-of-text and end-of-turn, beside the tokenizer in out_dir."""
     model = model.to(torch.float32).eval()
@@ -65,8 +75,12 @@ def save_random_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast
                     module.bias.normal_(0.0, INIT_STD)
     model.save_pretrained(out_dir, **save_options)
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    GenerationConfig(bos_token_id=eos, eos_token_id=[eos, tokenizer.convert_tokens_to_ids(IM_END_TOKEN)],
-                     pad_token_id=eos, do_sample=False).save_pretrained(out_dir)
+    GenerationConfig(
+        bos_token_id=eos,
+        eos_token_id=[eos, tokenizer.convert_tokens_to_ids(IM_END_TOKEN)],
+        pad_token_id=eos,
+        do_sample=False,
+    ).save_pretrained(out_dir)
     return out_dir
 
 
@@ -91,9 +105,21 @@ def build_demo_model(out_dir: Path) -> Path:
 def _build_demo_model(out_dir: Path) -> Path:
     tokenizer = build_tokenizer(out_dir)
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                         rms_norm_eps=1e-6, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, dtype="float32",
-                         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        dtype="float32",
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )
     torch.manual_seed(0)
     return save_random_model(Qwen3ForCausalLM(config), tokenizer, out_dir)

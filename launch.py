@@ -1,8 +1,8 @@
 """Serve a model behind an OpenAI-compatible API, as replicas on Ray.
 
-    python launch.py --model PATH_OR_HF_ID [--tp-size K] [--replicas N] [--host 127.0.0.1] [--port 8000]
-                     [--config configs/X.yaml] [--address auto]
-    python launch.py --demo        # a tiny random model, no network needed (its output is meaningless)
+python launch.py --model PATH_OR_HF_ID [--tp-size K] [--replicas N] [--host 127.0.0.1] [--port 8000]
+                 [--config configs/X.yaml] [--address auto]
+python launch.py --demo        # a tiny random model, no network needed (its output is meaningless)
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ class Parser(argparse.ArgumentParser):
         if extra:
             flags = [f for f in self._option_string_actions if f.startswith("--")]
             close = difflib.get_close_matches(extra[0].split("=")[0], flags, n=3)
-            fail(f"unknown argument {extra[0]}" + (f" (did you mean {' or '.join(close)}?)" if close else
-                                                   " (see --help)"))
+            fail(
+                f"unknown argument {extra[0]}"
+                + (f" (did you mean {' or '.join(close)}?)" if close else " (see --help)")
+            )
         return parsed
 
 
@@ -55,8 +57,9 @@ def add_setting(group: argparse._ArgumentGroup, s: Setting) -> None:
     shown = s.allowed() if s.type in (int, float) and not s.choices else None
     text = f"{s.help} ({shown + '; ' if shown else ''}default: {s.default_text})".replace("%", "%%")
     if s.type is bool:
-        group.add_argument(flag(s.name), dest=s.name, action=argparse.BooleanOptionalAction,
-                           default=argparse.SUPPRESS, help=text)
+        group.add_argument(
+            flag(s.name), dest=s.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text
+        )
         return
 
     def convert(value: str):
@@ -66,18 +69,21 @@ def add_setting(group: argparse._ArgumentGroup, s: Setting) -> None:
             raise argparse.ArgumentTypeError(f"must be {s.allowed()}, not {value!r}") from None
 
     metavar = "{" + ",".join(s.choices) + "}" if s.choices else {int: "INT", float: "NUMBER", str: "TEXT"}[s.type]
-    group.add_argument(flag(s.name), dest=s.name, type=convert, metavar=metavar, default=argparse.SUPPRESS,
-                       help=text)
+    group.add_argument(flag(s.name), dest=s.name, type=convert, metavar=metavar, default=argparse.SUPPRESS, help=text)
 
 
 def build_parser() -> Parser:
     """Flags generated from the settings, in the README's groups, each with its help, choices and default."""
     p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
     command = p.add_argument_group("this command")
-    command.add_argument("--config", metavar="YAML", help="a serving YAML from configs/ (flat keys: the settings "
-                                                          "below, with underscores); flags override it")
-    command.add_argument("--demo", action="store_true", help="serve a tiny random model built locally "
-                                                             "(meaningless output)")
+    command.add_argument(
+        "--config",
+        metavar="YAML",
+        help="a serving YAML from configs/ (flat keys: the settings below, with underscores); flags override it",
+    )
+    command.add_argument(
+        "--demo", action="store_true", help="serve a tiny random model built locally (meaningless output)"
+    )
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     for s in settings(ServeConfig).values():
         add_setting(groups[s.group], s)
@@ -105,6 +111,7 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
             raise ConfigError("model", "is required: a local model folder or a Hugging Face id (or --demo)")
         if args.demo:
             from demo import build_demo_model
+
             if not (DEMO_DIR / "model.safetensors").exists():  # written last: a whole model
                 build_demo_model(DEMO_DIR)
             config = config.override(model=str(DEMO_DIR), served_model_name=config.served_model_name or "demo")
@@ -123,11 +130,14 @@ def resolve_model(model: str) -> str:
         return model  # a missing local folder is named by the model check, without hub advice
     try:
         from huggingface_hub import snapshot_download
+
         return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
     except Exception as e:  # noqa: BLE001 - offline, unknown id, gated model...
-        sys.exit(f"cannot find '{model}' locally or fetch it from the Hugging Face hub ({type(e).__name__}: {e}).\n"
-                 f"Give a local model folder (config.json, *.safetensors, tokenizer files), or download it first "
-                 f"on a machine with network: huggingface-cli download {model} --local-dir DIR")
+        sys.exit(
+            f"cannot find '{model}' locally or fetch it from the Hugging Face hub ({type(e).__name__}: {e}).\n"
+            f"Give a local model folder (config.json, *.safetensors, tokenizer files), or download it first "
+            f"on a machine with network: huggingface-cli download {model} --local-dir DIR"
+        )
 
 
 def looks_like_hub_id(model: str) -> bool:
@@ -154,8 +164,11 @@ def local_ray_options(dashboard: bool = True) -> dict:
         return {"include_dashboard": False}
     missing = dashboard_dependency_error()
     if missing is not None:
-        print(f"Ray dashboard off: its packages are missing ({missing}); install 'ray[default]' for it",
-              file=sys.stderr, flush=True)
+        print(
+            f"Ray dashboard off: its packages are missing ({missing}); install 'ray[default]' for it",
+            file=sys.stderr,
+            flush=True,
+        )
         return {"include_dashboard": False}
     return {"include_dashboard": True, "dashboard_host": "127.0.0.1"}
 
@@ -171,10 +184,13 @@ def dashboard_dependency_error() -> ImportError | None:
 def startup_problem(e: BaseException) -> str:
     """One line for a start-up failure: the first cause a user can act on, not Ray's wrapping of it."""
     import ray.exceptions
+
     while isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
         e = e.cause
     if isinstance(e, ray.exceptions.RayActorError):
-        return f"a replica's process died while starting ({type(e).__name__}); its log is in /tmp/ray/session_latest/logs"
+        return (
+            f"a replica's process died while starting ({type(e).__name__}); its log is in /tmp/ray/session_latest/logs"
+        )
     return " ".join(str(e).split()) or type(e).__name__
 
 
@@ -182,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     config = build_config(parse_args(argv))
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from cluster.model_check import ModelFolderError, check_model_folder
+
     try:
         check_model_folder(config.model, load_format=config.engine.load_format)
     except ModelFolderError as e:
@@ -189,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     if (problem := port_problem(config.host, config.port)) is not None:
         fail(f"--port {problem}")
     from router.tier.deployment import Deployment
+
     ray_options = local_ray_options(config.dashboard) if config.address is None else {}
     if config.metrics_export_port is not None and config.address is None:
         ray_options["_metrics_export_port"] = config.metrics_export_port
@@ -200,18 +218,25 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     dashboard = server.dashboard_url
     if dashboard:
-        print(f"Ray dashboard: {dashboard if dashboard.startswith('http') else 'http://' + dashboard} "
-              f"(if it asks for a token: run `ray get-auth-token` as the user who started this)", flush=True)
+        print(
+            f"Ray dashboard: {dashboard if dashboard.startswith('http') else 'http://' + dashboard} "
+            f"(if it asks for a token: run `ray get-auth-token` as the user who started this)",
+            flush=True,
+        )
     if config.metrics_export_port is not None:
-        print(f"Prometheus: scrape {server.url}/metrics (router) and port {config.metrics_export_port} (Ray)",
-              flush=True)
+        print(
+            f"Prometheus: scrape {server.url}/metrics (router) and port {config.metrics_export_port} (Ray)", flush=True
+        )
     server.run()
 
 
 def print_ready(server, config: ServeConfig) -> None:
     routers = f", {config.num_routers} router actor(s)" if config.num_routers else ""
-    print(f"ready: OpenAI-compatible API at {server.url}/v1  (model '{server.state.model_name}', "
-          f"{config.replicas} replica(s) x tp {config.tp_size}{routers})", flush=True)
+    print(
+        f"ready: OpenAI-compatible API at {server.url}/v1  (model '{server.state.model_name}', "
+        f"{config.replicas} replica(s) x tp {config.tp_size}{routers})",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -22,9 +22,15 @@ from scripted import eos_with_probability, scripted_scheduler  # noqa: E402
 
 
 def run(reserve: int, args) -> dict:
-    scripted = scripted_scheduler(eos_with_probability(1.0 / args.mean_output, seed=0), num_pages=args.pages,
-                                  page_size=16, max_running_reqs=256, max_seq_len=args.context,
-                                  decode_reserve_tokens=reserve, keep_deltas=False)
+    scripted = scripted_scheduler(
+        eos_with_probability(1.0 / args.mean_output, seed=0),
+        num_pages=args.pages,
+        page_size=16,
+        max_running_reqs=256,
+        max_seq_len=args.context,
+        decode_reserve_tokens=reserve,
+        keep_deltas=False,
+    )
     rng = random.Random(1)
     for uid in range(args.requests):
         scripted.submit(uid, [rng.randrange(1, 50_000) for _ in range(args.prompt)], max_tokens=None, temperature=0.6)
@@ -32,15 +38,25 @@ def run(reserve: int, args) -> dict:
     scripted.scheduler.check_integrity()
     batches = [desc.batch_size for desc in scripted.executor.launched if not desc.is_prefill]
     stats = scripted.scheduler.snapshot()
-    return {"reserve_tokens": reserve, "decode_steps": len(batches), "peak_batch": max(batches),
-            "mean_batch": round(sum(batches) / len(batches), 1), "preempted": stats.preempted,
-            "prefill_tokens": stats.prefill_tokens}
+    return {
+        "reserve_tokens": reserve,
+        "decode_steps": len(batches),
+        "peak_batch": max(batches),
+        "mean_batch": round(sum(batches) / len(batches), 1),
+        "preempted": stats.preempted,
+        "prefill_tokens": stats.prefill_tokens,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pages", type=int, default=43_750, help="KV pages of 16 tokens (default: 700k tokens, "
-                    "about what Qwen3-8B leaves on one H200 at 0.85 memory utilization)")
+    ap.add_argument(
+        "--pages",
+        type=int,
+        default=43_750,
+        help="KV pages of 16 tokens (default: 700k tokens, "
+        "about what Qwen3-8B leaves on one H200 at 0.85 memory utilization)",
+    )
     ap.add_argument("--context", type=int, default=40_960)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=512)
@@ -48,11 +64,15 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = [run(args.context, args), run(1024, args)]
-    print(f"{'reserved tokens':>16} {'decode steps':>13} {'peak batch':>11} {'mean batch':>11} {'preempted':>10} "
-          f"{'prefill tokens':>15}")
+    print(
+        f"{'reserved tokens':>16} {'decode steps':>13} {'peak batch':>11} {'mean batch':>11} {'preempted':>10} "
+        f"{'prefill tokens':>15}"
+    )
     for r in rows:
-        print(f"{r['reserve_tokens']:>16} {r['decode_steps']:>13} {r['peak_batch']:>11} {r['mean_batch']:>11} "
-              f"{r['preempted']:>10} {r['prefill_tokens']:>15}")
+        print(
+            f"{r['reserve_tokens']:>16} {r['decode_steps']:>13} {r['peak_batch']:>11} {r['mean_batch']:>11} "
+            f"{r['preempted']:>10} {r['prefill_tokens']:>15}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

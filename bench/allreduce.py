@@ -54,9 +54,11 @@ def worker(rank: int, size: int, address: str, args, out: dict) -> None:
         def nccl():
             for _ in range(n):
                 tp.comm.all_reduce(x)
+
         row["nccl_ms"] = time_graph(nccl, stream)
         try:
             import torch.distributed._symmetric_memory as symm_mem
+
             group = dist.group.WORLD.group_name
             buf = symm_mem.empty(x.shape, dtype=x.dtype, device=device)
             symm_mem.rendezvous(buf, group)
@@ -65,6 +67,7 @@ def worker(rank: int, size: int, address: str, args, out: dict) -> None:
                 for _ in range(n):
                     buf.copy_(x)
                     torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", group, x)
+
             row["symm_mem_one_shot_ms"] = time_graph(one_shot, stream)
         except Exception as e:  # noqa: BLE001 - report what this torch cannot do, keep the NCCL figure
             row["symm_mem_one_shot_error"] = f"{type(e).__name__}: {e}"[:300]

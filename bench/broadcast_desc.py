@@ -41,11 +41,17 @@ from worker.comm import DescChannel, free_address, init_tensor_parallel
 def decode_desc(batch: int) -> BatchDesc:
     rng = np.random.default_rng(0)
     return BatchDesc(
-        is_prefill=False, slots=np.arange(batch, dtype=np.int32),
-        seq_lens=rng.integers(100, 2048, batch).astype(np.int32), extend_lens=np.ones(batch, dtype=np.int32),
-        out_loc=rng.integers(0, 1 << 20, batch).astype(np.int32), input_ids=None,
-        temperature=np.full(batch, 0.6, dtype=np.float32), top_p=np.ones(batch, dtype=np.float32),
-        top_k=np.full(batch, -1, dtype=np.int32), seeds=rng.integers(0, 1 << 62, batch))
+        is_prefill=False,
+        slots=np.arange(batch, dtype=np.int32),
+        seq_lens=rng.integers(100, 2048, batch).astype(np.int32),
+        extend_lens=np.ones(batch, dtype=np.int32),
+        out_loc=rng.integers(0, 1 << 20, batch).astype(np.int32),
+        input_ids=None,
+        temperature=np.full(batch, 0.6, dtype=np.float32),
+        top_p=np.ones(batch, dtype=np.float32),
+        top_k=np.full(batch, -1, dtype=np.int32),
+        seeds=rng.integers(0, 1 << 62, batch),
+    )
 
 
 def prefill_desc(requests: int = 8, tokens_each: int = 1024, hit_rows: int = 2, hit_len: int = 512) -> BatchDesc:
@@ -55,30 +61,42 @@ def prefill_desc(requests: int = 8, tokens_each: int = 1024, hit_rows: int = 2, 
     tokens = requests * tokens_each
     rows = [(i, rng.integers(0, 1 << 20, hit_len).astype(np.int32)) for i in range(hit_rows)]
     return BatchDesc(
-        is_prefill=True, slots=np.arange(requests, dtype=np.int32),
-        seq_lens=np.full(requests, tokens_each, dtype=np.int32), extend_lens=np.full(requests, tokens_each, np.int32),
+        is_prefill=True,
+        slots=np.arange(requests, dtype=np.int32),
+        seq_lens=np.full(requests, tokens_each, dtype=np.int32),
+        extend_lens=np.full(requests, tokens_each, np.int32),
         out_loc=rng.integers(0, 1 << 20, tokens).astype(np.int32),
         input_ids=rng.integers(0, 150000, tokens).astype(np.int32),
-        temperature=np.full(requests, 0.6, dtype=np.float32), top_p=np.ones(requests, dtype=np.float32),
-        top_k=np.full(requests, -1, dtype=np.int32), seeds=rng.integers(0, 1 << 62, requests), prefix_slots=rows)
+        temperature=np.full(requests, 0.6, dtype=np.float32),
+        top_p=np.ones(requests, dtype=np.float32),
+        top_k=np.full(requests, -1, dtype=np.int32),
+        seeds=rng.integers(0, 1 << 62, requests),
+        prefix_slots=rows,
+    )
 
 
 CASES: dict[str, Callable[[], BatchDesc]] = {
-    "decode 1": lambda: decode_desc(1), "decode 64": lambda: decode_desc(64),
-    "decode 256": lambda: decode_desc(256), "prefill 8k": prefill_desc}
+    "decode 1": lambda: decode_desc(1),
+    "decode 64": lambda: decode_desc(64),
+    "decode 256": lambda: decode_desc(256),
+    "prefill 8k": prefill_desc,
+}
 
 
 def pickled_broadcast(group: dist.ProcessGroup) -> Callable[[BatchDesc | None], BatchDesc]:
     """The broadcast as it was: broadcast_object_list (pickles, then a size and a bytes broadcast)."""
+
     def broadcast(desc):
         box = [desc]
         dist.broadcast_object_list(box, src=0, group=group)
         return box[0]
+
     return broadcast
 
 
-def packed_broadcast(group: dist.ProcessGroup, rank: int,
-                     message_bytes: int) -> Callable[[BatchDesc | None], BatchDesc]:
+def packed_broadcast(
+    group: dist.ProcessGroup, rank: int, message_bytes: int
+) -> Callable[[BatchDesc | None], BatchDesc]:
     channel = DescChannel(group, message_bytes)
     return (lambda desc: channel.send(desc) or desc) if rank == 0 else (lambda desc: channel.receive())
 
@@ -105,8 +123,9 @@ def decode_us(method: str, desc: BatchDesc, repeats: int) -> float:
     return median_us(lambda: unpack_desc(tuple(header.tolist()), buf), repeats)
 
 
-def run_steps(broadcast: Callable, desc: BatchDesc | None, steps: int, gap_s: float,
-              want: BatchDesc) -> dict[str, list[float]]:
+def run_steps(
+    broadcast: Callable, desc: BatchDesc | None, steps: int, gap_s: float, want: BatchDesc
+) -> dict[str, list[float]]:
     """`steps` broadcasts, rank 0 pausing gap_s before each (as between steps: the followers are then
     waiting in their receive). Each call's start and end on the shared monotonic clock, and its CPU
     time over every thread of the process (gloo's too)."""
@@ -123,8 +142,17 @@ def run_steps(broadcast: Callable, desc: BatchDesc | None, steps: int, gap_s: fl
     return times
 
 
-def worker(rank: int, size: int, address: str, device: str, message_kib: list[int], repeats: int, rounds: int,
-           gap_s: float, out: dict) -> None:
+def worker(
+    rank: int,
+    size: int,
+    address: str,
+    device: str,
+    message_kib: list[int],
+    repeats: int,
+    rounds: int,
+    gap_s: float,
+    out: dict,
+) -> None:
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     tp = init_tensor_parallel(rank, size, address, dev, 60)
     comm = tp.comm
@@ -151,9 +179,13 @@ def worker(rank: int, size: int, address: str, device: str, message_kib: list[in
 def summary(rank0: dict[str, list[float]], follower: dict) -> dict[str, float]:
     def us(values) -> float:
         return statistics.median(values) * 1e6
-    return {"rank0_us": us(np.subtract(rank0["end"], rank0["start"])),
-            "delivered_us": us(np.subtract(follower["end"], rank0["start"])),
-            "follower_cpu_us": us(follower["cpu"]), "decode_us": follower["decode_us"]}
+
+    return {
+        "rank0_us": us(np.subtract(rank0["end"], rank0["start"])),
+        "delivered_us": us(np.subtract(follower["end"], rank0["start"])),
+        "follower_cpu_us": us(follower["cpu"]),
+        "decode_us": follower["decode_us"],
+    }
 
 
 def main() -> None:
@@ -170,18 +202,42 @@ def main() -> None:
     address = free_address("127.0.0.1")
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(worker, args=(args.ranks, address, args.device, args.message_kib, args.repeats, args.rounds,
-                               args.gap_ms / 1e3, out), nprocs=args.ranks, join=True)
-        rows = [{"case": case, "method": method, "ranks": args.ranks, "device": args.device,
-                 **summary(out[(case, method, 0)], out[(case, method, 1)])}
-                for case, method, rank in out.keys() if rank == 0]
+        mp.spawn(
+            worker,
+            args=(
+                args.ranks,
+                address,
+                args.device,
+                args.message_kib,
+                args.repeats,
+                args.rounds,
+                args.gap_ms / 1e3,
+                out,
+            ),
+            nprocs=args.ranks,
+            join=True,
+        )
+        rows = [
+            {
+                "case": case,
+                "method": method,
+                "ranks": args.ranks,
+                "device": args.device,
+                **summary(out[(case, method, 0)], out[(case, method, 1)]),
+            }
+            for case, method, rank in out.keys()
+            if rank == 0
+        ]
     methods = ["pickle"] + [f"packed {kib} KiB" for kib in args.message_kib]
     rows.sort(key=lambda r: (list(CASES).index(r["case"]), methods.index(r["method"])))
-    print(f"{'case':>11} {'method':>16} {'rank 0 us':>10} {'delivered us':>13} {'follower CPU us':>16} "
-          f"{'decode us':>10}")
+    print(
+        f"{'case':>11} {'method':>16} {'rank 0 us':>10} {'delivered us':>13} {'follower CPU us':>16} {'decode us':>10}"
+    )
     for r in rows:
-        print(f"{r['case']:>11} {r['method']:>16} {r['rank0_us']:>10.1f} {r['delivered_us']:>13.1f} "
-              f"{r['follower_cpu_us']:>16.1f} {r['decode_us']:>10.1f}")
+        print(
+            f"{r['case']:>11} {r['method']:>16} {r['rank0_us']:>10.1f} {r['delivered_us']:>13.1f} "
+            f"{r['follower_cpu_us']:>16.1f} {r['decode_us']:>10.1f}"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=2)

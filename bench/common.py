@@ -20,24 +20,64 @@ from cluster import LLM  # noqa: E402
 from worker.batch import BatchDesc  # noqa: E402
 from worker.kernels import DECODE_KERNELS, Kernels  # noqa: E402
 
-_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
-          "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
-          "hidden_act": "silu", "initializer_range": 0.02, "max_position_embeddings": 40960,
-          "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
-          "use_sliding_window": False, "use_cache": True, "vocab_size": 151936, "torch_dtype": "bfloat16"}
+_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "use_cache": True,
+    "vocab_size": 151936,
+    "torch_dtype": "bfloat16",
+}
 
 # the config.json values of the released checkpoints
 ARCHS = {
-    "qwen3-0.6b": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-                   "max_window_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-                   "tie_word_embeddings": True},
-    "qwen3-8b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-                 "max_window_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-                 "tie_word_embeddings": False},
+    "qwen3-0.6b": {
+        **_QWEN3,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "max_window_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": True,
+    },
+    "qwen3-8b": {
+        **_QWEN3,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "max_window_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
     # for a smoke run of the scripts on a CPU
-    "tiny": {**_QWEN3, "bos_token_id": 0, "eos_token_id": 1, "hidden_size": 64, "intermediate_size": 128,
-             "num_hidden_layers": 2, "max_window_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "tie_word_embeddings": True, "vocab_size": 1000, "max_position_embeddings": 4096},
+    "tiny": {
+        **_QWEN3,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "max_window_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+        "vocab_size": 1000,
+        "max_position_embeddings": 4096,
+    },
 }
 
 
@@ -49,10 +89,13 @@ def model_folder(arch: str, with_tokenizer: bool = False) -> str:
     if with_tokenizer:
         from tokenizers import Tokenizer, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
+
         vocab = {f"t{i}": i for i in range(ARCHS[arch]["vocab_size"])}
         tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{ARCHS[arch]['eos_token_id']}").save_pretrained(folder)
+        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{ARCHS[arch]['eos_token_id']}").save_pretrained(
+            folder
+        )
     return str(folder)
 
 
@@ -65,39 +108,76 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=16)  # the server's default (ServeConfig)
     parser.add_argument("--max-running-reqs", type=int, default=256)
     parser.add_argument("--tp-size", type=int, default=1)
-    parser.add_argument("--no-fused", action="store_true", help="torch elementwise kernels instead of FlashInfer's fused ones")
-    parser.add_argument("--no-triton-kernels", action="store_true",
-                        help="FlashInfer's q/k norm and rotary and a KV store instead of the Triton prologue (to compare)")
-    parser.add_argument("--decode-kernel", choices=DECODE_KERNELS, default="auto",
-                        help="force one decode attention path (to compare)")
+    parser.add_argument(
+        "--no-fused", action="store_true", help="torch elementwise kernels instead of FlashInfer's fused ones"
+    )
+    parser.add_argument(
+        "--no-triton-kernels",
+        action="store_true",
+        help="FlashInfer's q/k norm and rotary and a KV store instead of the Triton prologue (to compare)",
+    )
+    parser.add_argument(
+        "--decode-kernel", choices=DECODE_KERNELS, default="auto", help="force one decode attention path (to compare)"
+    )
     parser.add_argument("--no-small-linear", action="store_true", help="cuBLAS for batch-1 linear layers too")
     parser.add_argument("--max-extend-tokens", type=int, default=16384, help="tokens computed per step")
-    parser.add_argument("--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)")
-    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
-                        help="KV-cache storage: auto (bf16) or fp8_e4m3 (twice the pages for the same memory)")
+    parser.add_argument(
+        "--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8_e4m3"],
+        default="auto",
+        help="KV-cache storage: auto (bf16) or fp8_e4m3 (twice the pages for the same memory)",
+    )
 
 
 def kernels_of(args: argparse.Namespace) -> Kernels:
     """The kernels the flags ask for (by default the engine's automatic choices)."""
-    return Kernels(fused=not args.no_fused, triton=not args.no_triton_kernels, small_linear=not args.no_small_linear,
-                   decode=args.decode_kernel)
+    return Kernels(
+        fused=not args.no_fused,
+        triton=not args.no_triton_kernels,
+        small_linear=not args.no_small_linear,
+        decode=args.decode_kernel,
+    )
 
 
 def make_llm(args: argparse.Namespace) -> LLM:
-    return LLM(model_folder(args.arch), kernels=kernels_of(args), tp_size=args.tp_size, dtype="bfloat16",
-               load_format="dummy", page_size=args.page_size,
-               cache_type=args.cache, max_extend_tokens=args.max_extend_tokens, max_running_reqs=args.max_running_reqs,
-               overlap=not args.no_overlap, cuda_graph_max_bs=0 if args.no_cuda_graph else 256,
-               kv_cache_dtype=args.kv_cache_dtype, mixed_steps=not args.no_mixed_steps)
+    return LLM(
+        model_folder(args.arch),
+        kernels=kernels_of(args),
+        tp_size=args.tp_size,
+        dtype="bfloat16",
+        load_format="dummy",
+        page_size=args.page_size,
+        cache_type=args.cache,
+        max_extend_tokens=args.max_extend_tokens,
+        max_running_reqs=args.max_running_reqs,
+        overlap=not args.no_overlap,
+        cuda_graph_max_bs=0 if args.no_cuda_graph else 256,
+        kv_cache_dtype=args.kv_cache_dtype,
+        mixed_steps=not args.no_mixed_steps,
+    )
 
 
 def config_of(args: argparse.Namespace) -> dict:
-    return {"arch": args.arch, "tp_size": args.tp_size, "fused": not args.no_fused, "triton_kernels": not args.no_triton_kernels,
-            "decode_kernel": args.decode_kernel, "small_linear": not args.no_small_linear, "overlap": not args.no_overlap, "cuda_graph": not args.no_cuda_graph,
-            "cache": args.cache, "page_size": args.page_size, "kv_cache_dtype": args.kv_cache_dtype,
-            "mixed_steps": not args.no_mixed_steps, "max_extend_tokens": args.max_extend_tokens,
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-            "torch": torch.__version__}
+    return {
+        "arch": args.arch,
+        "tp_size": args.tp_size,
+        "fused": not args.no_fused,
+        "triton_kernels": not args.no_triton_kernels,
+        "decode_kernel": args.decode_kernel,
+        "small_linear": not args.no_small_linear,
+        "overlap": not args.no_overlap,
+        "cuda_graph": not args.no_cuda_graph,
+        "cache": args.cache,
+        "page_size": args.page_size,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "mixed_steps": not args.no_mixed_steps,
+        "max_extend_tokens": args.max_extend_tokens,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": torch.__version__,
+    }
 
 
 class StepTimer:
@@ -148,7 +228,9 @@ class StepTimer:
         torch.cuda.synchronize()
         busy, idle, ratios, late_idle, late = [], [], [], [], 0
         chain, chain_start, chain_end = [], [], []
-        for (p0, s0, e0), (p1, s1, _), was_late, sched in zip(self.steps, self.steps[1:], self.late[1:], self.sched[1:]):
+        for (p0, s0, e0), (p1, s1, _), was_late, sched in zip(
+            self.steps, self.steps[1:], self.late[1:], self.sched[1:]
+        ):
             if p0 or p1:
                 continue
             if sched is not None:
@@ -166,17 +248,26 @@ class StepTimer:
                 late_idle.append(gap_ms)
         if not busy:
             return {}
-        return {"decode_steps": len(busy), "decode_step_ms_median": statistics.median(busy),
-                "idle_gap_ms_median": statistics.median(idle),
-                "idle_pct_of_step_median": 100 * statistics.median(ratios),
-                "idle_pct_of_step_total": 100 * sum(idle) / sum(busy),
-                # steps the host launched only after the device had run out of work, and their share of
-                # the idle time: what a faster host would remove
-                "host_late_pct_of_steps": 100 * late / len(busy),
-                "idle_pct_host_late": 100 * sum(late_idle) / (sum(idle) or 1),
-                **({"sched_part_ms_median": statistics.median(chain),
+        return {
+            "decode_steps": len(busy),
+            "decode_step_ms_median": statistics.median(busy),
+            "idle_gap_ms_median": statistics.median(idle),
+            "idle_pct_of_step_median": 100 * statistics.median(ratios),
+            "idle_pct_of_step_total": 100 * sum(idle) / sum(busy),
+            # steps the host launched only after the device had run out of work, and their share of
+            # the idle time: what a faster host would remove
+            "host_late_pct_of_steps": 100 * late / len(busy),
+            "idle_pct_host_late": 100 * sum(late_idle) / (sum(idle) or 1),
+            **(
+                {
+                    "sched_part_ms_median": statistics.median(chain),
                     "sched_part_start_after_step_end_ms_median": statistics.median(chain_start),
-                    "sched_part_end_after_step_end_ms_median": statistics.median(chain_end)} if chain else {})}
+                    "sched_part_end_after_step_end_ms_median": statistics.median(chain_end),
+                }
+                if chain
+                else {}
+            ),
+        }
 
 
 class Sections:
@@ -216,8 +307,10 @@ class Sections:
         self._wrapped.clear()
 
     def summary(self, steps: int) -> dict[str, dict[str, float]]:
-        return {name: {"us_per_step": 1e6 * t / max(steps, 1), "calls_per_step": self.calls[name] / max(steps, 1)}
-                for name, t in self.total.items()}
+        return {
+            name: {"us_per_step": 1e6 * t / max(steps, 1), "calls_per_step": self.calls[name] / max(steps, 1)}
+            for name, t in self.total.items()
+        }
 
 
 class ProfileWindow:
@@ -227,6 +320,7 @@ class ProfileWindow:
         """`trace`: also write the window's host and device timeline there (Chrome trace JSON, gzipped
         when the name ends in .gz) for a look at what the host does between launches."""
         from torch.profiler import ProfilerActivity, profile
+
         self.first, self.last = first, first + count
         self.seen = 0
         self.trace = trace
@@ -256,12 +350,21 @@ class ProfileWindow:
     def top_kernels(self, top: int = 25) -> list[dict]:
         """The kernels that took the most GPU time in the window, with their share of it."""
         # kernels only: a CPU op's row repeats the device time of the kernels it launched
-        events = [e for e in self.prof.key_averages()
-                  if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+        events = [
+            e
+            for e in self.prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
+        ]
         total = sum(e.self_device_time_total for e in events) or 1
-        return [{"kernel": e.key[:100], "calls": e.count, "ms": e.self_device_time_total / 1e3,
-                 "pct": 100 * e.self_device_time_total / total}
-                for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]]
+        return [
+            {
+                "kernel": e.key[:100],
+                "calls": e.count,
+                "ms": e.self_device_time_total / 1e3,
+                "pct": 100 * e.self_device_time_total / total,
+            }
+            for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]
+        ]
 
 
 def time_graph(fn, reps: int = 20, calls: int = 1) -> float:

@@ -14,7 +14,6 @@ import statistics
 import time
 
 import numpy as np
-
 from common import ARCHS, ProfileWindow, Sections, StepTimer, add_common_args, config_of, make_llm, report
 
 from cluster import LLM, SamplingParams
@@ -95,8 +94,15 @@ def run_batch(llm: LLM, args, batch: int) -> dict:
         measure(llm, batch, args.prompt_len, args.output_len, seed=0)
         llm.engine.step_timer = None
         median["profile"] = window.top_kernels(40)
-    return {"benchmark": "decode_latency", **config_of(args), "batch": batch, "prompt_len": args.prompt_len,
-            "output_len": args.output_len, **median, "runs": runs}
+    return {
+        "benchmark": "decode_latency",
+        **config_of(args),
+        "batch": batch,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        **median,
+        "runs": runs,
+    }
 
 
 def host_sections(llm: LLM, batch: int, args) -> dict:
@@ -120,7 +126,7 @@ def host_sections(llm: LLM, batch: int, args) -> dict:
     sections.add("attn._plan", attn, "_plan")
     sections.add("attn._gather_page_ids", attn, "_gather_page_ids")
     sections.add("attn.staging.upload", getattr(attn, "staging", None), "upload")
-    for bs, wrapper in getattr(attn, "graph_wrappers", {}).items():
+    for wrapper in getattr(attn, "graph_wrappers", {}).values():
         sections.add("flashinfer plan (graph wrappers)", wrapper, "plan")
     waited = engine.host_waits.seconds
     try:
@@ -158,9 +164,11 @@ class GcPauses:
         gc.callbacks.remove(self._callback)
 
     def summary(self) -> dict:
-        return {**{f"gc_gen{n}_collections": sum(g == n for g, _ in self.pauses) for n in range(3)},
-                "gc_pause_ms_total": 1e3 * sum(t for _, t in self.pauses),
-                "gc_pause_ms_max": 1e3 * max((t for _, t in self.pauses), default=0.0)}
+        return {
+            **{f"gc_gen{n}_collections": sum(g == n for g, _ in self.pauses) for n in range(3)},
+            "gc_pause_ms_total": 1e3 * sum(t for _, t in self.pauses),
+            "gc_pause_ms_max": 1e3 * max((t for _, t in self.pauses), default=0.0),
+        }
 
 
 class HostTimer:
@@ -198,41 +206,67 @@ class HostTimer:
     def summary(self) -> dict:
         if not self.times:
             return {}
-        return {"host_forward_ms_median": 1e3 * statistics.median(self.times),
-                "host_forward_ms_p90": 1e3 * sorted(self.times)[int(0.9 * len(self.times))],
-                # Engine.forward less its waits; then every host thread's work per decode step (the
-                # scheduler's too), the prefill's counted in
-                "host_forward_work_ms_median": 1e3 * statistics.median(self.work),
-                "host_work_ms_per_step": 1e3 * (self._wall - self._blocked) / self.decode_steps}
+        return {
+            "host_forward_ms_median": 1e3 * statistics.median(self.times),
+            "host_forward_ms_p90": 1e3 * sorted(self.times)[int(0.9 * len(self.times))],
+            # Engine.forward less its waits; then every host thread's work per decode step (the
+            # scheduler's too), the prefill's counted in
+            "host_forward_work_ms_median": 1e3 * statistics.median(self.work),
+            "host_work_ms_per_step": 1e3 * (self._wall - self._blocked) / self.decode_steps,
+        }
 
 
 def table_rows(args, r: dict) -> list[tuple[str, object]]:
-    return [("arch", args.arch), ("tp", args.tp_size), ("batch", r["batch"]), ("overlap", not args.no_overlap),
-            ("cuda graphs", not args.no_cuda_graph), ("ms per output token (median)", r["ms_per_token"]),
-            ("decode tok/s", r["decode_tok_per_s"]),
-            ("GPU decode step ms (median)", r.get("decode_step_ms_median", float("nan"))),
-            ("idle between decode steps % (median)", r.get("idle_pct_of_step_median", float("nan"))),
-            ("GC collections (generations 0/1/2) per run", " ".join(
-                "/".join(str(x.get(f"gc_gen{n}_collections", "-")) for n in range(3)) for x in r["runs"])),
-            ("GC pause ms per run (total, longest)", " ".join(
+    return [
+        ("arch", args.arch),
+        ("tp", args.tp_size),
+        ("batch", r["batch"]),
+        ("overlap", not args.no_overlap),
+        ("cuda graphs", not args.no_cuda_graph),
+        ("ms per output token (median)", r["ms_per_token"]),
+        ("decode tok/s", r["decode_tok_per_s"]),
+        ("GPU decode step ms (median)", r.get("decode_step_ms_median", float("nan"))),
+        ("idle between decode steps % (median)", r.get("idle_pct_of_step_median", float("nan"))),
+        (
+            "GC collections (generations 0/1/2) per run",
+            " ".join("/".join(str(x.get(f"gc_gen{n}_collections", "-")) for n in range(3)) for x in r["runs"]),
+        ),
+        (
+            "GC pause ms per run (total, longest)",
+            " ".join(
                 f"{x.get('gc_pause_ms_total', float('nan')):.1f},{x.get('gc_pause_ms_max', float('nan')):.1f}"
-                for x in r["runs"])),
-            ("idle % per run", " ".join(f"{x.get('idle_pct_of_step_total', float('nan')):.2f}" for x in r["runs"])),
-            ("steps the host launched late % per run",
-             " ".join(f"{x.get('host_late_pct_of_steps', float('nan')):.1f}" for x in r["runs"])),
-            ("share of idle after late launches % per run",
-             " ".join(f"{x.get('idle_pct_host_late', float('nan')):.1f}" for x in r["runs"])),
-            ("scheduler stream's part of a step ms (median)", r.get("sched_part_ms_median", float("nan"))),
-            ("  its start after the step before ended ms (median)",
-             r.get("sched_part_start_after_step_end_ms_median", float("nan"))),
-            ("  its end after the step before ended ms (median)",
-             r.get("sched_part_end_after_step_end_ms_median", float("nan"))),
-            ("ms per token per run", " ".join(f"{x['ms_per_token']:.3f}" for x in r["runs"])),
-            ("host Engine.forward work ms per decode step (median, waits excluded)",
-             r.get("host_forward_work_ms_median", float("nan"))),
-            ("host work ms per decode step (the scheduler's too, waits excluded)",
-             r.get("host_work_ms_per_step", float("nan"))),
-            ("host Engine.forward ms per decode step (median)", r.get("host_forward_ms_median", float("nan")))]
+                for x in r["runs"]
+            ),
+        ),
+        ("idle % per run", " ".join(f"{x.get('idle_pct_of_step_total', float('nan')):.2f}" for x in r["runs"])),
+        (
+            "steps the host launched late % per run",
+            " ".join(f"{x.get('host_late_pct_of_steps', float('nan')):.1f}" for x in r["runs"]),
+        ),
+        (
+            "share of idle after late launches % per run",
+            " ".join(f"{x.get('idle_pct_host_late', float('nan')):.1f}" for x in r["runs"]),
+        ),
+        ("scheduler stream's part of a step ms (median)", r.get("sched_part_ms_median", float("nan"))),
+        (
+            "  its start after the step before ended ms (median)",
+            r.get("sched_part_start_after_step_end_ms_median", float("nan")),
+        ),
+        (
+            "  its end after the step before ended ms (median)",
+            r.get("sched_part_end_after_step_end_ms_median", float("nan")),
+        ),
+        ("ms per token per run", " ".join(f"{x['ms_per_token']:.3f}" for x in r["runs"])),
+        (
+            "host Engine.forward work ms per decode step (median, waits excluded)",
+            r.get("host_forward_work_ms_median", float("nan")),
+        ),
+        (
+            "host work ms per decode step (the scheduler's too, waits excluded)",
+            r.get("host_work_ms_per_step", float("nan")),
+        ),
+        ("host Engine.forward ms per decode step (median)", r.get("host_forward_ms_median", float("nan"))),
+    ]
 
 
 def main() -> None:
@@ -244,13 +278,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--wall-clock", action="store_true", help="time as for tp > 1 (whole generations)")
     parser.add_argument("--profile", action="store_true", help="then profile the kernels of decode steps 200-249")
-    parser.add_argument("--trace", help="with --profile: write that window's host and device timeline here "
-                                        "(Chrome trace JSON; .json.gz to compress)")
+    parser.add_argument(
+        "--trace",
+        help="with --profile: write that window's host and device timeline here "
+        "(Chrome trace JSON; .json.gz to compress)",
+    )
     args = parser.parse_args()
     llm = make_llm(args)
     results = [run_batch(llm, args, batch) for batch in args.batch]
-    report(results[0] if len(results) == 1 else {"benchmark": "decode_latency", "results": results}, args.out,
-           [row for r in results for row in table_rows(args, r)])
+    report(
+        results[0] if len(results) == 1 else {"benchmark": "decode_latency", "results": results},
+        args.out,
+        [row for r in results for row in table_rows(args, r)],
+    )
     for r in results:
         for name, v in r.get("host_sections", {}).items():
             print(f"  host {v['us_per_step']:8.1f} us/step  {v.get('calls_per_step', 0):5.2f} calls/step  {name}")

@@ -25,14 +25,30 @@ from common import time_graph  # noqa: E402
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 CALLS, REPLAYS = 20, 5
 # (block_n, num_warps, num_stages) beside the launcher's default (None: its choice)
-TILES = {"none": [(None, None, None)],
-         "small": [(None, None, None), (32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2)],
-         "full": [(None, None, None), (16, 4, 2), (32, 4, 2), (32, 4, 3), (64, 2, 2), (64, 4, 2), (64, 4, 3),
-                  (64, 8, 2), (128, 4, 2), (128, 4, 3), (128, 8, 2), (128, 8, 3), (256, 8, 2)]}
+TILES = {
+    "none": [(None, None, None)],
+    "small": [(None, None, None), (32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2)],
+    "full": [
+        (None, None, None),
+        (16, 4, 2),
+        (32, 4, 2),
+        (32, 4, 3),
+        (64, 2, 2),
+        (64, 4, 2),
+        (64, 4, 3),
+        (64, 8, 2),
+        (128, 4, 2),
+        (128, 4, 3),
+        (128, 8, 2),
+        (128, 8, 3),
+        (256, 8, 2),
+    ],
+}
 
 
 def splits_to_try(batch: int) -> list[int]:
     from worker.triton_decode import decode_num_splits
+
     chosen = decode_num_splits(batch, NUM_KV_HEADS)
     extra = [1, 2, 4] if batch >= 64 else [8, 16, 32]
     return sorted({chosen, *extra})
@@ -49,6 +65,7 @@ def make_cache(lens: list[int], page_size: int, seed: int):
     """A bf16 and an fp8 cache of the same (rounded) values, their pages shuffled over the pool, and the
     CSR page lists on the device."""
     from worker.kv_cache import to_fp8
+
     g = torch.Generator(device="cuda").manual_seed(seed)
     pages = [-(-n // page_size) for n in lens]
     num_pages = sum(pages)
@@ -66,59 +83,105 @@ def flashinfer_decode(flashinfer, q, cache, indptr, ids, last, page_size: int, t
     """FlashInfer's decode of q over cache, planned once: a callable."""
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
-    wrapper.plan(indptr.cpu(), ids, last.cpu(), NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, page_size,
-                 q_data_type=q.dtype, kv_data_type=cache[0].dtype)
+    wrapper.plan(
+        indptr.cpu(),
+        ids,
+        last.cpu(),
+        NUM_HEADS,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        page_size,
+        q_data_type=q.dtype,
+        kv_data_type=cache[0].dtype,
+    )
     # tvm-ffi launches on torch's current stream only where torch exports its DLPack exchange API
     # (as worker/attention/flashinfer_backend.py does); a capture needs the side stream
     if hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
         on_torch_stream = contextlib.nullcontext
     else:
         import tvm_ffi
+
         on_torch_stream = tvm_ffi.use_torch_stream
 
     def run() -> torch.Tensor:
         with on_torch_stream():
             return wrapper.run(q, cache)
+
     return run
 
 
 def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
     from worker.triton_decode import decode_scratch, paged_decode
+
     lens = lengths(batch, args.seed)
     q, caches, indptr, ids, last = make_cache(lens, args.page_size, args.seed)
     tokens = sum(lens)
     rows = []
     for kv, cache in caches.items():
         kv_bytes = 2 * tokens * NUM_KV_HEADS * HEAD_DIM * cache[0].element_size()
-        base = {"batch": batch, "kv_tokens": tokens, "page_size": args.page_size, "kv_dtype": kv,
-                "kv_mbytes": kv_bytes / 1e6}
+        base = {
+            "batch": batch,
+            "kv_tokens": tokens,
+            "page_size": args.page_size,
+            "kv_dtype": kv,
+            "kv_mbytes": kv_bytes / 1e6,
+        }
         want = None
         if flashinfer is not None:
             from worker.attention.flashinfer_backend import use_tensor_cores
+
             for tc in sorted({True, use_tensor_cores(batch)}, reverse=True):  # the engine's pick, and tensor cores
                 run = flashinfer_decode(flashinfer, q, cache, indptr, ids, last, args.page_size, tc)
                 got_fi = run().float()
                 want = got_fi if want is None else want
                 us = time_graph(run, REPLAYS, CALLS)
-                rows.append({**base, "impl": "flashinfer_" + ("tensor_cores" if tc else "cuda_cores"), "us": us,
-                             "tb_s": kv_bytes / us / 1e6,
-                             "max_abs_diff_vs_flashinfer": (got_fi - want).abs().max().item()})
+                rows.append(
+                    {
+                        **base,
+                        "impl": "flashinfer_" + ("tensor_cores" if tc else "cuda_cores"),
+                        "us": us,
+                        "tb_s": kv_bytes / us / 1e6,
+                        "max_abs_diff_vs_flashinfer": (got_fi - want).abs().max().item(),
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
         out = torch.empty_like(q)
         dots = [None, False] if kv == "fp8" else [None]  # fp8: the float16 operands (default), bf16's
-        runs = [(tile, dot) for tile, dot in itertools.product(TILES[args.sweep], dots)
-                if dot is None or tile[0] is None]  # bf16 operands over fp8 with the default tile only
+        runs = [
+            (tile, dot) for tile, dot in itertools.product(TILES[args.sweep], dots) if dot is None or tile[0] is None
+        ]  # bf16 operands over fp8 with the default tile only
         for splits, ((block_n, warps, stages), f16_dot) in itertools.product(splits_to_try(batch), runs):
             scratch = decode_scratch(batch, NUM_HEADS, HEAD_DIM, splits, "cuda")
 
             def call() -> torch.Tensor:
-                return paged_decode(q, *cache, indptr, ids, last, num_splits=splits, out=out, scratch=scratch,
-                                    block_n=block_n, num_warps=warps, num_stages=stages, f16_dot=f16_dot)
+                return paged_decode(
+                    q,
+                    *cache,
+                    indptr,
+                    ids,
+                    last,
+                    num_splits=splits,
+                    out=out,
+                    scratch=scratch,
+                    block_n=block_n,
+                    num_warps=warps,
+                    num_stages=stages,
+                    f16_dot=f16_dot,
+                )
+
             got = call().float()
             us = time_graph(call, REPLAYS, CALLS)
-            row = {**base, "impl": "triton", "num_splits": splits, "block_n": block_n, "num_warps": warps,
-                   "num_stages": stages, "dot": "bf16" if f16_dot is False or kv == "bf16" else "fp16",
-                   "us": us, "tb_s": kv_bytes / us / 1e6}
+            row = {
+                **base,
+                "impl": "triton",
+                "num_splits": splits,
+                "block_n": block_n,
+                "num_warps": warps,
+                "num_stages": stages,
+                "dot": "bf16" if f16_dot is False or kv == "bf16" else "fp16",
+                "us": us,
+                "tb_s": kv_bytes / us / 1e6,
+            }
             if want is not None:
                 row["max_abs_diff_vs_flashinfer"] = (got - want).abs().max().item()
             rows.append(row)
@@ -132,23 +195,33 @@ def summary(rows: list[dict]) -> None:
         group = list(group)
         best = [r for r in group if r["impl"] != "triton"]
         triton_rows = [r for r in group if r["impl"] == "triton"]
-        default = [r for r in triton_rows if r["block_n"] is None and r["num_splits"] == _default_splits(batch)
-                   and r["dot"] == ("fp16" if kv == "fp8" else "bf16")]  # the launcher's own choices
+        default = [
+            r
+            for r in triton_rows
+            if r["block_n"] is None
+            and r["num_splits"] == _default_splits(batch)
+            and r["dot"] == ("fp16" if kv == "fp8" else "bf16")
+        ]  # the launcher's own choices
         if triton_rows:
             fastest = min(triton_rows, key=lambda r: r["us"])
             best += [r for r in default[:1] if r is not fastest] + [fastest]
         for r in best:
             name = r["impl"]
             if name == "triton":
-                name += (f" splits={r['num_splits']} block_n={r['block_n']} warps={r['num_warps']}"
-                         f" stages={r['num_stages']} dot={r['dot']}")
+                name += (
+                    f" splits={r['num_splits']} block_n={r['block_n']} warps={r['num_warps']}"
+                    f" stages={r['num_stages']} dot={r['dot']}"
+                )
             diff = r.get("max_abs_diff_vs_flashinfer")
-            print(f"{batch:>5} {kv:>4} {name:<62} {r['us']:>8.2f} {r['tb_s']:>6.2f} "
-                  f"{'' if diff is None else f'{diff:.2e}':>9}")
+            print(
+                f"{batch:>5} {kv:>4} {name:<62} {r['us']:>8.2f} {r['tb_s']:>6.2f} "
+                f"{'' if diff is None else f'{diff:.2e}':>9}"
+            )
 
 
 def _default_splits(batch: int) -> int:
     from worker.triton_decode import decode_num_splits
+
     return decode_num_splits(batch, NUM_KV_HEADS)
 
 
@@ -157,8 +230,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[256, 1])
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sweep", choices=sorted(TILES), default="small",
-                        help="the tiles tried beside the launcher's default (none: it alone), at each split count")
+    parser.add_argument(
+        "--sweep",
+        choices=sorted(TILES),
+        default="small",
+        help="the tiles tried beside the launcher's default (none: it alone), at each split count",
+    )
     parser.add_argument("--no-flashinfer", action="store_true", help="time the Triton kernel alone")
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()

@@ -47,8 +47,13 @@ def drive(scheduler, vocab: int, seed: int) -> tuple[dict[int, list[tuple[int, f
 
     scheduler.on_output = on_output
     for uid in range(STREAMS):
-        scheduler.submit(AddRequest(uid, rng.integers(0, vocab, 64).tolist(),
-                                    SamplingParams(temperature=0.6, max_tokens=512, ignore_eos=True, seed=uid)))
+        scheduler.submit(
+            AddRequest(
+                uid,
+                rng.integers(0, vocab, 64).tolist(),
+                SamplingParams(temperature=0.6, max_tokens=512, ignore_eos=True, seed=uid),
+            )
+        )
     while len(seen) < STREAMS:
         scheduler.step()
         step[0] += 1
@@ -58,8 +63,13 @@ def drive(scheduler, vocab: int, seed: int) -> tuple[dict[int, list[tuple[int, f
         k = (step[0] - start) // EVERY
         if k < NUM_LONG and (step[0] - start) % EVERY == 0 and 1000 + k not in arrivals:
             arrivals[1000 + k] = time.perf_counter()
-            scheduler.submit(AddRequest(1000 + k, rng.integers(0, vocab, LONG).tolist(),
-                                        SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True, seed=k)))
+            scheduler.submit(
+                AddRequest(
+                    1000 + k,
+                    rng.integers(0, vocab, LONG).tolist(),
+                    SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True, seed=k),
+                )
+            )
         scheduler.step()
         step[0] += 1
     return seen, arrivals
@@ -71,14 +81,20 @@ def summarize(seen, arrivals, elapsed: float | None) -> dict:
         tokens = seen[uid]
         gaps_steps += [b[0] - a[0] for a, b in zip(tokens, tokens[1:])]
         gaps_ms += [(b[1] - a[1]) * 1e3 for a, b in zip(tokens, tokens[1:])]
-    out = {"longest_stall_steps": max(gaps_steps) - 1,  # steps without a token (1 apart is no stall)
-           "streams_gaps_over_one_step": sum(g > 1 for g in gaps_steps)}
+    out = {
+        "longest_stall_steps": max(gaps_steps) - 1,  # steps without a token (1 apart is no stall)
+        "streams_gaps_over_one_step": sum(g > 1 for g in gaps_steps),
+    }
     if elapsed is not None:
         ttft = [(seen[uid][0][1] - t) * 1e3 for uid, t in arrivals.items()]
-        out.update(itl_ms_median=statistics.median(gaps_ms), itl_ms_p99=float(np.percentile(gaps_ms, 99)),
-                   longest_stall_ms=max(gaps_ms), long_prompt_ttft_ms_median=statistics.median(ttft),
-                   long_prompt_ttft_ms_max=max(ttft),
-                   output_tok_per_s=sum(len(v) for v in seen.values()) / elapsed)
+        out.update(
+            itl_ms_median=statistics.median(gaps_ms),
+            itl_ms_p99=float(np.percentile(gaps_ms, 99)),
+            longest_stall_ms=max(gaps_ms),
+            long_prompt_ttft_ms_median=statistics.median(ttft),
+            long_prompt_ttft_ms_max=max(ttft),
+            output_tok_per_s=sum(len(v) for v in seen.values()) / elapsed,
+        )
     return out
 
 
@@ -92,15 +108,30 @@ def main() -> None:
     runs = {}
     for mixed in (True, False):
         if args.scripted:
-            run = scripted_scheduler(num_pages=(STREAMS * 640 + NUM_LONG * LONG) // 16, page_size=16,
-                                     max_running_reqs=64, max_seq_len=LONG + 64, keep_deltas=False,
-                                     max_extend_tokens=args.chunk, mixed_steps=mixed, overlap=not args.no_overlap)
+            run = scripted_scheduler(
+                num_pages=(STREAMS * 640 + NUM_LONG * LONG) // 16,
+                page_size=16,
+                max_running_reqs=64,
+                max_seq_len=LONG + 64,
+                keep_deltas=False,
+                max_extend_tokens=args.chunk,
+                mixed_steps=mixed,
+                overlap=not args.no_overlap,
+            )
             seen, arrivals = drive(run.scheduler, 1000, args.seed)
             runs["mixed" if mixed else "prefill_first"] = summarize(seen, arrivals, None)
             continue
-        llm = LLM(model_folder(args.arch), dtype="bfloat16", load_format="dummy", page_size=args.page_size,
-                  max_extend_tokens=args.chunk, max_running_reqs=args.max_running_reqs, mixed_steps=mixed,
-                  overlap=not args.no_overlap, cuda_graph_max_bs=0 if args.no_cuda_graph else 256)
+        llm = LLM(
+            model_folder(args.arch),
+            dtype="bfloat16",
+            load_format="dummy",
+            page_size=args.page_size,
+            max_extend_tokens=args.chunk,
+            max_running_reqs=args.max_running_reqs,
+            mixed_steps=mixed,
+            overlap=not args.no_overlap,
+            cuda_graph_max_bs=0 if args.no_cuda_graph else 256,
+        )
         vocab = llm.engine.hf_config.vocab_size
         llm.generate([[1] * LONG, [2] * 64], SamplingParams(temperature=0.6, max_tokens=8, ignore_eos=True))  # warm-up
         start = time.perf_counter()
@@ -111,10 +142,21 @@ def main() -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    result = {"benchmark": "mixed_steps", **config_of(args), "scripted": args.scripted, "chunk": args.chunk,
-              "runs": runs}
-    report(result, args.out, [(mode, ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
-                                               for k, v in r.items())) for mode, r in runs.items()])
+    result = {
+        "benchmark": "mixed_steps",
+        **config_of(args),
+        "scripted": args.scripted,
+        "chunk": args.chunk,
+        "runs": runs,
+    }
+    report(
+        result,
+        args.out,
+        [
+            (mode, ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()))
+            for mode, r in runs.items()
+        ],
+    )
 
 
 if __name__ == "__main__":

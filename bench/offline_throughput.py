@@ -14,11 +14,9 @@ import argparse
 import time
 
 import numpy as np
-
 from common import ProfileWindow, StepTimer, add_common_args, config_of, make_llm, report
 
 from cluster import SamplingParams
-
 
 # (requests, prompt lengths, output lengths), each length uniform in its range, both ends included
 WORKLOADS = {"default": (256, (100, 1024), (100, 1024)), "prefill_heavy": (128, (3000, 6000), (32, 128))}
@@ -30,8 +28,10 @@ def workload(n: int, seed: int, vocab: int, name: str = "default") -> tuple[list
     prompt_lens = rng.integers(p_lo, p_hi, size=n, endpoint=True)
     output_lens = rng.integers(o_lo, o_hi, size=n, endpoint=True)
     prompts = [rng.integers(0, vocab, size=int(k)).tolist() for k in prompt_lens]
-    params = [SamplingParams(temperature=0.6, max_tokens=int(k), ignore_eos=True, seed=seed + i)
-              for i, k in enumerate(output_lens)]
+    params = [
+        SamplingParams(temperature=0.6, max_tokens=int(k), ignore_eos=True, seed=seed + i)
+        for i, k in enumerate(output_lens)
+    ]
     return prompts, params
 
 
@@ -57,22 +57,37 @@ def main() -> None:
     llm.engine.step_timer = None
     output_tokens = sum(len(o.token_ids) for o in outs)
     input_tokens = sum(len(p) for p in prompts)
-    result = {"benchmark": "offline_throughput", "workload": args.workload, **config_of(args), "requests": len(prompts),
-              "input_tokens": input_tokens, "output_tokens": output_tokens, "seconds": elapsed,
-              "kv_cache_tokens": llm.engine.num_pages * llm.engine.page_size,
-              "output_tok_per_s": output_tokens / elapsed, "total_tok_per_s": (input_tokens + output_tokens) / elapsed,
-              **timer.decode_summary()}
+    result = {
+        "benchmark": "offline_throughput",
+        "workload": args.workload,
+        **config_of(args),
+        "requests": len(prompts),
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "seconds": elapsed,
+        "kv_cache_tokens": llm.engine.num_pages * llm.engine.page_size,
+        "output_tok_per_s": output_tokens / elapsed,
+        "total_tok_per_s": (input_tokens + output_tokens) / elapsed,
+        **timer.decode_summary(),
+    }
     if args.profile:  # the same run again, profiling 50 decode steps while the batch is still full
         llm.engine.step_timer = window = ProfileWindow(first=50, count=50)
         llm.generate(prompts, params)
         llm.engine.step_timer = None
         result["profile"] = window.top_kernels()
-    table = [("arch", args.arch), ("workload", args.workload), ("overlap", not args.no_overlap), ("cuda graphs", not args.no_cuda_graph),
-             ("cache", args.cache), ("kv cache", f"{args.kv_cache_dtype}, {result['kv_cache_tokens']:,} tokens"),
-             ("seconds", elapsed), ("output tok/s", result["output_tok_per_s"]),
-             ("decode step ms (median)", result.get("decode_step_ms_median", float("nan"))),
-             ("idle between decode steps % (median)", result.get("idle_pct_of_step_median", float("nan"))),
-             ("idle between decode steps % (total)", result.get("idle_pct_of_step_total", float("nan")))]
+    table = [
+        ("arch", args.arch),
+        ("workload", args.workload),
+        ("overlap", not args.no_overlap),
+        ("cuda graphs", not args.no_cuda_graph),
+        ("cache", args.cache),
+        ("kv cache", f"{args.kv_cache_dtype}, {result['kv_cache_tokens']:,} tokens"),
+        ("seconds", elapsed),
+        ("output tok/s", result["output_tok_per_s"]),
+        ("decode step ms (median)", result.get("decode_step_ms_median", float("nan"))),
+        ("idle between decode steps % (median)", result.get("idle_pct_of_step_median", float("nan"))),
+        ("idle between decode steps % (total)", result.get("idle_pct_of_step_total", float("nan"))),
+    ]
     report(result, args.out, table)
     for row in result.get("profile", []):
         print(f"  {row['pct']:5.1f}%  {row['ms']:8.2f} ms  {row['calls']:6d}  {row['kernel']}")

@@ -29,13 +29,22 @@ import httpx
 
 def workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int):
     rng = random.Random(seed)
-    return [([rng.randrange(100, vocab - 100) for _ in range(rng.randint(*input_len))], rng.randint(*output_len))
-            for _ in range(n)]
+    return [
+        ([rng.randrange(100, vocab - 100) for _ in range(rng.randint(*input_len))], rng.randint(*output_len))
+        for _ in range(n)
+    ]
 
 
 async def one(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.6, "ignore_eos": True,
-            "stream": True, "seed": len(prompt)}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.6,
+        "ignore_eos": True,
+        "stream": True,
+        "seed": len(prompt),
+    }
     start = time.perf_counter()
     stamps = []
     async with http.stream("POST", url + "/v1/completions", json=body) as r:
@@ -46,9 +55,13 @@ async def one(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], 
                 if chunk["choices"] and chunk["choices"][0]["text"] or chunk["choices"][0].get("finish_reason"):
                     stamps.append(time.perf_counter())
     end = time.perf_counter()
-    return {"ttft": stamps[0] - start, "e2e": end - start, "tokens": max_tokens,
-            "itl": [b - a for a, b in zip(stamps, stamps[1:])],
-            "tpot": (end - stamps[0]) / (max_tokens - 1) if max_tokens > 1 else 0.0}
+    return {
+        "ttft": stamps[0] - start,
+        "e2e": end - start,
+        "tokens": max_tokens,
+        "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+        "tpot": (end - stamps[0]) / (max_tokens - 1) if max_tokens > 1 else 0.0,
+    }
 
 
 async def run_share(url: str, model: str, requests: list, concurrency: int, ready=None) -> tuple[list, float, float]:
@@ -85,8 +98,10 @@ def run(url: str, model: str, requests: list, concurrency: int, procs: int = 1) 
     ready, answers = ctx.Barrier(procs), ctx.Queue()
     shares = [requests[i::procs] for i in range(procs)]
     limits = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
-    workers = [ctx.Process(target=_client_process, args=(url, model, share, limit, ready, answers))
-               for share, limit in zip(shares, limits)]
+    workers = [
+        ctx.Process(target=_client_process, args=(url, model, share, limit, ready, answers))
+        for share, limit in zip(shares, limits)
+    ]
     for w in workers:
         w.start()
     parts = [answers.get() for _ in workers]
@@ -99,17 +114,27 @@ def run(url: str, model: str, requests: list, concurrency: int, procs: int = 1) 
 
 def _stats(xs: list[float]) -> dict:
     xs = sorted(xs)
-    return {"mean_ms": statistics.fmean(xs) * 1e3, "median_ms": statistics.median(xs) * 1e3,
-            "p99_ms": xs[min(len(xs) - 1, int(0.99 * len(xs)))] * 1e3}
+    return {
+        "mean_ms": statistics.fmean(xs) * 1e3,
+        "median_ms": statistics.median(xs) * 1e3,
+        "p99_ms": xs[min(len(xs) - 1, int(0.99 * len(xs)))] * 1e3,
+    }
 
 
 def summarize(results: list[dict], wall: float, prompt_tokens: int) -> dict:
     out_tokens = sum(r["tokens"] for r in results)
-    return {"requests": len(results), "duration_s": wall, "request_throughput": len(results) / wall,
-            "input_token_throughput": prompt_tokens / wall, "output_token_throughput": out_tokens / wall,
-            "ttft": _stats([r["ttft"] for r in results]), "tpot": _stats([r["tpot"] for r in results]),
-            "itl": _stats([x for r in results for x in r["itl"]] or [0.0]), "e2e": _stats([r["e2e"] for r in results]),
-            "ttfts_ms": [round(r["ttft"] * 1e3, 3) for r in results] if len(results) <= 64 else None}
+    return {
+        "requests": len(results),
+        "duration_s": wall,
+        "request_throughput": len(results) / wall,
+        "input_token_throughput": prompt_tokens / wall,
+        "output_token_throughput": out_tokens / wall,
+        "ttft": _stats([r["ttft"] for r in results]),
+        "tpot": _stats([r["tpot"] for r in results]),
+        "itl": _stats([x for r in results for x in r["itl"]] or [0.0]),
+        "e2e": _stats([r["e2e"] for r in results]),
+        "ttfts_ms": [round(r["ttft"] * 1e3, 3) for r in results] if len(results) <= 64 else None,
+    }
 
 
 def offline_engine(args, requests, ttft_prompts: int) -> tuple[float, dict]:
@@ -117,6 +142,7 @@ def offline_engine(args, requests, ttft_prompts: int) -> tuple[float, dict]:
     first ttft_prompts prompts one at a time (each a whole generation of one token: prefill, sampling,
     and the token back on the host), to set beside the online TTFT at concurrency 1."""
     from cluster import LLM, SamplingParams
+
     with LLM(args.model, tp_size=args.tp_size, **engine_options(args)) as llm:
         params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True, seed=len(p)) for p, m in requests]
         llm.generate([p for p, _ in requests[:4]], params[:4])  # warm-up
@@ -144,11 +170,32 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, str(Path(__file__).resolve().parent.parent / "launch.py"), "--model", args.model,
-           "--host", "127.0.0.1", "--port", str(port), "--tp-size", str(args.tp_size), "--replicas", str(args.replicas),
-           "--page-size", str(args.page_size), "--served-model-name", "bench", "--max-extend-tokens", "16384",
-           "--load-format", args.load_format or "auto", "--log-level", "WARNING", "--no-dashboard",
-           *(["--routers", str(args.routers)] if args.routers is not None else [])]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve().parent.parent / "launch.py"),
+        "--model",
+        args.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tp-size",
+        str(args.tp_size),
+        "--replicas",
+        str(args.replicas),
+        "--page-size",
+        str(args.page_size),
+        "--served-model-name",
+        "bench",
+        "--max-extend-tokens",
+        "16384",
+        "--load-format",
+        args.load_format or "auto",
+        "--log-level",
+        "WARNING",
+        "--no-dashboard",
+        *(["--routers", str(args.routers)] if args.routers is not None else []),
+    ]
     server = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -169,6 +216,7 @@ def router_processes(server: subprocess.Popen | None) -> list:
     """The processes that serve HTTP: launch.py's (the router with `routers` 0, the driver otherwise)
     and every router actor's on this host (Ray names their processes ray::RouterActor...)."""
     import psutil
+
     procs = [psutil.Process(server.pid)] if server is not None else []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
@@ -179,6 +227,7 @@ def router_processes(server: subprocess.Popen | None) -> list:
 
 def cpu_seconds(procs: list) -> float:
     import psutil
+
     total = 0.0
     for p in procs:
         try:
@@ -191,15 +240,21 @@ def cpu_seconds(procs: list) -> float:
 
 def print_report(name: str, rep: dict) -> None:
     print(f"== {name} ==")
-    print(f"requests {rep['requests']}  duration {rep['duration_s']:.2f} s  "
-          f"request throughput {rep['request_throughput']:.2f} req/s  "
-          f"output throughput {rep['output_token_throughput']:.1f} tok/s")
+    print(
+        f"requests {rep['requests']}  duration {rep['duration_s']:.2f} s  "
+        f"request throughput {rep['request_throughput']:.2f} req/s  "
+        f"output throughput {rep['output_token_throughput']:.1f} tok/s"
+    )
     if "router_cpu_s" in rep:
-        print(f"  router CPU {rep['router_cpu_s']:.2f} s ({rep['router_cpu_us_per_token']:.1f} us per output token) "
-              f"in {rep['router_processes']} process(es)")
+        print(
+            f"  router CPU {rep['router_cpu_s']:.2f} s ({rep['router_cpu_us_per_token']:.1f} us per output token) "
+            f"in {rep['router_processes']} process(es)"
+        )
     for key in ("ttft", "tpot", "itl", "e2e"):
         s = rep[key]
-        print(f"  {key.upper():5} mean {s['mean_ms']:9.2f} ms  median {s['median_ms']:9.2f} ms  p99 {s['p99_ms']:9.2f} ms")
+        print(
+            f"  {key.upper():5} mean {s['mean_ms']:9.2f} ms  median {s['median_ms']:9.2f} ms  p99 {s['p99_ms']:9.2f} ms"
+        )
 
 
 def main() -> None:
@@ -211,8 +266,12 @@ def main() -> None:
     p.add_argument("--c1-prompts", type=int, default=None, help="requests for the concurrency-1 run")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--routers", type=int, default=None,
-                   help="router actors (launch.py --routers; 0: the launching process; unset: the server's default)")
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=None,
+        help="router actors (launch.py --routers; 0: the launching process; unset: the server's default)",
+    )
     p.add_argument("--client-procs", type=int, default=1, help="client processes sharing the requests and concurrency")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--load-format", default=None)
@@ -229,29 +288,37 @@ def main() -> None:
     server = None
     if args.arch:
         from common import model_folder
+
         args.model, args.load_format = model_folder(args.arch, with_tokenizer=True), "dummy"
     if args.model:
         from transformers import AutoConfig
+
         vocab = args.vocab or AutoConfig.from_pretrained(args.model).vocab_size
         requests = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
         if args.offline:
-            report["offline_output_tok_s"], report["offline_ttft"] = offline_engine(args, requests, args.c1_prompts or 8)
+            report["offline_output_tok_s"], report["offline_ttft"] = offline_engine(
+                args, requests, args.c1_prompts or 8
+            )
             import gc
 
             import torch
+
             gc.collect()  # give the offline engine's GPU memory back before the server's replica takes its share
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             t = report["offline_ttft"]
-            print(f"== offline engine ==\noutput throughput {report['offline_output_tok_s']:.1f} tok/s\n"
-                  f"  TTFT  mean {t['mean_ms']:9.2f} ms  median {t['median_ms']:9.2f} ms  p99 {t['p99_ms']:9.2f} ms "
-                  "(one prompt at a time)")
+            print(
+                f"== offline engine ==\noutput throughput {report['offline_output_tok_s']:.1f} tok/s\n"
+                f"  TTFT  mean {t['mean_ms']:9.2f} ms  median {t['median_ms']:9.2f} ms  p99 {t['p99_ms']:9.2f} ms "
+                "(one prompt at a time)"
+            )
         server, url = start_server(args)
         name = "bench"
     else:
         url, name = args.url, args.model_name
-        requests = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.vocab or 32000,
-                            args.seed)
+        requests = workload(
+            args.num_prompts, tuple(args.input_len), tuple(args.output_len), args.vocab or 32000, args.seed
+        )
     try:
         # warm-up: prompts of many lengths, so that the concurrency-1 TTFT, like the offline engine's
         # (taken after its whole run), does not pay for first-time allocations of new shapes
@@ -259,16 +326,22 @@ def main() -> None:
         procs = router_processes(server)
         for c in args.concurrency:
             before = cpu_seconds(procs)
-            rep = run(url, name, requests[:args.c1_prompts] if c == 1 and args.c1_prompts else requests, c,
-                      args.client_procs)
+            rep = run(
+                url, name, requests[: args.c1_prompts] if c == 1 and args.c1_prompts else requests, c, args.client_procs
+            )
             if procs:
                 used = cpu_seconds(procs) - before
-                rep.update(router_cpu_s=used, router_processes=len(procs),
-                           router_cpu_us_per_token=1e6 * used / (rep["output_token_throughput"] * rep["duration_s"]))
+                rep.update(
+                    router_cpu_s=used,
+                    router_processes=len(procs),
+                    router_cpu_us_per_token=1e6 * used / (rep["output_token_throughput"] * rep["duration_s"]),
+                )
             report[f"concurrency_{c}"] = rep
             print_report(f"online, concurrency {c}", rep)
             if "offline_output_tok_s" in report:
-                print(f"  online / offline output throughput: {rep['output_token_throughput'] / report['offline_output_tok_s']:.3f}")
+                print(
+                    f"  online / offline output throughput: {rep['output_token_throughput'] / report['offline_output_tok_s']:.3f}"
+                )
     finally:
         if server is not None:
             server.send_signal(signal.SIGTERM)

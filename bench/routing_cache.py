@@ -66,8 +66,15 @@ def simulate(policy_name: str, args: argparse.Namespace) -> dict:
     systems = [[rng.randrange(1000, 30000) for _ in range(args.system_tokens)] for _ in range(args.tenants)]
     replicas = []
     for i in range(args.replicas):
-        run = scripted_scheduler(num_pages=args.pages, page_size=ps, max_running_reqs=args.max_running,
-                                 max_seq_len=16384, overlap=False, eos_ids=set(), keep_deltas=False)
+        run = scripted_scheduler(
+            num_pages=args.pages,
+            page_size=ps,
+            max_running_reqs=args.max_running,
+            max_seq_len=16384,
+            overlap=False,
+            eos_ids=set(),
+            keep_deltas=False,
+        )
         rep = Replica(run, KVEventStream(ps), [ReplicaClient(i, None) for _ in range(args.routers)])
         run.scheduler.on_output = rep.deltas.extend
         snapshot = rep.stream.take()  # what every router starts from
@@ -82,8 +89,10 @@ def simulate(policy_name: str, args: argparse.Namespace) -> dict:
 
     events: list[tuple[float, int, str, object]] = []  # (time, tie, kind, payload)
     tie = iter(range(10**9))
-    chats = [Chat(rng.randrange(args.tenants), [], args.turns, random.Random(args.seed * 7919 + c))
-             for c in range(args.chats)]
+    chats = [
+        Chat(rng.randrange(args.tenants), [], args.turns, random.Random(args.seed * 7919 + c))
+        for c in range(args.chats)
+    ]
     spread = random.Random(args.seed + 1)  # which router each request reaches
     for c in range(args.chats):
         heapq.heappush(events, (rng.uniform(0, args.ramp_s), next(tie), "turn", c))
@@ -126,8 +135,9 @@ def simulate(policy_name: str, args: argparse.Namespace) -> dict:
             client.queues[uid] = None  # its load, as that router counts it
             owner[uid] = (payload, now, client)
             replicas[client.replica_id].live += 1
-            replicas[client.replica_id].run.submit(uid, ids, max_tokens=chat.rng.randint(*args.output_tokens),
-                                                   ignore_eos=True)
+            replicas[client.replica_id].run.submit(
+                uid, ids, max_tokens=chat.rng.randint(*args.output_tokens), ignore_eos=True
+            )
             uid += 1
             start_step(client.replica_id, now)
             continue
@@ -156,13 +166,21 @@ def simulate(policy_name: str, args: argparse.Namespace) -> dict:
         r.run.check()
     hit = sum(s.prefix_hit_tokens for s in stats) / sum(s.prompt_tokens_admitted for s in stats)
     ttft.sort()
-    return {"policy": policy_name, "routers": args.routers, "requests": uid, "prefix_hit_rate": hit,
-            "ttft_mean_ms": 1e3 * statistics.fmean(ttft), "ttft_median_ms": 1e3 * ttft[len(ttft) // 2],
-            "ttft_p99_ms": 1e3 * ttft[int(0.99 * (len(ttft) - 1))],
-            "prefill_tokens": sum(s.prefill_tokens for s in stats), "pages_evicted": evicted,
-            "requests_per_replica": [sum(1 for _, _, c in owner.values() if c.replica_id == i)
-                                     for i in range(len(replicas))],
-            "duration_s": now}
+    return {
+        "policy": policy_name,
+        "routers": args.routers,
+        "requests": uid,
+        "prefix_hit_rate": hit,
+        "ttft_mean_ms": 1e3 * statistics.fmean(ttft),
+        "ttft_median_ms": 1e3 * ttft[len(ttft) // 2],
+        "ttft_p99_ms": 1e3 * ttft[int(0.99 * (len(ttft) - 1))],
+        "prefill_tokens": sum(s.prefill_tokens for s in stats),
+        "pages_evicted": evicted,
+        "requests_per_replica": [
+            sum(1 for _, _, c in owner.values() if c.replica_id == i) for i in range(len(replicas))
+        ],
+        "duration_s": now,
+    }
 
 
 def main() -> None:
@@ -188,19 +206,25 @@ def main() -> None:
     rows = []
     for name in ("round_robin", "cache_aware", "cache_exact"):
         runs = [simulate(name, argparse.Namespace(**{**vars(args), "seed": seed})) for seed in range(args.seeds)]
-        rows.append({k: (statistics.fmean(r[k] for r in runs) if isinstance(v, float) else v)
-                     for k, v in runs[0].items()} | {"requests_per_replica": runs[0]["requests_per_replica"],
-                                                     "prefill_tokens": round(statistics.fmean(
-                                                         r["prefill_tokens"] for r in runs)),
-                                                     "pages_evicted": round(statistics.fmean(
-                                                         r["pages_evicted"] for r in runs))})
+        rows.append(
+            {k: (statistics.fmean(r[k] for r in runs) if isinstance(v, float) else v) for k, v in runs[0].items()}
+            | {
+                "requests_per_replica": runs[0]["requests_per_replica"],
+                "prefill_tokens": round(statistics.fmean(r["prefill_tokens"] for r in runs)),
+                "pages_evicted": round(statistics.fmean(r["pages_evicted"] for r in runs)),
+            }
+        )
     print(f"means over {args.seeds} workloads; requests per replica of the first")
-    print(f"{'policy':>12} {'requests':>8} {'hit rate':>8} {'TTFT mean':>10} {'median':>8} {'p99':>8} "
-          f"{'prefill tok':>11} {'evicted':>8}  requests per replica")
+    print(
+        f"{'policy':>12} {'requests':>8} {'hit rate':>8} {'TTFT mean':>10} {'median':>8} {'p99':>8} "
+        f"{'prefill tok':>11} {'evicted':>8}  requests per replica"
+    )
     for r in rows:
-        print(f"{r['policy']:>12} {r['requests']:>8} {r['prefix_hit_rate']:>8.3f} {r['ttft_mean_ms']:>8.1f}ms "
-              f"{r['ttft_median_ms']:>6.1f}ms {r['ttft_p99_ms']:>6.1f}ms {r['prefill_tokens']:>11} {r['pages_evicted']:>8}  "
-              f"{r['requests_per_replica']}")
+        print(
+            f"{r['policy']:>12} {r['requests']:>8} {r['prefix_hit_rate']:>8.3f} {r['ttft_mean_ms']:>8.1f}ms "
+            f"{r['ttft_median_ms']:>6.1f}ms {r['ttft_p99_ms']:>6.1f}ms {r['prefill_tokens']:>11} {r['pages_evicted']:>8}  "
+            f"{r['requests_per_replica']}"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2)

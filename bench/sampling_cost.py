@@ -20,9 +20,15 @@ from cluster import SamplingParams
 
 
 def with_processors(p: SamplingParams, vocab: int) -> SamplingParams:
-    return dataclasses.replace(p, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, min_p=0.05,
-                               logit_bias={(97 * i) % vocab: 1.0 for i in range(16)},
-                               min_tokens=min(50, p.max_tokens))
+    return dataclasses.replace(
+        p,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.1,
+        min_p=0.05,
+        logit_bias={(97 * i) % vocab: 1.0 for i in range(16)},
+        min_tokens=min(50, p.max_tokens),
+    )
 
 
 def main() -> None:
@@ -48,14 +54,26 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         llm.engine.step_timer = None
         tokens = sum(len(o.token_ids) for o in outs)
-        runs.append({"share": share, "requests_with_processors": sum(p is not q for p, q in zip(params, plain)),
-                     "output_tokens": tokens, "seconds": elapsed, "output_tok_per_s": tokens / elapsed,
-                     **timer.decode_summary()})
+        runs.append(
+            {
+                "share": share,
+                "requests_with_processors": sum(p is not q for p, q in zip(params, plain)),
+                "output_tokens": tokens,
+                "seconds": elapsed,
+                "output_tok_per_s": tokens / elapsed,
+                **timer.decode_summary(),
+            }
+        )
     base = runs[0]["output_tok_per_s"]
     result = {"benchmark": "sampling_cost", **config_of(args), "runs": runs}
-    table = [(f"share {r['share']:.0%} ({r['requests_with_processors']} requests)",
-              f"{r['output_tok_per_s']:,.0f} tok/s ({r['output_tok_per_s'] / base:.3f}x), decode step "
-              f"{r.get('decode_step_ms_median', float('nan')):.2f} ms") for r in runs]
+    table = [
+        (
+            f"share {r['share']:.0%} ({r['requests_with_processors']} requests)",
+            f"{r['output_tok_per_s']:,.0f} tok/s ({r['output_tok_per_s'] / base:.3f}x), decode step "
+            f"{r.get('decode_step_ms_median', float('nan')):.2f} ms",
+        )
+        for r in runs
+    ]
     report(result, args.out, table)
     llm.shutdown()
 

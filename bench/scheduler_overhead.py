@@ -18,8 +18,14 @@ from scripted import scripted_scheduler  # noqa: E402
 
 
 def measure(batch: int, overlap: bool, steps: int = 300) -> float:
-    run = scripted_scheduler(num_pages=batch * 2304 // 16, page_size=16, max_running_reqs=batch, max_seq_len=4096,
-                             overlap=overlap, keep_deltas=False)
+    run = scripted_scheduler(
+        num_pages=batch * 2304 // 16,
+        page_size=16,
+        max_running_reqs=batch,
+        max_seq_len=4096,
+        overlap=overlap,
+        keep_deltas=False,
+    )
     sched = run.scheduler
     for uid in range(batch):
         run.submit(uid, list(range(1, 129)), max_tokens=2048, temperature=0.6, ignore_eos=True)

@@ -17,10 +17,23 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import time_graph  # noqa: E402
+
 from worker import triton_ops  # noqa: E402
 
-CONFIGS = [(2, 1024, 4), (4, 512, 4), (4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4),
-           (16, 512, 8), (32, 128, 4), (4, 256, 2), (2, 512, 2), (1, 1024, 4)]
+CONFIGS = [
+    (2, 1024, 4),
+    (4, 512, 4),
+    (4, 1024, 4),
+    (8, 256, 4),
+    (8, 512, 4),
+    (8, 1024, 8),
+    (16, 256, 4),
+    (16, 512, 8),
+    (32, 128, 4),
+    (4, 256, 2),
+    (2, 512, 2),
+    (1, 1024, 4),
+]
 SHAPES = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)}
 
 
@@ -47,8 +60,9 @@ def main() -> None:
             if m == 1:  # block shapes (block_n, block_k, num_warps)
                 sweep = {}
                 for bn, bk, nw in CONFIGS:
-                    sweep[f"{bn}x{bk}w{nw}"] = time_graph(
-                        lambda: [triton_ops.small_linear(x, w, bn, bk, nw) for w in ws]) / 28
+                    sweep[f"{bn}x{bk}w{nw}"] = (
+                        time_graph(lambda: [triton_ops.small_linear(x, w, bn, bk, nw) for w in ws]) / 28
+                    )
                 row["sweep_us"] = sweep
                 row["best"] = min(sweep, key=sweep.get)
             row["cublas_tb_s"] = n * k * 2 / row["cublas_us"] / 1e6

@@ -36,8 +36,8 @@ from common import ARCHS, StepTimer, model_folder
 from decode_latency import measure
 
 from cluster.config import SchedulerConfig
-from cluster.replica.engine_executors import LocalExecutor, TensorParallelExecutor
 from cluster.messages import AddRequest
+from cluster.replica.engine_executors import LocalExecutor, TensorParallelExecutor
 from cluster.scheduler.scheduler import Scheduler
 from worker.comm import free_address, init_tensor_parallel
 from worker.config import EngineConfig
@@ -64,8 +64,16 @@ class Progress:
     batch size it is on and the steps its engine has launched. Writing it costs a rank nothing that
     shows in the figures (no lock, no message)."""
 
-    PHASES = ("importing", "joining the group", "loading the engine", "warming up", "measuring",
-              "running the follower loop", "shutting down", "done")
+    PHASES = (
+        "importing",
+        "joining the group",
+        "loading the engine",
+        "warming up",
+        "measuring",
+        "running the follower loop",
+        "shutting down",
+        "done",
+    )
 
     def __init__(self, ranks: int) -> None:
         self.cells = mp.get_context("spawn").RawArray("q", 3 * ranks)
@@ -73,8 +81,11 @@ class Progress:
 
     def enter(self, rank: int, phase: str, batch: int = 0) -> None:
         self.cells[3 * rank], self.cells[3 * rank + 1] = self.PHASES.index(phase), batch
-        print(f"[rank {rank} +{time.monotonic() - self.start:.1f}s] {phase}" + (f" (batch {batch})" if batch else ""),
-              file=sys.stderr, flush=True)
+        print(
+            f"[rank {rank} +{time.monotonic() - self.start:.1f}s] {phase}" + (f" (batch {batch})" if batch else ""),
+            file=sys.stderr,
+            flush=True,
+        )
 
     def count_steps(self, rank: int, engine: Engine, stall_at: int | None) -> None:
         """Counts the engine's launches (wrapping its forward); stall_at: hang at that launch."""
@@ -86,13 +97,14 @@ class Progress:
             out = forward(desc)
             self.cells[3 * rank + 2] += 1
             return out
+
         engine.forward = counted
 
     def snapshot(self) -> tuple[int, ...]:
         return tuple(self.cells)
 
     def describe(self, rank: int) -> str:
-        phase, batch, steps = self.cells[3 * rank:3 * rank + 3]
+        phase, batch, steps = self.cells[3 * rank : 3 * rank + 3]
         return f"{self.PHASES[phase]}" + (f" (batch {batch})" if batch else "") + f", {steps} steps launched"
 
 
@@ -100,8 +112,14 @@ def rank_main(rank: int, args, folder: str, address: str, out: dict, progress: P
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks on a hang
     if args.device == "cuda":  # one visible GPU per rank, as Ray gives each rank of a replica
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
-    config = EngineConfig(model_path=folder, dtype="bfloat16", load_format="dummy", page_size=args.page_size,
-                          max_running_reqs=max(args.batch), device=args.device)
+    config = EngineConfig(
+        model_path=folder,
+        dtype="bfloat16",
+        load_format="dummy",
+        page_size=args.page_size,
+        max_running_reqs=max(args.batch),
+        device=args.device,
+    )
     stall_rank, stall_step = args.inject_stall or (None, None)
     stall_at = stall_step if stall_rank == rank else None
     if rank > 0:
@@ -124,18 +142,27 @@ def rank_main(rank: int, args, folder: str, address: str, out: dict, progress: P
         engine = Engine(config)
         executor = LocalExecutor(engine)
     progress.count_steps(rank, engine, stall_at)
-    scheduler = Scheduler(SchedulerConfig(max_extend_tokens=16384), executor, num_pages=engine.num_pages,
-                          page_size=engine.page_size, max_running_reqs=max(args.batch),
-                          max_seq_len=engine.max_seq_len, eos_ids={ARCHS[args.arch]["eos_token_id"]},
-                          on_output=lambda deltas: None)
+    scheduler = Scheduler(
+        SchedulerConfig(max_extend_tokens=16384),
+        executor,
+        num_pages=engine.num_pages,
+        page_size=engine.page_size,
+        max_running_reqs=max(args.batch),
+        max_seq_len=engine.max_seq_len,
+        eos_ids={ARCHS[args.arch]["eos_token_id"]},
+        on_output=lambda deltas: None,
+    )
     rank0 = Rank0(engine, scheduler)
     for batch in args.batch:
         progress.enter(rank, "warming up", batch)
         measure(rank0, batch, args.prompt_len, 64, seed=100)
         progress.enter(rank, "measuring", batch)
         engine.step_timer = timer = StepTimer()
-        out[batch] = {"batch": batch, **measure(rank0, batch, args.prompt_len, args.output_len, seed=0),
-                      **timer.decode_summary()}
+        out[batch] = {
+            "batch": batch,
+            **measure(rank0, batch, args.prompt_len, args.output_len, seed=0),
+            **timer.decode_summary(),
+        }
         engine.step_timer = None
     progress.enter(rank, "shutting down")
     executor.shutdown()
@@ -188,13 +215,25 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--page-size", type=int, default=256)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--timeout-s", type=float, default=180.0,
-                        help="seconds without any rank moving on (a phase begun, a step launched) before the run "
-                             "counts as hung; raise it for a cold FlashInfer JIT cache")
-    parser.add_argument("--startup-timeout-s", type=float, default=120.0,
-                        help="the same limit while some rank is still importing, joining or loading")
-    parser.add_argument("--inject-stall", type=stall, metavar="RANK:STEP",
-                        help="rank RANK hangs before its engine's launch STEP (from 0, once the engine is built)")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=180.0,
+        help="seconds without any rank moving on (a phase begun, a step launched) before the run "
+        "counts as hung; raise it for a cold FlashInfer JIT cache",
+    )
+    parser.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=120.0,
+        help="the same limit while some rank is still importing, joining or loading",
+    )
+    parser.add_argument(
+        "--inject-stall",
+        type=stall,
+        metavar="RANK:STEP",
+        help="rank RANK hangs before its engine's launch STEP (from 0, once the engine is built)",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -205,8 +244,10 @@ def main() -> None:
         rows = [dict(out[b]) for b in args.batch]
     print(f"{'arch':>10} {'tp':>3} {'batch':>6} {'ms/token':>9} {'tok/s':>8} {'GPU step ms':>12} {'idle %':>7}")
     for r in rows:
-        print(f"{args.arch:>10} {args.tp_size:>3} {r['batch']:>6} {r['ms_per_token']:>9.3f} {r['decode_tok_per_s']:>8.0f} "
-              f"{r.get('decode_step_ms_median', float('nan')):>12.3f} {r.get('idle_pct_of_step_median', float('nan')):>7.2f}")
+        print(
+            f"{args.arch:>10} {args.tp_size:>3} {r['batch']:>6} {r['ms_per_token']:>9.3f} {r['decode_tok_per_s']:>8.0f} "
+            f"{r.get('decode_step_ms_median', float('nan')):>12.3f} {r.get('idle_pct_of_step_median', float('nan')):>7.2f}"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"arch": args.arch, "tp_size": args.tp_size, "rows": rows}, f, indent=2)

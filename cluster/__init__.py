@@ -5,36 +5,79 @@ from cluster.provenance import check_own_packages
 
 check_own_packages()  # before anything imports worker
 
-from cluster.errors import (EngineError, ErrorKind, GenerationError, InvalidRequestError, OverloadedError, RaylmError,
-                            ReplicaDownError, RequestTimeoutError, error_for)
 from cluster.channel import ChannelAddress, ChannelConnection
 from cluster.choices import fan_out
+from cluster.errors import (
+    EngineError,
+    ErrorKind,
+    GenerationError,
+    InvalidRequestError,
+    OverloadedError,
+    RaylmError,
+    ReplicaDownError,
+    RequestTimeoutError,
+    error_for,
+)
 from cluster.limits import RequestLimits
 from cluster.messages import AddRequest, KVEvents, ReplicaInfo, ReplicaOutput, ReplicaStats, TokenDelta
-from cluster.scheduler.prefix_cache.events import block_hashes, iter_block_hashes
 from cluster.sampling_params import GrammarSpec, SamplingParams
+from cluster.scheduler.prefix_cache.events import block_hashes, iter_block_hashes
 
 # loaded on first use: they import torch, Ray or transformers, and cluster.config (which launch.py
 # checks its flags with before anything starts) must import in a fraction of a second
 _LAZY = {
-    "ReplicaConfig": "cluster.config", "ServeConfig": "cluster.config",  # lazy too: `python -m cluster.config`
-    "LLM": "cluster.llm", "RequestOutput": "cluster.llm", "CompletionOutput": "cluster.llm",
+    "ReplicaConfig": "cluster.config",
+    "ServeConfig": "cluster.config",  # lazy too: `python -m cluster.config`
+    "LLM": "cluster.llm",
+    "RequestOutput": "cluster.llm",
+    "CompletionOutput": "cluster.llm",
     "Fleet": "cluster.fleet.fleet",
-    "ReplicaHandle": "cluster.fleet.deploy", "ensure_ray": "cluster.fleet.deploy",
+    "ReplicaHandle": "cluster.fleet.deploy",
+    "ensure_ray": "cluster.fleet.deploy",
     "control_store_answers": "cluster.fleet.deploy",
     "load_tokenizer": "cluster.model_info",
 }
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "ReplicaConfig", "ServeConfig", "AddRequest", "ReplicaInfo",
-           "ReplicaStats", "TokenDelta", "ErrorKind", "RaylmError", "InvalidRequestError", "GenerationError",
-           "EngineError", "ReplicaDownError", "RequestTimeoutError", "OverloadedError", "error_for", "Fleet",
-           "ReplicaHandle", "ensure_ray", "control_store_answers", "load_tokenizer", "fan_out", "GrammarSpec",
-           "KVEvents", "ReplicaOutput", "block_hashes", "iter_block_hashes", "ChannelAddress", "ChannelConnection",
-           "RequestLimits"]
+__all__ = [
+    "LLM",
+    "RequestOutput",
+    "CompletionOutput",
+    "SamplingParams",
+    "ReplicaConfig",
+    "ServeConfig",
+    "AddRequest",
+    "ReplicaInfo",
+    "ReplicaStats",
+    "TokenDelta",
+    "ErrorKind",
+    "RaylmError",
+    "InvalidRequestError",
+    "GenerationError",
+    "EngineError",
+    "ReplicaDownError",
+    "RequestTimeoutError",
+    "OverloadedError",
+    "error_for",
+    "Fleet",
+    "ReplicaHandle",
+    "ensure_ray",
+    "control_store_answers",
+    "load_tokenizer",
+    "fan_out",
+    "GrammarSpec",
+    "KVEvents",
+    "ReplicaOutput",
+    "block_hashes",
+    "iter_block_hashes",
+    "ChannelAddress",
+    "ChannelConnection",
+    "RequestLimits",
+]
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         import importlib
+
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'cluster' has no attribute {name!r}")

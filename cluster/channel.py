@@ -23,17 +23,18 @@ import secrets
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from cluster.messages import AddRequest, ReplicaOutput
 
 log = logging.getLogger(__name__)
 
-FRAME = struct.Struct("!I")       # a frame's payload length
-HELLO = struct.Struct("!32sIB")   # token, subscriber, whether it takes KV events
-POLL_S = 1.0                      # an idle connection still gets a (heartbeat) frame this often
-SILENCE_S = 10 * POLL_S           # a connection silent this long is lost (its peer's host is gone)
+FRAME = struct.Struct("!I")  # a frame's payload length
+HELLO = struct.Struct("!32sIB")  # token, subscriber, whether it takes KV events
+POLL_S = 1.0  # an idle connection still gets a (heartbeat) frame this often
+SILENCE_S = 10 * POLL_S  # a connection silent this long is lost (its peer's host is gone)
 SUBMIT, ABORT = 0, 1
 
 
@@ -51,8 +52,13 @@ class ChannelEnd(Protocol):
 
     def submit(self, requests: list[AddRequest], subscriber: int = 0) -> None: ...
     def abort(self, uids: list[int]) -> None: ...
-    def poll(self, timeout_s: float = 1.0, subscriber: int = 0, kv_events: bool = True,
-             receives: Callable[[], bool] | None = None) -> ReplicaOutput: ...
+    def poll(
+        self,
+        timeout_s: float = 1.0,
+        subscriber: int = 0,
+        kv_events: bool = True,
+        receives: Callable[[], bool] | None = None,
+    ) -> ReplicaOutput: ...
     def release_subscriber(self, subscriber: int) -> int: ...
 
 
@@ -61,8 +67,12 @@ def detect_dead_peer(sock: socket.socket) -> None:
     host vanished (power, network) sends no FIN, and without these its connection would look open for
     many minutes (Linux's options; elsewhere keepalive alone)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3),
-                        ("TCP_USER_TIMEOUT", int(SILENCE_S * 1000))):
+    for name, value in (
+        ("TCP_KEEPIDLE", 5),
+        ("TCP_KEEPINTVL", 2),
+        ("TCP_KEEPCNT", 3),
+        ("TCP_USER_TIMEOUT", int(SILENCE_S * 1000)),
+    ):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
@@ -89,8 +99,9 @@ class ChannelConnection:
         self._reader, self._writer = reader, writer
 
     @classmethod
-    async def open(cls, address: ChannelAddress, subscriber: int, kv_events: bool,
-                   timeout_s: float = 10.0) -> ChannelConnection:
+    async def open(
+        cls, address: ChannelAddress, subscriber: int, kv_events: bool, timeout_s: float = 10.0
+    ) -> ChannelConnection:
         """Connects as router `subscriber` (taking the replica's KV events or not) and presents the token."""
         reader, writer = await asyncio.wait_for(asyncio.open_connection(address.host, address.port), timeout_s)
         detect_dead_peer(writer.get_extra_info("socket"))
@@ -168,8 +179,9 @@ class ChannelListener:
         with self._lock:
             self._current[subscriber] = conn
         sent = _Sent()
-        threading.Thread(target=self._send_loop, args=(conn, subscriber, bool(kv_events), sent), name="channel-out",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._send_loop, args=(conn, subscriber, bool(kv_events), sent), name="channel-out", daemon=True
+        ).start()
         try:
             while True:
                 (n,) = FRAME.unpack(recv_exactly(conn, FRAME.size))

@@ -47,26 +47,43 @@ class UnknownSettingError(ConfigError, TypeError):
 
 @dataclass
 class SchedulerConfig:
-    cache_type: str = setting("radix", "radix: prompts with a common prefix share KV pages; naive: never shared",
-                              choices=("radix", "naive"))
-    max_extend_tokens: int = setting(8192, "tokens computed per step: prompt chunks and, in a mixed step, one per "
-                                           "running decode; longer prompts are chunked", at_least=1)
-    mixed_steps: bool = setting(True, "a step carries every running decode beside the prompt chunks that fit, so "
-                                      "no decode waits for a prompt; off: a step prefills or decodes, prefill first")
+    cache_type: str = setting(
+        "radix", "radix: prompts with a common prefix share KV pages; naive: never shared", choices=("radix", "naive")
+    )
+    max_extend_tokens: int = setting(
+        8192,
+        "tokens computed per step: prompt chunks and, in a mixed step, one per "
+        "running decode; longer prompts are chunked",
+        at_least=1,
+    )
+    mixed_steps: bool = setting(
+        True,
+        "a step carries every running decode beside the prompt chunks that fit, so "
+        "no decode waits for a prompt; off: a step prefills or decodes, prefill first",
+    )
     overlap: bool = setting(True, "the overlap loop: launch step N+1 before handling step N's results")
     # a request whose max_tokens fits its reservation is never preempted
     decode_reserve_tokens: int = setting(
-        1024, "KV set aside per request at admission for new tokens; a request that outgrows it takes free "
-              "pages, and when none are left the lowest-priority, then newest, such request is preempted and "
-              "recomputed later",
-        at_least=0)
+        1024,
+        "KV set aside per request at admission for new tokens; a request that outgrows it takes free "
+        "pages, and when none are left the lowest-priority, then newest, such request is preempted and "
+        "recomputed later",
+        at_least=0,
+    )
     # the router refuses at these bounds too, before it sends a request (and tries another replica)
     max_queued_requests: int | None = setting(
-        None, "requests waiting for their prefill, per replica; more are refused with 429 (offline: OverloadedError)",
-        at_least=1, unset="unbounded")
+        None,
+        "requests waiting for their prefill, per replica; more are refused with 429 (offline: OverloadedError)",
+        at_least=1,
+        unset="unbounded",
+    )
     max_queued_tokens: int | None = setting(
-        None, "prompt tokens of the requests waiting for their prefill, per replica; a request that would pass it "
-              "is refused with 429, unless the queue is empty", at_least=1, unset="unbounded")
+        None,
+        "prompt tokens of the requests waiting for their prefill, per replica; a request that would pass it "
+        "is refused with 429, unless the queue is empty",
+        at_least=1,
+        unset="unbounded",
+    )
 
 
 @dataclass
@@ -76,15 +93,27 @@ class ReplicaConfig:
     engine: EngineConfig = field(default_factory=EngineConfig, metadata={"group": "engine"})
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig, metadata={"group": "scheduler"})
     tp_size: int = setting(1, "GPUs per replica (tensor-parallel ranks)", at_least=1, group="cluster")
-    collective_timeout_s: float = setting(60.0, "a collective stalled this long (a dead rank) fails the replica",
-                                          above=0, group="cluster")
-    placement_strategy: str = setting("STRICT_PACK", "Ray placement of a replica's ranks: STRICT_PACK on one node, "
-                                                     "PACK may span nodes", choices=("STRICT_PACK", "PACK"),
-                                      group="cluster")
-    served_model_name: str | None = setting(None, "the id clients send as model, and the replicas' metric tag",
-                                            unset="the model folder's name", group="server")
-    log_level: str = setting("INFO", "log level of every process (DEBUG adds per-step batch statistics)",
-                             choices=("DEBUG", "INFO", "WARNING", "ERROR"), group="server")
+    collective_timeout_s: float = setting(
+        60.0, "a collective stalled this long (a dead rank) fails the replica", above=0, group="cluster"
+    )
+    placement_strategy: str = setting(
+        "STRICT_PACK",
+        "Ray placement of a replica's ranks: STRICT_PACK on one node, PACK may span nodes",
+        choices=("STRICT_PACK", "PACK"),
+        group="cluster",
+    )
+    served_model_name: str | None = setting(
+        None,
+        "the id clients send as model, and the replicas' metric tag",
+        unset="the model folder's name",
+        group="server",
+    )
+    log_level: str = setting(
+        "INFO",
+        "log level of every process (DEBUG adds per-step batch statistics)",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        group="server",
+    )
 
     @property
     def model(self) -> str:
@@ -122,17 +151,23 @@ class ReplicaConfig:
             return
         context = hf_config.get("max_position_embeddings")
         if context and self.engine.max_seq_len and self.engine.max_seq_len > context:
-            raise ConfigError("max_seq_len", f"must be at most the model's context of {context} tokens "
-                                             f"(max_position_embeddings), not {self.engine.max_seq_len}")
+            raise ConfigError(
+                "max_seq_len",
+                f"must be at most the model's context of {context} tokens "
+                f"(max_position_embeddings), not {self.engine.max_seq_len}",
+            )
         heads = hf_config.get("num_attention_heads", 1)
         kv_heads = hf_config.get("num_key_value_heads", heads)
         width = hf_config.get("intermediate_size", 0)
         # KV heads split evenly across ranks, or (fewer heads than ranks) each replicated to a whole number of ranks
         kv_split = kv_heads % self.tp_size if self.tp_size <= kv_heads else self.tp_size % kv_heads
         if heads % self.tp_size or width % self.tp_size or kv_split:
-            raise ConfigError("tp_size", f"must divide the model's {heads} attention heads and its MLP width of "
-                                         f"{width}, and divide or be a multiple of its {kv_heads} KV heads; "
-                                         f"not {self.tp_size}")
+            raise ConfigError(
+                "tp_size",
+                f"must divide the model's {heads} attention heads and its MLP width of "
+                f"{width}, and divide or be a multiple of its {kv_heads} KV heads; "
+                f"not {self.tp_size}",
+            )
 
     def replica_config(self) -> ReplicaConfig:
         """The part of this configuration one replica needs, with its served name resolved."""
@@ -145,57 +180,92 @@ class ServeConfig(ReplicaConfig):
     """Everything `launch.py` needs: loaded from a YAML file in configs/, then overridden by flags."""
 
     replicas: int = setting(1, "replicas of the model, each of tp_size GPUs", at_least=1, group="cluster")
-    address: str | None = setting(None, "a Ray cluster to join (auto: the one this node is part of)",
-                                  unset="start a local Ray", group="cluster")
-    health_check_timeout_s: float = setting(30.0, "a replica silent this long is replaced (a dead or broken one "
-                                                  "at once)", above=0, group="cluster")
-    dashboard: bool = setting(True, "the Ray dashboard (on 127.0.0.1) with the local Ray this command starts",
-                              group="cluster")
-    metrics_export_port: int | None = setting(None, "where Ray exports the replicas' metrics for Prometheus",
-                                              at_least=1, at_most=65535, unset="Ray's choice", group="cluster")
-    host: str = setting("127.0.0.1", "where the API listens; 0.0.0.0 exposes it (set api_key then)",
-                        group="server")
+    address: str | None = setting(
+        None, "a Ray cluster to join (auto: the one this node is part of)", unset="start a local Ray", group="cluster"
+    )
+    health_check_timeout_s: float = setting(
+        30.0, "a replica silent this long is replaced (a dead or broken one at once)", above=0, group="cluster"
+    )
+    dashboard: bool = setting(
+        True, "the Ray dashboard (on 127.0.0.1) with the local Ray this command starts", group="cluster"
+    )
+    metrics_export_port: int | None = setting(
+        None,
+        "where Ray exports the replicas' metrics for Prometheus",
+        at_least=1,
+        at_most=65535,
+        unset="Ray's choice",
+        group="cluster",
+    )
+    host: str = setting("127.0.0.1", "where the API listens; 0.0.0.0 exposes it (set api_key then)", group="server")
     port: int = setting(8000, "the API's port", at_least=1, at_most=65535, group="server")
     routers: int | None = setting(
-        None, "HTTP ingress processes: N Ray actors (raylm-router-0..N-1, restarted by Ray when they die) sharing the "
-              "port on this node; 0 serves from the launching process",
-        at_least=0, at_most=64, unset=f"two per replica, at most one per {CORES_PER_ROUTER} of this node's cores "
-                                      "(so 0 on a small machine)", group="server")
-    routing: str = setting("cache_exact", "cache_exact: to the replica whose prefix cache holds the longest "
-                                          "prefix of the prompt (its KV events), unless much busier than the "
-                                          "least loaded, else the less loaded of two at random; cache_aware: "
-                                          "prefix affinity on what the router sent where, with a least-loaded "
-                                          "fallback; round_robin",
-                           choices=("cache_exact", "cache_aware", "round_robin"), group="server")
+        None,
+        "HTTP ingress processes: N Ray actors (raylm-router-0..N-1, restarted by Ray when they die) sharing the "
+        "port on this node; 0 serves from the launching process",
+        at_least=0,
+        at_most=64,
+        unset=f"two per replica, at most one per {CORES_PER_ROUTER} of this node's cores (so 0 on a small machine)",
+        group="server",
+    )
+    routing: str = setting(
+        "cache_exact",
+        "cache_exact: to the replica whose prefix cache holds the longest "
+        "prefix of the prompt (its KV events), unless much busier than the "
+        "least loaded, else the less loaded of two at random; cache_aware: "
+        "prefix affinity on what the router sent where, with a least-loaded "
+        "fallback; round_robin",
+        choices=("cache_exact", "cache_aware", "round_robin"),
+        group="server",
+    )
     tool_call_parser: str = setting(
-        "auto", "how a chat's tool calls are read from its output: qwen (the tool_call tags of Qwen2.5 and Qwen3), "
-                "llama (Llama 3.1's JSON); auto: by the model's model_type (qwen2, qwen3: qwen; llama: llama; "
-                "others: none)", choices=("auto", "qwen", "llama", "none"), group="server")
+        "auto",
+        "how a chat's tool calls are read from its output: qwen (the tool_call tags of Qwen2.5 and Qwen3), "
+        "llama (Llama 3.1's JSON); auto: by the model's model_type (qwen2, qwen3: qwen; llama: llama; "
+        "others: none)",
+        choices=("auto", "qwen", "llama", "none"),
+        group="server",
+    )
     reasoning_parser: str = setting(
-        "auto", "how a chat's reasoning is told from its answer: qwen3 (the think block, returned as "
-                "reasoning_content); auto: qwen3 for Qwen3 models, none for others",
-        choices=("auto", "qwen3", "none"), group="server")
-    api_key: str | None = setting(None, "every /v1 route, /tokenize and /detokenize then require "
-                                        "Authorization: Bearer KEY",
-                                  unset="none, open", group=LIMITS)
-    max_body_bytes: int = setting(4 * 2**20, "largest request body, counted as it arrives", at_least=1,
-                                  group=LIMITS)
-    max_prompt_tokens: int | None = setting(None, "longest prompt accepted", at_least=1,
-                                            unset="the model's context", group=LIMITS)
-    max_tokens_limit: int | None = setting(None, "the most max_tokens a request may ask for", at_least=1,
-                                           unset="the model's context", group=LIMITS)
+        "auto",
+        "how a chat's reasoning is told from its answer: qwen3 (the think block, returned as "
+        "reasoning_content); auto: qwen3 for Qwen3 models, none for others",
+        choices=("auto", "qwen3", "none"),
+        group="server",
+    )
+    api_key: str | None = setting(
+        None,
+        "every /v1 route, /tokenize and /detokenize then require Authorization: Bearer KEY",
+        unset="none, open",
+        group=LIMITS,
+    )
+    max_body_bytes: int = setting(4 * 2**20, "largest request body, counted as it arrives", at_least=1, group=LIMITS)
+    max_prompt_tokens: int | None = setting(
+        None, "longest prompt accepted", at_least=1, unset="the model's context", group=LIMITS
+    )
+    max_tokens_limit: int | None = setting(
+        None, "the most max_tokens a request may ask for", at_least=1, unset="the model's context", group=LIMITS
+    )
     max_stop_strings: int = setting(16, "stop strings a request may give", at_least=0, group=LIMITS)
     max_n: int = setting(16, "choices (n) a request may ask for", at_least=1, group=LIMITS)
-    request_timeout_s: float | None = setting(None, "a request taking longer ends with 408", above=0,
-                                              unset="none", group=LIMITS)
-    drain_timeout_s: float = setting(30.0, "on SIGTERM or Ctrl-C, how long requests in flight may take to finish",
-                                     at_least=0, group=LIMITS)
-    header_timeout_s: float = setting(10.0, "a connection must send a request's headers within this long (a "
-                                            "slow or silent client is disconnected)", above=0, group=LIMITS)
-    keep_alive_timeout_s: float = setting(30.0, "an idle connection between two requests is closed after this "
-                                                "long", above=0, group=LIMITS)
-    max_connections: int = setting(4096, "open connections at once; more are answered 503 and closed",
-                                   at_least=1, group=LIMITS)
+    request_timeout_s: float | None = setting(
+        None, "a request taking longer ends with 408", above=0, unset="none", group=LIMITS
+    )
+    drain_timeout_s: float = setting(
+        30.0, "on SIGTERM or Ctrl-C, how long requests in flight may take to finish", at_least=0, group=LIMITS
+    )
+    header_timeout_s: float = setting(
+        10.0,
+        "a connection must send a request's headers within this long (a slow or silent client is disconnected)",
+        above=0,
+        group=LIMITS,
+    )
+    keep_alive_timeout_s: float = setting(
+        30.0, "an idle connection between two requests is closed after this long", above=0, group=LIMITS
+    )
+    max_connections: int = setting(
+        4096, "open connections at once; more are answered 503 and closed", at_least=1, group=LIMITS
+    )
 
     @property
     def num_routers(self) -> int:
@@ -210,6 +280,7 @@ class ServeConfig(ReplicaConfig):
     def from_yaml(cls, path: str) -> ServeConfig:
         """A flat mapping of settings (`page_size: 16`); an unknown key or a bad value names the file."""
         import yaml
+
         with open(path) as f:
             data = yaml.safe_load(f) or {}
         if not isinstance(data, dict):
@@ -257,21 +328,29 @@ class Setting:
         kind = {bool: "true or false", int: "an integer", float: "a number", str: "a non-empty string"}[self.type]
         if self.at_least is not None and self.at_most is not None:
             return f"{kind} from {_num(self.at_least)} to {_num(self.at_most)}"
-        bounds = [f"{op} {_num(v)}" for op, v in ((">=", self.at_least), (">", self.above), ("<=", self.at_most))
-                  if v is not None]
+        bounds = [
+            f"{op} {_num(v)}"
+            for op, v in ((">=", self.at_least), (">", self.above), ("<=", self.at_most))
+            if v is not None
+        ]
         return " ".join([kind, " and ".join(bounds)]) if bounds else kind
 
     def check(self, value: Any) -> None:
         if value is None and self.optional:
             return
-        ok = {bool: lambda v: isinstance(v, bool),
-              int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-              str: lambda v: isinstance(v, str) and v != ""}[self.type](value)
+        ok = {
+            bool: lambda v: isinstance(v, bool),
+            int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+            float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+            str: lambda v: isinstance(v, str) and v != "",
+        }[self.type](value)
         ok = ok and (not self.choices or value in self.choices)
         if ok and self.type in (int, float):
-            ok = ((self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
-                  and (self.at_most is None or value <= self.at_most))
+            ok = (
+                (self.at_least is None or value >= self.at_least)
+                and (self.above is None or value > self.above)
+                and (self.at_most is None or value <= self.at_most)
+            )
         if not ok:
             raise ConfigError(self.name, f"must be {self.allowed()}, not {value!r}")
 
@@ -298,9 +377,20 @@ def _collect(cls: type, path: tuple[str, ...], group: str | None, found: dict[st
         base = next(a for a in args if a is not type(None))
         name = meta.get("name") or f.name
         assert name not in found, f"two settings named {name}"
-        found[name] = Setting(name, path + (f.name,), base, type(None) in args, f.default, meta["help"],
-                              meta.get("group") or group, meta["choices"], meta["at_least"], meta["above"],
-                              meta["at_most"], meta["unset"])
+        found[name] = Setting(
+            name,
+            path + (f.name,),
+            base,
+            type(None) in args,
+            f.default,
+            meta["help"],
+            meta.get("group") or group,
+            meta["choices"],
+            meta["at_least"],
+            meta["above"],
+            meta["at_most"],
+            meta["unset"],
+        )
 
 
 def unknown_problem(name: str, known: dict[str, Setting], cls: type) -> str:

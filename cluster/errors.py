@@ -9,10 +9,10 @@ from enum import Enum
 
 class ErrorKind(str, Enum):
     INVALID_REQUEST = "invalid_request"  # the request can never run as given: the caller must change it
-    ENGINE = "engine"                    # the engine failed a step holding the request; the replica serves on
-    REPLICA_DOWN = "replica_down"        # the replica can no longer run anything (a rank died, a collective hung)
-    TIMEOUT = "timeout"                  # the request outlasted its time limit
-    OVERLOADED = "overloaded"            # the replica's queue is full: try again later
+    ENGINE = "engine"  # the engine failed a step holding the request; the replica serves on
+    REPLICA_DOWN = "replica_down"  # the replica can no longer run anything (a rank died, a collective hung)
+    TIMEOUT = "timeout"  # the request outlasted its time limit
+    OVERLOADED = "overloaded"  # the replica's queue is full: try again later
 
 
 class RaylmError(Exception):

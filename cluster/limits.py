@@ -20,8 +20,8 @@ def held_back_ids(params: SamplingParams, eos_ids: frozenset[int] | set[int]) ->
 @dataclass(frozen=True)
 class RequestLimits:
     max_seq_len: int
-    vocab_size: int | None = None        # None: token ids are not checked
-    max_logit_bias: int | None = None    # the device's per-request table of biased and held-back ids; None: unchecked
+    vocab_size: int | None = None  # None: token ids are not checked
+    max_logit_bias: int | None = None  # the device's per-request table of biased and held-back ids; None: unchecked
     eos_ids: frozenset[int] = frozenset()
     max_prompt_tokens: int | None = None  # a server's own bound, below the context
 
@@ -35,18 +35,26 @@ class RequestLimits:
             raise InvalidRequestError("the prompt is empty", field="prompt")
         limit = min(self.max_prompt_tokens or self.max_seq_len, self.max_seq_len - 1)
         if n > limit:
-            raise InvalidRequestError(f"the prompt has {n} tokens; at most {limit} are accepted (this model's "
-                                      f"context is {self.max_seq_len} tokens, which must hold the prompt and at "
-                                      f"least one new token)", field="prompt", code="context_length_exceeded")
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens; at most {limit} are accepted (this model's "
+                f"context is {self.max_seq_len} tokens, which must hold the prompt and at "
+                f"least one new token)",
+                field="prompt",
+                code="context_length_exceeded",
+            )
 
     def check_params(self, params: SamplingParams) -> None:
         if self.vocab_size is not None and (bad := [t for t in params.logit_bias if t >= self.vocab_size]):
-            raise InvalidRequestError(f"logit_bias names token {bad[0]}, outside this model's vocabulary (ids 0 to "
-                                      f"{self.vocab_size - 1})", field="logit_bias")
+            raise InvalidRequestError(
+                f"logit_bias names token {bad[0]}, outside this model's vocabulary (ids 0 to {self.vocab_size - 1})",
+                field="logit_bias",
+            )
         if self.max_logit_bias is not None and params.uses_processors:
             stops = len(held_back_ids(params, self.eos_ids)) if params.min_tokens else 0
             if len(params.logit_bias) + stops > self.max_logit_bias:
                 raise InvalidRequestError(
                     f"logit_bias names {len(params.logit_bias)} tokens"
                     + (f" and min_tokens holds back {stops} stop tokens" if stops else "")
-                    + f"; at most {self.max_logit_bias} are allowed (the max_logit_bias setting)", field="logit_bias")
+                    + f"; at most {self.max_logit_bias} are allowed (the max_logit_bias setting)",
+                    field="logit_bias",
+                )

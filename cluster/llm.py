@@ -6,12 +6,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from cluster.config import ReplicaConfig
-from cluster.replica.engine_executors import LocalExecutor
 from cluster.choices import fan_out
+from cluster.config import ReplicaConfig
+from cluster.errors import ErrorKind, InvalidRequestError, error_for
 from cluster.messages import AddRequest, SchedulerStats, TokenDelta
 from cluster.model_info import load_tokenizer
-from cluster.errors import ErrorKind, InvalidRequestError, error_for
+from cluster.replica.engine_executors import LocalExecutor
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler.build import build_scheduler
 from worker.config import EngineConfig
@@ -73,13 +73,15 @@ class LLM:
         self.scheduler = None
         if self.config.tp_size > 1:
             from cluster.fleet.deploy import ReplicaHandle, ensure_ray
+
             ensure_ray()
             self.replica = ReplicaHandle(self.config)
             return
         self.engine = Engine(self.config.engine)
         self.executor = LocalExecutor(self.engine)
-        self.scheduler = build_scheduler(self.config, self.engine, self.executor, self.tokenizer,
-                                         on_output=self._collect)
+        self.scheduler = build_scheduler(
+            self.config, self.engine, self.executor, self.tokenizer, on_output=self._collect
+        )
 
     def _collect(self, deltas: list[TokenDelta]) -> None:
         for d in deltas:
@@ -99,8 +101,9 @@ class LLM:
             if d.finished:
                 out.finish_reason = d.finish_reason
 
-    def generate(self, prompts: list[str] | list[list[int]] | str,
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -140,6 +143,7 @@ class LLM:
 
     def _run_remote(self, requests: list[AddRequest]) -> None:
         import ray
+
         actor = self.replica.actor
         ray.get(actor.submit.remote(requests))
         pending = {r.uid for r in requests}
@@ -159,12 +163,14 @@ class LLM:
         """The scheduler's counts (at tp > 1 a ReplicaStats, with the replica's own)."""
         if self.replica is not None:
             import ray
+
             return ray.get(self.replica.actor.stats.remote())
         return self.scheduler.snapshot()
 
     def check_integrity(self) -> None:
         if self.replica is not None:
             import ray
+
             ray.get(self.replica.actor.check_integrity.remote())
         else:
             self.scheduler.check_integrity()

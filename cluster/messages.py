@@ -5,9 +5,10 @@ started, and the counts it reports."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from cluster.errors import ErrorKind
 from cluster.sampling_params import SamplingParams
@@ -48,12 +49,12 @@ class CallBetweenSteps:
 @dataclass
 class TokenDelta:
     uid: int
-    token: int | None               # None when the request ended without a token (error, rejection)
+    token: int | None  # None when the request ended without a token (error, rejection)
     finished: bool = False
     finish_reason: str | None = None  # stop, length, abort or error
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
-    error: str | None = None          # why the request failed (finish_reason "error")
+    error: str | None = None  # why the request failed (finish_reason "error")
     error_kind: ErrorKind | None = None
     # with SamplingParams.prompt_logprobs, on a request's first token: for prompt positions 1.. (the first
     # has none), the prompt token's logprob and the k most likely (id, logprob) there
@@ -81,8 +82,9 @@ class ReplicaOutput(list):
     the KV events of the same steps (None when its cache did not change) and how many requests it
     holds (from every router: what one router sent is only its own share)."""
 
-    def __init__(self, deltas: list[TokenDelta] = (), kv_events: KVEvents | None = None,
-                 live: int | None = None) -> None:
+    def __init__(
+        self, deltas: list[TokenDelta] = (), kv_events: KVEvents | None = None, live: int | None = None
+    ) -> None:
         super().__init__(deltas)
         self.kv_events, self.live = kv_events, live
 
@@ -90,17 +92,31 @@ class ReplicaOutput(list):
         # a step's deltas cross a process boundary every step: pickled one object at a time they cost
         # about 2 us each way per delta (0.5 ms a step at batch 256, on the replica's interpreter), so
         # they go as columns, with the fields beyond (uid, token) only for the deltas that have them
-        extra = [(i, rest) for i, d in enumerate(self)
-                 if (rest := (d.finished, d.finish_reason, d.logprob, d.top_logprobs, d.error, d.error_kind,
-                              d.prompt_logprobs)) != _PLAIN]
+        extra = [
+            (i, rest)
+            for i, d in enumerate(self)
+            if (
+                rest := (
+                    d.finished,
+                    d.finish_reason,
+                    d.logprob,
+                    d.top_logprobs,
+                    d.error,
+                    d.error_kind,
+                    d.prompt_logprobs,
+                )
+            )
+            != _PLAIN
+        ]
         return _rebuild_output, ([d.uid for d in self], [d.token for d in self], extra, self.kv_events, self.live)
 
 
 _PLAIN = (False, None, None, None, None, None, None)  # a TokenDelta's fields after (uid, token), as defaulted
 
 
-def _rebuild_output(uids: list[int], tokens: list[int | None], extra: list[tuple], kv_events: KVEvents | None,
-                    live: int | None) -> ReplicaOutput:
+def _rebuild_output(
+    uids: list[int], tokens: list[int | None], extra: list[tuple], kv_events: KVEvents | None, live: int | None
+) -> ReplicaOutput:
     out = ReplicaOutput([TokenDelta(u, t) for u, t in zip(uids, tokens)], kv_events, live)
     for i, (finished, reason, logprob, top, error, kind, prompt_logprobs) in extra:
         d = out[i]
@@ -124,22 +140,22 @@ class ReplicaInfo:
 class SchedulerStats:
     """A scheduler's state and counters at one moment, for an operator, the metrics or a test."""
 
-    running: int                 # requests decoding
-    waiting: int                 # requests waiting for (the rest of) their prefill
-    live: int                    # every request not ended
+    running: int  # requests decoding
+    waiting: int  # requests waiting for (the rest of) their prefill
+    live: int  # every request not ended
     request_slots_total: int
-    request_slots_free: int      # including those whose release waits for the batch in flight
+    request_slots_free: int  # including those whose release waits for the batch in flight
     pages_total: int
     pages_free: int
-    pages_cached: int            # held by the prefix cache
-    pages_reserved: int          # promised to admitted requests, not allocated yet
-    prefix_hit_tokens: int       # prompt tokens found in the prefix cache
+    pages_cached: int  # held by the prefix cache
+    pages_reserved: int  # promised to admitted requests, not allocated yet
+    prefix_hit_tokens: int  # prompt tokens found in the prefix cache
     prompt_tokens_admitted: int
     steps: int
-    prefill_tokens: int          # prompt tokens computed (prefix-cache hits excluded)
+    prefill_tokens: int  # prompt tokens computed (prefix-cache hits excluded)
     decode_tokens: int
-    preempted: int               # preemptions so far (a request may be preempted more than once)
-    mixed_steps: int = 0         # steps that decoded running requests beside prompt chunks
+    preempted: int  # preemptions so far (a request may be preempted more than once)
+    mixed_steps: int = 0  # steps that decoded running requests beside prompt chunks
 
     @property
     def kv_usage(self) -> float:
@@ -156,5 +172,5 @@ class ReplicaStats(SchedulerStats):
     """A replica's scheduler stats, with the replica's own."""
 
     replica: int = 0
-    broken: str | None = None    # why the replica cannot serve any more; None while it serves
-    rss_bytes: int = 0           # rank 0's resident memory
+    broken: str | None = None  # why the replica cannot serve any more; None while it serves
+    rss_bytes: int = 0  # rank 0's resident memory

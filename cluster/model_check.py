@@ -18,34 +18,43 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def check_model_folder(model: str, *, load_format: str = "auto", need_tokenizer: bool = True) -> None:
     path = Path(model)
     if not path.exists():
-        raise ModelFolderError(f"there is no folder {model}: give a local Hugging Face model folder "
-                               f"(config.json, *.safetensors, tokenizer files)")
+        raise ModelFolderError(
+            f"there is no folder {model}: give a local Hugging Face model folder "
+            f"(config.json, *.safetensors, tokenizer files)"
+        )
     if not path.is_dir():
         raise ModelFolderError(f"{model} is a file: give the Hugging Face model folder that holds it")
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ModelFolderError(f"{model} has no config.json: give a Hugging Face model folder "
-                               f"(config.json, *.safetensors, tokenizer files)")
+        raise ModelFolderError(
+            f"{model} has no config.json: give a Hugging Face model folder "
+            f"(config.json, *.safetensors, tokenizer files)"
+        )
     try:
         config = json.loads(config_file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelFolderError(f"{config_file} cannot be read as JSON: {e}") from e
     from worker.models import MODELS
+
     archs = config.get("architectures") or []
     if not any(a in MODELS for a in archs):
-        raise ModelFolderError(f"{model} is a {', '.join(archs) or config.get('model_type', 'model of no named architecture')}"
-                               f", which this server does not run; it runs {', '.join(sorted(MODELS))}")
+        raise ModelFolderError(
+            f"{model} is a {', '.join(archs) or config.get('model_type', 'model of no named architecture')}"
+            f", which this server does not run; it runs {', '.join(sorted(MODELS))}"
+        )
     if load_format == "auto":
         _check_weights(path)
     if need_tokenizer and not any((path / f).exists() for f in _TOKENIZER_FILES):
-        raise ModelFolderError(f"{model} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); the HTTP server "
-                               f"needs one to read prompts")
+        raise ModelFolderError(
+            f"{model} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); the HTTP server needs one to read prompts"
+        )
 
 
 def _check_weights(path: Path) -> None:
     from safetensors import safe_open
 
     from worker.loader import CheckpointError, safetensors_files
+
     if not any(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").exists():
         hint = " (only *.safetensors weights are read: convert the *.bin ones)" if any(path.glob("*.bin")) else ""
         raise ModelFolderError(f"{path} has no *.safetensors weights{hint}; --load-format dummy runs on random ones")
@@ -58,5 +67,6 @@ def _check_weights(path: Path) -> None:
             with safe_open(str(file), framework="pt"):  # reads the header, which must cover the whole file
                 pass
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
-            raise ModelFolderError(f"{file} is not a whole safetensors file (truncated or damaged: {e}); "
-                                   f"download it again") from e
+            raise ModelFolderError(
+                f"{file} is not a whole safetensors file (truncated or damaged: {e}); download it again"
+            ) from e

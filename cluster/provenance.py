@@ -31,4 +31,5 @@ def check_own_packages(home: Path = HOME) -> None:
             raise ForeignPackageError(
                 f"the package {name!r} that Python imports, at {where}, is not raylm's ({home / name}): another "
                 f"installed distribution ships a top-level {name!r} package and comes first on sys.path; "
-                f"uninstall it (`pip show -f` names its owner) or install raylm in a virtual environment of its own")
+                f"uninstall it (`pip show -f` names its owner) or install raylm in a virtual environment of its own"
+            )

@@ -10,7 +10,7 @@ from typing import Literal
 from cluster.errors import InvalidRequestError
 
 _PENALTY_RANGE = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
-_BIAS_RANGE = 100.0   # OpenAI's bound on a logit_bias value
+_BIAS_RANGE = 100.0  # OpenAI's bound on a logit_bias value
 
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
@@ -27,18 +27,19 @@ class GrammarSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
-            raise InvalidRequestError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}",
-                                      field="response_format")
+            raise InvalidRequestError(
+                f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}", field="response_format"
+            )
 
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0        # 0 is greedy
+    temperature: float = 1.0  # 0 is greedy
     top_p: float = 1.0
-    top_k: int = -1                 # -1 (or 0) keeps the whole vocabulary
-    min_p: float = 0.0              # drops tokens less likely than min_p times the most likely one
-    max_tokens: int | None = 16     # None: up to the context length
-    min_tokens: int = 0             # EOS and stop_token_ids cannot end the output before this many tokens
+    top_k: int = -1  # -1 (or 0) keeps the whole vocabulary
+    min_p: float = 0.0  # drops tokens less likely than min_p times the most likely one
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
@@ -50,9 +51,9 @@ class SamplingParams:
     # divided by it when positive, multiplied when negative; 1 is off
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit; -100 bans
-    logprobs: int | None = None     # None: none; k >= 0: the sampled token's logprob and the k most likely
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's logprob and the k most likely
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and its k most likely
-    n: int = 1                      # choices sampled from one prompt (cluster/choices.py fans them out)
+    n: int = 1  # choices sampled from one prompt (cluster/choices.py fans them out)
     grammar: GrammarSpec | None = None  # the output follows it (and ends once it is complete)
     # not a sampling value, but it travels with them: lower runs first (vLLM's meaning), in the waiting
     # queue and when a request is chosen for preemption (the highest number goes first)
@@ -69,30 +70,48 @@ class SamplingParams:
         need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         need(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1")
         need(self.min_tokens >= 0, "min_tokens", "must be >= 0")
-        need(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             f"must not exceed max_tokens ({self.max_tokens})")
+        need(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must not exceed max_tokens ({self.max_tokens})",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
-            need(math.isfinite(getattr(self, name)) and abs(getattr(self, name)) <= _PENALTY_RANGE, name,
-                 f"must be in [-{_PENALTY_RANGE:g}, {_PENALTY_RANGE:g}]")
-        need(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-             "must be > 0")
+            need(
+                math.isfinite(getattr(self, name)) and abs(getattr(self, name)) <= _PENALTY_RANGE,
+                name,
+                f"must be in [-{_PENALTY_RANGE:g}, {_PENALTY_RANGE:g}]",
+            )
+        need(
+            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0"
+        )
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or token < 0:
-                raise InvalidRequestError(f"logit_bias has token id {token!r}; ids are integers >= 0",
-                                          field="logit_bias")
+                raise InvalidRequestError(
+                    f"logit_bias has token id {token!r}; ids are integers >= 0", field="logit_bias"
+                )
             if not (math.isfinite(bias) and abs(bias) <= _BIAS_RANGE):
-                raise InvalidRequestError(f"logit_bias of token {token} is {bias!r}; values are in "
-                                          f"[-{_BIAS_RANGE:g}, {_BIAS_RANGE:g}]", field="logit_bias")
+                raise InvalidRequestError(
+                    f"logit_bias of token {token} is {bias!r}; values are in [-{_BIAS_RANGE:g}, {_BIAS_RANGE:g}]",
+                    field="logit_bias",
+                )
         need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20")
-        need(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
-             "must be between 0 and 20")
+        need(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "prompt_logprobs",
+            "must be between 0 and 20",
+        )
         need(self.n >= 1, "n", "must be at least 1")
 
     @property
     def uses_processors(self) -> bool:
         """Whether sampling needs the per-request state on the device (penalties, biases, min_tokens)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.min_tokens)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice `index` of an n-choice request: one choice, with its own seed."""

@@ -15,7 +15,7 @@ QWEN3_TOOLS_TEMPLATE = (
     "# Tools\n\n<tools>"
     # Qwen3's writes each tool as JSON; the names alone keep the tiny tokenizer's prompts short
     "{% for tool in tools %}{{ '\\n' }}{{ tool.function.name }}{% endfor %}{{ '\\n' }}</tools>\n\n"
-    "Call them as <tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
+    'Call them as <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
     "<|im_end|>\n"
     "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
@@ -23,7 +23,7 @@ QWEN3_TOOLS_TEMPLATE = (
     "{% elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}"
     "{% for call in message.tool_calls or [] %}"
     "{% if not loop.first or message.content %}{{ '\\n' }}{% endif %}"
-    "<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    '<tool_call>\n{"name": "{{ call.function.name }}", "arguments": '
     "{% if call.function.arguments is string %}{{ call.function.arguments }}"
     "{% else %}{{ call.function.arguments | tojson }}{% endif %}}\n</tool_call>"
     "{% endfor %}<|im_end|>\n"
@@ -56,5 +56,4 @@ def no_whitespace(tokenizer) -> dict[str, int]:
     and random weights favour it: unbanned, a schema's output often runs into max_tokens. A grammar
     that needs a newline (a tool call's tags) still gets it: the ban is -100 on the logit, the grammar's
     mask -inf on the rest."""
-    return {str(i): -100 for i in range(len(tokenizer))
-            if tokenizer.decode([i]) and not tokenizer.decode([i]).strip()}
+    return {str(i): -100 for i in range(len(tokenizer)) if tokenizer.decode([i]) and not tokenizer.decode([i]).strip()}

@@ -83,6 +83,7 @@ def scripted() -> Callable[..., ScriptedScheduler]:
 def ray_metrics_port() -> int:
     """Where the session's Ray exports metrics in Prometheus format."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -94,6 +95,7 @@ def ray_cluster(ray_metrics_port):
     import ray
 
     from cluster.fleet.deploy import ensure_ray
+
     ensure_ray(_metrics_export_port=ray_metrics_port)
     yield ray
     ray.shutdown()
@@ -103,6 +105,7 @@ def live_ray_objects() -> tuple[list[str], list[str]]:
     """Actors still alive and placement groups not removed, as the cluster's control store sees them."""
     import ray
     import ray._private.state as state
+
     actors = [v.get("ActorClassName") for v in state.actors().values() if v["State"] != "DEAD"]
     groups = [g["name"] for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
     return actors, groups

@@ -6,14 +6,13 @@ import copy
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
-
 from tiny_checkpoints import (  # noqa: F401
     PROMPT_TEXTS,
     build_checkpoint,
     build_sharded_checkpoint,
     build_tokenizer,
 )
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 _MODEL_CACHE: dict[str, PreTrainedModel] = {}
 
@@ -71,9 +70,10 @@ def hf_generate(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, 
         for prompt in prompts:
             input_ids = torch.tensor([prompt], dtype=torch.long)
             extra = {} if processors is None else {"logits_processor": processors(len(prompt))}
-            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_config,
-                                 **extra)
-            outputs.append(out[0, len(prompt):].tolist())
+            out = model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), generation_config=gen_config, **extra
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
     return outputs
 
 

@@ -32,11 +32,13 @@ def encode_all(llm: LLM, texts: list[str]) -> list[list[int]]:
 def client(srv):
     """The real `openai` client of a server from `serving`."""
     import openai
+
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
 
 
 def free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -47,6 +49,7 @@ def serving(model_path, **config):
     """A real HTTP server on 127.0.0.1 over replicas on the session's Ray; stopped afterwards."""
     from cluster.config import ServeConfig
     from router.tier.deployment import Deployment
+
     config.setdefault("served_model_name", "tiny")
     config.setdefault("page_size", 4)
     config.setdefault("routers", 0)  # the router in this process, whose state the tests inspect, whatever the cores
@@ -78,14 +81,16 @@ def concurrent_completions(url: str, prompts: list[str], max_tokens: int) -> lis
     import asyncio
 
     import openai
+
     aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
     async def one(prompt: str, stream: bool) -> str:
         if not stream:
             r = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0)
             return r.choices[0].text
-        chunks = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                  stream=True)
+        chunks = await aclient.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+        )
         return "".join([ch.choices[0].text async for ch in chunks])
 
     async def all_of_them():

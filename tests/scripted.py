@@ -12,8 +12,8 @@ import numpy as np
 
 from cluster.config import SchedulerConfig
 from cluster.messages import AddRequest, TokenDelta
-from cluster.scheduler.req import Req
 from cluster.sampling_params import SamplingParams
+from cluster.scheduler.req import Req
 from cluster.scheduler.scheduler import Scheduler
 from worker.batch import BatchDesc, StepOutput
 from worker.stream import NullEvent
@@ -80,9 +80,17 @@ class ScriptedScheduler:
         assert stats.live == 0 and stats.request_slots_free == stats.request_slots_total
 
 
-def scripted_scheduler(tokens: Callable[[BatchDesc], Sequence[int]] | None = None, *, num_pages: int = 256,
-                       page_size: int = 4, max_running_reqs: int = 8, max_seq_len: int = 1024,
-                       eos_ids: set[int] | None = None, keep_deltas: bool = True, **config) -> ScriptedScheduler:
+def scripted_scheduler(
+    tokens: Callable[[BatchDesc], Sequence[int]] | None = None,
+    *,
+    num_pages: int = 256,
+    page_size: int = 4,
+    max_running_reqs: int = 8,
+    max_seq_len: int = 1024,
+    eos_ids: set[int] | None = None,
+    keep_deltas: bool = True,
+    **config,
+) -> ScriptedScheduler:
     """`config`: SchedulerConfig fields (overlap, cache_type, max_extend_tokens, decode_reserve_tokens).
     Benchmarks pass keep_deltas=False: a list growing by every delta would be timed too (its garbage
     collection most of all)."""
@@ -94,9 +102,15 @@ def scripted_scheduler(tokens: Callable[[BatchDesc], Sequence[int]] | None = Non
     def on_finish(req: Req, reason: str) -> None:
         ended[req.uid], preempted[req.uid] = reason, req.num_preempted
 
-    scheduler = Scheduler(SchedulerConfig(**config), executor, num_pages=num_pages, page_size=page_size,
-                          max_running_reqs=max_running_reqs, max_seq_len=max_seq_len,
-                          eos_ids={EOS} if eos_ids is None else eos_ids,
-                          on_output=deltas.extend if keep_deltas else lambda step_deltas: None,
-                          on_finish=on_finish)
+    scheduler = Scheduler(
+        SchedulerConfig(**config),
+        executor,
+        num_pages=num_pages,
+        page_size=page_size,
+        max_running_reqs=max_running_reqs,
+        max_seq_len=max_seq_len,
+        eos_ids={EOS} if eos_ids is None else eos_ids,
+        on_output=deltas.extend if keep_deltas else lambda step_deltas: None,
+        on_finish=on_finish,
+    )
     return ScriptedScheduler(scheduler, executor, deltas, ended, preempted)

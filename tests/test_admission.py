@@ -49,8 +49,8 @@ def test_requests_beyond_max_queued_requests_are_refused_and_the_accepted_ones_r
 def test_max_queued_tokens_bounds_the_waiting_prompt_tokens_but_an_empty_queue_takes_any_prompt(scripted):
     run = scripted(max_queued_tokens=10)
     run.submit(0, [1] * 4, max_tokens=2)
-    run.submit(1, [2] * 6, max_tokens=2)   # 10 tokens wait: at the bound
-    run.submit(2, [3], max_tokens=2)       # 11: refused
+    run.submit(1, [2] * 6, max_tokens=2)  # 10 tokens wait: at the bound
+    run.submit(2, [3], max_tokens=2)  # 11: refused
     run.run()
     run.submit(3, [4] * 30, max_tokens=2)  # longer than the bound, into an empty queue
     run.run()
@@ -102,8 +102,15 @@ def test_the_router_picks_a_replica_whose_queue_has_room_and_refuses_when_none_h
 
 def _body(prompt: str, stream: bool = False, priority: int = 0) -> dict:
     """One greedy completion of 8 tokens."""
-    return {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            "stream": stream, "priority": priority}
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        "priority": priority,
+    }
 
 
 def test_offline_a_high_priority_request_starts_before_low_priority_ones_and_tokens_do_not_change(qwen3_path):
@@ -132,8 +139,9 @@ def test_priority_is_a_strict_int_in_both_request_bodies():
         CompletionRequest(model="m", prompt="x", priority="1")
 
 
-async def _completion(http: httpx.AsyncClient, prompt: str, stream: bool,
-                      priority: int = 0) -> tuple[int, dict, str | dict]:
+async def _completion(
+    http: httpx.AsyncClient, prompt: str, stream: bool, priority: int = 0
+) -> tuple[int, dict, str | dict]:
     """(status, headers, the text or the error object) of one completion."""
     body = _body(prompt, stream, priority)
     if not stream:
@@ -152,6 +160,7 @@ async def _completion(http: httpx.AsyncClient, prompt: str, stream: bool,
 
 def _wait_idle(srv) -> None:
     import ray
+
     deadline = time.monotonic() + 20
     while ray.get(srv.replicas[0].actor.stats.remote()).live and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -160,15 +169,18 @@ def _wait_idle(srv) -> None:
 
 def test_a_flood_beyond_the_bounds_gets_full_outputs_or_real_429s_and_the_server_serves_on(ray_cluster, qwen3_path):
     import ray
+
     prompts = [PROMPT_TEXTS[i % len(PROMPT_TEXTS)] + f" {i}" for i in range(24)]
     with LLM(str(qwen3_path)) as llm:
         expected = [o.text for o in llm.generate(prompts, greedy(8, ignore_eos=True))]
     with serving(qwen3_path, num_pages=512, max_running_reqs=2, max_queued_requests=3, max_queued_tokens=200) as srv:
+
         async def flood():
             async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
                 # every other one streamed; priorities -1, 0 and 1 in turn (they change no token)
-                return await asyncio.gather(*(_completion(http, p, i % 2 == 0, i % 3 - 1)
-                                              for i, p in enumerate(prompts)))
+                return await asyncio.gather(
+                    *(_completion(http, p, i % 2 == 0, i % 3 - 1) for i, p in enumerate(prompts))
+                )
 
         results = asyncio.run(flood())
         done = [i for i, (status, _, _) in enumerate(results) if status == 200]
@@ -189,11 +201,14 @@ def test_a_flood_beyond_the_bounds_gets_full_outputs_or_real_429s_and_the_server
 
 def test_a_replica_refuses_what_the_router_could_not_know_was_too_much(ray_cluster, qwen3_path):
     import ray
+
     with serving(qwen3_path, num_pages=512, max_running_reqs=1, max_queued_requests=1) as srv:
         actor = srv.replicas[0].actor
         # sent past the router (as a second router would): one runs long, one waits behind it
-        hidden = [AddRequest(10**9 + i, [5, 6, 7], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
-                  for i in range(2)]
+        hidden = [
+            AddRequest(10**9 + i, [5, 6, 7], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))
+            for i in range(2)
+        ]
         for request, (running, waiting) in zip(hidden, [(1, 0), (1, 1)]):
             ray.get(actor.submit.remote([request]))
             deadline = time.monotonic() + 20
@@ -221,6 +236,7 @@ def test_the_routers_own_refusals_are_counted_as_rejected(ray_cluster, qwen3_pat
     import threading
 
     import ray
+
     with serving(qwen3_path, num_pages=512, max_running_reqs=1, max_queued_requests=1) as srv:
         actor = srv.replicas[0].actor
         first = threading.Event()

@@ -15,21 +15,34 @@ from worker.batch import BatchDesc, desc_layout, pack_desc, packed_nbytes, unpac
 from worker.comm import DescChannel, Keepalive, destroy_tensor_parallel, free_address, init_tensor_parallel
 
 
-def random_desc(rng: np.random.Generator, is_prefill: bool, batch: int, tokens_each: int = 1,
-                prefix_slots: int = 0, top_logprobs: int = -1) -> BatchDesc:
+def random_desc(
+    rng: np.random.Generator,
+    is_prefill: bool,
+    batch: int,
+    tokens_each: int = 1,
+    prefix_slots: int = 0,
+    top_logprobs: int = -1,
+) -> BatchDesc:
     extend = rng.integers(1, 2 * tokens_each + 1, batch).astype(np.int32) if is_prefill else np.ones(batch, np.int32)
     tokens = int(extend.sum())
-    rows = [(int(rng.integers(0, 4096)), rng.integers(0, 1 << 30, int(rng.integers(0, 300))).astype(np.int32))
-            for _ in range(prefix_slots)]
+    rows = [
+        (int(rng.integers(0, 4096)), rng.integers(0, 1 << 30, int(rng.integers(0, 300))).astype(np.int32))
+        for _ in range(prefix_slots)
+    ]
     return BatchDesc(
-        is_prefill=is_prefill, slots=rng.permutation(4096)[:batch].astype(np.int32),
-        seq_lens=(extend + rng.integers(0, 30000, batch)).astype(np.int32), extend_lens=extend,
+        is_prefill=is_prefill,
+        slots=rng.permutation(4096)[:batch].astype(np.int32),
+        seq_lens=(extend + rng.integers(0, 30000, batch)).astype(np.int32),
+        extend_lens=extend,
         out_loc=rng.integers(0, 1 << 30, tokens).astype(np.int32),
         input_ids=rng.integers(0, 152000, tokens).astype(np.int32) if is_prefill else None,
         temperature=rng.choice([0.0, 0.6, 1.3], batch).astype(np.float32),
-        top_p=rng.uniform(0.1, 1.0, batch).astype(np.float32), top_k=rng.integers(-1, 100, batch).astype(np.int32),
+        top_p=rng.uniform(0.1, 1.0, batch).astype(np.float32),
+        top_k=rng.integers(-1, 100, batch).astype(np.int32),
         seeds=rng.integers(-(1 << 63), (1 << 63) - 1, batch, dtype=np.int64),
-        prefix_slots=rows, top_logprobs=top_logprobs)
+        prefix_slots=rows,
+        top_logprobs=top_logprobs,
+    )
 
 
 def messages() -> list[BatchDesc | Keepalive | None]:
@@ -38,10 +51,16 @@ def messages() -> list[BatchDesc | Keepalive | None]:
     rng = np.random.default_rng(7)
     out: list[BatchDesc | Keepalive | None] = []
     for _ in range(3):
-        out += [random_desc(rng, False, 1), random_desc(rng, False, 64, top_logprobs=0),
-                random_desc(rng, True, 4, tokens_each=2048, prefix_slots=3, top_logprobs=5), Keepalive(),
-                random_desc(rng, False, 256, prefix_slots=2), random_desc(rng, True, 1, tokens_each=3),
-                random_desc(rng, False, 2000), random_desc(rng, True, 3, tokens_each=40, prefix_slots=1)]
+        out += [
+            random_desc(rng, False, 1),
+            random_desc(rng, False, 64, top_logprobs=0),
+            random_desc(rng, True, 4, tokens_each=2048, prefix_slots=3, top_logprobs=5),
+            Keepalive(),
+            random_desc(rng, False, 256, prefix_slots=2),
+            random_desc(rng, True, 1, tokens_each=3),
+            random_desc(rng, False, 2000),
+            random_desc(rng, True, 3, tokens_each=40, prefix_slots=1),
+        ]
     return out + [None]
 
 
@@ -50,8 +69,7 @@ def assert_same(got: BatchDesc | Keepalive | None, want: BatchDesc | Keepalive |
         assert got == want
         return
     assert isinstance(got, BatchDesc)
-    for name in ("slots", "seq_lens", "extend_lens", "out_loc", "input_ids", "temperature", "top_p", "top_k",
-                 "seeds"):
+    for name in ("slots", "seq_lens", "extend_lens", "out_loc", "input_ids", "temperature", "top_p", "top_k", "seeds"):
         a, b = getattr(got, name), getattr(want, name)
         if b is None:
             assert a is None, name
@@ -83,11 +101,13 @@ def test_every_rank_gets_the_identical_description_keepalive_and_stop(tmp_path):
     assert [int(Path(f"{report}.{rank}").read_text()) for rank in (0, 1)] == [len(messages())] * 2
 
 
-@pytest.mark.parametrize("is_prefill,batch,rows,top_logprobs", [
-    (False, 1, 0, -1), (False, 256, 0, 3), (True, 8, 0, -1), (True, 5, 4, 0)])
+@pytest.mark.parametrize(
+    "is_prefill,batch,rows,top_logprobs", [(False, 1, 0, -1), (False, 256, 0, 3), (True, 8, 0, -1), (True, 5, 4, 0)]
+)
 def test_a_packed_description_unpacks_into_views_of_its_buffer(is_prefill, batch, rows, top_logprobs):
-    desc = random_desc(np.random.default_rng(batch), is_prefill, batch, tokens_each=16, prefix_slots=rows,
-                       top_logprobs=top_logprobs)
+    desc = random_desc(
+        np.random.default_rng(batch), is_prefill, batch, tokens_each=16, prefix_slots=rows, top_logprobs=top_logprobs
+    )
     layout = desc_layout(desc)
     buf = np.zeros(packed_nbytes(layout), np.uint8)
     pack_desc(desc, layout, buf)

@@ -139,6 +139,7 @@ def test_submits_aborts_and_deltas_cross_the_channel(listener):
 
 def test_a_routers_connection_sends_submits_then_aborts_and_receives_deltas(listener):
     import asyncio
+
     chan, replica = listener
     request = AddRequest(8, [1, 2], SamplingParams(max_tokens=2))
 
@@ -201,6 +202,7 @@ def test_deltas_go_to_a_routers_newest_connection_only(listener):
 
 def test_served_outputs_equal_the_offline_engine(ray_cluster, qwen3_path):
     import ray
+
     prompts = [PROMPT_TEXTS[i % len(PROMPT_TEXTS)] + f" {i}" for i in range(8)]
     with LLM(str(qwen3_path)) as llm:
         expected = [o.text for o in llm.generate(prompts, greedy(8))]
@@ -216,8 +218,15 @@ def test_served_outputs_equal_the_offline_engine(ray_cluster, qwen3_path):
 def test_a_lost_connection_fails_its_requests_and_the_router_connects_again(ray_cluster, qwen3_path):
     import httpx
     import ray
-    body = {"model": "tiny", "prompt": PROMPT_TEXTS[2], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT_TEXTS[2],
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with serving(qwen3_path, num_pages=512) as srv:
         (client,) = srv.state.clients
         lost = client.channel
@@ -252,8 +261,16 @@ def test_every_delta_field_survives_the_columns():
     import dataclasses
 
     from cluster import ErrorKind, KVEvents
-    values = {"finished": True, "finish_reason": "stop", "logprob": -0.5, "top_logprobs": [(3, -0.1)],
-              "error": "why", "error_kind": ErrorKind.ENGINE, "prompt_logprobs": [(-1.0, [(2, -0.2)])]}
+
+    values = {
+        "finished": True,
+        "finish_reason": "stop",
+        "logprob": -0.5,
+        "top_logprobs": [(3, -0.1)],
+        "error": "why",
+        "error_kind": ErrorKind.ENGINE,
+        "prompt_logprobs": [(-1.0, [(2, -0.2)])],
+    }
     fields = [f.name for f in dataclasses.fields(TokenDelta)][2:]
     assert sorted(fields) == sorted(values)  # a new field needs a value here, and a column there
     deltas = [TokenDelta(0, 1)] + [TokenDelta(i + 1, None, **{name: values[name]}) for i, name in enumerate(fields)]

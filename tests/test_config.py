@@ -12,9 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from cluster.config import (
+    GROUPS,
+    ConfigError,
+    ReplicaConfig,
+    ServeConfig,
+    UnknownSettingError,
+    markdown_table,
+    settings,
+)
 from cluster.scheduler.cache_manager import CacheManager
-from cluster.config import (GROUPS, ConfigError, ReplicaConfig, ServeConfig, UnknownSettingError, markdown_table,
-                            settings)
 from worker.config import EngineConfig
 from worker.kernels import Kernels
 
@@ -30,8 +37,9 @@ def load_launch():
 
 def run_launch(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    out = subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=cwd, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
     return out, time.monotonic() - start
 
 
@@ -67,7 +75,9 @@ def test_a_bad_flag_ends_in_one_line_naming_it_within_three_seconds(tmp_path, ar
     assert elapsed < 3.0
 
 
-@pytest.mark.parametrize("args,flag", [(["--max-seq-len", "100000"], "--max-seq-len"), (["--tp-size", "3"], "--tp-size")])
+@pytest.mark.parametrize(
+    "args,flag", [(["--max-seq-len", "100000"], "--max-seq-len"), (["--tp-size", "3"], "--tp-size")]
+)
 def test_a_value_the_model_cannot_take_ends_in_one_line_before_ray_starts(tmp_path, qwen3_path, args, flag):
     out, elapsed = run_launch("--model", str(qwen3_path), *args, cwd=tmp_path)
     lines = out.stderr.strip().splitlines()
@@ -80,21 +90,45 @@ def test_a_bad_value_in_a_yaml_file_names_the_file_and_the_key(tmp_path):
     (tmp_path / "bad.yaml").write_text("model: x\npage_size: 0\n")
     out, elapsed = run_launch("--config", str(tmp_path / "bad.yaml"), cwd=tmp_path)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == [f"launch.py: error: {tmp_path / 'bad.yaml'}: page_size must be an "
-                                               f"integer >= 1, not 0"]
+    assert out.stderr.strip().splitlines() == [
+        f"launch.py: error: {tmp_path / 'bad.yaml'}: page_size must be an integer >= 1, not 0"
+    ]
     assert elapsed < 3.0
 
 
 def test_yaml_flags_and_llm_keywords_land_in_the_same_fields(tmp_path, qwen3_path):
     from cluster import LLM
-    values = {"page_size": 4, "num_pages": 512, "cache_type": "naive", "overlap": False, "decode_reserve_tokens": 7,
-              "mixed_steps": False, "max_extend_tokens": 256}
-    (tmp_path / "c.yaml").write_text("".join(f"{k}: {str(v).lower()}\n" for k, v in values.items())
-                                     + f"model: {qwen3_path}\n")
+
+    values = {
+        "page_size": 4,
+        "num_pages": 512,
+        "cache_type": "naive",
+        "overlap": False,
+        "decode_reserve_tokens": 7,
+        "mixed_steps": False,
+        "max_extend_tokens": 256,
+    }
+    (tmp_path / "c.yaml").write_text(
+        "".join(f"{k}: {str(v).lower()}\n" for k, v in values.items()) + f"model: {qwen3_path}\n"
+    )
     from_yaml = ServeConfig.from_yaml(str(tmp_path / "c.yaml"))
     launch = load_launch()
-    argv = ["--model", str(qwen3_path), "--page-size", "4", "--num-pages", "512", "--cache-type", "naive",
-            "--no-overlap", "--decode-reserve-tokens", "7", "--no-mixed-steps", "--max-extend-tokens", "256"]
+    argv = [
+        "--model",
+        str(qwen3_path),
+        "--page-size",
+        "4",
+        "--num-pages",
+        "512",
+        "--cache-type",
+        "naive",
+        "--no-overlap",
+        "--decode-reserve-tokens",
+        "7",
+        "--no-mixed-steps",
+        "--max-extend-tokens",
+        "256",
+    ]
     from_flags = launch.build_config(launch.parse_args(argv))
     with LLM(str(qwen3_path), **values) as llm:
         offline = llm.config
@@ -115,15 +149,20 @@ def test_server_and_offline_defaults_agree():
     serve, offline = ServeConfig(), ReplicaConfig()
     assert serve.engine == offline.engine and serve.scheduler == offline.scheduler
     assert serve.engine.page_size == 16
-    assert {n: s.default for n, s in settings(ReplicaConfig).items()} == \
-        {n: s.default for n, s in settings(ServeConfig).items() if n in settings(ReplicaConfig)}
+    assert {n: s.default for n, s in settings(ReplicaConfig).items()} == {
+        n: s.default for n, s in settings(ServeConfig).items() if n in settings(ReplicaConfig)
+    }
 
 
 def test_llm_has_no_defaults_of_its_own_and_takes_every_replica_setting():
     from cluster import LLM
+
     params = list(inspect.signature(LLM.__init__).parameters.values())
-    assert [p.kind for p in params[1:]] == [inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY,
-                                            inspect.Parameter.VAR_KEYWORD]
+    assert [p.kind for p in params[1:]] == [
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+        inspect.Parameter.VAR_KEYWORD,
+    ]
     assert params[2].name == "kernels" and params[2].default == EngineConfig().kernels == Kernels()
     assert {"mixed_steps", "overlap", "tp_size", "page_size"} <= set(settings(ReplicaConfig))
 
@@ -136,6 +175,7 @@ def test_the_cache_manager_has_no_reserve_default_of_its_own():
 @pytest.mark.parametrize("env", ["1", "0"])
 def test_an_explicit_overlap_is_honoured_whatever_the_environment(monkeypatch, qwen3_path, env):
     from cluster import LLM
+
     monkeypatch.setenv("RAYLM_OVERLAP", env)
     explicit = env == "0"  # the opposite of what the variable would say
     assert ServeConfig().override(overlap=explicit).replica_config().scheduler.overlap is explicit
@@ -145,6 +185,7 @@ def test_an_explicit_overlap_is_honoured_whatever_the_environment(monkeypatch, q
 
 def test_an_unknown_llm_keyword_is_named_with_close_matches(qwen3_path):
     from cluster import LLM
+
     with pytest.raises(TypeError, match="pagesize.*page_size"):
         LLM(str(qwen3_path), pagesize=4)
     with pytest.raises(TypeError, match="port.*server"):
@@ -153,6 +194,7 @@ def test_an_unknown_llm_keyword_is_named_with_close_matches(qwen3_path):
 
 def test_a_bad_llm_value_is_named_before_the_engine_loads(qwen3_path):
     from cluster import LLM
+
     with pytest.raises(ConfigError, match="page_size must be an integer >= 1, not 0"):
         LLM(str(qwen3_path), page_size=0)
     with pytest.raises(ValueError, match="dtype must be one of"):
@@ -161,16 +203,18 @@ def test_a_bad_llm_value_is_named_before_the_engine_loads(qwen3_path):
 
 def test_every_engine_option_but_the_kernels_is_a_flag_and_a_yaml_key(tmp_path):
     engine_fields = {s.name for s in settings(ServeConfig).values() if s.path[0] == "engine"}
-    assert engine_fields == {f.metadata.get("name") or f.name for f in EngineConfig.__dataclass_fields__.values()
-                             if f.name != "kernels"}
+    assert engine_fields == {
+        f.metadata.get("name") or f.name for f in EngineConfig.__dataclass_fields__.values() if f.name != "kernels"
+    }
     launch = load_launch()
     config = launch.build_config(launch.parse_args(["--model", str(tmp_path), "--cuda-graph-max-bs", "0"]))
     assert config.engine.cuda_graph_max_bs == 0
     assert ServeConfig().override(cuda_graph_max_bs=8).engine.cuda_graph_max_bs == 8
 
 
-@pytest.mark.parametrize("name", ["kernels", "fused_kernels", "triton_kernels", "small_linear", "decode_kernel",
-                                  "attention_backend", "seed"])
+@pytest.mark.parametrize(
+    "name", ["kernels", "fused_kernels", "triton_kernels", "small_linear", "decode_kernel", "attention_backend", "seed"]
+)
 def test_kernel_choices_are_no_settings_and_survive_an_override(name):
     assert name not in settings(ServeConfig)
     with pytest.raises(UnknownSettingError):
@@ -188,7 +232,7 @@ def test_every_flag_has_help_its_default_and_its_choices_in_the_readme_groups():
         assert group == s.group
         if s.choices:
             assert all(c in action.metavar for c in s.choices)
-    assert [g.title for g in parser._action_groups][-len(GROUPS):] == list(GROUPS)
+    assert [g.title for g in parser._action_groups][-len(GROUPS) :] == list(GROUPS)
 
 
 def test_the_readme_configure_table_is_the_one_the_fields_generate():
@@ -204,20 +248,26 @@ def test_a_nested_or_unknown_yaml_key_is_named(tmp_path):
 
 def test_a_server_refuses_what_the_model_cannot_take_before_starting_ray(qwen3_path):
     from router.tier.deployment import Deployment
+
     with pytest.raises(ConfigError, match="tp_size must divide the model's 4 attention heads"):
         Deployment(ServeConfig().override(model=str(qwen3_path), tp_size=3))
 
 
-@pytest.mark.parametrize("cores, replicas, routers, expected", [
-    (2, 1, None, 0),     # a small machine: the launching process serves
-    (16, 1, None, 2),    # two router actors per replica
-    (16, 4, None, 2),    # ... as long as the node has the cores for them
-    (64, 4, None, 8),
-    (2, 1, 3, 3),        # a set value is kept
-    (64, 1, 0, 0),
-])
-def test_the_default_router_count_follows_the_replicas_and_the_nodes_cores(monkeypatch, cores, replicas, routers,
-                                                                           expected):
+@pytest.mark.parametrize(
+    "cores, replicas, routers, expected",
+    [
+        (2, 1, None, 0),  # a small machine: the launching process serves
+        (16, 1, None, 2),  # two router actors per replica
+        (16, 4, None, 2),  # ... as long as the node has the cores for them
+        (64, 4, None, 8),
+        (2, 1, 3, 3),  # a set value is kept
+        (64, 1, 0, 0),
+    ],
+)
+def test_the_default_router_count_follows_the_replicas_and_the_nodes_cores(
+    monkeypatch, cores, replicas, routers, expected
+):
     import cluster.config as config_module
+
     monkeypatch.setattr(config_module, "usable_cores", lambda: cores)
     assert ServeConfig(replicas=replicas, routers=routers).num_routers == expected

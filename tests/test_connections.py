@@ -22,15 +22,17 @@ OK = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def srv(ray_cluster, qwen3_path):
-    with serving(qwen3_path, num_pages=256, header_timeout_s=HEADER_TIMEOUT_S,
-                 max_connections=MAX_CONNECTIONS) as server:
+    with serving(
+        qwen3_path, num_pages=256, header_timeout_s=HEADER_TIMEOUT_S, max_connections=MAX_CONNECTIONS
+    ) as server:
         yield server
 
 
 def test_httptools_is_the_protocol_when_installed():
     made = connection.bounded_protocol(1.0, 1)
-    assert made.func is (connection.BoundedH11Protocol if connection.HttpToolsProtocol is None
-                         else connection.BoundedHttpToolsProtocol)
+    assert made.func is (
+        connection.BoundedH11Protocol if connection.HttpToolsProtocol is None else connection.BoundedHttpToolsProtocol
+    )
 
 
 @pytest.mark.parametrize("impl", ["h11", "httptools"])
@@ -39,6 +41,7 @@ def test_both_protocols_bound_silent_clients_and_the_connection_count(impl):
     import threading
 
     import uvicorn
+
     if impl == "httptools" and connection.HttpToolsProtocol is None:
         pytest.skip("httptools is not installed")
 
@@ -48,10 +51,19 @@ def test_both_protocols_bound_silent_clients_and_the_connection_count(impl):
             await send({"type": "http.response.body", "body": b"ok"})
 
     from helpers import free_port
+
     port, timeout_s = free_port(), 1.0
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
-                                           timeout_keep_alive=30,
-                                           http=connection.bounded_protocol(timeout_s, 3, impl=impl)))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            timeout_keep_alive=30,
+            http=connection.bounded_protocol(timeout_s, 3, impl=impl),
+        )
+    )
     server.install_signal_handlers = lambda: None
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -133,8 +145,10 @@ def test_a_client_that_trickles_its_headers_is_cut_off_at_the_header_timeout(srv
 
 def test_an_idle_kept_alive_connection_is_bounded_by_the_keep_alive_timeout_not_the_header_timeout(srv):
     body = json.dumps(OK).encode()
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-               b"content-length: %d\r\n\r\n" % len(body)) + body
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(body)
+    ) + body
     sock = _connect(srv)
     try:
         for _ in range(2):
@@ -185,13 +199,15 @@ def _response(sock) -> bytes:
 
 def _running(srv) -> float:
     text = httpx.get(srv.url + "/metrics", timeout=30).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("raylm:num_requests_running{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("raylm:num_requests_running{")
+    )
 
 
 def test_a_stream_whose_client_leaves_before_its_body_starts_is_ended_and_aborted_once(srv, monkeypatch):
     import ray
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
     bases = [H11Protocol] + ([connection.HttpToolsProtocol] if connection.HttpToolsProtocol is not None else [])
 
     def backed_up(received):
@@ -202,14 +218,18 @@ def test_a_stream_whose_client_leaves_before_its_body_starts_is_ended_and_aborte
             if self.cycle is not None and not self.cycle.response_started:
                 self.flow.pause_writing()
                 self.flow.resume_writing = lambda: None
+
         return data_received
 
     for base in bases:
         monkeypatch.setattr(base, "data_received", backed_up(base.data_received))
-    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 480, "ignore_eos": True,
-                       "stream": True}).encode()
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-               b"content-length: %d\r\n\r\n" % len(body)) + body
+    body = json.dumps(
+        {"model": "tiny", "prompt": "Hello", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    ).encode()
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(body)
+    ) + body
     for _ in range(3):
         sock = _connect(srv, request)
         time.sleep(0.3)  # the response waits to start; then the client leaves

@@ -42,14 +42,17 @@ def test_text_is_the_tokenizers_decode_of_the_tokens(qwen3_path):
 
 
 def test_seeded_sampling_is_reproducible_and_depends_on_the_seed(qwen3_path):
-    params = lambda seed: SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=12, seed=seed,
-                                         ignore_eos=True)
+    params = lambda seed: SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, max_tokens=12, seed=seed, ignore_eos=True
+    )
     with checked_llm(qwen3_path) as llm:
         prompt = llm.tokenizer(PROMPT_TEXTS[2]).input_ids
         alone = llm.generate([prompt], params(7))[0].token_ids
         # the same request among others, at another batch position, must sample the same tokens
-        crowd = llm.generate([llm.tokenizer(t).input_ids for t in PROMPT_TEXTS[:5]] + [prompt],
-                             [params(i) for i in range(5)] + [params(7)])
+        crowd = llm.generate(
+            [llm.tokenizer(t).input_ids for t in PROMPT_TEXTS[:5]] + [prompt],
+            [params(i) for i in range(5)] + [params(7)],
+        )
         other = llm.generate([prompt], params(8))[0].token_ids
     assert crowd[-1].token_ids == alone
     assert other != alone
@@ -69,7 +72,7 @@ def test_every_eos_id_in_generation_config_list_stops_generation(qwen3_path, tmp
     with checked_llm(tmp_path / "m") as llm:
         stopped = llm.generate([prompt], greedy(20))[0]
         ignored = llm.generate([prompt], greedy(20, ignore_eos=True))[0]
-    assert stopped.token_ids == free[:free.index(free[3]) + 1]
+    assert stopped.token_ids == free[: free.index(free[3]) + 1]
     assert stopped.finish_reason == "stop"
     assert ignored.token_ids == free
 
@@ -85,7 +88,7 @@ def test_stop_token_ids_end_the_request(qwen3_path):
     with checked_llm(qwen3_path) as llm:
         free = llm.generate(PROMPT_TEXTS[1], greedy(12, ignore_eos=True))[0].token_ids
         stopped = llm.generate(PROMPT_TEXTS[1], greedy(12, ignore_eos=True, stop_token_ids=[free[5]]))[0]
-    assert stopped.token_ids == free[:free.index(free[5]) + 1]
+    assert stopped.token_ids == free[: free.index(free[5]) + 1]
 
 
 def test_prompt_longer_than_the_context_is_rejected(qwen3_path):
@@ -131,6 +134,7 @@ def test_missing_or_corrupt_checkpoint_files_are_named(qwen3_path, qwen3_sharded
 
 def test_missing_tensor_is_named(qwen3_path, tmp_path):
     from safetensors.torch import load_file, save_file
+
     shutil.copytree(qwen3_path, tmp_path / "m")
     weights = load_file(tmp_path / "m" / "model.safetensors")
     del weights["model.layers.1.mlp.up_proj.weight"]

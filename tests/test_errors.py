@@ -10,8 +10,17 @@ import httpx
 import pytest
 from helpers import fail_first_launch, greedy, serving
 
-from cluster import (LLM, AddRequest, EngineError, ErrorKind, GenerationError, InvalidRequestError, RaylmError,
-                     ReplicaDownError, error_for)
+from cluster import (
+    LLM,
+    AddRequest,
+    EngineError,
+    ErrorKind,
+    GenerationError,
+    InvalidRequestError,
+    RaylmError,
+    ReplicaDownError,
+    error_for,
+)
 from cluster.messages import TokenDelta
 from router.chat.detokenizer import IncrementalDetokenizer
 from router.http.errors import STATUS_OF_KIND, APIError
@@ -40,8 +49,7 @@ def test_statuses_of_the_kinds_a_client_acts_on():
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
-def test_a_request_that_can_never_fit_the_cache_raises_invalid_request_at_every_tp(ray_cluster, qwen3_path,
-                                                                                   tp_size):
+def test_a_request_that_can_never_fit_the_cache_raises_invalid_request_at_every_tp(ray_cluster, qwen3_path, tp_size):
     with LLM(str(qwen3_path), tp_size=tp_size, **SMALL_CACHE) as llm:
         with pytest.raises(InvalidRequestError, match="KV-cache pages"):
             llm.generate([[5, 6, 7]], greedy(100))
@@ -86,6 +94,7 @@ class _FailingClient:
 
 def test_a_replica_going_down_reaches_the_router_as_replica_down(qwen3_path):
     from cluster.model_info import load_tokenizer
+
     detok = IncrementalDetokenizer(load_tokenizer(str(qwen3_path)), [])
 
     async def run():

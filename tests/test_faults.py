@@ -17,8 +17,15 @@ from helpers import serving
 
 @pytest.fixture(scope="module")
 def tp2_pair(ray_cluster, qwen3_path):
-    with serving(qwen3_path, replicas=2, tp_size=2, num_pages=1024, max_running_reqs=8, routing="round_robin",
-                 collective_timeout_s=10) as srv:
+    with serving(
+        qwen3_path,
+        replicas=2,
+        tp_size=2,
+        num_pages=1024,
+        max_running_reqs=8,
+        routing="round_robin",
+        collective_timeout_s=10,
+    ) as srv:
         yield srv
 
 
@@ -56,8 +63,11 @@ def check_recovers(srv, restarts_before: int) -> None:
     assert srv.supervisor.restarts == restarts_before + 1
     before = [ray.get(rep.actor.stats.remote()).decode_tokens for rep in srv.replicas]
     for _ in range(4):  # round-robin: both replicas get some
-        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3,
-                                                          "ignore_eos": True}, timeout=30)
+        r = httpx.post(
+            srv.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "hello", "max_tokens": 3, "ignore_eos": True},
+            timeout=30,
+        )
         assert r.status_code == 200
     after = [ray.get(rep.actor.stats.remote()).decode_tokens for rep in srv.replicas]
     assert all(a > b for a, b in zip(after, before))
@@ -81,9 +91,12 @@ def test_killed_follower_fails_its_stream_and_is_replaced(tp2_pair):
 
 def _raylm_objects() -> tuple[list[str], list[str]]:
     from conftest import live_ray_objects
+
     actors, groups = live_ray_objects()
-    return (sorted(a for a in actors if a in ("SchedulerActor", "Follower")),
-            sorted(g for g in groups if g.startswith("raylm-")))
+    return (
+        sorted(a for a in actors if a in ("SchedulerActor", "Follower")),
+        sorted(g for g in groups if g.startswith("raylm-")),
+    )
 
 
 def test_a_replica_paused_shorter_than_the_health_timeout_keeps_serving(ray_cluster, qwen3_path):
@@ -95,8 +108,7 @@ def test_a_replica_paused_shorter_than_the_health_timeout_keeps_serving(ray_clus
             time.sleep(3)  # the state under test is "silent for a while", not a synchronisation
         finally:
             os.kill(pid, signal.SIGCONT)
-        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3},
-                       timeout=30)
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200
         assert srv.supervisor.restarts == 0 and httpx.get(srv.url + "/health").status_code == 200
 
@@ -124,13 +136,32 @@ def test_health_fails_within_the_health_timeout_when_rays_control_store_is_gone(
 
     import psutil
     from helpers import free_port
+
     port, timeout_s = free_port(), 3
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, str(root / "launch.py"), "--model", str(qwen3_path), "--port", str(port),
-                             "--page-size", "4", "--num-pages", "256", "--no-dashboard",
-                             "--health-check-timeout-s", str(timeout_s)],
-                            cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(root / "launch.py"),
+            "--model",
+            str(qwen3_path),
+            "--port",
+            str(port),
+            "--page-size",
+            "4",
+            "--num-pages",
+            "256",
+            "--no-dashboard",
+            "--health-check-timeout-s",
+            str(timeout_s),
+        ],
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}/health"
     try:
         wait_for(lambda: proc.poll() is None and _status(url) == 200, 120, "the server to come up")

@@ -15,7 +15,7 @@ from helpers import checked_llm, encode_all, greedy
 
 def _norm(x, w, eps):
     h = x.float()
-    return (w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _fused_add_rmsnorm(x, residual, w, eps):
@@ -33,8 +33,11 @@ def _rope_inplace(positions, query, key, head_size, cos_sin, is_neox):
 
 
 STAND_INS = SimpleNamespace(
-    rmsnorm=lambda x, w, eps: _norm(x, w, eps), fused_add_rmsnorm=_fused_add_rmsnorm, rope_inplace=_rope_inplace,
-    silu_and_mul=lambda t: F.silu(t[..., : t.shape[-1] // 2]) * t[..., t.shape[-1] // 2:])
+    rmsnorm=lambda x, w, eps: _norm(x, w, eps),
+    fused_add_rmsnorm=_fused_add_rmsnorm,
+    rope_inplace=_rope_inplace,
+    silu_and_mul=lambda t: F.silu(t[..., : t.shape[-1] // 2]) * t[..., t.shape[-1] // 2 :],
+)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -42,6 +45,7 @@ def test_layers_on_the_fused_path_match_hf(monkeypatch, model_paths, family):
     import worker.layers.mlp
     import worker.layers.norm
     import worker.layers.rotary
+
     for module in (worker.layers.norm, worker.layers.rotary, worker.layers.mlp):
         monkeypatch.setattr(module, "fused_ops", lambda x: STAND_INS)
     path = model_paths[family]
@@ -65,10 +69,18 @@ def test_a_graph_decode_step_stages_one_block_that_the_bucket_views_read_back(qw
     engine = Engine(EngineConfig(str(qwen3_path), page_size=4, num_pages=64, max_running_reqs=8))
     # what _stage reads of the graph runner
     engine.graphs = SimpleNamespace(pad=io_pads(999, engine.table.scratch_cell))
-    desc = BatchDesc(False, slots=np.array([3, 0, 5], np.int32), seq_lens=np.array([9, 17, 4], np.int32),
-                     extend_lens=np.ones(3, np.int32), out_loc=np.array([40, 81, 130], np.int32), input_ids=None,
-                     temperature=np.array([0.0, 0.7, 1.5], np.float32), top_p=np.array([1.0, 0.9, 1.0], np.float32),
-                     top_k=np.array([-1, -1, 20], np.int32), seeds=np.array([1, 2, 1 << 40], np.int64))
+    desc = BatchDesc(
+        False,
+        slots=np.array([3, 0, 5], np.int32),
+        seq_lens=np.array([9, 17, 4], np.int32),
+        extend_lens=np.ones(3, np.int32),
+        out_loc=np.array([40, 81, 130], np.int32),
+        input_ids=None,
+        temperature=np.array([0.0, 0.7, 1.5], np.float32),
+        top_p=np.array([1.0, 0.9, 1.0], np.float32),
+        top_k=np.array([-1, -1, 20], np.int32),
+        seeds=np.array([1, 2, 1 << 40], np.int64),
+    )
     s = engine._stage(desc, 4)
     assert not s.sampling.all_greedy and s.sampling.filtered and not s.sampling.procs
     io = torch.zeros(IO.nbytes(8), dtype=torch.uint8)
@@ -89,9 +101,20 @@ def test_a_graph_decode_step_stages_one_block_that_the_bucket_views_read_back(qw
     assert b.io["seeds"].tolist() == [1, 2, 1 << 40, 0] and b.sample_pos.tolist() == [9, 17, 4, 0]
     assert b.io["temperature"].tolist() == pytest.approx([0.0, 0.7, 1.5, 0.0])
     s.staged.release()
-    greedy = engine._stage(BatchDesc(False, slots=desc.slots, seq_lens=desc.seq_lens,
-                                     extend_lens=desc.extend_lens, out_loc=desc.out_loc, input_ids=None,
-                                     temperature=desc.temperature * 0, top_p=desc.top_p, top_k=desc.top_k,
-                                     seeds=desc.seeds), 4)
+    greedy = engine._stage(
+        BatchDesc(
+            False,
+            slots=desc.slots,
+            seq_lens=desc.seq_lens,
+            extend_lens=desc.extend_lens,
+            out_loc=desc.out_loc,
+            input_ids=None,
+            temperature=desc.temperature * 0,
+            top_p=desc.top_p,
+            top_k=desc.top_k,
+            seeds=desc.seeds,
+        ),
+        4,
+    )
     assert greedy.sampling.all_greedy and not greedy.sampling.filtered and greedy.sampling.sampler_io is None
     greedy.staged.release()

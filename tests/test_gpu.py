@@ -12,9 +12,9 @@ import pytest
 import torch
 from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy
+from tiny_checkpoints import build_llama_hd128, build_qwen3_hd128, random_prompts
 
 from cluster import SamplingParams
-from tiny_checkpoints import build_llama_hd128, build_qwen3_hd128, random_prompts
 from worker.batch import BatchDesc
 from worker.config import EngineConfig
 from worker.engine import Engine
@@ -63,8 +63,9 @@ def run(path, prompts, params, **kw) -> tuple[list[list[int]], list[list[dict[in
     return [o.token_ids for o in outs], [tops.get(uid, []) for uid in uids]
 
 
-def agreement(ref: list[list[int]], got: list[list[int]], ref_tops: list[list[dict[int, float]]] | None = None,
-              tie: float = 0.1) -> float:
+def agreement(
+    ref: list[list[int]], got: list[list[int]], ref_tops: list[list[dict[int, float]]] | None = None, tie: float = 0.1
+) -> float:
     """Of the steps both runs took from the same prefix, the share that chose the same token (a request
     is compared up to and including its first differing token: later ones follow other inputs). With
     the reference's top logprobs, a different token within `tie` nats of the reference's is a near-tie
@@ -86,8 +87,9 @@ def agreement(ref: list[list[int]], got: list[list[int]], ref_tops: list[list[di
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
 def test_torch_backend_on_gpu_matches_hf_in_float32(model_paths, family):
     path = model_paths[family]
-    with checked_llm(path, kernels=Kernels(attention="torch"), dtype="float32", num_pages=KV_TOKENS,
-                     overlap=False) as llm:
+    with checked_llm(
+        path, kernels=Kernels(attention="torch"), dtype="float32", num_pages=KV_TOKENS, overlap=False
+    ) as llm:
         assert llm.engine.device.type == "cuda"
         prompts = encode_all(llm, PROMPT_TEXTS[:8])
         outs = llm.generate(prompts, greedy(16))
@@ -96,6 +98,7 @@ def test_torch_backend_on_gpu_matches_hf_in_float32(model_paths, family):
 
 def test_flashinfer_is_the_default_on_gpu_in_bfloat16(qwen3_hd128_path):
     from worker.attention.flashinfer_backend import FlashInferBackend
+
     with checked_llm(qwen3_hd128_path, dtype="bfloat16", num_pages=KV_TOKENS, max_running_reqs=16) as llm:
         assert isinstance(llm.engine.attn, FlashInferBackend)
         assert sorted(llm.engine.graphs.graphs) == [1, 2, 4, 8, 16]
@@ -112,8 +115,9 @@ def test_flashinfer_agrees_with_torch_backend_in_bfloat16(qwen3_hd128_path, page
     # bfloat16 near-ties of its own, is off in both; its own agreement test is below)
     common = dict(dtype="bfloat16", page_size=page_size, max_extend_tokens=64)
     ref, ref_tops = run(qwen3_hd128_path, prompts, params, kernels=Kernels(triton=False, attention="torch"), **common)
-    got, got_tops = run(qwen3_hd128_path, prompts, params, kernels=Kernels(triton=False, attention="flashinfer"),
-                        **common)
+    got, got_tops = run(
+        qwen3_hd128_path, prompts, params, kernels=Kernels(triton=False, attention="flashinfer"), **common
+    )
     assert agreement(ref, got, ref_tops) >= 0.99
     for x, y, tx, ty in zip(ref, got, ref_tops, got_tops):
         n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), len(x))
@@ -143,8 +147,16 @@ def test_cuda_graph_generation_agrees_with_eager(qwen3_hd128_path):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cuda_graph_decode_step_equals_eager_decode_step(qwen3_hd128_path, page_size):
-    engine = Engine(EngineConfig(str(qwen3_hd128_path), dtype="bfloat16", page_size=page_size,
-                                 num_pages=KV_TOKENS // page_size, max_running_reqs=8, cuda_graph_max_bs=8))
+    engine = Engine(
+        EngineConfig(
+            str(qwen3_hd128_path),
+            dtype="bfloat16",
+            page_size=page_size,
+            num_pages=KV_TOKENS // page_size,
+            max_running_reqs=8,
+            cuda_graph_max_bs=8,
+        )
+    )
     logits = []
     compute_logits = engine.model.compute_logits
     engine.model.compute_logits = lambda h: logits.append(compute_logits(h)) or logits[-1]
@@ -153,17 +165,30 @@ def test_cuda_graph_decode_step_equals_eager_decode_step(qwen3_hd128_path, page_
     per_req = -(-128 // page_size)
     locs = [np.arange(i * per_req * page_size, i * per_req * page_size + 128) for i in range(5)]
     ones = np.ones(5, dtype=np.float32)
-    common = dict(slots=slots, temperature=ones * 0, top_p=ones, top_k=np.zeros(5, np.int32),
-                  seeds=np.zeros(5, np.int64))
+    common = dict(
+        slots=slots, temperature=ones * 0, top_p=ones, top_k=np.zeros(5, np.int32), seeds=np.zeros(5, np.int64)
+    )
     lens = np.array([len(p) for p in prompts], dtype=np.int32)
-    engine.forward(BatchDesc(True, seq_lens=lens, extend_lens=lens, out_loc=np.concatenate(
-        [loc[:n] for loc, n in zip(locs, lens)]).astype(np.int32), input_ids=np.concatenate(prompts).astype(np.int32),
-        **common)).done.synchronize()
+    engine.forward(
+        BatchDesc(
+            True,
+            seq_lens=lens,
+            extend_lens=lens,
+            out_loc=np.concatenate([loc[:n] for loc, n in zip(locs, lens)]).astype(np.int32),
+            input_ids=np.concatenate(prompts).astype(np.int32),
+            **common,
+        )
+    ).done.synchronize()
     for step in range(3):
         seq = lens + 1 + step
-        desc = BatchDesc(False, seq_lens=seq, extend_lens=np.ones(5, np.int32),
-                         out_loc=np.array([loc[n - 1] for loc, n in zip(locs, seq)], dtype=np.int32), input_ids=None,
-                         **common)
+        desc = BatchDesc(
+            False,
+            seq_lens=seq,
+            extend_lens=np.ones(5, np.int32),
+            out_loc=np.array([loc[n - 1] for loc, n in zip(locs, seq)], dtype=np.int32),
+            input_ids=None,
+            **common,
+        )
         graphs, engine.graphs = engine.graphs, None
         eager = engine.forward(desc)  # the same KV and token writes both times: the step can run twice
         eager.done.synchronize()
@@ -202,6 +227,7 @@ def test_triton_sampling_kernel_picks_what_the_torch_sampler_picks_at_full_vocab
     pytest.importorskip("triton")
     from worker import triton_ops
     from worker.sampling.sampler import sample, sample_unfiltered
+
     torch.manual_seed(1)
     rows, vocab = 256, 151_936
     logits = (torch.randn(rows, vocab, device="cuda") * 3).bfloat16()
@@ -222,8 +248,12 @@ def test_sampling_with_top_p_in_a_graph_batch_leaves_plain_rows_alone(qwen3_hd12
     # rows without top-k/top-p draw the same tokens whether or not other rows of their batch filter
     prompts = random_prompts(6, 5, 60, seed=4)
     plain = [SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=10 + i) for i in range(6)]
-    mixed = [p if i % 2 else SamplingParams(temperature=0.8, top_p=0.7, top_k=20, max_tokens=16, ignore_eos=True,
-                                            seed=10 + i) for i, p in enumerate(plain)]
+    mixed = [
+        p
+        if i % 2
+        else SamplingParams(temperature=0.8, top_p=0.7, top_k=20, max_tokens=16, ignore_eos=True, seed=10 + i)
+        for i, p in enumerate(plain)
+    ]
     a, _ = run(qwen3_hd128_path, prompts, plain, dtype="bfloat16", page_size=16)
     b, _ = run(qwen3_hd128_path, prompts, mixed, dtype="bfloat16", page_size=16)
     assert [a[i] for i in (1, 3, 5)] == [b[i] for i in (1, 3, 5)]

@@ -21,15 +21,18 @@ def test_processors_on_gpu_equal_hf_in_float32(model_paths):
     path = model_paths["qwen3"]
     with checked_llm(path, device="cuda", dtype="float32", kernels=Kernels(attention="torch")) as llm:
         prompts = encode_all(llm, PROMPT_TEXTS[:6])
-        got = [o.token_ids for o in llm.generate(prompts, greedy(24, ignore_eos=True, repetition_penalty=1.8,
-                                                                 logit_bias={7: 3.0}))]
+        got = [
+            o.token_ids
+            for o in llm.generate(prompts, greedy(24, ignore_eos=True, repetition_penalty=1.8, logit_bias={7: 3.0}))
+        ]
     assert got == hf_generate(path, prompts, 24, eos_token_id=[], repetition_penalty=1.8, sequence_bias={(7,): 3.0})
 
 
 def test_a_forcing_bias_holds_in_graph_decode_steps(qwen3_hd128_path):
     prompts = random_prompts(5, 5, 60, seed=6)
-    params = [greedy(20, ignore_eos=True, logit_bias={42: 100.0}) if i % 2 else greedy(20, ignore_eos=True)
-              for i in range(5)]
+    params = [
+        greedy(20, ignore_eos=True, logit_bias={42: 100.0}) if i % 2 else greedy(20, ignore_eos=True) for i in range(5)
+    ]
     got, _ = run(qwen3_hd128_path, prompts, params, dtype="bfloat16", page_size=16)
     plain, _ = run(qwen3_hd128_path, prompts, greedy(20, ignore_eos=True), dtype="bfloat16", page_size=16)
     assert all(t == [42] * 20 for t in got[1::2])
@@ -39,9 +42,21 @@ def test_a_forcing_bias_holds_in_graph_decode_steps(qwen3_hd128_path):
 def test_penalties_in_graphs_agree_with_eager_and_leave_plain_sampled_rows_alone(qwen3_hd128_path):
     prompts = random_prompts(8, 5, 80, seed=7)
     sampled = [SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=20 + i) for i in range(8)]
-    mixed = [SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=20 + i, presence_penalty=1.0,
-                            frequency_penalty=0.5, repetition_penalty=1.3, min_p=0.05) if i % 2 else p
-             for i, p in enumerate(sampled)]
+    mixed = [
+        SamplingParams(
+            temperature=0.8,
+            max_tokens=24,
+            ignore_eos=True,
+            seed=20 + i,
+            presence_penalty=1.0,
+            frequency_penalty=0.5,
+            repetition_penalty=1.3,
+            min_p=0.05,
+        )
+        if i % 2
+        else p
+        for i, p in enumerate(sampled)
+    ]
     alone, _ = run(qwen3_hd128_path, prompts, sampled, dtype="bfloat16", page_size=16)
     graph, _ = run(qwen3_hd128_path, prompts, mixed, dtype="bfloat16", page_size=16)
     eager, _ = run(qwen3_hd128_path, prompts, mixed, dtype="bfloat16", page_size=16, cuda_graph_max_bs=0)
@@ -52,8 +67,12 @@ def test_penalties_in_graphs_agree_with_eager_and_leave_plain_sampled_rows_alone
 
 def test_overlap_equals_normal_loop_with_penalties_and_min_tokens(qwen3_hd128_path):
     prompts = random_prompts(10, 5, 150, seed=8)
-    params = [SamplingParams(temperature=0.7, max_tokens=32, seed=5 + i, frequency_penalty=0.8, min_tokens=12,
-                             logit_bias={3: -100.0}) for i in range(10)]
+    params = [
+        SamplingParams(
+            temperature=0.7, max_tokens=32, seed=5 + i, frequency_penalty=0.8, min_tokens=12, logit_bias={3: -100.0}
+        )
+        for i in range(10)
+    ]
     normal, _ = run(qwen3_hd128_path, prompts, params, dtype="bfloat16", page_size=16, overlap=False)
     overlap, _ = run(qwen3_hd128_path, prompts, params, dtype="bfloat16", page_size=16, overlap=True)
     assert overlap == normal
@@ -64,15 +83,19 @@ def test_grammar_masks_hold_in_graph_decode_steps_and_leave_plain_rows_alone(qwe
     import re
 
     from cluster import GrammarSpec
+
     pytest.importorskip("xgrammar")
     prompts = random_prompts(6, 5, 60, seed=9)
     regex = r"[a-z]{4,12} (yes|no)"
     plain = [SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=30 + i) for i in range(6)]
-    mixed = [SamplingParams(temperature=0.8, max_tokens=60, seed=30 + i, grammar=GrammarSpec("regex", regex))
-             if i % 2 else p for i, p in enumerate(plain)]
+    mixed = [
+        SamplingParams(temperature=0.8, max_tokens=60, seed=30 + i, grammar=GrammarSpec("regex", regex)) if i % 2 else p
+        for i, p in enumerate(plain)
+    ]
     alone, _ = run(qwen3_hd128_path, prompts, plain, dtype="bfloat16", page_size=16)
-    with checked_llm(qwen3_hd128_path, dtype="bfloat16", page_size=16, num_pages=KV_TOKENS // 16,
-                     max_running_reqs=16) as llm:
+    with checked_llm(
+        qwen3_hd128_path, dtype="bfloat16", page_size=16, num_pages=KV_TOKENS // 16, max_running_reqs=16
+    ) as llm:
         outs = llm.generate(prompts, mixed)
     assert [o.token_ids for o in outs[0::2]] == alone[0::2]
     for out in outs[1::2]:
@@ -87,15 +110,29 @@ def test_redrawing_a_large_batchs_few_special_rows_alone_equals_the_bucket_varia
 
     from cluster import GrammarSpec
     from worker.sampling import resample
+
     pytest.importorskip("xgrammar")
     n = 40
     prompts = random_prompts(n, 5, 60, seed=12)
     regex = r"[a-z]{4,12} (yes|no)"
     plain = [SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=40 + i) for i in range(n)]
-    special = [SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=40 + i, presence_penalty=1.0,
-                              frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={5: 4.0}) if i % 5 == 0
-               else SamplingParams(temperature=0.8, max_tokens=60, seed=40 + i, grammar=GrammarSpec("regex", regex))
-               if i % 10 == 3 else p for i, p in enumerate(plain)]
+    special = [
+        SamplingParams(
+            temperature=0.8,
+            max_tokens=20,
+            ignore_eos=True,
+            seed=40 + i,
+            presence_penalty=1.0,
+            frequency_penalty=0.5,
+            repetition_penalty=1.3,
+            logit_bias={5: 4.0},
+        )
+        if i % 5 == 0
+        else SamplingParams(temperature=0.8, max_tokens=60, seed=40 + i, grammar=GrammarSpec("regex", regex))
+        if i % 10 == 3
+        else p
+        for i, p in enumerate(plain)
+    ]
     kw = dict(dtype="bfloat16", page_size=16, max_running_reqs=64)
     alone, _ = run(qwen3_hd128_path, prompts, plain, **kw)
     compact, _ = run(qwen3_hd128_path, prompts, special, **kw)
@@ -108,6 +145,7 @@ def test_redrawing_a_large_batchs_few_special_rows_alone_equals_the_bucket_varia
     assert agreement([alone[i] for i in others], [compact[i] for i in others]) >= 0.95
     assert [compact[i] for i in range(0, n, 5)] != [alone[i] for i in range(0, n, 5)]
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(qwen3_hd128_path)
     for i in range(3, n, 10):
         assert re.fullmatch(regex, tok.decode(compact[i], skip_special_tokens=True)), tok.decode(compact[i])

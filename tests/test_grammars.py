@@ -11,16 +11,22 @@ import re
 import jsonschema
 import numpy as np
 import pytest
+from fixtures import PROMPT_TEXTS
 from helpers import checked_llm, encode_all, greedy
 
 from cluster import GrammarSpec, InvalidRequestError, SamplingParams
-from fixtures import PROMPT_TEXTS
 from worker.batch import BatchDesc, desc_layout, pack_desc, packed_nbytes, unpack_desc
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 def _constrained(kind: str, spec: str, i: int, **kw) -> SamplingParams:
@@ -51,8 +57,9 @@ def test_overlap_and_normal_loops_give_the_same_constrained_outputs(qwen3_path):
     for overlap in (True, False):
         with checked_llm(qwen3_path, overlap=overlap) as llm:
             prompts = encode_all(llm, PROMPT_TEXTS[:6])
-            params = [_constrained("regex", r"(yes|no), because [a-z ]{3,12}\.", i) for i in range(3)] + \
-                     [_constrained("json_object", "", i) for i in range(3)]
+            params = [_constrained("regex", r"(yes|no), because [a-z ]{3,12}\.", i) for i in range(3)] + [
+                _constrained("json_object", "", i) for i in range(3)
+            ]
             results.append([o.token_ids for o in llm.generate(prompts, params)])
     assert results[0] == results[1]
 
@@ -62,8 +69,15 @@ def test_regex_and_ebnf_outputs_match_their_grammar(qwen3_path):
         prompts = encode_all(llm, PROMPT_TEXTS[:4])
         regex = r"<think>[a-z]{2,5}</think>(hello|goodbye) [0-9]{1,3}"
         ebnf = 'root ::= "call(" arg ("," arg)* ")"\narg ::= [a-c]+'
-        outs = llm.generate(prompts, [_constrained("regex", regex, 0), _constrained("regex", regex, 1),
-                                      _constrained("ebnf", ebnf, 2), greedy(200, grammar=GrammarSpec("ebnf", ebnf))])
+        outs = llm.generate(
+            prompts,
+            [
+                _constrained("regex", regex, 0),
+                _constrained("regex", regex, 1),
+                _constrained("ebnf", ebnf, 2),
+                greedy(200, grammar=GrammarSpec("ebnf", ebnf)),
+            ],
+        )
     for out in outs[:2]:
         assert out.finish_reason == "stop" and re.fullmatch(regex, out.text)
     for out in outs[2:]:
@@ -72,8 +86,10 @@ def test_regex_and_ebnf_outputs_match_their_grammar(qwen3_path):
 
 def test_max_tokens_cuts_a_constrained_output_with_length(qwen3_path):
     with checked_llm(qwen3_path) as llm:
-        out = llm.generate(encode_all(llm, PROMPT_TEXTS[:1]),
-                           SamplingParams(temperature=0, max_tokens=5, grammar=GrammarSpec("regex", "[a-z]{50}")))[0]
+        out = llm.generate(
+            encode_all(llm, PROMPT_TEXTS[:1]),
+            SamplingParams(temperature=0, max_tokens=5, grammar=GrammarSpec("regex", "[a-z]{50}")),
+        )[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 5
 
 
@@ -81,15 +97,27 @@ def test_constrained_requests_survive_preemption(qwen3_path):
     with checked_llm(qwen3_path, page_size=4, num_pages=40, decode_reserve_tokens=1) as llm:
         prompts = encode_all(llm, PROMPT_TEXTS[:8])
         regex = r"[a-z]{30,40}"
-        outs = llm.generate(prompts, [SamplingParams(temperature=0.9, seed=i, max_tokens=60,
-                                                     grammar=GrammarSpec("regex", regex)) for i in range(8)])
+        outs = llm.generate(
+            prompts,
+            [
+                SamplingParams(temperature=0.9, seed=i, max_tokens=60, grammar=GrammarSpec("regex", regex))
+                for i in range(8)
+            ],
+        )
         assert llm.stats().preempted > 0
     for out in outs:
         assert out.finish_reason == "stop" and re.fullmatch(regex, out.text)
 
 
-@pytest.mark.parametrize("kind,spec", [("json_schema", "{not json"), ("json_schema", '{"type": "nonsense"}'),
-                                       ("regex", "(unclosed"), ("ebnf", "root ::= missing_rule")])
+@pytest.mark.parametrize(
+    "kind,spec",
+    [
+        ("json_schema", "{not json"),
+        ("json_schema", '{"type": "nonsense"}'),
+        ("regex", "(unclosed"),
+        ("ebnf", "root ::= missing_rule"),
+    ],
+)
 def test_a_grammar_that_does_not_compile_is_refused_naming_the_field(qwen3_path, kind, spec):
     with checked_llm(qwen3_path) as llm:
         prompts = encode_all(llm, PROMPT_TEXTS[:2])
@@ -112,11 +140,20 @@ def test_compiled_grammars_are_cached_by_value(qwen3_path):
 
 def test_grammar_rows_travel_in_the_packed_step():
     ones = np.ones(3, dtype=np.float32)
-    desc = BatchDesc(False, slots=np.array([0, 2, 5], np.int32), seq_lens=np.array([4, 9, 7], np.int32),
-                     extend_lens=np.ones(3, np.int32), out_loc=np.array([3, 8, 6], np.int32), input_ids=None,
-                     temperature=ones, top_p=ones, top_k=np.zeros(3, np.int32), seeds=np.arange(3, dtype=np.int64),
-                     grammar_rows=np.array([0, 2], np.int32),
-                     grammar_mask=np.arange(24, dtype=np.int32).reshape(2, 12) - 5)
+    desc = BatchDesc(
+        False,
+        slots=np.array([0, 2, 5], np.int32),
+        seq_lens=np.array([4, 9, 7], np.int32),
+        extend_lens=np.ones(3, np.int32),
+        out_loc=np.array([3, 8, 6], np.int32),
+        input_ids=None,
+        temperature=ones,
+        top_p=ones,
+        top_k=np.zeros(3, np.int32),
+        seeds=np.arange(3, dtype=np.int64),
+        grammar_rows=np.array([0, 2], np.int32),
+        grammar_mask=np.arange(24, dtype=np.int32).reshape(2, 12) - 5,
+    )
     layout = desc_layout(desc)
     buf = np.zeros(packed_nbytes(layout), dtype=np.uint8)
     pack_desc(desc, layout, buf)

@@ -16,8 +16,16 @@ KEY = "sk-test-123"
 
 @pytest.fixture(scope="module")
 def guarded(ray_cluster, qwen3_path):
-    with serving(qwen3_path, num_pages=1024, max_running_reqs=16, api_key=KEY, max_body_bytes=64_000,
-                 max_stop_strings=4, max_tokens_limit=256, request_timeout_s=60) as srv:
+    with serving(
+        qwen3_path,
+        num_pages=1024,
+        max_running_reqs=16,
+        api_key=KEY,
+        max_body_bytes=64_000,
+        max_stop_strings=4,
+        max_tokens_limit=256,
+        request_timeout_s=60,
+    ) as srv:
         yield srv
 
 
@@ -64,8 +72,15 @@ BAD = [  # (name, path, body (dict, or bytes sent raw), expected status)
     ("chat empty messages", CHAT, {"model": "tiny", "messages": []}, 400),
     ("chat bad role", CHAT, {"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, 400),
     ("chat message not an object", CHAT, {"model": "tiny", "messages": ["hi"]}, 400),
-    ("chat image content", CHAT, {"model": "tiny", "messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    (
+        "chat image content",
+        CHAT,
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        },
+        400,
+    ),
     ("chat top_logprobs too many", CHAT, {"model": "tiny", "messages": MSG, "logprobs": True, "top_logprobs": 99}, 400),
     ("chat max_completion_tokens zero", CHAT, {"model": "tiny", "messages": MSG, "max_completion_tokens": 0}, 400),
     # text that is not valid Unicode: JSON allows a lone surrogate, no tokenizer can encode one
@@ -74,8 +89,12 @@ BAD = [  # (name, path, body (dict, or bytes sent raw), expected status)
     ("lone surrogate in the model", C, {**OK, "model": "tiny\ud800"}, 400),
     ("lone surrogate in a stop string", C, {**OK, "stop": ["\ud800"]}, 400),
     ("lone surrogate in a message", CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "\ud800"}]}, 400),
-    ("lone surrogate in a content part", CHAT, {"model": "tiny", "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "a\udc00"}]}]}, 400),
+    (
+        "lone surrogate in a content part",
+        CHAT,
+        {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "a\udc00"}]}]},
+        400,
+    ),
     # strict types, as OpenAI's API has them: no coercion
     ("stream as a string", C, {**OK, "stream": "yes"}, 400),
     ("stream as a number", C, {**OK, "stream": 1}, 400),
@@ -100,11 +119,27 @@ BAD = [  # (name, path, body (dict, or bytes sent raw), expected status)
     ("min_p", C, {**OK, "min_p": 1.5}, 400),
     ("min_tokens", C, {**OK, "min_tokens": 3}, 400),  # above max_tokens (2)
     # bad schemas and tool choices (tests/test_structured_api.py has the rest)
-    ("tools", CHAT, {"model": "tiny", "messages": MSG, "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]}, 400),
+    (
+        "tools",
+        CHAT,
+        {
+            "model": "tiny",
+            "messages": MSG,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+        },
+        400,
+    ),
     ("tool_choice required", CHAT, {"model": "tiny", "messages": MSG, "tool_choice": "required"}, 400),
-    ("response_format", CHAT, {"model": "tiny", "messages": MSG, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}, 400),
+    (
+        "response_format",
+        CHAT,
+        {
+            "model": "tiny",
+            "messages": MSG,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}},
+        },
+        400,
+    ),
     ("guided_json", C, {**OK, "guided_json": {"type": "objekt"}}, 400),
     # fields that would change what the request means are refused, never ignored
     ("echo", CHAT, {"model": "tiny", "messages": MSG, "echo": True}, 400),  # a completions field
@@ -114,8 +149,21 @@ BAD = [  # (name, path, body (dict, or bytes sent raw), expected status)
 ]
 
 # what a refused field's message must name
-NAMED = {"tools", "tool_choice", "response_format", "logit_bias", "presence_penalty", "frequency_penalty",
-         "repetition_penalty", "min_p", "min_tokens", "echo", "suffix", "best_of", "guided_json"}
+NAMED = {
+    "tools",
+    "tool_choice",
+    "response_format",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+    "echo",
+    "suffix",
+    "best_of",
+    "guided_json",
+}
 
 
 @pytest.mark.parametrize("name,path,body,status", BAD, ids=[b[0] for b in BAD])
@@ -133,8 +181,18 @@ def test_bad_input_gets_a_4xx_with_an_openai_error_body(guarded, name, path, bod
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
 
 
-@pytest.mark.parametrize("field,value", [("presence_penalty", 0), ("frequency_penalty", 0.0), ("echo", False),
-                                         ("best_of", 1), ("logit_bias", {}), ("tools", []), ("suffix", None)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("presence_penalty", 0),
+        ("frequency_penalty", 0.0),
+        ("echo", False),
+        ("best_of", 1),
+        ("logit_bias", {}),
+        ("tools", []),
+        ("suffix", None),
+    ],
+)
 def test_fields_at_their_neutral_value_are_accepted(guarded, field, value):
     r = httpx.post(guarded.url + C, json={**OK, field: value}, headers=AUTH, timeout=30)
     assert r.status_code == 200, r.text
@@ -152,6 +210,7 @@ def test_chunked_body_over_the_limit_is_refused(guarded):
     def chunks():
         for _ in range(100):
             yield b" " * 1000
+
     r = httpx.post(guarded.url + C, content=chunks(), headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == 413
 
@@ -180,5 +239,6 @@ def test_request_timeout_ends_a_slow_request_with_408(ray_cluster, qwen3_path):
         assert events[-1]["error"]["code"] == 408
         import ray
         from test_serve import wait_until_idle
+
         assert [s.live for s in wait_until_idle(srv)] == [0]
         ray.get(srv.replicas[0].actor.check_integrity.remote())

@@ -17,6 +17,7 @@ def test_two_engines_in_one_process_keep_their_own_fused_kernel_choice(monkeypat
     import worker.layers.mlp
     import worker.layers.norm
     import worker.layers.rotary
+
     fused_calls = []
 
     def stand_ins(x):  # FlashInfer's kernels, as tests/test_fused_layers.py stands them in on the CPU
@@ -45,13 +46,16 @@ def test_two_engines_in_one_process_keep_their_own_triton_kernel_choice(monkeypa
         def launch(*args, **kwargs):
             launches[name] += 1
             return kernel(*args, **kwargs)
+
         return launch
 
     monkeypatch.setattr(triton_ops, "qkv_prologue", counted("prologue", triton_ops.qkv_prologue))
     monkeypatch.setattr(triton_ops, "sample_rows", counted("sample", triton_ops.sample_rows))
     seeded = SamplingParams(temperature=0.8, max_tokens=3, seed=7, ignore_eos=True)  # a draw: the sampler's kernel
-    with checked_llm(qwen3_path, kernels=Kernels(interpret_on_cpu=True)) as interpreted, \
-            checked_llm(qwen3_path) as plain:
+    with (
+        checked_llm(qwen3_path, kernels=Kernels(interpret_on_cpu=True)) as interpreted,
+        checked_llm(qwen3_path) as plain,
+    ):
         prompts = encode_all(plain, PROMPT_TEXTS[:2])
         launches.update(prologue=0, sample=0)  # the interpreted engine's warm-up step
         torch_tokens = [o.token_ids for o in plain.generate(prompts, seeded)]

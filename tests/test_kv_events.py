@@ -43,7 +43,7 @@ def test_a_receivers_view_equals_the_radix_tree_through_inserts_splits_and_evict
     # few distinct tokens: prompts share prefixes, so edges are split and partly evicted
     prompts = [[rng.randrange(3) for _ in range(PAGE * rng.randrange(1, 8))] for _ in range(40)]
     next_page, held, removed = 0, [], 0
-    for step in range(300):
+    for _ in range(300):
         for _ in range(rng.randrange(1, 5)):  # a step's operations
             op = rng.random()
             if op < 0.4:
@@ -99,7 +99,7 @@ def test_the_scheduler_reports_what_its_cache_holds_as_requests_finish_and_evict
     chats = [[100 + c] * 12 for c in range(6)]
     uid, removed = 0, 0
     for _turn in range(4):
-        for c, chat in enumerate(chats):
+        for chat in chats:
             chat.extend(rng.randrange(1, 50) for _ in range(8))
             run.submit(uid, list(chat), max_tokens=3)
             uid += 1
@@ -164,6 +164,7 @@ def test_a_router_that_connects_late_gets_the_whole_cache_then_changes(scripted)
 
 def test_a_replica_output_is_a_list_of_deltas_with_its_kv_events_beside():
     import pickle
+
     out = ReplicaOutput([TokenDelta(1, 5)], KVEvents(4, [11], [12]))
     back = pickle.loads(pickle.dumps(out))
     assert list(back) == [TokenDelta(1, 5)] and back.kv_events == KVEvents(4, [11], [12])
@@ -171,14 +172,19 @@ def test_a_replica_output_is_a_list_of_deltas_with_its_kv_events_beside():
 
 def test_cache_exact_routes_to_the_replica_holding_the_prefix_on_ray(ray_cluster, qwen3_path):
     import ray
+
     with serving(qwen3_path, replicas=2, routing="cache_exact", num_pages=256, max_running_reqs=8) as srv:
         clients = srv.state.clients
         prompt = [5 + (i % 97) for i in range(64)]
 
         def complete(ids: list[int]) -> None:
             import httpx
-            r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 2,
-                                                               "temperature": 0}, timeout=60)
+
+            r = httpx.post(
+                srv.url + "/v1/completions",
+                json={"model": "tiny", "prompt": ids, "max_tokens": 2, "temperature": 0},
+                timeout=60,
+            )
             assert r.status_code == 200, r.text
 
         complete(prompt)
@@ -195,6 +201,11 @@ def test_cache_exact_routes_to_the_replica_holding_the_prefix_on_ray(ray_cluster
         assert after[holder] - before[holder] >= 3 * 60 and after[1 - holder] == before[1 - holder]
 
         # what the router has learnt is what the replica's cache holds
-        held = ray.get(srv.replicas[holder].actor.__ray_call__.remote(
-            lambda self: self.scheduler.call_between_steps(lambda: self.subscribers.kv.held.copy()).result(timeout=10)))
+        held = ray.get(
+            srv.replicas[holder].actor.__ray_call__.remote(
+                lambda self: self.scheduler.call_between_steps(lambda: self.subscribers.kv.held.copy()).result(
+                    timeout=10
+                )
+            )
+        )
         assert clients[holder].kv_blocks == held

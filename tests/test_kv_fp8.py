@@ -13,10 +13,10 @@ import pytest
 import torch
 from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy
+from tiny_checkpoints import build_qwen3_hd128, random_prompts
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from cluster import SamplingParams
-from tiny_checkpoints import build_qwen3_hd128, random_prompts
 from worker import triton_ops
 from worker.kernels import Kernels
 from worker.kv_cache import FP8, FP8_MAX, KVCachePool, to_fp8
@@ -59,8 +59,8 @@ def test_under_tritons_interpreter_the_torch_store_writes_an_fp8_cache(needs_tri
     torch.manual_seed(1)
     kv_heads, head_dim, tokens = 2, 16, 6
     qkv = torch.randn(tokens, 8 * head_dim) * 30
-    k = qkv[:, 4 * head_dim:6 * head_dim].view(tokens, kv_heads, head_dim)
-    v = qkv[:, 6 * head_dim:].view(tokens, kv_heads, head_dim)
+    k = qkv[:, 4 * head_dim : 6 * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, 6 * head_dim :].view(tokens, kv_heads, head_dim)
     pool = KVCachePool(1, 8, 2, kv_heads, head_dim, FP8, CPU, INTERPRETED)
     assert triton_ops.kernels_available(INTERPRETED, k) and triton_ops.prologue_applies(INTERPRETED, qkv, head_dim)
     assert not triton_ops.prologue_applies(INTERPRETED, qkv, head_dim, FP8)
@@ -94,8 +94,12 @@ def test_fp8_cache_holds_twice_the_pages_of_bfloat16_in_the_same_budget(qwen3_pa
     # 1 MiB: the budget, not the context length, decides the page count
     budget = {"cpu_kv_cache_gb": 2**-10, "page_size": 4}
     pages = {}
-    for name, kw in {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "fp8": FP8_KV,
-                     "fp8, bfloat16 weights": {"dtype": "bfloat16", **FP8_KV}}.items():
+    for name, kw in {
+        "float32": {},
+        "bfloat16": {"dtype": "bfloat16"},
+        "fp8": FP8_KV,
+        "fp8, bfloat16 weights": {"dtype": "bfloat16", **FP8_KV},
+    }.items():
         with checked_llm(qwen3_path, **budget, **kw) as llm:
             pages[name] = llm.engine.num_pages
             outs = llm.generate(PROMPT_TEXTS[:4], greedy(8, ignore_eos=True))
@@ -161,8 +165,8 @@ def test_greedy_tokens_over_an_fp8_cache_are_float32s_but_at_near_ties(qwen3_pat
     gaps = []
     with torch.no_grad():
         for i, (p, r) in enumerate(zip(prompts, ref)):
-            logits = hf(torch.tensor([p + r])).logits[0, len(p) - 1:len(p) - 1 + n]
-            gaps += [float(logits[j, r[j]] - logits[j, g]) for j, g in enumerate(got[i * n:(i + 1) * n]) if g != r[j]]
+            logits = hf(torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) - 1 + n]
+            gaps += [float(logits[j, r[j]] - logits[j, g]) for j, g in enumerate(got[i * n : (i + 1) * n]) if g != r[j]]
     assert len(gaps) <= 0.15 * len(got)
     assert max(gaps, default=0.0) <= 1.0
 
@@ -218,8 +222,8 @@ def _assert_part_only_at_near_ties(ref, got) -> list[tuple[int, float | None]]:
 @pytest.mark.gpu
 def test_flashinfer_runs_over_an_fp8_cache_with_cuda_graphs(qwen3_hd128):
     from worker.attention.flashinfer_backend import FlashInferBackend, prefill_backend
-    with checked_llm(qwen3_hd128, dtype="bfloat16", num_pages=KV_TOKENS // 16, max_running_reqs=16,
-                     **FP8_KV) as llm:
+
+    with checked_llm(qwen3_hd128, dtype="bfloat16", num_pages=KV_TOKENS // 16, max_running_reqs=16, **FP8_KV) as llm:
         assert isinstance(llm.engine.attn, FlashInferBackend)
         assert llm.engine.kv.dtype == FP8 and llm.engine.attn.q_dtype == torch.bfloat16
         assert prefill_backend(llm.engine.device, 128, FP8) == "fa2"  # FlashInfer 0.5.3's FA3 has no fp8 build
@@ -233,8 +237,13 @@ def test_greedy_over_an_fp8_cache_follows_the_bfloat16_cache_but_at_near_ties(qw
     # FlashInfer and CUDA graphs both times; prefill in 64-token chunks over cached fp8 pages
     n = 32
     prompts = random_prompts(16, 20, 300, seed=1)
-    common = {"dtype": "bfloat16", "page_size": 16, "num_pages": KV_TOKENS // 16, "max_running_reqs": 16,
-              "max_extend_tokens": 64}
+    common = {
+        "dtype": "bfloat16",
+        "page_size": 16,
+        "num_pages": KV_TOKENS // 16,
+        "max_running_reqs": 16,
+        "max_extend_tokens": 64,
+    }
     ref = _generate(qwen3_hd128, prompts, _greedy_logprobs(n), **common)
     with checked_llm(qwen3_hd128, **common, **FP8_KV) as llm:
         free = llm.generate(prompts, _greedy_logprobs(n))
@@ -285,8 +294,9 @@ def test_cuda_graph_decode_over_an_fp8_cache_equals_eager(qwen3_hd128):
 
 @pytest.mark.gpu
 def test_flashinfer_runs_over_an_fp8_cache_with_float16_weights(qwen3_hd128):
-    outs = _generate(qwen3_hd128, random_prompts(4, 5, 100, seed=6), greedy(8, ignore_eos=True), dtype="float16",
-                     **FP8_KV)
+    outs = _generate(
+        qwen3_hd128, random_prompts(4, 5, 100, seed=6), greedy(8, ignore_eos=True), dtype="float16", **FP8_KV
+    )
     assert [len(o.token_ids) for o in outs] == [8] * 4
 
 
@@ -296,8 +306,8 @@ def test_triton_kernels_write_the_fp8_cache_as_the_torch_store_does_on_the_gpu(n
     dev = torch.device("cuda")
     heads, kv_heads, head_dim, tokens = 4, 2, 128, 33
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=dev) * 30).bfloat16()
-    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
     loc = torch.randperm(64, device=dev)[:tokens]
     pool = KVCachePool(1, 64, 1, kv_heads, head_dim, FP8, dev)
     assert triton_ops.kernels_available(Kernels(), k)
@@ -322,12 +332,25 @@ def test_triton_prologue_writes_normed_rotated_keys_and_values_into_an_fp8_cache
         qkv[:, -head_dim:] *= 500  # values that saturate
         positions, out_loc = torch.tensor([0, 5, 9, 1, 33, 63, 2]), torch.tensor([3, 0, 11, 7, 8, 1, 15])
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    ref_q, ref_k = rotary(positions, q_norm(q.reshape(tokens, heads, head_dim)),
-                          k_norm(k.reshape(tokens, kv_heads, head_dim)))
+    ref_q, ref_k = rotary(
+        positions, q_norm(q.reshape(tokens, heads, head_dim)), k_norm(k.reshape(tokens, kv_heads, head_dim))
+    )
     pool = KVCachePool(1, 16, 1, kv_heads, head_dim, FP8, dev)
     assert triton_ops.prologue_applies(Kernels(), qkv, head_dim, FP8)
-    got_q = triton_ops.qkv_prologue(qkv, positions, out_loc, rotary.cos_sin, q_norm.weight, k_norm.weight, eps,
-                                    pool.k(0), pool.v(0), heads, kv_heads, head_dim)
+    got_q = triton_ops.qkv_prologue(
+        qkv,
+        positions,
+        out_loc,
+        rotary.cos_sin,
+        q_norm.weight,
+        k_norm.weight,
+        eps,
+        pool.k(0),
+        pool.v(0),
+        heads,
+        kv_heads,
+        head_dim,
+    )
     torch.testing.assert_close(got_q, ref_q, rtol=1e-5, atol=1e-5)
     keys, values = pool.gather(0, out_loc, torch.float32)
     # the kernel's norm and rotary may part from torch's in the last float32 bit: one e4m3 step at most

@@ -30,6 +30,7 @@ def test_serving_configs_load_and_validate(path):
 @pytest.mark.parametrize("path", [p for p in CONFIGS if p.name.startswith("cluster-")], ids=lambda p: p.name)
 def test_ray_cluster_configs_pass_rays_validation(path):
     from ray.autoscaler._private.util import prepare_config, validate_config
+
     config = prepare_config(yaml.safe_load(path.read_text()))
     validate_config(config)
     assert any("pip install" in c for c in config["setup_commands"])
@@ -52,9 +53,22 @@ def test_demo_serves_and_stops_cleanly_on_sigterm(tmp_path, dashboard_packages):
         hide.mkdir()
         (hide / "sitecustomize.py").write_text("import sys\nsys.modules['ray.dashboard.optional_deps'] = None\n")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hide), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--demo", "--port", str(port),
-                             "--config", str(ROOT / "configs" / "cpu-tiny.yaml")],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            "--demo",
+            "--port",
+            str(port),
+            "--config",
+            str(ROOT / "configs" / "cpu-tiny.yaml"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -66,8 +80,10 @@ def test_demo_serves_and_stops_cleanly_on_sigterm(tmp_path, dashboard_packages):
                 pass
             assert time.monotonic() < deadline, "the demo server did not come up"
             time.sleep(0.5)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                       json={"model": "demo", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "demo", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
@@ -117,7 +133,13 @@ def test_a_replica_spans_two_nodes_with_pack_placement(tmp_path, qwen3_path):
 
 def test_an_unreachable_hub_model_id_exits_with_what_to_do(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
-    out = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--model", "Qwen/Qwen3-0.6B"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "--model", "Qwen/Qwen3-0.6B"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0
     assert "cannot find 'Qwen/Qwen3-0.6B'" in out.stderr and "--local-dir" in out.stderr

@@ -23,13 +23,18 @@ def imported_modules(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("layer,forbidden", [("worker", ("cluster", "router")), ("cluster", ("router",))])
 def test_lower_layers_import_nothing_above_them(layer, forbidden):
-    bad = [(str(p.relative_to(ROOT)), m) for p in (ROOT / layer).rglob("*.py") for m in imported_modules(p)
-           if m.split(".")[0] in forbidden]
+    bad = [
+        (str(p.relative_to(ROOT)), m)
+        for p in (ROOT / layer).rglob("*.py")
+        for m in imported_modules(p)
+        if m.split(".")[0] in forbidden
+    ]
     assert bad == []
 
 
 def test_the_router_imports_only_what_cluster_exports():
     import cluster
+
     files = sorted((ROOT / "router").rglob("*.py"))
     assert len(files) > len(list((ROOT / "router").glob("*.py")))  # the subpackages are searched too
     bad = [(str(p.relative_to(ROOT)), m) for p in files for m in imported_modules(p) if m.startswith("cluster.")]
@@ -55,14 +60,16 @@ def test_no_module_imports_itself_through_others(layer):
             name = name.rpartition(".")[0]
         return name or None
 
-    graph = {m: {t for n in imported_modules(p) if (t := target(n)) and t != m and not modules[t].name == "__init__.py"}
-             for m, p in modules.items()}
+    graph = {
+        m: {t for n in imported_modules(p) if (t := target(n)) and t != m and not modules[t].name == "__init__.py"}
+        for m, p in modules.items()
+    }
     state: dict[str, int] = {}  # 1: on the path, 2: done
 
     def visit(m: str, path: list[str]) -> None:
         state[m] = 1
         for n in sorted(graph[m]):
-            assert state.get(n) != 1, " -> ".join(path[path.index(n):] + [m, n]) if n in path else f"{m} -> {n}"
+            assert state.get(n) != 1, " -> ".join(path[path.index(n) :] + [m, n]) if n in path else f"{m} -> {n}"
             if n not in state:
                 visit(n, path + [m])
         state[m] = 2

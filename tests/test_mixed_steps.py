@@ -57,14 +57,22 @@ def test_a_long_prompt_does_not_stall_running_decodes(scripted, overlap):
     assert stalls[False] >= 7
 
 
-@pytest.mark.parametrize("family,overlap,cache_type,page_size,chunk", [
-    ("qwen3", True, "radix", 4, 16), ("qwen3", False, "naive", 1, 7), ("llama", True, "naive", 16, 8192),
-    ("llama", False, "radix", 4, 9), ("qwen2", True, "radix", 1, 12)])
+@pytest.mark.parametrize(
+    "family,overlap,cache_type,page_size,chunk",
+    [
+        ("qwen3", True, "radix", 4, 16),
+        ("qwen3", False, "naive", 1, 7),
+        ("llama", True, "naive", 16, 8192),
+        ("llama", False, "radix", 4, 9),
+        ("qwen2", True, "radix", 1, 12),
+    ],
+)
 def test_mixed_steps_with_arrivals_equal_hf(model_paths, family, overlap, cache_type, page_size, chunk):
     """Three requests at a time: each new one is prefilled (in chunks) beside the others' decodes."""
     path = model_paths[family]
-    with checked_llm(path, overlap=overlap, cache_type=cache_type, page_size=page_size, max_extend_tokens=chunk,
-                     max_running_reqs=3) as llm:
+    with checked_llm(
+        path, overlap=overlap, cache_type=cache_type, page_size=page_size, max_extend_tokens=chunk, max_running_reqs=3
+    ) as llm:
         prompts = encode_all(llm, PROMPT_TEXTS[:8])
         params = [greedy(8 + 3 * (i % 3), ignore_eos=True) for i in range(8)]  # ends at different steps
         outs = llm.generate(prompts, params)
@@ -75,12 +83,21 @@ def test_mixed_steps_with_arrivals_equal_hf(model_paths, family, overlap, cache_
 
 def test_mixed_steps_keep_seeded_sampling_and_preemption_exact(qwen3_path):
     """The same seeded requests give the same tokens with mixing on and off, preempting on the way."""
-    params = [SamplingParams(temperature=0.9, top_k=30, max_tokens=24, ignore_eos=True, seed=i, presence_penalty=0.3)
-              for i in range(8)]
+    params = [
+        SamplingParams(temperature=0.9, top_k=30, max_tokens=24, ignore_eos=True, seed=i, presence_penalty=0.3)
+        for i in range(8)
+    ]
     results = []
     for mixed in (True, False):
-        with checked_llm(qwen3_path, page_size=4, num_pages=30, decode_reserve_tokens=1, max_running_reqs=4,
-                         mixed_steps=mixed, max_extend_tokens=10) as llm:
+        with checked_llm(
+            qwen3_path,
+            page_size=4,
+            num_pages=30,
+            decode_reserve_tokens=1,
+            max_running_reqs=4,
+            mixed_steps=mixed,
+            max_extend_tokens=10,
+        ) as llm:
             prompts = encode_all(llm, PROMPT_TEXTS[:8])
             results.append([o.token_ids for o in llm.generate(prompts, params)])
             assert llm.stats().preempted > 0

@@ -44,8 +44,13 @@ def test_router_and_ray_metrics_count_the_traffic_sent(observed, ray_metrics_por
     prompts = PROMPT_TEXTS[:5]
     prompt_tokens = 0
     for i, prompt in enumerate(prompts):
-        body = {"model": "observed", "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-                "stream": i % 2 == 0}
+        body = {
+            "model": "observed",
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "ignore_eos": True,
+            "stream": i % 2 == 0,
+        }
         r = httpx.post(observed.url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 200
         prompt_tokens += len(observed.state.tokenizer(prompt).input_ids)
@@ -59,8 +64,11 @@ def test_router_and_ray_metrics_count_the_traffic_sent(observed, ray_metrics_por
     # one inter-token sample per gap between two tokens, one TPOT sample per request
     assert sample_value(text, "raylm:inter_token_latency_seconds_count") == generated - len(prompts)
     assert sample_value(text, "raylm:time_per_output_token_seconds_count") == len(prompts)
-    for family in ("raylm:inter_token_latency_seconds", "raylm:time_per_output_token_seconds",
-                   "raylm:e2e_request_latency_seconds"):
+    for family in (
+        "raylm:inter_token_latency_seconds",
+        "raylm:time_per_output_token_seconds",
+        "raylm:e2e_request_latency_seconds",
+    ):
         assert f"# TYPE {family} histogram" in text
 
     # the replica's own metrics, through Ray's metrics agent (it exports every few seconds)
@@ -70,29 +78,41 @@ def test_router_and_ray_metrics_count_the_traffic_sent(observed, ray_metrics_por
     deadline = time.monotonic() + 60
     while True:
         exported = httpx.get(f"http://127.0.0.1:{ray_metrics_port}/metrics").text
-        counts = (sample_value(exported, "ray_raylm_request_success_total", finish_reason="length", **tags),
-                  sample_value(exported, "ray_raylm_generation_tokens_total", **tags),
-                  sample_value(exported, "ray_raylm_prompt_tokens_total", **tags))
+        counts = (
+            sample_value(exported, "ray_raylm_request_success_total", finish_reason="length", **tags),
+            sample_value(exported, "ray_raylm_generation_tokens_total", **tags),
+            sample_value(exported, "ray_raylm_prompt_tokens_total", **tags),
+        )
         if counts == (len(prompts), generated, prompt_tokens) or time.monotonic() > deadline:
             break
         time.sleep(1)
     assert counts == (len(prompts), generated, prompt_tokens)
     assert sample_value(exported, "ray_raylm_queue_time_seconds_count", **tags) == len(prompts)
     # client-visible latencies are measured once, by the router
-    for family in ("ray_raylm_time_to_first_token_seconds", "ray_raylm_inter_token_latency_seconds",
-                   "ray_raylm_time_per_output_token_seconds", "ray_raylm_e2e_request_latency_seconds"):
+    for family in (
+        "ray_raylm_time_to_first_token_seconds",
+        "ray_raylm_inter_token_latency_seconds",
+        "ray_raylm_time_per_output_token_seconds",
+        "ray_raylm_e2e_request_latency_seconds",
+    ):
         assert family + "_count" not in exported, family
-    for gauge in ("ray_raylm_num_running_reqs", "ray_raylm_num_queue_reqs", "ray_raylm_token_usage",
-                  "ray_raylm_cache_hit_rate", "ray_raylm_gen_throughput"):
+    for gauge in (
+        "ray_raylm_num_running_reqs",
+        "ray_raylm_num_queue_reqs",
+        "ray_raylm_token_usage",
+        "ray_raylm_cache_hit_rate",
+        "ray_raylm_gen_throughput",
+    ):
         assert gauge + "{" in exported, gauge
 
 
 def test_inter_token_latency_is_one_sample_per_gap_and_tokens_that_arrive_together_have_none():
     from router.http.metrics import RouterMetrics
+
     timing = Timing(arrival=10.0)
-    timing.received(1, 10.5)   # the first token
+    timing.received(1, 10.5)  # the first token
     timing.received(1, 10.6)
-    timing.received(3, 11.0)   # three steps' tokens in one message
+    timing.received(3, 11.0)  # three steps' tokens in one message
     assert timing.tokens == 5 and timing.gaps == pytest.approx([0.1, 0.4, 0.0, 0.0])
     metrics = RouterMetrics("m")
     metrics.finished("length", 3, timing)
@@ -106,6 +126,7 @@ def test_inter_token_latency_is_one_sample_per_gap_and_tokens_that_arrive_togeth
 
 def ray_stats(srv) -> ReplicaStats:
     import ray
+
     return ray.get(srv.replicas[0].actor.stats.remote())  # also flushes the replica's counters
 
 
@@ -113,12 +134,27 @@ def test_preemptions_are_counted_once_each(ray_cluster):
     from types import SimpleNamespace
 
     from cluster.replica.metrics import ReplicaMetrics
+
     metrics = ReplicaMetrics(0, "m", interval_s=0.0)
     counted: list[float] = []
     metrics.preemptions = SimpleNamespace(inc=lambda n, tags: counted.append(n))
-    snap = SchedulerStats(running=1, waiting=0, live=1, request_slots_total=4, request_slots_free=3, pages_total=8,
-                          pages_free=4, pages_cached=0, pages_reserved=0, prefix_hit_tokens=0, prompt_tokens_admitted=1,
-                          steps=0, prefill_tokens=0, decode_tokens=0, preempted=0)
+    snap = SchedulerStats(
+        running=1,
+        waiting=0,
+        live=1,
+        request_slots_total=4,
+        request_slots_free=3,
+        pages_total=8,
+        pages_free=4,
+        pages_cached=0,
+        pages_reserved=0,
+        prefix_hit_tokens=0,
+        prompt_tokens_admitted=1,
+        steps=0,
+        prefill_tokens=0,
+        decode_tokens=0,
+        preempted=0,
+    )
     for preempted in (0, 2, 2, 5):
         metrics.flush(lambda: dataclasses.replace(snap, preempted=preempted))
     assert counted == [2, 3]
@@ -148,6 +184,7 @@ class _Client:
 
 def test_a_replica_that_does_not_answer_is_left_out_of_the_scrape_without_holding_it_up():
     from router.http.metrics import RouterMetrics
+
     stats = SimpleNamespace(running=2, waiting=1, kv_usage=0.25, prefix_hit_rate=0.5, preempted=3)
     answering, stuck = _Client(0, _StatsActor(stats)), _Client(1, _StatsActor())
     metrics = RouterMetrics("m")
@@ -180,10 +217,15 @@ def test_router_metrics_show_each_replicas_gauges_by_replica(ray_cluster, qwen3_
         streaming, stop = threading.Event(), threading.Event()
 
         def long_stream() -> None:
-            body = {"model": "observed2", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
-                    "stream": True}
+            body = {
+                "model": "observed2",
+                "prompt": "Once upon a time",
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "stream": True,
+            }
             with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
+                for _line in r.iter_lines():
                     streaming.set()
                     if stop.is_set():
                         return  # the router aborts the request when the client goes
@@ -196,8 +238,13 @@ def test_router_metrics_show_each_replicas_gauges_by_replica(ray_cluster, qwen3_
         finally:
             stop.set()
             client.join(60)
-    for gauge in ("raylm:num_running_reqs", "raylm:num_queue_reqs", "raylm:token_usage", "raylm:cache_hit_rate",
-                  "raylm:num_preemptions_total"):
+    for gauge in (
+        "raylm:num_running_reqs",
+        "raylm:num_queue_reqs",
+        "raylm:token_usage",
+        "raylm:cache_hit_rate",
+        "raylm:num_preemptions_total",
+    ):
         for replica in ("0", "1"):
             assert f'{gauge}{{model="observed2",replica="{replica}"}}' in text, (gauge, replica)
     assert sample_value(text, "raylm:num_running_reqs") == 1
@@ -210,6 +257,7 @@ def test_the_grafana_dashboard_queries_only_metrics_that_are_exported():
 
     from cluster.replica.metrics import ReplicaMetrics
     from router.http.metrics import RouterMetrics
+
     dashboard = json.loads((Path(__file__).resolve().parents[1] / "configs" / "grafana-dashboard.json").read_text())
     queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     queries += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
@@ -221,10 +269,14 @@ def test_the_grafana_dashboard_queries_only_metrics_that_are_exported():
     timing.received(1, 0.1)
     timing.received(1, 0.2)
     router.finished("stop", 3, timing)
-    router.replica_gauges._stats = {0: SimpleNamespace(running=1, waiting=0, kv_usage=0.1, prefix_hit_rate=0.0,
-                                                       preempted=0)}
-    exported = {line.split("{")[0].split(" ")[0] for line in generate_latest(router.registry).decode().splitlines()
-                if line and not line.startswith("#")}
+    router.replica_gauges._stats = {
+        0: SimpleNamespace(running=1, waiting=0, kv_usage=0.1, prefix_hit_rate=0.0, preempted=0)
+    }
+    exported = {
+        line.split("{")[0].split(" ")[0]
+        for line in generate_latest(router.registry).decode().splitlines()
+        if line and not line.startswith("#")
+    }
     suffixes = {Counter: ("_total",), Histogram: ("_bucket", "_count", "_sum")}
     for metric in vars(ReplicaMetrics(0, "m")).values():  # Ray prefixes the names it exports with ray_
         if hasattr(metric, "info"):

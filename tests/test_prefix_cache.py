@@ -94,7 +94,7 @@ def test_one_eviction_frees_every_evictable_page_it_is_asked_for_while_the_heap_
     chain = list(range(200))  # 100 pages
     cache.insert(chain, list(range(100)))
     for k in range(1, 100):  # matching every prefix splits the edge into 100 one-page nodes
-        cache.match(chain[:k * PAGE])
+        cache.match(chain[: k * PAGE])
     hot, _ = cache.insert([7, 7, 7, 7], [100, 101])
     for _ in range(cycles):  # stale heap entries, all more recent than the chain
         cache.match([7, 7, 7, 7])

@@ -16,9 +16,11 @@ def import_with_foreign(tmp_path: Path, foreign: str, imported: str) -> subproce
     (tmp_path / "site" / foreign).mkdir(parents=True)
     (tmp_path / "site" / foreign / "__init__.py").write_text("")
     # the project's folder first, so `imported` is this project's and only `foreign` comes from elsewhere
-    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}]; sys.modules.pop({foreign!r}, None); "
-            f"sys.path.insert(0, {str(tmp_path / 'site')!r}) if {foreign!r} != {imported!r} else None; "
-            f"import {imported}")
+    code = (
+        f"import sys; sys.path[:0] = [{str(ROOT)!r}]; sys.modules.pop({foreign!r}, None); "
+        f"sys.path.insert(0, {str(tmp_path / 'site')!r}) if {foreign!r} != {imported!r} else None; "
+        f"import {imported}"
+    )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
 
 
@@ -37,6 +39,7 @@ def test_router_refuses_a_foreign_cluster(tmp_path):
 
 
 def test_the_projects_own_packages_import():
-    done = subprocess.run([sys.executable, "-c", "import router, cluster, worker"], capture_output=True, text=True,
-                          cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", "import router, cluster, worker"], capture_output=True, text=True, cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr

@@ -32,8 +32,9 @@ def test_the_quickstart_runs_as_written(tmp_path):
     assert serve.startswith("python launch.py") and "\n" not in serve
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), OMP_NUM_THREADS="1")
     command = [sys.executable if word == "python" else word for word in shlex.split(serve)]
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 120
         while True:  # the client block's URL
@@ -46,11 +47,18 @@ def test_the_quickstart_runs_as_written(tmp_path):
             assert time.monotonic() < deadline, "the quickstart server did not come up"
             time.sleep(0.5)
         for line in install.splitlines():
-            done = subprocess.run(line.replace("pip", f"{sys.executable} -m pip", 1), shell=True, env=env,
-                                  capture_output=True, text=True, timeout=300)
+            done = subprocess.run(
+                line.replace("pip", f"{sys.executable} -m pip", 1),
+                shell=True,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert done.returncode == 0, done.stdout + done.stderr
-        ran = subprocess.run([sys.executable, "-c", client], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=120)
+        ran = subprocess.run(
+            [sys.executable, "-c", client], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
         assert ran.returncode == 0, ran.stdout + ran.stderr
         assert ran.stdout.endswith("\n") and "Traceback" not in ran.stderr
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C, as the README says

@@ -42,7 +42,7 @@ def _step_all(subs: Subscribers, run) -> None:
 
 def test_each_subscriber_polls_its_own_requests_deltas(scripted):
     subs, run = _over(scripted)
-    _submit(subs, run, [AddRequest(1, [1, 2, 3], _params())])                  # the default subscriber, 0
+    _submit(subs, run, [AddRequest(1, [1, 2, 3], _params())])  # the default subscriber, 0
     _submit(subs, run, [AddRequest(2, [4, 5, 6], _params()), AddRequest(3, [7, 8], _params())], subscriber=1)
     _submit(subs, run, [AddRequest(4, [9, 9, 9], _params())], subscriber=2)
     assert subs.owner(3) == 1 and subs.num_live == 4

@@ -22,14 +22,17 @@ PROMPTS = [[5 + (7 * i + j) % 90 for j in range(6 + i % 5)] for i in range(12)]
 
 def _texts(url: str, ids: list[int], n: int) -> str:
     with httpx.Client(timeout=60) as http:  # a fresh connection: the kernel picks a router for each
-        r = http.post(url + "/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": n,
-                                                     "temperature": 0, "ignore_eos": True})
+        r = http.post(
+            url + "/v1/completions",
+            json={"model": "tiny", "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True},
+        )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
 
 def test_two_router_actors_share_the_port_and_answer_as_the_offline_engine(qwen3_path):
     import ray
+
     with serving(qwen3_path, routers=2, num_pages=256, max_running_reqs=8) as srv:
         for k in range(2):  # named in Ray (and its dashboard)
             assert ray.get(ray.get_actor(f"raylm-router-{srv.config.port}-{k}").ping.remote())[0] > 0
@@ -43,8 +46,14 @@ def test_two_router_actors_share_the_port_and_answer_as_the_offline_engine(qwen3
             assert "raylm:num_requests_running" in text
         # a router whose client of a serving replica failed (a transient error) is given it back
         router = srv.tier.actors[0]
-        ray.get(router.__ray_call__.remote(lambda self: self._loop.call_soon_threadsafe(
-            self.state.clients[0].mark_failed, "injected: a poll failed") and None))
+        ray.get(
+            router.__ray_call__.remote(
+                lambda self: (
+                    self._loop.call_soon_threadsafe(self.state.clients[0].mark_failed, "injected: a poll failed")
+                    and None
+                )
+            )
+        )
         deadline = time.monotonic() + 30
         while ray.get(router.down_replicas.remote()) != []:
             assert time.monotonic() < deadline, "router 0 did not get replica 0 back"
@@ -64,9 +73,18 @@ async def _stream(url: str, ids: list[int], n: int) -> str:
     """'done' when the stream ends with [DONE], 'cut' when its connection closes first."""
     try:
         async with httpx.AsyncClient(timeout=60) as http:
-            async with http.stream("POST", url + "/v1/completions", json={
-                    "model": "tiny", "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                    "stream": True}) as r:
+            async with http.stream(
+                "POST",
+                url + "/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": ids,
+                    "max_tokens": n,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            ) as r:
                 async for line in r.aiter_lines():
                     if line == "data: [DONE]":
                         return "done"
@@ -77,6 +95,7 @@ async def _stream(url: str, ids: list[int], n: int) -> str:
 
 def test_a_router_killed_under_load_is_restarted_and_its_requests_are_aborted(qwen3_path):
     import ray
+
     with serving(qwen3_path, routers=2, num_pages=1024, max_running_reqs=16) as srv:
         victim = srv.tier.actors[0]
         first_start = ray.get(victim.ping.remote())

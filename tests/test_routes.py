@@ -55,14 +55,17 @@ def test_detokenize_inverts_tokenize(srv):
     assert r.status_code == 200 and "Hello there" in r.json()["prompt"]
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/tokenize", {}, None),
-    ("/tokenize", {"prompt": "a", "messages": MSG}, None),
-    ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
-    ("/tokenize", {"prompt": 5}, "prompt"),
-    ("/detokenize", {"tokens": [10**7]}, "tokens"),
-    ("/detokenize", {"tokens": "1 2"}, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/tokenize", {}, None),
+        ("/tokenize", {"prompt": "a", "messages": MSG}, None),
+        ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/detokenize", {"tokens": [10**7]}, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+    ],
+)
 def test_bad_tokenize_requests_get_openai_errors(srv, path, body, param):
     r = httpx.post(srv.url + path, json=body, headers=AUTH)
     assert 400 <= r.status_code < 500, r.text

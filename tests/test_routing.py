@@ -95,6 +95,7 @@ def test_cache_exact_balances_on_what_the_replica_holds_from_every_router():
 
 def test_every_routing_setting_names_a_policy():
     from cluster.config import ServeConfig, settings
+
     choices = settings(ServeConfig)["routing"].choices
     assert {type(create_policy(name)) for name in choices} == {CacheExact, CacheAware, RoundRobin}
 

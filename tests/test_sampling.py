@@ -30,7 +30,7 @@ class OpenAIPenalties(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         scores = scores.clone()
         for row, ids in enumerate(input_ids):
-            for token, count in zip(*np.unique(ids[self.prompt_len:].numpy(), return_counts=True)):
+            for token, count in zip(*np.unique(ids[self.prompt_len :].numpy(), return_counts=True)):
                 scores[row, token] -= count * self.frequency + self.presence
         return scores
 
@@ -90,30 +90,53 @@ def test_presence_and_frequency_penalties_equal_openais_formula(model_paths, fam
         prompts = _prompts(llm)
         plain = [o.token_ids for o in llm.generate(prompts, greedy(NEW, ignore_eos=True))]
         for presence, frequency in ((0.0, 1.5), (1.2, 0.0), (0.7, 0.6), (-0.5, 0.0)):
-            got = [o.token_ids for o in llm.generate(prompts, greedy(NEW, ignore_eos=True, presence_penalty=presence,
-                                                                    frequency_penalty=frequency))]
-            ref = hf_generate(path, prompts, NEW, eos_token_id=[], logits_processor=lambda n: LogitsProcessorList(
-                [OpenAIPenalties(n, presence, frequency)]))
+            got = [
+                o.token_ids
+                for o in llm.generate(
+                    prompts, greedy(NEW, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency)
+                )
+            ]
+            ref = hf_generate(
+                path,
+                prompts,
+                NEW,
+                eos_token_id=[],
+                logits_processor=lambda n: LogitsProcessorList([OpenAIPenalties(n, presence, frequency)]),
+            )
             assert got == ref, (presence, frequency)
             if presence > 0 or frequency > 0:
                 assert got != plain
 
 
-@pytest.mark.parametrize("overlap,cache_type,page_size,chunk", [
-    (True, "radix", 4, 8), (False, "naive", 1, 8192), (True, "naive", 16, 5), (False, "radix", 4, 8192)])
-def test_a_batch_mixing_processors_and_plain_rows_equals_hf_row_by_row(qwen3_path, overlap, cache_type, page_size,
-                                                                       chunk):
+@pytest.mark.parametrize(
+    "overlap,cache_type,page_size,chunk",
+    [(True, "radix", 4, 8), (False, "naive", 1, 8192), (True, "naive", 16, 5), (False, "radix", 4, 8192)],
+)
+def test_a_batch_mixing_processors_and_plain_rows_equals_hf_row_by_row(
+    qwen3_path, overlap, cache_type, page_size, chunk
+):
     """Rows with processors and rows without share batches (and request slots, one after another):
     each equals its own HF run; chunked prefill, page sizes and both caches included."""
-    with checked_llm(qwen3_path, overlap=overlap, cache_type=cache_type, page_size=page_size,
-                     max_extend_tokens=chunk, max_running_reqs=4) as llm:
+    with checked_llm(
+        qwen3_path,
+        overlap=overlap,
+        cache_type=cache_type,
+        page_size=page_size,
+        max_extend_tokens=chunk,
+        max_running_reqs=4,
+    ) as llm:
         prompts = _prompts(llm, 8)
-        mixed = [greedy(NEW, ignore_eos=True, repetition_penalty=1.5, logit_bias={9: 2.0}) if i % 2 else
-                 greedy(NEW, ignore_eos=True) for i in range(len(prompts))]
+        mixed = [
+            greedy(NEW, ignore_eos=True, repetition_penalty=1.5, logit_bias={9: 2.0})
+            if i % 2
+            else greedy(NEW, ignore_eos=True)
+            for i in range(len(prompts))
+        ]
         got = [o.token_ids for o in llm.generate(prompts, mixed)]
         again = [o.token_ids for o in llm.generate(prompts, mixed)]  # slots reused, prefix cache warm
-    penalized = hf_generate(qwen3_path, prompts[1::2], NEW, eos_token_id=[], repetition_penalty=1.5,
-                            sequence_bias={(9,): 2.0})
+    penalized = hf_generate(
+        qwen3_path, prompts[1::2], NEW, eos_token_id=[], repetition_penalty=1.5, sequence_bias={(9,): 2.0}
+    )
     assert got[1::2] == again[1::2] == penalized
     assert got[0::2] == again[0::2] == hf_greedy(qwen3_path, prompts[0::2], NEW, ignore_eos=True)
 
@@ -125,8 +148,13 @@ def test_penalties_survive_preemption(qwen3_path):
         params = greedy(NEW, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5)
         got = [o.token_ids for o in llm.generate(prompts, params)]
         assert llm.stats().preempted > 0
-    ref = hf_generate(qwen3_path, prompts, NEW, eos_token_id=[],
-                      logits_processor=lambda n: LogitsProcessorList([OpenAIPenalties(n, 0.5, 1.0)]))
+    ref = hf_generate(
+        qwen3_path,
+        prompts,
+        NEW,
+        eos_token_id=[],
+        logits_processor=lambda n: LogitsProcessorList([OpenAIPenalties(n, 0.5, 1.0)]),
+    )
     assert got == ref
 
 
@@ -138,8 +166,10 @@ def test_seeded_choices_are_reproducible_and_independent_of_the_batch(qwen3_path
         alone = [o.token_ids for o in first.outputs]
         # the same request again, now beside other requests (sampled and greedy)
         others = _prompts(llm, 3)[1:]
-        crowd = llm.generate([prompt, others[0], prompt, others[1]],
-                             [params, greedy(12), params.for_choice(1), SamplingParams(temperature=0.7, seed=5)])
+        crowd = llm.generate(
+            [prompt, others[0], prompt, others[1]],
+            [params, greedy(12), params.for_choice(1), SamplingParams(temperature=0.7, seed=5)],
+        )
         in_crowd = [o.token_ids for o in crowd[0].outputs]
         singles = [llm.generate([prompt], params.for_choice(i))[0].token_ids for i in range(3)]
     assert [o.index for o in first.outputs] == [0, 1, 2]
@@ -209,18 +239,27 @@ def test_processor_state_applies_openais_formula_and_leaves_plain_rows_untouched
 
 
 def test_bad_values_name_their_field(qwen3_path):
-    for kw, field in (({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
-                      ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
-                      ({"logit_bias": {1: 101}}, "logit_bias"), ({"logit_bias": {-1: 1}}, "logit_bias"),
-                      ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"), ({"n": 0}, "n")):
+    for kw, field in (
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"logit_bias": {1: 101}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"n": 0}, "n"),
+    ):
         with pytest.raises(InvalidRequestError) as e:
             SamplingParams(**kw)
         assert e.value.field == field
     with checked_llm(qwen3_path, max_logit_bias=4) as llm:
         prompt = _prompts(llm, 1)
         vocab = llm.engine.hf_config.vocab_size
-        for kw in ({"logit_bias": {vocab: 1.0}}, {"logit_bias": {i: 1.0 for i in range(5)}},
-                   {"logit_bias": {1: 1.0, 2: 1.0}, "min_tokens": 2, "stop_token_ids": [3, 4, 5]}):
+        for kw in (
+            {"logit_bias": {vocab: 1.0}},
+            {"logit_bias": {i: 1.0 for i in range(5)}},
+            {"logit_bias": {1: 1.0, 2: 1.0}, "min_tokens": 2, "stop_token_ids": [3, 4, 5]},
+        ):
             with pytest.raises(InvalidRequestError) as e:
                 llm.generate(prompt, greedy(4, **kw))
             assert e.value.field == "logit_bias"

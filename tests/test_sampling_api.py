@@ -23,8 +23,7 @@ MSG = [{"role": "user", "content": "Hello"}]
 
 @pytest.fixture(scope="module")
 def srv(ray_cluster, qwen3_path):
-    with serving(qwen3_path, num_pages=1024, max_running_reqs=32, max_n=MAX_N,
-                 max_logit_bias=MAX_LOGIT_BIAS) as server:
+    with serving(qwen3_path, num_pages=1024, max_running_reqs=32, max_n=MAX_N, max_logit_bias=MAX_LOGIT_BIAS) as server:
         yield server
 
 
@@ -33,12 +32,18 @@ def tokenizer(qwen3_path):
     return load_tokenizer(str(qwen3_path))
 
 
-
 def sampled(srv, **kw) -> openai.types.Completion:
     """A seeded completion of 8 tokens at temperature 1 (EOS does not end it), each choice's tokens in
     its logprobs."""
-    args = dict(model="tiny", prompt=PROMPT_TEXTS[3], max_tokens=8, temperature=1, seed=1234, logprobs=0,
-                extra_body={"ignore_eos": True})
+    args = dict(
+        model="tiny",
+        prompt=PROMPT_TEXTS[3],
+        max_tokens=8,
+        temperature=1,
+        seed=1234,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
     return client(srv).completions.create(**{**args, **kw})
 
 
@@ -63,8 +68,11 @@ BAD = [  # (field, path, body): each a 400 whose param names the field
     ("logit_bias", C, {**OK, "logit_bias": {"-1": 1}}),
     ("logit_bias", C, {**OK, "logit_bias": {"five": 1}}),
     ("logit_bias", C, {**OK, "logit_bias": {"10000000": 1}}),
-    ("logit_bias", CHAT, {"model": "tiny", "messages": MSG,
-                          "logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}}),  # more than the table holds
+    (
+        "logit_bias",
+        CHAT,
+        {"model": "tiny", "messages": MSG, "logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}},
+    ),  # more than the table holds
     ("logit_bias", C, {**OK, "logit_bias": {"5": "high"}}),
     ("n", C, {**OK, "n": MAX_N + 1}),
     ("n", CHAT, {"model": "tiny", "messages": MSG, "n": 0}),
@@ -89,8 +97,15 @@ def test_the_vocabulary_bound_of_logit_bias_is_the_models(srv, tokenizer):
 
 
 def test_every_sampling_field_at_a_valid_value_is_served(srv):
-    fields = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.3, "min_p": 0.05,
-              "min_tokens": 2, "logit_bias": {"7": -3.5, "9": 2}, "seed": 3}
+    fields = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.3,
+        "min_p": 0.05,
+        "min_tokens": 2,
+        "logit_bias": {"7": -3.5, "9": 2},
+        "seed": 3,
+    }
     for path, body in ((C, {**OK, **fields}), (CHAT, {"model": "tiny", "messages": MSG, "max_tokens": 4, **fields})):
         r = httpx.post(srv.url + path, json=body, timeout=30)
         assert r.status_code == 200, r.text
@@ -103,8 +118,9 @@ def test_n_choices_have_indices_their_own_finish_reasons_and_usage_counts_them_a
     assert all(c.finish_reason == "length" and len(c.logprobs.tokens) == 8 for c in r.choices)
     assert r.usage.prompt_tokens == len(tokenizer(PROMPT_TEXTS[3]).input_ids)  # the prompt counts once
     assert r.usage.completion_tokens == 24
-    chat = client(srv).chat.completions.create(model="tiny", messages=MSG, max_tokens=5, n=3, seed=7,
-                                               extra_body={"ignore_eos": True})
+    chat = client(srv).chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=5, n=3, seed=7, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in chat.choices] == [0, 1, 2] and chat.usage.completion_tokens == 15
     assert all(c.message.role == "assistant" and c.finish_reason == "length" for c in chat.choices)
 
@@ -112,9 +128,15 @@ def test_n_choices_have_indices_their_own_finish_reasons_and_usage_counts_them_a
 def test_an_n_choice_request_is_one_request_in_the_metrics(srv):
     def counts() -> tuple[float, ...]:
         text = httpx.get(srv.url + "/metrics").text
-        return tuple(sample_value(text, name) for name in (
-            "raylm:request_success_total", "raylm:generation_tokens_total", "raylm:time_per_output_token_seconds_count",
-            "raylm:num_requests_running"))
+        return tuple(
+            sample_value(text, name)
+            for name in (
+                "raylm:request_success_total",
+                "raylm:generation_tokens_total",
+                "raylm:time_per_output_token_seconds_count",
+                "raylm:num_requests_running",
+            )
+        )
 
     before = counts()
     sampled(srv, n=3)
@@ -132,11 +154,22 @@ def test_seeded_choices_are_reproducible_differ_and_the_first_is_the_one_choice_
 
 def test_streamed_choices_carry_their_index_and_equal_the_whole_ones(srv):
     whole = sampled(srv, n=3)
-    chunks = list(client(srv).completions.create(
-        model="tiny", prompt=PROMPT_TEXTS[3], max_tokens=8, temperature=1, seed=1234, n=3, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
-    streamed = {i: "".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i)
-                for i in range(3)}
+    chunks = list(
+        client(srv).completions.create(
+            model="tiny",
+            prompt=PROMPT_TEXTS[3],
+            max_tokens=8,
+            temperature=1,
+            seed=1234,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    streamed = {
+        i: "".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i) for i in range(3)
+    }
     assert list(streamed.values()) == texts(whole)
     finishes = [ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].finish_reason == "length"]
     assert sorted(finishes) == [0, 1, 2]
@@ -144,12 +177,16 @@ def test_streamed_choices_carry_their_index_and_equal_the_whole_ones(srv):
 
 
 def test_streamed_chat_choices_each_open_with_the_role(srv):
-    chunks = list(client(srv).chat.completions.create(model="tiny", messages=MSG, max_tokens=4, n=3, seed=5,
-                                                      stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client(srv).chat.completions.create(
+            model="tiny", messages=MSG, max_tokens=4, n=3, seed=5, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     roles = [ch.choices[0].index for ch in chunks if ch.choices[0].delta.role == "assistant"]
     assert roles == [0, 1, 2] and len(chunks) > 3
-    whole = client(srv).chat.completions.create(model="tiny", messages=MSG, max_tokens=4, n=3, seed=5,
-                                                extra_body={"ignore_eos": True})
+    whole = client(srv).chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=4, n=3, seed=5, extra_body={"ignore_eos": True}
+    )
     for c in whole.choices:
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices[0].index == c.index)
         assert text == c.message.content
@@ -158,19 +195,28 @@ def test_streamed_chat_choices_each_open_with_the_role(srv):
 def test_a_stop_string_ends_only_the_choices_that_produce_it(srv):
     full = texts(sampled(srv, n=3, max_tokens=16))
     # three plain characters from a later choice's text
-    stop = next(t[i:i + 3] for t in full[1:] for i in range(len(t) - 3) if t[i:i + 3].isascii() and t[i:i + 3].strip())
+    stop = next(
+        t[i : i + 3] for t in full[1:] for i in range(len(t) - 3) if t[i : i + 3].isascii() and t[i : i + 3].strip()
+    )
     cut = sampled(srv, n=3, max_tokens=16, stop=[stop])
     for text, choice in zip(full, sorted(cut.choices, key=lambda c: c.index)):
         if stop in text:
-            assert (choice.text, choice.finish_reason) == (text[:text.find(stop)], "stop")
+            assert (choice.text, choice.finish_reason) == (text[: text.find(stop)], "stop")
         else:
             assert (choice.text, choice.finish_reason) == (text, "length")
     check_replicas_whole(srv)
 
 
 def test_a_disconnect_mid_stream_aborts_every_choice(srv):
-    body = {"model": "tiny", "prompt": PROMPT_TEXTS[4], "max_tokens": 400, "ignore_eos": True, "n": 3,
-            "seed": 9, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT_TEXTS[4],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "n": 3,
+        "seed": 9,
+        "stream": True,
+    }
     decoded_before = sum(s.decode_tokens for s in wait_until_idle(srv))
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", srv.url + C, json=body) as response:
@@ -189,8 +235,9 @@ def test_echo_returns_the_prompt_before_each_choice(srv):
     echoed = c.completions.create(model="tiny", prompt=PROMPT_TEXTS[1], max_tokens=6, temperature=0, echo=True, n=2)
     assert [ch.text for ch in echoed.choices] == [PROMPT_TEXTS[1] + plain.choices[0].text] * 2
     assert echoed.usage.completion_tokens == 2 * plain.usage.completion_tokens
-    chunks = list(c.completions.create(model="tiny", prompt=PROMPT_TEXTS[1], max_tokens=6, temperature=0,
-                                       echo=True, stream=True))
+    chunks = list(
+        c.completions.create(model="tiny", prompt=PROMPT_TEXTS[1], max_tokens=6, temperature=0, echo=True, stream=True)
+    )
     assert chunks[0].choices[0].text.startswith(PROMPT_TEXTS[1])
     assert "".join(ch.choices[0].text for ch in chunks) == echoed.choices[0].text
 
@@ -203,42 +250,55 @@ def test_echo_of_token_ids_returns_them_decoded(srv, tokenizer):
 
 def test_echo_with_logprobs_puts_the_prompt_tokens_first(srv, tokenizer):
     ids = tokenizer(PROMPT_TEXTS[6]).input_ids
-    r = client(srv).completions.create(model="tiny", prompt=PROMPT_TEXTS[6], max_tokens=4, temperature=0, echo=True,
-                                       logprobs=2)
+    r = client(srv).completions.create(
+        model="tiny", prompt=PROMPT_TEXTS[6], max_tokens=4, temperature=0, echo=True, logprobs=2
+    )
     lp = r.choices[0].logprobs
-    assert lp.tokens[:len(ids)] == [tokenizer.decode([t]) for t in ids] and len(lp.tokens) == len(ids) + 4
+    assert lp.tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids] and len(lp.tokens) == len(ids) + 4
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing comes before the first
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
-    assert all(v <= 0 for v in lp.token_logprobs[len(ids):])
+    assert all(v <= 0 for v in lp.token_logprobs[len(ids) :])
 
 
 def test_echoed_prompt_logprobs_equal_the_models_for_every_choice(srv, tokenizer, qwen3_path):
     ids = tokenizer(PROMPT_TEXTS[6]).input_ids
-    r = client(srv).completions.create(model="tiny", prompt=PROMPT_TEXTS[6], max_tokens=2, temperature=1, seed=4,
-                                       echo=True, logprobs=2, n=2)
+    r = client(srv).completions.create(
+        model="tiny", prompt=PROMPT_TEXTS[6], max_tokens=2, temperature=1, seed=4, echo=True, logprobs=2, n=2
+    )
     with torch.no_grad():
         logits = _load_model(qwen3_path)(torch.tensor([ids])).logits[0].float()
     expected = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
     for choice in r.choices:
         lp = choice.logprobs
-        assert lp.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-3)
-        assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:len(ids)])
+        assert lp.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-3)
+        assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1 : len(ids)])
 
 
 def hf_greedy_biased(path, ids: list[int], max_new_tokens: int, bias: dict[int, float]) -> list[int]:
     """Hugging Face's greedy tokens with a one-token bias per id (EOS does not stop it)."""
     model = _load_model(path)
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=[],
-                             sequence_bias={(t,): b for t, b in bias.items()} or None)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=[],
+            sequence_bias={(t,): b for t, b in bias.items()} or None,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def test_a_logit_bias_of_100_forces_its_token(srv, tokenizer):
     forced = tokenizer(" the", add_special_tokens=False).input_ids[-1]
-    r = client(srv).completions.create(model="tiny", prompt=PROMPT_TEXTS[5], max_tokens=6, temperature=0,
-                                       logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    r = client(srv).completions.create(
+        model="tiny",
+        prompt=PROMPT_TEXTS[5],
+        max_tokens=6,
+        temperature=0,
+        logit_bias={str(forced): 100},
+        extra_body={"ignore_eos": True},
+    )
     assert r.choices[0].text == tokenizer.decode([forced] * 6, skip_special_tokens=True)
 
 
@@ -247,6 +307,12 @@ def test_a_logit_bias_of_minus_100_bans_the_greedy_token(srv, tokenizer, qwen3_p
     greedy = hf_greedy_biased(qwen3_path, ids, 8, {})
     banned = hf_greedy_biased(qwen3_path, ids, 8, {greedy[0]: -100.0})
     assert greedy[0] not in banned
-    r = client(srv).completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0,
-                                       logit_bias={str(greedy[0]): -100}, extra_body={"ignore_eos": True})
+    r = client(srv).completions.create(
+        model="tiny",
+        prompt=ids,
+        max_tokens=8,
+        temperature=0,
+        logit_bias={str(greedy[0]): -100},
+        extra_body={"ignore_eos": True},
+    )
     assert r.choices[0].text == tokenizer.decode(banned, skip_special_tokens=True)

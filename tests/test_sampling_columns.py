@@ -26,19 +26,34 @@ NAMES = [c.name for c in COLUMNS]
 
 
 def _desc(rng: np.random.Generator, n: int, *, min_p: bool, procs: bool, inits: int = 0) -> BatchDesc:
-    values = {c.name: rng.integers(-3, 100, n).astype(c.dtype) if not c.is_float
-              else rng.uniform(0, 1, n).astype(c.dtype) for c in COLUMNS}
+    values = {
+        c.name: rng.integers(-3, 100, n).astype(c.dtype) if not c.is_float else rng.uniform(0, 1, n).astype(c.dtype)
+        for c in COLUMNS
+    }
     values["seeds"] = rng.integers(-(1 << 63), (1 << 63) - 1, n, dtype=np.int64)
     draw_filter = {c.name: values[c.name] for c in columns_of(DRAW, FILTER)}
     return BatchDesc(
-        False, slots=rng.permutation(SCRATCH)[:n].astype(np.int32),
+        False,
+        slots=rng.permutation(SCRATCH)[:n].astype(np.int32),
         seq_lens=rng.integers(1, 99, n).astype(np.int32),
-        extend_lens=np.ones(n, np.int32), out_loc=rng.integers(0, 1 << 20, n).astype(np.int32), input_ids=None,
-        **draw_filter, min_p=values["min_p"] if min_p else None,
+        extend_lens=np.ones(n, np.int32),
+        out_loc=rng.integers(0, 1 << 20, n).astype(np.int32),
+        input_ids=None,
+        **draw_filter,
+        min_p=values["min_p"] if min_p else None,
         procs=ProcessorRows(**{c.name: values[c.name] for c in columns_of(PROCS)}) if procs else None,
-        proc_init=[ProcessorInit(i, rng.integers(0, 99, 3).astype(np.int32), rng.integers(0, 99, 2).astype(np.int32),
-                                 np.array([4, 7], np.int32), np.array([1.5, 0.0], np.float32),
-                                 np.array([0, 1], np.uint8)) for i in range(inits)])
+        proc_init=[
+            ProcessorInit(
+                i,
+                rng.integers(0, 99, 3).astype(np.int32),
+                rng.integers(0, 99, 2).astype(np.int32),
+                np.array([4, 7], np.int32),
+                np.array([1.5, 0.0], np.float32),
+                np.array([0, 1], np.uint8),
+            )
+            for i in range(inits)
+        ],
+    )
 
 
 @pytest.mark.parametrize("min_p,procs", [(False, False), (True, False), (False, True), (True, True)])
@@ -91,10 +106,25 @@ def test_the_sampler_block_reads_back_what_was_packed_and_pads_past_the_real_row
 
 
 def test_padded_rows_are_greedy_write_to_the_scratch_cells_and_use_no_filter_or_processor():
-    assert dict(sampler_io_pads(SCRATCH)) == {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "state_row": SCRATCH,
-                                              "presence": 0.0, "frequency": 0.0, "repetition": 1.0, "ban_stop": 0}
-    assert io_pads(999, 555) == {"token_read": 0, "positions": 0, "out_loc": 999, "token_write": 555,
-                                 "sample_pos": 0, "temperature": 0.0, "seeds": 0}
+    assert dict(sampler_io_pads(SCRATCH)) == {
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "state_row": SCRATCH,
+        "presence": 0.0,
+        "frequency": 0.0,
+        "repetition": 1.0,
+        "ban_stop": 0,
+    }
+    assert io_pads(999, 555) == {
+        "token_read": 0,
+        "positions": 0,
+        "out_loc": 999,
+        "token_write": 555,
+        "sample_pos": 0,
+        "temperature": 0.0,
+        "seeds": 0,
+    }
     views = IO.views(torch.from_numpy(IO.pack(4, 0, {}, io_pads(999, 555))), 4)
     assert views["out_loc"].tolist() == [999] * 4 and views["temperature"].tolist() == [0.0] * 4
     assert column_pads(SCRATCH)["state_row"] == SCRATCH
@@ -107,8 +137,12 @@ def test_a_bucket_gives_each_graph_the_columns_of_its_groups(procs, filtered):
     b.bind_sampler_io(torch.zeros(SAMPLER_IO.nbytes(bs), dtype=torch.uint8))
     b.allowed = torch.full((bs, 2), -1, dtype=torch.int32)
     a = b.args(procs, filtered)
-    groups = {DRAW} | ({FILTER} if filtered else set()) | ({MIN_P} if procs or filtered else set()) | (
-        {PROCS} if procs else set())
+    groups = (
+        {DRAW}
+        | ({FILTER} if filtered else set())
+        | ({MIN_P} if procs or filtered else set())
+        | ({PROCS} if procs else set())
+    )
     for c in COLUMNS:
         assert (getattr(a, c.name) is not None) == (c.group in groups), c.name
     assert (a.allowed is not None) == procs
@@ -125,8 +159,9 @@ def test_an_eager_step_stages_the_columns_of_the_groups_it_uses_as_the_sampler_r
     desc.min_p[:] = [0, 0, 0.1, 0, 0]
     desc.grammar_rows, desc.grammar_mask = np.array([1, 3], np.int32), rng.integers(0, 9, (2, 3)).astype(np.int32)
     state = ProcessorState(SCRATCH, 50, 4, torch.device("cpu"))
-    host = stage_sampling(desc, desc_columns(desc), 0, desc.seq_lens.astype(np.int64), np.arange(5, dtype=np.int64),
-                          state)
+    host = stage_sampling(
+        desc, desc_columns(desc), 0, desc.seq_lens.astype(np.int64), np.arange(5, dtype=np.int64), state
+    )
     assert host.groups == {DRAW, MIN_P, PROCS}
     assert set(host.columns) == {c.name for c in columns_of(DRAW, MIN_P, PROCS)}
     for c in columns_of(DRAW, MIN_P, PROCS):
@@ -183,8 +218,19 @@ def test_a_replayed_step_samples_what_the_eager_step_samples(n, bs):
     g = stage_sampling(desc, desc_columns(desc), bs, seq, token_write, graph_sampler.state)
     upload_record(staging, g)
     assert g.groups == {DRAW, FILTER, MIN_P, PROCS} and (g.redraw is not None) == (n >= 32)
-    io = IO.pack(bs, n, {"token_read": seq - 1, "positions": seq - 1, "out_loc": seq, "token_write": token_write,
-                         "sample_pos": seq, **desc_columns(desc)}, io_pads(0, 2 * bs))
+    io = IO.pack(
+        bs,
+        n,
+        {
+            "token_read": seq - 1,
+            "positions": seq - 1,
+            "out_loc": seq,
+            "token_write": token_write,
+            "sample_pos": seq,
+            **desc_columns(desc),
+        },
+        io_pads(0, 2 * bs),
+    )
     b = _Bucket(torch.from_numpy(io), bs)
     sio = torch.zeros(SAMPLER_IO.nbytes(bs), dtype=torch.uint8)
     b.bind_sampler_io(sio)

@@ -27,13 +27,20 @@ def capture(llm) -> list[TokenDelta]:
     return seen
 
 
-@pytest.mark.parametrize("cache_type,chunk,page_size", [
-    ("radix", 8192, 1), ("naive", 5, 1), ("radix", 7, 4), ("radix", 8192, 16)])
+@pytest.mark.parametrize(
+    "cache_type,chunk,page_size", [("radix", 8192, 1), ("naive", 5, 1), ("radix", 7, 4), ("radix", 8192, 16)]
+)
 def test_overlap_equals_normal_equals_hf(qwen3_path, cache_type, chunk, page_size):
     results = {}
     for overlap in (True, False):
-        with checked_llm(qwen3_path, cache_type=cache_type, max_extend_tokens=chunk, page_size=page_size,
-                         num_pages=2048 // page_size, overlap=overlap) as llm:
+        with checked_llm(
+            qwen3_path,
+            cache_type=cache_type,
+            max_extend_tokens=chunk,
+            page_size=page_size,
+            num_pages=2048 // page_size,
+            overlap=overlap,
+        ) as llm:
             prompts = encode_all(llm, PROMPT_TEXTS)
             # twice: the second round runs on a warm prefix cache
             results[overlap] = [o.token_ids for o in llm.generate(prompts, greedy(12))]
@@ -148,12 +155,22 @@ def test_a_request_that_can_never_fit_is_rejected(qwen3_path):
             llm.generate([[3] * 20], greedy(40))
 
 
-@pytest.mark.parametrize("overlap,reserve", [(True, 1024), (False, 1024), (True, 1), (False, 1)],
-                         ids=["overlap", "normal", "overlap-preempting", "normal-preempting"])
+@pytest.mark.parametrize(
+    "overlap,reserve",
+    [(True, 1024), (False, 1024), (True, 1), (False, 1)],
+    ids=["overlap", "normal", "overlap-preempting", "normal-preempting"],
+)
 def test_random_workload_with_aborts_matches_hf(qwen3_path, overlap, reserve):
     rng = random.Random(1234 + overlap)
-    with checked_llm(qwen3_path, page_size=2, num_pages=160, max_extend_tokens=48, max_running_reqs=8,
-                     overlap=overlap, decode_reserve_tokens=reserve) as llm:
+    with checked_llm(
+        qwen3_path,
+        page_size=2,
+        num_pages=160,
+        max_extend_tokens=48,
+        max_running_reqs=8,
+        overlap=overlap,
+        decode_reserve_tokens=reserve,
+    ) as llm:
         sched = llm.scheduler
         got: dict[int, list[int]] = {}
         done: set[int] = set()
@@ -187,7 +204,7 @@ def test_random_workload_with_aborts_matches_hf(qwen3_path, overlap, reserve):
         if uid in finished:
             assert got[uid] == ref, uid
         else:
-            assert got.get(uid, []) == ref[:len(got.get(uid, []))], uid
+            assert got.get(uid, []) == ref[: len(got.get(uid, []))], uid
 
 
 def _record_preemptions(llm) -> list[tuple[int, ...]]:
@@ -195,7 +212,7 @@ def _record_preemptions(llm) -> list[tuple[int, ...]]:
     prompts: list[tuple[int, ...]] = []
 
     def recording(req, reason):
-        prompts.extend([tuple(req.input_ids[:req.prompt_len])] * req.num_preempted)
+        prompts.extend([tuple(req.input_ids[: req.prompt_len])] * req.num_preempted)
 
     llm.scheduler.on_finish = recording
     return prompts
@@ -205,8 +222,9 @@ def _record_preemptions(llm) -> list[tuple[int, ...]]:
 def test_requests_that_outgrow_their_reservation_are_preempted_and_still_match_hf(qwen3_path, overlap, cache_type):
     # 12 prompts that grow by 40 tokens each, 4 tokens reserved at admission, 64 pages of 4 tokens: they
     # are all admitted, then run out of pages while decoding
-    with checked_llm(qwen3_path, page_size=4, num_pages=64, decode_reserve_tokens=4, overlap=overlap,
-                     cache_type=cache_type) as llm:
+    with checked_llm(
+        qwen3_path, page_size=4, num_pages=64, decode_reserve_tokens=4, overlap=overlap, cache_type=cache_type
+    ) as llm:
         preempted = _record_preemptions(llm)
         prompts = encode_all(llm, PROMPT_TEXTS)
         outs = llm.generate(prompts, greedy(40, ignore_eos=True))
@@ -215,8 +233,10 @@ def test_requests_that_outgrow_their_reservation_are_preempted_and_still_match_h
 
 
 def test_seeded_sampling_is_the_same_with_and_without_preemption(qwen3_path):
-    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, ignore_eos=True, seed=100 + i)
-              for i in range(len(PROMPT_TEXTS))]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, ignore_eos=True, seed=100 + i)
+        for i in range(len(PROMPT_TEXTS))
+    ]
     results = {}
     for num_pages in (2048, 96):
         with checked_llm(qwen3_path, page_size=4, num_pages=num_pages, decode_reserve_tokens=2) as llm:
@@ -297,11 +317,19 @@ def test_an_exception_inside_one_step_fails_that_batch_not_the_engine(qwen3_path
 
 def test_one_set_of_request_limits_names_the_field_at_fault():
     from cluster import RequestLimits
+
     limits = RequestLimits(max_seq_len=8, vocab_size=10, max_logit_bias=3, eos_ids=frozenset({9}), max_prompt_tokens=5)
-    cases = [([], SamplingParams(), "prompt", "empty"), ([1] * 6, SamplingParams(), "prompt", "at most 5"),
-             ([1], SamplingParams(logit_bias={10: 1.0}), "logit_bias", "vocabulary"),
-             ([1], SamplingParams(logit_bias={1: 1.0, 2: 1.0}, min_tokens=2, stop_token_ids=[3]), "logit_bias",
-              "holds back 2")]
+    cases = [
+        ([], SamplingParams(), "prompt", "empty"),
+        ([1] * 6, SamplingParams(), "prompt", "at most 5"),
+        ([1], SamplingParams(logit_bias={10: 1.0}), "logit_bias", "vocabulary"),
+        (
+            [1],
+            SamplingParams(logit_bias={1: 1.0, 2: 1.0}, min_tokens=2, stop_token_ids=[3]),
+            "logit_bias",
+            "holds back 2",
+        ),
+    ]
     for ids, params, field, words in cases:
         with pytest.raises(InvalidRequestError, match=words) as e:
             limits.check(ids, params)

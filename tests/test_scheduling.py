@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from scripted import EOS, TOKEN
 
-from cluster.scheduler.req import Req
 from cluster.sampling_params import SamplingParams
+from cluster.scheduler.req import Req
 
 LOOPS = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
 
@@ -101,8 +101,9 @@ def test_requests_past_their_reservation_are_preempted_newest_first_and_lose_no_
 def test_the_finished_flag_comes_with_the_last_token_and_nothing_after_it(scripted):
     prompt = [1, 2, 3, 4]
     # the third output token is EOS for request 1: it is sampled at sequence length 4 + 2
-    run = scripted(lambda desc: [EOS if (i, n) == (1, 6) else TOKEN for i, n in enumerate(desc.seq_lens.tolist())],
-                   overlap=True)
+    run = scripted(
+        lambda desc: [EOS if (i, n) == (1, 6) else TOKEN for i, n in enumerate(desc.seq_lens.tolist())], overlap=True
+    )
     run.submit(0, prompt, max_tokens=3, ignore_eos=True)
     run.submit(1, prompt, max_tokens=8)
     run.run()

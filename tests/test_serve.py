@@ -26,16 +26,18 @@ def server(request, ray_cluster, qwen3_path):
 def offline(qwen3_path):
     """The offline engine's greedy outputs: what the server must reproduce."""
     with LLM(str(qwen3_path)) as llm:
+
         def run(prompts: list[str] | list[list[int]], max_tokens: int):
             return llm.generate(prompts, greedy(max_tokens))
+
         run.tokenizer = llm.tokenizer
         yield run
-
 
 
 def wait_until_idle(srv, timeout_s: float = 20.0) -> list[dict]:
     """Every replica's stats once no request is live there (a bounded wait for an eventual state)."""
     import ray
+
     deadline = time.monotonic() + timeout_s
     while True:
         stats = ray.get([r.actor.stats.remote() for r in srv.replicas])
@@ -45,6 +47,7 @@ def wait_until_idle(srv, timeout_s: float = 20.0) -> list[dict]:
 
 def check_replicas_whole(srv) -> None:
     import ray
+
     stats = wait_until_idle(srv)
     assert [s.live for s in stats] == [0] * len(stats)
     ray.get([r.actor.check_integrity.remote() for r in srv.replicas])
@@ -65,8 +68,16 @@ def test_completions_equal_the_offline_engine(server, offline):
 def test_streamed_completion_equals_the_whole_one(server):
     c = client(server)
     whole = c.completions.create(model="tiny", prompt=PROMPT_TEXTS[3], max_tokens=16, temperature=0)
-    chunks = list(c.completions.create(model="tiny", prompt=PROMPT_TEXTS[3], max_tokens=16, temperature=0,
-                                       stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        c.completions.create(
+            model="tiny",
+            prompt=PROMPT_TEXTS[3],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
@@ -103,9 +114,10 @@ def test_stop_string_spanning_tokens_ends_the_text_before_it(server, offline):
     # a stop string made of the end of token 3's text and the start of token 4's and 5's
     start, end = len(pieces[3]) - 1, len(pieces[5])
     stop = exp.text[start:end]
-    r = client(server).completions.create(model="tiny", prompt=PROMPT_TEXTS[6], max_tokens=20, temperature=0,
-                                          stop=[stop])
-    assert r.choices[0].text == exp.text[:exp.text.find(stop)]
+    r = client(server).completions.create(
+        model="tiny", prompt=PROMPT_TEXTS[6], max_tokens=20, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].text == exp.text[: exp.text.find(stop)]
     assert r.choices[0].finish_reason == "stop"
     check_replicas_whole(server)
 
@@ -119,15 +131,27 @@ def test_logprobs_are_returned_for_the_generated_tokens(server):
     assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
     # greedy: the chosen token is the most likely one
     assert all(abs(max(top.values()) - v) < 1e-4 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
-    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                     temperature=0, logprobs=True, top_logprobs=2)
+    chat = c.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_pages(server):
-    body = {"model": "tiny", "prompt": PROMPT_TEXTS[4], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT_TEXTS[4],
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     decoded_before = sum(s.decode_tokens for s in wait_until_idle(server))
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body) as response:
@@ -149,13 +173,16 @@ def test_health_models_and_metrics_endpoints(server):
     assert "raylm:generation_tokens_total" in text and "raylm:time_to_first_token_seconds" in text
 
 
-@pytest.mark.parametrize("body,status,param", [
-    ({"model": "nope", "prompt": "hi"}, 404, "model"),
-    ({"model": "tiny", "prompt": "hi", "n": 17}, 400, "n"),  # above max_n (16)
-    ({"model": "tiny", "prompt": "hi " * 600, "max_tokens": 4}, 400, "prompt"),
-    ({"model": "tiny", "prompt": "hi", "max_tokens": 100_000}, 400, "max_tokens"),
-    ({"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
-])
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"model": "nope", "prompt": "hi"}, 404, "model"),
+        ({"model": "tiny", "prompt": "hi", "n": 17}, 400, "n"),  # above max_n (16)
+        ({"model": "tiny", "prompt": "hi " * 600, "max_tokens": 4}, 400, "prompt"),
+        ({"model": "tiny", "prompt": "hi", "max_tokens": 100_000}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ],
+)
 def test_bad_requests_get_openai_style_errors(server, body, status, param):
     r = httpx.post(server.url + "/v1/completions", json=body)
     assert r.status_code == status
@@ -167,14 +194,16 @@ def test_preempted_streams_get_the_same_tokens(ray_cluster, qwen3_path, offline)
     """Too few KV pages for every request's growth: the replica preempts and recomputes some, and no
     client can tell from its stream."""
     import ray
+
     prompts = [PROMPT_TEXTS[i % 11] + f" {i}" for i in range(16)]
     expected = offline(prompts, 30)
     with serving(qwen3_path, replicas=1, tp_size=1, num_pages=100, decode_reserve_tokens=2) as srv:
         aclient = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
 
         async def one(prompt: str) -> str:
-            chunks = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
-                                                      stream=True)
+            chunks = await aclient.completions.create(
+                model="tiny", prompt=prompt, max_tokens=30, temperature=0, stream=True
+            )
             return "".join([ch.choices[0].text async for ch in chunks])
 
         async def all_of_them():

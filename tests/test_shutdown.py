@@ -25,10 +25,33 @@ def test_sigterm_drains_in_flight_requests_then_leaves_nothing_behind(ray_cluste
         port = s.getsockname()[1]
     address = ray_cluster.get_runtime_context().gcs_address
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "--model", str(qwen3_path), "--port", str(port),
-                             "--address", address, "--replicas", "2", "--page-size", "4", "--num-pages", "1024",
-                             "--drain-timeout-s", "30", "--served-model-name", "tiny"],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "launch.py"),
+            "--model",
+            str(qwen3_path),
+            "--port",
+            str(port),
+            "--address",
+            address,
+            "--replicas",
+            "2",
+            "--page-size",
+            "4",
+            "--num-pages",
+            "1024",
+            "--drain-timeout-s",
+            "30",
+            "--served-model-name",
+            "tiny",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -45,8 +68,13 @@ def test_sigterm_drains_in_flight_requests_then_leaves_nothing_behind(ray_cluste
         started = threading.Event()
 
         def long_stream() -> None:
-            body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 450, "ignore_eos": True,
-                    "stream": True}
+            body = {
+                "model": "tiny",
+                "prompt": "Once upon a time",
+                "max_tokens": 450,
+                "ignore_eos": True,
+                "stream": True,
+            }
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
@@ -62,8 +90,10 @@ def test_sigterm_drains_in_flight_requests_then_leaves_nothing_behind(ray_cluste
         refused, deadline = False, time.monotonic() + 10
         while not refused and time.monotonic() < deadline and not streamed[-1].get("done"):
             try:  # served until the signal lands, refused after
-                refused = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"},
-                                     timeout=5).status_code == 503
+                refused = (
+                    httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=5).status_code
+                    == 503
+                )
             except httpx.TransportError:
                 refused = True
         client.join(60)
@@ -82,18 +112,23 @@ def test_sigterm_drains_in_flight_requests_then_leaves_nothing_behind(ray_cluste
     assert live_ray_objects() == ([], [])
 
 
-def test_streams_still_running_when_the_drain_timeout_ends_get_an_error_event_and_done(ray_cluster, qwen3_path,
-                                                                                        caplog):
+def test_streams_still_running_when_the_drain_timeout_ends_get_an_error_event_and_done(ray_cluster, qwen3_path, caplog):
     import ray
     from helpers import serving
+
     with serving(qwen3_path, num_pages=1024, drain_timeout_s=2, health_check_timeout_s=60) as srv:
         _, pid = ray.get(srv.replicas[0].actor.node_and_pid.remote())
         endings: list[list[str]] = []
         started = threading.Barrier(4)
 
         def stream() -> None:
-            body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
-                    "stream": True}
+            body = {
+                "model": "tiny",
+                "prompt": "Once upon a time",
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "stream": True,
+            }
             lines: list[str] = []
             with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():

@@ -31,9 +31,13 @@ async def traffic(url: str, n: int, seed: int) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
 
         async def one(i: int) -> None:
-            body = {"model": "tiny", "prompt": [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))],
-                    "max_tokens": rng.randint(1, 12), "temperature": rng.choice([0, 0.7]),
-                    "stream": rng.random() < 0.5}
+            body = {
+                "model": "tiny",
+                "prompt": [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))],
+                "max_tokens": rng.randint(1, 12),
+                "temperature": rng.choice([0, 0.7]),
+                "stream": rng.random() < 0.5,
+            }
             leave = rng.random() < 0.2
             async with sem:
                 if body["stream"]:
@@ -49,7 +53,7 @@ async def traffic(url: str, n: int, seed: int) -> dict:
                         try:
                             await asyncio.wait_for(own.post("/v1/completions", json=body), timeout=0.01)
                             counts["ok"] += 1
-                        except asyncio.TimeoutError:
+                        except TimeoutError:
                             counts["left"] += 1
                 else:
                     r = await http.post("/v1/completions", json=body)

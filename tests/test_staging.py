@@ -11,8 +11,12 @@ from worker.staging import PinnedStaging
 
 
 def _arrays(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
-    return {"idx": rng.integers(0, 1 << 40, n), "val": rng.integers(-5, 5, n).astype(np.int32),
-            "temp": rng.random(n).astype(np.float32), "flag": rng.random(n) < 0.5}
+    return {
+        "idx": rng.integers(0, 1 << 40, n),
+        "val": rng.integers(-5, 5, n).astype(np.int32),
+        "temp": rng.random(n).astype(np.float32),
+        "flag": rng.random(n) < 0.5,
+    }
 
 
 @pytest.mark.parametrize("sizes", [[3, 3, 3, 3], [3, 7, 3, 1, 7], [4, 5000, 4]], ids=["same", "mixed", "grows"])

@@ -19,8 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def launch(*args: str, cwd: Path) -> tuple[int, str, float]:
     started = time.monotonic()
-    done = subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     return done.returncode, done.stdout + done.stderr, time.monotonic() - started
 
 
@@ -49,15 +55,18 @@ def broken_copy(qwen3_path: Path, tmp_path: Path, name: str) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("name,says", [
-    ("missing", "there is no folder"),
-    ("empty", "has no config.json"),
-    ("bad-config-json", "cannot be read as JSON"),
-    ("unknown-architecture", "MambaForCausalLM, which this server does not run; it runs"),
-    ("truncated-weights", "not a whole safetensors file"),
-    ("no-weights", "has no *.safetensors weights"),
-    ("no-tokenizer", "has no tokenizer files"),
-])
+@pytest.mark.parametrize(
+    "name,says",
+    [
+        ("missing", "there is no folder"),
+        ("empty", "has no config.json"),
+        ("bad-config-json", "cannot be read as JSON"),
+        ("unknown-architecture", "MambaForCausalLM, which this server does not run; it runs"),
+        ("truncated-weights", "not a whole safetensors file"),
+        ("no-weights", "has no *.safetensors weights"),
+        ("no-tokenizer", "has no tokenizer files"),
+    ],
+)
 def test_a_model_folder_that_cannot_serve_is_named_in_one_line(qwen3_path, tmp_path, name, says):
     model = tmp_path / "nowhere" / "model" if name == "missing" else broken_copy(qwen3_path, tmp_path, name)
     code, out, elapsed = launch("--model", str(model), cwd=tmp_path)
@@ -81,12 +90,14 @@ def test_a_port_in_use_is_named_before_anything_starts(qwen3_path, tmp_path):
 
 def test_a_hub_id_still_goes_to_the_hub(tmp_path):
     from launch import looks_like_hub_id
+
     assert looks_like_hub_id("Qwen/Qwen3-0.6B")
     assert not any(looks_like_hub_id(p) for p in ("/models/Qwen3-8B", "./model", "~/m/x", "a/b/c", "model"))
 
 
 def test_joining_a_cluster_that_wants_a_token_says_how(monkeypatch):
     from cluster.fleet import deploy
+
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
 
     class AuthenticationError(Exception):

@@ -30,24 +30,41 @@ SCHEMAS = {
         "type": "object",
         # a pattern bounds the string (xgrammar 0.2.9 lets control characters into a maxLength string,
         # which is no JSON)
-        "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
-                       "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                       "role": {"enum": ["admin", "user", "guest"]}},
-        "required": ["name", "age", "role"]},
+        "properties": {
+            "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "role": {"enum": ["admin", "user", "guest"]},
+        },
+        "required": ["name", "age", "role"],
+    },
     "nested objects": {
         "type": "object",
-        "properties": {"point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -50,
-                                                                        "maximum": 50},
-                                                                  "y": {"type": "number", "maximum": 1e3}},
-                                 "required": ["x", "y"]},
-                       "ok": {"type": "boolean"}},
-        "required": ["point", "ok"]},
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": -50, "maximum": 50},
+                    "y": {"type": "number", "maximum": 1e3},
+                },
+                "required": ["x", "y"],
+            },
+            "ok": {"type": "boolean"},
+        },
+        "required": ["point", "ok"],
+    },
     "an array with bounds": {
         "type": "object",
-        "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 2, "maxItems": 4},
-                       "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
-                                  "minItems": 1, "maxItems": 3}},
-        "required": ["tags", "scores"]},
+        "properties": {
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 2, "maxItems": 4},
+            "scores": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+        },
+        "required": ["tags", "scores"],
+    },
 }
 
 
@@ -72,7 +89,6 @@ def bias(tokenizer):
     return no_whitespace(tokenizer)
 
 
-
 def json_schema_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
 
@@ -81,8 +97,15 @@ def json_schema_format(schema: dict) -> dict:
 def test_chat_output_under_a_json_schema_validates(srv, bias, name):
     schema = SCHEMAS[name]
     for seed in (1, 2):
-        r = client(srv).chat.completions.create(model="tiny", messages=MSG, max_tokens=120, temperature=1, seed=seed,
-                                                logit_bias=bias, response_format=json_schema_format(schema))
+        r = client(srv).chat.completions.create(
+            model="tiny",
+            messages=MSG,
+            max_tokens=120,
+            temperature=1,
+            seed=seed,
+            logit_bias=bias,
+            response_format=json_schema_format(schema),
+        )
         choice = r.choices[0]
         assert choice.finish_reason == "stop", choice  # the grammar ended it, well before max_tokens
         jsonschema.validate(json.loads(choice.message.content), schema)
@@ -90,9 +113,14 @@ def test_chat_output_under_a_json_schema_validates(srv, bias, name):
 
 def test_json_object_output_is_an_object(srv, bias):
     for prompt in PROMPT_TEXTS[:3]:
-        r = client(srv).chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
-                                                max_tokens=120, temperature=0, logit_bias=bias,
-                                                response_format={"type": "json_object"})
+        r = client(srv).chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=120,
+            temperature=0,
+            logit_bias=bias,
+            response_format={"type": "json_object"},
+        )
         assert r.choices[0].finish_reason == "stop"
         assert isinstance(json.loads(r.choices[0].message.content), dict)
 
@@ -104,15 +132,23 @@ class Person(BaseModel):
 
 
 def test_the_clients_parse_returns_the_pydantic_object(srv, bias):
-    r = client(srv).chat.completions.parse(model="tiny", messages=MSG, max_tokens=120, temperature=0, logit_bias=bias,
-                                           response_format=Person)
+    r = client(srv).chat.completions.parse(
+        model="tiny", messages=MSG, max_tokens=120, temperature=0, logit_bias=bias, response_format=Person
+    )
     person = r.choices[0].message.parsed
     assert isinstance(person, Person) and person.role in ("admin", "user")
 
 
 def test_a_streamed_constrained_chat_equals_the_whole_one(srv, bias):
-    args = dict(model="tiny", messages=MSG, max_tokens=120, temperature=1, seed=7, logit_bias=bias,
-                response_format=json_schema_format(SCHEMAS["nested objects"]))
+    args = dict(
+        model="tiny",
+        messages=MSG,
+        max_tokens=120,
+        temperature=1,
+        seed=7,
+        logit_bias=bias,
+        response_format=json_schema_format(SCHEMAS["nested objects"]),
+    )
     whole = client(srv).chat.completions.create(**args)
     chunks = list(client(srv).chat.completions.create(**args, stream=True))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == whole.choices[0].message.content
@@ -122,18 +158,27 @@ def test_a_streamed_constrained_chat_equals_the_whole_one(srv, bias):
 def test_guided_json_constrains_a_completion(srv, bias):
     schema = SCHEMAS["required fields and an enum"]
     for guided in (schema, json.dumps(schema)):  # a schema, or its JSON text
-        r = client(srv).completions.create(model="tiny", prompt=PROMPT_TEXTS[1], max_tokens=120, temperature=0,
-                                           logit_bias=bias, extra_body={"guided_json": guided})
+        r = client(srv).completions.create(
+            model="tiny",
+            prompt=PROMPT_TEXTS[1],
+            max_tokens=120,
+            temperature=0,
+            logit_bias=bias,
+            extra_body={"guided_json": guided},
+        )
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].text), schema)
 
 
 def test_guided_regex_and_grammar_outputs_match(srv):
     grammar = 'root ::= "(" num (("+" | "*") num){0,3} ")"\nnum ::= [1-9] [0-9]?'
-    for field, value, pattern in (("guided_regex", "[a-z]{2,5}-[0-9]{1,3}", "[a-z]{2,5}-[0-9]{1,3}"),
-                                  ("guided_grammar", grammar, r"\([1-9][0-9]?([+*][1-9][0-9]?){0,3}\)")):
-        r = client(srv).completions.create(model="tiny", prompt=PROMPT_TEXTS[3], max_tokens=40, temperature=1,
-                                           seed=3, n=3, extra_body={field: value})
+    for field, value, pattern in (
+        ("guided_regex", "[a-z]{2,5}-[0-9]{1,3}", "[a-z]{2,5}-[0-9]{1,3}"),
+        ("guided_grammar", grammar, r"\([1-9][0-9]?([+*][1-9][0-9]?){0,3}\)"),
+    ):
+        r = client(srv).completions.create(
+            model="tiny", prompt=PROMPT_TEXTS[3], max_tokens=40, temperature=1, seed=3, n=3, extra_body={field: value}
+        )
         for choice in r.choices:
             assert choice.finish_reason == "stop" and re.fullmatch(pattern, choice.text), (field, choice.text)
 
@@ -141,9 +186,14 @@ def test_guided_regex_and_grammar_outputs_match(srv):
 def test_guided_choice_is_one_of_the_choices(srv):
     choices = ["yes", "no", "maybe 🌙", 'a "quoted" one']
     for seed, prompt in enumerate(PROMPT_TEXTS[:4]):
-        r = client(srv).chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
-                                                max_tokens=20, temperature=1, seed=seed,
-                                                extra_body={"guided_choice": choices})
+        r = client(srv).chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=20,
+            temperature=1,
+            seed=seed,
+            extra_body={"guided_choice": choices},
+        )
         assert r.choices[0].message.content in choices and r.choices[0].finish_reason == "stop"
 
 
@@ -156,9 +206,21 @@ def test_constrained_requests_beside_free_ones_leave_those_unchanged(srv, bias):
         results[key] = client(srv).completions.create(**kw).choices[0].text
 
     threads = [threading.Thread(target=run, args=(f"free-{i}",), kwargs=free) for i in range(3)]
-    threads += [threading.Thread(target=run, args=(f"json-{i}",), kwargs=dict(
-        model="tiny", prompt=PROMPT_TEXTS[i], max_tokens=80, temperature=0, logit_bias=bias,
-        extra_body={"guided_json": SCHEMAS["nested objects"]})) for i in range(3)]
+    threads += [
+        threading.Thread(
+            target=run,
+            args=(f"json-{i}",),
+            kwargs=dict(
+                model="tiny",
+                prompt=PROMPT_TEXTS[i],
+                max_tokens=80,
+                temperature=0,
+                logit_bias=bias,
+                extra_body={"guided_json": SCHEMAS["nested objects"]},
+            ),
+        )
+        for i in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -168,8 +230,13 @@ def test_constrained_requests_beside_free_ones_leave_those_unchanged(srv, bias):
 
 
 def test_reasoning_is_returned_apart_from_the_content(srv):
-    body = dict(model="tiny", messages=MSG, max_tokens=40, temperature=0,
-                extra_body={"guided_regex": "<think>abc</think>\n\nhello"})
+    body = dict(
+        model="tiny",
+        messages=MSG,
+        max_tokens=40,
+        temperature=0,
+        extra_body={"guided_regex": "<think>abc</think>\n\nhello"},
+    )
     message = client(srv).chat.completions.create(**body).choices[0].message
     assert (message.reasoning_content, message.content) == ("abc", "hello")
     chunks = list(client(srv).chat.completions.create(**body, stream=True))
@@ -179,8 +246,14 @@ def test_reasoning_is_returned_apart_from_the_content(srv):
 
 
 def test_an_answer_without_thinking_has_no_reasoning(srv):
-    message = client(srv).chat.completions.create(model="tiny", messages=MSG, max_tokens=12, temperature=0,
-                                                  extra_body={"guided_regex": "[a-z]{3,8}"}).choices[0].message
+    message = (
+        client(srv)
+        .chat.completions.create(
+            model="tiny", messages=MSG, max_tokens=12, temperature=0, extra_body={"guided_regex": "[a-z]{3,8}"}
+        )
+        .choices[0]
+        .message
+    )
     assert message.reasoning_content is None and re.fullmatch("[a-z]{3,8}", message.content)
 
 
@@ -192,8 +265,9 @@ def test_chat_template_kwargs_reach_the_template(srv, tokenizer):
     plain, no_thinking = ids(), ids(enable_thinking=False)
     assert len(no_thinking) > len(plain)  # the template writes an empty think block
     for kwargs, ids in ((None, plain), ({"enable_thinking": False}, no_thinking)):
-        r = client(srv).chat.completions.create(model="tiny", messages=MSG, max_tokens=2,
-                                                extra_body={"chat_template_kwargs": kwargs})
+        r = client(srv).chat.completions.create(
+            model="tiny", messages=MSG, max_tokens=2, extra_body={"chat_template_kwargs": kwargs}
+        )
         assert r.usage.prompt_tokens == len(ids)
 
 
@@ -202,8 +276,15 @@ BAD = [  # (param, path, body): each a 400 whose param names the field
     ("response_format", CHAT, {"response_format": json_schema_format({"type": 5})}),
     ("response_format", CHAT, {"response_format": json_schema_format({"type": "objekt"})}),
     ("response_format", CHAT, {"response_format": json_schema_format({"$ref": "#/$defs/missing"})}),
-    ("response_format", CHAT, {"response_format": json_schema_format(
-        {"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-"}}})}),
+    (
+        "response_format",
+        CHAT,
+        {
+            "response_format": json_schema_format(
+                {"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-"}}}
+            )
+        },
+    ),
     ("response_format", CHAT, {"response_format": {"type": "json_schema"}}),  # no json_schema
     ("response_format.type", CHAT, {"response_format": {"type": "xml"}}),
     ("guided_json", C, {"guided_json": {"type": "objekt"}}),
@@ -228,6 +309,15 @@ def test_a_bad_format_is_a_400_naming_its_field(srv, param, path, body):
 
 
 def test_a_text_response_format_is_free_text(srv):
-    r = httpx.post(srv.url + CHAT, json={"model": "tiny", "messages": MSG, "max_tokens": 4, "ignore_eos": True,
-                                         "response_format": {"type": "text"}}, timeout=30)
+    r = httpx.post(
+        srv.url + CHAT,
+        json={
+            "model": "tiny",
+            "messages": MSG,
+            "max_tokens": 4,
+            "ignore_eos": True,
+            "response_format": {"type": "text"},
+        },
+        timeout=30,
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

@@ -32,14 +32,13 @@ def test_a_replacement_that_cannot_start_is_retried_with_growing_waits():
             raise TimeoutError("the cluster has not had 1 free GPU bundles")
 
     fleet = Fleet(None, [SimpleNamespace(replica_id=0, shutdown=lambda: None)], build=NoRoom)
-    state = SimpleNamespace(clients=[_DownClient()], draining=False,
-                            config=SimpleNamespace(health_check_timeout_s=1.0))
+    state = SimpleNamespace(clients=[_DownClient()], draining=False, config=SimpleNamespace(health_check_timeout_s=1.0))
     supervisor = Supervisor(state, fleet, interval_s=0.05)
 
     async def supervise_for(seconds: float) -> None:
         try:
             await asyncio.wait_for(supervisor.run(), seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     asyncio.run(supervise_for(2.0))
@@ -55,9 +54,11 @@ class _Replica:
     def __init__(self, replica_id: int = 0) -> None:
         self.replica_id, self.down = replica_id, False
         # a channel that takes its time to open: the client stays connecting until the test stops it
-        self.actor = SimpleNamespace(channel_address=SimpleNamespace(remote=lambda: asyncio.sleep(3600)),
-                                     kv_subscribe=SimpleNamespace(remote=lambda subscriber: asyncio.sleep(0)),
-                                     health=SimpleNamespace(remote=lambda: asyncio.sleep(0, None)))
+        self.actor = SimpleNamespace(
+            channel_address=SimpleNamespace(remote=lambda: asyncio.sleep(3600)),
+            kv_subscribe=SimpleNamespace(remote=lambda subscriber: asyncio.sleep(0)),
+            health=SimpleNamespace(remote=lambda: asyncio.sleep(0, None)),
+        )
         self.info = None
 
     def shutdown(self) -> None:
@@ -73,8 +74,14 @@ def test_a_replacement_is_built_on_a_fleet_thread_then_routed_to():
 
     old = _Replica()
     fleet = Fleet(None, [old], build=build)
-    state = RouterState(config=SimpleNamespace(health_check_timeout_s=1.0), tokenizer=None,
-                        model_name="m", max_seq_len=8, vocab_size=8, clients=[_DownClient()])
+    state = RouterState(
+        config=SimpleNamespace(health_check_timeout_s=1.0),
+        tokenizer=None,
+        model_name="m",
+        max_seq_len=8,
+        vocab_size=8,
+        clients=[_DownClient()],
+    )
     supervisor = Supervisor(state, fleet, interval_s=0.05)
 
     async def supervise_until_replaced() -> None:

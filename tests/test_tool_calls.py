@@ -9,10 +9,10 @@ import random
 import pytest
 
 from router.chat.output import ChatOutput, ChatParts
-from router.replicas.generation import Piece
 from router.chat.reasoning import ReasoningParser, reasoning_parser_for
-from router.http.responses import Formatter
 from router.chat.tool_calls import tool_call_parser, tool_call_parser_for
+from router.http.responses import Formatter
+from router.replicas.generation import Piece
 
 
 def splits(text: str, seed: int = 0) -> list[list[str]]:
@@ -37,9 +37,11 @@ def calls(parts: ChatParts) -> list[tuple[str, dict]]:
     return [(c.name, json.loads(c.arguments)) for c in parts.tool_calls]
 
 
-QWEN_TWO_CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "note": '
-                  '"a } and a \\" inside"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
-                  '</tool_call>')
+QWEN_TWO_CALLS = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "note": '
+    '"a } and a \\" inside"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+    "</tool_call>"
+)
 
 
 def test_qwen_calls_are_read_with_the_text_before_them_as_content():
@@ -58,8 +60,10 @@ def test_with_parallel_calls_off_only_the_first_call_is_kept(pieces):
 
 
 def test_llama_calls_are_read_from_its_json_form():
-    text = ('{"name": "get_weather", "parameters": {"city": "Paris", "days": [1, 2]}}; '
-            '{"name": "get_time", "parameters": {}}')
+    text = (
+        '{"name": "get_weather", "parameters": {"city": "Paris", "days": [1, 2]}}; '
+        '{"name": "get_time", "parameters": {}}'
+    )
     parts = read(ChatOutput(tool_calls="llama"), [text])
     assert parts.content == ""
     assert calls(parts) == [("get_weather", {"city": "Paris", "days": [1, 2]}), ("get_time", {})]
@@ -69,17 +73,24 @@ def test_arguments_come_back_as_json_text_of_an_object():
     text = '<tool_call>\n{"name": "f", "arguments": {"x":1,"y" : "é"}}\n</tool_call>'
     parts = read(ChatOutput(tool_calls="qwen"), [text])
     assert json.loads(parts.tool_calls[0].arguments) == {"x": 1, "y": "é"}
-    assert parts.tool_calls[0].as_openai(3) == {"index": 3, "id": parts.tool_calls[0].id, "type": "function",
-                                                "function": {"name": "f", "arguments": parts.tool_calls[0].arguments}}
+    assert parts.tool_calls[0].as_openai(3) == {
+        "index": 3,
+        "id": parts.tool_calls[0].id,
+        "type": "function",
+        "function": {"name": "f", "arguments": parts.tool_calls[0].arguments},
+    }
 
 
-@pytest.mark.parametrize("text", [
-    "<tool_call>\nnot json\n</tool_call>",
-    '<tool_call>\n{"arguments": {}}\n</tool_call>',       # no name
-    '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',  # arguments not an object
-    "a < b and <tool_ca",                                  # a marker's start that never completes
-    "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"x\": ",  # cut before the call closes
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>\nnot json\n</tool_call>",
+        '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
+        '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',  # arguments not an object
+        "a < b and <tool_ca",  # a marker's start that never completes
+        '<tool_call>\n{"name": "f", "arguments": {"x": ',  # cut before the call closes
+    ],
+)
 def test_text_that_is_no_call_stays_content(text):
     parts = read(ChatOutput(tool_calls="qwen"), [text])
     assert (parts.content, parts.tool_calls) == (text, [])
@@ -103,8 +114,10 @@ def test_reasoning_is_split_from_the_answer():
 
 def test_without_a_think_block_everything_is_content():
     text = "  Just an answer, with <think> later on."
-    assert (read(ChatOutput(reasoning=True), [text]).reasoning, read(ChatOutput(reasoning=True), [text]).content) \
-        == ("", text)
+    assert (read(ChatOutput(reasoning=True), [text]).reasoning, read(ChatOutput(reasoning=True), [text]).content) == (
+        "",
+        text,
+    )
 
 
 def test_a_prompt_that_opened_the_think_block_starts_the_output_in_it():
@@ -127,15 +140,19 @@ def test_reasoning_then_a_tool_call():
 CASES = [
     (ChatOutput(tool_calls="qwen"), QWEN_TWO_CALLS),
     (ChatOutput(tool_calls="qwen"), "no call here, only <tool and <tool_call> that is broken </tool_call> x"),
-    (ChatOutput(tool_calls="llama"), '{"name": "a", "parameters": {"s": "}{\\\\\\"", "n": {"m": [1]}}};\n{"name": "b", '
-                                     '"parameters": {}}'),
+    (
+        ChatOutput(tool_calls="llama"),
+        '{"name": "a", "parameters": {"s": "}{\\\\\\"", "n": {"m": [1]}}};\n{"name": "b", "parameters": {}}',
+    ),
     (ChatOutput(tool_calls="llama"), 'Plain text with a { brace and {"name" in it'),
     (ChatOutput(reasoning=True), "<think>abc</think>hello"),
     (ChatOutput(reasoning=True), "\n<think>a</thin</think>  \n b </think>"),
     (ChatOutput(reasoning=True), "<thinking is not a tag"),
     (ChatOutput(reasoning=True, starts_in_reasoning=True), "x</think>\n\n"),
-    (ChatOutput(reasoning=True, tool_calls="qwen"),
-     '<think>\nhm\n</think>\n\nSure <tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call>'),
+    (
+        ChatOutput(reasoning=True, tool_calls="qwen"),
+        '<think>\nhm\n</think>\n\nSure <tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}\n</tool_call>',
+    ),
 ]
 
 
@@ -148,11 +165,21 @@ def test_any_split_of_the_text_reads_as_the_whole_does(output, text):
 
 
 def test_the_parsers_are_picked_by_model_type():
-    assert [tool_call_parser_for("auto", t) for t in ("qwen3", "qwen2", "qwen3_moe", "llama", "mistral", None)] == \
-        ["qwen", "qwen", "qwen", "llama", None, None]
+    assert [tool_call_parser_for("auto", t) for t in ("qwen3", "qwen2", "qwen3_moe", "llama", "mistral", None)] == [
+        "qwen",
+        "qwen",
+        "qwen",
+        "llama",
+        None,
+        None,
+    ]
     assert tool_call_parser_for("none", "qwen3") is None and tool_call_parser_for("llama", "qwen3") == "llama"
-    assert [reasoning_parser_for("auto", t) for t in ("qwen3", "qwen3_moe", "qwen2", "llama")] == \
-        ["qwen3", "qwen3", None, None]
+    assert [reasoning_parser_for("auto", t) for t in ("qwen3", "qwen3_moe", "qwen2", "llama")] == [
+        "qwen3",
+        "qwen3",
+        None,
+        None,
+    ]
     assert reasoning_parser_for("none", "qwen3") is None and reasoning_parser_for("qwen3", "llama") == "qwen3"
 
 
@@ -165,8 +192,10 @@ def test_parsers_hold_back_only_what_may_start_a_marker():
 
 
 def test_a_streamed_chat_of_reasoning_text_and_calls_adds_up_to_the_whole_message():
-    text = ('<think>plan</think>\n\nOn it. <tool_call>\n{"name": "w", "arguments": {"c": "Oslo"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "t", "arguments": {}}\n</tool_call>')
+    text = (
+        '<think>plan</think>\n\nOn it. <tool_call>\n{"name": "w", "arguments": {"c": "Oslo"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "t", "arguments": {}}\n</tool_call>'
+    )
     output = ChatOutput(reasoning=True, tool_calls="qwen")
     cuts = [0, 3, 9, 20, 31, 44, 60, 77, 100, len(text)]
     pieces = [Piece(text[a:b]) for a, b in zip(cuts, cuts[1:])]

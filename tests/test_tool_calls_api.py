@@ -19,15 +19,20 @@ from cluster.model_info import load_tokenizer
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {"type": "object",
-           "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
-                          "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                          "unit": {"enum": ["C", "F"]}},
-           "required": ["city", "days"]}
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "unit": {"enum": ["C", "F"]},
+    },
+    "required": ["city", "days"],
+}
 TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["zone"]}
-TOOLS = [{"type": "function",
-          "function": {"name": "get_weather", "description": "the forecast", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "the forecast", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
 SCHEMA_OF = {"get_weather": WEATHER, "get_time": TIME}
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
@@ -53,7 +58,6 @@ def bias(tokenizer):
     return no_whitespace(tokenizer)
 
 
-
 def check_calls(calls) -> None:
     """Every call names a listed function, with arguments that validate against its parameters."""
     assert calls
@@ -64,9 +68,18 @@ def check_calls(calls) -> None:
 
 def test_required_makes_a_call_whose_arguments_validate(srv, bias):
     for seed in (1, 2):
-        r = client(srv).chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice="required",
-                                                parallel_tool_calls=False, max_tokens=150, temperature=1, seed=seed,
-                                                logit_bias=bias, extra_body=NO_THINKING)
+        r = client(srv).chat.completions.create(
+            model="tiny",
+            messages=MSG,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=150,
+            temperature=1,
+            seed=seed,
+            logit_bias=bias,
+            extra_body=NO_THINKING,
+        )
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
         assert choice.message.content is None
@@ -74,16 +87,31 @@ def test_required_makes_a_call_whose_arguments_validate(srv, bias):
 
 
 def test_required_with_parallel_calls_makes_at_least_one(srv, bias):
-    r = client(srv).chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice="required",
-                                            max_tokens=150, temperature=0, logit_bias=bias, extra_body=NO_THINKING)
+    r = client(srv).chat.completions.create(
+        model="tiny",
+        messages=MSG,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=150,
+        temperature=0,
+        logit_bias=bias,
+        extra_body=NO_THINKING,
+    )
     check_calls(r.choices[0].message.tool_calls)  # text may follow the calls until max_tokens
 
 
 def test_a_named_function_is_the_one_called(srv, bias):
     for name in ("get_weather", "get_time"):
-        r = client(srv).chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, max_tokens=150, temperature=0,
-                                                tool_choice={"type": "function", "function": {"name": name}},
-                                                logit_bias=bias, extra_body=NO_THINKING)
+        r = client(srv).chat.completions.create(
+            model="tiny",
+            messages=MSG,
+            tools=TOOLS,
+            max_tokens=150,
+            temperature=0,
+            tool_choice={"type": "function", "function": {"name": name}},
+            logit_bias=bias,
+            extra_body=NO_THINKING,
+        )
         calls = r.choices[0].message.tool_calls
         assert [c.function.name for c in calls] == [name] and r.choices[0].finish_reason == "tool_calls"
         check_calls(calls)
@@ -92,9 +120,15 @@ def test_a_named_function_is_the_one_called(srv, bias):
 def test_a_thinking_model_may_think_before_a_required_call(srv, bias):
     # without enable_thinking false the grammar lets a think block come first, and the output's start
     # is read as reasoning
-    r = client(srv).chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, max_tokens=60, temperature=0,
-                                            tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                            logit_bias=bias)
+    r = client(srv).chat.completions.create(
+        model="tiny",
+        messages=MSG,
+        tools=TOOLS,
+        max_tokens=60,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        logit_bias=bias,
+    )
     choice = r.choices[0]
     if choice.finish_reason == "length":  # random weights, once thinking, think on until max_tokens
         assert choice.message.reasoning_content and choice.message.content is None
@@ -103,15 +137,25 @@ def test_a_thinking_model_may_think_before_a_required_call(srv, bias):
 
 
 def test_streamed_calls_are_deltas_that_add_up_to_the_whole_message(srv, bias):
-    args = dict(model="tiny", messages=MSG, tools=TOOLS, tool_choice="required", max_tokens=150, temperature=1,
-                seed=5, logit_bias=bias, extra_body=NO_THINKING)
+    args = dict(
+        model="tiny",
+        messages=MSG,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=150,
+        temperature=1,
+        seed=5,
+        logit_bias=bias,
+        extra_body=NO_THINKING,
+    )
     whole = client(srv).chat.completions.create(**args).choices[0]
     chunks = list(client(srv).chat.completions.create(**args, stream=True))
     deltas = [d for ch in chunks for d in ch.choices[0].delta.tool_calls or []]
     assert [d.index for d in deltas] == list(range(len(whole.message.tool_calls)))
     assert all(d.id.startswith("call_") and d.type == "function" for d in deltas)
-    assert [(d.function.name, d.function.arguments) for d in deltas] == \
-        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls
+    ]
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == (whole.message.content or "")
     assert chunks[-1].choices[0].finish_reason == whole.finish_reason
 
@@ -124,24 +168,45 @@ def prompt_ids(tokenizer, messages, tools=None, **kwargs) -> list[int]:
 @pytest.mark.parametrize("tool_choice", ["auto", "none", None])
 def test_without_a_forced_call_random_weights_write_text_and_the_tools_are_rendered(srv, tokenizer, tool_choice):
     extra = {} if tool_choice is None else {"tool_choice": tool_choice}
-    r = client(srv).chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, max_tokens=8, temperature=0,
-                                            **extra)
+    r = client(srv).chat.completions.create(
+        model="tiny", messages=MSG, tools=TOOLS, max_tokens=8, temperature=0, **extra
+    )
     choice = r.choices[0]
     assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
     assert r.usage.prompt_tokens == len(prompt_ids(tokenizer, MSG, TOOLS)) > len(prompt_ids(tokenizer, MSG))
 
 
 def test_calls_and_tool_results_sent_back_are_rendered_by_the_template(srv, tokenizer):
-    sent = [*MSG,
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_1", "type": "function",
-                 "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
-    rendered = [*MSG,
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "call_1", "type": "function",
-                     "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    sent = [
+        *MSG,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    rendered = [
+        *MSG,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
     r = client(srv).chat.completions.create(model="tiny", messages=sent, tools=TOOLS, max_tokens=2)
     assert r.usage.prompt_tokens == len(prompt_ids(tokenizer, rendered, TOOLS))
     text = tokenizer.apply_chat_template(rendered, tools=TOOLS, add_generation_prompt=True, tokenize=False)
@@ -151,8 +216,20 @@ def test_calls_and_tool_results_sent_back_are_rendered_by_the_template(srv, toke
 
 BAD = [  # (param, body): each a 400 whose param names the field
     ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]}),
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}]}),
+    (
+        "tools",
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+                    },
+                }
+            ]
+        },
+    ),
     ("tools", {"tools": [TOOLS[0], TOOLS[0]]}),  # one name twice
     ("tools.0.function.name", {"tools": [{"type": "function", "function": {"name": "has space"}}]}),
     ("tool_choice", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}),
@@ -181,11 +258,27 @@ def llama_srv(ray_cluster, tmp_path_factory, llama_path):
 
 def test_a_llama_model_calls_in_its_json_form_and_has_no_reasoning(llama_srv):
     c = client(llama_srv)
-    r = c.chat.completions.create(model="tiny", messages=MSG, tools=TOOLS, tool_choice="required",
-                                  parallel_tool_calls=False, max_tokens=150, temperature=0,
-                                  logit_bias=no_whitespace(load_tokenizer(llama_srv.config.model)))
+    r = c.chat.completions.create(
+        model="tiny",
+        messages=MSG,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=150,
+        temperature=0,
+        logit_bias=no_whitespace(load_tokenizer(llama_srv.config.model)),
+    )
     assert r.choices[0].finish_reason == "tool_calls"
     check_calls(r.choices[0].message.tool_calls)
-    text = c.chat.completions.create(model="tiny", messages=MSG, max_tokens=40, temperature=0,
-                                     extra_body={"guided_regex": "<think>abc</think>hello"}).choices[0].message
+    text = (
+        c.chat.completions.create(
+            model="tiny",
+            messages=MSG,
+            max_tokens=40,
+            temperature=0,
+            extra_body={"guided_regex": "<think>abc</think>hello"},
+        )
+        .choices[0]
+        .message
+    )
     assert text.content == "<think>abc</think>hello" and getattr(text, "reasoning_content", None) is None

@@ -18,20 +18,26 @@ from helpers import checked_llm, encode_all, greedy
 
 from cluster import LLM, GrammarSpec, SamplingParams
 from cluster.config import ReplicaConfig, SchedulerConfig
-from cluster.scheduler.executor import ReplicaBrokenError
 from cluster.errors import GenerationError
 from cluster.messages import AddRequest, TokenDelta
 from cluster.replica.actor import SchedulerActor
+from cluster.scheduler.executor import ReplicaBrokenError
 from worker.config import EngineConfig
 
 
-@pytest.mark.parametrize("family,overlap,cache_type,preempting", [
-    ("qwen3", True, "radix", False), ("llama", True, "naive", True), ("llama", False, "radix", False)])
+@pytest.mark.parametrize(
+    "family,overlap,cache_type,preempting",
+    [("qwen3", True, "radix", False), ("llama", True, "naive", True), ("llama", False, "radix", False)],
+)
 def test_tp2_greedy_equals_tp1_and_hf(ray_cluster, model_paths, family, overlap, cache_type, preempting):
     path = model_paths[family]
     # preempting: too few pages for every request's growth, so rank 0 preempts and recomputes some
-    kw = dict(overlap=overlap, cache_type=cache_type, page_size=4,
-              **(dict(num_pages=80, decode_reserve_tokens=1) if preempting else {}))
+    kw = dict(
+        overlap=overlap,
+        cache_type=cache_type,
+        page_size=4,
+        **(dict(num_pages=80, decode_reserve_tokens=1) if preempting else {}),
+    )
     with checked_llm(path, tp_size=2, **kw) as llm:
         prompts = encode_all(llm, PROMPT_TEXTS)
         tp2 = [o.token_ids for o in llm.generate(prompts, greedy(10))]
@@ -50,8 +56,9 @@ def test_tp2_with_a_single_kv_head_replicates_it(ray_cluster, qwen3_one_kv_head_
 
 
 def test_tp2_seeded_sampling_equals_tp1_and_aborts_keep_every_rank_whole(ray_cluster, qwen3_path):
-    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=12, seed=s, ignore_eos=True)
-              for s in range(6)]
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=40, max_tokens=12, seed=s, ignore_eos=True) for s in range(6)
+    ]
     with checked_llm(qwen3_path) as llm:
         prompts = encode_all(llm, PROMPT_TEXTS[:6])
         tp1 = [o.token_ids for o in llm.generate(prompts, params)]
@@ -77,22 +84,27 @@ def test_tp2_seeded_sampling_equals_tp1_and_aborts_keep_every_rank_whole(ray_clu
 
 
 @pytest.mark.parametrize("family,overlap", [("qwen3", True), ("llama", False), ("qwen2", True)])
-def test_tp2_penalties_biases_min_tokens_choices_and_prompt_logprobs_equal_tp1(ray_cluster, model_paths, family,
-                                                                              overlap):
+def test_tp2_penalties_biases_min_tokens_choices_and_prompt_logprobs_equal_tp1(
+    ray_cluster, model_paths, family, overlap
+):
     """Every rank applies the same processors (and grammar masks) to the same gathered logits and counts
     the same tokens:
     tp=2 equals tp=1 (which tests/test_sampling.py referees against Hugging Face for every family, both
     loops); here for two families and both loops (in the overlap loop step N+1's penalties need step N's
     token on the device)."""
     path = model_paths[family]
-    params = [greedy(16, ignore_eos=True, repetition_penalty=1.6), greedy(16, ignore_eos=True, logit_bias={5: 3.0}),
-              greedy(16, stop_token_ids=[7], min_tokens=6), greedy(16, presence_penalty=0.8, frequency_penalty=0.9),
-              SamplingParams(temperature=0.9, min_p=0.05, max_tokens=10, n=3, seed=77),
-              SamplingParams(temperature=0.9, max_tokens=40, seed=3, grammar=GrammarSpec("regex", "[a-z]{3,9} ok")),
-              greedy(4, prompt_logprobs=2)]
+    params = [
+        greedy(16, ignore_eos=True, repetition_penalty=1.6),
+        greedy(16, ignore_eos=True, logit_bias={5: 3.0}),
+        greedy(16, stop_token_ids=[7], min_tokens=6),
+        greedy(16, presence_penalty=0.8, frequency_penalty=0.9),
+        SamplingParams(temperature=0.9, min_p=0.05, max_tokens=10, n=3, seed=77),
+        SamplingParams(temperature=0.9, max_tokens=40, seed=3, grammar=GrammarSpec("regex", "[a-z]{3,9} ok")),
+        greedy(4, prompt_logprobs=2),
+    ]
 
     def run(llm):
-        outs = llm.generate(encode_all(llm, PROMPT_TEXTS[:len(params)]), params)
+        outs = llm.generate(encode_all(llm, PROMPT_TEXTS[: len(params)]), params)
         return [[o.token_ids for o in out.outputs] for out in outs], outs[-1].prompt_logprobs
 
     with checked_llm(path, tp_size=2, overlap=overlap, page_size=4) as llm:
@@ -100,8 +112,9 @@ def test_tp2_penalties_biases_min_tokens_choices_and_prompt_logprobs_equal_tp1(r
     with checked_llm(path, overlap=overlap, page_size=4) as llm:
         tp1, tp1_scores = run(llm)
     assert tp2 == tp1
-    assert [top for _, top in tp2_scores] == [top for _, top in tp1_scores] or \
-        [[i for i, _ in top] for _, top in tp2_scores] == [[i for i, _ in top] for _, top in tp1_scores]
+    assert [top for _, top in tp2_scores] == [top for _, top in tp1_scores] or [
+        [i for i, _ in top] for _, top in tp2_scores
+    ] == [[i for i, _ in top] for _, top in tp1_scores]
     assert [lp for lp, _ in tp2_scores] == pytest.approx([lp for lp, _ in tp1_scores], abs=1e-4)
 
 
@@ -129,6 +142,7 @@ def test_shutdown_leaves_no_actor_or_placement_group(ray_cluster, qwen3_path):
 def test_stalled_follower_times_out_instead_of_hanging(ray_cluster, qwen3_path):
     import os
     import signal
+
     llm = LLM(str(qwen3_path), tp_size=2, collective_timeout_s=4)
     _, pid = ray_cluster.get(llm.replica.followers[0].node_and_pid.remote())
     try:
@@ -170,8 +184,11 @@ class _HangingExecutor:
 
 def test_watchdog_fails_a_replica_whose_step_blocks_on_the_host(ray_cluster, qwen3_path):
     limit = 2.0
-    config = ReplicaConfig(engine=EngineConfig(model_path=str(qwen3_path), page_size=4), scheduler=SchedulerConfig(),
-                           collective_timeout_s=limit)
+    config = ReplicaConfig(
+        engine=EngineConfig(model_path=str(qwen3_path), page_size=4),
+        scheduler=SchedulerConfig(),
+        collective_timeout_s=limit,
+    )
     actor = SchedulerActor(config)
     actor.start()
     hanging = _HangingExecutor(actor.executor)
@@ -188,6 +205,7 @@ def test_watchdog_fails_a_replica_whose_step_blocks_on_the_host(ray_cluster, qwe
             ends = [d for d in seen if d.uid == uid and d.finished]
             if ends:
                 return ends[0]
+
     try:
         assert actor.health() is None
         actor.submit([AddRequest(9, [5, 6, 7], greedy(200, ignore_eos=True))])
@@ -214,6 +232,7 @@ def test_watchdog_fails_a_replica_whose_step_blocks_on_the_host(ray_cluster, qwe
 
 def test_every_rank_is_named_by_replica_and_rank_for_the_dashboard(ray_cluster, qwen3_path):
     import ray._private.state as state
+
     with checked_llm(qwen3_path, tp_size=2) as llm:
         suffix = llm.replica.suffix
         names = {v["Name"] for v in state.actors().values() if v["State"] == "ALIVE"}
@@ -223,10 +242,32 @@ def test_every_rank_is_named_by_replica_and_rank_for_the_dashboard(ray_cluster, 
 def test_tp_step_time_bench_says_where_each_rank_is_when_one_stalls_and_exits_124():
     root = Path(__file__).resolve().parents[1]
     # rank 1 hangs before its 30th launch, so rank 0 waits in that step's first all-reduce
-    run = subprocess.run([sys.executable, str(root / "bench" / "tp_step_time.py"), "--arch", "tiny", "--device", "cpu",
-                          "--tp-size", "2", "--batch", "4", "--output-len", "32", "--page-size", "16",
-                          "--timeout-s", "5", "--inject-stall", "1:30"],
-                         cwd=root, capture_output=True, text=True, timeout=240)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(root / "bench" / "tp_step_time.py"),
+            "--arch",
+            "tiny",
+            "--device",
+            "cpu",
+            "--tp-size",
+            "2",
+            "--batch",
+            "4",
+            "--output-len",
+            "32",
+            "--page-size",
+            "16",
+            "--timeout-s",
+            "5",
+            "--inject-stall",
+            "1:30",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert run.returncode == 124, run.stderr[-3000:]
     assert "rank 0 (pid" in run.stderr and "warming up (batch 4), 30 steps launched" in run.stderr
     assert "rank 1 (pid" in run.stderr and "running the follower loop, 30 steps launched" in run.stderr

@@ -15,6 +15,7 @@ from cluster.errors import EngineError, ReplicaDownError
 def _fail_rank0_once(llm: LLM, where: str) -> None:
     """Makes rank 0's next step raise, either at the start of its forward (before any collective) or
     in its LM head, after the step's layers (and their all-reduces) ran on every rank."""
+
     def inject(actor, where=where):
         engine = actor.engine
         target, name = (engine, "forward") if where == "forward" else (engine.model, "compute_logits")
@@ -23,9 +24,11 @@ def _fail_rank0_once(llm: LLM, where: str) -> None:
         def fail_once(*args, **kw):
             setattr(target, name, real)
             raise RuntimeError("injected kernel failure")
+
         setattr(target, name, fail_once)
 
     import ray
+
     ray.get(llm.replica.actor.__ray_call__.remote(inject))
 
 

@@ -36,8 +36,16 @@ def page_lists(lens: list[int], page_size: int, num_pages: int, generator: torch
     return indptr, ids, last
 
 
-def make_decode(lens: list[int], page_size: int, num_kv_heads: int, group: int, head_dim: int, kv: str,
-                q_dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def make_decode(
+    lens: list[int],
+    page_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    kv: str,
+    q_dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
     """(q, k_cache, v_cache, kv_indptr, kv_indices, last_page_len) on DEVICE, with a few spare pages."""
     g = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-n // page_size) for n in lens) + 3
@@ -169,9 +177,19 @@ def test_decode_agrees_with_flashinfer_tensor_core_decode(kv):
     args = make_decode(lens, page_size, num_kv_heads, num_heads // num_kv_heads, head_dim, kv, seed=5)
     q, k, v, kv_indptr, kv_indices, last_page_len = args
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        torch.zeros(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True)
-    wrapper.plan(kv_indptr.cpu(), kv_indices, last_page_len.cpu(), num_heads, num_kv_heads, head_dim, page_size,
-                 q_data_type=q.dtype, kv_data_type=k.dtype)
+        torch.zeros(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True
+    )
+    wrapper.plan(
+        kv_indptr.cpu(),
+        kv_indices,
+        last_page_len.cpu(),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        q_data_type=q.dtype,
+        kv_data_type=k.dtype,
+    )
     want = wrapper.run(q, (k, v)).float()
     got = paged_decode(*args, num_splits=decode_num_splits(batch, num_kv_heads)).float()
     bound = 2 * UNIT_ROUNDOFF * v.float().abs().max().item()
@@ -187,11 +205,18 @@ def test_which_decode_steps_the_kernel_takes(monkeypatch):
     # over fp8 on a GPU that cannot convert it
     from worker import triton_ops
     from worker.attention import flashinfer_backend as fb
+
     monkeypatch.setattr(triton_ops, "triton_installed", lambda: True)
     monkeypatch.setattr(triton_ops, "_capability", lambda index: (9, 0))
     cuda, fp8, bf16 = torch.device("cuda"), torch.float8_e4m3fn, torch.bfloat16
-    for choice, kv, triton in [("auto", bf16, False), ("auto", torch.float16, False), ("auto", fp8, True),
-                               ("triton", bf16, True), ("tensor_cores", fp8, False), ("cuda_cores", bf16, False)]:
+    for choice, kv, triton in [
+        ("auto", bf16, False),
+        ("auto", torch.float16, False),
+        ("auto", fp8, True),
+        ("triton", bf16, True),
+        ("tensor_cores", fp8, False),
+        ("cuda_cores", bf16, False),
+    ]:
         assert fb.decodes_with_triton(kv, cuda, choice) is triton, (choice, kv)
     assert fb.decodes_with_triton(fp8, cuda) is True  # auto, by default
     assert fb.decodes_with_triton(fp8, torch.device("cpu")) is False
@@ -203,6 +228,7 @@ def test_which_decode_steps_the_kernel_takes(monkeypatch):
 
 def test_flashinfers_decode_path_follows_the_choice_it_is_given():
     from worker.attention.flashinfer_backend import TENSOR_CORE_ABOVE_BATCH, use_tensor_cores
+
     small, large = TENSOR_CORE_ABOVE_BATCH, TENSOR_CORE_ABOVE_BATCH + 1
     assert not use_tensor_cores(small) and use_tensor_cores(large)  # auto
     assert use_tensor_cores(small, "tensor_cores") and not use_tensor_cores(large, "cuda_cores")

@@ -45,9 +45,20 @@ def test_prologue_equals_norm_rotary_and_cache_write(heads, kv_heads, head_dim, 
     ref_kv.store(0, out_loc, ref_k, v.reshape(tokens, kv_heads, head_dim))
 
     assert triton_ops.prologue_applies(INTERPRETED, qkv, head_dim)
-    got_q = triton_ops.qkv_prologue(qkv, positions, out_loc, rotary.cos_sin, q_norm.weight if qk_norm else None,
-                                  k_norm.weight if qk_norm else None, eps, got_kv.k(0), got_kv.v(0), heads,
-                                  kv_heads, head_dim)
+    got_q = triton_ops.qkv_prologue(
+        qkv,
+        positions,
+        out_loc,
+        rotary.cos_sin,
+        q_norm.weight if qk_norm else None,
+        k_norm.weight if qk_norm else None,
+        eps,
+        got_kv.k(0),
+        got_kv.v(0),
+        heads,
+        kv_heads,
+        head_dim,
+    )
     torch.testing.assert_close(got_q, ref_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_kv.buffer, ref_kv.buffer, rtol=1e-5, atol=1e-5)
 

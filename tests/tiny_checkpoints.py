@@ -18,7 +18,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from demo import EOS_TOKEN, INIT_STD, build_tokenizer as _build_tokenizer, save_random_model  # noqa: F401
+from demo import EOS_TOKEN, INIT_STD, save_random_model  # noqa: F401
+from demo import build_tokenizer as _build_tokenizer
 
 PROMPT_TEXTS: list[str] = [
     "Hello",
@@ -163,6 +164,7 @@ def _save_hd128(model: PreTrainedModel, out: Path) -> Path:
 
 def _hd128_eos(out: Path) -> int:
     from transformers import PreTrainedTokenizerFast
+
     _build_tokenizer(out)
     return PreTrainedTokenizerFast.from_pretrained(out).convert_tokens_to_ids(EOS_TOKEN)
 
@@ -171,10 +173,23 @@ def build_qwen3_hd128(out: Path) -> Path:
     """A tiny Qwen3 with the benchmark's head size (128) and GQA group (2): FlashInfer builds kernels for
     it (none for the CPU models' head sizes)."""
     eos = _hd128_eos(out)
-    config = Qwen3Config(vocab_size=360, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos,
-                         pad_token_id=eos, dtype="float32", rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    config = Qwen3Config(
+        vocab_size=360,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        dtype="float32",
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
     torch.manual_seed(0)
     return _save_hd128(Qwen3ForCausalLM(config), out)
 
@@ -182,13 +197,30 @@ def build_qwen3_hd128(out: Path) -> Path:
 def build_llama_hd128(out: Path) -> Path:
     """A tiny Llama 3 (its rope scaling) with a head size FlashInfer builds kernels for."""
     eos = _hd128_eos(out)
-    config = LlamaConfig(vocab_size=360, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=2048,
-                         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos,
-                         pad_token_id=eos, dtype="float32",
-                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                          "original_max_position_embeddings": 64})
+    config = LlamaConfig(
+        vocab_size=360,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        dtype="float32",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     torch.manual_seed(0)
     return _save_hd128(LlamaForCausalLM(config), out)
 

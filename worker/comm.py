@@ -58,7 +58,7 @@ class DescChannel:
         self.group = group  # message_bytes: the same on every rank; other sizes for benchmarks only
         self.message = torch.zeros(message_bytes, dtype=torch.uint8)
         raw = self.message.numpy()
-        self._header, self._inline = raw[:self.HEADER_BYTES].view(np.int64), raw[self.HEADER_BYTES:]
+        self._header, self._inline = raw[: self.HEADER_BYTES].view(np.int64), raw[self.HEADER_BYTES :]
         self.overflow = torch.empty(0, dtype=torch.uint8)
         self._in_flight: list[dist.Work] = []
 
@@ -174,8 +174,9 @@ def _collective(what: str) -> Iterator[None]:
         raise CollectiveError(f"{what} failed: {e}") from e
 
 
-def init_tensor_parallel(rank: int, size: int, address: str, device: torch.device, timeout_s: float,
-                         startup_timeout_s: float = 600.0) -> TPGroup:
+def init_tensor_parallel(
+    rank: int, size: int, address: str, device: torch.device, timeout_s: float, startup_timeout_s: float = 600.0
+) -> TPGroup:
     """Joins the replica's group (blocks until every rank has joined).
 
     Two groups: the device group (NCCL on GPUs, gloo on CPUs) for the model's collectives and for
@@ -187,9 +188,14 @@ def init_tensor_parallel(rank: int, size: int, address: str, device: torch.devic
     if device.type == "cuda" and device.index is None:  # NCCL binds the group to one indexed device
         device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{address}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=max(startup_timeout_s, timeout_s)),
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=size,
+        timeout=timedelta(seconds=max(startup_timeout_s, timeout_s)),
+        device_id=device if device.type == "cuda" else None,
+    )
     cpu_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     comm = TorchDistComm(dist.group.WORLD, cpu_group, device)
     if backend == "nccl":

@@ -17,41 +17,83 @@ from typing import Any
 from worker.kernels import Kernels
 
 
-def setting(default: Any, help: str, *, choices: Sequence | None = None, at_least: float | None = None,
-            above: float | None = None, at_most: float | None = None, unset: str | None = None,
-            name: str | None = None, group: str | None = None) -> Any:
+def setting(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence | None = None,
+    at_least: float | None = None,
+    above: float | None = None,
+    at_most: float | None = None,
+    unset: str | None = None,
+    name: str | None = None,
+    group: str | None = None,
+) -> Any:
     """A dataclass field that carries its own documentation and allowed values.
 
     choices: the values allowed; at_least / above / at_most: bounds on a number; unset: what a None
     (or empty) default means, shown as the default; name: the key in flags, YAML and keywords when it
     is not the field's name; group: the heading it is listed under (default: its dataclass's)."""
-    return field(default=default, metadata={
-        "help": help, "choices": tuple(choices) if choices else None, "at_least": at_least, "above": above,
-        "at_most": at_most, "unset": unset, "name": name, "group": group})
+    return field(
+        default=default,
+        metadata={
+            "help": help,
+            "choices": tuple(choices) if choices else None,
+            "at_least": at_least,
+            "above": above,
+            "at_most": at_most,
+            "unset": unset,
+            "name": name,
+            "group": group,
+        },
+    )
 
 
 @dataclass
 class EngineConfig:
-    model_path: str = setting("", "a local Hugging Face model folder, or a Hugging Face id (fetched by launch.py)",
-                              name="model", unset="required")
-    dtype: str = setting("auto", "weights and KV cache; auto: the checkpoint's dtype on a GPU, float32 on a CPU",
-                         choices=("auto", "float32", "bfloat16", "float16"))
+    model_path: str = setting(
+        "",
+        "a local Hugging Face model folder, or a Hugging Face id (fetched by launch.py)",
+        name="model",
+        unset="required",
+    )
+    dtype: str = setting(
+        "auto",
+        "weights and KV cache; auto: the checkpoint's dtype on a GPU, float32 on a CPU",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
     device: str = setting("auto", "auto: cuda when available", choices=("auto", "cuda", "cpu"))
     page_size: int = setting(16, "tokens per KV-cache page", at_least=1)
     num_pages: int | None = setting(None, "KV-cache size in pages", at_least=1, unset="from the memory budget")
-    kv_cache_dtype: str = setting("auto", "KV-cache storage; auto: the model's dtype; fp8_e4m3: 8-bit floats (half "
-                                          "the memory of bfloat16, so twice the tokens)", choices=("auto", "fp8_e4m3"))
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV-cache storage; auto: the model's dtype; fp8_e4m3: 8-bit floats (half "
+        "the memory of bfloat16, so twice the tokens)",
+        choices=("auto", "fp8_e4m3"),
+    )
     max_running_reqs: int = setting(256, "requests decoded at once (the decode batch limit)", at_least=1)
-    max_seq_len: int | None = setting(None, "the longest sequence, prompt and output together", at_least=1,
-                                      unset="the model's max_position_embeddings")
-    load_format: str = setting("auto", "auto: the checkpoint's safetensors; dummy: random weights (to measure "
-                                       "speed and memory without the weights)", choices=("auto", "dummy"))
-    gpu_memory_utilization: float = setting(0.85, "share of the GPU's memory for weights, KV cache and activations",
-                                            above=0, at_most=1)
+    max_seq_len: int | None = setting(
+        None,
+        "the longest sequence, prompt and output together",
+        at_least=1,
+        unset="the model's max_position_embeddings",
+    )
+    load_format: str = setting(
+        "auto",
+        "auto: the checkpoint's safetensors; dummy: random weights (to measure speed and memory without the weights)",
+        choices=("auto", "dummy"),
+    )
+    gpu_memory_utilization: float = setting(
+        0.85, "share of the GPU's memory for weights, KV cache and activations", above=0, at_most=1
+    )
     cpu_kv_cache_gb: float = setting(2.0, "KV-cache budget in GiB on a CPU", above=0)
-    cuda_graph_max_bs: int = setting(256, "largest decode batch replayed from a CUDA graph; 0 turns graphs off",
-                                     at_least=0)
-    max_logit_bias: int = setting(1024, "token ids a request's logit_bias may name (with its stop ids while "
-                                         "min_tokens holds them back); sizes a per-request table on the device",
-                                  at_least=1)
+    cuda_graph_max_bs: int = setting(
+        256, "largest decode batch replayed from a CUDA graph; 0 turns graphs off", at_least=0
+    )
+    max_logit_bias: int = setting(
+        1024,
+        "token ids a request's logit_bias may name (with its stop ids while "
+        "min_tokens holds them back); sizes a per-request table on the device",
+        at_least=1,
+    )
     kernels: Kernels = field(default_factory=Kernels, metadata={"setting": False})

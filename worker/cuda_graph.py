@@ -58,7 +58,7 @@ class _Bucket:
         self.bs = bs
         self.forward: Callable[[], None] | None = None
         self.head: Callable[[], None] | None = None
-        self.logits: torch.Tensor | None = None       # [bs, vocab], the model's dtype
+        self.logits: torch.Tensor | None = None  # [bs, vocab], the model's dtype
         self.next_tokens: torch.Tensor | None = None  # int32 [bs]
         # the variants, by (processors, filter): their graphs and sampled tokens
         self.resample: dict[tuple[bool, bool], Callable[[], None]] = {}
@@ -71,16 +71,28 @@ class _Bucket:
     def args(self, procs: bool, filtered: bool) -> SampleArgs:
         """A variant's arguments (the head's: neither): the draw's columns, then those of the groups it
         applies. Called while capturing, so a bool column's cast from its int64 row is in the graph."""
-        groups = {DRAW} | ({FILTER} if filtered else set()) | ({MIN_P} if procs or filtered else set()) \
+        groups = (
+            {DRAW}
+            | ({FILTER} if filtered else set())
+            | ({MIN_P} if procs or filtered else set())
             | ({PROCS} if procs else set())
+        )
         rows = {**self.io, **self.sampler_args}
         columns = {c.name: rows[c.name].bool() if c.staged.kind == "b" else rows[c.name] for c in columns_of(*groups)}
         return SampleArgs.of(columns, self.sample_pos, self.token_write, self.allowed if procs else None)
 
 
 class CudaGraphRunner:
-    def __init__(self, model: nn.Module, attn: FlashInferBackend, max_bs: int, scratch_page: int,
-                 table: TokenTable, sampler: StepSampler, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        attn: FlashInferBackend,
+        max_bs: int,
+        scratch_page: int,
+        table: TokenTable,
+        sampler: StepSampler,
+        device: torch.device,
+    ) -> None:
         self.model, self.attn, self.table, self.sampler = model, attn, table, sampler
         self.batch_sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
@@ -93,7 +105,7 @@ class CudaGraphRunner:
         self.allowed = torch.full((self.max_bs, -(-sampler.state.vocab // 32)), -1, dtype=torch.int32, device=device)
         for b in self.buckets.values():
             b.bind_sampler_io(self.sio)
-            b.allowed = self.allowed[:b.bs]
+            b.allowed = self.allowed[: b.bs]
         self.pad = io_pads(self.scratch_loc, table.scratch_cell)
         self.sampler_pad = sampler_io_pads(sampler.state.scratch_row)
         self.graphs = self.buckets  # the captured batch sizes (tests look at the keys)
@@ -129,8 +141,9 @@ class CudaGraphRunner:
             for procs, filtered in VARIANTS:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool, stream=stream):
-                    b.resampled[procs, filtered] = self.sampler(b.logits, b.args(procs, filtered), procs=procs,
-                                                                filtered=filtered)
+                    b.resampled[procs, filtered] = self.sampler(
+                        b.logits, b.args(procs, filtered), procs=procs, filtered=filtered
+                    )
                 b.resample[procs, filtered] = g.replay
 
     def _forward(self, b: _Bucket) -> torch.Tensor:
@@ -157,8 +170,16 @@ class CudaGraphRunner:
         b.head()
         return b
 
-    def resample(self, bs: int, sio: torch.Tensor, grammar_rows: torch.Tensor | None, grammar_mask: torch.Tensor | None,
-                 *, procs: bool, filtered: bool) -> torch.Tensor:
+    def resample(
+        self,
+        bs: int,
+        sio: torch.Tensor,
+        grammar_rows: torch.Tensor | None,
+        grammar_mask: torch.Tensor | None,
+        *,
+        procs: bool,
+        filtered: bool,
+    ) -> torch.Tensor:
         """On the compute stream, after `replay`: copies the step's second block (and its constrained rows'
         allowed tokens) and replays the variant it needs; its tokens (the first n rows are real) replace
         the head's."""

@@ -44,8 +44,13 @@ if TYPE_CHECKING:
 
 A = TypeVar("A")  # np.ndarray on the host, torch.Tensor once staged
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
 
 
 def load_hf_config(model_path: str) -> PretrainedConfig:
@@ -90,20 +95,20 @@ class StepInputs(Generic[A]):
     """One step's arrays as `Engine._stage` uploads them (numpy on the host, then their device views;
     None: not needed by this kind of step), its sampling's among them."""
 
-    page_idx: A                  # int64 [T]: page-table cells this step fills ...
-    page_val: A                  # int32 [T]: ... with these KV locations
+    page_idx: A  # int64 [T]: page-table cells this step fills ...
+    page_val: A  # int32 [T]: ... with these KV locations
     sampling: SamplingInputs[A]
     prefix_idx: A | None = None  # page-table cells of prefix-cache hits, and their locations
     prefix_val: A | None = None
-    graph_io: A | None = None    # uint8: a graph-replayed decode step's per-row block (worker/graph_io.py IO)
+    graph_io: A | None = None  # uint8: a graph-replayed decode step's per-row block (worker/graph_io.py IO)
     # eager steps
-    slots: A | None = None   # int64 [B]
-    seq_lens: A | None = None    # int32 [B]
-    positions: A | None = None   # int64 [T]
-    out_loc: A | None = None     # int64 [T]
-    last_idx: A | None = None    # int64 [B] (prefill): each request's last new token in [T]
-    input_ids: A | None = None   # int32 [T] (prefill)
-    token_idx: A | None = None   # int64 (prefill): token-pool cells of the prompt tokens given
+    slots: A | None = None  # int64 [B]
+    seq_lens: A | None = None  # int32 [B]
+    positions: A | None = None  # int64 [T]
+    out_loc: A | None = None  # int64 [T]
+    last_idx: A | None = None  # int64 [B] (prefill): each request's last new token in [T]
+    input_ids: A | None = None  # int32 [T] (prefill)
+    token_idx: A | None = None  # int64 (prefill): token-pool cells of the prompt tokens given
     token_read: A | None = None  # int64 [B] (decode) or [T] (mixed): token-pool cells of the inputs
     staged: Staged | None = None  # the device twin's slot: release(stream) once the step's last reader is enqueued
 
@@ -136,25 +141,42 @@ class Engine:
         self.model.eval()
         attn0 = self.model.model.layers[0].self_attn
         # before the KV cache takes what memory is left
-        self.proc_state = ProcessorState(config.max_running_reqs, self.hf_config.vocab_size, config.max_logit_bias,
-                                         self.device)
+        self.proc_state = ProcessorState(
+            config.max_running_reqs, self.hf_config.vocab_size, config.max_logit_bias, self.device
+        )
         # every rank must hold the pages rank 0 hands out; free memory can differ a little per GPU
         self.num_pages = config.num_pages or self.tp.comm.min_over_ranks(
-            self._pages_from_budget(attn0.num_kv_heads, attn0.head_dim))
+            self._pages_from_budget(attn0.num_kv_heads, attn0.head_dim)
+        )
         # one page more than the scheduler hands out: the scratch page that padded graph rows write to
         self.scratch_page = self.num_pages
-        self.kv = KVCachePool(self.hf_config.num_hidden_layers, self.num_pages + 1, self.page_size,
-                              attn0.num_kv_heads, attn0.head_dim, self.kv_dtype, self.device, self.kernels)
+        self.kv = KVCachePool(
+            self.hf_config.num_hidden_layers,
+            self.num_pages + 1,
+            self.page_size,
+            attn0.num_kv_heads,
+            attn0.head_dim,
+            self.kv_dtype,
+            self.device,
+            self.kernels,
+        )
         self.table = TokenTable(config.max_running_reqs, self.max_seq_len, self.device)
         self.sampler = StepSampler(self.table.flat_pool, self.proc_state, self.kernels)
         backend = self.kernels.attention
         if backend == "auto" and self.dtype == torch.float32:
             backend = "torch"  # FlashInfer has no float32 kernels
-        self.attn = create_backend(backend, self.kv, self.table.page_table, attn0.num_heads,
-                                   q_dtype=self.dtype, decode=self.kernels.decode, waits=self.host_waits)
-        self.stream = new_stream(self.device)          # compute
-        self.sched_stream = new_stream(self.device)    # metadata copies and attention planning
-        self.inputs_free = new_event(self.device)      # the last step's forward no longer reads its inputs
+        self.attn = create_backend(
+            backend,
+            self.kv,
+            self.table.page_table,
+            attn0.num_heads,
+            q_dtype=self.dtype,
+            decode=self.kernels.decode,
+            waits=self.host_waits,
+        )
+        self.stream = new_stream(self.device)  # compute
+        self.sched_stream = new_stream(self.device)  # metadata copies and attention planning
+        self.inputs_free = new_event(self.device)  # the last step's forward no longer reads its inputs
         self.staging = PinnedStaging(self.device, waits=self.host_waits)
         # optional, for benchmarks: an object with begin(stream, desc) and end(stream) (the compute
         # stream's step), sched_begin(stream) and sched_end(stream) (the scheduler stream's part of it)
@@ -167,17 +189,28 @@ class Engine:
         collectives too): what the first request would otherwise wait for (FlashInfer's prefill
         kernels, Triton kernels: compiled on first use, a minute on a fresh host) happens here, before
         the replica takes traffic and before rank 0's watchdog times steps."""
+
         def one(value, dtype):
             return np.array([value], dtype=dtype)
-        desc = BatchDesc(True, slots=one(0, np.int32), seq_lens=one(1, np.int32), extend_lens=one(1, np.int32),
-                         out_loc=one(self.scratch_page * self.page_size, np.int32), input_ids=one(0, np.int32),
-                         temperature=one(0.5, np.float32), top_p=one(1.0, np.float32), top_k=one(-1, np.int32),
-                         seeds=one(0, np.int64))
+
+        desc = BatchDesc(
+            True,
+            slots=one(0, np.int32),
+            seq_lens=one(1, np.int32),
+            extend_lens=one(1, np.int32),
+            out_loc=one(self.scratch_page * self.page_size, np.int32),
+            input_ids=one(0, np.int32),
+            temperature=one(0.5, np.float32),
+            top_p=one(1.0, np.float32),
+            top_k=one(-1, np.int32),
+            seeds=one(0, np.int64),
+        )
         self.forward(desc).done.synchronize()
 
     def _pages_from_budget(self, kv_heads: int, head_dim: int) -> int:
-        per_page = KVCachePool.bytes_per_page(self.hf_config.num_hidden_layers, self.page_size, kv_heads, head_dim,
-                                              self.kv_dtype)
+        per_page = KVCachePool.bytes_per_page(
+            self.hf_config.num_hidden_layers, self.page_size, kv_heads, head_dim, self.kv_dtype
+        )
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - self.config.gpu_memory_utilization) * total
@@ -187,8 +220,10 @@ class Engine:
         most = self.config.max_running_reqs * -(-self.max_seq_len // self.page_size)
         pages = min(int(budget // per_page), most)
         if pages < 1:
-            raise MemoryError(f"no memory left for the KV cache ({budget / 2**30:.2f} GiB budget, "
-                              f"{per_page} bytes a page); lower max_running_reqs or raise the memory budget")
+            raise MemoryError(
+                f"no memory left for the KV cache ({budget / 2**30:.2f} GiB budget, "
+                f"{per_page} bytes a page); lower max_running_reqs or raise the memory budget"
+            )
         return pages
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
@@ -196,11 +231,14 @@ class Engine:
         if self.device.type != "cuda" or max_bs <= 0:
             return None
         from worker.attention.flashinfer_backend import FlashInferBackend
+
         if not isinstance(self.attn, FlashInferBackend):
             return None  # the torch backend's shapes change with every step's lengths
         from worker.cuda_graph import CudaGraphRunner
-        graphs = CudaGraphRunner(self.model, self.attn, max_bs, self.scratch_page, self.table, self.sampler,
-                                 self.device)
+
+        graphs = CudaGraphRunner(
+            self.model, self.attn, max_bs, self.scratch_page, self.table, self.sampler, self.device
+        )
         with torch.inference_mode():
             graphs.capture(self.stream, progress=self.tp.rank == 0)
         return graphs
@@ -224,16 +262,30 @@ class Engine:
             positions, token_slots = seq - 1, slots
         token_write = slots * pool_row + seq  # where each sampled token goes
         columns = desc_columns(desc)
-        s = StepInputs(page_idx=token_slots * self.max_seq_len + positions, page_val=desc.out_loc.astype(np.int32),
-                       sampling=stage_sampling(desc, columns, bs, seq, token_write, self.proc_state))
+        s = StepInputs(
+            page_idx=token_slots * self.max_seq_len + positions,
+            page_val=desc.out_loc.astype(np.int32),
+            sampling=stage_sampling(desc, columns, bs, seq, token_write, self.proc_state),
+        )
         if desc.prefix_slots:
-            s.prefix_idx = np.concatenate([slot * self.max_seq_len + np.arange(len(locs))
-                                           for slot, locs in desc.prefix_slots])
+            s.prefix_idx = np.concatenate(
+                [slot * self.max_seq_len + np.arange(len(locs)) for slot, locs in desc.prefix_slots]
+            )
             s.prefix_val = np.concatenate([locs for _, locs in desc.prefix_slots]).astype(np.int32)
         if bs:
-            s.graph_io = IO.pack(bs, desc.batch_size, {
-                "token_read": slots * pool_row + seq - 1, "positions": positions, "out_loc": desc.out_loc,
-                "token_write": token_write, "sample_pos": seq, **columns}, self.graphs.pad)
+            s.graph_io = IO.pack(
+                bs,
+                desc.batch_size,
+                {
+                    "token_read": slots * pool_row + seq - 1,
+                    "positions": positions,
+                    "out_loc": desc.out_loc,
+                    "token_write": token_write,
+                    "sample_pos": seq,
+                    **columns,
+                },
+                self.graphs.pad,
+            )
         else:
             s.slots, s.seq_lens, s.positions = slots, desc.seq_lens.astype(np.int32), positions
             s.out_loc = desc.out_loc.astype(np.int64)
@@ -274,9 +326,15 @@ class Engine:
                 self.graphs.prepare(desc, bs, plan)
             else:
                 # a decode step's input_ids are read from the token pool on the compute stream, below
-                batch = ForwardBatch(desc=desc, input_ids=s.input_ids, positions=s.positions[:n],
-                                     out_loc=s.out_loc[:n], slots=s.slots, seq_lens=s.seq_lens,
-                                     last_idx=s.last_idx)
+                batch = ForwardBatch(
+                    desc=desc,
+                    input_ids=s.input_ids,
+                    positions=s.positions[:n],
+                    out_loc=s.out_loc[:n],
+                    slots=s.slots,
+                    seq_lens=s.seq_lens,
+                    last_idx=s.last_idx,
+                )
                 self.attn.prepare(batch, plan)
             if timer is not None:
                 timer.sched_end(self.sched_stream)
@@ -309,12 +367,19 @@ class Engine:
         n, sp = desc.batch_size, s.sampling
         next_tokens = b.next_tokens
         if sp.redraw is not None:
-            next_tokens = redraw(self.sampler, b.logits, next_tokens, sp.redraw, sp.grammar_mask,
-                                 procs=sp.procs, filtered=sp.filtered)
+            next_tokens = redraw(
+                self.sampler, b.logits, next_tokens, sp.redraw, sp.grammar_mask, procs=sp.procs, filtered=sp.filtered
+            )
         elif sp.sampler_io is not None:  # redrawn over the processed and filtered logits (the same draw)
             # min-p alone runs in the processor variant (no sort), over idle processor rows
-            next_tokens = self.graphs.resample(bs, sp.sampler_io, sp.grammar_rows, sp.grammar_mask,
-                                               procs=sp.procs or sp.any_min_p, filtered=sp.filtered)
+            next_tokens = self.graphs.resample(
+                bs,
+                sp.sampler_io,
+                sp.grammar_rows,
+                sp.grammar_mask,
+                procs=sp.procs or sp.any_min_p,
+                filtered=sp.filtered,
+            )
         return b.logits[:n], next_tokens[:n]
 
     def _forward_eager(self, desc: BatchDesc, batch: ForwardBatch, s: StepInputs[torch.Tensor]):
@@ -328,8 +393,9 @@ class Engine:
         self.inputs_free.record(self.stream)
         logits = self.model.compute_logits(hidden[batch.last_idx] if desc.is_prefill else hidden)
         sp = s.sampling
-        next_tokens = self.sampler(logits, sp.args(batch.seq_lens, desc.batch_size), procs=sp.procs,
-                                   filtered=sp.filtered)
+        next_tokens = self.sampler(
+            logits, sp.args(batch.seq_lens, desc.batch_size), procs=sp.procs, filtered=sp.filtered
+        )
         scored = None
         if sp.plp_idx is not None:
             scored = prompt_logprobs(self.model.compute_logits, hidden, sp.plp_idx, sp.plp_target, desc.prompt_logprobs)

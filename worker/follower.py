@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 def node_and_pid() -> tuple[str, int]:
     """This Ray worker's node id and process id (tests stall or kill a rank by its pid)."""
     import ray
+
     return ray.get_runtime_context().get_node_id(), os.getpid()
 
 

@@ -21,14 +21,15 @@ from worker.sampling.columns import DRAW, VARIANT_GROUPS, Column, column_pads, c
 
 @dataclass(frozen=True)
 class Block:
-    ints: tuple[str, ...]    # int64 rows
+    ints: tuple[str, ...]  # int64 rows
     floats: tuple[str, ...]  # float32 rows
 
     @staticmethod
     def of(forward: tuple[str, ...], columns: tuple[Column, ...]) -> Block:
         """`forward`'s int rows, then the columns' (integer and bool columns as int64 rows)."""
-        return Block(forward + tuple(c.name for c in columns if not c.is_float),
-                     tuple(c.name for c in columns if c.is_float))
+        return Block(
+            forward + tuple(c.name for c in columns if not c.is_float), tuple(c.name for c in columns if c.is_float)
+        )
 
     def nbytes(self, bs: int) -> int:
         return (8 * len(self.ints) + 4 * len(self.floats)) * bs
@@ -50,9 +51,11 @@ class Block:
         """Each field's row of a bucket of `bs` rows, as views of the uint8 `buffer` the block is copied into."""
         ni = 8 * len(self.ints) * bs
         ints = buffer[:ni].view(torch.int64).view(len(self.ints), bs)
-        floats = buffer[ni: self.nbytes(bs)].view(torch.float32).view(len(self.floats), bs)
-        return {**{name: ints[i] for i, name in enumerate(self.ints)},
-                **{name: floats[i] for i, name in enumerate(self.floats)}}
+        floats = buffer[ni : self.nbytes(bs)].view(torch.float32).view(len(self.floats), bs)
+        return {
+            **{name: ints[i] for i, name in enumerate(self.ints)},
+            **{name: floats[i] for i, name in enumerate(self.floats)},
+        }
 
 
 # the per-step block: the forward's cells and positions, where each row's token goes and at what
@@ -63,8 +66,14 @@ SAMPLER_IO = Block.of((), columns_of(*VARIANT_GROUPS))
 
 
 def io_pads(scratch_loc: int, scratch_cell: int) -> dict[str, float]:
-    return {"token_read": 0, "positions": 0, "out_loc": scratch_loc, "token_write": scratch_cell, "sample_pos": 0,
-            **{c.name: c.pad for c in columns_of(DRAW)}}
+    return {
+        "token_read": 0,
+        "positions": 0,
+        "out_loc": scratch_loc,
+        "token_write": scratch_cell,
+        "sample_pos": 0,
+        **{c.name: c.pad for c in columns_of(DRAW)},
+    }
 
 
 @cache

@@ -30,15 +30,25 @@ def to_fp8(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCachePool:
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, kernels: Kernels = Kernels()) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: Kernels = Kernels(),
+    ) -> None:
         self.num_pages, self.page_size = num_pages, page_size
         self.kernels = kernels
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.is_fp8 = dtype == FP8
-        self.buffer = torch.zeros(2, num_layers, num_pages * page_size, num_kv_heads, head_dim, dtype=dtype,
-                                  device=device)
+        self.buffer = torch.zeros(
+            2, num_layers, num_pages * page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
         # index_copy_ and gathers lack float8 kernels (on the CPU at least): an fp8 pool moves its bytes
         self._cells = self.buffer.view(torch.uint8) if self.is_fp8 else self.buffer
 
@@ -53,8 +63,9 @@ class KVCachePool:
         return self.buffer[1, layer]
 
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if triton_ops.kernels_available(self.kernels, k) and triton_ops.kv_store(loc, k, v, self.k(layer),
-                                                                                 self.v(layer)):
+        if triton_ops.kernels_available(self.kernels, k) and triton_ops.kv_store(
+            loc, k, v, self.k(layer), self.v(layer)
+        ):
             return  # one launch for both
         if self.is_fp8:
             k, v = to_fp8(k).view(torch.uint8), to_fp8(v).view(torch.uint8)

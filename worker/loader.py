@@ -69,7 +69,9 @@ def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> No
                     if tied and name == "lm_head.weight":
                         continue
                     if name not in params:
-                        raise CheckpointError(f"{path.name} holds tensor {ckpt_name!r}, which this model has no place for")
+                        raise CheckpointError(
+                            f"{path.name} holds tensor {ckpt_name!r}, which this model has no place for"
+                        )
                     param = params[name]
                     owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
                     tensor = LazyTensor(f.get_slice(ckpt_name))
@@ -93,8 +95,10 @@ def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> No
         if not needed <= got:
             missing.append(name)
     if missing:
-        raise CheckpointError(f"checkpoint {model_dir} lacks tensors for: {', '.join(missing[:8])}"
-                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        raise CheckpointError(
+            f"checkpoint {model_dir} lacks tensors for: {', '.join(missing[:8])}"
+            + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        )
 
 
 def _target_of(ckpt_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int] | None:
@@ -105,7 +109,7 @@ def _target_of(ckpt_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str,
     for i, part in enumerate(parts):
         if part in packed:
             ours, shard = packed[part]
-            return ".".join(parts[:i] + [ours] + parts[i + 1:]), shard
+            return ".".join(parts[:i] + [ours] + parts[i + 1 :]), shard
     return ckpt_name, 0
 
 

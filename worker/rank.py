@@ -8,8 +8,9 @@ from worker.config import EngineConfig
 from worker.engine import Engine, resolve_device
 
 
-def build_rank(config: EngineConfig, rank: int = 0, size: int = 1, address: str | None = None,
-               timeout_s: float = 60.0) -> Engine:
+def build_rank(
+    config: EngineConfig, rank: int = 0, size: int = 1, address: str | None = None, timeout_s: float = 60.0
+) -> Engine:
     """`address`: the group's rendezvous (rank 0's host:port); unused when size is 1."""
     if size == 1:
         return Engine(config)

@@ -62,8 +62,9 @@ class _Slot:
 
 
 class PinnedStaging:
-    def __init__(self, device: torch.device, depth: int = 2, capacity: int = 1 << 20,
-                 waits: HostWaits | None = None) -> None:
+    def __init__(
+        self, device: torch.device, depth: int = 2, capacity: int = 1 << 20, waits: HostWaits | None = None
+    ) -> None:
         """`waits`: where the waits for a slot to be free are counted (the engine's)."""
         self.device = device
         self.waits = waits or HostWaits()
@@ -90,12 +91,12 @@ class PinnedStaging:
             host, device = {}, {}
             for (name, a), off in zip(arrays.items(), offsets):
                 dtype = torch.from_numpy(np.empty(0, a.dtype)).dtype
-                host[name] = slot.host[off:off + a.nbytes].view(dtype)
-                device[name] = slot.dev[off:off + a.nbytes].view(dtype)
+                host[name] = slot.host[off : off + a.nbytes].view(dtype)
+                device[name] = slot.dev[off : off + a.nbytes].view(dtype)
             copy = (slot.dev[:end], slot.host[:end]) if slot.dev is not slot.host and end else None
             views = slot.views[layout] = _Views(host, device, offsets, copy)
         for a, off in zip(arrays.values(), views.offsets):
-            slot.host_np[off:off + a.nbytes].view(a.dtype)[:] = a.reshape(-1)
+            slot.host_np[off : off + a.nbytes].view(a.dtype)[:] = a.reshape(-1)
         if views.copy is not None:
             dst, src = views.copy
             dst.copy_(src, non_blocking=True)
@@ -106,7 +107,7 @@ class PinnedStaging:
 def _leaves(record: object, path: tuple, out: list) -> None:
     """Appends (holder, key, path, array) for every numpy array under `record`: a dataclass's fields and
     a dict's values, recursively."""
-    for key, value in (record.items() if type(record) is dict else vars(record).items()):
+    for key, value in record.items() if type(record) is dict else vars(record).items():
         if value is None:
             continue
         if type(value) is np.ndarray:

@@ -26,12 +26,38 @@ def _mma(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _split_kernel(q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, last_page_len_ptr, out_ptr, part_out_ptr,
-                  part_lse_ptr, qk_scale, stride_qb, stride_qh, stride_page, stride_tok, stride_kvh, stride_ob,
-                  stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                  GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, F16_DOT: tl.constexpr,
-                  UPCAST: tl.constexpr):
+def _split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    last_page_len_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_page,
+    stride_tok,
+    stride_kvh,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    F16_DOT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     # one program per (request, kv head, split): the group's query heads against the split's tokens,
     # with an online softmax in base 2 (qk_scale = sm_scale * log2(e)); one split writes `out` itself,
     # several write their normalized partial output and log2-sum-exp for _merge_kernel
@@ -53,8 +79,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, last_page_
     heads = kvh * GROUP + offs_h
     h_mask = offs_h < GROUP
     # the group's heads padded to BLOCK_H >= 16 rows: what tl.dot needs to run on tensor cores
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_mask[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None],
+        other=0.0,
+    )
     if F16_DOT:
         # float16 operands: e4m3 converts to float16 directly, to bfloat16 only through it (so bfloat16
         # operands are slower). Every e4m3 value is exact in float16, and so is a
@@ -87,8 +116,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, last_page_
 
     if NUM_SPLITS == 1:
         o = acc / l_i[:, None]
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+        tl.store(
+            out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=h_mask[:, None],
+        )
     else:
         # an empty split: output 0 and lse -inf, which the merge weighs by exp2(-inf) = 0
         has = l_i > 0
@@ -100,8 +132,21 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, kv_indptr_ptr, kv_indices_ptr, last_page_
 
 
 @triton.jit
-def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                  stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     # one program per (request, query head): the splits' outputs weighed by their share of the softmax
     # mass; a request's first split always holds a token, so the largest lse is finite
     b = tl.program_id(0)
@@ -109,8 +154,7 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_pb, stride_ph, str
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     s_mask = offs_s < NUM_SPLITS
-    lse = tl.load(part_lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=s_mask,
-                  other=-float("inf"))
+    lse = tl.load(part_lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=-float("inf"))
     w = tl.exp2(lse - tl.max(lse, axis=0))
     part = part_out_ptr + b.to(tl.int64) * stride_pb + h * stride_ph
     o = tl.load(part + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_mask[:, None], other=0.0)
@@ -134,12 +178,14 @@ class DecodeScratch:
     part_lse: torch.Tensor
 
 
-def decode_scratch(max_batch_size: int, num_heads: int, head_dim: int, max_splits: int,
-                   device: torch.device | str) -> DecodeScratch:
+def decode_scratch(
+    max_batch_size: int, num_heads: int, head_dim: int, max_splits: int, device: torch.device | str
+) -> DecodeScratch:
     """Scratch for any launch of up to max_batch_size requests and max_splits splits."""
     return DecodeScratch(
         torch.empty(max_batch_size, num_heads, max_splits, head_dim, dtype=torch.float32, device=device),
-        torch.empty(max_batch_size, num_heads, max_splits, dtype=torch.float32, device=device))
+        torch.empty(max_batch_size, num_heads, max_splits, dtype=torch.float32, device=device),
+    )
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = 132, max_splits: int = 32) -> int:
@@ -150,11 +196,23 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int = 132, ma
     return max(1, min(max_splits, math.ceil(4 * num_sms / programs)))
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
-                 kv_indices: torch.Tensor, last_page_len: torch.Tensor, *, num_splits: int,
-                 sm_scale: float | None = None, out: torch.Tensor | None = None, scratch: DecodeScratch | None = None,
-                 block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                 f16_dot: bool | None = None) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    last_page_len: torch.Tensor,
+    *,
+    num_splits: int,
+    sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    scratch: DecodeScratch | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    f16_dot: bool | None = None,
+) -> torch.Tensor:
     """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
     k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]: request b reads pages
     kv_indices[kv_indptr[b]:kv_indptr[b + 1]], the last of them filled to last_page_len[b] (int32 all).
@@ -180,23 +238,64 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         if scratch is None:
             scratch = decode_scratch(batch, num_heads, head_dim, num_splits, q.device)
         if scratch.part_out.shape[0] < batch or scratch.part_out.shape[2] < num_splits:
-            raise ValueError(f"scratch for {scratch.part_out.shape[0]} requests and {scratch.part_out.shape[2]} "
-                             f"splits is too small for {batch} and {num_splits}")
+            raise ValueError(
+                f"scratch for {scratch.part_out.shape[0]} requests and {scratch.part_out.shape[2]} "
+                f"splits is too small for {batch} and {num_splits}"
+            )
         part_out, part_lse = scratch.part_out, scratch.part_lse
     else:
         part_out, part_lse = out, out  # unread: one split writes out itself
     _split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, kv_indptr, kv_indices, last_page_len, out, part_out, part_lse, sm_scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
-        out.stride(1), part_out.stride(0), part_out.stride(1), _stride(part_out, 2), part_lse.stride(0),
-        part_lse.stride(1), GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, NUM_SPLITS=num_splits, F16_DOT=f16_dot,
-        UPCAST=INTERPRETED, num_warps=num_warps, num_stages=num_stages)
+        q,
+        k_cache,
+        v_cache,
+        kv_indptr,
+        kv_indices,
+        last_page_len,
+        out,
+        part_out,
+        part_lse,
+        sm_scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        part_out.stride(0),
+        part_out.stride(1),
+        _stride(part_out, 2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        GROUP=group,
+        PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        F16_DOT=f16_dot,
+        UPCAST=INTERPRETED,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     if num_splits > 1:
         _merge_kernel[(batch, num_heads)](
-            part_out, part_lse, out, part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0),
-            part_lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, num_warps=4)
+            part_out,
+            part_lse,
+            out,
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            num_warps=4,
+        )
     return out
 
 
@@ -219,13 +318,15 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_sp
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
         raise ValueError("k_cache and v_cache must have the same shape, strides and dtype")
     if k_cache.dtype not in KV_DTYPES or q.dtype not in Q_DTYPES:
-        raise ValueError(f"decode reads {KV_DTYPES} caches with bfloat16/float16 queries, not {k_cache.dtype} "
-                         f"with {q.dtype}")
+        raise ValueError(
+            f"decode reads {KV_DTYPES} caches with bfloat16/float16 queries, not {k_cache.dtype} with {q.dtype}"
+        )
     if k_cache.dtype != torch.float8_e4m3fn and k_cache.dtype != q.dtype:
         raise ValueError(f"a {k_cache.dtype} cache needs queries of the same dtype, not {q.dtype}")
     if k_cache.shape[3] != head_dim or head_dim & (head_dim - 1) or head_dim < 16:
-        raise ValueError(f"head_dim must be a power of two from 16 and match the cache's, not {head_dim} "
-                         f"against {k_cache.shape[3]}")
+        raise ValueError(
+            f"head_dim must be a power of two from 16 and match the cache's, not {head_dim} against {k_cache.shape[3]}"
+        )
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are no multiple of {num_kv_heads} kv heads")
     if q.stride(2) != 1 or k_cache.stride(3) != 1:
@@ -233,13 +334,22 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_sp
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must lie in 1..{MAX_SPLITS}, not {num_splits}")
     if not (q.is_cuda or INTERPRETED):
-        raise ValueError("paged_decode runs on CUDA tensors, or on the CPU under Triton's interpreter "
-                         "(TRITON_INTERPRET=1 before Triton is imported)")
+        raise ValueError(
+            "paged_decode runs on CUDA tensors, or on the CPU under Triton's interpreter "
+            "(TRITON_INTERPRET=1 before Triton is imported)"
+        )
 
 
-def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indptr: torch.Tensor,
-                           kv_indices: torch.Tensor, last_page_len: torch.Tensor, *,
-                           sm_scale: float | None = None) -> torch.Tensor:
+def paged_decode_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    last_page_len: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
     """What paged_decode computes, in float32 torch, one request at a time (for the tests)."""
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -247,7 +357,7 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     indptr, indices, last = kv_indptr.tolist(), kv_indices.long(), last_page_len.tolist()
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32, device=q.device)
     for b in range(batch):
-        pages = indices[indptr[b]:indptr[b + 1]]
+        pages = indices[indptr[b] : indptr[b + 1]]
         n = (len(pages) - 1) * page_size + last[b]
         k, v = (_gather(c, pages).reshape(-1, num_kv_heads, head_dim)[:n] for c in (k_cache, v_cache))
         k, v = (x.repeat_interleave(num_heads // num_kv_heads, dim=1) for x in (k, v))  # [n, num_heads, head_dim]

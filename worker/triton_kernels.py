@@ -16,10 +16,25 @@ def _to_cache(x, cache_ptr, FP8: tl.constexpr):
 
 
 @triton.jit
-def qkv_prologue_kernel(qkv_ptr, pos_ptr, loc_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr,
-                        k_cache_ptr, v_cache_ptr, eps, qkv_row_stride, cos_sin_row_stride,
-                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        HAS_NORM: tl.constexpr, FP8: tl.constexpr):
+def qkv_prologue_kernel(
+    qkv_ptr,
+    pos_ptr,
+    loc_ptr,
+    cos_sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    eps,
+    qkv_row_stride,
+    cos_sin_row_stride,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    FP8: tl.constexpr,
+):
     # one program per (token, head) of the queries and keys; a key head's program also copies
     # the value head of the same index
     t = tl.program_id(0)
@@ -67,8 +82,18 @@ def _mix32(h):
 
 
 @triton.jit
-def sample_partial_kernel(logits_ptr, row_stride, temperature_ptr, seeds_ptr, pos_ptr, val_ptr, idx_ptr, vocab,
-                          num_blocks, BLOCK: tl.constexpr):
+def sample_partial_kernel(
+    logits_ptr,
+    row_stride,
+    temperature_ptr,
+    seeds_ptr,
+    pos_ptr,
+    val_ptr,
+    idx_ptr,
+    vocab,
+    num_blocks,
+    BLOCK: tl.constexpr,
+):
     # one program per (row, block of the vocabulary): the block's largest logit / T + Gumbel noise (the
     # logit itself for a greedy row) and its first index; sample_reduce_kernel picks among the blocks
     row = tl.program_id(0)
@@ -94,8 +119,9 @@ def sample_partial_kernel(logits_ptr, row_stride, temperature_ptr, seeds_ptr, po
 
 
 @triton.jit
-def sample_reduce_kernel(val_ptr, idx_ptr, num_blocks, vocab, out_ptr, pool_ptr, write_ptr, HAS_POOL: tl.constexpr,
-                         NB: tl.constexpr):
+def sample_reduce_kernel(
+    val_ptr, idx_ptr, num_blocks, vocab, out_ptr, pool_ptr, write_ptr, HAS_POOL: tl.constexpr, NB: tl.constexpr
+):
     # one program per row: the largest of the blocks' values, the first index among equals (as
     # torch.argmax picks it); written to out and, with a pool, into the token pool at write[row]
     row = tl.program_id(0)
@@ -112,8 +138,18 @@ def sample_reduce_kernel(val_ptr, idx_ptr, num_blocks, vocab, out_ptr, pool_ptr,
 
 
 @triton.jit
-def kv_store_kernel(k_ptr, v_ptr, k_row_stride, v_row_stride, loc_ptr, k_cache_ptr, v_cache_ptr,
-                    ROW: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
+def kv_store_kernel(
+    k_ptr,
+    v_ptr,
+    k_row_stride,
+    v_row_stride,
+    loc_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FP8: tl.constexpr,
+):
     # one program per token: its keys and values (ROW = kv_heads * head_dim, contiguous within the
     # row) stored at its location of both caches in one launch
     t = tl.program_id(0)
@@ -127,8 +163,20 @@ def kv_store_kernel(k_ptr, v_ptr, k_row_stride, v_row_stride, loc_ptr, k_cache_p
 
 
 @triton.jit
-def small_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_stride, M_BLOCK: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def small_linear_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    w_stride,
+    out_stride,
+    M_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # out[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (decode at small batch): one program per
     # BLOCK_N output columns, reading its weight rows once for every m, accumulating in float32
     pid = tl.program_id(0)
@@ -138,11 +186,17 @@ def small_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, x_stride, w_stride, out_
     acc = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * w_stride + kk[None, :],
-                    mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0).to(tl.float32)
+        w = tl.load(
+            w_ptr + rn[:, None].to(tl.int64) * w_stride + kk[None, :],
+            mask=(rn[:, None] < N) & (kk[None, :] < K),
+            other=0.0,
+        ).to(tl.float32)
         for mi in tl.static_range(M_BLOCK):
             x = tl.load(x_ptr + tl.minimum(mi, M - 1) * x_stride + kk, mask=kk < K, other=0.0).to(tl.float32)
             part = tl.sum(w * x[None, :], axis=1)
             acc += tl.where(rm[:, None] == mi, part[None, :], 0.0)
-    tl.store(out_ptr + rm[:, None] * out_stride + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(
+        out_ptr + rm[:, None] * out_stride + rn[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )

@@ -38,10 +38,15 @@ def available(kernels: Kernels, x: torch.Tensor) -> bool:
     return kernels.triton and _kernels() is not None and (x.is_cuda or _interpreted(kernels))
 
 
-def prologue_applies(kernels: Kernels, qkv: torch.Tensor, head_dim: int,
-                     cache_dtype: torch.dtype | None = None) -> bool:
-    return (not head_dim & (head_dim - 1) and qkv.is_contiguous() and available(kernels, qkv)
-            and (cache_dtype is None or cache_dtype_supported(cache_dtype, qkv.device)))
+def prologue_applies(
+    kernels: Kernels, qkv: torch.Tensor, head_dim: int, cache_dtype: torch.dtype | None = None
+) -> bool:
+    return (
+        not head_dim & (head_dim - 1)
+        and qkv.is_contiguous()
+        and available(kernels, qkv)
+        and (cache_dtype is None or cache_dtype_supported(cache_dtype, qkv.device))
+    )
 
 
 def warn_if_absent(kernels: Kernels, device: torch.device) -> None:
@@ -88,9 +93,20 @@ class _Cdiv:
 triton = _Cdiv  # the two helpers the launchers need, without importing Triton where it is absent
 
 
-def qkv_prologue(qkv: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor, cos_sin: torch.Tensor,
-                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+def qkv_prologue(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    out_loc: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
     """qkv: [T, (num_heads + 2 * num_kv_heads) * head_dim], contiguous. Writes the normed, rotated keys
     and the values at out_loc of k_cache / v_cache ([slots, num_kv_heads, head_dim]); returns the
     normed, rotated queries [T, num_heads, head_dim]. q_weight/k_weight None: no q/k norm."""
@@ -100,10 +116,24 @@ def qkv_prologue(qkv: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tens
         return q
     has_norm = q_weight is not None
     _kernels().qkv_prologue_kernel[(tokens, num_heads + num_kv_heads)](
-        qkv, positions, out_loc, cos_sin, q_weight if has_norm else cos_sin, k_weight if has_norm else cos_sin,
-        q, k_cache, v_cache, eps, qkv.stride(0), cos_sin.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
-        FP8=k_cache.dtype == torch.float8_e4m3fn)
+        qkv,
+        positions,
+        out_loc,
+        cos_sin,
+        q_weight if has_norm else cos_sin,
+        k_weight if has_norm else cos_sin,
+        q,
+        k_cache,
+        v_cache,
+        eps,
+        qkv.stride(0),
+        cos_sin.stride(0),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HAS_NORM=has_norm,
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
+    )
     return q
 
 
@@ -114,9 +144,15 @@ def kernels_available(kernels: Kernels, x: torch.Tensor) -> bool:
     return _kernels() is not None and (x.is_cuda or _interpreted(kernels))
 
 
-def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                out: torch.Tensor | None = None, token_pool: torch.Tensor | None = None,
-                token_write: torch.Tensor | None = None) -> torch.Tensor:
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    out: torch.Tensor | None = None,
+    token_pool: torch.Tensor | None = None,
+    token_write: torch.Tensor | None = None,
+) -> torch.Tensor:
     """What `worker.sampling.sampler.sample_unfiltered` computes (the argmax where temperature <= 0, else the
     Gumbel-max draw of (seed, position)), for logits [B, V] of any float dtype with unit stride along
     V: one kernel over (row, block of the vocabulary), one over rows. Returns int32 [B] (in `out` when
@@ -132,12 +168,21 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     val = torch.empty(rows, blocks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, blocks, dtype=torch.int32, device=logits.device)
     k = _kernels()
-    k.sample_partial_kernel[(rows, blocks)](logits, logits.stride(0), temperature, seeds, positions, val, idx,
-                                            vocab, blocks, BLOCK=_SAMPLE_BLOCK)
+    k.sample_partial_kernel[(rows, blocks)](
+        logits, logits.stride(0), temperature, seeds, positions, val, idx, vocab, blocks, BLOCK=_SAMPLE_BLOCK
+    )
     has_pool = token_pool is not None
-    k.sample_reduce_kernel[(rows,)](val, idx, blocks, vocab, out, token_pool if has_pool else out,
-                                    token_write if has_pool else out, HAS_POOL=has_pool,
-                                    NB=max(triton.next_power_of_2(blocks), 2))
+    k.sample_reduce_kernel[(rows,)](
+        val,
+        idx,
+        blocks,
+        vocab,
+        out,
+        token_pool if has_pool else out,
+        token_write if has_pool else out,
+        HAS_POOL=has_pool,
+        NB=max(triton.next_power_of_2(blocks), 2),
+    )
     return out
 
 
@@ -147,25 +192,51 @@ def kv_store(loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch
     A float8 cache gets k and v saturated at +-448 and rounded to nearest, as worker/kv_cache.py stores them."""
     tokens = k.shape[0]
     row = k_cache[0].numel()
-    if not (k[0].numel() == row and k.stride(-1) == 1 and v.stride(-1) == 1 and k.dim() == 3
-            and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]
-            and cache_dtype_supported(k_cache.dtype, k_cache.device)):
+    if not (
+        k[0].numel() == row
+        and k.stride(-1) == 1
+        and v.stride(-1) == 1
+        and k.dim() == 3
+        and k.stride(1) == k.shape[2]
+        and v.stride(1) == v.shape[2]
+        and cache_dtype_supported(k_cache.dtype, k_cache.device)
+    ):
         return False
     if tokens:
-        _kernels().kv_store_kernel[(tokens,)](k, v, k.stride(0), v.stride(0), loc, k_cache, v_cache, ROW=row,
-                                              BLOCK=triton.next_power_of_2(row),
-                                              FP8=k_cache.dtype == torch.float8_e4m3fn)
+        _kernels().kv_store_kernel[(tokens,)](
+            k,
+            v,
+            k.stride(0),
+            v.stride(0),
+            loc,
+            k_cache,
+            v_cache,
+            ROW=row,
+            BLOCK=triton.next_power_of_2(row),
+            FP8=k_cache.dtype == torch.float8_e4m3fn,
+        )
     return True
 
 
 def small_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `small_linear` can compute x @ weight.T (the caller's Kernels.small_linear asks for it)."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.is_contiguous() and weight.is_contiguous() and _kernels() is not None)
+    return (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and _kernels() is not None
+    )
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-                 num_warps: int | None = None) -> torch.Tensor:
+def small_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T for small M (a GEMV-like kernel that reads each weight once)."""
     m, k = x.shape
     n = weight.shape[0]
@@ -175,6 +246,18 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = No
     block_k, num_warps = block_k or 1024, num_warps or 4
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _kernels().small_linear_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        M_BLOCK=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        x,
+        weight,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        M_BLOCK=triton.next_power_of_2(m),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+    )
     return out

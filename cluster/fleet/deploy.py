@@ -51,19 +51,23 @@ def check_cluster_auth(address: str) -> None:
     try:
         from ray._private.services import canonicalize_bootstrap_address_or_die
         from ray._raylet import GcsClient
-        GcsClient(address=canonicalize_bootstrap_address_or_die(address)).internal_kv_get(b"probe", b"raylm",
-                                                                                           timeout=2)
+
+        GcsClient(address=canonicalize_bootstrap_address_or_die(address)).internal_kv_get(b"probe", b"raylm", timeout=2)
         return
     except Exception as e:  # noqa: BLE001 - anything but a refused token is ray.init's to report
         if type(e).__name__ != "AuthenticationError":
             return
     token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
     if os.environ.get("RAY_AUTH_TOKEN") or os.path.isfile(token_file):
-        raise ClusterAuthError(f"the Ray cluster at {address} uses token authentication: run again with "
-                               f"RAY_AUTH_MODE=token set (the token in {token_file} is then used)")
-    raise ClusterAuthError(f"the Ray cluster at {address} uses token authentication: put its token (`ray "
-                           f"get-auth-token` on its head node prints it) in ~/.ray/auth_token here, and run again "
-                           f"with RAY_AUTH_MODE=token set")
+        raise ClusterAuthError(
+            f"the Ray cluster at {address} uses token authentication: run again with "
+            f"RAY_AUTH_MODE=token set (the token in {token_file} is then used)"
+        )
+    raise ClusterAuthError(
+        f"the Ray cluster at {address} uses token authentication: put its token (`ray "
+        f"get-auth-token` on its head node prints it) in ~/.ray/auth_token here, and run again "
+        f"with RAY_AUTH_MODE=token set"
+    )
 
 
 def control_store_answers(timeout_s: float) -> bool:
@@ -81,6 +85,7 @@ def control_store_answers(timeout_s: float) -> bool:
 def _has_gpu_locally() -> bool:
     try:
         import torch
+
         return torch.cuda.is_available()
     except ImportError:
         return False
@@ -95,8 +100,13 @@ def uses_gpus(config: ReplicaConfig) -> bool:
 class ReplicaHandle:
     """The driver's handle on one replica: its actors and placement group."""
 
-    def __init__(self, config: ReplicaConfig, replica_id: int = 0, ready_timeout_s: float = 600.0,
-                 abandon: threading.Event | None = None) -> None:
+    def __init__(
+        self,
+        config: ReplicaConfig,
+        replica_id: int = 0,
+        ready_timeout_s: float = 600.0,
+        abandon: threading.Event | None = None,
+    ) -> None:
         """Places and starts the replica; blocks until it serves. `abandon` set while the placement
         group waits for resources gives up (the server is stopping)."""
         self.config, self.replica_id = config, replica_id
@@ -104,8 +114,11 @@ class ReplicaHandle:
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         # in the dashboard's names; a replacement gets a new suffix, so it never clashes with its predecessor
         self.suffix = uuid.uuid4().hex[:8]
-        self.pg = placement_group([dict(bundle) for _ in range(config.tp_size)], strategy=config.placement_strategy,
-                                  name=f"raylm-replica-{replica_id}-{self.suffix}")
+        self.pg = placement_group(
+            [dict(bundle) for _ in range(config.tp_size)],
+            strategy=config.placement_strategy,
+            name=f"raylm-replica-{replica_id}-{self.suffix}",
+        )
         self.actor = None
         self.followers: list = []
         try:
@@ -121,9 +134,11 @@ class ReplicaHandle:
             if abandon is not None and abandon.is_set():
                 raise RuntimeError(f"replica {self.replica_id}: abandoned while waiting for resources")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"replica {self.replica_id}: the cluster has not had {self.config.tp_size} "
-                                   f"free {'GPU' if 'GPU' in self.pg.bundle_specs[0] else 'CPU'} bundles "
-                                   f"for {timeout_s:g} s")
+                raise TimeoutError(
+                    f"replica {self.replica_id}: the cluster has not had {self.config.tp_size} "
+                    f"free {'GPU' if 'GPU' in self.pg.bundle_specs[0] else 'CPU'} bundles "
+                    f"for {timeout_s:g} s"
+                )
         ray.get(ready)
 
     def _get(self, refs: list, timeout_s: float, abandon: threading.Event | None) -> list:
@@ -143,23 +158,32 @@ class ReplicaHandle:
         cfg = self.config
 
         def placed(i: int) -> dict:
-            return {"num_gpus": 1 if gpu else 0, "num_cpus": 1,
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)}
+            return {
+                "num_gpus": 1 if gpu else 0,
+                "num_cpus": 1,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            }
 
         def name(rank: int) -> str:
             return f"raylm-replica-{self.replica_id}-rank-{rank}-{self.suffix}"
 
         # threads for the calls that wait (a long poll of the offline LLM, stats between steps, a
         # router's release) beside the health checks, which must never queue behind them
-        self.actor = ray.remote(SchedulerActor).options(max_concurrency=16 + 65, name=name(0), **placed(0)).remote(
-            cfg, self.replica_id)
+        self.actor = (
+            ray.remote(SchedulerActor)
+            .options(max_concurrency=16 + 65, name=name(0), **placed(0))
+            .remote(cfg, self.replica_id)
+        )
         address = self._get([self.actor.rendezvous_address.remote()], timeout_s, abandon)[0]
         self.followers = [
-            ray.remote(Follower).options(max_concurrency=2, name=name(rank), **placed(rank)).remote(
-                cfg.engine, rank, cfg.tp_size, address, cfg.collective_timeout_s)
-            for rank in range(1, cfg.tp_size)]
-        started = self._get([self.actor.start.remote()] + [f.start.remote() for f in self.followers], timeout_s,
-                            abandon)
+            ray.remote(Follower)
+            .options(max_concurrency=2, name=name(rank), **placed(rank))
+            .remote(cfg.engine, rank, cfg.tp_size, address, cfg.collective_timeout_s)
+            for rank in range(1, cfg.tp_size)
+        ]
+        started = self._get(
+            [self.actor.start.remote()] + [f.start.remote() for f in self.followers], timeout_s, abandon
+        )
         self.info: ReplicaInfo = started[0]
         for follower in self.followers:
             # runs until rank 0 stops the group; Ray keeps an actor task running whether or not

@@ -20,8 +20,9 @@ BuildReplica = Callable[..., ReplicaHandle]
 
 
 class Fleet:
-    def __init__(self, config: ReplicaConfig, replicas: list[ReplicaHandle],
-                 build: BuildReplica = ReplicaHandle) -> None:
+    def __init__(
+        self, config: ReplicaConfig, replicas: list[ReplicaHandle], build: BuildReplica = ReplicaHandle
+    ) -> None:
         """Takes over replicas already started; `start` places new ones."""
         self.config, self._build = config, build
         self._replicas = list(replicas)

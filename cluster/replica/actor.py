@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from cluster.channel import ChannelAddress, ChannelListener
 from cluster.config import ReplicaConfig
@@ -54,6 +54,7 @@ class SchedulerActor:
 
     def rendezvous_address(self) -> str:
         import ray
+
         self.address = free_address(ray.util.get_node_ip_address())
         return self.address
 
@@ -62,12 +63,21 @@ class SchedulerActor:
         router needs to know of the model."""
         cfg = self.config
         engine = build_rank(cfg.engine, 0, cfg.tp_size, self.address, cfg.collective_timeout_s)
-        executor = (TensorParallelExecutor(engine, keepalive_s=cfg.collective_timeout_s / 4) if cfg.tp_size > 1
-                    else LocalExecutor(engine))
+        executor = (
+            TensorParallelExecutor(engine, keepalive_s=cfg.collective_timeout_s / 4)
+            if cfg.tp_size > 1
+            else LocalExecutor(engine)
+        )
         self.engine, self.executor = engine, executor
         self.metrics = ReplicaMetrics(self.replica_id, cfg.model_name or Path(cfg.engine.model_path).name)
-        self.scheduler = build_scheduler(cfg, engine, executor, load_tokenizer(cfg.engine.model_path),
-                                         on_output=self._publish, on_finish=self._on_finish)
+        self.scheduler = build_scheduler(
+            cfg,
+            engine,
+            executor,
+            load_tokenizer(cfg.engine.model_path),
+            on_output=self._publish,
+            on_finish=self._on_finish,
+        )
         self.subscribers.kv = KVEventStream(engine.page_size)
         self._thread = threading.Thread(target=self._loop, name=f"scheduler-{self.replica_id}", daemon=True)
         self._thread.start()
@@ -75,8 +85,13 @@ class SchedulerActor:
             threading.Thread(target=self._watch, args=(executor,), name="tp-watchdog", daemon=True).start()
         threading.Thread(target=self._reap_loop, name="subscriber-reaper", daemon=True).start()
         self.channel = ChannelListener(self, _node_ip())
-        return ReplicaInfo(max_seq_len=engine.max_seq_len, num_pages=engine.num_pages, page_size=engine.page_size,
-                           vocab_size=engine.hf_config.vocab_size, eos_ids=tuple(sorted(self.scheduler.eos_ids)))
+        return ReplicaInfo(
+            max_seq_len=engine.max_seq_len,
+            num_pages=engine.num_pages,
+            page_size=engine.page_size,
+            vocab_size=engine.hf_config.vocab_size,
+            eos_ids=tuple(sorted(self.scheduler.eos_ids)),
+        )
 
     def _loop(self) -> None:
         sched = self.scheduler
@@ -130,8 +145,9 @@ class SchedulerActor:
         limit = self.config.collective_timeout_s
         while not self._stop.wait(limit / 8) and not self.broken:
             if executor.stuck_for() > limit:
-                self._fail_replica(f"tensor-parallel group failed: a step has not finished in {limit:g} s "
-                                   "(a rank is gone or stalled)")
+                self._fail_replica(
+                    f"tensor-parallel group failed: a step has not finished in {limit:g} s (a rank is gone or stalled)"
+                )
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(self.subscribers.timeout_s / 4):
@@ -143,8 +159,12 @@ class SchedulerActor:
         released = self.subscribers.release_silent(now)
         for sub, uids in released.items():
             if uids:
-                log.warning("replica %d: router %d stopped polling; aborting its %d request(s)", self.replica_id,
-                            sub - 1, len(uids))
+                log.warning(
+                    "replica %d: router %d stopped polling; aborting its %d request(s)",
+                    self.replica_id,
+                    sub - 1,
+                    len(uids),
+                )
                 self.abort(uids)
         return list(released)
 
@@ -178,8 +198,13 @@ class SchedulerActor:
         self.abort(uids)
         return len(uids)
 
-    def poll(self, timeout_s: float = 1.0, subscriber: int = 0, kv_events: bool = True,
-             receives: Callable[[], bool] | None = None) -> ReplicaOutput:
+    def poll(
+        self,
+        timeout_s: float = 1.0,
+        subscriber: int = 0,
+        kv_events: bool = True,
+        receives: Callable[[], bool] | None = None,
+    ) -> ReplicaOutput:
         """Every delta for subscriber since its last poll, and its KV events (Subscribers.poll)."""
         return self.subscribers.poll(timeout_s, subscriber, kv_events, receives)
 
@@ -194,8 +219,13 @@ class SchedulerActor:
     def _stats(self) -> ReplicaStats:
         self.metrics.flush(self.scheduler.snapshot)  # so a scrape after this call sees every token so far
         import psutil
-        return ReplicaStats(**vars(self.scheduler.snapshot()), replica=self.replica_id, broken=self.broken,
-                            rss_bytes=psutil.Process().memory_info().rss)
+
+        return ReplicaStats(
+            **vars(self.scheduler.snapshot()),
+            replica=self.replica_id,
+            broken=self.broken,
+            rss_bytes=psutil.Process().memory_info().rss,
+        )
 
     def check_integrity(self) -> None:
         self.scheduler.call_between_steps(self.scheduler.check_integrity).result(timeout=30)
@@ -224,5 +254,5 @@ class SchedulerActor:
 def _node_ip() -> str:
     """This node's address as Ray knows it (what routers on other nodes reach); loopback outside Ray."""
     import ray
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"

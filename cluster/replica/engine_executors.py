@@ -69,9 +69,11 @@ class TensorParallelExecutor:
                 if self.comm.withdraw_held():
                     raise  # the followers never saw this step: it fails alone
                 # rank 0 cannot tell how far it got: even past its last collective, it breaks the replica
-                raise ReplicaBrokenError(f"tensor-parallel group failed: rank 0 failed a step its followers "
-                                         f"were sent, which leaves the group out of step: "
-                                         f"{type(e).__name__}: {e}") from e
+                raise ReplicaBrokenError(
+                    f"tensor-parallel group failed: rank 0 failed a step its followers "
+                    f"were sent, which leaves the group out of step: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
             self._last_broadcast = time.monotonic()
             return out
 

@@ -4,7 +4,7 @@ by every node's metrics agent), tagged with replica and model. Only rank 0 (the 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
@@ -25,13 +25,11 @@ class ReplicaMetrics:
         self.running = Gauge("raylm_num_running_reqs", "Requests decoding", _TAGS)
         self.queued = Gauge("raylm_num_queue_reqs", "Requests waiting for prefill", _TAGS)
         self.token_usage = Gauge("raylm_token_usage", "KV-cache pages in use / all pages", _TAGS)
-        self.cache_hit_rate = Gauge("raylm_cache_hit_rate", "Prompt tokens found in the prefix cache / admitted",
-                                    _TAGS)
+        self.cache_hit_rate = Gauge("raylm_cache_hit_rate", "Prompt tokens found in the prefix cache / admitted", _TAGS)
         self.gen_throughput = Gauge("raylm_gen_throughput", "Generated tokens per second", _TAGS)
         self.prompt_tokens = Counter("raylm_prompt_tokens", "Prompt tokens of admitted requests", _TAGS)
         self.generation_tokens = Counter("raylm_generation_tokens", "Generated tokens", _TAGS)
-        self.preemptions = Counter("raylm_num_preemptions", "Requests preempted for KV pages (recomputed later)",
-                                   _TAGS)
+        self.preemptions = Counter("raylm_num_preemptions", "Requests preempted for KV pages (recomputed later)", _TAGS)
         self.requests = Counter("raylm_request_success", "Ended requests by finish reason", _TAGS + ("finish_reason",))
         # client-visible latencies (TTFT, inter-token, per output token, end to end) are measured once,
         # where the client's tokens arrive: by the router (router/http/metrics.py)

@@ -64,8 +64,9 @@ class Subscribers:
             for uid in uids:
                 self._owner.pop(uid, None)
 
-    def publish(self, deltas: list[TokenDelta], stored: Sequence[int] = (),
-                removed: Sequence[int] = ()) -> list[TokenDelta]:
+    def publish(
+        self, deltas: list[TokenDelta], stored: Sequence[int] = (), removed: Sequence[int] = ()
+    ) -> list[TokenDelta]:
         """One step's deltas into their subscribers' outboxes, with the step's cache changes (a finished
         request's pages among them: in the same message), waking those subscribers' polls. Once the
         replica has failed, only deltas of requests still live go (it ended the others with its error).
@@ -117,8 +118,13 @@ class Subscribers:
             silent = [sub for sub, seen in self._last_poll.items() if sub and now - seen > self.timeout_s]
             return {sub: self._release_locked(sub) for sub in silent}
 
-    def poll(self, timeout_s: float = 1.0, subscriber: int = 0, kv_events: bool = True,
-             receives: Callable[[], bool] | None = None) -> ReplicaOutput:
+    def poll(
+        self,
+        timeout_s: float = 1.0,
+        subscriber: int = 0,
+        kv_events: bool = True,
+        receives: Callable[[], bool] | None = None,
+    ) -> ReplicaOutput:
         """Every delta for subscriber since its last poll, and (`kv_events`) the KV events since then;
         waits up to timeout_s for the first delta (or a snapshot due). Changes to the cache alone wake no
         poll: they go with the next deltas, so a step is one message. A subscriber that polls without
@@ -130,8 +136,11 @@ class Subscribers:
             wakeup = self._wakeups.get(subscriber)
             if wakeup is None:
                 wakeup = self._wakeups[subscriber] = threading.Condition(self._lock)
-            while (not self._outboxes.get(subscriber) and not (kv_events and self._snapshot_due(subscriber))
-                   and not self._closed):
+            while (
+                not self._outboxes.get(subscriber)
+                and not (kv_events and self._snapshot_due(subscriber))
+                and not self._closed
+            ):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break

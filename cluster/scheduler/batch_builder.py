@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster.limits import held_back_ids
+from cluster.sampling_params import SamplingParams
 from cluster.scheduler.cache_manager import CacheManager
 from cluster.scheduler.grammars import Grammars
 from cluster.scheduler.req import Req
-from cluster.sampling_params import SamplingParams
 from worker.batch import BatchDesc
 from worker.sampling.processors import ProcessorInit, ProcessorRows
 
@@ -31,8 +31,9 @@ class Batch:
 
 
 class BatchBuilder:
-    def __init__(self, cache: CacheManager, eos_ids: frozenset[int], scratch_row: int,
-                 grammars: Grammars | None = None) -> None:
+    def __init__(
+        self, cache: CacheManager, eos_ids: frozenset[int], scratch_row: int, grammars: Grammars | None = None
+    ) -> None:
         """`eos_ids`: what min_tokens holds back with the stop ids; `scratch_row`: the processor-state row
         of rows that use no processors (the number of request slots); `grammars`: builds constrained
         rows' masks."""
@@ -66,7 +67,7 @@ class BatchBuilder:
                 if upto > start:
                     scored.append((req, sum(len(x) for x in plp_idx), upto - start))
                     plp_idx.append(np.arange(offset, offset + upto - start, dtype=np.int32))
-                    plp_target.append(np.asarray(req.input_ids[start + 1:upto + 1], dtype=np.int32))
+                    plp_target.append(np.asarray(req.input_ids[start + 1 : upto + 1], dtype=np.int32))
             offset += ext
             if req.scheduled is None:
                 req.scheduled = time.perf_counter()
@@ -79,8 +80,15 @@ class BatchBuilder:
                 req.device_len = req.fill_len + 1
             reqs.append(req)
             emits.append(done)
-        desc = self._desc(True, reqs, seq_lens, [len(x) for x in ids], np.concatenate(locs),
-                          np.fromiter((t for x in ids for t in x), dtype=np.int32), emits)
+        desc = self._desc(
+            True,
+            reqs,
+            seq_lens,
+            [len(x) for x in ids],
+            np.concatenate(locs),
+            np.fromiter((t for x in ids for t in x), dtype=np.int32),
+            emits,
+        )
         desc.proc_init = inits
         if scored:
             desc.plp_idx, desc.plp_target = np.concatenate(plp_idx), np.concatenate(plp_target)
@@ -95,11 +103,12 @@ class BatchBuilder:
         bias_ids = list(p.logit_bias)
         return ProcessorInit(
             slot=req.slot,
-            prompt_ids=np.asarray(req.input_ids[:req.prompt_len] if p.repetition_penalty != 1 else [], dtype=np.int32),
+            prompt_ids=np.asarray(req.input_ids[: req.prompt_len] if p.repetition_penalty != 1 else [], dtype=np.int32),
             output_ids=np.asarray(req.output_ids, dtype=np.int32),
             sparse_ids=np.asarray(bias_ids + stops, dtype=np.int32),
             sparse_bias=np.asarray([p.logit_bias[t] for t in bias_ids] + [0.0] * len(stops), dtype=np.float32),
-            sparse_ban=np.asarray([0] * len(bias_ids) + [1] * len(stops), dtype=np.uint8))
+            sparse_ban=np.asarray([0] * len(bias_ids) + [1] * len(stops), dtype=np.uint8),
+        )
 
     def stop_ids(self, params: SamplingParams) -> list[int]:
         """The tokens that would end a request's output: EOS (unless ignored) and its stop ids."""
@@ -108,8 +117,9 @@ class BatchBuilder:
     def decode(self, reqs: list[Req]) -> Batch:
         locs, seq_lens = self._decode_rows(reqs)
         emits = [True] * len(reqs)
-        return Batch(self._desc(False, reqs, seq_lens, [1] * len(reqs), locs, None, emits), reqs, emits,
-                     num_decode=len(reqs))
+        return Batch(
+            self._desc(False, reqs, seq_lens, [1] * len(reqs), locs, None, emits), reqs, emits, num_decode=len(reqs)
+        )
 
     def _decode_rows(self, reqs: list[Req]) -> tuple[np.ndarray, list[int]]:
         """Each request's next position: its KV location (a page allocated where it starts one) and its
@@ -136,34 +146,51 @@ class BatchBuilder:
         for req, seq_len, ext in zip(batch.reqs, batch.desc.seq_lens.tolist(), batch.desc.extend_lens.tolist()):
             req.cached_len = seq_len - ext
 
-    def _desc(self, is_prefill: bool, reqs: list[Req], seq_lens: list[int], extend_lens: list[int],
-              out_loc: np.ndarray, input_ids: np.ndarray | None, emits: list[bool]) -> BatchDesc:
+    def _desc(
+        self,
+        is_prefill: bool,
+        reqs: list[Req],
+        seq_lens: list[int],
+        extend_lens: list[int],
+        out_loc: np.ndarray,
+        input_ids: np.ndarray | None,
+        emits: list[bool],
+    ) -> BatchDesc:
         params = [r.params for r in reqs]
         n = len(reqs)
         # a request that has left its row since (ended or preempted) needs no rewrite
-        rows = [(slot, self.cache.locations(r, 0, r.num_cached_pages * self.cache.page_size))
-                for slot, r in self.rewrite_slots.items() if r.slot == slot]
+        rows = [
+            (slot, self.cache.locations(r, 0, r.num_cached_pages * self.cache.page_size))
+            for slot, r in self.rewrite_slots.items()
+            if r.slot == slot
+        ]
         want = [p.logprobs for p in params if p.logprobs is not None]
         # constrained rows whose sample is kept: their masks, from their matchers' state now (every token
         # they produced so far has been handled: the scheduler keeps them out of the step after their last)
         extras = any(r.sampling_extras for r in reqs)  # else none of the scans below can find anything
-        constrained = [i for i, (r, emit) in enumerate(zip(reqs, emits)) if r.matcher is not None and emit] \
-            if extras else []
+        constrained = (
+            [i for i, (r, emit) in enumerate(zip(reqs, emits)) if r.matcher is not None and emit] if extras else []
+        )
         desc = BatchDesc(
             is_prefill=is_prefill,
             slots=np.fromiter((r.slot for r in reqs), dtype=np.int32, count=len(reqs)),
             seq_lens=np.asarray(seq_lens, dtype=np.int32),
             extend_lens=np.asarray(extend_lens, dtype=np.int32),
-            out_loc=out_loc, input_ids=input_ids,
+            out_loc=out_loc,
+            input_ids=input_ids,
             temperature=np.fromiter((p.temperature for p in params), dtype=np.float32, count=len(reqs)),
             top_p=np.fromiter((p.top_p for p in params), dtype=np.float32, count=len(reqs)),
             top_k=np.fromiter((p.top_k for p in params), dtype=np.int32, count=len(reqs)),
             seeds=np.fromiter((r.seed for r in reqs), dtype=np.int64, count=len(reqs)),
-            prefix_slots=rows, top_logprobs=max(want) if want else -1,
+            prefix_slots=rows,
+            top_logprobs=max(want) if want else -1,
             min_p=np.fromiter((p.min_p for p in params), dtype=np.float32, count=n)
-            if extras and any(p.min_p > 0 for p in params) else None,
+            if extras and any(p.min_p > 0 for p in params)
+            else None,
             procs=self._procs(reqs, seq_lens, emits)
-            if extras and (constrained or any(p.uses_processors for p in params)) else None)
+            if extras and (constrained or any(p.uses_processors for p in params))
+            else None,
+        )
         if constrained:
             desc.grammar_rows = np.asarray(constrained, dtype=np.int32)
             desc.grammar_mask = self.grammars.masks([reqs[i].matcher for i in constrained])
@@ -173,15 +200,23 @@ class BatchBuilder:
         """Per-row processor arguments. A row reads and counts into its request's slot only when its
         request uses processors and its sample is kept (not a mid-prompt chunk's)."""
         n = len(reqs)
-        rows = ProcessorRows(np.full(n, self.scratch_row, dtype=np.int32), np.zeros(n, np.float32),
-                             np.zeros(n, np.float32), np.ones(n, np.float32), np.zeros(n, np.uint8))
+        rows = ProcessorRows(
+            np.full(n, self.scratch_row, dtype=np.int32),
+            np.zeros(n, np.float32),
+            np.zeros(n, np.float32),
+            np.ones(n, np.float32),
+            np.zeros(n, np.uint8),
+        )
         for i, (req, seq_len, emit) in enumerate(zip(reqs, seq_lens, emits)):
             p = req.params
             if not (p.uses_processors and emit):
                 continue
             rows.state_row[i] = req.slot
-            rows.presence[i], rows.frequency[i], rows.repetition[i] = (p.presence_penalty, p.frequency_penalty,
-                                                                        p.repetition_penalty)
+            rows.presence[i], rows.frequency[i], rows.repetition[i] = (
+                p.presence_penalty,
+                p.frequency_penalty,
+                p.repetition_penalty,
+            )
             # this step samples output token number seq_len - prompt_len (from 0)
             rows.ban_stop[i] = seq_len - req.prompt_len < p.min_tokens
         return rows

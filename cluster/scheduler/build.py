@@ -3,7 +3,7 @@ the engine, the model folder and the settings (the one place a scheduler is buil
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from cluster.config import ReplicaConfig
 from cluster.messages import TokenDelta
@@ -14,15 +14,29 @@ from cluster.scheduler.req import Req
 from cluster.scheduler.scheduler import Scheduler
 
 
-def build_scheduler(config: ReplicaConfig, engine, executor: Executor, tokenizer,
-                    on_output: Callable[[list[TokenDelta]], None],
-                    on_finish: Callable[[Req, str], None] | None = None) -> Scheduler:
+def build_scheduler(
+    config: ReplicaConfig,
+    engine,
+    executor: Executor,
+    tokenizer,
+    on_output: Callable[[list[TokenDelta]], None],
+    on_finish: Callable[[Req, str], None] | None = None,
+) -> Scheduler:
     """The scheduler of rank 0's `engine` (a worker Engine, started), launching on `executor`;
     `tokenizer`: the model folder's (None: no grammars are served)."""
     eos = eos_token_ids(config.engine.model_path, engine.hf_config, tokenizer)
     vocab = engine.hf_config.vocab_size
-    return Scheduler(config.scheduler, executor, num_pages=engine.num_pages, page_size=engine.page_size,
-                     max_running_reqs=config.engine.max_running_reqs, max_seq_len=engine.max_seq_len, eos_ids=eos,
-                     on_output=on_output, on_finish=on_finish, vocab_size=vocab,
-                     max_logit_bias=config.engine.max_logit_bias,
-                     grammars=Grammars(tokenizer, vocab, sorted(eos)) if tokenizer is not None else None)
+    return Scheduler(
+        config.scheduler,
+        executor,
+        num_pages=engine.num_pages,
+        page_size=engine.page_size,
+        max_running_reqs=config.engine.max_running_reqs,
+        max_seq_len=engine.max_seq_len,
+        eos_ids=eos,
+        on_output=on_output,
+        on_finish=on_finish,
+        vocab_size=vocab,
+        max_logit_bias=config.engine.max_logit_bias,
+        grammars=Grammars(tokenizer, vocab, sorted(eos)) if tokenizer is not None else None,
+    )

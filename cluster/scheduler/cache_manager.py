@@ -24,7 +24,7 @@ class CacheManager:
         self.prefix_cache = create_prefix_cache(cache_type, page_size)
         self.caching = cache_type != "naive"
         self.reserved = 0  # pages promised to admitted requests, not allocated yet
-        self.prefill_tokens_saved = 0    # prompt tokens found in the prefix cache
+        self.prefill_tokens_saved = 0  # prompt tokens found in the prefix cache
         self.prompt_tokens_admitted = 0
 
     @property
@@ -99,7 +99,7 @@ class CacheManager:
         n = kv_len // self.page_size
         if n <= req.num_cached_pages:
             return False
-        handle, cached = self.prefix_cache.insert(req.input_ids[:n * self.page_size], req.pages[:n])
+        handle, cached = self.prefix_cache.insert(req.input_ids[: n * self.page_size], req.pages[:n])
         replaced = self._drop_duplicates(req, cached)
         self.prefix_cache.lock(handle)
         self.prefix_cache.unlock(req.cache_handle)
@@ -111,7 +111,7 @@ class CacheManager:
         back to the free list, and what it had reserved is given back."""
         n = kv_len // self.page_size if self.caching else 0
         if n > req.num_cached_pages:
-            handle, cached = self.prefix_cache.insert(req.input_ids[:n * self.page_size], req.pages[:n])
+            handle, cached = self.prefix_cache.insert(req.input_ids[: n * self.page_size], req.pages[:n])
             self._drop_duplicates(req, cached)
         else:
             n = req.num_cached_pages
@@ -123,7 +123,7 @@ class CacheManager:
     def _drop_duplicates(self, req: Req, cached: list[int]) -> bool:
         dup = [mine for mine, theirs in zip(req.pages, cached) if mine != theirs]
         self.allocator.free(dup)
-        req.pages[:len(cached)] = cached
+        req.pages[: len(cached)] = cached
         return bool(dup)
 
     def take_kv_events(self) -> tuple[list[int], list[int]]:
@@ -134,13 +134,15 @@ class CacheManager:
         """free + prefix-cached + held by live requests == all pages, each page in exactly one place."""
         free = self.allocator.free_pages()
         cached = self.prefix_cache.all_pages()
-        held = [p for r in live for p in r.pages[r.num_cached_pages:]]
+        held = [p for r in live for p in r.pages[r.num_cached_pages :]]
         total = len(free) + len(cached) + len(held)
         everyone = set(free) | set(cached) | set(held)
         if total != self.num_pages or len(everyone) != self.num_pages:
             raise IntegrityError(
                 f"page accounting broken: free {len(free)} + prefix cache {len(cached)} + live requests "
-                f"{len(held)} = {total}, {len(everyone)} distinct, of {self.num_pages} pages")
+                f"{len(held)} = {total}, {len(everyone)} distinct, of {self.num_pages} pages"
+            )
         if self.reserved != sum(r.reserved_pages for r in live):
-            raise IntegrityError(f"reserved pages {self.reserved} != {sum(r.reserved_pages for r in live)} "
-                                 f"reserved by live requests")
+            raise IntegrityError(
+                f"reserved pages {self.reserved} != {sum(r.reserved_pages for r in live)} reserved by live requests"
+            )

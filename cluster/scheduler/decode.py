@@ -5,7 +5,7 @@ and making room for a decode step, by preempting requests that have outgrown the
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from cluster.scheduler.cache_manager import CacheManager
 from cluster.scheduler.prefill import PrefillManager, queue_order
@@ -39,8 +39,11 @@ class DecodeManager:
         """The requests to decode this step (`in_flight`: the requests of the step in flight, if one is),
         after making room. A constrained request whose last token is in flight waits for it: its grammar
         must see that token before its next mask can be built."""
-        decoding = [r for r in self.running.values()
-                    if r.can_decode and not (r.matcher is not None and in_flight and r in in_flight)]
+        decoding = [
+            r
+            for r in self.running.values()
+            if r.can_decode and not (r.matcher is not None and in_flight and r in in_flight)
+        ]
         return self._make_room(decoding, in_flight is not None)
 
     def _make_room(self, decoding: list[Req], in_flight: bool) -> list[Req]:

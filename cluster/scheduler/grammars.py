@@ -44,8 +44,9 @@ class Grammars:
                 case "structural_tag":
                     return c.compile_structural_tag(spec.spec)
         except (RuntimeError, ValueError, TypeError, json.JSONDecodeError) as e:
-            raise InvalidRequestError(f"the {spec.kind} grammar does not compile: {_first_line(e)}",
-                                      field="response_format") from e
+            raise InvalidRequestError(
+                f"the {spec.kind} grammar does not compile: {_first_line(e)}", field="response_format"
+            ) from e
         raise InvalidRequestError(f"unknown grammar kind {spec.kind!r}", field="response_format")
 
     def matcher(self, compiled) -> object:

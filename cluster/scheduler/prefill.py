@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from bisect import insort
 
-from cluster.scheduler.cache_manager import CacheManager
 from cluster.config import SchedulerConfig
 from cluster.errors import OverloadedError
+from cluster.scheduler.cache_manager import CacheManager
 from cluster.scheduler.req import Req
 from cluster.scheduler.request_slots import RequestSlots
 
@@ -29,8 +29,10 @@ class PrefillManager:
             raise OverloadedError(f"the server is busy: {n} requests are waiting (at most {bound}); retry later")
         bound = self.max_queued_tokens
         if bound is not None and n and self.queued_tokens + num_tokens > bound:
-            raise OverloadedError(f"the server is busy: {self.queued_tokens} prompt tokens are waiting and this "
-                                  f"request has {num_tokens} (at most {bound} may wait); retry later")
+            raise OverloadedError(
+                f"the server is busy: {self.queued_tokens} prompt tokens are waiting and this "
+                f"request has {num_tokens} (at most {bound} may wait); retry later"
+            )
 
     def add(self, req: Req) -> None:
         """Queues req behind every request of its priority or a higher one (a lower number) that came
@@ -45,7 +47,9 @@ class PrefillManager:
         self.waiting.remove(req)
         self.queued_tokens -= req.fill_len
 
-    def schedule(self, in_flight: frozenset[int], headroom: int = 0, budget: int | None = None) -> list[tuple[Req, int]]:
+    def schedule(
+        self, in_flight: frozenset[int], headroom: int = 0, budget: int | None = None
+    ) -> list[tuple[Req, int]]:
         """Picks (request, tokens to compute) in queue order until the budget (max_extend_tokens unless
         given) is spent. A request that does not fit whole takes what is left and carries on next time,
         at the head of the queue. `in_flight`: the request slots of the batch in flight. `headroom` pages

@@ -11,24 +11,24 @@ from cluster.sampling_params import SamplingParams
 @dataclass(eq=False)
 class Req:
     uid: int
-    input_ids: list[int]            # the prompt, then every token received so far
+    input_ids: list[int]  # the prompt, then every token received so far
     params: SamplingParams
-    max_device_len: int             # prompt length + max_tokens
+    max_device_len: int  # prompt length + max_tokens
     seed: int
     prompt_len: int = 0
-    cached_len: int = 0             # positions whose KV is written, or will be by launched steps
-    device_len: int = 0             # tokens on the device, the in-flight sample included
-    slot: int = -1                  # request slot; -1 while it has none
+    cached_len: int = 0  # positions whose KV is written, or will be by launched steps
+    device_len: int = 0  # tokens on the device, the in-flight sample included
+    slot: int = -1  # request slot; -1 while it has none
     pages: list[int] = field(default_factory=list)  # KV pages covering positions 0.. in order
-    num_cached_pages: int = 0       # leading pages owned by the prefix cache (locked through cache_handle)
+    num_cached_pages: int = 0  # leading pages owned by the prefix cache (locked through cache_handle)
     cache_handle: object = None
-    reserved_pages: int = 0         # pages it may still allocate, set aside at admission
-    prefix_hit_len: int = 0         # prompt tokens found in the prefix cache
-    fill_len: int = 0               # tokens to prefill: the prompt, or after a preemption all tokens so far
-    may_outgrow: bool = False       # its reservation does not cover max_tokens: it may be preempted
+    reserved_pages: int = 0  # pages it may still allocate, set aside at admission
+    prefix_hit_len: int = 0  # prompt tokens found in the prefix cache
+    fill_len: int = 0  # tokens to prefill: the prompt, or after a preemption all tokens so far
+    may_outgrow: bool = False  # its reservation does not cover max_tokens: it may be preempted
     num_preempted: int = 0
-    after: Req | None = None        # another choice of the same prompt: admitted once that one's prompt is cached
-    matcher: object = None          # with params.grammar: its xgrammar matcher, once the grammar is compiled
+    after: Req | None = None  # another choice of the same prompt: admitted once that one's prompt is cached
+    matcher: object = None  # with params.grammar: its xgrammar matcher, once the grammar is compiled
     ended: bool = False
     # with params.prompt_logprobs: (logprob, top (id, logprob) pairs) of prompt positions 1.., as chunks are scored
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
@@ -46,7 +46,7 @@ class Req:
 
     @property
     def output_ids(self) -> list[int]:
-        return self.input_ids[self.prompt_len:]
+        return self.input_ids[self.prompt_len :]
 
     @property
     def extend_len(self) -> int:

@@ -10,24 +10,25 @@ import queue
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any
 
-from cluster.scheduler.batch_builder import Batch, BatchBuilder
-from cluster.scheduler.cache_manager import CacheManager
 from cluster.config import SchedulerConfig
-from cluster.scheduler.decode import DecodeManager
 from cluster.errors import ErrorKind, InvalidRequestError, RaylmError
 from cluster.limits import RequestLimits
-from cluster.scheduler.grammars import Grammars
-from cluster.scheduler.executor import Executor, ReplicaBrokenError
 from cluster.messages import AbortRequest, AddRequest, CallBetweenSteps, SchedulerStats, TokenDelta
+from cluster.sampling_params import SamplingParams
+from cluster.scheduler.batch_builder import Batch, BatchBuilder
+from cluster.scheduler.cache_manager import CacheManager
+from cluster.scheduler.decode import DecodeManager
+from cluster.scheduler.executor import Executor, ReplicaBrokenError
+from cluster.scheduler.grammars import Grammars
 from cluster.scheduler.prefill import PrefillManager
 from cluster.scheduler.req import Req
 from cluster.scheduler.request_slots import RequestSlots
-from cluster.sampling_params import SamplingParams
 from worker.batch import StepOutput
 
 log = logging.getLogger(__name__)
@@ -59,11 +60,22 @@ class Launched:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, executor: Executor, *, num_pages: int, page_size: int,
-                 max_running_reqs: int, max_seq_len: int, eos_ids: set[int],
-                 on_output: Callable[[list[TokenDelta]], None],
-                 on_finish: Callable[[Req, str], None] | None = None, vocab_size: int | None = None,
-                 max_logit_bias: int | None = None, grammars: Grammars | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        executor: Executor,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_running_reqs: int,
+        max_seq_len: int,
+        eos_ids: set[int],
+        on_output: Callable[[list[TokenDelta]], None],
+        on_finish: Callable[[Req, str], None] | None = None,
+        vocab_size: int | None = None,
+        max_logit_bias: int | None = None,
+        grammars: Grammars | None = None,
+    ) -> None:
         """`vocab_size` and `max_logit_bias` (the engine's) bound what logit_bias may name; None: unchecked.
         `grammars` compiles and matches constrained requests; None: they are refused."""
         self.config, self.executor = config, executor
@@ -77,8 +89,8 @@ class Scheduler:
         self.prefill = PrefillManager(self.cache, self.req_slots, config)
         self.decode = DecodeManager(self.cache, self.prefill, self._free)
         self.builder = BatchBuilder(self.cache, self.eos_ids, max_running_reqs, grammars)
-        self.reqs: dict[int, Req] = {}          # every live request, by uid
-        self.finished_reqs: set[Req] = set()    # left the batch in flight: its result there is dropped
+        self.reqs: dict[int, Req] = {}  # every live request, by uid
+        self.finished_reqs: set[Req] = set()  # left the batch in flight: its result there is dropped
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight: Launched | None = None
         self.steps = self.prefill_tokens = self.decode_tokens = self.mixed_steps = 0
@@ -129,14 +141,18 @@ class Scheduler:
         max_len = min(n + (params.max_tokens or self.max_seq_len), self.max_seq_len)
         need = self.cache.pages_for(max_len)
         if need > self.cache.num_pages:
-            raise InvalidRequestError(f"the request needs {need} KV-cache pages (prompt {n} + up to {max_len - n} "
-                                      f"new tokens) but the cache has {self.cache.num_pages}; lower max_tokens or shorten the prompt")
+            raise InvalidRequestError(
+                f"the request needs {need} KV-cache pages (prompt {n} + up to {max_len - n} "
+                f"new tokens) but the cache has {self.cache.num_pages}; lower max_tokens or shorten the prompt"
+            )
         if params.n != 1:
-            raise InvalidRequestError("a scheduler runs one choice per request: fan n choices out first "
-                                      "(cluster.fan_out)", field="n")
+            raise InvalidRequestError(
+                "a scheduler runs one choice per request: fan n choices out first (cluster.fan_out)", field="n"
+            )
         if params.grammar is not None and self.grammars is None:
-            raise InvalidRequestError("this replica cannot serve grammars (its model folder has no tokenizer)",
-                                      field="response_format")
+            raise InvalidRequestError(
+                "this replica cannot serve grammars (its model folder has no tokenizer)", field="response_format"
+            )
         return max_len
 
     def _add(self, msg: AddRequest) -> None:
@@ -157,7 +173,8 @@ class Scheduler:
         self.reqs[req.uid] = req
         if msg.params.grammar is not None:  # it waits in the queue until its grammar is compiled
             self.grammars.compile(msg.params.grammar).add_done_callback(
-                lambda future, uid=req.uid: self.inbox.put(GrammarReady(uid, future)))
+                lambda future, uid=req.uid: self.inbox.put(GrammarReady(uid, future))
+            )
         self.prefill.add(req)
 
     def _grammar_ready(self, msg: GrammarReady) -> None:
@@ -218,7 +235,7 @@ class Scheduler:
             chosen = self.prefill.schedule(in_flight, self.decode.headroom, budget)
         if chosen:
             batch = self.builder.prefill(chosen, decoding)
-            for req, prompt_done in zip(batch.reqs[batch.num_decode:], batch.emits[batch.num_decode:]):
+            for req, prompt_done in zip(batch.reqs[batch.num_decode :], batch.emits[batch.num_decode :]):
                 if prompt_done:
                     self.decode.add(req)
             return batch
@@ -238,14 +255,14 @@ class Scheduler:
 
     def overlap_step(self, block: bool = False) -> None:
         """Schedules and launches step N+1, then handles step N's results while N+1 computes."""
-        last = self.in_flight                                    # step N
+        last = self.in_flight  # step N
         self.receive(block and last is None and not self.reqs)
         if last is None:
             self.req_slots.release()  # nothing in flight can still write into a freed row
-        batch = self.schedule()                                   # step N+1
+        batch = self.schedule()  # step N+1
         self.in_flight = self._launch(batch) if batch is not None else None
         if last is not None:
-            self._emit_tokens(last)                                 # step N's tokens, while N+1 computes
+            self._emit_tokens(last)  # step N's tokens, while N+1 computes
 
     def step(self, block: bool = False) -> None:
         (self.overlap_step if self.config.overlap else self.normal_step)(block)
@@ -257,10 +274,17 @@ class Scheduler:
         self.decode_tokens += batch.num_decode
         self.mixed_steps += desc.is_prefill and batch.num_decode > 0
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("step %d %s batch=%d tokens=%d running=%d waiting=%d free_pages=%d cached_pages=%d",
-                      self.steps, "prefill" if desc.is_prefill else "decode", desc.batch_size, desc.num_tokens,
-                      len(self.decode.running), len(self.prefill.waiting), self.cache.allocator.num_free,
-                      self.cache.prefix_cache.num_pages)
+            log.debug(
+                "step %d %s batch=%d tokens=%d running=%d waiting=%d free_pages=%d cached_pages=%d",
+                self.steps,
+                "prefill" if desc.is_prefill else "decode",
+                desc.batch_size,
+                desc.num_tokens,
+                len(self.decode.running),
+                len(self.prefill.waiting),
+                self.cache.allocator.num_free,
+                self.cache.prefix_cache.num_pages,
+            )
         try:
             launched = Launched(batch, self.executor.launch(desc))
         except ReplicaBrokenError as e:
@@ -362,13 +386,23 @@ class Scheduler:
         """Counts an operator (or a test) wants to see."""
         cache, slots = self.cache, self.req_slots
         return SchedulerStats(
-            running=len(self.decode.running), waiting=len(self.prefill.waiting), live=len(self.reqs),
-            request_slots_total=slots.num_slots, request_slots_free=slots.available + slots.num_unreleased,
-            pages_total=cache.num_pages, pages_free=cache.allocator.num_free,
-            pages_cached=cache.prefix_cache.num_pages, pages_reserved=cache.reserved,
-            prefix_hit_tokens=cache.prefill_tokens_saved, prompt_tokens_admitted=cache.prompt_tokens_admitted,
-            steps=self.steps, prefill_tokens=self.prefill_tokens, decode_tokens=self.decode_tokens,
-            preempted=self.decode.num_preempted, mixed_steps=self.mixed_steps)
+            running=len(self.decode.running),
+            waiting=len(self.prefill.waiting),
+            live=len(self.reqs),
+            request_slots_total=slots.num_slots,
+            request_slots_free=slots.available + slots.num_unreleased,
+            pages_total=cache.num_pages,
+            pages_free=cache.allocator.num_free,
+            pages_cached=cache.prefix_cache.num_pages,
+            pages_reserved=cache.reserved,
+            prefix_hit_tokens=cache.prefill_tokens_saved,
+            prompt_tokens_admitted=cache.prompt_tokens_admitted,
+            steps=self.steps,
+            prefill_tokens=self.prefill_tokens,
+            decode_tokens=self.decode_tokens,
+            preempted=self.decode.num_preempted,
+            mixed_steps=self.mixed_steps,
+        )
 
     def check_integrity(self) -> None:
         """Raises IntegrityError unless every KV page is free, prefix-cached or held by a live request."""

@@ -35,7 +35,7 @@ class IncrementalDetokenizer:
             out, self._pending = self._pending[:cut], ""
         else:
             keep = min(keep, len(self._pending))
-            out, self._pending = self._pending[:len(self._pending) - keep], self._pending[len(self._pending) - keep:]
+            out, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep :]
         self._released += out
         return out
 
@@ -47,5 +47,5 @@ class IncrementalDetokenizer:
         whole = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
         seen = self._released + self._pending
         if whole.startswith(seen):
-            self._pending += whole[len(seen):]
+            self._pending += whole[len(seen) :]
         return self._release(0)

@@ -15,4 +15,4 @@ def held_back(text: str, marker: str) -> int:
 def split_held(text: str, marker: str) -> tuple[str, str]:
     """text as (what can go out now, what is held back until the next piece)."""
     keep = held_back(text, marker)
-    return text[:len(text) - keep], text[len(text) - keep:]
+    return text[: len(text) - keep], text[len(text) - keep :]

@@ -35,14 +35,16 @@ class ChatOutput:
     tool_calls: str | None = None
     max_calls: int | None = None  # 1 for parallel_tool_calls false: later calls are dropped
 
-
     @property
     def parses(self) -> bool:
         return self.reasoning or self.tool_calls is not None
 
     def parser(self) -> ChatOutputParser:
-        return ChatOutputParser(ReasoningParser(self.starts_in_reasoning) if self.reasoning else None,
-                                tool_call_parser(self.tool_calls) if self.tool_calls else None, self.max_calls)
+        return ChatOutputParser(
+            ReasoningParser(self.starts_in_reasoning) if self.reasoning else None,
+            tool_call_parser(self.tool_calls) if self.tool_calls else None,
+            self.max_calls,
+        )
 
 
 class ChatOutputParser:

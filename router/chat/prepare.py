@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 from cluster import GrammarSpec
 from router.chat.output import ChatOutput
-from router.http.errors import APIError
-from router.http.protocol import ChatCompletionRequest
 from router.chat.reasoning import closes_thinking, opens_thinking
-from router.http.state import RouterState
 from router.chat.structured import request_grammar
 from router.chat.tools import plan_tools, tool_grammar
+from router.http.errors import APIError
+from router.http.protocol import ChatCompletionRequest
+from router.http.state import RouterState
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,12 @@ def prepare_chat(state: RouterState, req: ChatCompletionRequest) -> PreparedChat
     tools = plan_tools(req, state.tool_call_parser)
     grammar = request_grammar(req)
     if grammar is not None and tools.forced:
-        raise APIError(400, "tool_choice asks for a tool call, which cannot be combined with a response_format "
-                            "or guided_* field (both constrain the whole output)", param="tool_choice")
+        raise APIError(
+            400,
+            "tool_choice asks for a tool call, which cannot be combined with a response_format "
+            "or guided_* field (both constrain the whole output)",
+            param="tool_choice",
+        )
     prompt = state.chat_prompt(req, tools=tools.template_tools)
     ids = state.tokenizer(prompt, add_special_tokens=False).input_ids
     reasoning = state.reasoning_parser is not None
@@ -41,7 +45,10 @@ def prepare_chat(state: RouterState, req: ChatCompletionRequest) -> PreparedChat
         grammar = tool_grammar(req, state.tool_call_parser, mode)
     # calls are read unless the output follows a format of the client's own
     reads_calls = tools.parse and (tools.forced or grammar is None)
-    output = ChatOutput(reasoning=reasoning, starts_in_reasoning=in_think,
-                        tool_calls=state.tool_call_parser if reads_calls else None,
-                        max_calls=1 if req.parallel_tool_calls is False else None)
+    output = ChatOutput(
+        reasoning=reasoning,
+        starts_in_reasoning=in_think,
+        tool_calls=state.tool_call_parser if reads_calls else None,
+        max_calls=1 if req.parallel_tool_calls is False else None,
+    )
     return PreparedChat(ids, grammar, output)

@@ -43,7 +43,7 @@ class ReasoningParser:
         if self._state == "start":
             head = self._buffer.lstrip()
             if head.startswith(THINK_START):
-                self._state, self._buffer = "reasoning", head[len(THINK_START):]
+                self._state, self._buffer = "reasoning", head[len(THINK_START) :]
             elif THINK_START.startswith(head):
                 return "", ""  # still possibly "<think>"
             else:
@@ -53,7 +53,7 @@ class ReasoningParser:
             if end < 0:
                 reasoning, self._buffer = split_held(self._buffer, THINK_END)
                 return reasoning, ""
-            reasoning, self._buffer = self._buffer[:end], self._buffer[end + len(THINK_END):]
+            reasoning, self._buffer = self._buffer[:end], self._buffer[end + len(THINK_END) :]
             self._state = "answer"
         if self._state == "answer":  # the whitespace after </think> is the template's, not the answer's
             self._buffer = self._buffer.lstrip()

@@ -23,8 +23,9 @@ def request_grammar(req: SamplingFields) -> GrammarSpec | None:
     """The grammar the request's output must follow, or None for free text."""
     given = [name for name in ("response_format", *GUIDED_FIELDS) if _given(req, name)]
     if len(given) > 1:
-        raise APIError(400, f"send one of {' or '.join(given)}, not both: each constrains the whole output",
-                       param=given[1])
+        raise APIError(
+            400, f"send one of {' or '.join(given)}, not both: each constrains the whole output", param=given[1]
+        )
     if not given:
         return None
     name = given[0]
@@ -61,14 +62,16 @@ def json_schema_grammar(schema: Any, field: str) -> GrammarSpec:
 def check_json_schema(schema: Any, field: str, what: str = "the schema") -> None:
     """A 400 naming `field` unless schema is a JSON Schema (an object or a boolean) by its metaschema."""
     if not isinstance(schema, (dict, bool)):
-        raise APIError(400, f"{field}: {what} must be a JSON Schema object, not {type(schema).__name__}",
-                       param=field)
+        raise APIError(400, f"{field}: {what} must be a JSON Schema object, not {type(schema).__name__}", param=field)
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/".join(map(str, e.path))
-        raise APIError(400, f"{field}: {what} is not a valid JSON Schema"
-                            f"{f' at {where}' if where else ''}: {e.message}", param=field) from e
+        raise APIError(
+            400,
+            f"{field}: {what} is not a valid JSON Schema{f' at {where}' if where else ''}: {e.message}",
+            param=field,
+        ) from e
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -88,8 +91,12 @@ def checked(spec: GrammarSpec, field: str) -> GrammarSpec:
 
 @lru_cache(maxsize=256)
 def _problem(kind: str, spec: str) -> str | None:
-    build = {"json_schema": xgrammar.Grammar.from_json_schema, "regex": xgrammar.Grammar.from_regex,
-             "ebnf": xgrammar.Grammar.from_ebnf, "structural_tag": xgrammar.Grammar.from_structural_tag}[kind]
+    build = {
+        "json_schema": xgrammar.Grammar.from_json_schema,
+        "regex": xgrammar.Grammar.from_regex,
+        "ebnf": xgrammar.Grammar.from_ebnf,
+        "structural_tag": xgrammar.Grammar.from_structural_tag,
+    }[kind]
     try:
         build(spec)
     except (RuntimeError, ValueError, TypeError) as e:

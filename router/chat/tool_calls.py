@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from router.chat.markers import split_held
 
+
 def tool_call_parser_for(setting: str, model_type: str | None) -> str | None:
     """The format a served model's calls are read in: the setting's, or for auto its model_type's."""
     if setting == "none":
@@ -130,7 +131,7 @@ class QwenToolCallParser(ToolCallParser):
         return None if at < 0 else at + len(self.close)
 
     def _parse(self, text: str) -> ToolCall | None:
-        body = text[len(self.begin):].removesuffix(self.close)
+        body = text[len(self.begin) :].removesuffix(self.close)
         return _call(body.strip(), "arguments", tagged=True)
 
 

@@ -12,9 +12,9 @@ from typing import Literal
 import xgrammar
 
 from cluster import GrammarSpec
+from router.chat.structured import check_json_schema, checked
 from router.http.errors import APIError
 from router.http.protocol import ChatCompletionRequest, NamedToolChoice
-from router.chat.structured import check_json_schema, checked
 
 # our tool-call formats as xgrammar's builtin structural tags name them (Qwen2.5 writes Qwen3's calls)
 STRUCTURAL_TAG_MODELS = {"qwen": "qwen_3", "llama": "llama"}
@@ -26,8 +26,8 @@ ReasoningMode = Literal["enabled", "disabled", "auto"]
 @dataclass(frozen=True)
 class ToolPlan:
     template_tools: list[dict] | None  # what the chat template renders (None: no tools)
-    parse: bool                        # whether tool calls are read from the output
-    forced: bool                       # whether the output must be a call (a grammar makes it one)
+    parse: bool  # whether tool calls are read from the output
+    forced: bool  # whether the output must be a call (a grammar makes it one)
 
 
 def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
@@ -49,11 +49,19 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     if forced and not tools:
         raise APIError(400, "tool_choice asks for a tool call, but the request lists no tools", param="tool_choice")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-        raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not among the "
-                            f"tools ({', '.join(names)})", param="tool_choice")
+        raise APIError(
+            400,
+            f"tool_choice names the function {choice.function.name!r}, which is not among the "
+            f"tools ({', '.join(names)})",
+            param="tool_choice",
+        )
     if forced and parser is None:
-        raise APIError(400, "tool_choice asks for a tool call, but this server reads no tool-call format for "
-                            "this model (its tool_call_parser setting is none)", param="tool_choice")
+        raise APIError(
+            400,
+            "tool_choice asks for a tool call, but this server reads no tool-call format for "
+            "this model (its tool_call_parser setting is none)",
+            param="tool_choice",
+        )
     template_tools = [t.model_dump(exclude_none=True) for t in tools] or None
     return ToolPlan(template_tools, parse=parser is not None and choice != "none" and bool(tools), forced=forced)
 
@@ -62,14 +70,19 @@ def tool_grammar(req: ChatCompletionRequest, parser: str, reasoning: ReasoningMo
     """The structural tag that makes the output one call (a named function) or at least one (required),
     each call's arguments following its function's parameters; `reasoning` says whether a think block
     comes first (Qwen3's)."""
-    tools = [{"type": "function", "function": {"name": t.function.name,
-                                               "parameters": t.function.parameters or NO_ARGUMENTS}}
-             for t in req.tools or []]
+    tools = [
+        {"type": "function", "function": {"name": t.function.name, "parameters": t.function.parameters or NO_ARGUMENTS}}
+        for t in req.tools or []
+    ]
     choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else "required"
     try:
-        tag = xgrammar.get_model_structural_tag(STRUCTURAL_TAG_MODELS[parser], tools=tools, tool_choice=choice,
-                                                reasoning=reasoning,
-                                                parallel_tool_calls=req.parallel_tool_calls is not False)
+        tag = xgrammar.get_model_structural_tag(
+            STRUCTURAL_TAG_MODELS[parser],
+            tools=tools,
+            tool_choice=choice,
+            reasoning=reasoning,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+        )
     except ValueError as e:
         raise APIError(400, f"tools: {e}", param="tools") from e
     return checked(GrammarSpec("structural_tag", tag.model_dump_json()), "tools")

@@ -14,17 +14,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.chat.prepare import prepare_chat
-from router.chat.detokenizer import IncrementalDetokenizer
 from cluster import AddRequest, RaylmError, SamplingParams, fan_out
+from router.chat.detokenizer import IncrementalDetokenizer
+from router.chat.prepare import prepare_chat
+from router.chat.structured import request_grammar
 from router.http.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
-from router.replicas.generation import Generation, Timing
 from router.http.guard import RequestGuard
 from router.http.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from router.http.responses import Echo, Formatter, sse
-from router.replicas.routing import NoReplicaError, with_room
 from router.http.state import RouterState
-from router.chat.structured import request_grammar
+from router.replicas.generation import Generation, Timing
+from router.replicas.routing import NoReplicaError, with_room
 
 log = logging.getLogger("raylm.requests")
 
@@ -65,8 +65,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         await state.metrics.replica_gauges.refresh(state.clients)
-        return PlainTextResponse(state.metrics.exposition().decode(),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(state.metrics.exposition().decode(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
@@ -86,8 +85,10 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
         if body.model is not None:
             state.check_model(body.model)
         if body.messages is not None:
-            ids = state.chat_ids(ChatCompletionRequest(model=state.model_name, messages=body.messages),
-                                 add_generation_prompt=body.add_generation_prompt)
+            ids = state.chat_ids(
+                ChatCompletionRequest(model=state.model_name, messages=body.messages),
+                add_generation_prompt=body.add_generation_prompt,
+            )
         else:
             ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_seq_len}
@@ -98,8 +99,9 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
             state.check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < state.vocab_size]
         if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{state.vocab_size - 1})",
-                           param="tokens")
+            raise APIError(
+                400, f"token id {bad[0]} is outside the vocabulary (0..{state.vocab_size - 1})", param="tokens"
+            )
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
@@ -107,11 +109,19 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
         state.check_model(body.model)
         ids = state.completion_ids(body)
         # an echo with logprobs shows the prompt's too: the replica scores the prompt for them
-        params = state.sampling_params(body, ids, body.max_tokens, 16, body.logprobs,
-                                       body.logprobs if body.echo else None, grammar=request_grammar(body))
+        params = state.sampling_params(
+            body,
+            ids,
+            body.max_tokens,
+            16,
+            body.logprobs,
+            body.logprobs if body.echo else None,
+            grammar=request_grammar(body),
+        )
         echo = Echo(state.prompt_text(body, ids), ids) if body.echo else None
-        fmt = Formatter(f"cmpl-{uuid.uuid4().hex}", state.model_name, False, state.tokenizer, body.logprobs,
-                        params.n, echo)
+        fmt = Formatter(
+            f"cmpl-{uuid.uuid4().hex}", state.model_name, False, state.tokenizer, body.logprobs, params.n, echo
+        )
         return await _serve(state, request, body, ids, params, fmt)
 
     @app.post("/v1/chat/completions")
@@ -119,18 +129,25 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
         state.check_model(body.model)
         chat = prepare_chat(state, body)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = state.sampling_params(body, chat.ids, body.max_completion_tokens or body.max_tokens, None, top,
-                                       grammar=chat.grammar)
-        fmt = Formatter(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, True, state.tokenizer, top, params.n,
-                        output=chat.output)
+        params = state.sampling_params(
+            body, chat.ids, body.max_completion_tokens or body.max_tokens, None, top, grammar=chat.grammar
+        )
+        fmt = Formatter(
+            f"chatcmpl-{uuid.uuid4().hex}", state.model_name, True, state.tokenizer, top, params.n, output=chat.output
+        )
         return await _serve(state, request, body, chat.ids, params, fmt)
 
     return app
 
 
 def _model_card(state: RouterState) -> dict:
-    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "raylm",
-            "max_model_len": state.max_seq_len}
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "raylm",
+        "max_model_len": state.max_seq_len,
+    }
 
 
 def _version() -> str:
@@ -168,10 +185,16 @@ async def _serve(state: RouterState, request: Request, body, ids, params, fmt: F
         ended = True
         state.metrics.running.labels(state.model_name).dec()
         state.metrics.finished(outcome["reason"], len(ids), timing)
-        log.info("request %s replica=%d prompt_tokens=%d completion_tokens=%d ttft=%.4f latency=%.4f finish=%s",
-                 fmt.id, client.replica_id, len(ids), timing.tokens,
-                 (timing.first_token or timing.arrival) - timing.arrival,
-                 (timing.last_token or timing.arrival) - timing.arrival, outcome["reason"])
+        log.info(
+            "request %s replica=%d prompt_tokens=%d completion_tokens=%d ttft=%.4f latency=%.4f finish=%s",
+            fmt.id,
+            client.replica_id,
+            len(ids),
+            timing.tokens,
+            (timing.first_token or timing.arrival) - timing.arrival,
+            (timing.last_token or timing.arrival) - timing.arrival,
+            outcome["reason"],
+        )
 
     async def finish() -> None:
         try:
@@ -184,10 +207,9 @@ async def _serve(state: RouterState, request: Request, body, ids, params, fmt: F
     try:
         collected = await _until_disconnect(request, _collect(pieces), state.config.request_timeout_s)
         outcome["reason"] = _request_reason([p.finish_reason for p in collected if p.finish_reason is not None])
-    except asyncio.TimeoutError as e:
+    except TimeoutError as e:
         outcome["reason"] = "timeout"
-        raise APIError(408, f"the request took longer than {state.config.request_timeout_s} s",
-                       "timeout_error") from e
+        raise APIError(408, f"the request took longer than {state.config.request_timeout_s} s", "timeout_error") from e
     except RaylmError as e:
         outcome["reason"] = "error"
         raise APIError.of(e) from e
@@ -246,8 +268,9 @@ class _EventStream(StreamingResponse):
             await self.finish()
 
 
-async def _stream(state: RouterState, pieces, fmt: Formatter, prompt_tokens: int, include_usage: bool,
-                  outcome: dict, finish):
+async def _stream(
+    state: RouterState, pieces, fmt: Formatter, prompt_tokens: int, include_usage: bool, outcome: dict, finish
+):
     completion, reasons = 0, []
     try:
         yield "".join(fmt.role_chunks()) if fmt.chat else ""
@@ -266,8 +289,9 @@ async def _stream(state: RouterState, pieces, fmt: Formatter, prompt_tokens: int
         yield sse("[DONE]")
     except TimeoutError:
         outcome["reason"] = "timeout"
-        yield sse(APIError(408, f"the request took longer than {state.config.request_timeout_s} s",
-                           "timeout_error").event())
+        yield sse(
+            APIError(408, f"the request took longer than {state.config.request_timeout_s} s", "timeout_error").event()
+        )
         yield sse("[DONE]")
     except RaylmError as e:
         outcome["reason"] = "error"

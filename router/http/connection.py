@@ -20,10 +20,20 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 
-_BUSY_BODY = json.dumps({"error": {"message": "too many open connections; try again later",
-                                   "type": "service_unavailable", "param": None, "code": None}}).encode()
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-         b"content-length: %d\r\n\r\n" % len(_BUSY_BODY)) + _BUSY_BODY
+_BUSY_BODY = json.dumps(
+    {
+        "error": {
+            "message": "too many open connections; try again later",
+            "type": "service_unavailable",
+            "param": None,
+            "code": None,
+        }
+    }
+).encode()
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"content-length: %d\r\n\r\n" % len(_BUSY_BODY)
+) + _BUSY_BODY
 
 
 class _HeaderBounds:
@@ -87,6 +97,7 @@ except ImportError:  # httptools is not installed
     HttpToolsProtocol = None
 
 if HttpToolsProtocol is not None:
+
     class BoundedHttpToolsProtocol(_HeaderBounds, HttpToolsProtocol):
         pass
 

@@ -19,8 +19,13 @@ class DrainingServer(uvicorn.Server):
     still running just before the drain timeout ends are failed in order (a stream gets an SSE error
     event and [DONE], a whole response a 503), instead of being cancelled mid-response by uvicorn."""
 
-    def __init__(self, config: uvicorn.Config, state: RouterState, drain_timeout_s: float,
-                 on_ready: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: RouterState,
+        drain_timeout_s: float,
+        on_ready: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self.state, self.drain_timeout_s, self.on_ready = state, drain_timeout_s, on_ready
 
@@ -32,8 +37,9 @@ class DrainingServer(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         self.state.draining = True
         running = sum(c.load for c in self.state.clients)
-        log.warning("draining: no new requests; %d in flight may take up to %g s to finish", running,
-                    self.drain_timeout_s)
+        log.warning(
+            "draining: no new requests; %d in flight may take up to %g s to finish", running, self.drain_timeout_s
+        )
         # uvicorn cancels what still runs at the timeout: end it a little before, so each response is whole
         cut_after = max(0.0, self.drain_timeout_s - min(1.0, self.drain_timeout_s / 4))
         timer = asyncio.get_running_loop().call_later(cut_after, self._cut)
@@ -45,7 +51,8 @@ class DrainingServer(uvicorn.Server):
     def _cut(self) -> None:
         running = sum(c.load for c in self.state.clients)
         if running:
-            log.warning("drain timeout of %g s ran out: failing %d request(s) still running", self.drain_timeout_s,
-                        running)
+            log.warning(
+                "drain timeout of %g s ran out: failing %d request(s) still running", self.drain_timeout_s, running
+            )
         for client in self.state.clients:
             client.mark_failed(f"the server is shutting down: its drain timeout of {self.drain_timeout_s:g} s ran out")

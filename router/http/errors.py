@@ -20,8 +20,14 @@ STATUS_OF_KIND: dict[ErrorKind, tuple[int, str]] = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
@@ -48,10 +54,16 @@ class APIError(Exception):
 RETRY_AFTER_S = 1
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    headers = ({"WWW-Authenticate": "Bearer"} if status == 401 else
-               {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None)
+def error_response(
+    status: int, message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    headers = (
+        {"WWW-Authenticate": "Bearer"}
+        if status == 401
+        else {"Retry-After": str(RETRY_AFTER_S)}
+        if status == 429
+        else None
+    )
     return JSONResponse(APIError(status, message, type_, param, code).body(), status_code=status, headers=headers)
 
 
@@ -65,8 +77,11 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
     content_type = request.headers.get("content-type", "")
     if loc == ["body"] and "json" not in content_type.split(";")[0]:
         # FastAPI parses only JSON bodies: anything else reaches validation as a string
-        return error_response(400, f"the body must be JSON, sent with Content-Type: application/json "
-                                   f"(got {content_type or 'no Content-Type'})")
+        return error_response(
+            400,
+            f"the body must be JSON, sent with Content-Type: application/json "
+            f"(got {content_type or 'no Content-Type'})",
+        )
     where = ".".join(p for p in loc if p != "body")
     msg = first.get("msg", "invalid request").removeprefix("Value error, ")
     return error_response(400, f"{where}: {msg}" if where else msg, param=where or None)

@@ -9,7 +9,6 @@ import hmac
 
 from router.http.errors import error_response
 
-
 # what the API key protects: everything but the probes (/health, /metrics, /version)
 _GUARDED = ("/v1", "/tokenize", "/detokenize")
 
@@ -26,11 +25,16 @@ class RequestGuard:
             if cfg.api_key is not None:
                 given = dict(scope["headers"]).get(b"authorization", b"")
                 if not hmac.compare_digest(given, f"Bearer {cfg.api_key}".encode()):
-                    return await error_response(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                                                "authentication_error", code="invalid_api_key")(scope, receive, send)
+                    return await error_response(
+                        401,
+                        "invalid or missing API key (send Authorization: Bearer KEY)",
+                        "authentication_error",
+                        code="invalid_api_key",
+                    )(scope, receive, send)
             if self.state.draining and scope["method"] == "POST":
-                return await error_response(503, "the server is shutting down",
-                                            "service_unavailable")(scope, receive, send)
+                return await error_response(503, "the server is shutting down", "service_unavailable")(
+                    scope, receive, send
+                )
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
@@ -42,7 +46,8 @@ class RequestGuard:
             size += len(chunks[-1])
             if size > cfg.max_body_bytes:
                 return await error_response(413, f"the request body is over {cfg.max_body_bytes} bytes")(
-                    scope, receive, send)
+                    scope, receive, send
+                )
             if not message.get("more_body", False):
                 break
         replayed = False
@@ -55,4 +60,3 @@ class RequestGuard:
             return await receive()  # later calls wait for the disconnect
 
         await self.app(scope, replay, send)
-

@@ -32,24 +32,51 @@ class RouterMetrics:
         self.shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         labels = ["model"]
         self.model = model
-        self.requests = Counter("raylm:request_success", "Finished requests by finish reason",
-                                labels + ["finish_reason"], registry=self.registry)
-        self.prompt_tokens = Counter("raylm:prompt_tokens", "Prompt tokens of finished requests", labels,
-                                     registry=self.registry)
-        self.generation_tokens = Counter("raylm:generation_tokens", "Generated tokens", labels,
-                                         registry=self.registry)
-        self.running = Gauge("raylm:num_requests_running", "Requests in flight through the router", labels,
-                             registry=self.registry, multiprocess_mode="livesum")
-        self.ttft = Histogram("raylm:time_to_first_token_seconds", "Time to first token", labels,
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("raylm:inter_token_latency_seconds",
-                             "Time between two consecutive output tokens of a request, one sample per gap", labels,
-                             buckets=_ITL_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("raylm:time_per_output_token_seconds",
-                              "A request's decode time per output token after the first (one sample per request)",
-                              labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("raylm:e2e_request_latency_seconds", "End-to-end request latency", labels,
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "raylm:request_success",
+            "Finished requests by finish reason",
+            labels + ["finish_reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "raylm:prompt_tokens", "Prompt tokens of finished requests", labels, registry=self.registry
+        )
+        self.generation_tokens = Counter("raylm:generation_tokens", "Generated tokens", labels, registry=self.registry)
+        self.running = Gauge(
+            "raylm:num_requests_running",
+            "Requests in flight through the router",
+            labels,
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
+        self.ttft = Histogram(
+            "raylm:time_to_first_token_seconds",
+            "Time to first token",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "raylm:inter_token_latency_seconds",
+            "Time between two consecutive output tokens of a request, one sample per gap",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "raylm:time_per_output_token_seconds",
+            "A request's decode time per output token after the first (one sample per request)",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "raylm:e2e_request_latency_seconds",
+            "End-to-end request latency",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.replica_gauges = ReplicaGauges(model)
         self.registry.register(self.replica_gauges)
 
@@ -59,6 +86,7 @@ class RouterMetrics:
         if self.shared_dir is None:
             return generate_latest(self.registry)
         from prometheus_client import multiprocess
+
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=self.shared_dir)
         registry.register(self.replica_gauges)
@@ -118,14 +146,16 @@ class ReplicaGauges(Collector):
     def _families(self) -> list[Metric]:
         labels = ["model", "replica"]
         running = GaugeMetricFamily("raylm:num_running_reqs", "Requests decoding, per replica", labels=labels)
-        queued = GaugeMetricFamily("raylm:num_queue_reqs", "Requests waiting for prefill, per replica",
-                                   labels=labels)
-        usage = GaugeMetricFamily("raylm:token_usage", "KV-cache pages held by requests / all pages, per replica",
-                                  labels=labels)
-        hit_rate = GaugeMetricFamily("raylm:cache_hit_rate", "Prompt tokens found in the prefix cache / admitted, "
-                                     "per replica", labels=labels)
-        preemptions = CounterMetricFamily("raylm:num_preemptions", "Requests preempted for KV pages (recomputed "
-                                          "later), per replica", labels=labels)
+        queued = GaugeMetricFamily("raylm:num_queue_reqs", "Requests waiting for prefill, per replica", labels=labels)
+        usage = GaugeMetricFamily(
+            "raylm:token_usage", "KV-cache pages held by requests / all pages, per replica", labels=labels
+        )
+        hit_rate = GaugeMetricFamily(
+            "raylm:cache_hit_rate", "Prompt tokens found in the prefix cache / admitted, per replica", labels=labels
+        )
+        preemptions = CounterMetricFamily(
+            "raylm:num_preemptions", "Requests preempted for KV pages (recomputed later), per replica", labels=labels
+        )
         for replica, s in sorted(self._stats.items()):
             values = [self.model, str(replica)]
             running.add_metric(values, s.running)

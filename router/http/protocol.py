@@ -21,7 +21,9 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
 }
 # tools are chat's: a completion has no template to render them nor a message to hold the calls
 COMPLETION_UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    **UNSUPPORTED_FIELDS, "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    **UNSUPPORTED_FIELDS,
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
 }
 
 
@@ -66,9 +68,10 @@ class APIRequest(BaseModel):
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         neutral = cls.refused.get(info.field_name)
         if neutral is not None and not any(value == v and type(value) is type(v) for v in neutral):
-            raise ValueError(f"{info.field_name} is not supported by this server"
-                             + (" for completions (use /v1/chat/completions)" if info.field_name.startswith("tool")
-                                else ""))
+            raise ValueError(
+                f"{info.field_name} is not supported by this server"
+                + (" for completions (use /v1/chat/completions)" if info.field_name.startswith("tool") else "")
+            )
         return value
 
 
@@ -92,12 +95,11 @@ class ResponseFormat(BaseModel):
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type json_schema needs a json_schema object ({\"name\": ..., \"schema\": {...}})")
+            raise ValueError('type json_schema needs a json_schema object ({"name": ..., "schema": {...}})')
         return self
 
 
 class SamplingFields(APIRequest):
-
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=100)
@@ -107,7 +109,7 @@ class SamplingFields(APIRequest):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    priority: int = Field(default=0, ge=-2**63, lt=2**63)  # lower runs first, as vLLM's
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)  # lower runs first, as vLLM's
     # ranges are checked where SamplingParams is made (router/http/state.py), with the limits of the config
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -123,7 +125,7 @@ class SamplingFields(APIRequest):
     guided_json: Any = None  # a JSON Schema, or its JSON text (checked in router/chat/structured.py)
     guided_regex: str | None = None
     guided_choice: list[str] | None = None  # the output is one of these strings
-    guided_grammar: str | None = None       # an EBNF grammar (xgrammar's, with a root rule)
+    guided_grammar: str | None = None  # an EBNF grammar (xgrammar's, with a root rule)
 
     @field_validator("stop")
     @classmethod
@@ -182,7 +184,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None  # an assistant's
-    tool_call_id: str | None = None                # a tool result's: the call it answers
+    tool_call_id: str | None = None  # a tool result's: the call it answers
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:

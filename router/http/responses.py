@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from router.chat.output import ChatOutput, ChatOutputParser, ChatParts, delta, message
 from router.replicas.generation import Piece
 
-
 # An SSE line ends at CR or LF only, but str.splitlines (and so httpx's iter_lines) also ends one at NEL,
 # LINE SEPARATOR and PARAGRAPH SEPARATOR, which JSON carries unescaped. A stream escapes them, so that
 # a client reading it line by line never gets an event cut in two by a token's text. The other line
@@ -34,7 +33,7 @@ def usage(prompt: int, completion: int) -> dict:
 class Echo:
     """The prompt a completion returns before each choice's text (the request's echo)."""
 
-    text: str              # as the client sent it (its decoded ids when it sent token ids)
+    text: str  # as the client sent it (its decoded ids when it sent token ids)
     token_ids: list[int]
 
 
@@ -42,8 +41,17 @@ class Formatter:
     """Builds one request's bodies; `chat` picks the chat.completion shapes, `n` is its choices, and
     `output` how a chat choice's text is read (reasoning, tool calls; None: all of it is content)."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, tokenizer, top_logprobs: int | None, n: int = 1,
-                 echo: Echo | None = None, output: ChatOutput | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        tokenizer,
+        top_logprobs: int | None,
+        n: int = 1,
+        echo: Echo | None = None,
+        output: ChatOutput | None = None,
+    ) -> None:
         self.id, self.model, self.chat, self.tok = request_id, model, chat, tokenizer
         self.top_logprobs = top_logprobs  # None: no logprobs
         self.n, self.echo = n, echo
@@ -51,8 +59,12 @@ class Formatter:
         self._parsers: dict[int, ChatOutputParser] = {}  # a streamed choice's, by index
         self.created = int(time.time())
         self.offsets = [0] * n  # each choice's text_offset so far
-        head = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": self.created, "model": self.model}
+        head = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+        }
         self._sse_head = "data: " + stream_json(head)[:-1] + ', "choices": ['
 
     def _token(self, t: int) -> str:
@@ -69,11 +81,20 @@ class Formatter:
         if self.top_logprobs is None or not (piece.logprobs or self.echoes(piece)):
             return None
         if self.chat:
-            return {"content": [
-                {"token": self._token(t), "logprob": lp, "bytes": list(self._token(t).encode()),
-                 "top_logprobs": [{"token": self._token(i), "logprob": v, "bytes": list(self._token(i).encode())}
-                                  for i, v in top]}
-                for t, lp, top in zip(piece.token_ids, piece.logprobs, piece.top_logprobs)]}
+            return {
+                "content": [
+                    {
+                        "token": self._token(t),
+                        "logprob": lp,
+                        "bytes": list(self._token(t).encode()),
+                        "top_logprobs": [
+                            {"token": self._token(i), "logprob": v, "bytes": list(self._token(i).encode())}
+                            for i, v in top
+                        ],
+                    }
+                    for t, lp, top in zip(piece.token_ids, piece.logprobs, piece.top_logprobs)
+                ]
+            }
         ids, values, tops = list(piece.token_ids), list(piece.logprobs), [self._top_dict(t) for t in piece.top_logprobs]
         if self.echoes(piece):
             prompt_values, prompt_tops = self._prompt_logprobs(piece)
@@ -88,10 +109,12 @@ class Formatter:
     def _prompt_logprobs(self, piece: Piece) -> tuple[list[float | None], list[dict | None]]:
         """The echoed prompt's token_logprobs and top_logprobs: none for its first token (nothing comes
         before it), nor for any the replica did not score."""
-        scored = list(piece.prompt_logprobs or [])[:len(self.echo.token_ids) - 1]
+        scored = list(piece.prompt_logprobs or [])[: len(self.echo.token_ids) - 1]
         scored += [None] * (len(self.echo.token_ids) - 1 - len(scored))
-        return ([None] + [s[0] if s else None for s in scored],
-                [None] + [self._top_dict(s[1]) if s else None for s in scored])
+        return (
+            [None] + [s[0] if s else None for s in scored],
+            [None] + [self._top_dict(s[1]) if s else None for s in scored],
+        )
 
     def _top_dict(self, top: list[tuple[int, float]]) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -101,15 +124,26 @@ class Formatter:
 
     def whole(self, pieces: list[Piece], prompt_tokens: int) -> dict:
         choices = [self._whole_choice(i, [p for p in pieces if p.index == i]) for i in range(self.n)]
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices,
-                "usage": usage(prompt_tokens, sum(len(p.token_ids) for p in pieces))}
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage(prompt_tokens, sum(len(p.token_ids) for p in pieces)),
+        }
 
     def _whole_choice(self, index: int, own: list[Piece]) -> dict:
-        merged = Piece("".join(p.text for p in own), [t for p in own for t in p.token_ids],
-                       [x for p in own for x in p.logprobs], [x for p in own for x in p.top_logprobs],
-                       own[-1].finish_reason if own else "stop", index, first=True,
-                       prompt_logprobs=own[0].prompt_logprobs if own else None)
+        merged = Piece(
+            "".join(p.text for p in own),
+            [t for p in own for t in p.token_ids],
+            [x for p in own for x in p.logprobs],
+            [x for p in own for x in p.top_logprobs],
+            own[-1].finish_reason if own else "stop",
+            index,
+            first=True,
+            prompt_logprobs=own[0].prompt_logprobs if own else None,
+        )
         choice = {"index": index, "logprobs": self.logprobs(merged), "finish_reason": merged.finish_reason}
         if self.output is not None:
             parser = self.output.parser()
@@ -137,8 +171,13 @@ class Formatter:
             choice = {"index": index, "text": self.text(piece) if piece else ""}
         choice["logprobs"] = self.logprobs(piece) if piece is not None else None
         choice["finish_reason"] = piece.finish_reason if piece is not None else None
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice]}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
 
     def _parsed(self, piece: Piece) -> tuple[dict, str | None]:
         """What the choice's parser gives out of piece's text, as a chunk's delta (reasoning, content and
@@ -168,10 +207,21 @@ class Formatter:
             if not parsed and reason is None and not piece.logprobs:
                 return ""
             if self.top_logprobs is not None or parsed.keys() - {"content"}:
-                choice = {"index": piece.index, "delta": parsed, "logprobs": self.logprobs(piece),
-                          "finish_reason": reason}
-                return sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                            "model": self.model, "choices": [choice]})
+                choice = {
+                    "index": piece.index,
+                    "delta": parsed,
+                    "logprobs": self.logprobs(piece),
+                    "finish_reason": reason,
+                }
+                return sse(
+                    {
+                        "id": self.id,
+                        "object": "chat.completion.chunk",
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [choice],
+                    }
+                )
             text = parsed.get("content", "")
         elif self.top_logprobs is not None or self.echoes(piece):
             return sse(self.chunk(piece))
@@ -187,9 +237,14 @@ class Formatter:
         return self._sse_head + choice + ', "logprobs": null, "finish_reason": ' + json.dumps(reason) + "}]}\n\n"
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens)}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
 
 
 def _finish_reason(reason: str | None, parser: ChatOutputParser) -> str | None:

@@ -35,10 +35,25 @@ def model_type(model_path: str) -> str | None:
 
 
 # apply_chat_template's own arguments: chat_template_kwargs may not set them
-_TEMPLATE_ARGUMENTS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class RequestIds:
@@ -83,8 +98,13 @@ class RouterState:
     @property
     def limits(self) -> RequestLimits:
         """What the replicas' model allows a request (the checks a replica makes again on arrival)."""
-        return RequestLimits(self.max_seq_len, self.vocab_size, self.config.engine.max_logit_bias,
-                             frozenset(self.eos_ids), self.config.max_prompt_tokens)
+        return RequestLimits(
+            self.max_seq_len,
+            self.vocab_size,
+            self.config.engine.max_logit_bias,
+            frozenset(self.eos_ids),
+            self.config.max_prompt_tokens,
+        )
 
     def set_client(self, i: int, client) -> None:
         """Routes replica i's traffic to client from now on (its replacement is serving)."""
@@ -92,8 +112,12 @@ class RouterState:
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
     def completion_ids(self, req: CompletionRequest) -> list[int]:
         prompt = req.prompt
@@ -106,8 +130,9 @@ class RouterState:
         else:
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
-                raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                               param="prompt")
+                raise APIError(
+                    400, f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param="prompt"
+                )
             ids = list(prompt)
         return ids
 
@@ -121,25 +146,37 @@ class RouterState:
     def chat_ids(self, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
         return self.tokenizer(self.chat_prompt(req, add_generation_prompt), add_special_tokens=False).input_ids
 
-    def chat_prompt(self, req: ChatCompletionRequest, add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> str:
+    def chat_prompt(
+        self, req: ChatCompletionRequest, add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         """The messages (and tools) rendered by the chat template, with the request's chat_template_kwargs."""
         extra = req.chat_template_kwargs or {}
         if reserved := sorted(_TEMPLATE_ARGUMENTS & extra.keys()):
-            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)} (the request's own "
-                                f"fields do)", param="chat_template_kwargs")
+            raise APIError(
+                400,
+                f"chat_template_kwargs may not set {', '.join(reserved)} (the request's own fields do)",
+                param="chat_template_kwargs",
+            )
         try:
             messages = [m.for_template() for m in req.messages]
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **extra)
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+            )
         except ValueError as e:
             raise APIError(400, f"messages: {e}", param="messages") from e
         except Exception as e:  # noqa: BLE001 - template errors come as many types
             raise APIError(400, f"messages cannot be rendered by the chat template: {e}", param="messages") from e
 
-    def sampling_params(self, req: SamplingFields, ids: list[int], max_tokens: int | None, default_max: int | None,
-                        logprobs: int | None, prompt_logprobs: int | None = None,
-                        grammar: GrammarSpec | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        req: SamplingFields,
+        ids: list[int],
+        max_tokens: int | None,
+        default_max: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        grammar: GrammarSpec | None = None,
+    ) -> SamplingParams:
         cfg, n, limits = self.config, len(ids), self.limits
         try:
             limits.check_prompt(n)
@@ -147,9 +184,13 @@ class RouterState:
             raise APIError.of(e) from e
         room = self.max_seq_len - n
         if max_tokens is not None and max_tokens > room:
-            raise APIError(400, f"max_tokens is {max_tokens}, but the prompt ({n} tokens) leaves room for {room} "
-                                f"within this model's context of {self.max_seq_len} tokens", param="max_tokens",
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"max_tokens is {max_tokens}, but the prompt ({n} tokens) leaves room for {room} "
+                f"within this model's context of {self.max_seq_len} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         if max_tokens is not None and cfg.max_tokens_limit and max_tokens > cfg.max_tokens_limit:
             raise APIError(400, f"max_tokens may be at most {cfg.max_tokens_limit}", param="max_tokens")
         if len(req.stop_list) > cfg.max_stop_strings:
@@ -163,18 +204,30 @@ class RouterState:
         chosen = max_tokens or default_max or room
         if cfg.max_tokens_limit:
             chosen = min(chosen, cfg.max_tokens_limit)
-        pick = lambda name, fallback: getattr(req, name) if getattr(req, name) is not None else self.defaults.get(name, fallback)  # noqa: E731
+        pick = lambda name, fallback: (
+            getattr(req, name) if getattr(req, name) is not None else self.defaults.get(name, fallback)
+        )  # noqa: E731
         try:
-            params = SamplingParams(temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
-                                  top_k=pick("top_k", -1), min_p=pick("min_p", 0.0), max_tokens=min(chosen, room),
-                                  min_tokens=req.min_tokens or 0, ignore_eos=req.ignore_eos,
-                                  stop_token_ids=list(req.stop_token_ids or []), seed=req.seed,
-                                  presence_penalty=req.presence_penalty or 0.0,
-                                  frequency_penalty=req.frequency_penalty or 0.0,
-                                  repetition_penalty=pick("repetition_penalty", 1.0),
-                                  logit_bias=self.logit_bias(req), logprobs=logprobs,
-                                  prompt_logprobs=prompt_logprobs, n=choices, priority=req.priority,
-                                  grammar=grammar)
+            params = SamplingParams(
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", -1),
+                min_p=pick("min_p", 0.0),
+                max_tokens=min(chosen, room),
+                min_tokens=req.min_tokens or 0,
+                ignore_eos=req.ignore_eos,
+                stop_token_ids=list(req.stop_token_ids or []),
+                seed=req.seed,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=pick("repetition_penalty", 1.0),
+                logit_bias=self.logit_bias(req),
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                n=choices,
+                priority=req.priority,
+                grammar=grammar,
+            )
             limits.check_params(params)
         except InvalidRequestError as e:
             raise APIError.of(e) from e
@@ -185,7 +238,10 @@ class RouterState:
         biases: dict[int, float] = {}
         for key, value in (req.logit_bias or {}).items():
             if not (key.isascii() and key.isdecimal()):
-                raise APIError(400, f"logit_bias has the key {key!r}; keys are token ids from 0 to "
-                                    f"{self.vocab_size - 1}", param="logit_bias")
+                raise APIError(
+                    400,
+                    f"logit_bias has the key {key!r}; keys are token ids from 0 to {self.vocab_size - 1}",
+                    param="logit_bias",
+                )
             biases[int(key)] = value
         return biases

@@ -11,8 +11,17 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from cluster import (AddRequest, ChannelAddress, ChannelConnection, ErrorKind, KVEvents, ReplicaOutput, SamplingParams,
-                     ServeConfig, TokenDelta)
+from cluster import (
+    AddRequest,
+    ChannelAddress,
+    ChannelConnection,
+    ErrorKind,
+    KVEvents,
+    ReplicaOutput,
+    SamplingParams,
+    ServeConfig,
+    TokenDelta,
+)
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -21,8 +30,14 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaClient:
-    def __init__(self, replica_id: int, actor: ActorHandle, health_timeout_s: float = 30.0,
-                 subscriber: int = 0, kv_events: bool = True) -> None:
+    def __init__(
+        self,
+        replica_id: int,
+        actor: ActorHandle,
+        health_timeout_s: float = 30.0,
+        subscriber: int = 0,
+        kv_events: bool = True,
+    ) -> None:
         """`subscriber`: this router's index among the routers sending to the replica (each receives its
         own requests' deltas). `kv_events`: receive the replica's cache contents (a client that routes
         nothing, the launching process's beside router actors, need not: the replica then keeps no
@@ -61,8 +76,9 @@ class ReplicaClient:
     def healthy(self) -> bool:
         return self.error is None
 
-    def has_room(self, num_tokens: int, max_requests: int | None, max_tokens: int | None,
-                 num_requests: int = 1) -> bool:
+    def has_room(
+        self, num_tokens: int, max_requests: int | None, max_tokens: int | None, num_requests: int = 1
+    ) -> bool:
         """Whether num_requests requests of num_tokens each (the choices of one request) would fit the
         replica's queue bounds (its own check, in PrefillManager.check_room, is the same; this count
         also holds requests in their first prefill)."""
@@ -87,8 +103,14 @@ class ReplicaClient:
         self._close_channel()
         self._fail_requests(f"replica {self.replica_id}'s client stopped")
 
-    def submit(self, uid: int, ids: list[int], params: SamplingParams, after: int | None = None,
-               queue: asyncio.Queue | None = None) -> asyncio.Queue:
+    def submit(
+        self,
+        uid: int,
+        ids: list[int],
+        params: SamplingParams,
+        after: int | None = None,
+        queue: asyncio.Queue | None = None,
+    ) -> asyncio.Queue:
         """Sends the request with the next flush and returns the queue its deltas arrive on: `queue`
         when given, so that the choices of one request share one (`after`: see AddRequest)."""
         queue = asyncio.Queue() if queue is None else queue
@@ -130,8 +152,12 @@ class ReplicaClient:
         try:
             await self.actor.kv_subscribe.remote(self.subscriber)
         except Exception as e:  # noqa: BLE001 - routing goes on without this replica's cache contents
-            log.warning("replica %d sends no KV events (%s: %s); cache-exact routing cannot see its cache",
-                        self.replica_id, type(e).__name__, e)
+            log.warning(
+                "replica %d sends no KV events (%s: %s); cache-exact routing cannot see its cache",
+                self.replica_id,
+                type(e).__name__,
+                e,
+            )
 
     async def _poll_loop(self) -> None:
         while await self._connect() and await self._receive():
@@ -176,8 +202,11 @@ class ReplicaClient:
             self.mark_failed(why)
             log.error("replica %d: channel closed (%s)", self.replica_id, lost)
             return False
-        log.warning("replica %d: channel lost (%s) while the replica serves; its requests fail, reconnecting",
-                    self.replica_id, lost)
+        log.warning(
+            "replica %d: channel lost (%s) while the replica serves; its requests fail, reconnecting",
+            self.replica_id,
+            lost,
+        )
         self._fail_requests(f"the connection to replica {self.replica_id} was lost", sent)
         return True
 
@@ -215,7 +244,7 @@ class ReplicaClient:
         loaded host may take seconds to answer, so only a long silence counts as a hang."""
         try:
             why = await asyncio.wait_for(self.actor.health.remote(), self.health_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return f"replica {self.replica_id} has not answered a health check in {self.health_timeout_s:g} s"
         except Exception as e:  # noqa: BLE001 - the actor is gone
             return f"replica {self.replica_id} failed: {type(e).__name__}"

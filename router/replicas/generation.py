@@ -5,8 +5,8 @@ stop string ends one."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from cluster import AddRequest, ErrorKind, TokenDelta, error_for
 from router.chat.detokenizer import IncrementalDetokenizer
@@ -22,8 +22,8 @@ class Piece:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
-    index: int = 0                              # the choice it belongs to
-    first: bool = False                         # its choice's first piece (where an echoed prompt goes)
+    index: int = 0  # the choice it belongs to
+    first: bool = False  # its choice's first piece (where an echoed prompt goes)
     prompt_logprobs: PromptLogprobs | None = None  # on a first piece, when the request asked for them
 
 
@@ -69,8 +69,9 @@ class Generation:
     each choice's last piece carrying its finish_reason. A failed choice raises the RaylmError of its
     kind, and the others are aborted. `aclose` aborts what has not ended, iterated or not."""
 
-    def __init__(self, client, requests: list[AddRequest], detoks: list[IncrementalDetokenizer],
-                 timing: Timing) -> None:
+    def __init__(
+        self, client, requests: list[AddRequest], detoks: list[IncrementalDetokenizer], timing: Timing
+    ) -> None:
         self.client, self.requests, self.detoks, self.timing = client, requests, detoks, timing
         self.index = {r.uid: i for i, r in enumerate(requests)}
         self.live = set(self.index)
@@ -103,8 +104,9 @@ class Generation:
                 # under load several steps' tokens wait here: send them as one piece per choice (one SSE event)
                 while not queue.empty():
                     deltas.append(queue.get_nowait())
-                prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None),
-                                       prompt_logprobs)
+                prompt_logprobs = next(
+                    (d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), prompt_logprobs
+                )
                 pieces: dict[int, Piece] = {}
                 for delta in deltas:
                     if delta.uid not in live:  # sent before its abort (a stop string) landed

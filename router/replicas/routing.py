@@ -25,16 +25,16 @@ def _healthy(replicas: list) -> list:
     return up
 
 
-def with_room(replicas: list, num_tokens: int, max_requests: int | None, max_tokens: int | None,
-              num_requests: int = 1) -> list:
+def with_room(
+    replicas: list, num_tokens: int, max_requests: int | None, max_tokens: int | None, num_requests: int = 1
+) -> list:
     """The healthy replicas whose queue bounds (max_queued_requests, max_queued_tokens) have room for
     num_requests requests of num_tokens (the n choices of one request go to one replica); OverloadedError
     when none has."""
     up = _healthy(replicas)
     room = [r for r in up if r.has_room(num_tokens, max_requests, max_tokens, num_requests)]
     if not room:
-        raise OverloadedError(f"the server is busy: every replica's queue is full ({len(up)} replica(s)); "
-                              "retry later")
+        raise OverloadedError(f"the server is busy: every replica's queue is full ({len(up)} replica(s)); retry later")
     return room
 
 
@@ -56,7 +56,7 @@ class CacheAware:
     def _hashes(self, ids: list[int]) -> list[int]:
         out, h = [], 0
         for start in range(0, len(ids) - self.block + 1, self.block):
-            h = hash((h, tuple(ids[start:start + self.block])))
+            h = hash((h, tuple(ids[start : start + self.block])))
             out.append(h)
         return out
 
@@ -113,7 +113,7 @@ class CacheExact:
             n = 0
             # at least one token is computed, so the last is never a hit; hashing stops where no
             # replica holds the block (a cache holds a block only with its parent)
-            for h in iter_block_hashes(ids[:len(ids) - 1], page_size):
+            for h in iter_block_hashes(ids[: len(ids) - 1], page_size):
                 still = [r for r in holders if h in r.kv_blocks]
                 if not still:
                     break

@@ -63,10 +63,14 @@ class RouterActor:
         first_uid = (self.subscriber << 48) | (_next_incarnation(config.port, index) << 32)
         self.state: RouterState = router_state(config, tokenizer, info, replicas, self.subscriber, first_uid)
         self._release_predecessor(replicas)
-        uv = uvicorn.Config(build_app(self.state), log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=config.drain_timeout_s,
-                            timeout_keep_alive=config.keep_alive_timeout_s,
-                            http=bounded_protocol(config.header_timeout_s, config.max_connections))
+        uv = uvicorn.Config(
+            build_app(self.state),
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=config.drain_timeout_s,
+            timeout_keep_alive=config.keep_alive_timeout_s,
+            http=bounded_protocol(config.header_timeout_s, config.max_connections),
+        )
         self._server = DrainingServer(uv, self.state, config.drain_timeout_s)
         self._server.install_signal_handlers = lambda: None  # not the main thread; the driver drains the tier
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -88,14 +92,16 @@ class RouterActor:
         """What an earlier incarnation of this router (or this one, over a client given up) left on the
         replica is aborted there."""
         import ray
+
         try:
             n = ray.get(ref.actor.release_subscriber.remote(self.subscriber), timeout=30)
         except Exception as e:  # noqa: BLE001 - a replica being replaced: its requests died with it
             log.warning("router %d: replica %d did not answer (%s)", self.index, ref.replica_id, type(e).__name__)
             return
         if n:
-            log.warning("router %d: replica %d aborted %d request(s) this router had sent", self.index,
-                        ref.replica_id, n)
+            log.warning(
+                "router %d: replica %d aborted %d request(s) this router had sent", self.index, ref.replica_id, n
+            )
 
     def _serve(self, sock: socket.socket) -> None:
         self._loop = asyncio.new_event_loop()
@@ -152,6 +158,7 @@ def _next_incarnation(port: int, index: int) -> int:
     """How many times router `index` of the deployment on `port` has started, this time counted (kept
     in Ray's control store, so a restart by Ray counts on), modulo 2**16."""
     from ray.experimental import internal_kv
+
     key = f"raylm-router-{port}-{index}-incarnation".encode()
     n = (int(internal_kv._internal_kv_get(key) or 0) + 1) % (1 << 16)
     internal_kv._internal_kv_put(key, str(n).encode(), overwrite=True)

@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 class Deployment:
     """One deployment of the API: its replicas, its routers and the HTTP server over them."""
 
-    def __init__(self, config: ServeConfig, on_ready: Callable[[Deployment], None] | None = None,
-                 **ray_options) -> None:
+    def __init__(
+        self, config: ServeConfig, on_ready: Callable[[Deployment], None] | None = None, **ray_options
+    ) -> None:
         """Starts the replicas; `run` then serves. `on_ready(deployment)` is called once the API listens."""
         self.on_ready = on_ready
         config.validate()
@@ -47,8 +48,9 @@ class Deployment:
             self.state = router_state(config, tokenizer, info, self.fleet.replicas, kv_events=not config.num_routers)
             if config.num_routers:  # the router actors serve; this process supervises the replicas
                 self.tier = RouterTier(config, self.fleet.replicas, info, self.state)
-            self.supervisor = Supervisor(self.state, self.fleet,
-                                         on_replaced=self.tier.replaced if self.tier is not None else None)
+            self.supervisor = Supervisor(
+                self.state, self.fleet, on_replaced=self.tier.replaced if self.tier is not None else None
+            )
             background = [self.supervisor.run] + ([self.tier.watch] if self.tier is not None else [])
             self.app = build_app(self.state, background=background)
         except BaseException:  # the replicas must not outlive a server that never started
@@ -71,12 +73,18 @@ class Deployment:
     def _make_uvicorn(self) -> uvicorn.Server:
         c = self.config
         # with router actors on the port, this process serves the supervisor alone, on no socket
-        cfg = uvicorn.Config(self.app, host=c.host, port=c.port, log_level="warning",
-                             timeout_graceful_shutdown=c.drain_timeout_s, access_log=False,
-                             # longer than clients keep idle connections (httpx: 5 s) by default, so the
-                             # server never closes one just as a client sends on it
-                             timeout_keep_alive=c.keep_alive_timeout_s,
-                             http=bounded_protocol(c.header_timeout_s, c.max_connections))
+        cfg = uvicorn.Config(
+            self.app,
+            host=c.host,
+            port=c.port,
+            log_level="warning",
+            timeout_graceful_shutdown=c.drain_timeout_s,
+            access_log=False,
+            # longer than clients keep idle connections (httpx: 5 s) by default, so the
+            # server never closes one just as a client sends on it
+            timeout_keep_alive=c.keep_alive_timeout_s,
+            http=bounded_protocol(c.header_timeout_s, c.max_connections),
+        )
         on_ready = (lambda: self.on_ready(self)) if self.on_ready is not None else None
         if self.tier is not None:
             self._uvicorn = _TierDriver(cfg, self.state, self.config.drain_timeout_s, on_ready, self.tier)
@@ -147,8 +155,14 @@ class _TierDriver(DrainingServer):
     """The launching process when router actors serve: no socket of its own (they hold the port), the
     supervisor on its event loop; once stopped it drains the router actors."""
 
-    def __init__(self, config: uvicorn.Config, state: RouterState, drain_timeout_s: float,
-                 on_ready: Callable[[], None] | None, tier: RouterTier) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        state: RouterState,
+        drain_timeout_s: float,
+        on_ready: Callable[[], None] | None,
+        tier: RouterTier,
+    ) -> None:
         super().__init__(config, state, drain_timeout_s, on_ready)
         self.tier = tier
 

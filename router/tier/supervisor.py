@@ -15,8 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from cluster import Fleet, ReplicaHandle, control_store_answers
-from router.replicas.client import ReplicaClient, client_for
 from router.http.state import RouterState
+from router.replicas.client import ReplicaClient, client_for
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +24,13 @@ _MAX_BACKOFF_S = 60.0  # a cluster short of GPUs stays so a while; never wait lo
 
 
 class Supervisor:
-    def __init__(self, state: RouterState, fleet: Fleet, interval_s: float = 1.0,
-                 on_replaced: Callable[[int, ReplicaHandle], None] | None = None) -> None:
+    def __init__(
+        self,
+        state: RouterState,
+        fleet: Fleet,
+        interval_s: float = 1.0,
+        on_replaced: Callable[[int, ReplicaHandle], None] | None = None,
+    ) -> None:
         """`on_replaced(i, replica)`: told when replica i's replacement serves (the router actors)."""
         self.state, self.fleet, self.interval_s, self.on_replaced = state, fleet, interval_s, on_replaced
         self.restarts = 0
@@ -44,13 +49,20 @@ class Supervisor:
             limit = self.state.config.health_check_timeout_s
             self.state.control_store_error = (
                 f"Ray's control store (GCS) has not answered for {silent:.0f} s: the cluster can place and "
-                f"replace nothing" if silent > limit else None)
+                f"replace nothing"
+                if silent > limit
+                else None
+            )
             for i, client in enumerate(self.state.clients):
                 if client.healthy and client not in self._checking:
                     self._checking.add(client)
                     loop.create_task(self._check(client))
-                elif (not client.healthy and i not in self._replacing and not self.state.draining
-                      and loop.time() >= self._retry_at.get(i, (0.0, 0.0))[0]):
+                elif (
+                    not client.healthy
+                    and i not in self._replacing
+                    and not self.state.draining
+                    and loop.time() >= self._retry_at.get(i, (0.0, 0.0))[0]
+                ):
                     self._replace(i, client)
 
     def _watch_control_store(self) -> None:

@@ -46,11 +46,18 @@ class RouterTier:
             raise
 
     def _create(self, k: int):
-        return ray.remote(RouterActor).options(
-            name=f"raylm-router-{self.config.port}-{k}", max_restarts=-1, max_task_retries=0, num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(self._node, soft=False),
-            runtime_env={"env_vars": {"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}},
-        ).remote(self._pinned[0], k, self._pinned[1], self._pinned[2])
+        return (
+            ray.remote(RouterActor)
+            .options(
+                name=f"raylm-router-{self.config.port}-{k}",
+                max_restarts=-1,
+                max_task_retries=0,
+                num_cpus=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(self._node, soft=False),
+                runtime_env={"env_vars": {"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}},
+            )
+            .remote(self._pinned[0], k, self._pinned[1], self._pinned[2])
+        )
 
     def replaced(self, i: int, replica) -> None:
         """Replica i's replacement serves: every router routes to it from now on."""
@@ -115,6 +122,7 @@ class RouterTier:
 def _forget_process(metrics_dir: str, pid: int) -> None:
     """A dead router's live gauges leave the tier's sums (its counters stay: they were counted)."""
     from prometheus_client import multiprocess
+
     try:
         multiprocess.mark_process_dead(pid, metrics_dir)
     except OSError:

@@ -9,9 +9,15 @@ from worker.kv_cache import KVCachePool
 from worker.stream import HostWaits
 
 
-def create_backend(name: str, kv: KVCachePool, page_table: torch.Tensor, num_heads: int,
-                   q_dtype: torch.dtype | None = None, decode: str = "auto",
-                   waits: HostWaits | None = None) -> AttentionBackend:
+def create_backend(
+    name: str,
+    kv: KVCachePool,
+    page_table: torch.Tensor,
+    num_heads: int,
+    q_dtype: torch.dtype | None = None,
+    decode: str = "auto",
+    waits: HostWaits | None = None,
+) -> AttentionBackend:
     """name: Kernels.attention; q_dtype: the model's dtype, which the queries have (FlashInfer plans for
     it; None: see FlashInferBackend); decode: Kernels.decode (FlashInfer's decode path); waits: where
     the host's waits are counted (the engine's)."""
@@ -19,9 +25,11 @@ def create_backend(name: str, kv: KVCachePool, page_table: torch.Tensor, num_hea
         name = "flashinfer" if kv.device.type == "cuda" and _has_flashinfer() else "torch"
     if name == "torch":
         from worker.attention.torch_backend import TorchBackend
+
         return TorchBackend(kv, page_table)
     if name == "flashinfer":
         from worker.attention.flashinfer_backend import FlashInferBackend
+
         return FlashInferBackend(kv, page_table, num_heads, q_dtype, decode, waits)
     raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or flashinfer")
 

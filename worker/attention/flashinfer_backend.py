@@ -27,7 +27,7 @@ from worker.kv_cache import KVCachePool
 from worker.staging import PinnedStaging, Staged
 from worker.stream import HostWaits, current_stream, new_event
 
-WORKSPACE_BYTES = 256 << 20    # FlashInfer's float workspace (split-KV partial results), shared by all wrappers
+WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partial results), shared by all wrappers
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # a float8 cache is dequantized inside the kernels: FA2's prefill and both decode paths take it beside
 # half-precision queries; FlashInfer 0.5.3's FA3 does not build for it. Its values are unscaled
@@ -46,12 +46,14 @@ TENSOR_CORE_ABOVE_BATCH = 8
 def decodes_with_triton(kv_dtype: torch.dtype, device: torch.device, choice: str = "auto") -> bool:
     """Whether decode steps run worker/triton_decode.py's kernel instead of FlashInfer's: when `choice`
     (Kernels.decode) is triton, or by default over a float8 cache, which FlashInfer 0.5.3's
-    decode kernels read far below the memory's speed (they dequantize slowly). Over a half-precision cache FlashInfer's kernels decode by default: the Triton kernel
+    decode kernels read far below the memory's speed (they dequantize slowly). Over a half-precision
+    cache FlashInfer's kernels decode by default: the Triton kernel
     splits a request's KV by the batch size, so a request's tokens could change as requests beside it
     finish. Needs Triton, and for float8 a GPU that converts it (compute capability 8.9 and up)."""
     if not (choice == "triton" or (choice == "auto" and kv_dtype in FP8_KV_DTYPES)):
         return False
     from worker import triton_ops
+
     if device.type != "cuda" or not triton_ops.triton_installed():
         return False
     return triton_ops.cache_dtype_supported(kv_dtype, device)
@@ -67,8 +69,12 @@ def use_tensor_cores(batch_size: int, choice: str = "auto") -> bool:
 def prefill_backend(device: torch.device, head_dim: int, kv_dtype: torch.dtype = torch.bfloat16) -> str:
     """FA3 on Hopper, where its paged prefill beats FA2; FA2 elsewhere, for head sizes FA3 lacks and for a
     float8 cache."""
-    if (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and head_dim in FA3_HEAD_DIMS
-            and kv_dtype in SUPPORTED_DTYPES):
+    if (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] == 9
+        and head_dim in FA3_HEAD_DIMS
+        and kv_dtype in SUPPORTED_DTYPES
+    ):
         return "fa3"
     return "fa2"
 
@@ -78,27 +84,36 @@ class _PlanArrays:
     """`FlashInferBackend.stage`'s result: a step's plan arrays, staged, for its `_plan`."""
 
     desc: BatchDesc | None
-    rows: int      # the plan's batch size (a graph's bucket: rows past n are padding)
-    n: int         # the step's requests
+    rows: int  # the plan's batch size (a graph's bucket: rows past n are padding)
+    n: int  # the step's requests
     num_real: int  # their pages
     staged: Staged
 
 
 class FlashInferBackend(AttentionBackend):
-    def __init__(self, kv: KVCachePool, page_table: torch.Tensor, num_heads: int,
-                 q_dtype: torch.dtype | None = None, decode: str = "auto",
-                 waits: HostWaits | None = None) -> None:
+    def __init__(
+        self,
+        kv: KVCachePool,
+        page_table: torch.Tensor,
+        num_heads: int,
+        q_dtype: torch.dtype | None = None,
+        decode: str = "auto",
+        waits: HostWaits | None = None,
+    ) -> None:
         """q_dtype: the queries' (the model's) dtype; None: the cache's, or bfloat16 over a float8 cache.
         decode: Kernels.decode. waits: where the host's waits are counted (the engine's)."""
         import flashinfer  # imported here: the package exists on GPU hosts only
 
         q_dtype = q_dtype or (torch.bfloat16 if kv.dtype in FP8_KV_DTYPES else kv.dtype)
         if q_dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"FlashInfer attention runs in float16 or bfloat16, not {q_dtype}; "
-                             f"use the torch backend (Kernels(attention='torch')) for {q_dtype}")
+            raise ValueError(
+                f"FlashInfer attention runs in float16 or bfloat16, not {q_dtype}; "
+                f"use the torch backend (Kernels(attention='torch')) for {q_dtype}"
+            )
         if kv.dtype != q_dtype and kv.dtype not in FP8_KV_DTYPES:
-            raise ValueError(f"FlashInfer reads a KV cache of the model's dtype ({q_dtype}) or float8 e4m3, "
-                             f"not {kv.dtype}")
+            raise ValueError(
+                f"FlashInfer reads a KV cache of the model's dtype ({q_dtype}) or float8 e4m3, not {kv.dtype}"
+            )
         self.flashinfer = flashinfer
         self.q_dtype = q_dtype
         self.decode_choice = decode
@@ -109,6 +124,7 @@ class FlashInferBackend(AttentionBackend):
             self._on_torch_stream = contextlib.nullcontext
         else:
             import tvm_ffi
+
             self._on_torch_stream = tvm_ffi.use_torch_stream
         self.kv, self.page_table = kv, page_table
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv.num_kv_heads, kv.head_dim
@@ -127,10 +143,12 @@ class FlashInferBackend(AttentionBackend):
         self.page_starts = np.arange(capacity, dtype=np.int32) * self.page_size
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend=prefill_backend(device, self.head_dim, kv.dtype))
-        self.decode_wrappers = {tc: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                                  use_tensor_cores=tc)
-                                for tc in (False, True)}
+            self.workspace, "NHD", backend=prefill_backend(device, self.head_dim, kv.dtype)
+        )
+        self.decode_wrappers = {
+            tc: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=tc)
+            for tc in (False, True)
+        }
         self.graph_wrappers: dict[int, object] = {}
         self.graph_indptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self.graph_last_page_len = torch.ones(rows, dtype=torch.int32, device=device)
@@ -143,6 +161,7 @@ class FlashInferBackend(AttentionBackend):
         self._decode: _TritonDecode | None = None  # this step's, when the Triton kernel attends
         if self.triton_decode:
             from worker import triton_decode
+
             self._triton = triton_decode
             self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
             # the split results of any batch of bs <= rows: decode_num_splits gives ceil(4 SMs / (bs kv heads))
@@ -164,16 +183,27 @@ class FlashInferBackend(AttentionBackend):
         self._plan(wrapper, staged or self.stage(desc, desc.batch_size), scratch_page=-1)
         self.wrapper, self.out_loc = wrapper, batch.out_loc
 
-    def prepare_graph(self, desc: BatchDesc | None, bs: int, out_loc: torch.Tensor, scratch_page: int,
-                      staged: _PlanArrays | None = None) -> None:
+    def prepare_graph(
+        self,
+        desc: BatchDesc | None,
+        bs: int,
+        out_loc: torch.Tensor,
+        scratch_page: int,
+        staged: _PlanArrays | None = None,
+    ) -> None:
         """Plans the CUDA-graph decode wrapper of batch size `bs` (made on first use) for `desc`; the rows
         past the batch (every row when `desc` is None, at capture) attend over the scratch page only."""
         wrapper = self.graph_wrappers.get(bs)
         if wrapper is None and not self.triton_decode:
             wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=use_tensor_cores(bs, self.decode_choice),
-                paged_kv_indptr_buffer=self.graph_indptr[: bs + 1], paged_kv_indices_buffer=self.kv_indices,
-                paged_kv_last_page_len_buffer=self.graph_last_page_len[:bs])
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=use_tensor_cores(bs, self.decode_choice),
+                paged_kv_indptr_buffer=self.graph_indptr[: bs + 1],
+                paged_kv_indices_buffer=self.kv_indices,
+                paged_kv_last_page_len_buffer=self.graph_last_page_len[:bs],
+            )
             self.graph_wrappers[bs] = wrapper
         self._plan(wrapper, staged or self.stage(desc, bs), scratch_page)
         self.wrapper, self.out_loc = wrapper, out_loc
@@ -214,7 +244,7 @@ class FlashInferBackend(AttentionBackend):
         if n:
             self._gather_page_ids(staged.device["cells"])
         if bs > n:
-            self.kv_indices[num_real:num_real + bs - n].fill_(scratch_page)
+            self.kv_indices[num_real : num_real + bs - n].fill_(scratch_page)
         indices = self.kv_indices[: num_real + bs - n]
         self._decode = None
         if wrapper is None:  # a decode step through the Triton kernel: its arrays where graphs read them
@@ -226,13 +256,33 @@ class FlashInferBackend(AttentionBackend):
         h = staged.host
         with self._on_torch_stream():
             if desc is not None and desc.is_prefill:
-                wrapper.plan(h["qo_indptr"], h["kv_indptr"], indices, h["last_page_len"], self.num_heads,
-                             self.num_kv_heads, self.head_dim, self.page_size, causal=True, q_data_type=q_dtype,
-                             kv_data_type=kv_dtype, non_blocking=True)
+                wrapper.plan(
+                    h["qo_indptr"],
+                    h["kv_indptr"],
+                    indices,
+                    h["last_page_len"],
+                    self.num_heads,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    self.page_size,
+                    causal=True,
+                    q_data_type=q_dtype,
+                    kv_data_type=kv_dtype,
+                    non_blocking=True,
+                )
             else:
-                wrapper.plan(h["kv_indptr"], indices, h["last_page_len"], self.num_heads, self.num_kv_heads,
-                             self.head_dim, self.page_size, q_data_type=q_dtype, kv_data_type=kv_dtype,
-                             non_blocking=True)
+                wrapper.plan(
+                    h["kv_indptr"],
+                    indices,
+                    h["last_page_len"],
+                    self.num_heads,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    self.page_size,
+                    q_data_type=q_dtype,
+                    kv_data_type=kv_dtype,
+                    non_blocking=True,
+                )
         stream = current_stream(self.kv.device)
         self._plan_copied.record(stream)
         staged.release(stream)  # every reader of the staged arrays (copies, gathers, plan) is on this stream
@@ -243,8 +293,10 @@ class FlashInferBackend(AttentionBackend):
         last_page_len.copy_(staged.device["last_page_len"], non_blocking=True)
         splits = self._triton.decode_num_splits(bs, self.num_kv_heads, self._num_sms)
         h, d = self.num_heads, self.head_dim
-        scratch = self._triton.DecodeScratch(self._part_out[: bs * h * splits * d].view(bs, h, splits, d),
-                                             self._part_lse[: bs * h * splits].view(bs, h, splits))
+        scratch = self._triton.DecodeScratch(
+            self._part_out[: bs * h * splits * d].view(bs, h, splits, d),
+            self._part_lse[: bs * h * splits].view(bs, h, splits),
+        )
         return _TritonDecode(indptr, last_page_len, splits, scratch)
 
     def _gather_page_ids(self, cells: torch.Tensor) -> None:
@@ -262,8 +314,16 @@ class FlashInferBackend(AttentionBackend):
             self.kv.store(layer_id, self.out_loc, k, v)
         if (dec := self._decode) is not None:
             k_cache, v_cache = self.caches[layer_id]
-            return self._triton.paged_decode(q, k_cache, v_cache, dec.indptr, self.kv_indices, dec.last_page_len,
-                                             num_splits=dec.splits, scratch=dec.scratch)
+            return self._triton.paged_decode(
+                q,
+                k_cache,
+                v_cache,
+                dec.indptr,
+                self.kv_indices,
+                dec.last_page_len,
+                num_splits=dec.splits,
+                scratch=dec.scratch,
+            )
         with self._on_torch_stream():
             return self.wrapper.run(q, self.caches[layer_id])
 

@@ -27,7 +27,7 @@ class TorchBackend(AttentionBackend):
         if desc.is_prefill:
             self.spans = []
             start = 0
-            for i, (ext, seq) in enumerate(zip(desc.extend_lens.tolist(), desc.seq_lens.tolist())):
+            for ext, seq in zip(desc.extend_lens.tolist(), desc.seq_lens.tolist()):
                 cached = seq - ext
                 q_pos = torch.arange(cached, seq, device=self.kv.device).unsqueeze(1)
                 mask = torch.arange(seq, device=self.kv.device).unsqueeze(0) <= q_pos
@@ -44,11 +44,11 @@ class TorchBackend(AttentionBackend):
             out = torch.empty_like(q)
             for i, (start, ext, seq, mask) in enumerate(self.spans):
                 keys, values = self.kv.gather(layer_id, self.locs[i, :seq], q.dtype)
-                qi = q[start:start + ext].transpose(0, 1).unsqueeze(0)          # [1, H, ext, D]
-                ki = keys.transpose(0, 1).unsqueeze(0)                           # [1, KV, seq, D]
+                qi = q[start : start + ext].transpose(0, 1).unsqueeze(0)  # [1, H, ext, D]
+                ki = keys.transpose(0, 1).unsqueeze(0)  # [1, KV, seq, D]
                 vi = values.transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
-                out[start:start + ext] = o[0].transpose(0, 1)
+                out[start : start + ext] = o[0].transpose(0, 1)
             return out
         return self._decode(q, *self.kv.gather(layer_id, self.locs, q.dtype))
 
@@ -56,7 +56,7 @@ class TorchBackend(AttentionBackend):
         b, h, d = q.shape
         kv_heads = keys.shape[2]
         qg = q.view(b, kv_heads, h // kv_heads, d).float()
-        scores = torch.einsum("bkgd,blkd->bkgl", qg, keys.float()) * d ** -0.5
+        scores = torch.einsum("bkgd,blkd->bkgl", qg, keys.float()) * d**-0.5
         scores = scores.masked_fill(~self.valid[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
         out = torch.einsum("bkgl,blkd->bkgd", probs, values.float())

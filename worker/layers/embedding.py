@@ -19,7 +19,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int = 0) -> None:
-        piece = full[self.start:min(self.start + self.shard_size, self.vocab_size)]
+        piece = full[self.start : min(self.start + self.shard_size, self.vocab_size)]
         param.data[: piece.shape[0]].copy_(piece)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,12 @@ def _ops() -> SimpleNamespace | None:
         from flashinfer.rope import apply_rope_with_cos_sin_cache_inplace
     except ImportError:
         return None
-    return SimpleNamespace(rmsnorm=rmsnorm, fused_add_rmsnorm=fused_add_rmsnorm, silu_and_mul=silu_and_mul,
-                           rope_inplace=apply_rope_with_cos_sin_cache_inplace)
+    return SimpleNamespace(
+        rmsnorm=rmsnorm,
+        fused_add_rmsnorm=fused_add_rmsnorm,
+        silu_and_mul=silu_and_mul,
+        rope_inplace=apply_rope_with_cos_sin_cache_inplace,
+    )
 
 
 def fused_ops(x: torch.Tensor) -> SimpleNamespace | None:

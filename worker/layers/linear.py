@@ -12,8 +12,7 @@ from worker.kernels import Kernels
 from worker.parallel import TPGroup
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           small: bool = True) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, small: bool = True) -> torch.Tensor:
     """F.linear, but for one row (batch-1 decode) on CUDA a Triton GEMV unless `small` is off
     (Kernels.small_linear): at M=1 cuBLAS reads these weights well below the memory's bandwidth, and the
     GEMV nearer it (bench/small_gemm.py compares them)."""
@@ -30,8 +29,9 @@ class ColumnParallelLinear(nn.Module):
     across ranks separately so that a rank holds matching slices of every part.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup,
-                 kernels: Kernels = Kernels()) -> None:
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup, kernels: Kernels = Kernels()
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.small = kernels.small_linear
@@ -54,12 +54,22 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection. When there are fewer KV heads than ranks, KV heads are replicated so that
     every rank holds the KV head its query heads attend to."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup,
-                 kernels: Kernels = Kernels()) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TPGroup,
+        kernels: Kernels = Kernels(),
+    ) -> None:
         self.num_local_heads = tp.shard(num_heads, "num_attention_heads")
         self.kv_replicas = max(1, tp.size // num_kv_heads)
         if tp.size > num_kv_heads and tp.size % num_kv_heads:
-            raise ValueError(f"tensor-parallel size {tp.size} must divide or be a multiple of num_key_value_heads {num_kv_heads}")
+            raise ValueError(
+                f"tensor-parallel size {tp.size} must divide or be a multiple of num_key_value_heads {num_kv_heads}"
+            )
         self.num_local_kv_heads = max(1, num_kv_heads // tp.size)
         self.head_dim = head_dim
         nn.Module.__init__(self)
@@ -80,13 +90,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns; partial sums are all-reduced across ranks."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
-                 kernels: Kernels = Kernels()) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TPGroup, kernels: Kernels = Kernels()
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.small = kernels.small_linear
-        self.weight = nn.Parameter(torch.empty(out_features, tp.shard(in_features, "a row-parallel input width")),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, tp.shard(in_features, "a row-parallel input width")), requires_grad=False
+        )
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int = 0) -> None:

@@ -15,8 +15,9 @@ from worker.parallel import TPGroup
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, intermediate: int, tp: TPGroup, kernels: Kernels = Kernels()) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias=False, tp=tp,
-                                                 kernels=kernels)
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden, [intermediate, intermediate], bias=False, tp=tp, kernels=kernels
+        )
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=False, tp=tp, kernels=kernels)
         self.fused = kernels.fused
 

@@ -22,8 +22,9 @@ def rope_parameters(config: PretrainedConfig) -> dict:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int,
-                 kernels: Kernels = Kernels()) -> None:
+    def __init__(
+        self, config: PretrainedConfig, head_dim: int, max_positions: int, kernels: Kernels = Kernels()
+    ) -> None:
         super().__init__()
         self.fused = kernels.fused and head_dim in _FUSED_HEAD_DIMS
         params = rope_parameters(config)
@@ -45,8 +46,7 @@ class RotaryEmbedding(nn.Module):
         ops = fused_ops(q) if self.fused else None
         if ops is not None:
             head_dim = q.shape[-1]
-            ops.rope_inplace(positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), head_dim, self.cos_sin,
-                             True)
+            ops.rope_inplace(positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), head_dim, self.cos_sin, True)
             return q, k
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -23,8 +23,7 @@ class UnsupportedModelError(ValueError):
     pass
 
 
-def build_model(config: PretrainedConfig, max_positions: int, tp: TPGroup,
-                kernels: Kernels = Kernels()) -> nn.Module:
+def build_model(config: PretrainedConfig, max_positions: int, tp: TPGroup, kernels: Kernels = Kernels()) -> nn.Module:
     """`kernels`: which of the layers' kernels run (each layer keeps its own choice)."""
     archs = getattr(config, "architectures", None) or []
     for arch in archs:

@@ -22,18 +22,34 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup,
-                 bias: tuple[bool, bool], qk_norm: bool, kernels: Kernels) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        tp: TPGroup,
+        bias: tuple[bool, bool],
+        qk_norm: bool,
+        kernels: Kernels,
+    ) -> None:
         super().__init__()
         qkv_bias, o_bias = bias
         self.layer_id = layer_id
         self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, qkv_bias, tp, kernels)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            qkv_bias,
+            tp,
+            kernels,
+        )
         self.num_heads = self.qkv_proj.num_local_heads
         self.num_kv_heads = self.qkv_proj.num_local_kv_heads
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        bias=o_bias, tp=tp, kernels=kernels)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias, tp=tp, kernels=kernels
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
         self.rotary = rotary
@@ -44,10 +60,20 @@ class Attention(nn.Module):
         # norm, rotary and the KV write in one kernel
         if triton_ops.prologue_applies(self.kernels, qkv, self.head_dim, attn.kv.dtype):
             norm = self.q_norm is not None
-            q = triton_ops.qkv_prologue(qkv, positions, attn.out_loc, self.rotary.cos_sin,
-                                        self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                                        self.q_norm.eps if norm else 0.0, attn.kv.k(self.layer_id),
-                                        attn.kv.v(self.layer_id), self.num_heads, self.num_kv_heads, self.head_dim)
+            q = triton_ops.qkv_prologue(
+                qkv,
+                positions,
+                attn.out_loc,
+                self.rotary.cos_sin,
+                self.q_norm.weight if norm else None,
+                self.k_norm.weight if norm else None,
+                self.q_norm.eps if norm else 0.0,
+                attn.kv.k(self.layer_id),
+                attn.kv.v(self.layer_id),
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+            )
             out = attn.forward(q, None, None, self.layer_id)  # keys and values are in the cache already
         else:
             out = attn.forward(*self._qkv(qkv, positions), self.layer_id)
@@ -55,8 +81,10 @@ class Attention(nn.Module):
 
     def _qkv(self, qkv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The unfused prologue: split, q/k norm, rotary."""
-        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                             self.num_kv_heads * self.head_dim], dim=-1)
+        q, k, v = qkv.split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
+            dim=-1,
+        )
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -67,8 +95,16 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPGroup,
-                 bias: tuple[bool, bool], qk_norm: bool, kernels: Kernels) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        tp: TPGroup,
+        bias: tuple[bool, bool],
+        qk_norm: bool,
+        kernels: Kernels,
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_id, rotary, tp, bias, qk_norm, kernels)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, tp, kernels)
@@ -87,13 +123,21 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TPGroup, bias: tuple[bool, bool],
-                 qk_norm: bool, kernels: Kernels) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        max_positions: int,
+        tp: TPGroup,
+        bias: tuple[bool, bool],
+        qk_norm: bool,
+        kernels: Kernels,
+    ) -> None:
         super().__init__()
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions, kernels)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary, tp, bias, qk_norm, kernels)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, rotary, tp, bias, qk_norm, kernels) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
@@ -107,11 +151,15 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
     # checkpoint names of the parts fused into one of our weights: (our name, shard id)
-    packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    packed = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
-    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TPGroup,
-                 kernels: Kernels = Kernels()) -> None:
+    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TPGroup, kernels: Kernels = Kernels()) -> None:
         super().__init__()
         self.config = config
         attention_bias = getattr(config, "attention_bias", False)

@@ -27,9 +27,9 @@ SCRATCH_ROW = "scratch_row"
 @dataclass(frozen=True)
 class Column:
     name: str
-    dtype: np.dtype            # in the batch description (and on the wire)
-    staged: np.dtype           # on the device, as the step sampler reads it
-    pad: float | int | str     # what a row that does not use its group holds (SCRATCH_ROW: the scratch row)
+    dtype: np.dtype  # in the batch description (and on the wire)
+    staged: np.dtype  # on the device, as the step sampler reads it
+    pad: float | int | str  # what a row that does not use its group holds (SCRATCH_ROW: the scratch row)
     group: str
 
     @property
@@ -41,15 +41,15 @@ _I64, _I32, _F32, _U8, _BOOL = (np.dtype(t) for t in (np.int64, np.int32, np.flo
 
 COLUMNS = (
     Column("temperature", _F32, _F32, 0.0, DRAW),  # 0 is greedy
-    Column("seeds", _I64, _I64, 0, DRAW),          # with the row's position, the draw's key
+    Column("seeds", _I64, _I64, 0, DRAW),  # with the row's position, the draw's key
     Column("top_p", _F32, _F32, 1.0, FILTER),
-    Column("top_k", _I32, _I32, -1, FILTER),       # <= 0 is off
+    Column("top_k", _I32, _I32, -1, FILTER),  # <= 0 is off
     Column("min_p", _F32, _F32, 0.0, MIN_P),
     Column("state_row", _I32, _I64, SCRATCH_ROW, PROCS),  # the slot whose state the row reads and updates
     Column("presence", _F32, _F32, 0.0, PROCS),
     Column("frequency", _F32, _F32, 0.0, PROCS),
     Column("repetition", _F32, _F32, 1.0, PROCS),  # 1 is off
-    Column("ban_stop", _U8, _BOOL, 0, PROCS),      # 1 while the row's min_tokens is not reached
+    Column("ban_stop", _U8, _BOOL, 0, PROCS),  # 1 while the row's min_tokens is not reached
 )
 
 

@@ -34,8 +34,8 @@ class SamplingInputs(Generic[A]):
     init: ProcessorInitArrays[A] | None = None  # processor state set afresh before the step samples
     grammar_rows: A | None = None  # int64 [G]: the constrained rows ...
     grammar_mask: A | None = None  # int32 [G, W]: ... and their allowed tokens
-    plp_idx: A | None = None       # int64 [P]: the prompt tokens scored (prompt logprobs) ...
-    plp_target: A | None = None    # int64 [P]: ... and the prompt token that follows each
+    plp_idx: A | None = None  # int64 [P]: the prompt tokens scored (prompt logprobs) ...
+    plp_target: A | None = None  # int64 [P]: ... and the prompt token that follows each
 
     @property
     def all_greedy(self) -> bool:
@@ -70,13 +70,20 @@ def step_groups(columns: dict[str, np.ndarray], has_procs: bool, scratch_row: in
     used = {PROCS} if has_procs else set()
     if rows_using(DRAW, columns, scratch_row).any():
         used.add(DRAW)
-        used.update(g for g in (FILTER, MIN_P)
-                    if columns_of(g)[0].name in columns and rows_using(g, columns, scratch_row).any())
+        used.update(
+            g for g in (FILTER, MIN_P) if columns_of(g)[0].name in columns and rows_using(g, columns, scratch_row).any()
+        )
     return frozenset(used)
 
 
-def stage_sampling(desc: BatchDesc, columns: dict[str, np.ndarray], graph_bs: int, positions: np.ndarray,
-                   token_write: np.ndarray, state: ProcessorState) -> SamplingInputs[np.ndarray]:
+def stage_sampling(
+    desc: BatchDesc,
+    columns: dict[str, np.ndarray],
+    graph_bs: int,
+    positions: np.ndarray,
+    token_write: np.ndarray,
+    state: ProcessorState,
+) -> SamplingInputs[np.ndarray]:
     """The host arrays of `desc`'s sampling, to upload (`columns`: desc_columns(desc)). `graph_bs` > 0:
     a decode step replayed from the graph of that batch size (whose draw columns travel in its per-step
     block); `positions` and `token_write`: the position each row samples and its token-pool cell."""

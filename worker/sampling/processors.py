@@ -32,11 +32,11 @@ class ProcessorRows:
     """A step's per-row processor arguments ([B] each), present when some row uses processors: the
     procs group's columns (worker/sampling/columns.py)."""
 
-    state_row: np.ndarray    # int32: the slot whose state the row reads and updates; the scratch row if none
-    presence: np.ndarray     # float32
-    frequency: np.ndarray    # float32
-    repetition: np.ndarray   # float32; 1 is off
-    ban_stop: np.ndarray     # uint8: 1 while the row's min_tokens is not reached (its stop ids are banned)
+    state_row: np.ndarray  # int32: the slot whose state the row reads and updates; the scratch row if none
+    presence: np.ndarray  # float32
+    frequency: np.ndarray  # float32
+    repetition: np.ndarray  # float32; 1 is off
+    ban_stop: np.ndarray  # uint8: 1 while the row's min_tokens is not reached (its stop ids are banned)
 
 
 @dataclass
@@ -44,11 +44,11 @@ class ProcessorInit:
     """A slot's state set afresh (a request's prefill begins, first or after a preemption)."""
 
     slot: int
-    prompt_ids: np.ndarray   # int32: the prompt (the repetition penalty sees them; empty when unused)
-    output_ids: np.ndarray   # int32: tokens generated so far (after a preemption)
-    sparse_ids: np.ndarray   # int32: biased token ids, then stop ids
+    prompt_ids: np.ndarray  # int32: the prompt (the repetition penalty sees them; empty when unused)
+    output_ids: np.ndarray  # int32: tokens generated so far (after a preemption)
+    sparse_ids: np.ndarray  # int32: biased token ids, then stop ids
     sparse_bias: np.ndarray  # float32: their biases (0 for the stop ids)
-    sparse_ban: np.ndarray   # uint8: 1 for the stop ids
+    sparse_ban: np.ndarray  # uint8: 1 for the stop ids
 
 
 @dataclass
@@ -56,13 +56,13 @@ class ProcessorInitArrays(Generic[A]):
     """The flat writes that set a step's ProcessorInit slots afresh: numpy arrays on the host, their
     staged device twins after the upload."""
 
-    slots: A        # int64: the slots reset
-    prompt: A       # int64: cells of `prompt_seen` set (slot * vocab + token)
-    output: A       # int64: cells of `counts` incremented
-    sparse_at: A    # int64: cells of the sparse entries written ...
-    sparse_ids: A   # int64 ... with these ids,
+    slots: A  # int64: the slots reset
+    prompt: A  # int64: cells of `prompt_seen` set (slot * vocab + token)
+    output: A  # int64: cells of `counts` incremented
+    sparse_at: A  # int64: cells of the sparse entries written ...
+    sparse_ids: A  # int64 ... with these ids,
     sparse_bias: A  # float32  biases
-    sparse_ban: A   # bool     and bans
+    sparse_ban: A  # bool     and bans
 
 
 class ProcessorState:
@@ -84,10 +84,14 @@ class ProcessorState:
         sparse = [x.slot * self.max_sparse + np.arange(len(x.sparse_ids), dtype=np.int64) for x in inits]
         cat = np.concatenate
         return ProcessorInitArrays(
-            slots=slots, prompt=cat(prompt), output=cat(output), sparse_at=cat(sparse),
+            slots=slots,
+            prompt=cat(prompt),
+            output=cat(output),
+            sparse_at=cat(sparse),
             sparse_ids=cat([x.sparse_ids for x in inits]).astype(np.int64),
             sparse_bias=cat([x.sparse_bias for x in inits]).astype(np.float32),
-            sparse_ban=cat([x.sparse_ban for x in inits]).astype(bool))
+            sparse_ban=cat([x.sparse_ban for x in inits]).astype(bool),
+        )
 
     def apply_init(self, a: ProcessorInitArrays[torch.Tensor]) -> None:
         """Resets the slots of `a.slots` and writes their prompt, output and sparse entries (the device
@@ -100,8 +104,15 @@ class ProcessorState:
         self.sparse_bias.view(-1).index_copy_(0, a.sparse_at, a.sparse_bias)
         self.sparse_ban.view(-1).index_copy_(0, a.sparse_at, a.sparse_ban)
 
-    def apply(self, logits: torch.Tensor, state_row: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
-              repetition: torch.Tensor, ban_stop: torch.Tensor) -> torch.Tensor:
+    def apply(
+        self,
+        logits: torch.Tensor,
+        state_row: torch.Tensor,
+        presence: torch.Tensor,
+        frequency: torch.Tensor,
+        repetition: torch.Tensor,
+        ban_stop: torch.Tensor,
+    ) -> torch.Tensor:
         """float32 logits [B, vocab] with every row's processors applied. A row on the scratch row with
         zero penalties and repetition 1 comes back exactly as it was."""
         rows = state_row.long()

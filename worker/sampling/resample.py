@@ -35,15 +35,16 @@ COMPACT_MAX_SHARE = 0.5
 class RedrawInputs(Generic[A]):
     """The redrawn rows' sampling arguments ([R] each, R rows of the batch)."""
 
-    rows: A                  # int64: which rows of the batch, sorted
-    positions: A             # int64: the position each samples
-    token_write: A           # int64: its token-pool cell
-    columns: dict[str, A]    # the draw's columns and those of the variant groups the step has, by name
+    rows: A  # int64: which rows of the batch, sorted
+    positions: A  # int64: the position each samples
+    token_write: A  # int64: its token-pool cell
+    columns: dict[str, A]  # the draw's columns and those of the variant groups the step has, by name
     grammar_at: A | None = None  # int64 [G]: where the step's constrained rows fall among them
 
 
-def rows_to_redraw(n: int, variant: Mapping[str, np.ndarray], scratch_row: int,
-                   grammar_rows: np.ndarray | None) -> np.ndarray | None:
+def rows_to_redraw(
+    n: int, variant: Mapping[str, np.ndarray], scratch_row: int, grammar_rows: np.ndarray | None
+) -> np.ndarray | None:
     """The sorted rows (of n) that a step must redraw, or None when the bucket's variant should run
     instead. `variant`: the step's columns of the variant groups it has."""
     if n < COMPACT_MIN_BATCH:
@@ -58,20 +59,36 @@ def rows_to_redraw(n: int, variant: Mapping[str, np.ndarray], scratch_row: int,
     return picked if len(picked) <= COMPACT_MAX_SHARE * n else None
 
 
-def redraw_inputs(picked: np.ndarray, columns: Mapping[str, np.ndarray], positions: np.ndarray,
-                  token_write: np.ndarray, grammar_rows: np.ndarray | None) -> RedrawInputs[np.ndarray]:
+def redraw_inputs(
+    picked: np.ndarray,
+    columns: Mapping[str, np.ndarray],
+    positions: np.ndarray,
+    token_write: np.ndarray,
+    grammar_rows: np.ndarray | None,
+) -> RedrawInputs[np.ndarray]:
     """The redrawn rows' arguments, to stage: `columns` holds the step's draw columns and its variant
     groups' (those it has); each is cast as the step sampler reads it."""
     return RedrawInputs(
-        rows=picked.astype(np.int64), positions=positions[picked].astype(np.int64),
+        rows=picked.astype(np.int64),
+        positions=positions[picked].astype(np.int64),
         token_write=token_write[picked].astype(np.int64),
-        columns={c.name: columns[c.name][picked].astype(c.staged) for c in COLUMNS
-                 if c.group == DRAW or c.name in columns},
-        grammar_at=np.searchsorted(picked, grammar_rows).astype(np.int64) if grammar_rows is not None else None)
+        columns={
+            c.name: columns[c.name][picked].astype(c.staged) for c in COLUMNS if c.group == DRAW or c.name in columns
+        },
+        grammar_at=np.searchsorted(picked, grammar_rows).astype(np.int64) if grammar_rows is not None else None,
+    )
 
 
-def redraw(sampler: StepSampler, logits: torch.Tensor, next_tokens: torch.Tensor, r: RedrawInputs[torch.Tensor],
-           grammar_mask: torch.Tensor | None, *, procs: bool, filtered: bool) -> torch.Tensor:
+def redraw(
+    sampler: StepSampler,
+    logits: torch.Tensor,
+    next_tokens: torch.Tensor,
+    r: RedrawInputs[torch.Tensor],
+    grammar_mask: torch.Tensor | None,
+    *,
+    procs: bool,
+    filtered: bool,
+) -> torch.Tensor:
     """On the compute stream, after the head: draws the rows of `r` again over their processed and
     filtered logits, writes their tokens into the token pool (and their counts into the processor
     state) and over theirs in `next_tokens`, which it returns."""

@@ -49,8 +49,9 @@ def inverse_temperature(temperature: torch.Tensor) -> torch.Tensor:
     return 1.0 / temperature.float().clamp(min=1e-5)
 
 
-def sample_unfiltered(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                      positions: torch.Tensor) -> torch.Tensor:
+def sample_unfiltered(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """int64 [B]: the argmax of logits where temperature <= 0, else the Gumbel-max draw."""
     x = logits.float()
     greedy = x.argmax(dim=-1)
@@ -58,8 +59,13 @@ def sample_unfiltered(logits: torch.Tensor, temperature: torch.Tensor, seeds: to
     return torch.where(temperature <= 0, greedy, noisy.argmax(dim=-1))
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                  min_p: torch.Tensor | None = None) -> torch.Tensor:
+def filter_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
     """float32 logits with the tokens top-k, top-p and min-p drop set to -inf (computed on
     softmax(logits / T); min-p drops tokens less likely than min_p times the most likely one); a row
     with top_k <= 0, top_p >= 1 and min_p 0 comes back unchanged. The most likely token is always kept."""
@@ -86,9 +92,17 @@ def apply_min_p(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Te
     return x.masked_fill(~keep, float("-inf"))
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-           seeds: torch.Tensor, positions: torch.Tensor, *, any_filter: bool,
-           min_p: torch.Tensor | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    any_filter: bool,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
     """logits [B, V] (any float dtype) -> int64 [B]. `any_filter` (known on the host: some row has
     top_k > 0, top_p < 1 or min_p > 0) adds the filter's mask; without it the mask is skipped."""
     if any_filter:

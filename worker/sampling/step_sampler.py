@@ -23,26 +23,35 @@ class SampleArgs:
     samples, then one field per column (worker/sampling/columns.py), None for a group the step leaves
     out. Build it with `of`."""
 
-    positions: torch.Tensor             # the position each row samples (its key with the seed)
-    token_write: torch.Tensor           # int64: the token-pool cell of each row's sampled token
+    positions: torch.Tensor  # the position each row samples (its key with the seed)
+    token_write: torch.Tensor  # int64: the token-pool cell of each row's sampled token
     allowed: torch.Tensor | None = None  # int32 [B, W]: grammars' allowed tokens, one bit each (-1: all)
     temperature: torch.Tensor | None = None  # draw (None: every row greedy)
     seeds: torch.Tensor | None = None
-    top_p: torch.Tensor | None = None        # filter (a sort)
+    top_p: torch.Tensor | None = None  # filter (a sort)
     top_k: torch.Tensor | None = None
-    min_p: torch.Tensor | None = None        # min_p (no sort)
-    state_row: torch.Tensor | None = None    # procs
+    min_p: torch.Tensor | None = None  # min_p (no sort)
+    state_row: torch.Tensor | None = None  # procs
     presence: torch.Tensor | None = None
     frequency: torch.Tensor | None = None
     repetition: torch.Tensor | None = None
     ban_stop: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, columns: Mapping[str, torch.Tensor], positions: torch.Tensor, token_write: torch.Tensor,
-           allowed: torch.Tensor | None = None) -> SampleArgs:
+    def of(
+        cls,
+        columns: Mapping[str, torch.Tensor],
+        positions: torch.Tensor,
+        token_write: torch.Tensor,
+        allowed: torch.Tensor | None = None,
+    ) -> SampleArgs:
         """The arguments of the columns given (by name); those not given are None."""
-        return cls(positions=positions, token_write=token_write, allowed=allowed,
-                   **{c.name: columns.get(c.name) for c in COLUMNS})
+        return cls(
+            positions=positions,
+            token_write=token_write,
+            allowed=allowed,
+            **{c.name: columns.get(c.name) for c in COLUMNS},
+        )
 
 
 def apply_bitmask(x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -63,8 +72,9 @@ class StepSampler:
     def __init__(self, flat_pool: torch.Tensor, state: ProcessorState, kernels: Kernels = Kernels()) -> None:
         self.flat_pool, self.state, self.kernels = flat_pool, state, kernels
 
-    def __call__(self, logits: torch.Tensor, a: SampleArgs, *, procs: bool, filtered: bool,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, logits: torch.Tensor, a: SampleArgs, *, procs: bool, filtered: bool, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """int32 [B] sampled tokens (written into `out` when given). `procs`: apply the processors (and
         grammar masks) of `a` that are given; `filtered`: top-k and top-p; min-p when `a.min_p` is given."""
         x = logits
@@ -91,8 +101,9 @@ class StepSampler:
 
     def _draw(self, x: torch.Tensor, a: SampleArgs, out: torch.Tensor | None) -> torch.Tensor:
         if triton_ops.kernels_available(self.kernels, x):
-            return triton_ops.sample_rows(x, a.temperature, a.seeds, a.positions, out=out,
-                                          token_pool=self.flat_pool, token_write=a.token_write)
+            return triton_ops.sample_rows(
+                x, a.temperature, a.seeds, a.positions, out=out, token_pool=self.flat_pool, token_write=a.token_write
+            )
         tokens = sample_unfiltered(x, a.temperature, a.seeds, a.positions).to(torch.int32)
         self.flat_pool.index_copy_(0, a.token_write, tokens)
         if out is not None:

@@ -20,7 +20,7 @@ def iter_block_hashes(ids: list[int], page_size: int, parent: int = ROOT_HASH) -
     that stops at the first block no cache holds hashes no further."""
     h = parent
     for start in range(0, len(ids) - page_size + 1, page_size):
-        h = hash((h, tuple(ids[start:start + page_size])))
+        h = hash((h, tuple(ids[start : start + page_size])))
         yield h
 
 

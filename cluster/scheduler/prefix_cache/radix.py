@@ -59,7 +59,7 @@ class RadixCache(PrefixCache):
         return self._evictable
 
     def _key(self, ids: list[int], at: int) -> tuple[int, ...]:
-        return tuple(ids[at:at + self.page_size])
+        return tuple(ids[at : at + self.page_size])
 
     def _walk(self, ids: list[int]) -> tuple[Node, int, list[int]]:
         """Follows ids down the tree, splitting an edge where the match ends inside it.
@@ -72,7 +72,7 @@ class RadixCache(PrefixCache):
             if child is None:
                 break
             n = 1  # pages of the child's edge that match (the first one does, by its key)
-            while n < len(child.pages) and child.tokens[n * ps:(n + 1) * ps] == ids[at + n * ps:at + (n + 1) * ps]:
+            while n < len(child.pages) and child.tokens[n * ps : (n + 1) * ps] == ids[at + n * ps : at + (n + 1) * ps]:
                 n += 1
             if n < len(child.pages):
                 child = self._split(child, n)
@@ -85,10 +85,10 @@ class RadixCache(PrefixCache):
     def _split(self, child: Node, n: int) -> Node:
         """Cuts child's edge after n pages; returns the new upper part."""
         ps = self.page_size
-        upper = Node(child.tokens[:n * ps], child.pages[:n], child.parent, child.hashes[:n])
+        upper = Node(child.tokens[: n * ps], child.pages[:n], child.parent, child.hashes[:n])
         upper.ref, upper.last_use = child.ref, child.last_use
         child.parent.children[self._key(upper.tokens, 0)] = upper
-        child.tokens, child.pages, child.parent = child.tokens[n * ps:], child.pages[n:], upper
+        child.tokens, child.pages, child.parent = child.tokens[n * ps :], child.pages[n:], upper
         child.hashes = child.hashes[n:]
         upper.children[self._key(child.tokens, 0)] = child
         self._num_nodes += 1
@@ -103,8 +103,12 @@ class RadixCache(PrefixCache):
         node, at, cached = self._walk(ids)
         if at < len(ids):
             tail = list(ids[at:])
-            leaf = Node(tail, list(pages[at // self.page_size:]), node,
-                        block_hashes(tail, self.page_size, node.hashes[-1] if node.hashes else ROOT_HASH))
+            leaf = Node(
+                tail,
+                list(pages[at // self.page_size :]),
+                node,
+                block_hashes(tail, self.page_size, node.hashes[-1] if node.hashes else ROOT_HASH),
+            )
             self.events.store(leaf.hashes)
             leaf.last_use = node.last_use
             node.children[self._key(leaf.tokens, 0)] = leaf
@@ -147,7 +151,7 @@ class RadixCache(PrefixCache):
             if k < len(leaf.pages):  # only its last k pages: the rest of the prefix stays cached
                 freed.extend(leaf.pages[-k:])
                 self.events.remove(leaf.hashes[-k:])
-                del leaf.pages[-k:], leaf.tokens[-k * self.page_size:], leaf.hashes[-k:]
+                del leaf.pages[-k:], leaf.tokens[-k * self.page_size :], leaf.hashes[-k:]
                 self._pages -= k
                 self._evictable -= k
                 heapq.heappush(self._leaves, (leaf.last_use, next(self._tie), leaf))
