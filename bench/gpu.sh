@@ -23,6 +23,7 @@
 #   BASE   another tree (e.g. `git worktree add .base <commit>`): offline, latency and prefill_heavy run
 #          there too, right after this tree's, so the two are compared in one call
 #   RUNS   processes per throughput figure (default 3; the table quotes the median)
+#   REPEATS  runs of (b) in its one process (default 5)
 #   ARCH   the peer's architecture (default qwen3-0.6b)
 #
 # Wheels come from .whl/ (../shared/gpu/wheels.sh fills it); a machine still warm from the last call keeps
@@ -138,7 +139,7 @@ for suite in "$@"; do
     offline) offline offline 150 ;;
     latency)
       for tree in $(trees); do
-        (cd "$tree" && step "latency$(tag "$tree")" 150 python3 bench/decode_latency.py --repeats 5 \
+        (cd "$tree" && step "latency$(tag "$tree")" 150 python3 bench/decode_latency.py --repeats "${REPEATS:-5}" \
           --out "$OUT/latency$(tag "$tree").json")
       done ;;
     fp8) offline fp8 150 --kv-cache-dtype fp8_e4m3 ;;

@@ -200,13 +200,7 @@ class BatchBuilder:
         """Per-row processor arguments. A row reads and counts into its request's slot only when its
         request uses processors and its sample is kept (not a mid-prompt chunk's)."""
         n = len(reqs)
-        rows = ProcessorRows(
-            np.full(n, self.scratch_row, dtype=np.int32),
-            np.zeros(n, np.float32),
-            np.zeros(n, np.float32),
-            np.ones(n, np.float32),
-            np.zeros(n, np.uint8),
-        )
+        rows = ProcessorRows.idle(n, self.scratch_row)
         for i, (req, seq_len, emit) in enumerate(zip(reqs, seq_lens, emits)):
             p = req.params
             if not (p.uses_processors and emit):

@@ -24,6 +24,8 @@ from typing import Generic, TypeVar
 import numpy as np
 import torch
 
+from worker.sampling.columns import PROCS, column_pads, columns_of
+
 A = TypeVar("A")  # np.ndarray on the host, torch.Tensor once staged
 
 
@@ -37,6 +39,12 @@ class ProcessorRows:
     frequency: np.ndarray  # float32
     repetition: np.ndarray  # float32; 1 is off
     ban_stop: np.ndarray  # uint8: 1 while the row's min_tokens is not reached (its stop ids are banned)
+
+    @classmethod
+    def idle(cls, n: int, scratch_row: int) -> ProcessorRows:
+        """`n` rows that use no processors: every column at its pad."""
+        pads = column_pads(scratch_row)
+        return cls(**{c.name: np.full(n, pads[c.name], dtype=c.dtype) for c in columns_of(PROCS)})
 
 
 @dataclass
