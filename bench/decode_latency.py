@@ -111,7 +111,7 @@ def host_sections(llm: LLM, batch: int, args) -> dict:
     engine, sched = llm.engine, llm.scheduler
     sections = Sections()
     sections.add("scheduler.schedule", sched, "schedule")
-    sections.add("scheduler._handle (waits for the step)", sched, "_handle")
+    sections.add("scheduler._emit_tokens (waits for the step)", sched, "_emit_tokens")
     sections.add("scheduler.receive", sched, "receive")
     sections.add("builder.decode", sched.builder, "decode")
     sections.add("engine.forward", engine, "forward")
