@@ -12,11 +12,6 @@ start) and counts its steps in shared memory; when no rank has moved on for --ti
 prints each rank's phase and step count, has every rank dump its threads' Python stacks
 (faulthandler), ends them and exits with code 124. --inject-stall RANK:STEP stalls one rank at
 that step, to see it happen.
-
-On the 2-GPU H200 host its tp=2 run hung twice before printing anything (with the ranks' devices
-given explicitly, then with one visible GPU per rank), before it could say where; tp=1 there and tp=2
-on CPUs (gloo) run. Until it has run there, `decode_latency.py --tp-size 2` (through Ray) is the tp=2
-figure.
 """
 
 from __future__ import annotations

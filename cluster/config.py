@@ -270,7 +270,7 @@ class ServeConfig(ReplicaConfig):
     @property
     def num_routers(self) -> int:
         """The router actors to start: `routers`, or by default two per replica (one router process
-        delivered 0.88 of a replica's offline throughput on an H200, two 0.94), as long as this node has
+        delivers less than a replica's offline throughput, two nearly all of it: docs/BENCHMARKS.md), as long as this node has
         the cores for them beside the launching process and Ray."""
         if self.routers is not None:
             return self.routers
