@@ -270,8 +270,8 @@ class ServeConfig(ReplicaConfig):
     @property
     def num_routers(self) -> int:
         """The router actors to start: `routers`, or by default two per replica (one router process
-        delivers less than a replica's offline throughput, two nearly all of it: docs/BENCHMARKS.md), as long as this node has
-        the cores for them beside the launching process and Ray."""
+        delivers less than a replica's offline throughput, two nearly all of it: docs/BENCHMARKS.md), as
+        long as this node has the cores for them beside the launching process and Ray."""
         if self.routers is not None:
             return self.routers
         return min(2 * self.replicas, usable_cores() // CORES_PER_ROUTER, 64)

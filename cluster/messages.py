@@ -90,7 +90,8 @@ class ReplicaOutput(list):
 
     def __reduce__(self):
         # a step's deltas cross a process boundary every step: pickled one object at a time they cost
-        # the replica's interpreter per delta, each way (docs/BENCHMARKS.md), so they go as columns, with the fields beyond (uid, token) only for the deltas that have them
+        # the replica's interpreter per delta, each way (docs/BENCHMARKS.md), so they go as columns, with
+        # the fields beyond (uid, token) only for the deltas that have them
         extra = [
             (i, rest)
             for i, d in enumerate(self)
