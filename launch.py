@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -195,6 +196,7 @@ def startup_problem(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    started = time.monotonic()
     config = build_config(parse_args(argv))
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from cluster.model_check import ModelFolderError, check_model_folder
@@ -211,7 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     if config.metrics_export_port is not None and config.address is None:
         ray_options["_metrics_export_port"] = config.metrics_export_port
     try:
-        server = Deployment(config, on_ready=lambda s: print_ready(s, config), **ray_options)
+        server = Deployment(
+            config, on_ready=lambda s: print_ready(s, config, time.monotonic() - started), **ray_options
+        )
     except Exception as e:  # noqa: BLE001 - every start-up failure: one line, then exit
         logging.getLogger(__name__).debug("start-up failed", exc_info=True)
         print(f"{Path(sys.argv[0]).name}: error: {startup_problem(e)}", file=sys.stderr, flush=True)
@@ -230,10 +234,10 @@ def main(argv: list[str] | None = None) -> None:
     server.run()
 
 
-def print_ready(server, config: ServeConfig) -> None:
+def print_ready(server, config: ServeConfig, seconds: float) -> None:
     routers = f", {config.num_routers} router actor(s)" if config.num_routers else ""
     print(
-        f"ready: OpenAI-compatible API at {server.url}/v1  (model '{server.state.model_name}', "
+        f"ready in {seconds:.1f} s: OpenAI-compatible API at {server.url}/v1  (model '{server.state.model_name}', "
         f"{config.replicas} replica(s) x tp {config.tp_size}{routers})",
         flush=True,
     )

@@ -24,6 +24,7 @@
 #          there too, right after this tree's, so the two are compared in one call
 #   RUNS   processes per throughput figure (default 3; the table quotes the median)
 #   REPEATS  runs of (b) in its one process (default 5)
+#   CHUNKS   the prefill chunk sizes `mixed` runs at (default 2048)
 #   ARCH   the peer's architecture (default qwen3-0.6b)
 #
 # Wheels come from .whl/ (../shared/gpu/wheels.sh fills it); a machine still warm from the last call keeps
@@ -151,7 +152,10 @@ for suite in "$@"; do
         offline "prefill_heavy_${met}_prefill_first" 240 --workload prefill_heavy --max-extend-tokens "$met" --no-mixed-steps
         offline "offline_$met" 150 --max-extend-tokens "$met"
       done ;;
-    mixed) step mixed 200 python3 bench/mixed_steps.py --out "$OUT/mixed.json" ;;
+    mixed)
+      for chunk in ${CHUNKS:-2048}; do
+        step "mixed_$chunk" 200 python3 bench/mixed_steps.py --chunk "$chunk" --out "$OUT/mixed_$chunk.json"
+      done ;;
     sampling)
       step sampling_cost 200 python3 bench/sampling_cost.py --share 0.1 1.0 --out "$OUT/sampling_cost.json"
       step grammar_cost 150 python3 bench/grammar_cost.py --share 0.1 --out "$OUT/grammar_cost.json" ;;

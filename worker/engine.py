@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -36,8 +37,11 @@ from worker.sampling.processors import ProcessorState
 from worker.sampling.resample import redraw
 from worker.sampling.step_sampler import StepSampler
 from worker.staging import PinnedStaging, Staged, upload_record
+from worker.startup import StartupTimes, timed
 from worker.stream import HostWaits, new_event, new_stream, use_stream
 from worker.token_table import TokenTable
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from worker.cuda_graph import CudaGraphRunner
@@ -130,15 +134,33 @@ class Engine:
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
         self.max_seq_len = config.max_seq_len or self.hf_config.max_position_embeddings
         self.page_size = config.page_size
+        self.startup = StartupTimes()
+        with timed(self.startup, "weights_s", self.device):
+            self._build_model()
+        with timed(self.startup, "kv_cache_s", self.device):
+            self._allocate()
+        with timed(self.startup, "graphs_s", self.device):
+            self.graphs = self._capture_graphs()
+        with timed(self.startup, "warm_up_s", self.device):
+            self._warm_up()
+        if self.tp.rank == 0:
+            logger.info("engine ready in %s", self.startup)
+
+    def _build_model(self) -> None:
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = build_model(self.hf_config, self.max_seq_len + 1, self.tp, self.kernels)
-        if config.load_format == "dummy":
+        if self.config.load_format == "dummy":
             init_dummy_weights(self.model)
-        elif config.load_format == "auto":
-            load_weights(self.model, Path(config.model_path), progress=self.tp.rank == 0)
+        elif self.config.load_format == "auto":
+            load_weights(self.model, Path(self.config.model_path), progress=self.tp.rank == 0)
         else:
-            raise ValueError(f"unknown load_format {config.load_format!r}; choose auto or dummy")
+            raise ValueError(f"unknown load_format {self.config.load_format!r}; choose auto or dummy")
         self.model.eval()
+
+    def _allocate(self) -> None:
+        """The KV cache (with what memory the model left), the token pool and page table, the sampler's
+        state, the attention backend and the streams."""
+        config = self.config
         attn0 = self.model.model.layers[0].self_attn
         # before the KV cache takes what memory is left
         self.proc_state = ProcessorState(
@@ -181,8 +203,6 @@ class Engine:
         # optional, for benchmarks: an object with begin(stream, desc) and end(stream) (the compute
         # stream's step), sched_begin(stream) and sched_end(stream) (the scheduler stream's part of it)
         self.step_timer = None
-        self.graphs = self._capture_graphs()
-        self._warm_up()
 
     def _warm_up(self) -> None:
         """One sampled prefill step of one token into the scratch page, on every rank alike (its
