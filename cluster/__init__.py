@@ -36,6 +36,7 @@ _LAZY = {
     "ensure_ray": "cluster.fleet.deploy",
     "control_store_answers": "cluster.fleet.deploy",
     "load_tokenizer": "cluster.model_info",
+    "local_model": "cluster.model_info",
 }
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "ensure_ray",
     "control_store_answers",
     "load_tokenizer",
+    "local_model",
     "fan_out",
     "GrammarSpec",
     "KVEvents",

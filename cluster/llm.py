@@ -10,7 +10,7 @@ from cluster.choices import fan_out
 from cluster.config import ReplicaConfig
 from cluster.errors import ErrorKind, InvalidRequestError, error_for
 from cluster.messages import AddRequest, SchedulerStats, TokenDelta
-from cluster.model_info import load_tokenizer
+from cluster.model_info import load_tokenizer, local_model
 from cluster.replica.engine_executors import LocalExecutor
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler.build import build_scheduler
@@ -60,9 +60,11 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str, *, kernels: Kernels = Kernels(), **settings) -> None:
-        """`model`: a local Hugging Face folder. `settings`: any of ReplicaConfig's, by name (page_size=16,
-        tp_size=2, overlap=False, ...: `python -m cluster.config` lists them); a misspelt one is an error.
+        """`model`: a local Hugging Face folder or a GGUF file. `settings`: any of ReplicaConfig's, by name
+        (page_size=16, tp_size=2, overlap=False, ...: `python -m cluster.config` lists them); a misspelt one is
+        an error.
         `kernels`: other kernels than the automatic choices, for benchmarks and tests that compare them."""
+        model = local_model(model)
         self.config = ReplicaConfig(engine=EngineConfig(kernels=kernels)).override(model=model, **settings)
         self.config.validate()
         self.config.check_against_model()

@@ -1,4 +1,5 @@
-"""What the control plane needs to know of a model folder: its tokenizer and its end-of-sequence ids."""
+"""What the control plane needs to know of a model: the folder it is read from, its tokenizer and its
+end-of-sequence ids."""
 
 from __future__ import annotations
 
@@ -22,6 +23,14 @@ def eos_token_ids(model_path: str, config: PretrainedConfig, tokenizer: PreTrain
     if tokenizer is not None:
         ids |= _as_set(tokenizer.eos_token_id)
     return ids
+
+
+def local_model(model: str) -> str:
+    """The folder the engine reads: `model` itself, or for a GGUF file the Hugging Face folder made from it
+    (once, in the cache)."""
+    from worker.gguf import gguf_folder, is_gguf
+
+    return str(gguf_folder(model)) if is_gguf(model) else model
 
 
 def load_tokenizer(model_path: str) -> PreTrainedTokenizerBase | None:

