@@ -4,6 +4,7 @@ process, with no Ray; at tp_size > 1 it is the same scheduler actor and follower
 from __future__ import annotations
 
 import itertools
+import numbers
 from dataclasses import dataclass, field
 
 from cluster.choices import fan_out
@@ -159,7 +160,14 @@ class LLM:
             if self.tokenizer is None:
                 raise InvalidRequestError("this model folder has no tokenizer: pass prompts as lists of token ids")
             return self.tokenizer(prompt).input_ids
-        return list(prompt)
+        ids = list(prompt)
+        if not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids
+        ):  # e.g. a tokenizer's whole output
+            raise InvalidRequestError(
+                f"a prompt is a string or a list of token ids (ints), not {type(prompt).__name__}"
+            )
+        return ids
 
     def stats(self) -> SchedulerStats:
         """The scheduler's counts (at tp > 1 a ReplicaStats, with the replica's own)."""

@@ -151,3 +151,31 @@ def test_the_server_and_the_offline_llm_give_the_same_tokens(srv, llm, tokenizer
         served = client(srv).completions.create(model="smol", prompt=prompt, max_tokens=24, temperature=0)
         assert served.choices[0].text == tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
         assert served.usage.completion_tokens == len(out.outputs[0].token_ids)
+
+
+@pytest.mark.gpu
+def test_bf16_on_the_gpu_agrees_with_transformers_bf16(smollm2_path, tokenizer):
+    """Teacher-forced on our greedy tokens, transformers in bf16 scores each of them: its logprob within bf16
+    tolerance of ours (0.15 at most, 0.02 on average), and our token its argmax unless the two are a near-tie
+    (within 0.1)."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = [tokenizer(p).input_ids for p in PLAIN] + [chat_ids(tokenizer, q) for q in QUESTIONS]
+    with checked_llm(smollm2_path, dtype="bfloat16", page_size=16, num_pages=1024) as engine:
+        outs = [out.outputs[0] for out in engine.generate(prompts, greedy(32, logprobs=0))]
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.bfloat16).cuda().eval()
+    diffs, ties = [], []
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt + out.token_ids], device="cuda")
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        reference = torch.log_softmax(logits, dim=-1)
+        ours = torch.tensor(out.token_ids, device="cuda")
+        theirs = reference.gather(1, ours[:, None])[:, 0]
+        diffs += (theirs - torch.tensor(out.logprobs, device="cuda")).abs().tolist()
+        best = reference.max(dim=-1)
+        for j in torch.nonzero(best.indices != ours).flatten().tolist():
+            ties.append((tokenizer.decode(out.token_ids[:j]), float(best.values[j] - theirs[j])))
+    print(f"logprob |ours - transformers| mean {sum(diffs) / len(diffs):.4f} max {max(diffs):.4f}; near-ties {ties}")
+    assert max(diffs) < 0.15 and sum(diffs) / len(diffs) < 0.02
+    assert all(margin < 0.1 for _, margin in ties), ties
