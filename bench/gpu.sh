@@ -15,6 +15,8 @@
 #   mixed          decode latency under arriving prompts, mixed steps against prefill-first
 #   sampling       what penalties, filters and grammars cost beside plain sampling
 #   online         the HTTP path against the offline engine at concurrency 1 and 256
+#   real           the real model (SmolLM2-135M-Instruct's GGUF) in bf16 against transformers' bf16, and
+#                  bench/real_text.py; the file from .real/ (split parts, carried over calls) or the cache
 #   peer           mini-sglang on the same token lists ((a) and (b); needs .peer/, see ../shared/peer)
 #   save           FlashInfer's built modules and Triton's cache into $OUT/kernels.tar.xz
 #
@@ -165,6 +167,15 @@ for suite in "$@"; do
     peer)
       [ -f .peer/run_minisgl.sh ] || { log "peer: no .peer/ (../shared/peer/README.md makes it)"; continue; }
       OUT=$OUT step peer 540 bash .peer/run_minisgl.sh bench --arch "${ARCH:-qwen3-0.6b}" ;;
+    real)
+      gguf=$HOME/.cache/raylm/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+      if [ ! -f "$gguf" ] && ls .real/part.* >/dev/null 2>&1; then
+        mkdir -p "$(dirname "$gguf")" && cat .real/part.* > "$gguf.tmp" && mv "$gguf.tmp" "$gguf"
+      fi
+      [ -f "$gguf" ] || { log "real: no $gguf and no .real/part.*"; continue; }
+      log "real: $(sha256sum "$gguf" | cut -c1-16)"
+      step real_tests 300 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_real_model.py
+      step real_text 300 python3 bench/real_text.py --out "$OUT/real_text.json" ;;
     save) save ;;
     *) log "unknown suite $suite" ;;
   esac
