@@ -12,7 +12,6 @@ import pytest
 import torch
 from fixtures import hf_generate, hf_greedy, hf_prompt_logprobs
 from helpers import checked_llm, client, greedy, serving
-from test_serve import check_replicas_whole
 
 from cluster.model_info import load_tokenizer
 
@@ -52,6 +51,8 @@ def llm(smollm2_path):
 
 @pytest.fixture(scope="module")
 def srv(ray_cluster, smollm2_path):
+    from test_serve import check_replicas_whole  # here: the GPU hosts lack the HTTP clients it imports
+
     with serving(smollm2_path, served_model_name="smol", page_size=16, num_pages=512) as server:
         yield server
         check_replicas_whole(server)
