@@ -24,6 +24,8 @@ class GrammarSpec:
     # the JSON schema (JSON text), the regular expression, the EBNF grammar or the structural tag (JSON
     # text, xgrammar's format); empty for json_object
     spec: str = ""
+    # json_schema and json_object: whether whitespace between JSON tokens is free (xgrammar's any_whitespace)
+    any_whitespace: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:

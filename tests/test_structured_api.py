@@ -1,5 +1,6 @@
 """Structured outputs over HTTP with the real openai client: response_format (json_object, json_schema,
-and the client's parse with a pydantic model) and vLLM's guided_json, guided_regex, guided_choice and
+and the client's parse with a pydantic model), vLLM's structured_outputs (json, regex, choice, grammar,
+json_object, disable_any_whitespace) and its older guided_json, guided_regex, guided_choice and
 guided_grammar, whole and streamed; Qwen3's reasoning split; chat_template_kwargs; bad schemas are
 400s naming the field. Random weights never write valid JSON by themselves, so output that parses
 and validates is the grammar's doing."""
@@ -197,6 +198,58 @@ def test_guided_choice_is_one_of_the_choices(srv):
         assert r.choices[0].message.content in choices and r.choices[0].finish_reason == "stop"
 
 
+GRAMMAR = 'root ::= "(" num (("+" | "*") num){0,3} ")"\nnum ::= [1-9] [0-9]?'
+STRUCTURED = [  # vLLM's structured_outputs: (its constraint, how to check an output)
+    (
+        {"json": SCHEMAS["required fields and an enum"]},
+        lambda t: jsonschema.validate(json.loads(t), SCHEMAS["required fields and an enum"]),
+    ),
+    (
+        {"json": json.dumps(SCHEMAS["nested objects"])},
+        lambda t: jsonschema.validate(json.loads(t), SCHEMAS["nested objects"]),
+    ),
+    ({"regex": "[a-z]{2,5}-[0-9]{1,3}"}, lambda t: re.fullmatch("[a-z]{2,5}-[0-9]{1,3}", t) or pytest.fail(t)),
+    ({"choice": ["yes", "no", "maybe 🌙"]}, lambda t: t in ("yes", "no", "maybe 🌙") or pytest.fail(t)),
+    ({"grammar": GRAMMAR}, lambda t: re.fullmatch(r"\([1-9][0-9]?([+*][1-9][0-9]?){0,3}\)", t) or pytest.fail(t)),
+    ({"json_object": True}, lambda t: isinstance(json.loads(t), dict) or pytest.fail(t)),
+]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+@pytest.mark.parametrize(
+    "outputs,check", STRUCTURED, ids=["json", "json-text", "regex", "choice", "grammar", "json_object"]
+)
+def test_structured_outputs_constrain_the_output(srv, bias, chat, outputs, check):
+    args = dict(model="tiny", max_tokens=120, temperature=0, logit_bias=bias)
+    extra = {"structured_outputs": outputs}
+    c = client(srv)
+    if chat:
+        r = c.chat.completions.create(messages=MSG, extra_body=extra, **args)
+        text = r.choices[0].message.content
+    else:
+        r = c.completions.create(prompt=MSG[0]["content"], extra_body=extra, **args)
+        text = r.choices[0].text
+    assert r.choices[0].finish_reason == "stop", text
+    check(text)
+
+
+def test_disable_any_whitespace_writes_compact_json(srv):
+    """No logit bias here: random weights left free fill JSON with whitespace; the grammar allows none."""
+    schema = SCHEMAS["required fields and an enum"]
+    for seed in (1, 2, 3):
+        r = client(srv).chat.completions.create(
+            model="tiny",
+            messages=MSG,
+            max_tokens=120,
+            temperature=1,
+            seed=seed,
+            extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+        )
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop", text
+        assert text == json.dumps(json.loads(text))  # xgrammar's one space after each ":" and ","
+
+
 def test_constrained_requests_beside_free_ones_leave_those_unchanged(srv, bias):
     free = dict(model="tiny", prompt=PROMPT_TEXTS[6], max_tokens=24, temperature=0)
     alone = client(srv).completions.create(**free).choices[0].text
@@ -296,6 +349,25 @@ BAD = [  # (param, path, body): each a 400 whose param names the field
     ("guided_regex", CHAT, {"guided_json": SCHEMA, "guided_regex": "a+"}),  # two formats at once
     ("guided_json", CHAT, {"response_format": {"type": "json_object"}, "guided_json": SCHEMA}),
     ("chat_template_kwargs", CHAT, {"chat_template_kwargs": {"tokenize": True}}),
+    ("structured_outputs.json", C, {"structured_outputs": {"json": {"type": "objekt"}}}),
+    ("structured_outputs.json", CHAT, {"structured_outputs": {"json": "{not json"}}),
+    ("structured_outputs.regex", C, {"structured_outputs": {"regex": "(a|b"}}),
+    ("structured_outputs.grammar", C, {"structured_outputs": {"grammar": 'rule ::= "a"'}}),
+    ("structured_outputs.choice", CHAT, {"structured_outputs": {"choice": []}}),
+    ("structured_outputs.regex", C, {"structured_outputs": {"json": SCHEMA, "regex": "a+"}}),  # two at once
+    ("structured_outputs.choice", CHAT, {"guided_json": SCHEMA, "structured_outputs": {"choice": ["a"]}}),
+    (
+        "structured_outputs.json",
+        CHAT,
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"json": SCHEMA}},
+    ),
+    ("structured_outputs.structural_tag", C, {"structured_outputs": {"structural_tag": "{}"}}),
+    ("structured_outputs.whitespace_pattern", C, {"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}),
+    (
+        "structured_outputs.disable_any_whitespace",
+        C,
+        {"structured_outputs": {"regex": "a", "disable_any_whitespace": "yes"}},
+    ),
 ]
 
 

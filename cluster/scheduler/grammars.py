@@ -34,9 +34,9 @@ class Grammars:
         try:
             match spec.kind:
                 case "json_schema":
-                    return c.compile_json_schema(spec.spec)
+                    return c.compile_json_schema(spec.spec, any_whitespace=spec.any_whitespace)
                 case "json_object":  # an object, as OpenAI's JSON mode promises (xgrammar's builtin is any value)
-                    return c.compile_json_schema('{"type": "object"}')
+                    return c.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace)
                 case "regex":
                     return c.compile_regex(spec.spec)
                 case "ebnf":

@@ -35,7 +35,8 @@ def prepare_chat(state: RouterState, req: ChatCompletionRequest) -> PreparedChat
             param="tool_choice",
         )
     prompt = state.chat_prompt(req, tools=tools.template_tools)
-    ids = state.tokenizer(prompt, add_special_tokens=False).input_ids
+    # the template writes the special tokens; add_special_tokens (vLLM's) adds the tokenizer's too
+    ids = state.tokenizer(prompt, add_special_tokens=bool(req.add_special_tokens)).input_ids
     reasoning = state.reasoning_parser is not None
     thinking = reasoning and (req.chat_template_kwargs or {}).get("enable_thinking") is not False
     # a requested format is the whole output: it never sits inside a think block the prompt opened

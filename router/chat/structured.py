@@ -1,10 +1,13 @@
-"""Structured outputs at the router: a request's `response_format`, or one of vLLM's `guided_json`,
-`guided_regex`, `guided_choice` and `guided_grammar`, as the GrammarSpec its replica compiles. Each is
+"""Structured outputs at the router: a request's `response_format`, vLLM's `structured_outputs`, or one
+of its older `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`, as the GrammarSpec its
+replica compiles. Each is
 checked here first, cheaply and without a tokenizer (a schema that is no JSON Schema, or that xgrammar
 cannot turn into a grammar, is a 400 naming its field), so a bad one never reaches a replica."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from functools import lru_cache
 from typing import Any
@@ -17,11 +20,15 @@ from router.http.errors import APIError
 from router.http.protocol import SamplingFields
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# structured_outputs' constraints as the guided_* fields they succeed
+_GUIDED_OF = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}
 
 
 def request_grammar(req: SamplingFields) -> GrammarSpec | None:
     """The grammar the request's output must follow, or None for free text."""
-    given = [name for name in ("response_format", *GUIDED_FIELDS) if _given(req, name)]
+    outputs = req.structured_outputs
+    inner = [f"structured_outputs.{name}" for name in outputs.given()] if outputs is not None else []
+    given = [name for name in ("response_format", *GUIDED_FIELDS) if _given(req, name)] + inner
     if len(given) > 1:
         raise APIError(
             400, f"send one of {' or '.join(given)}, not both: each constrains the whole output", param=given[1]
@@ -29,24 +36,37 @@ def request_grammar(req: SamplingFields) -> GrammarSpec | None:
     if not given:
         return None
     name = given[0]
-    value = getattr(req, name)
+    spec = _spec(name, outputs.value(name.split(".")[1]) if name in inner else getattr(req, name))
+    if outputs is not None and outputs.disable_any_whitespace is not None and spec.kind == "json_schema":
+        spec = checked(dataclasses.replace(spec, any_whitespace=not outputs.disable_any_whitespace), name)
+    return spec
+
+
+def _spec(name: str, value: Any) -> GrammarSpec:
+    """The grammar of one structured-output field (`name` as the client wrote it) set to value."""
+    field = name
+    if name.startswith("structured_outputs."):
+        inner = name.split(".")[1]
+        if inner == "json_object":
+            return GrammarSpec("json_schema", '{"type": "object"}')
+        name = _GUIDED_OF[inner]
     if name == "response_format":
         if value.type == "json_object":
             # an object, as OpenAI's JSON mode promises (xgrammar's builtin JSON grammar allows any value)
             return GrammarSpec("json_schema", '{"type": "object"}')
-        return json_schema_grammar(value.json_schema.schema_, "response_format")
+        return json_schema_grammar(value.json_schema.schema_, field)
     if name == "guided_json":
         if isinstance(value, str):
             try:
                 value = json.loads(value)
             except ValueError as e:
-                raise APIError(400, f"guided_json is not JSON: {e}", param=name) from e
-        return json_schema_grammar(value, name)
+                raise APIError(400, f"{field} is not JSON: {e}", param=field) from e
+        return json_schema_grammar(value, field)
     if name == "guided_regex":
-        return checked(GrammarSpec("regex", value), name)
+        return checked(GrammarSpec("regex", value), field)
     if name == "guided_choice":
-        return checked(GrammarSpec("ebnf", choice_grammar(value)), name)
-    return checked(GrammarSpec("ebnf", value), name)
+        return checked(GrammarSpec("ebnf", choice_grammar(value, field)), field)
+    return checked(GrammarSpec("ebnf", value), field)
 
 
 def _given(req: SamplingFields, name: str) -> bool:
@@ -74,25 +94,25 @@ def check_json_schema(schema: Any, field: str, what: str = "the schema") -> None
         ) from e
 
 
-def choice_grammar(choices: list[str]) -> str:
+def choice_grammar(choices: list[str], field: str = "guided_choice") -> str:
     """An EBNF grammar of exactly one of the strings (JSON's string escapes are EBNF's)."""
     if not choices:
-        raise APIError(400, "guided_choice must list at least one string", param="guided_choice")
+        raise APIError(400, f"{field} must list at least one string", param=field)
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
 
 
 def checked(spec: GrammarSpec, field: str) -> GrammarSpec:
     """spec, once xgrammar has turned it into a grammar here; a 400 naming field when it cannot."""
-    problem = _problem(spec.kind, spec.spec)
+    problem = _problem(spec.kind, spec.spec, spec.any_whitespace)
     if problem is not None:
         raise APIError(400, f"{field}: {problem}", param=field)
     return spec
 
 
 @lru_cache(maxsize=256)
-def _problem(kind: str, spec: str) -> str | None:
+def _problem(kind: str, spec: str, any_whitespace: bool) -> str | None:
     build = {
-        "json_schema": xgrammar.Grammar.from_json_schema,
+        "json_schema": functools.partial(xgrammar.Grammar.from_json_schema, any_whitespace=any_whitespace),
         "regex": xgrammar.Grammar.from_regex,
         "ebnf": xgrammar.Grammar.from_ebnf,
         "structural_tag": xgrammar.Grammar.from_structural_tag,

@@ -6,25 +6,17 @@ are ignored."""
 
 from __future__ import annotations
 
-import json
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-# fields that change a request's meaning and are not supported: each with the values that leave the
-# meaning unchanged (what a client sends when it sets them to their defaults)
-UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "functions": (None, []),  # deprecated upstream for tools
-    "function_call": (None, "none", "auto"),
-    "suffix": (None, ""),
-    "best_of": (None, 1),  # deprecated upstream; n choices are sampled, never ranked
-}
-# tools are chat's: a completion has no template to render them nor a message to hold the calls
-COMPLETION_UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    **UNSUPPORTED_FIELDS,
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-}
+from router.http.messages import ChatMessage
+from router.http.refused import (
+    CHAT_UNSUPPORTED_FIELDS,
+    COMPLETION_UNSUPPORTED_FIELDS,
+    REFUSABLE,
+    UNSUPPORTED_FIELDS,
+)
 
 
 def _bad_text(value: Any, where: str) -> str | None:
@@ -55,6 +47,16 @@ class APIRequest(BaseModel):
     function_call: Any = None
     suffix: Any = None
     best_of: Any = None
+    use_beam_search: Any = None
+    include_stop_str_in_output: Any = None
+    spaces_between_special_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    vllm_xargs: Any = None
+    guided_whitespace_pattern: Any = None
+    prompt_embeds: Any = None
+    kv_transfer_params: Any = None
 
     @field_validator("*", mode="before")
     @classmethod
@@ -63,7 +65,7 @@ class APIRequest(BaseModel):
             raise ValueError("holds a string that is not valid Unicode (a lone surrogate)")
         return value
 
-    @field_validator(*COMPLETION_UNSUPPORTED_FIELDS, check_fields=False)
+    @field_validator(*REFUSABLE, check_fields=False)
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         neutral = cls.refused.get(info.field_name)
@@ -99,6 +101,48 @@ class ResponseFormat(BaseModel):
         return self
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: one constraint on the whole output (router/chat/structured.py)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    refused: ClassVar[dict[str, tuple]] = {
+        "structural_tag": (None,),
+        "whitespace_pattern": (None,),
+        "disable_additional_properties": (None, False),
+    }
+    CONSTRAINTS: ClassVar[tuple[str, ...]] = ("json", "regex", "choice", "grammar", "json_object")
+
+    json_: Any = Field(default=None, alias="json")  # a JSON Schema, or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None  # None: the server's default
+    disable_fallback: bool | None = None  # one backend here, so nothing to fall back from
+    # declared so that a refusal names them
+    structural_tag: Any = None
+    whitespace_pattern: Any = None
+    disable_additional_properties: Any = None
+
+    @field_validator("structural_tag", "whitespace_pattern", "disable_additional_properties")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if not any(value == v and type(value) is type(v) for v in cls.refused[info.field_name]):
+            raise ValueError(f"structured_outputs.{info.field_name} is not supported by this server")
+        return value
+
+    def given(self) -> list[str]:
+        """The constraints set, in vLLM's names (json_object: false sets none)."""
+        return [name for name in self.CONSTRAINTS if getattr(self, _attr(name)) not in (None, False)]
+
+    def value(self, name: str) -> Any:
+        return getattr(self, _attr(name))
+
+
+def _attr(name: str) -> str:
+    return "json_" if name == "json" else name
+
+
 class SamplingFields(APIRequest):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -126,6 +170,14 @@ class SamplingFields(APIRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None  # the output is one of these strings
     guided_grammar: str | None = None  # an EBNF grammar (xgrammar's, with a root rule)
+    structured_outputs: StructuredOutputs | None = None  # vLLM's successor of the guided_* fields
+    # vLLM's: k most likely per prompt token (router/http/extras.py writes them)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the last k; -1: the context
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    skip_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: completions add them, chat does not (the template does)
 
     @field_validator("stop")
     @classmethod
@@ -148,72 +200,6 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool | None = None  # the prompt returned before each choice's text (and its logprobs first)
-
-
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    name: str
-    arguments: str  # a JSON object's text, as OpenAI sends it
-
-
-class ToolCallParam(BaseModel):
-    """A tool call of an earlier assistant message, sent back with the conversation."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-    def for_template(self) -> dict:
-        """As Hugging Face chat templates read a call: arguments as a mapping (Llama's template writes
-        them with tojson; Qwen's takes a mapping or a string)."""
-        try:
-            arguments = json.loads(self.function.arguments)
-        except ValueError:
-            arguments = self.function.arguments
-        call = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
-        return call if self.id is None else {"id": self.id, **call}
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallParam] | None = None  # an assistant's
-    tool_call_id: str | None = None  # a tool result's: the call it answers
-
-    @model_validator(mode="after")
-    def _tool_fields(self) -> ChatMessage:
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("tool_calls belong to assistant messages")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs the tool_call_id of the call it answers")
-        return self
-
-    def for_template(self) -> dict:
-        """The message as Hugging Face chat templates expect it."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.tool_calls:
-            out["tool_calls"] = [c.for_template() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            out["name"] = self.name
-        return out
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
 
 
 class FunctionDefinition(BaseModel):
@@ -246,6 +232,19 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    refused: ClassVar[dict[str, tuple]] = CHAT_UNSUPPORTED_FIELDS
+
+    # declared so that a refusal names them
+    audio: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    include_reasoning: Any = None
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

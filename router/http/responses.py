@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 from router.chat.output import ChatOutput, ChatOutputParser, ChatParts, delta, message
+from router.http.extras import Extras, prompt_logprobs_list
 from router.replicas.generation import Piece
 
 # An SSE line ends at CR or LF only, but str.splitlines (and so httpx's iter_lines) also ends one at NEL,
@@ -29,17 +30,19 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-@dataclass
-class Echo:
-    """The prompt a completion returns before each choice's text (the request's echo)."""
+@dataclass(frozen=True)
+class PromptShown:
+    """What a response may show of one of its prompts: its token ids, and its text when the request
+    echoes it (a completion's echo: the prompt before each choice's text)."""
 
-    text: str  # as the client sent it (its decoded ids when it sent token ids)
     token_ids: list[int]
+    echo: str | None = None  # as the client sent it (its decoded ids when it sent token ids)
 
 
 class Formatter:
-    """Builds one request's bodies; `chat` picks the chat.completion shapes, `n` is its choices, and
-    `output` how a chat choice's text is read (reasoning, tool calls; None: all of it is content)."""
+    """Builds one request's bodies; `chat` picks the chat.completion shapes, `n` is the choices of each
+    of its `prompts` (several in a completion: choice i of prompt p has index p * n + i), and `output`
+    how a chat choice's text is read (reasoning, tool calls; None: all of it is content)."""
 
     def __init__(
         self,
@@ -49,16 +52,19 @@ class Formatter:
         tokenizer,
         top_logprobs: int | None,
         n: int = 1,
-        echo: Echo | None = None,
+        prompts: list[PromptShown] | None = None,
         output: ChatOutput | None = None,
+        extras: Extras = Extras(),
     ) -> None:
         self.id, self.model, self.chat, self.tok = request_id, model, chat, tokenizer
         self.top_logprobs = top_logprobs  # None: no logprobs
-        self.n, self.echo = n, echo
+        self.n, self.prompts, self.extras = n, prompts or [PromptShown([])], extras
+        self.choices = n * len(self.prompts)
         self.output = output if chat and output is not None and output.parses else None
         self._parsers: dict[int, ChatOutputParser] = {}  # a streamed choice's, by index
         self.created = int(time.time())
-        self.offsets = [0] * n  # each choice's text_offset so far
+        self.offsets = [0] * self.choices  # each choice's text_offset so far
+        self.generated = [0] * self.choices  # each choice's tokens streamed so far (continuous usage)
         head = {
             "id": self.id,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -68,14 +74,18 @@ class Formatter:
         self._sse_head = "data: " + stream_json(head)[:-1] + ', "choices": ['
 
     def _token(self, t: int) -> str:
-        return self.tok.decode([t])
+        return f"token_id:{t}" if self.extras.tokens_as_ids else self.tok.decode([t])
+
+    def prompt(self, piece: Piece) -> PromptShown:
+        """The prompt of piece's choice."""
+        return self.prompts[piece.index // self.n]
 
     def echoes(self, piece: Piece) -> bool:
-        return self.echo is not None and piece.first
+        return piece.first and self.prompt(piece).echo is not None
 
     def text(self, piece: Piece) -> str:
         """The piece's text, after the prompt when it is its choice's first and the request echoes."""
-        return self.echo.text + piece.text if self.echoes(piece) else piece.text
+        return self.prompt(piece).echo + piece.text if self.echoes(piece) else piece.text
 
     def logprobs(self, piece: Piece) -> dict | None:
         if self.top_logprobs is None or not (piece.logprobs or self.echoes(piece)):
@@ -98,7 +108,7 @@ class Formatter:
         ids, values, tops = list(piece.token_ids), list(piece.logprobs), [self._top_dict(t) for t in piece.top_logprobs]
         if self.echoes(piece):
             prompt_values, prompt_tops = self._prompt_logprobs(piece)
-            ids, values, tops = self.echo.token_ids + ids, prompt_values + values, prompt_tops + tops
+            ids, values, tops = self.prompt(piece).token_ids + ids, prompt_values + values, prompt_tops + tops
         tokens = [self._token(t) for t in ids]
         offsets = []
         for text in tokens:
@@ -109,11 +119,13 @@ class Formatter:
     def _prompt_logprobs(self, piece: Piece) -> tuple[list[float | None], list[dict | None]]:
         """The echoed prompt's token_logprobs and top_logprobs: none for its first token (nothing comes
         before it), nor for any the replica did not score."""
-        scored = list(piece.prompt_logprobs or [])[: len(self.echo.token_ids) - 1]
-        scored += [None] * (len(self.echo.token_ids) - 1 - len(scored))
+        prompt = self.prompt(piece).token_ids
+        scored = list(piece.prompt_logprobs or [])[: len(prompt) - 1]
+        scored += [None] * (len(prompt) - 1 - len(scored))
+        # prompt_logprobs may have asked the replica for more of the most likely than logprobs shows
         return (
             [None] + [s[0] if s else None for s in scored],
-            [None] + [self._top_dict(s[1]) if s else None for s in scored],
+            [None] + [self._top_dict(s[1][: self.top_logprobs]) if s else None for s in scored],
         )
 
     def _top_dict(self, top: list[tuple[int, float]]) -> dict[str, float]:
@@ -123,8 +135,8 @@ class Formatter:
         return out
 
     def whole(self, pieces: list[Piece], prompt_tokens: int) -> dict:
-        choices = [self._whole_choice(i, [p for p in pieces if p.index == i]) for i in range(self.n)]
-        return {
+        choices = [self._whole_choice(i, [p for p in pieces if p.index == i]) for i in range(self.choices)]
+        body = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -132,6 +144,14 @@ class Formatter:
             "choices": choices,
             "usage": usage(prompt_tokens, sum(len(p.token_ids) for p in pieces)),
         }
+        if self.chat:  # vLLM's: the prompt's fields on the response, chat having one prompt
+            if self.extras.return_token_ids:
+                body["prompt_token_ids"] = self.prompts[0].token_ids
+            if self.extras.prompt_logprobs is not None:
+                body["prompt_logprobs"] = choices[0].pop("prompt_logprobs", None) if choices else None
+                for choice in choices:
+                    choice.pop("prompt_logprobs", None)
+        return body
 
     def _whole_choice(self, index: int, own: list[Piece]) -> dict:
         merged = Piece(
@@ -145,6 +165,15 @@ class Formatter:
             prompt_logprobs=own[0].prompt_logprobs if own else None,
         )
         choice = {"index": index, "logprobs": self.logprobs(merged), "finish_reason": merged.finish_reason}
+        prompt = self.prompt(merged).token_ids
+        if self.extras.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_list(
+                prompt, merged.prompt_logprobs, self.extras.prompt_logprobs, self._token
+            )
+        if self.extras.return_token_ids:
+            choice["token_ids"] = merged.token_ids
+            if not self.chat:
+                choice["prompt_token_ids"] = prompt
         if self.output is not None:
             parser = self.output.parser()
             parts = parser.feed(merged.text)
@@ -195,36 +224,53 @@ class Formatter:
 
     def role_chunks(self) -> list[str]:
         """Chat's first events: one per choice, naming the assistant's role."""
-        return [sse(self.chunk(None, first=True, index=i)) for i in range(self.n)]
+        return [sse(self._with_extras(self.chunk(None, first=True, index=i), None, i)) for i in range(self.choices)]
+
+    def _with_extras(self, body: dict, piece: Piece | None, index: int) -> dict:
+        """A stream chunk with the fields the request's extras add (`piece` None: chat's role chunk,
+        which carries a chat prompt's token ids, as vLLM's first chunk does)."""
+        choice, extras = body["choices"][0], self.extras
+        prompt = self.prompts[index // self.n].token_ids
+        if extras.return_token_ids:
+            if piece is not None:
+                choice["token_ids"] = piece.token_ids
+            if piece is None:
+                body["prompt_token_ids"] = prompt
+            elif piece.first and not self.chat:
+                choice["prompt_token_ids"] = prompt
+        if extras.continuous_usage:  # vLLM's: the choice's prompt and its tokens so far
+            body["usage"] = usage(len(prompt), self.generated[index])
+        return body
 
     def chunk_sse(self, piece: Piece) -> str:
         """`sse(self.chunk(piece))`, built from this request's fixed head: a streamed token's only
         per-token work here is encoding its text (the router does this for every token it streams).
         "" when there is nothing to send: a parser holds the piece's text back (it may open a tool call)."""
-        reason = piece.finish_reason
+        reason, extras = piece.finish_reason, self.extras
+        self.generated[piece.index] += len(piece.token_ids)
         if self.output is not None:
             parsed, reason = self._parsed(piece)
-            if not parsed and reason is None and not piece.logprobs:
+            ids_shown = extras.return_token_ids and piece.token_ids  # every token's id goes out
+            if not parsed and reason is None and not piece.logprobs and not ids_shown:
                 return ""
-            if self.top_logprobs is not None or parsed.keys() - {"content"}:
+            if self.top_logprobs is not None or parsed.keys() - {"content"} or extras.in_stream:
                 choice = {
                     "index": piece.index,
                     "delta": parsed,
                     "logprobs": self.logprobs(piece),
                     "finish_reason": reason,
                 }
-                return sse(
-                    {
-                        "id": self.id,
-                        "object": "chat.completion.chunk",
-                        "created": self.created,
-                        "model": self.model,
-                        "choices": [choice],
-                    }
-                )
+                body = {
+                    "id": self.id,
+                    "object": "chat.completion.chunk",
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [choice],
+                }
+                return sse(self._with_extras(body, piece, piece.index))
             text = parsed.get("content", "")
-        elif self.top_logprobs is not None or self.echoes(piece):
-            return sse(self.chunk(piece))
+        elif self.top_logprobs is not None or self.echoes(piece) or extras.in_stream:
+            return sse(self._with_extras(self.chunk(piece), piece, piece.index))
         else:
             text = piece.text
         index = '{"index": ' + str(piece.index)

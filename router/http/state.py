@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from cluster import GrammarSpec, InvalidRequestError, RequestLimits, SamplingParams, ServeConfig
 from router.http.errors import APIError
 from router.http.metrics import RouterMetrics
-from router.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from router.http.protocol import ChatCompletionRequest, SamplingFields
 
 
 def generation_defaults(model_path: str) -> dict:
@@ -118,30 +118,6 @@ class RouterState:
                 param="model",
                 code="model_not_found",
             )
-
-    def completion_ids(self, req: CompletionRequest) -> list[int]:
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, "send one prompt per request", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            ids = self.tokenizer(prompt).input_ids
-        else:
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise APIError(
-                    400, f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param="prompt"
-                )
-            ids = list(prompt)
-        return ids
-
-    def prompt_text(self, req: CompletionRequest, ids: list[int]) -> str:
-        """The prompt as an echo returns it: the text the client sent, or its token ids decoded."""
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
 
     def chat_ids(self, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
         return self.tokenizer(self.chat_prompt(req, add_generation_prompt), add_special_tokens=False).input_ids

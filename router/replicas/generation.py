@@ -87,9 +87,9 @@ class Generation:
 
     async def aclose(self) -> None:
         await self._pieces.aclose()
-        self._abort_live()  # a generator never started has run no finally
+        self.abort_live()  # a generator never started has run no finally
 
-    def _abort_live(self) -> None:
+    def abort_live(self) -> None:
         for uid in self.live:  # a disconnect, a timeout, another choice's failure
             self.client.abort(uid)
         self.live.clear()
@@ -128,7 +128,7 @@ class Generation:
                     self.timing.received(len(piece.token_ids), now, i)
                     yield piece
         finally:
-            self._abort_live()
+            self.abort_live()
 
 
 def _add(piece: Piece, delta: TokenDelta, detok: IncrementalDetokenizer) -> bool:

@@ -1,0 +1,60 @@
+"""A completion's prompts as OpenAI's API allows them: one string, one token-id list, or a list of
+either (lm-evaluation-harness sends a batch so), each tokenized and checked here, so that a bad one
+is a 400 for the whole request before any prompt runs; and vLLM's truncate_prompt_tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from router.http.errors import APIError
+from router.http.protocol import CompletionRequest, SamplingFields
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    text: str  # as an echo returns it: the client's text, or its token ids decoded
+
+
+def completion_prompts(
+    req: CompletionRequest, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_seq_len: int
+) -> list[Prompt]:
+    """The request's prompts in order, truncated as it asks."""
+    prompt = req.prompt
+    several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    prompts = prompt if several else [prompt]
+    special = req.add_special_tokens is not False
+    out = []
+    for i, one in enumerate(prompts):
+        where = f"prompt {i}: " if several else ""
+        if isinstance(one, str):
+            ids = tokenizer(one, add_special_tokens=special).input_ids
+        else:
+            bad = [t for t in one if not 0 <= t < vocab_size]
+            if bad:
+                raise APIError(
+                    400, f"{where}token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", param="prompt"
+                )
+            ids = list(one)
+        kept = truncated(ids, req, max_seq_len)
+        text = one if isinstance(one, str) and len(kept) == len(ids) else tokenizer.decode(kept)
+        out.append(Prompt(kept, text))
+    return out
+
+
+def truncated(ids: list[int], req: SamplingFields, max_seq_len: int) -> list[int]:
+    """The last truncate_prompt_tokens of ids (vLLM's left truncation; -1: the model's context)."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k == 0 or k > max_seq_len:
+        raise APIError(
+            400,
+            f"truncate_prompt_tokens is {k}; it keeps the prompt's last k tokens, k from 1 to this model's "
+            f"context of {max_seq_len} tokens (or -1: the context)",
+            param="truncate_prompt_tokens",
+        )
+    k = max_seq_len if k == -1 else k
+    return ids[-k:] if len(ids) > k else ids
