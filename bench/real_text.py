@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import os
 import time
-from pathlib import Path
 
 import numpy as np
 from common import report
@@ -65,7 +63,7 @@ def workload(tokenizer, n: int, seed: int) -> tuple[list[list[int]], list[Sampli
 def default_model() -> str:
     from demo import smollm2_folder
 
-    return str(smollm2_folder(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "raylm"))
+    return str(smollm2_folder())
 
 
 def main() -> None:

