@@ -180,6 +180,7 @@ def _extras(body: SamplingFields) -> Extras:
         prompt_logprobs=body.prompt_logprobs,
         # vLLM's include_usage defaults to true where stream_options are sent
         continuous_usage=options.get("continuous_usage_stats") is True and options.get("include_usage") is not False,
+        skip_special_tokens=body.skip_special_tokens,
     )
 
 

@@ -17,6 +17,7 @@ class Extras:
     tokens_as_ids: bool = False
     prompt_logprobs: int | None = None  # k: the k most likely per prompt token
     continuous_usage: bool = False
+    skip_special_tokens: bool = True  # what the text leaves out, which text_offset then counts nothing for
 
     @property
     def in_stream(self) -> bool:

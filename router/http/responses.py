@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from router.chat.output import ChatOutput, ChatOutputParser, ChatParts, delta, message
 from router.http.extras import Extras, prompt_logprobs_list
+from router.http.token_bytes import TextOffsets, token_bytes
 from router.replicas.generation import Piece
 
 # An SSE line ends at CR or LF only, but str.splitlines (and so httpx's iter_lines) also ends one at NEL,
@@ -63,7 +64,8 @@ class Formatter:
         self.output = output if chat and output is not None and output.parses else None
         self._parsers: dict[int, ChatOutputParser] = {}  # a streamed choice's, by index
         self.created = int(time.time())
-        self.offsets = [0] * self.choices  # each choice's text_offset so far
+        self.token_bytes = token_bytes(tokenizer)
+        self.offsets = [TextOffsets() for _ in range(self.choices)]  # each choice's text_offset so far
         self.generated = [0] * self.choices  # each choice's tokens streamed so far (continuous usage)
         head = {
             "id": self.id,
@@ -74,7 +76,7 @@ class Formatter:
         self._sse_head = "data: " + stream_json(head)[:-1] + ', "choices": ['
 
     def _token(self, t: int) -> str:
-        return f"token_id:{t}" if self.extras.tokens_as_ids else self.tok.decode([t])
+        return f"token_id:{t}" if self.extras.tokens_as_ids else self.token_bytes.text(t)
 
     def prompt(self, piece: Piece) -> PromptShown:
         """The prompt of piece's choice."""
@@ -96,25 +98,27 @@ class Formatter:
                     {
                         "token": self._token(t),
                         "logprob": lp,
-                        "bytes": list(self._token(t).encode()),
+                        "bytes": list(self.token_bytes.of(t)),
                         "top_logprobs": [
-                            {"token": self._token(i), "logprob": v, "bytes": list(self._token(i).encode())}
+                            {"token": self._token(i), "logprob": v, "bytes": list(self.token_bytes.of(i))}
                             for i, v in top
                         ],
                     }
                     for t, lp, top in zip(piece.token_ids, piece.logprobs, piece.top_logprobs)
                 ]
             }
-        ids, values, tops = list(piece.token_ids), list(piece.logprobs), [self._top_dict(t) for t in piece.top_logprobs]
+        ids, values = list(piece.token_ids), list(piece.logprobs)
+        tops = [self._top_dict(t, lp, top) for t, lp, top in zip(ids, values, piece.top_logprobs)]
         if self.echoes(piece):
             prompt_values, prompt_tops = self._prompt_logprobs(piece)
             ids, values, tops = self.prompt(piece).token_ids + ids, prompt_values + values, prompt_tops + tops
-        tokens = [self._token(t) for t in ids]
-        offsets = []
-        for text in tokens:
-            offsets.append(self.offsets[piece.index])
-            self.offsets[piece.index] += len(text)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+        skip, offsets = self.extras.skip_special_tokens, self.offsets[piece.index]
+        return {
+            "tokens": [self._token(t) for t in ids],
+            "token_logprobs": values,
+            "top_logprobs": tops,
+            "text_offset": [offsets.add(self.token_bytes.shown(t, skip)) for t in ids],
+        }
 
     def _prompt_logprobs(self, piece: Piece) -> tuple[list[float | None], list[dict | None]]:
         """The echoed prompt's token_logprobs and top_logprobs: none for its first token (nothing comes
@@ -125,12 +129,16 @@ class Formatter:
         # prompt_logprobs may have asked the replica for more of the most likely than logprobs shows
         return (
             [None] + [s[0] if s else None for s in scored],
-            [None] + [self._top_dict(s[1][: self.top_logprobs]) if s else None for s in scored],
+            [None] + [self._top_dict(t, s[0], s[1]) if s else None for t, s in zip(prompt[1:], scored)],
         )
 
-    def _top_dict(self, top: list[tuple[int, float]]) -> dict[str, float]:
+    def _top_dict(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict[str, float]:
+        """A completion's top_logprobs at one position: the k most likely, or with logprobs 0 the token
+        itself (vLLM's)."""
+        if self.top_logprobs == 0:
+            return {self._token(token): logprob}
         out: dict[str, float] = {}
-        for i, v in top:  # most likely first: where two tokens decode alike, the likelier one stays
+        for i, v in top[: self.top_logprobs]:  # keys differ but where two added tokens share a text
             out.setdefault(self._token(i), v)
         return out
 
