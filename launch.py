@@ -232,6 +232,14 @@ def startup_problem(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        start_and_serve(argv)
+    except KeyboardInterrupt:  # Ctrl-C while starting: one line, not a traceback
+        print(f"{Path(sys.argv[0]).name}: interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+def start_and_serve(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     config = build_config(parse_args(argv))
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -243,6 +251,13 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"--model {e}")
     if (problem := port_problem(config.host, config.port)) is not None:
         fail(f"--port {problem}")
+    if config.address is not None:  # before anything slow: an unreachable cluster is told in seconds
+        from cluster.fleet.address import ClusterUnreachableError, probe_cluster
+
+        try:
+            probe_cluster(config.address)
+        except ClusterUnreachableError as e:
+            fail(str(e))
     from router.tier.deployment import Deployment
 
     ray_options = local_ray_options(config.dashboard) if config.address is None else {}

@@ -260,6 +260,13 @@ class ServeConfig(ReplicaConfig):
         above=0,
         group=LIMITS,
     )
+    body_timeout_s: float = setting(
+        30.0,
+        "a request's body must arrive whole within this long after its headers, else a 408 (a client "
+        "that stops sending is cut off)",
+        above=0,
+        group=LIMITS,
+    )
     keep_alive_timeout_s: float = setting(
         30.0, "an idle connection between two requests is closed after this long", above=0, group=LIMITS
     )

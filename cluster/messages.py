@@ -59,6 +59,7 @@ class TokenDelta:
     # with SamplingParams.prompt_logprobs, on a request's first token: for prompt positions 1.. (the first
     # has none), the prompt token's logprob and the k most likely (id, logprob) there
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    cached_tokens: int | None = None  # on a request's first token: its prompt tokens served from the prefix cache
 
     @classmethod
     def failure(cls, uid: int, kind: ErrorKind, why: str) -> TokenDelta:
@@ -104,6 +105,7 @@ class ReplicaOutput(list):
                     d.error,
                     d.error_kind,
                     d.prompt_logprobs,
+                    d.cached_tokens,
                 )
             )
             != _PLAIN
@@ -111,17 +113,17 @@ class ReplicaOutput(list):
         return _rebuild_output, ([d.uid for d in self], [d.token for d in self], extra, self.kv_events, self.live)
 
 
-_PLAIN = (False, None, None, None, None, None, None)  # a TokenDelta's fields after (uid, token), as defaulted
+_PLAIN = (False, None, None, None, None, None, None, None)  # a TokenDelta's fields after (uid, token), as defaulted
 
 
 def _rebuild_output(
     uids: list[int], tokens: list[int | None], extra: list[tuple], kv_events: KVEvents | None, live: int | None
 ) -> ReplicaOutput:
     out = ReplicaOutput([TokenDelta(u, t) for u, t in zip(uids, tokens)], kv_events, live)
-    for i, (finished, reason, logprob, top, error, kind, prompt_logprobs) in extra:
+    for i, (finished, reason, logprob, top, error, kind, prompt_logprobs, cached) in extra:
         d = out[i]
         d.finished, d.finish_reason, d.logprob, d.top_logprobs = finished, reason, logprob, top
-        d.error, d.error_kind, d.prompt_logprobs = error, kind, prompt_logprobs
+        d.error, d.error_kind, d.prompt_logprobs, d.cached_tokens = error, kind, prompt_logprobs, cached
     return out
 
 

@@ -260,6 +260,7 @@ def test_the_routers_own_refusals_are_counted_as_rejected(ray_cluster, qwen3_pat
         r = httpx.post(srv.url + C, json=_body("Hey"), timeout=60)  # the router knows the queue is full
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
         metrics = httpx.get(srv.url + "/metrics").text
-        assert 'raylm:request_success_total{finish_reason="rejected",model="tiny"} 1.0' in metrics, metrics
+        assert 'raylm:request_failure_total{model="tiny",reason="rejected"} 1.0' in metrics, metrics
+        assert 'finish_reason="rejected"' not in metrics
         running.join(60)
         waiting.join(60)

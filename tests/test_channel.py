@@ -270,6 +270,7 @@ def test_every_delta_field_survives_the_columns():
         "error": "why",
         "error_kind": ErrorKind.ENGINE,
         "prompt_logprobs": [(-1.0, [(2, -0.2)])],
+        "cached_tokens": 8,
     }
     fields = [f.name for f in dataclasses.fields(TokenDelta)][2:]
     assert sorted(fields) == sorted(values)  # a new field needs a value here, and a column there

@@ -3,8 +3,10 @@ bundle 0 and the followers in the others, joined in one tensor-parallel group.""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import threading
 import time
 import uuid
@@ -14,6 +16,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ReplicaConfig
+from cluster.fleet.address import probe_cluster
 from cluster.messages import ReplicaInfo
 from cluster.replica.actor import SchedulerActor
 from worker.follower import Follower
@@ -31,6 +34,7 @@ def ensure_ray(address: str | None = None, **init_options) -> str | None:
     if ray.is_initialized():
         return None
     if address is not None:
+        probe_cluster(address)
         check_cluster_auth(address)
     if address is None:
         if not _has_gpu_locally():
@@ -38,8 +42,23 @@ def ensure_ray(address: str | None = None, **init_options) -> str | None:
             init_options.setdefault("num_cpus", max(os.cpu_count() or 1, 8))
         init_options.setdefault("include_dashboard", False)
     # "local" starts a new Ray even when another one runs on this machine
-    context = ray.init(address=address or "local", **init_options)
+    with _interruptible(address is not None):
+        context = ray.init(address=address or "local", **init_options)
     return getattr(context, "dashboard_url", None) or None
+
+
+@contextlib.contextmanager
+def _interruptible(joining: bool):
+    """While joining a cluster, Ctrl-C ends the process at once: Ray's connect waits in native code,
+    where Python's handler would run only once it gives up. Nothing is started yet that needs stopping."""
+    if not joining or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def check_cluster_auth(address: str) -> None:

@@ -30,7 +30,10 @@ class ReplicaMetrics:
         self.prompt_tokens = Counter("raylm_prompt_tokens", "Prompt tokens of admitted requests", _TAGS)
         self.generation_tokens = Counter("raylm_generation_tokens", "Generated tokens", _TAGS)
         self.preemptions = Counter("raylm_num_preemptions", "Requests preempted for KV pages (recomputed later)", _TAGS)
-        self.requests = Counter("raylm_request_success", "Ended requests by finish reason", _TAGS + ("finish_reason",))
+        self.requests = Counter(
+            "raylm_request_success", "Requests that ran to their end (stop, length)", _TAGS + ("finish_reason",)
+        )
+        self.failures = Counter("raylm_request_failure", "Requests aborted or failed, by reason", _TAGS + ("reason",))
         # client-visible latencies (TTFT, inter-token, per output token, end to end) are measured once,
         # where the client's tokens arrive: by the router (router/http/metrics.py)
         self.queue_time = Histogram("raylm_queue_time_seconds", "Arrival to first prefill", _LATENCY, _TAGS)
@@ -40,7 +43,10 @@ class ReplicaMetrics:
 
     def on_finish(self, req: Req, reason: str) -> None:
         tags = self.tags
-        self.requests.inc(1, {**tags, "finish_reason": reason})
+        if reason in ("stop", "length"):
+            self.requests.inc(1, {**tags, "finish_reason": reason})
+        else:
+            self.failures.inc(1, {**tags, "reason": reason})
         if req.prompt_len:
             self.prompt_tokens.inc(req.prompt_len, tags)
         if req.scheduled is not None:
@@ -51,7 +57,7 @@ class ReplicaMetrics:
         (its scheduler may be stuck, so its state is not read)."""
         tags = self.tags
         if num_requests:
-            self.requests.inc(num_requests, {**tags, "finish_reason": "error"})
+            self.failures.inc(num_requests, {**tags, "reason": "error"})
         self.running.set(0, tags)
         self.queued.set(0, tags)
 

@@ -323,8 +323,10 @@ class Scheduler:
             req.first_token = req.first_token or now
             req.last_token = now
             delta = TokenDelta(req.uid, token)
-            if req.params.prompt_logprobs is not None and len(req.input_ids) == req.prompt_len + 1:
-                delta.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
+            if len(req.input_ids) == req.prompt_len + 1:  # its first token
+                delta.cached_tokens = req.prefix_hit_len
+                if req.params.prompt_logprobs is not None:
+                    delta.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
             if logprobs is not None and req.params.logprobs is not None:
                 delta.logprob = logprobs[i]
                 if k := req.params.logprobs:

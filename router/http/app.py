@@ -17,6 +17,7 @@ from router.chat.structured import request_grammar
 from router.http.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from router.http.extras import Extras
 from router.http.guard import RequestGuard
+from router.http.head import HeadAsGet
 from router.http.prompts import completion_prompts, truncated
 from router.http.protocol import (
     ChatCompletionRequest,
@@ -51,6 +52,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_middleware(RequestGuard, state=state)
+    app.add_middleware(HeadAsGet)
 
     @app.get("/health")
     async def health():

@@ -6,7 +6,8 @@ timeout.
 
 Two protocols carry the same bounds: uvicorn's httptools one (a C parser, and a response body
 written as chunks without a Python state machine: about half the router's CPU per streamed event
-is this send path), used when httptools is installed, and its h11 one otherwise."""
+is this send path), used when httptools is installed, and its h11 one otherwise. A request either
+parser rejects is answered with an OpenAI error body, as every other error is."""
 
 from __future__ import annotations
 
@@ -20,20 +21,27 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 
-_BUSY_BODY = json.dumps(
-    {
-        "error": {
-            "message": "too many open connections; try again later",
-            "type": "service_unavailable",
-            "param": None,
-            "code": None,
-        }
-    }
-).encode()
-_BUSY = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-    b"content-length: %d\r\n\r\n" % len(_BUSY_BODY)
-) + _BUSY_BODY
+
+def _error_body(message: str, type_: str) -> bytes:
+    """An OpenAI error body, for the answers the protocol writes itself (no app runs for them)."""
+    return json.dumps({"error": {"message": message, "type": type_, "param": None, "code": None}}).encode()
+
+
+def _closing_response(status: bytes, body: bytes) -> bytes:
+    return (
+        b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n"
+        % (status, len(body))
+    ) + body
+
+
+_BUSY = _closing_response(
+    b"503 Service Unavailable", _error_body("too many open connections; try again later", "service_unavailable")
+)
+
+
+def _parser_rejection(message: str) -> bytes:
+    """A 400 for a request the HTTP parser rejects (uvicorn's own answer is plain text)."""
+    return _closing_response(b"400 Bad Request", _error_body(message, "invalid_request_error"))
 
 
 class _HeaderBounds:
@@ -90,6 +98,10 @@ class BoundedH11Protocol(_HeaderBounds, H11Protocol):
         if self.conn.our_state in (h11.IDLE, h11.DONE):
             self.conn.send(h11.ConnectionClosed())
 
+    def send_400_response(self, msg: str) -> None:
+        self.transport.write(_parser_rejection(msg))
+        self.transport.close()
+
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -99,7 +111,9 @@ except ImportError:  # httptools is not installed
 if HttpToolsProtocol is not None:
 
     class BoundedHttpToolsProtocol(_HeaderBounds, HttpToolsProtocol):
-        pass
+        def send_400_response(self, msg: str) -> None:
+            self.transport.write(_parser_rejection(msg))
+            self.transport.close()
 
 
 def bounded_protocol(header_timeout_s: float, max_connections: int, impl: str = "auto"):

@@ -1,11 +1,14 @@
 """What every request passes before the API sees it, as plain ASGI (no per-request task, safe with
-streaming and disconnects): the API key on /v1 routes (constant-time compare), the body-size limit on
-the bytes actually received (a body without or lying in its Content-Length included), and refusal of
-new work while draining."""
+streaming and disconnects): the API key on /v1 routes (constant-time compare; the scheme's name in any
+case, as RFC 7235 has it), the body-size limit on the bytes actually received (a body without or lying
+in its Content-Length included), the body timeout (a body that stops arriving), and refusal of new work
+while draining."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import time
 
 from router.http.errors import error_response
 
@@ -23,8 +26,9 @@ class RequestGuard:
         cfg = self.state.config
         if scope["path"].startswith(_GUARDED):
             if cfg.api_key is not None:
-                given = dict(scope["headers"]).get(b"authorization", b"")
-                if not hmac.compare_digest(given, f"Bearer {cfg.api_key}".encode()):
+                scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+                # compared whatever the scheme, so that the time taken says nothing of the key
+                if not hmac.compare_digest(given.strip(), cfg.api_key.encode()) or scheme.lower() != b"bearer":
                     return await error_response(
                         401,
                         "invalid or missing API key (send Authorization: Bearer KEY)",
@@ -38,8 +42,16 @@ class RequestGuard:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
+        deadline = time.monotonic() + cfg.body_timeout_s
         while True:  # bodies are small: read it whole, refusing it as soon as it is too big
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+            except TimeoutError:
+                too_slow = error_response(
+                    408, f"the request body did not arrive within {cfg.body_timeout_s} s", "timeout_error"
+                )
+                too_slow.headers["connection"] = "close"  # the rest of the body would be read as a request
+                return await too_slow(scope, receive, send)
             if message["type"] != "http.request":
                 return  # the client left before sending it all
             chunks.append(message.get("body", b""))

@@ -34,8 +34,14 @@ class RouterMetrics:
         self.model = model
         self.requests = Counter(
             "raylm:request_success",
-            "Finished requests by finish reason",
+            "Requests that ran to their end (stop, length), by finish reason",
             labels + ["finish_reason"],
+            registry=self.registry,
+        )
+        self.failures = Counter(
+            "raylm:request_failure",
+            "Requests that did not (rejected, timeout, abort, error), by reason",
+            labels + ["reason"],
             registry=self.registry,
         )
         self.prompt_tokens = Counter(
@@ -94,7 +100,7 @@ class RouterMetrics:
 
     def finished(self, reason: str, prompt_tokens: int, timing: Timing) -> None:
         m = self.model
-        self.requests.labels(m, reason).inc()
+        self.ended(reason)
         self.prompt_tokens.labels(m).inc(prompt_tokens)
         self.generation_tokens.labels(m).inc(timing.tokens)
         if timing.first_token is not None:
@@ -105,6 +111,17 @@ class RouterMetrics:
                 itl.observe(gap)
             if (tpot := timing.time_per_output_token) is not None:
                 self.tpot.labels(m).observe(tpot)
+
+    def ended(self, reason: str) -> None:
+        """Counts a request's end: a success when it stopped or reached its length, else a failure."""
+        if reason in SUCCESSES:
+            self.requests.labels(self.model, reason).inc()
+        else:
+            self.failures.labels(self.model, reason).inc()
+
+
+# the finish reasons of a request that ran to its end; a refusal, a timeout, an abort or an error did not
+SUCCESSES = frozenset({"stop", "length"})
 
 
 class ReplicaGauges(Collector):

@@ -149,7 +149,7 @@ class SamplingFields(APIRequest):
     temperature: float | None = Field(default=None, ge=0, le=100)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # any 64-bit integer, as vLLM's (-1 included)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -185,6 +185,13 @@ class SamplingFields(APIRequest):
         stops = [v] if isinstance(v, str) else v
         if stops is not None and any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_of_a_stream(cls, v: dict | None, info: ValidationInfo) -> dict | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
         return v
 
     @property

@@ -27,8 +27,12 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else stream_json(data)}\n\n"
 
 
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int | None = None) -> dict:
+    """OpenAI's usage; `cached`: of the prompt tokens, those served from the prefix cache."""
+    body = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached}
+    return body
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,7 @@ class Formatter:
             out.setdefault(self._token(i), v)
         return out
 
-    def whole(self, pieces: list[Piece], prompt_tokens: int) -> dict:
+    def whole(self, pieces: list[Piece], prompt_tokens: int, cached_tokens: int | None = None) -> dict:
         choices = [self._whole_choice(i, [p for p in pieces if p.index == i]) for i in range(self.choices)]
         body = {
             "id": self.id,
@@ -150,7 +154,7 @@ class Formatter:
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": usage(prompt_tokens, sum(len(p.token_ids) for p in pieces)),
+            "usage": usage(prompt_tokens, sum(len(p.token_ids) for p in pieces), cached_tokens),
         }
         if self.chat:  # vLLM's: the prompt's fields on the response, chat having one prompt
             if self.extras.return_token_ids:
@@ -290,14 +294,14 @@ class Formatter:
             choice = index + ', "delta": {"content": ' + stream_json(text) + "}"
         return self._sse_head + choice + ', "logprobs": null, "finish_reason": ' + json.dumps(reason) + "}]}\n\n"
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
         return {
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens),
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
         }
 
 

@@ -68,7 +68,7 @@ def _send(state: RouterState, runs: list[PromptRun], body) -> list[_Sent]:
         if isinstance(e, NoReplicaError):
             raise APIError(503, str(e), "service_unavailable") from e
         # every queue is full: a 429 before anything is sent, a stream's included
-        state.metrics.requests.labels(state.model_name, "rejected").inc()
+        state.metrics.ended("rejected")
         raise APIError.of(e) from e
     return sent
 
@@ -129,7 +129,7 @@ async def serve(state: RouterState, request: Request, body, runs: list[PromptRun
         raise APIError.of(e) from e
     finally:
         await finish()
-    return fmt.whole(collected, prompt_tokens)
+    return fmt.whole(collected, prompt_tokens, _cached_tokens(sent))
 
 
 def _choices(state: RouterState, ids: list[int], params: SamplingParams) -> list[AddRequest]:
@@ -140,6 +140,11 @@ def _choices(state: RouterState, ids: list[int], params: SamplingParams) -> list
         if r.params.prompt_logprobs is not None:
             r.params = dataclasses.replace(r.params, prompt_logprobs=None)
     return requests
+
+
+def _cached_tokens(sent: list[_Sent]) -> int:
+    """The request's prompt tokens served from the replicas' prefix caches, over its prompts."""
+    return sum(s.generation.cached_tokens for s in sent)
 
 
 def _request_reason(reasons: list[str]) -> str:
@@ -213,7 +218,7 @@ async def _stream(
                     if event := fmt.chunk_sse(piece):  # "": a parser holds its text back for now
                         yield event
         if include_usage:
-            yield sse(fmt.usage_chunk(prompt_tokens, completion))
+            yield sse(fmt.usage_chunk(prompt_tokens, completion, _cached_tokens(sent)))
         yield sse("[DONE]")
     except TimeoutError:
         outcome("timeout")

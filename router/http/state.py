@@ -56,6 +56,10 @@ _TEMPLATE_ARGUMENTS = frozenset(
 )
 
 
+# the sampler's seeds are 0 .. 2**63 - 1; a request's seed is any 64-bit integer, mapped into them
+SEED_RANGE = 2**63
+
+
 class RequestIds:
     """Request ids from `start` on (a router's own range: no two routers' ids meet on a replica),
     counting how many were issued."""
@@ -193,7 +197,7 @@ class RouterState:
                 min_tokens=req.min_tokens or 0,
                 ignore_eos=req.ignore_eos,
                 stop_token_ids=list(req.stop_token_ids or []),
-                seed=req.seed,
+                seed=None if req.seed is None else req.seed % SEED_RANGE,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=pick("repetition_penalty", 1.0),

@@ -74,6 +74,9 @@ class Generation:
     ) -> None:
         self.client, self.requests, self.detoks, self.timing = client, requests, detoks, timing
         self.index = {r.uid: i for i, r in enumerate(requests)}
+        # of the prompt's tokens, those choice 0 found in the replica's prefix cache (the others find the
+        # whole prompt there, as it was prefilled once for all of them)
+        self.cached_tokens = 0
         self.live = set(self.index)
         # sent in one flush, choice 0 first: the others wait on the replica for its prompt's pages
         first = requests[0]
@@ -115,6 +118,8 @@ class Generation:
                         live.discard(delta.uid)
                         raise error_for(delta.error_kind or ErrorKind.ENGINE, delta.error)
                     i = self.index[delta.uid]
+                    if i == 0 and delta.cached_tokens is not None:
+                        self.cached_tokens = delta.cached_tokens
                     piece = pieces.setdefault(i, Piece("", index=i))
                     if _add(piece, delta, detoks[i]):
                         live.discard(delta.uid)
