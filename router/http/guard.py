@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import time
 
 from router.http.errors import error_response
 
@@ -41,27 +40,21 @@ class RequestGuard:
                 )
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        chunks, size = [], 0
-        deadline = time.monotonic() + cfg.body_timeout_s
-        while True:  # bodies are small: read it whole, refusing it as soon as it is too big
-            try:
-                message = await asyncio.wait_for(receive(), deadline - time.monotonic())
-            except TimeoutError:
-                too_slow = error_response(
-                    408, f"the request body did not arrive within {cfg.body_timeout_s} s", "timeout_error"
-                )
-                too_slow.headers["connection"] = "close"  # the rest of the body would be read as a request
-                return await too_slow(scope, receive, send)
-            if message["type"] != "http.request":
-                return  # the client left before sending it all
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > cfg.max_body_bytes:
-                return await error_response(413, f"the request body is over {cfg.max_body_bytes} bytes")(
-                    scope, receive, send
-                )
-            if not message.get("more_body", False):
-                break
+        try:  # one timer for the whole body (a task per chunk would cost every request)
+            async with asyncio.timeout(cfg.body_timeout_s):
+                chunks = await _read_body(receive, cfg.max_body_bytes)
+        except TimeoutError:
+            too_slow = error_response(
+                408, f"the request body did not arrive within {cfg.body_timeout_s} s", "timeout_error"
+            )
+            too_slow.headers["connection"] = "close"  # the rest of the body would be read as a request
+            return await too_slow(scope, receive, send)
+        if chunks is None:
+            return  # the client left before sending it all
+        if sum(map(len, chunks)) > cfg.max_body_bytes:
+            return await error_response(413, f"the request body is over {cfg.max_body_bytes} bytes")(
+                scope, receive, send
+            )
         replayed = False
 
         async def replay():
@@ -72,3 +65,17 @@ class RequestGuard:
             return await receive()  # later calls wait for the disconnect
 
         await self.app(scope, replay, send)
+
+
+async def _read_body(receive, limit: int) -> list[bytes] | None:
+    """The body's chunks, read until it ends or just past `limit` bytes (bodies are small: read whole,
+    refused as soon as they are too big); None when the client left before sending it all."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit or not message.get("more_body", False):
+            return chunks
