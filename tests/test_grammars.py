@@ -160,3 +160,30 @@ def test_grammar_rows_travel_in_the_packed_step():
     got = unpack_desc(layout, buf)
     assert got.grammar_rows.tolist() == [0, 2]
     assert np.array_equal(got.grammar_mask, desc.grammar_mask)
+
+
+def test_a_token_the_grammar_rejects_fails_the_request_and_never_reaches_it(qwen3_path, scripted):
+    """Should a step ever sample a token its row's mask forbids, the request ends with an engine error
+    naming its grammar (a 500 over HTTP), not with `stop` and broken text; the rest of the batch goes on."""
+    from cluster.errors import ErrorKind
+    from cluster.model_info import load_tokenizer
+    from cluster.scheduler.grammars import Grammars
+
+    tokenizer = load_tokenizer(str(qwen3_path))
+    vocab = len(tokenizer)
+    digit, letter = tokenizer.convert_tokens_to_ids("7"), tokenizer.convert_tokens_to_ids("a")
+
+    def tokens(desc):
+        # row 0's grammar allows letters only: its first token is one, its second a digit
+        return [letter if len(s.tokens(0)) == 0 else digit] + [letter] * (desc.batch_size - 1)
+
+    s = scripted(tokens, eos_ids={tokenizer.eos_token_id})
+    s.scheduler.grammars = s.scheduler.builder.grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id])
+    s.submit(0, [5, 6, 7], max_tokens=8, grammar=GrammarSpec("regex", "[a-z]{6}"))
+    s.submit(1, [5, 6, 8], max_tokens=4)
+    s.run()
+    assert s.tokens(0) == [letter] and digit not in s.tokens(0)
+    last = [d for d in s.deltas if d.uid == 0][-1]
+    assert last.finish_reason == "error" and last.error_kind == ErrorKind.ENGINE and "regex grammar" in last.error
+    assert s.ended == {0: "error", 1: "length"} and len(s.tokens(1)) == 4
+    s.check()
