@@ -187,3 +187,31 @@ def test_a_token_the_grammar_rejects_fails_the_request_and_never_reaches_it(qwen
     assert last.finish_reason == "error" and last.error_kind == ErrorKind.ENGINE and "regex grammar" in last.error
     assert s.ended == {0: "error", 1: "length"} and len(s.tokens(1)) == 4
     s.check()
+
+
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "maxLength": 5},
+        "note": {"type": "string", "minLength": 2, "maxLength": 8},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    },
+    "required": ["code", "note", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_strings_bounded_by_max_length_parse_and_validate(qwen3_path):
+    """Random weights pick control characters freely where a grammar admits them: every output that
+    ends under a schema of maxLength strings parses (no raw control character) and validates, and is
+    compact JSON."""
+    with checked_llm(qwen3_path, page_size=4) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS[:8]) * 4
+        params = [_constrained("json_schema", json.dumps(BOUNDED), i) for i in range(len(prompts))]
+        outs = llm.generate(prompts, params)
+    ended = [o for o in outs if o.finish_reason == "stop"]
+    assert len(ended) >= len(outs) // 2
+    for out in ended:
+        value = json.loads(out.text)
+        jsonschema.validate(value, BOUNDED)
+        assert out.text == json.dumps(value, ensure_ascii=False)
