@@ -86,18 +86,24 @@ def test_required_makes_a_call_whose_arguments_validate(srv, bias):
         check_calls(choice.message.tool_calls)
 
 
-def test_required_with_parallel_calls_makes_at_least_one(srv, bias):
-    r = client(srv).chat.completions.create(
-        model="tiny",
-        messages=MSG,
-        tools=TOOLS,
-        tool_choice="required",
-        max_tokens=150,
-        temperature=0,
-        logit_bias=bias,
-        extra_body=NO_THINKING,
-    )
-    check_calls(r.choices[0].message.tool_calls)  # text may follow the calls until max_tokens
+def test_required_with_parallel_calls_ends_after_the_last_call(srv, bias):
+    """Parallel calls allowed: one call or more, one after another, and the output ends after the last
+    (no text after it), with finish_reason tool_calls."""
+    for seed in (1, 2, 3):
+        r = client(srv).chat.completions.create(
+            model="tiny",
+            messages=MSG,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=300,
+            temperature=1,
+            seed=seed,
+            logit_bias=bias,
+            extra_body=NO_THINKING,
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        check_calls(choice.message.tool_calls)
 
 
 def test_a_named_function_is_the_one_called(srv, bias):
