@@ -24,8 +24,10 @@ class GrammarSpec:
     # the JSON schema (JSON text), the regular expression, the EBNF grammar or the structural tag (JSON
     # text, xgrammar's format); empty for json_object
     spec: str = ""
-    # json_schema and json_object: whether whitespace between JSON tokens is free (xgrammar's any_whitespace)
-    any_whitespace: bool = True
+    # json_schema and json_object: whether whitespace between JSON tokens is free (xgrammar's any_whitespace);
+    # by default none is: one space after each ":" and ",", as json.dumps writes, so a model cannot run
+    # into max_tokens writing whitespace
+    any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:

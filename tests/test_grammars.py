@@ -160,3 +160,58 @@ def test_grammar_rows_travel_in_the_packed_step():
     got = unpack_desc(layout, buf)
     assert got.grammar_rows.tolist() == [0, 2]
     assert np.array_equal(got.grammar_mask, desc.grammar_mask)
+
+
+def test_a_token_the_grammar_rejects_fails_the_request_and_never_reaches_it(qwen3_path, scripted):
+    """Should a step ever sample a token its row's mask forbids, the request ends with an engine error
+    naming its grammar (a 500 over HTTP), not with `stop` and broken text; the rest of the batch goes on."""
+    from cluster.errors import ErrorKind
+    from cluster.model_info import load_tokenizer
+    from cluster.scheduler.grammars import Grammars
+
+    tokenizer = load_tokenizer(str(qwen3_path))
+    vocab = len(tokenizer)
+    digit, letter = tokenizer.convert_tokens_to_ids("7"), tokenizer.convert_tokens_to_ids("a")
+
+    def tokens(desc):
+        # row 0's grammar allows letters only: its first token is one, its second a digit
+        return [letter if len(s.tokens(0)) == 0 else digit] + [letter] * (desc.batch_size - 1)
+
+    s = scripted(tokens, eos_ids={tokenizer.eos_token_id})
+    s.scheduler.grammars = s.scheduler.builder.grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id])
+    s.submit(0, [5, 6, 7], max_tokens=8, grammar=GrammarSpec("regex", "[a-z]{6}"))
+    s.submit(1, [5, 6, 8], max_tokens=4)
+    s.run()
+    assert s.tokens(0) == [letter] and digit not in s.tokens(0)
+    last = [d for d in s.deltas if d.uid == 0][-1]
+    assert last.finish_reason == "error" and last.error_kind == ErrorKind.ENGINE and "regex grammar" in last.error
+    assert s.ended == {0: "error", 1: "length"} and len(s.tokens(1)) == 4
+    s.check()
+
+
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "code": {"type": "string", "maxLength": 5},
+        "note": {"type": "string", "minLength": 2, "maxLength": 8},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    },
+    "required": ["code", "note", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_strings_bounded_by_max_length_parse_and_validate(qwen3_path):
+    """Random weights pick control characters freely where a grammar admits them: every output that
+    ends under a schema of maxLength strings parses (no raw control character) and validates, and is
+    compact JSON."""
+    with checked_llm(qwen3_path, page_size=4) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS[:8]) * 4
+        params = [_constrained("json_schema", json.dumps(BOUNDED), i) for i in range(len(prompts))]
+        outs = llm.generate(prompts, params)
+    ended = [o for o in outs if o.finish_reason == "stop"]
+    assert len(ended) >= len(outs) // 2
+    for out in ended:
+        value = json.loads(out.text)
+        jsonschema.validate(value, BOUNDED)
+        assert out.text == json.dumps(value, ensure_ascii=False)

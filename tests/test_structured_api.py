@@ -393,3 +393,29 @@ def test_a_text_response_format_is_free_text(srv):
         timeout=30,
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_json_is_compact_by_default_and_free_whitespace_is_an_opt_in(srv):
+    """No logit bias: random weights left free fill JSON with whitespace. By default the grammar allows
+    none (json.dumps's form); `disable_any_whitespace: false`, in structured_outputs or as an extension
+    field of response_format, lets it in."""
+    schema = SCHEMAS["required fields and an enum"]
+    fmt = json_schema_format(schema)
+
+    def texts(**kw) -> list[tuple[str, str]]:
+        out = []
+        for seed in (1, 2, 3):
+            r = client(srv).chat.completions.create(
+                model="tiny", messages=MSG, max_tokens=120, temperature=1, seed=seed, **kw
+            )
+            out.append((r.choices[0].finish_reason, r.choices[0].message.content))
+        return out
+
+    for reason, text in texts(response_format=fmt):
+        assert reason == "stop" and text == json.dumps(json.loads(text)), text
+    for kw in (
+        {"response_format": {**fmt, "disable_any_whitespace": False}},
+        {"extra_body": {"structured_outputs": {"json": schema, "disable_any_whitespace": False}}},
+    ):
+        free = texts(**kw)
+        assert any(reason == "length" or text != json.dumps(json.loads(text)) for reason, text in free), free

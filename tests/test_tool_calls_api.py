@@ -86,18 +86,24 @@ def test_required_makes_a_call_whose_arguments_validate(srv, bias):
         check_calls(choice.message.tool_calls)
 
 
-def test_required_with_parallel_calls_makes_at_least_one(srv, bias):
-    r = client(srv).chat.completions.create(
-        model="tiny",
-        messages=MSG,
-        tools=TOOLS,
-        tool_choice="required",
-        max_tokens=150,
-        temperature=0,
-        logit_bias=bias,
-        extra_body=NO_THINKING,
-    )
-    check_calls(r.choices[0].message.tool_calls)  # text may follow the calls until max_tokens
+def test_required_with_parallel_calls_ends_after_the_last_call(srv, bias):
+    """Parallel calls allowed: one call or more, one after another, and the output ends after the last
+    (no text after it), with finish_reason tool_calls."""
+    for seed in (1, 2, 3):
+        r = client(srv).chat.completions.create(
+            model="tiny",
+            messages=MSG,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=300,
+            temperature=1,
+            seed=seed,
+            logit_bias=bias,
+            extra_body=NO_THINKING,
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        check_calls(choice.message.tool_calls)
 
 
 def test_a_named_function_is_the_one_called(srv, bias):
@@ -282,3 +288,29 @@ def test_a_llama_model_calls_in_its_json_form_and_has_no_reasoning(llama_srv):
         .message
     )
     assert text.content == "<think>abc</think>hello" and getattr(text, "reasoning_content", None) is None
+
+
+def test_four_constrained_chats_at_once_each_keep_their_grammar(srv, bias):
+    """Four forced calls and schema-constrained answers decoding in the same steps (mixed, joined and
+    left at different steps): each ends as its grammar allows, a call or JSON that validates, never
+    `stop` on broken text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    answer = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}
+
+    def one(seed: int):
+        kw = dict(model="tiny", messages=MSG, max_tokens=150, temperature=1, seed=seed, logit_bias=bias)
+        if seed % 2:
+            kw.update(tools=TOOLS, tool_choice="required", parallel_tool_calls=False, extra_body=NO_THINKING)
+        else:
+            kw.update(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": answer}})
+        return seed, client(srv).chat.completions.create(**kw).choices[0]
+
+    with ThreadPoolExecutor(4) as pool:
+        for seed, choice in pool.map(one, range(16)):
+            if seed % 2:
+                assert choice.finish_reason == "tool_calls", choice
+                check_calls(choice.message.tool_calls)
+            elif choice.finish_reason == "stop":
+                jsonschema.validate(json.loads(choice.message.content), answer)
+    check_replicas_whole(srv)

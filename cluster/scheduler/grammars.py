@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from cluster.errors import InvalidRequestError
 from cluster.sampling_params import GrammarSpec
+from cluster.scheduler.json_strings import bounded_strings_text
 
 
 class Grammars:
@@ -34,15 +35,15 @@ class Grammars:
         try:
             match spec.kind:
                 case "json_schema":
-                    return c.compile_json_schema(spec.spec, any_whitespace=spec.any_whitespace)
+                    return c.compile_json_schema(bounded_strings_text(spec.spec), any_whitespace=spec.any_whitespace)
                 case "json_object":  # an object, as OpenAI's JSON mode promises (xgrammar's builtin is any value)
                     return c.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace)
                 case "regex":
                     return c.compile_regex(spec.spec)
                 case "ebnf":
                     return c.compile_grammar(spec.spec)
-                case "structural_tag":
-                    return c.compile_structural_tag(spec.spec)
+                case "structural_tag":  # its calls' arguments are JSON schemas
+                    return c.compile_structural_tag(bounded_strings_text(spec.spec))
         except (RuntimeError, ValueError, TypeError, json.JSONDecodeError) as e:
             raise InvalidRequestError(
                 f"the {spec.kind} grammar does not compile: {_first_line(e)}", field="response_format"

@@ -319,6 +319,13 @@ class Scheduler:
             if req in stale or not batch.emits[i]:
                 continue  # a result of a request that left the batch, or of a mid-prompt chunk
             token = tokens[i]
+            # every token of a constrained request passes its matcher first, EOS included (the grammar
+            # must be complete for it): one the grammar rejects fails the request, and never reaches it
+            if req.matcher is not None and not req.matcher.accept_token(token):
+                log.error("request %d: its grammar rejected token %d", req.uid, token)
+                self._end(req, "error")
+                deltas.append(TokenDelta.failure(req.uid, ErrorKind.ENGINE, _rejected(req, token)))
+                continue
             req.input_ids.append(token)
             req.first_token = req.first_token or now
             req.last_token = now
@@ -334,8 +341,8 @@ class Scheduler:
             # judged by tokens received: req.device_len is already a step ahead under overlap
             if (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
                 delta.finished, delta.finish_reason = True, "stop"
-            elif req.matcher is not None and not self._advance_grammar(req, token):
-                delta.finished, delta.finish_reason = True, "stop"
+            elif req.matcher is not None and req.matcher.is_terminated():
+                delta.finished, delta.finish_reason = True, "stop"  # the output is whole: nothing may follow
             elif len(req.input_ids) >= req.max_device_len:
                 delta.finished, delta.finish_reason = True, "length"
             deltas.append(delta)
@@ -345,15 +352,6 @@ class Scheduler:
                 self.builder.rewrite_slots[req.slot] = req
         if deltas:
             self.on_output(deltas)
-
-    @staticmethod
-    def _advance_grammar(req: Req, token: int) -> bool:
-        """Feeds a constrained request's token to its matcher; False once the grammar is complete (its
-        output is whole: nothing more may follow)."""
-        if not req.matcher.accept_token(token):
-            log.warning("request %d: its grammar rejected token %d", req.uid, token)
-            return False
-        return not req.matcher.is_terminated()
 
     def _keep_prompt_logprobs(self, batch: Batch, out: StepOutput, stale: set[Req]) -> None:
         """Appends each scored request's prompt logprobs of this step (sent with its first token)."""
@@ -409,3 +407,10 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Raises IntegrityError unless every KV page is free, prefix-cached or held by a live request."""
         self.cache.check_integrity([r for r in self.reqs.values() if r.slot >= 0])
+
+
+def _rejected(req: Req, token: int) -> str:
+    return (
+        f"the request's {req.params.grammar.kind} grammar rejected the sampled token {token} (its mask "
+        "should have forbidden it: a server fault); the output was stopped rather than returned broken"
+    )

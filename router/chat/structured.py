@@ -37,9 +37,19 @@ def request_grammar(req: SamplingFields) -> GrammarSpec | None:
         return None
     name = given[0]
     spec = _spec(name, outputs.value(name.split(".")[1]) if name in inner else getattr(req, name))
-    if outputs is not None and outputs.disable_any_whitespace is not None and spec.kind == "json_schema":
-        spec = checked(dataclasses.replace(spec, any_whitespace=not outputs.disable_any_whitespace), name)
+    disable = _disable_any_whitespace(req)
+    if disable is not None and spec.kind == "json_schema":
+        spec = checked(dataclasses.replace(spec, any_whitespace=not disable), name)
     return spec
+
+
+def _disable_any_whitespace(req: SamplingFields) -> bool | None:
+    """Whether JSON's whitespace is to be compact (structured_outputs' choice, else response_format's
+    extension field); None: the default, compact."""
+    outputs, fmt = req.structured_outputs, req.response_format
+    if outputs is not None and outputs.disable_any_whitespace is not None:
+        return outputs.disable_any_whitespace
+    return fmt.disable_any_whitespace if fmt is not None else None
 
 
 def _spec(name: str, value: Any) -> GrammarSpec:

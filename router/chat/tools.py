@@ -18,6 +18,8 @@ from router.http.protocol import ChatCompletionRequest, NamedToolChoice
 
 # our tool-call formats as xgrammar's builtin structural tags name them (Qwen2.5 writes Qwen3's calls)
 STRUCTURAL_TAG_MODELS = {"qwen": "qwen_3", "llama": "llama"}
+# what comes between two calls of one output (what the chat templates write, and the parsers skip)
+CALL_SEPARATORS = {"qwen": "\n", "llama": "; "}
 NO_ARGUMENTS = {"type": "object", "properties": {}}
 
 ReasoningMode = Literal["enabled", "disabled", "auto"]
@@ -85,4 +87,24 @@ def tool_grammar(req: ChatCompletionRequest, parser: str, reasoning: ReasoningMo
         )
     except ValueError as e:
         raise APIError(400, f"tools: {e}", param="tools") from e
-    return checked(GrammarSpec("structural_tag", tag.model_dump_json()), "tools")
+    tag = json.loads(tag.model_dump_json())
+    if choice == "required":
+        tag["format"] = _calls_only(tag["format"], CALL_SEPARATORS[parser])
+    return checked(GrammarSpec("structural_tag", json.dumps(tag, ensure_ascii=False)), "tools")
+
+
+def _calls_only(fmt: dict, separator: str) -> dict:
+    """xgrammar's format with its triggered calls (text around them allowed) made calls alone, one
+    after another with `separator` between them: once its last call is written the output ends, with
+    no text after it."""
+    if fmt.get("type") == "triggered_tags":
+        return {
+            "type": "tags_with_separator",
+            "tags": fmt["tags"],
+            "separator": separator,
+            "at_least_one": True,
+            "stop_after_first": fmt.get("stop_after_first", False),
+        }
+    if fmt.get("type") == "sequence":
+        return {**fmt, "elements": [_calls_only(e, separator) for e in fmt["elements"]]}
+    return fmt

@@ -93,6 +93,8 @@ class ResponseFormat(BaseModel):
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
+    # an extension, as structured_outputs' field: false lets whitespace between JSON tokens be free
+    disable_any_whitespace: bool | None = None  # None: the server's default (compact JSON)
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
@@ -117,7 +119,7 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool | None = None  # None: the server's default
+    disable_any_whitespace: bool | None = None  # None: the server's default (true: compact JSON)
     disable_fallback: bool | None = None  # one backend here, so nothing to fall back from
     # declared so that a refusal names them
     structural_tag: Any = None
