@@ -26,6 +26,8 @@ from router.http.protocol import (
     TokenizeRequest,
 )
 from router.http.responses import Formatter, PromptShown
+from router.http.responses_api.protocol import ResponsesRequest
+from router.http.responses_api.service import create_response
 from router.http.serving import PromptRun, serve
 from router.http.state import RouterState
 
@@ -165,6 +167,10 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
             extras=extras,
         )
         return await serve(state, request, body, [PromptRun(ids, params)], fmt)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(state, request, body)
 
     return app
 
