@@ -17,6 +17,7 @@ from router.chat.structured import request_grammar
 from router.http.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from router.http.extras import Extras
 from router.http.guard import RequestGuard
+from router.http.messages_api.service import count_tokens, create_message
 from router.http.prompts import completion_prompts, truncated
 from router.http.protocol import (
     ChatCompletionRequest,
@@ -171,6 +172,14 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
         return await create_response(state, request, body)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await create_message(state, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request):
+        return await count_tokens(state, request)
 
     return app
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hmac
 
 from router.http.errors import error_response
+from router.http.messages_api.output import anthropic_error
 
 # what the API key protects: everything but the probes (/health, /metrics, /version)
 _GUARDED = ("/v1", "/tokenize", "/detokenize")
@@ -21,20 +22,26 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         cfg = self.state.config
+        # Anthropic's clients send the key in x-api-key, and read errors in Anthropic's shape
+        anthropic = scope["path"].startswith("/v1/messages")
+        respond = anthropic_error if anthropic else error_response
         if scope["path"].startswith(_GUARDED):
             if cfg.api_key is not None:
-                given = dict(scope["headers"]).get(b"authorization", b"")
-                if not hmac.compare_digest(given, f"Bearer {cfg.api_key}".encode()):
-                    return await error_response(
+                headers = dict(scope["headers"])
+                given = headers.get(b"authorization", b"")
+                ok = hmac.compare_digest(given, f"Bearer {cfg.api_key}".encode())
+                if anthropic and not ok:
+                    ok = hmac.compare_digest(headers.get(b"x-api-key", b""), cfg.api_key.encode())
+                if not ok:
+                    return await respond(
                         401,
-                        "invalid or missing API key (send Authorization: Bearer KEY)",
+                        "invalid or missing API key (send Authorization: Bearer KEY"
+                        + (", or x-api-key: KEY)" if anthropic else ")"),
                         "authentication_error",
                         code="invalid_api_key",
                     )(scope, receive, send)
             if self.state.draining and scope["method"] == "POST":
-                return await error_response(503, "the server is shutting down", "service_unavailable")(
-                    scope, receive, send
-                )
+                return await respond(503, "the server is shutting down", "service_unavailable")(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
@@ -45,9 +52,7 @@ class RequestGuard:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > cfg.max_body_bytes:
-                return await error_response(413, f"the request body is over {cfg.max_body_bytes} bytes")(
-                    scope, receive, send
-                )
+                return await respond(413, f"the request body is over {cfg.max_body_bytes} bytes")(scope, receive, send)
             if not message.get("more_body", False):
                 break
         replayed = False
