@@ -8,7 +8,7 @@ import uuid
 
 from fastapi.responses import JSONResponse
 
-from router.http.errors import APIError
+from router.http.errors import RETRY_AFTER_S, APIError
 
 # HTTP status -> Anthropic's error type
 ERROR_TYPES = {
@@ -31,9 +31,13 @@ def error_response(error: APIError) -> JSONResponse:
     return anthropic_error(error.status, error.message)
 
 
-def anthropic_error(status: int, message: str, *_unused, **_ignored) -> JSONResponse:
-    """An error response in Anthropic's shape (called as router.http.errors.error_response is)."""
-    return JSONResponse(error_body(status, message), status_code=status)
+def anthropic_error(
+    status: int, message: str, type_: str | None = None, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    """An error response in Anthropic's shape, called as router.http.errors.error_response is (its type
+    comes from the status; Anthropic's errors have no param or code)."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 
 def new_id() -> str:
