@@ -88,6 +88,10 @@ class _PlanArrays:
     n: int  # the step's requests
     num_real: int  # their pages
     staged: Staged
+    # an extend step's leading one-token rows (its decodes, in a mixed step) attended by the decode
+    # kernels, and their pages; 0 when the prefill kernel takes every row
+    decode_rows: int = 0
+    decode_pages: int = 0
 
 
 class FlashInferBackend(AttentionBackend):
@@ -159,6 +163,7 @@ class FlashInferBackend(AttentionBackend):
         # True: every decode step runs the Triton kernel (graphs too)
         self.triton_decode = decodes_with_triton(kv.dtype, device, decode)
         self._decode: _TritonDecode | None = None  # this step's, when the Triton kernel attends
+        self._split: _SplitStep | None = None  # this step's, when an extend step's decode rows attend apart
         if self.triton_decode:
             from worker import triton_decode
 
@@ -231,11 +236,17 @@ class FlashInferBackend(AttentionBackend):
             "last_page_len": last_page_len,
             "cells": np.repeat(base, pages[:n]) + self.page_starts[:num_real],
         }
+        d = 0
         if desc is not None and desc.is_prefill:
             qo_indptr = np.zeros(n + 1, dtype=np.int32)
             np.cumsum(desc.extend_lens, out=qo_indptr[1:])
             arrays["qo_indptr"] = qo_indptr
-        return _PlanArrays(desc, bs, n, num_real, self.staging.upload(arrays))
+            d = leading_single_token_rows(desc.extend_lens)
+            if d == n:
+                d = 0  # nothing to split off: the prefill kernel takes them all
+            if d:
+                arrays.update(split_plan_arrays(qo_indptr, kv_indptr, last_page_len, d))
+        return _PlanArrays(desc, bs, n, num_real, self.staging.upload(arrays), d, int(kv_indptr[d]) if d else 0)
 
     def _plan(self, wrapper, plan: _PlanArrays, scratch_page: int) -> None:
         """The part that rewrites what the step before reads (the page ids, FlashInfer's buffers): after
@@ -246,51 +257,56 @@ class FlashInferBackend(AttentionBackend):
         if bs > n:
             self.kv_indices[num_real : num_real + bs - n].fill_(scratch_page)
         indices = self.kv_indices[: num_real + bs - n]
-        self._decode = None
+        self._decode = self._split = None
         if wrapper is None:  # a decode step through the Triton kernel: its arrays where graphs read them
             self._decode = self._plan_triton(staged, bs)
             staged.release(current_stream(self.kv.device))
             return
         self.waits.wait(self._plan_copied)  # FlashInfer's pinned plan buffer is free again
-        q_dtype, kv_dtype = self.q_dtype, self.kv.dtype
         h = staged.host
-        with self._on_torch_stream():
-            if desc is not None and desc.is_prefill:
-                wrapper.plan(
-                    h["qo_indptr"],
-                    h["kv_indptr"],
-                    indices,
-                    h["last_page_len"],
-                    self.num_heads,
-                    self.num_kv_heads,
-                    self.head_dim,
-                    self.page_size,
-                    causal=True,
-                    q_data_type=q_dtype,
-                    kv_data_type=kv_dtype,
-                    non_blocking=True,
-                )
-            else:
-                wrapper.plan(
-                    h["kv_indptr"],
-                    indices,
-                    h["last_page_len"],
-                    self.num_heads,
-                    self.num_kv_heads,
-                    self.head_dim,
-                    self.page_size,
-                    q_data_type=q_dtype,
-                    kv_data_type=kv_dtype,
-                    non_blocking=True,
-                )
+        dims = (self.num_heads, self.num_kv_heads, self.head_dim, self.page_size)
+        types = {"q_data_type": self.q_dtype, "kv_data_type": self.kv.dtype, "non_blocking": True}
+        if plan.decode_rows:
+            self._split = self._plan_split(plan, indices, dims, types)
+        else:
+            with self._on_torch_stream():
+                if desc is not None and desc.is_prefill:
+                    wrapper.plan(
+                        h["qo_indptr"], h["kv_indptr"], indices, h["last_page_len"], *dims, causal=True, **types
+                    )
+                else:
+                    wrapper.plan(h["kv_indptr"], indices, h["last_page_len"], *dims, **types)
         stream = current_stream(self.kv.device)
         self._plan_copied.record(stream)
         staged.release(stream)  # every reader of the staged arrays (copies, gathers, plan) is on this stream
 
-    def _plan_triton(self, staged: Staged, bs: int) -> _TritonDecode:
+    def _plan_split(self, plan: _PlanArrays, indices: torch.Tensor, dims: tuple, types: dict) -> _SplitStep:
+        """Plans an extend step in two parts: its leading one-token rows (a mixed step's decodes) on the
+        decode kernels, the prompt chunks after them on the prefill kernel. One prefill kernel over both
+        would pad each decode row to a whole query tile and read its KV at that tile's cost."""
+        d, pages, h = plan.decode_rows, plan.decode_pages, plan.staged.host
+        decode: object
+        with self._on_torch_stream():
+            if self.triton_decode:
+                decode = self._plan_triton(plan.staged, d, prefix="decode_")
+            else:
+                decode = self.decode_wrappers[use_tensor_cores(d, self.decode_choice)]
+                decode.plan(h["decode_kv_indptr"], indices[:pages], h["decode_last_page_len"], *dims, **types)
+            self.prefill_wrapper.plan(
+                h["prefill_qo_indptr"],
+                h["prefill_kv_indptr"],
+                indices[pages:],
+                h["prefill_last_page_len"],
+                *dims,
+                causal=True,
+                **types,
+            )
+        return _SplitStep(d, decode)
+
+    def _plan_triton(self, staged: Staged, bs: int, prefix: str = "") -> _TritonDecode:
         indptr, last_page_len = self.graph_indptr[: bs + 1], self.graph_last_page_len[:bs]
-        indptr.copy_(staged.device["kv_indptr"], non_blocking=True)
-        last_page_len.copy_(staged.device["last_page_len"], non_blocking=True)
+        indptr.copy_(staged.device[prefix + "kv_indptr"], non_blocking=True)
+        last_page_len.copy_(staged.device[prefix + "last_page_len"], non_blocking=True)
         splits = self._triton.decode_num_splits(bs, self.num_kv_heads, self._num_sms)
         h, d = self.num_heads, self.head_dim
         scratch = self._triton.DecodeScratch(
@@ -324,8 +340,60 @@ class FlashInferBackend(AttentionBackend):
                 num_splits=dec.splits,
                 scratch=dec.scratch,
             )
+        if (split := self._split) is not None:
+            return self._forward_split(q, layer_id, split)
         with self._on_torch_stream():
             return self.wrapper.run(q, self.caches[layer_id])
+
+    def _forward_split(self, q: torch.Tensor, layer_id: int, split: _SplitStep) -> torch.Tensor:
+        d, cache = split.decode_rows, self.caches[layer_id]
+        out = torch.empty_like(q)
+        if isinstance(split.decode, _TritonDecode):
+            dec = split.decode
+            self._triton.paged_decode(
+                q[:d],
+                *cache,
+                dec.indptr,
+                self.kv_indices,
+                dec.last_page_len,
+                num_splits=dec.splits,
+                scratch=dec.scratch,
+                out=out[:d],
+            )
+        with self._on_torch_stream():
+            if not isinstance(split.decode, _TritonDecode):
+                split.decode.run(q[:d], cache, out=out[:d])
+            self.prefill_wrapper.run(q[d:], cache, out=out[d:])
+        return out
+
+
+def leading_single_token_rows(extend_lens: np.ndarray) -> int:
+    """How many rows at the front of an extend step compute one token each (a mixed step puts its
+    decodes first)."""
+    wide = np.flatnonzero(np.asarray(extend_lens) != 1)
+    return int(wide[0]) if len(wide) else len(extend_lens)
+
+
+def split_plan_arrays(
+    qo_indptr: np.ndarray, kv_indptr: np.ndarray, last_page_len: np.ndarray, d: int
+) -> dict[str, np.ndarray]:
+    """The plan arrays of an extend step's first `d` rows (decode kernels) and of the rest (prefill
+    kernel), each indexed from its own start."""
+    return {
+        "decode_kv_indptr": kv_indptr[: d + 1].copy(),
+        "decode_last_page_len": last_page_len[:d].copy(),
+        "prefill_qo_indptr": qo_indptr[d:] - qo_indptr[d],
+        "prefill_kv_indptr": kv_indptr[d:] - kv_indptr[d],
+        "prefill_last_page_len": last_page_len[d:].copy(),
+    }
+
+
+@dataclass
+class _SplitStep:
+    """An extend step planned in two parts (FlashInferBackend._plan_split)."""
+
+    decode_rows: int
+    decode: object  # the planned decode wrapper, or the Triton kernel's _TritonDecode
 
 
 @dataclass

@@ -1,0 +1,90 @@
+"""FlashInfer's paged attention on a mixed step, checked against the torch reference backend: the
+step's decode rows attend through the decode kernels and its prompt chunks through the prefill kernel,
+and the two parts together are the step's attention."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from worker.attention.flashinfer_backend import leading_single_token_rows, split_plan_arrays
+from worker.batch import BatchDesc, ForwardBatch
+
+PAGE, ROWS, ROW_LEN, HEADS, KV_HEADS, HEAD_DIM = 16, 8, 2048, 16, 8, 128
+
+
+def test_a_mixed_steps_leading_one_token_rows_are_split_off():
+    assert leading_single_token_rows(np.array([1, 1, 1, 40, 1, 7])) == 3
+    assert leading_single_token_rows(np.array([40, 1])) == 0
+    assert leading_single_token_rows(np.array([1, 1])) == 2
+    qo = np.array([0, 1, 2, 42, 49], dtype=np.int32)
+    kv = np.array([0, 3, 10, 14, 20], dtype=np.int32)
+    last = np.array([5, 16, 2, 9], dtype=np.int32)
+    parts = split_plan_arrays(qo, kv, last, 2)
+    assert parts["decode_kv_indptr"].tolist() == [0, 3, 10]
+    assert parts["decode_last_page_len"].tolist() == [5, 16]
+    assert parts["prefill_qo_indptr"].tolist() == [0, 40, 47]
+    assert parts["prefill_kv_indptr"].tolist() == [0, 4, 10]
+    assert parts["prefill_last_page_len"].tolist() == [2, 9]
+
+
+def _mixed_desc(extend: list[int], seq: list[int]) -> BatchDesc:
+    b, t = len(extend), sum(extend)
+    slots = np.arange(b, dtype=np.int32)
+    out_loc = np.concatenate([s * ROW_LEN + np.arange(q - e, q) for s, e, q in zip(slots, extend, seq)]).astype(
+        np.int32
+    )
+    return BatchDesc(
+        is_prefill=True,
+        slots=slots,
+        seq_lens=np.array(seq, dtype=np.int32),
+        extend_lens=np.array(extend, dtype=np.int32),
+        out_loc=out_loc,
+        input_ids=np.zeros(t, dtype=np.int32),
+        temperature=np.zeros(b, dtype=np.float32),
+        top_p=np.ones(b, dtype=np.float32),
+        top_k=np.zeros(b, dtype=np.int32),
+        seeds=np.zeros(b, dtype=np.int64),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_a_mixed_steps_decode_rows_and_prompt_chunks_agree_with_the_torch_reference(kv_dtype):
+    from worker.attention.flashinfer_backend import FlashInferBackend
+    from worker.attention.torch_backend import TorchBackend
+    from worker.kv_cache import KVCachePool
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    kv = KVCachePool(1, ROWS * ROW_LEN // PAGE, PAGE, KV_HEADS, HEAD_DIM, kv_dtype, dev)
+    kv.buffer.copy_((torch.randn(kv.buffer.shape, generator=gen, device=dev) * 0.5).to(kv_dtype))
+    # every row's locations in order (row s holds s * ROW_LEN ..): whole pages, as the page allocator gives
+    table = (torch.arange(ROWS, device=dev)[:, None] * ROW_LEN + torch.arange(ROW_LEN, device=dev)).to(torch.int32)
+    # four decodes over long and short KV, then a chunk over a cached prefix, a fresh prompt, a one-token chunk
+    extend, seq = [1, 1, 1, 1, 100, 64, 1], [1500, 700, 17, 16, 300, 64, 9]
+    desc = _mixed_desc(extend, seq)
+    batch = ForwardBatch(
+        desc=desc,
+        input_ids=torch.zeros(sum(extend), dtype=torch.int32, device=dev),
+        positions=torch.from_numpy(np.concatenate([np.arange(q - e, q) for e, q in zip(extend, seq)])).to(dev),
+        out_loc=torch.from_numpy(desc.out_loc.astype(np.int64)).to(dev),
+        slots=torch.from_numpy(desc.slots.astype(np.int64)).to(dev),
+        seq_lens=torch.from_numpy(desc.seq_lens).to(dev),
+        last_idx=torch.from_numpy(np.cumsum(extend) - 1).to(dev),
+    )
+    q = torch.randn(sum(extend), HEADS, HEAD_DIM, generator=gen, device=dev).to(torch.bfloat16)
+    fi = FlashInferBackend(kv, table, HEADS, q_dtype=torch.bfloat16)
+    plan = fi.stage(desc, desc.batch_size)
+    assert plan.decode_rows == 4
+    fi.prepare(batch, plan)
+    got = fi.forward(q, None, None, 0)
+    ref_backend = TorchBackend(kv, table)
+    ref_backend.prepare(batch)
+    ref = ref_backend.forward(q, None, None, 0)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    # a step that starts with a prompt chunk has nothing at its front to split off
+    assert fi.stage(_mixed_desc(extend[4:], seq[4:]), 3).decode_rows == 0
