@@ -264,5 +264,74 @@ def test_an_unknown_model_is_a_404_the_client_raises(srv):
         client(srv).responses.create(model="gpt-none", input="hi")
 
 
+def test_a_stored_response_is_read_back_and_continues_the_conversation(srv):
+    first = client(srv).responses.create(
+        model="tiny", input="Name a city", max_output_tokens=5, temperature=0, reasoning=NO_THINKING
+    )
+    assert client(srv).responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = client(srv).responses.create(
+        model="tiny",
+        input="And another",
+        previous_response_id=first.id,
+        max_output_tokens=5,
+        temperature=0,
+        reasoning=NO_THINKING,
+    )
+    conversation = [
+        {"role": "user", "content": "Name a city"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And another"},
+    ]
+    c = chat(srv, conversation, max_tokens=5, extra_body=NO_THINKING_CHAT)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == c.usage.prompt_tokens
+    assert second.output_text == c.choices[0].message.content
+
+
+def test_a_streamed_response_is_stored_whole(srv):
+    with client(srv).responses.stream(
+        model="tiny", input="Yes or no?", text=YES_NO, max_output_tokens=10, temperature=0, reasoning=NO_THINKING
+    ) as stream:
+        final = stream.get_final_response()
+    assert client(srv).responses.retrieve(final.id).output_text == final.output_text
+
+
+def test_deleted_unstored_and_unknown_responses_are_404s(srv):
+    kept = client(srv).responses.create(model="tiny", input="hi", max_output_tokens=2, reasoning=NO_THINKING)
+    unstored = client(srv).responses.create(
+        model="tiny", input="hi", max_output_tokens=2, reasoning=NO_THINKING, store=False
+    )
+    assert client(srv).responses.delete(kept.id) is None
+    for response_id in (kept.id, unstored.id, "resp_none"):
+        with pytest.raises(openai.NotFoundError):
+            client(srv).responses.retrieve(response_id)
+    r = httpx.post(
+        srv.url + "/v1/responses", json={"model": "tiny", "input": "hi", "previous_response_id": "resp_none"}
+    )
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_only_background_responses_can_be_cancelled(srv):
+    r = client(srv).responses.create(model="tiny", input="hi", max_output_tokens=2, reasoning=NO_THINKING)
+    with pytest.raises(openai.BadRequestError):
+        client(srv).responses.cancel(r.id)
+
+
+def test_the_store_forgets_what_expires_and_the_oldest_past_its_bounds(monkeypatch):
+    from router.tier import response_store
+
+    now = [0.0]
+    monkeypatch.setattr(response_store.time, "monotonic", lambda: now[0])
+    store = response_store.ResponseStore(ttl_s=10, max_responses=2, max_bytes=100)
+    store.put("a", {"n": 1}, 10)
+    store.put("b", {"n": 2}, 10)
+    store.put("c", {"n": 3}, 10)  # past max_responses: a goes
+    assert [store.get(k) for k in "abc"] == [None, {"n": 2}, {"n": 3}]
+    store.put("d", {"n": 4}, 95)  # past max_bytes: the older go
+    assert [store.get(k) for k in "bcd"] == [None, None, {"n": 4}]
+    now[0] = 11.0
+    assert store.get("d") is None
+
+
 def test_the_replicas_are_whole_after_the_responses(srv):
     check_replicas_whole(srv)

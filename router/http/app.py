@@ -28,7 +28,7 @@ from router.http.protocol import (
 )
 from router.http.responses import Formatter, PromptShown
 from router.http.responses_api.protocol import ResponsesRequest
-from router.http.responses_api.service import create_response
+from router.http.responses_api.service import cancel_response, create_response, delete_response, get_response
 from router.http.serving import PromptRun, serve
 from router.http.state import RouterState
 
@@ -172,6 +172,18 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
         return await create_response(state, request, body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_get(response_id: str):
+        return await get_response(state, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str):
+        return await delete_response(state, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def responses_cancel(response_id: str):
+        return await cancel_response(state, response_id)
 
     @app.post("/v1/messages")
     async def messages(request: Request):

@@ -58,9 +58,9 @@ def input_messages(items: str | list[dict], field: str = "input") -> list[dict]:
     return messages
 
 
-def chat_of(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
-    """The chat request; `history`: the messages of the responses before it (previous_response_id)."""
-    messages = list(history) + input_messages(req.input)
+def chat_of(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
+    """The chat request of these messages: the input's, after those of the responses before it
+    (previous_response_id)."""
     if req.instructions is not None:  # not carried over from a previous response, as OpenAI's
         messages = [{"role": "system", "content": req.instructions}, *[m for m in messages if m["role"] != "system"]]
     if not messages:
