@@ -36,6 +36,17 @@ QWEN3_TOOLS_TEMPLATE = (
     "{% endif %}"
 )
 
+# a template that opens the think block itself (as DeepSeek-R1's and QwQ's do), unless told not to
+# think: a model's output is then reasoning until it closes the block
+OPENS_THINKING_TEMPLATE = QWEN3_TOOLS_TEMPLATE.replace(
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}",
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}",
+)
+assert OPENS_THINKING_TEMPLATE != QWEN3_TOOLS_TEMPLATE
+
 
 # the tools' schemas make long prompts with the tiny tokenizer: the copy's context is longer
 CONTEXT = 2048

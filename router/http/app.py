@@ -18,6 +18,7 @@ from router.http.errors import APIError, api_error_handler, http_error_handler, 
 from router.http.extras import Extras
 from router.http.guard import RequestGuard
 from router.http.head import HeadAsGet
+from router.http.messages_api.service import count_tokens, create_message
 from router.http.prompts import completion_prompts, truncated
 from router.http.protocol import (
     ChatCompletionRequest,
@@ -27,6 +28,8 @@ from router.http.protocol import (
     TokenizeRequest,
 )
 from router.http.responses import Formatter, PromptShown
+from router.http.responses_api.protocol import ResponsesRequest
+from router.http.responses_api.service import cancel_response, create_response, delete_response, get_response
 from router.http.serving import PromptRun, serve
 from router.http.state import RouterState
 
@@ -167,6 +170,30 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
             extras=extras,
         )
         return await serve(state, request, body, [PromptRun(ids, params)], fmt)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(state, request, body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def responses_get(response_id: str):
+        return await get_response(state, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str):
+        return await delete_response(state, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def responses_cancel(response_id: str):
+        return await cancel_response(state, response_id)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await create_message(state, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request):
+        return await count_tokens(state, request)
 
     return app
 

@@ -10,6 +10,7 @@ import asyncio
 import hmac
 
 from router.http.errors import error_response
+from router.http.messages_api.output import anthropic_error
 
 # what the API key protects: everything but the probes (/health, /metrics, /version)
 _GUARDED = ("/v1", "/tokenize", "/detokenize")
@@ -23,38 +24,40 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         cfg = self.state.config
+        # Anthropic's clients send the key in x-api-key, and read errors in Anthropic's shape
+        anthropic = scope["path"].startswith("/v1/messages")
+        respond = anthropic_error if anthropic else error_response
         if scope["path"].startswith(_GUARDED):
             if cfg.api_key is not None:
-                scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+                headers = dict(scope["headers"])
+                scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
                 # compared whatever the scheme, so that the time taken says nothing of the key
-                if not hmac.compare_digest(given.strip(), cfg.api_key.encode()) or scheme.lower() != b"bearer":
-                    return await error_response(
+                ok = hmac.compare_digest(given.strip(), cfg.api_key.encode()) and scheme.lower() == b"bearer"
+                if anthropic and not ok:
+                    ok = hmac.compare_digest(headers.get(b"x-api-key", b""), cfg.api_key.encode())
+                if not ok:
+                    return await respond(
                         401,
-                        "invalid or missing API key (send Authorization: Bearer KEY)",
+                        "invalid or missing API key (send Authorization: Bearer KEY"
+                        + (", or x-api-key: KEY)" if anthropic else ")"),
                         "authentication_error",
                         code="invalid_api_key",
                     )(scope, receive, send)
             if self.state.draining and scope["method"] == "POST":
-                return await error_response(503, "the server is shutting down", "service_unavailable")(
-                    scope, receive, send
-                )
+                return await respond(503, "the server is shutting down", "service_unavailable")(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         try:  # one timer for the whole body (a task per chunk would cost every request)
             async with asyncio.timeout(cfg.body_timeout_s):
                 chunks = await _read_body(receive, cfg.max_body_bytes)
         except TimeoutError:
-            too_slow = error_response(
-                408, f"the request body did not arrive within {cfg.body_timeout_s} s", "timeout_error"
-            )
+            too_slow = respond(408, f"the request body did not arrive within {cfg.body_timeout_s} s", "timeout_error")
             too_slow.headers["connection"] = "close"  # the rest of the body would be read as a request
             return await too_slow(scope, receive, send)
         if chunks is None:
             return  # the client left before sending it all
         if sum(map(len, chunks)) > cfg.max_body_bytes:
-            return await error_response(413, f"the request body is over {cfg.max_body_bytes} bytes")(
-                scope, receive, send
-            )
+            return await respond(413, f"the request body is over {cfg.max_body_bytes} bytes")(scope, receive, send)
         replayed = False
 
         async def replay():

@@ -97,6 +97,7 @@ class RouterState:
     created: int = field(default_factory=lambda: int(time.time()))  # the model card's creation time
     tool_call_parser: str | None = None  # the served model's tool-call format (router/chat/tool_calls.py)
     reasoning_parser: str | None = None  # its reasoning format (router/chat/reasoning.py)
+    response_store: object = None  # the tier's stored responses (router/tier/response_store.py), once used
     eos_ids: tuple[int, ...] = ()  # the replicas' (min_tokens holds them back, in logit_bias's table)
 
     @property

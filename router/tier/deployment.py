@@ -18,6 +18,7 @@ from router.http.app import build_app
 from router.http.connection import bounded_protocol
 from router.http.draining import DrainingServer
 from router.http.state import RouterState
+from router.tier.response_store import forget_responses
 from router.tier.router_state import router_state
 from router.tier.supervisor import Supervisor
 from router.tier.tier import RouterTier
@@ -148,6 +149,7 @@ class Deployment:
         replacement still being built. Idempotent."""
         if self.tier is not None:
             self.tier.shutdown()
+        forget_responses(self.config.port)
         self.fleet.shutdown()
 
 

@@ -1,0 +1,98 @@
+"""Serving another API's request as the chat completion it translates into: the chat path's prompt,
+grammar, output reading and serving run unchanged, and its result comes back as the chat.completion
+body, or as its stream's chunks, for the Responses and Messages APIs to write in their own shapes."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from router.chat.prepare import prepare_chat
+from router.http.errors import APIError
+from router.http.extras import Extras
+from router.http.protocol import ChatCompletionRequest
+from router.http.responses import Formatter, PromptShown, stream_json
+from router.http.serving import PromptRun, serve
+from router.http.state import RouterState
+
+
+@dataclass
+class ChatResult:
+    """A chat request's outcome: `body` (the chat.completion) or, streamed, `response` (the SSE
+    response already serving it) and `chunks` (its chat.completion.chunk bodies; an error ends
+    them as {"error": {...}}), to be rewritten with `restream`."""
+
+    prompt_ids: list[int]
+    body: dict | None = None
+    response: StreamingResponse | None = None
+    chunks: AsyncIterator[dict] | None = None
+
+    def restream(self, events: Callable[[AsyncIterator[dict]], AsyncIterator[str]]) -> StreamingResponse:
+        """The stream, its chunks rewritten by events (what ends it, however it ends, stays)."""
+        self.response.body_iterator = events(self.chunks)
+        return self.response
+
+
+def chat_request(fields: dict) -> ChatCompletionRequest:
+    """The chat request a translation wrote (its errors are the translation's: a 400 either way)."""
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise APIError(400, f"{where}: {first['msg'].removeprefix('Value error, ')}") from e
+
+
+def prompt_ids(state: RouterState, req: ChatCompletionRequest) -> list[int]:
+    """The prompt's token ids, as the chat path renders it (count_tokens)."""
+    return prepare_chat(state, req).ids
+
+
+async def run_chat(state: RouterState, request: Request, req: ChatCompletionRequest) -> ChatResult:
+    """Serves req as /v1/chat/completions does; the output's token ids come with it (a stop reason
+    is read from the last of them)."""
+    chat = prepare_chat(state, req)
+    params = state.sampling_params(req, chat.ids, req.max_completion_tokens, None, None, grammar=chat.grammar)
+    fmt = Formatter(
+        f"chatcmpl-{uuid.uuid4().hex}",
+        state.model_name,
+        True,
+        state.tokenizer,
+        None,
+        params.n,
+        [PromptShown(chat.ids)],
+        output=chat.output,
+        extras=Extras(return_token_ids=True),
+    )
+    result = await serve(state, request, req, [PromptRun(chat.ids, params)], fmt)
+    if not req.stream:
+        return ChatResult(chat.ids, body=result)
+    return ChatResult(chat.ids, response=result, chunks=_chunks(result.body_iterator))
+
+
+async def _chunks(events: AsyncIterator[str]) -> AsyncIterator[dict]:
+    async for text in events:
+        for event in text.split("\n\n"):
+            if event.startswith("data: ") and event != "data: [DONE]":
+                yield json.loads(event[len("data: ") :])
+
+
+def sse_event(name: str, data: dict) -> str:
+    """An SSE event with its name (both APIs name theirs; the clients dispatch on it)."""
+    return f"event: {name}\ndata: {stream_json(data)}\n\n"
+
+
+def renamed(error: APIError, names: dict[str, str]) -> APIError:
+    """error with the chat fields it names written as the API's own (`names`: chat's -> the API's)."""
+    for old, new in names.items():
+        if error.param is not None and (error.param == old or error.param.startswith(old + ".")):
+            error.param = new + error.param[len(old) :]
+        if error.message.startswith(old):
+            error.message = new + error.message[len(old) :]
+    return error

@@ -1,0 +1,100 @@
+"""Anthropic's shapes of a chat result: a message's content blocks (thinking, text, tool_use), its
+stop_reason (end_turn, max_tokens, stop_sequence with the sequence, tool_use) and errors."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from fastapi.responses import JSONResponse
+
+from router.http.errors import RETRY_AFTER_S, APIError
+
+# HTTP status -> Anthropic's error type
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return anthropic_error(error.status, error.message)
+
+
+def anthropic_error(
+    status: int, message: str, type_: str | None = None, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    """An error response in Anthropic's shape, called as router.http.errors.error_response is (its type
+    comes from the status; Anthropic's errors have no param or code)."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+
+
+def new_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+def tool_use(call: dict) -> dict:
+    return {
+        "type": "tool_use",
+        "id": call["id"],
+        "name": call["function"]["name"],
+        "input": json.loads(call["function"]["arguments"]),
+    }
+
+
+def blocks_of(message: dict) -> list[dict]:
+    """A whole chat message's content blocks (one text block, perhaps empty, when there is nothing else)."""
+    blocks = []
+    if message.get("reasoning_content"):
+        blocks.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
+    if message.get("content"):
+        blocks.append({"type": "text", "text": message["content"]})
+    blocks += [tool_use(c) for c in message.get("tool_calls") or []]
+    return blocks or [{"type": "text", "text": ""}]
+
+
+def stop_of(
+    finish_reason: str | None, token_ids: list[int], eos_ids, stops: list[str], tokenizer
+) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence). A chat "stop" is end_turn when the last token ends the text, else a
+    stop sequence: the first in the output's text, where the detokenizer cut it."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if finish_reason == "tool_calls":
+        return "tool_use", None
+    if stops and token_ids and token_ids[-1] not in eos_ids:
+        text = tokenizer.decode(token_ids)
+        found = [(text.find(s), s) for s in stops if s in text]
+        if found:
+            return "stop_sequence", min(found)[1]
+    return "end_turn", None
+
+
+def usage(input_tokens: int, output_tokens: int) -> dict:
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens}
+
+
+def message_body(
+    message_id: str, model: str, blocks: list[dict], stop: tuple[str | None, str | None], used: dict
+) -> dict:
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks,
+        "stop_reason": stop[0],
+        "stop_sequence": stop[1],
+        "usage": used,
+    }

@@ -1,0 +1,56 @@
+"""Anthropic's Messages API request (the parts this server supports) as pydantic models, strict as the
+chat API's; content blocks this server cannot read (images, documents, server tools) are refused by
+name where they are translated (router/http/messages_api/translate.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class Message(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class Tool(_Strict):
+    type: Literal["custom"] | None = None  # server tools (web_search, ...) have other types
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(_Strict):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(default=None, ge=1)  # the model's thinking is not budgeted here
+
+
+class CountTokensRequest(_Strict):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None  # the chat API's, as on /v1/responses

@@ -1,0 +1,67 @@
+"""POST /v1/messages and /v1/messages/count_tokens: the request translated into a chat request, served
+by the chat path, its result written as an Anthropic message or event stream; every error in
+Anthropic's shape, naming the field."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from router.http.chat_bridge import prompt_ids, renamed, run_chat
+from router.http.errors import APIError
+from router.http.messages_api.output import blocks_of, error_response, message_body, new_id, stop_of, usage
+from router.http.messages_api.protocol import CountTokensRequest, MessagesRequest
+from router.http.messages_api.stream import MessageEvents
+from router.http.messages_api.translate import chat_of
+from router.http.state import RouterState
+
+# the chat fields a shared check may name, as the Messages API calls them
+FIELD_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "tool_choice": "tool_choice"}
+
+
+async def _parsed(request: Request, model: type[BaseModel]):
+    try:
+        return model.model_validate(json.loads(await request.body()))
+    except ValueError as e:
+        if not isinstance(e, ValidationError):
+            raise APIError(400, f"the body is not JSON: {e}") from e
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise APIError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from e
+
+
+async def create_message(state: RouterState, request: Request):
+    try:
+        req = await _parsed(request, MessagesRequest)
+        state.check_model(req.model)
+        result = await run_chat(state, request, chat_of(req))
+    except APIError as e:
+        return error_response(renamed(e, FIELD_NAMES))
+    stops = req.stop_sequences or []
+    eos = set(state.eos_ids)
+
+    def stop(finish_reason, token_ids):
+        return stop_of(finish_reason, token_ids, eos, stops, state.tokenizer)
+
+    if result.body is None:
+        events = MessageEvents(new_id(), state.model_name, len(result.prompt_ids), stop)
+        return result.restream(events.events)
+    choice, used = result.body["choices"][0], result.body["usage"]
+    return message_body(
+        new_id(),
+        state.model_name,
+        blocks_of(choice["message"]),
+        stop(choice["finish_reason"], choice.get("token_ids") or []),
+        usage(used["prompt_tokens"], used["completion_tokens"]),
+    )
+
+
+async def count_tokens(state: RouterState, request: Request):
+    try:
+        req = await _parsed(request, CountTokensRequest)
+        state.check_model(req.model)
+        return {"input_tokens": len(prompt_ids(state, chat_of(req)))}
+    except APIError as e:
+        return error_response(renamed(e, FIELD_NAMES))

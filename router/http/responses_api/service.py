@@ -1,0 +1,70 @@
+"""POST /v1/responses: the request translated into a chat request, served by the chat path, and its
+result written as a Response object or the Responses API's event stream."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from router.http.chat_bridge import renamed, run_chat
+from router.http.errors import APIError
+from router.http.responses_api.output import ResponseHead, items_of, status_of, usage
+from router.http.responses_api.protocol import ResponsesRequest
+from router.http.responses_api.store import forget, keep, stored
+from router.http.responses_api.stream import ResponseEvents
+from router.http.responses_api.translate import chat_of, input_messages
+from router.http.state import RouterState
+
+# the chat fields a shared check may name, as the Responses API calls them
+FIELD_NAMES = {
+    "response_format": "text.format",
+    "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+}
+
+
+async def create_response(state: RouterState, request: Request, req: ResponsesRequest):
+    state.check_model(req.model)
+    history = []
+    if req.previous_response_id is not None:
+        history = (await stored(state, req.previous_response_id, "previous_response_id"))["messages"]
+    try:
+        messages = history + input_messages(req.input)
+        result = await run_chat(state, request, chat_of(req, messages))
+    except APIError as e:
+        raise renamed(e, FIELD_NAMES) from None
+    head = ResponseHead(req, state.model_name)
+    count = lambda text: len(state.tokenizer(text, add_special_tokens=False).input_ids) if text else 0  # noqa: E731
+    finished = (lambda body: keep(state, body, messages)) if req.store is not False else None
+    if result.body is None:
+        events = ResponseEvents(head, count, finished)
+        return result.restream(events.events)
+    choice, used = result.body["choices"][0], result.body["usage"]
+    status, incomplete = status_of(choice["finish_reason"])
+    message = choice["message"]
+    reasoning = count(message.get("reasoning_content") or "")
+    body = head.body(
+        status,
+        items_of(message, status),
+        usage(used["prompt_tokens"], used["completion_tokens"], reasoning),
+        incomplete,
+    )
+    if finished is not None:
+        finished(body)
+    return body
+
+
+async def get_response(state: RouterState, response_id: str) -> dict:
+    return (await stored(state, response_id))["response"]
+
+
+async def delete_response(state: RouterState, response_id: str) -> dict:
+    if not await forget(state, response_id):
+        await stored(state, response_id)  # its 404
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+async def cancel_response(state: RouterState, response_id: str) -> dict:
+    """Only a background response can be cancelled, as OpenAI's: here every response runs in its request."""
+    await stored(state, response_id)
+    raise APIError(400, "only a background response can be cancelled, and this server runs none", param="response_id")

@@ -1,0 +1,188 @@
+"""A streamed response as the Responses API's events, from the chat stream's chunks: response.created
+and response.in_progress; then per output item, in order, response.output_item.added, its deltas
+(response.reasoning_text.delta; response.content_part.added, response.output_text.delta; or
+response.function_call_arguments.delta), their .done events and response.output_item.done; then
+response.completed (response.incomplete at max_output_tokens, response.failed after an error event)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+from router.http.chat_bridge import sse_event
+from router.http.responses_api.output import (
+    ResponseHead,
+    function_call_item,
+    message_item,
+    new_id,
+    output_text,
+    reasoning_item,
+    status_of,
+    usage,
+)
+
+
+class ResponseEvents:
+    """One stream's events, numbered; `finished(body)` is told the final response (to store it)."""
+
+    def __init__(self, head: ResponseHead, count_tokens: Callable[[str], int], finished=None) -> None:
+        self.head, self.count_tokens, self.finished = head, count_tokens, finished
+        self.seq = 0
+        self.output: list[dict] = []  # the items done so far
+        self.open: tuple[str, str, list[str]] | None = None  # the item streaming: (kind, id, its text so far)
+        self.reasoning = ""
+
+    def _event(self, name: str, **fields) -> str:
+        event = {"type": name, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return sse_event(name, event)
+
+    async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+        yield self._event("response.created", response=self.head.body("in_progress", []))
+        yield self._event("response.in_progress", response=self.head.body("in_progress", []))
+        finish, used = None, None
+        async for chunk in chunks:
+            if "error" in chunk:
+                for event in self._close():
+                    yield event
+                error = chunk["error"]
+                yield self._event("error", code=str(error.get("code")), message=error["message"], param=error["param"])
+                failed = {"code": "server_error", "message": error["message"]}
+                yield self._event("response.failed", response=self.head.body("failed", self.output, error=failed))
+                async for _ in chunks:  # what is left: the chat stream's end
+                    pass
+                return
+            if chunk.get("usage") is not None and not chunk["choices"]:
+                used = chunk["usage"]
+            for choice in chunk["choices"]:
+                delta = choice.get("delta") or {}
+                for event in self._delta(delta):
+                    yield event
+                finish = choice.get("finish_reason") or finish
+        status, incomplete = status_of(finish)
+        if not self.output and self.open is None:  # output_text is always there to read
+            for event in self._open("message"):
+                yield event
+        for event in self._close(status):
+            yield event
+        done = self.head.body(
+            status,
+            self.output,
+            usage(
+                used["prompt_tokens"] if used else 0,
+                used["completion_tokens"] if used else 0,
+                self.count_tokens(self.reasoning),
+            ),
+            incomplete,
+        )
+        if self.finished is not None:
+            self.finished(done)
+        yield self._event("response.incomplete" if incomplete else "response.completed", response=done)
+
+    def _delta(self, delta: dict) -> list[str]:
+        events = []
+        for kind, key in (("reasoning", "reasoning_content"), ("message", "content")):
+            text = delta.get(key)
+            if not text:
+                continue
+            if self.open is None or self.open[0] != kind:
+                events += self._close() + self._open(kind)
+            _, item_id, parts = self.open
+            parts.append(text)
+            index = len(self.output)
+            if kind == "reasoning":
+                self.reasoning += text
+                events.append(
+                    self._event(
+                        "response.reasoning_text.delta",
+                        item_id=item_id,
+                        output_index=index,
+                        content_index=0,
+                        delta=text,
+                    )
+                )
+            else:
+                events.append(
+                    self._event(
+                        "response.output_text.delta",
+                        item_id=item_id,
+                        output_index=index,
+                        content_index=0,
+                        delta=text,
+                        logprobs=[],
+                    )
+                )
+        for call in delta.get("tool_calls") or []:
+            events += self._close()
+            item_id, index = new_id("fc"), len(self.output)
+            item = function_call_item(item_id, call, "completed")
+            arguments = item["arguments"]
+            events += [
+                self._event(
+                    "response.output_item.added",
+                    output_index=index,
+                    item=function_call_item(item_id, call, "in_progress"),
+                ),
+                self._event(
+                    "response.function_call_arguments.delta", item_id=item_id, output_index=index, delta=arguments
+                ),
+                self._event(
+                    "response.function_call_arguments.done", item_id=item_id, output_index=index, arguments=arguments
+                ),
+                self._event("response.output_item.done", output_index=index, item=item),
+            ]
+            self.output.append(item)
+        return events
+
+    def _open(self, kind: str) -> list[str]:
+        item_id, index = new_id("rs" if kind == "reasoning" else "msg"), len(self.output)
+        self.open = (kind, item_id, [])
+        if kind == "reasoning":
+            item = reasoning_item(item_id, None, "in_progress")
+            return [self._event("response.output_item.added", output_index=index, item=item)]
+        return [
+            self._event(
+                "response.output_item.added", output_index=index, item=message_item(item_id, None, "in_progress")
+            ),
+            self._event(
+                "response.content_part.added",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                part=output_text(""),
+            ),
+        ]
+
+    def _close(self, status: str = "completed") -> list[str]:
+        if self.open is None:
+            return []
+        kind, item_id, parts = self.open
+        text, index = "".join(parts), len(self.output)
+        self.open = None
+        if kind == "reasoning":
+            item = reasoning_item(item_id, text)
+            events = [
+                self._event(
+                    "response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0, text=text
+                )
+            ]
+        else:
+            item = message_item(item_id, text, status)
+            events = [
+                self._event(
+                    "response.output_text.done",
+                    item_id=item_id,
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                    logprobs=[],
+                ),
+                self._event(
+                    "response.content_part.done",
+                    item_id=item_id,
+                    output_index=index,
+                    content_index=0,
+                    part=output_text(text),
+                ),
+            ]
+        self.output.append(item)
+        return events + [self._event("response.output_item.done", output_index=index, item=item)]

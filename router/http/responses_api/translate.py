@@ -1,0 +1,105 @@
+"""A Responses request as the chat request it means: instructions and input items become messages
+(function_call items an assistant's tool_calls, function_call_output items tool messages), text.format
+the response_format, reasoning.effort "none" the template's enable_thinking false."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from router.http.chat_bridge import chat_request
+from router.http.errors import APIError
+from router.http.protocol import ChatCompletionRequest
+from router.http.responses_api.protocol import (
+    INPUT_ITEMS,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionChoice,
+    MessageItem,
+    ResponsesRequest,
+)
+
+
+def input_messages(items: str | list[dict], field: str = "input") -> list[dict]:
+    """The input as chat messages, or a 400 naming the item at fault."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict] = []
+    for i, raw in enumerate(items):
+        kind = raw.get("type", "message")  # an "easy" message has only role and content
+        model = INPUT_ITEMS.get(kind)
+        if model is None:
+            raise APIError(
+                400,
+                f"{field}.{i}.type: {kind!r} items are not supported by this server "
+                f"(it takes {', '.join(INPUT_ITEMS)})",
+                param=f"{field}.{i}.type",
+            )
+        try:
+            item = model.model_validate(raw)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join([field, str(i), *(str(p) for p in first["loc"])])
+            raise APIError(400, f"{where}: {first['msg']}", param=where) from e
+        if isinstance(item, MessageItem):
+            messages.append({"role": item.role, "content": item.text()})
+        elif isinstance(item, FunctionCallItem):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":  # calls of one turn are one message's
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+    return messages
+
+
+def chat_of(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
+    """The chat request of these messages: the input's, after those of the responses before it
+    (previous_response_id)."""
+    if req.instructions is not None:  # not carried over from a previous response, as OpenAI's
+        messages = [{"role": "system", "content": req.instructions}, *[m for m in messages if m["role"] != "system"]]
+    if not messages:
+        raise APIError(400, "input: the conversation is empty", param="input")
+    choice = req.tool_choice
+    if isinstance(choice, FunctionChoice):
+        choice = {"type": "function", "function": {"name": choice.name}}
+    tools = [
+        {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in req.tools or []
+    ] or None
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    return chat_request(
+        {
+            "model": req.model,
+            "messages": messages,
+            "max_completion_tokens": req.max_output_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "seed": req.seed,
+            "logit_bias": req.logit_bias,
+            "tools": tools,
+            "tool_choice": choice,
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "response_format": _response_format(req),
+            "chat_template_kwargs": {"enable_thinking": False} if effort == "none" else None,
+            "stream": req.stream,
+            "stream_options": {"include_usage": True} if req.stream else None,
+        }
+    )
+
+
+def _response_format(req: ResponsesRequest) -> dict | None:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.schema_ is None:
+        raise APIError(400, "text.format: type json_schema needs a schema", param="text.format.schema")
+    schema = {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict}
+    return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}

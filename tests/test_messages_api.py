@@ -1,0 +1,248 @@
+"""Anthropic's Messages API with the real anthropic client (messages.create, .stream, count_tokens): it
+serves the chat request it translates into (the same prompt, greedy output, tools and reasoning
+parser), whole and as Anthropic's event sequence, with its stop reasons; errors in Anthropic's shape
+naming the field; the API key in x-api-key."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+from chat_fixtures import OPENS_THINKING_TEMPLATE, chat_checkpoint, no_whitespace
+from helpers import serving
+from test_serve import check_replicas_whole
+
+from cluster.model_info import load_tokenizer
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
+}
+TOOL = {"name": "get_weather", "description": "the forecast", "input_schema": WEATHER}
+NO_THINKING_CHAT = {"chat_template_kwargs": {"enable_thinking": False}}
+KEY = "secret-key"
+# this client has no temperature argument: sent as the API defines it
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, qwen3_path):
+    return chat_checkpoint(qwen3_path, tmp_path_factory.mktemp("messages") / "qwen", OPENS_THINKING_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def srv(ray_cluster, model):
+    with serving(model, num_pages=1024, max_running_reqs=16, api_key=KEY) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def bias(model):
+    return no_whitespace(load_tokenizer(str(model)))
+
+
+def claude(srv) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=srv.url, api_key=KEY, max_retries=0)
+
+
+def chat(srv, messages, **kw):
+    import openai
+
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
+    return c.chat.completions.create(model="tiny", messages=messages, temperature=0, **kw)
+
+
+def event_types(events) -> list[str]:
+    out: list[str] = []
+    for e in events:
+        name = e.type if e.type != "content_block_delta" else f"delta:{e.delta.type}"
+        if not (out and out[-1] == name and name.startswith("delta:")):
+            out.append(name)
+    return out
+
+
+def test_a_message_is_answered_as_the_chat_request_it_means(srv):
+    m = claude(srv).messages.create(
+        model="tiny",
+        system="Be brief.",
+        messages=[{"role": "user", "content": "Hello"}],
+        max_tokens=8,
+        extra_body=GREEDY,
+    )
+    c = chat(
+        srv,
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+        max_tokens=8,
+        extra_body=NO_THINKING_CHAT,
+    )
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == c.choices[0].message.content
+    assert m.usage.input_tokens == c.usage.prompt_tokens and m.usage.output_tokens == c.usage.completion_tokens
+    assert m.stop_reason == ("max_tokens" if c.choices[0].finish_reason == "length" else "end_turn")
+
+
+def test_count_tokens_is_the_prompt_a_message_runs(srv):
+    body = dict(model="tiny", system="Be brief.", messages=[{"role": "user", "content": "Hello"}])
+    counted = claude(srv).messages.count_tokens(**body)
+    m = claude(srv).messages.create(**body, max_tokens=1)
+    assert counted.input_tokens == m.usage.input_tokens > 0
+
+
+def test_tool_use_and_tool_result_blocks_are_the_conversation_the_template_renders(srv):
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo", "days": 1}}
+            ],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
+    ]
+    counted = claude(srv).messages.count_tokens(model="tiny", messages=messages, tools=[TOOL])
+    call = {
+        "id": "toolu_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'},
+    }
+    chat_tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "the forecast", "parameters": WEATHER},
+    }
+    c = chat(
+        srv,
+        [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
+        ],
+        tools=[chat_tool],
+        max_tokens=1,
+        extra_body=NO_THINKING_CHAT,
+    )
+    assert counted.input_tokens == c.usage.prompt_tokens
+
+
+def test_the_stream_is_anthropics_event_sequence_adding_up_to_the_whole(srv):
+    body = dict(model="tiny", messages=[{"role": "user", "content": "A story"}], max_tokens=6, extra_body=GREEDY)
+    whole = claude(srv).messages.create(**body)
+    with claude(srv).messages.stream(**body) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+        text = stream.get_final_text()
+    raw = [
+        e
+        for e in events
+        if e.type
+        in (
+            "message_start",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop",
+        )
+    ]
+    assert event_types(raw) == [
+        "message_start",
+        "content_block_start",
+        "delta:text_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert text == whole.content[0].text and final.stop_reason == whole.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == 6 and final.usage.input_tokens == whole.usage.input_tokens
+
+
+def test_thinking_is_returned_as_thinking_blocks(srv):
+    # the template opens the think block: random weights think on until max_tokens
+    body = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "Think"}],
+        max_tokens=8,
+        extra_body=GREEDY,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
+    m = claude(srv).messages.create(**body)
+    c = chat(srv, [{"role": "user", "content": "Think"}], max_tokens=8)
+    assert m.content[0].type == "thinking" and m.content[0].thinking == c.choices[0].message.reasoning_content
+    with claude(srv).messages.stream(**body) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert "delta:thinking_delta" in event_types(events)
+    assert final.content[0].thinking == m.content[0].thinking
+
+
+def test_tool_choice_tool_makes_a_tool_use_block_whose_input_validates(srv, bias):
+    # logit_bias (the chat API's) keeps random weights from filling the JSON with whitespace
+    for choice in ({"type": "tool", "name": "get_weather"}, {"type": "any", "disable_parallel_tool_use": True}):
+        body = dict(
+            model="tiny",
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=[TOOL],
+            tool_choice=choice,
+            max_tokens=150,
+            extra_body={**GREEDY, "logit_bias": bias},
+        )
+        m = claude(srv).messages.create(**body)
+        uses = [b for b in m.content if b.type == "tool_use"]
+        assert m.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather", m.content
+        jsonschema.validate(uses[0].input, WEATHER)
+        with claude(srv).messages.stream(**body) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+        assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", uses[0].name, uses[0].input)]
+        assert "delta:input_json_delta" in event_types(events) and final.stop_reason == "tool_use"
+
+
+def test_a_stop_sequence_is_the_stop_reason_with_the_sequence(srv):
+    body = dict(model="tiny", messages=[{"role": "user", "content": "Count"}], max_tokens=12, extra_body=GREEDY)
+    free = claude(srv).messages.create(**body)
+    text = free.content[0].text
+    if len(text) < 4:
+        pytest.skip("the model's text is too short to cut")
+    stop = text[2:4]
+    m = claude(srv).messages.create(**body, stop_sequences=["zzzz-never", stop])
+    assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+    assert m.content[0].text == text[: text.find(stop)]
+    with claude(srv).messages.stream(**body, stop_sequences=[stop]) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+
+
+@pytest.mark.parametrize(
+    "fields, where",
+    [
+        ({"max_tokens": None}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]}, "tools.0.type"),
+        ({"tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
+        ({"temperature": 3}, "temperature"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"max_tokens": 10**6}, "max_tokens"),
+    ],
+)
+def test_bad_input_is_an_anthropic_error_naming_the_field(srv, fields, where):
+    body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **fields}
+    body = {k: v for k, v in body.items() if v is not None}
+    r = httpx.post(srv.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert where in error["error"]["message"]
+
+
+def test_the_client_raises_its_own_errors(srv):
+    with pytest.raises(anthropic.NotFoundError):
+        claude(srv).messages.create(model="claude-none", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    wrong = anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        wrong.messages.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert e.value.body["error"]["type"] == "authentication_error"
+
+
+def test_the_replicas_are_whole_after_the_messages(srv):
+    check_replicas_whole(srv)

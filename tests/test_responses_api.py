@@ -1,0 +1,337 @@
+"""OpenAI's Responses API with the real openai client (responses.create, .stream, .parse): it serves the
+chat request it translates into (the same prompt, the same greedy output, the same tools, formats and
+reasoning parser), whole and as the documented event sequence; bad input is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from chat_fixtures import OPENS_THINKING_TEMPLATE, chat_checkpoint, no_whitespace
+from helpers import client, serving
+from pydantic import BaseModel
+from test_serve import check_replicas_whole
+
+from cluster.model_info import load_tokenizer
+
+NO_THINKING = {"effort": "none"}
+NO_THINKING_CHAT = {"chat_template_kwargs": {"enable_thinking": False}}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
+}
+TOOL = {"type": "function", "name": "get_weather", "description": "the forecast", "parameters": WEATHER}
+CHAT_TOOL = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory, qwen3_path):
+    return chat_checkpoint(qwen3_path, tmp_path_factory.mktemp("responses") / "qwen", OPENS_THINKING_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def bias(model):
+    return no_whitespace(load_tokenizer(str(model)))
+
+
+@pytest.fixture(scope="module")
+def srv(ray_cluster, model):
+    with serving(model, num_pages=1024, max_running_reqs=16) as server:
+        yield server
+
+
+def chat(srv, messages, **kw):
+    return client(srv).chat.completions.create(model="tiny", messages=messages, temperature=0, **kw)
+
+
+def event_types(events) -> list[str]:
+    """The event names with each output item's deltas run together (their number is the model's)."""
+    out: list[str] = []
+    for e in events:
+        if not (e.type.endswith(".delta") and out and out[-1] == e.type):
+            out.append(e.type)
+    return out
+
+
+def test_a_string_input_is_answered_as_the_chat_request_it_means(srv):
+    r = client(srv).responses.create(
+        model="tiny",
+        input="Hello there",
+        instructions="Be brief.",
+        max_output_tokens=12,
+        temperature=0,
+        reasoning=NO_THINKING,
+    )
+    c = chat(
+        srv,
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+        max_tokens=12,
+        extra_body=NO_THINKING_CHAT,
+    )
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.output_text == c.choices[0].message.content
+    assert r.usage.input_tokens == c.usage.prompt_tokens and r.usage.output_tokens == c.usage.completion_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.usage.input_tokens_details.cached_tokens >= 0
+    assert [item.type for item in r.output] == ["message"]
+    reason = c.choices[0].finish_reason
+    assert (r.status, r.incomplete_details and r.incomplete_details.reason) == (
+        ("incomplete", "max_output_tokens") if reason == "length" else ("completed", None)
+    )
+
+
+def test_function_calls_and_their_outputs_are_the_conversation_the_template_renders(srv):
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Oslo", "days": 1}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    r = client(srv).responses.create(
+        model="tiny", input=items, tools=[TOOL], max_output_tokens=4, temperature=0, reasoning=NO_THINKING
+    )
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": items[1]["arguments"]}}
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    c = chat(srv, messages, tools=[CHAT_TOOL], max_tokens=4, extra_body=NO_THINKING_CHAT)
+    assert r.usage.input_tokens == c.usage.prompt_tokens
+    assert r.output_text == (c.choices[0].message.content or "")
+
+
+TEXT_EVENTS = [
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    "response.output_text.delta",
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+]
+# a format that ends the output within a few tokens, so that the response completes
+YES_NO = {"format": {"type": "json_schema", "name": "answer", "schema": {"type": "string", "enum": ["yes", "no"]}}}
+
+
+def test_the_stream_is_the_documented_event_sequence_adding_up_to_the_whole(srv):
+    args = dict(
+        model="tiny", input="Yes or no?", text=YES_NO, max_output_tokens=10, temperature=0, reasoning=NO_THINKING
+    )
+    whole = client(srv).responses.create(**args)
+    with client(srv).responses.stream(**args) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert whole.status == final.status == "completed"
+    assert event_types(events) == TEXT_EVENTS + ["response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert {e.response.id for e in events if hasattr(e, "response")} == {final.id}
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text == whole.output_text and json.loads(deltas) in ("yes", "no")
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_a_stream_cut_at_max_output_tokens_ends_incomplete(srv):
+    args = dict(model="tiny", input="Tell me a story", max_output_tokens=6, temperature=0, reasoning=NO_THINKING)
+    whole = client(srv).responses.create(**args)
+    events = list(client(srv).responses.create(**args, stream=True))
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert event_types(events) == TEXT_EVENTS + ["response.incomplete"]
+    last = events[-1].response
+    assert last.output_text == whole.output_text and last.usage.output_tokens == 6
+
+
+def test_max_output_tokens_leaves_the_response_incomplete(srv):
+    r = client(srv).responses.create(
+        model="tiny", input="Hi", max_output_tokens=1, temperature=0, reasoning=NO_THINKING
+    )
+    assert r.usage.output_tokens == 1
+    if r.status == "incomplete":  # a first token that is the end of the text completes it
+        assert r.incomplete_details.reason == "max_output_tokens" and r.output[0].status == "incomplete"
+
+
+def test_the_reasoning_parser_output_is_a_reasoning_item(srv):
+    # the template opens the think block: random weights think on until max_output_tokens
+    r = client(srv).responses.create(model="tiny", input="Think", max_output_tokens=8, temperature=0)
+    c = chat(srv, [{"role": "user", "content": "Think"}], max_tokens=8)
+    assert r.output[0].type == "reasoning"
+    assert r.output[0].content[0].text == c.choices[0].message.reasoning_content
+    assert r.usage.output_tokens_details.reasoning_tokens > 0
+    with client(srv).responses.stream(model="tiny", input="Think", max_output_tokens=8, temperature=0) as stream:
+        events = list(stream)
+    assert event_types(events)[2:5] == [
+        "response.output_item.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+    ]
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == r.output[0].content[0].text
+
+
+def test_a_required_tool_is_a_function_call_item_whose_arguments_validate(srv, bias):
+    args = dict(
+        model="tiny",
+        input="Weather?",
+        tools=[TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=150,
+        temperature=0,
+        reasoning=NO_THINKING,
+        extra_body={"logit_bias": bias},
+    )
+    r = client(srv).responses.create(**args)
+    assert r.status == "completed" and [item.type for item in r.output] == ["function_call"], r.output
+    call = r.output[0]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    with client(srv).responses.stream(**args) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [(c.type, c.name, c.arguments) for c in final.output] == [("function_call", call.name, call.arguments)]
+    assert event_types(events) == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+
+
+class City(BaseModel):
+    city: Literal["Paris", "Oslo"]
+    days: Literal[1, 2, 3]
+
+
+def test_parse_reads_a_json_schema_output_into_its_model(srv, bias):
+    r = client(srv).responses.parse(
+        model="tiny",
+        input="A city and a number of days",
+        text_format=City,
+        max_output_tokens=200,
+        temperature=0,
+        reasoning=NO_THINKING,
+        extra_body={"logit_bias": bias},
+    )
+    assert r.status == "completed" and isinstance(r.output_parsed, City)
+    json_mode = client(srv).responses.create(
+        model="tiny",
+        input="JSON please",
+        text={"format": {"type": "json_object"}},
+        max_output_tokens=200,
+        temperature=0,
+        reasoning=NO_THINKING,
+        extra_body={"logit_bias": bias},
+    )
+    assert json_mode.status == "completed" and isinstance(json.loads(json_mode.output_text), dict)
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0.type"),
+        ({"input": [{"role": "user", "content": 3}]}, "input.0.content"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text.format"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens"),
+        ({"background": True}, "background"),
+        ({"temperature": "hot"}, "temperature"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(srv, fields, param):
+    body = {"model": "tiny", "input": "hi", **fields}
+    r = httpx.post(srv.url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"].startswith(param), error
+
+
+def test_an_unknown_model_is_a_404_the_client_raises(srv):
+    with pytest.raises(openai.NotFoundError):
+        client(srv).responses.create(model="gpt-none", input="hi")
+
+
+def test_a_stored_response_is_read_back_and_continues_the_conversation(srv):
+    first = client(srv).responses.create(
+        model="tiny", input="Name a city", max_output_tokens=5, temperature=0, reasoning=NO_THINKING
+    )
+    assert client(srv).responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = client(srv).responses.create(
+        model="tiny",
+        input="And another",
+        previous_response_id=first.id,
+        max_output_tokens=5,
+        temperature=0,
+        reasoning=NO_THINKING,
+    )
+    conversation = [
+        {"role": "user", "content": "Name a city"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And another"},
+    ]
+    c = chat(srv, conversation, max_tokens=5, extra_body=NO_THINKING_CHAT)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == c.usage.prompt_tokens
+    assert second.output_text == c.choices[0].message.content
+
+
+def test_a_streamed_response_is_stored_whole(srv):
+    with client(srv).responses.stream(
+        model="tiny", input="Yes or no?", text=YES_NO, max_output_tokens=10, temperature=0, reasoning=NO_THINKING
+    ) as stream:
+        final = stream.get_final_response()
+    assert client(srv).responses.retrieve(final.id).output_text == final.output_text
+
+
+def test_deleted_unstored_and_unknown_responses_are_404s(srv):
+    kept = client(srv).responses.create(model="tiny", input="hi", max_output_tokens=2, reasoning=NO_THINKING)
+    unstored = client(srv).responses.create(
+        model="tiny", input="hi", max_output_tokens=2, reasoning=NO_THINKING, store=False
+    )
+    assert client(srv).responses.delete(kept.id) is None
+    for response_id in (kept.id, unstored.id, "resp_none"):
+        with pytest.raises(openai.NotFoundError):
+            client(srv).responses.retrieve(response_id)
+    r = httpx.post(
+        srv.url + "/v1/responses", json={"model": "tiny", "input": "hi", "previous_response_id": "resp_none"}
+    )
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+def test_only_background_responses_can_be_cancelled(srv):
+    r = client(srv).responses.create(model="tiny", input="hi", max_output_tokens=2, reasoning=NO_THINKING)
+    with pytest.raises(openai.BadRequestError):
+        client(srv).responses.cancel(r.id)
+
+
+def test_the_store_forgets_what_expires_and_the_oldest_past_its_bounds(monkeypatch):
+    from router.tier import response_store
+
+    now = [0.0]
+    monkeypatch.setattr(response_store.time, "monotonic", lambda: now[0])
+    store = response_store.ResponseStore(ttl_s=10, max_responses=2, max_bytes=100)
+    store.put("a", {"n": 1}, 10)
+    store.put("b", {"n": 2}, 10)
+    store.put("c", {"n": 3}, 10)  # past max_responses: a goes
+    assert [store.get(k) for k in "abc"] == [None, {"n": 2}, {"n": 3}]
+    store.put("d", {"n": 4}, 95)  # past max_bytes: the older go
+    assert [store.get(k) for k in "bcd"] == [None, None, {"n": 4}]
+    now[0] = 11.0
+    assert store.get("d") is None
+
+
+def test_the_replicas_are_whole_after_the_responses(srv):
+    check_replicas_whole(srv)
