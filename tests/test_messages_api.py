@@ -79,7 +79,9 @@ def test_a_message_is_answered_as_the_chat_request_it_means(srv):
     )
     assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == c.choices[0].message.content
-    assert m.usage.input_tokens == c.usage.prompt_tokens and m.usage.output_tokens == c.usage.completion_tokens
+    # Anthropic counts the prompt as the tokens computed plus those read from the prefix cache
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == c.usage.prompt_tokens
+    assert m.usage.output_tokens == c.usage.completion_tokens
     assert m.stop_reason == ("max_tokens" if c.choices[0].finish_reason == "length" else "end_turn")
 
 
@@ -87,7 +89,7 @@ def test_count_tokens_is_the_prompt_a_message_runs(srv):
     body = dict(model="tiny", system="Be brief.", messages=[{"role": "user", "content": "Hello"}])
     counted = claude(srv).messages.count_tokens(**body)
     m = claude(srv).messages.create(**body, max_tokens=1)
-    assert counted.input_tokens == m.usage.input_tokens > 0
+    assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens > 0
 
 
 def test_tool_use_and_tool_result_blocks_are_the_conversation_the_template_renders(srv):
@@ -154,7 +156,9 @@ def test_the_stream_is_anthropics_event_sequence_adding_up_to_the_whole(srv):
         "message_stop",
     ]
     assert text == whole.content[0].text and final.stop_reason == whole.stop_reason == "max_tokens"
-    assert final.usage.output_tokens == 6 and final.usage.input_tokens == whole.usage.input_tokens
+    assert final.usage.output_tokens == 6
+    prompt = whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) == prompt
 
 
 def test_thinking_is_returned_as_thinking_blocks(srv):
@@ -246,3 +250,12 @@ def test_the_client_raises_its_own_errors(srv):
 
 def test_the_replicas_are_whole_after_the_messages(srv):
     check_replicas_whole(srv)
+
+
+def test_a_prompt_served_again_reads_the_prefix_cache_and_counts_it_apart(srv):
+    body = dict(model="tiny", system="Cached twice.", messages=[{"role": "user", "content": "A prompt of some length"}])
+    first = claude(srv).messages.create(**body, max_tokens=2)
+    again = claude(srv).messages.create(**body, max_tokens=2)
+    prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == prompt
+    assert again.usage.cache_read_input_tokens > 0

@@ -335,3 +335,11 @@ def test_the_store_forgets_what_expires_and_the_oldest_past_its_bounds(monkeypat
 
 def test_the_replicas_are_whole_after_the_responses(srv):
     check_replicas_whole(srv)
+
+
+def test_a_prompt_served_again_reports_its_prefix_cache_hit_as_cached_tokens(srv):
+    ask = dict(model="tiny", input="Cached twice, a prompt of some length", max_output_tokens=2, reasoning=NO_THINKING)
+    first = client(srv).responses.create(**ask, instructions="Say it again.")
+    again = client(srv).responses.create(**ask, instructions="Say it again.")
+    assert again.usage.input_tokens == first.usage.input_tokens
+    assert 0 < again.usage.input_tokens_details.cached_tokens <= again.usage.input_tokens

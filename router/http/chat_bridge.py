@@ -96,3 +96,8 @@ def renamed(error: APIError, names: dict[str, str]) -> APIError:
         if error.message.startswith(old):
             error.message = new + error.message[len(old) :]
     return error
+
+
+def cached_of(used: dict) -> int:
+    """The prompt tokens a chat completion's usage says the prefix cache served."""
+    return (used.get("prompt_tokens_details") or {}).get("cached_tokens") or 0

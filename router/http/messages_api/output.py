@@ -81,8 +81,14 @@ def stop_of(
     return "end_turn", None
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict:
-    return {"input_tokens": input_tokens, "output_tokens": output_tokens}
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+    """Anthropic's usage: `input_tokens` counts the prompt tokens computed, `cache_read_input_tokens` those
+    the prefix cache served (their sum is the prompt)."""
+    return {
+        "input_tokens": input_tokens - cached_tokens,
+        "cache_read_input_tokens": cached_tokens,
+        "output_tokens": output_tokens,
+    }
 
 
 def message_body(

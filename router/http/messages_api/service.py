@@ -9,7 +9,7 @@ import json
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from router.http.chat_bridge import prompt_ids, renamed, run_chat
+from router.http.chat_bridge import cached_of, prompt_ids, renamed, run_chat
 from router.http.errors import APIError
 from router.http.messages_api.output import blocks_of, error_response, message_body, new_id, stop_of, usage
 from router.http.messages_api.protocol import CountTokensRequest, MessagesRequest
@@ -54,7 +54,7 @@ async def create_message(state: RouterState, request: Request):
         state.model_name,
         blocks_of(choice["message"]),
         stop(choice["finish_reason"], choice.get("token_ids") or []),
-        usage(used["prompt_tokens"], used["completion_tokens"]),
+        usage(used["prompt_tokens"], used["completion_tokens"], cached_of(used)),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from router.http.chat_bridge import renamed, run_chat
+from router.http.chat_bridge import cached_of, renamed, run_chat
 from router.http.errors import APIError
 from router.http.responses_api.output import ResponseHead, items_of, status_of, usage
 from router.http.responses_api.protocol import ResponsesRequest
@@ -46,7 +46,7 @@ async def create_response(state: RouterState, request: Request, req: ResponsesRe
     body = head.body(
         status,
         items_of(message, status),
-        usage(used["prompt_tokens"], used["completion_tokens"], reasoning),
+        usage(used["prompt_tokens"], used["completion_tokens"], reasoning, cached_of(used)),
         incomplete,
     )
     if finished is not None:

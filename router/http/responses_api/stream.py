@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
-from router.http.chat_bridge import sse_event
+from router.http.chat_bridge import cached_of, sse_event
 from router.http.responses_api.output import (
     ResponseHead,
     function_call_item,
@@ -71,6 +71,7 @@ class ResponseEvents:
                 used["prompt_tokens"] if used else 0,
                 used["completion_tokens"] if used else 0,
                 self.count_tokens(self.reasoning),
+                cached_of(used) if used else 0,
             ),
             incomplete,
         )
