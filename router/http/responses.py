@@ -68,7 +68,7 @@ class Formatter:
         self.output = output if chat and output is not None and output.parses else None
         self._parsers: dict[int, ChatOutputParser] = {}  # a streamed choice's, by index
         self.created = int(time.time())
-        self.token_bytes = token_bytes(tokenizer)
+        self.token_bytes = token_bytes(tokenizer) if tokenizer is not None else None  # logprobs need the tokenizer
         self.offsets = [TextOffsets() for _ in range(self.choices)]  # each choice's text_offset so far
         self.generated = [0] * self.choices  # each choice's tokens streamed so far (continuous usage)
         head = {
