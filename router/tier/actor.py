@@ -3,10 +3,10 @@ detokenizing, SSE) on the deployment's port, beside the tier's other actors on t
 its own listening socket with SO_REUSEPORT, and the kernel spreads new connections over them, so
 clients see one endpoint and the per-token work runs in as many processes as there are routers.
 
-Ray restarts an actor that dies (its clients' connections close with it). A started router first
-releases what its predecessor of the same index had sent (the replicas abort those requests: no
-one reads them any more), then serves. The driver (router/tier/tier.py) tells each router when a replica
-is replaced."""
+Ray restarts an actor that dies (its clients' connections close with it). A started router takes its
+settings and the replicas serving now from the tier's directory (router/tier/directory.py), releases
+what its predecessor of the same index had sent (the replicas abort those requests: no one reads them
+any more), then serves. The driver (router/tier/tier.py) tells each router when a replica is replaced."""
 
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from cluster import ReplicaInfo, ServeConfig, load_tokenizer
+from cluster import load_tokenizer
 from router.http.app import build_app
 from router.http.connection import bounded_protocol
 from router.http.draining import DrainingServer
 from router.http.state import RouterState
 from router.replicas.client import client_for
+from router.tier.directory import read_directory
 from router.tier.router_state import router_state
 
 log = logging.getLogger(__name__)
@@ -51,10 +52,12 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 class RouterActor:
-    def __init__(self, config: ServeConfig, index: int, replicas: list[ReplicaRef], info: ReplicaInfo) -> None:
-        """Serves at once (so that a restart by Ray serves again without the driver): `index` is this
-        router's place in the tier, and its subscriber id on the replicas is index + 1 (0 is the
-        launching process's)."""
+    def __init__(self, port: int, index: int) -> None:
+        """Serves at once (so that a restart by Ray serves again without the driver) the deployment on
+        `port`: `index` is this router's place in the tier, and its subscriber id on the replicas is
+        index + 1 (0 is the launching process's). Only these two plain numbers are its arguments, so
+        that Ray can restart it from them alone."""
+        config, info, replicas = read_directory(port)
         logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config, self.index, self.subscriber = config, index, index + 1
         tokenizer = load_tokenizer(config.model)

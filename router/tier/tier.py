@@ -1,7 +1,7 @@
 """The router tier, from the launching process: `routers` RouterActors (router/tier/actor.py) on this node,
-named raylm-router-PORT-K in Ray's dashboard, restarted by Ray when they die. This side tells them
-when a replica is replaced, tells a restarted one which replicas serve now (it starts over with those
-it was created with), and drains them when the server stops."""
+named raylm-router-PORT-K in Ray's dashboard, restarted by Ray when they die (a restarted one takes the
+replicas serving now from the tier's directory). This side keeps the directory current, tells the
+routers when a replica is replaced, and drains them when the server stops."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster import ReplicaInfo, ServeConfig
 from router.tier.actor import ReplicaRef, RouterActor
+from router.tier.directory import start_directory
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +33,14 @@ class RouterTier:
         self._closed = False
         self.replicas = [ref_of(r) for r in replicas]
         here = ray.get_runtime_context().get_node_id()  # SO_REUSEPORT shares a port on one node only
-        # held here for the tier's lifetime: Ray restarts an actor from its constructor's arguments
-        self._pinned = [ray.put(config), ray.put(self.replicas), ray.put(info)]
         # the routers' request metrics, summed over the tier by whichever router a scrape reaches
         self.metrics_dir = tempfile.mkdtemp(prefix=f"raylm-metrics-{config.port}-")
         self._node = here
         self.recreated = 0  # routers made anew after Ray gave up restarting them
-        self.actors = [self._create(k) for k in range(config.num_routers)]
+        self.directory, self.actors = None, []
         try:
+            self.directory = start_directory(config.port, config, info, self.replicas, self._on_this_node())
+            self.actors = [self._create(k) for k in range(config.num_routers)]
             self.started = ray.get([a.ping.remote() for a in self.actors], timeout=300)
         except BaseException:
             self.shutdown()
@@ -53,21 +54,30 @@ class RouterTier:
                 max_restarts=-1,
                 max_task_retries=0,
                 num_cpus=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(self._node, soft=False),
+                scheduling_strategy=self._on_this_node(),
                 runtime_env={"env_vars": {"PROMETHEUS_MULTIPROC_DIR": self.metrics_dir}},
             )
-            .remote(self._pinned[0], k, self._pinned[1], self._pinned[2])
+            .remote(self.config.port, k)
         )
+
+    def _on_this_node(self) -> NodeAffinitySchedulingStrategy:
+        return NodeAffinitySchedulingStrategy(self._node, soft=False)
 
     def replaced(self, i: int, replica) -> None:
         """Replica i's replacement serves: every router routes to it from now on."""
         self.replicas[i] = ref_of(replica)
+        # in the directory first, waited for: a router restarting from now on starts on it, and the
+        # calls below reach every one that started before (Ray holds a call to a restarting actor)
+        try:
+            ray.get(self.directory.set_replica.remote(i, self.replicas[i]), timeout=10)
+        except Exception as e:  # noqa: BLE001 - its node gone with the routers': nothing left to start from it
+            log.error("the tier's directory did not take replica %d: %s", i, e)
         for actor in self.actors:
             actor.set_replica.remote(i, self.replicas[i])
 
     async def watch(self) -> None:
-        """A router that Ray restarted serves with the replicas it was created with: tell it the current
-        ones. A router whose client of a serving replica failed (a transient error) gets it back."""
+        """Notes a router's restart (its live gauges leave the tier's sums) and makes a router Ray gave up
+        on anew. A router whose client of a serving replica failed (a transient error) gets it back."""
         while not self._closed:
             await asyncio.sleep(self.interval_s)
             for k, actor in enumerate(self.actors):
@@ -81,11 +91,10 @@ class RouterTier:
                 except Exception:  # noqa: BLE001 - restarting: Ray brings it back, the next round sees it
                     continue
                 if started != self.started[k]:
-                    log.warning("router %d was restarted; routing it to the replicas serving now", k)
+                    if self.started[k][1]:  # not one just made anew (logged then)
+                        log.warning("router %d was restarted by Ray", k)
                     _forget_process(self.metrics_dir, self.started[k][1])
                     self.started[k] = started
-                    for i, ref in enumerate(self.replicas):
-                        actor.set_replica.remote(i, ref)
                 for i in down:
                     if self.state.clients[i].healthy:  # the replica serves: only that router's client failed
                         actor.set_replica.remote(i, self.replicas[i], True)
@@ -98,7 +107,7 @@ class RouterTier:
         log.error("router %d is gone for good (%s); started a new one", k, str(why).splitlines()[0])
         _forget_process(self.metrics_dir, self.started[k][1])
         self.actors[k] = actor
-        self.started[k] = (0.0, 0)  # the next round sees a new start, and tells it the replicas serving now
+        self.started[k] = (0.0, 0)  # the next round sees its start
         self.recreated += 1
 
     def drain(self) -> None:
@@ -116,6 +125,10 @@ class RouterTier:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - gone already
                 pass
+        try:
+            ray.kill(self.directory, no_restart=True)
+        except Exception:  # noqa: BLE001 - never made, or gone already
+            pass
         shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
 
