@@ -343,3 +343,24 @@ def test_a_prompt_served_again_reports_its_prefix_cache_hit_as_cached_tokens(srv
     again = client(srv).responses.create(**ask, instructions="Say it again.")
     assert again.usage.input_tokens == first.usage.input_tokens
     assert 0 < again.usage.input_tokens_details.cached_tokens <= again.usage.input_tokens
+
+
+def test_every_router_actor_of_the_tier_reads_a_stored_response_even_after_its_maker_is_gone(model):
+    import ray
+
+    with serving(model, routers=2, num_pages=256, max_running_reqs=8) as tier:
+        made = client(tier).responses.create(model="tiny", input="Remember this", max_output_tokens=2)
+        port = tier.config.port
+
+        def read(self, response_id=made.id, port=port):
+            from router.tier.response_store import response_store
+
+            return ray.get(response_store(port).get.remote(response_id)) is not None
+
+        # each router actor reaches the one store by name and finds the response there
+        assert ray.get([a.__ray_call__.remote(read) for a in tier.tier.actors]) == [True, True]
+        # the store outlives the router actors (it is detached): with both gone, the response is still kept
+        for actor in tier.tier.actors:
+            ray.kill(actor, no_restart=True)
+        store = ray.get_actor(f"raylm-responses-{port}")
+        assert ray.get(store.get.remote(made.id)) is not None

@@ -193,8 +193,9 @@ def test_watchdog_fails_a_replica_whose_step_blocks_on_the_host(ray_cluster, qwe
     actor.start()
     hanging = _HangingExecutor(actor.executor)
     actor.scheduler.executor = hanging
-    ended: list[str] = []  # finish reasons the replica's request counter was given, one per request
+    ended: list[str] = []  # how the replica's request counters saw each request end, one entry per request
     actor.metrics.requests = SimpleNamespace(inc=lambda n, tags: ended.extend([tags["finish_reason"]] * n))
+    actor.metrics.failures = SimpleNamespace(inc=lambda n, tags: ended.extend([tags["reason"]] * n))
     threading.Thread(target=actor._watch, args=(hanging,), daemon=True).start()
 
     seen: list[TokenDelta] = []

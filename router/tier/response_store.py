@@ -50,10 +50,12 @@ class ResponseStore:
 
 
 def response_store(port: int):
-    """The tier's store actor, made by the first router that needs it."""
+    """The tier's store actor, made by the first router that needs it. Detached: it outlives that
+    router (another router actor of the tier may still read it after that one dies); the server's stop
+    ends it (forget_responses)."""
     return (
         ray.remote(ResponseStore)
-        .options(name=f"raylm-responses-{port}", get_if_exists=True, num_cpus=0, max_restarts=-1)
+        .options(name=f"raylm-responses-{port}", get_if_exists=True, num_cpus=0, max_restarts=-1, lifetime="detached")
         .remote()
     )
 
