@@ -3,7 +3,8 @@ each answering what the offline engine answers, /metrics the tier's sums, a rout
 a serving replica repaired; one killed under load is restarted by Ray while the
 other serves, its streams end with the connection, and its replica aborts them (no request keeps
 generating for a client that is gone), pages all returned; a restarted router starts on the replicas
-serving now, from the tier's directory, and nothing of its arguments is kept in Ray's object store."""
+serving now, from the tier's directory (which, restarted by Ray, is published to again), and nothing
+of its arguments is kept in Ray's object store."""
 
 from __future__ import annotations
 
@@ -160,4 +161,15 @@ def test_a_router_killed_is_restarted_on_the_replicas_serving_now_and_its_reques
         routed = ray.get(victim.__ray_call__.remote(lambda self: [c.actor._actor_id for c in self.state.clients]))
         assert routed == [srv.replicas[0].actor._actor_id] != [gone._actor_id]
         assert all(_texts(srv.url, ids, 4) for ids in PROMPTS[:6])
+        # the directory, restarted by Ray (empty), is published to again
+        directory = ray.get_actor(f"raylm-tier-{srv.config.port}")
+        ray.kill(directory, no_restart=False)
+        while True:
+            try:
+                if ray.get(directory.spec.remote(), timeout=10)[2] == srv.tier.replicas:
+                    break
+            except Exception:  # noqa: BLE001 - restarting, or not yet published
+                pass
+            assert time.monotonic() < deadline + 240, "the tier's directory was not published again"
+            time.sleep(0.1)
         assert "constructor arguments in the object store" not in capfd.readouterr().err

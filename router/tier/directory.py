@@ -1,7 +1,8 @@
 """What a router actor starts from: the deployment's settings, the replicas' model facts and the
 replicas serving now, held by one named actor of the tier. A router fetches them when it starts
 rather than taking them as its constructor's arguments: Ray keeps those (and any actor handle among
-them) in its object store, and a restart fails once they are lost there."""
+them) in its object store, and a restart fails once they are lost there. Ray restarts the directory
+too (empty: it takes no arguments either), and the tier publishes to it again (router/tier/tier.py)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,13 @@ class TierDirectory:
         """Replica i's replacement serves: a router starting from now on routes to it."""
         self._spec[2][i] = ref
 
+    def published(self) -> bool:
+        return self._spec is not None
+
     def spec(self) -> tuple[ServeConfig, ReplicaInfo, list]:
         """The settings, the model facts and the router.tier.actor.ReplicaRef of each replica serving now."""
+        if self._spec is None:
+            raise RuntimeError("the router tier's directory was restarted and is not published yet")
         return self._spec
 
 
@@ -34,7 +40,7 @@ def start_directory(port: int, config: ServeConfig, info: ReplicaInfo, replicas:
     """The tier's directory on the routers' node, published before any router starts."""
     directory = (
         ray.remote(TierDirectory)
-        .options(name=directory_name(port), num_cpus=0, scheduling_strategy=scheduling_strategy)
+        .options(name=directory_name(port), num_cpus=0, max_restarts=-1, scheduling_strategy=scheduling_strategy)
         .remote()
     )
     ray.get(directory.publish.remote(config, info, replicas), timeout=60)

@@ -76,10 +76,12 @@ class RouterTier:
             actor.set_replica.remote(i, self.replicas[i])
 
     async def watch(self) -> None:
-        """Notes a router's restart (its live gauges leave the tier's sums) and makes a router Ray gave up
-        on anew. A router whose client of a serving replica failed (a transient error) gets it back."""
+        """Keeps the directory published, notes a router's restart (its live gauges leave the tier's
+        sums) and makes a router Ray gave up on anew. A router whose client of a serving replica failed
+        (a transient error) gets it back."""
         while not self._closed:
             await asyncio.sleep(self.interval_s)
+            await self._republish()
             for k, actor in enumerate(self.actors):
                 try:
                     started = await asyncio.wait_for(actor.ping.remote(), timeout=10 * self.interval_s)
@@ -98,6 +100,15 @@ class RouterTier:
                 for i in down:
                     if self.state.clients[i].healthy:  # the replica serves: only that router's client failed
                         actor.set_replica.remote(i, self.replicas[i], True)
+
+    async def _republish(self) -> None:
+        """A directory Ray restarted starts empty: it gets what the routers start from again."""
+        try:
+            if not await asyncio.wait_for(self.directory.published.remote(), timeout=10 * self.interval_s):
+                await self.directory.publish.remote(self.config, self.info, self.replicas)
+                log.warning("the router tier's directory was restarted; published to it again")
+        except Exception:  # noqa: BLE001 - restarting: the next round sees it back
+            pass
 
     def _recreate(self, k: int, why: Exception) -> None:
         try:
