@@ -50,7 +50,7 @@ async def create_response(state: RouterState, request: Request, req: ResponsesRe
         incomplete,
     )
     if finished is not None:
-        finished(body)
+        await finished(body)
     return body
 
 

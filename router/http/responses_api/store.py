@@ -28,10 +28,11 @@ def assistant_message(output: list[dict]) -> dict:
     return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
 
 
-def keep(state: RouterState, body: dict, messages: list[dict]) -> None:
-    """Stores a finished response (sent, not awaited: the response goes out meanwhile)."""
+async def keep(state: RouterState, body: dict, messages: list[dict]) -> None:
+    """Stores a finished response, before the client hears of it: a GET or a previous_response_id
+    that follows at once, through any router of the tier, finds it."""
     record = {"response": body, "messages": [*messages, assistant_message(body["output"])]}
-    _store(state).put.remote(body["id"], record, len(json.dumps(record)))
+    await _store(state).put.remote(body["id"], record, len(json.dumps(record)))
 
 
 async def stored(state: RouterState, response_id: str, field: str | None = None) -> dict:

@@ -22,7 +22,7 @@ from router.http.responses_api.output import (
 
 
 class ResponseEvents:
-    """One stream's events, numbered; `finished(body)` is told the final response (to store it)."""
+    """One stream's events, numbered; `finished(body)` is awaited with the final response (to store it)."""
 
     def __init__(self, head: ResponseHead, count_tokens: Callable[[str], int], finished=None) -> None:
         self.head, self.count_tokens, self.finished = head, count_tokens, finished
@@ -76,7 +76,7 @@ class ResponseEvents:
             incomplete,
         )
         if self.finished is not None:
-            self.finished(done)
+            await self.finished(done)
         yield self._event("response.incomplete" if incomplete else "response.completed", response=done)
 
     def _delta(self, delta: dict) -> list[str]:
