@@ -27,6 +27,7 @@ from worker.attention import create_backend
 from worker.batch import BatchDesc, ForwardBatch, StepOutput, desc_columns
 from worker.config import EngineConfig
 from worker.graph_io import IO
+from worker.kernel_builds import serialize_flashinfer_builds
 from worker.kv_cache import KVCachePool
 from worker.loader import CheckpointError, init_dummy_weights, load_weights
 from worker.models import build_model
@@ -128,6 +129,8 @@ class Engine:
         # this engine's kernels, handed to what it builds: its model's layers, KV cache, sampler, attention
         self.kernels = config.kernels
         triton_ops.warn_if_absent(self.kernels, self.device)
+        if self.device.type == "cuda":
+            serialize_flashinfer_builds()
         self.host_waits = HostWaits()  # every wait of this engine's host on its device
         self.hf_config = load_hf_config(config.model_path)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
