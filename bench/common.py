@@ -63,6 +63,27 @@ ARCHS = {
         "num_key_value_heads": 8,
         "tie_word_embeddings": False,
     },
+    # Qwen3-30B-A3B: 128 experts of width 768 a layer, 8 active; 61 GB of bf16 weights, 58 of them experts
+    "qwen3-30b-a3b": {
+        **_QWEN3,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "num_hidden_layers": 48,
+        "max_window_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+    },
     # for a smoke run of the scripts on a CPU
     "tiny": {
         **_QWEN3,
