@@ -46,9 +46,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
     rows = flat.numel()
     max_blocks = -(-(rows + num_experts * (block_m - 1)) // block_m)
     # scatter_add rather than bincount, which would ask the host for the largest id
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
-        0, flat, torch.ones_like(flat)
-    )
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     start = counts.cumsum(0) - counts
