@@ -20,7 +20,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from worker.kernels import Kernels
 from worker.layers.moe import select_experts
-from worker.layers.moe.fused import align_by_expert, fused_applies, fused_experts
+from worker.layers.moe.fused import align_by_expert, fused_applies, fused_experts, route
 from worker.layers.moe.torch_experts import torch_experts
 from worker.loader import CheckpointError, load_weights
 from worker.models import build_model
@@ -185,9 +185,12 @@ def _experts(tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
     return x, w13, w2, weights.to(dtype), ids
 
 
-def test_align_by_expert_puts_every_row_once_in_blocks_of_its_expert():
+@pytest.mark.parametrize("kernel", [False, True])
+def test_align_by_expert_puts_every_row_once_in_blocks_of_its_expert(kernel):
+    if kernel:
+        pytest.importorskip("triton")
     _, _, _, _, ids = _experts(13, 8, 3, 16, 16)
-    order = align_by_expert(ids, 8, block_m=4)
+    order = align_by_expert(ids, 8, block_m=4, kernel=kernel)
     rows = ids.numel()
     blocks = order.sorted_ids.view(-1, 4)
     assert blocks.shape[0] == order.expert_ids.numel() == -(-(rows + 8 * 3) // 4)  # the static upper bound
@@ -200,6 +203,16 @@ def test_align_by_expert_puts_every_row_once_in_blocks_of_its_expert():
         else:
             assert (ids.flatten()[chosen] == expert).all() and chosen.numel() > 0
     assert int(order.num_padded) == 4 * int((order.expert_ids >= 0).sum())
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_routing_kernel_picks_what_select_experts_picks(renormalize):
+    pytest.importorskip("triton")
+    logits = torch.randn(9, 12, generator=torch.Generator().manual_seed(3)) * 2
+    weights, ids = route(logits, 3, renormalize)
+    want_weights, want_ids = select_experts(logits, 3, renormalize)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_weights)
 
 
 @pytest.mark.parametrize(

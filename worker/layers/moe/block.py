@@ -9,7 +9,7 @@ from torch import nn
 
 from worker.kernels import Kernels
 from worker.layers.mlp import SwiGLU
-from worker.layers.moe.fused import fused_applies, fused_experts
+from worker.layers.moe.fused import fused_applies, fused_moe
 from worker.layers.moe.routing import select_experts
 from worker.layers.moe.torch_experts import torch_experts
 from worker.layers.moe.weights import Experts
@@ -59,9 +59,12 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        run = fused_experts if fused_applies(self.kernels, x) else torch_experts
-        out = run(x, self.experts.gate_up_proj.weight, self.experts.down_proj.weight, weights, ids)
+        logits = self.gate(x)
+        w13, w2 = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
+        if fused_applies(self.kernels, x):
+            out = fused_moe(x, logits, w13, w2, self.top_k, self.renormalize)
+        else:
+            out = torch_experts(x, w13, w2, *select_experts(logits, self.top_k, self.renormalize))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.tp.size > 1:

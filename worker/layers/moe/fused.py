@@ -1,5 +1,5 @@
-"""The fused MoE path: tokens sorted by expert on the device, then the two grouped GEMMs of
-triton_kernels.py and a sum over each token's choices. Every shape is fixed by the token count (the
+"""The fused MoE path: top-k routing and the sort of tokens by expert on the device, then the two grouped
+GEMMs of triton_kernels.py and a sum over each token's choices. Every shape is fixed by the token count (the
 block count has a static upper bound), nothing waits on the host: safe inside the decode CUDA graphs."""
 
 from __future__ import annotations
@@ -41,12 +41,46 @@ class ExpertOrder:
     block_m: int
 
 
-def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertOrder:
+# rows (tokens x top_k) up to which one program sorts them (every decode batch); more, a prefill's, are
+# sorted by torch ops (some twenty launches, nothing that waits on the host either)
+ALIGN_KERNEL_MAX_ROWS = 8192
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, kernel: bool = True) -> ExpertOrder:
+    rows = ids.numel()
+    max_blocks = -(-(rows + num_experts * (block_m - 1)) // block_m)
+    if not kernel or rows > ALIGN_KERNEL_MAX_ROWS:
+        return _align_torch(ids, num_experts, block_m, max_blocks)
+    e_p2 = triton_ops.triton.next_power_of_2(num_experts)
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    scratch = torch.empty(3 * e_p2, dtype=torch.int32, device=ids.device)
+    _kernels().moe_align_kernel[(1,)](
+        ids,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        scratch,
+        rows,
+        num_experts,
+        sorted_ids.numel(),
+        max_blocks,
+        BLOCK_M=block_m,
+        ROWS_P2=max(16, triton_ops.triton.next_power_of_2(rows)),
+        E_P2=e_p2,
+        FILL=1024,
+        **({"num_warps": 8} if ids.is_cuda else {}),
+    )
+    return ExpertOrder(sorted_ids, expert_ids, num_padded, block_m)
+
+
+def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int, max_blocks: int) -> ExpertOrder:
     flat = ids.flatten()
     rows = flat.numel()
-    max_blocks = -(-(rows + num_experts * (block_m - 1)) // block_m)
     # scatter_add rather than bincount, which would ask the host for the largest id
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     start = counts.cumsum(0) - counts
@@ -60,14 +94,48 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Expert
     return ExpertOrder(sorted_ids, expert_ids, padded_end[-1:], block_m)
 
 
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """routing.select_experts in one launch: (weights [T, top_k] in logits' dtype, ids [T, top_k] int32)."""
+    tokens, num_experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    if tokens:
+        _kernels().moe_route_kernel[(tokens,)](
+            logits,
+            weights,
+            ids,
+            num_experts,
+            logits.stride(0),
+            TOP_K=top_k,
+            K_P2=triton_ops.triton.next_power_of_2(top_k),
+            E_P2=triton_ops.triton.next_power_of_2(num_experts),
+            RENORMALIZE=renormalize,
+        )
+    return weights, ids
+
+
+def fused_moe(
+    x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool
+) -> torch.Tensor:
+    """Routing and the experts: this rank's part of the block's output."""
+    weights, ids = route(logits, top_k, renormalize)
+    return fused_experts(x, w13, w2, weights, ids)
+
+
 def _block_m(rows: int, num_experts: int) -> int:
     # a block as tall as an expert's usual share of the rows: decode leaves most blocks one or two rows
     per_expert = rows / num_experts
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
 
-def _tile(width: int, cap: int) -> int:
-    return max(16, min(cap, triton_ops.triton.next_power_of_2(width)))
+def _tiles(block_m: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): narrow column tiles for short blocks, so that decode spreads one expert's
+    weights over more programs (as vLLM's default configurations do)."""
+    return (32, 64) if block_m == 16 else (64, 64) if block_m == 32 else (64, 32)
+
+
+def _fit(tile: int, width: int) -> int:
+    return max(16, min(tile, triton_ops.triton.next_power_of_2(width)))
 
 
 def fused_experts(
@@ -82,13 +150,14 @@ def fused_experts(
         return torch.zeros_like(x)
     order = align_by_expert(ids, num_experts, _block_m(rows, num_experts))
     kernels = _kernels()
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    x, w13, w2, ids = x.contiguous(), w13.contiguous(), w2.contiguous(), ids.contiguous()
     ieee = x.dtype == torch.float32
     blocks = order.expert_ids.numel()
     options = {"num_warps": 4, "num_stages": 3} if x.is_cuda else {}
 
+    tile_n, tile_k = _tiles(order.block_m)
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    block_n, block_k = _tile(inter, 64), _tile(hidden, 64)
+    block_n, block_k = _fit(tile_n, inter), _fit(tile_k, hidden)
     kernels.moe_gate_up_kernel[(blocks * triton_ops.triton.cdiv(inter, block_n),)](
         x,
         w13,
@@ -111,7 +180,7 @@ def fused_experts(
         **options,
     )
     out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    block_n, block_k = _tile(hidden, 64), _tile(inter, 64)
+    block_n, block_k = _fit(tile_n, hidden), _fit(tile_k, inter)
     kernels.moe_down_kernel[(blocks * triton_ops.triton.cdiv(hidden, block_n),)](
         h,
         w2,
