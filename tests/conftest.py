@@ -95,13 +95,13 @@ def mixtral_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def model_paths(qwen3_path: Path, llama_path: Path, qwen2_path: Path) -> dict[str, Path]:
-    return {"qwen3": qwen3_path, "llama": llama_path, "qwen2": qwen2_path}
+def moe_paths(qwen3_moe_path: Path, qwen2_moe_path: Path, mixtral_path: Path) -> dict[str, Path]:
+    return {"qwen3_moe": qwen3_moe_path, "qwen2_moe": qwen2_moe_path, "mixtral": mixtral_path}
 
 
 @pytest.fixture(scope="session")
-def moe_paths(qwen3_moe_path: Path, qwen2_moe_path: Path, mixtral_path: Path) -> dict[str, Path]:
-    return {"qwen3_moe": qwen3_moe_path, "qwen2_moe": qwen2_moe_path, "mixtral": mixtral_path}
+def model_paths(qwen3_path: Path, llama_path: Path, qwen2_path: Path, moe_paths: dict[str, Path]) -> dict[str, Path]:
+    return {"qwen3": qwen3_path, "llama": llama_path, "qwen2": qwen2_path, **moe_paths}
 
 
 @pytest.fixture

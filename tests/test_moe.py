@@ -75,6 +75,7 @@ def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers(tmp_path):
 
 @pytest.mark.parametrize("family", MOE)
 def test_greedy_output_in_the_overlap_loop_equals_hf_generate(moe_paths, family):
+    """(tests/test_core.py checks every family in the normal loop.)"""
     path = moe_paths[family]
     with checked_llm(path, overlap=True) as llm:
         prompts = encode_all(llm, PROMPT_TEXTS[:8])
