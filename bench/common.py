@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `pytho
 
 from cluster import LLM  # noqa: E402
 from worker.batch import BatchDesc  # noqa: E402
-from worker.kernels import DECODE_KERNELS, Kernels  # noqa: E402
+from worker.kernels import DECODE_KERNELS, MOE_KERNELS, Kernels  # noqa: E402
 
 _QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -100,6 +100,13 @@ ARCHS = {
         "max_position_embeddings": 4096,
     },
 }
+ARCHS["tiny-moe"] = {  # the moe suite's smoke run on a CPU
+    **ARCHS["tiny"],
+    **{k: ARCHS["qwen3-30b-a3b"][k] for k in ("architectures", "model_type", "norm_topk_prob", "mlp_only_layers")},
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+}
 
 
 def model_folder(arch: str, with_tokenizer: bool = False) -> str:
@@ -141,6 +148,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "--decode-kernel", choices=DECODE_KERNELS, default="auto", help="force one decode attention path (to compare)"
     )
     parser.add_argument("--no-small-linear", action="store_true", help="cuBLAS for batch-1 linear layers too")
+    parser.add_argument(
+        "--moe-kernel", choices=MOE_KERNELS, default="auto", help="torch: the loop over experts instead of Triton's"
+    )
     parser.add_argument("--max-extend-tokens", type=int, default=16384, help="tokens computed per step")
     parser.add_argument(
         "--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)"
@@ -160,6 +170,7 @@ def kernels_of(args: argparse.Namespace) -> Kernels:
         triton=not args.no_triton_kernels,
         small_linear=not args.no_small_linear,
         decode=args.decode_kernel,
+        moe=args.moe_kernel,
     )
 
 
@@ -189,6 +200,7 @@ def config_of(args: argparse.Namespace) -> dict:
         "triton_kernels": not args.no_triton_kernels,
         "decode_kernel": args.decode_kernel,
         "small_linear": not args.no_small_linear,
+        "moe_kernel": args.moe_kernel,
         "overlap": not args.no_overlap,
         "cuda_graph": not args.no_cuda_graph,
         "cache": args.cache,

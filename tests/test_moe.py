@@ -176,8 +176,11 @@ def test_dummy_weights_fill_the_stacked_experts(moe_paths, family, tmp_path):
     assert len(out.token_ids) == 4
 
 
-def _experts(tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype=torch.float32, device="cpu"):
-    gen = torch.Generator(device=device).manual_seed(tokens * 31 + num_experts)
+def _experts(
+    tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype=torch.float32, device="cpu", seed=0
+):
+    """Random inputs of one MoE block's experts: x, w13, w2 and a routing of x's tokens."""
+    gen = torch.Generator(device=device).manual_seed(seed * 1000 + tokens * 31 + num_experts)
     x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
     w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=device) * hidden**-0.5).to(dtype)
     w2 = (torch.randn(num_experts, hidden, inter, generator=gen, device=device) * inter**-0.5).to(dtype)
@@ -256,15 +259,27 @@ def test_fused_experts_agree_with_the_torch_loop_in_bf16_on_gpu(tokens):
 
 @pytest.mark.gpu
 def test_fused_experts_replay_in_a_cuda_graph():
-    """Routing, sorting and both GEMMs inside one captured graph (no host sync), replayed on new inputs."""
+    """The sort by expert and both GEMMs inside one captured graph (no host sync), replayed on new inputs."""
     x, w13, w2, weights, ids = _experts(8, **_ARCH, dtype=torch.bfloat16, device="cuda")
-    static = [x.clone(), weights.clone(), ids.clone()]
-    fused_experts(*static[:1], w13, w2, *static[1:])  # compiles the kernels outside the capture
+    fused_experts(x, w13, w2, weights, ids)  # compiles the kernels outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_experts(static[0], w13, w2, static[1], static[2])
-    x2, _, _, weights2, ids2 = _experts(8, 64, 8, 2048, 768, dtype=torch.bfloat16, device="cuda")
-    for buf, new in zip(static, (x2, weights2, ids2)):
+        out = fused_experts(x, w13, w2, weights, ids)
+    new_x, _, _, new_weights, new_ids = _experts(8, **_ARCH, dtype=torch.bfloat16, device="cuda", seed=1)
+    for buf, new in zip((x, weights, ids), (new_x, new_weights, new_ids)):
         buf.copy_(new)
     graph.replay()
-    torch.testing.assert_close(out, fused_experts(x2, w13, w2, weights2, ids2), atol=0, rtol=0)
+    torch.testing.assert_close(out, fused_experts(new_x, w13, w2, new_weights, new_ids), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", MOE)
+def test_fused_path_on_gpu_matches_hf_in_float32(moe_paths, family):
+    """The engine on the GPU with the fused kernels (float32 stays IEEE float32 in them) and the torch
+    attention backend (FlashInfer has no float32 kernels): greedy tokens equal transformers' on the CPU."""
+    path = moe_paths[family]
+    with checked_llm(path, kernels=Kernels(attention="torch"), dtype="float32", num_pages=4096, overlap=False) as llm:
+        assert llm.engine.device.type == "cuda" and fused_applies(llm.engine.kernels, torch.zeros(1, device="cuda"))
+        prompts = encode_all(llm, PROMPT_TEXTS[:8])
+        outs = llm.generate(prompts, greedy(16))
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 16)
