@@ -283,3 +283,14 @@ def test_fused_path_on_gpu_matches_hf_in_float32(moe_paths, family):
         prompts = encode_all(llm, PROMPT_TEXTS[:8])
         outs = llm.generate(prompts, greedy(16))
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 16)
+
+
+def test_a_tp_size_that_does_not_divide_the_experts_width_is_refused(qwen3_moe_path, tmp_path):
+    import json
+
+    from cluster.config import ConfigError, ServeConfig
+
+    config = json.loads((qwen3_moe_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 34}))
+    with pytest.raises(ConfigError, match="moe_intermediate_size 34"):
+        ServeConfig().override(model=str(tmp_path), tp_size=4).check_against_model()
