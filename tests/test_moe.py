@@ -13,10 +13,6 @@ import torch
 from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy
 from transformers import AutoConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
-from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
-from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM as HFQwen3Moe
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from worker.kernels import Kernels
 from worker.layers.moe import select_experts
@@ -31,16 +27,19 @@ INTERPRETED = Kernels(interpret_on_cpu=True)  # the Triton kernels on CPU tensor
 
 
 @pytest.mark.parametrize(
-    "router,config",
+    "config",
     [
-        (MixtralTopKRouter, MixtralConfig(hidden_size=64, num_local_experts=8, num_experts_per_tok=2)),
-        (Qwen2MoeTopKRouter, Qwen2MoeConfig(hidden_size=64, num_experts=8, num_experts_per_tok=4)),
-        (Qwen2MoeTopKRouter, Qwen2MoeConfig(hidden_size=64, num_experts=8, num_experts_per_tok=4, norm_topk_prob=True)),
+        MixtralConfig(hidden_size=64, num_local_experts=8, num_experts_per_tok=2),
+        Qwen2MoeConfig(hidden_size=64, num_experts=8, num_experts_per_tok=4),
+        Qwen2MoeConfig(hidden_size=64, num_experts=8, num_experts_per_tok=4, norm_topk_prob=True),
     ],
 )
-def test_routing_picks_transformers_experts_and_weights(router, config):
+def test_routing_picks_transformers_experts_and_weights(config):
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
     torch.manual_seed(0)
-    hf = router(config)
+    hf = (MixtralTopKRouter if isinstance(config, MixtralConfig) else Qwen2MoeTopKRouter)(config)
     torch.nn.init.normal_(hf.weight, std=0.3)
     x = torch.randn(33, 64)
     _, want_weights, want_ids = hf(x)
@@ -50,7 +49,10 @@ def test_routing_picks_transformers_experts_and_weights(router, config):
     torch.testing.assert_close(weights, want_weights)
 
 
-def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers(tmp_path):
+def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM as HFQwen3Moe
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
     config = Qwen3MoeConfig(
         hidden_size=64,
         intermediate_size=128,
