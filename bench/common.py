@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `pytho
 
 from cluster import LLM  # noqa: E402
 from worker.batch import BatchDesc  # noqa: E402
-from worker.kernels import DECODE_KERNELS, Kernels  # noqa: E402
+from worker.kernels import DECODE_KERNELS, MOE_KERNELS, Kernels  # noqa: E402
 
 _QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -63,6 +63,27 @@ ARCHS = {
         "num_key_value_heads": 8,
         "tie_word_embeddings": False,
     },
+    # Qwen3-30B-A3B: 128 experts of width 768 a layer, 8 active; 61 GB of bf16 weights, 58 of them experts
+    "qwen3-30b-a3b": {
+        **_QWEN3,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "num_hidden_layers": 48,
+        "max_window_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+    },
     # for a smoke run of the scripts on a CPU
     "tiny": {
         **_QWEN3,
@@ -78,6 +99,13 @@ ARCHS = {
         "vocab_size": 1000,
         "max_position_embeddings": 4096,
     },
+}
+ARCHS["tiny-moe"] = {  # the moe suite's smoke run on a CPU
+    **ARCHS["tiny"],
+    **{k: ARCHS["qwen3-30b-a3b"][k] for k in ("architectures", "model_type", "norm_topk_prob", "mlp_only_layers")},
+    "moe_intermediate_size": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
 }
 
 
@@ -120,6 +148,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "--decode-kernel", choices=DECODE_KERNELS, default="auto", help="force one decode attention path (to compare)"
     )
     parser.add_argument("--no-small-linear", action="store_true", help="cuBLAS for batch-1 linear layers too")
+    parser.add_argument(
+        "--moe-kernel", choices=MOE_KERNELS, default="auto", help="torch: the loop over experts instead of Triton's"
+    )
     parser.add_argument("--max-extend-tokens", type=int, default=16384, help="tokens computed per step")
     parser.add_argument(
         "--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)"
@@ -139,6 +170,7 @@ def kernels_of(args: argparse.Namespace) -> Kernels:
         triton=not args.no_triton_kernels,
         small_linear=not args.no_small_linear,
         decode=args.decode_kernel,
+        moe=args.moe_kernel,
     )
 
 
@@ -168,6 +200,7 @@ def config_of(args: argparse.Namespace) -> dict:
         "triton_kernels": not args.no_triton_kernels,
         "decode_kernel": args.decode_kernel,
         "small_linear": not args.no_small_linear,
+        "moe_kernel": args.moe_kernel,
         "overlap": not args.no_overlap,
         "cuda_graph": not args.no_cuda_graph,
         "cache": args.cache,

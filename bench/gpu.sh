@@ -10,6 +10,7 @@
 #   latency        (b) batch 1, ms per output token (5 runs in one process)
 #   fp8            (a) over an fp8 KV cache
 #   qwen3_8b       (a)'s shape on Qwen3-8B's architecture
+#   moe            (b) and (a) on Qwen3-30B-A3B's architecture (a mixture of experts, the fused Triton path)
 #   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
 #   mixed          decode latency under arriving prompts, mixed steps against prefill-first
@@ -138,7 +139,7 @@ setup
 for suite in "$@"; do
   case $suite in
     tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
-      tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py ;;
+      tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py tests/test_moe.py ;;
     offline) offline offline 150 ;;
     latency)
       for tree in $(trees); do
@@ -147,6 +148,10 @@ for suite in "$@"; do
       done ;;
     fp8) offline fp8 150 --kv-cache-dtype fp8_e4m3 ;;
     qwen3_8b) offline qwen3_8b 240 --arch qwen3-8b ;;
+    moe)
+      step moe_latency 300 python3 bench/decode_latency.py --arch qwen3-30b-a3b --repeats "${REPEATS:-5}" \
+        --out "$OUT/moe_latency.json"
+      offline moe 300 --arch qwen3-30b-a3b ;;
     prefill_heavy) offline prefill_heavy 240 --workload prefill_heavy ;;
     prefill_sweep)
       for met in 8192 16384 32768; do

@@ -23,6 +23,7 @@ GROUPS = ("engine", "scheduler", "cluster", "server", "limits and access")
 CORES_PER_ROUTER = 8  # the default router count leaves a node this many cores for each router actor
 LIMITS = "limits and access"
 C = TypeVar("C", bound="ReplicaConfig")
+_MLP_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
 def usable_cores() -> int:
@@ -158,15 +159,16 @@ class ReplicaConfig:
             )
         heads = hf_config.get("num_attention_heads", 1)
         kv_heads = hf_config.get("num_key_value_heads", heads)
-        width = hf_config.get("intermediate_size", 0)
+        # the dense MLP's width, and a mixture of experts' expert and shared-expert widths
+        widths = [hf_config.get(k) or 0 for k in _MLP_WIDTHS]
         # KV heads split evenly across ranks, or (fewer heads than ranks) each replicated to a whole number of ranks
         kv_split = kv_heads % self.tp_size if self.tp_size <= kv_heads else self.tp_size % kv_heads
-        if heads % self.tp_size or width % self.tp_size or kv_split:
+        if heads % self.tp_size or any(w % self.tp_size for w in widths) or kv_split:
+            named = ", ".join(f"{k} {w}" for k, w in zip(_MLP_WIDTHS, widths) if w)
             raise ConfigError(
                 "tp_size",
-                f"must divide the model's {heads} attention heads and its MLP width of "
-                f"{width}, and divide or be a multiple of its {kv_heads} KV heads; "
-                f"not {self.tp_size}",
+                f"must divide the model's {heads} attention heads and its MLP widths ({named}), "
+                f"and divide or be a multiple of its {kv_heads} KV heads; not {self.tp_size}",
             )
 
     def replica_config(self) -> ReplicaConfig:

@@ -80,8 +80,28 @@ def qwen3_sharded_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def model_paths(qwen3_path: Path, llama_path: Path, qwen2_path: Path) -> dict[str, Path]:
-    return {"qwen3": qwen3_path, "llama": llama_path, "qwen2": qwen2_path}
+def qwen3_moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
+
+
+@pytest.fixture(scope="session")
+def qwen2_moe_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint("qwen2_moe", tmp_path_factory.mktemp("qwen2_moe"))
+
+
+@pytest.fixture(scope="session")
+def mixtral_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint("mixtral", tmp_path_factory.mktemp("mixtral"))
+
+
+@pytest.fixture(scope="session")
+def moe_paths(qwen3_moe_path: Path, qwen2_moe_path: Path, mixtral_path: Path) -> dict[str, Path]:
+    return {"qwen3_moe": qwen3_moe_path, "qwen2_moe": qwen2_moe_path, "mixtral": mixtral_path}
+
+
+@pytest.fixture(scope="session")
+def model_paths(qwen3_path: Path, llama_path: Path, qwen2_path: Path, moe_paths: dict[str, Path]) -> dict[str, Path]:
+    return {"qwen3": qwen3_path, "llama": llama_path, "qwen2": qwen2_path, **moe_paths}
 
 
 @pytest.fixture

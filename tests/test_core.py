@@ -16,7 +16,7 @@ from worker.loader import CheckpointError
 from worker.models import UnsupportedModelError
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2", "qwen3_moe", "qwen2_moe", "mixtral"])
 def test_greedy_output_equals_hf_generate_for_each_family(model_paths, family):
     path = model_paths[family]
     with checked_llm(path, overlap=False) as llm:

@@ -65,6 +65,8 @@ def test_a_long_prompt_does_not_stall_running_decodes(scripted, overlap):
         ("llama", True, "naive", 16, 8192),
         ("llama", False, "radix", 4, 9),
         ("qwen2", True, "radix", 1, 12),
+        ("qwen3_moe", True, "radix", 4, 9),
+        ("mixtral", False, "naive", 1, 7),
     ],
 )
 def test_mixed_steps_with_arrivals_equal_hf(model_paths, family, overlap, cache_type, page_size, chunk):

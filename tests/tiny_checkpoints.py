@@ -1,5 +1,6 @@
-"""The tests' tiny random checkpoints: every supported family, tied embeddings, one KV head, sharded
-files; with a tokenizer trained on the tests' prompts. Built with the demo model's writer (demo.py)."""
+"""The tests' tiny random checkpoints: every supported family (the mixtures of experts too), tied
+embeddings, one KV head, sharded files; with a tokenizer trained on the tests' prompts. Built with the
+demo model's writer (demo.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,18 @@ import torch
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from demo import EOS_TOKEN, INIT_STD, save_random_model  # noqa: F401
@@ -67,7 +74,11 @@ _FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
 }
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 # transformers 5 folds `rope_theta` and `rope_scaling` into one `rope_parameters` dict.
 _LLAMA3_ROPE = {
@@ -89,13 +100,34 @@ def _make_config(
         "qwen3": {"head_dim": 32, "rope_parameters": _QWEN_ROPE},
         "llama": {"rope_parameters": _LLAMA3_ROPE},
         "qwen2": {"rope_parameters": _QWEN_ROPE},
+        # a dense layer among sparse ones (mlp_only_layers); top-k weights renormalised (norm_topk_prob)
+        "qwen3_moe": {
+            "head_dim": 32,
+            "rope_parameters": _QWEN_ROPE,
+            "num_hidden_layers": 3,
+            "mlp_only_layers": [1],
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        },
+        # top-4 of 8 weights as the softmax left them, and the gated shared expert
+        "qwen2_moe": {
+            "rope_parameters": _QWEN_ROPE,
+            "num_experts": 8,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            "norm_topk_prob": False,
+        },
+        "mixtral": {"rope_parameters": _QWEN_ROPE, "num_local_experts": 4, "num_experts_per_tok": 2},
     }[family]
     config_cls = _FAMILIES[family][0]
+    extra = {"num_hidden_layers": 2, **extra}
     return config_cls(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
@@ -127,7 +159,21 @@ def build_checkpoint(
     config = _make_config(family, len(tokenizer), eos_id, tie_word_embeddings, num_kv_heads)
     options = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     torch.manual_seed(seed)
-    return save_random_model(_FAMILIES[family][1](config), tokenizer, out_dir, **options)
+    model = _FAMILIES[family][1](config)
+    _draw_stacked_experts(model)
+    return save_random_model(model, tokenizer, out_dir, **options)
+
+
+def _draw_stacked_experts(model: PreTrainedModel) -> None:
+    """The routers and the experts (parameters of their own modules, not nn.Linear, which
+    save_random_model draws) at the same scale as the other weights, so that routing matters."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                continue
+            for param in module.parameters(recurse=False):
+                if param.dim() >= 2:
+                    param.normal_(0.0, INIT_STD)
 
 
 def build_sharded_checkpoint(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DECODE_KERNELS = ("auto", "tensor_cores", "cuda_cores", "triton")
+MOE_KERNELS = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,10 @@ class Kernels:
     # the GPU converts fp8), otherwise FlashInfer's tensor-core path above its TENSOR_CORE_ABOVE_BATCH rows
     # (worker/attention/flashinfer_backend.py) and its CUDA-core kernels at and below; the others force one
     decode: str = "auto"
+    # mixture-of-experts blocks. auto: the fused Triton kernels (device-side routing, token sort, grouped
+    # GEMMs; CUDA-graph safe) on CUDA where Triton is installed, and on the CPU under Triton's interpreter
+    # with interpret_on_cpu; the torch loop over experts otherwise, or always with torch
+    moe: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too
     # slow to serve with
@@ -38,3 +43,5 @@ class Kernels:
             raise ValueError(f"unknown attention backend {self.attention!r}; choose {', '.join(ATTENTION_BACKENDS)}")
         if self.decode not in DECODE_KERNELS:
             raise ValueError(f"unknown decode kernel {self.decode!r}; choose {', '.join(DECODE_KERNELS)}")
+        if self.moe not in MOE_KERNELS:
+            raise ValueError(f"unknown MoE kernel {self.moe!r}; choose {', '.join(MOE_KERNELS)}")

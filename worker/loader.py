@@ -56,7 +56,7 @@ def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> No
     packed = getattr(model, "packed", {})
     tied = getattr(model.config, "tie_word_embeddings", False)
     expected = {name for name in params if not (tied and name == "lm_head.weight")}
-    loaded: set[tuple[str, int]] = set()
+    loaded: set[tuple[str, object]] = set()
     files = safetensors_files(model_dir)
     for path in tqdm(files, desc="loading weights", unit="file", disable=not progress or len(files) < 2):
         try:
@@ -90,7 +90,9 @@ def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> No
     missing = []
     for name in sorted(expected):
         parent = name.rsplit(".", 2)[-2] if name.count(".") else ""
-        needed = shards_of.get(parent, {0})
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        # a stacked parameter (every expert's in one) names the shard ids it is built from
+        needed = getattr(owner, "shard_ids", None) or shards_of.get(parent, {0})
         got = {s for n, s in loaded if n == name}
         if not needed <= got:
             missing.append(name)
@@ -101,16 +103,24 @@ def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> No
         )
 
 
-def _target_of(ckpt_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int] | None:
-    """Maps a checkpoint name to (our parameter name, shard id); None for tensors we do not use."""
+def _target_of(ckpt_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, object] | None:
+    """Maps a checkpoint name to (our parameter name, shard id); None for tensors we do not use.
+
+    Each part named in `packed` is replaced by ours (the last one's shard id counts). An expert's index
+    (`experts.{e}.`) is dropped from the name, every expert's tensor landing in one stacked parameter,
+    and joins the shard id: (e, shard)."""
     if "rotary_emb.inv_freq" in ckpt_name:
         return None
     parts = ckpt_name.split(".")
+    ours, shard, expert = [], 0, None
     for i, part in enumerate(parts):
+        if part.isdigit() and i and parts[i - 1] == "experts":
+            expert = int(part)
+            continue
         if part in packed:
-            ours, shard = packed[part]
-            return ".".join(parts[:i] + [ours] + parts[i + 1 :]), shard
-    return ckpt_name, 0
+            part, shard = packed[part]
+        ours.append(part)
+    return ".".join(ours), shard if expert is None else (expert, shard)
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

@@ -29,6 +29,11 @@ def _interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def interpreting(kernels: Kernels) -> bool:
+    """Whether these kernels ask for Triton on CPU tensors and Triton was imported to interpret them."""
+    return kernels.interpret_on_cpu and _interpreter()
+
+
 def _interpreted(kernels: Kernels) -> bool:
     return kernels.interpret_on_cpu and kernels.triton and _interpreter()
 

@@ -88,13 +88,23 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W split by input columns; partial sums are all-reduced across ranks."""
+    """y = x W^T + b with W split by input columns; partial sums are all-reduced across ranks (unless
+    `reduce` is off: then the caller reduces them, with others, and no bias is allowed)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, tp: TPGroup, kernels: Kernels = Kernels()
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPGroup,
+        kernels: Kernels = Kernels(),
+        reduce: bool = True,
     ) -> None:
         super().__init__()
+        if bias and not reduce:
+            raise ValueError("a row-parallel linear that leaves the reduce to its caller cannot add a bias")
         self.tp = tp
+        self.reduce = reduce
         self.small = kernels.small_linear
         self.weight = nn.Parameter(
             torch.empty(out_features, tp.shard(in_features, "a row-parallel input width")), requires_grad=False
@@ -110,6 +120,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, small=self.small)
-        if self.tp.size > 1:
+        if self.reduce and self.tp.size > 1:
             y = self.tp.comm.all_reduce(y)
         return y + self.bias if self.bias is not None else y

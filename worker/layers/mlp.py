@@ -13,12 +13,16 @@ from worker.parallel import TPGroup
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, tp: TPGroup, kernels: Kernels = Kernels()) -> None:
+    """`reduce` off: each rank returns its partial sums, for a block that all-reduces them with others."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, tp: TPGroup, kernels: Kernels = Kernels(), reduce: bool = True
+    ) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(
             hidden, [intermediate, intermediate], bias=False, tp=tp, kernels=kernels
         )
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False, tp=tp, kernels=kernels)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False, tp=tp, kernels=kernels, reduce=reduce)
         self.fused = kernels.fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

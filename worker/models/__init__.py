@@ -7,8 +7,10 @@ from transformers import PretrainedConfig
 
 from worker.kernels import Kernels
 from worker.models.llama import LlamaForCausalLM
+from worker.models.mixtral import MixtralForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
 from worker.models.qwen3 import Qwen3ForCausalLM
+from worker.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from worker.parallel import TPGroup
 
 MODELS: dict[str, type[LlamaForCausalLM]] = {
@@ -16,6 +18,9 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

@@ -1,6 +1,9 @@
-"""The Llama decoder, which Qwen2 (qkv bias) and Qwen3 (q/k norm, explicit head_dim) extend by flags."""
+"""The Llama decoder, which Qwen2 (qkv bias) and Qwen3 (q/k norm, explicit head_dim) extend by flags, and
+the mixtures of experts by their feed-forward block (`mlp_of`)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -94,6 +97,14 @@ class Attention(nn.Module):
         return q, k, v
 
 
+# a layer's feed-forward block: (config, layer_id, tp, kernels) -> a module that all-reduces its output
+MlpOf = Callable[[PretrainedConfig, int, TPGroup, Kernels], nn.Module]
+
+
+def dense_mlp(config: PretrainedConfig, layer_id: int, tp: TPGroup, kernels: Kernels) -> nn.Module:
+    return SwiGLU(config.hidden_size, config.intermediate_size, tp, kernels)
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -104,10 +115,11 @@ class DecoderLayer(nn.Module):
         bias: tuple[bool, bool],
         qk_norm: bool,
         kernels: Kernels,
+        mlp_of: MlpOf = dense_mlp,
     ) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_id, rotary, tp, bias, qk_norm, kernels)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, tp, kernels)
+        self.mlp = mlp_of(config, layer_id, tp, kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
@@ -131,12 +143,13 @@ class DecoderModel(nn.Module):
         bias: tuple[bool, bool],
         qk_norm: bool,
         kernels: Kernels,
+        mlp_of: MlpOf = dense_mlp,
     ) -> None:
         super().__init__()
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions, kernels)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary, tp, bias, qk_norm, kernels) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, rotary, tp, bias, qk_norm, kernels, mlp_of) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
@@ -150,7 +163,8 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
-    # checkpoint names of the parts fused into one of our weights: (our name, shard id)
+    mlp_of: MlpOf = staticmethod(dense_mlp)
+    # checkpoint names of the parts fused into one of our weights (or renamed): (our name, shard id)
     packed = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
@@ -165,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
         attention_bias = getattr(config, "attention_bias", False)
         # Llama's attention_bias covers q, k, v and o; Qwen2 has a bias on q, k and v only
         bias = (self.qkv_bias or attention_bias, attention_bias and not self.qkv_bias)
-        self.model = DecoderModel(config, max_positions, tp, bias, self.qk_norm, kernels)
+        self.model = DecoderModel(config, max_positions, tp, bias, self.qk_norm, kernels, self.mlp_of)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,0 +1,298 @@
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) against Hugging Face transformers: greedy
+parity in both loops, every cache type, chunked prefill and page sizes, at tp 1 and 2, under preemption;
+routing as transformers routes; each rank's slices of the per-expert checkpoint tensors; the fused Triton
+experts against the torch loop (under Triton's interpreter on the CPU, in bf16 and inside a CUDA graph on
+a GPU)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from fixtures import PROMPT_TEXTS, hf_greedy
+from helpers import checked_llm, encode_all, greedy
+from transformers import AutoConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+from worker.kernels import Kernels
+from worker.layers.moe import select_experts
+from worker.layers.moe.fused import align_by_expert, fused_applies, fused_experts, route
+from worker.layers.moe.torch_experts import torch_experts
+from worker.loader import CheckpointError, load_weights
+from worker.models import build_model
+from worker.parallel import TPGroup
+
+MOE = ["qwen3_moe", "qwen2_moe", "mixtral"]
+INTERPRETED = Kernels(interpret_on_cpu=True)  # the Triton kernels on CPU tensors too (conftest sets TRITON_INTERPRET)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        MixtralConfig(hidden_size=64, num_local_experts=8, num_experts_per_tok=2),
+        Qwen2MoeConfig(hidden_size=64, num_experts=8, num_experts_per_tok=4),
+        Qwen2MoeConfig(hidden_size=64, num_experts=8, num_experts_per_tok=4, norm_topk_prob=True),
+    ],
+)
+def test_routing_picks_transformers_experts_and_weights(config):
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+    torch.manual_seed(0)
+    hf = (MixtralTopKRouter if isinstance(config, MixtralConfig) else Qwen2MoeTopKRouter)(config)
+    torch.nn.init.normal_(hf.weight, std=0.3)
+    x = torch.randn(33, 64)
+    _, want_weights, want_ids = hf(x)
+    renormalize = getattr(config, "norm_topk_prob", True)  # Mixtral always renormalises its top-k
+    weights, ids = select_experts(x @ hf.weight.T, config.num_experts_per_tok, renormalize)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights)
+
+
+def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM as HFQwen3Moe
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+        vocab_size=100,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+    ours = build_model(config, 64, TPGroup())
+    theirs = HFQwen3Moe(config)
+    sparse = [type(layer.mlp).__name__ == "SparseMoeBlock" for layer in ours.model.layers]
+    assert sparse == [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in theirs.model.layers]
+    assert sparse == [False, True, False, False, False, True]
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_greedy_output_in_the_overlap_loop_equals_hf_generate(moe_paths, family):
+    """(tests/test_core.py checks every family in the normal loop.)"""
+    path = moe_paths[family]
+    with checked_llm(path, overlap=True) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS[:8])
+        outs = llm.generate(prompts, greedy(16))
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 16)
+
+
+@pytest.mark.parametrize(
+    "family,overlap,cache_type,page_size,chunk",
+    [
+        ("qwen3_moe", True, "radix", 4, 7),
+        ("qwen3_moe", False, "naive", 1, 8192),
+        ("qwen2_moe", False, "radix", 1, 5),
+        ("qwen2_moe", True, "naive", 16, 8192),
+        ("mixtral", True, "radix", 16, 9),
+        ("mixtral", False, "radix", 4, 8192),
+    ],
+)
+def test_cache_types_chunked_prefill_and_page_sizes_equal_hf(moe_paths, family, overlap, cache_type, page_size, chunk):
+    path = moe_paths[family]
+    with checked_llm(path, overlap=overlap, cache_type=cache_type, page_size=page_size, max_extend_tokens=chunk) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS)
+        first = [o.token_ids for o in llm.generate(prompts, greedy(10))]
+        assert [o.token_ids for o in llm.generate(prompts, greedy(10))] == first  # warm prefix cache
+    assert first == hf_greedy(path, prompts, 10)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_preempted_requests_recompute_to_hf_output(moe_paths, family):
+    path = moe_paths[family]
+    with checked_llm(path, page_size=4, num_pages=80, decode_reserve_tokens=1) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS)
+        outs = [o.token_ids for o in llm.generate(prompts, greedy(10))]
+        assert llm.stats().preempted > 0
+    assert outs == hf_greedy(path, prompts, 10)
+
+
+@pytest.mark.parametrize(
+    "family,overlap,cache_type,preempting",
+    [("qwen3_moe", True, "radix", True), ("qwen2_moe", False, "naive", False), ("mixtral", True, "radix", False)],
+)
+def test_tp2_greedy_equals_hf(ray_cluster, moe_paths, family, overlap, cache_type, preempting):
+    path = moe_paths[family]
+    kw = dict(
+        overlap=overlap,
+        cache_type=cache_type,
+        page_size=4,
+        **(dict(num_pages=80, decode_reserve_tokens=1) if preempting else {}),
+    )
+    with checked_llm(path, tp_size=2, **kw) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS)
+        outs = [o.token_ids for o in llm.generate(prompts, greedy(10))]
+        assert (llm.stats().preempted > 0) == preempting
+    assert outs == hf_greedy(path, prompts, 10)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_each_rank_holds_its_slice_of_every_experts_weights(moe_paths, family):
+    from safetensors import safe_open
+
+    path = moe_paths[family]
+    config = AutoConfig.from_pretrained(path)
+    model = build_model(config, 64, TPGroup(rank=1, size=2))
+    load_weights(model, path, progress=False)
+    block = model.model.layers[-1].mlp
+    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    prefix = f"model.layers.{len(model.model.layers) - 1}.{'block_sparse_moe' if family == 'mixtral' else 'mlp'}"
+    local = block.experts.down_proj.local
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for e in range(block.experts.num_experts):
+            gate, up, down = (f.get_tensor(f"{prefix}.experts.{e}.{n}.weight") for n in names)
+            w13, w2 = block.experts.gate_up_proj.weight[e], block.experts.down_proj.weight[e]
+            assert torch.equal(w13[:local], gate[local:])
+            assert torch.equal(w13[local:], up[local:])
+            assert torch.equal(w2, down[:, local:])
+        assert torch.equal(block.gate.weight, f.get_tensor(f"{prefix}.gate.weight"))
+
+
+def test_a_missing_expert_tensor_is_named(qwen3_moe_path, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(qwen3_moe_path, tmp_path / "m")
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    del weights["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(weights, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.experts\.gate_up_proj"):
+        load_weights(build_model(AutoConfig.from_pretrained(tmp_path / "m"), 64, TPGroup()), tmp_path / "m")
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_dummy_weights_fill_the_stacked_experts(moe_paths, family, tmp_path):
+    shutil.copy(moe_paths[family] / "config.json", tmp_path / "config.json")
+    with checked_llm(tmp_path, load_format="dummy") as llm:
+        experts = llm.engine.model.model.layers[-1].mlp.experts
+        for stacked in (experts.gate_up_proj.weight, experts.down_proj.weight):
+            assert (stacked.std(dim=(1, 2)) > 0).all()  # every expert drawn, none left empty
+        out = llm.generate([[1, 2, 3]], greedy(4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+
+
+def _experts(
+    tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype=torch.float32, device="cpu", seed=0
+):
+    """Random inputs of one MoE block's experts: x, w13, w2 and a routing of x's tokens."""
+    gen = torch.Generator(device=device).manual_seed(seed * 1000 + tokens * 31 + num_experts)
+    x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=device) * hidden**-0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen, device=device) * inter**-0.5).to(dtype)
+    logits = torch.randn(tokens, num_experts, generator=gen, device=device)
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    return x, w13, w2, weights.to(dtype), ids
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_align_by_expert_puts_every_row_once_in_blocks_of_its_expert(kernel):
+    if kernel:
+        pytest.importorskip("triton")
+    _, _, _, _, ids = _experts(13, 8, 3, 16, 16)
+    order = align_by_expert(ids, 8, block_m=4, kernel=kernel)
+    rows = ids.numel()
+    blocks = order.sorted_ids.view(-1, 4)
+    assert blocks.shape[0] == order.expert_ids.numel() == -(-(rows + 8 * 3) // 4)  # the static upper bound
+    real = order.sorted_ids[order.sorted_ids < rows]
+    assert sorted(real.tolist()) == list(range(rows))
+    for block, expert in zip(blocks, order.expert_ids.tolist()):
+        chosen = block[block < rows]
+        if expert < 0:
+            assert chosen.numel() == 0
+        else:
+            assert (ids.flatten()[chosen] == expert).all() and chosen.numel() > 0
+    assert int(order.num_padded) == 4 * int((order.expert_ids >= 0).sum())
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_routing_kernel_picks_what_select_experts_picks(renormalize):
+    pytest.importorskip("triton")
+    logits = torch.randn(9, 12, generator=torch.Generator().manual_seed(3)) * 2
+    weights, ids = route(logits, 3, renormalize)
+    want_weights, want_ids = select_experts(logits, 3, renormalize)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_weights)
+
+
+@pytest.mark.parametrize(
+    "tokens,num_experts,top_k,hidden,inter", [(1, 8, 2, 64, 32), (7, 4, 2, 48, 40), (40, 8, 4, 32, 16)]
+)
+def test_fused_experts_equal_the_torch_loop_under_the_interpreter(tokens, num_experts, top_k, hidden, inter):
+    pytest.importorskip("triton")
+    x, w13, w2, weights, ids = _experts(tokens, num_experts, top_k, hidden, inter)
+    assert fused_applies(INTERPRETED, x) and not fused_applies(Kernels(moe="torch", interpret_on_cpu=True), x)
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids), torch_experts(x, w13, w2, weights, ids))
+
+
+def test_engine_with_fused_experts_equals_hf_greedy(qwen2_moe_path):
+    pytest.importorskip("triton")
+    with checked_llm(qwen2_moe_path, page_size=4, kernels=INTERPRETED) as llm:
+        assert fused_applies(llm.engine.kernels, torch.zeros(1))
+        prompts = encode_all(llm, PROMPT_TEXTS[:3])
+        outs = [o.token_ids for o in llm.generate(prompts, greedy(6))]
+    assert outs == hf_greedy(qwen2_moe_path, prompts, 6)
+
+
+# Qwen3-30B-A3B's expert shapes (one rank's slice at tp 1)
+_ARCH = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
+def test_fused_experts_agree_with_the_torch_loop_in_bf16_on_gpu(tokens):
+    """bf16 inputs; the reference is the torch loop in float32 on the same bf16 values. Tolerance: the
+    largest error within 2% of the largest output (bf16 keeps 8 bits: 0.4% per rounding), and no worse
+    than twice the bf16 torch loop's own."""
+    x, w13, w2, weights, ids = _experts(tokens, **_ARCH, dtype=torch.bfloat16, device="cuda")
+    want = torch_experts(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    got = fused_experts(x, w13, w2, weights, ids).float()
+    loop = torch_experts(x, w13, w2, weights, ids).float()
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 0.02 * scale
+    assert (got - want).abs().max() <= 2 * (loop - want).abs().max() + 1e-3 * scale
+
+
+@pytest.mark.gpu
+def test_fused_experts_replay_in_a_cuda_graph():
+    """The sort by expert and both GEMMs inside one captured graph (no host sync), replayed on new inputs."""
+    x, w13, w2, weights, ids = _experts(8, **_ARCH, dtype=torch.bfloat16, device="cuda")
+    fused_experts(x, w13, w2, weights, ids)  # compiles the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(x, w13, w2, weights, ids)
+    new_x, _, _, new_weights, new_ids = _experts(8, **_ARCH, dtype=torch.bfloat16, device="cuda", seed=1)
+    for buf, new in zip((x, weights, ids), (new_x, new_weights, new_ids)):
+        buf.copy_(new)
+    graph.replay()
+    torch.testing.assert_close(out, fused_experts(new_x, w13, w2, new_weights, new_ids), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", MOE)
+def test_fused_path_on_gpu_matches_hf_in_float32(moe_paths, family):
+    """The engine on the GPU with the fused kernels (float32 stays IEEE float32 in them) and the torch
+    attention backend (FlashInfer has no float32 kernels): greedy tokens equal transformers' on the CPU."""
+    path = moe_paths[family]
+    with checked_llm(path, kernels=Kernels(attention="torch"), dtype="float32", num_pages=4096, overlap=False) as llm:
+        assert llm.engine.device.type == "cuda" and fused_applies(llm.engine.kernels, torch.zeros(1, device="cuda"))
+        prompts = encode_all(llm, PROMPT_TEXTS[:8])
+        outs = llm.generate(prompts, greedy(16))
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 16)
+
+
+def test_a_tp_size_that_does_not_divide_the_experts_width_is_refused(qwen3_moe_path, tmp_path):
+    import json
+
+    from cluster.config import ConfigError, ServeConfig
+
+    config = json.loads((qwen3_moe_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 34}))
+    with pytest.raises(ConfigError, match="moe_intermediate_size 34"):
+        ServeConfig().override(model=str(tmp_path), tp_size=4).check_against_model()

@@ -1,0 +1,72 @@
+"""The sparse MoE block: router, top-k experts, optional shared expert (Qwen2-MoE) behind a sigmoid gate,
+one all-reduce at the end."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.kernels import Kernels
+from worker.layers.mlp import SwiGLU
+from worker.layers.moe.fused import fused_applies, fused_moe
+from worker.layers.moe.routing import select_experts
+from worker.layers.moe.torch_experts import torch_experts
+from worker.layers.moe.weights import Experts
+from worker.parallel import TPGroup
+
+
+class Router(nn.Module):
+    """The gate: a replicated linear from the hidden state to one logit per expert."""
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class SparseMoeBlock(nn.Module):
+    """`shared_intermediate` > 0 adds Qwen2-MoE's shared expert, scaled by sigmoid(shared_expert_gate(x)).
+    Every part returns this rank's partial sums (the gate is replicated, so scaling a partial sum by it
+    commutes with the sum), and the block all-reduces once."""
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        tp: TPGroup,
+        kernels: Kernels = Kernels(),
+        shared_intermediate: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok = {top_k} must be between 1 and the {num_experts} experts")
+        self.tp = tp
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.kernels = kernels
+        self.gate = Router(hidden, num_experts)
+        self.experts = Experts(num_experts, hidden, intermediate, tp)
+        if shared_intermediate:
+            self.shared_expert = SwiGLU(hidden, shared_intermediate, tp, kernels, reduce=False)
+            self.shared_expert_gate = Router(hidden, 1)
+        else:
+            self.shared_expert = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        w13, w2 = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
+        if fused_applies(self.kernels, x):
+            out = fused_moe(x, logits, w13, w2, self.top_k, self.renormalize)
+        else:
+            out = torch_experts(x, w13, w2, *select_experts(logits, self.top_k, self.renormalize))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.tp.size > 1:
+            out = self.tp.comm.all_reduce(out)
+        return out

@@ -1,0 +1,205 @@
+"""The fused MoE path: top-k routing and the sort of tokens by expert on the device, then the two grouped
+GEMMs of triton_kernels.py and a sum over each token's choices. Every shape is fixed by the token count (the
+block count has a static upper bound), nothing waits on the host: safe inside the decode CUDA graphs."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from worker import triton_ops
+from worker.kernels import Kernels
+
+
+@functools.cache
+def _kernels():
+    try:
+        from worker.layers.moe import triton_kernels
+    except ImportError:  # no Triton here
+        return None
+    return triton_kernels
+
+
+def fused_applies(kernels: Kernels, x: torch.Tensor) -> bool:
+    if kernels.moe == "torch" or _kernels() is None:
+        return False
+    return x.is_cuda or triton_ops.interpreting(kernels)
+
+
+@dataclass(frozen=True)
+class ExpertOrder:
+    """(token, choice) rows sorted by expert, each expert's run padded to whole blocks of block_m.
+
+    sorted_ids [max_blocks * block_m]: row ids (t * top_k + k), padding holds num_rows; expert_ids
+    [max_blocks]: each block's expert, -1 past the last; num_padded [1]: the rows up to the last block."""
+
+    sorted_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+
+
+# rows (tokens x top_k) up to which one program sorts them (every decode batch); more, a prefill's, are
+# sorted by torch ops (some twenty launches, nothing that waits on the host either)
+ALIGN_KERNEL_MAX_ROWS = 8192
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, kernel: bool = True) -> ExpertOrder:
+    rows = ids.numel()
+    max_blocks = -(-(rows + num_experts * (block_m - 1)) // block_m)
+    if not kernel or rows > ALIGN_KERNEL_MAX_ROWS:
+        return _align_torch(ids, num_experts, block_m, max_blocks)
+    e_p2 = triton_ops.triton.next_power_of_2(num_experts)
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    scratch = torch.empty(3 * e_p2, dtype=torch.int32, device=ids.device)
+    _kernels().moe_align_kernel[(1,)](
+        ids,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        scratch,
+        rows,
+        num_experts,
+        sorted_ids.numel(),
+        max_blocks,
+        BLOCK_M=block_m,
+        ROWS_P2=max(16, triton_ops.triton.next_power_of_2(rows)),
+        E_P2=e_p2,
+        FILL=1024,
+        **({"num_warps": 8} if ids.is_cuda else {}),
+    )
+    return ExpertOrder(sorted_ids, expert_ids, num_padded, block_m)
+
+
+def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int, max_blocks: int) -> ExpertOrder:
+    flat = ids.flatten()
+    rows = flat.numel()
+    # scatter_add rather than bincount, which would ask the host for the largest id
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    start = counts.cumsum(0) - counts
+    experts, order = torch.sort(flat, stable=True)
+    dest = (padded_end - padded)[experts] + torch.arange(rows, device=ids.device) - start[experts]
+    sorted_ids = torch.full((max_blocks * block_m,), rows, dtype=torch.int64, device=ids.device)
+    sorted_ids.scatter_(0, dest, order)
+    blocks = torch.arange(max_blocks, device=ids.device)
+    expert_ids = torch.searchsorted(padded_end // block_m, blocks, right=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1)
+    return ExpertOrder(sorted_ids, expert_ids, padded_end[-1:], block_m)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """routing.select_experts in one launch: (weights [T, top_k] in logits' dtype, ids [T, top_k] int32)."""
+    tokens, num_experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    if tokens:
+        _kernels().moe_route_kernel[(tokens,)](
+            logits,
+            weights,
+            ids,
+            num_experts,
+            logits.stride(0),
+            TOP_K=top_k,
+            K_P2=triton_ops.triton.next_power_of_2(top_k),
+            E_P2=triton_ops.triton.next_power_of_2(num_experts),
+            RENORMALIZE=renormalize,
+        )
+    return weights, ids
+
+
+def fused_moe(
+    x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool
+) -> torch.Tensor:
+    """Routing and the experts: this rank's part of the block's output."""
+    weights, ids = route(logits, top_k, renormalize)
+    return fused_experts(x, w13, w2, weights, ids)
+
+
+def _block_m(rows: int, num_experts: int) -> int:
+    # a block as tall as an expert's usual share of the rows: decode leaves most blocks one or two rows
+    per_expert = rows / num_experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+
+
+def _tiles(block_m: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K): narrow column tiles for short blocks, so that decode spreads one expert's
+    weights over more programs (as vLLM's default configurations do)."""
+    return (32, 64) if block_m == 16 else (64, 64) if block_m == 32 else (64, 32)
+
+
+def _fit(tile: int, width: int) -> int:
+    return max(16, min(tile, triton_ops.triton.next_power_of_2(width)))
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """What torch_experts computes, in three launches and a sum. x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]."""
+    tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    top_k = ids.shape[1]
+    rows = tokens * top_k
+    if tokens == 0:
+        return torch.zeros_like(x)
+    order = align_by_expert(ids, num_experts, _block_m(rows, num_experts))
+    kernels = _kernels()
+    x, w13, w2, ids = x.contiguous(), w13.contiguous(), w2.contiguous(), ids.contiguous()
+    ieee = x.dtype == torch.float32
+    blocks = order.expert_ids.numel()
+    options = {"num_warps": 4, "num_stages": 3} if x.is_cuda else {}
+
+    tile_n, tile_k = _tiles(order.block_m)
+    h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    block_n, block_k = _fit(tile_n, inter), _fit(tile_k, hidden)
+    kernels.moe_gate_up_kernel[(blocks * triton_ops.triton.cdiv(inter, block_n),)](
+        x,
+        w13,
+        h,
+        order.sorted_ids,
+        order.expert_ids,
+        order.num_padded,
+        rows,
+        hidden,
+        inter,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        h.stride(0),
+        TOP_K=top_k,
+        BLOCK_M=order.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        IEEE=ieee,
+        **options,
+    )
+    out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    block_n, block_k = _fit(tile_n, hidden), _fit(tile_k, inter)
+    kernels.moe_down_kernel[(blocks * triton_ops.triton.cdiv(hidden, block_n),)](
+        h,
+        w2,
+        out,
+        weights.flatten().contiguous(),
+        order.sorted_ids,
+        order.expert_ids,
+        order.num_padded,
+        rows,
+        hidden,
+        inter,
+        h.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        BLOCK_M=order.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        IEEE=ieee,
+        **options,
+    )
+    return out.view(tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,209 @@
+"""The fused MoE path's kernels (a module of their own: importing it needs Triton): top-k routing, the sort
+of (token, choice) rows by expert into blocks of BLOCK_M rows, each block one expert's, and the two
+grouped GEMMs, where a program computes one (block, column tile), so every launch covers the selected
+experts only. Routing and sorting are one launch each: as torch ops they were some thirty small kernels a
+layer, more time than the GEMMs at batch 1."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    # float32 stays float32 (Triton's default would round the inputs to tf32)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def moe_gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    num_rows,
+    hidden,
+    inter,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_out,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    # out[r] = silu(x[t] gate_e^T) * (x[t] up_e^T) for each (token t, choice k) row r = t * TOP_K + k
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(inter, BLOCK_N)
+    pid_m = pid // tiles_n
+    pid_n = pid % tiles_n
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < num_rows
+    tokens = rows // TOP_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]
+    g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + inter * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+        k_ok = offs_k < hidden - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = _dot(a, g, acc_g, IEEE)
+        acc_u = _dot(a, u, acc_u, IEEE)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_down_kernel(
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    num_rows,
+    hidden,
+    inter,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_out,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    # out[r] = weights[r] * (h[r] down_e^T): each row's expert output, already scaled by its routing weight
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(hidden, BLOCK_N)
+    pid_m = pid // tiles_n
+    pid_n = pid % tiles_n
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < num_rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows[:, None] * stride_h + offs_k[None, :]
+    b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(inter, BLOCK_K)):
+        k_ok = offs_k < inter - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = _dot(a, b, acc, IEEE)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    out_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def moe_route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    stride_logits,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    E_P2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    # one program per token: softmax over the experts in float32, the top k by repeated argmax
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E_P2)
+    x = tl.load(logits_ptr + t * stride_logits + offs, mask=offs < num_experts, other=-float("inf"))
+    x = x.to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(offs < num_experts, p, -1.0)
+    k_offs = tl.arange(0, K_P2)
+    top_w = tl.zeros((K_P2,), dtype=tl.float32)
+    top_i = tl.zeros((K_P2,), dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        idx = tl.argmax(p, 0)
+        top_w = tl.where(k_offs == k, best, top_w)
+        top_i = tl.where(k_offs == k, idx, top_i)
+        p = tl.where(offs == idx, -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 0)
+    k_ok = k_offs < TOP_K
+    tl.store(weights_ptr + t * TOP_K + k_offs, top_w.to(weights_ptr.dtype.element_ty), mask=k_ok)
+    tl.store(ids_ptr + t * TOP_K + k_offs, top_i.to(ids_ptr.dtype.element_ty), mask=k_ok)
+
+
+@triton.jit
+def moe_align_kernel(
+    ids_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    scratch_ptr,
+    rows,
+    num_experts,
+    num_slots,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    ROWS_P2: tl.constexpr,
+    E_P2: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    # one program: counts per expert (atomics into scratch), each expert's padded start (a cumsum), then
+    # the rows sorted by (expert, row) and scattered to their slots; barriers order the phases
+    e_offs = tl.arange(0, E_P2)
+    tl.store(scratch_ptr + e_offs, tl.zeros((E_P2,), dtype=tl.int32))
+    for start in range(0, num_slots, FILL):
+        o = start + tl.arange(0, FILL)
+        tl.store(sorted_ids_ptr + o, tl.full((FILL,), 0, tl.int32) + rows, mask=o < num_slots)
+    for start in range(0, num_blocks, FILL):
+        o = start + tl.arange(0, FILL)
+        tl.store(expert_ids_ptr + o, tl.full((FILL,), -1, tl.int32), mask=o < num_blocks)
+    tl.debug_barrier()
+    offs = tl.arange(0, ROWS_P2)
+    valid = offs < rows
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    tl.atomic_add(scratch_ptr + ids, tl.full((ROWS_P2,), 1, tl.int32), mask=valid)
+    tl.debug_barrier()
+    counts = tl.load(scratch_ptr + e_offs, mask=e_offs < num_experts, other=0, volatile=True)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    tl.store(scratch_ptr + E_P2 + e_offs, tl.cumsum(padded, 0) - padded)
+    tl.store(scratch_ptr + 2 * E_P2 + e_offs, tl.cumsum(counts, 0) - counts)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    tl.debug_barrier()
+    keys = tl.sort(tl.where(valid, ids, num_experts) * ROWS_P2 + offs)
+    expert = keys // ROWS_P2
+    ok = expert < num_experts
+    padded_start = tl.load(scratch_ptr + E_P2 + expert, mask=ok, other=0, volatile=True)
+    start = tl.load(scratch_ptr + 2 * E_P2 + expert, mask=ok, other=0, volatile=True)
+    dest = padded_start + offs - start
+    tl.store(sorted_ids_ptr + dest, keys % ROWS_P2, mask=ok)
+    tl.store(expert_ids_ptr + dest // BLOCK_M, expert, mask=ok)
