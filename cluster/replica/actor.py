@@ -179,6 +179,9 @@ class SchedulerActor:
     # -- called over the channel, or through Ray ---------------------------------------------------
 
     def submit(self, requests: list[AddRequest], subscriber: int = 0) -> None:
+        now = time.perf_counter()  # a request's queue time starts as it reaches the replica
+        for request in requests:
+            request.received = now
         if not self.subscribers.submitted([r.uid for r in requests], subscriber):
             self.metrics.on_replica_failed(len(requests))
             return
@@ -206,7 +209,11 @@ class SchedulerActor:
         receives: Callable[[], bool] | None = None,
     ) -> ReplicaOutput:
         """Every delta for subscriber since its last poll, and its KV events (Subscribers.poll)."""
-        return self.subscribers.poll(timeout_s, subscriber, kv_events, receives)
+        out = self.subscribers.poll(timeout_s, subscriber, kv_events, receives)
+        for d in out:
+            if d.hops is not None:
+                self.metrics.on_first_token(d.hops)
+        return out
 
     def kv_subscribe(self, subscriber: int = 0) -> None:
         """The next poll of subscriber carries every block hash the prefix cache holds (a router that

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cluster import (
@@ -52,6 +54,7 @@ class ReplicaClient:
         self.queued_tokens = 0
         self._submits: list[AddRequest] = []
         self._aborts: list[int] = []
+        self._on_sent: list[Callable[[float], None]] = []  # told when the submits waiting now are written
         self._flush_pending = False
         self.error: str | None = None
         self._poller: asyncio.Task | None = None
@@ -110,14 +113,18 @@ class ReplicaClient:
         params: SamplingParams,
         after: int | None = None,
         queue: asyncio.Queue | None = None,
+        on_sent: Callable[[float], None] | None = None,
     ) -> asyncio.Queue:
         """Sends the request with the next flush and returns the queue its deltas arrive on: `queue`
-        when given, so that the choices of one request share one (`after`: see AddRequest)."""
+        when given, so that the choices of one request share one (`after`: see AddRequest). `on_sent`:
+        called with the time (time.perf_counter) it was written to the replica's channel."""
         queue = asyncio.Queue() if queue is None else queue
         self.queues[uid] = queue
         self.queued[uid] = len(ids)
         self.queued_tokens += len(ids)
         self._submits.append(AddRequest(uid, ids, params, after=after))
+        if on_sent is not None:
+            self._on_sent.append(on_sent)
         self._schedule_flush()
         return queue
 
@@ -138,6 +145,10 @@ class ReplicaClient:
             return  # sent once the channel is up
         self.channel.send(self._submits, self._aborts)
         self._submits, self._aborts = [], []
+        if self._on_sent:
+            now, told, self._on_sent = time.perf_counter(), self._on_sent, []
+            for on_sent in told:
+                on_sent(now)
 
     def apply_kv_events(self, events: KVEvents | None) -> None:
         if events is None:
@@ -219,7 +230,10 @@ class ReplicaClient:
         """One message of the replica: its deltas to their requests' queues, its KV events and count."""
         self.apply_kv_events(deltas.kv_events)
         self.replica_live = deltas.live or 0
+        now = time.perf_counter()
         for d in deltas:
+            if d.hops is not None:
+                d.hops.router_received = now
             if self.queued:
                 self._dequeue(d.uid)
             queue = self.queues.get(d.uid)
