@@ -113,12 +113,13 @@ def main() -> None:
         server.wait(timeout=120)
     report["online_ttft_ms"] = online["ttft"]["mean_ms"]
     report["hops_ms"] = {
-        name: 1e3 * (after[name][0] - before[name][0]) / max(1.0, after[name][1] - before[name][1])
-        for name in after
+        name: 1e3 * (after[name][0] - before[name][0]) / max(1.0, after[name][1] - before[name][1]) for name in after
     }
     if "offline" in report:
         o = report["offline"]
-        print(f"offline TTFT: first delta {o['first_delta_ms']:.2f} ms, one-token generation {o['one_token_ms']:.2f} ms")
+        print(
+            f"offline TTFT: first delta {o['first_delta_ms']:.2f} ms, one-token generation {o['one_token_ms']:.2f} ms"
+        )
     print(f"online TTFT (client, streamed, concurrency 1): {report['online_ttft_ms']:.2f} ms")
     for name, ms in report["hops_ms"].items():
         print(f"  {name:26} {ms:8.3f} ms")
