@@ -3,7 +3,12 @@ served, each non-negative, summing to the router's TTFT, and never an interval a
 
 from __future__ import annotations
 
+import asyncio
 import pickle
+import statistics
+import sys
+import threading
+import time
 
 import httpx
 import pytest
@@ -110,3 +115,74 @@ def test_a_request_without_the_replicas_hops_has_none():
     timing = Timing(arrival=1.0, submitted=1.001)
     timing.received(1, 1.01)
     assert request_hops(timing) is None
+
+
+class _Channel:
+    """A replica channel that records each write (one write: one message)."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[list[int], list[int]]] = []
+
+    def send(self, submits, aborts) -> None:
+        self.writes.append(([r.uid for r in submits], list(aborts)))
+
+
+def test_a_submit_is_written_at_once_and_the_rest_of_its_tick_in_one_message():
+    from helpers import greedy
+
+    from router.replicas.client import ReplicaClient
+
+    async def run():
+        c = ReplicaClient(0, actor=None, kv_events=False)
+        c.channel, c._connecting = _Channel(), False
+        sent_at = []
+        c.submit(1, [5, 6], greedy(2), on_sent=sent_at.append)
+        # written before the handler that submitted it goes on (its response's start, its first read)
+        assert c.channel.writes == [([1], [])] and len(sent_at) == 1
+        c.submit(2, [5], greedy(2))
+        c.submit(3, [5], greedy(2))
+        c.abort(1)
+        assert len(c.channel.writes) == 1  # the rest of the tick waits for its end
+        await asyncio.sleep(0)
+        assert c.channel.writes == [([1], []), ([2, 3], [1])]
+        c.submit(4, [5], greedy(2))  # a new tick: at once again
+        assert c.channel.writes[-1] == ([4], [])
+
+    asyncio.run(run())
+
+
+def test_a_first_token_is_taken_for_sending_while_the_scheduler_thread_runs_python():
+    from cluster.config import ReplicaConfig
+    from cluster.replica.actor import SchedulerActor
+    from cluster.replica.subscribers import Subscribers
+
+    default = sys.getswitchinterval()  # CPython's 5 ms: the wait this replica setting removes
+    try:
+        SchedulerActor(ReplicaConfig())  # a replica's process sets its interval as it starts
+        subs, flushes = Subscribers(), []
+        done, taken = threading.Event(), threading.Semaphore(0)
+
+        def sender() -> None:  # the channel's sender thread (cluster/channel.py)
+            while not done.is_set():
+                for d in subs.poll(0.1):
+                    flushes.append(d.hops.flush_s)
+                    taken.release()
+
+        thread = threading.Thread(target=sender)
+        thread.start()
+        for uid in range(20):
+            subs.submitted([uid])
+            subs.publish([TokenDelta(uid, 1, hops=FirstTokenHops(0.0, 0.0, sampled_at=time.perf_counter()))])
+            _python_for(0.015)  # the scheduler thread goes on to its next step, holding the interpreter
+            assert taken.acquire(timeout=10)  # the sender has it (what is measured is its flush_s)
+        done.set()
+        thread.join()
+    finally:
+        sys.setswitchinterval(default)
+    assert statistics.median(flushes) < default, flushes
+
+
+def _python_for(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(100))

@@ -12,6 +12,7 @@ is gone."""
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -36,11 +37,18 @@ from worker.rank import build_rank
 
 log = logging.getLogger(__name__)
 
+# how long a thread of the replica waits for the interpreter before the scheduler thread must hand it
+# over: the channel's sender (a step's deltas) and reader (new requests) wait on the scheduler thread's
+# Python, which holds it through a step's launch; at CPython's default of 5 ms a first token could sit
+# that long on the host before it is sent
+SWITCH_INTERVAL_S = 0.0005
+
 
 class SchedulerActor:
     def __init__(self, config: ReplicaConfig, replica_id: int = 0) -> None:
         logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config, self.replica_id = config, replica_id
+        sys.setswitchinterval(SWITCH_INTERVAL_S)  # this process is the replica's alone
         self.scheduler: Scheduler | None = None
         self.subscribers = Subscribers()
         self._stop = threading.Event()

@@ -1,5 +1,5 @@
-"""The router's side of one replica: submits and aborts are batched into one message per event-loop
-tick, and every request's deltas arrive in one message per scheduler step, both over the replica's
+"""The router's side of one replica: submits and aborts are written at once, the first of an
+event-loop tick, and the rest of that tick's in one message at its end; every request's deltas arrive in one message per scheduler step, both over the replica's
 direct channel (cluster/channel.py; Ray calls only start it and check health). It counts the
 requests it sent that have no token yet: the replica's queue as the router sees it, for admission. It
 keeps the block hashes the replica's prefix cache holds from the KV events that come with the
@@ -56,6 +56,7 @@ class ReplicaClient:
         self._aborts: list[int] = []
         self._on_sent: list[Callable[[float], None]] = []  # told when the submits waiting now are written
         self._flush_pending = False
+        self._tick_written = False  # a message has been written this event-loop tick
         self.error: str | None = None
         self._poller: asyncio.Task | None = None
         self._error_check: asyncio.Task | None = None
@@ -135,9 +136,21 @@ class ReplicaClient:
             self._schedule_flush()
 
     def _schedule_flush(self) -> None:
-        if not self._flush_pending:
-            self._flush_pending = True
-            asyncio.get_running_loop().call_soon(self._flush)
+        if self._flush_pending:
+            return
+        self._flush_pending = True
+        loop = asyncio.get_running_loop()
+        if self._tick_written:  # written once this tick: the rest of the tick's messages go in one write after it
+            loop.call_soon(self._flush)
+            return
+        # the first of a tick goes at once: at the tick's end it would wait for the rest of its handler's
+        # work (the response's start, the first read of its stream) before the replica could see it
+        self._tick_written = True
+        loop.call_soon(self._end_tick)
+        self._flush()
+
+    def _end_tick(self) -> None:
+        self._tick_written = False
 
     def _flush(self) -> None:
         self._flush_pending = False
