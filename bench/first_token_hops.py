@@ -4,6 +4,7 @@ the same length, and of a one-token generation), and the mean of every hop the s
 (raylm:*_time_seconds on /metrics, router/http/hops.py).
 
     python bench/first_token_hops.py --model PATH [--num-prompts 48] [--output-len 16 64] [--out FILE]
+    python bench/first_token_hops.py --arch qwen3-0.6b [...]   (random weights, bf16: bench/common.py)
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ HOPS = (
 )
 
 
-def offline_ttft(model: str, requests: list, page_size: int) -> dict:
+def offline_ttft(model: str, requests: list, page_size: int, load_format: str | None) -> dict:
     """The in-process engine's TTFT one prompt at a time: to its first token's delta in a generation
     of the request's own length, and to the end of a one-token generation."""
     from cluster import LLM, SamplingParams
 
-    with LLM(model, page_size=page_size) as llm:
+    opts = {"load_format": load_format} if load_format else {}
+    with LLM(model, page_size=page_size, **opts) as llm:
         sched, first = llm.scheduler, {}
         emit = sched.on_output
 
@@ -82,7 +84,8 @@ def _mean_ms(xs: list[float]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
+    p.add_argument("--model")
+    p.add_argument("--arch", help="instead of --model: a bench architecture (random weights, bf16)")
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--input-len", type=int, nargs=2, default=[32, 128])
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 64])
@@ -92,15 +95,27 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out")
     args = p.parse_args()
+    args.load_format = None
+    if args.arch:
+        from common import model_folder
+
+        args.model, args.load_format = model_folder(args.arch, with_tokenizer=True), "dummy"
+    if not args.model:
+        p.error("--model or --arch is required")
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     requests = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
     report: dict = {"args": vars(args)}
     if not args.no_offline:
-        report["offline"] = offline_ttft(args.model, requests, args.page_size)
+        report["offline"] = offline_ttft(args.model, requests, args.page_size, args.load_format)
     server_args = SimpleNamespace(
-        model=args.model, tp_size=1, replicas=1, page_size=args.page_size, load_format=None, routers=args.routers
+        model=args.model,
+        tp_size=1,
+        replicas=1,
+        page_size=args.page_size,
+        load_format=args.load_format,
+        routers=args.routers,
     )
     server, url = start_server(server_args)
     try:

@@ -1,9 +1,10 @@
 """The router's side of one replica: submits and aborts are written at once, the first of an
-event-loop tick, and the rest of that tick's in one message at its end; every request's deltas arrive in one message per scheduler step, both over the replica's
-direct channel (cluster/channel.py; Ray calls only start it and check health). It counts the
-requests it sent that have no token yet: the replica's queue as the router sees it, for admission. It
-keeps the block hashes the replica's prefix cache holds from the KV events that come with the
-deltas, starting from a snapshot it asks for when it starts (for cache-exact routing)."""
+event-loop tick, and the rest of that tick's in one message at its end; every request's deltas
+arrive in one message per scheduler step, both over the replica's direct channel (cluster/channel.py;
+Ray calls only start it and check health). It counts the requests it sent that have no token yet:
+the replica's queue as the router sees it, for admission. It keeps the block hashes the replica's
+prefix cache holds from the KV events that come with the deltas, starting from a snapshot it asks
+for when it starts (for cache-exact routing)."""
 
 from __future__ import annotations
 
