@@ -16,6 +16,7 @@
 #   mixed          decode latency under arriving prompts, mixed steps against prefill-first
 #   sampling       what penalties, filters and grammars cost beside plain sampling
 #   online         the HTTP path against the offline engine at concurrency 1 and 256
+#   hops           where the online TTFT goes at concurrency 1: each hop's mean beside the offline TTFT
 #   real           the real model (SmolLM2-135M-Instruct's GGUF) in bf16 against transformers' bf16, and
 #                  bench/real_text.py; the file from .real/ (split parts, carried over calls) or the cache
 #   peer           mini-sglang on the same token lists ((a) and (b); needs .peer/, see ../shared/peer)
@@ -169,6 +170,9 @@ for suite in "$@"; do
     online)
       step online 300 python3 bench/online_serving.py --arch qwen3-0.6b --num-prompts 256 --input-len 100 1024 \
         --output-len 100 1024 --concurrency 1 256 --c1-prompts 48 --client-procs 4 --offline --out "$OUT/online.json" ;;
+    hops)
+      step first_token_hops 300 python3 bench/first_token_hops.py --arch qwen3-0.6b --num-prompts 48 \
+        --input-len 100 1024 --output-len 100 1024 --out "$OUT/first_token_hops.json" ;;
     peer)
       [ -f .peer/run_minisgl.sh ] || { log "peer: no .peer/ (../shared/peer/README.md makes it)"; continue; }
       OUT=$OUT step peer 540 bash .peer/run_minisgl.sh bench --arch "${ARCH:-qwen3-0.6b}" ;;

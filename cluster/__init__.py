@@ -19,7 +19,7 @@ from cluster.errors import (
     error_for,
 )
 from cluster.limits import RequestLimits
-from cluster.messages import AddRequest, KVEvents, ReplicaInfo, ReplicaOutput, ReplicaStats, TokenDelta
+from cluster.messages import AddRequest, FirstTokenHops, KVEvents, ReplicaInfo, ReplicaOutput, ReplicaStats, TokenDelta
 from cluster.sampling_params import GrammarSpec, SamplingParams
 from cluster.scheduler.prefix_cache.events import block_hashes, iter_block_hashes
 
@@ -50,6 +50,7 @@ __all__ = [
     "ReplicaInfo",
     "ReplicaStats",
     "TokenDelta",
+    "FirstTokenHops",
     "ErrorKind",
     "RaylmError",
     "InvalidRequestError",

@@ -24,6 +24,9 @@ class AddRequest:
     # another choice of the same prompt (cluster/choices.py): this one is admitted once that request's
     # prompt is in the prefix cache (or it has ended), so the prompt is prefilled once
     after: int | None = None
+    # when the replica read it (its own time.perf_counter; set there, never by the sender): where its
+    # queue time starts
+    received: float | None = None
 
 
 @dataclass
@@ -47,6 +50,28 @@ class CallBetweenSteps:
 
 
 @dataclass
+class FirstTokenHops:
+    """Where a request's time to its first token went inside the replica, in seconds measured on the
+    replica's own clock: intervals only, so a router on another host never subtracts across clocks."""
+
+    queue_s: float  # read off the channel -> its first prefill chunk scheduled
+    prefill_s: float  # scheduled -> its first token on the host (every chunk; under overlap, the next step's launch)
+    flush_s: float = 0.0  # first token on the host -> taken for sending to its router
+    # the replica's clock when the token reached the host, until flush_s is measured; not sent
+    sampled_at: float | None = field(default=None, repr=False, compare=False)
+    # the router's clock when its message was read there; set by the router, never sent
+    router_received: float | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def replica_s(self) -> float:
+        """The replica's whole share of the time to first token."""
+        return self.queue_s + self.prefill_s + self.flush_s
+
+    def __reduce__(self):
+        return FirstTokenHops, (self.queue_s, self.prefill_s, self.flush_s)
+
+
+@dataclass
 class TokenDelta:
     uid: int
     token: int | None  # None when the request ended without a token (error, rejection)
@@ -60,6 +85,7 @@ class TokenDelta:
     # has none), the prompt token's logprob and the k most likely (id, logprob) there
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     cached_tokens: int | None = None  # on a request's first token: its prompt tokens served from the prefix cache
+    hops: FirstTokenHops | None = None  # on a request's first token
 
     @classmethod
     def failure(cls, uid: int, kind: ErrorKind, why: str) -> TokenDelta:
@@ -106,6 +132,7 @@ class ReplicaOutput(list):
                     d.error_kind,
                     d.prompt_logprobs,
                     d.cached_tokens,
+                    d.hops,
                 )
             )
             != _PLAIN
@@ -113,17 +140,27 @@ class ReplicaOutput(list):
         return _rebuild_output, ([d.uid for d in self], [d.token for d in self], extra, self.kv_events, self.live)
 
 
-_PLAIN = (False, None, None, None, None, None, None, None)  # a TokenDelta's fields after (uid, token), as defaulted
+_PLAIN = (
+    False,
+    None,
+    None,
+    None,
+    None,
+    None,
+    None,
+    None,
+    None,
+)  # a TokenDelta's fields after (uid, token), as defaulted
 
 
 def _rebuild_output(
     uids: list[int], tokens: list[int | None], extra: list[tuple], kv_events: KVEvents | None, live: int | None
 ) -> ReplicaOutput:
     out = ReplicaOutput([TokenDelta(u, t) for u, t in zip(uids, tokens)], kv_events, live)
-    for i, (finished, reason, logprob, top, error, kind, prompt_logprobs, cached) in extra:
+    for i, (finished, reason, logprob, top, error, kind, prompt_logprobs, cached, hops) in extra:
         d = out[i]
         d.finished, d.finish_reason, d.logprob, d.top_logprobs = finished, reason, logprob, top
-        d.error, d.error_kind, d.prompt_logprobs, d.cached_tokens = error, kind, prompt_logprobs, cached
+        d.error, d.error_kind, d.prompt_logprobs, d.cached_tokens, d.hops = error, kind, prompt_logprobs, cached, hops
     return out
 
 

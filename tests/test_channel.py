@@ -260,7 +260,7 @@ def test_every_delta_field_survives_the_columns():
     # a step's deltas pickle as columns (ReplicaOutput.__reduce__): any field it forgot would vanish here
     import dataclasses
 
-    from cluster import ErrorKind, KVEvents
+    from cluster import ErrorKind, FirstTokenHops, KVEvents
 
     values = {
         "finished": True,
@@ -271,6 +271,7 @@ def test_every_delta_field_survives_the_columns():
         "error_kind": ErrorKind.ENGINE,
         "prompt_logprobs": [(-1.0, [(2, -0.2)])],
         "cached_tokens": 8,
+        "hops": FirstTokenHops(0.001, 0.002, 0.003),
     }
     fields = [f.name for f in dataclasses.fields(TokenDelta)][2:]
     assert sorted(fields) == sorted(values)  # a new field needs a value here, and a column there

@@ -83,7 +83,7 @@ def test_an_engine_failure_in_a_step_is_an_engine_error_offline(qwen3_path):
 class _FailingClient:
     """A replica client whose replica went down after the request was sent."""
 
-    def submit(self, uid, ids, params):
+    def submit(self, uid, ids, params, on_sent=None):
         queue: asyncio.Queue = asyncio.Queue()
         queue.put_nowait(TokenDelta.failure(uid, ErrorKind.REPLICA_DOWN, "replica 0 failed: ActorDiedError"))
         return queue

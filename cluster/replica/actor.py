@@ -12,6 +12,7 @@ is gone."""
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -36,11 +37,18 @@ from worker.rank import build_rank
 
 log = logging.getLogger(__name__)
 
+# how long a thread of the replica waits for the interpreter before the scheduler thread must hand it
+# over: the channel's sender (a step's deltas) and reader (new requests) wait on the scheduler thread's
+# Python, which holds it through a step's launch; at CPython's default of 5 ms a first token could sit
+# that long on the host before it is sent
+SWITCH_INTERVAL_S = 0.0005
+
 
 class SchedulerActor:
     def __init__(self, config: ReplicaConfig, replica_id: int = 0) -> None:
         logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config, self.replica_id = config, replica_id
+        sys.setswitchinterval(SWITCH_INTERVAL_S)  # this process is the replica's alone
         self.scheduler: Scheduler | None = None
         self.subscribers = Subscribers()
         self._stop = threading.Event()
@@ -179,6 +187,9 @@ class SchedulerActor:
     # -- called over the channel, or through Ray ---------------------------------------------------
 
     def submit(self, requests: list[AddRequest], subscriber: int = 0) -> None:
+        now = time.perf_counter()  # a request's queue time starts as it reaches the replica
+        for request in requests:
+            request.received = now
         if not self.subscribers.submitted([r.uid for r in requests], subscriber):
             self.metrics.on_replica_failed(len(requests))
             return
@@ -206,7 +217,11 @@ class SchedulerActor:
         receives: Callable[[], bool] | None = None,
     ) -> ReplicaOutput:
         """Every delta for subscriber since its last poll, and its KV events (Subscribers.poll)."""
-        return self.subscribers.poll(timeout_s, subscriber, kv_events, receives)
+        out = self.subscribers.poll(timeout_s, subscriber, kv_events, receives)
+        for d in out:
+            if d.hops is not None:
+                self.metrics.on_first_token(d.hops)
+        return out
 
     def kv_subscribe(self, subscriber: int = 0) -> None:
         """The next poll of subscriber carries every block hash the prefix cache holds (a router that

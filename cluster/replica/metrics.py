@@ -8,10 +8,12 @@ from collections.abc import Callable
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
-from cluster.messages import SchedulerStats, TokenDelta
+from cluster.messages import FirstTokenHops, SchedulerStats, TokenDelta
 from cluster.scheduler.req import Req
 
 _LATENCY = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+# the hops of a first token: tens of microseconds to a prefill's seconds
+_HOP = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 _TAGS = ("replica", "model")
 
 
@@ -37,6 +39,19 @@ class ReplicaMetrics:
         # client-visible latencies (TTFT, inter-token, per output token, end to end) are measured once,
         # where the client's tokens arrive: by the router (router/http/metrics.py)
         self.queue_time = Histogram("raylm_queue_time_seconds", "Arrival to first prefill", _LATENCY, _TAGS)
+        # the replica's hops of each first token (the router shows them beside its own: router/http/metrics.py)
+        self.prefill_time = Histogram(
+            "raylm_request_prefill_time_seconds",
+            "First prefill chunk scheduled to the first token on the host",
+            _HOP,
+            _TAGS,
+        )
+        self.first_flush_time = Histogram(
+            "raylm_request_first_flush_time_seconds",
+            "First token on the host to its message taken for sending to the router",
+            _HOP,
+            _TAGS,
+        )
 
     def on_output(self, deltas: list[TokenDelta]) -> None:
         self._tokens_since += sum(1 for d in deltas if d.token is not None)
@@ -51,6 +66,10 @@ class ReplicaMetrics:
             self.prompt_tokens.inc(req.prompt_len, tags)
         if req.scheduled is not None:
             self.queue_time.observe(req.scheduled - req.arrival, tags)
+
+    def on_first_token(self, hops: FirstTokenHops) -> None:
+        self.prefill_time.observe(hops.prefill_s, self.tags)
+        self.first_flush_time.observe(hops.flush_s, self.tags)
 
     def on_replica_failed(self, num_requests: int) -> None:
         """The replica broke with num_requests live: each ended with an error, and nothing runs any more

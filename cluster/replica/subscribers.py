@@ -149,6 +149,7 @@ class Subscribers:
                 return ReplicaOutput([], None, len(self._live))
             self._last_poll[subscriber] = time.monotonic()
             out = self._outboxes.pop(subscriber, [])
+            _flushed(out, time.perf_counter())
             kv = self.kv.take(subscriber) if self.kv is not None and kv_events else None
             return ReplicaOutput(out, kv, len(self._live))
 
@@ -196,6 +197,13 @@ class Subscribers:
         for sub in subscribers:
             if (cond := self._wakeups.get(sub)) is not None:
                 cond.notify_all()
+
+
+def _flushed(deltas: list[TokenDelta], now: float) -> None:
+    """Measures each first token's wait from the host to its sender (on this replica's clock)."""
+    for d in deltas:
+        if d.hops is not None and d.hops.sampled_at is not None:
+            d.hops.flush_s, d.hops.sampled_at = max(0.0, now - d.hops.sampled_at), None
 
 
 def _error_deltas(uids: list[int], why: str) -> list[TokenDelta]:

@@ -19,7 +19,14 @@ from typing import Any
 from cluster.config import SchedulerConfig
 from cluster.errors import ErrorKind, InvalidRequestError, RaylmError
 from cluster.limits import RequestLimits
-from cluster.messages import AbortRequest, AddRequest, CallBetweenSteps, SchedulerStats, TokenDelta
+from cluster.messages import (
+    AbortRequest,
+    AddRequest,
+    CallBetweenSteps,
+    FirstTokenHops,
+    SchedulerStats,
+    TokenDelta,
+)
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler.batch_builder import Batch, BatchBuilder
 from cluster.scheduler.cache_manager import CacheManager
@@ -168,6 +175,8 @@ class Scheduler:
             return
         seed = msg.params.seed if msg.params.seed is not None else random.getrandbits(62)
         req = Req(msg.uid, list(msg.input_ids), msg.params, max_len, seed)  # its own list: tokens are appended
+        if msg.received is not None:  # read off the channel before it reached the loop
+            req.arrival = msg.received
         if msg.after is not None:
             req.after = self.reqs.get(msg.after)
         self.reqs[req.uid] = req
@@ -332,6 +341,7 @@ class Scheduler:
             delta = TokenDelta(req.uid, token)
             if len(req.input_ids) == req.prompt_len + 1:  # its first token
                 delta.cached_tokens = req.prefix_hit_len
+                delta.hops = FirstTokenHops(req.scheduled - req.arrival, now - req.scheduled, sampled_at=now)
                 if req.params.prompt_logprobs is not None:
                     delta.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
             if logprobs is not None and req.params.logprobs is not None:

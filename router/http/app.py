@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
+import time
 import uuid
 
 from fastapi import FastAPI, Request
@@ -112,6 +113,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        parsed = time.perf_counter()  # the body read and validated: what is left to do is the router's own
         state.check_model(body.model)
         extras = _extras(body)
         prompts = completion_prompts(body, state.tokenizer, state.vocab_size, state.max_seq_len)
@@ -140,10 +142,11 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
             shown,
             extras=extras,
         )
-        return await serve(state, request, body, runs, fmt)
+        return await serve(state, request, body, runs, fmt, parsed)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
+        parsed = time.perf_counter()
         state.check_model(body.model)
         extras = _extras(body)
         chat = prepare_chat(state, body)
@@ -169,7 +172,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
             output=chat.output,
             extras=extras,
         )
-        return await serve(state, request, body, [PromptRun(ids, params)], fmt)
+        return await serve(state, request, body, [PromptRun(ids, params)], fmt, parsed)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):

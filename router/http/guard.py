@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 
 from router.http.errors import error_response
 from router.http.messages_api.output import anthropic_error
 
+# the scope's key for when the request was received (time.perf_counter): where its TTFT starts
+RECEIVED = "raylm.received"
 # what the API key protects: everything but the probes (/health, /metrics, /version)
 _GUARDED = ("/v1", "/tokenize", "/detokenize")
 
@@ -23,6 +26,7 @@ class RequestGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope[RECEIVED] = time.perf_counter()
         cfg = self.state.config
         # Anthropic's clients send the key in x-api-key, and read errors in Anthropic's shape
         anthropic = scope["path"].startswith("/v1/messages")

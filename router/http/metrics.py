@@ -13,12 +13,48 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.http.hops import request_hops
+
 if TYPE_CHECKING:
     from cluster import ReplicaStats
     from router.replicas.generation import Timing
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # gaps between tokens: 0 for tokens that arrived together, a few ms per decode step on a GPU
+# the hops of a first token (router/http/hops.py): tens of microseconds to a long queue's minutes
+_HOP_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+)
+_HOP_HELP = {
+    "router_parse": "Router: the HTTP request received to its body parsed and validated",
+    "router_tokenize": "Router: the body parsed to its token ids ready (chat template, sampling checks)",
+    "router_submit": "Router: token ids ready to the request written to its replica's channel (routing included)",
+    "request_transfer": "The channel both ways: the router's round trip to the first token less the replica's share",
+    "request_queue": "Replica: the request read off its channel to its first prefill chunk scheduled",
+    "request_prefill": "Replica: the first prefill chunk scheduled to the first token on the host",
+    "request_first_flush": "Replica: the first token on the host to its message taken for sending to the router",
+    "router_detokenize": "Router: the first token's message read to its text piece ready (the TTFT stamp)",
+    # a first token whose text is held back (part of a character, a stop string's start) waits for the next
+    "router_first_chunk_write": "Router: the first token's piece to the stream's first chunk of output written",
+}
 _ITL_BUCKETS = (0.0, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
 
 
@@ -83,6 +119,11 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        # one histogram per hop of the way to a request's first token, named as vLLM's request_*_time_seconds
+        self.hops = {
+            name: Histogram(f"raylm:{name}_time_seconds", help_, labels, buckets=_HOP_BUCKETS, registry=self.registry)
+            for name, help_ in _HOP_HELP.items()
+        }
         self.replica_gauges = ReplicaGauges(model)
         self.registry.register(self.replica_gauges)
 
@@ -111,6 +152,9 @@ class RouterMetrics:
                 itl.observe(gap)
             if (tpot := timing.time_per_output_token) is not None:
                 self.tpot.labels(m).observe(tpot)
+            if (hops := request_hops(timing)) is not None:
+                for name, seconds in hops.items():
+                    self.hops[name].labels(m).observe(seconds)
 
     def ended(self, reason: str) -> None:
         """Counts a request's end: a success when it stopped or reached its length, else a failure."""

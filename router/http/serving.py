@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -16,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from cluster import AddRequest, RaylmError, SamplingParams, fan_out
 from router.chat.detokenizer import IncrementalDetokenizer
 from router.http.errors import APIError
+from router.http.guard import RECEIVED
 from router.http.responses import Formatter, sse
 from router.http.state import RouterState
 from router.replicas.generation import Generation, Timing
@@ -44,9 +46,12 @@ class _Sent:
     reason: str = "abort"
 
 
-def _send(state: RouterState, runs: list[PromptRun], body) -> list[_Sent]:
+def _send(
+    state: RouterState, runs: list[PromptRun], body, stamps: tuple[float, float | None, float | None]
+) -> list[_Sent]:
     """Routes and sends each prompt (each its own replica, as the policy picks); a 503 or 429 when one
-    finds no replica or no room, the prompts already sent then aborted."""
+    finds no replica or no room, the prompts already sent then aborted. `stamps`: when the request was
+    received, parsed and tokenized (Timing's)."""
     bounds, sent = state.config.scheduler, []
     try:
         for run in runs:
@@ -59,7 +64,8 @@ def _send(state: RouterState, runs: list[PromptRun], body) -> list[_Sent]:
             detoks = [
                 IncrementalDetokenizer(state.tokenizer, body.stop_list, body.skip_special_tokens) for _ in requests
             ]
-            timing = Timing()
+            received, parsed, tokenized = stamps
+            timing = Timing(arrival=received, parsed=parsed, tokenized=tokenized)
             # sent now, before the response starts: the next request's room check counts these
             sent.append(_Sent(run, client, Generation(client, requests, detoks, timing), timing))
     except (NoReplicaError, RaylmError) as e:
@@ -73,8 +79,14 @@ def _send(state: RouterState, runs: list[PromptRun], body) -> list[_Sent]:
     return sent
 
 
-async def serve(state: RouterState, request: Request, body, runs: list[PromptRun], fmt: Formatter):
-    sent = _send(state, runs, body)
+async def serve(
+    state: RouterState, request: Request, body, runs: list[PromptRun], fmt: Formatter, parsed: float | None = None
+):
+    """`parsed`: when the handler had the body validated (None: a route whose body is not the router's
+    own to parse, its parse and tokenize hops unknown)."""
+    now = time.perf_counter()
+    received = request.scope.get(RECEIVED, now)
+    sent = _send(state, runs, body, (received, parsed, now if parsed is not None else None))
     prompt_tokens = sum(len(r.ids) for r in runs)
     options = body.stream_options or {}
     include_usage = bool(options.get("include_usage")) or fmt.extras.continuous_usage
@@ -153,6 +165,11 @@ def _request_reason(reasons: list[str]) -> str:
     return next((r for r in reasons if r != "stop"), "stop")
 
 
+def _written(timing: Timing) -> None:
+    if timing.first_chunk_written is None:
+        timing.first_chunk_written = time.perf_counter()
+
+
 async def _collect(pieces) -> list:
     return [piece async for piece in pieces]
 
@@ -217,6 +234,8 @@ async def _stream(
                 ):
                     if event := fmt.chunk_sse(piece):  # "": a parser holds its text back for now
                         yield event
+                        if piece.token_ids:  # resumed once the server has written it
+                            _written(sent[piece.index // fmt.n].timing)
         if include_usage:
             yield sse(fmt.usage_chunk(prompt_tokens, completion, _cached_tokens(sent)))
         yield sse("[DONE]")

@@ -1,14 +1,17 @@
-"""The router's side of one replica: submits and aborts are batched into one message per event-loop
-tick, and every request's deltas arrive in one message per scheduler step, both over the replica's
-direct channel (cluster/channel.py; Ray calls only start it and check health). It counts the
-requests it sent that have no token yet: the replica's queue as the router sees it, for admission. It
-keeps the block hashes the replica's prefix cache holds from the KV events that come with the
-deltas, starting from a snapshot it asks for when it starts (for cache-exact routing)."""
+"""The router's side of one replica: submits and aborts are written at once, the first of an
+event-loop tick, and the rest of that tick's in one message at its end; every request's deltas
+arrive in one message per scheduler step, both over the replica's direct channel (cluster/channel.py;
+Ray calls only start it and check health). It counts the requests it sent that have no token yet:
+the replica's queue as the router sees it, for admission. It keeps the block hashes the replica's
+prefix cache holds from the KV events that come with the deltas, starting from a snapshot it asks
+for when it starts (for cache-exact routing)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cluster import (
@@ -52,7 +55,9 @@ class ReplicaClient:
         self.queued_tokens = 0
         self._submits: list[AddRequest] = []
         self._aborts: list[int] = []
+        self._on_sent: list[Callable[[float], None]] = []  # told when the submits waiting now are written
         self._flush_pending = False
+        self._tick_written = False  # a message has been written this event-loop tick
         self.error: str | None = None
         self._poller: asyncio.Task | None = None
         self._error_check: asyncio.Task | None = None
@@ -110,14 +115,18 @@ class ReplicaClient:
         params: SamplingParams,
         after: int | None = None,
         queue: asyncio.Queue | None = None,
+        on_sent: Callable[[float], None] | None = None,
     ) -> asyncio.Queue:
         """Sends the request with the next flush and returns the queue its deltas arrive on: `queue`
-        when given, so that the choices of one request share one (`after`: see AddRequest)."""
+        when given, so that the choices of one request share one (`after`: see AddRequest). `on_sent`:
+        called with the time (time.perf_counter) it was written to the replica's channel."""
         queue = asyncio.Queue() if queue is None else queue
         self.queues[uid] = queue
         self.queued[uid] = len(ids)
         self.queued_tokens += len(ids)
         self._submits.append(AddRequest(uid, ids, params, after=after))
+        if on_sent is not None:
+            self._on_sent.append(on_sent)
         self._schedule_flush()
         return queue
 
@@ -128,9 +137,21 @@ class ReplicaClient:
             self._schedule_flush()
 
     def _schedule_flush(self) -> None:
-        if not self._flush_pending:
-            self._flush_pending = True
-            asyncio.get_running_loop().call_soon(self._flush)
+        if self._flush_pending:
+            return
+        self._flush_pending = True
+        loop = asyncio.get_running_loop()
+        if self._tick_written:  # written once this tick: the rest of the tick's messages go in one write after it
+            loop.call_soon(self._flush)
+            return
+        # the first of a tick goes at once: at the tick's end it would wait for the rest of its handler's
+        # work (the response's start, the first read of its stream) before the replica could see it
+        self._tick_written = True
+        loop.call_soon(self._end_tick)
+        self._flush()
+
+    def _end_tick(self) -> None:
+        self._tick_written = False
 
     def _flush(self) -> None:
         self._flush_pending = False
@@ -138,6 +159,10 @@ class ReplicaClient:
             return  # sent once the channel is up
         self.channel.send(self._submits, self._aborts)
         self._submits, self._aborts = [], []
+        if self._on_sent:
+            now, told, self._on_sent = time.perf_counter(), self._on_sent, []
+            for on_sent in told:
+                on_sent(now)
 
     def apply_kv_events(self, events: KVEvents | None) -> None:
         if events is None:
@@ -219,7 +244,10 @@ class ReplicaClient:
         """One message of the replica: its deltas to their requests' queues, its KV events and count."""
         self.apply_kv_events(deltas.kv_events)
         self.replica_live = deltas.live or 0
+        now = time.perf_counter()
         for d in deltas:
+            if d.hops is not None:
+                d.hops.router_received = now
             if self.queued:
                 self._dequeue(d.uid)
             queue = self.queues.get(d.uid)

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from cluster import AddRequest, ErrorKind, TokenDelta, error_for
+from cluster import AddRequest, ErrorKind, FirstTokenHops, TokenDelta, error_for
 from router.chat.detokenizer import IncrementalDetokenizer
 
 # for each prompt position after the first: the prompt token's logprob and the k most likely (id, logprob)
@@ -32,7 +32,15 @@ class Timing:
     """When a request's tokens reached the router: the one measurement of its client-visible latencies.
     Over all its choices: the first token of any, the last of all, every choice's tokens and gaps."""
 
-    arrival: float = field(default_factory=time.perf_counter)
+    arrival: float = field(default_factory=time.perf_counter)  # the HTTP request read off its connection
+    # on the way to the first token (router/http/hops.py): the body parsed and validated, its token ids
+    # ready, the request written to its replica's channel, the replica's own share (with its first
+    # token), and that token's SSE chunk written to the client
+    parsed: float | None = None
+    tokenized: float | None = None
+    submitted: float | None = None
+    hops: FirstTokenHops | None = None
+    first_chunk_written: float | None = None
     first_token: float | None = None
     last_token: float | None = None
     tokens: int = 0
@@ -80,10 +88,13 @@ class Generation:
         self.live = set(self.index)
         # sent in one flush, choice 0 first: the others wait on the replica for its prompt's pages
         first = requests[0]
-        self.queue = client.submit(first.uid, first.input_ids, first.params)
+        self.queue = client.submit(first.uid, first.input_ids, first.params, on_sent=self._sent)
         for r in requests[1:]:
             client.submit(r.uid, r.input_ids, r.params, after=r.after, queue=self.queue)
         self._pieces = self._run()
+
+    def _sent(self, now: float) -> None:
+        self.timing.submitted = now
 
     def __aiter__(self) -> AsyncIterator[Piece]:
         return self._pieces
@@ -120,6 +131,8 @@ class Generation:
                     i = self.index[delta.uid]
                     if i == 0 and delta.cached_tokens is not None:
                         self.cached_tokens = delta.cached_tokens
+                    if self.timing.hops is None and delta.hops is not None:  # the request's first token
+                        self.timing.hops = delta.hops
                     piece = pieces.setdefault(i, Piece("", index=i))
                     if _add(piece, delta, detoks[i]):
                         live.discard(delta.uid)

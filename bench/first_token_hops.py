@@ -1,0 +1,148 @@
+"""Where the online time to first token goes at concurrency 1: the HTTP TTFT of streamed requests one
+at a time beside the offline engine's on the same prompts (its first token's delta, of a generation of
+the same length, and of a one-token generation), and the mean of every hop the server exports
+(raylm:*_time_seconds on /metrics, router/http/hops.py).
+
+    python bench/first_token_hops.py --model PATH [--num-prompts 48] [--output-len 16 64] [--out FILE]
+    python bench/first_token_hops.py --arch qwen3-0.6b [...]   (random weights, bf16: bench/common.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import statistics
+import time
+from types import SimpleNamespace
+
+import httpx
+from online_serving import run, start_server, workload
+
+HOPS = (
+    "router_parse",
+    "router_tokenize",
+    "router_submit",
+    "request_transfer",
+    "request_queue",
+    "request_prefill",
+    "request_first_flush",
+    "router_detokenize",
+    "router_first_chunk_write",
+)
+
+
+def offline_ttft(model: str, requests: list, page_size: int, load_format: str | None) -> dict:
+    """The in-process engine's TTFT one prompt at a time: to its first token's delta in a generation
+    of the request's own length, and to the end of a one-token generation."""
+    from cluster import LLM, SamplingParams
+
+    opts = {"load_format": load_format} if load_format else {}
+    with LLM(model, page_size=page_size, **opts) as llm:
+        sched, first = llm.scheduler, {}
+        emit = sched.on_output
+
+        def stamped(deltas):
+            now = time.perf_counter()
+            for d in deltas:
+                first.setdefault(d.uid, now)
+            emit(deltas)
+
+        sched.on_output = stamped
+        params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True, seed=len(p)) for p, m in requests]
+        llm.generate([p for p, _ in requests[:8]], params[:8])  # warm-up
+        streamed, one = [], []
+        for (prompt, _), p in zip(requests, params):
+            first.clear()
+            start = time.perf_counter()
+            llm.generate([prompt], p)
+            streamed.append(min(first.values()) - start)
+            start = time.perf_counter()
+            llm.generate([prompt], SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, seed=len(prompt)))
+            one.append(time.perf_counter() - start)
+    return {"first_delta_ms": _mean_ms(streamed), "one_token_ms": _mean_ms(one)}
+
+
+def hop_sums(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each hop's histogram, and of the TTFT's, as /metrics shows them now."""
+    text = httpx.get(url + "/metrics").text
+    out = {}
+    for name in (*HOPS, "time_to_first_token"):
+        family = f"raylm:{name}_seconds" if name == "time_to_first_token" else f"raylm:{name}_time_seconds"
+        values = [
+            sum(float(v) for v in re.findall(rf"^{re.escape(family)}_{kind}{{[^}}]*}} (\S+)$", text, re.M))
+            for kind in ("sum", "count")
+        ]
+        out[name] = (values[0], values[1])
+    return out
+
+
+def _mean_ms(xs: list[float]) -> float:
+    return statistics.fmean(xs) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model")
+    p.add_argument("--arch", help="instead of --model: a bench architecture (random weights, bf16)")
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--input-len", type=int, nargs=2, default=[32, 128])
+    p.add_argument("--output-len", type=int, nargs=2, default=[16, 64])
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--routers", type=int, default=None)
+    p.add_argument("--no-offline", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out")
+    args = p.parse_args()
+    args.load_format = None
+    if args.arch:
+        from common import model_folder
+
+        args.model, args.load_format = model_folder(args.arch, with_tokenizer=True), "dummy"
+    if not args.model:
+        p.error("--model or --arch is required")
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.model).vocab_size
+    requests = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
+    report: dict = {"args": vars(args)}
+    if not args.no_offline:
+        report["offline"] = offline_ttft(args.model, requests, args.page_size, args.load_format)
+    server_args = SimpleNamespace(
+        model=args.model,
+        tp_size=1,
+        replicas=1,
+        page_size=args.page_size,
+        load_format=args.load_format,
+        routers=args.routers,
+    )
+    server, url = start_server(server_args)
+    try:
+        run(url, "bench", requests[:16], 16)  # warm-up
+        before = hop_sums(url)
+        online = run(url, "bench", requests, 1)
+        after = hop_sums(url)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=120)
+    report["online_ttft_ms"] = online["ttft"]["mean_ms"]
+    report["hops_ms"] = {
+        name: 1e3 * (after[name][0] - before[name][0]) / max(1.0, after[name][1] - before[name][1]) for name in after
+    }
+    if "offline" in report:
+        o = report["offline"]
+        print(
+            f"offline TTFT: first delta {o['first_delta_ms']:.2f} ms, one-token generation {o['one_token_ms']:.2f} ms"
+        )
+    print(f"online TTFT (client, streamed, concurrency 1): {report['online_ttft_ms']:.2f} ms")
+    for name, ms in report["hops_ms"].items():
+        print(f"  {name:26} {ms:8.3f} ms")
+    print(f"  {'sum of the hops to TTFT':26} {sum(report['hops_ms'][h] for h in HOPS[:-1]):8.3f} ms")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

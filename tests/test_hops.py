@@ -1,0 +1,188 @@
+"""The hops of each request's way to its first token (router/http/hops.py): exported once per request
+served, each non-negative, summing to the router's TTFT, and never an interval across two clocks."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import statistics
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from fixtures import PROMPT_TEXTS
+from helpers import client, serving
+from test_observe import sample_value
+
+from cluster import FirstTokenHops, ReplicaOutput, TokenDelta
+from router.http.hops import request_hops
+from router.replicas.generation import Timing
+
+TO_FIRST_TOKEN = (
+    "router_parse",
+    "router_tokenize",
+    "router_submit",
+    "request_transfer",
+    "request_queue",
+    "request_prefill",
+    "request_first_flush",
+    "router_detokenize",
+)
+
+
+@pytest.fixture(scope="module")
+def hopped(ray_cluster, qwen3_path):
+    with serving(qwen3_path, served_model_name="hopped", num_pages=512, max_running_reqs=8) as srv:
+        yield srv
+
+
+def test_every_hop_is_exported_once_per_request_and_they_sum_to_its_ttft(hopped):
+    seen = []  # every finished request's Timing, as the router's metrics receive it
+    finished = hopped.state.metrics.finished
+
+    def recording(reason, prompt_tokens, timing):
+        seen.append(timing)
+        finished(reason, prompt_tokens, timing)
+
+    hopped.state.metrics.finished = recording
+    try:
+        openai = client(hopped)
+        streams = 0
+        for i, prompt in enumerate(PROMPT_TEXTS[:4]):
+            stream = i % 2 == 0
+            r = openai.completions.create(
+                model="hopped", prompt=prompt, max_tokens=5, stream=stream, extra_body={"ignore_eos": True}
+            )
+            if stream:
+                assert [c for c in r]
+                streams += 1
+        for stream in (True, False):
+            r = openai.chat.completions.create(
+                model="hopped",
+                messages=[{"role": "user", "content": PROMPT_TEXTS[5]}],
+                max_tokens=5,
+                stream=stream,
+                extra_body={"ignore_eos": True},
+            )
+            if stream:
+                assert [c for c in r]
+                streams += 1
+    finally:
+        hopped.state.metrics.finished = finished
+    served = len(seen)
+    assert served == 6
+
+    text = httpx.get(hopped.url + "/metrics").text
+    for name in TO_FIRST_TOKEN:
+        assert sample_value(text, f"raylm:{name}_time_seconds_count") == served, name
+    assert sample_value(text, "raylm:router_first_chunk_write_time_seconds_count") == streams
+    assert sample_value(text, "raylm:time_to_first_token_seconds_count") == served
+
+    for timing in seen:
+        hops = request_hops(timing)
+        values = dict(hops.items())
+        assert all(v >= 0 for v in values.values()), values
+        ttft = timing.first_token - timing.arrival
+        # the router's own hops and the round trip are on its clock; with the replica's share they are the TTFT
+        assert sum(values[h] for h in TO_FIRST_TOKEN) == pytest.approx(ttft, abs=1e-9)
+        router_side = ("router_parse", "router_tokenize", "router_submit", "router_detokenize")
+        assert sum(values[h] for h in router_side) <= ttft
+        assert hops.request_queue + hops.request_prefill + hops.request_first_flush <= ttft
+
+
+def test_the_replicas_hops_cross_as_intervals_whatever_its_clock():
+    # the replica's clock is a day ahead of the router's: only intervals measured on it may cross
+    replica_clock = 86_400.0
+    hops = FirstTokenHops(0.001, 0.004, sampled_at=replica_clock)
+    hops.flush_s, hops.sampled_at = 0.0005, None
+    out = pickle.loads(pickle.dumps(ReplicaOutput([TokenDelta(7, 3, hops=hops)])))
+    got = out[0].hops
+    assert (got.queue_s, got.prefill_s, got.flush_s, got.sampled_at) == (0.001, 0.004, 0.0005, None)
+
+    timing = Timing(arrival=10.0, parsed=10.001, tokenized=10.002, submitted=10.003)
+    got.router_received = 10.010  # a round trip of 7 ms, 5.5 of them the replica's
+    timing.hops = got
+    timing.received(1, 10.011)
+    hops = request_hops(timing)
+    assert hops.request_transfer == pytest.approx(0.0015)
+    assert hops.router_detokenize == pytest.approx(0.001)
+    assert sum(v for name, v in hops.items()) == pytest.approx(0.011)
+
+
+def test_a_request_without_the_replicas_hops_has_none():
+    timing = Timing(arrival=1.0, submitted=1.001)
+    timing.received(1, 1.01)
+    assert request_hops(timing) is None
+
+
+class _Channel:
+    """A replica channel that records each write (one write: one message)."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[list[int], list[int]]] = []
+
+    def send(self, submits, aborts) -> None:
+        self.writes.append(([r.uid for r in submits], list(aborts)))
+
+
+def test_a_submit_is_written_at_once_and_the_rest_of_its_tick_in_one_message():
+    from helpers import greedy
+
+    from router.replicas.client import ReplicaClient
+
+    async def run():
+        c = ReplicaClient(0, actor=None, kv_events=False)
+        c.channel, c._connecting = _Channel(), False
+        sent_at = []
+        c.submit(1, [5, 6], greedy(2), on_sent=sent_at.append)
+        # written before the handler that submitted it goes on (its response's start, its first read)
+        assert c.channel.writes == [([1], [])] and len(sent_at) == 1
+        c.submit(2, [5], greedy(2))
+        c.submit(3, [5], greedy(2))
+        c.abort(1)
+        assert len(c.channel.writes) == 1  # the rest of the tick waits for its end
+        await asyncio.sleep(0)
+        assert c.channel.writes == [([1], []), ([2, 3], [1])]
+        c.submit(4, [5], greedy(2))  # a new tick: at once again
+        assert c.channel.writes[-1] == ([4], [])
+
+    asyncio.run(run())
+
+
+def test_a_first_token_is_taken_for_sending_while_the_scheduler_thread_runs_python():
+    from cluster.config import ReplicaConfig
+    from cluster.replica.actor import SchedulerActor
+    from cluster.replica.subscribers import Subscribers
+
+    default = sys.getswitchinterval()  # CPython's 5 ms: the wait this replica setting removes
+    try:
+        SchedulerActor(ReplicaConfig())  # a replica's process sets its interval as it starts
+        subs, flushes = Subscribers(), []
+        done, taken = threading.Event(), threading.Semaphore(0)
+
+        def sender() -> None:  # the channel's sender thread (cluster/channel.py)
+            while not done.is_set():
+                for d in subs.poll(0.1):
+                    flushes.append(d.hops.flush_s)
+                    taken.release()
+
+        thread = threading.Thread(target=sender)
+        thread.start()
+        for uid in range(20):
+            subs.submitted([uid])
+            subs.publish([TokenDelta(uid, 1, hops=FirstTokenHops(0.0, 0.0, sampled_at=time.perf_counter()))])
+            _python_for(0.015)  # the scheduler thread goes on to its next step, holding the interpreter
+            assert taken.acquire(timeout=10)  # the sender has it (what is measured is its flush_s)
+        done.set()
+        thread.join()
+    finally:
+        sys.setswitchinterval(default)
+    assert statistics.median(flushes) < default, flushes
+
+
+def _python_for(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(100))
