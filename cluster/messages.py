@@ -24,6 +24,10 @@ class AddRequest:
     # another choice of the same prompt (cluster/choices.py): this one is admitted once that request's
     # prompt is in the prefix cache (or it has ended), so the prompt is prefilled once
     after: int | None = None
+    # the last output_len of input_ids are this request's output so far: it continues a stream begun on
+    # another replica (router/replicas/migration.py), as a preempted request continues on its own
+    # replica: its penalties, min_tokens, max_tokens and grammar count them as output
+    output_len: int = 0
 
 
 @dataclass

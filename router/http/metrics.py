@@ -83,6 +83,13 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.migrations = Counter(
+            "raylm:request_migrations",
+            "Choices continued on another replica mid-stream, by cause (replica_down: theirs died or broke; "
+            "drained: theirs was drained)",
+            labels + ["cause"],
+            registry=self.registry,
+        )
         self.replica_gauges = ReplicaGauges(model)
         self.registry.register(self.replica_gauges)
 

@@ -20,6 +20,7 @@ from router.http.responses import Formatter, sse
 from router.http.state import RouterState
 from router.replicas.generation import Generation, Timing
 from router.replicas.merged import MergedGenerations
+from router.replicas.migration import Migration
 from router.replicas.routing import NoReplicaError, with_room
 
 log = logging.getLogger("raylm.requests")
@@ -51,7 +52,11 @@ def _send(state: RouterState, runs: list[PromptRun], body) -> list[_Sent]:
     try:
         for run in runs:
             room = with_room(
-                state.clients, len(run.ids), bounds.max_queued_requests, bounds.max_queued_tokens, run.params.n
+                [c for c in state.clients if not c.draining],
+                len(run.ids),
+                bounds.max_queued_requests,
+                bounds.max_queued_tokens,
+                run.params.n,
             )
             client = state.policy.pick(room, run.ids)
             requests = _choices(state, run.ids, run.params)
@@ -61,7 +66,7 @@ def _send(state: RouterState, runs: list[PromptRun], body) -> list[_Sent]:
             ]
             timing = Timing()
             # sent now, before the response starts: the next request's room check counts these
-            sent.append(_Sent(run, client, Generation(client, requests, detoks, timing), timing))
+            sent.append(_Sent(run, client, Generation(client, requests, detoks, timing, _migration(state)), timing))
     except (NoReplicaError, RaylmError) as e:
         for s in sent:
             s.generation.abort_live()
@@ -71,6 +76,25 @@ def _send(state: RouterState, runs: list[PromptRun], body) -> list[_Sent]:
         state.metrics.ended("rejected")
         raise APIError.of(e) from e
     return sent
+
+
+def _migration(state: RouterState) -> Migration:
+    """How a request's choices move when their replica goes away: to a replica the policy picks among the
+    others that route and have room."""
+    bounds = state.config.scheduler
+
+    def reroute(request: AddRequest, failed) -> object | None:
+        others = [c for c in state.clients if c is not failed and not c.draining]
+        try:
+            room = with_room(others, len(request.input_ids), bounds.max_queued_requests, bounds.max_queued_tokens)
+        except (NoReplicaError, RaylmError):
+            return None
+        return state.policy.pick(room, request.input_ids)
+
+    def counted(cause: str) -> None:
+        state.metrics.migrations.labels(state.model_name, cause).inc()
+
+    return Migration(state.config.max_migrations, reroute, lambda: next(state.uids), counted)
 
 
 async def serve(state: RouterState, request: Request, body, runs: list[PromptRun], fmt: Formatter):

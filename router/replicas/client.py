@@ -61,6 +61,10 @@ class ReplicaClient:
         self.kv_blocks: set[int] | None = None
         self.page_size: int | None = None
         self.replica_live = 0  # requests the replica held at its last message, every router's
+        # drained (drain()): routed nothing new; its streams moved to other replicas, or left to end
+        self.draining = False
+        self._idle = asyncio.Event()  # set while no request of this router is on the replica
+        self._idle.set()
 
     @property
     def load(self) -> int:
@@ -110,22 +114,53 @@ class ReplicaClient:
         params: SamplingParams,
         after: int | None = None,
         queue: asyncio.Queue | None = None,
+        output_len: int = 0,
     ) -> asyncio.Queue:
         """Sends the request with the next flush and returns the queue its deltas arrive on: `queue`
-        when given, so that the choices of one request share one (`after`: see AddRequest)."""
+        when given, so that the choices of one request share one (`after`, `output_len`: see AddRequest)."""
         queue = asyncio.Queue() if queue is None else queue
         self.queues[uid] = queue
+        self._idle.clear()
         self.queued[uid] = len(ids)
         self.queued_tokens += len(ids)
-        self._submits.append(AddRequest(uid, ids, params, after=after))
+        self._submits.append(AddRequest(uid, ids, params, after=after, output_len=output_len))
         self._schedule_flush()
         return queue
 
     def abort(self, uid: int) -> None:
         self._dequeue(uid)
-        if self.queues.pop(uid, None) is not None:
+        if self._pop(uid) is not None:
             self._aborts.append(uid)
             self._schedule_flush()
+
+    def _pop(self, uid: int) -> asyncio.Queue | None:
+        queue = self.queues.pop(uid, None)
+        if not self.queues:
+            self._idle.set()
+        return queue
+
+    async def drain(self, move: bool = True) -> int:
+        """Takes the replica out of routing (the replica itself serves on) and empties it of this
+        router's requests: with `move`, each is aborted there at once and ends here as a replica-down
+        failure after the tokens that came before it, which its generation continues on another replica
+        (router/replicas/migration.py); without, they run to their end. Returns once none is left here;
+        how many were moved."""
+        self.draining = True
+        moved = list(self.queues) if move else []
+        for uid in moved:
+            self._dequeue(uid)
+            self._pop(uid).put_nowait(
+                TokenDelta.failure(uid, ErrorKind.REPLICA_DOWN, f"replica {self.replica_id} was drained")
+            )
+            self._aborts.append(uid)
+        if moved:
+            self._schedule_flush()
+        await self._idle.wait()
+        return len(moved)
+
+    def undrain(self) -> None:
+        """Routes to the replica again."""
+        self.draining = False
 
     def _schedule_flush(self) -> None:
         if not self._flush_pending:
@@ -226,7 +261,7 @@ class ReplicaClient:
             if queue is not None:
                 queue.put_nowait(d)
                 if d.finished:
-                    del self.queues[d.uid]
+                    self._pop(d.uid)
         if any(d.error is not None for d in deltas) and self._error_check is None:
             # stop routing to a broken replica now, not at the supervisor's next round; in a task,
             # so later deltas are not held up while it waits for an answer
@@ -258,7 +293,7 @@ class ReplicaClient:
     def _fail_requests(self, why: str, uids: list[int] | None = None) -> None:
         """Ends these requests (None: every one) with why."""
         for uid in list(self.queues) if uids is None else uids:
-            if (queue := self.queues.pop(uid, None)) is not None:
+            if (queue := self._pop(uid)) is not None:
                 queue.put_nowait(TokenDelta.failure(uid, ErrorKind.REPLICA_DOWN, why))
             self._dequeue(uid)
         if uids is None:
