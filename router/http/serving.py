@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import random
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -17,7 +18,7 @@ from cluster import AddRequest, RaylmError, SamplingParams, fan_out
 from router.chat.detokenizer import IncrementalDetokenizer
 from router.http.errors import APIError
 from router.http.responses import Formatter, sse
-from router.http.state import RouterState
+from router.http.state import SEED_RANGE, RouterState
 from router.replicas.generation import Generation, Timing
 from router.replicas.merged import MergedGenerations
 from router.replicas.migration import Migration
@@ -158,6 +159,9 @@ async def serve(state: RouterState, request: Request, body, runs: list[PromptRun
 
 def _choices(state: RouterState, ids: list[int], params: SamplingParams) -> list[AddRequest]:
     """The request's choices as the replica runs them, one uid each, choice 0 first."""
+    if params.seed is None and params.temperature > 0 and state.config.max_migrations:
+        # drawn here, not by the replica, so that a stream moved to another replica draws on as it would have
+        params = dataclasses.replace(params, seed=random.randrange(SEED_RANGE))
     requests = fan_out(state.uids, ids, params)
     # the later choices find the prompt in the prefix cache, without its logits: choice 0 scores it
     for r in requests[1:]:
