@@ -96,8 +96,9 @@ class _ScriptedClient:
     """A replica client that answers each request with the tokens `script(request)` gives, then ends it;
     with `fail_after`, it fails the request as a dead replica does after that many tokens instead."""
 
-    def __init__(self, replica_id: int, script, fail_after: int | None = None) -> None:
-        self.replica_id, self.script, self.fail_after = replica_id, script, fail_after
+    def __init__(self, replica_id: int, script, fail_after: int | None = None, drain_after: int | None = None) -> None:
+        self.replica_id, self.script, self.fail_after, self.drain_after = replica_id, script, fail_after, drain_after
+        self.draining = drain_after is not None
         self.received: list[AddRequest] = []
         self.aborted: list[int] = []
 
@@ -110,6 +111,9 @@ class _ScriptedClient:
             if self.fail_after is not None and k == self.fail_after:
                 queue.put_nowait(TokenDelta.failure(uid, ErrorKind.REPLICA_DOWN, f"replica {self.replica_id} failed"))
                 return queue
+            if k == self.drain_after:  # a drain's notice; the replica serves on
+                why = f"replica {self.replica_id} was drained"
+                queue.put_nowait(TokenDelta(uid, None, error=why, error_kind=ErrorKind.REPLICA_DOWN))
             last = k == len(tokens) - 1
             queue.put_nowait(TokenDelta(uid, token, finished=last, finish_reason="length" if last else None))
         return queue
@@ -134,10 +138,10 @@ def _tokens_after(request: AddRequest, prompt_len: int, total: int) -> list[int]
     return [100 + p for p in range(done, total)]
 
 
-def _generate(clients: list, fail_first: int, max_migrations: int, total: int = 8):
+def _generate(clients: list, fail_first: int | None, max_migrations: int, total: int = 8, drain_first=None):
     prompt = [1, 2, 3]
     script = lambda r: _tokens_after(r, len(prompt), total)  # noqa: E731
-    first = _ScriptedClient(0, script, fail_after=fail_first)
+    first = _ScriptedClient(0, script, fail_after=fail_first, drain_after=drain_first)
     others = [_ScriptedClient(i + 1, script, fail_after=f) for i, f in enumerate(clients)]
     route = iter(others)
     moved: list[str] = []
@@ -180,3 +184,15 @@ def test_with_migration_off_a_choice_fails_with_its_replica():
     with pytest.raises(ReplicaDownError, match="^replica 0 failed$"):
         asyncio.run(collect())
     assert not others[0].received
+
+
+def test_a_drained_choice_moves_at_the_notice_and_what_its_replica_sent_after_it_is_dropped():
+    first, others, moved, collect = _generate([None], fail_first=None, max_migrations=1, drain_first=3)
+    assert asyncio.run(collect()) == "".join(f"<{100 + p}>" for p in range(8))
+    assert others[0].received[0].output_len == 3 and first.aborted == [0] and moved == ["drained"]
+
+
+def test_a_drained_choice_that_may_not_move_runs_to_its_end_where_it_is():
+    first, others, moved, collect = _generate([None], fail_first=None, max_migrations=0, drain_first=3)
+    assert asyncio.run(collect()) == "".join(f"<{100 + p}>" for p in range(8))
+    assert not others[0].received and not first.aborted and not moved

@@ -104,9 +104,10 @@ class RouterState:
 
     async def drain_replica(self, i: int) -> int:
         """Routes nothing more to replica i and empties it of this router's streams: each moves to
-        another replica (router/replicas/migration.py) unbroken, or, with max_migrations 0, runs to its
-        end there. Returns once none is left on it; how many moved."""
-        return await self.clients[i].drain(move=self.config.max_migrations > 0)
+        another replica (router/replicas/migration.py) unbroken, or, where it may not move (max_migrations
+        0 or used up, no other replica with room), runs to its end there. Returns once none is left on
+        it; how many streams it had."""
+        return await self.clients[i].drain()
 
     def drain_replica_from_thread(self, i: int, timeout_s: float | None = None) -> int:
         """drain_replica from another thread than the router's (an operator's call, a test)."""

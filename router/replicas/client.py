@@ -139,24 +139,18 @@ class ReplicaClient:
             self._idle.set()
         return queue
 
-    async def drain(self, move: bool = True) -> int:
+    async def drain(self) -> int:
         """Takes the replica out of routing (the replica itself serves on) and empties it of this
-        router's requests: with `move`, each is aborted there at once and ends here as a replica-down
-        failure after the tokens that came before it, which its generation continues on another replica
-        (router/replicas/migration.py); without, they run to their end. Returns once none is left here;
-        how many were moved."""
+        router's requests: each gets a notice, after the tokens that came before it, on which its
+        generation moves it to another replica (router/replicas/migration.py) and aborts it here; one
+        that may not move runs to its end here. Returns once none is left; how many were noticed."""
         self.draining = True
-        moved = list(self.queues) if move else []
-        for uid in moved:
-            self._dequeue(uid)
-            self._pop(uid).put_nowait(
-                TokenDelta.failure(uid, ErrorKind.REPLICA_DOWN, f"replica {self.replica_id} was drained")
-            )
-            self._aborts.append(uid)
-        if moved:
-            self._schedule_flush()
+        noticed = list(self.queues)
+        for uid in noticed:  # not finished: only the generation ends it, by a move (an abort) or its end
+            why = f"replica {self.replica_id} was drained"
+            self.queues[uid].put_nowait(TokenDelta(uid, None, error=why, error_kind=ErrorKind.REPLICA_DOWN))
         await self._idle.wait()
-        return len(moved)
+        return len(noticed)
 
     def undrain(self) -> None:
         """Routes to the replica again."""

@@ -114,8 +114,9 @@ class Generation:
         self.live.clear()
 
     def _move(self, delta: TokenDelta) -> str | None:
-        """Continues the failed delta's choice on another replica; None once sent there, else why it
-        cannot move (the request then fails with that said after the failure's own message)."""
+        """Continues the failed (or drain-noticed, not finished) delta's choice on another replica; None
+        once sent there, else why it cannot move (a failed request then fails with that said after the
+        failure's own message)."""
         m, i = self.migration, self.index[delta.uid]
         if m is None or not m.max_migrations or not movable(delta):
             return ""
@@ -127,6 +128,8 @@ class Generation:
         if client is None:
             return "; no other replica could take it over"
         self.migrations[i] += 1
+        self.live.discard(delta.uid)  # what its old replica still sends is dropped from here on
+        failed.abort(delta.uid)  # a drained replica's: it serves on (a dead one's has let go already)
         self.clients[i], self.index[request.uid] = client, i
         self.live.add(request.uid)
         client.submit(request.uid, request.input_ids, request.params, queue=self.queue, output_len=request.output_len)
@@ -159,9 +162,9 @@ class Generation:
                     if delta.uid not in live:  # sent before its abort (a stop string) landed
                         continue
                     if delta.error is not None:
+                        if (why := self._move(delta)) is None or not delta.finished:
+                            continue  # moved: it goes on from another replica; a drain's notice: here
                         live.discard(delta.uid)
-                        if (why := self._move(delta)) is None:
-                            continue  # its stream goes on from another replica, on the same queue
                         raise error_for(delta.error_kind or ErrorKind.ENGINE, delta.error + why)
                     i = self.index[delta.uid]
                     self.sent[i].append(delta.token)

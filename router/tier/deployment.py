@@ -69,13 +69,13 @@ class Deployment:
 
     def drain_replica(self, i: int) -> int:
         """Takes replica i out of routing with its streams in flight moved to the other replicas, unbroken
-        (or, with max_migrations 0, left to finish on it); returns once no router has a request on it,
-        with how many moved. The replica still runs: stop, replace or undrain it after (the clients'
-        `undrain`). Callable from any thread."""
-        moved = self.state.drain_replica_from_thread(i, self.config.drain_timeout_s + 10)
+        (those that may not move, with max_migrations 0 or used up, left to finish on it); returns once
+        no router has a request on it, with how many streams it had. The replica still runs: stop,
+        replace or undrain it after (the clients' `undrain`). Callable from any thread."""
+        had = self.state.drain_replica_from_thread(i, self.config.drain_timeout_s + 10)
         if self.tier is not None:
-            moved += self.tier.drain_replica(i)
-        return moved
+            had += self.tier.drain_replica(i)
+        return had
 
     @property
     def url(self) -> str:

@@ -122,7 +122,7 @@ class RouterTier:
         self.recreated += 1
 
     def drain_replica(self, i: int) -> int:
-        """Every router stops routing to replica i and moves its streams there elsewhere; how many moved."""
+        """Every router stops routing to replica i and moves its streams there elsewhere; how many they had."""
         return sum(ray.get([a.drain_replica.remote(i) for a in self.actors], timeout=self.config.drain_timeout_s + 20))
 
     def drain(self) -> None:
