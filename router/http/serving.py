@@ -85,6 +85,8 @@ def _migration(state: RouterState) -> Migration:
     bounds = state.config.scheduler
 
     def reroute(request: AddRequest, failed) -> object | None:
+        if state.draining:  # the server is stopping: nothing is moved onto replicas about to stop
+            return None
         others = [c for c in state.clients if c is not failed and not c.draining]
         try:
             room = with_room(others, len(request.input_ids), bounds.max_queued_requests, bounds.max_queued_tokens)
