@@ -196,3 +196,20 @@ def test_a_drained_choice_that_may_not_move_runs_to_its_end_where_it_is():
     first, others, moved, collect = _generate([None], fail_first=None, max_migrations=0, drain_first=3)
     assert asyncio.run(collect()) == "".join(f"<{100 + p}>" for p in range(8))
     assert not others[0].received and not first.aborted and not moved
+
+
+def test_the_router_seeds_a_sampled_request_that_has_no_seed_so_a_moved_stream_draws_on_the_same():
+    from types import SimpleNamespace
+
+    from cluster import ServeConfig
+    from router.http.serving import _choices
+    from router.http.state import RequestIds
+
+    def first_seed(params: SamplingParams, max_migrations: int = 2) -> int | None:
+        state = SimpleNamespace(uids=RequestIds(), config=ServeConfig().override(max_migrations=max_migrations))
+        return _choices(state, [1, 2], params)[0].params.seed
+
+    assert first_seed(SamplingParams(temperature=0.8)) is not None
+    assert first_seed(SamplingParams(temperature=0.8, seed=4)) == 4
+    assert first_seed(SamplingParams(temperature=0.0)) is None  # greedy draws nothing
+    assert first_seed(SamplingParams(temperature=0.8), max_migrations=0) is None  # as before: the replica's
