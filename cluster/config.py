@@ -188,6 +188,13 @@ class ServeConfig(ReplicaConfig):
     health_check_timeout_s: float = setting(
         30.0, "a replica silent this long is replaced (a dead or broken one at once)", above=0, group="cluster"
     )
+    max_migrations: int = setting(
+        2,
+        "times one request may continue on another replica when its own dies or is drained mid-stream "
+        "(its stream goes on unbroken); 0: never, the request fails with its replica",
+        at_least=0,
+        group="cluster",
+    )
     dashboard: bool = setting(
         True, "the Ray dashboard (on 127.0.0.1) with the local Ray this command starts", group="cluster"
     )

@@ -27,6 +27,10 @@ class AddRequest:
     # when the replica read it (its own time.perf_counter; set there, never by the sender): where its
     # queue time starts
     received: float | None = None
+    # the last output_len of input_ids are this request's output so far: it continues a stream begun on
+    # another replica (router/replicas/migration.py), as a preempted request continues on its own
+    # replica: its penalties, min_tokens, max_tokens and grammar count them as output
+    output_len: int = 0
 
 
 @dataclass

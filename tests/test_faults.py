@@ -1,5 +1,6 @@
-"""Faults while serving: a replica's scheduler actor or one of its followers dies mid-stream. Its
-requests end with a clear error within 5 s, /health says so, the other replica keeps serving, and the
+"""Faults while serving: a replica's scheduler actor or one of its followers dies mid-stream. With
+migration off (max_migrations 0; test_migration_serving.py has it on), its requests end with a clear
+error within 5 s, /health says so, the other replica keeps serving, and the
 replica is replaced and takes traffic again."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def tp2_pair(ray_cluster, qwen3_path):
         max_running_reqs=8,
         routing="round_robin",
         collective_timeout_s=10,
+        max_migrations=0,
     ) as srv:
         yield srv
 

@@ -140,11 +140,15 @@ class Scheduler:
                 case GrammarReady():
                     self._grammar_ready(msg)
 
-    def validate(self, input_ids: list[int], params: SamplingParams) -> int:
+    def validate(self, input_ids: list[int], params: SamplingParams, output_len: int = 0) -> int:
         """Raises InvalidRequestError for a request this replica can never run; returns its maximum
-        length (prompt plus new tokens, within the context)."""
-        self.limits.check(input_ids, params)
-        n = len(input_ids)
+        length (prompt plus new tokens, within the context). `output_len`: see AddRequest."""
+        if not 0 <= output_len < len(input_ids):
+            raise InvalidRequestError(
+                f"output_len is {output_len}; it must leave a prompt of at least one of the {len(input_ids)} tokens"
+            )
+        n = len(input_ids) - output_len
+        self.limits.check(input_ids[:n], params)
         max_len = min(n + (params.max_tokens or self.max_seq_len), self.max_seq_len)
         need = self.cache.pages_for(max_len)
         if need > self.cache.num_pages:
@@ -166,7 +170,7 @@ class Scheduler:
         if self._early_aborts.pop(msg.uid, 0) is None:
             return
         try:
-            max_len = self.validate(msg.input_ids, msg.params)
+            max_len = self.validate(msg.input_ids, msg.params, msg.output_len)
             if msg.uid in self.reqs:
                 raise InvalidRequestError(f"request id {msg.uid} is already running")
             self.prefill.check_room(len(msg.input_ids))  # a full queue: OverloadedError
@@ -177,6 +181,7 @@ class Scheduler:
         req = Req(msg.uid, list(msg.input_ids), msg.params, max_len, seed)  # its own list: tokens are appended
         if msg.received is not None:  # read off the channel before it reached the loop
             req.arrival = msg.received
+        req.prompt_len -= msg.output_len  # a continued stream: its tokens so far are output, as after a preemption
         if msg.after is not None:
             req.after = self.reqs.get(msg.after)
         self.reqs[req.uid] = req
@@ -191,7 +196,14 @@ class Scheduler:
         if req is None or req.matcher is not None:
             return  # ended while its grammar compiled
         try:
-            req.matcher = self.grammars.matcher(msg.future.result())
+            matcher = self.grammars.matcher(msg.future.result())
+            # a continued stream: its matcher is where the output so far has taken the grammar
+            if not all(matcher.accept_token(t) for t in req.output_ids):
+                raise InvalidRequestError(
+                    f"the output so far of request {req.uid} does not follow its {req.params.grammar.kind} grammar",
+                    field="response_format",
+                )
+            req.matcher = matcher
         except RaylmError as e:
             self._end(req, "error")
             self.on_output([TokenDelta.failure(req.uid, e.kind, str(e))])

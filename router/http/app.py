@@ -40,6 +40,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
         for client in state.clients:
             client.start()
         tasks = [asyncio.get_running_loop().create_task(fn()) for fn in background or []]

@@ -124,6 +124,13 @@ class RouterMetrics:
             name: Histogram(f"raylm:{name}_time_seconds", help_, labels, buckets=_HOP_BUCKETS, registry=self.registry)
             for name, help_ in _HOP_HELP.items()
         }
+        self.migrations = Counter(
+            "raylm:request_migrations",
+            "Choices continued on another replica mid-stream, by cause (replica_down: theirs died or broke; "
+            "drained: theirs was drained)",
+            labels + ["cause"],
+            registry=self.registry,
+        )
         self.replica_gauges = ReplicaGauges(model)
         self.registry.register(self.replica_gauges)
 

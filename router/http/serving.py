@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import random
 import time
 from dataclasses import dataclass
 
@@ -19,9 +20,10 @@ from router.chat.detokenizer import IncrementalDetokenizer
 from router.http.errors import APIError
 from router.http.guard import RECEIVED
 from router.http.responses import Formatter, sse
-from router.http.state import RouterState
+from router.http.state import SEED_RANGE, RouterState
 from router.replicas.generation import Generation, Timing
 from router.replicas.merged import MergedGenerations
+from router.replicas.migration import Migration
 from router.replicas.routing import NoReplicaError, with_room
 
 log = logging.getLogger("raylm.requests")
@@ -56,7 +58,11 @@ def _send(
     try:
         for run in runs:
             room = with_room(
-                state.clients, len(run.ids), bounds.max_queued_requests, bounds.max_queued_tokens, run.params.n
+                [c for c in state.clients if not c.draining],
+                len(run.ids),
+                bounds.max_queued_requests,
+                bounds.max_queued_tokens,
+                run.params.n,
             )
             client = state.policy.pick(room, run.ids)
             requests = _choices(state, run.ids, run.params)
@@ -67,7 +73,7 @@ def _send(
             received, parsed, tokenized = stamps
             timing = Timing(arrival=received, parsed=parsed, tokenized=tokenized)
             # sent now, before the response starts: the next request's room check counts these
-            sent.append(_Sent(run, client, Generation(client, requests, detoks, timing), timing))
+            sent.append(_Sent(run, client, Generation(client, requests, detoks, timing, _migration(state)), timing))
     except (NoReplicaError, RaylmError) as e:
         for s in sent:
             s.generation.abort_live()
@@ -77,6 +83,27 @@ def _send(
         state.metrics.ended("rejected")
         raise APIError.of(e) from e
     return sent
+
+
+def _migration(state: RouterState) -> Migration:
+    """How a request's choices move when their replica goes away: to a replica the policy picks among the
+    others that route and have room."""
+    bounds = state.config.scheduler
+
+    def reroute(request: AddRequest, failed) -> object | None:
+        if state.draining:  # the server is stopping: nothing is moved onto replicas about to stop
+            return None
+        others = [c for c in state.clients if c is not failed and not c.draining]
+        try:
+            room = with_room(others, len(request.input_ids), bounds.max_queued_requests, bounds.max_queued_tokens)
+        except (NoReplicaError, RaylmError):
+            return None
+        return state.policy.pick(room, request.input_ids)
+
+    def counted(cause: str) -> None:
+        state.metrics.migrations.labels(state.model_name, cause).inc()
+
+    return Migration(state.config.max_migrations, reroute, lambda: next(state.uids), counted)
 
 
 async def serve(
@@ -146,6 +173,9 @@ async def serve(
 
 def _choices(state: RouterState, ids: list[int], params: SamplingParams) -> list[AddRequest]:
     """The request's choices as the replica runs them, one uid each, choice 0 first."""
+    if params.seed is None and params.temperature > 0 and state.config.max_migrations:
+        # drawn here, not by the replica, so that a stream moved to another replica draws on as it would have
+        params = dataclasses.replace(params, seed=random.randrange(SEED_RANGE))
     requests = fan_out(state.uids, ids, params)
     # the later choices find the prompt in the prefix cache, without its logits: choice 0 scores it
     for r in requests[1:]:

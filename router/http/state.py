@@ -3,6 +3,7 @@ and turning an API request into token ids and SamplingParams (with the checks th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -99,6 +100,20 @@ class RouterState:
     reasoning_parser: str | None = None  # its reasoning format (router/chat/reasoning.py)
     response_store: object = None  # the tier's stored responses (router/tier/response_store.py), once used
     eos_ids: tuple[int, ...] = ()  # the replicas' (min_tokens holds them back, in logit_bias's table)
+    loop: asyncio.AbstractEventLoop | None = None  # the one the router serves on, once it does
+
+    async def drain_replica(self, i: int) -> int:
+        """Routes nothing more to replica i and empties it of this router's streams: each moves to
+        another replica (router/replicas/migration.py) unbroken, or, where it may not move (max_migrations
+        0 or used up, no other replica with room), runs to its end there. Returns once none is left on
+        it; how many streams it had."""
+        return await self.clients[i].drain()
+
+    def drain_replica_from_thread(self, i: int, timeout_s: float | None = None) -> int:
+        """drain_replica from another thread than the router's (an operator's call, a test)."""
+        if self.loop is None:
+            raise RuntimeError("the router is not serving yet")
+        return asyncio.run_coroutine_threadsafe(self.drain_replica(i), self.loop).result(timeout_s)
 
     @property
     def limits(self) -> RequestLimits:

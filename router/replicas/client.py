@@ -66,6 +66,10 @@ class ReplicaClient:
         self.kv_blocks: set[int] | None = None
         self.page_size: int | None = None
         self.replica_live = 0  # requests the replica held at its last message, every router's
+        # drained (drain()): routed nothing new; its streams moved to other replicas, or left to end
+        self.draining = False
+        self._idle = asyncio.Event()  # set while no request of this router is on the replica
+        self._idle.set()
 
     @property
     def load(self) -> int:
@@ -115,16 +119,18 @@ class ReplicaClient:
         params: SamplingParams,
         after: int | None = None,
         queue: asyncio.Queue | None = None,
+        output_len: int = 0,
         on_sent: Callable[[float], None] | None = None,
     ) -> asyncio.Queue:
         """Sends the request with the next flush and returns the queue its deltas arrive on: `queue`
-        when given, so that the choices of one request share one (`after`: see AddRequest). `on_sent`:
-        called with the time (time.perf_counter) it was written to the replica's channel."""
+        when given, so that the choices of one request share one (`after`, `output_len`: see AddRequest).
+        `on_sent`: called with the time (time.perf_counter) it was written to the replica's channel."""
         queue = asyncio.Queue() if queue is None else queue
         self.queues[uid] = queue
+        self._idle.clear()
         self.queued[uid] = len(ids)
         self.queued_tokens += len(ids)
-        self._submits.append(AddRequest(uid, ids, params, after=after))
+        self._submits.append(AddRequest(uid, ids, params, after=after, output_len=output_len))
         if on_sent is not None:
             self._on_sent.append(on_sent)
         self._schedule_flush()
@@ -132,9 +138,32 @@ class ReplicaClient:
 
     def abort(self, uid: int) -> None:
         self._dequeue(uid)
-        if self.queues.pop(uid, None) is not None:
+        if self._pop(uid) is not None:
             self._aborts.append(uid)
             self._schedule_flush()
+
+    def _pop(self, uid: int) -> asyncio.Queue | None:
+        queue = self.queues.pop(uid, None)
+        if not self.queues:
+            self._idle.set()
+        return queue
+
+    async def drain(self) -> int:
+        """Takes the replica out of routing (the replica itself serves on) and empties it of this
+        router's requests: each gets a notice, after the tokens that came before it, on which its
+        generation moves it to another replica (router/replicas/migration.py) and aborts it here; one
+        that may not move runs to its end here. Returns once none is left; how many were noticed."""
+        self.draining = True
+        noticed = list(self.queues)
+        for uid in noticed:  # not finished: only the generation ends it, by a move (an abort) or its end
+            why = f"replica {self.replica_id} was drained"
+            self.queues[uid].put_nowait(TokenDelta(uid, None, error=why, error_kind=ErrorKind.REPLICA_DOWN))
+        await self._idle.wait()
+        return len(noticed)
+
+    def undrain(self) -> None:
+        """Routes to the replica again."""
+        self.draining = False
 
     def _schedule_flush(self) -> None:
         if self._flush_pending:
@@ -254,7 +283,7 @@ class ReplicaClient:
             if queue is not None:
                 queue.put_nowait(d)
                 if d.finished:
-                    del self.queues[d.uid]
+                    self._pop(d.uid)
         if any(d.error is not None for d in deltas) and self._error_check is None:
             # stop routing to a broken replica now, not at the supervisor's next round; in a task,
             # so later deltas are not held up while it waits for an answer
@@ -286,7 +315,7 @@ class ReplicaClient:
     def _fail_requests(self, why: str, uids: list[int] | None = None) -> None:
         """Ends these requests (None: every one) with why."""
         for uid in list(self.queues) if uids is None else uids:
-            if (queue := self.queues.pop(uid, None)) is not None:
+            if (queue := self._pop(uid)) is not None:
                 queue.put_nowait(TokenDelta.failure(uid, ErrorKind.REPLICA_DOWN, why))
             self._dequeue(uid)
         if uids is None:

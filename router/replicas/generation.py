@@ -4,12 +4,16 @@ stop string ends one."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from cluster import AddRequest, ErrorKind, FirstTokenHops, TokenDelta, error_for
 from router.chat.detokenizer import IncrementalDetokenizer
+from router.replicas.migration import Migration, continuation, movable
+
+log = logging.getLogger(__name__)
 
 # for each prompt position after the first: the prompt token's logprob and the k most likely (id, logprob)
 PromptLogprobs = list[tuple[float, list[tuple[int, float]]]]
@@ -74,14 +78,26 @@ class Generation:
     """A request's choices on one replica, sent when this is made (so the replica's queue as the router
     counts it holds them from the moment they were admitted); iterating it yields the pieces of every
     choice (requests[i] is choice i, each with its own detokenizer) as they come, until all have ended,
-    each choice's last piece carrying its finish_reason. A failed choice raises the RaylmError of its
-    kind, and the others are aborted. `aclose` aborts what has not ended, iterated or not."""
+    each choice's last piece carrying its finish_reason. A choice whose replica goes away continues on
+    another (`migration`, router/replicas/migration.py) within its limit; a failed choice raises the
+    RaylmError of its kind, and the others are aborted. `aclose` aborts what has not ended, iterated or
+    not."""
 
     def __init__(
-        self, client, requests: list[AddRequest], detoks: list[IncrementalDetokenizer], timing: Timing
+        self,
+        client,
+        requests: list[AddRequest],
+        detoks: list[IncrementalDetokenizer],
+        timing: Timing,
+        migration: Migration | None = None,
     ) -> None:
         self.client, self.requests, self.detoks, self.timing = client, requests, detoks, timing
+        self.migration = migration
         self.index = {r.uid: i for i, r in enumerate(requests)}
+        # per choice: the client it runs on now, the tokens taken from its stream so far, and its moves
+        self.clients = [client] * len(requests)
+        self.sent: list[list[int]] = [[] for _ in requests]
+        self.migrations = [0] * len(requests)
         # of the prompt's tokens, those choice 0 found in the replica's prefix cache (the others find the
         # whole prompt there, as it was prefilled once for all of them)
         self.cached_tokens = 0
@@ -105,8 +121,39 @@ class Generation:
 
     def abort_live(self) -> None:
         for uid in self.live:  # a disconnect, a timeout, another choice's failure
-            self.client.abort(uid)
+            self.clients[self.index[uid]].abort(uid)
         self.live.clear()
+
+    def _move(self, delta: TokenDelta) -> str | None:
+        """Continues the failed (or drain-noticed, not finished) delta's choice on another replica; None
+        once sent there, else why it cannot move (a failed request then fails with that said after the
+        failure's own message)."""
+        m, i = self.migration, self.index[delta.uid]
+        if m is None or not m.max_migrations or not movable(delta):
+            return ""
+        if self.migrations[i] >= m.max_migrations:
+            return f"; it was moved to another replica {self.migrations[i]} time(s) already (max_migrations)"
+        failed = self.clients[i]
+        request = continuation(self.requests[i], self.sent[i], m.next_uid())
+        client = m.reroute(request, failed)
+        if client is None:
+            return "; no other replica could take it over"
+        self.migrations[i] += 1
+        self.live.discard(delta.uid)  # what its old replica still sends is dropped from here on
+        failed.abort(delta.uid)  # a drained replica's: it serves on (a dead one's has let go already)
+        self.clients[i], self.index[request.uid] = client, i
+        self.live.add(request.uid)
+        client.submit(request.uid, request.input_ids, request.params, queue=self.queue, output_len=request.output_len)
+        m.counted("drained" if getattr(failed, "draining", False) else "replica_down")
+        log.info(
+            "request %d continues on replica %d as %d after %d token(s) (move %d)",
+            self.requests[i].uid,
+            client.replica_id,
+            request.uid,
+            len(self.sent[i]),
+            self.migrations[i],
+        )
+        return None
 
     async def _run(self) -> AsyncIterator[Piece]:
         live, queue, detoks = self.live, self.queue, self.detoks
@@ -126,9 +173,12 @@ class Generation:
                     if delta.uid not in live:  # sent before its abort (a stop string) landed
                         continue
                     if delta.error is not None:
+                        if (why := self._move(delta)) is None or not delta.finished:
+                            continue  # moved: it goes on from another replica; a drain's notice: here
                         live.discard(delta.uid)
-                        raise error_for(delta.error_kind or ErrorKind.ENGINE, delta.error)
+                        raise error_for(delta.error_kind or ErrorKind.ENGINE, delta.error + why)
                     i = self.index[delta.uid]
+                    self.sent[i].append(delta.token)
                     if i == 0 and delta.cached_tokens is not None:
                         self.cached_tokens = delta.cached_tokens
                     if self.timing.hops is None and delta.hops is not None:  # the request's first token
@@ -137,7 +187,7 @@ class Generation:
                     if _add(piece, delta, detoks[i]):
                         live.discard(delta.uid)
                         if not delta.finished:  # a stop string: stop spending the replica's time
-                            self.client.abort(delta.uid)
+                            self.clients[i].abort(delta.uid)
                 now = time.perf_counter()
                 for i, piece in pieces.items():
                     if i not in started:

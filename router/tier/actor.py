@@ -147,6 +147,11 @@ class RouterActor:
             return  # draining or stopped: there is nothing to route any more
         asyncio.run_coroutine_threadsafe(install(), self._loop).result(timeout=30)
 
+    def drain_replica(self, i: int) -> int:
+        """Stops routing to replica i and moves this router's streams on it elsewhere (RouterState.drain_replica);
+        how many it had there."""
+        return self.state.drain_replica_from_thread(i, self.config.drain_timeout_s + 10)
+
     def drain(self) -> None:
         """Stops taking requests and lets those in flight finish (up to the drain timeout), then returns."""
         self._server.should_exit = True

@@ -67,6 +67,16 @@ class Deployment:
         """The replica serving each id (for inspecting them: their actors and followers)."""
         return self.fleet.replicas
 
+    def drain_replica(self, i: int) -> int:
+        """Takes replica i out of routing with its streams in flight moved to the other replicas, unbroken
+        (those that may not move, with max_migrations 0 or used up, left to finish on it); returns once
+        no router has a request on it, with how many streams it had. The replica still runs: stop,
+        replace or undrain it after (the clients' `undrain`). Callable from any thread."""
+        had = self.state.drain_replica_from_thread(i, self.config.drain_timeout_s + 10)
+        if self.tier is not None:
+            had += self.tier.drain_replica(i)
+        return had
+
     @property
     def url(self) -> str:
         return f"http://{self.config.host}:{self.config.port}"

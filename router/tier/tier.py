@@ -121,6 +121,10 @@ class RouterTier:
         self.started[k] = (0.0, 0)  # the next round sees its start
         self.recreated += 1
 
+    def drain_replica(self, i: int) -> int:
+        """Every router stops routing to replica i and moves its streams there elsewhere; how many they had."""
+        return sum(ray.get([a.drain_replica.remote(i) for a in self.actors], timeout=self.config.drain_timeout_s + 20))
+
     def drain(self) -> None:
         """Each router stops taking requests and finishes those in flight (up to the drain timeout)."""
         self._closed = True
