@@ -51,7 +51,7 @@ def _send(state: RouterState, runs: list[PromptRun], body) -> list[_Sent]:
     try:
         for run in runs:
             room = with_room(
-                state.clients, len(run.ids), bounds.max_queued_requests, bounds.max_queued_tokens, run.params.n
+                state.routable, len(run.ids), bounds.max_queued_requests, bounds.max_queued_tokens, run.params.n
             )
             client = state.policy.pick(room, run.ids)
             requests = _choices(state, run.ids, run.params)

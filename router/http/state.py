@@ -99,6 +99,8 @@ class RouterState:
     reasoning_parser: str | None = None  # its reasoning format (router/chat/reasoning.py)
     response_store: object = None  # the tier's stored responses (router/tier/response_store.py), once used
     eos_ids: tuple[int, ...] = ()  # the replicas' (min_tokens holds them back, in logit_bias's table)
+    # replicas being drained to leave the fleet: their requests finish, no new one goes to them
+    retiring: set[int] = field(default_factory=set)
 
     @property
     def limits(self) -> RequestLimits:
@@ -114,6 +116,11 @@ class RouterState:
     def set_client(self, i: int, client) -> None:
         """Routes replica i's traffic to client from now on (its replacement is serving)."""
         self.clients[i] = client
+
+    @property
+    def routable(self) -> list:
+        """The clients new requests may go to: every replica's but those retiring."""
+        return [c for c in self.clients if c.replica_id not in self.retiring]
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
