@@ -44,6 +44,7 @@ class Autoscaler:
         self._adding: Future | None = None
         self._retry_at, self._backoff = 0.0, interval_s / 2
         self._size: tuple[int, int] | None = None  # (wanted, running) last exported
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def running(self) -> int:
@@ -51,6 +52,7 @@ class Autoscaler:
         return len(self.state.routable)
 
     async def run(self) -> None:
+        self.loop = asyncio.get_running_loop()  # where its coroutines run (drain_last from another thread)
         while not self.fleet.closed and not self.state.draining:
             await asyncio.sleep(self.interval_s)
             try:
@@ -79,7 +81,7 @@ class Autoscaler:
             elif self.clock() >= self._retry_at:
                 self._add()
         elif self.wanted < n and not self.state.retiring:
-            await self._retire()
+            await self.drain_last()
 
     def _healing(self) -> bool:
         """Whether the supervisor is replacing a replica (the fleet's figures mean little meanwhile)."""
@@ -141,8 +143,13 @@ class Autoscaler:
 
     # -- removing --------------------------------------------------------------------------------
 
-    async def _retire(self) -> None:
+    async def drain_last(self) -> None:
+        """Starts draining the last replica to remove it (the policy's scale-down; an operator's or a
+        test's too): from now on no request is routed to it, and each round checks whether those it
+        has are done. Not while another replica is draining, or the last is being replaced."""
         i = len(self.state.clients) - 1
+        if self.state.retiring or self._adding is not None:
+            return
         if i < 1 or i in self.supervisor.replacing:
             return
         self.state.retiring.add(i)
