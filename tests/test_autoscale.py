@@ -123,15 +123,17 @@ def _assert_complete(streams: list[Stream], max_tokens: int = MAX_TOKENS) -> Non
 def _assert_one_replica_left(srv) -> None:
     import ray
 
-    _wait_for(lambda: len(srv.state.clients) == 1 and not srv.state.retiring, "the fleet back at one replica")
-    assert len(srv.replicas) == 1
+    _wait_for(
+        lambda: len(srv.state.clients) == len(srv.replicas) == 1 and not srv.state.retiring,
+        "the fleet back at one replica",
+    )
     replica = srv.replicas[0]
     ray.get(replica.actor.check_integrity.remote())
     assert ray.get(replica.actor.stats.remote()).live == 0
-    _wait_for(
+    _wait_for(  # (another server of this module may hold a replica 0 too)
         lambda: (
-            [g for g in live_ray_objects()[1] if g.startswith("raylm-replica-")]
-            == [f"raylm-replica-0-{replica.suffix}"]
+            f"raylm-replica-0-{replica.suffix}" in (groups := live_ray_objects()[1])
+            and not [g for g in groups if g.startswith("raylm-replica-") and not g.startswith("raylm-replica-0-")]
         ),
         "the removed replicas' placement groups gone",
         timeout_s=60,
@@ -214,3 +216,40 @@ def test_a_replica_that_dies_during_its_own_start_is_started_again_until_the_fle
     finally:
         _set_policy(srv, min_replicas=1)
     _assert_one_replica_left(srv)
+
+
+def test_router_actors_route_to_a_replica_the_fleet_grew_by_and_drain_the_one_it_shrinks_by(qwen3_path):
+    import ray
+
+    from router.tier.directory import read_directory
+
+    with serving(
+        qwen3_path,
+        routers=1,
+        min_replicas=1,
+        max_replicas=2,
+        autoscale_queue_per_replica=1,
+        autoscale_up_delay_s=0.0,
+        autoscale_down_delay_s=1.0,
+        max_running_reqs=2,
+        num_pages=128,
+    ) as tier_srv:
+        tier_srv.autoscaler.interval_s = 0.2
+        router = tier_srv.tier.actors[0]
+
+        def routed() -> int:
+            return ray.get(router.__ray_call__.remote(lambda self: len(self.state.clients)))
+
+        streams = _feed_until(
+            tier_srv, lambda: ray.get(router.replica_load.remote(1)) > 0, "the router sending replica 1 streams"
+        )
+        _assert_complete(streams)
+        assert ray.get(router.admitted.remote()) == len(streams)  # the router actor served them all
+        _assert_one_replica_left(tier_srv)
+        _wait_for(lambda: routed() == 1, "the router left with one replica")
+        assert len(read_directory(tier_srv.config.port)[2]) == 1  # a router restarting now starts on it
+        _wait_for(
+            lambda: _gauge(httpx.get(tier_srv.url + "/metrics", timeout=30).text, "raylm:replicas_wanted") == 1,
+            "the router's /metrics showing one replica wanted",
+            timeout_s=30,
+        )

@@ -181,13 +181,15 @@ class Autoscaler:
                 return
             if stats.live:
                 return
-        if self.fleet.remove_last() is None:
-            return  # being replaced (it failed meanwhile): the next round sees
+        if self.fleet.closed or i in self.supervisor.replacing:
+            return
+        # the routers forget it first, so that none sees its connection close as a failure
         self.state.clients.pop()
         self.state.retiring.discard(i)
         if self.tier is not None:
             await self.tier.removed(i)
         await client.stop()
+        self.fleet.remove_last()
         self.removed += 1
         self._export()
         log.warning(
