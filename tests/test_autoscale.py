@@ -144,7 +144,7 @@ def _gauge(text: str, name: str) -> float:
     return float(next(x for x in text.splitlines() if x.startswith(name + "{")).split()[-1])
 
 
-def test_a_burst_grows_the_fleet_to_three_replicas_and_idleness_brings_it_back_to_one(srv):
+def test_a_burst_grows_the_fleet_to_three_replicas_and_idleness_brings_it_back_to_one(srv, ray_metrics_port):
     added, removed = srv.autoscaler.added, srv.autoscaler.removed
     streams = _feed_until(srv, lambda: len(srv.state.clients) == 3, "three replicas serving")
     assert srv.autoscaler.added - added == 2
@@ -153,6 +153,15 @@ def test_a_burst_grows_the_fleet_to_three_replicas_and_idleness_brings_it_back_t
     assert srv.autoscaler.removed - removed == 2 and srv.autoscaler.wanted == 1
     metrics = httpx.get(srv.url + "/metrics", timeout=30).text
     assert _gauge(metrics, "raylm:replicas_wanted") == 1 and _gauge(metrics, "raylm:replicas_running") == 1
+
+    def exported_by_ray() -> tuple[float, float] | None:  # Ray's metrics agent exports every few seconds
+        text = httpx.get(f"http://127.0.0.1:{ray_metrics_port}/metrics", timeout=30).text
+        try:
+            return _gauge(text, "ray_raylm_replicas_wanted"), _gauge(text, "ray_raylm_replicas_running")
+        except StopIteration:
+            return None
+
+    _wait_for(lambda: exported_by_ray() == (1, 1), "Ray's export of the fleet's gauges", timeout_s=60)
 
 
 def test_a_drain_for_scale_down_lets_the_streams_on_the_leaving_replica_finish(srv):
