@@ -206,6 +206,13 @@ class ServeConfig(ReplicaConfig):
         at_least=0,
         group="cluster",
     )
+    autoscale_queued_tokens_per_replica: int | None = setting(
+        None,
+        "autoscaling adds a replica also while more prompt tokens than this wait for their prefill per replica",
+        at_least=1,
+        unset="requests counted only",
+        group="cluster",
+    )
     autoscale_up_delay_s: float = setting(
         10.0,
         "autoscaling: how long the queue must stay above that before a replica is added",

@@ -3,6 +3,8 @@ over time, and the replica range's settings."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cluster.config import ConfigError, ServeConfig
@@ -17,7 +19,16 @@ def test_a_queue_above_the_threshold_adds_a_replica_once_it_lasted_the_up_delay(
     assert policy.decide([BUSY], now=100.0).wanted == 1
     assert policy.decide([BUSY], now=104.9).wanted == 1
     decision = policy.decide([BUSY], now=105.0)
-    assert decision.wanted == 2 and "6 request(s) waiting on 1 replica(s)" in decision.why
+    assert decision.wanted == 2 and "6 request(s) waiting, more than 2 per replica on 1 replica(s)" in decision.why
+
+
+def test_queued_prompt_tokens_above_their_threshold_add_a_replica_too():
+    settings = AutoscaleSettings(1, 3, queue_per_replica=8, up_delay_s=0.0, down_delay_s=30.0)
+    long_prompts = ReplicaLoad(waiting=2, running=4, queued_tokens=20_000)
+    assert AutoscalePolicy(settings).decide([long_prompts], now=0.0).wanted == 1  # requests alone: not short
+    with_tokens = AutoscalePolicy(dataclasses.replace(settings, queued_tokens_per_replica=16_384))
+    decision = with_tokens.decide([long_prompts], now=0.0)
+    assert decision.wanted == 2 and "20000 prompt token(s) queued" in decision.why
 
 
 def test_a_queue_that_drops_below_the_threshold_starts_the_up_delay_again():

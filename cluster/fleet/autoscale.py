@@ -1,7 +1,8 @@
 """How many replicas the fleet wants, from the replicas' own load figures (their queues, their running
-requests) over time: one more while requests keep waiting for their prefill above a threshold per
-replica, one fewer while nothing waits and some replica holds no request. Pure: no Ray, no clock of
-its own; the supervisor feeds it and applies its answer (router/tier/autoscaler.py)."""
+requests) over time: one more while requests (or their prompt tokens) keep waiting for their prefill
+above a threshold per replica, one fewer while nothing waits and some replica holds no request.
+Pure: no Ray, no clock of its own; the supervisor feeds it and applies its answer
+(router/tier/autoscaler.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ class ReplicaLoad:
 
     waiting: int  # requests waiting for (the rest of) their prefill
     running: int  # requests decoding
+    queued_tokens: int = 0  # prompt tokens those waiting have yet to prefill
 
     @property
     def live(self) -> int:
@@ -27,6 +29,7 @@ class AutoscaleSettings:
     queue_per_replica: int  # waiting requests per replica above which the fleet is short of replicas
     up_delay_s: float  # how long it must stay short before one is added
     down_delay_s: float  # how long it must stay idle before one is removed
+    queued_tokens_per_replica: int | None = None  # queued prompt tokens per replica likewise; None: not used
 
     @classmethod
     def of(cls, config) -> AutoscaleSettings:
@@ -38,6 +41,7 @@ class AutoscaleSettings:
             config.autoscale_queue_per_replica,
             config.autoscale_up_delay_s,
             config.autoscale_down_delay_s,
+            config.autoscale_queued_tokens_per_replica,
         )
 
 
@@ -69,17 +73,19 @@ class AutoscalePolicy:
             return Decision(s.min_replicas, f"{n} replica(s) serve, fewer than min_replicas ({s.min_replicas})")
         if n > s.max_replicas:
             return Decision(s.max_replicas, f"{n} replica(s) serve, more than max_replicas ({s.max_replicas})")
-        waiting = sum(r.waiting for r in loads)
-        short = waiting > s.queue_per_replica * n
+        waiting, tokens = sum(r.waiting for r in loads), sum(r.queued_tokens for r in loads)
+        many_tokens = s.queued_tokens_per_replica is not None and tokens > s.queued_tokens_per_replica * n
+        short = waiting > s.queue_per_replica * n or many_tokens
         idle = waiting == 0 and any(r.live == 0 for r in loads)
         self._short_since = (self._short_since if self._short_since is not None else now) if short else None
         self._idle_since = (self._idle_since if self._idle_since is not None else now) if idle else None
         if short and n < s.max_replicas and now - self._short_since >= s.up_delay_s:
-            return Decision(
-                n + 1,
-                f"{waiting} request(s) waiting on {n} replica(s) for {now - self._short_since:.1f} s, "
-                f"more than {s.queue_per_replica} per replica",
+            above = (
+                f"{tokens} prompt token(s) queued, more than {s.queued_tokens_per_replica}"
+                if many_tokens
+                else f"{waiting} request(s) waiting, more than {s.queue_per_replica}"
             )
+            return Decision(n + 1, f"{above} per replica on {n} replica(s) for {now - self._short_since:.1f} s")
         if idle and n > s.min_replicas and now - self._idle_since >= s.down_delay_s:
             empty = sum(1 for r in loads if r.live == 0)
             return Decision(

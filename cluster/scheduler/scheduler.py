@@ -402,6 +402,7 @@ class Scheduler:
             decode_tokens=self.decode_tokens,
             preempted=self.decode.num_preempted,
             mixed_steps=self.mixed_steps,
+            queued_tokens=self.prefill.queued_tokens,
         )
 
     def check_integrity(self) -> None:
