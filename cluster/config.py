@@ -213,6 +213,14 @@ class ServeConfig(ReplicaConfig):
         unset="requests counted only",
         group="cluster",
     )
+    autoscale_ttft_target_s: float | None = setting(
+        None,
+        "autoscaling adds a replica also while a request has waited longer than this for its prefill (its "
+        "time to first token will be longer still)",
+        above=0,
+        unset="no target",
+        group="cluster",
+    )
     autoscale_up_delay_s: float = setting(
         10.0,
         "autoscaling: how long the queue must stay above that before a replica is added",

@@ -31,6 +31,14 @@ def test_queued_prompt_tokens_above_their_threshold_add_a_replica_too():
     assert decision.wanted == 2 and "20000 prompt token(s) queued" in decision.why
 
 
+def test_a_request_waiting_past_the_ttft_target_adds_a_replica_too():
+    settings = AutoscaleSettings(1, 3, queue_per_replica=8, up_delay_s=0.0, down_delay_s=30.0, ttft_target_s=2.0)
+    policy = AutoscalePolicy(settings)
+    assert policy.decide([ReplicaLoad(waiting=1, running=4, oldest_wait_s=1.5)], now=0.0).wanted == 1
+    decision = policy.decide([ReplicaLoad(waiting=1, running=4, oldest_wait_s=2.5)], now=1.0)
+    assert decision.wanted == 2 and "past the TTFT target of 2 s" in decision.why
+
+
 def test_a_queue_that_drops_below_the_threshold_starts_the_up_delay_again():
     policy = AutoscalePolicy(SETTINGS)
     policy.decide([BUSY], now=0.0)

@@ -1,8 +1,8 @@
 """How many replicas the fleet wants, from the replicas' own load figures (their queues, their running
 requests) over time: one more while requests (or their prompt tokens) keep waiting for their prefill
-above a threshold per replica, one fewer while nothing waits and some replica holds no request.
-Pure: no Ray, no clock of its own; the supervisor feeds it and applies its answer
-(router/tier/autoscaler.py)."""
+above a threshold per replica, or one waits past a TTFT target; one fewer while nothing waits and some
+replica holds no request. Pure: no Ray, no clock of its own; the supervisor feeds it and applies its
+answer (router/tier/autoscaler.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ class ReplicaLoad:
     waiting: int  # requests waiting for (the rest of) their prefill
     running: int  # requests decoding
     queued_tokens: int = 0  # prompt tokens those waiting have yet to prefill
+    oldest_wait_s: float = 0.0  # how long the one waiting longest has waited (a lower bound of its TTFT)
 
     @property
     def live(self) -> int:
@@ -30,6 +31,7 @@ class AutoscaleSettings:
     up_delay_s: float  # how long it must stay short before one is added
     down_delay_s: float  # how long it must stay idle before one is removed
     queued_tokens_per_replica: int | None = None  # queued prompt tokens per replica likewise; None: not used
+    ttft_target_s: float | None = None  # a request waiting longer than this for its prefill; None: not used
 
     @classmethod
     def of(cls, config) -> AutoscaleSettings:
@@ -42,6 +44,7 @@ class AutoscaleSettings:
             config.autoscale_up_delay_s,
             config.autoscale_down_delay_s,
             config.autoscale_queued_tokens_per_replica,
+            config.autoscale_ttft_target_s,
         )
 
 
@@ -75,17 +78,22 @@ class AutoscalePolicy:
             return Decision(s.max_replicas, f"{n} replica(s) serve, more than max_replicas ({s.max_replicas})")
         waiting, tokens = sum(r.waiting for r in loads), sum(r.queued_tokens for r in loads)
         many_tokens = s.queued_tokens_per_replica is not None and tokens > s.queued_tokens_per_replica * n
-        short = waiting > s.queue_per_replica * n or many_tokens
+        oldest = max((r.oldest_wait_s for r in loads), default=0.0)
+        too_slow = s.ttft_target_s is not None and oldest > s.ttft_target_s
+        short = waiting > s.queue_per_replica * n or many_tokens or too_slow
         idle = waiting == 0 and any(r.live == 0 for r in loads)
         self._short_since = (self._short_since if self._short_since is not None else now) if short else None
         self._idle_since = (self._idle_since if self._idle_since is not None else now) if idle else None
         if short and n < s.max_replicas and now - self._short_since >= s.up_delay_s:
-            above = (
-                f"{tokens} prompt token(s) queued, more than {s.queued_tokens_per_replica}"
-                if many_tokens
-                else f"{waiting} request(s) waiting, more than {s.queue_per_replica}"
-            )
-            return Decision(n + 1, f"{above} per replica on {n} replica(s) for {now - self._short_since:.1f} s")
+            if waiting > s.queue_per_replica * n:
+                above = f"{waiting} request(s) waiting, more than {s.queue_per_replica} per replica"
+            elif many_tokens:
+                above = f"{tokens} prompt token(s) queued, more than {s.queued_tokens_per_replica} per replica"
+            else:
+                above = (
+                    f"a request waiting {oldest:.1f} s for its prefill, past the TTFT target of {s.ttft_target_s:g} s"
+                )
+            return Decision(n + 1, f"{above} on {n} replica(s) for {now - self._short_since:.1f} s")
         if idle and n > s.min_replicas and now - self._idle_since >= s.down_delay_s:
             empty = sum(1 for r in loads if r.live == 0)
             return Decision(

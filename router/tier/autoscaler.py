@@ -97,7 +97,7 @@ class Autoscaler:
         except Exception as e:  # noqa: BLE001 - a replica busy or failing: the health checks deal with it
             log.info("autoscaling: a replica's figures did not come (%s); next round", type(e).__name__)
             return None
-        return [ReplicaLoad(s.waiting, s.running, s.queued_tokens) for s in stats]
+        return [ReplicaLoad(s.waiting, s.running, s.queued_tokens, s.oldest_wait_s) for s in stats]
 
     def _export(self) -> None:
         size = (self.wanted, self.running)
