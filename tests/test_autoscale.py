@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 
@@ -144,13 +145,16 @@ def _gauge(text: str, name: str) -> float:
     return float(next(x for x in text.splitlines() if x.startswith(name + "{")).split()[-1])
 
 
-def test_a_burst_grows_the_fleet_to_three_replicas_and_idleness_brings_it_back_to_one(srv, ray_metrics_port):
+def test_a_burst_grows_the_fleet_to_three_replicas_and_idleness_brings_it_back_to_one(srv, ray_metrics_port, caplog):
+    caplog.set_level(logging.WARNING, logger="router.tier.autoscaler")
     added, removed = srv.autoscaler.added, srv.autoscaler.removed
     streams = _feed_until(srv, lambda: len(srv.state.clients) == 3, "three replicas serving")
     assert srv.autoscaler.added - added == 2
     _assert_complete(streams)
     _assert_one_replica_left(srv)
     assert srv.autoscaler.removed - removed == 2 and srv.autoscaler.wanted == 1
+    decisions = [r.getMessage().split(":")[1].strip() for r in caplog.records if "wanted" in r.getMessage()]
+    assert decisions == [f"{a} -> {b} replica(s) wanted" for a, b in ((1, 2), (2, 3), (3, 2), (2, 1))], decisions
     metrics = httpx.get(srv.url + "/metrics", timeout=30).text
     assert _gauge(metrics, "raylm:replicas_wanted") == 1 and _gauge(metrics, "raylm:replicas_running") == 1
 

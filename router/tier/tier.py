@@ -82,15 +82,15 @@ class RouterTier:
         with it), then every router routes to it."""
         ref = ref_of(replica)
         self.replicas.append(ref)
-        await self._every_router("add_replica", ref, directory="add_replica")
+        await self._every_router("add_replica", ref, directory=("add_replica", ref))
 
     async def retire(self, i: int, retiring: bool = True) -> None:
         """No router sends replica i (the last) a new request once this returns; retiring False: they
         route to it again."""
         if retiring:
-            await self._every_router("retire_replica", i, True, directory="remove_last_replica")
+            await self._every_router("retire_replica", i, True, directory=("remove_last_replica",))
         else:
-            await self._every_router("add_replica", self.replicas[i], directory="add_replica")
+            await self._every_router("add_replica", self.replicas[i], directory=("add_replica", self.replicas[i]))
             await self._every_router("retire_replica", i, False)
 
     async def load(self, i: int) -> int | None:
@@ -113,15 +113,15 @@ class RouterTier:
         for actor in self.actors:
             actor.set_fleet_size.remote(wanted, running)
 
-    async def _every_router(self, method: str, *args, directory: str | None = None) -> None:
-        """Calls the directory's `directory` method (when given), then `method` on every router,
-        waiting for each; a router that fails to answer is restarting and starts from the directory."""
-        if directory is not None:
+    async def _every_router(self, method: str, *args, directory: tuple = ()) -> None:
+        """Calls the directory (`directory`: its method's name and arguments) when given, then `method`
+        on every router, waiting for each; a router that fails to answer is restarting and starts from
+        the directory."""
+        if directory:
             try:
-                arg = args[:1] if directory == "add_replica" else ()
-                await asyncio.wait_for(getattr(self.directory, directory).remote(*arg), timeout=10)
+                await asyncio.wait_for(getattr(self.directory, directory[0]).remote(*directory[1:]), timeout=10)
             except Exception as e:  # noqa: BLE001 - restarted: the watch republishes self.replicas
-                log.warning("the tier's directory did not take %s: %s", directory, e)
+                log.warning("the tier's directory did not take %s: %s", directory[0], e)
         calls = [getattr(a, method).remote(*args) for a in self.actors]
         for k, result in enumerate(await asyncio.gather(*calls, return_exceptions=True)):
             if isinstance(result, Exception):
