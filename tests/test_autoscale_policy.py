@@ -1,9 +1,11 @@
 """The autoscaling policy on its own (no Ray): the replicas it wants from the replicas' load figures
-over time, and the replica range's settings."""
+over time, and the replica range's settings; and the autoscaler's drain over stand-in replicas."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
@@ -132,3 +134,84 @@ def test_a_replica_range_that_holds_no_replica_is_refused_naming_the_setting(val
 def test_min_replicas_of_zero_is_refused():
     with pytest.raises(ConfigError, match="min_replicas must be an integer >= 1"):
         ServeConfig().override(min_replicas=0)
+
+
+class _Stats:
+    def __init__(self, waiting: int = 0, running: int = 0) -> None:
+        self.waiting, self.running, self.live = waiting, running, waiting + running
+        self.queued_tokens, self.oldest_wait_s = 0, 0.0
+
+
+class _Client:
+    """A replica as the autoscaler sees it: its own figures, and what this router has on it."""
+
+    def __init__(self, replica_id: int, stats: _Stats) -> None:
+        self.replica_id, self.stats, self.healthy, self.load = replica_id, stats, True, stats.live
+
+        async def stats_call():
+            return self.stats
+
+        self.actor = SimpleNamespace(stats=SimpleNamespace(remote=stats_call))
+
+    async def stop(self) -> None:
+        pass
+
+
+class _Fleet:
+    closed = False
+
+    def __init__(self) -> None:
+        self.added = self.removed = 0
+
+    def add(self):
+        self.added += 1
+        return None  # never starts one: the test watches whether it was asked
+
+    def remove_last(self):
+        self.removed += 1
+
+
+def _autoscaler(clients: list[_Client]):
+    from router.http.metrics import RouterMetrics
+    from router.http.state import RouterState
+    from router.tier.autoscaler import Autoscaler
+
+    config = ServeConfig().override(
+        model="m", max_replicas=2, autoscale_queue_per_replica=1, autoscale_up_delay_s=0, autoscale_down_delay_s=0
+    )
+    state = RouterState(
+        config=config, tokenizer=None, model_name="m", max_seq_len=64, vocab_size=10, metrics=RouterMetrics("m")
+    )
+    state.clients = clients
+    fleet = _Fleet()
+    return Autoscaler(state, fleet, SimpleNamespace(replacing=set())), state, fleet
+
+
+def test_a_draining_replica_takes_requests_again_when_they_queue_instead_of_a_new_one_starting():
+    clients = [_Client(0, _Stats(running=1)), _Client(1, _Stats(running=1))]
+    clients[1].stats = _Stats()  # its replica is empty: the fleet is idle
+    autoscaler, state, fleet = _autoscaler(clients)
+    clients[1].load = 1  # a stream this router sent it has not ended yet
+
+    asyncio.run(autoscaler.step())
+    assert state.retiring == {1} and [c.replica_id for c in state.routable] == [0]
+    clients[0].stats = _Stats(waiting=5, running=2)  # requests queue on the one left
+    asyncio.run(autoscaler.step())
+    assert state.retiring == set() and fleet.added == 0 and fleet.removed == 0
+    assert autoscaler.wanted == 2
+
+
+def test_a_drained_replica_is_removed_only_once_nothing_of_its_requests_is_left():
+    clients = [_Client(0, _Stats(running=1)), _Client(1, _Stats())]
+    autoscaler, state, fleet = _autoscaler(clients)
+    clients[1].load = 1  # this router still waits for a stream's end from it
+    asyncio.run(autoscaler.step())
+    asyncio.run(autoscaler.step())
+    assert state.retiring == {1} and fleet.removed == 0 and len(state.clients) == 2
+    clients[1].load = 0
+    clients[1].stats = _Stats(running=1)  # another router's request is still running there
+    asyncio.run(autoscaler.step())
+    assert fleet.removed == 0
+    clients[1].stats = _Stats()
+    asyncio.run(autoscaler.step())
+    assert fleet.removed == 1 and len(state.clients) == 1 and state.retiring == set()
