@@ -21,6 +21,7 @@ from router.replicas.client import client_for
 log = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 60.0  # a cluster short of GPUs stays so a while; never wait longer than this to retry
+_RETELL_S = 10.0
 
 
 class Autoscaler:
@@ -44,6 +45,7 @@ class Autoscaler:
         self._adding: Future | None = None
         self._retry_at, self._backoff = 0.0, interval_s / 2
         self._size: tuple[int, int] | None = None  # (wanted, running) last exported
+        self._told_at = 0.0  # when the routers were last told them
         self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -103,8 +105,10 @@ class Autoscaler:
         size = (self.wanted, self.running)
         self.metrics.set(*size)
         self.state.metrics.fleet.set(*size)
-        if self.tier is not None and size != self._size:
+        # told again now and then: a router Ray restarted starts without them
+        if self.tier is not None and (size != self._size or self.clock() - self._told_at > _RETELL_S):
             self.tier.set_fleet_size(*size)
+            self._told_at = self.clock()
         self._size = size
 
     # -- adding ----------------------------------------------------------------------------------
