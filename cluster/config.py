@@ -181,7 +181,61 @@ class ReplicaConfig:
 class ServeConfig(ReplicaConfig):
     """Everything `launch.py` needs: loaded from a YAML file in configs/, then overridden by flags."""
 
-    replicas: int = setting(1, "replicas of the model, each of tp_size GPUs", at_least=1, group="cluster")
+    replicas: int = setting(
+        1,
+        "replicas of the model, each of tp_size GPUs; with a replica range, how many start (held within it)",
+        at_least=1,
+        group="cluster",
+    )
+    min_replicas: int | None = setting(
+        None,
+        "with max_replicas, autoscaling: the fewest replicas the fleet shrinks to",
+        at_least=1,
+        unset="1 when max_replicas is set",
+        group="cluster",
+    )
+    max_replicas: int | None = setting(
+        None,
+        "autoscaling: the most replicas the fleet grows to while requests queue",
+        at_least=1,
+        unset="no autoscaling: replicas stays fixed",
+        group="cluster",
+    )
+    autoscale_queue_per_replica: int = setting(
+        4,
+        "autoscaling adds a replica while more requests than this wait for their prefill per replica (the "
+        "replicas' own queues)",
+        at_least=0,
+        group="cluster",
+    )
+    autoscale_queued_tokens_per_replica: int | None = setting(
+        None,
+        "autoscaling adds a replica also while more prompt tokens than this wait for their prefill per replica",
+        at_least=1,
+        unset="requests counted only",
+        group="cluster",
+    )
+    autoscale_ttft_target_s: float | None = setting(
+        None,
+        "autoscaling adds a replica also while a request has waited longer than this for its prefill (its "
+        "time to first token will be longer still)",
+        above=0,
+        unset="no target",
+        group="cluster",
+    )
+    autoscale_up_delay_s: float = setting(
+        10.0,
+        "autoscaling: how long the queue must stay above that before a replica is added",
+        at_least=0,
+        group="cluster",
+    )
+    autoscale_down_delay_s: float = setting(
+        120.0,
+        "autoscaling: how long nothing may wait and some replica hold no request before one is drained "
+        "(its requests finish) and removed",
+        at_least=0,
+        group="cluster",
+    )
     address: str | None = setting(
         None, "a Ray cluster to join (auto: the one this node is part of)", unset="start a local Ray", group="cluster"
     )
@@ -290,7 +344,36 @@ class ServeConfig(ReplicaConfig):
         long as this node has the cores for them beside the launching process and Ray."""
         if self.routers is not None:
             return self.routers
-        return min(2 * self.replicas, usable_cores() // CORES_PER_ROUTER, 64)
+        return min(2 * self.initial_replicas, usable_cores() // CORES_PER_ROUTER, 64)
+
+    @property
+    def autoscaling(self) -> bool:
+        """Whether a replica range was given: the fleet then grows and shrinks within it."""
+        return self.max_replicas is not None or self.min_replicas is not None
+
+    @property
+    def replica_range(self) -> tuple[int, int]:
+        """The fewest and most replicas: (replicas, replicas) without autoscaling."""
+        if not self.autoscaling:
+            return self.replicas, self.replicas
+        return self.min_replicas or 1, self.max_replicas or 0
+
+    @property
+    def initial_replicas(self) -> int:
+        """How many replicas start: `replicas`, held within the range when there is one."""
+        low, high = self.replica_range
+        return min(max(self.replicas, low), high)
+
+    def validate(self) -> None:
+        """Every value allowed, a model given, and a replica range that holds a replica."""
+        super().validate()
+        if self.min_replicas is not None and self.max_replicas is None:
+            raise ConfigError(
+                "max_replicas", f"is required with min_replicas ({self.min_replicas}): the most replicas to grow to"
+            )
+        low, high = self.replica_range
+        if high < low:
+            raise ConfigError("max_replicas", f"must be at least min_replicas ({low}), not {high}")
 
     @classmethod
     def from_yaml(cls, path: str) -> ServeConfig:

@@ -199,6 +199,8 @@ class SchedulerStats:
     decode_tokens: int
     preempted: int  # preemptions so far (a request may be preempted more than once)
     mixed_steps: int = 0  # steps that decoded running requests beside prompt chunks
+    queued_tokens: int = 0  # prompt tokens the waiting requests have yet to prefill
+    oldest_wait_s: float = 0.0  # how long the request waiting longest has been here (its TTFT so far, at least)
 
     @property
     def kv_usage(self) -> float:

@@ -1,5 +1,6 @@
 """The shipped `ray up` files (configs/cluster-*.yaml) as Ray reads them: valid for Ray's own config
-validation, GPU workers the autoscaler can add, and setup commands that install torch from the index
+validation, GPU workers the autoscaler can add (each holding a replica of every serving config, and
+enough of them for its most replicas), and setup commands that install torch from the index
 for the nodes' CUDA and then this project from the one repository the user names, as README says."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_FILES = sorted((ROOT / "configs").glob("cluster-*.yaml"))
+SERVING_FILES = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.startswith("cluster-"))
 SOURCE = re.compile(r"^echo 'export (RAYLM_REPO=\S+ RAYLM_REF=\S+ RAYLM_TORCH_INDEX=\S+)' > ~/raylm.env$")
 
 
@@ -41,6 +43,24 @@ def test_the_cloud_file_has_gpu_workers_the_autoscaler_can_add():
     assert head["resources"].get("GPU", 0) == 0 and head["max_workers"] == 0  # replicas go to the workers
     workers = [t for name, t in types.items() if name != config["head_node_type"]]
     assert workers and all(t["resources"]["GPU"] >= 1 and t["max_workers"] > t["min_workers"] for t in workers)
+
+
+@pytest.mark.parametrize("serving", SERVING_FILES, ids=lambda p: p.name)
+def test_a_gpu_worker_holds_a_replica_of_each_serving_config_and_the_cloud_file_its_most_replicas(serving: Path):
+    from cluster.config import ServeConfig
+    from cluster.fleet.deploy import replica_bundles
+
+    config = ServeConfig.from_yaml(str(serving))
+    cloud = _config(ROOT / "configs/cluster-aws.yaml")
+    workers = [t for name, t in cloud["available_node_types"].items() if name != cloud["head_node_type"]]
+    bundles = replica_bundles(config.tp_size, gpu=True)  # a replica's placement group, as deploy.py asks it
+    need = {key: sum(b[key] for b in bundles) for key in bundles[0]}
+    # STRICT_PACK: all of a replica's ranks on one node, so a node the autoscaler adds must hold them
+    fits = [t for t in workers if all(t["resources"].get(key, 0) >= n for key, n in need.items())]
+    assert fits, (serving.name, need)
+    most = config.replica_range[1] if config.autoscaling else config.replicas
+    gpus = sum(t["max_workers"] * t["resources"]["GPU"] for t in fits)
+    assert gpus >= most * config.tp_size, (serving.name, gpus)
 
 
 @pytest.mark.parametrize("path", CLUSTER_FILES, ids=lambda p: p.name)

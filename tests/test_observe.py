@@ -272,6 +272,7 @@ def test_the_grafana_dashboard_queries_only_metrics_that_are_exported():
     timing.received(1, 0.1)
     timing.received(1, 0.2)
     router.finished("stop", 3, timing)
+    router.fleet.set(2, 1)
     router.replica_gauges._stats = {
         0: SimpleNamespace(running=1, waiting=0, kv_usage=0.1, prefix_hit_rate=0.0, preempted=0)
     }

@@ -32,7 +32,9 @@ def test_a_replacement_that_cannot_start_is_retried_with_growing_waits():
             raise TimeoutError("the cluster has not had 1 free GPU bundles")
 
     fleet = Fleet(None, [SimpleNamespace(replica_id=0, shutdown=lambda: None)], build=NoRoom)
-    state = SimpleNamespace(clients=[_DownClient()], draining=False, config=SimpleNamespace(health_check_timeout_s=1.0))
+    state = SimpleNamespace(
+        clients=[_DownClient()], draining=False, retiring=set(), config=SimpleNamespace(health_check_timeout_s=1.0)
+    )
     supervisor = Supervisor(state, fleet, interval_s=0.05)
 
     async def supervise_for(seconds: float) -> None:

@@ -116,6 +116,12 @@ def uses_gpus(config: ReplicaConfig) -> bool:
     return config.engine.device.startswith("cuda")
 
 
+def replica_bundles(tp_size: int, gpu: bool) -> list[dict[str, float]]:
+    """A replica's placement group: one bundle per rank. What it asks for is what Ray's autoscaler
+    sees as demand when no node has it free (a `ray up` cluster then adds a worker)."""
+    return [{"GPU": 1, "CPU": 1} if gpu else {"CPU": 1} for _ in range(tp_size)]
+
+
 class ReplicaHandle:
     """The driver's handle on one replica: its actors and placement group."""
 
@@ -130,11 +136,10 @@ class ReplicaHandle:
         group waits for resources gives up (the server is stopping)."""
         self.config, self.replica_id = config, replica_id
         gpu = uses_gpus(config)
-        bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         # in the dashboard's names; a replacement gets a new suffix, so it never clashes with its predecessor
         self.suffix = uuid.uuid4().hex[:8]
         self.pg = placement_group(
-            [dict(bundle) for _ in range(config.tp_size)],
+            replica_bundles(config.tp_size, gpu),
             strategy=config.placement_strategy,
             name=f"raylm-replica-{replica_id}-{self.suffix}",
         )

@@ -1,7 +1,7 @@
-"""A deployment's replicas on Ray: started together, replaced one at a time, shut down together.
-Whoever watches their health decides when to replace one; the fleet does it on its own threads, so
-stopping never waits on an event loop's executor, and `shutdown()` takes down a replacement still
-being built (it leaves no placement group behind)."""
+"""A deployment's replicas on Ray: started together, replaced one at a time, grown and shrunk by one at
+the end (ids stay 0..n-1), shut down together. Whoever watches their health or load decides when;
+the fleet does it on its own threads, so stopping never waits on an event loop's executor, and
+`shutdown()` takes down a replica still being built (it leaves no placement group behind)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ class Fleet:
         self._building: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._pool = ThreadPoolExecutor(max_workers=max(len(replicas), 1), thread_name_prefix="replica-rebuild")
+        # threads start only when used: room for every replica's replacement and a growing fleet
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="replica-rebuild")
+        self._adding: Future | None = None
 
     @classmethod
     def start(cls, config: ReplicaConfig, size: int, build: BuildReplica = ReplicaHandle) -> Fleet:
@@ -75,7 +77,7 @@ class Fleet:
             old.shutdown()
             new = self._build(self.config, i, abandon=self._closed)
             with self._lock:
-                if not self._closed.is_set():
+                if not self._closed.is_set() and i < len(self._replicas):
                     self._replicas[i] = new
                     return new
             # shutdown() came first; it may have stopped waiting for this one
@@ -84,6 +86,44 @@ class Fleet:
         finally:
             with self._lock:
                 self._building.pop(i, None)
+
+    def add(self) -> Future | None:
+        """Starts one more replica, with the next id, on a fleet thread: its placement group asks Ray
+        for its GPUs (on a `ray up` cluster with none free, the autoscaler adds a node). The future
+        gives the replica once it serves and is in the fleet, None when the fleet was shut down
+        meanwhile; it raises when the replica could not start. None (no future) when the fleet is
+        shut down or another replica is being added."""
+        with self._lock:
+            if self._closed.is_set() or self._adding is not None:
+                return None
+            i = len(self._replicas)
+            self._adding = self._building[i] = self._pool.submit(self._add, i)
+            return self._adding
+
+    def _add(self, i: int) -> ReplicaHandle | None:
+        try:
+            new = self._build(self.config, i, abandon=self._closed)
+            with self._lock:
+                if not self._closed.is_set():
+                    self._replicas.append(new)
+                    return new
+            _shutdown_quietly(new)
+            return None
+        finally:
+            with self._lock:
+                self._building.pop(i, None)
+                self._adding = None
+
+    def remove_last(self) -> Future | None:
+        """Takes the last replica out of the fleet and shuts it down on a fleet thread (the caller has
+        drained it: nothing routes to it and it holds no request). None when the fleet is shut down,
+        holds one replica only, or that replica is being replaced."""
+        with self._lock:
+            i = len(self._replicas) - 1
+            if self._closed.is_set() or i < 1 or i in self._building:
+                return None
+            replica = self._replicas.pop()
+            return self._pool.submit(_shutdown_quietly, replica)
 
     def shutdown(self, timeout_s: float = 600.0) -> None:
         """Stops every replica. A replacement still being built is abandoned or, once up, shut down

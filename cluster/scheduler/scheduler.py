@@ -424,6 +424,8 @@ class Scheduler:
             decode_tokens=self.decode_tokens,
             preempted=self.decode.num_preempted,
             mixed_steps=self.mixed_steps,
+            queued_tokens=self.prefill.queued_tokens,
+            oldest_wait_s=max((time.perf_counter() - r.arrival for r in self.prefill.waiting), default=0.0),
         )
 
     def check_integrity(self) -> None:

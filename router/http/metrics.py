@@ -133,6 +133,8 @@ class RouterMetrics:
         )
         self.replica_gauges = ReplicaGauges(model)
         self.registry.register(self.replica_gauges)
+        self.fleet = FleetGauges(model)
+        self.registry.register(self.fleet)
 
     def exposition(self) -> bytes:
         """The Prometheus text of a scrape: this router's metrics, or the tier's with a shared folder,
@@ -144,6 +146,7 @@ class RouterMetrics:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=self.shared_dir)
         registry.register(self.replica_gauges)
+        registry.register(self.fleet)
         return generate_latest(registry)
 
     def finished(self, reason: str, prompt_tokens: int, timing: Timing) -> None:
@@ -232,3 +235,30 @@ class ReplicaGauges(Collector):
             hit_rate.add_metric(values, s.prefix_hit_rate)
             preemptions.add_metric(values, s.preempted)
         return [running, queued, usage, hit_rate, preemptions]
+
+
+class FleetGauges(Collector):
+    """The replicas the autoscaler wants and those serving, as the launching process last told this
+    router (router/tier/autoscaler.py); nothing without autoscaling."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.size: tuple[int, int] | None = None  # (wanted, running)
+
+    def set(self, wanted: int, running: int) -> None:
+        self.size = (wanted, running)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def _families(self) -> list[Metric]:
+        if self.size is None:
+            return []
+        wanted = GaugeMetricFamily("raylm:replicas_wanted", "Replicas the autoscaler wants", labels=["model"])
+        running = GaugeMetricFamily("raylm:replicas_running", "Replicas serving (routed to)", labels=["model"])
+        wanted.add_metric([self.model], self.size[0])
+        running.add_metric([self.model], self.size[1])
+        return [wanted, running]

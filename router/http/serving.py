@@ -58,11 +58,7 @@ def _send(
     try:
         for run in runs:
             room = with_room(
-                [c for c in state.clients if not c.draining],
-                len(run.ids),
-                bounds.max_queued_requests,
-                bounds.max_queued_tokens,
-                run.params.n,
+                state.routable, len(run.ids), bounds.max_queued_requests, bounds.max_queued_tokens, run.params.n
             )
             client = state.policy.pick(room, run.ids)
             requests = _choices(state, run.ids, run.params)
@@ -93,7 +89,7 @@ def _migration(state: RouterState) -> Migration:
     def reroute(request: AddRequest, failed) -> object | None:
         if state.draining:  # the server is stopping: nothing is moved onto replicas about to stop
             return None
-        others = [c for c in state.clients if c is not failed and not c.draining]
+        others = [c for c in state.routable if c is not failed]
         try:
             room = with_room(others, len(request.input_ids), bounds.max_queued_requests, bounds.max_queued_tokens)
         except (NoReplicaError, RaylmError):

@@ -115,6 +115,9 @@ class RouterState:
             raise RuntimeError("the router is not serving yet")
         return asyncio.run_coroutine_threadsafe(self.drain_replica(i), self.loop).result(timeout_s)
 
+    # replicas being drained to leave the fleet: their requests finish, no new one goes to them
+    retiring: set[int] = field(default_factory=set)
+
     @property
     def limits(self) -> RequestLimits:
         """What the replicas' model allows a request (the checks a replica makes again on arrival)."""
@@ -129,6 +132,12 @@ class RouterState:
     def set_client(self, i: int, client) -> None:
         """Routes replica i's traffic to client from now on (its replacement is serving)."""
         self.clients[i] = client
+
+    @property
+    def routable(self) -> list:
+        """The clients new requests may go to: every replica's but those retiring (leaving the fleet) or
+        drained (their streams moved elsewhere)."""
+        return [c for c in self.clients if c.replica_id not in self.retiring and not c.draining]
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:

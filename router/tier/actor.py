@@ -152,6 +152,57 @@ class RouterActor:
         how many it had there."""
         return self.state.drain_replica_from_thread(i, self.config.drain_timeout_s + 10)
 
+    # -- the autoscaler's: a replica joins at the end, or retires from it ---------------------------
+
+    def add_replica(self, ref: ReplicaRef) -> None:
+        """Routes to a replica that joined the fleet (after a restart, one the directory held already
+        is not added twice)."""
+        if any(c.replica_id == ref.replica_id for c in self.state.clients):
+            return
+
+        async def install() -> None:
+            client = client_for(ref, self.config, self.subscriber)
+            client.start()
+            self.state.clients.append(client)
+
+        self._on_loop(install())
+
+    def retire_replica(self, i: int, retiring: bool = True) -> None:
+        """Stops (or, retiring False, resumes) sending new requests to replica i; those it has finish.
+        Once this returns, nothing more is sent to it."""
+
+        async def mark() -> None:
+            (self.state.retiring.add if retiring else self.state.retiring.discard)(i)
+
+        self._on_loop(mark())
+
+    def replica_load(self, i: int) -> int:
+        """Requests this router sent replica i that have not ended (their last delta not received)."""
+        return next((c.load for c in self.state.clients if c.replica_id == i), 0)
+
+    def remove_replica(self, i: int) -> None:
+        """Forgets replica i, which has left the fleet (drained: nothing of this router's is on it)."""
+
+        async def remove() -> None:
+            gone = [c for c in self.state.clients if c.replica_id == i]
+            self.state.clients[:] = [c for c in self.state.clients if c.replica_id != i]
+            self.state.retiring.discard(i)
+            for client in gone:
+                await client.stop()
+
+        self._on_loop(remove())
+
+    def set_fleet_size(self, wanted: int, running: int) -> None:
+        """The autoscaler's figures, for this router's /metrics."""
+        self.state.metrics.fleet.set(wanted, running)
+
+    def _on_loop(self, coro) -> None:
+        """Runs coro on the router's event loop (where its clients live) and waits for it."""
+        if self._loop is None or not self._loop.is_running():
+            coro.close()
+            return  # draining or stopped: there is nothing to route any more
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=30)
+
     def drain(self) -> None:
         """Stops taking requests and lets those in flight finish (up to the drain timeout), then returns."""
         self._server.should_exit = True

@@ -1,5 +1,5 @@
 """Bringing a deployment up and down: the replicas on Ray, the router state (and the router actors
-when there are any), the supervisor, and uvicorn."""
+when there are any), the supervisor, the autoscaler (with a replica range), and uvicorn."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from router.http.app import build_app
 from router.http.connection import bounded_protocol
 from router.http.draining import DrainingServer
 from router.http.state import RouterState
+from router.tier.autoscaler import Autoscaler
 from router.tier.response_store import forget_responses
 from router.tier.router_state import router_state
 from router.tier.supervisor import Supervisor
@@ -41,7 +42,7 @@ class Deployment:
         if tokenizer is None:
             raise ValueError(f"{config.model} has no tokenizer files; the HTTP server needs one")
         self.dashboard_url = ensure_ray(config.address, **ray_options)
-        self.fleet = Fleet.start(config.replica_config(), config.replicas)
+        self.fleet = Fleet.start(config.replica_config(), config.initial_replicas)
         self.tier: RouterTier | None = None
         try:
             info = self.fleet.replicas[0].info
@@ -53,6 +54,11 @@ class Deployment:
                 self.state, self.fleet, on_replaced=self.tier.replaced if self.tier is not None else None
             )
             background = [self.supervisor.run] + ([self.tier.watch] if self.tier is not None else [])
+            self.autoscaler = (
+                Autoscaler(self.state, self.fleet, self.supervisor, self.tier) if config.autoscaling else None
+            )
+            if self.autoscaler is not None:
+                background.append(self.autoscaler.run)
             self.app = build_app(self.state, background=background)
         except BaseException:  # the replicas must not outlive a server that never started
             if self.tier is not None:

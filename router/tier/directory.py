@@ -26,6 +26,14 @@ class TierDirectory:
         """Replica i's replacement serves: a router starting from now on routes to it."""
         self._spec[2][i] = ref
 
+    def add_replica(self, ref) -> None:
+        """A replica joined the fleet (the autoscaler's), at the end."""
+        self._spec[2].append(ref)
+
+    def remove_last_replica(self) -> None:
+        """The last replica leaves the fleet: a router starting from now on never routes to it."""
+        self._spec[2].pop()
+
     def published(self) -> bool:
         return self._spec is not None
 

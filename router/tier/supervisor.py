@@ -60,10 +60,16 @@ class Supervisor:
                 elif (
                     not client.healthy
                     and i not in self._replacing
+                    and i not in self.state.retiring  # leaving the fleet: the autoscaler removes it
                     and not self.state.draining
                     and loop.time() >= self._retry_at.get(i, (0.0, 0.0))[0]
                 ):
                     self._replace(i, client)
+
+    @property
+    def replacing(self) -> set[int]:
+        """The replicas whose replacement is being built."""
+        return self._replacing
 
     def _watch_control_store(self) -> None:
         """On its own thread (a probe blocks for up to its timeout): when Ray's control store last answered."""

@@ -75,6 +75,58 @@ class RouterTier:
         for actor in self.actors:
             actor.set_replica.remote(i, self.replicas[i])
 
+    # -- the autoscaler's, called from the launching process's event loop ---------------------------
+
+    async def add(self, replica) -> None:
+        """A replica joined the fleet: in the directory first (a router restarting from now on starts
+        with it), then every router routes to it."""
+        ref = ref_of(replica)
+        self.replicas.append(ref)
+        await self._every_router("add_replica", ref, directory=("add_replica", ref))
+
+    async def retire(self, i: int, retiring: bool = True) -> None:
+        """No router sends replica i (the last) a new request once this returns; retiring False: they
+        route to it again."""
+        if retiring:
+            await self._every_router("retire_replica", i, True, directory=("remove_last_replica",))
+        else:
+            await self._every_router("add_replica", self.replicas[i], directory=("add_replica", self.replicas[i]))
+            await self._every_router("retire_replica", i, False)
+
+    async def load(self, i: int) -> int | None:
+        """Requests the routers sent replica i that have not ended; None when a router did not answer
+        (restarting: its predecessor's requests were released, but it may not have started yet)."""
+        try:
+            loads = await asyncio.wait_for(
+                asyncio.gather(*(a.replica_load.remote(i) for a in self.actors)), timeout=10 * self.interval_s
+            )
+        except Exception:  # noqa: BLE001 - restarting or gone: the next round asks again
+            return None
+        return sum(loads)
+
+    async def removed(self, i: int) -> None:
+        """Replica i (the last, drained) has left the fleet."""
+        self.replicas.pop()
+        await self._every_router("remove_replica", i)
+
+    def set_fleet_size(self, wanted: int, running: int) -> None:
+        for actor in self.actors:
+            actor.set_fleet_size.remote(wanted, running)
+
+    async def _every_router(self, method: str, *args, directory: tuple = ()) -> None:
+        """Calls the directory (`directory`: its method's name and arguments) when given, then `method`
+        on every router, waiting for each; a router that fails to answer is restarting and starts from
+        the directory."""
+        if directory:
+            try:
+                await asyncio.wait_for(getattr(self.directory, directory[0]).remote(*directory[1:]), timeout=10)
+            except Exception as e:  # noqa: BLE001 - restarted: the watch republishes self.replicas
+                log.warning("the tier's directory did not take %s: %s", directory[0], e)
+        calls = [getattr(a, method).remote(*args) for a in self.actors]
+        for k, result in enumerate(await asyncio.gather(*calls, return_exceptions=True)):
+            if isinstance(result, Exception):
+                log.warning("router %d did not take %s: %s: %s", k, method, type(result).__name__, result)
+
     async def watch(self) -> None:
         """Keeps the directory published, notes a router's restart (its live gauges leave the tier's
         sums) and makes a router Ray gave up on anew. A router whose client of a serving replica failed
@@ -97,15 +149,16 @@ class RouterTier:
                         log.warning("router %d was restarted by Ray", k)
                     _forget_process(self.metrics_dir, self.started[k][1])
                     self.started[k] = started
-                for i in down:
-                    if self.state.clients[i].healthy:  # the replica serves: only that router's client failed
+                for i in down:  # a replica that serves, whose client at only that router failed
+                    if i < len(self.state.clients) and self.state.clients[i].healthy:
                         actor.set_replica.remote(i, self.replicas[i], True)
 
     async def _republish(self) -> None:
         """A directory Ray restarted starts empty: it gets what the routers start from again."""
         try:
             if not await asyncio.wait_for(self.directory.published.remote(), timeout=10 * self.interval_s):
-                await self.directory.publish.remote(self.config, self.info, self.replicas)
+                serving = [r for r in self.replicas if r.replica_id not in self.state.retiring]
+                await self.directory.publish.remote(self.config, self.info, serving)
                 log.warning("the router tier's directory was restarted; published to it again")
         except Exception:  # noqa: BLE001 - restarting: the next round sees it back
             pass
