@@ -71,6 +71,14 @@ class EngineConfig:
         "the memory of bfloat16, so twice the tokens)",
         choices=("auto", "fp8_e4m3"),
     )
+    quantization: str | None = setting(
+        None,
+        "fp8: quantize an unquantized checkpoint's (or dummy) linear weights at load to e4m3, per output "
+        "channel, with activations quantized per token as they run (an FP8 GPU); FP8 checkpoints "
+        "(quantization_config) are read as published without it",
+        choices=("fp8",),
+        unset="the checkpoint's own",
+    )
     max_running_reqs: int = setting(256, "requests decoded at once (the decode batch limit)", at_least=1)
     max_seq_len: int | None = setting(
         None,
