@@ -138,7 +138,7 @@ setup
 for suite in "$@"; do
   case $suite in
     tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
-      tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py ;;
+      tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py tests/test_fp8_gpu.py ;;
     offline) offline offline 150 ;;
     latency)
       for tree in $(trees); do
