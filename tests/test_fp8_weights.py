@@ -311,3 +311,16 @@ def test_activations_round_per_token_group_to_448_at_their_largest():
     q, s = gemm.quantize_activations_torch(x, 2)
     assert s[0].tolist() == pytest.approx([2 / 448, 4 / 448])
     assert q[0].float().abs().amax().item() == 448 and torch.equal(q[1].float(), torch.zeros(4))
+
+
+def test_the_real_model_quantized_at_load_answers_its_factual_questions(smollm2_path):
+    from test_real_model import QUESTIONS, chat_ids
+
+    from cluster.model_info import load_tokenizer
+
+    tokenizer = load_tokenizer(str(smollm2_path))
+    with checked_llm(smollm2_path, page_size=16, num_pages=256, quantization="fp8") as llm:
+        assert llm.engine.model.model.layers[0].mlp.down_proj.weight.dtype == FP8
+        outs = llm.generate([chat_ids(tokenizer, q) for q in QUESTIONS], greedy(32))
+    for (question, word), out in zip(QUESTIONS.items(), outs):
+        assert word in tokenizer.decode(out.token_ids), question
