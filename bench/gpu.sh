@@ -10,6 +10,8 @@
 #   latency        (b) batch 1, ms per output token (5 runs in one process)
 #   fp8            (a) over an fp8 KV cache
 #   qwen3_8b       (a)'s shape on Qwen3-8B's architecture
+#   fp8_weights    Qwen3-8B's architecture with its weights quantized to FP8 at load against bf16: (a) and
+#                  (b) batch 1, each for both
 #   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
 #   mixed          decode latency under arriving prompts, mixed steps against prefill-first
@@ -147,6 +149,14 @@ for suite in "$@"; do
       done ;;
     fp8) offline fp8 150 --kv-cache-dtype fp8_e4m3 ;;
     qwen3_8b) offline qwen3_8b 240 --arch qwen3-8b ;;
+    fp8_weights)
+      offline fp8_weights_bf16 240 --arch qwen3-8b
+      offline fp8_weights_fp8 240 --arch qwen3-8b --quantization fp8
+      for q in bf16 fp8; do
+        flag=(); [ "$q" = fp8 ] && flag=(--quantization fp8)
+        step "fp8_weights_latency_$q" 240 python3 bench/decode_latency.py --arch qwen3-8b --repeats "${REPEATS:-5}" \
+          "${flag[@]}" --out "$OUT/fp8_weights_latency_$q.json"
+      done ;;
     prefill_heavy) offline prefill_heavy 240 --workload prefill_heavy ;;
     prefill_sweep)
       for met in 8192 16384 32768; do

@@ -73,9 +73,8 @@ class EngineConfig:
     )
     quantization: str | None = setting(
         None,
-        "fp8: quantize an unquantized checkpoint's (or dummy) linear weights at load to e4m3, per output "
-        "channel, with activations quantized per token as they run (an FP8 GPU); FP8 checkpoints "
-        "(quantization_config) are read as published without it",
+        "fp8: an unquantized checkpoint's linear weights (or dummy ones) quantized at load to e4m3 per "
+        "output channel, activations per token as they run; FP8 checkpoints load as published without it",
         choices=("fp8",),
         unset="the checkpoint's own",
     )
