@@ -161,6 +161,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="KV-cache storage: auto (bf16) or fp8_e4m3 (twice the pages for the same memory)",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=["fp8"],
+        help="fp8: the (dummy) weights quantized at load to e4m3 per output channel (default: bf16 weights)",
+    )
 
 
 def kernels_of(args: argparse.Namespace) -> Kernels:
@@ -189,6 +194,7 @@ def make_llm(args: argparse.Namespace) -> LLM:
         cuda_graph_max_bs=0 if args.no_cuda_graph else 256,
         kv_cache_dtype=args.kv_cache_dtype,
         mixed_steps=not args.no_mixed_steps,
+        quantization=args.quantization,
     )
 
 
@@ -206,6 +212,7 @@ def config_of(args: argparse.Namespace) -> dict:
         "cache": args.cache,
         "page_size": args.page_size,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
         "mixed_steps": not args.no_mixed_steps,
         "max_extend_tokens": args.max_extend_tokens,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",

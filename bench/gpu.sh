@@ -11,6 +11,8 @@
 #   fp8            (a) over an fp8 KV cache
 #   qwen3_8b       (a)'s shape on Qwen3-8B's architecture
 #   moe            (b) and (a) on Qwen3-30B-A3B's architecture (a mixture of experts, the fused Triton path)
+#   fp8_weights    Qwen3-8B's architecture with its weights quantized to FP8 at load against bf16: (a) and
+#                  (b) batch 1, each for both
 #   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
 #   mixed          decode latency under arriving prompts, mixed steps against prefill-first
@@ -140,7 +142,8 @@ setup
 for suite in "$@"; do
   case $suite in
     tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
-      tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py tests/test_moe.py ;;
+      tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py tests/test_moe.py \
+      tests/test_fp8_gpu.py ;;
     offline) offline offline 150 ;;
     latency)
       for tree in $(trees); do
@@ -153,6 +156,14 @@ for suite in "$@"; do
       step moe_latency 300 python3 bench/decode_latency.py --arch qwen3-30b-a3b --repeats "${REPEATS:-5}" \
         --out "$OUT/moe_latency.json"
       offline moe 300 --arch qwen3-30b-a3b ;;
+    fp8_weights)
+      offline fp8_weights_bf16 240 --arch qwen3-8b
+      offline fp8_weights_fp8 240 --arch qwen3-8b --quantization fp8
+      for q in bf16 fp8; do
+        flag=(); [ "$q" = fp8 ] && flag=(--quantization fp8)
+        step "fp8_weights_latency_$q" 240 python3 bench/decode_latency.py --arch qwen3-8b --repeats "${REPEATS:-5}" \
+          "${flag[@]}" --out "$OUT/fp8_weights_latency_$q.json"
+      done ;;
     prefill_heavy) offline prefill_heavy 240 --workload prefill_heavy ;;
     prefill_sweep)
       for met in 8192 16384 32768; do

@@ -71,6 +71,13 @@ class EngineConfig:
         "the memory of bfloat16, so twice the tokens)",
         choices=("auto", "fp8_e4m3"),
     )
+    quantization: str | None = setting(
+        None,
+        "fp8: an unquantized checkpoint's linear weights (or dummy ones) quantized at load to e4m3 per "
+        "output channel, activations per token as they run; FP8 checkpoints load as published without it",
+        choices=("fp8",),
+        unset="the checkpoint's own",
+    )
     max_running_reqs: int = setting(256, "requests decoded at once (the decode batch limit)", at_least=1)
     max_seq_len: int | None = setting(
         None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -32,6 +32,8 @@ from worker.kv_cache import KVCachePool
 from worker.loader import CheckpointError, init_dummy_weights, load_weights
 from worker.models import build_model
 from worker.parallel import TPGroup
+from worker.quant.prepare import check_device, quantize_linears
+from worker.quant.scheme import scheme_of
 from worker.sampling.inputs import SamplingInputs, stage_sampling
 from worker.sampling.logprobs import prompt_logprobs, token_logprobs
 from worker.sampling.processors import ProcessorState
@@ -150,14 +152,24 @@ class Engine:
             logger.info("engine ready in %s", self.startup)
 
     def _build_model(self) -> None:
+        if self.config.load_format not in ("auto", "dummy"):
+            raise ValueError(f"unknown load_format {self.config.load_format!r}; choose auto or dummy")
+        scheme = scheme_of(self.hf_config, self.config.quantization)
+        if scheme is not None:
+            check_device(scheme, self.device)
+        dummy = self.config.load_format == "dummy"
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = build_model(self.hf_config, self.max_seq_len + 1, self.tp, self.kernels)
-        if self.config.load_format == "dummy":
+        # a prequantized checkpoint's fp8 weights and scales load into FP8 linears; random weights (dummy)
+        # and unquantized checkpoints are quantized once loaded
+        if scheme is not None and scheme.prequantized and not dummy:
+            quantize_linears(self.model, scheme)
+        if dummy:
             init_dummy_weights(self.model)
-        elif self.config.load_format == "auto":
-            load_weights(self.model, Path(self.config.model_path), progress=self.tp.rank == 0)
         else:
-            raise ValueError(f"unknown load_format {self.config.load_format!r}; choose auto or dummy")
+            load_weights(self.model, Path(self.config.model_path), progress=self.tp.rank == 0)
+        if scheme is not None and (dummy or not scheme.prequantized):
+            quantize_linears(self.model, replace(scheme, block=None, prequantized=False))
         self.model.eval()
 
     def _allocate(self) -> None:

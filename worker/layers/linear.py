@@ -1,5 +1,6 @@
 """Linear layers that keep one rank's shard of a full weight: column-parallel (merged QKV, gate/up) and
-row-parallel (all-reduce after the matmul)."""
+row-parallel (all-reduce after the matmul). A layer with a quantization method (`quant`, e.g.
+worker/quant/fp8.py's Fp8Weights) loads and multiplies through it instead."""
 
 from __future__ import annotations
 
@@ -35,18 +36,28 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.small = kernels.small_linear
+        self.kernels = kernels
+        self.quant = None
         self.local_sizes = [tp.shard(n, "a column-parallel output width") for n in output_sizes]
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False) if bias else None
 
+    def rows_of(self, shard_id: int) -> tuple[int, int, int]:
+        """(first local row, first row in the checkpoint's part, rows) of part `shard_id` on this rank."""
+        size = self.local_sizes[shard_id]
+        return sum(self.local_sizes[:shard_id]), self.tp.rank * size, size
+
     def weight_loader(self, param: nn.Parameter, full, shard_id: int = 0) -> None:
         """`full` is the whole checkpoint tensor (or a lazy view of it); this keeps the rank's shard."""
-        size = self.local_sizes[shard_id]
-        start = sum(self.local_sizes[:shard_id])
-        piece = full.narrow(0, self.tp.rank * size, size)
-        param.data.narrow(0, start, size).copy_(piece)
+        dst, src, size = self.rows_of(shard_id)
+        if self.quant is not None and param is not self.bias:
+            self.quant.load_rows(self, param, full, dst, src, size)
+            return
+        param.data.narrow(0, dst, size).copy_(full.narrow(0, src, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.apply(self, x, self.bias, self.small)
         return linear(x, self.weight, self.bias, self.small)
 
 
@@ -75,16 +86,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         nn.Module.__init__(self)
         self.tp = tp
         self.small = kernels.small_linear
+        self.kernels = kernels
+        self.quant = None
         q, kv = self.num_local_heads * head_dim, self.num_local_kv_heads * head_dim
         self.local_sizes = [q, kv, kv]
         self.weight = nn.Parameter(torch.empty(q + 2 * kv, hidden), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(q + 2 * kv), requires_grad=False) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int = 0) -> None:
+    def rows_of(self, shard_id: int) -> tuple[int, int, int]:
         size = self.local_sizes[shard_id]
-        start = sum(self.local_sizes[:shard_id])
         rank = self.tp.rank if shard_id == 0 else self.tp.rank // self.kv_replicas
-        param.data.narrow(0, start, size).copy_(full.narrow(0, rank * size, size))
+        return sum(self.local_sizes[:shard_id]), rank * size, size
 
 
 class RowParallelLinear(nn.Module):
@@ -106,6 +118,8 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.reduce = reduce
         self.small = kernels.small_linear
+        self.kernels = kernels
+        self.quant = None
         self.weight = nn.Parameter(
             torch.empty(out_features, tp.shard(in_features, "a row-parallel input width")), requires_grad=False
         )
@@ -115,11 +129,17 @@ class RowParallelLinear(nn.Module):
         if param is self.bias:
             param.data.copy_(full[:])
             return
-        size = param.shape[1]
+        size = self.weight.shape[1]
+        if self.quant is not None:
+            self.quant.load_columns(self, param, full, self.tp.rank * size, size)
+            return
         param.data.copy_(full.narrow(1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, small=self.small)
+        if self.quant is not None:
+            y = self.quant.apply(self, x, None, self.small)
+        else:
+            y = linear(x, self.weight, small=self.small)
         if self.reduce and self.tp.size > 1:
             y = self.tp.comm.all_reduce(y)
         return y + self.bias if self.bias is not None else y

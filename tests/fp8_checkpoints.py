@@ -1,0 +1,108 @@
+"""Tiny FP8 checkpoints in the two published formats, made from a tiny float32 one: transformers'
+`quant_method: "fp8"` (e4m3 weights, float32 `weight_scale_inv` per [128, 128] block: the Qwen3 FP8
+releases) and compressed-tensors' FP8 (e4m3 weights, bf16 `weight_scale` per output channel, dynamic
+per-token activations: the `*-FP8-dynamic` releases). Each comes with its reference: the same folder
+with the weights dequantized to float32 and no quantization_config, which transformers runs as is."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FP8 = torch.float8_e4m3fn
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+UNQUANTIZED = "model.layers.1.mlp.down_proj"  # each format names it as left in full precision
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, float32 scale per block [ceil(N/bn), ceil(K/bk)]) with w ~= e4m3 * scale."""
+    n, k = w.shape
+    bn, bk = block
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(rows * bn, cols * bk)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(rows, bn, cols, bk)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(FP8).view(rows * bn, cols * bk)[:n, :k]
+    return q.contiguous(), scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    n, k = q.shape
+    full = scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)[:n, :k]
+    return q.float() * full
+
+
+def quantize_channels(w: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, scale [N, 1] in scale_dtype) with w ~= e4m3 * scale, each row's amax at 448."""
+    scale = (w.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12).to(scale_dtype)
+    q = (w.float() / scale.float()).clamp(-448, 448).to(FP8)
+    return q, scale
+
+
+def _quantized(name: str) -> bool:
+    module = name.removesuffix(".weight")
+    return name.endswith(".weight") and module.split(".")[-1] in PROJECTIONS and module != UNQUANTIZED
+
+
+def write_fp8_checkpoint(src: Path, out: Path, fmt: str) -> tuple[Path, Path]:
+    """The FP8 folder (format `fmt`: "fp8" or "compressed-tensors") and its dequantized reference."""
+    fp8_dir, ref_dir = out / fmt, out / f"{fmt}-dequantized"
+    for d in (fp8_dir, ref_dir):
+        shutil.copytree(src, d)
+        for f in d.glob("*.safetensors*"):
+            f.unlink()
+    tensors = load_file(str(src / "model.safetensors"))
+    quantized, reference = {}, {}
+    for name, w in tensors.items():
+        if not _quantized(name):
+            quantized[name] = reference[name] = w
+            continue
+        base = name.removesuffix(".weight")
+        if fmt == "fp8":
+            q, scale = quantize_blocks(w, (128, 128))
+            quantized[f"{base}.weight_scale_inv"] = scale
+            reference[name] = dequantize_blocks(q, scale, (128, 128))
+        else:
+            q, scale = quantize_channels(w)
+            quantized[f"{base}.weight_scale"] = scale
+            reference[name] = q.float() * scale.float()
+        quantized[name] = q
+    save_file(quantized, str(fp8_dir / "model.safetensors"))
+    save_file(reference, str(ref_dir / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config(fmt)
+    (fp8_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return fp8_dir, ref_dir
+
+
+def quantization_config(fmt: str) -> dict:
+    """config.json's quantization_config as each format's tools write it."""
+    if fmt == "fp8":  # transformers' FineGrainedFP8Config
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["lm_head", UNQUANTIZED],
+        }
+    act = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}
+    return {  # llm-compressor's FP8_DYNAMIC preset, saved by compressed-tensors
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**weights, "observer": "minmax"},
+                "input_activations": {**act, "observer": None},
+                "output_activations": None,
+            }
+        },
+        "ignore": ["lm_head", "re:.*layers\\.1\\.mlp\\.down_proj$"],
+        "kv_cache_scheme": None,
+    }

@@ -1,0 +1,162 @@
+"""FP8 weights on the GPU (compute capability 8.9+): each GEMM against float32 over the dequantized weight,
+and engines over FP8 weights (quantized at load, and both published formats) against float32 references.
+
+Tolerances. A weight dequantized is the reference's weight exactly, so a GEMM's error is its activations'
+rounding to e4m3 (per token, or per token and 128 columns: at most 2^-4 of each value, about 2^-6 of an
+output's size on average over thousands of terms) and its bf16 output (2^-9): ACT_TOL = 3% of the output's
+norm bounds the first, and against the same activations rounded by the torch path, OUT_TOL = 1% the second
+(the GEMV keeps bf16 activations: OUT_TOL against float32). Measured on an H200: see each test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fp8_checkpoints import write_fp8_checkpoint
+from helpers import checked_llm, greedy
+from tiny_checkpoints import build_qwen3_hd128, random_prompts
+
+from worker.quant import gemm
+from worker.quant.fp8 import dequantize, quantize_per_channel
+
+pytestmark = pytest.mark.gpu
+ACT_TOL, OUT_TOL = 0.03, 0.01
+CUDA = "cuda"
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).norm() / want.norm())
+
+
+def _weights(n: int, k: int, block: tuple[int, int] | None):
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k, device=CUDA) * 0.02
+    if block is None:
+        q, s = quantize_per_channel(w)
+        return q, s
+    from fp8_checkpoints import quantize_blocks
+
+    q, s = quantize_blocks(w.cpu(), block)
+    q, s = q.to(CUDA), s.to(CUDA)
+    rows = s.repeat_interleave(block[0], dim=0)[:n].contiguous()  # the layer's layout: a row per output row
+    return q, rows
+
+
+@pytest.fixture(autouse=True)
+def fp8_gpu():
+    if not gemm.fp8_supported(torch.device(CUDA)):
+        pytest.skip("needs compute capability 8.9+")
+
+
+@pytest.mark.parametrize("m", [2, 7, 64, 300])
+@pytest.mark.parametrize("n,k", [(1536, 1024), (4096, 4096)])
+def test_scaled_mm_with_per_token_activations_is_float32_over_the_dequantized_weight(m, n, k):
+    q, s = _weights(n, k, None)
+    x = torch.randn(m, k, device=CUDA).bfloat16()
+    w = dequantize(q, s, None)
+    got = gemm.fp8_linear(x, q, s, None)
+    assert gemm.scaled_mm_applies(x, q) and got.dtype == torch.bfloat16
+    assert _rel(got, x.float() @ w.T) < ACT_TOL
+    xq, xs = gemm.quantize_activations_torch(x, k)
+    assert _rel(got, (xq.float() * xs) @ w.T) < OUT_TOL
+
+
+@pytest.mark.parametrize("m", [2, 16, 33, 200])
+@pytest.mark.parametrize("n,k", [(320, 576), (4096, 4096)])
+def test_block_scaled_triton_gemm_is_float32_over_the_dequantized_weight(m, n, k):
+    # 320 rows and 576 columns: partial blocks at both ends
+    q, s = _weights(n, k, (128, 128))
+    x = torch.randn(m, k, device=CUDA).bfloat16()
+    w = dequantize(q, s, (128, 128))
+    got = gemm.fp8_linear(x, q, s, (128, 128))
+    assert _rel(got, x.float() @ w.T) < ACT_TOL
+    xq, xs = gemm.quantize_activations_torch(x, 128)
+    assert _rel(got, (xq.float() * xs.repeat_interleave(128, dim=1)[:, :k]) @ w.T) < OUT_TOL
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (12288, 4096), (4096, 12288), (300, 200)])
+def test_fp8_gemv_at_one_row_is_float32_over_the_dequantized_weight(block, n, k):
+    q, s = _weights(n, k, block)
+    x = torch.randn(1, k, device=CUDA).bfloat16()
+    got = gemm.fp8_gemv(x, q, s, block)
+    assert _rel(got, x.float() @ dequantize(q, s, block).T) < OUT_TOL
+    assert torch.equal(gemm.fp8_linear(x, q, s, block), got)
+
+
+def test_the_triton_activation_quantization_is_the_torch_paths():
+    torch.manual_seed(0)
+    x = (torch.randn(37, 4096, device=CUDA) * 3).bfloat16()
+    for group in (128, 4096):
+        q, s = gemm.quantize_activations(x, group)
+        want_q, want_s = gemm.quantize_activations_torch(x, group)
+        torch.testing.assert_close(s, want_s, rtol=1e-6, atol=0)
+        assert (q.float() == want_q.float()).float().mean() > 0.999  # a division's last bit may round apart
+
+
+def test_fp8_gemms_run_inside_a_cuda_graph():
+    q, s = _weights(1024, 1024, None)
+    qb, sb = _weights(1024, 1024, (128, 128))
+    x = torch.randn(8, 1024, device=CUDA).bfloat16()
+    eager = [gemm.fp8_linear(x, q, s, None), gemm.fp8_linear(x, qb, sb, (128, 128)), gemm.fp8_linear(x[:1], q, s, None)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [
+            gemm.fp8_linear(x, q, s, None),
+            gemm.fp8_linear(x, qb, sb, (128, 128)),
+            gemm.fp8_linear(x[:1], q, s, None),
+        ]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(eager, outs))
+
+
+@pytest.fixture(scope="module")
+def hd128(tmp_path_factory):
+    return build_qwen3_hd128(tmp_path_factory.mktemp("qwen3_hd128_fp8w"))
+
+
+def _prefill_logits(path, prompts, **kw) -> torch.Tensor:
+    kw = {"dtype": "bfloat16", "page_size": 16, "num_pages": 1024, "max_running_reqs": 16, **kw}
+    with checked_llm(path, **kw) as llm:
+        rows = []
+        compute_logits = llm.engine.model.compute_logits
+        llm.engine.model.compute_logits = lambda h: rows.append(compute_logits(h).float()) or rows[-1]
+        for p in prompts:
+            llm.generate([p], greedy(1))
+        return torch.stack([r[-1].cpu() for r in rows])
+
+
+@pytest.mark.parametrize("fmt", ["at load", "fp8", "compressed-tensors"])
+def test_an_fp8_engine_generates_and_its_logits_are_near_float32s(hd128, tmp_path, fmt):
+    # against float32 over the same (dequantized) weights; a bf16 engine's error on the same reference is
+    # the yardstick: FP8's activations round 16 times coarser than bf16's
+    if fmt == "at load":
+        path, ref_path, kw = hd128, None, {"quantization": "fp8"}
+    else:
+        path, ref_path = write_fp8_checkpoint(hd128, tmp_path, fmt)
+        kw = {}
+    prompts = random_prompts(8, 20, 200, seed=3)
+    if ref_path is None:  # the reference for at-load quantization: its own weights, dequantized
+        with checked_llm(hd128, dtype="float32", page_size=16, num_pages=1024, max_running_reqs=16) as llm:
+            for mod in llm.engine.model.modules():
+                if hasattr(mod, "quant") and mod.weight.dim() == 2:
+                    q, s = quantize_per_channel(mod.weight.data)
+                    mod.weight.data.copy_(dequantize(q, s, None))
+            rows = []
+            compute_logits = llm.engine.model.compute_logits
+            llm.engine.model.compute_logits = lambda h: rows.append(compute_logits(h).float()) or rows[-1]
+            for p in prompts:
+                llm.generate([p], greedy(1))
+            ref = torch.stack([r[-1].cpu() for r in rows])
+    else:
+        ref = _prefill_logits(ref_path, prompts, dtype="float32")
+    got = _prefill_logits(path, prompts, **kw)
+    bf16 = _prefill_logits(ref_path or hd128, prompts)
+    err, bf16_err = _rel(got, ref), _rel(bf16, ref)
+    print(f"{fmt}: fp8 {err:.4f}, bf16 {bf16_err:.4f}")
+    assert err < max(16 * bf16_err, 0.02) and err < 0.1
+    with checked_llm(path, dtype="bfloat16", page_size=16, num_pages=1024, max_running_reqs=16, **kw) as llm:
+        assert llm.engine.graphs is not None
+        outs = llm.generate(prompts + prompts[:1], greedy(24, ignore_eos=True))  # batch 9, then 1 alone
+        alone = llm.generate(prompts[:1], greedy(24, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [24] * 9 and len(alone[0].token_ids) == 24

@@ -1,0 +1,326 @@
+"""FP8 weights on the CPU: checkpoints in both published formats (transformers' block-scaled `fp8`,
+compressed-tensors' per-channel FP8), tiny ones made here from a tiny float32 model, against transformers
+over the same weights dequantized to float32; their scales sharded with their weights across tp ranks;
+`quantization="fp8"` at load; clear errors for what is not served; the Triton FP8 kernels under the
+interpreter against the torch path.
+
+Tolerance: on the CPU a layer dequantizes its e4m3 weight with its scales in float32, to exactly the
+reference's float32 weight, so logits differ only by float32's order of additions (LOGIT_TOL of their
+norm) and greedy tokens agree exactly. (The GPU's activation quantization: tests/test_fp8_gpu.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fixtures import PROMPT_TEXTS, hf_greedy
+from fp8_checkpoints import (
+    UNQUANTIZED,
+    dequantize_blocks,
+    quantize_blocks,
+    quantize_channels,
+    write_fp8_checkpoint,
+)
+from helpers import checked_llm, encode_all, greedy
+from tiny_checkpoints import build_qwen3_hd128
+from transformers import AutoModelForCausalLM
+
+from cluster import LLM
+from worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from worker.loader import CheckpointError, LazyTensor
+from worker.parallel import TPGroup
+from worker.quant import gemm
+from worker.quant.fp8 import FP8, Fp8Weights, dequantize
+from worker.quant.scheme import Fp8Scheme, QuantizationError
+
+FORMATS = ["fp8", "compressed-tensors"]
+LOGIT_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def hd128(tmp_path_factory):
+    """A tiny Qwen3 whose widths are whole 128-blocks at tp 1 and 2 (hidden 256, 4 heads of 128)."""
+    return build_qwen3_hd128(tmp_path_factory.mktemp("qwen3_hd128"))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(hd128, tmp_path_factory):
+    """Each format's (FP8 folder, dequantized reference folder)."""
+    out = tmp_path_factory.mktemp("fp8_checkpoints")
+    return {fmt: write_fp8_checkpoint(hd128, out, fmt) for fmt in FORMATS}
+
+
+def _prompts(n: int = 6) -> list[list[int]]:
+    from tiny_checkpoints import random_prompts
+
+    return random_prompts(n, 4, 40, seed=1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_checkpoint_keeps_e4m3_weights_and_leaves_the_ignored_layers_unquantized(checkpoints, fmt):
+    with checked_llm(checkpoints[fmt][0], page_size=4) as llm:
+        layers = llm.engine.model.model.layers
+        assert layers[0].self_attn.qkv_proj.weight.dtype == FP8
+        assert layers[0].mlp.down_proj.weight.dtype == FP8 and layers[0].mlp.down_proj.quant is not None
+        assert UNQUANTIZED == "model.layers.1.mlp.down_proj"
+        assert layers[1].mlp.down_proj.quant is None and layers[1].mlp.down_proj.weight.dtype == torch.float32
+        assert llm.engine.model.lm_head.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_checkpoint_logits_are_transformers_over_the_dequantized_weights(checkpoints, fmt):
+    path, ref_path = checkpoints[fmt]
+    prompts = _prompts()
+    hf = AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32).eval()
+    with checked_llm(path, page_size=4) as llm:
+        rows = []
+        compute_logits = llm.engine.model.compute_logits
+        llm.engine.model.compute_logits = lambda h: rows.append(compute_logits(h)) or rows[-1]
+        for p in prompts:
+            llm.generate([p], greedy(1))
+    with torch.no_grad():
+        want = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+    got = torch.stack([r[-1] for r in rows])
+    assert float((got - want).norm() / want.norm()) < LOGIT_TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_checkpoint_greedy_tokens_equal_the_dequantized_references(checkpoints, fmt):
+    path, ref_path = checkpoints[fmt]
+    prompts = _prompts()
+    with checked_llm(path, page_size=4) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, greedy(16, ignore_eos=True))]
+    assert got == hf_greedy(ref_path, prompts, 16, ignore_eos=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fp8_checkpoint_at_tp2_equals_tp1(ray_cluster, checkpoints, fmt):
+    path = checkpoints[fmt][0]
+    prompts = _prompts(4)
+    params = greedy(12, ignore_eos=True, logprobs=0)
+    with checked_llm(path, tp_size=2, page_size=4) as llm:
+        tp2 = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+    with checked_llm(path, page_size=4) as llm:
+        tp1 = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+    assert [t for t, _ in tp2] == [t for t, _ in tp1]
+    flat = [[x for _, lps in run for x in lps] for run in (tp2, tp1)]
+    assert flat[0] == pytest.approx(flat[1], abs=1e-4)
+
+
+def test_quantization_fp8_at_load_is_the_model_over_its_per_channel_e4m3_weights(qwen3_path, tmp_path):
+    # the reference: the same checkpoint with every projection rounded per output channel (the test's own
+    # quantizer, float32 scales) and dequantized, run by transformers
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    ref = tmp_path / "ref"
+    shutil.copytree(qwen3_path, ref)
+    tensors = load_file(str(ref / "model.safetensors"))
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight"):
+            q, s = quantize_channels(w, torch.float32)
+            tensors[name] = q.float() * s
+    save_file(tensors, str(ref / "model.safetensors"))
+    with checked_llm(qwen3_path, page_size=4, quantization="fp8") as llm:
+        linears = [m for m in llm.engine.model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+        assert linears and all(m.weight.dtype == FP8 for m in linears)
+        prompts = encode_all(llm, PROMPT_TEXTS[:6])
+        got = [o.token_ids for o in llm.generate(prompts, greedy(16, ignore_eos=True))]
+    assert got == hf_greedy(ref, prompts, 16, ignore_eos=True)
+
+
+def test_quantization_fp8_quantizes_random_dummy_weights(qwen3_path):
+    with checked_llm(qwen3_path, page_size=4, quantization="fp8", load_format="dummy") as llm:
+        assert llm.engine.model.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8
+        outs = llm.generate(PROMPT_TEXTS[:3], greedy(8, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [8] * 3
+
+
+def _with_quantization_config(src, tmp_path, qc: dict):
+    import shutil
+
+    out = tmp_path / "q"
+    shutil.copytree(src, out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = qc
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_checkpoint_quantized_by_another_method_is_an_error_naming_it(qwen3_path, tmp_path):
+    path = _with_quantization_config(qwen3_path, tmp_path, {"quant_method": "awq", "bits": 4})
+    with pytest.raises(QuantizationError, match="'awq'"):
+        LLM(str(path))
+
+
+def test_compressed_tensors_int8_weights_are_an_error(qwen3_path, tmp_path):
+    from fp8_checkpoints import quantization_config
+
+    qc = quantization_config("compressed-tensors")
+    qc["config_groups"]["group_0"]["weights"].update(type="int", num_bits=8)
+    with pytest.raises(QuantizationError, match="int 8-bit"):
+        LLM(str(_with_quantization_config(qwen3_path, tmp_path, qc)))
+
+
+def test_static_activation_scales_are_an_error(qwen3_path, tmp_path):
+    from fp8_checkpoints import quantization_config
+
+    qc = {**quantization_config("fp8"), "activation_scheme": "static"}
+    with pytest.raises(QuantizationError, match="static"):
+        LLM(str(_with_quantization_config(qwen3_path, tmp_path, qc)))
+
+
+def test_an_unknown_quantization_setting_is_a_config_error(qwen3_path):
+    from cluster.config import ConfigError
+
+    with pytest.raises(ConfigError, match="quantization"):
+        LLM(str(qwen3_path), quantization="int4")
+
+
+def test_an_unquantized_weight_where_fp8_is_expected_is_an_error(hd128, tmp_path):
+    # a float32 checkpoint that claims to be FP8
+    path = _with_quantization_config(hd128, tmp_path, {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(CheckpointError, match="float8_e4m3fn"):
+        LLM(str(path))
+
+
+# -- scales shard with their weights ---------------------------------------------------------------------
+
+
+def _lazy(t: torch.Tensor):
+    """A checkpoint tensor as the loader hands it over (read in slices)."""
+
+    class Slice:
+        def get_shape(self):
+            return list(t.shape)
+
+        def __getitem__(self, index):
+            return t[index]
+
+    return LazyTensor(Slice())
+
+
+def _local_weight(layer) -> torch.Tensor:
+    return dequantize(layer.weight, layer.quant.scale_of(layer), layer.quant.block)
+
+
+@pytest.mark.parametrize("block", [None, (64, 32)])
+def test_each_rank_holds_its_rows_of_fused_parts_and_their_scales(block):
+    # gate/up of 96 rows each at tp 2: a rank's 48 rows cut a 64-row scale block, which both ranks share
+    torch.manual_seed(0)
+    parts = [torch.randn(96, 64), torch.randn(96, 64)]
+    scheme = Fp8Scheme(block=block)
+    full = []
+    for rank in range(2):
+        layer = ColumnParallelLinear(64, [96, 96], bias=False, tp=TPGroup(rank, 2))
+        Fp8Weights.attach(layer, scheme)
+        for shard, w in enumerate(parts):
+            q, s = quantize_blocks(w, block) if block else quantize_channels(w, torch.float32)
+            layer.weight_loader(layer.weight, _lazy(q), shard)
+            layer.weight_loader(getattr(layer, scheme.scale_name), _lazy(s), shard)
+            want = dequantize_blocks(q, s, block) if block else q.float() * s
+            full.append((rank, shard, want))
+        local = _local_weight(layer)
+        for r, shard, want in full:
+            if r == rank:
+                assert torch.equal(local[shard * 48 : (shard + 1) * 48], want[rank * 48 : (rank + 1) * 48])
+
+
+@pytest.mark.parametrize("block", [None, (32, 32)])
+def test_each_rank_holds_its_columns_of_a_row_parallel_weight_and_their_scales(block):
+    torch.manual_seed(1)
+    w = torch.randn(48, 128)
+    q, s = quantize_blocks(w, block) if block else quantize_channels(w, torch.float32)
+    want = dequantize_blocks(q, s, block) if block else q.float() * s
+    scheme = Fp8Scheme(block=block)
+    for rank in range(2):
+        layer = RowParallelLinear(128, 48, bias=False, tp=TPGroup(rank, 2))
+        Fp8Weights.attach(layer, scheme)
+        layer.weight_loader(layer.weight, _lazy(q))
+        layer.weight_loader(getattr(layer, scheme.scale_name), _lazy(s))
+        assert torch.equal(_local_weight(layer), want[:, rank * 64 : (rank + 1) * 64])
+
+
+def test_replicated_kv_heads_take_their_heads_scales():
+    # 1 KV head at tp 2: both ranks hold it, each its own query head
+    torch.manual_seed(2)
+    q_w, k_w, v_w = torch.randn(32, 16), torch.randn(16, 16), torch.randn(16, 16)
+    for rank in range(2):
+        layer = QKVParallelLinear(16, 16, 2, 1, bias=False, tp=TPGroup(rank, 2))
+        Fp8Weights.attach(layer, Fp8Scheme())
+        wants = []
+        for shard, w in enumerate((q_w, k_w, v_w)):
+            q, s = quantize_channels(w, torch.float32)
+            layer.weight_loader(layer.weight, _lazy(q), shard)
+            layer.weight_loader(layer.weight_scale, _lazy(s), shard)
+            wants.append(q.float() * s)
+        want = torch.cat([wants[0][rank * 16 : (rank + 1) * 16], wants[1], wants[2]])
+        assert torch.equal(_local_weight(layer), want)
+
+
+def test_a_row_parallel_shard_inside_a_scale_block_is_an_error():
+    layer = RowParallelLinear(128, 16, bias=False, tp=TPGroup(1, 2))
+    Fp8Weights.attach(layer, Fp8Scheme(block=(128, 128)))
+    q, s = quantize_blocks(torch.randn(16, 128), (128, 128))
+    with pytest.raises(CheckpointError, match="scale block"):
+        layer.weight_loader(layer.weight_scale_inv, _lazy(s))
+
+
+# -- the Triton kernels under the interpreter --------------------------------------------------------------
+
+
+@pytest.fixture
+def needs_triton():
+    pytest.importorskip("triton")
+    if gemm._fp8_kernels() is None:
+        pytest.skip("no Triton")
+
+
+def _weights(n: int, k: int, block):
+    torch.manual_seed(n * k)
+    w = torch.randn(n, k) * 0.05
+    if block is None:
+        q, s = quantize_channels(w, torch.float32)
+        return q, s.view(-1)
+    q, s = quantize_blocks(w, block)
+    return q, s.repeat_interleave(block[0], dim=0)[:n].contiguous()
+
+
+@pytest.mark.parametrize("block", [None, (32, 32)])
+def test_the_fp8_gemv_is_float32_over_the_dequantized_weight(needs_triton, block):
+    q, s = _weights(40, 96, block)
+    x = torch.randn(1, 96)
+    got = gemm.fp8_gemv(x, q, s, block, block_k=64)
+    torch.testing.assert_close(got, x @ dequantize(q, s, block).T, rtol=1e-5, atol=1e-5)
+
+
+def test_the_block_scaled_gemm_is_float32_over_the_rounded_activations_and_weights(needs_triton):
+    # 40 x 96 weight in 32-blocks, 5 rows: partial tiles everywhere
+    q, s = _weights(40, 96, (32, 32))
+    x = torch.randn(5, 96)
+    got = gemm.block_scaled_mm(x, q, s, 32)
+    xq, xs = gemm.quantize_activations_torch(x, 32)
+    want = (xq.float() * xs.repeat_interleave(32, dim=1)) @ dequantize(q, s, (32, 32)).T
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_activations_round_per_token_group_to_448_at_their_largest():
+    x = torch.tensor([[1.0, -2.0, 0.5, 4.0], [0.0, 0.0, 0.0, 0.0]])
+    q, s = gemm.quantize_activations_torch(x, 2)
+    assert s[0].tolist() == pytest.approx([2 / 448, 4 / 448])
+    assert q[0].float().abs().amax().item() == 448 and torch.equal(q[1].float(), torch.zeros(4))
+
+
+def test_the_real_model_quantized_at_load_answers_its_factual_questions(smollm2_path):
+    from test_real_model import QUESTIONS, chat_ids
+
+    from cluster.model_info import load_tokenizer
+
+    tokenizer = load_tokenizer(str(smollm2_path))
+    with checked_llm(smollm2_path, page_size=16, num_pages=256, quantization="fp8") as llm:
+        assert llm.engine.model.model.layers[0].mlp.down_proj.weight.dtype == FP8
+        outs = llm.generate([chat_ids(tokenizer, q) for q in QUESTIONS], greedy(32))
+    for (question, word), out in zip(QUESTIONS.items(), outs):
+        assert word in tokenizer.decode(out.token_ids), question

@@ -1,0 +1,116 @@
+"""FP8 weights of one linear layer: an e4m3 weight and its float32 scales, per output channel
+(`weight_scale` [N]) or per [bn, bk] block (`weight_scale_inv`, kept as [N, ceil(K / bk)]: each row holds its
+block row's scales, so fused parts of any size, and tensor-parallel shards that cut a block row, sit side by
+side). Its loader keeps a rank's shard of the weight and of the scales; its GEMM is gemm.fp8_linear."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.kernels import Kernels
+from worker.loader import CheckpointError
+from worker.quant import gemm
+from worker.quant.scheme import Fp8Scheme
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (e4m3 [N, K], float32 scales [N]) with weight ~= e4m3 * scale, each row's largest
+    magnitude at 448 (round to nearest, as torch converts)."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """The float32 weight an e4m3 weight and its scales stand for (scales as an Fp8Weights layer keeps them)."""
+    if block is None:
+        return weight.float() * scale[:, None]
+    k = weight.shape[1]
+    return weight.float() * scale.repeat_interleave(block[1], dim=1)[:, :k]
+
+
+class Fp8Weights:
+    """The quantization method of a column-, row- or QKV-parallel linear whose weight is e4m3."""
+
+    def __init__(self, block: tuple[int, int] | None, kernels: Kernels) -> None:
+        self.block = block
+        self.kernels = kernels
+
+    @staticmethod
+    def attach(layer: nn.Module, scheme: Fp8Scheme) -> None:
+        """Makes `layer` an FP8 linear. A prequantized scheme gives it empty e4m3 weights and scales for the
+        checkpoint to fill; otherwise its loaded (or random) weight is quantized now, per output channel."""
+        n, k = layer.weight.shape
+        device = layer.weight.device
+        if scheme.prequantized:
+            weight = torch.empty(n, k, dtype=FP8, device=device)
+            cols = 1 if scheme.block is None else -(-k // scheme.block[1])
+            scale = torch.full((n, cols) if scheme.block else (n,), float("nan"), device=device)
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            layer.register_parameter(scheme.scale_name, nn.Parameter(scale, requires_grad=False))
+        else:
+            weight, scale = quantize_per_channel(layer.weight.data)
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            # computed here, not read from the checkpoint: a buffer, which the loader does not expect
+            layer.register_buffer(scheme.scale_name, scale)
+        layer.quant = Fp8Weights(scheme.block, layer.kernels)
+
+    def scale_of(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight_scale_inv if self.block is not None else layer.weight_scale
+
+    # -- loading: `full` is the whole checkpoint tensor (or a lazy view); a rank keeps its shard --------
+
+    def load_rows(self, layer: nn.Module, param: nn.Parameter, full, dst: int, src: int, size: int) -> None:
+        """Output rows [src, src + size) of a (part's) weight or scales into local rows [dst, dst + size)."""
+        if param is layer.weight:
+            _check_fp8(full)
+            param.data.narrow(0, dst, size).copy_(full.narrow(0, src, size))
+            return
+        out = param.data.narrow(0, dst, size)
+        if self.block is None:
+            out.copy_(_per_row(full, src, size))
+            return
+        bn = self.block[0]
+        first, last = src // bn, -(-(src + size) // bn)
+        rows = full.narrow(0, first, last - first).float().repeat_interleave(bn, dim=0)
+        out.copy_(rows.narrow(0, src - first * bn, size))
+
+    def load_columns(self, layer: nn.Module, param: nn.Parameter, full, src: int, size: int) -> None:
+        """Input columns [src, src + size) of a row-parallel weight, and the scales that go with them."""
+        if param is layer.weight:
+            _check_fp8(full)
+            param.data.copy_(full.narrow(1, src, size))
+            return
+        n = param.shape[0]
+        if self.block is None:
+            param.data.copy_(_per_row(full, 0, n))  # every rank holds every output channel
+            return
+        bn, bk = self.block
+        if src % bk:
+            raise CheckpointError(
+                f"a row-parallel shard starts at input column {src}, inside a {bk}-wide scale block: "
+                "choose a tensor-parallel size that splits the layer at block boundaries"
+            )
+        cols = param.shape[1]
+        blocks = full.narrow(1, src // bk, cols)
+        param.data.copy_(blocks.float().repeat_interleave(bn, dim=0)[:n])
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, small: bool) -> torch.Tensor:
+        return gemm.fp8_linear(x, layer.weight, self.scale_of(layer), self.block, bias, small, self.kernels)
+
+
+def _check_fp8(full) -> None:
+    dtype = full.dtype if isinstance(full, torch.Tensor) else full.narrow(0, 0, 1).dtype
+    if dtype != FP8:
+        raise CheckpointError(f"an FP8 checkpoint's quantized weight is {dtype}, not float8_e4m3fn")
+
+
+def _per_row(full, src: int, size: int) -> torch.Tensor:
+    """Per-channel scales [N] or [N, 1] (a per-tensor one, [1] or [], stands for every row)."""
+    t = full[:] if not isinstance(full, torch.Tensor) else full
+    t = t.reshape(-1).float()
+    return t.expand(size) if t.numel() == 1 else t.narrow(0, src, size)

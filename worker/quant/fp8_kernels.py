@@ -1,0 +1,120 @@
+"""Triton kernels of worker/quant/gemm.py (a module of their own: importing it needs Triton)."""
+
+import triton
+import triton.language as tl
+
+FP8_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, x_stride, GROUP, BLOCK: tl.constexpr):
+    # one program per (row, group of GROUP columns): the group's largest magnitude, then the group
+    # divided by its scale (amax / 448), saturated, in e4m3
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    start = g * GROUP
+    end = tl.minimum(start + GROUP, K)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(start, end, BLOCK):
+        kk = k0 + offs
+        x = tl.load(x_ptr + row * x_stride + kk, mask=kk < end, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, 1e-12)
+    tl.store(s_ptr + row * tl.cdiv(K, GROUP) + g, scale)
+    for k0 in range(start, end, BLOCK):
+        kk = k0 + offs
+        x = tl.load(x_ptr + row * x_stride + kk, mask=kk < end, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * K + kk, q.to(q_ptr.dtype.element_ty), mask=kk < end)
+
+
+@triton.jit
+def block_scaled_mm_kernel(
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    a_stride,
+    as_stride,
+    b_stride,
+    bs_stride,
+    c_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # c[m, n] = sum over k-blocks j of as[m, j] * bs[n, j] * (a[m, block j] . b[n, block j]): one program per
+    # [BLOCK_M, BLOCK_N] tile of c; BLOCK_K is the scales' group, so each step's dot has one scale pair
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    a_rows = a_ptr + rm[:, None].to(tl.int64) * a_stride
+    b_rows = b_ptr + rn[None, :].to(tl.int64) * b_stride
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in range(0, tl.cdiv(K, BLOCK_K)):
+        kk = j * BLOCK_K + rk
+        k_ok = kk < K
+        a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_rows + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a_s = tl.load(as_ptr + rm * as_stride + j, mask=m_ok, other=0.0)
+        b_s = tl.load(bs_ptr + rn * bs_stride + j, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    tl.store(
+        c_ptr + rm[:, None].to(tl.int64) * c_stride + rn[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
+
+
+@triton.jit
+def fp8_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    w_stride,
+    s_stride,
+    out_stride,
+    GROUP_K,
+    M_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCKED: tl.constexpr,
+):
+    # out[m, n] = sum_k x[m, k] * w[n, k] * scale: worker/triton_kernels.py's small_linear_kernel over an
+    # e4m3 weight (half the bytes), scaled per block of GROUP_K columns in the loop, or per row at the end
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, M_BLOCK)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    acc = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        mask = n_ok[:, None] & (kk[None, :] < K)
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * w_stride + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+        if BLOCKED:
+            w = w * tl.load(s_ptr + rn[:, None] * s_stride + kk[None, :] // GROUP_K, mask=mask, other=0.0)
+        for mi in tl.static_range(M_BLOCK):
+            x = tl.load(x_ptr + tl.minimum(mi, M - 1) * x_stride + kk, mask=kk < K, other=0.0).to(tl.float32)
+            part = tl.sum(w * x[None, :], axis=1)
+            acc += tl.where(rm[:, None] == mi, part[None, :], 0.0)
+    if not BLOCKED:
+        acc = acc * tl.load(s_ptr + rn * s_stride, mask=n_ok, other=0.0)[None, :]
+    tl.store(
+        out_ptr + rm[:, None] * out_stride + rn[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & n_ok[None, :],
+    )

@@ -1,0 +1,191 @@
+"""The GEMMs of FP8 linears. On CUDA (compute capability 8.9+): at one row (batch-1 decode) a Triton GEMV
+that reads the e4m3 weight once and scales in its loop (the activations stay in bf16); per-channel weights
+otherwise through cuBLASLt (`torch._scaled_mm`, rowwise scales) after a per-token activation quantization;
+block-scaled weights through a Triton block-scaled GEMM after a per-token, per-128-column-group
+quantization. Elsewhere (the CPU) the weight is dequantized to the activations' dtype for F.linear. Nothing
+here synchronizes the host, so all of it runs inside CUDA graphs."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from worker import triton_ops
+from worker.kernels import Kernels
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None,
+    small: bool = True,
+    kernels: Kernels = Kernels(),
+) -> torch.Tensor:
+    """x [M, K] @ dequantized(weight [N, K], scale).T (+ bias). `small`: the GEMV at M = 1."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    y = _matmul(x2, weight, scale, block, small, kernels)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, weight.shape[0])
+
+
+def _matmul(x, weight, scale, block, small, kernels) -> torch.Tensor:
+    if not triton_runs(x, kernels):
+        if x.is_cuda and block is None and scaled_mm_applies(x, weight):
+            return scaled_mm(x, weight, scale)
+        return dequantized_linear(x, weight, scale, block)
+    if small and x.shape[0] == 1:
+        return fp8_gemv(x, weight, scale, block)
+    if block is None:
+        if scaled_mm_applies(x, weight):
+            return scaled_mm(x, weight, scale)
+        return dequantized_linear(x, weight, scale, block)
+    return block_scaled_mm(x, weight, scale, block[1])
+
+
+def dequantized_linear(x, weight, scale, block) -> torch.Tensor:
+    from worker.quant.fp8 import dequantize
+
+    return F.linear(x, dequantize(weight, scale, block).to(x.dtype))
+
+
+def triton_runs(x: torch.Tensor, kernels: Kernels) -> bool:
+    """The Triton FP8 kernels for x: on a GPU that converts e4m3 (8.9+), or under the interpreter (tests)."""
+    if _fp8_kernels() is None:
+        return False
+    if x.is_cuda:
+        return fp8_supported(x.device)
+    return kernels.interpret_on_cpu and kernels.triton and triton_ops._interpreter()
+
+
+def fp8_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def scaled_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """cuBLASLt's rowwise-scaled FP8 GEMM: bf16 out, both widths multiples of 16."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
+def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    xq, xs = quantize_activations(x, x.shape[1])
+    # weight [N, K] row-major is the column-major [K, N] that cuBLASLt wants as its second operand
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K / group)]): one scale per row and group of
+    `group` columns (group = K: per token), each group's largest magnitude at 448."""
+    m, k = x.shape
+    groups = -(-k // group)
+    # not under the interpreter, which rounds to e4m3 wrongly (worker/triton_ops.py cache_dtype_supported)
+    if _fp8_kernels() is not None and x.is_cuda and x.is_contiguous():
+        xq = torch.empty(m, k, dtype=FP8, device=x.device)
+        xs = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+        if m:
+            block = min(1024, triton_ops.triton.next_power_of_2(group))
+            _fp8_kernels().quantize_groups_kernel[(m, groups)](
+                x, xq, xs, k, x.stride(0), group, BLOCK=block, num_warps=4
+            )
+        return xq, xs
+    return quantize_activations_torch(x, group)
+
+
+def quantize_activations_torch(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    xs = (padded.abs().amax(dim=2) / 448.0).clamp(min=1e-12)
+    xq = (padded / xs[:, :, None]).clamp(-448.0, 448.0).to(FP8).view(m, -1)[:, :k]
+    return xq.contiguous(), xs
+
+
+def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) @ weight [N, K] e4m3 with scales [N, ceil(K / group_k)]: the activations
+    quantized per token per group_k columns, the products summed in float32 block by block."""
+    m, k = x.shape
+    n = weight.shape[0]
+    xq, xs = quantize_activations(x.contiguous(), group_k)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    # smaller row tiles for small batches: fewer wasted rows, more programs over N
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    block_n = 128
+    grid = (triton_ops.triton.cdiv(m, block_m), triton_ops.triton.cdiv(n, block_n))
+    _fp8_kernels().block_scaled_mm_kernel[grid](
+        xq,
+        xs,
+        weight,
+        scale,
+        out,
+        m,
+        n,
+        k,
+        xq.stride(0),
+        xs.stride(0),
+        weight.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=group_k,
+        num_warps=8 if block_m == 128 else 4,
+        num_stages=3,
+    )
+    return out
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] (a few rows) @ dequantized(weight).T, reading each e4m3 weight once; the scales applied in
+    float32 (per channel at the end, per block in the loop)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    block_n = block_n or (2 if n <= 2048 else 4)
+    block_k, num_warps = block_k or 1024, num_warps or 4
+    group_k = block[1] if block is not None else k
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _fp8_kernels().fp8_gemv_kernel[(triton_ops.triton.cdiv(n, block_n),)](
+        x,
+        weight,
+        scale,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        group_k,
+        M_BLOCK=triton_ops.triton.next_power_of_2(m),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCKED=block is not None,
+        num_warps=num_warps,
+    )
+    return out
+
+
+@functools.cache
+def _fp8_kernels():
+    try:
+        from worker.quant import fp8_kernels
+    except ImportError:  # no Triton here
+        return None
+    return fp8_kernels

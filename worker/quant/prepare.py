@@ -1,0 +1,51 @@
+"""The load step for quantized weights, which the model classes do not see: before a prequantized checkpoint
+is read, its linears become FP8 linears with empty weights and scales for the loader to fill; with
+`quantization="fp8"`, after the unquantized weights are loaded (or drawn), they are quantized in place."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from worker.quant.fp8 import Fp8Weights
+from worker.quant.gemm import fp8_supported
+from worker.quant.scheme import Fp8Scheme, QuantizationError
+
+
+def check_device(scheme: Fp8Scheme, device: torch.device) -> None:
+    """FP8 GEMMs need a GPU that computes in e4m3 (compute capability 8.9: Ada, Hopper, and later)."""
+    if device.type == "cuda" and not fp8_supported(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        what = "an FP8 checkpoint" if scheme.prequantized else "quantization fp8"
+        raise QuantizationError(
+            f"{what} needs a GPU of compute capability 8.9 or later (Ada, Hopper); "
+            f"{torch.cuda.get_device_name(device)} is {major}.{minor}: serve an unquantized (bf16) checkpoint"
+        )
+
+
+def quantize_linears(model: nn.Module, scheme: Fp8Scheme) -> int:
+    """Makes every column-, row- and QKV-parallel linear of `model` an FP8 linear, but those the scheme
+    leaves unquantized; returns how many it made. The unquantized weights it replaces are freed."""
+    parts_of: dict[str, list[str]] = {}
+    for part, (ours, _) in getattr(model, "packed", {}).items():
+        parts_of.setdefault(ours, []).append(part)
+    made = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            continue
+        prefix, _, last = name.rpartition(".")
+        checkpoint_names = [f"{prefix}.{p}" if prefix else p for p in parts_of.get(last, [last])]
+        skipped = [scheme.skips(n) for n in checkpoint_names]
+        if all(skipped):
+            continue
+        if any(skipped):
+            raise QuantizationError(
+                f"the checkpoint quantizes some of {', '.join(checkpoint_names)} but not all, which this server "
+                "runs as one fused layer"
+            )
+        Fp8Weights.attach(module, scheme)
+        made += 1
+    if next(model.parameters()).is_cuda:
+        torch.cuda.empty_cache()  # the bf16 weights' memory back to the device, for the KV cache's budget
+    return made

@@ -1,0 +1,116 @@
+"""Which FP8 scheme a model runs, read from its checkpoint's `quantization_config` or asked for at load:
+transformers' `quant_method: "fp8"` (block scales, `weight_scale_inv`), compressed-tensors' FP8 (per-channel
+`weight_scale`, dynamic per-token activations), or `quantization="fp8"` on an unquantized checkpoint."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from transformers import PretrainedConfig
+
+from worker.loader import CheckpointError
+
+METHODS = ("fp8",)  # what `quantization` may name
+
+
+class QuantizationError(CheckpointError):
+    """A quantization_config (or a `quantization` setting) this server cannot serve."""
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    # (rows, columns) of a weight block that shares one scale; None: one scale per output channel
+    block: tuple[int, int] | None = None
+    # the checkpoint carries fp8 weights and their scales; False: the weights are quantized at load
+    prequantized: bool = True
+    # module names left unquantized, as the format writes them (see `skips`)
+    ignore: tuple[str, ...] = field(default_factory=tuple)
+    # compressed-tensors names its ignore entries exactly or as "re:" regexes; transformers' rules differ
+    ignore_style: str = "transformers"
+
+    @property
+    def scale_name(self) -> str:
+        """The checkpoint's (and the layer's) name of the weight's scales."""
+        return "weight_scale_inv" if self.block is not None else "weight_scale"
+
+    def skips(self, module: str) -> bool:
+        """Whether the checkpoint module `module` (e.g. model.layers.0.self_attn.q_proj) stays unquantized."""
+        if self.ignore_style == "compressed-tensors":
+            return any(
+                re.match(p[3:], module) if p.startswith("re:") else module == p or module.endswith("." + p)
+                for p in self.ignore
+            )
+        # transformers' should_convert_module: a prefix (or regex) up to a module boundary, or a suffix
+        boundary = r"(?:(?<=\.)|(?=\.|$))"
+        return any(re.match(rf"(?:{p}){boundary}", module) or module.endswith(p) for p in self.ignore)
+
+
+def scheme_of(config: PretrainedConfig, quantization: str | None) -> Fp8Scheme | None:
+    """The scheme for a checkpoint's config and the `quantization` setting; None: unquantized."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict()
+    if quantization is not None and quantization not in METHODS:
+        raise QuantizationError(f"unknown quantization {quantization!r}; choose {', '.join(METHODS)}")
+    if qc is None:
+        return Fp8Scheme(prequantized=False) if quantization == "fp8" else None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        scheme = _transformers_fp8(qc)
+    elif method == "compressed-tensors":
+        scheme = _compressed_tensors(qc)
+    else:
+        raise QuantizationError(
+            f"the checkpoint is quantized with {method!r}, which this server does not load; it loads FP8 "
+            "checkpoints (quant_method fp8 or compressed-tensors FP8)"
+        )
+    return scheme
+
+
+def _transformers_fp8(qc: dict) -> Fp8Scheme:
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise QuantizationError(
+            f"FP8 activation_scheme {qc['activation_scheme']!r} is not supported; only dynamic activation scales"
+        )
+    if qc.get("scale_fmt", "float") != "float":
+        raise QuantizationError(f"FP8 scale_fmt {qc['scale_fmt']!r} is not supported; only float scales")
+    block = qc.get("weight_block_size")
+    if block is None or len(block) != 2:
+        raise QuantizationError(f"FP8 weight_block_size {block!r} is not supported; give two sizes, e.g. [128, 128]")
+    ignore = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
+    return Fp8Scheme(block=(int(block[0]), int(block[1])), ignore=tuple(ignore))
+
+
+def _compressed_tensors(qc: dict) -> Fp8Scheme:
+    fmt = qc.get("format")
+    if fmt not in (None, "float-quantized", "naive-quantized"):
+        raise QuantizationError(f"compressed-tensors format {fmt!r} is not supported; only float-quantized (FP8)")
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise QuantizationError(f"compressed-tensors with {len(groups)} config_groups is not supported; only one")
+    ((name, group),) = groups.items()
+    weights, acts = group.get("weights") or {}, group.get("input_activations")
+    if (weights.get("type"), weights.get("num_bits")) != ("float", 8):
+        raise QuantizationError(
+            f"compressed-tensors group {name!r} has {weights.get('type')} {weights.get('num_bits')}-bit weights; "
+            "only float 8-bit (FP8) weights are supported"
+        )
+    if (
+        weights.get("strategy") not in ("channel", "tensor")
+        or weights.get("dynamic")
+        or not weights.get("symmetric", True)
+    ):
+        raise QuantizationError(
+            f"compressed-tensors group {name!r}: weight strategy {weights.get('strategy')!r} is not supported; "
+            "only static symmetric channel (or tensor) scales"
+        )
+    if acts is not None and not (acts.get("dynamic") and acts.get("strategy") in ("token", None)):
+        raise QuantizationError(
+            f"compressed-tensors group {name!r}: input activations {acts.get('strategy')!r} "
+            f"(dynamic={acts.get('dynamic')}) are not supported; only dynamic per-token scales"
+        )
+    targets = group.get("targets") or ["Linear"]
+    if targets != ["Linear"]:
+        raise QuantizationError(f"compressed-tensors group {name!r} targets {targets}; only ['Linear'] is supported")
+    return Fp8Scheme(ignore=tuple(qc.get("ignore") or ()), ignore_style="compressed-tensors")
