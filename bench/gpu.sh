@@ -30,6 +30,7 @@
 #          there too, right after this tree's, so the two are compared in one call
 #   RUNS   processes per throughput figure (default 3; the table quotes the median)
 #   REPEATS  runs of (b) in its one process (default 5)
+#   TESTS  the test files `tests` runs (default: every file that holds GPU tests)
 #   CHUNKS   the prefill chunk sizes `mixed` runs at (default 2048)
 #   ARCH   the peer's architecture (default qwen3-0.6b)
 #
@@ -141,9 +142,9 @@ PY
 setup
 for suite in "$@"; do
   case $suite in
-    tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_sampling.py \
+    tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py tests/test_moe.py \
-      tests/test_fp8_gpu.py ;;
+      tests/test_fp8_gpu.py} ;;
     offline) offline offline 150 ;;
     latency)
       for tree in $(trees); do
