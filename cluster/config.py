@@ -84,6 +84,24 @@ class SchedulerConfig:
         at_least=1,
         unset="unbounded",
     )
+    speculative_method: str | None = setting(
+        None,
+        "speculative decoding: ngram proposes the tokens that followed the latest earlier occurrence of a "
+        "request's last few tokens (prompt lookup), and one step verifies them; greedy outputs are unchanged, "
+        "sampled ones keep their distribution. Requests with penalties, logit_bias, min_tokens, min_p or a "
+        "grammar decode as without it",
+        choices=("ngram",),
+        unset="off",
+    )
+    num_speculative_tokens: int = setting(
+        4, "tokens proposed per speculating request and step (with speculative_method)", at_least=1, at_most=32
+    )
+    speculative_ngram_max: int = setting(
+        4,
+        "ngram: the longest suffix of a request's tokens looked up (then shorter ones, down to 1)",
+        at_least=1,
+        at_most=64,
+    )
 
 
 @dataclass

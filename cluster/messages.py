@@ -158,6 +158,8 @@ class SchedulerStats:
     decode_tokens: int
     preempted: int  # preemptions so far (a request may be preempted more than once)
     mixed_steps: int = 0  # steps that decoded running requests beside prompt chunks
+    spec_decode_num_draft_tokens: int = 0  # tokens proposed to verify steps (speculative decoding)
+    spec_decode_num_accepted_tokens: int = 0  # of them, accepted
 
     @property
     def kv_usage(self) -> float:

@@ -37,12 +37,13 @@ class DecodeManager:
 
     def schedule(self, in_flight: frozenset[Req] | None) -> list[Req]:
         """The requests to decode this step (`in_flight`: the requests of the step in flight, if one is),
-        after making room. A constrained request whose last token is in flight waits for it: its grammar
-        must see that token before its next mask can be built."""
+        after making room. A constrained or speculating request whose last token is in flight waits for
+        it: its grammar must see that token before its next mask can be built, its next proposals follow
+        from the tokens it keeps."""
         decoding = [
             r
             for r in self.running.values()
-            if r.can_decode and not (r.matcher is not None and in_flight and r in in_flight)
+            if r.can_decode and not ((r.matcher is not None or r.speculates) and in_flight and r in in_flight)
         ]
         return self._make_room(decoding, in_flight is not None)
 
