@@ -32,6 +32,15 @@ PROMPTS = PROMPT_TEXTS + REPEATING
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=3)
 
 
+def draft_of(path, k: int = 4) -> dict:
+    """Speculation by a draft model identical to the target: every greedy proposal is the target's."""
+    return dict(speculative_method="draft", speculative_model=str(path), num_speculative_tokens=k)
+
+
+def spec_of(method: str, path) -> dict:
+    return SPEC if method == "ngram" else draft_of(path)
+
+
 def generate(path, prompts, params, **kw):
     """(token ids of each prompt's output, the scheduler's stats), the page allocator checked whole."""
     with checked_llm(path, **kw) as llm:
@@ -66,6 +75,19 @@ def test_ngram_proposes_nothing_when_no_suffix_recurs_and_at_most_k():
 def test_a_bad_speculative_setting_is_refused_naming_it(key, value):
     with pytest.raises(ConfigError, match=key):
         ReplicaConfig().override(model="m", **{key: value})
+
+
+def test_a_draft_model_is_required_with_draft_and_only_then(tmp_path, qwen3_path):
+    with pytest.raises(ConfigError, match="speculative_model"):
+        ReplicaConfig().override(model="m", speculative_method="draft").validate()
+    with pytest.raises(ConfigError, match="speculative_model"):
+        ReplicaConfig().override(model="m", speculative_model=str(qwen3_path)).validate()
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 17}))
+    config = ReplicaConfig().override(
+        model=str(qwen3_path), speculative_method="draft", speculative_model=str(tmp_path)
+    )
+    with pytest.raises(ConfigError, match="tokenizer"):
+        config.check_against_model()
 
 
 def test_speculation_is_off_by_default():
@@ -129,14 +151,25 @@ def test_greedy_with_speculation_equals_without_and_hf(model_paths, family, over
     assert on == off == hf_greedy(path, prompts, 24)
 
 
-def test_tp2_greedy_with_speculation_equals_hf(ray_cluster, qwen3_path):
-    on, stats, prompts = generate(qwen3_path, PROMPTS, greedy(16), tp_size=2, page_size=4, **SPEC)
+@pytest.mark.parametrize("overlap,page_size", [(True, 4), (False, 1)])
+def test_a_draft_identical_to_the_model_has_every_greedy_proposal_accepted(qwen3_path, overlap, page_size):
+    kw = dict(overlap=overlap, page_size=page_size)
+    on, stats, prompts = generate(qwen3_path, PROMPTS, greedy(24), **kw, **draft_of(qwen3_path))
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert on == hf_greedy(qwen3_path, prompts, 24)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_tp2_greedy_with_speculation_equals_hf(ray_cluster, qwen3_path, method):
+    kw = dict(tp_size=2, page_size=4, **spec_of(method, qwen3_path))
+    on, stats, prompts = generate(qwen3_path, PROMPTS, greedy(16), **kw)
     assert stats.spec_decode_num_accepted_tokens > 0
     assert on == hf_greedy(qwen3_path, prompts, 16)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_seeded_sampling_with_speculation_equals_without_logprobs_too(qwen3_path, overlap):
+@pytest.mark.parametrize("method,overlap", [("ngram", True), ("ngram", False), ("draft", True)])
+def test_seeded_sampling_with_speculation_equals_without_logprobs_too(qwen3_path, method, overlap):
     """The verify step keeps a token only where it is the target's own draw at that position, so a
     seeded request produces the same tokens (and logprobs) with speculation as without."""
     params = [
@@ -144,7 +177,7 @@ def test_seeded_sampling_with_speculation_equals_without_logprobs_too(qwen3_path
         for i in range(len(PROMPTS))
     ]
     kw = dict(overlap=overlap, page_size=4)
-    with checked_llm(qwen3_path, **kw, **SPEC) as llm:
+    with checked_llm(qwen3_path, **kw, **spec_of(method, qwen3_path)) as llm:
         prompts = encode_all(llm, PROMPTS)
         on = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
         stats = llm.stats()
@@ -156,12 +189,21 @@ def test_seeded_sampling_with_speculation_equals_without_logprobs_too(qwen3_path
         np.testing.assert_allclose(a, b, atol=1e-4)
 
 
-def test_pages_stay_whole_after_rejections_and_preemptions(llama_path):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_pages_stay_whole_after_rejections_and_preemptions(llama_path, method):
     # too few pages for every request's growth: speculating requests are preempted and recomputed,
     # and the rejected proposals' pages are given back each step (checked_llm checks the allocator)
     kw = dict(page_size=4, num_pages=80, decode_reserve_tokens=1)
-    on, stats, prompts = generate(llama_path, PROMPTS, greedy(24, ignore_eos=True), **kw, **SPEC)
-    assert stats.preempted > 0 and stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens > 0
+    with checked_llm(llama_path, **kw, **spec_of(method, llama_path)) as llm:
+        prompts = encode_all(llm, PROMPTS)
+        on = [o.token_ids for o in llm.generate(prompts, greedy(24, ignore_eos=True))]
+        stats = llm.stats()
+        if method == "draft":  # the draft's own pages are back too
+            draft = llm.scheduler.spec.draft
+            assert draft.allocator.num_free == draft.allocator.num_pages and not draft.seqs
+    assert stats.preempted > 0 and stats.spec_decode_num_accepted_tokens > 0
+    if method == "ngram":
+        assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens  # some rejected
     assert on == hf_greedy(llama_path, prompts, 24, ignore_eos=True)
 
 

@@ -24,6 +24,7 @@ from cluster.sampling_params import SamplingParams
 from cluster.scheduler.batch_builder import Batch, BatchBuilder
 from cluster.scheduler.cache_manager import CacheManager
 from cluster.scheduler.decode import DecodeManager
+from cluster.scheduler.draft import DraftProposer
 from cluster.scheduler.executor import Executor, ReplicaBrokenError
 from cluster.scheduler.grammars import Grammars
 from cluster.scheduler.prefill import PrefillManager
@@ -76,9 +77,11 @@ class Scheduler:
         vocab_size: int | None = None,
         max_logit_bias: int | None = None,
         grammars: Grammars | None = None,
+        draft: DraftProposer | None = None,
     ) -> None:
         """`vocab_size` and `max_logit_bias` (the engine's) bound what logit_bias may name; None: unchecked.
-        `grammars` compiles and matches constrained requests; None: they are refused."""
+        `grammars` compiles and matches constrained requests; None: they are refused. `draft`: the
+        draft-model proposer, with speculative_method draft."""
         self.config, self.executor = config, executor
         self.max_seq_len, self.eos_ids = max_seq_len, frozenset(eos_ids)
         self.limits = RequestLimits(max_seq_len, vocab_size, max_logit_bias, self.eos_ids)
@@ -90,7 +93,7 @@ class Scheduler:
         self.prefill = PrefillManager(self.cache, self.req_slots, config)
         self.decode = DecodeManager(self.cache, self.prefill, self._free)
         self.builder = BatchBuilder(self.cache, self.eos_ids, max_running_reqs, grammars)
-        self.spec = Speculator(config, self.cache) if config.speculative_method is not None else None
+        self.spec = Speculator(config, self.cache, draft) if config.speculative_method is not None else None
         self.reqs: dict[int, Req] = {}  # every live request, by uid
         self.finished_reqs: set[Req] = set()  # left the batch in flight: its result there is dropped
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -217,6 +220,8 @@ class Scheduler:
         """Gives back a request's pages (its computed ones go to the prefix cache) and its request slot
         (released once the batch in flight is done); a result of it in that batch will be dropped."""
         self.cache.release(req, min(req.cached_len, len(req.input_ids)))
+        if self.spec is not None:
+            self.spec.release(req)
         self.req_slots.free(req.slot)
         req.slot = -1
         if self.in_flight is not None and req in self.in_flight.req_set:

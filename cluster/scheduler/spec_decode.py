@@ -1,6 +1,7 @@
 """Speculative decoding on the scheduler's side: which requests speculate, the tokens proposed for
-each row of a decode step (bounded by its remaining length, the step's token budget and the KV pages
-available), and a request's state once its verify step's result says how many it kept.
+each row of a decode step (by n-gram lookup, ngram.py, or a draft model, draft.py; bounded by its
+remaining length, the step's token budget and the KV pages available), and a request's state once
+its verify step's result says how many it kept.
 
 A speculating request waits for its own result before its next step (as a constrained one does): its
 next proposals depend on the tokens it keeps, which the host learns only then. The requests that do
@@ -11,13 +12,15 @@ from __future__ import annotations
 
 from cluster.config import SchedulerConfig
 from cluster.scheduler.cache_manager import CacheManager
+from cluster.scheduler.draft import DraftProposer
 from cluster.scheduler.ngram import propose_ngram
 from cluster.scheduler.req import Req
 
 
 class Speculator:
-    def __init__(self, config: SchedulerConfig, cache: CacheManager) -> None:
-        self.cache = cache
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, draft: DraftProposer | None = None) -> None:
+        """`draft`: the draft-model proposer (speculative_method draft); None: n-gram lookup."""
+        self.cache, self.draft = cache, draft
         self.k, self.n_max = config.num_speculative_tokens, config.speculative_ngram_max
         self.max_step_tokens = config.max_extend_tokens
         self.num_draft_tokens = 0  # proposed, over every verify step
@@ -26,21 +29,32 @@ class Speculator:
     def propose(self, decoding: list[Req]) -> list[list[int]] | None:
         """Each row's proposals ([] for a row that does not speculate or found none); None when no row
         has any (a plain decode step). The pages they need come from what the step leaves available."""
+        caps = self._caps(decoding)
+        if not any(caps):
+            return None
+        if self.draft is not None:
+            drafts = self.draft.propose(decoding, caps)
+        else:
+            drafts = [propose_ngram(r.input_ids, k, self.n_max) if k else [] for r, k in zip(decoding, caps)]
+        return drafts if any(drafts) else None
+
+    def _caps(self, decoding: list[Req]) -> list[int]:
+        """How many tokens each row may verify: within its max_tokens (the proposals and the token after
+        them), the step's token budget and the KV pages the step leaves available."""
         cache = self.cache
         pages = cache.available - sum(cache.extra_pages(r, r.cached_len + 1) for r in decoding)
         tokens = self.max_step_tokens - len(decoding)
-        drafts: list[list[int]] = []
+        caps = []
         for req in decoding:
-            # at most max_tokens in all: the proposals and the token after them
-            room = min(self.k, req.max_device_len - len(req.input_ids) - 1, tokens)
-            found = propose_ngram(req.input_ids, room, self.n_max) if req.speculates and room > 0 else []
+            k = min(self.k, req.max_device_len - len(req.input_ids) - 1, tokens) if req.speculates else 0
             base = cache.extra_pages(req, req.cached_len + 1)
-            while found and cache.extra_pages(req, req.cached_len + 1 + len(found)) - base > pages:
-                found.pop()
-            pages -= cache.extra_pages(req, req.cached_len + 1 + len(found)) - base
-            tokens -= len(found)
-            drafts.append(found)
-        return drafts if any(drafts) else None
+            while k > 0 and cache.extra_pages(req, req.cached_len + 1 + k) - base > pages:
+                k -= 1
+            k = max(k, 0)
+            pages -= cache.extra_pages(req, req.cached_len + 1 + k) - base
+            tokens -= k
+            caps.append(k)
+        return caps
 
     def accept(self, req: Req, num_drafts: int, num_new: int) -> None:
         """req's verify row proposed num_drafts tokens and keeps num_new samples (the accepted proposals
@@ -49,5 +63,12 @@ class Speculator:
         req.cached_len -= rejected
         req.device_len -= rejected
         self.cache.trim(req, req.cached_len)
+        if self.draft is not None:
+            self.draft.accept(req, num_new)
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_new - 1
+
+    def release(self, req: Req) -> None:
+        """req gave its pages and slot back (it ended or was preempted)."""
+        if self.draft is not None:
+            self.draft.release(req)
