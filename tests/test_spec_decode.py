@@ -290,3 +290,39 @@ def test_the_server_streams_stop_strings_and_logprobs_and_exports_spec_decode_co
         >= counters["raylm:spec_decode_num_accepted_tokens_total"]
         > 0
     ), json.dumps(counters)
+
+
+# -- on the GPU (bench/gpu.sh tests) ---------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_on_gpu_greedy_with_speculation_equals_hf_in_float32(qwen3_path, method):
+    from worker.kernels import Kernels
+
+    kw = dict(kernels=Kernels(attention="torch"), dtype="float32", num_pages=16384, page_size=4)
+    with checked_llm(qwen3_path, **kw, **spec_of(method, qwen3_path)) as llm:
+        assert llm.engine.device.type == "cuda"
+        prompts = encode_all(llm, PROMPTS)
+        outs = [o.token_ids for o in llm.generate(prompts, greedy(24))]
+        stats = llm.stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert outs == hf_greedy(qwen3_path, prompts, 24)
+
+
+@pytest.mark.gpu
+def test_on_gpu_a_draft_identical_to_the_model_verifies_with_flashinfer_in_bfloat16(tmp_path):
+    """FlashInfer's prefill kernels verify, its decode kernels (in CUDA graphs) draft: in bfloat16 the two
+    round differently, so near-ties may part; nearly every proposal must still be accepted."""
+    from tiny_checkpoints import build_qwen3_hd128, random_prompts
+
+    from worker.attention.flashinfer_backend import FlashInferBackend
+
+    path = build_qwen3_hd128(tmp_path / "qwen3_hd128")
+    kw = dict(dtype="bfloat16", num_pages=16384, max_running_reqs=16, **draft_of(path))
+    with checked_llm(path, **kw) as llm:
+        assert isinstance(llm.engine.attn, FlashInferBackend)
+        outs = llm.generate(random_prompts(12, 5, 60), greedy(40, ignore_eos=True))
+        stats = llm.stats()
+    assert all(len(o.token_ids) == 40 for o in outs)
+    assert stats.spec_decode_num_accepted_tokens >= 0.9 * stats.spec_decode_num_draft_tokens > 0
