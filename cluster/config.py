@@ -103,6 +103,12 @@ class SchedulerConfig:
     num_speculative_tokens: int = setting(
         4, "tokens proposed per speculating request and step (with speculative_method)", at_least=1, at_most=32
     )
+    speculative_max_batch: int = setting(
+        32,
+        "decode steps of more requests than this verify no proposals (at large batches a step is "
+        "compute-bound: verifying k more tokens a request costs more than the tokens it saves)",
+        at_least=1,
+    )
     speculative_ngram_max: int = setting(
         4,
         "ngram: the longest suffix of a request's tokens looked up (then shorter ones, down to 1)",

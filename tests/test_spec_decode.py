@@ -189,6 +189,21 @@ def test_seeded_sampling_with_speculation_equals_without_logprobs_too(qwen3_path
         np.testing.assert_allclose(a, b, atol=1e-4)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_speculation_turns_off_and_on_as_the_batch_crosses_its_bound(qwen3_path, overlap):
+    """At most 3 requests run and at most 2 speculate: as requests end and others are admitted, steps
+    go from verifying to plain decoding while verify steps are in flight, and back."""
+    texts = REPEATING * 4
+    params = [greedy(8 + 8 * (i % 4), ignore_eos=True) for i in range(len(texts))]
+    kw = dict(overlap=overlap, page_size=4, max_running_reqs=3, speculative_max_batch=2)
+    with checked_llm(qwen3_path, **kw, **SPEC) as llm:
+        prompts = encode_all(llm, texts)
+        on = [o.token_ids for o in llm.generate(prompts, params)]
+        stats = llm.stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert on == [hf_greedy(qwen3_path, [p], x.max_tokens, ignore_eos=True)[0] for p, x in zip(prompts, params)]
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_pages_stay_whole_after_rejections_and_preemptions(llama_path, method):
     # too few pages for every request's growth: speculating requests are preempted and recomputed,

@@ -146,6 +146,7 @@ class BatchBuilder:
                 locs.append(self.cache.locations(req, pos, pos + n))
                 req.cached_len += n
                 req.device_len += n
+                req.verifying = bool(d)
                 seq_lens.append(req.cached_len)
             return np.concatenate(locs), seq_lens
         locs = np.empty(len(reqs), dtype=np.int32)

@@ -233,10 +233,13 @@ class Scheduler:
         """The next step. With mixed steps: every running decode, and beside them the prompt chunks that
         fit the token budget; else a prefill if any waiting request can be admitted, else a decode."""
         in_flight = self.in_flight.rows if self.in_flight is not None else frozenset()
+        in_flight_reqs = self.in_flight.req_set if self.in_flight is not None else None
+        # decided before choosing the rows: a speculating request then waits for its own result
+        speculating = self.spec is not None and self.spec.active(len(self.decode.running))
         decoding: list[Req] = []
         budget = None
         if self.config.mixed_steps and self.decode.running:
-            decoding = self.decode.schedule(self.in_flight.req_set if self.in_flight is not None else None)
+            decoding = self.decode.schedule(in_flight_reqs, speculating)
             budget = self.config.max_extend_tokens - len(decoding)
         chosen = []
         if self.prefill.waiting and (budget is None or budget > 0):
@@ -249,11 +252,11 @@ class Scheduler:
                     self.decode.add(req)
             return batch
         if not self.config.mixed_steps:
-            decoding = self.decode.schedule(self.in_flight.req_set if self.in_flight is not None else None)
+            decoding = self.decode.schedule(in_flight_reqs, speculating)
         if not decoding:
             return None
         # proposals only in decode steps: a step with prompt chunks has given their pages out already
-        return self.builder.decode(decoding, self.spec.propose(decoding) if self.spec is not None else None)
+        return self.builder.decode(decoding, self.spec.propose(decoding) if speculating else None)
 
     # -- the two loops -------------------------------------------------------------------------------
 

@@ -3,9 +3,10 @@ each row of a decode step (by n-gram lookup, ngram.py, or a draft model, draft.p
 remaining length, the step's token budget and the KV pages available), and a request's state once
 its verify step's result says how many it kept.
 
-A speculating request waits for its own result before its next step (as a constrained one does): its
-next proposals depend on the tokens it keeps, which the host learns only then. The requests that do
-not speculate go on in the overlap loop beside it. At launch a verify row advances as if every
+While speculation is active (at most speculative_max_batch requests decode), a speculating request
+waits for its own result before its next step (as a constrained one does): its next proposals depend
+on the tokens it keeps, which the host learns only then. The requests that do not speculate go on in
+the overlap loop beside it. At launch a verify row advances as if every
 proposal were kept; `accept` moves it back to what was and trims the pages of the rejected positions."""
 
 from __future__ import annotations
@@ -23,8 +24,14 @@ class Speculator:
         self.cache, self.draft = cache, draft
         self.k, self.n_max = config.num_speculative_tokens, config.speculative_ngram_max
         self.max_step_tokens = config.max_extend_tokens
+        self.max_batch = config.speculative_max_batch
         self.num_draft_tokens = 0  # proposed, over every verify step
         self.num_accepted_tokens = 0  # of them, kept
+
+    def active(self, num_running: int) -> bool:
+        """Whether the next step speculates: only while few requests decode. Else no request waits for
+        its own result, and every one decodes in the overlap loop."""
+        return num_running <= self.max_batch
 
     def propose(self, decoding: list[Req]) -> list[list[int]] | None:
         """Each row's proposals ([] for a row that does not speculate or found none); None when no row
@@ -60,6 +67,7 @@ class Speculator:
         """req's verify row proposed num_drafts tokens and keeps num_new samples (the accepted proposals
         and one more): its KV covers its input and the accepted ones; the rest is given back."""
         rejected = num_drafts + 1 - num_new
+        req.verifying = False
         req.cached_len -= rejected
         req.device_len -= rejected
         self.cache.trim(req, req.cached_len)
@@ -70,5 +78,6 @@ class Speculator:
 
     def release(self, req: Req) -> None:
         """req gave its pages and slot back (it ended or was preempted)."""
+        req.verifying = False
         if self.draft is not None:
             self.draft.release(req)
