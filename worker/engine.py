@@ -7,7 +7,9 @@ the step in flight does not read, so they overlap its forward; then it waits for
 (`inputs_free`), the last reader of the attention buffers, and plans attention into them, which
 overlaps that step's LM head and sampling. The compute stream waits for it, runs the forward (a CUDA graph for
 decode), samples, writes the sampled tokens into the token pool and copies them to the host. Nothing
-here synchronizes the device; the host waits only on `StepOutput.done`."""
+here synchronizes the device; the host waits only on `StepOutput.done`. A step that verifies proposed
+tokens (speculative decoding: `desc.spec_lens`) is an extend step, run eagerly, that samples at every
+proposal's position and counts on the device how many samples each row keeps (sampling/verify.py)."""
 
 from __future__ import annotations
 
