@@ -19,6 +19,8 @@
 #   sampling       what penalties, filters and grammars cost beside plain sampling
 #   online         the HTTP path against the offline engine at concurrency 1 and 256
 #   hops           where the online TTFT goes at concurrency 1: each hop's mean beside the offline TTFT
+#   spec           speculative decoding: batch 1 ms per token and decode throughput at 64 and 256, off,
+#                  n-gram and a draft identical to the target (random weights, greedy)
 #   real           the real model (SmolLM2-135M-Instruct's GGUF) in bf16 against transformers' bf16, and
 #                  bench/real_text.py; the file from .real/ (split parts, carried over calls) or the cache
 #   peer           mini-sglang on the same token lists ((a) and (b); needs .peer/, see ../shared/peer)
@@ -144,7 +146,7 @@ for suite in "$@"; do
   case $suite in
     tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py tests/test_moe.py \
-      tests/test_fp8_gpu.py} ;;
+      tests/test_fp8_gpu.py tests/test_spec_decode.py} ;;
     offline) offline offline 150 ;;
     latency)
       for tree in $(trees); do
@@ -185,6 +187,8 @@ for suite in "$@"; do
     hops)
       step first_token_hops 300 python3 bench/first_token_hops.py --arch qwen3-0.6b --num-prompts 48 \
         --input-len 100 1024 --output-len 100 1024 --out "$OUT/first_token_hops.json" ;;
+    spec)
+      step spec 480 python3 bench/spec_decode.py --batches 1 64 256 --out "$OUT/spec.json" ;;
     peer)
       [ -f .peer/run_minisgl.sh ] || { log "peer: no .peer/ (../shared/peer/README.md makes it)"; continue; }
       OUT=$OUT step peer 540 bash .peer/run_minisgl.sh bench --arch "${ARCH:-qwen3-0.6b}" ;;

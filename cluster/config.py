@@ -85,6 +85,37 @@ class SchedulerConfig:
         at_least=1,
         unset="unbounded",
     )
+    speculative_method: str | None = setting(
+        None,
+        "speculative decoding: proposed tokens verified in one step, greedy outputs unchanged and sampled ones "
+        "keeping their distribution. ngram proposes the tokens that followed an earlier occurrence of a "
+        "request's last few tokens (prompt lookup); draft, a smaller model's greedy continuation "
+        "(speculative_model). Requests with penalties, logit_bias, min_tokens, min_p or a grammar decode as "
+        "without it",
+        choices=("ngram", "draft"),
+        unset="off",
+    )
+    speculative_model: str | None = setting(
+        None,
+        "draft: a local model folder with the model's tokenizer (its vocabulary), run on rank 0's device "
+        "with a KV cache of as many pages as the model's (leave memory for it: gpu_memory_utilization)",
+        unset="none",
+    )
+    num_speculative_tokens: int = setting(
+        4, "tokens proposed per speculating request and step (with speculative_method)", at_least=1, at_most=32
+    )
+    speculative_max_batch: int = setting(
+        32,
+        "decode steps of more requests than this verify no proposals (at large batches a step is "
+        "compute-bound: verifying k more tokens a request costs more than the tokens it saves)",
+        at_least=1,
+    )
+    speculative_ngram_max: int = setting(
+        4,
+        "ngram: the longest suffix of a request's tokens looked up (then shorter ones, down to 1)",
+        at_least=1,
+        at_most=64,
+    )
 
 
 @dataclass
@@ -142,6 +173,12 @@ class ReplicaConfig:
             s.check(s.get(self))
         if not self.model:
             raise ConfigError("model", "is required: a local model folder or a Hugging Face id")
+        sched = self.scheduler
+        if (sched.speculative_method == "draft") != (sched.speculative_model is not None):
+            raise ConfigError(
+                "speculative_model",
+                "is the draft model's folder: give it with speculative_method draft, and only then",
+            )
 
     def check_against_model(self) -> None:
         """What only the model's config.json can tell: the context and how its layers split across ranks.
@@ -150,6 +187,8 @@ class ReplicaConfig:
             hf_config = json.loads((Path(self.model) / "config.json").read_text())
         except (OSError, ValueError):
             return
+        if (draft := self.scheduler.speculative_model) is not None:
+            self._check_draft(Path(draft), hf_config)
         context = hf_config.get("max_position_embeddings")
         if context and self.engine.max_seq_len and self.engine.max_seq_len > context:
             raise ConfigError(
@@ -169,6 +208,19 @@ class ReplicaConfig:
                 "tp_size",
                 f"must divide the model's {heads} attention heads and its MLP widths ({named}), "
                 f"and divide or be a multiple of its {kv_heads} KV heads; not {self.tp_size}",
+            )
+
+    @staticmethod
+    def _check_draft(folder: Path, hf_config: dict) -> None:
+        try:
+            draft = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError("speculative_model", f"must be a local model folder with a config.json: {e}") from None
+        if draft.get("vocab_size") != hf_config.get("vocab_size"):
+            raise ConfigError(
+                "speculative_model",
+                f"must share the model's tokenizer: its vocabulary has {draft.get('vocab_size')} tokens, "
+                f"the model's {hf_config.get('vocab_size')}",
             )
 
     def replica_config(self) -> ReplicaConfig:

@@ -201,6 +201,8 @@ class SchedulerStats:
     mixed_steps: int = 0  # steps that decoded running requests beside prompt chunks
     queued_tokens: int = 0  # prompt tokens the waiting requests have yet to prefill
     oldest_wait_s: float = 0.0  # how long the request waiting longest has been here (its TTFT so far, at least)
+    spec_decode_num_draft_tokens: int = 0  # tokens proposed to verify steps (speculative decoding)
+    spec_decode_num_accepted_tokens: int = 0  # of them, accepted
 
     @property
     def kv_usage(self) -> float:

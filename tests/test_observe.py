@@ -21,6 +21,9 @@ from prometheus_client import generate_latest
 from cluster.messages import ReplicaStats, SchedulerStats
 from router.replicas.generation import Timing
 
+# the speculative-decoding counters of a replica's stats, for stand-ins of them
+_NO_SPEC_DECODE = {"spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0}
+
 MAX_TOKENS = 7
 
 
@@ -188,7 +191,7 @@ class _Client:
 def test_a_replica_that_does_not_answer_is_left_out_of_the_scrape_without_holding_it_up():
     from router.http.metrics import RouterMetrics
 
-    stats = SimpleNamespace(running=2, waiting=1, kv_usage=0.25, prefix_hit_rate=0.5, preempted=3)
+    stats = SimpleNamespace(running=2, waiting=1, kv_usage=0.25, prefix_hit_rate=0.5, preempted=3, **_NO_SPEC_DECODE)
     answering, stuck = _Client(0, _StatsActor(stats)), _Client(1, _StatsActor())
     metrics = RouterMetrics("m")
     metrics.replica_gauges.timeout_s = 0.2
@@ -274,7 +277,7 @@ def test_the_grafana_dashboard_queries_only_metrics_that_are_exported():
     router.finished("stop", 3, timing)
     router.fleet.set(2, 1)
     router.replica_gauges._stats = {
-        0: SimpleNamespace(running=1, waiting=0, kv_usage=0.1, prefix_hit_rate=0.0, preempted=0)
+        0: SimpleNamespace(running=1, waiting=0, kv_usage=0.1, prefix_hit_rate=0.0, preempted=0, **_NO_SPEC_DECODE)
     }
     exported = {
         line.split("{")[0].split(" ")[0]

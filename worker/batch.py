@@ -41,6 +41,10 @@ class BatchDesc:
     # constrained rows (grammars): which rows of the batch, and their allowed next tokens (one bit a token)
     grammar_rows: np.ndarray | None = None  # int32 [G]
     grammar_mask: np.ndarray | None = None  # int32 [G, W]
+    # speculative decoding (an extend step): tokens proposed per row, which follow the row's input at
+    # the end of its extend; a row with s of them samples at its last s + 1 positions, and keeps the
+    # samples up to the first that differs from its proposal. None: every row samples once.
+    spec_lens: np.ndarray | None = None  # int32 [B]
 
     @property
     def batch_size(self) -> int:
@@ -90,6 +94,7 @@ _LAYOUT = (
     "prompt_logprobs",
     "grammar_rows",
     "grammar_words",
+    "has_spec",
 )
 LAYOUT_LEN = len(_LAYOUT)
 
@@ -119,6 +124,7 @@ _SECTIONS = tuple(
             ("plp_target", _I32, "plp"),
             ("grammar_rows", _I32, "grammar_rows"),
             ("grammar_mask", _I32, "grammar_mask"),
+            ("spec_lens", _I32, "B_spec"),
             ("init_sparse_ban", _U8, "init_sparse"),
             *((c.name, c.dtype, f"B_{c.group}" if c.group in _OPTIONAL_GROUPS else "B") for c in COLUMNS),
         ),
@@ -147,6 +153,7 @@ def desc_layout(desc: BatchDesc) -> tuple[int, ...]:
         desc.prompt_logprobs,
         0 if desc.grammar_rows is None else len(desc.grammar_rows),
         0 if desc.grammar_mask is None else desc.grammar_mask.shape[1],
+        int(desc.spec_lens is not None),
     )
 
 
@@ -157,6 +164,7 @@ def _counts(layout: tuple[int, ...]) -> dict[str, int]:
         **{f"B_{g}": v["B"] * v[f"has_{g}"] for g in _OPTIONAL_GROUPS},
         "T_ids": v["T"] * v["has_ids"],
         "grammar_mask": v["grammar_rows"] * v["grammar_words"],
+        "B_spec": v["B"] * v["has_spec"],
     }
 
 
@@ -247,6 +255,7 @@ def unpack_desc(layout: tuple[int, ...], payload: np.ndarray) -> BatchDesc:
         plp_target=a["plp_target"] if v["plp"] else None,
         grammar_rows=a["grammar_rows"] if v["grammar_rows"] else None,
         grammar_mask=a["grammar_mask"].reshape(v["grammar_rows"], v["grammar_words"]) if v["grammar_rows"] else None,
+        spec_lens=a["spec_lens"] if v["has_spec"] else None,
     )
 
 
@@ -265,9 +274,11 @@ class ForwardBatch:
 
 @dataclass
 class StepOutput:
-    """The sampled tokens of a step, copied to host memory asynchronously; `done` marks the copy."""
+    """The sampled tokens of a step, copied to host memory asynchronously; `done` marks the copy. With
+    speculative decoding (desc.spec_lens) a row has spec_len + 1 samples, back to back, and keeps the
+    first `num_new` of them; the logprobs are of every sample."""
 
-    next_tokens: torch.Tensor  # int32 [B] on the host
+    next_tokens: torch.Tensor  # int32 [B] (with spec_lens: [sum(spec_lens + 1)]) on the host
     done: object  # an event with synchronize()
     logprobs: torch.Tensor | None = None  # float32 [B] on the host
     top_ids: torch.Tensor | None = None  # int32 [B, k]
@@ -276,3 +287,4 @@ class StepOutput:
     prompt_logprobs: torch.Tensor | None = None  # float32 [P]
     prompt_top_ids: torch.Tensor | None = None  # int32 [P, k]
     prompt_top_logprobs: torch.Tensor | None = None  # float32 [P, k]
+    num_new: torch.Tensor | None = None  # int32 [B] with spec_lens: the samples each row keeps (1 ..)

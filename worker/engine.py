@@ -7,7 +7,9 @@ the step in flight does not read, so they overlap its forward; then it waits for
 (`inputs_free`), the last reader of the attention buffers, and plans attention into them, which
 overlaps that step's LM head and sampling. The compute stream waits for it, runs the forward (a CUDA graph for
 decode), samples, writes the sampled tokens into the token pool and copies them to the host. Nothing
-here synchronizes the device; the host waits only on `StepOutput.done`."""
+here synchronizes the device; the host waits only on `StepOutput.done`. A step that verifies proposed
+tokens (speculative decoding: `desc.spec_lens`) is an extend step, run eagerly, that samples at every
+proposal's position and counts on the device how many samples each row keeps (sampling/verify.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from worker.sampling.logprobs import prompt_logprobs, token_logprobs
 from worker.sampling.processors import ProcessorState
 from worker.sampling.resample import redraw
 from worker.sampling.step_sampler import StepSampler
+from worker.sampling.verify import SpecRows, accepted, spec_rows
 from worker.staging import PinnedStaging, Staged, upload_record
 from worker.startup import StartupTimes, timed
 from worker.stream import HostWaits, new_event, new_stream, use_stream
@@ -117,6 +120,7 @@ class StepInputs(Generic[A]):
     input_ids: A | None = None  # int32 [T] (prefill)
     token_idx: A | None = None  # int64 (prefill): token-pool cells of the prompt tokens given
     token_read: A | None = None  # int64 [B] (decode) or [T] (mixed): token-pool cells of the inputs
+    spec: SpecRows | None = None  # an extend step that verifies proposals: where each row samples
     staged: Staged | None = None  # the device twin's slot: release(stream) once the step's last reader is enqueued
 
 
@@ -295,12 +299,22 @@ class Engine:
             token_slots = np.repeat(slots, ext)
         else:
             positions, token_slots = seq - 1, slots
-        token_write = slots * pool_row + seq  # where each sampled token goes
-        columns = desc_columns(desc)
+        sample_pos, columns, sampled = seq, desc_columns(desc), desc
+        spec = None
+        if desc.spec_lens is not None:  # every row samples at its last spec_len + 1 positions
+            spec = spec_rows(desc.spec_lens, desc.seq_lens, ends, desc.input_ids)
+            sample_pos, slots_of = spec.sample_pos, slots[spec.rows]
+            columns = {name: values[spec.rows] for name, values in columns.items()}
+            if desc.grammar_rows is not None:
+                sampled = replace(desc, grammar_rows=spec.row_start[desc.grammar_rows].astype(np.int32))
+        else:
+            slots_of = slots
+        token_write = slots_of * pool_row + sample_pos  # where each sampled token goes
         s = StepInputs(
             page_idx=token_slots * self.max_seq_len + positions,
             page_val=desc.out_loc.astype(np.int32),
-            sampling=stage_sampling(desc, columns, bs, seq, token_write, self.proc_state),
+            sampling=stage_sampling(sampled, columns, bs, sample_pos, token_write, self.proc_state),
+            spec=spec,
         )
         if desc.prefix_slots:
             s.prefix_idx = np.concatenate(
@@ -331,7 +345,7 @@ class Engine:
                     s.input_ids, s.token_idx = desc.input_ids.astype(np.int32), cells
                 else:
                     s.input_ids, s.token_idx, s.token_read = desc.input_ids[given].astype(np.int32), cells[given], cells
-                s.last_idx = ends - 1
+                s.last_idx = ends - 1 if spec is None else spec.last_idx
             else:
                 s.token_read = slots * pool_row + seq - 1
         s.staged = upload_record(self.staging, s)  # s now holds the device views
@@ -386,6 +400,9 @@ class Engine:
             else:
                 logits, next_tokens, scored = self._forward_eager(desc, batch, s)
             out = self._to_host(next_tokens, logits, desc.top_logprobs)
+            if s.spec is not None:
+                sp = s.spec
+                out.num_new = self._host_copy(accepted(next_tokens, sp.drafts, sp.rows, sp.row_start))
             if scored is not None:
                 chosen, values, ids = scored
                 out.prompt_logprobs = self._host_copy(chosen)
@@ -428,9 +445,11 @@ class Engine:
         self.inputs_free.record(self.stream)
         logits = self.model.compute_logits(hidden[batch.last_idx] if desc.is_prefill else hidden)
         sp = s.sampling
-        next_tokens = self.sampler(
-            logits, sp.args(batch.seq_lens, desc.batch_size), procs=sp.procs, filtered=sp.filtered
-        )
+        if s.spec is None:
+            sample_pos, rows = batch.seq_lens, desc.batch_size
+        else:
+            sample_pos, rows = s.spec.sample_pos, len(s.spec.rows)
+        next_tokens = self.sampler(logits, sp.args(sample_pos, rows), procs=sp.procs, filtered=sp.filtered)
         scored = None
         if sp.plp_idx is not None:
             scored = prompt_logprobs(self.model.compute_logits, hidden, sp.plp_idx, sp.plp_target, desc.prompt_logprobs)

@@ -24,6 +24,7 @@ class ReplicaMetrics:
         self._last = time.monotonic()
         self._tokens_since = 0
         self._preempted = 0
+        self._drafted = self._accepted = 0
         self.running = Gauge("raylm_num_running_reqs", "Requests decoding", _TAGS)
         self.queued = Gauge("raylm_num_queue_reqs", "Requests waiting for prefill", _TAGS)
         self.token_usage = Gauge("raylm_token_usage", "KV-cache pages in use / all pages", _TAGS)
@@ -32,6 +33,12 @@ class ReplicaMetrics:
         self.prompt_tokens = Counter("raylm_prompt_tokens", "Prompt tokens of admitted requests", _TAGS)
         self.generation_tokens = Counter("raylm_generation_tokens", "Generated tokens", _TAGS)
         self.preemptions = Counter("raylm_num_preemptions", "Requests preempted for KV pages (recomputed later)", _TAGS)
+        self.spec_draft_tokens = Counter(
+            "raylm_spec_decode_num_draft_tokens", "Tokens proposed to verify steps (speculative decoding)", _TAGS
+        )
+        self.spec_accepted_tokens = Counter(
+            "raylm_spec_decode_num_accepted_tokens", "Proposed tokens the verify steps accepted", _TAGS
+        )
         self.requests = Counter(
             "raylm_request_success", "Requests that ran to their end (stop, length)", _TAGS + ("finish_reason",)
         )
@@ -97,6 +104,12 @@ class ReplicaMetrics:
         if s.preempted > self._preempted:
             self.preemptions.inc(s.preempted - self._preempted, tags)
             self._preempted = s.preempted
+        if s.spec_decode_num_draft_tokens > self._drafted:
+            self.spec_draft_tokens.inc(s.spec_decode_num_draft_tokens - self._drafted, tags)
+            self._drafted = s.spec_decode_num_draft_tokens
+        if s.spec_decode_num_accepted_tokens > self._accepted:
+            self.spec_accepted_tokens.inc(s.spec_decode_num_accepted_tokens - self._accepted, tags)
+            self._accepted = s.spec_decode_num_accepted_tokens
         self._tokens_since = 0
         self._last = now
 

@@ -43,17 +43,24 @@ class BatchBuilder:
         # request slots whose page-table row changed on the host, written by the next step
         self.rewrite_slots: dict[int, Req] = {}
 
-    def prefill(self, chosen: list[tuple[Req, int]], decoding: list[Req] | tuple = ()) -> Batch:
+    def prefill(
+        self, chosen: list[tuple[Req, int]], decoding: list[Req] | tuple = (), drafts: list[list[int]] | None = None
+    ) -> Batch:
         """A prefill step over (request, tokens to compute) pairs; with `decoding`, a mixed step whose
         first rows decode those requests (one token each, read from the token pool on the device: the
-        host may not know it yet), so that no running decode waits for a prompt."""
+        host may not know it yet), so that no running decode waits for a prompt. With `drafts` (one list
+        per decoding row), those rows also compute the tokens proposed for them, to verify them."""
         reqs, emits, ids, locs, seq_lens, inits, scored = [], [], [], [], [], [], []
         plp_idx, plp_target = [], []
         if decoding:
-            decode_locs, decode_lens = self._decode_rows(decoding)
+            decode_locs, decode_lens = self._decode_rows(decoding, drafts)
             reqs, emits, seq_lens = list(decoding), [True] * len(decoding), decode_lens
-            ids, locs = [[-1]] * len(decoding), [decode_locs]  # -1: the input is in the token pool
-        offset = len(decoding)
+            locs = [decode_locs]
+            if drafts is None:
+                ids = [[-1]] * len(decoding)  # -1: the input is in the token pool
+            else:
+                ids = [[-1, *d] for d in drafts]
+        offset = sum(len(x) for x in ids)
         for req, ext in chosen:
             start, end = req.cached_len, req.cached_len + ext
             self.cache.allocate(req, end)
@@ -90,6 +97,8 @@ class BatchBuilder:
             emits,
         )
         desc.proc_init = inits
+        if drafts is not None:
+            desc.spec_lens = np.asarray([len(d) for d in drafts] + [0] * len(chosen), dtype=np.int32)
         if scored:
             desc.plp_idx, desc.plp_target = np.concatenate(plp_idx), np.concatenate(plp_target)
             desc.prompt_logprobs = max(r.params.prompt_logprobs for r, _, _ in scored)
@@ -114,16 +123,32 @@ class BatchBuilder:
         """The tokens that would end a request's output: EOS (unless ignored) and its stop ids."""
         return held_back_ids(params, self.eos_ids)
 
-    def decode(self, reqs: list[Req]) -> Batch:
+    def decode(self, reqs: list[Req], drafts: list[list[int]] | None = None) -> Batch:
+        """A decode step; with `drafts` (one list per row), an extend step that verifies them."""
+        if drafts is not None:
+            return self.prefill([], reqs, drafts)
         locs, seq_lens = self._decode_rows(reqs)
         emits = [True] * len(reqs)
         return Batch(
             self._desc(False, reqs, seq_lens, [1] * len(reqs), locs, None, emits), reqs, emits, num_decode=len(reqs)
         )
 
-    def _decode_rows(self, reqs: list[Req]) -> tuple[np.ndarray, list[int]]:
-        """Each request's next position: its KV location (a page allocated where it starts one) and its
-        length once the step is done; advances the requests at launch."""
+    def _decode_rows(self, reqs: list[Req], drafts: list[list[int]] | None = None) -> tuple[np.ndarray, list[int]]:
+        """Each request's next position (and with `drafts`, those of its proposals after it): their KV
+        locations (pages allocated where they start one) and its length once the step is done;
+        advances the requests at launch, as if every proposal were kept (until its result says)."""
+        if drafts is not None:
+            locs = []
+            seq_lens = []
+            for req, d in zip(reqs, drafts):
+                pos, n = req.cached_len, 1 + len(d)
+                self.cache.allocate(req, pos + n)
+                locs.append(self.cache.locations(req, pos, pos + n))
+                req.cached_len += n
+                req.device_len += n
+                req.verifying = bool(d)
+                seq_lens.append(req.cached_len)
+            return np.concatenate(locs), seq_lens
         locs = np.empty(len(reqs), dtype=np.int32)
         seq_lens = []
         for i, req in enumerate(reqs):

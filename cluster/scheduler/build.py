@@ -4,14 +4,18 @@ the engine, the model folder and the settings (the one place a scheduler is buil
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from cluster.config import ReplicaConfig
 from cluster.messages import TokenDelta
 from cluster.model_info import eos_token_ids
+from cluster.scheduler.draft import DraftProposer
 from cluster.scheduler.executor import Executor
 from cluster.scheduler.grammars import Grammars
 from cluster.scheduler.req import Req
 from cluster.scheduler.scheduler import Scheduler
+from worker.config import EngineConfig
+from worker.engine import Engine
 
 
 def build_scheduler(
@@ -25,6 +29,9 @@ def build_scheduler(
     """The scheduler of rank 0's `engine` (a worker Engine, started), launching on `executor`;
     `tokenizer`: the model folder's (None: no grammars are served)."""
     eos = eos_token_ids(config.engine.model_path, engine.hf_config, tokenizer)
+    draft = None
+    if config.scheduler.speculative_method == "draft":
+        draft = DraftProposer(Engine(draft_engine_config(config.engine, config.scheduler.speculative_model, engine)))
     vocab = engine.hf_config.vocab_size
     return Scheduler(
         config.scheduler,
@@ -39,4 +46,18 @@ def build_scheduler(
         vocab_size=vocab,
         max_logit_bias=config.engine.max_logit_bias,
         grammars=Grammars(tokenizer, vocab, sorted(eos)) if tokenizer is not None else None,
+        draft=draft,
+    )
+
+
+def draft_engine_config(target: EngineConfig, folder: str, engine) -> EngineConfig:
+    """The draft's engine: the target's settings on rank 0's device, its own weights, and as many pages
+    and as long a context as the target's (its request slots are the target's)."""
+    device = str(engine.device)
+    return replace(
+        target,
+        model_path=folder,
+        device=device,
+        num_pages=engine.num_pages,
+        max_seq_len=engine.max_seq_len,
     )

@@ -59,6 +59,7 @@ class CacheManager:
         req.num_cached_pages = len(pages)
         req.cached_len = req.prefix_hit_len = len(pages) * ps
         req.reserved_pages = need
+        req.reserve_limit = len(pages) + need
         req.may_outgrow = upto < req.max_device_len
         self.reserved += need
         if not req.num_preempted:  # the hit rate is of prompts, counted at their first admission
@@ -84,6 +85,20 @@ class CacheManager:
         req.pages.extend(self.allocator.alloc(n))
         req.reserved_pages -= reserved
         self.reserved -= reserved
+
+    def trim(self, req: Req, kv_len: int) -> None:
+        """Gives back req's pages past the first kv_len positions (speculative decoding allocated them
+        for proposals that were rejected). Those that came out of its reservation go back to it, so a
+        request whose max_tokens fit its reservation still never needs a page beyond it."""
+        keep = max(self.pages_for(kv_len), req.num_cached_pages)
+        extra = req.pages[keep:]
+        if not extra:
+            return
+        del req.pages[keep:]
+        self.allocator.free(extra)
+        back = max(0, min(len(extra), req.reserve_limit - len(req.pages) - req.reserved_pages))
+        req.reserved_pages += back
+        self.reserved += back
 
     def locations(self, req: Req, start: int, end: int) -> np.ndarray:
         """KV locations of positions [start, end)."""

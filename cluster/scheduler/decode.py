@@ -35,16 +35,23 @@ class DecodeManager:
         that admitting into their next pages does not preempt someone at the next step."""
         return sum(1 for r in self.running.values() if r.may_outgrow and not r.reserved_pages)
 
-    def schedule(self, in_flight: frozenset[Req] | None) -> list[Req]:
+    def schedule(self, in_flight: frozenset[Req] | None, speculating: bool = False) -> list[Req]:
         """The requests to decode this step (`in_flight`: the requests of the step in flight, if one is),
-        after making room. A constrained request whose last token is in flight waits for it: its grammar
-        must see that token before its next mask can be built."""
+        after making room. A constrained request whose last token is in flight waits for it (its grammar
+        must see that token before its next mask can be built), and one whose proposals are being
+        verified (its state is provisional until then); with `speculating`, every speculating one (its
+        next proposals follow from the tokens it keeps)."""
         decoding = [
             r
             for r in self.running.values()
-            if r.can_decode and not (r.matcher is not None and in_flight and r in in_flight)
+            if r.can_decode and not (self._waits(r, speculating) and in_flight and r in in_flight)
         ]
         return self._make_room(decoding, in_flight is not None)
+
+    @staticmethod
+    def _waits(req: Req, speculating: bool) -> bool:
+        """Whether req, if its last step is in flight, waits for its result before its next one."""
+        return req.matcher is not None or req.verifying or (speculating and req.speculates)
 
     def _make_room(self, decoding: list[Req], in_flight: bool) -> list[Req]:
         """Preempts requests that have outgrown their reservation, the last in queue order first (the

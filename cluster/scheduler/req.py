@@ -29,6 +29,9 @@ class Req:
     num_preempted: int = 0
     after: Req | None = None  # another choice of the same prompt: admitted once that one's prompt is cached
     matcher: object = None  # with params.grammar: its xgrammar matcher, once the grammar is compiled
+    speculates: bool = False  # its decode steps may verify proposed tokens
+    verifying: bool = False  # a step that verifies proposals for it is in flight: its state is provisional
+    reserve_limit: int = 0  # pages its reservation covers, held and reserved together (set at admission)
     ended: bool = False
     # with params.prompt_logprobs: (logprob, top (id, logprob) pairs) of prompt positions 1.., as chunks are scored
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)

@@ -31,11 +31,13 @@ from cluster.sampling_params import SamplingParams
 from cluster.scheduler.batch_builder import Batch, BatchBuilder
 from cluster.scheduler.cache_manager import CacheManager
 from cluster.scheduler.decode import DecodeManager
+from cluster.scheduler.draft import DraftProposer
 from cluster.scheduler.executor import Executor, ReplicaBrokenError
 from cluster.scheduler.grammars import Grammars
 from cluster.scheduler.prefill import PrefillManager
 from cluster.scheduler.req import Req
 from cluster.scheduler.request_slots import RequestSlots
+from cluster.scheduler.spec_decode import Speculator
 from worker.batch import StepOutput
 
 log = logging.getLogger(__name__)
@@ -82,9 +84,11 @@ class Scheduler:
         vocab_size: int | None = None,
         max_logit_bias: int | None = None,
         grammars: Grammars | None = None,
+        draft: DraftProposer | None = None,
     ) -> None:
         """`vocab_size` and `max_logit_bias` (the engine's) bound what logit_bias may name; None: unchecked.
-        `grammars` compiles and matches constrained requests; None: they are refused."""
+        `grammars` compiles and matches constrained requests; None: they are refused. `draft`: the
+        draft-model proposer, with speculative_method draft."""
         self.config, self.executor = config, executor
         self.max_seq_len, self.eos_ids = max_seq_len, frozenset(eos_ids)
         self.limits = RequestLimits(max_seq_len, vocab_size, max_logit_bias, self.eos_ids)
@@ -96,6 +100,7 @@ class Scheduler:
         self.prefill = PrefillManager(self.cache, self.req_slots, config)
         self.decode = DecodeManager(self.cache, self.prefill, self._free)
         self.builder = BatchBuilder(self.cache, self.eos_ids, max_running_reqs, grammars)
+        self.spec = Speculator(config, self.cache, draft) if config.speculative_method is not None else None
         self.reqs: dict[int, Req] = {}  # every live request, by uid
         self.finished_reqs: set[Req] = set()  # left the batch in flight: its result there is dropped
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -182,6 +187,8 @@ class Scheduler:
         if msg.received is not None:  # read off the channel before it reached the loop
             req.arrival = msg.received
         req.prompt_len -= msg.output_len  # a continued stream: its tokens so far are output, as after a preemption
+        # processors and grammars see one token a step: those requests decode without proposals
+        req.speculates = self.spec is not None and not req.sampling_extras
         if msg.after is not None:
             req.after = self.reqs.get(msg.after)
         self.reqs[req.uid] = req
@@ -234,6 +241,8 @@ class Scheduler:
         """Gives back a request's pages (its computed ones go to the prefix cache) and its request slot
         (released once the batch in flight is done); a result of it in that batch will be dropped."""
         self.cache.release(req, min(req.cached_len, len(req.input_ids)))
+        if self.spec is not None:
+            self.spec.release(req)
         self.req_slots.free(req.slot)
         req.slot = -1
         if self.in_flight is not None and req in self.in_flight.req_set:
@@ -245,10 +254,13 @@ class Scheduler:
         """The next step. With mixed steps: every running decode, and beside them the prompt chunks that
         fit the token budget; else a prefill if any waiting request can be admitted, else a decode."""
         in_flight = self.in_flight.rows if self.in_flight is not None else frozenset()
+        in_flight_reqs = self.in_flight.req_set if self.in_flight is not None else None
+        # decided before choosing the rows: a speculating request then waits for its own result
+        speculating = self.spec is not None and self.spec.active(len(self.decode.running))
         decoding: list[Req] = []
         budget = None
         if self.config.mixed_steps and self.decode.running:
-            decoding = self.decode.schedule(self.in_flight.req_set if self.in_flight is not None else None)
+            decoding = self.decode.schedule(in_flight_reqs, speculating)
             budget = self.config.max_extend_tokens - len(decoding)
         chosen = []
         if self.prefill.waiting and (budget is None or budget > 0):
@@ -261,8 +273,11 @@ class Scheduler:
                     self.decode.add(req)
             return batch
         if not self.config.mixed_steps:
-            decoding = self.decode.schedule(self.in_flight.req_set if self.in_flight is not None else None)
-        return self.builder.decode(decoding) if decoding else None
+            decoding = self.decode.schedule(in_flight_reqs, speculating)
+        if not decoding:
+            return None
+        # proposals only in decode steps: a step with prompt chunks has given their pages out already
+        return self.builder.decode(decoding, self.spec.propose(decoding) if speculating else None)
 
     # -- the two loops -------------------------------------------------------------------------------
 
@@ -291,9 +306,10 @@ class Scheduler:
     def _launch(self, batch: Batch) -> Launched | None:
         desc = batch.desc
         self.steps += 1
-        self.prefill_tokens += desc.num_tokens - batch.num_decode
+        drafts = int(desc.spec_lens.sum()) if desc.spec_lens is not None else 0
+        self.prefill_tokens += desc.num_tokens - batch.num_decode - drafts
         self.decode_tokens += batch.num_decode
-        self.mixed_steps += desc.is_prefill and batch.num_decode > 0
+        self.mixed_steps += desc.is_prefill and 0 < batch.num_decode < len(batch.reqs)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "step %d %s batch=%d tokens=%d running=%d waiting=%d free_pages=%d cached_pages=%d",
@@ -336,44 +352,61 @@ class Scheduler:
             self._keep_prompt_logprobs(batch, out, stale)
         now = time.perf_counter()
         deltas: list[TokenDelta] = []
+        spec = batch.desc.spec_lens.tolist() if batch.desc.spec_lens is not None else None
+        num_new = out.num_new.tolist() if spec is not None else None
+        first = 0  # where the row's samples start (one a row, but spec_len + 1 in a verify step)
         for i, req in enumerate(batch.reqs):
+            start, count = (first, num_new[i]) if spec is not None else (i, 1)
+            first += spec[i] + 1 if spec is not None else 1
             if req in stale or not batch.emits[i]:
                 continue  # a result of a request that left the batch, or of a mid-prompt chunk
-            token = tokens[i]
-            # every token of a constrained request passes its matcher first, EOS included (the grammar
-            # must be complete for it): one the grammar rejects fails the request, and never reaches it
-            if req.matcher is not None and not req.matcher.accept_token(token):
-                log.error("request %d: its grammar rejected token %d", req.uid, token)
-                self._end(req, "error")
-                deltas.append(TokenDelta.failure(req.uid, ErrorKind.ENGINE, _rejected(req, token)))
-                continue
-            req.input_ids.append(token)
-            req.first_token = req.first_token or now
-            req.last_token = now
-            delta = TokenDelta(req.uid, token)
-            if len(req.input_ids) == req.prompt_len + 1:  # its first token
-                delta.cached_tokens = req.prefix_hit_len
-                delta.hops = FirstTokenHops(req.scheduled - req.arrival, now - req.scheduled, sampled_at=now)
-                if req.params.prompt_logprobs is not None:
-                    delta.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
-            if logprobs is not None and req.params.logprobs is not None:
-                delta.logprob = logprobs[i]
-                if k := req.params.logprobs:
-                    delta.top_logprobs = list(zip(out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()))
-            # judged by tokens received: req.device_len is already a step ahead under overlap
-            if (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
-                delta.finished, delta.finish_reason = True, "stop"
-            elif req.matcher is not None and req.matcher.is_terminated():
-                delta.finished, delta.finish_reason = True, "stop"  # the output is whole: nothing may follow
-            elif len(req.input_ids) >= req.max_device_len:
-                delta.finished, delta.finish_reason = True, "length"
-            deltas.append(delta)
-            if delta.finished:
-                self._end(req, delta.finish_reason)
-            elif batch.desc.is_prefill and self.cache.cache_prefix(req, req.fill_len):
-                self.builder.rewrite_slots[req.slot] = req
+            if spec is not None and spec[i]:
+                self.spec.accept(req, spec[i], count)
+            for j in range(start, start + count):
+                if self._emit_one(req, tokens[j], j, out, logprobs, now, deltas):
+                    break
+            else:
+                if batch.desc.is_prefill and self.cache.cache_prefix(req, req.fill_len):
+                    self.builder.rewrite_slots[req.slot] = req
         if deltas:
             self.on_output(deltas)
+
+    def _emit_one(
+        self, req: Req, token: int, j: int, out: StepOutput, logprobs: list[float] | None, now: float, deltas: list
+    ) -> bool:
+        """Appends one sampled token (sample j of the step) to req and its delta to `deltas`; True when
+        req ended with it (or failed on it), so that no later sample of it counts."""
+        # every token of a constrained request passes its matcher first, EOS included (the grammar
+        # must be complete for it): one the grammar rejects fails the request, and never reaches it
+        if req.matcher is not None and not req.matcher.accept_token(token):
+            log.error("request %d: its grammar rejected token %d", req.uid, token)
+            self._end(req, "error")
+            deltas.append(TokenDelta.failure(req.uid, ErrorKind.ENGINE, _rejected(req, token)))
+            return True
+        req.input_ids.append(token)
+        req.first_token = req.first_token or now
+        req.last_token = now
+        delta = TokenDelta(req.uid, token)
+        if len(req.input_ids) == req.prompt_len + 1:  # its first token
+            delta.cached_tokens = req.prefix_hit_len
+            delta.hops = FirstTokenHops(req.scheduled - req.arrival, now - req.scheduled, sampled_at=now)
+            if req.params.prompt_logprobs is not None:
+                delta.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
+        if logprobs is not None and req.params.logprobs is not None:
+            delta.logprob = logprobs[j]
+            if k := req.params.logprobs:
+                delta.top_logprobs = list(zip(out.top_ids[j, :k].tolist(), out.top_logprobs[j, :k].tolist()))
+        # judged by tokens received: req.device_len is already a step ahead under overlap
+        if (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
+            delta.finished, delta.finish_reason = True, "stop"
+        elif req.matcher is not None and req.matcher.is_terminated():
+            delta.finished, delta.finish_reason = True, "stop"  # the output is whole: nothing may follow
+        elif len(req.input_ids) >= req.max_device_len:
+            delta.finished, delta.finish_reason = True, "length"
+        deltas.append(delta)
+        if delta.finished:
+            self._end(req, delta.finish_reason)
+        return delta.finished
 
     def _keep_prompt_logprobs(self, batch: Batch, out: StepOutput, stale: set[Req]) -> None:
         """Appends each scored request's prompt logprobs of this step (sent with its first token)."""
@@ -426,6 +459,8 @@ class Scheduler:
             mixed_steps=self.mixed_steps,
             queued_tokens=self.prefill.queued_tokens,
             oldest_wait_s=max((time.perf_counter() - r.arrival for r in self.prefill.waiting), default=0.0),
+            spec_decode_num_draft_tokens=self.spec.num_draft_tokens if self.spec is not None else 0,
+            spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens if self.spec is not None else 0,
         )
 
     def check_integrity(self) -> None:

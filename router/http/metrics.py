@@ -179,10 +179,11 @@ SUCCESSES = frozenset({"stop", "length"})
 
 
 class ReplicaGauges(Collector):
-    """Each replica's running and waiting requests, KV usage, prefix hit rate and preemptions, labelled
-    by replica: the names its scheduler reports through Ray (cluster/replica/metrics.py), as read at the last
-    refresh(). A replica that does not answer in time is left out of that scrape rather than holding
-    it up (Prometheus then shows a gap, not a stale value)."""
+    """Each replica's running and waiting requests, KV usage, prefix hit rate, preemptions and speculative
+    decoding's proposed and accepted tokens, labelled by replica: the names its scheduler reports
+    through Ray (cluster/replica/metrics.py), as read at the last refresh(). A replica that does not
+    answer in time is left out of that scrape rather than holding it up (Prometheus then shows a gap,
+    not a stale value)."""
 
     def __init__(self, model: str, timeout_s: float = 2.0) -> None:
         self.model, self.timeout_s = model, timeout_s
@@ -227,6 +228,16 @@ class ReplicaGauges(Collector):
         preemptions = CounterMetricFamily(
             "raylm:num_preemptions", "Requests preempted for KV pages (recomputed later), per replica", labels=labels
         )
+        drafted = CounterMetricFamily(
+            "raylm:spec_decode_num_draft_tokens",
+            "Tokens proposed to verify steps (speculative decoding), per replica",
+            labels=labels,
+        )
+        accepted = CounterMetricFamily(
+            "raylm:spec_decode_num_accepted_tokens",
+            "Proposed tokens the verify steps accepted, per replica",
+            labels=labels,
+        )
         for replica, s in sorted(self._stats.items()):
             values = [self.model, str(replica)]
             running.add_metric(values, s.running)
@@ -234,7 +245,9 @@ class ReplicaGauges(Collector):
             usage.add_metric(values, s.kv_usage)
             hit_rate.add_metric(values, s.prefix_hit_rate)
             preemptions.add_metric(values, s.preempted)
-        return [running, queued, usage, hit_rate, preemptions]
+            drafted.add_metric(values, s.spec_decode_num_draft_tokens)
+            accepted.add_metric(values, s.spec_decode_num_accepted_tokens)
+        return [running, queued, usage, hit_rate, preemptions, drafted, accepted]
 
 
 class FleetGauges(Collector):

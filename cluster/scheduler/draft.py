@@ -1,0 +1,138 @@
+"""The draft-model proposer: a second, smaller engine with the target's tokenizer, on rank 0's device
+beside the target's rank 0, with its own paged KV cache, request slots shared with the target's (a
+request's slot is its row in both) and its own pages. For each verify step it catches up with the
+tokens its requests kept since (one extend step), then decodes k - 1 more, greedily: its proposals
+are its argmax, so the proposal distribution q is one-hot and the target's verify rule stays exact
+(worker/sampling/verify.py). Its steps queue behind the target's on the device; the host waits once,
+for the last of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cluster.scheduler.page_allocator import PageAllocator
+from cluster.scheduler.req import Req
+from worker.batch import BatchDesc
+
+
+@dataclass
+class DraftSeq:
+    """A request's state in the draft engine."""
+
+    pages: list[int] = field(default_factory=list)
+    cached_len: int = 0  # positions whose draft KV is written
+    proposed_from: int = 0  # the request's length when its last proposals were made
+
+
+class DraftProposer:
+    def __init__(self, engine) -> None:
+        """`engine`: the draft's worker Engine (tp 1), started."""
+        self.engine = engine
+        self.page_size = engine.page_size
+        self.allocator = PageAllocator(engine.num_pages)
+        self.seqs: dict[int, DraftSeq] = {}  # by request uid
+
+    def propose(self, reqs: list[Req], caps: list[int]) -> list[list[int]]:
+        """Up to caps[i] tokens for reqs[i] (0: none), decoded greedily by the draft."""
+        rows = []  # (req, its state, k)
+        for req, k in zip(reqs, caps):
+            if k <= 0:
+                continue
+            seq = self.seqs.setdefault(req.uid, DraftSeq())
+            if self._grow(seq, len(req.input_ids) + k - 1):
+                rows.append((req, seq, k))
+        drafts = {req.uid: [] for req in reqs}
+        if not rows:
+            return [[] for _ in reqs]
+        outs = [self.engine.forward(self._catch_up(rows))]
+        for j in range(1, max(k for _, _, k in rows)):
+            outs.append(self.engine.forward(self._decode([(r, s) for r, s, k in rows if k > j], j)))
+        outs[-1].done.synchronize()  # the draft's steps run in order: the last one done, all are
+        for j, out in enumerate(outs):
+            tokens = out.next_tokens.tolist()
+            for (req, _, _), token in zip([row for row in rows if row[2] > j], tokens):
+                drafts[req.uid].append(token)
+        for req, seq, k in rows:
+            seq.proposed_from = len(req.input_ids)
+            seq.cached_len = len(req.input_ids) + k - 1
+        return [drafts[req.uid] for req in reqs]
+
+    def accept(self, req: Req, num_new: int) -> None:
+        """req kept num_new samples of its verify step: the draft's KV holds what it had before the
+        proposals, the accepted ones among them (the last proposal's KV was never written)."""
+        seq = self.seqs.get(req.uid)
+        if seq is None:
+            return
+        seq.cached_len = min(seq.cached_len, seq.proposed_from + num_new - 1)
+        keep = -(-seq.cached_len // self.page_size)
+        self.allocator.free(seq.pages[keep:])
+        del seq.pages[keep:]
+
+    def release(self, req: Req) -> None:
+        """req ended or was preempted (its slot may go to another request): its draft pages go back."""
+        seq = self.seqs.pop(req.uid, None)
+        if seq is not None:
+            self.allocator.free(seq.pages)
+
+    def _grow(self, seq: DraftSeq, upto_len: int) -> bool:
+        need = -(-upto_len // self.page_size) - len(seq.pages)
+        if need > self.allocator.num_free:
+            return False  # no draft KV for it this time: its row verifies nothing
+        seq.pages.extend(self.allocator.alloc(max(0, need)))
+        return True
+
+    def _locations(self, seq: DraftSeq, start: int, end: int) -> np.ndarray:
+        pos = np.arange(start, end, dtype=np.int64)
+        pages = np.asarray(seq.pages, dtype=np.int64)
+        return (pages[pos // self.page_size] * self.page_size + pos % self.page_size).astype(np.int32)
+
+    def _catch_up(self, rows: list[tuple[Req, DraftSeq, int]]) -> BatchDesc:
+        """One extend step over every row's tokens the draft has not seen (its whole prompt at first);
+        it samples the first proposal."""
+        ids = [req.input_ids[seq.cached_len :] for req, seq, _ in rows]
+        return _greedy(
+            True,
+            [req.slot for req, _, _ in rows],
+            [len(req.input_ids) for req, _, _ in rows],
+            [len(x) for x in ids],
+            np.concatenate([self._locations(seq, seq.cached_len, len(req.input_ids)) for req, seq, _ in rows]),
+            np.fromiter((t for x in ids for t in x), dtype=np.int32),
+        )
+
+    def _decode(self, rows: list[tuple[Req, DraftSeq]], j: int) -> BatchDesc:
+        """The decode step that samples each row's proposal j + 1 from proposal j (read from the
+        draft's token pool, where the step before wrote it)."""
+        n = [len(req.input_ids) + j for req, _ in rows]
+        return _greedy(
+            False,
+            [req.slot for req, _ in rows],
+            n,
+            [1] * len(rows),
+            np.concatenate([self._locations(seq, pos - 1, pos) for (_, seq), pos in zip(rows, n)]),
+            None,
+        )
+
+
+def _greedy(
+    is_prefill: bool,
+    slots: list[int],
+    seq_lens: list[int],
+    extend_lens: list[int],
+    out_loc: np.ndarray,
+    input_ids: np.ndarray | None,
+) -> BatchDesc:
+    b = len(slots)
+    return BatchDesc(
+        is_prefill,
+        slots=np.asarray(slots, dtype=np.int32),
+        seq_lens=np.asarray(seq_lens, dtype=np.int32),
+        extend_lens=np.asarray(extend_lens, dtype=np.int32),
+        out_loc=out_loc,
+        input_ids=input_ids,
+        temperature=np.zeros(b, dtype=np.float32),
+        top_p=np.ones(b, dtype=np.float32),
+        top_k=np.full(b, -1, dtype=np.int32),
+        seeds=np.zeros(b, dtype=np.int64),
+    )

@@ -1,0 +1,83 @@
+"""Speculative decoding on the scheduler's side: which requests speculate, the tokens proposed for
+each row of a decode step (by n-gram lookup, ngram.py, or a draft model, draft.py; bounded by its
+remaining length, the step's token budget and the KV pages available), and a request's state once
+its verify step's result says how many it kept.
+
+While speculation is active (at most speculative_max_batch requests decode), a speculating request
+waits for its own result before its next step (as a constrained one does): its next proposals depend
+on the tokens it keeps, which the host learns only then. The requests that do not speculate go on in
+the overlap loop beside it. At launch a verify row advances as if every
+proposal were kept; `accept` moves it back to what was and trims the pages of the rejected positions."""
+
+from __future__ import annotations
+
+from cluster.config import SchedulerConfig
+from cluster.scheduler.cache_manager import CacheManager
+from cluster.scheduler.draft import DraftProposer
+from cluster.scheduler.ngram import propose_ngram
+from cluster.scheduler.req import Req
+
+
+class Speculator:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, draft: DraftProposer | None = None) -> None:
+        """`draft`: the draft-model proposer (speculative_method draft); None: n-gram lookup."""
+        self.cache, self.draft = cache, draft
+        self.k, self.n_max = config.num_speculative_tokens, config.speculative_ngram_max
+        self.max_step_tokens = config.max_extend_tokens
+        self.max_batch = config.speculative_max_batch
+        self.num_draft_tokens = 0  # proposed, over every verify step
+        self.num_accepted_tokens = 0  # of them, kept
+
+    def active(self, num_running: int) -> bool:
+        """Whether the next step speculates: only while few requests decode. Else no request waits for
+        its own result, and every one decodes in the overlap loop."""
+        return num_running <= self.max_batch
+
+    def propose(self, decoding: list[Req]) -> list[list[int]] | None:
+        """Each row's proposals ([] for a row that does not speculate or found none); None when no row
+        has any (a plain decode step). The pages they need come from what the step leaves available."""
+        caps = self._caps(decoding)
+        if not any(caps):
+            return None
+        if self.draft is not None:
+            drafts = self.draft.propose(decoding, caps)
+        else:
+            drafts = [propose_ngram(r.input_ids, k, self.n_max) if k else [] for r, k in zip(decoding, caps)]
+        return drafts if any(drafts) else None
+
+    def _caps(self, decoding: list[Req]) -> list[int]:
+        """How many tokens each row may verify: within its max_tokens (the proposals and the token after
+        them), the step's token budget and the KV pages the step leaves available."""
+        cache = self.cache
+        pages = cache.available - sum(cache.extra_pages(r, r.cached_len + 1) for r in decoding)
+        tokens = self.max_step_tokens - len(decoding)
+        caps = []
+        for req in decoding:
+            k = min(self.k, req.max_device_len - len(req.input_ids) - 1, tokens) if req.speculates else 0
+            base = cache.extra_pages(req, req.cached_len + 1)
+            while k > 0 and cache.extra_pages(req, req.cached_len + 1 + k) - base > pages:
+                k -= 1
+            k = max(k, 0)
+            pages -= cache.extra_pages(req, req.cached_len + 1 + k) - base
+            tokens -= k
+            caps.append(k)
+        return caps
+
+    def accept(self, req: Req, num_drafts: int, num_new: int) -> None:
+        """req's verify row proposed num_drafts tokens and keeps num_new samples (the accepted proposals
+        and one more): its KV covers its input and the accepted ones; the rest is given back."""
+        rejected = num_drafts + 1 - num_new
+        req.verifying = False
+        req.cached_len -= rejected
+        req.device_len -= rejected
+        self.cache.trim(req, req.cached_len)
+        if self.draft is not None:
+            self.draft.accept(req, num_new)
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_new - 1
+
+    def release(self, req: Req) -> None:
+        """req gave its pages and slot back (it ended or was preempted)."""
+        req.verifying = False
+        if self.draft is not None:
+            self.draft.release(req)

@@ -1,0 +1,59 @@
+"""Verifying proposed tokens (speculative decoding) in one extend step: where each row samples, and
+which of its samples it keeps.
+
+A row with s proposals d_1..d_s computes s + 1 positions (its input, then the proposals) and samples
+at each: t_0..t_s, the target's own draws at those positions (the argmax, or the Gumbel-max draw keyed
+by (seed, position): worker/sampling/sampler.py). It keeps t_0..t_a, a being the longest prefix with
+d_{j+1} == t_j: the accepted proposals and then the target's token at the first mismatch (or the
+bonus token after the last proposal).
+
+For a proposer whose distribution q is one-hot (n-gram), this is rejection sampling exactly: the
+proposal x is accepted with probability p(x) (the chance that the target's draw is x), and on
+rejection the draw, conditioned on not being x, is distributed as p with x removed, renormalized,
+which is norm(max(0, p - q)). Greedy rows accept the proposals equal to the argmax. Because the draw
+at a position is the one that decoding without speculation makes there, every kept token is the
+token decoding without speculation would have produced: outputs are the same, token for token, for
+greedy and seeded sampled rows alike (up to the float rounding of an extend step against a decode step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class SpecRows:
+    """Host arrays ([S], S = sum(spec_lens + 1)) of an extend step's samples, row by row."""
+
+    rows: np.ndarray  # int64: the batch row of each sample
+    last_idx: np.ndarray  # int64: the step's token whose hidden state it samples from
+    sample_pos: np.ndarray  # int64: the position of the sampled token (its draw's key with the seed)
+    drafts: np.ndarray  # int32: the proposal the sample must equal to keep the next one; -1 after the last
+    row_start: np.ndarray  # int64 [B]: each row's first sample
+
+
+def spec_rows(spec_lens: np.ndarray, seq_lens: np.ndarray, ends: np.ndarray, input_ids: np.ndarray) -> SpecRows:
+    """Where each row samples: its last spec_len + 1 tokens (`ends`: cumulative extend lengths;
+    `seq_lens`: lengths once the step is done; `input_ids`: the step's tokens, proposals included)."""
+    n = spec_lens.astype(np.int64) + 1
+    rows = np.repeat(np.arange(len(n)), n)
+    row_start = np.cumsum(n) - n
+    j = np.arange(int(n.sum())) - row_start[rows]  # the sample's place in its row
+    back = n[rows] - 1 - j  # how many of the row's tokens come after the one sampled from
+    last_idx = ends.astype(np.int64)[rows] - 1 - back
+    drafts = np.full(len(rows), -1, dtype=np.int32)
+    has_next = back > 0
+    drafts[has_next] = input_ids[last_idx[has_next] + 1]
+    return SpecRows(rows, last_idx, seq_lens.astype(np.int64)[rows] - back, drafts, row_start)
+
+
+def accepted(tokens: torch.Tensor, drafts: torch.Tensor, rows: torch.Tensor, row_start: torch.Tensor) -> torch.Tensor:
+    """int32 [B]: how many samples each row keeps, on the device: those up to and including its first
+    sample that differs from the proposal after it."""
+    mismatch = (tokens.to(torch.int32) != drafts).to(torch.int32)
+    before = mismatch.cumsum(0) - mismatch  # mismatches before each sample, over the whole step
+    kept = (before - before[row_start][rows]) == 0
+    counts = torch.zeros(len(row_start), dtype=torch.int32, device=tokens.device)
+    return counts.index_add_(0, rows, kept.to(torch.int32))
