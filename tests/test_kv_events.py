@@ -120,7 +120,8 @@ def in_process_replica(scripted) -> tuple[SchedulerActor, object]:
     SchedulerActor.__init__(actor, SimpleNamespace(log_level="warning"))
     run = scripted(num_pages=24, page_size=4, max_running_reqs=4)
     run.scheduler.on_output = lambda deltas: actor.subscribers.publish(deltas, *run.scheduler.cache.take_kv_events())
-    actor.scheduler, actor.metrics = run.scheduler, SimpleNamespace(on_output=lambda d: None)
+    actor.scheduler = run.scheduler
+    actor.metrics = SimpleNamespace(on_output=lambda d: None, on_first_token=lambda hops: None)
     actor.subscribers.kv = KVEventStream(4)
     return actor, run
 

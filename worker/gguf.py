@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from worker.loader import CheckpointError
+from worker.checkpoint_error import CheckpointError
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
-
-class CheckpointError(RuntimeError):
-    pass
+from worker.checkpoint_error import CheckpointError
 
 
 class LazyTensor:

@@ -148,7 +148,7 @@ class Scheduler:
     def validate(self, input_ids: list[int], params: SamplingParams, output_len: int = 0) -> int:
         """Raises InvalidRequestError for a request this replica can never run; returns its maximum
         length (prompt plus new tokens, within the context). `output_len`: see AddRequest."""
-        if not 0 <= output_len < len(input_ids):
+        if output_len < 0 or (output_len and output_len >= len(input_ids)):  # an empty prompt: limits.check
             raise InvalidRequestError(
                 f"output_len is {output_len}; it must leave a prompt of at least one of the {len(input_ids)} tokens"
             )
