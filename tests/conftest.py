@@ -12,6 +12,9 @@ if not os.path.exists("/dev/nvidiactl"):
     # without a GPU, Triton kernels (worker/triton_ops.py) run under Triton's interpreter; set
     # before torch is imported, which may import Triton (the interpreter is chosen at its import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Ray's processes report their metrics to its export every second, not every ten: the tests that read
+# the export wait for it
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
