@@ -1,7 +1,8 @@
 """Speculative decoding (n-gram proposals, one verify step): greedy outputs equal those without it and
 Hugging Face's, for every family, overlap on and off, page sizes 1 and 4, tp 2; seeded sampled outputs
 equal those without it and keep the target's distribution; pages stay whole after rejections; the
-requests that cannot speculate (processors, grammars) decode as before beside those that do."""
+requests that cannot speculate (processors) decode as before beside those that do; constrained ones
+speculate within their grammars."""
 
 from __future__ import annotations
 
@@ -270,15 +271,78 @@ def test_n_choices_with_speculation_equal_those_without(qwen3_path):
     assert on == off and all(len(choices) == 3 for choices in on)
 
 
-def test_a_grammar_request_does_not_speculate_and_its_output_matches_the_grammar(qwen3_path):
+def test_grammar_requests_speculate_and_their_outputs_match_the_grammar(qwen3_path):
     grammar = GrammarSpec("regex", "(ab){6}")
     with checked_llm(qwen3_path, page_size=4, **SPEC) as llm:
         prompts = encode_all(llm, REPEATING)
-        outs = llm.generate(prompts + prompts, [greedy(30, grammar=grammar)] * 3 + [greedy(20)] * 3)
+        outs = llm.generate(prompts, [greedy(30, grammar=grammar)] * 3)
         stats = llm.stats()
-    assert [(o.text, o.finish_reason) for o in outs[:3]] == [("ab" * 6, "stop")] * 3
-    assert stats.spec_decode_num_accepted_tokens > 0  # the plain requests beside them speculated
-    assert [o.token_ids for o in outs[3:]] == hf_greedy(qwen3_path, prompts, 20)
+        plain = llm.generate(prompts, greedy(20))
+    assert [(o.text, o.finish_reason) for o in outs] == [("ab" * 6, "stop")] * 3
+    assert stats.spec_decode_num_accepted_tokens > 0  # the constrained requests alone speculated
+    assert [o.token_ids for o in plain] == hf_greedy(qwen3_path, prompts, 20)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"enum": ["a", "b", "ab"]}}},
+    "required": ["name", "tags"],
+}
+GRAMMARS = [
+    GrammarSpec("regex", "((ab|ba) ){4,12}"),
+    GrammarSpec("json_schema", json.dumps(SCHEMA)),
+    GrammarSpec("regex", "[a-e ]{10,40}"),
+]
+
+
+@pytest.mark.parametrize("method,overlap", [("ngram", True), ("ngram", False), ("draft", True)])
+def test_constrained_outputs_with_speculation_equal_those_without_greedy_and_seeded(qwen3_path, method, overlap):
+    """Each sample of a constrained verify row is masked by its grammar's state after the proposals
+    before it, and proposals stop where the grammar rejects one: the kept tokens are those that
+    decoding without speculation draws, under the grammar."""
+    params = [greedy(48, grammar=g) for g in GRAMMARS] + [
+        SamplingParams(temperature=1.0, seed=40 + i, max_tokens=48, grammar=g) for i, g in enumerate(GRAMMARS)
+    ]
+    kw = dict(page_size=4, overlap=overlap)
+    with checked_llm(qwen3_path, **kw) as llm:
+        prompts = encode_all(llm, REPEATING[:2])
+        ids = [p for p in prompts for _ in params]
+        off = llm.generate(ids, params * len(prompts))
+    with checked_llm(qwen3_path, **kw, **spec_of(method, qwen3_path)) as llm:
+        on = llm.generate(ids, params * len(prompts))
+        stats = llm.stats()
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert [o.finish_reason for o in on] == [o.finish_reason for o in off]
+    assert stats.spec_decode_num_accepted_tokens > 0
+    for out, p in zip(on, params * len(prompts)):
+        if p.grammar.kind == "json_schema" and out.finish_reason == "stop":
+            assert set(json.loads(out.text)) == {"name", "tags"}
+
+
+def test_verify_masks_are_the_grammars_after_each_proposal_and_leave_the_matcher_where_it_was(qwen3_path):
+    from cluster.model_info import load_tokenizer
+    from cluster.scheduler.grammars import Grammars, accepted_prefix
+
+    tokenizer = load_tokenizer(str(qwen3_path))
+    vocab = json.loads((qwen3_path / "config.json").read_text())["vocab_size"]
+    grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id])
+    compiled = grammars.compile(GrammarSpec("regex", "(ab|cd){2}x")).result()
+    m = grammars.matcher(compiled)
+    assert m.accept_token(tokenizer.convert_tokens_to_ids("a"))
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in ["b", "c", "d", "x", "c"]]
+    before = grammars.masks([m])
+    # cut at the first token rejected, and before the stop token that would end the output
+    assert accepted_prefix(m, ids) == 4 and accepted_prefix(m, ids[:1] + ids[3:]) == 1
+    assert accepted_prefix(m, [*ids[:4], tokenizer.eos_token_id]) == 4
+    assert np.array_equal(grammars.masks([m]), before)
+    masks = grammars.verify_masks([(m, ids[:3]), (grammars.matcher(compiled), [])])
+    assert np.array_equal(grammars.masks([m]), before)
+    for j in range(4):
+        fresh = grammars.matcher(compiled)
+        assert all(fresh.accept_token(t) for t in [tokenizer.convert_tokens_to_ids("a"), *ids[:j]])
+        assert np.array_equal(masks[j], grammars.masks([fresh])[0]), j
+    assert np.array_equal(masks[4], grammars.masks([grammars.matcher(compiled)])[0])
+    grammars.shutdown()
 
 
 def test_the_server_streams_stop_strings_and_logprobs_and_exports_spec_decode_counters(ray_cluster, qwen3_path):

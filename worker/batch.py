@@ -38,7 +38,8 @@ class BatchDesc:
     prompt_logprobs: int = -1  # -1: none; k >= 0: with the k most likely
     plp_idx: np.ndarray | None = None  # int32 [P]: indices into the step's T tokens
     plp_target: np.ndarray | None = None  # int32 [P]
-    # constrained rows (grammars): which rows of the batch, and their allowed next tokens (one bit a token)
+    # constrained samples (grammars): which of the step's samples (a row's, or in a verify step each of a
+    # row's spec_len + 1), and their allowed tokens (one bit a token)
     grammar_rows: np.ndarray | None = None  # int32 [G]
     grammar_mask: np.ndarray | None = None  # int32 [G, W]
     # speculative decoding (an extend step): tokens proposed per row, which follow the row's input at

@@ -299,21 +299,19 @@ class Engine:
             token_slots = np.repeat(slots, ext)
         else:
             positions, token_slots = seq - 1, slots
-        sample_pos, columns, sampled = seq, desc_columns(desc), desc
+        sample_pos, columns = seq, desc_columns(desc)
         spec = None
         if desc.spec_lens is not None:  # every row samples at its last spec_len + 1 positions
             spec = spec_rows(desc.spec_lens, desc.seq_lens, ends, desc.input_ids)
             sample_pos, slots_of = spec.sample_pos, slots[spec.rows]
             columns = {name: values[spec.rows] for name, values in columns.items()}
-            if desc.grammar_rows is not None:
-                sampled = replace(desc, grammar_rows=spec.row_start[desc.grammar_rows].astype(np.int32))
         else:
             slots_of = slots
         token_write = slots_of * pool_row + sample_pos  # where each sampled token goes
         s = StepInputs(
             page_idx=token_slots * self.max_seq_len + positions,
             page_val=desc.out_loc.astype(np.int32),
-            sampling=stage_sampling(sampled, columns, bs, sample_pos, token_write, self.proc_state),
+            sampling=stage_sampling(desc, columns, bs, sample_pos, token_write, self.proc_state),
             spec=spec,
         )
         if desc.prefix_slots:

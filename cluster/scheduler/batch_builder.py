@@ -99,6 +99,8 @@ class BatchBuilder:
         desc.proc_init = inits
         if drafts is not None:
             desc.spec_lens = np.asarray([len(d) for d in drafts] + [0] * len(chosen), dtype=np.int32)
+            if desc.grammar_rows is not None:
+                self._verify_masks(desc, reqs, drafts)
         if scored:
             desc.plp_idx, desc.plp_target = np.concatenate(plp_idx), np.concatenate(plp_target)
             desc.prompt_logprobs = max(r.params.prompt_logprobs for r, _, _ in scored)
@@ -220,6 +222,16 @@ class BatchBuilder:
             desc.grammar_rows = np.asarray(constrained, dtype=np.int32)
             desc.grammar_mask = self.grammars.masks([reqs[i].matcher for i in constrained])
         return desc
+
+    def _verify_masks(self, desc: BatchDesc, reqs: list[Req], drafts: list[list[int]]) -> None:
+        """A verify step's grammar rows are its samples (spec_len + 1 a row, in row order), each masked by
+        its grammar's state after the proposals before it in its row."""
+        n = desc.spec_lens.astype(np.int64) + 1
+        row_start = np.cumsum(n) - n
+        rows = desc.grammar_rows.tolist()
+        proposals = [drafts[i] if i < len(drafts) else [] for i in rows]
+        desc.grammar_rows = np.concatenate([row_start[i] + np.arange(n[i]) for i in rows]).astype(np.int32)
+        desc.grammar_mask = self.grammars.verify_masks([(reqs[i].matcher, p) for i, p in zip(rows, proposals)])
 
     def _procs(self, reqs: list[Req], seq_lens: list[int], emits: list[bool]) -> ProcessorRows:
         """Per-row processor arguments. A row reads and counts into its request's slot only when its

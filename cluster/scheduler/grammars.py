@@ -60,8 +60,42 @@ class Grammars:
             m.fill_next_token_bitmask(bitmask, i)
         return bitmask.numpy()
 
+    def verify_masks(self, rows: list[tuple[object, list[int]]]) -> np.ndarray:
+        """int32 [sum(len(proposals) + 1), W]: for each (matcher, proposals) of a verify step, the allowed
+        tokens at each of its samples: where the matcher is now, then after each proposal in turn (the
+        sample after proposal j counts only if the first j are kept). Every proposal must be one its
+        grammar accepts (`accepted_prefix` cut them); each matcher is left where it was."""
+        bitmask = self._xgr.allocate_token_bitmask(sum(len(p) + 1 for _, p in rows), self.vocab_size)
+        i = 0
+        for m, proposals in rows:
+            for j in range(len(proposals) + 1):
+                m.fill_next_token_bitmask(bitmask, i)
+                i += 1
+                if j < len(proposals) and not m.accept_token(proposals[j]):
+                    raise AssertionError(f"proposal {proposals[j]} was not cut where its grammar rejects it")
+            if proposals:
+                m.rollback(len(proposals))
+        return bitmask.numpy()
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def accepted_prefix(matcher, tokens: list[int]) -> int:
+    """How many leading tokens the matcher's grammar takes from where it is, stopping before one that
+    would end the output (after it nothing may be sampled); the matcher is left where it was."""
+    n = 0
+    for t in tokens:
+        if not matcher.accept_token(t):
+            break
+        n += 1
+        if matcher.is_terminated():
+            n -= 1
+            matcher.rollback(1)
+            break
+    if n:
+        matcher.rollback(n)
+    return n
 
 
 def _first_line(e: Exception) -> str:

@@ -187,8 +187,10 @@ class Scheduler:
         if msg.received is not None:  # read off the channel before it reached the loop
             req.arrival = msg.received
         req.prompt_len -= msg.output_len  # a continued stream: its tokens so far are output, as after a preemption
-        # processors and grammars see one token a step: those requests decode without proposals
-        req.speculates = self.spec is not None and not req.sampling_extras
+        # the processors count one token a step: those requests decode without proposals (a grammar's
+        # masks follow the proposals: Grammars.verify_masks)
+        p = msg.params
+        req.speculates = self.spec is not None and not (p.uses_processors or p.min_p > 0)
         if msg.after is not None:
             req.after = self.reqs.get(msg.after)
         self.reqs[req.uid] = req

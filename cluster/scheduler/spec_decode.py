@@ -5,7 +5,9 @@ its verify step's result says how many it kept.
 
 While speculation is active (at most speculative_max_batch requests decode), a speculating request
 waits for its own result before its next step (as a constrained one does): its next proposals depend
-on the tokens it keeps, which the host learns only then. The requests that do not speculate go on in
+on the tokens it keeps, which the host learns only then. A constrained request speculates too: its
+proposals are cut where its grammar rejects one, and each of its samples is masked by the grammar's
+state after the proposals before it (Grammars.verify_masks). The requests that do not speculate go on in
 the overlap loop beside it. At launch a verify row advances as if every
 proposal were kept; `accept` moves it back to what was and trims the pages of the rejected positions."""
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 from cluster.config import SchedulerConfig
 from cluster.scheduler.cache_manager import CacheManager
 from cluster.scheduler.draft import DraftProposer
+from cluster.scheduler.grammars import accepted_prefix
 from cluster.scheduler.ngram import propose_ngram
 from cluster.scheduler.req import Req
 
@@ -43,7 +46,17 @@ class Speculator:
             drafts = self.draft.propose(decoding, caps)
         else:
             drafts = [propose_ngram(r.input_ids, k, self.n_max) if k else [] for r, k in zip(decoding, caps)]
+        # a constrained row verifies only what its grammar allows: its proposals up to the first it rejects
+        drafts = [self._grammatical(r, d) for r, d in zip(decoding, drafts)]
         return drafts if any(drafts) else None
+
+    def _grammatical(self, req: Req, proposals: list[int]) -> list[int]:
+        if not proposals or req.matcher is None:
+            return proposals
+        kept = proposals[: accepted_prefix(req.matcher, proposals)]
+        if not kept and self.draft is not None:
+            self.draft.accept(req, 1)  # a row with nothing to verify: the draft's KV past its input is void
+        return kept
 
     def _caps(self, decoding: list[Req]) -> list[int]:
         """How many tokens each row may verify: within its max_tokens (the proposals and the token after
