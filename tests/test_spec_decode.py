@@ -163,10 +163,15 @@ def test_a_draft_identical_to_the_model_has_every_greedy_proposal_accepted(qwen3
 
 @pytest.mark.parametrize("method", ["draft"])  # its proposals come from a second engine on rank 0: the harder case
 def test_tp2_greedy_with_speculation_equals_hf(ray_cluster, qwen3_path, method):
-    kw = dict(tp_size=2, page_size=4, **spec_of(method, qwen3_path))
-    on, stats, prompts = generate(qwen3_path, PROMPTS, greedy(16), **kw)
-    assert stats.spec_decode_num_accepted_tokens > 0
+    constrained = [greedy(32, grammar=g) for g in GRAMMARS]
+    with checked_llm(qwen3_path, tp_size=2, page_size=4, **spec_of(method, qwen3_path)) as llm:
+        prompts = encode_all(llm, PROMPTS)
+        on = [o.token_ids for o in llm.generate(prompts, greedy(16))]
+        assert llm.stats().spec_decode_num_accepted_tokens > 0
+        on_constrained = [o.token_ids for o in llm.generate(prompts[-1:] * 3, constrained)]
     assert on == hf_greedy(qwen3_path, prompts, 16)
+    with checked_llm(qwen3_path, page_size=4) as llm:  # the grammars' masks alike on every rank
+        assert on_constrained == [o.token_ids for o in llm.generate(prompts[-1:] * 3, constrained)]
 
 
 @pytest.mark.parametrize("method,overlap", [("ngram", True), ("ngram", False), ("draft", True)])
