@@ -107,6 +107,12 @@ class SamplingParams:
         need(self.n >= 1, "n", "must be at least 1")
 
     @property
+    def counts_tokens(self) -> bool:
+        """Whether a sample depends on the output before it: its tokens (penalties) or their number
+        (min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.min_tokens)
+
+    @property
     def uses_processors(self) -> bool:
         """Whether sampling needs the per-request state on the device (penalties, biases, min_tokens)."""
         return bool(

@@ -240,8 +240,8 @@ def test_max_tokens_and_stop_tokens_end_a_request_inside_a_verify_step(qwen3_pat
 
 
 def test_requests_with_processors_decode_as_without_speculation_beside_speculating_ones(qwen3_path):
-    """Penalties, logit_bias and min_tokens see one token a step: their requests do not speculate, in
-    a batch where the plain ones do; every output is Hugging Face's."""
+    """Penalties and min_tokens see one token a step: their requests do not speculate, in a batch where
+    the plain ones (and the biased one) do; every output is Hugging Face's."""
     plain, _, prompts = generate(qwen3_path, REPEATING, greedy(20, ignore_eos=True), page_size=4)
     bias = {plain[0][1]: -4.0, 7: 3.5}
     stop = plain[0][2]  # emitted early by plain greedy: holding it back changes the argmax
@@ -264,6 +264,23 @@ def test_requests_with_processors_decode_as_without_speculation_beside_speculati
     )
     assert on[2 * n : 3 * n] == hf_generate(qwen3_path, prompts, 20, min_new_tokens=8, eos_token_id=eos + [stop])
     assert on[3 * n :] == plain
+
+
+def test_biased_and_min_p_requests_speculate_and_equal_their_outputs_without(qwen3_path):
+    """A logit bias and min-p are the same at every position: their requests speculate, and each
+    verify sample applies them as a decode step would."""
+    plain, _, prompts = generate(qwen3_path, REPEATING, greedy(20, ignore_eos=True), page_size=4)
+    bias = {plain[0][1]: -4.0, 7: 3.5}
+    params = [
+        greedy(20, ignore_eos=True, logit_bias=bias),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=20, min_p=0.2, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=4, max_tokens=20, min_p=0.1, logit_bias=bias, ignore_eos=True),
+    ]
+    ids = [p for p in prompts for _ in params]
+    off, _, _ = generate(qwen3_path, ids, params * len(prompts), page_size=4)
+    on, stats, _ = generate(qwen3_path, ids, params * len(prompts), page_size=4, **SPEC)
+    assert on == off
+    assert stats.spec_decode_num_accepted_tokens > 0
 
 
 def test_n_choices_with_speculation_equal_those_without(qwen3_path):
