@@ -131,8 +131,13 @@ def test_killed_follower_fails_requests_with_an_error_not_a_hang(ray_cluster, qw
         llm.shutdown()
 
 
-def test_shutdown_leaves_no_actor_or_placement_group(ray_cluster, qwen3_path):
-    with LLM(str(qwen3_path), tp_size=2) as llm:
+def test_every_rank_is_named_for_the_dashboard_and_shutdown_leaves_no_actor_or_placement_group(ray_cluster, qwen3_path):
+    import ray._private.state as state
+
+    with checked_llm(qwen3_path, tp_size=2) as llm:
+        suffix = llm.replica.suffix
+        names = {v["Name"] for v in state.actors().values() if v["State"] == "ALIVE"}
+        assert {f"raylm-replica-0-rank-0-{suffix}", f"raylm-replica-0-rank-1-{suffix}"} <= names
         assert llm.generate(PROMPT_TEXTS[:1], greedy(2, ignore_eos=True))[0].token_ids
     deadline = time.monotonic() + 30
     while live_ray_objects() != ([], []) and time.monotonic() < deadline:
@@ -230,15 +235,6 @@ def test_watchdog_fails_a_replica_whose_step_blocks_on_the_host(ray_cluster, qwe
         actor.shutdown()
     # the two failed requests counted once each, though the released loop fails request 1 again
     assert sorted(ended) == ["abort", "error", "error"]
-
-
-def test_every_rank_is_named_by_replica_and_rank_for_the_dashboard(ray_cluster, qwen3_path):
-    import ray._private.state as state
-
-    with checked_llm(qwen3_path, tp_size=2) as llm:
-        suffix = llm.replica.suffix
-        names = {v["Name"] for v in state.actors().values() if v["State"] == "ALIVE"}
-        assert {f"raylm-replica-0-rank-0-{suffix}", f"raylm-replica-0-rank-1-{suffix}"} <= names
 
 
 def test_tp_step_time_bench_says_where_each_rank_is_when_one_stalls_and_exits_124():
