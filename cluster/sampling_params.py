@@ -107,10 +107,10 @@ class SamplingParams:
         need(self.n >= 1, "n", "must be at least 1")
 
     @property
-    def counts_tokens(self) -> bool:
-        """Whether a sample depends on the output before it: its tokens (penalties) or their number
-        (min_tokens)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.min_tokens)
+    def penalized(self) -> bool:
+        """Whether a sample depends on the tokens of the output before it (presence, frequency or
+        repetition penalties)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     @property
     def uses_processors(self) -> bool:

@@ -240,8 +240,8 @@ def test_max_tokens_and_stop_tokens_end_a_request_inside_a_verify_step(qwen3_pat
 
 
 def test_requests_with_processors_decode_as_without_speculation_beside_speculating_ones(qwen3_path):
-    """Penalties and min_tokens see one token a step: their requests do not speculate, in a batch where
-    the plain ones (and the biased one) do; every output is Hugging Face's."""
+    """Penalties see one token a step: their requests do not speculate, in a batch where the others
+    (biased, held to min_tokens, plain) do; every output is Hugging Face's."""
     plain, _, prompts = generate(qwen3_path, REPEATING, greedy(20, ignore_eos=True), page_size=4)
     bias = {plain[0][1]: -4.0, 7: 3.5}
     stop = plain[0][2]  # emitted early by plain greedy: holding it back changes the argmax
@@ -266,13 +266,14 @@ def test_requests_with_processors_decode_as_without_speculation_beside_speculati
     assert on[3 * n :] == plain
 
 
-def test_biased_and_min_p_requests_speculate_and_equal_their_outputs_without(qwen3_path):
-    """A logit bias and min-p are the same at every position: their requests speculate, and each
-    verify sample applies them as a decode step would."""
+def test_biased_min_p_and_min_tokens_requests_speculate_and_equal_their_outputs_without(qwen3_path):
+    """A logit bias and min-p are the same at every position, and no verify step crosses a request's
+    min_tokens: their requests speculate, and each verify sample applies them as a decode step would."""
     plain, _, prompts = generate(qwen3_path, REPEATING, greedy(20, ignore_eos=True), page_size=4)
     bias = {plain[0][1]: -4.0, 7: 3.5}
     params = [
         greedy(20, ignore_eos=True, logit_bias=bias),
+        greedy(20, stop_token_ids=sorted({t for out in plain for t in out[3:9]}), min_tokens=9),
         SamplingParams(temperature=1.0, seed=3, max_tokens=20, min_p=0.2, ignore_eos=True),
         SamplingParams(temperature=0.8, seed=4, max_tokens=20, min_p=0.1, logit_bias=bias, ignore_eos=True),
     ]
@@ -281,6 +282,28 @@ def test_biased_and_min_p_requests_speculate_and_equal_their_outputs_without(qwe
     on, stats, _ = generate(qwen3_path, ids, params * len(prompts), page_size=4, **SPEC)
     assert on == off
     assert stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_no_verify_step_crosses_a_requests_min_tokens():
+    """A verify row's stop-token ban is the row's: while a request is short of min_tokens, its
+    proposals stop where their samples would reach the bound."""
+    from types import SimpleNamespace
+
+    from cluster.config import SchedulerConfig
+    from cluster.scheduler.req import Req
+    from cluster.scheduler.spec_decode import Speculator
+
+    cache = SimpleNamespace(available=1000, extra_pages=lambda req, n: 0)
+    spec = Speculator(SchedulerConfig(speculative_method="ngram", num_speculative_tokens=4), cache)
+    req = Req(1, list(range(10)), SamplingParams(max_tokens=40, min_tokens=5), max_device_len=50, seed=0)
+    req.speculates = True
+    caps = []
+    for _ in range(8):
+        caps.append(spec._caps([req])[0])
+        req.input_ids.append(0)
+    # output tokens 0..7 so far: samples reach output token number out + cap, which stays below 5 or
+    # starts at 5 or later
+    assert caps == [4, 3, 2, 1, 0, 4, 4, 4]
 
 
 def test_n_choices_with_speculation_equal_those_without(qwen3_path):

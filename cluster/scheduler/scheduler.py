@@ -187,10 +187,11 @@ class Scheduler:
         if msg.received is not None:  # read off the channel before it reached the loop
             req.arrival = msg.received
         req.prompt_len -= msg.output_len  # a continued stream: its tokens so far are output, as after a preemption
-        # penalties count the tokens so far, and min_tokens bans by position, one token a step: those
-        # requests decode without proposals. A bias and min-p are the same at every position, and a
-        # grammar's masks follow the proposals (Grammars.verify_masks)
-        req.speculates = self.spec is not None and not msg.params.counts_tokens
+        # penalties count the output's tokens one step at a time: those requests decode without
+        # proposals. A bias and min-p are the same at every position, min_tokens keeps a verify row's
+        # samples on one side of its bound (Speculator._caps), and a grammar's masks follow the
+        # proposals (Grammars.verify_masks)
+        req.speculates = self.spec is not None and not msg.params.penalized
         if msg.after is not None:
             req.after = self.reqs.get(msg.after)
         self.reqs[req.uid] = req

@@ -60,13 +60,17 @@ class Speculator:
 
     def _caps(self, decoding: list[Req]) -> list[int]:
         """How many tokens each row may verify: within its max_tokens (the proposals and the token after
-        them), the step's token budget and the KV pages the step leaves available."""
+        them), short of its min_tokens while it is short of them (the stop-token ban is the row's), the
+        step's token budget and the KV pages the step leaves available."""
         cache = self.cache
         pages = cache.available - sum(cache.extra_pages(r, r.cached_len + 1) for r in decoding)
         tokens = self.max_step_tokens - len(decoding)
         caps = []
         for req in decoding:
             k = min(self.k, req.max_device_len - len(req.input_ids) - 1, tokens) if req.speculates else 0
+            if (out := len(req.input_ids) - req.prompt_len) < req.params.min_tokens:
+                # every sample of the row still short of min_tokens, as the row's stop-token ban says
+                k = min(k, req.params.min_tokens - out - 1)
             base = cache.extra_pages(req, req.cached_len + 1)
             while k > 0 and cache.extra_pages(req, req.cached_len + 1 + k) - base > pages:
                 k -= 1
