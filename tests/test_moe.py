@@ -115,8 +115,10 @@ def test_preempted_requests_recompute_to_hf_output(moe_paths, family):
     assert outs == hf_greedy(path, prompts, 10)
 
 
-# one family end to end at tp=2 (each rank's slices of every family's experts are checked in process below)
-@pytest.mark.parametrize("family,overlap,cache_type,preempting", [("qwen3_moe", True, "radix", True)])
+@pytest.mark.parametrize(
+    "family,overlap,cache_type,preempting",
+    [("qwen3_moe", True, "radix", True), ("qwen2_moe", False, "naive", False), ("mixtral", True, "radix", False)],
+)
 def test_tp2_greedy_equals_hf(ray_cluster, moe_paths, family, overlap, cache_type, preempting):
     path = moe_paths[family]
     kw = dict(

@@ -161,7 +161,7 @@ def test_a_draft_identical_to_the_model_has_every_greedy_proposal_accepted(qwen3
     assert on == hf_greedy(qwen3_path, prompts, 24)
 
 
-@pytest.mark.parametrize("method", ["draft"])  # its proposals come from a second engine on rank 0: the harder case
+@pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_tp2_greedy_with_speculation_equals_hf(ray_cluster, qwen3_path, method):
     constrained = [greedy(32, grammar=g) for g in GRAMMARS]
     with checked_llm(qwen3_path, tp_size=2, page_size=4, **spec_of(method, qwen3_path)) as llm:
