@@ -90,8 +90,7 @@ class SchedulerConfig:
         "speculative decoding: proposed tokens verified in one step, greedy outputs unchanged and sampled ones "
         "keeping their distribution. ngram proposes the tokens that followed an earlier occurrence of a "
         "request's last few tokens (prompt lookup); draft, a smaller model's greedy continuation "
-        "(speculative_model). Requests under a grammar speculate within it; those with penalties decode as "
-        "without it",
+        "(speculative_model). Every request speculates, within its grammar, penalties and biases",
         choices=("ngram", "draft"),
         unset="off",
     )

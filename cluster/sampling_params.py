@@ -107,12 +107,6 @@ class SamplingParams:
         need(self.n >= 1, "n", "must be at least 1")
 
     @property
-    def penalized(self) -> bool:
-        """Whether a sample depends on the tokens of the output before it (presence, frequency or
-        repetition penalties)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
-
-    @property
     def uses_processors(self) -> bool:
         """Whether sampling needs the per-request state on the device (penalties, biases, min_tokens)."""
         return bool(

@@ -1,8 +1,8 @@
 """Speculative decoding (n-gram proposals, one verify step): greedy outputs equal those without it and
 Hugging Face's, for every family, overlap on and off, page sizes 1 and 4, tp 2; seeded sampled outputs
 equal those without it and keep the target's distribution; pages stay whole after rejections; the
-requests that cannot speculate (processors) decode as before beside those that do; constrained ones
-speculate within their grammars."""
+requests with processors (penalties, biases, min-p, min_tokens) and grammars speculate too, their
+outputs those without speculation."""
 
 from __future__ import annotations
 
@@ -107,6 +107,9 @@ def test_the_kept_samples_are_those_up_to_the_first_that_differs_from_its_propos
     assert rows.drafts.tolist() == [11, 12, -1, -1, 31, 32, 33, -1]
     assert rows.sample_pos.tolist() == [8, 9, 10, 20, 27, 28, 29, 30]
     assert rows.last_idx.tolist() == list(range(8))
+    # what each sample's penalties count beyond the output so far: the proposals before it in its row
+    pairs = sorted(zip(rows.proposed_at.tolist(), rows.proposed_token.tolist()))
+    assert pairs == [(1, 11), (2, 11), (2, 12), (5, 31), (6, 31), (6, 32), (7, 31), (7, 32), (7, 33)]
     sampled = torch.tensor([11, 99, 5, 7, 31, 32, 33, 8])  # row 0 rejects its second, row 2 keeps all
     kept = accepted(
         sampled,
@@ -163,15 +166,16 @@ def test_a_draft_identical_to_the_model_has_every_greedy_proposal_accepted(qwen3
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_tp2_greedy_with_speculation_equals_hf(ray_cluster, qwen3_path, method):
-    constrained = [greedy(32, grammar=g) for g in GRAMMARS]
+    # grammars and penalties too: every rank masks and counts alike
+    constrained = [greedy(32, grammar=g) for g in GRAMMARS] + [greedy(24, ignore_eos=True, repetition_penalty=1.3)]
     with checked_llm(qwen3_path, tp_size=2, page_size=4, **spec_of(method, qwen3_path)) as llm:
         prompts = encode_all(llm, PROMPTS)
         on = [o.token_ids for o in llm.generate(prompts, greedy(16))]
         assert llm.stats().spec_decode_num_accepted_tokens > 0
-        on_constrained = [o.token_ids for o in llm.generate(prompts[-1:] * 3, constrained)]
+        on_constrained = [o.token_ids for o in llm.generate(prompts[-1:] * 4, constrained)]
     assert on == hf_greedy(qwen3_path, prompts, 16)
-    with checked_llm(qwen3_path, page_size=4) as llm:  # the grammars' masks alike on every rank
-        assert on_constrained == [o.token_ids for o in llm.generate(prompts[-1:] * 3, constrained)]
+    with checked_llm(qwen3_path, page_size=4) as llm:
+        assert on_constrained == [o.token_ids for o in llm.generate(prompts[-1:] * 4, constrained)]
 
 
 @pytest.mark.parametrize("method,overlap", [("ngram", True), ("ngram", False), ("draft", True)])
@@ -239,9 +243,9 @@ def test_max_tokens_and_stop_tokens_end_a_request_inside_a_verify_step(qwen3_pat
         assert short == [out[:n] for out in plain]
 
 
-def test_requests_with_processors_decode_as_without_speculation_beside_speculating_ones(qwen3_path):
-    """Penalties see one token a step: their requests do not speculate, in a batch where the others
-    (biased, held to min_tokens, plain) do; every output is Hugging Face's."""
+def test_requests_with_processors_speculate_beside_plain_ones_and_equal_hf(qwen3_path):
+    """Penalties, biases and min_tokens in a batch where plain requests speculate too; every output is
+    Hugging Face's."""
     plain, _, prompts = generate(qwen3_path, REPEATING, greedy(20, ignore_eos=True), page_size=4)
     bias = {plain[0][1]: -4.0, 7: 3.5}
     stop = plain[0][2]  # emitted early by plain greedy: holding it back changes the argmax
@@ -282,6 +286,28 @@ def test_biased_min_p_and_min_tokens_requests_speculate_and_equal_their_outputs_
     on, stats, _ = generate(qwen3_path, ids, params * len(prompts), page_size=4, **SPEC)
     assert on == off
     assert stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_penalized_requests_speculate_and_each_sample_counts_the_proposals_before_it(qwen3_path):
+    """A verify sample's penalties count the output so far and the proposals before it in its row, and
+    only the kept samples are counted afterwards: penalized outputs, greedy and seeded, are those without
+    speculation (and Hugging Face's repetition penalty)."""
+    params = [
+        greedy(24, ignore_eos=True, repetition_penalty=1.3),
+        greedy(24, ignore_eos=True, presence_penalty=0.4, frequency_penalty=0.3),
+        SamplingParams(temperature=0.9, seed=11, max_tokens=24, ignore_eos=True, frequency_penalty=0.5),
+        SamplingParams(temperature=1.0, seed=12, max_tokens=24, ignore_eos=True, repetition_penalty=1.2),
+    ]
+    with checked_llm(qwen3_path, page_size=4) as llm:
+        prompts = encode_all(llm, REPEATING)
+        ids = [p for p in prompts for _ in params]
+        off = [o.token_ids for o in llm.generate(ids, params * len(prompts))]
+    for method in ("ngram", "draft"):
+        on, stats, _ = generate(qwen3_path, ids, params * len(prompts), page_size=4, **spec_of(method, qwen3_path))
+        assert on == off, method
+        assert stats.spec_decode_num_accepted_tokens > 0, method
+    n = len(params)
+    assert off[::n] == hf_generate(qwen3_path, prompts, 24, repetition_penalty=1.3, eos_token_id=[])
 
 
 def test_no_verify_step_crosses_a_requests_min_tokens():

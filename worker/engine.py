@@ -447,7 +447,11 @@ class Engine:
             sample_pos, rows = batch.seq_lens, desc.batch_size
         else:
             sample_pos, rows = s.spec.sample_pos, len(s.spec.rows)
-        next_tokens = self.sampler(logits, sp.args(sample_pos, rows), procs=sp.procs, filtered=sp.filtered)
+        args = sp.args(sample_pos, rows)
+        if s.spec is not None:  # penalties count each sample's proposals before it, and the kept samples after
+            args.proposed = (s.spec.proposed_at, s.spec.proposed_token)
+            args.verify = (s.spec.drafts, s.spec.rows, s.spec.row_start)
+        next_tokens = self.sampler(logits, args, procs=sp.procs, filtered=sp.filtered)
         scored = None
         if sp.plp_idx is not None:
             scored = prompt_logprobs(self.model.compute_logits, hidden, sp.plp_idx, sp.plp_target, desc.prompt_logprobs)

@@ -187,11 +187,10 @@ class Scheduler:
         if msg.received is not None:  # read off the channel before it reached the loop
             req.arrival = msg.received
         req.prompt_len -= msg.output_len  # a continued stream: its tokens so far are output, as after a preemption
-        # penalties count the output's tokens one step at a time: those requests decode without
-        # proposals. A bias and min-p are the same at every position, min_tokens keeps a verify row's
-        # samples on one side of its bound (Speculator._caps), and a grammar's masks follow the
-        # proposals (Grammars.verify_masks)
-        req.speculates = self.spec is not None and not msg.params.penalized
+        # every request may speculate: a verify sample's penalties count the proposals before it
+        # (ProcessorState.apply), min_tokens keeps a verify row's samples on one side of its bound
+        # (Speculator._caps), and a grammar's masks follow the proposals (Grammars.verify_masks)
+        req.speculates = self.spec is not None
         if msg.after is not None:
             req.after = self.reqs.get(msg.after)
         self.reqs[req.uid] = req

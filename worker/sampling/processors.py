@@ -120,21 +120,31 @@ class ProcessorState:
         frequency: torch.Tensor,
         repetition: torch.Tensor,
         ban_stop: torch.Tensor,
+        proposed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """float32 logits [B, vocab] with every row's processors applied. A row on the scratch row with
-        zero penalties and repetition 1 comes back exactly as it was."""
+        zero penalties and repetition 1 comes back exactly as it was. `proposed` (a verify step: rows
+        are samples, several of one slot): (sample, token) pairs, each a proposal before that sample
+        in its row, counted as generated there."""
         rows = state_row.long()
         x = logits.float().clone()
         ban = self.sparse_ban[rows] & ban_stop.bool().unsqueeze(1)
         add = self.sparse_bias[rows].masked_fill(ban, float("-inf"))
         x.scatter_add_(1, self.sparse_ids[rows], add)
         counts = self.counts[rows]
+        if proposed is not None and proposed[0].numel():
+            at, tokens = proposed
+            counts.index_put_((at, tokens.long()), torch.ones_like(at, dtype=counts.dtype), accumulate=True)
         generated = counts > 0
         rep = repetition.unsqueeze(1)
         x = torch.where(generated | self.prompt_seen[rows], torch.where(x > 0, x / rep, x * rep), x)
         return x - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * generated
 
-    def update(self, state_row: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Counts each row's sampled token in its slot (rows on the scratch row count nothing)."""
+    def update(self, state_row: torch.Tensor, tokens: torch.Tensor, kept: torch.Tensor | None = None) -> None:
+        """Counts each row's sampled token in its slot (rows on the scratch row count nothing; with `kept`,
+        a verify step's, only the samples it keeps)."""
         rows = state_row.long()
-        self.counts.view(-1).index_add_(0, rows * self.vocab + tokens.long(), (rows != self.scratch_row).int())
+        counted = rows != self.scratch_row
+        if kept is not None:
+            counted &= kept
+        self.counts.view(-1).index_add_(0, rows * self.vocab + tokens.long(), counted.int())

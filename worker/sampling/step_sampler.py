@@ -15,6 +15,7 @@ from worker.kernels import Kernels
 from worker.sampling.columns import COLUMNS
 from worker.sampling.processors import ProcessorState
 from worker.sampling.sampler import apply_min_p, filter_logits, sample_unfiltered
+from worker.sampling.verify import kept_samples
 
 
 @dataclass(kw_only=True)
@@ -36,6 +37,10 @@ class SampleArgs:
     frequency: torch.Tensor | None = None
     repetition: torch.Tensor | None = None
     ban_stop: torch.Tensor | None = None
+    # a verify step (rows are samples): the proposals before each sample, as (sample, token) pairs, for
+    # its penalties; and (drafts, rows, row_start) of worker/sampling/verify.py, to count kept samples only
+    proposed: tuple[torch.Tensor, torch.Tensor] | None = None
+    verify: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def of(
@@ -80,7 +85,7 @@ class StepSampler:
         x = logits
         if procs:
             if a.state_row is not None:
-                x = self.state.apply(x, a.state_row, a.presence, a.frequency, a.repetition, a.ban_stop)
+                x = self.state.apply(x, a.state_row, a.presence, a.frequency, a.repetition, a.ban_stop, a.proposed)
             if a.allowed is not None:
                 x = apply_bitmask(x, a.allowed)
         if a.temperature is None:
@@ -96,7 +101,7 @@ class StepSampler:
                 x = filter_logits(x, a.temperature, a.top_p, a.top_k)
             tokens = self._draw(x, a, out)
         if procs and a.state_row is not None:
-            self.state.update(a.state_row, tokens)
+            self.state.update(a.state_row, tokens, kept_samples(tokens, *a.verify) if a.verify is not None else None)
         return tokens
 
     def _draw(self, x: torch.Tensor, a: SampleArgs, out: torch.Tensor | None) -> torch.Tensor:

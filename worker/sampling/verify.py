@@ -32,6 +32,9 @@ class SpecRows:
     sample_pos: np.ndarray  # int64: the position of the sampled token (its draw's key with the seed)
     drafts: np.ndarray  # int32: the proposal the sample must equal to keep the next one; -1 after the last
     row_start: np.ndarray  # int64 [B]: each row's first sample
+    # (sample, token) pairs [P]: each proposal before a sample in its row (what its penalties count)
+    proposed_at: np.ndarray
+    proposed_token: np.ndarray
 
 
 def spec_rows(spec_lens: np.ndarray, seq_lens: np.ndarray, ends: np.ndarray, input_ids: np.ndarray) -> SpecRows:
@@ -46,14 +49,31 @@ def spec_rows(spec_lens: np.ndarray, seq_lens: np.ndarray, ends: np.ndarray, inp
     drafts = np.full(len(rows), -1, dtype=np.int32)
     has_next = back > 0
     drafts[has_next] = input_ids[last_idx[has_next] + 1]
-    return SpecRows(rows, last_idx, seq_lens.astype(np.int64)[rows] - back, drafts, row_start)
+    # the sample at row_start + j follows the proposals that drafts holds at row_start .. row_start + j - 1
+    at, before = [], []
+    for start, k in zip(row_start.tolist(), n.tolist()):
+        for j in range(1, k):
+            at += [start + j] * j
+            before += range(start, start + j)
+    proposed_at = np.asarray(at, dtype=np.int64)
+    proposed_token = drafts[np.asarray(before, dtype=np.int64)].astype(np.int64)
+    return SpecRows(
+        rows, last_idx, seq_lens.astype(np.int64)[rows] - back, drafts, row_start, proposed_at, proposed_token
+    )
 
 
-def accepted(tokens: torch.Tensor, drafts: torch.Tensor, rows: torch.Tensor, row_start: torch.Tensor) -> torch.Tensor:
-    """int32 [B]: how many samples each row keeps, on the device: those up to and including its first
+def kept_samples(
+    tokens: torch.Tensor, drafts: torch.Tensor, rows: torch.Tensor, row_start: torch.Tensor
+) -> torch.Tensor:
+    """bool [S]: the samples their rows keep, on the device: each row's up to and including its first
     sample that differs from the proposal after it."""
     mismatch = (tokens.to(torch.int32) != drafts).to(torch.int32)
     before = mismatch.cumsum(0) - mismatch  # mismatches before each sample, over the whole step
-    kept = (before - before[row_start][rows]) == 0
+    return (before - before[row_start][rows]) == 0
+
+
+def accepted(tokens: torch.Tensor, drafts: torch.Tensor, rows: torch.Tensor, row_start: torch.Tensor) -> torch.Tensor:
+    """int32 [B]: how many samples each row keeps (kept_samples), on the device."""
+    kept = kept_samples(tokens, drafts, rows, row_start)
     counts = torch.zeros(len(row_start), dtype=torch.int32, device=tokens.device)
     return counts.index_add_(0, rows, kept.to(torch.int32))
