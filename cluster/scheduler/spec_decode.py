@@ -1,15 +1,16 @@
-"""Speculative decoding on the scheduler's side: which requests speculate, the tokens proposed for
-each row of a decode step (by n-gram lookup, ngram.py, or a draft model, draft.py; bounded by its
-remaining length, the step's token budget and the KV pages available), and a request's state once
-its verify step's result says how many it kept.
+"""Speculative decoding on the scheduler's side: the tokens proposed for each row of a decode step (by
+n-gram lookup, ngram.py, or a draft model, draft.py; bounded by its remaining length, its min_tokens,
+the step's token budget and the KV pages available), and a request's state once its verify step's
+result says how many it kept.
 
 While speculation is active (at most speculative_max_batch requests decode), a speculating request
 waits for its own result before its next step (as a constrained one does): its next proposals depend
-on the tokens it keeps, which the host learns only then. A constrained request speculates too: its
-proposals are cut where its grammar rejects one, and each of its samples is masked by the grammar's
-state after the proposals before it (Grammars.verify_masks). The requests that do not speculate go on in
-the overlap loop beside it. At launch a verify row advances as if every
-proposal were kept; `accept` moves it back to what was and trims the pages of the rejected positions."""
+on the tokens it keeps, which the host learns only then. Every request speculates: a constrained
+one's proposals are cut where its grammar rejects one, and each of its samples is masked by the
+grammar's state after the proposals before it (Grammars.verify_masks); penalties count the proposals
+before each sample (worker/sampling/processors.py). Past speculative_max_batch, every request
+decodes in the overlap loop. At launch a verify row advances as if every proposal were kept; `accept`
+moves it back to what was and trims the pages of the rejected positions."""
 
 from __future__ import annotations
 
