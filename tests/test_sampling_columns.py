@@ -78,7 +78,7 @@ def test_the_description_and_the_sampler_name_every_column():
     desc_fields = {f.name for f in dataclasses.fields(BatchDesc)}
     assert {c.name for c in COLUMNS if c.group != PROCS} <= desc_fields
     args = [f.name for f in dataclasses.fields(SampleArgs)]
-    assert args == ["positions", "token_write", "allowed", *NAMES]
+    assert args == ["positions", "token_write", "allowed", *NAMES, "proposed", "verify"]
 
 
 def test_the_graph_blocks_hold_every_column_once_as_int64_or_float32_rows():
