@@ -49,14 +49,13 @@ def spec_rows(spec_lens: np.ndarray, seq_lens: np.ndarray, ends: np.ndarray, inp
     drafts = np.full(len(rows), -1, dtype=np.int32)
     has_next = back > 0
     drafts[has_next] = input_ids[last_idx[has_next] + 1]
-    # the sample at row_start + j follows the proposals that drafts holds at row_start .. row_start + j - 1
-    at, before = [], []
-    for start, k in zip(row_start.tolist(), n.tolist()):
-        for j in range(1, k):
-            at += [start + j] * j
-            before += range(start, start + j)
-    proposed_at = np.asarray(at, dtype=np.int64)
-    proposed_token = drafts[np.asarray(before, dtype=np.int64)].astype(np.int64)
+    # the sample at row_start + j follows the proposals that drafts holds at row_start + i, i < j: the
+    # pairs (j, i) below the diagonal, those within each row's samples
+    j, i = np.tril_indices(int(n.max()), -1)
+    within = j[None, :] < n[:, None]  # [B, pairs]
+    starts = np.broadcast_to(row_start[:, None], within.shape)[within]
+    proposed_at = starts + np.broadcast_to(j, within.shape)[within]
+    proposed_token = drafts[starts + np.broadcast_to(i, within.shape)[within]].astype(np.int64)
     return SpecRows(
         rows, last_idx, seq_lens.astype(np.int64)[rows] - back, drafts, row_start, proposed_at, proposed_token
     )
