@@ -149,3 +149,59 @@ def test_redrawing_a_large_batchs_few_special_rows_alone_equals_the_bucket_varia
     tok = AutoTokenizer.from_pretrained(qwen3_hd128_path)
     for i in range(3, n, 10):
         assert re.fullmatch(regex, tok.decode(compact[i], skip_special_tokens=True)), tok.decode(compact[i])
+
+
+def test_many_constrained_requests_at_once_keep_their_grammars_in_graph_and_overlap_steps(qwen3_hd128_path):
+    """32 requests through 8 running slots (they join and leave at different steps, prompt chunks mixed
+    with decodes, graph and redraw steps, the overlap loop): a tool-call-shaped JSON schema, a regex and
+    none, sampled at temperature 1. No sampled token is ever one a grammar forbids (the engine would
+    fail the request and generate would raise) and every constrained output that stops parses as its
+    grammar says."""
+    import json
+    import re
+
+    import jsonschema
+
+    from cluster import GrammarSpec
+
+    pytest.importorskip("xgrammar")
+    call = {
+        "type": "object",
+        "properties": {
+            "name": {"enum": ["quote_price", "get_weather"]},
+            "arguments": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
+                "required": ["city", "days"],
+            },
+        },
+        "required": ["name", "arguments"],
+    }
+    regex = r"[a-z]{4,12} (yes|no)"
+    n = 32
+    prompts = random_prompts(n, 5, 300, seed=13)
+
+    def params(i: int) -> SamplingParams:
+        if i % 3 == 0:
+            schema = GrammarSpec("json_schema", json.dumps(call))
+            return SamplingParams(temperature=1.0, max_tokens=120, seed=i, grammar=schema)
+        if i % 3 == 1:
+            return SamplingParams(temperature=1.0, max_tokens=60, seed=i, grammar=GrammarSpec("regex", regex))
+        return SamplingParams(temperature=1.0, max_tokens=40, seed=i, ignore_eos=True)
+
+    for overlap in (True, False):
+        with checked_llm(
+            qwen3_hd128_path,
+            dtype="bfloat16",
+            page_size=16,
+            num_pages=KV_TOKENS // 16,
+            max_running_reqs=8,
+            max_extend_tokens=256,
+            overlap=overlap,
+        ) as llm:
+            outs = llm.generate(prompts, [params(i) for i in range(n)])
+        for i, out in enumerate(outs):
+            if i % 3 == 0 and out.finish_reason == "stop":
+                jsonschema.validate(json.loads(out.text), call)
+            elif i % 3 == 1:
+                assert out.finish_reason == "stop" and re.fullmatch(regex, out.text), out.text

@@ -221,14 +221,31 @@ def test_routing_kernel_picks_what_select_experts_picks(renormalize):
     torch.testing.assert_close(weights, want_weights)
 
 
+@pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize(
     "tokens,num_experts,top_k,hidden,inter", [(1, 8, 2, 64, 32), (7, 4, 2, 48, 40), (40, 8, 4, 32, 16)]
 )
-def test_fused_experts_equal_the_torch_loop_under_the_interpreter(tokens, num_experts, top_k, hidden, inter):
+def test_fused_experts_equal_the_torch_loop_under_the_interpreter(tokens, num_experts, top_k, hidden, inter, per_row):
+    """Both fused paths: the grouped GEMMs over rows sorted by expert, and the per-row kernels."""
     pytest.importorskip("triton")
     x, w13, w2, weights, ids = _experts(tokens, num_experts, top_k, hidden, inter)
     assert fused_applies(INTERPRETED, x) and not fused_applies(Kernels(moe="torch", interpret_on_cpu=True), x)
-    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids), torch_experts(x, w13, w2, weights, ids))
+    got = fused_experts(x, w13, w2, weights, ids, per_row=per_row)
+    torch.testing.assert_close(got, torch_experts(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_per_row_kernels_route_as_select_experts_does(renormalize):
+    """fused_moe at a few tokens routes inside the per-row kernels: the experts and weights that
+    select_experts picks, so the output equals the torch loop's."""
+    pytest.importorskip("triton")
+    from worker.layers.moe.fused import fused_moe, per_row_applies
+
+    x, w13, w2, _, _ = _experts(3, 64, 4, 32, 24)
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)) * 2
+    assert per_row_applies(3 * 4, 64)
+    want = torch_experts(x, w13, w2, *select_experts(logits, 4, renormalize))
+    torch.testing.assert_close(fused_moe(x, logits, w13, w2, 4, renormalize), want)
 
 
 def test_engine_with_fused_experts_equals_hf_greedy(qwen2_moe_path):
@@ -245,18 +262,38 @@ _ARCH = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
-def test_fused_experts_agree_with_the_torch_loop_in_bf16_on_gpu(tokens):
+@pytest.mark.parametrize("tokens,per_row", [(1, True), (1, False), (4, True), (5, None), (64, None), (300, None)])
+def test_fused_experts_agree_with_the_torch_loop_in_bf16_on_gpu(tokens, per_row):
     """bf16 inputs; the reference is the torch loop in float32 on the same bf16 values. Tolerance: the
     largest error within 2% of the largest output (bf16 keeps 8 bits: 0.4% per rounding), and no worse
-    than twice the bf16 torch loop's own."""
+    than twice the bf16 torch loop's own. Both paths at a few tokens (the per-row kernels by default)."""
     x, w13, w2, weights, ids = _experts(tokens, **_ARCH, dtype=torch.bfloat16, device="cuda")
     want = torch_experts(x.float(), w13.float(), w2.float(), weights.float(), ids)
-    got = fused_experts(x, w13, w2, weights, ids).float()
+    got = fused_experts(x, w13, w2, weights, ids, per_row=per_row).float()
     loop = torch_experts(x, w13, w2, weights, ids).float()
     scale = want.abs().max()
     assert (got - want).abs().max() <= 0.02 * scale
     assert (got - want).abs().max() <= 2 * (loop - want).abs().max() + 1e-3 * scale
+
+
+@pytest.mark.gpu
+def test_per_row_routing_replays_in_a_cuda_graph():
+    """fused_moe at 2 tokens (routing inside the per-row kernels) captured once and replayed on new
+    inputs gives what it gives eagerly, and what the torch loop gives on select_experts' routing."""
+    from worker.layers.moe.fused import fused_moe
+
+    x, w13, w2, _, _ = _experts(2, **_ARCH, dtype=torch.bfloat16, device="cuda")
+    logits = torch.randn(2, _ARCH["num_experts"], device="cuda", dtype=torch.bfloat16)
+    fused_moe(x, logits, w13, w2, 8, True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, logits, w13, w2, 8, True)
+    x.copy_(torch.randn_like(x))
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    torch.testing.assert_close(out, fused_moe(x, logits, w13, w2, 8, True), atol=0, rtol=0)
+    want = torch_experts(x.float(), w13.float(), w2.float(), *select_experts(logits.float(), 8, True))
+    assert (out.float() - want).abs().max() <= 0.02 * want.abs().max()
 
 
 @pytest.mark.gpu

@@ -2,7 +2,9 @@
 of (token, choice) rows by expert into blocks of BLOCK_M rows, each block one expert's, and the two
 grouped GEMMs, where a program computes one (block, column tile), so every launch covers the selected
 experts only. Routing and sorting are one launch each: as torch ops they were some thirty small kernels a
-layer, more time than the GEMMs at batch 1."""
+layer, more time than the GEMMs at batch 1. For a few tokens the per-row kernels skip the sort: a
+matrix-vector product per (token, choice) row with the routing inside, then one per token with the
+combine inside, two launches where the grouped path takes five."""
 
 import triton
 import triton.language as tl
@@ -126,19 +128,9 @@ def moe_down_kernel(
 
 
 @triton.jit
-def moe_route_kernel(
-    logits_ptr,
-    weights_ptr,
-    ids_ptr,
-    num_experts,
-    stride_logits,
-    TOP_K: tl.constexpr,
-    K_P2: tl.constexpr,
-    E_P2: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-):
-    # one program per token: softmax over the experts in float32, the top k by repeated argmax
-    t = tl.program_id(0).to(tl.int64)
+def _top_k(logits_ptr, t, num_experts, stride_logits, TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
+           RENORMALIZE: tl.constexpr):
+    # token t's softmax over the experts in float32, then its top k by repeated argmax: (weights, ids) [K_P2]
     offs = tl.arange(0, E_P2)
     x = tl.load(logits_ptr + t * stride_logits + offs, mask=offs < num_experts, other=-float("inf"))
     x = x.to(tl.float32)
@@ -156,9 +148,126 @@ def moe_route_kernel(
         p = tl.where(offs == idx, -1.0, p)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, 0)
+    return top_w, top_i
+
+
+@triton.jit
+def moe_route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    stride_logits,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    E_P2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    # one program per token
+    t = tl.program_id(0).to(tl.int64)
+    top_w, top_i = _top_k(logits_ptr, t, num_experts, stride_logits, TOP_K, K_P2, E_P2, RENORMALIZE)
+    k_offs = tl.arange(0, K_P2)
     k_ok = k_offs < TOP_K
     tl.store(weights_ptr + t * TOP_K + k_offs, top_w.to(weights_ptr.dtype.element_ty), mask=k_ok)
     tl.store(ids_ptr + t * TOP_K + k_offs, top_i.to(ids_ptr.dtype.element_ty), mask=k_ok)
+
+
+@triton.jit
+def moe_row_gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    hidden,
+    inter,
+    stride_x,
+    stride_logits,
+    stride_we,
+    stride_wn,
+    stride_h,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    E_P2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    ROUTE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # the per-row path of a few tokens (decode at small batch): one program per ((token, choice) row r,
+    # column tile), a matrix-vector product over its expert's gate and up rows, h[r] = silu(x g^T) * (x u^T).
+    # With ROUTE the program picks its row's expert from the logits itself (the route kernel's choice,
+    # recomputed: 128 logits cost less than a launch) and tile 0 stores it and its weight for the down pass
+    r = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    t = r // TOP_K
+    if ROUTE:
+        top_w, top_i = _top_k(logits_ptr, t, num_experts, stride_logits, TOP_K, K_P2, E_P2, RENORMALIZE)
+        mine = tl.arange(0, K_P2) == r % TOP_K
+        expert = tl.sum(tl.where(mine, top_i, 0), 0)
+        if pid_n == 0:
+            tl.store(weights_ptr + r, tl.sum(tl.where(mine, top_w, 0.0), 0).to(weights_ptr.dtype.element_ty))
+            tl.store(ids_ptr + r, expert.to(ids_ptr.dtype.element_ty))
+    else:
+        expert = tl.load(ids_ptr + r)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + inter * stride_wn
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = offs_k < hidden - k0
+        xv = tl.load(x_ptr + t * stride_x + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        mask = n_ok[:, None] & k_ok[None, :]
+        g = tl.load(g_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+        acc_g += tl.sum(g * xv[None, :], axis=1)
+        acc_u += tl.sum(u * xv[None, :], axis=1)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(h_ptr + r * stride_h + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def moe_row_down_kernel(
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    weights_ptr,
+    ids_ptr,
+    hidden,
+    inter,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_out,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # the per-row path's second half: one program per (token, column tile) sums its TOP_K rows' expert
+    # outputs, each scaled by its routing weight, in float32: the combine needs no launch of its own
+    t = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        r = t * TOP_K + k
+        expert = tl.load(ids_ptr + r).to(tl.int64)
+        b_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_ok = offs_k < inter - k0
+            hv = tl.load(h_ptr + r * stride_h + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            b = tl.load(b_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            part += tl.sum(b * hv[None, :], axis=1)
+        acc += tl.load(weights_ptr + r).to(tl.float32) * part
+    tl.store(out_ptr + t * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit

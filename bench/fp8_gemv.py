@@ -1,0 +1,60 @@
+"""The FP8-weight linear layers of a batch-1 decode step, Qwen3-8B's shapes (e4m3 weights, a scale per
+output channel, bf16 activations): worker/quant/gemm.py's GEMV at its default tiles and over a sweep
+of (BLOCK_N, BLOCK_K, num_warps), each layer's COPIES (distinct weights, so L2 holds none of them)
+replayed in a CUDA graph; median microseconds a call and the bandwidth over the weight's bytes.
+
+    python bench/fp8_gemv.py [--m 1] [--out r.json]"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import time_graph  # noqa: E402
+
+from worker.quant import gemm  # noqa: E402
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
+CONFIGS = list(itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8)))
+COPIES = 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--m", type=int, nargs="+", default=[1])
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    results = []
+    for m in args.m:
+        for name, (k, n) in SHAPES.items():
+            ws = [(torch.randn(n, k, device="cuda") * 0.05).to(torch.float8_e4m3fn) for _ in range(COPIES)]
+            scale = torch.rand(n, 1, device="cuda") * 0.01 + 0.005
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = (x.float() @ (ws[0].float() * scale).T)
+            got = gemm.fp8_gemv(x, ws[0], scale, None).float()
+            row = {"m": m, "layer": name, "k": k, "n": n, "max_rel_err": ((got - ref).abs().max() / ref.abs().max()).item()}
+            row["default_us"] = time_graph(lambda: [gemm.fp8_gemv(x, w, scale, None) for w in ws]) / COPIES
+            row["default_tb_s"] = n * k / row["default_us"] / 1e6
+            sweep = {}
+            for bn, bk, nw in CONFIGS:
+                sweep[f"{bn}x{bk}w{nw}"] = (
+                    time_graph(lambda: [gemm.fp8_gemv(x, w, scale, None, bn, bk, nw) for w in ws]) / COPIES
+                )
+            row["sweep_us"] = sweep
+            row["best"] = min(sweep, key=sweep.get)
+            row["best_tb_s"] = n * k / sweep[row["best"]] / 1e6
+            results.append(row)
+            print(json.dumps({key: v for key, v in row.items() if key != "sweep_us"}))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""One MoE block's experts at decode batch sizes on one GPU, Qwen3-30B-A3B's shapes (128 experts, 8 a token,
+hidden 2048, expert width 768, bf16): the grouped path (routing, the sort by expert, two grouped GEMMs and
+the sum over choices) against the per-row kernels (routing inside, two launches), with a sweep of the
+per-row kernels' tiles. LAYERS copies of the experts (distinct weights, so L2 holds none of them) replayed
+in a CUDA graph; median microseconds a layer and the bandwidth over the distinct experts' bytes.
+
+    python bench/moe_decode.py [--tokens 1 2 4] [--sweep] [--out r.json]"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import time_graph  # noqa: E402
+
+from worker.layers.moe import fused  # noqa: E402
+from worker.layers.moe.routing import select_experts  # noqa: E402
+from worker.layers.moe.torch_experts import torch_experts  # noqa: E402
+
+EXPERTS, TOP_K, HIDDEN, INTER, LAYERS = 128, 8, 2048, 768, 8
+GATE_UP = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
+DOWN = list(itertools.product((4, 8, 16), (256, 768), (4, 8)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--sweep", action="store_true", help="every per-row tile at the first token count")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13s = [torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+            for _ in range(LAYERS)]
+    w2s = [torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.03
+           for _ in range(LAYERS)]
+    results = []
+    for tokens in args.tokens:
+        x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn(LAYERS, tokens, EXPERTS, device="cuda", dtype=torch.bfloat16)
+        distinct = sum(len(set(select_experts(logits[i], TOP_K, True)[1].flatten().tolist())) for i in range(LAYERS))
+        nbytes = distinct / LAYERS * 3 * INTER * HIDDEN * 2
+
+        def grouped():
+            for i in range(LAYERS):
+                w, ids = fused.route(logits[i], TOP_K, True)
+                fused.fused_experts(x, w13s[i], w2s[i], w, ids, per_row=False)
+
+        def per_row():
+            for i in range(LAYERS):
+                fused._per_row(x, w13s[i], w2s[i], TOP_K, logits=logits[i], renormalize=True)
+
+        want = torch_experts(x.float(), w13s[0].float(), w2s[0].float(), *select_experts(logits[0].float(), TOP_K, True))
+        got = fused._per_row(x, w13s[0], w2s[0], TOP_K, logits=logits[0], renormalize=True).float()
+        row = {
+            "tokens": tokens,
+            "distinct_experts_per_layer": distinct / LAYERS,
+            "per_row_max_rel_err": ((got - want).abs().max() / want.abs().max()).item(),
+            "grouped_us": time_graph(grouped) / LAYERS,
+            "per_row_us": time_graph(per_row) / LAYERS,
+            "per_row_tiles": {"gate_up": fused.PER_ROW_GATE_UP, "down": fused.PER_ROW_DOWN},
+        }
+        row["grouped_tb_s"] = nbytes / row["grouped_us"] / 1e6
+        row["per_row_tb_s"] = nbytes / row["per_row_us"] / 1e6
+        if args.sweep and tokens == args.tokens[0]:
+            default = fused.PER_ROW_GATE_UP, fused.PER_ROW_DOWN
+            sweep = {}
+            for cfg in GATE_UP:
+                fused.PER_ROW_GATE_UP = cfg
+                sweep["gate_up %dx%dw%d" % cfg] = time_graph(per_row) / LAYERS
+            fused.PER_ROW_GATE_UP = min(GATE_UP, key=lambda c: sweep["gate_up %dx%dw%d" % c])
+            for cfg in DOWN:
+                fused.PER_ROW_DOWN = cfg
+                sweep["down %dx%dw%d" % cfg] = time_graph(per_row) / LAYERS
+            best = fused.PER_ROW_GATE_UP, min(DOWN, key=lambda c: sweep["down %dx%dw%d" % c])
+            row["sweep_us"] = sweep
+            row["best"] = {"gate_up": best[0], "down": best[1]}
+            fused.PER_ROW_GATE_UP, fused.PER_ROW_DOWN = best
+            row["best_us"] = time_graph(per_row) / LAYERS
+            fused.PER_ROW_GATE_UP, fused.PER_ROW_DOWN = default
+        results.append(row)
+        print(json.dumps(row))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
