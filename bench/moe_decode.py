@@ -26,7 +26,7 @@ from worker.layers.moe.torch_experts import torch_experts  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER, LAYERS = 128, 8, 2048, 768, 8
 GATE_UP = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
-DOWN = list(itertools.product((4, 8, 16), (256, 768), (4, 8)))
+DOWN = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
 
 
 def main() -> None:
@@ -56,6 +56,12 @@ def main() -> None:
             for i in range(LAYERS):
                 fused._per_row(x, w13s[i], w2s[i], TOP_K, logits=logits[i], renormalize=True)
 
+        routings = [select_experts(logits[i], TOP_K, True) for i in range(LAYERS)]
+
+        def per_row_routed():  # the routing given: what routing inside the first kernel costs
+            for i in range(LAYERS):
+                fused._per_row(x, w13s[i], w2s[i], TOP_K, weights=routings[i][0], ids=routings[i][1])
+
         want = torch_experts(x.float(), w13s[0].float(), w2s[0].float(), *select_experts(logits[0].float(), TOP_K, True))
         got = fused._per_row(x, w13s[0], w2s[0], TOP_K, logits=logits[0], renormalize=True).float()
         row = {
@@ -64,6 +70,7 @@ def main() -> None:
             "per_row_max_rel_err": ((got - want).abs().max() / want.abs().max()).item(),
             "grouped_us": time_graph(grouped) / LAYERS,
             "per_row_us": time_graph(per_row) / LAYERS,
+            "per_row_routed_us": time_graph(per_row_routed) / LAYERS,
             "per_row_tiles": {"gate_up": fused.PER_ROW_GATE_UP, "down": fused.PER_ROW_DOWN},
         }
         row["grouped_tb_s"] = nbytes / row["grouped_us"] / 1e6

@@ -192,10 +192,14 @@ def _experts(
 
 
 @pytest.mark.parametrize("kernel", [False, True])
-def test_align_by_expert_puts_every_row_once_in_blocks_of_its_expert(kernel):
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_align_by_expert_puts_every_row_once_in_blocks_of_its_expert(kernel, id_dtype):
+    """Both sorts (the kernel's, and torch's for a long prompt's rows), over select_experts' int64 ids
+    and the route kernel's int32 ones."""
     if kernel:
         pytest.importorskip("triton")
     _, _, _, _, ids = _experts(13, 8, 3, 16, 16)
+    ids = ids.to(id_dtype)
     order = align_by_expert(ids, 8, block_m=4, kernel=kernel)
     rows = ids.numel()
     blocks = order.sorted_ids.view(-1, 4)
@@ -232,6 +236,19 @@ def test_fused_experts_equal_the_torch_loop_under_the_interpreter(tokens, num_ex
     assert fused_applies(INTERPRETED, x) and not fused_applies(Kernels(moe="torch", interpret_on_cpu=True), x)
     got = fused_experts(x, w13, w2, weights, ids, per_row=per_row)
     torch.testing.assert_close(got, torch_experts(x, w13, w2, weights, ids))
+
+
+def test_a_long_prompts_rows_sorted_by_torch_equal_the_torch_loop(monkeypatch):
+    """Past ALIGN_KERNEL_MAX_ROWS rows (a prompt chunk of over 1,024 tokens at 8 experts a token) torch
+    sorts the route kernel's int32 ids: fused_moe there equals the torch loop."""
+    pytest.importorskip("triton")
+    from worker.layers.moe import fused
+
+    monkeypatch.setattr(fused, "ALIGN_KERNEL_MAX_ROWS", 0)
+    x, w13, w2, _, _ = _experts(20, 8, 2, 32, 16)
+    logits = torch.randn(20, 8, generator=torch.Generator().manual_seed(6))
+    want = torch_experts(x, w13, w2, *select_experts(logits, 2, True))
+    torch.testing.assert_close(fused.fused_moe(x, logits, w13, w2, 2, True), want)
 
 
 @pytest.mark.parametrize("renormalize", [False, True])

@@ -1,5 +1,6 @@
 """The fused MoE path: top-k routing and the sort of tokens by expert on the device, then the two grouped
-GEMMs of triton_kernels.py and a sum over each token's choices. Every shape is fixed by the token count (the
+GEMMs of triton_kernels.py and a sum over each token's choices; for a few tokens (decode at small
+batch) the per-row kernels instead, which route, multiply and combine in two launches. Every shape is fixed by the token count (the
 block count has a static upper bound), nothing waits on the host: safe inside the decode CUDA graphs."""
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, kernel: b
 
 
 def _align_torch(ids: torch.Tensor, num_experts: int, block_m: int, max_blocks: int) -> ExpertOrder:
-    flat = ids.flatten()
+    flat = ids.flatten().long()  # the route kernel's ids are int32; scatter_add_ and the sort want int64
     rows = flat.numel()
     # scatter_add rather than bincount, which would ask the host for the largest id
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
@@ -118,8 +119,100 @@ def fused_moe(
     x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool
 ) -> torch.Tensor:
     """Routing and the experts: this rank's part of the block's output."""
+    if per_row_applies(x.shape[0] * top_k, w13.shape[0]):
+        return _per_row(x, w13, w2, top_k, logits=logits, renormalize=renormalize)
     weights, ids = route(logits, top_k, renormalize)
     return fused_experts(x, w13, w2, weights, ids)
+
+
+def per_row_applies(rows: int, num_experts: int) -> bool:
+    """Whether the per-row kernels compute these rows: each reads its expert's weights for itself, so
+    rows that share an expert read it twice; with at most a quarter as many rows as experts few do (a
+    batch of 4 at Qwen3-MoE's 8 of 128, one token at Mixtral's 2 of 8), and the sort and the grouped
+    GEMMs' padded blocks cost more than the repeats."""
+    return 4 * rows <= num_experts
+
+
+# (BLOCK_N, BLOCK_K, num_warps) of the per-row kernels on CUDA, the fastest at one token over
+# Qwen3-30B-A3B's experts in bench/moe_decode.py: gate_up over hidden, down over inter (1024 covers its 768
+# in one step: 32.8 us a layer for both kernels, against 42.4 with 256)
+PER_ROW_GATE_UP = (8, 512, 4)
+PER_ROW_DOWN = (8, 1024, 4)
+
+
+def _per_row(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    weights: torch.Tensor | None = None,
+    ids: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
+    renormalize: bool = False,
+) -> torch.Tensor:
+    """The per-row path, from the router's logits (routing inside the first kernel) or from a routing."""
+    tokens, hidden = x.shape
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    rows = tokens * top_k
+    if tokens == 0:
+        return torch.zeros_like(x)
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    route_here = logits is not None
+    if route_here:
+        weights = torch.empty(rows, dtype=logits.dtype, device=x.device)
+        ids = torch.empty(rows, dtype=torch.int32, device=x.device)
+    else:
+        weights, ids, logits = weights.flatten().contiguous(), ids.flatten().contiguous(), x
+    kernels = _kernels()
+    cuda = x.is_cuda
+    h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = PER_ROW_GATE_UP if cuda else (16, 64, None)
+    block_n, block_k = _fit(block_n, inter, 1), _fit(block_k, hidden)
+    kernels.moe_row_gate_up_kernel[(rows, triton_ops.triton.cdiv(inter, block_n))](
+        x,
+        w13,
+        h,
+        logits,
+        weights,
+        ids,
+        num_experts,
+        hidden,
+        inter,
+        x.stride(0),
+        logits.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        h.stride(0),
+        TOP_K=top_k,
+        K_P2=triton_ops.triton.next_power_of_2(top_k),
+        E_P2=triton_ops.triton.next_power_of_2(num_experts),
+        RENORMALIZE=renormalize,
+        ROUTE=route_here,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        **({"num_warps": warps} if cuda else {}),
+    )
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = PER_ROW_DOWN if cuda else (16, 64, None)
+    block_n, block_k = _fit(block_n, hidden, 1), _fit(block_k, inter)
+    kernels.moe_row_down_kernel[(tokens, triton_ops.triton.cdiv(hidden, block_n))](
+        h,
+        w2,
+        out,
+        weights,
+        ids,
+        hidden,
+        inter,
+        h.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        TOP_K=top_k,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        **({"num_warps": warps} if cuda else {}),
+    )
+    return out
 
 
 def _block_m(rows: int, num_experts: int) -> int:
@@ -134,20 +227,28 @@ def _tiles(block_m: int) -> tuple[int, int]:
     return (32, 64) if block_m == 16 else (64, 64) if block_m == 32 else (64, 32)
 
 
-def _fit(tile: int, width: int) -> int:
-    return max(16, min(tile, triton_ops.triton.next_power_of_2(width)))
+def _fit(tile: int, width: int, least: int = 16) -> int:
+    return max(least, min(tile, triton_ops.triton.next_power_of_2(width)))
 
 
 def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    per_row: bool | None = None,
 ) -> torch.Tensor:
-    """What torch_experts computes, in three launches and a sum. x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]."""
+    """What torch_experts computes: in three launches and a sum, or in the per-row path's two (`per_row`;
+    by default where per_row_applies). x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights and ids [T, top_k]."""
     tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w2.shape[2]
     top_k = ids.shape[1]
     rows = tokens * top_k
     if tokens == 0:
         return torch.zeros_like(x)
+    if per_row if per_row is not None else per_row_applies(rows, num_experts):
+        return _per_row(x, w13, w2, top_k, weights=weights, ids=ids)
     order = align_by_expert(ids, num_experts, _block_m(rows, num_experts))
     kernels = _kernels()
     x, w13, w2, ids = x.contiguous(), w13.contiguous(), w2.contiguous(), ids.contiguous()
