@@ -200,30 +200,43 @@ def test_decode_agrees_with_flashinfer_tensor_core_decode(kv):
 
 
 def test_which_decode_steps_the_kernel_takes(monkeypatch):
-    # by default every step over an fp8 cache and none over a half-precision one (FlashInfer's kernels);
-    # every step when asked for; none when FlashInfer's kernels are forced, off CUDA, without Triton, or
-    # over fp8 on a GPU that cannot convert it
+    # by default every step over an fp8 cache, and over a half-precision one the steps of up to
+    # TENSOR_CORE_ABOVE_BATCH rows (FlashInfer's tensor cores above); every step when asked for; none when
+    # FlashInfer's kernels are forced, off CUDA, without Triton, or over fp8 on a GPU that cannot convert it
     from worker import triton_ops
     from worker.attention import flashinfer_backend as fb
 
     monkeypatch.setattr(triton_ops, "triton_installed", lambda: True)
     monkeypatch.setattr(triton_ops, "_capability", lambda index: (9, 0))
     cuda, fp8, bf16 = torch.device("cuda"), torch.float8_e4m3fn, torch.bfloat16
-    for choice, kv, triton in [
-        ("auto", bf16, False),
-        ("auto", torch.float16, False),
-        ("auto", fp8, True),
-        ("triton", bf16, True),
-        ("tensor_cores", fp8, False),
-        ("cuda_cores", bf16, False),
+    small, large = fb.TENSOR_CORE_ABOVE_BATCH, fb.TENSOR_CORE_ABOVE_BATCH + 1
+    for choice, kv, at_small, at_large in [
+        ("auto", bf16, True, False),
+        ("auto", torch.float16, True, False),
+        ("auto", fp8, True, True),
+        ("triton", bf16, True, True),
+        ("tensor_cores", fp8, False, False),
+        ("cuda_cores", bf16, False, False),
     ]:
-        assert fb.decodes_with_triton(kv, cuda, choice) is triton, (choice, kv)
-    assert fb.decodes_with_triton(fp8, cuda) is True  # auto, by default
+        assert fb.decodes_with_triton(kv, cuda, choice, small) is at_small, (choice, kv)
+        assert fb.decodes_with_triton(kv, cuda, choice, large) is at_large, (choice, kv)
+    assert fb.decodes_with_triton(fp8, cuda, batch_size=256) is True  # auto, by default
     assert fb.decodes_with_triton(fp8, torch.device("cpu")) is False
     monkeypatch.setattr(triton_ops, "_capability", lambda index: (8, 0))
     assert fb.decodes_with_triton(fp8, cuda) is False and fb.decodes_with_triton(bf16, cuda, "triton") is True
+    assert fb.decodes_with_triton(bf16, cuda) is True
     monkeypatch.setattr(triton_ops, "triton_installed", lambda: False)
     assert fb.decodes_with_triton(bf16, cuda, "triton") is False
+
+
+def test_small_batches_split_a_requests_kv_alike():
+    # at and below TENSOR_CORE_ABOVE_BATCH rows every batch splits a request's KV as batch 1 does, so its
+    # result does not depend on the rows beside it; above, the split count shrinks to fill the GPU
+    from worker.attention.flashinfer_backend import TENSOR_CORE_ABOVE_BATCH, triton_decode_splits
+
+    small = {triton_decode_splits(bs, 8, 132) for bs in range(1, TENSOR_CORE_ABOVE_BATCH + 1)}
+    assert small == {decode_num_splits(1, 8, 132)}
+    assert triton_decode_splits(256, 8, 132) == decode_num_splits(256, 8, 132) < decode_num_splits(1, 8, 132)
 
 
 def test_flashinfers_decode_path_follows_the_choice_it_is_given():

@@ -26,8 +26,9 @@ class Kernels:
     # auto: FlashInfer on a GPU in half precision, torch otherwise
     attention: str = "auto"
     # decode attention over FlashInfer's pages. auto: over an fp8 cache the Triton split-KV kernel (where
-    # the GPU converts fp8), otherwise FlashInfer's tensor-core path above its TENSOR_CORE_ABOVE_BATCH rows
-    # (worker/attention/flashinfer_backend.py) and its CUDA-core kernels at and below; the others force one
+    # the GPU converts fp8); over half precision the Triton kernel at and below TENSOR_CORE_ABOVE_BATCH rows
+    # (worker/attention/flashinfer_backend.py) and FlashInfer's tensor-core path above; the others force one
+    # (cuda_cores: FlashInfer's CUDA-core kernels at every size)
     decode: str = "auto"
     # mixture-of-experts blocks. auto: the fused Triton kernels (device-side routing, token sort, grouped
     # GEMMs; CUDA-graph safe) on CUDA where Triton is installed, and on the CPU under Triton's interpreter

@@ -34,29 +34,55 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # (worker/kv_cache.py), so run() gets no k_scale / v_scale (each would cost a multiply, v_scale a kernel).
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 FA3_HEAD_DIMS = (64, 128, 256)
-# Decode kernels by batch size (the faster of the two on each side, docs/BENCHMARKS.md): above
-# TENSOR_CORE_ABOVE_BATCH rows FlashInfer's tensor-core path (its prefill kernels, one query a row),
-# which reads the KV cache at about the HBM copy bandwidth; at and below it the CUDA-core kernels,
-# whose launch is lighter at small batches. The graph
-# buckets up to 8 are 1, 2, 4, 8, so an eager step of n rows and the graph it would pad to use the same
-# kernel. Kernels.decode forces one path (to compare).
+# Decode kernels by batch size over a half-precision cache (the faster on each side, docs/BENCHMARKS.md):
+# above TENSOR_CORE_ABOVE_BATCH rows FlashInfer's tensor-core path (its prefill kernels, one query a
+# row), which reads the KV cache at about the HBM copy bandwidth; at and below it the Triton split-KV
+# kernel (triton_decode_rows), lighter than FlashInfer's CUDA-core kernels and their merge at small
+# batches. The graph buckets up to 8 are 1, 2, 4, 8, so an eager step of n rows and the graph it would
+# pad to use the same kernel. Kernels.decode forces one path (to compare).
 TENSOR_CORE_ABOVE_BATCH = 8
 
 
-def decodes_with_triton(kv_dtype: torch.dtype, device: torch.device, choice: str = "auto") -> bool:
-    """Whether decode steps run worker/triton_decode.py's kernel instead of FlashInfer's: when `choice`
-    (Kernels.decode) is triton, or by default over a float8 cache, which FlashInfer 0.5.3's
-    decode kernels read far below the memory's speed (they dequantize slowly). Over a half-precision
-    cache FlashInfer's kernels decode by default: the Triton kernel
-    splits a request's KV by the batch size, so a request's tokens could change as requests beside it
-    finish. Needs Triton, and for float8 a GPU that converts it (compute capability 8.9 and up)."""
-    if not (choice == "triton" or (choice == "auto" and kv_dtype in FP8_KV_DTYPES)):
-        return False
+# a batch size no decode step reaches: "every decode step" in triton_decode_rows
+EVERY_BATCH = 1 << 30
+
+
+def triton_decode_rows(kv_dtype: torch.dtype, device: torch.device, choice: str = "auto") -> int:
+    """The largest decode batch that worker/triton_decode.py's kernel attends instead of FlashInfer's (0:
+    none). Every batch when `choice` (Kernels.decode) is triton, and by default over a float8 cache,
+    which FlashInfer 0.5.3's decode kernels read far below the memory's speed (they dequantize slowly).
+    By default over a half-precision cache, the batches of up to TENSOR_CORE_ABOVE_BATCH rows, where
+    FlashInfer's CUDA-core kernel and its merge of split results took 15-18 us a layer at batch 1 on
+    Qwen3-8B's and Qwen3-30B-A3B's heads (docs/BENCHMARKS.md); above, FlashInfer's tensor cores. None
+    when `choice` forces a FlashInfer path. Needs Triton, and for float8 a GPU that converts it
+    (compute capability 8.9 and up)."""
+    if choice not in ("auto", "triton"):
+        return 0
     from worker import triton_ops
 
     if device.type != "cuda" or not triton_ops.triton_installed():
-        return False
-    return triton_ops.cache_dtype_supported(kv_dtype, device)
+        return 0
+    if not triton_ops.cache_dtype_supported(kv_dtype, device):
+        return 0
+    if choice == "triton" or kv_dtype in FP8_KV_DTYPES:
+        return EVERY_BATCH
+    return TENSOR_CORE_ABOVE_BATCH
+
+
+def decodes_with_triton(kv_dtype: torch.dtype, device: torch.device, choice: str = "auto", batch_size: int = 1) -> bool:
+    """Whether a decode step of `batch_size` rows runs worker/triton_decode.py's kernel (triton_decode_rows)."""
+    return batch_size <= triton_decode_rows(kv_dtype, device, choice)
+
+
+def triton_decode_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits of a request's KV in a Triton decode step: at and below TENSOR_CORE_ABOVE_BATCH rows the
+    batch-1 count for every size, so that a request's result depends on its own KV alone and not on
+    how many requests decode beside it (the graph buckets 1, 2, 4 and 8 agree); above, the count that
+    fills the GPU at that size."""
+    from worker import triton_decode
+
+    small = batch_size <= TENSOR_CORE_ABOVE_BATCH
+    return triton_decode.decode_num_splits(1 if small else batch_size, num_kv_heads, num_sms)
 
 
 def use_tensor_cores(batch_size: int, choice: str = "auto") -> bool:
@@ -160,8 +186,9 @@ class FlashInferBackend(AttentionBackend):
         self._plan_copied = new_event(device)
         self.wrapper = self.decode_wrappers[True]
         self.out_loc: torch.Tensor | None = None
-        # True: every decode step runs the Triton kernel (graphs too)
-        self.triton_decode = decodes_with_triton(kv.dtype, device, decode)
+        # the decode steps (graphs too) of up to this many rows run the Triton kernel
+        self.triton_rows = triton_decode_rows(kv.dtype, device, decode)
+        self.triton_decode = self.triton_rows > 0  # some of them do
         self._decode: _TritonDecode | None = None  # this step's, when the Triton kernel attends
         self._split: _SplitStep | None = None  # this step's, when an extend step's decode rows attend apart
         if self.triton_decode:
@@ -169,9 +196,10 @@ class FlashInferBackend(AttentionBackend):
 
             self._triton = triton_decode
             self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-            # the split results of any batch of bs <= rows: decode_num_splits gives ceil(4 SMs / (bs kv heads))
-            # splits at most, so bs * splits < 4 SMs + bs
-            most = rows + 4 * self._num_sms
+            # the split results of any batch of bs <= rows: above TENSOR_CORE_ABOVE_BATCH rows
+            # decode_num_splits gives ceil(4 SMs / (bs kv heads)) splits at most, so bs * splits < 4 SMs + bs;
+            # at and below, the batch-1 count (at most MAX_SPLITS) for each of up to that many rows
+            most = max(rows + 4 * self._num_sms, TENSOR_CORE_ABOVE_BATCH * triton_decode.MAX_SPLITS)
             self._part_out = torch.empty(most * num_heads * self.head_dim, dtype=torch.float32, device=device)
             self._part_lse = torch.empty(most * num_heads, dtype=torch.float32, device=device)
 
@@ -181,7 +209,7 @@ class FlashInferBackend(AttentionBackend):
         desc = batch.desc
         if desc.is_prefill:
             wrapper = self.prefill_wrapper
-        elif self.triton_decode:
+        elif desc.batch_size <= self.triton_rows:
             wrapper = None
         else:
             wrapper = self.decode_wrappers[use_tensor_cores(desc.batch_size, self.decode_choice)]
@@ -199,7 +227,7 @@ class FlashInferBackend(AttentionBackend):
         """Plans the CUDA-graph decode wrapper of batch size `bs` (made on first use) for `desc`; the rows
         past the batch (every row when `desc` is None, at capture) attend over the scratch page only."""
         wrapper = self.graph_wrappers.get(bs)
-        if wrapper is None and not self.triton_decode:
+        if wrapper is None and bs > self.triton_rows:
             wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace,
                 "NHD",
@@ -287,7 +315,7 @@ class FlashInferBackend(AttentionBackend):
         d, pages, h = plan.decode_rows, plan.decode_pages, plan.staged.host
         decode: object
         with self._on_torch_stream():
-            if self.triton_decode:
+            if d <= self.triton_rows:
                 decode = self._plan_triton(plan.staged, d, prefix="decode_")
             else:
                 decode = self.decode_wrappers[use_tensor_cores(d, self.decode_choice)]
@@ -307,7 +335,7 @@ class FlashInferBackend(AttentionBackend):
         indptr, last_page_len = self.graph_indptr[: bs + 1], self.graph_last_page_len[:bs]
         indptr.copy_(staged.device[prefix + "kv_indptr"], non_blocking=True)
         last_page_len.copy_(staged.device[prefix + "last_page_len"], non_blocking=True)
-        splits = self._triton.decode_num_splits(bs, self.num_kv_heads, self._num_sms)
+        splits = triton_decode_splits(bs, self.num_kv_heads, self._num_sms)
         h, d = self.num_heads, self.head_dim
         scratch = self._triton.DecodeScratch(
             self._part_out[: bs * h * splits * d].view(bs, h, splits, d),
