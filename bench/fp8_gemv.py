@@ -37,9 +37,15 @@ def main() -> None:
             ws = [(torch.randn(n, k, device="cuda") * 0.05).to(torch.float8_e4m3fn) for _ in range(COPIES)]
             scale = torch.rand(n, 1, device="cuda") * 0.01 + 0.005
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = (x.float() @ (ws[0].float() * scale).T)
+            ref = x.float() @ (ws[0].float() * scale).T
             got = gemm.fp8_gemv(x, ws[0], scale, None).float()
-            row = {"m": m, "layer": name, "k": k, "n": n, "max_rel_err": ((got - ref).abs().max() / ref.abs().max()).item()}
+            row = {
+                "m": m,
+                "layer": name,
+                "k": k,
+                "n": n,
+                "max_rel_err": ((got - ref).abs().max() / ref.abs().max()).item(),
+            }
             row["default_us"] = time_graph(lambda: [gemm.fp8_gemv(x, w, scale, None) for w in ws]) / COPIES
             row["default_tb_s"] = n * k / row["default_us"] / 1e6
             sweep = {}

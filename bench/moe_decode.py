@@ -29,6 +29,10 @@ GATE_UP = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
 DOWN = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
 
 
+def _name(part: str, tile: tuple[int, int, int]) -> str:
+    return f"{part} {tile[0]}x{tile[1]}w{tile[2]}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4])
@@ -36,10 +40,14 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w13s = [torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
-            for _ in range(LAYERS)]
-    w2s = [torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.03
-           for _ in range(LAYERS)]
+    w13s = [
+        torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+        for _ in range(LAYERS)
+    ]
+    w2s = [
+        torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.03
+        for _ in range(LAYERS)
+    ]
     results = []
     for tokens in args.tokens:
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -62,7 +70,9 @@ def main() -> None:
             for i in range(LAYERS):
                 fused._per_row(x, w13s[i], w2s[i], TOP_K, weights=routings[i][0], ids=routings[i][1])
 
-        want = torch_experts(x.float(), w13s[0].float(), w2s[0].float(), *select_experts(logits[0].float(), TOP_K, True))
+        want = torch_experts(
+            x.float(), w13s[0].float(), w2s[0].float(), *select_experts(logits[0].float(), TOP_K, True)
+        )
         got = fused._per_row(x, w13s[0], w2s[0], TOP_K, logits=logits[0], renormalize=True).float()
         row = {
             "tokens": tokens,
@@ -80,12 +90,12 @@ def main() -> None:
             sweep = {}
             for cfg in GATE_UP:
                 fused.PER_ROW_GATE_UP = cfg
-                sweep["gate_up %dx%dw%d" % cfg] = time_graph(per_row) / LAYERS
-            fused.PER_ROW_GATE_UP = min(GATE_UP, key=lambda c: sweep["gate_up %dx%dw%d" % c])
+                sweep[_name("gate_up", cfg)] = time_graph(per_row) / LAYERS
+            fused.PER_ROW_GATE_UP = min(GATE_UP, key=lambda c: sweep[_name("gate_up", c)])
             for cfg in DOWN:
                 fused.PER_ROW_DOWN = cfg
-                sweep["down %dx%dw%d" % cfg] = time_graph(per_row) / LAYERS
-            best = fused.PER_ROW_GATE_UP, min(DOWN, key=lambda c: sweep["down %dx%dw%d" % c])
+                sweep[_name("down", cfg)] = time_graph(per_row) / LAYERS
+            best = fused.PER_ROW_GATE_UP, min(DOWN, key=lambda c: sweep[_name("down", c)])
             row["sweep_us"] = sweep
             row["best"] = {"gate_up": best[0], "down": best[1]}
             fused.PER_ROW_GATE_UP, fused.PER_ROW_DOWN = best

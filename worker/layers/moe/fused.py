@@ -1,7 +1,8 @@
 """The fused MoE path: top-k routing and the sort of tokens by expert on the device, then the two grouped
 GEMMs of triton_kernels.py and a sum over each token's choices; for a few tokens (decode at small
-batch) the per-row kernels instead, which route, multiply and combine in two launches. Every shape is fixed by the token count (the
-block count has a static upper bound), nothing waits on the host: safe inside the decode CUDA graphs."""
+batch) the per-row kernels instead, which route, multiply and combine in two launches. Every shape is
+fixed by the token count (the block count has a static upper bound), nothing waits on the host: safe
+inside the decode CUDA graphs."""
 
 from __future__ import annotations
 

@@ -128,8 +128,16 @@ def moe_down_kernel(
 
 
 @triton.jit
-def _top_k(logits_ptr, t, num_experts, stride_logits, TOP_K: tl.constexpr, K_P2: tl.constexpr, E_P2: tl.constexpr,
-           RENORMALIZE: tl.constexpr):
+def _top_k(
+    logits_ptr,
+    t,
+    num_experts,
+    stride_logits,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    E_P2: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
     # token t's softmax over the experts in float32, then its top k by repeated argmax: (weights, ids) [K_P2]
     offs = tl.arange(0, E_P2)
     x = tl.load(logits_ptr + t * stride_logits + offs, mask=offs < num_experts, other=-float("inf"))
