@@ -1,10 +1,12 @@
-"""One MoE block's experts at decode batch sizes on one GPU, Qwen3-30B-A3B's shapes (128 experts, 8 a token,
-hidden 2048, expert width 768, bf16): the grouped path (routing, the sort by expert, two grouped GEMMs and
-the sum over choices) against the per-row kernels (routing inside, two launches), with a sweep of the
-per-row kernels' tiles. LAYERS copies of the experts (distinct weights, so L2 holds none of them) replayed
-in a CUDA graph; median microseconds a layer and the bandwidth over the distinct experts' bytes.
+"""One MoE block's experts on one GPU, Qwen3-30B-A3B's shapes (128 experts, 8 a token, hidden 2048, expert
+width 768, bf16): the grouped path (routing, the sort by expert, two grouped GEMMs and the sum over
+choices) against the per-row kernels (routing inside, two launches) where those apply, with a sweep of
+the per-row kernels' tiles (--sweep, at the first token count) and of the grouped GEMMs' (--grouped-sweep,
+at every count past the per-row path's: a decode batch of 256 is 256 tokens, a prompt chunk 8,192).
+LAYERS copies of the experts (distinct weights, so L2 holds none of them) replayed in a CUDA graph;
+median microseconds a layer, the bandwidth over the distinct experts' bytes and the TFLOP/s.
 
-    python bench/moe_decode.py [--tokens 1 2 4] [--sweep] [--out r.json]"""
+    python bench/moe_decode.py [--tokens 1 2 4 256 8192] [--sweep] [--grouped-sweep] [--out r.json]"""
 
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from worker.layers.moe.torch_experts import torch_experts  # noqa: E402
 EXPERTS, TOP_K, HIDDEN, INTER, LAYERS = 128, 8, 2048, 768, 8
 GATE_UP = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
 DOWN = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs
+GROUPED = [(m, n, k, w, 3) for m, n, k, w in itertools.product((16, 32, 64, 128), (64, 128), (32, 64, 128), (4, 8))]
 
 
 def _name(part: str, tile: tuple[int, int, int]) -> str:
@@ -37,6 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--sweep", action="store_true", help="every per-row tile at the first token count")
+    parser.add_argument("--grouped-sweep", action="store_true", help="the grouped GEMMs' tiles past the per-row path")
     parser.add_argument("--out")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -70,20 +75,30 @@ def main() -> None:
             for i in range(LAYERS):
                 fused._per_row(x, w13s[i], w2s[i], TOP_K, weights=routings[i][0], ids=routings[i][1])
 
+        row = {
+            "tokens": tokens,
+            "distinct_experts_per_layer": distinct / LAYERS,
+            "grouped_us": time_graph(grouped) / LAYERS,
+            "grouped_block_m": fused._block_m(tokens * TOP_K, EXPERTS),
+        }
+        row["grouped_tb_s"] = nbytes / row["grouped_us"] / 1e6
+        row["tflop_s"] = tokens * TOP_K * 3 * INTER * HIDDEN * 2 / row["grouped_us"] / 1e6
+        ids = fused.route(logits[0], TOP_K, True)[1]
+        row["sort_us"] = time_graph(lambda: fused.align_by_expert(ids, EXPERTS, row["grouped_block_m"]))
+        if not fused.per_row_applies(tokens * TOP_K, EXPERTS):
+            if args.grouped_sweep:
+                row.update(_grouped_sweep(grouped, tokens))
+            results.append(row)
+            print(json.dumps(row))
+            continue
         want = torch_experts(
             x.float(), w13s[0].float(), w2s[0].float(), *select_experts(logits[0].float(), TOP_K, True)
         )
         got = fused._per_row(x, w13s[0], w2s[0], TOP_K, logits=logits[0], renormalize=True).float()
-        row = {
-            "tokens": tokens,
-            "distinct_experts_per_layer": distinct / LAYERS,
-            "per_row_max_rel_err": ((got - want).abs().max() / want.abs().max()).item(),
-            "grouped_us": time_graph(grouped) / LAYERS,
-            "per_row_us": time_graph(per_row) / LAYERS,
-            "per_row_routed_us": time_graph(per_row_routed) / LAYERS,
-            "per_row_tiles": {"gate_up": fused.PER_ROW_GATE_UP, "down": fused.PER_ROW_DOWN},
-        }
-        row["grouped_tb_s"] = nbytes / row["grouped_us"] / 1e6
+        row["per_row_max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
+        row["per_row_us"] = time_graph(per_row) / LAYERS
+        row["per_row_routed_us"] = time_graph(per_row_routed) / LAYERS
+        row["per_row_tiles"] = {"gate_up": fused.PER_ROW_GATE_UP, "down": fused.PER_ROW_DOWN}
         row["per_row_tb_s"] = nbytes / row["per_row_us"] / 1e6
         if args.sweep and tokens == args.tokens[0]:
             default = fused.PER_ROW_GATE_UP, fused.PER_ROW_DOWN
@@ -105,6 +120,24 @@ def main() -> None:
         print(json.dumps(row))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def _grouped_sweep(grouped, tokens: int) -> dict:
+    """Each GROUPED tile in place of the default's (fused._block_m and GROUPED_TILES patched)."""
+    block_m, tiles = fused._block_m, dict(fused.GROUPED_TILES)
+    sweep = {}
+    try:
+        for m, n, k, w, st in GROUPED:
+            fused._block_m = lambda rows, experts, m=m: m
+            fused.GROUPED_TILES = {m: (n, k, w, st)}
+            try:
+                sweep[f"{m}x{n}x{k}w{w}s{st}"] = time_graph(grouped) / LAYERS
+            except Exception as e:  # noqa: BLE001 - a tile past the GPU's shared memory or registers
+                print(f"  {m}x{n}x{k}w{w}s{st}: {type(e).__name__}", file=sys.stderr)
+    finally:
+        fused._block_m, fused.GROUPED_TILES = block_m, tiles
+    best = min(sweep, key=sweep.get)
+    return {"grouped_sweep_us": sweep, "grouped_best": best, "grouped_best_us": sweep[best]}
 
 
 if __name__ == "__main__":

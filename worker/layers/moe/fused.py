@@ -222,10 +222,10 @@ def _block_m(rows: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
 
-def _tiles(block_m: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): narrow column tiles for short blocks, so that decode spreads one expert's
-    weights over more programs (as vLLM's default configurations do)."""
-    return (32, 64) if block_m == 16 else (64, 64) if block_m == 32 else (64, 32)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs on CUDA by BLOCK_M: narrow column tiles
+# for short blocks, so that decode spreads one expert's weights over more programs (as vLLM's default
+# configurations do); bench/moe_decode.py --grouped-sweep times others
+GROUPED_TILES = {16: (32, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 32, 4, 3)}
 
 
 def _fit(tile: int, width: int, least: int = 16) -> int:
@@ -255,9 +255,9 @@ def fused_experts(
     x, w13, w2, ids = x.contiguous(), w13.contiguous(), w2.contiguous(), ids.contiguous()
     ieee = x.dtype == torch.float32
     blocks = order.expert_ids.numel()
-    options = {"num_warps": 4, "num_stages": 3} if x.is_cuda else {}
+    tile_n, tile_k, warps, stages = GROUPED_TILES[order.block_m]
+    options = {"num_warps": warps, "num_stages": stages} if x.is_cuda else {}
 
-    tile_n, tile_k = _tiles(order.block_m)
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     block_n, block_k = _fit(tile_n, inter), _fit(tile_k, hidden)
     kernels.moe_gate_up_kernel[(blocks * triton_ops.triton.cdiv(inter, block_n),)](
