@@ -13,6 +13,8 @@
 #   moe            (b) and (a) on Qwen3-30B-A3B's architecture (a mixture of experts, the fused Triton path)
 #   fp8_weights    Qwen3-8B's architecture with its weights quantized to FP8 at load against bf16: (a) and
 #                  (b) batch 1, each for both
+#   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
+#                  GEMMs' tile sweep at 256 and 8,192) and the FP8 GEMV's tile sweep (bench/fp8_gemv.py)
 #   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
 #   mixed          decode latency under arriving prompts, mixed steps against prefill-first
@@ -167,6 +169,9 @@ for suite in "$@"; do
         step "fp8_weights_latency_$q" 240 python3 bench/decode_latency.py --arch qwen3-8b --repeats "${REPEATS:-5}" \
           "${flag[@]}" --out "$OUT/fp8_weights_latency_$q.json"
       done ;;
+    kernels)
+      step moe_decode 300 python3 bench/moe_decode.py --tokens 1 4 256 8192 --grouped-sweep --out "$OUT/moe_decode.json"
+      step fp8_gemv 200 python3 bench/fp8_gemv.py --out "$OUT/fp8_gemv.json" ;;
     prefill_heavy) offline prefill_heavy 240 --workload prefill_heavy ;;
     prefill_sweep)
       for met in 8192 16384 32768; do
