@@ -188,7 +188,6 @@ class FlashInferBackend(AttentionBackend):
         self.out_loc: torch.Tensor | None = None
         # the decode steps (graphs too) of up to this many rows run the Triton kernel
         self.triton_rows = triton_decode_rows(kv.dtype, device, decode)
-        self.triton_decode = self.triton_rows > 0  # some of them do
         self._decode: _TritonDecode | None = None  # this step's, when the Triton kernel attends
         self._split: _SplitStep | None = None  # this step's, when an extend step's decode rows attend apart
         if self.triton_decode:
@@ -202,6 +201,11 @@ class FlashInferBackend(AttentionBackend):
             most = max(rows + 4 * self._num_sms, TENSOR_CORE_ABOVE_BATCH * triton_decode.MAX_SPLITS)
             self._part_out = torch.empty(most * num_heads * self.head_dim, dtype=torch.float32, device=device)
             self._part_lse = torch.empty(most * num_heads, dtype=torch.float32, device=device)
+
+    @property
+    def triton_decode(self) -> bool:
+        """Whether some decode steps run the Triton kernel."""
+        return self.triton_rows > 0
 
     # -- planning ------------------------------------------------------------------------------------
 

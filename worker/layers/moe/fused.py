@@ -162,13 +162,11 @@ def _per_row(
     if route_here:
         weights = torch.empty(rows, dtype=logits.dtype, device=x.device)
         ids = torch.empty(rows, dtype=torch.int32, device=x.device)
-    else:
+    else:  # logits stands in for an argument the kernel does not read without ROUTE
         weights, ids, logits = weights.flatten().contiguous(), ids.flatten().contiguous(), x
     kernels = _kernels()
-    cuda = x.is_cuda
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = PER_ROW_GATE_UP if cuda else (16, 64, None)
-    block_n, block_k = _fit(block_n, inter, 1), _fit(block_k, hidden)
+    block_n, block_k, options = _row_tiles(PER_ROW_GATE_UP, x.is_cuda, inter, hidden)
     kernels.moe_row_gate_up_kernel[(rows, triton_ops.triton.cdiv(inter, block_n))](
         x,
         w13,
@@ -191,11 +189,10 @@ def _per_row(
         ROUTE=route_here,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        **({"num_warps": warps} if cuda else {}),
+        **options,
     )
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = PER_ROW_DOWN if cuda else (16, 64, None)
-    block_n, block_k = _fit(block_n, hidden, 1), _fit(block_k, inter)
+    block_n, block_k, options = _row_tiles(PER_ROW_DOWN, x.is_cuda, hidden, inter)
     kernels.moe_row_down_kernel[(tokens, triton_ops.triton.cdiv(hidden, block_n))](
         h,
         w2,
@@ -211,9 +208,16 @@ def _per_row(
         TOP_K=top_k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        **({"num_warps": warps} if cuda else {}),
+        **options,
     )
     return out
+
+
+def _row_tiles(tiles: tuple[int, int, int], cuda: bool, width_n: int, width_k: int) -> tuple[int, int, dict]:
+    """A per-row kernel's (BLOCK_N, BLOCK_K, launch options), fitted to its widths; under the interpreter
+    small tiles (its cost grows with the tile) and no launch options."""
+    block_n, block_k, warps = tiles if cuda else (16, 64, None)
+    return _fit(block_n, width_n, 1), _fit(block_k, width_k), {"num_warps": warps} if cuda else {}
 
 
 def _block_m(rows: int, num_experts: int) -> int:
@@ -248,7 +252,9 @@ def fused_experts(
     rows = tokens * top_k
     if tokens == 0:
         return torch.zeros_like(x)
-    if per_row if per_row is not None else per_row_applies(rows, num_experts):
+    if per_row is None:
+        per_row = per_row_applies(rows, num_experts)
+    if per_row:
         return _per_row(x, w13, w2, top_k, weights=weights, ids=ids)
     order = align_by_expert(ids, num_experts, _block_m(rows, num_experts))
     kernels = _kernels()
