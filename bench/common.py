@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `pytho
 
 from cluster import LLM  # noqa: E402
 from worker.batch import BatchDesc  # noqa: E402
-from worker.kernels import DECODE_KERNELS, MOE_KERNELS, Kernels  # noqa: E402
+from worker.kernels import DECODE_KERNELS, MOE_KERNELS, PREFILL_KERNELS, Kernels  # noqa: E402
 
 _QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -147,11 +147,14 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode-kernel", choices=DECODE_KERNELS, default="auto", help="force one decode attention path (to compare)"
     )
+    parser.add_argument(
+        "--prefill-kernel", choices=PREFILL_KERNELS, default="auto", help="force FlashInfer's prefill backend"
+    )
     parser.add_argument("--no-small-linear", action="store_true", help="cuBLAS for batch-1 linear layers too")
     parser.add_argument(
         "--moe-kernel", choices=MOE_KERNELS, default="auto", help="torch: the loop over experts instead of Triton's"
     )
-    parser.add_argument("--max-extend-tokens", type=int, default=16384, help="tokens computed per step")
+    parser.add_argument("--max-extend-tokens", type=int, help="tokens computed per step (default: the engine's)")
     parser.add_argument(
         "--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)"
     )
@@ -175,6 +178,7 @@ def kernels_of(args: argparse.Namespace) -> Kernels:
         triton=not args.no_triton_kernels,
         small_linear=not args.no_small_linear,
         decode=args.decode_kernel,
+        prefill=args.prefill_kernel,
         moe=args.moe_kernel,
     )
 
@@ -188,13 +192,14 @@ def make_llm(args: argparse.Namespace) -> LLM:
         load_format="dummy",
         page_size=args.page_size,
         cache_type=args.cache,
-        max_extend_tokens=args.max_extend_tokens,
         max_running_reqs=args.max_running_reqs,
         overlap=not args.no_overlap,
         cuda_graph_max_bs=0 if args.no_cuda_graph else 256,
         kv_cache_dtype=args.kv_cache_dtype,
         mixed_steps=not args.no_mixed_steps,
         quantization=args.quantization,
+        # the engine's default unless asked: a benchmark "at the defaults" measures what users run
+        **({"max_extend_tokens": args.max_extend_tokens} if args.max_extend_tokens else {}),
     )
 
 
@@ -205,6 +210,7 @@ def config_of(args: argparse.Namespace) -> dict:
         "fused": not args.no_fused,
         "triton_kernels": not args.no_triton_kernels,
         "decode_kernel": args.decode_kernel,
+        "prefill_kernel": args.prefill_kernel,
         "small_linear": not args.no_small_linear,
         "moe_kernel": args.moe_kernel,
         "overlap": not args.no_overlap,
@@ -214,7 +220,7 @@ def config_of(args: argparse.Namespace) -> dict:
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
         "mixed_steps": not args.no_mixed_steps,
-        "max_extend_tokens": args.max_extend_tokens,
+        "max_extend_tokens": args.max_extend_tokens or "default",
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "torch": torch.__version__,
     }
@@ -259,6 +265,25 @@ class StepTimer:
         end.record(stream)
         is_prefill, start, _ = self.steps[-1]
         self.steps[-1] = (is_prefill, start, end)
+
+    def phase_summary(self) -> dict:
+        """GPU time of every step by kind over the run: extend steps (prompt chunks, with the decodes
+        beside them in a mixed step) and decode-only steps, each step from its start to its end on the
+        compute stream."""
+        if not self.steps:
+            return {}
+        torch.cuda.synchronize()
+        extend = [s.elapsed_time(e) for p, s, e in self.steps if p and e is not None]
+        decode = [s.elapsed_time(e) for p, s, e in self.steps if not p and e is not None]
+        first, last = self.steps[0][1], self.steps[-1][2]
+        return {
+            "extend_steps": len(extend),
+            "extend_gpu_ms_total": sum(extend),
+            "extend_step_ms_median": statistics.median(extend) if extend else None,
+            "decode_steps_all": len(decode),
+            "decode_gpu_ms_total": sum(decode),
+            "steps_span_ms": first.elapsed_time(last) if last is not None else None,
+        }
 
     def decode_summary(self) -> dict:
         """GPU time of decode steps, and the compute stream's idle gap between consecutive decode
@@ -356,14 +381,16 @@ class Sections:
 class ProfileWindow:
     """Profiles the kernels of decode steps first..first+count-1 (as an engine step hook, like StepTimer)."""
 
-    def __init__(self, first: int = 200, count: int = 50, trace: str | None = None) -> None:
+    def __init__(self, first: int = 200, count: int = 50, trace: str | None = None, extend: bool = False) -> None:
         """`trace`: also write the window's host and device timeline there (Chrome trace JSON, gzipped
-        when the name ends in .gz) for a look at what the host does between launches."""
+        when the name ends in .gz) for a look at what the host does between launches. `extend`: count
+        extend steps (prompt chunks, mixed steps) instead of decode steps."""
         from torch.profiler import ProfilerActivity, profile
 
         self.first, self.last = first, first + count
         self.seen = 0
         self.trace = trace
+        self.extend = extend
         self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=trace is not None)
 
     def sched_begin(self, stream: torch.cuda.Stream) -> None:
@@ -373,7 +400,7 @@ class ProfileWindow:
         pass
 
     def begin(self, stream: torch.cuda.Stream, desc: BatchDesc) -> None:
-        if desc.is_prefill:
+        if desc.is_prefill != self.extend:
             return
         self.seen += 1
         if self.seen == self.first:

@@ -17,6 +17,8 @@
 #                  GEMMs' tile sweep at 256 and 8,192) and the FP8 GEMV's tile sweep (bench/fp8_gemv.py)
 #   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
+#   prefill_kernels  prefill_heavy and (a) with FlashInfer's FA2 prefill forced (beside the default's runs of
+#                  the suites above), and one prefill_heavy run profiling 20 extend steps' kernels
 #   mixed          decode latency under arriving prompts, mixed steps against prefill-first
 #   sampling       what penalties, filters and grammars cost beside plain sampling
 #   online         the HTTP path against the offline engine at concurrency 1 and 256
@@ -37,6 +39,7 @@
 #   TESTS  the test files `tests` runs (default: every file that holds GPU tests)
 #   CHUNKS   the prefill chunk sizes `mixed` runs at (default 2048)
 #   ARCH   the peer's architecture (default qwen3-0.6b)
+#   PEER_ARGS  more arguments for the peer's bench_minisgl.py (e.g. --draws prefill_heavy:2 --b1-repeat 0)
 #
 # Wheels come from .whl/ (../shared/gpu/wheels.sh fills it); a machine still warm from the last call keeps
 # them, and nothing is reinstalled then (a reinstalled FlashInfer loses the kernels restored into it).
@@ -179,6 +182,11 @@ for suite in "$@"; do
         offline "prefill_heavy_${met}_prefill_first" 240 --workload prefill_heavy --max-extend-tokens "$met" --no-mixed-steps
         offline "offline_$met" 150 --max-extend-tokens "$met"
       done ;;
+    prefill_kernels)
+      offline prefill_heavy_fa2 240 --workload prefill_heavy --prefill-kernel fa2
+      offline offline_fa2 150 --prefill-kernel fa2
+      step profile_extend 240 python3 bench/offline_throughput.py --workload prefill_heavy --profile-extend \
+        --out "$OUT/profile_extend.json" ;;
     mixed)
       for chunk in ${CHUNKS:-2048}; do
         step "mixed_$chunk" 200 python3 bench/mixed_steps.py --chunk "$chunk" --out "$OUT/mixed_$chunk.json"
@@ -196,7 +204,8 @@ for suite in "$@"; do
       step spec 480 python3 bench/spec_decode.py --batches 1 64 256 --out "$OUT/spec.json" ;;
     peer)
       [ -f .peer/run_minisgl.sh ] || { log "peer: no .peer/ (../shared/peer/README.md makes it)"; continue; }
-      OUT=$OUT step peer 540 bash .peer/run_minisgl.sh bench --arch "${ARCH:-qwen3-0.6b}" ;;
+      # shellcheck disable=SC2086  # PEER_ARGS is split into its words on purpose
+      OUT=$OUT step peer 540 bash .peer/run_minisgl.sh bench --arch "${ARCH:-qwen3-0.6b}" ${PEER_ARGS:-} ;;
     real)
       gguf=$HOME/.cache/raylm/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
       if [ ! -f "$gguf" ] && ls .real/part.* >/dev/null 2>&1; then

@@ -42,6 +42,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, help="default: the workload's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="also profile kernels over a window of decode steps")
+    parser.add_argument(
+        "--profile-extend", action="store_true", help="also profile kernels over a window of extend steps"
+    )
     args = parser.parse_args()
     llm = make_llm(args)
     vocab = llm.engine.hf_config.vocab_size
@@ -70,12 +73,18 @@ def main() -> None:
         "output_tok_per_s": output_tokens / elapsed,
         "total_tok_per_s": (input_tokens + output_tokens) / elapsed,
         **timer.decode_summary(),
+        **timer.phase_summary(),
     }
     if args.profile:  # the same run again, profiling 50 decode steps while the batch is still full
         llm.engine.step_timer = window = ProfileWindow(first=50, count=50)
         llm.generate(prompts, params)
         llm.engine.step_timer = None
         result["profile"] = window.top_kernels()
+    if args.profile_extend:  # the same run again, profiling 20 extend steps after the first 5
+        llm.engine.step_timer = window = ProfileWindow(first=5, count=20, extend=True)
+        llm.generate(prompts, params)
+        llm.engine.step_timer = None
+        result["profile_extend"] = window.top_kernels(40)
     table = [
         ("arch", args.arch),
         ("workload", args.workload),
@@ -89,10 +98,13 @@ def main() -> None:
         ("decode step ms (median)", result.get("decode_step_ms_median", float("nan"))),
         ("idle between decode steps % (median)", result.get("idle_pct_of_step_median", float("nan"))),
         ("idle between decode steps % (total)", result.get("idle_pct_of_step_total", float("nan"))),
+        ("extend steps, GPU ms in all", result.get("extend_gpu_ms_total", float("nan"))),
+        ("decode steps, GPU ms in all", result.get("decode_gpu_ms_total", float("nan"))),
     ]
     report(result, args.out, table)
-    for row in result.get("profile", []):
-        print(f"  {row['pct']:5.1f}%  {row['ms']:8.2f} ms  {row['calls']:6d}  {row['kernel']}")
+    for key in ("profile", "profile_extend"):
+        for row in result.get(key, []):
+            print(f"  {row['pct']:5.1f}%  {row['ms']:8.2f} ms  {row['calls']:6d}  {row['kernel']}")
     llm.shutdown()
 
 

@@ -158,7 +158,7 @@ def offline_engine(args, requests, ttft_prompts: int) -> tuple[float, dict]:
 
 
 def engine_options(args) -> dict:
-    opts = {"page_size": args.page_size, "max_extend_tokens": 16384}
+    opts = {"page_size": args.page_size}  # every other setting at the engine's default, online and offline
     if args.load_format:
         opts["load_format"] = args.load_format
     return opts
@@ -187,8 +187,6 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         str(args.page_size),
         "--served-model-name",
         "bench",
-        "--max-extend-tokens",
-        "16384",
         "--load-format",
         args.load_format or "auto",
         "--log-level",

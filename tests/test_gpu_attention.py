@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from worker.attention.flashinfer_backend import leading_single_token_rows, split_plan_arrays
+from worker.attention.flashinfer_backend import leading_single_token_rows, prefill_backend, split_plan_arrays
 from worker.batch import BatchDesc, ForwardBatch
+from worker.kernels import Kernels
 
 PAGE, ROWS, ROW_LEN, HEADS, KV_HEADS, HEAD_DIM = 16, 8, 2048, 16, 8, 128
 
@@ -27,6 +28,16 @@ def test_a_mixed_steps_leading_one_token_rows_are_split_off():
     assert parts["prefill_qo_indptr"].tolist() == [0, 40, 47]
     assert parts["prefill_kv_indptr"].tolist() == [0, 4, 10]
     assert parts["prefill_last_page_len"].tolist() == [2, 9]
+
+
+def test_the_prefill_backend_follows_the_choice_and_refuses_fa3_where_it_does_not_build():
+    cpu = torch.device("cpu")
+    assert prefill_backend(cpu, 128) == "fa2"  # auto: FA3 only on Hopper
+    assert prefill_backend(cpu, 128, torch.bfloat16, "fa2") == "fa2"
+    with pytest.raises(ValueError, match="FA3 prefill needs a Hopper GPU"):
+        prefill_backend(cpu, 128, torch.bfloat16, "fa3")
+    with pytest.raises(ValueError, match="unknown prefill kernel 'fa4'"):
+        Kernels(prefill="fa4")
 
 
 def _mixed_desc(extend: list[int], seq: list[int]) -> BatchDesc:

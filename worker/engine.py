@@ -213,6 +213,7 @@ class Engine:
             attn0.num_heads,
             q_dtype=self.dtype,
             decode=self.kernels.decode,
+            prefill=self.kernels.prefill,
             waits=self.host_waits,
         )
         self.stream = new_stream(self.device)  # compute

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DECODE_KERNELS = ("auto", "tensor_cores", "cuda_cores", "triton")
+PREFILL_KERNELS = ("auto", "fa2", "fa3")
 MOE_KERNELS = ("auto", "torch")
 
 
@@ -30,6 +31,10 @@ class Kernels:
     # (worker/attention/flashinfer_backend.py) and FlashInfer's tensor-core path above; the others force one
     # (cuda_cores: FlashInfer's CUDA-core kernels at every size)
     decode: str = "auto"
+    # prefill (extend) attention over FlashInfer's pages. auto: see prefill_backend in
+    # worker/attention/flashinfer_backend.py; fa2 or fa3 force FlashInfer's backend of that name (fa3 only
+    # where it builds: Hopper, a half-precision cache)
+    prefill: str = "auto"
     # mixture-of-experts blocks. auto: the fused Triton kernels (device-side routing, token sort, grouped
     # GEMMs; CUDA-graph safe) on CUDA where Triton is installed, and on the CPU under Triton's interpreter
     # with interpret_on_cpu; the torch loop over experts otherwise, or always with torch
@@ -44,5 +49,7 @@ class Kernels:
             raise ValueError(f"unknown attention backend {self.attention!r}; choose {', '.join(ATTENTION_BACKENDS)}")
         if self.decode not in DECODE_KERNELS:
             raise ValueError(f"unknown decode kernel {self.decode!r}; choose {', '.join(DECODE_KERNELS)}")
+        if self.prefill not in PREFILL_KERNELS:
+            raise ValueError(f"unknown prefill kernel {self.prefill!r}; choose {', '.join(PREFILL_KERNELS)}")
         if self.moe not in MOE_KERNELS:
             raise ValueError(f"unknown MoE kernel {self.moe!r}; choose {', '.join(MOE_KERNELS)}")

@@ -92,17 +92,25 @@ def use_tensor_cores(batch_size: int, choice: str = "auto") -> bool:
     return batch_size > TENSOR_CORE_ABOVE_BATCH
 
 
-def prefill_backend(device: torch.device, head_dim: int, kv_dtype: torch.dtype = torch.bfloat16) -> str:
-    """FA3 on Hopper, where its paged prefill beats FA2; FA2 elsewhere, for head sizes FA3 lacks and for a
-    float8 cache."""
-    if (
+def prefill_backend(
+    device: torch.device, head_dim: int, kv_dtype: torch.dtype = torch.bfloat16, choice: str = "auto"
+) -> str:
+    """FlashInfer's backend for extend steps. auto: FA3 on Hopper, where its paged prefill beats FA2; FA2
+    elsewhere, for head sizes FA3 lacks and for a float8 cache. fa2 / fa3: that one, where it builds."""
+    fa3_builds = (
         device.type == "cuda"
         and torch.cuda.get_device_capability(device)[0] == 9
         and head_dim in FA3_HEAD_DIMS
         and kv_dtype in SUPPORTED_DTYPES
-    ):
-        return "fa3"
-    return "fa2"
+    )
+    if choice == "fa3" and not fa3_builds:
+        raise ValueError(
+            f"FlashInfer's FA3 prefill needs a Hopper GPU, head_dim in {FA3_HEAD_DIMS} and a half-precision "
+            f"KV cache (here head_dim {head_dim}, cache {kv_dtype}); use Kernels(prefill='fa2') or 'auto'"
+        )
+    if choice == "auto":
+        return "fa3" if fa3_builds else "fa2"
+    return choice
 
 
 @dataclass
@@ -129,9 +137,11 @@ class FlashInferBackend(AttentionBackend):
         q_dtype: torch.dtype | None = None,
         decode: str = "auto",
         waits: HostWaits | None = None,
+        prefill: str = "auto",
     ) -> None:
         """q_dtype: the queries' (the model's) dtype; None: the cache's, or bfloat16 over a float8 cache.
-        decode: Kernels.decode. waits: where the host's waits are counted (the engine's)."""
+        decode: Kernels.decode. waits: where the host's waits are counted (the engine's). prefill:
+        Kernels.prefill."""
         import flashinfer  # imported here: the package exists on GPU hosts only
 
         q_dtype = q_dtype or (torch.bfloat16 if kv.dtype in FP8_KV_DTYPES else kv.dtype)
@@ -173,7 +183,7 @@ class FlashInferBackend(AttentionBackend):
         self.page_starts = np.arange(capacity, dtype=np.int32) * self.page_size
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend=prefill_backend(device, self.head_dim, kv.dtype)
+            self.workspace, "NHD", backend=prefill_backend(device, self.head_dim, kv.dtype, prefill)
         )
         self.decode_wrappers = {
             tc: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=tc)
