@@ -161,13 +161,17 @@ class LLM:
                 raise InvalidRequestError("this model folder has no tokenizer: pass prompts as lists of token ids")
             return self.tokenizer(prompt).input_ids
         ids = list(prompt)
-        if not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids
-        ):  # e.g. a tokenizer's whole output
+        # the types present, not each token through isinstance: an abstract-class check per token cost
+        # 0.7 s on the CPU before the first step of 128 prompts of 4,500 tokens
+        kinds = set(map(type, ids))
+        if kinds <= {int}:
+            return ids
+        if not all(issubclass(k, numbers.Integral) and not issubclass(k, bool) for k in kinds):
+            # e.g. a tokenizer's whole output
             raise InvalidRequestError(
                 f"a prompt is a string or a list of token ids (ints), not {type(prompt).__name__}"
             )
-        return ids
+        return [int(t) for t in ids]  # numpy's integers and the like, as the scheduler's plain ints
 
     def stats(self) -> SchedulerStats:
         """The scheduler's counts (at tp > 1 a ReplicaStats, with the replica's own)."""

@@ -80,6 +80,19 @@ def test_an_engine_failure_in_a_step_is_an_engine_error_offline(qwen3_path):
         llm.check_integrity()
 
 
+def test_offline_prompts_of_token_ids_take_any_integers_and_refuse_the_rest(qwen3_path):
+    import numpy as np
+
+    with LLM(str(qwen3_path)) as llm:
+        plain = llm.generate([[5, 6, 7]], greedy(4))[0].token_ids
+        assert llm.generate([np.array([5, 6, 7])], greedy(4))[0].token_ids == plain
+        assert llm.generate([[5, np.int32(6), 7]], greedy(4))[0].token_ids == plain
+        for bad in ([5, True, 7], [5, 6.0, 7], [5, "6", 7]):
+            with pytest.raises(InvalidRequestError, match="a prompt is a string or a list of token ids"):
+                llm.generate([bad], greedy(4))
+        llm.check_integrity()
+
+
 class _FailingClient:
     """A replica client whose replica went down after the request was sent."""
 
