@@ -18,7 +18,8 @@
 #   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
 #   prefill_kernels  prefill_heavy with FlashInfer's FA2 prefill forced (beside the default's runs of the
-#                  suite above), and one prefill_heavy run profiling 20 extend steps' kernels
+#                  suite above)
+#   profile_extend one prefill_heavy run, then the kernels of 20 extend steps of another draw
 #   mixed          decode latency under arriving prompts, mixed steps against prefill-first
 #   sampling       what penalties, filters and grammars cost beside plain sampling
 #   online         the HTTP path against the offline engine at concurrency 1 and 256
@@ -183,7 +184,8 @@ for suite in "$@"; do
         offline "offline_$met" 150 --max-extend-tokens "$met"
       done ;;
     prefill_kernels)
-      offline prefill_heavy_fa2 240 --workload prefill_heavy --prefill-kernel fa2
+      offline prefill_heavy_fa2 240 --workload prefill_heavy --prefill-kernel fa2 ;;
+    profile_extend)
       step profile_extend 240 python3 bench/offline_throughput.py --workload prefill_heavy --profile-extend \
         --out "$OUT/profile_extend.json" ;;
     mixed)
