@@ -18,7 +18,7 @@ import time
 from types import SimpleNamespace
 
 import httpx
-from online_serving import run, start_server, workload
+from online_serving import release_gpu_memory, run, start_server, workload
 
 HOPS = (
     "router_parse",
@@ -109,6 +109,7 @@ def main() -> None:
     report: dict = {"args": vars(args)}
     if not args.no_offline:
         report["offline"] = offline_ttft(args.model, requests, args.page_size, args.load_format)
+        release_gpu_memory()
     server_args = SimpleNamespace(
         model=args.model,
         tp_size=1,

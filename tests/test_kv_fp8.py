@@ -318,7 +318,8 @@ def test_triton_kernels_write_the_fp8_cache_as_the_torch_store_does_on_the_gpu(n
 
 
 @pytest.mark.gpu
-def test_triton_prologue_writes_normed_rotated_keys_and_values_into_an_fp8_cache(needs_triton):
+@pytest.mark.parametrize("block_tokens", [None, 4])  # a token a program, and blocks of tokens (a prompt chunk's)
+def test_triton_prologue_writes_normed_rotated_keys_and_values_into_an_fp8_cache(needs_triton, block_tokens):
     torch.manual_seed(5)
     dev = torch.device("cuda")
     heads, kv_heads, head_dim, tokens, eps = 4, 2, 128, 7, 1e-6
@@ -350,6 +351,7 @@ def test_triton_prologue_writes_normed_rotated_keys_and_values_into_an_fp8_cache
         heads,
         kv_heads,
         head_dim,
+        block_tokens=block_tokens,
     )
     torch.testing.assert_close(got_q, ref_q, rtol=1e-5, atol=1e-5)
     keys, values = pool.gather(0, out_loc, torch.float32)

@@ -23,8 +23,9 @@ pytest.importorskip("triton")
 INTERPRETED = Kernels(interpret_on_cpu=True)  # the Triton kernels on CPU tensors too (conftest sets TRITON_INTERPRET)
 
 
+@pytest.mark.parametrize("block_tokens", [None, 4, 16])  # a token a program; blocks of 4 (the last part full)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,qk_norm", [(4, 2, 16, True), (4, 2, 16, False), (2, 1, 128, True)])
-def test_prologue_equals_norm_rotary_and_cache_write(heads, kv_heads, head_dim, qk_norm):
+def test_prologue_equals_norm_rotary_and_cache_write(heads, kv_heads, head_dim, qk_norm, block_tokens):
     torch.manual_seed(0)
     tokens, eps = 7, 1e-6
     config = Qwen3Config(head_dim=head_dim, rope_theta=10000.0, max_position_embeddings=64)
@@ -58,9 +59,15 @@ def test_prologue_equals_norm_rotary_and_cache_write(heads, kv_heads, head_dim, 
         heads,
         kv_heads,
         head_dim,
+        block_tokens=block_tokens,
     )
     torch.testing.assert_close(got_q, ref_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_kv.buffer, ref_kv.buffer, rtol=1e-5, atol=1e-5)
+
+
+def test_prologue_takes_blocks_of_tokens_only_for_prompt_chunks():
+    assert triton_ops.prologue_tiles(1)[0] == triton_ops.prologue_tiles(triton_ops.PROLOGUE_BLOCK_ABOVE)[0] == 1
+    assert triton_ops.prologue_tiles(8192)[0] > 1
 
 
 def test_prologue_declines_what_it_cannot_do():

@@ -27,6 +27,7 @@ def qkv_prologue_kernel(
     k_cache_ptr,
     v_cache_ptr,
     eps,
+    tokens,
     qkv_row_stride,
     cos_sin_row_stride,
     NUM_HEADS: tl.constexpr,
@@ -34,41 +35,49 @@ def qkv_prologue_kernel(
     HEAD_DIM: tl.constexpr,
     HAS_NORM: tl.constexpr,
     FP8: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
-    # one program per (token, head) of the queries and keys; a key head's program also copies
-    # the value head of the same index
-    t = tl.program_id(0)
+    # one program per (block of BLOCK_T tokens, head) of the queries and keys; a key head's program also
+    # copies the value head of the same index. A prompt chunk takes blocks of tokens: one token a program
+    # made programs of half a warp's work, and the kernel ran at a fifth of the memory's speed
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     half = HEAD_DIM // 2
-    offs = tl.arange(0, HEAD_DIM // 2)
-    row = qkv_ptr + t.to(tl.int64) * qkv_row_stride
-    src = row + h * HEAD_DIM  # the key heads follow the query heads in the projection's output
-    x1 = tl.load(src + offs).to(tl.float32)
-    x2 = tl.load(src + half + offs).to(tl.float32)
+    offs = tl.arange(0, HEAD_DIM // 2)[None, :]
+    live = (t < tokens)[:, None]
+    t64 = t.to(tl.int64)
+    row = qkv_ptr + t64[:, None] * qkv_row_stride
+    src = row + h * HEAD_DIM + offs  # the key heads follow the query heads in the projection's output
+    x1 = tl.load(src, mask=live, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=live, other=0.0).to(tl.float32)
     if HAS_NORM:
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
         is_q = h < NUM_HEADS
         w1 = tl.where(is_q, tl.load(q_weight_ptr + offs), tl.load(k_weight_ptr + offs)).to(tl.float32)
         w2 = tl.where(is_q, tl.load(q_weight_ptr + half + offs), tl.load(k_weight_ptr + half + offs)).to(tl.float32)
-        x1 = x1 * rstd * w1
-        x2 = x2 * rstd * w2
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * cos_sin_row_stride + offs)
-    sin = tl.load(cos_sin_ptr + pos * cos_sin_row_stride + half + offs)
+        x1 = x1 * rstd[:, None] * w1
+        x2 = x2 * rstd[:, None] * w2
+    pos = tl.load(pos_ptr + t, mask=t < tokens, other=0).to(tl.int64)
+    cs = cos_sin_ptr + pos[:, None] * cos_sin_row_stride + offs
+    cos = tl.load(cs, mask=live, other=0.0)
+    sin = tl.load(cs + half, mask=live, other=0.0)
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
     if h < NUM_HEADS:
-        dst = q_out_ptr + (t.to(tl.int64) * NUM_HEADS + h) * HEAD_DIM
-        tl.store(dst + offs, o1.to(q_out_ptr.dtype.element_ty))
-        tl.store(dst + half + offs, o2.to(q_out_ptr.dtype.element_ty))
+        dst = q_out_ptr + (t64[:, None] * NUM_HEADS + h) * HEAD_DIM + offs
+        tl.store(dst, o1.to(q_out_ptr.dtype.element_ty), mask=live)
+        tl.store(dst + half, o2.to(q_out_ptr.dtype.element_ty), mask=live)
     else:
         j = h - NUM_HEADS
-        cell = (tl.load(loc_ptr + t).to(tl.int64) * NUM_KV_HEADS + j) * HEAD_DIM
-        tl.store(k_cache_ptr + cell + offs, _to_cache(o1, k_cache_ptr, FP8))
-        tl.store(k_cache_ptr + cell + half + offs, _to_cache(o2, k_cache_ptr, FP8))
-        v_src = row + (NUM_HEADS + NUM_KV_HEADS + j) * HEAD_DIM
-        tl.store(v_cache_ptr + cell + offs, _to_cache(tl.load(v_src + offs), v_cache_ptr, FP8))
-        tl.store(v_cache_ptr + cell + half + offs, _to_cache(tl.load(v_src + half + offs), v_cache_ptr, FP8))
+        loc = tl.load(loc_ptr + t, mask=t < tokens, other=0).to(tl.int64)
+        cell = (loc[:, None] * NUM_KV_HEADS + j) * HEAD_DIM + offs
+        tl.store(k_cache_ptr + cell, _to_cache(o1, k_cache_ptr, FP8), mask=live)
+        tl.store(k_cache_ptr + cell + half, _to_cache(o2, k_cache_ptr, FP8), mask=live)
+        v_src = row + (NUM_HEADS + NUM_KV_HEADS + j) * HEAD_DIM + offs
+        v1 = tl.load(v_src, mask=live, other=0.0)
+        v2 = tl.load(v_src + half, mask=live, other=0.0)
+        tl.store(v_cache_ptr + cell, _to_cache(v1, v_cache_ptr, FP8), mask=live)
+        tl.store(v_cache_ptr + cell + half, _to_cache(v2, v_cache_ptr, FP8), mask=live)
 
 
 @triton.jit

@@ -111,16 +111,21 @@ def qkv_prologue(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    block_tokens: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """qkv: [T, (num_heads + 2 * num_kv_heads) * head_dim], contiguous. Writes the normed, rotated keys
     and the values at out_loc of k_cache / v_cache ([slots, num_kv_heads, head_dim]); returns the
-    normed, rotated queries [T, num_heads, head_dim]. q_weight/k_weight None: no q/k norm."""
+    normed, rotated queries [T, num_heads, head_dim]. q_weight/k_weight None: no q/k norm.
+    block_tokens / num_warps: the tokens of one program and its warps (None: prologue_tiles)."""
     tokens = qkv.shape[0]
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
         return q
     has_norm = q_weight is not None
-    _kernels().qkv_prologue_kernel[(tokens, num_heads + num_kv_heads)](
+    auto_block, auto_warps = prologue_tiles(tokens)
+    block_tokens, num_warps = block_tokens or auto_block, num_warps or auto_warps
+    _kernels().qkv_prologue_kernel[(triton.cdiv(tokens, block_tokens), num_heads + num_kv_heads)](
         qkv,
         positions,
         out_loc,
@@ -131,6 +136,7 @@ def qkv_prologue(
         k_cache,
         v_cache,
         eps,
+        tokens,
         qkv.stride(0),
         cos_sin.stride(0),
         NUM_HEADS=num_heads,
@@ -138,8 +144,20 @@ def qkv_prologue(
         HEAD_DIM=head_dim,
         HAS_NORM=has_norm,
         FP8=k_cache.dtype == torch.float8_e4m3fn,
+        BLOCK_T=block_tokens,
+        num_warps=num_warps,
     )
     return q
+
+
+# a decode step's few tokens: one a program, as many programs as (token, head) pairs; a prompt chunk's
+# thousands: blocks of tokens a program, so that each program moves kilobytes, not one head's 256 bytes
+PROLOGUE_BLOCK_ABOVE = 256
+
+
+def prologue_tiles(tokens: int) -> tuple[int, int]:
+    """(tokens a program, warps) of the attention prologue for a step of `tokens` tokens."""
+    return (1, 4) if tokens <= PROLOGUE_BLOCK_ABOVE else (16, 4)
 
 
 def kernels_available(kernels: Kernels, x: torch.Tensor) -> bool:
