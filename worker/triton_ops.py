@@ -150,14 +150,18 @@ def qkv_prologue(
     return q
 
 
-# a decode step's few tokens: one a program, as many programs as (token, head) pairs; a prompt chunk's
-# thousands: blocks of tokens a program, so that each program moves kilobytes, not one head's 256 bytes
-PROLOGUE_BLOCK_ABOVE = 256
+# a decode step's few tokens: one a program, one warp, as many programs as (token, head) pairs; more
+# tokens: blocks of them a program, so that each program moves kilobytes, not one head's 256 bytes
+# (bench/prologue.py on the H200, Qwen3-0.6B's heads: 1 token 1.77 us with one warp against 2.16 with
+# four; 256 tokens 3.64 us in blocks of 4 against 7.50; 8,192 tokens 38.6 us in blocks of 8 against 155.8)
+PROLOGUE_BLOCK_ABOVE = 32
 
 
 def prologue_tiles(tokens: int) -> tuple[int, int]:
     """(tokens a program, warps) of the attention prologue for a step of `tokens` tokens."""
-    return (1, 4) if tokens <= PROLOGUE_BLOCK_ABOVE else (16, 4)
+    if tokens <= PROLOGUE_BLOCK_ABOVE:
+        return 1, 1
+    return (4, 4) if tokens <= 1024 else (8, 4)
 
 
 def kernels_available(kernels: Kernels, x: torch.Tensor) -> bool:

@@ -97,20 +97,21 @@ def prefill_backend(
 ) -> str:
     """FlashInfer's backend for extend steps. auto: FA3 on Hopper, where its paged prefill beats FA2; FA2
     elsewhere, for head sizes FA3 lacks and for a float8 cache. fa2 / fa3: that one, where it builds."""
-    fa3_builds = (
-        device.type == "cuda"
-        and torch.cuda.get_device_capability(device)[0] == 9
-        and head_dim in FA3_HEAD_DIMS
-        and kv_dtype in SUPPORTED_DTYPES
-    )
-    if choice == "fa3" and not fa3_builds:
+    builds = device.type == "cuda" and fa3_builds(torch.cuda.get_device_capability(device)[0], head_dim, kv_dtype)
+    if choice == "fa3" and not builds:
         raise ValueError(
             f"FlashInfer's FA3 prefill needs a Hopper GPU, head_dim in {FA3_HEAD_DIMS} and a half-precision "
             f"KV cache (here head_dim {head_dim}, cache {kv_dtype}); use Kernels(prefill='fa2') or 'auto'"
         )
     if choice == "auto":
-        return "fa3" if fa3_builds else "fa2"
+        return "fa3" if builds else "fa2"
     return choice
+
+
+def fa3_builds(major: int, head_dim: int, kv_dtype: torch.dtype) -> bool:
+    """Whether FlashInfer 0.5's FA3 prefill builds: Hopper (compute capability 9.x), its head sizes, a
+    half-precision cache."""
+    return major == 9 and head_dim in FA3_HEAD_DIMS and kv_dtype in SUPPORTED_DTYPES
 
 
 @dataclass
