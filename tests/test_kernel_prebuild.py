@@ -43,6 +43,24 @@ def test_fa3_is_left_out_where_the_engine_does_not_run_it(head_dim, kv_dtype, ma
     assert [w.kv_dtype for w in wants if w.kind == "decode"] == [kv_dtype]
 
 
+def test_a_models_dtype_and_head_size_pick_the_modules(tmp_path):
+    from transformers import Qwen3Config
+
+    def folder(name: str, **kw) -> str:
+        Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **kw).save_pretrained(tmp_path / name)
+        return str(tmp_path / name)
+
+    def decodes(wants: list[ModuleWant]) -> set[tuple[str, str, int]]:
+        return {(w.q_dtype, w.kv_dtype, w.head_dim) for w in wants if w.kind == "decode"}
+
+    unnamed, half = folder("unnamed", head_dim=128), folder("half", head_dim=64, dtype="float16")
+    assert decodes(kernel_prebuild.model_wants(unnamed, kv_cache_dtype="fp8_e4m3")) == {
+        ("bfloat16", "float8_e4m3fn", 128)
+    }
+    assert decodes(kernel_prebuild.model_wants(half)) == {("float16", "float16", 64)}  # the checkpoint's dtype
+    assert decodes(kernel_prebuild.model_wants(half, dtype="bfloat16")) == {("bfloat16", "bfloat16", 64)}
+
+
 def test_the_engine_off_hopper_takes_fa2_as_the_prebuild_does():
     assert prefill_backend(torch.device("cpu"), 128, torch.bfloat16) == "fa2"
 

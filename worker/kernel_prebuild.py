@@ -12,6 +12,7 @@ onto other hosts (into `flashinfer/data/aot/` of their installed package).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import time
@@ -93,12 +94,16 @@ def prebuild(wants: list[ModuleWant], into: Path | None = None, log=print) -> li
     return installed
 
 
-def _model_wants(model: str, dtype: str, kv_cache_dtype: str, major: int) -> list[ModuleWant]:
-    from worker.engine import load_hf_config
+def model_wants(model: str, dtype: str = "auto", kv_cache_dtype: str = "auto", major: int = 9) -> list[ModuleWant]:
+    """wanted_modules for an engine serving the model folder with these settings, its dtype resolved as the
+    engine resolves it on a GPU (auto: the checkpoint's, bfloat16 where it names none)."""
+    from worker.engine import load_hf_config, resolve_dtype
     from worker.models.llama import head_dim_of
 
     config = load_hf_config(model)
-    q_dtype = dtype if dtype != "auto" else "bfloat16"
+    q_dtype = str(resolve_dtype(dtype, config, torch.device("cuda"))).removeprefix("torch.")
+    if q_dtype not in HALF_DTYPES:
+        raise ValueError(f"FlashInfer attention runs in {' or '.join(HALF_DTYPES)}, not {q_dtype}")
     kv_dtype = {"auto": q_dtype, "fp8_e4m3": "float8_e4m3fn"}[kv_cache_dtype]
     return wanted_modules(head_dim_of(config), q_dtype, kv_dtype, major)
 
@@ -114,6 +119,8 @@ def main() -> None:
     )
     p.add_argument("--into", type=Path, help="a folder of your own instead of FlashInfer's AOT folder")
     args = p.parse_args()
+    if importlib.util.find_spec("flashinfer") is None:
+        p.error("FlashInfer is not installed here: pip install -e '.[gpu]' (the version the GPU hosts run)")
     if args.cuda_arch:  # read by FlashInfer at its import: set before it
         os.environ["FLASHINFER_CUDA_ARCH_LIST"] = args.cuda_arch
     arch = os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
@@ -123,7 +130,7 @@ def main() -> None:
         if not torch.cuda.is_available():
             p.error("no GPU here: name the one the engine will run on with --cuda-arch (e.g. 9.0a)")
         major = torch.cuda.get_device_capability()[0]
-    wants = _model_wants(args.model, args.dtype, args.kv_cache_dtype, major)
+    wants = model_wants(args.model, args.dtype, args.kv_cache_dtype, major)
     installed = prebuild(wants, args.into)
     print(f"{len(installed)} module(s) built, {len(wants) - len(installed)} already there")
 
