@@ -132,7 +132,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
                     e.message = f"prompt {i}: {e.message}"
                 raise
             runs.append(PromptRun(prompt.ids, params))
-        shown = [PromptShown(p.ids, p.text if body.echo else None) for p in prompts]
+        shown = [PromptShown(p.ids, p.text) for p in prompts]
         fmt = Formatter(
             f"cmpl-{uuid.uuid4().hex}",
             state.model_name,

@@ -15,7 +15,9 @@ from router.http.protocol import CompletionRequest, SamplingFields
 @dataclass(frozen=True)
 class Prompt:
     ids: list[int]
-    text: str  # as an echo returns it: the client's text, or its token ids decoded
+    # as an echo returns it: the client's text, or its token ids decoded; None when the request does not
+    # echo (decoding a long prompt of ids costs the first token a share of a millisecond)
+    text: str | None
 
 
 def completion_prompts(
@@ -39,7 +41,12 @@ def completion_prompts(
                 )
             ids = list(one)
         kept = truncated(ids, req, max_seq_len)
-        text = one if isinstance(one, str) and len(kept) == len(ids) else tokenizer.decode(kept)
+        if not req.echo:
+            text = None
+        elif isinstance(one, str) and len(kept) == len(ids):
+            text = one
+        else:
+            text = tokenizer.decode(kept)
         out.append(Prompt(kept, text))
     return out
 
