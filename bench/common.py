@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python bench/x.py` from anywhere
 
 from cluster import LLM  # noqa: E402
+from cluster.config import SchedulerConfig  # noqa: E402
 from worker.batch import BatchDesc  # noqa: E402
 from worker.kernels import DECODE_KERNELS, MOE_KERNELS, PREFILL_KERNELS, Kernels  # noqa: E402
 
@@ -199,7 +200,7 @@ def make_llm(args: argparse.Namespace) -> LLM:
         mixed_steps=not args.no_mixed_steps,
         quantization=args.quantization,
         # the engine's default unless asked: a benchmark "at the defaults" measures what users run
-        **({"max_extend_tokens": args.max_extend_tokens} if args.max_extend_tokens else {}),
+        **({"max_extend_tokens": args.max_extend_tokens} if args.max_extend_tokens is not None else {}),
     )
 
 
@@ -220,7 +221,9 @@ def config_of(args: argparse.Namespace) -> dict:
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
         "mixed_steps": not args.no_mixed_steps,
-        "max_extend_tokens": args.max_extend_tokens or "default",
+        "max_extend_tokens": args.max_extend_tokens
+        if args.max_extend_tokens is not None
+        else SchedulerConfig().max_extend_tokens,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
         "torch": torch.__version__,
     }
@@ -415,7 +418,14 @@ class ProfileWindow:
                 self.prof.export_chrome_trace(self.trace)
 
     def top_kernels(self, top: int = 25) -> list[dict]:
-        """The kernels that took the most GPU time in the window, with their share of it."""
+        """The kernels that took the most GPU time in the window, with their share of it (a run shorter
+        than the window: the steps it had; none: no kernels)."""
+        if self.seen < self.first:
+            return []
+        if self.seen <= self.last:  # the run ended inside the window
+            torch.cuda.synchronize()
+            self.prof.stop()
+            self.seen = self.last + 1
         # kernels only: a CPU op's row repeats the device time of the kernels it launched
         events = [
             e

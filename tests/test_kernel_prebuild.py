@@ -61,6 +61,12 @@ def test_a_models_dtype_and_head_size_pick_the_modules(tmp_path):
     assert decodes(kernel_prebuild.model_wants(half, dtype="bfloat16")) == {("bfloat16", "bfloat16", 64)}
 
 
+def test_architecture_lists_read_as_flashinfer_reads_them():
+    assert kernel_prebuild.arch_majors("9.0a") == [9]
+    assert kernel_prebuild.arch_majors("8.0 9.0a") == [8, 9]
+    assert kernel_prebuild.arch_majors("sm_90a") == kernel_prebuild.arch_majors("90a") == []
+
+
 def test_the_engine_off_hopper_takes_fa2_as_the_prebuild_does():
     assert prefill_backend(torch.device("cpu"), 128, torch.bfloat16) == "fa2"
 

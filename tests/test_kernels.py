@@ -74,3 +74,26 @@ def test_each_engine_counts_its_own_host_waits(qwen3_path):
         waited = second.engine.host_waits.seconds
         first.generate(prompts, greedy(3))
         assert second.engine.host_waits.seconds == waited and first.engine.host_waits.seconds > 0
+
+
+def test_the_prologue_warm_up_runs_every_tile_and_writes_only_the_scratch_cell(monkeypatch, qwen3_path):
+    pytest.importorskip("triton")
+    tiles = []
+    prologue = triton_ops.qkv_prologue
+
+    def noted(qkv, *args, **kwargs):
+        tiles.append(triton_ops.prologue_tiles(qkv.shape[0]))
+        return prologue(qkv, *args, **kwargs)
+
+    monkeypatch.setattr(triton_ops, "qkv_prologue", noted)
+    with checked_llm(qwen3_path, kernels=Kernels(interpret_on_cpu=True)) as llm:
+        engine = llm.engine
+        layer = engine.model.model.layers[0].self_attn
+        scratch = engine.scratch_page * engine.page_size
+        before = engine.kv.buffer.clone()
+        tiles.clear()
+        layer.warm_prologue(engine.attn, scratch, engine.dtype)
+        assert tiles == [tile for _, tile in triton_ops.PROLOGUE_TILES]
+        changed = (engine.kv.buffer != before).flatten(3).any(-1)  # [k or v, layer, cell]: which cells moved
+        assert changed.nonzero()[:, 2].unique().tolist() == [scratch]
+        assert changed[:, 0].any(-1).all() and not changed[:, 1:].any()  # keys and values, layer 0 alone

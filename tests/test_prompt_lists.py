@@ -145,3 +145,20 @@ def test_a_client_gone_mid_stream_aborts_every_prompt(srv):
     stats = wait_until_idle(srv)
     assert sum(s.decode_tokens for s in stats) - decoded_before < 450  # of 900: the aborts landed early
     check_replicas_whole(srv)
+
+
+class _NoDecode:
+    """A tokenizer that must not be asked to decode."""
+
+    def decode(self, ids):
+        raise AssertionError("decoded a prompt the request does not echo")
+
+
+@pytest.mark.parametrize("echo", [None, False])
+def test_a_prompt_of_ids_is_decoded_only_for_an_echo(echo):
+    from router.http.prompts import completion_prompts
+    from router.http.protocol import CompletionRequest
+
+    body = CompletionRequest(model="m", prompt=[[5, 6, 7], [8, 9]], echo=echo)
+    prompts = completion_prompts(body, _NoDecode(), vocab_size=100, max_seq_len=64)
+    assert [(p.ids, p.text) for p in prompts] == [([5, 6, 7], None), ([8, 9], None)]

@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 INTERPRETED = Kernels(interpret_on_cpu=True)  # the Triton kernels on CPU tensors too (conftest sets TRITON_INTERPRET)
 
 
-@pytest.mark.parametrize("block_tokens", [None, 4, 16])  # a token a program; blocks of 4 (the last part full)
+@pytest.mark.parametrize("block_tokens", [None, 4, 16])  # a token a program; blocks, the last partly masked
 @pytest.mark.parametrize("heads,kv_heads,head_dim,qk_norm", [(4, 2, 16, True), (4, 2, 16, False), (2, 1, 128, True)])
 def test_prologue_equals_norm_rotary_and_cache_write(heads, kv_heads, head_dim, qk_norm, block_tokens):
     torch.manual_seed(0)
@@ -65,9 +65,15 @@ def test_prologue_equals_norm_rotary_and_cache_write(heads, kv_heads, head_dim, 
     torch.testing.assert_close(got_kv.buffer, ref_kv.buffer, rtol=1e-5, atol=1e-5)
 
 
-def test_prologue_takes_blocks_of_tokens_only_for_prompt_chunks():
-    assert triton_ops.prologue_tiles(1)[0] == triton_ops.prologue_tiles(triton_ops.PROLOGUE_BLOCK_ABOVE)[0] == 1
-    assert triton_ops.prologue_tiles(8192)[0] > 1
+def test_prologue_takes_blocks_of_tokens_only_past_a_decode_steps_few():
+    assert triton_ops.prologue_tiles(1) == triton_ops.prologue_tiles(32) == (1, 1)
+    assert triton_ops.prologue_tiles(8192)[0] > triton_ops.prologue_tiles(256)[0] > 1
+    # the warm-up's sizes reach every tile, each at its first size
+    starts = triton_ops.PROLOGUE_TILE_STARTS
+    assert [triton_ops.prologue_tiles(n) for n in starts] == [tile for _, tile in triton_ops.PROLOGUE_TILES]
+    assert all(triton_ops.prologue_tiles(n - 1) != triton_ops.prologue_tiles(n) for n in starts[1:])
+    with pytest.raises(ValueError, match="power of two"):
+        triton_ops.qkv_prologue(torch.zeros(3, 64), *[None] * 8, 2, 1, 16, block_tokens=3)
 
 
 def test_prologue_declines_what_it_cannot_do():

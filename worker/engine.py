@@ -230,6 +230,11 @@ class Engine:
         kernels, Triton kernels: compiled on first use, a minute on a fresh host) happens here, before
         the replica takes traffic and before rank 0's watchdog times steps."""
 
+        if self.device.type == "cuda":  # the prologue's other tiles (a one-token step runs the first)
+            self.model.model.layers[0].self_attn.warm_prologue(
+                self.attn, self.scratch_page * self.page_size, self.dtype
+            )
+
         def one(value, dtype):
             return np.array([value], dtype=dtype)
 

@@ -16,12 +16,18 @@ import importlib.util
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker.attention.flashinfer_backend import fa3_builds
+from worker.checkpoint_error import CheckpointError
+
+if TYPE_CHECKING:
+    from flashinfer.jit.core import JitSpec
 
 HALF_DTYPES = ("bfloat16", "float16")
 
@@ -50,7 +56,7 @@ def wanted_modules(head_dim: int, q_dtype: str, kv_dtype: str, major: int) -> li
     return wants
 
 
-def jit_spec(want: ModuleWant):
+def jit_spec(want: ModuleWant) -> JitSpec:
     """FlashInfer's JitSpec of a module, with the arguments its wrappers plan with (an int32 page index,
     no positional encoding in the kernel, no sliding window, no logit cap, no fp16 q.k reduction)."""
     from flashinfer.jit import activation, attention, norm, rope
@@ -68,10 +74,11 @@ def jit_spec(want: ModuleWant):
     return attention.gen_batch_prefill_module(want.backend, *common, False)
 
 
-def prebuild(wants: list[ModuleWant], into: Path | None = None, log=print) -> list[Path]:
+def prebuild(wants: list[ModuleWant], into: Path | None = None, log: Callable[[str], None] = print) -> list[Path]:
     """Builds each module (one build at a time on this host: worker/kernel_builds.py) and copies its
     library into `into`/<name>/<name>.so, FlashInfer's AOT layout (None: FlashInfer's own AOT folder).
-    A module already there is left as it is. Returns the libraries installed."""
+    A module already there is left as it is, whatever architectures it was built for. Returns the
+    libraries installed."""
     from flashinfer.jit import env
 
     from worker.kernel_builds import serialize_flashinfer_builds
@@ -108,6 +115,18 @@ def model_wants(model: str, dtype: str = "auto", kv_cache_dtype: str = "auto", m
     return wanted_modules(head_dim_of(config), q_dtype, kv_dtype, major)
 
 
+def arch_majors(arch_list: str) -> list[int]:
+    """The major compute capabilities of a FLASHINFER_CUDA_ARCH_LIST value ("8.0 9.0a": [8, 9]); [] when an
+    entry is not MAJOR.MINOR."""
+    majors = []
+    for entry in arch_list.split():
+        major, dot, minor = entry.partition(".")
+        if not (major.isdigit() and dot and minor[:1].isdigit()):
+            return []
+        majors.append(int(major))
+    return majors
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="the model folder the engine will serve (its config.json)")
@@ -125,12 +144,22 @@ def main() -> None:
         os.environ["FLASHINFER_CUDA_ARCH_LIST"] = args.cuda_arch
     arch = os.environ.get("FLASHINFER_CUDA_ARCH_LIST")
     if arch:
-        major = int(arch.split()[0].split(".")[0])
+        majors = arch_majors(arch)
+        if not majors:
+            p.error(
+                f"--cuda-arch (FLASHINFER_CUDA_ARCH_LIST) {arch!r}: "
+                "give compute capabilities such as 9.0a or '8.0 9.0a'"
+            )
     else:
         if not torch.cuda.is_available():
             p.error("no GPU here: name the one the engine will run on with --cuda-arch (e.g. 9.0a)")
-        major = torch.cuda.get_device_capability()[0]
-    wants = model_wants(args.model, args.dtype, args.kv_cache_dtype, major)
+        majors = [torch.cuda.get_device_capability()[0]]
+    try:  # every architecture's modules (FA3 where one of them is Hopper)
+        wants = list(
+            dict.fromkeys(w for m in majors for w in model_wants(args.model, args.dtype, args.kv_cache_dtype, m))
+        )
+    except (CheckpointError, ValueError) as e:
+        p.error(str(e))
     installed = prebuild(wants, args.into)
     print(f"{len(installed)} module(s) built, {len(wants) - len(installed)} already there")
 

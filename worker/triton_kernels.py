@@ -15,7 +15,7 @@ def _to_cache(x, cache_ptr, FP8: tl.constexpr):
     return x.to(cache_ptr.dtype.element_ty)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])  # one variant a tile, whatever the step's token count
 def qkv_prologue_kernel(
     qkv_ptr,
     pos_ptr,

@@ -125,6 +125,8 @@ def qkv_prologue(
     has_norm = q_weight is not None
     auto_block, auto_warps = prologue_tiles(tokens)
     block_tokens, num_warps = block_tokens or auto_block, num_warps or auto_warps
+    if block_tokens & (block_tokens - 1):
+        raise ValueError(f"block_tokens must be a power of two, not {block_tokens}")
     _kernels().qkv_prologue_kernel[(triton.cdiv(tokens, block_tokens), num_heads + num_kv_heads)](
         qkv,
         positions,
@@ -150,18 +152,23 @@ def qkv_prologue(
     return q
 
 
-# a decode step's few tokens: one a program, one warp, as many programs as (token, head) pairs; more
-# tokens: blocks of them a program, so that each program moves kilobytes, not one head's 256 bytes
-# (bench/prologue.py on the H200, Qwen3-0.6B's heads: 1 token 1.77 us with one warp against 2.16 with
-# four; 256 tokens 3.64 us in blocks of 4 against 7.50; 8,192 tokens 38.6 us in blocks of 8 against 155.8)
-PROLOGUE_BLOCK_ABOVE = 32
+# (most tokens, (tokens a program, warps)) by step size. A decode step's few tokens: one a program, one
+# warp, as many programs as (token, head) pairs; more tokens: blocks of them a program, so that each program
+# moves kilobytes, not one head's 256 bytes. bench/prologue.py on the H200, Qwen3-0.6B's heads: 1 token
+# 1.77 us with one warp against 2.16 with four; 256 tokens 3.64 us in blocks of 4 against 7.50 one token a
+# program; 8,192 tokens 38.6 us in blocks of 8 against 155.8 (the bounds between those sizes are not
+# measured)
+PROLOGUE_TILES = ((32, (1, 1)), (1024, (4, 4)), (None, (8, 4)))
+# the fewest tokens of each tile: what an engine's warm-up runs so that no step compiles a tile
+PROLOGUE_TILE_STARTS = (1, *(most + 1 for most, _ in PROLOGUE_TILES[:-1]))
 
 
 def prologue_tiles(tokens: int) -> tuple[int, int]:
     """(tokens a program, warps) of the attention prologue for a step of `tokens` tokens."""
-    if tokens <= PROLOGUE_BLOCK_ABOVE:
-        return 1, 1
-    return (4, 4) if tokens <= 1024 else (8, 4)
+    for most, tile in PROLOGUE_TILES:
+        if most is None or tokens <= most:
+            return tile
+    raise AssertionError("the last tile takes any size")
 
 
 def kernels_available(kernels: Kernels, x: torch.Tensor) -> bool:

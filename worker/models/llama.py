@@ -82,6 +82,33 @@ class Attention(nn.Module):
             out = attn.forward(*self._qkv(qkv, positions), self.layer_id)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
+    def warm_prologue(self, attn: AttentionBackend, scratch_loc: int, dtype: torch.dtype) -> None:
+        """Runs the fused prologue once at the first token count of each of its tiles
+        (triton_ops.PROLOGUE_TILE_STARTS), every token writing the KV cell at scratch_loc, with the tensors'
+        dtypes of an eager step: a prompt of another tile would otherwise compile its variant in a live step."""
+        width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        device = attn.kv.device
+        if not triton_ops.prologue_applies(
+            self.kernels, torch.empty(1, width, dtype=dtype, device=device), self.head_dim, attn.kv.dtype
+        ):
+            return
+        norm = self.q_norm is not None
+        for tokens in triton_ops.PROLOGUE_TILE_STARTS:
+            triton_ops.qkv_prologue(
+                torch.zeros(tokens, width, dtype=dtype, device=device),
+                torch.zeros(tokens, dtype=torch.int64, device=device),
+                torch.full((tokens,), scratch_loc, dtype=torch.int64, device=device),
+                self.rotary.cos_sin,
+                self.q_norm.weight if norm else None,
+                self.k_norm.weight if norm else None,
+                self.q_norm.eps if norm else 0.0,
+                attn.kv.k(self.layer_id),
+                attn.kv.v(self.layer_id),
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+            )
+
     def _qkv(self, qkv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The unfused prologue: split, q/k norm, rotary."""
         q, k, v = qkv.split(
