@@ -45,8 +45,9 @@
 #
 # Wheels come from .whl/ (../shared/gpu/wheels.sh fills it); a machine still warm from the last call keeps
 # them, and nothing is reinstalled then (a reinstalled FlashInfer loses the kernels restored into it).
-# .cache/kernels.tar.xz, when carried, is the last call's `save`: restored before anything runs, it spares
-# FlashInfer's kernel builds (minutes on a fresh host).
+# .cache/kernels.tar.xz, when carried, is the last call's `save` or what bench/prebuild_kernels.sh built on a
+# machine without a GPU: restored before anything runs, it spares FlashInfer's kernel builds (minutes on a
+# fresh host).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
