@@ -62,21 +62,7 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # norm, rotary and the KV write in one kernel
         if triton_ops.prologue_applies(self.kernels, qkv, self.head_dim, attn.kv.dtype):
-            norm = self.q_norm is not None
-            q = triton_ops.qkv_prologue(
-                qkv,
-                positions,
-                attn.out_loc,
-                self.rotary.cos_sin,
-                self.q_norm.weight if norm else None,
-                self.k_norm.weight if norm else None,
-                self.q_norm.eps if norm else 0.0,
-                attn.kv.k(self.layer_id),
-                attn.kv.v(self.layer_id),
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-            )
+            q = self._fused_prologue(qkv, positions, attn.out_loc, attn)
             out = attn.forward(q, None, None, self.layer_id)  # keys and values are in the cache already
         else:
             out = attn.forward(*self._qkv(qkv, positions), self.layer_id)
@@ -92,22 +78,33 @@ class Attention(nn.Module):
             self.kernels, torch.empty(1, width, dtype=dtype, device=device), self.head_dim, attn.kv.dtype
         ):
             return
-        norm = self.q_norm is not None
         for tokens in triton_ops.PROLOGUE_TILE_STARTS:
-            triton_ops.qkv_prologue(
+            self._fused_prologue(
                 torch.zeros(tokens, width, dtype=dtype, device=device),
                 torch.zeros(tokens, dtype=torch.int64, device=device),
                 torch.full((tokens,), scratch_loc, dtype=torch.int64, device=device),
-                self.rotary.cos_sin,
-                self.q_norm.weight if norm else None,
-                self.k_norm.weight if norm else None,
-                self.q_norm.eps if norm else 0.0,
-                attn.kv.k(self.layer_id),
-                attn.kv.v(self.layer_id),
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
+                attn,
             )
+
+    def _fused_prologue(
+        self, qkv: torch.Tensor, positions: torch.Tensor, out_loc: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """The Triton prologue: q/k norm and rotary, the keys and values written at out_loc; the queries."""
+        norm = self.q_norm is not None
+        return triton_ops.qkv_prologue(
+            qkv,
+            positions,
+            out_loc,
+            self.rotary.cos_sin,
+            self.q_norm.weight if norm else None,
+            self.k_norm.weight if norm else None,
+            self.q_norm.eps if norm else 0.0,
+            attn.kv.k(self.layer_id),
+            attn.kv.v(self.layer_id),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
 
     def _qkv(self, qkv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The unfused prologue: split, q/k norm, rotary."""
