@@ -382,7 +382,7 @@ class Sections:
 
 
 class ProfileWindow:
-    """Profiles the kernels of decode steps first..first+count-1 (as an engine step hook, like StepTimer)."""
+    """Profiles the kernels of decode (or extend) steps first..first+count (as an engine step hook, like StepTimer)."""
 
     def __init__(self, first: int = 200, count: int = 50, trace: str | None = None, extend: bool = False) -> None:
         """`trace`: also write the window's host and device timeline there (Chrome trace JSON, gzipped
