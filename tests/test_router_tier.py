@@ -109,10 +109,13 @@ def test_a_router_killed_is_restarted_on_the_replicas_serving_now_and_its_reques
         first_start = ray.get(victim.ping.remote())
 
         async def load_then_kill() -> list[str]:
+            # each stream is a new connection, which the kernel hashes to one router: a dozen may all land
+            # on router 1, so streams are added until one is on the victim (96 on one router: a bug)
             streams = [asyncio.create_task(_stream(srv.url, ids, 400)) for ids in PROMPTS]
             deadline = time.monotonic() + 60
-            while ray.get(victim.in_flight.remote()) == 0:  # some of them reached the victim
-                assert time.monotonic() < deadline, "no stream reached router 0"
+            while ray.get(victim.in_flight.remote()) == 0:
+                assert time.monotonic() < deadline and len(streams) < 96, f"none of {len(streams)} streams on router 0"
+                streams.append(asyncio.create_task(_stream(srv.url, PROMPTS[len(streams) % len(PROMPTS)], 400)))
                 await asyncio.sleep(0.05)
             ray.kill(victim, no_restart=False)  # as a crash: Ray restarts it
             return await asyncio.gather(*streams)
