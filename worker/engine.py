@@ -8,8 +8,10 @@ the step in flight does not read, so they overlap its forward; then it waits for
 overlaps that step's LM head and sampling. The compute stream waits for it, runs the forward (a CUDA graph for
 decode), samples, writes the sampled tokens into the token pool and copies them to the host. Nothing
 here synchronizes the device; the host waits only on `StepOutput.done`. A step that verifies proposed
-tokens (speculative decoding: `desc.spec_lens`) is an extend step, run eagerly, that samples at every
-proposal's position and counts on the device how many samples each row keeps (sampling/verify.py)."""
+tokens (speculative decoding: `desc.spec_lens`) samples at every proposal's position and counts on the
+device how many samples each row keeps (sampling/verify.py). It runs as a decode step of one row per
+sample (verify_rows.py), replayed from a CUDA graph where one fits, or, where its penalties count the
+proposals before each sample, as an extend step, eagerly."""
 
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from worker.staging import PinnedStaging, Staged, upload_record
 from worker.startup import StartupTimes, timed
 from worker.stream import HostWaits, new_event, new_stream, use_stream
 from worker.token_table import TokenTable
+from worker.verify_rows import DecodeVerify, verify_as_decode
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +123,10 @@ class StepInputs(Generic[A]):
     input_ids: A | None = None  # int32 [T] (prefill)
     token_idx: A | None = None  # int64 (prefill): token-pool cells of the prompt tokens given
     token_read: A | None = None  # int64 [B] (decode) or [T] (mixed): token-pool cells of the inputs
-    spec: SpecRows | None = None  # an extend step that verifies proposals: where each row samples
+    spec: SpecRows | None = None  # a step that verifies proposals: where each row samples
+    # a verify step run as decode rows: the token-pool cells its proposals fill, and the proposals
+    pool_cells: A | None = None  # int64 [P]
+    pool_tokens: A | None = None  # int32 [P]
     staged: Staged | None = None  # the device twin's slot: release(stream) once the step's last reader is enqueued
 
 
@@ -290,11 +296,11 @@ class Engine:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def _stage(self, desc: BatchDesc, bs: int) -> StepInputs[torch.Tensor]:
+    def _stage(self, desc: BatchDesc, bs: int, verify: DecodeVerify | None = None) -> StepInputs[torch.Tensor]:
         """Packs every array the step needs into pinned staging and copies it to the device (on the
         current stream). `bs` > 0: a decode step replayed from the graph of that batch size, whose
         per-row inputs travel as one block (`graph_io`, and `sampling.sampler_io` when it filters or
-        processes)."""
+        processes). `verify`: `desc` holds a verify step's samples as decode rows."""
         slots = desc.slots.astype(np.int64)
         seq = desc.seq_lens.astype(np.int64)
         pool_row = self.table.token_pool.shape[1]
@@ -320,6 +326,8 @@ class Engine:
             sampling=stage_sampling(desc, columns, bs, sample_pos, token_write, self.proc_state),
             spec=spec,
         )
+        if verify is not None:
+            s.spec, s.pool_cells, s.pool_tokens = verify.spec, verify.pool_cells, verify.pool_tokens
         if desc.prefix_slots:
             s.prefix_idx = np.concatenate(
                 [slot * self.max_seq_len + np.arange(len(locs)) for slot, locs in desc.prefix_slots]
@@ -359,6 +367,11 @@ class Engine:
     def forward(self, desc: BatchDesc) -> StepOutput:
         """Launches one step and returns at once; `StepOutput.done` marks when the sampled tokens have
         reached the host."""
+        verify = None
+        if desc.spec_lens is not None:  # as decode rows where it can: a graph replays those
+            max_rows, pool_row = self.table.token_pool.shape  # the attention plans' buffers hold as many rows
+            verify = verify_as_decode(desc, self.proc_state.scratch_row, pool_row, max_rows)
+            desc = verify.desc if verify is not None else desc
         bs = self.graphs.bucket(desc) if self.graphs is not None else 0
         n, pages = desc.num_tokens, self.table.page_table.view(-1)
         timer = self.step_timer
@@ -366,7 +379,7 @@ class Engine:
             # first what the step in flight does not read, so that it overlaps that step's forward: the
             # step's metadata (into a staging slot of its own), its cells of the page table (read by
             # this stream alone, by the attention plans), the attention plan's arrays
-            s = self._stage(desc, bs)
+            s = self._stage(desc, bs, verify)
             pages.index_copy_(0, s.page_idx, s.page_val)
             if s.prefix_idx is not None:
                 pages.index_copy_(0, s.prefix_idx, s.prefix_val)
@@ -398,6 +411,8 @@ class Engine:
             # before this step samples (and after the last step that counted into these slots)
             if s.sampling.init is not None:
                 self.proc_state.apply_init(s.sampling.init)
+            if s.pool_cells is not None:  # a verify step's proposals, where its decode rows read their inputs
+                self.table.flat_pool.index_copy_(0, s.pool_cells, s.pool_tokens)
             if bs:
                 logits, next_tokens = self._replay(desc, bs, s)
                 scored = None
@@ -449,12 +464,13 @@ class Engine:
         self.inputs_free.record(self.stream)
         logits = self.model.compute_logits(hidden[batch.last_idx] if desc.is_prefill else hidden)
         sp = s.sampling
-        if s.spec is None:
+        verifies = desc.spec_lens is not None  # an extend step (not one run as decode rows)
+        if not verifies:
             sample_pos, rows = batch.seq_lens, desc.batch_size
         else:
             sample_pos, rows = s.spec.sample_pos, len(s.spec.rows)
         args = sp.args(sample_pos, rows)
-        if s.spec is not None:  # penalties count each sample's proposals before it, and the kept samples after
+        if verifies:  # penalties count each sample's proposals before it, and the kept samples after
             args.proposed = (s.spec.proposed_at, s.spec.proposed_token)
             args.verify = (s.spec.drafts, s.spec.rows, s.spec.row_start)
         next_tokens = self.sampler(logits, args, procs=sp.procs, filtered=sp.filtered)

@@ -1,0 +1,139 @@
+"""A verify step (speculative decoding) run as decode rows, one a sample, so that a decode CUDA graph
+replays it: each row's slot, length, KV location, input cell and sampling columns; the steps that
+stay extend steps (penalties counting proposals, prompt logprobs, prompt chunks, too many rows); and
+on an engine, the decode rows score and sample as the extend step does, and keep the same counts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from worker.batch import BatchDesc
+from worker.sampling.processors import ProcessorRows
+from worker.verify_rows import verify_as_decode
+
+POOL_ROW = 100
+
+
+def verify_desc(**over) -> BatchDesc:
+    """Two rows: slot 3 verifies proposals 40 and 41 after its input at position 7; slot 5 none."""
+    desc = BatchDesc(
+        True,
+        slots=np.array([3, 5], np.int32),
+        seq_lens=np.array([10, 7], np.int32),
+        extend_lens=np.array([3, 1], np.int32),
+        out_loc=np.array([100, 101, 102, 200], np.int32),
+        input_ids=np.array([-1, 40, 41, -1], np.int32),
+        temperature=np.array([0.0, 0.8], np.float32),
+        top_p=np.array([1.0, 0.9], np.float32),
+        top_k=np.array([-1, 5], np.int32),
+        seeds=np.array([11, 12], np.int64),
+        spec_lens=np.array([2, 0], np.int32),
+    )
+    return replace(desc, **over)
+
+
+def test_a_verify_step_becomes_one_decode_row_per_sample():
+    procs = ProcessorRows.idle(2, scratch_row=8)
+    v = verify_as_decode(verify_desc(procs=procs, min_p=np.array([0.0, 0.1], np.float32)), 8, POOL_ROW, 8)
+    d = v.desc
+    assert not d.is_prefill and d.input_ids is None and d.spec_lens is None
+    assert d.slots.tolist() == [3, 3, 3, 5]
+    assert d.seq_lens.tolist() == [8, 9, 10, 7]  # each sample sees its row's tokens up to its own
+    assert d.extend_lens.tolist() == [1] * 4 and d.out_loc.tolist() == [100, 101, 102, 200]
+    assert d.temperature.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.8]) and d.top_k.tolist() == [-1, -1, -1, 5]
+    assert d.seeds.tolist() == [11, 11, 11, 12] and d.min_p.tolist() == pytest.approx([0, 0, 0, 0.1])
+    assert d.procs.state_row.tolist() == [8] * 4
+    # the proposals go where the rows after them read their input (position p: cell slot * row + p)
+    assert v.pool_cells.tolist() == [3 * POOL_ROW + 8, 3 * POOL_ROW + 9] and v.pool_tokens.tolist() == [40, 41]
+    assert v.spec.rows.tolist() == [0, 0, 0, 1] and v.spec.drafts.tolist() == [40, 41, -1, -1]
+
+
+def test_a_verify_step_stays_an_extend_step_where_decode_rows_cannot_run_it():
+    counted = ProcessorRows.idle(2, scratch_row=8)
+    counted.state_row[0] = 3  # penalties count the proposals before each sample
+    assert verify_as_decode(verify_desc(procs=counted), 8, POOL_ROW, 8) is None
+    assert verify_as_decode(verify_desc(), 8, POOL_ROW, 3) is None  # four samples, three rows
+    assert verify_as_decode(verify_desc(plp_idx=np.array([0], np.int32)), 8, POOL_ROW, 8) is None
+    chunk = verify_desc(extend_lens=np.array([3, 4], np.int32), out_loc=np.arange(7, dtype=np.int32))
+    assert verify_as_decode(chunk, 8, POOL_ROW, 8) is None  # a prompt chunk beside the verify rows
+    assert verify_as_decode(replace(verify_desc(), spec_lens=None), 8, POOL_ROW, 8) is None
+
+
+def test_a_graph_replays_the_decode_rows_of_a_verify_step(qwen3_path):
+    from worker.config import EngineConfig
+    from worker.cuda_graph import _Bucket
+    from worker.engine import Engine
+    from worker.graph_io import IO, io_pads
+
+    engine = Engine(EngineConfig(str(qwen3_path), page_size=4, num_pages=64, max_running_reqs=8))
+    engine.graphs = SimpleNamespace(pad=io_pads(999, engine.table.scratch_cell))  # what _stage reads of it
+    row = engine.table.token_pool.shape[1]
+    v = verify_as_decode(verify_desc(), engine.proc_state.scratch_row, row, 8)
+    s = engine._stage(v.desc, 4, v)
+    io = torch.zeros(IO.nbytes(8), dtype=torch.uint8)
+    io[: s.graph_io.numel()].copy_(s.graph_io)
+    b = _Bucket(io, 4)
+    assert b.positions.tolist() == [7, 8, 9, 6]
+    assert b.token_read.tolist() == [3 * row + 7, 3 * row + 8, 3 * row + 9, 5 * row + 6]
+    assert b.token_write.tolist() == [3 * row + 8, 3 * row + 9, 3 * row + 10, 5 * row + 7]
+    assert b.out_loc.tolist() == [100, 101, 102, 200]
+    assert s.pool_cells.tolist() == [3 * row + 8, 3 * row + 9] and s.spec.row_start.tolist() == [0, 3]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_decode_rows_score_sample_and_keep_as_the_extend_step(qwen3_path, monkeypatch, temperature):
+    import worker.engine as engine_module
+    from worker.config import EngineConfig
+    from worker.engine import Engine
+
+    engine = Engine(EngineConfig(str(qwen3_path), page_size=4, num_pages=64, max_running_reqs=8))
+    prompts = {0: [5, 9, 14, 5, 9, 14, 5, 9], 2: [7, 21, 33, 48, 60]}
+    one = dict(
+        temperature=np.full(2, temperature, np.float32),
+        top_p=np.ones(2, np.float32),
+        top_k=np.full(2, -1, np.int32),
+        seeds=np.array([3, 4], np.int64),
+    )
+    # the prompts' KV at locations slot * 16 + position (pages of 4), their first samples in the pool
+    lens = np.array([len(p) for p in prompts.values()], np.int32)
+    locs = np.concatenate([s * 16 + np.arange(len(p)) for s, p in prompts.items()]).astype(np.int32)
+    ids = np.concatenate(list(prompts.values())).astype(np.int32)
+    slots = np.array(list(prompts), np.int32)
+    engine.forward(BatchDesc(True, slots, lens, lens, locs, ids, **one)).done.synchronize()
+    # slot 0 verifies three proposals, slot 2 one (their inputs are the samples in the pool)
+    drafts = [[9, 14, 5], [33]]
+    spec = np.array([len(d) for d in drafts], np.int32)
+    ext = spec + 1
+    verify = BatchDesc(
+        True,
+        slots,
+        lens + ext,
+        ext,
+        np.concatenate([s * 16 + np.arange(n, n + e) for s, n, e in zip(slots, lens, ext)]).astype(np.int32),
+        np.concatenate([[-1, *d] for d in drafts]).astype(np.int32),
+        top_logprobs=2,
+        spec_lens=spec,
+        **one,
+    )
+    pool = engine.table.token_pool.clone()
+
+    def run() -> tuple:
+        engine.table.token_pool.copy_(pool)
+        out = engine.forward(verify)
+        out.done.synchronize()
+        return out.next_tokens.clone(), out.num_new.clone(), out.logprobs.clone(), out.top_logprobs.clone()
+
+    ran = []
+    monkeypatch.setattr(engine_module, "verify_as_decode", lambda *a: ran.append(verify_as_decode(*a)) or ran[-1])
+    as_rows = run()
+    assert ran[0] is not None  # six samples, eight rows
+    monkeypatch.setattr(engine_module, "verify_as_decode", lambda *a: None)
+    as_extend = run()
+    assert torch.equal(as_rows[0], as_extend[0]) and torch.equal(as_rows[1], as_extend[1])
+    torch.testing.assert_close(as_rows[2], as_extend[2], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(as_rows[3], as_extend[3], rtol=1e-4, atol=1e-4)
