@@ -462,8 +462,9 @@ def test_on_gpu_greedy_with_speculation_equals_hf_in_float32(qwen3_path, method)
 
 @pytest.mark.gpu
 def test_on_gpu_a_draft_identical_to_the_model_verifies_with_flashinfer_in_bfloat16(tmp_path):
-    """FlashInfer's prefill kernels verify, its decode kernels (in CUDA graphs) draft: in bfloat16 the two
-    round differently, so near-ties may part; nearly every proposal must still be accepted."""
+    """FlashInfer's decode kernels verify (one row a proposed position; its prefill kernels where the
+    samples outnumber the rows) and draft, in batches of other sizes: in bfloat16 they round differently,
+    so near-ties may part; nearly every proposal must still be accepted."""
     from tiny_checkpoints import build_qwen3_hd128, random_prompts
 
     from worker.attention.flashinfer_backend import FlashInferBackend
