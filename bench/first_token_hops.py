@@ -50,18 +50,66 @@ def offline_ttft(model: str, requests: list, page_size: int, load_format: str | 
             emit(deltas)
 
         sched.on_output = stamped
+        marks = _timeline(sched)
         params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True, seed=len(p)) for p, m in requests]
         llm.generate([p for p, _ in requests[:8]], params[:8])  # warm-up
-        streamed, one = [], []
+        streamed, one, phases = [], [], []
         for (prompt, _), p in zip(requests, params):
             first.clear()
+            marks.clear()
             start = time.perf_counter()
             llm.generate([prompt], p)
             streamed.append(min(first.values()) - start)
+            phases.append(_phases(marks, start, min(first.values())))
             start = time.perf_counter()
             llm.generate([prompt], SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, seed=len(prompt)))
             one.append(time.perf_counter() - start)
-    return {"first_delta_ms": _mean_ms(streamed), "one_token_ms": _mean_ms(one)}
+    out = {"first_delta_ms": _mean_ms(streamed), "one_token_ms": _mean_ms(one)}
+    keys = dict.fromkeys(k for p in phases for k in p)  # a phase a generation lacked is left out of its mean
+    out["first_delta_phases_ms"] = {k: statistics.fmean(p[k] for p in phases if k in p) for k in keys}
+    return out
+
+
+def _timeline(sched) -> list[tuple[str, float, float]]:
+    """(what, start, end) of each step launch and each wait for a step's tokens, as the scheduler makes
+    them: wraps its launch and its executor's wait."""
+    marks: list[tuple[str, float, float]] = []
+    launch, wait = sched._launch, sched.executor.wait
+
+    def timed_launch(batch):
+        t = time.perf_counter()
+        try:
+            return launch(batch)
+        finally:
+            marks.append(("prefill" if batch.desc.is_prefill else "decode", t, time.perf_counter()))
+
+    def timed_wait(out):
+        t = time.perf_counter()
+        try:
+            return wait(out)
+        finally:
+            marks.append(("wait", t, time.perf_counter()))
+
+    sched._launch, sched.executor.wait = timed_launch, timed_wait
+    return marks
+
+
+def _phases(marks: list[tuple[str, float, float]], start: float, first: float) -> dict[str, float]:
+    """Where one streamed generation's time to its first delta went, in ms: up to its prefill's launch,
+    that launch, what came between it and the next step's launch, the next launch (under overlap it
+    comes before the prefill's tokens are handled), the wait for the prefill's tokens, and the rest."""
+    ms = 1e3
+    pre = next(m for m in marks if m[0] == "prefill")
+    nxt = next((m for m in marks if m[0] != "wait" and m[1] >= pre[2]), None)
+    waited = next((m for m in marks if m[0] == "wait" and m[1] >= pre[2]), None)
+    out = {"before_prefill_launch": (pre[1] - start) * ms, "prefill_launch": (pre[2] - pre[1]) * ms}
+    if nxt is not None and nxt[2] <= first:
+        out["until_next_launch"] = (nxt[1] - pre[2]) * ms
+        out["next_launch"] = (nxt[2] - nxt[1]) * ms
+    if waited is not None and waited[2] <= first:
+        out["prefill_wait"] = (waited[2] - waited[1]) * ms
+        out["after_wait"] = (first - waited[2]) * ms
+    return out
 
 
 def hop_sums(url: str) -> dict[str, tuple[float, float]]:
@@ -136,6 +184,8 @@ def main() -> None:
         print(
             f"offline TTFT: first delta {o['first_delta_ms']:.2f} ms, one-token generation {o['one_token_ms']:.2f} ms"
         )
+        for name, ms in o["first_delta_phases_ms"].items():
+            print(f"  offline {name:22} {ms:8.3f} ms")
     print(f"online TTFT (client, streamed, concurrency 1): {report['online_ttft_ms']:.2f} ms")
     for name, ms in report["hops_ms"].items():
         print(f"  {name:26} {ms:8.3f} ms")
