@@ -115,6 +115,13 @@ class SchedulerConfig:
         at_least=1,
         at_most=64,
     )
+    speculative_max_pause: int = setting(
+        32,
+        "a request whose proposals found nothing or were all rejected stops speculating for 2 decode "
+        "steps, then 4, 8 ... up to this many as that repeats (it decodes in the overlap loop meanwhile; "
+        "a proposal kept ends the pause); 0: it never stops",
+        at_least=0,
+    )
 
 
 @dataclass

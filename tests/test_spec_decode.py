@@ -30,7 +30,7 @@ REPEATING = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 2,
 ]
 PROMPTS = PROMPT_TEXTS + REPEATING
-SPEC = dict(speculative_method="ngram", num_speculative_tokens=3)
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_max_pause=0)  # every step looks up
 
 
 def draft_of(path, k: int = 4) -> dict:
@@ -212,6 +212,70 @@ def test_speculation_turns_off_and_on_as_the_batch_crosses_its_bound(qwen3_path,
         stats = llm.stats()
     assert stats.spec_decode_num_accepted_tokens > 0
     assert on == [hf_greedy(qwen3_path, [p], x.max_tokens, ignore_eos=True)[0] for p, x in zip(prompts, params)]
+
+
+def _backoff_speculator(max_pause: int):
+    from types import SimpleNamespace
+
+    from cluster.config import SchedulerConfig
+    from cluster.scheduler.spec_decode import Speculator
+
+    config = SchedulerConfig(speculative_method="ngram", num_speculative_tokens=3, speculative_max_pause=max_pause)
+    cache = SimpleNamespace(available=1000, extra_pages=lambda req, n: 0, trim=lambda req, n: None)
+    return Speculator(config, cache)
+
+
+def _speculating_req(ids: list[int]):
+    from cluster.scheduler.req import Req
+
+    req = Req(uid=1, input_ids=list(ids), params=SamplingParams(max_tokens=1000), max_device_len=2000, seed=0)
+    req.speculates = True
+    return req
+
+
+def test_a_request_whose_proposals_do_not_pay_backs_off_into_the_overlap_loop():
+    """Lookups that find nothing pause a request's speculation for 2, 4, 8 ... steps up to the bound,
+    during which it does not wait for its own results; a kept proposal ends the back-off, a step whose
+    proposals were all rejected starts it; a bound of 0 never pauses."""
+    from cluster.scheduler.decode import DecodeManager
+
+    spec, req = _backoff_speculator(8), _speculating_req([1, 2, 3, 4, 5])
+    waited = []
+    for step in range(40):
+        if DecodeManager._waits(req, speculating=True):
+            waited.append(step)
+        assert spec.propose([req]) is None
+        req.input_ids.append(100 + step)  # text that never repeats
+    assert waited == [0, 3, 8, 17, 26, 35]  # pauses of 2, 4, 8, then 8 (the bound)
+    req.spec_pause = 0
+    req.input_ids += [7, 8, 9, 7, 8]  # "7 8" recurs: "9 7 8" followed it
+    assert spec.propose([req]) == [[9, 7, 8]] and req.spec_misses == 6  # one a wait above
+    spec.accept(req, 3, 2)  # one proposal kept
+    assert (req.spec_misses, req.spec_pause) == (0, 0) and DecodeManager._waits(req, speculating=True)
+    spec.accept(req, 3, 1)  # all rejected
+    assert (req.spec_misses, req.spec_pause) == (1, 2) and not DecodeManager._waits(req, speculating=True)
+    never, plain = _backoff_speculator(0), _speculating_req(range(10, 20))
+    for _ in range(5):
+        assert never.propose([plain]) is None and plain.spec_pause == 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_outputs_with_speculation_backing_off_equal_those_without(qwen3_path, method, monkeypatch):
+    """The default back-off (sampled rows reject most proposals): seeded and greedy requests side by side
+    return what they do without speculation; requests backed off, and speculation still verified some."""
+    from cluster.scheduler.spec_decode import Speculator
+
+    missed, miss = [], Speculator._missed
+    monkeypatch.setattr(Speculator, "_missed", lambda self, req: missed.append(req.uid) or miss(self, req))
+    params = [
+        SamplingParams(max_tokens=24, temperature=1.0 if i % 2 else 0.0, seed=i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    spec = dict(spec_of(method, qwen3_path))
+    spec.pop("speculative_max_pause", None)
+    on, stats, prompts = generate(qwen3_path, PROMPTS, params, page_size=4, **spec)
+    off, _, _ = generate(qwen3_path, prompts, params, page_size=4)
+    assert on == off and stats.spec_decode_num_draft_tokens > 0 and missed
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])

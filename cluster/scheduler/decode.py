@@ -40,7 +40,7 @@ class DecodeManager:
         after making room. A constrained request whose last token is in flight waits for it (its grammar
         must see that token before its next mask can be built), and one whose proposals are being
         verified (its state is provisional until then); with `speculating`, every speculating one (its
-        next proposals follow from the tokens it keeps)."""
+        next proposals follow from the tokens it keeps) but those its back-off pauses."""
         decoding = [
             r
             for r in self.running.values()
@@ -51,7 +51,7 @@ class DecodeManager:
     @staticmethod
     def _waits(req: Req, speculating: bool) -> bool:
         """Whether req, if its last step is in flight, waits for its result before its next one."""
-        return req.matcher is not None or req.verifying or (speculating and req.speculates)
+        return req.matcher is not None or req.verifying or (speculating and req.speculates and not req.spec_pause)
 
     def _make_room(self, decoding: list[Req], in_flight: bool) -> list[Req]:
         """Preempts requests that have outgrown their reservation, the last in queue order first (the

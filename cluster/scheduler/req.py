@@ -31,6 +31,10 @@ class Req:
     matcher: object = None  # with params.grammar: its xgrammar matcher, once the grammar is compiled
     speculates: bool = False  # its decode steps may verify proposed tokens
     verifying: bool = False  # a step that verifies proposals for it is in flight: its state is provisional
+    # speculation's back-off: decode steps left in which it neither speculates nor waits for its own
+    # result (its proposals lately found nothing or were all rejected), and how many times in a row
+    spec_pause: int = 0
+    spec_misses: int = 0
     reserve_limit: int = 0  # pages its reservation covers, held and reserved together (set at admission)
     ended: bool = False
     # with params.prompt_logprobs: (logprob, top (id, logprob) pairs) of prompt positions 1.., as chunks are scored

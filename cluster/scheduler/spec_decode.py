@@ -10,7 +10,12 @@ one's proposals are cut where its grammar rejects one, and each of its samples i
 grammar's state after the proposals before it (Grammars.verify_masks); penalties count the proposals
 before each sample (worker/sampling/processors.py). Past speculative_max_batch, every request
 decodes in the overlap loop. At launch a verify row advances as if every proposal were kept; `accept`
-moves it back to what was and trims the pages of the rejected positions."""
+moves it back to what was and trims the pages of the rejected positions.
+
+Waiting costs the overlap: the host's work between two of the request's steps leaves the device idle.
+So a request whose proposals do not pay backs off: after a row whose lookup found nothing, or whose
+proposals were all rejected, it decodes in the overlap loop (not waiting, proposing nothing) for 2,
+4, 8 ... steps as such misses repeat, up to speculative_max_pause; a proposal kept ends the back-off."""
 
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ class Speculator:
         self.k, self.n_max = config.num_speculative_tokens, config.speculative_ngram_max
         self.max_step_tokens = config.max_extend_tokens
         self.max_batch = config.speculative_max_batch
+        self.max_pause = config.speculative_max_pause
         self.num_draft_tokens = 0  # proposed, over every verify step
         self.num_accepted_tokens = 0  # of them, kept
 
@@ -47,6 +53,9 @@ class Speculator:
             drafts = self.draft.propose(decoding, caps)
         else:
             drafts = [propose_ngram(r.input_ids, k, self.n_max) if k else [] for r, k in zip(decoding, caps)]
+        for req, k, d in zip(decoding, caps, drafts):
+            if k and not d:  # looked up, found nothing
+                self._missed(req)
         # a constrained row verifies only what its grammar allows: its proposals up to the first it rejects
         drafts = [self._grammatical(r, d) for r, d in zip(decoding, drafts)]
         return drafts if any(drafts) else None
@@ -69,6 +78,9 @@ class Speculator:
         caps = []
         for req in decoding:
             k = min(self.k, req.max_device_len - len(req.input_ids) - 1, tokens) if req.speculates else 0
+            if req.spec_pause:  # backing off: this step counts down its pause
+                req.spec_pause -= 1
+                k = 0
             if (out := len(req.input_ids) - req.prompt_len) < req.params.min_tokens:
                 # every sample of the row still short of min_tokens, as the row's stop-token ban says
                 k = min(k, req.params.min_tokens - out - 1)
@@ -93,6 +105,16 @@ class Speculator:
             self.draft.accept(req, num_new)
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_new - 1
+        if num_new > 1:
+            req.spec_misses = 0
+        else:
+            self._missed(req)
+
+    def _missed(self, req: Req) -> None:
+        """req's proposals found nothing or were all rejected: it pauses twice as long as the last time."""
+        if self.max_pause:
+            req.spec_misses += 1
+            req.spec_pause = min(2**req.spec_misses, self.max_pause)
 
     def release(self, req: Req) -> None:
         """req gave its pages and slot back (it ended or was preempted)."""
