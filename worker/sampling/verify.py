@@ -1,5 +1,6 @@
 """Verifying proposed tokens (speculative decoding) in one extend step: where each row samples, and
-which of its samples it keeps.
+which of its samples it keeps. (The engine runs such a step as decode rows, one a sample, where it can:
+worker/verify_rows.py.)
 
 A row with s proposals d_1..d_s computes s + 1 positions (its input, then the proposals) and samples
 at each: t_0..t_s, the target's own draws at those positions (the argmax, or the Gumbel-max draw keyed
