@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 _MASK32 = 0xFFFFFFFF
+U_MAX = 1.0 - 2.0**-24  # the largest float32 below 1: the Gumbel uniform's bound (see gumbel_noise)
 
 
 def _mix32(h: torch.Tensor) -> torch.Tensor:
@@ -37,11 +38,14 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """float32 [B, vocab]: Gumbel noise of token t in row b, from the hash of (keys[b], t). The uniform
-    has 24 bits, so it is exact in float32 and strictly inside (0, 1)."""
+    is (k + 0.5) / 2**24 for the hash's top 24 bits k, kept strictly inside (0, 1): in float32 the top
+    value 2**24 - 0.5 rounds to 2**24, a uniform of exactly 1 and noise of +inf, which made a token
+    masked to -inf (a grammar's, top-k's, min_tokens' ban) NaN and argmax's pick, and any other token
+    the draw whatever its probability. It is held at the largest float32 below 1 (noise 16.6)."""
     tokens = torch.arange(vocab, device=keys.device, dtype=torch.int64).unsqueeze(0)
     k = keys.unsqueeze(1)
     e = _mix32(_mix32(k ^ tokens) ^ k)
-    u = ((e >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    u = (((e >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)).clamp(max=U_MAX)
     return -torch.log(-torch.log(u))
 
 
