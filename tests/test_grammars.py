@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import jsonschema
 import numpy as np
@@ -215,3 +216,19 @@ def test_strings_bounded_by_max_length_parse_and_validate(qwen3_path):
         value = json.loads(out.text)
         jsonschema.validate(value, BOUNDED)
         assert out.text == json.dumps(value, ensure_ascii=False)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_that_only_ends_where_min_tokens_forbids_it_is_the_callers_error(qwen3_path, temperature):
+    """Three digits, then only EOS, which min_tokens 8 holds back: no output satisfies both. The request
+    fails as the caller's error naming min_tokens (never a stop short of min_tokens, nor a server
+    fault), and the engine serves on."""
+    from cluster.errors import ErrorKind, RaylmError
+
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=16, min_tokens=8)
+    with checked_llm(qwen3_path, page_size=4) as llm:
+        with pytest.raises(RaylmError) as failed:
+            llm.generate([[5, 6, 7]], replace(params, grammar=GrammarSpec("regex", "[0-9]{3}")))
+        assert failed.value.kind == ErrorKind.INVALID_REQUEST and "min_tokens (8)" in str(failed.value)
+        (free,) = llm.generate([[5, 6, 7]], params)
+    assert len(free.token_ids) >= 8

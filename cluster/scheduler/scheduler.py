@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+import numpy as np
+
 from cluster.config import SchedulerConfig
 from cluster.errors import ErrorKind, InvalidRequestError, RaylmError
-from cluster.limits import RequestLimits
+from cluster.limits import RequestLimits, held_back_ids
 from cluster.messages import (
     AbortRequest,
     AddRequest,
@@ -380,10 +382,11 @@ class Scheduler:
         req ended with it (or failed on it), so that no later sample of it counts."""
         # every token of a constrained request passes its matcher first, EOS included (the grammar
         # must be complete for it): one the grammar rejects fails the request, and never reaches it
-        if req.matcher is not None and not req.matcher.accept_token(token):
-            log.error("request %d: its grammar rejected token %d", req.uid, token)
+        if req.matcher is not None and (self._held_back(req, token) or not req.matcher.accept_token(token)):
+            kind, why = self._grammar_failure(req, token)
+            log.error("request %d: %s", req.uid, why)
             self._end(req, "error")
-            deltas.append(TokenDelta.failure(req.uid, ErrorKind.ENGINE, _rejected(req, token)))
+            deltas.append(TokenDelta.failure(req.uid, kind, why))
             return True
         req.input_ids.append(token)
         req.first_token = req.first_token or now
@@ -468,6 +471,26 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Raises IntegrityError unless every KV page is free, prefix-cached or held by a live request."""
         self.cache.check_integrity([r for r in self.reqs.values() if r.slot >= 0])
+
+    def _held_back(self, req: Req, token: int) -> bool:
+        """A token min_tokens holds back, sampled short of min_tokens: the step's mask left nothing else
+        (every token at -inf draws token 0)."""
+        return len(req.output_ids) < req.params.min_tokens and token in held_back_ids(req.params, self.eos_ids)
+
+    def _grammar_failure(self, req: Req, token: int) -> tuple[ErrorKind, str]:
+        """Why a constrained request cannot take `token`: where its grammar allows only tokens that its
+        min_tokens holds back, no output satisfies both (the caller's to change); else a server fault."""
+        p = req.params
+        if len(req.output_ids) < p.min_tokens:
+            bits = np.unpackbits(self.grammars.masks([req.matcher])[0].view(np.uint8), bitorder="little")
+            allowed = set(np.flatnonzero(bits[: self.grammars.vocab_size]).tolist())
+            if allowed <= set(held_back_ids(p, self.eos_ids)):
+                return ErrorKind.INVALID_REQUEST, (
+                    f"the request's {p.grammar.kind} grammar allows only a stop token after "
+                    f"{len(req.output_ids)} output tokens, which min_tokens ({p.min_tokens}) holds back: "
+                    "no output satisfies both; lower min_tokens or let the grammar go on"
+                )
+        return ErrorKind.ENGINE, _rejected(req, token)
 
 
 def _rejected(req: Req, token: int) -> str:
