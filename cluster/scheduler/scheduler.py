@@ -475,7 +475,8 @@ class Scheduler:
     def _held_back(self, req: Req, token: int) -> bool:
         """A token min_tokens holds back, sampled short of min_tokens: the step's mask left nothing else
         (every token at -inf draws token 0)."""
-        return len(req.output_ids) < req.params.min_tokens and token in held_back_ids(req.params, self.eos_ids)
+        short = len(req.input_ids) - req.prompt_len < req.params.min_tokens
+        return short and token in held_back_ids(req.params, self.eos_ids)
 
     def _grammar_failure(self, req: Req, token: int) -> tuple[ErrorKind, str]:
         """Why a constrained request cannot take `token`: where its grammar allows only tokens that its
