@@ -70,7 +70,7 @@ class SamplingParams:
 
         need(self.temperature >= 0, "temperature", "must be >= 0")
         need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        need(self.top_k >= -1, "top_k", "must be -1 (off) or positive")
+        need(-1 <= self.top_k < 2**31, "top_k", "must be -1 (off) or positive, below 2**31")
         need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         need(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1")
         need(self.min_tokens >= 0, "min_tokens", "must be >= 0")

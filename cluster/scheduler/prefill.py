@@ -44,6 +44,8 @@ class PrefillManager:
         self.queued_tokens += req.fill_len
 
     def remove(self, req: Req) -> None:
+        if req not in self.waiting:  # chosen for a prefill step that was never built
+            return
         self.waiting.remove(req)
         self.queued_tokens -= req.fill_len
 

@@ -482,9 +482,14 @@ class Scheduler:
         """Why a constrained request cannot take `token`: where its grammar allows only tokens that its
         min_tokens holds back, no output satisfies both (the caller's to change); else a server fault."""
         p = req.params
+        bits = np.unpackbits(self.grammars.masks([req.matcher])[0].view(np.uint8), bitorder="little")
+        allowed = set(np.flatnonzero(bits[: self.grammars.vocab_size]).tolist())
+        if not allowed:
+            return ErrorKind.INVALID_REQUEST, (
+                f"the request's {p.grammar.kind} grammar allows no token after {len(req.output_ids)} output "
+                "tokens: no output follows it (a grammar or regular expression that matches nothing)"
+            )
         if len(req.output_ids) < p.min_tokens:
-            bits = np.unpackbits(self.grammars.masks([req.matcher])[0].view(np.uint8), bitorder="little")
-            allowed = set(np.flatnonzero(bits[: self.grammars.vocab_size]).tolist())
             if allowed <= set(held_back_ids(p, self.eos_ids)):
                 return ErrorKind.INVALID_REQUEST, (
                     f"the request's {p.grammar.kind} grammar allows only a stop token after "

@@ -86,6 +86,7 @@ def _given(req: SamplingFields, name: str) -> bool:
 
 def json_schema_grammar(schema: Any, field: str) -> GrammarSpec:
     check_json_schema(schema, field)
+    check_enforceable(schema, field)
     return checked(GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False)), field)
 
 
@@ -102,6 +103,46 @@ def check_json_schema(schema: Any, field: str, what: str = "the schema") -> None
             f"{field}: {what} is not a valid JSON Schema{f' at {where}' if where else ''}: {e.message}",
             param=field,
         ) from e
+
+
+def check_enforceable(schema: Any, field: str, what: str = "the schema") -> None:
+    """A 400 naming `field` where a schema that an output must follow uses a keyword the grammar would
+    not enforce (the output could break it and still end with "stop")."""
+    if (keyword := _unenforced(schema)) is not None:
+        raise APIError(
+            400, f"{field}: {what} uses {keyword}, which this server cannot enforce while generating", param=field
+        )
+
+
+# keywords xgrammar 0.2.9 compiles without enforcing (an output may break them and still end with "stop"),
+# and allOf of several schemas (it does not merge them). oneOf is generated as anyOf: the two differ only
+# where branches overlap, which a discriminated union (pydantic's oneOf) never does
+_UNENFORCED = ("not", "contains", "dependentRequired", "dependentSchemas", "if", "then", "else", "uniqueItems")
+
+
+def _unenforced(schema: Any, where: str = "") -> str | None:
+    """The path of the first keyword the grammar would not enforce."""
+    if isinstance(schema, list):
+        for i, s in enumerate(schema):
+            if (bad := _unenforced(s, f"{where}/{i}")) is not None:
+                return bad
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key in _UNENFORCED and not (key == "uniqueItems" and value is False):
+            return f"{where}/{key}".lstrip("/")
+        if key == "allOf" and isinstance(value, list) and len(value) > 1:
+            return f"{where}/{key}".lstrip("/")
+        if key in ("const", "enum", "default", "examples"):
+            continue
+        if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
+            for name, sub in value.items():  # names, not keywords
+                if (bad := _unenforced(sub, f"{where}/{key}/{name}")) is not None:
+                    return bad
+            continue
+        if isinstance(value, (dict, list)) and (bad := _unenforced(value, f"{where}/{key}")) is not None:
+            return bad
+    return None
 
 
 def choice_grammar(choices: list[str], field: str = "guided_choice") -> str:

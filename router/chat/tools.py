@@ -12,7 +12,7 @@ from typing import Literal
 import xgrammar
 
 from cluster import GrammarSpec
-from router.chat.structured import check_json_schema, checked
+from router.chat.structured import check_enforceable, check_json_schema, checked
 from router.http.errors import APIError
 from router.http.protocol import ChatCompletionRequest, NamedToolChoice
 
@@ -41,13 +41,16 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     if len(set(names)) < len(names):
         twice = next(n for n in names if names.count(n) > 1)
         raise APIError(400, f"tools: two functions are named {twice!r}", param="tools")
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
     for tool in tools:
         params = tool.function.parameters
         if params is not None:
             what = f"the parameters of function {tool.function.name!r}"
             check_json_schema(params, "tools", what)
+            named = isinstance(choice, NamedToolChoice)
+            if forced and (not named or choice.function.name == tool.function.name):
+                check_enforceable(params, "tools", what)  # a grammar makes the calls' arguments follow them
             checked(GrammarSpec("json_schema", json.dumps(params, ensure_ascii=False)), "tools")
-    forced = choice == "required" or isinstance(choice, NamedToolChoice)
     if forced and not tools:
         raise APIError(400, "tool_choice asks for a tool call, but the request lists no tools", param="tool_choice")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:

@@ -204,7 +204,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
 
 def _extras(body: SamplingFields) -> Extras:
     """The request's vLLM additions to its response (a 400 for prompt_logprobs in a stream, as vLLM's)."""
-    options = body.stream_options or {}
+    options = body.stream_options
     if body.prompt_logprobs is not None and body.stream:
         raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
     return Extras(
@@ -212,7 +212,9 @@ def _extras(body: SamplingFields) -> Extras:
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
         prompt_logprobs=body.prompt_logprobs,
         # vLLM's include_usage defaults to true where stream_options are sent
-        continuous_usage=options.get("continuous_usage_stats") is True and options.get("include_usage") is not False,
+        continuous_usage=options is not None
+        and options.continuous_usage_stats is True
+        and options.include_usage is not False,
         skip_special_tokens=body.skip_special_tokens,
     )
 

@@ -46,7 +46,7 @@ def chat_request(fields: dict) -> ChatCompletionRequest:
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise APIError(400, f"{where}: {first['msg'].removeprefix('Value error, ')}") from e
+        raise APIError(400, f"{where}: {first['msg'].removeprefix('Value error, ')}", param=where or None) from e
 
 
 def prompt_ids(state: RouterState, req: ChatCompletionRequest) -> list[int]:

@@ -145,12 +145,21 @@ def _attr(name: str) -> str:
     return "json_" if name == "json" else name
 
 
+class StreamOptions(BaseModel):
+    """stream_options, typed: a string "false" is a 400, not a true value."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
 class SamplingFields(APIRequest):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=100)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # the sampler's int32; >= vocab: off
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # any 64-bit integer, as vLLM's (-1 included)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -165,7 +174,7 @@ class SamplingFields(APIRequest):
     logit_bias: dict[str, float] | None = None  # token id (a decimal string, as JSON keys are) -> bias
     n: int | None = None
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     # structured outputs (router/chat/structured.py): OpenAI's response_format, or one of vLLM's fields
     response_format: ResponseFormat | None = None
     guided_json: Any = None  # a JSON Schema, or its JSON text (checked in router/chat/structured.py)
@@ -191,7 +200,7 @@ class SamplingFields(APIRequest):
 
     @field_validator("stream_options")
     @classmethod
-    def _options_of_a_stream(cls, v: dict | None, info: ValidationInfo) -> dict | None:
+    def _options_of_a_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
         if v is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
         return v
@@ -263,6 +272,13 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     echo: bool | None = None  # declared so that a refusal names it: echo is a completions field
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):  # OpenAI's and vLLM's 400, rather than none returned
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
 
     @field_validator("echo")
     @classmethod

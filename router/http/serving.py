@@ -111,8 +111,8 @@ async def serve(
     received = request.scope.get(RECEIVED, now)
     sent = _send(state, runs, body, (received, parsed, now if parsed is not None else None))
     prompt_tokens = sum(len(r.ids) for r in runs)
-    options = body.stream_options or {}
-    include_usage = bool(options.get("include_usage")) or fmt.extras.continuous_usage
+    options = body.stream_options
+    include_usage = bool(options is not None and options.include_usage) or fmt.extras.continuous_usage
     generations = [s.generation for s in sent]
     pieces = generations[0] if len(sent) == 1 else MergedGenerations(generations, fmt.n)
     for _ in sent:

@@ -6,11 +6,20 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value):
+        from router.http.protocol import _bad_text
+
+        if _bad_text(value, "") is not None:
+            raise ValueError("holds a string that is not valid Unicode (a lone surrogate)")
+        return value
 
 
 class Message(_Strict):
@@ -50,7 +59,19 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=1)
+    top_k: int | None = Field(default=None, ge=1, le=2**31 - 1)
     stream: bool = False
     metadata: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None  # the chat API's, as on /v1/responses
+    # Anthropic's fields that would change the result and that this server does not serve (structured
+    # outputs, MCP servers): declared so that each is a 400 naming it, never ignored
+    output_format: Any = None
+    output_config: Any = None
+    mcp_servers: Any = None
+
+    @field_validator("output_format", "output_config", "mcp_servers")
+    @classmethod
+    def _not_served(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("is not supported by this server")
+        return value

@@ -24,12 +24,15 @@ FIELD_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", 
 async def _parsed(request: Request, model: type[BaseModel]):
     try:
         return model.model_validate(json.loads(await request.body()))
+    except RecursionError as e:
+        raise APIError(400, "the body is not JSON this server reads: it is nested too deeply") from e
     except ValueError as e:
         if not isinstance(e, ValidationError):
             raise APIError(400, f"the body is not JSON: {e}") from e
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise APIError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from e
+        msg = first["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{where}: {msg}" if where else msg, param=where or None) from e
 
 
 async def create_message(state: RouterState, request: Request):

@@ -22,6 +22,15 @@ REFUSED: dict[str, tuple] = {
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value):
+        from router.http.protocol import _bad_text
+
+        if _bad_text(value, "") is not None:
+            raise ValueError("holds a string that is not valid Unicode (a lone surrogate)")
+        return value
+
 
 class InputText(_Strict):
     """A text part of an input message (input_text; output_text in an assistant's earlier turn)."""

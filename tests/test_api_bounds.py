@@ -1,0 +1,109 @@
+"""Input at the API's bounds, as a fuzzer sent it: each is a 400 naming its field (Anthropic's error
+shape on /v1/messages), never a 5xx, and the server serves on. A top_k past int32 used to take the
+replica down; a grammar that matches nothing was a server fault; typed stream_options; top_logprobs
+without logprobs; JSON nested past the parser's depth and lone surrogates on the Messages and Responses
+routes; schema keywords a grammar would not enforce, refused only where a grammar applies; Anthropic's
+fields this server does not serve."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from helpers import serving
+
+C, CHAT, RESPONSES, MESSAGES = "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"
+USER = [{"role": "user", "content": "Hi"}]
+BODIES = {
+    C: {"model": "tiny", "prompt": "Hello", "max_tokens": 2},
+    CHAT: {"model": "tiny", "messages": USER, "max_tokens": 2},
+    RESPONSES: {"model": "tiny", "input": "Hi", "max_output_tokens": 2},
+    MESSAGES: {"model": "tiny", "messages": USER, "max_tokens": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def srv(ray_cluster, qwen3_path):
+    with serving(qwen3_path, num_pages=256, max_running_reqs=8, page_size=4) as server:
+        yield server
+
+
+def post(srv, path: str, body: dict | bytes) -> httpx.Response:
+    if isinstance(body, bytes):
+        headers = {"content-type": "application/json"}
+        return httpx.post(srv.url + path, content=body, headers=headers, timeout=60)
+    return httpx.post(srv.url + path, json=body, timeout=60)
+
+
+def refused(r: httpx.Response, path: str) -> dict:
+    """The 400's error object (OpenAI's, or Anthropic's on /v1/messages)."""
+    assert r.status_code == 400, r.text
+    body = r.json()
+    if path == MESSAGES:
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    return body["error"]
+
+
+def serves(srv) -> None:
+    assert post(srv, C, BODIES[C]).status_code == 200
+
+
+@pytest.mark.parametrize("path", [C, CHAT, RESPONSES, MESSAGES])
+def test_a_top_k_past_int32_is_a_400_and_the_replica_serves_on(srv, path):
+    error = refused(post(srv, path, {**BODIES[path], "top_k": 2**31}), path)
+    assert "top_k" in error["message"] and (path == MESSAGES or error["param"] == "top_k"), error
+    serves(srv)
+
+
+def test_a_grammar_that_matches_nothing_is_the_callers_error(srv):
+    body = {**BODIES[C], "structured_outputs": {"regex": "[^\\s\\S]"}}
+    r = post(srv, C, body)
+    assert r.status_code == 400, r.text
+    assert "allows no token" in r.json()["error"]["message"]
+    serves(srv)
+
+
+def test_stream_options_are_typed(srv):
+    body = {**BODIES[CHAT], "stream": True, "stream_options": {"include_usage": "false"}}
+    assert refused(post(srv, CHAT, body), CHAT)["param"].startswith("stream_options")
+
+
+def test_top_logprobs_without_logprobs_is_a_400(srv):
+    assert refused(post(srv, CHAT, {**BODIES[CHAT], "top_logprobs": 3}), CHAT)["param"] == "top_logprobs"
+
+
+@pytest.mark.parametrize("path", [MESSAGES, "/v1/messages/count_tokens", RESPONSES])
+def test_deep_json_and_lone_surrogates_are_400s_on_every_route(srv, path):
+    kind = MESSAGES if path.startswith(MESSAGES) else path
+    refused(post(srv, path, b"[" * 3000 + b"]" * 3000), kind)
+    raw = json.dumps({**BODIES[RESPONSES if path == RESPONSES else MESSAGES], "model": "@"}).replace("@", "\\ud800")
+    refused(post(srv, path, raw.encode()), kind)
+    serves(srv)
+
+
+SET_OF_TAGS = {
+    "type": "object",
+    "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+}
+
+
+def test_schema_keywords_a_grammar_would_not_enforce_are_refused_where_a_grammar_applies(srv):
+    schema = {"type": "json_schema", "json_schema": {"name": "t", "schema": SET_OF_TAGS}}
+    error = refused(post(srv, CHAT, {**BODIES[CHAT], "response_format": schema}), CHAT)
+    assert error["param"] == "response_format" and "properties/tags/uniqueItems" in error["message"]
+    both = {"allOf": [{"type": "object"}, {"required": ["a"]}]}
+    assert refused(post(srv, CHAT, {**BODIES[CHAT], "guided_json": both}), CHAT)["param"] == "guided_json"
+    union = {"oneOf": [{"type": "integer"}, {"type": "string"}]}  # generated as anyOf: served
+    assert post(srv, CHAT, {**BODIES[CHAT], "guided_json": union}).status_code == 200
+    tool = {"type": "function", "function": {"name": "tag", "parameters": SET_OF_TAGS}}
+    # a tool's parameters are only rendered for the model to read unless a call is forced
+    assert post(srv, CHAT, {**BODIES[CHAT], "tools": [tool]}).status_code == 200
+    forced = {**BODIES[CHAT], "tools": [tool], "tool_choice": "required"}
+    assert refused(post(srv, CHAT, forced), CHAT)["param"] == "tools"
+
+
+@pytest.mark.parametrize("field", ["output_format", "output_config", "mcp_servers"])
+def test_anthropic_fields_this_server_does_not_serve_are_400s_naming_them(srv, field):
+    value = [] if field == "mcp_servers" else {"format": {"type": "json_schema", "schema": {"type": "object"}}}
+    assert field in refused(post(srv, MESSAGES, {**BODIES[MESSAGES], field: value}), MESSAGES)["message"]
