@@ -246,6 +246,48 @@ def test_seeded_sampling_is_the_same_with_and_without_preemption(qwen3_path):
     assert results[2048] == results[96]
 
 
+def test_prompt_logprobs_survive_a_preemption_while_the_last_prompt_chunk_is_in_flight(qwen3_path):
+    """Under overlap a request decodes (and may be preempted) as soon as its last prompt chunk launches;
+    that chunk's scores are then dropped with the step's result, and the recompute scores the whole
+    prompt again: every position's logprob comes back, as without the preemption."""
+    prompts = [[193, 65, 99, 23, 44, 71, 127], [108, 206, 329, 16, 236, 250, 233, 200, 254, 294]]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, prompt_logprobs=1) for m in (7, 10)]
+    with checked_llm(qwen3_path) as llm:
+        want = llm.generate(prompts, params)
+    tight = dict(page_size=4, num_pages=5, decode_reserve_tokens=1, max_extend_tokens=6, overlap=True)
+    with checked_llm(qwen3_path, **tight) as llm:
+        got = llm.generate(prompts, params)
+        assert llm.stats().preempted > 0
+    for w, g, prompt in zip(want, got, prompts):
+        assert len(g.prompt_logprobs) == len(prompt) - 1 and g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert [e for e, _ in g.prompt_logprobs] == pytest.approx([e for e, _ in w.prompt_logprobs], abs=1e-4)
+
+
+def test_two_requests_admitted_into_each_others_last_page_do_not_preempt_each_other_forever(qwen3_path):
+    """With no decode reserve, a request whose prompt ends in a step needs a page beyond its reservation
+    for its first decode: a request admitted beside it leaves that page free. Else each preempted the
+    other with its first token in flight, in turn, and neither ever got a token."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 360) for _ in range(n)] for n in (26, 21)]
+    params = [greedy(24, ignore_eos=True), greedy(5, ignore_eos=True)]
+    tight = dict(page_size=1, num_pages=51, decode_reserve_tokens=0, max_extend_tokens=9, cache_type="naive")
+    with checked_llm(qwen3_path, max_seq_len=64, overlap=True, **tight) as llm:
+        sched, launches = llm.scheduler, []
+        launch = sched.executor.launch
+
+        def bounded(desc):  # a livelock ends the test instead of hanging it: every request aborted
+            launches.append(desc.is_prefill)
+            if len(launches) == 500:
+                for uid in list(sched.reqs):
+                    sched.abort(uid)
+            return launch(desc)
+
+        sched.executor.launch = bounded
+        outs = [o.token_ids for o in llm.generate(prompts, params)]
+        assert len(launches) < 500
+    assert outs == [hf_greedy(qwen3_path, [p], x.max_tokens, ignore_eos=True)[0] for p, x in zip(prompts, params)]
+
+
 def test_a_request_within_its_reservation_is_never_preempted(qwen3_path):
     with checked_llm(qwen3_path, page_size=4, num_pages=64, decode_reserve_tokens=8) as llm:
         preempted = _record_preemptions(llm)

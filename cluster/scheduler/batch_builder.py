@@ -68,7 +68,7 @@ class BatchBuilder:
                 self.rewrite_slots[req.slot] = req
             if start == req.prefix_hit_len and req.params.uses_processors:
                 inits.append(self._init(req))
-            if req.params.prompt_logprobs is not None and not req.num_preempted:
+            if req.scores_prompt:
                 # position p scores prompt token p + 1; the prompt's last position samples instead
                 upto = min(end, req.prompt_len - 1)
                 if upto > start:

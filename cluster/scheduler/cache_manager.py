@@ -46,7 +46,7 @@ class CacheManager:
         ps = self.page_size
         # at least one token must be computed to sample from; a prompt to score is computed whole
         limit = (req.fill_len - 1) // ps * ps
-        if req.params.prompt_logprobs is not None and not req.num_preempted:
+        if req.scores_prompt:
             limit = 0
         handle, pages = self.prefix_cache.match(req.input_ids[:limit])
         self.prefix_cache.lock(handle)

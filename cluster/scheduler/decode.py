@@ -87,5 +87,7 @@ class DecodeManager:
         req.fill_len = req.device_len = len(req.input_ids)
         req.num_preempted += 1
         self.num_preempted += 1
+        if req.scores_prompt:  # its last chunk's scores were in flight, dropped: the recompute scores it all
+            req.prompt_logprobs = []
         self.prefill.add(req)
         log.debug("preempted request %d at %d tokens", req.uid, req.fill_len)

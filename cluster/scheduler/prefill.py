@@ -76,6 +76,11 @@ class PrefillManager:
                     self.waiting.insert(0, req)
                 break
             whole.add(req)
+            # its prompt ends in this step: its first decode needs a page beyond its reservation (none with
+            # decode_reserve_tokens 0) that a request admitted after it must leave free, or that decode
+            # preempts it with its first token in flight, and the two can take turns forever
+            if req.fill_len + 1 < req.max_device_len and self.cache.pages_for(req.fill_len + 1) > req.reserve_limit:
+                headroom += 1
         if whole:
             self.queued_tokens -= sum(req.fill_len for req in whole)
             self.waiting = [req for req in self.waiting if req not in whole]

@@ -56,6 +56,13 @@ class Req:
         return self.input_ids[self.prompt_len :]
 
     @property
+    def scores_prompt(self) -> bool:
+        """Its prompt logprobs are still to be computed: asked for and not sent yet (they go with its first
+        token). A request preempted before its first token reached the host (its last prompt chunk in
+        flight, whose scores were dropped with that step's result) scores its whole prompt again."""
+        return self.params.prompt_logprobs is not None and len(self.input_ids) == self.prompt_len
+
+    @property
     def extend_len(self) -> int:
         """Tokens still to prefill."""
         return self.fill_len - self.cached_len
