@@ -166,14 +166,21 @@ def test_every_stream_of_a_killed_replica_completes_with_the_tokens_of_an_undist
 
 def test_a_drain_with_streams_in_flight_moves_them_and_cuts_nothing(pair, undisturbed):
     _wait_until_healthy(pair)
-    before = _migrations(pair, "drained")
-    try:
-        streams, had = run_streams(pair, [_body(i) for i in range(STREAMS)], lambda: pair.drain_replica(1))
-        assert pair.state.clients[1].load == 0  # nothing of this router is left on the drained replica
-    finally:
-        pair.state.clients[1].undrain()
-    _check_whole(streams, undisturbed)
-    assert had > 0 and _migrations(pair, "drained") - before == had  # each stream it had moved
+    # the drain comes once every client has read a few tokens; on a loaded host the replicas may have
+    # generated every token by then (the rest waiting in the sockets): a drain with nothing left to move
+    # tests nothing, so the run is made again
+    for _ in range(3):
+        before = _migrations(pair, "drained")
+        try:
+            streams, had = run_streams(pair, [_body(i) for i in range(STREAMS)], lambda: pair.drain_replica(1))
+            assert pair.state.clients[1].load == 0  # nothing of this router is left on the drained replica
+        finally:
+            pair.state.clients[1].undrain()
+        _check_whole(streams, undisturbed)
+        assert _migrations(pair, "drained") - before == had  # each stream it had moved
+        if had > 0:
+            break
+    assert had > 0, "every stream had ended before the drain, three times"
     for replica in pair.replicas:
         ray.get(replica.actor.check_integrity.remote())
 
