@@ -76,9 +76,11 @@ def test_top_logprobs_without_logprobs_is_a_400(srv):
 @pytest.mark.parametrize("path", [MESSAGES, "/v1/messages/count_tokens", RESPONSES])
 def test_deep_json_and_lone_surrogates_are_400s_on_every_route(srv, path):
     kind = MESSAGES if path.startswith(MESSAGES) else path
-    refused(post(srv, path, b"[" * 3000 + b"]" * 3000), kind)
+    deep = refused(post(srv, path, b"[" * 3000 + b"]" * 3000), kind)
+    assert deep["type"] == "invalid_request_error" and deep["message"], deep
     raw = json.dumps({**BODIES[RESPONSES if path == RESPONSES else MESSAGES], "model": "@"}).replace("@", "\\ud800")
-    refused(post(srv, path, raw.encode()), kind)
+    surrogate = refused(post(srv, path, raw.encode()), kind)
+    assert "Unicode" in surrogate["message"] and "model" in surrogate["message"], surrogate
     serves(srv)
 
 

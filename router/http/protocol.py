@@ -38,6 +38,13 @@ def _bad_text(value: Any, where: str) -> str | None:
     return None
 
 
+def valid_unicode(value: Any) -> Any:
+    """value, unless it holds a string that is not valid Unicode (a ValueError, for a field validator)."""
+    if _bad_text(value, "") is not None:
+        raise ValueError("holds a string that is not valid Unicode (a lone surrogate)")
+    return value
+
+
 class APIRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     refused: ClassVar[dict[str, tuple]] = UNSUPPORTED_FIELDS
@@ -61,9 +68,7 @@ class APIRequest(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
-        if _bad_text(value, "") is not None:
-            raise ValueError("holds a string that is not valid Unicode (a lone surrogate)")
-        return value
+        return valid_unicode(value)
 
     @field_validator(*REFUSABLE, check_fields=False)
     @classmethod

@@ -8,18 +8,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from router.http.protocol import valid_unicode
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     @field_validator("*", mode="before")
     @classmethod
-    def _valid_unicode(cls, value):
-        from router.http.protocol import _bad_text
-
-        if _bad_text(value, "") is not None:
-            raise ValueError("holds a string that is not valid Unicode (a lone surrogate)")
-        return value
+    def _valid_unicode(cls, value: Any) -> Any:
+        return valid_unicode(value)
 
 
 class Message(_Strict):

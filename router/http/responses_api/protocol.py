@@ -8,6 +8,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from router.http.protocol import valid_unicode
+
 # field -> the values that leave a request's meaning unchanged (what a client sends as the default)
 REFUSED: dict[str, tuple] = {
     "background": (None, False),
@@ -24,12 +26,8 @@ class _Strict(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _valid_unicode(cls, value):
-        from router.http.protocol import _bad_text
-
-        if _bad_text(value, "") is not None:
-            raise ValueError("holds a string that is not valid Unicode (a lone surrogate)")
-        return value
+    def _valid_unicode(cls, value: Any) -> Any:
+        return valid_unicode(value)
 
 
 class InputText(_Strict):
