@@ -49,7 +49,7 @@ def verify_as_decode(desc: BatchDesc, scratch_row: int, pool_row: int, max_rows:
     spec = spec_rows(desc.spec_lens, desc.seq_lens, ends, desc.input_ids)
     rows = spec.rows
     slots = desc.slots[rows]
-    # every token is sampled after: sample i is token i of the step
+    # every token is sampled after, so sample i is token i of the step (its out_loc too)
     given = desc.input_ids >= 0
     cells = slots.astype(np.int64) * pool_row + spec.sample_pos - 1
     decode = replace(
@@ -58,7 +58,6 @@ def verify_as_decode(desc: BatchDesc, scratch_row: int, pool_row: int, max_rows:
         slots=slots,
         seq_lens=spec.sample_pos.astype(np.int32),
         extend_lens=np.ones(len(rows), dtype=np.int32),
-        out_loc=desc.out_loc,
         input_ids=None,
         temperature=desc.temperature[rows],
         top_p=desc.top_p[rows],

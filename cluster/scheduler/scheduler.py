@@ -479,8 +479,8 @@ class Scheduler:
         return short and token in held_back_ids(req.params, self.eos_ids)
 
     def _grammar_failure(self, req: Req, token: int) -> tuple[ErrorKind, str]:
-        """Why a constrained request cannot take `token`: where its grammar allows only tokens that its
-        min_tokens holds back, no output satisfies both (the caller's to change); else a server fault."""
+        """Why a constrained request cannot take `token`: where its grammar allows no token, or only tokens
+        that its min_tokens holds back, no output follows (the caller's to change); else a server fault."""
         p = req.params
         bits = np.unpackbits(self.grammars.masks([req.matcher])[0].view(np.uint8), bitorder="little")
         allowed = set(np.flatnonzero(bits[: self.grammars.vocab_size]).tolist())
@@ -489,13 +489,12 @@ class Scheduler:
                 f"the request's {p.grammar.kind} grammar allows no token after {len(req.output_ids)} output "
                 "tokens: no output follows it (a grammar or regular expression that matches nothing)"
             )
-        if len(req.output_ids) < p.min_tokens:
-            if allowed <= set(held_back_ids(p, self.eos_ids)):
-                return ErrorKind.INVALID_REQUEST, (
-                    f"the request's {p.grammar.kind} grammar allows only a stop token after "
-                    f"{len(req.output_ids)} output tokens, which min_tokens ({p.min_tokens}) holds back: "
-                    "no output satisfies both; lower min_tokens or let the grammar go on"
-                )
+        if len(req.output_ids) < p.min_tokens and allowed <= set(held_back_ids(p, self.eos_ids)):
+            return ErrorKind.INVALID_REQUEST, (
+                f"the request's {p.grammar.kind} grammar allows only a stop token after "
+                f"{len(req.output_ids)} output tokens, which min_tokens ({p.min_tokens}) holds back: "
+                "no output satisfies both; lower min_tokens or let the grammar go on"
+            )
         return ErrorKind.ENGINE, _rejected(req, token)
 
 
