@@ -161,6 +161,12 @@ class ReplicaConfig:
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
 
+    @property
+    def rank0_engine(self) -> EngineConfig:
+        """Rank 0's engine settings: the engine's, and the draft model it holds beside it (speculative
+        decoding), which its memory budget counts."""
+        return replace(self.engine, draft_model=self.scheduler.speculative_model)
+
     def override(self: C, **values: Any) -> C:
         """A copy with the given settings (flat names) set, each value checked."""
         known = settings(type(self))

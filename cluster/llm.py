@@ -80,7 +80,7 @@ class LLM:
             ensure_ray()
             self.replica = ReplicaHandle(self.config)
             return
-        self.engine = Engine(self.config.engine)
+        self.engine = Engine(self.config.rank0_engine)
         self.executor = LocalExecutor(self.engine)
         self.scheduler = build_scheduler(
             self.config, self.engine, self.executor, self.tokenizer, on_output=self._collect

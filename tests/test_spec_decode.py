@@ -20,7 +20,7 @@ from cluster import GrammarSpec, SamplingParams
 from cluster.config import ConfigError, ReplicaConfig
 from cluster.scheduler.ngram import propose_ngram
 from worker.sampling.sampler import sample_unfiltered
-from worker.sampling.verify import accepted, spec_rows
+from worker.sampling.verify import accepted, kept_counts, spec_rows
 
 # text that repeats itself, so that prompt lookup finds proposals the model accepts (a random model
 # soon repeats itself too)
@@ -64,6 +64,29 @@ def test_ngram_proposes_nothing_when_no_suffix_recurs_and_at_most_k():
     assert propose_ngram([5, 6, 7, 8], 3, n_max=4) == []
     assert propose_ngram([4, 5, 6, 7, 4], 2, n_max=2) == [5, 6]
     assert propose_ngram([4, 5, 4], 5, n_max=2) == [5, 4]  # the continuation runs to the end
+
+
+def _ngram_by_windows(tokens: list[int], k: int, n_max: int, n_min: int = 1) -> list[int]:
+    """The rule written plainly: every window of n tokens that ends before the last one, compared with
+    the suffix, from the longest n down."""
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        starts = [s for s in range(size - n) if tokens[s : s + n] == tokens[size - n :]]
+        if starts:
+            full = [s for s in starts if s + n + k <= size]
+            start = (full[-1] if full else starts[0]) + n
+            return tokens[start : start + k]
+    return []
+
+
+def test_ngram_lookup_agrees_with_the_rule_on_random_sequences():
+    rng = np.random.default_rng(7)
+    for _ in range(3000):
+        size, vocab = int(rng.integers(1, 40)), int(rng.integers(1, 6))
+        tokens = rng.integers(0, vocab, size=size).tolist()
+        k, n_max = int(rng.integers(1, 6)), int(rng.integers(1, 7))
+        n_min = int(rng.integers(1, n_max + 1))
+        assert propose_ngram(tokens, k, n_max, n_min) == _ngram_by_windows(tokens, k, n_max, n_min), (tokens, k, n_max)
 
 
 # -- settings --------------------------------------------------------------------------------------
@@ -118,6 +141,20 @@ def test_the_kept_samples_are_those_up_to_the_first_that_differs_from_its_propos
         torch.from_numpy(rows.row_start),
     )
     assert kept.tolist() == [2, 1, 4]
+    assert kept_counts(sampled.tolist(), spec_lens.tolist(), input_ids) == [2, 1, 4]  # the host's count
+
+
+def test_the_hosts_count_of_kept_samples_agrees_with_the_devices():
+    rng = np.random.default_rng(3)
+    for _ in range(500):
+        spec_lens = rng.integers(0, 5, size=int(rng.integers(1, 6))).astype(np.int32)
+        ext = spec_lens + 1
+        input_ids = np.concatenate([[-1, *rng.integers(0, 3, size=s)] for s in spec_lens]).astype(np.int32)
+        rows = spec_rows(spec_lens, 10 + np.cumsum(ext).astype(np.int32), np.cumsum(ext), input_ids)
+        sampled = torch.from_numpy(rng.integers(0, 3, size=int(ext.sum())))
+        on_device = [torch.from_numpy(a) for a in (rows.drafts, rows.rows, rows.row_start)]
+        device = accepted(sampled, *on_device)
+        assert kept_counts(sampled.tolist(), spec_lens.tolist(), input_ids) == device.tolist()
 
 
 def test_verified_samples_keep_the_targets_distribution():
@@ -162,6 +199,31 @@ def test_a_draft_identical_to_the_model_has_every_greedy_proposal_accepted(qwen3
     assert stats.spec_decode_num_draft_tokens > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
     assert on == hf_greedy(qwen3_path, prompts, 24)
+
+
+def test_the_memory_budget_leaves_the_draft_its_weights_and_as_many_pages(qwen3_path):
+    """Without num_pages the model's cache is sized from the budget with the draft's cache counted beside
+    it (as many pages): the draft, built after the model, fits. The draft's weights, counted from its
+    config, are what the model loaded holds when the draft is the model itself."""
+    from worker.draft_budget import draft_memory
+    from worker.kv_cache import KVCachePool
+
+    budget_gb = 0.004  # small enough that max_running_reqs' whole contexts do not cap the pages
+    with checked_llm(qwen3_path, cpu_kv_cache_gb=budget_gb, page_size=4) as alone:
+        pages_alone = alone.engine.num_pages
+    with checked_llm(qwen3_path, cpu_kv_cache_gb=budget_gb, page_size=4, **draft_of(qwen3_path)) as llm:
+        engine = llm.engine
+        per_page = KVCachePool.bytes_per_page(
+            engine.hf_config.num_hidden_layers, 4, engine.kv.num_kv_heads, engine.kv.head_dim, engine.kv_dtype
+        )
+        assert engine.num_pages == int(budget_gb * 2**30 // (2 * per_page))
+        assert abs(engine.num_pages - pages_alone // 2) <= 1
+        assert llm.scheduler.spec.draft.engine.num_pages == engine.num_pages
+        draft = draft_memory(str(qwen3_path), engine.dtype, engine.kv_dtype, 4)
+        assert draft.bytes_per_page == per_page
+        loaded = {id(p): p for p in engine.model.parameters()}.values()
+        assert draft.weight_bytes == sum(p.numel() * p.element_size() for p in loaded)
+        assert llm.generate([[5, 6, 7, 5, 6]], greedy(8))[0].token_ids
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])

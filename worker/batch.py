@@ -276,8 +276,9 @@ class ForwardBatch:
 @dataclass
 class StepOutput:
     """The sampled tokens of a step, copied to host memory asynchronously; `done` marks the copy. With
-    speculative decoding (desc.spec_lens) a row has spec_len + 1 samples, back to back, and keeps the
-    first `num_new` of them; the logprobs are of every sample."""
+    speculative decoding (desc.spec_lens) a row has spec_len + 1 samples, back to back, and keeps those
+    up to its first that differs from the proposal after it (sampling.verify.kept_counts); the logprobs
+    are of every sample."""
 
     next_tokens: torch.Tensor  # int32 [B] (with spec_lens: [sum(spec_lens + 1)]) on the host
     done: object  # an event with synchronize()
@@ -288,4 +289,3 @@ class StepOutput:
     prompt_logprobs: torch.Tensor | None = None  # float32 [P]
     prompt_top_ids: torch.Tensor | None = None  # int32 [P, k]
     prompt_top_logprobs: torch.Tensor | None = None  # float32 [P, k]
-    num_new: torch.Tensor | None = None  # int32 [B] with spec_lens: the samples each row keeps (1 ..)

@@ -104,3 +104,6 @@ class EngineConfig:
         at_least=1,
     )
     kernels: Kernels = field(default_factory=Kernels, metadata={"setting": False})
+    # the folder of a draft model (speculative decoding) that rank 0's device holds beside this engine,
+    # with a KV cache of as many pages: the memory budget's pages are sized so that both fit
+    draft_model: str | None = field(default=None, metadata={"setting": False})

@@ -30,6 +30,7 @@ from worker import triton_ops
 from worker.attention import create_backend
 from worker.batch import BatchDesc, ForwardBatch, StepOutput, desc_columns
 from worker.config import EngineConfig
+from worker.draft_budget import draft_memory
 from worker.graph_io import IO
 from worker.kernel_builds import serialize_flashinfer_builds
 from worker.kv_cache import KVCachePool
@@ -43,7 +44,7 @@ from worker.sampling.logprobs import prompt_logprobs, token_logprobs
 from worker.sampling.processors import ProcessorState
 from worker.sampling.resample import redraw
 from worker.sampling.step_sampler import StepSampler
-from worker.sampling.verify import SpecRows, accepted, spec_rows
+from worker.sampling.verify import SpecRows, spec_rows
 from worker.staging import PinnedStaging, Staged, upload_record
 from worker.startup import StartupTimes, timed
 from worker.stream import HostWaits, new_event, new_stream, use_stream
@@ -267,6 +268,10 @@ class Engine:
             budget = free - (1 - self.config.gpu_memory_utilization) * total
         else:
             budget = self.config.cpu_kv_cache_gb * 2**30
+        if self.config.draft_model is not None:  # a draft's weights and as many pages of its cache go beside
+            draft = draft_memory(self.config.draft_model, self.dtype, self.kv_dtype, self.page_size)
+            budget -= draft.weight_bytes if self.device.type == "cuda" else 0
+            per_page += draft.bytes_per_page
         # there is no use for more pages than every slot filled to the context length
         most = self.config.max_running_reqs * -(-self.max_seq_len // self.page_size)
         pages = min(int(budget // per_page), most)
@@ -419,9 +424,6 @@ class Engine:
             else:
                 logits, next_tokens, scored = self._forward_eager(desc, batch, s)
             out = self._to_host(next_tokens, logits, desc.top_logprobs)
-            if s.spec is not None:
-                sp = s.spec
-                out.num_new = self._host_copy(accepted(next_tokens, sp.drafts, sp.rows, sp.row_start))
             if scored is not None:
                 chosen, values, ids = scored
                 out.prompt_logprobs = self._host_copy(chosen)

@@ -46,7 +46,7 @@ def verify_as_decode(desc: BatchDesc, scratch_row: int, pool_row: int, max_rows:
     if desc.procs is not None and (desc.procs.state_row != scratch_row).any():
         return None
     ends = np.cumsum(desc.extend_lens.astype(np.int64))
-    spec = spec_rows(desc.spec_lens, desc.seq_lens, ends, desc.input_ids)
+    spec = spec_rows(desc.spec_lens, desc.seq_lens, ends, desc.input_ids, pairs=False)
     rows = spec.rows
     slots = desc.slots[rows]
     # every token is sampled after, so sample i is token i of the step (its out_loc too)

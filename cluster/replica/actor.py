@@ -70,7 +70,7 @@ class SchedulerActor:
         """Joins the group (tp > 1), loads rank 0's engine and starts the loop. Returns what the
         router needs to know of the model."""
         cfg = self.config
-        engine = build_rank(cfg.engine, 0, cfg.tp_size, self.address, cfg.collective_timeout_s)
+        engine = build_rank(cfg.rank0_engine, 0, cfg.tp_size, self.address, cfg.collective_timeout_s)
         executor = (
             TensorParallelExecutor(engine, keepalive_s=cfg.collective_timeout_s / 4)
             if cfg.tp_size > 1

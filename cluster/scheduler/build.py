@@ -60,4 +60,5 @@ def draft_engine_config(target: EngineConfig, folder: str, engine) -> EngineConf
         device=device,
         num_pages=engine.num_pages,
         max_seq_len=engine.max_seq_len,
+        draft_model=None,
     )

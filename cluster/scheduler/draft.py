@@ -16,6 +16,10 @@ from cluster.scheduler.page_allocator import PageAllocator
 from cluster.scheduler.req import Req
 from worker.batch import BatchDesc
 
+# the most tokens of one request a catch-up step runs as decode rows (its verify step's, at most
+# num_speculative_tokens + 1); a longer catch-up, a prompt, runs as an extend step
+MAX_CATCH_UP_ROWS = 33
+
 
 @dataclass
 class DraftSeq:
@@ -46,12 +50,15 @@ class DraftProposer:
         drafts = {req.uid: [] for req in reqs}
         if not rows:
             return [[] for _ in reqs]
-        outs = [self.engine.forward(self._catch_up(rows))]
+        catch_up = self._catch_up(rows)
+        outs = [self.engine.forward(catch_up)]
         for j in range(1, max(k for _, _, k in rows)):
             outs.append(self.engine.forward(self._decode([(r, s) for r, s, k in rows if k > j], j)))
         outs[-1].done.synchronize()  # the draft's steps run in order: the last one done, all are
         for j, out in enumerate(outs):
             tokens = out.next_tokens.tolist()
+            if j == 0 and catch_up.spec_lens is not None:  # a sample a token: each row's last is its proposal
+                tokens = [tokens[end - 1] for end in np.cumsum(catch_up.extend_lens).tolist()]
             for (req, _, _), token in zip([row for row in rows if row[2] > j], tokens):
                 drafts[req.uid].append(token)
         for req, seq, k in rows:
@@ -90,9 +97,11 @@ class DraftProposer:
 
     def _catch_up(self, rows: list[tuple[Req, DraftSeq, int]]) -> BatchDesc:
         """One extend step over every row's tokens the draft has not seen (its whole prompt at first);
-        it samples the first proposal."""
+        it samples the first proposal. Once every row has only the few tokens of its last verify step to
+        see, the step samples after each of them, as a verify step does (spec_lens): the engine then runs
+        it as decode rows, from a CUDA graph, where an extend step would run eagerly."""
         ids = [req.input_ids[seq.cached_len :] for req, seq, _ in rows]
-        return _greedy(
+        desc = _greedy(
             True,
             [req.slot for req, _, _ in rows],
             [len(req.input_ids) for req, _, _ in rows],
@@ -100,6 +109,9 @@ class DraftProposer:
             np.concatenate([self._locations(seq, seq.cached_len, len(req.input_ids)) for req, seq, _ in rows]),
             np.fromiter((t for x in ids for t in x), dtype=np.int32),
         )
+        if sum(map(len, ids)) <= self.engine.config.max_running_reqs and max(map(len, ids)) <= MAX_CATCH_UP_ROWS:
+            desc.spec_lens = desc.extend_lens - 1
+        return desc
 
     def _decode(self, rows: list[tuple[Req, DraftSeq]], j: int) -> BatchDesc:
         """The decode step that samples each row's proposal j + 1 from proposal j (read from the

@@ -5,22 +5,34 @@ rank 0's CPU and needs no model: text that copies from its prompt (edits, summar
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(tokens: list[int] | np.ndarray, k: int, n_max: int, n_min: int = 1) -> list[int]:
     """Up to k tokens: those after an earlier match of the longest suffix of `tokens` (of n_max ..
     n_min tokens) that occurs before (the latest with k tokens after it, else the earliest); [] when
-    no suffix recurs."""
+    no suffix recurs. A match ends before the last token."""
     arr = np.asarray(tokens, dtype=np.int64)
     size = len(arr)
-    for n in range(min(n_max, size - 1), n_min - 1, -1):
-        # windows that start early enough to have at least one token after them, the suffix excluded
-        windows = sliding_window_view(arr[: size - 1], n)
-        hits = np.flatnonzero((windows == arr[size - n :]).all(axis=1))
-        if len(hits):
-            # the latest match with k tokens after it, else the earliest (the longest continuation)
-            full = hits[hits + n + k <= size]
-            start = int(full[-1] if len(full) else hits[0]) + n
-            return arr[start : start + k].tolist()
+    longest = min(n_max, size - 1)
+    if longest < n_min:
+        return []
+    # where a match can end: an earlier place of the last token. A match of n tokens is one of n - 1
+    # that the token before it extends, so the matches of each length are found from the last one's,
+    # in one pass over the sequence and then over its few candidates (the step's host time at batch 1)
+    ends = np.flatnonzero(arr[: size - 1] == arr[size - 1])
+    found = []  # the ends of the matches of n = 1, 2, ... tokens
+    for n in range(1, longest + 1):
+        if n > 1:
+            back = ends - (n - 1)
+            ends = ends[back >= 0]
+            ends = ends[arr[ends - (n - 1)] == arr[size - n]]
+        if not len(ends):
+            break
+        found.append(ends)
+    for n in range(min(len(found), longest), n_min - 1, -1):
+        starts = found[n - 1] - (n - 1)  # ascending
+        # the latest match with k tokens after it, else the earliest (the longest continuation)
+        full = starts[starts + n + k <= size]
+        start = int(full[-1] if len(full) else starts[0]) + n
+        return arr[start : start + k].tolist()
     return []

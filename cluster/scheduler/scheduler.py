@@ -41,6 +41,7 @@ from cluster.scheduler.req import Req
 from cluster.scheduler.request_slots import RequestSlots
 from cluster.scheduler.spec_decode import Speculator
 from worker.batch import StepOutput
+from worker.sampling.verify import kept_counts
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +358,7 @@ class Scheduler:
         now = time.perf_counter()
         deltas: list[TokenDelta] = []
         spec = batch.desc.spec_lens.tolist() if batch.desc.spec_lens is not None else None
-        num_new = out.num_new.tolist() if spec is not None else None
+        num_new = kept_counts(tokens, spec, batch.desc.input_ids) if spec is not None else None
         first = 0  # where the row's samples start (one a row, but spec_len + 1 in a verify step)
         for i, req in enumerate(batch.reqs):
             start, count = (first, num_new[i]) if spec is not None else (i, 1)

@@ -38,9 +38,12 @@ class SpecRows:
     proposed_token: np.ndarray
 
 
-def spec_rows(spec_lens: np.ndarray, seq_lens: np.ndarray, ends: np.ndarray, input_ids: np.ndarray) -> SpecRows:
+def spec_rows(
+    spec_lens: np.ndarray, seq_lens: np.ndarray, ends: np.ndarray, input_ids: np.ndarray, pairs: bool = True
+) -> SpecRows:
     """Where each row samples: its last spec_len + 1 tokens (`ends`: cumulative extend lengths;
-    `seq_lens`: lengths once the step is done; `input_ids`: the step's tokens, proposals included)."""
+    `seq_lens`: lengths once the step is done; `input_ids`: the step's tokens, proposals included).
+    `pairs`: False leaves proposed_at and proposed_token empty (a step whose penalties count nothing)."""
     n = spec_lens.astype(np.int64) + 1
     rows = np.repeat(np.arange(len(n)), n)
     row_start = np.cumsum(n) - n
@@ -50,6 +53,9 @@ def spec_rows(spec_lens: np.ndarray, seq_lens: np.ndarray, ends: np.ndarray, inp
     drafts = np.full(len(rows), -1, dtype=np.int32)
     has_next = back > 0
     drafts[has_next] = input_ids[last_idx[has_next] + 1]
+    if not pairs:
+        none = np.zeros(0, dtype=np.int64)
+        return SpecRows(rows, last_idx, seq_lens.astype(np.int64)[rows] - back, drafts, row_start, none, none)
     # the sample at row_start + j follows the proposals that drafts holds at row_start + i, i < j: the
     # pairs (j, i) below the diagonal, those within each row's samples
     j, i = np.tril_indices(int(n.max()), -1)
@@ -60,6 +66,22 @@ def spec_rows(spec_lens: np.ndarray, seq_lens: np.ndarray, ends: np.ndarray, inp
     return SpecRows(
         rows, last_idx, seq_lens.astype(np.int64)[rows] - back, drafts, row_start, proposed_at, proposed_token
     )
+
+
+def kept_counts(tokens: list[int], spec_lens: list[int], input_ids: np.ndarray) -> list[int]:
+    """How many samples each row keeps (what `accepted` counts on the device), on the host from the
+    step's samples (`tokens`, row after row) and its tokens (`input_ids`: each row's input, then its
+    proposals): the scheduler learns it with the tokens, and no step waits on a count of its own."""
+    counts, first, end = [], 0, 0
+    for s in spec_lens:
+        end += s + 1
+        proposals = input_ids[end - s : end]
+        kept = 1
+        while kept <= s and tokens[first + kept - 1] == proposals[kept - 1]:
+            kept += 1
+        counts.append(kept)
+        first += s + 1
+    return counts
 
 
 def kept_samples(

@@ -1,0 +1,33 @@
+"""What a draft model (speculative decoding) takes of the device beside the model it proposes for: its
+weights, and its KV cache's bytes a page (it holds as many pages as the model). The model's engine sizes
+its own cache with both counted, so that the draft, built after it, finds its memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from worker.kv_cache import KVCachePool
+
+
+@dataclass(frozen=True)
+class DraftMemory:
+    weight_bytes: int
+    bytes_per_page: int
+
+
+def draft_memory(folder: str, dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int) -> DraftMemory:
+    """The draft in `folder` at the model's dtypes and page size: its parameters counted on the meta
+    device (nothing is allocated), its KV bytes a page from its layers and heads."""
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    weights = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    per_page = KVCachePool.bytes_per_page(text.num_hidden_layers, page_size, kv_heads, head_dim, kv_dtype)
+    return DraftMemory(weights, per_page)
