@@ -97,7 +97,7 @@ class SchedulerConfig:
     speculative_model: str | None = setting(
         None,
         "draft: a local model folder with the model's tokenizer (its vocabulary), run on rank 0's device "
-        "with a KV cache of as many pages as the model's (leave memory for it: gpu_memory_utilization)",
+        "with a KV cache of as many pages as the model's (the memory budget counts both)",
         unset="none",
     )
     num_speculative_tokens: int = setting(
