@@ -18,7 +18,6 @@ import os
 import torch
 
 from worker.kernels import Kernels
-from worker.triton_launch import CachedLaunch
 
 log = logging.getLogger(__name__)
 _SAMPLE_BLOCK = 2048  # 75 blocks a row over a vocabulary of 151,936
@@ -99,12 +98,6 @@ class _Cdiv:
 triton = _Cdiv  # the two helpers the launchers need, without importing Triton where it is absent
 
 
-@functools.cache
-def _prologue_launch() -> CachedLaunch:
-    """The prologue's launcher: once a layer in an eager step, so Triton's own work per launch is skipped."""
-    return CachedLaunch(_kernels().qkv_prologue_kernel)
-
-
 def qkv_prologue(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -134,8 +127,7 @@ def qkv_prologue(
     block_tokens, num_warps = block_tokens or auto_block, num_warps or auto_warps
     if block_tokens & (block_tokens - 1):
         raise ValueError(f"block_tokens must be a power of two, not {block_tokens}")
-    _prologue_launch()(
-        (triton.cdiv(tokens, block_tokens), num_heads + num_kv_heads),
+    _kernels().qkv_prologue_kernel[(triton.cdiv(tokens, block_tokens), num_heads + num_kv_heads)](
         qkv,
         positions,
         out_loc,
@@ -149,12 +141,12 @@ def qkv_prologue(
         tokens,
         qkv.stride(0),
         cos_sin.stride(0),
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        has_norm,
-        k_cache.dtype == torch.float8_e4m3fn,
-        block_tokens,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HAS_NORM=has_norm,
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
+        BLOCK_T=block_tokens,
         num_warps=num_warps,
     )
     return q
