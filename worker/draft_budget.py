@@ -5,6 +5,7 @@ its own cache with both counted, so that the draft, built after it, finds its me
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -22,9 +23,12 @@ def draft_memory(folder: str, dtype: torch.dtype, kv_dtype: torch.dtype, page_si
     """The draft in `folder` at the model's dtypes and page size: its parameters counted on the meta
     device (nothing is allocated), its KV bytes a page from its layers and heads."""
     config = AutoConfig.from_pretrained(folder)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    weights = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        weights = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    except Exception:  # noqa: BLE001 - a model transformers cannot build: its weights' files as stored
+        weights = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
     text = config.get_text_config()
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
