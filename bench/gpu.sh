@@ -27,8 +27,9 @@
 #   hops           where the online TTFT goes at concurrency 1: each hop's mean beside the offline TTFT
 #   spec           speculative decoding: batch 1 ms per token and decode throughput at 64 and 256, off,
 #                  n-gram and a draft identical to the target (random weights, greedy)
-#   real           the real model (SmolLM2-135M-Instruct's GGUF) in bf16 against transformers' bf16, and
-#                  bench/real_text.py; the file from .real/ (split parts, carried over calls) or the cache
+#   real           the real model (SmolLM2-135M-Instruct's GGUF) in bf16 against transformers' bf16,
+#                  bench/real_text.py and bench/real_spec.py (n-gram speculation on an editing task); the
+#                  file from .real/ (split parts, carried over calls) or the cache
 #   peer           mini-sglang on the same token lists ((a) and (b); needs .peer/, see ../shared/peer)
 #   save           FlashInfer's built modules and Triton's cache into $OUT/kernels.tar.xz
 #
@@ -218,7 +219,8 @@ for suite in "$@"; do
       [ -f "$gguf" ] || { log "real: no $gguf and no .real/part.*"; continue; }
       log "real: $(sha256sum "$gguf" | cut -c1-16)"
       step real_tests 300 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_real_model.py
-      step real_text 300 python3 bench/real_text.py --out "$OUT/real_text.json" ;;
+      step real_text 300 python3 bench/real_text.py --out "$OUT/real_text.json"
+      step real_spec 300 python3 bench/real_spec.py --out "$OUT/real_spec.json" ;;
     save) save ;;
     *) log "unknown suite $suite" ;;
   esac
