@@ -10,6 +10,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -466,6 +467,53 @@ def time_graph(fn, reps: int = 20, calls: int = 1) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(times)
+
+
+@dataclass
+class TokenArrivals:
+    """One `generate` with each request's token arrivals stamped on the host, and the speculative tokens
+    proposed and kept over it."""
+
+    outputs: list
+    arrivals: dict[int, list[float]]  # by request: when each of its tokens reached the scheduler's output
+    drafted: int
+    accepted: int
+
+    @property
+    def ms_per_token(self) -> float:
+        """The median over requests of the time from its first token to its last over the tokens after
+        the first (its decode, prefill excluded)."""
+        return statistics.median(1e3 * (t[-1] - t[0]) / (len(t) - 1) for t in self.arrivals.values() if len(t) > 1)
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+def token_arrivals(llm: LLM, prompts: list[list[int]], params) -> TokenArrivals:
+    sched = llm.scheduler
+    collect, arrivals = sched.on_output, {}
+
+    def on_output(deltas):
+        now = time.perf_counter()
+        for d in deltas:
+            if d.token is not None:
+                arrivals.setdefault(d.uid, []).append(now)
+        collect(deltas)
+
+    sched.on_output = on_output
+    before = sched.snapshot()
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        sched.on_output = collect
+    after = sched.snapshot()
+    return TokenArrivals(
+        outputs,
+        arrivals,
+        after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+        after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
+    )
 
 
 def report(result: dict, out: str | None, table: list[tuple[str, object]]) -> None:

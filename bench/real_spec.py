@@ -15,11 +15,10 @@ bfloat16 a verify step's rounding may part a near-tie)."""
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np
-from common import report
+from common import report, token_arrivals
 from real_text import default_model, documentation
 
 from cluster import LLM, SamplingParams
@@ -42,32 +41,16 @@ def edit_prompts(tokenizer, n: int, seed: int, passage_tokens: int) -> list[list
 def measure(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     """Generates every prompt at once, greedily: ms per token per request (first token to last), the
     batch's output tokens per second, and the answers."""
-    stamps: dict[int, list[float]] = {}
-    emit = llm.scheduler.on_output
-
-    def stamped(deltas):
-        now = time.perf_counter()
-        for d in deltas:
-            stamps.setdefault(d.uid, []).append(now)
-        emit(deltas)
-
-    llm.scheduler.on_output = stamped
-    before = llm.stats()
     start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    run = token_arrivals(llm, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     elapsed = time.perf_counter() - start
-    llm.scheduler.on_output = emit
-    after = llm.stats()
-    per_token = [(s[-1] - s[0]) * 1e3 / (len(s) - 1) for s in stamps.values() if len(s) > 1]
-    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
-    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-    tokens = sum(len(o.token_ids) for o in outs)
+    tokens = sum(len(o.token_ids) for o in run.outputs)
     return {
-        "ms_per_token": statistics.median(per_token),
+        "ms_per_token": run.ms_per_token,
         "output_tok_per_s": tokens / elapsed,
         "output_tokens": tokens,
-        "acceptance": accepted / drafted if drafted else None,
-        "answers": [o.token_ids for o in outs],
+        "acceptance": run.acceptance,
+        "answers": [o.token_ids for o in run.outputs],
     }
 
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import time
 
 import numpy as np
-from common import add_common_args, config_of, kernels_of, model_folder, report
+from common import add_common_args, config_of, kernels_of, model_folder, report, token_arrivals
 
 from cluster import LLM, SamplingParams
 
@@ -48,34 +47,15 @@ def measure(llm: LLM, batch: int, args, seed: int) -> dict:
     vocab = llm.engine.hf_config.vocab_size
     prompts = [rng.integers(0, vocab, size=args.prompt_len).tolist() for _ in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    arrivals: dict[int, list[float]] = {}
-    sched = llm.scheduler
-    collect = sched.on_output
-
-    def on_output(deltas):
-        now = time.perf_counter()
-        for d in deltas:
-            if d.token is not None:
-                arrivals.setdefault(d.uid, []).append(now)
-        collect(deltas)
-
-    sched.on_output = on_output
-    before = sched.snapshot()
-    try:
-        llm.generate(prompts, params)
-    finally:
-        sched.on_output = collect
-    after = sched.snapshot()
-    times = list(arrivals.values())
+    run = token_arrivals(llm, prompts, params)
+    times = list(run.arrivals.values())
     start, end = max(t[0] for t in times), max(t[-1] for t in times)
-    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
-    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
     return {
-        "ms_per_token": statistics.median(1e3 * (t[-1] - t[0]) / (len(t) - 1) for t in times),
+        "ms_per_token": run.ms_per_token,
         "decode_tok_per_s": sum(sum(1 for x in t if x > start) for t in times) / (end - start),
-        "acceptance": accepted / drafted if drafted else None,
-        "draft_tokens": drafted,
-        "accepted_tokens": accepted,
+        "acceptance": run.acceptance,
+        "draft_tokens": run.drafted,
+        "accepted_tokens": run.accepted,
     }
 
 

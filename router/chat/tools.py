@@ -41,13 +41,13 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     if len(set(names)) < len(names):
         twice = next(n for n in names if names.count(n) > 1)
         raise APIError(400, f"tools: two functions are named {twice!r}", param="tools")
-    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    named = isinstance(choice, NamedToolChoice)
+    forced = choice == "required" or named
     for tool in tools:
         params = tool.function.parameters
         if params is not None:
             what = f"the parameters of function {tool.function.name!r}"
             check_json_schema(params, "tools", what)
-            named = isinstance(choice, NamedToolChoice)
             if forced and (not named or choice.function.name == tool.function.name):
                 check_enforceable(params, "tools", what)  # a grammar makes the calls' arguments follow them
             checked(GrammarSpec("json_schema", json.dumps(params, ensure_ascii=False)), "tools")

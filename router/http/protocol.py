@@ -38,14 +38,19 @@ def _bad_text(value: Any, where: str) -> str | None:
     return None
 
 
-def valid_unicode(value: Any) -> Any:
-    """value, unless it holds a string that is not valid Unicode (a ValueError, for a field validator)."""
-    if _bad_text(value, "") is not None:
-        raise ValueError("holds a string that is not valid Unicode (a lone surrogate)")
-    return value
+class UnicodeChecked(BaseModel):
+    """A request model (of every API) whose fields hold no string that is not valid Unicode: a 400
+    naming the field, where a tokenizer would fail later."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        if _bad_text(value, "") is not None:
+            raise ValueError("holds a string that is not valid Unicode (a lone surrogate)")
+        return value
 
 
-class APIRequest(BaseModel):
+class APIRequest(UnicodeChecked):
     model_config = ConfigDict(extra="ignore", strict=True)
     refused: ClassVar[dict[str, tuple]] = UNSUPPORTED_FIELDS
 
@@ -64,11 +69,6 @@ class APIRequest(BaseModel):
     guided_whitespace_pattern: Any = None
     prompt_embeds: Any = None
     kv_transfer_params: Any = None
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _valid_unicode(cls, value: Any) -> Any:
-        return valid_unicode(value)
 
     @field_validator(*REFUSABLE, check_fields=False)
     @classmethod

@@ -6,18 +6,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
-from router.http.protocol import valid_unicode
+from router.http.protocol import UnicodeChecked
 
 
-class _Strict(BaseModel):
+class _Strict(UnicodeChecked):
     model_config = ConfigDict(extra="ignore", strict=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _valid_unicode(cls, value: Any) -> Any:
-        return valid_unicode(value)
 
 
 class Message(_Strict):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from router.http.protocol import valid_unicode
+from router.http.protocol import UnicodeChecked
 
 # field -> the values that leave a request's meaning unchanged (what a client sends as the default)
 REFUSED: dict[str, tuple] = {
@@ -21,13 +21,8 @@ REFUSED: dict[str, tuple] = {
 }
 
 
-class _Strict(BaseModel):
+class _Strict(UnicodeChecked):
     model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _valid_unicode(cls, value: Any) -> Any:
-        return valid_unicode(value)
 
 
 class InputText(_Strict):
