@@ -226,6 +226,18 @@ def test_the_memory_budget_leaves_the_draft_its_weights_and_as_many_pages(qwen3_
         assert llm.generate([[5, 6, 7, 5, 6]], greedy(8))[0].token_ids
 
 
+def test_a_draft_transformers_cannot_build_is_counted_by_its_weights_files(qwen3_path, monkeypatch):
+    from worker import draft_budget
+
+    def cannot(config):
+        raise ValueError("an architecture transformers does not know")
+
+    monkeypatch.setattr(draft_budget.AutoModelForCausalLM, "from_config", cannot)
+    files = sum(f.stat().st_size for f in qwen3_path.glob("*.safetensors"))
+    assert files > 0
+    assert draft_budget.draft_memory(str(qwen3_path), torch.float32, torch.float32, 4).weight_bytes == files
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_tp2_greedy_with_speculation_equals_hf(ray_cluster, qwen3_path, method):
     # grammars and penalties too: every rank masks and counts alike
