@@ -122,6 +122,13 @@ class SchedulerConfig:
         "a proposal kept ends the pause); 0: it never stops",
         at_least=0,
     )
+    speculative_pipeline: bool = setting(
+        True,
+        "ngram, in the overlap loop: a request without penalties, biases or a grammar launches its next "
+        "verify step before the last one's result is known, as if that step kept every proposal (proposing "
+        "after the token the lookup expects next); where it kept fewer, the later row is void and its KV "
+        "given back. Off: a speculating request waits for its result before its next step",
+    )
 
 
 @dataclass

@@ -192,6 +192,53 @@ def test_greedy_with_speculation_equals_without_and_hf(model_paths, family, over
     assert on == off == hf_greedy(path, prompts, 24)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_pipelined_rows_launch_before_the_last_result_and_are_void_where_it_kept_fewer(model_paths, family):
+    """In the overlap loop a request's next verify row launches while its last is in flight, as if that one
+    kept every proposal; where it kept fewer, the later row is dropped and its KV given back. Greedy and
+    seeded outputs (logprobs too) equal those with the pipeline off and without speculation, and pages
+    stay whole (checked_llm)."""
+    path = model_paths[family]
+    params = [
+        SamplingParams(max_tokens=64, temperature=0.8 if i % 2 else 0.0, seed=i, logprobs=1, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    runs = {}
+    for name, kw in (("pipelined", SPEC), ("waiting", {**SPEC, "speculative_pipeline": False}), ("off", {})):
+        with checked_llm(path, page_size=4, **kw) as llm:
+            prompts = encode_all(llm, PROMPTS)
+            outs = llm.generate(prompts, params)
+            runs[name] = [o.token_ids for o in outs], [o.logprobs for o in outs], llm.scheduler.spec
+    (ids, logprobs, spec), (waited, _, wait_spec), (off, off_logprobs, _) = (
+        runs["pipelined"],
+        runs["waiting"],
+        runs["off"],
+    )
+    # rows ran ahead, most of them void (a tiny random model keeps few proposals), some not
+    assert spec.num_pipelined_rows > spec.num_void_rows > 0
+    assert spec.num_accepted_tokens > 0 and wait_spec.num_pipelined_rows == 0
+    assert ids == waited == off
+    for a, b in zip(logprobs, off_logprobs):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_a_pipelined_request_waits_only_where_its_tail_is_unknown():
+    """Its next proposals follow its tail (the proposals in flight and the token looked up after them):
+    known, it does not wait for its result; after a plain row (unknown), it does, while speculating."""
+    from cluster.scheduler.decode import DecodeManager
+
+    spec, req = _backoff_speculator(0), _speculating_req([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])
+    req.pipelines = True
+    assert spec.propose([req]) == [[7, 8, 5]] and req.tail == [7, 8, 5, 6]  # "5 6" recurs
+    assert not DecodeManager._waits(req, speculating=True)
+    req.device_len += 4  # launched: its row adds 4 tokens if all are kept
+    assert spec.propose([req]) == [[7, 8, 5]] and req.tail == [7, 8, 5, 6]  # after [..., 5, 6] + [7, 8, 5, 6]
+    spec.accept(req, 3, 2, void=4)  # the first kept one proposal: the row after it is void
+    assert req.tail == [] and spec.num_void_rows == 1
+    req.tail = None  # a plain row in flight
+    assert DecodeManager._waits(req, speculating=True) and not DecodeManager._waits(req, speculating=False)
+
+
 @pytest.mark.parametrize("overlap,page_size", [(True, 4), (False, 1)])
 def test_a_draft_identical_to_the_model_has_every_greedy_proposal_accepted(qwen3_path, overlap, page_size):
     kw = dict(overlap=overlap, page_size=page_size)

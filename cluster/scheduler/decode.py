@@ -40,7 +40,8 @@ class DecodeManager:
         after making room. A constrained request whose last token is in flight waits for it (its grammar
         must see that token before its next mask can be built), and one whose proposals are being
         verified (its state is provisional until then); with `speculating`, every speculating one (its
-        next proposals follow from the tokens it keeps) but those its back-off pauses."""
+        next proposals follow from the tokens it keeps) but those its back-off pauses. A request in
+        speculation's pipeline waits only where the tokens its row in flight adds are unknown."""
         decoding = [
             r
             for r in self.running.values()
@@ -51,7 +52,11 @@ class DecodeManager:
     @staticmethod
     def _waits(req: Req, speculating: bool) -> bool:
         """Whether req, if its last step is in flight, waits for its result before its next one."""
-        return req.matcher is not None or req.verifying or (speculating and req.speculates and not req.spec_pause)
+        if req.matcher is not None:
+            return True
+        if req.pipelines:  # a row launched after its row in flight is void if that one keeps fewer
+            return speculating and not req.spec_pause and req.tail is None
+        return req.verifying or (speculating and req.speculates and not req.spec_pause)
 
     def _make_room(self, decoding: list[Req], in_flight: bool) -> list[Req]:
         """Preempts requests that have outgrown their reservation, the last in queue order first (the

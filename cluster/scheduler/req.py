@@ -31,6 +31,12 @@ class Req:
     matcher: object = None  # with params.grammar: its xgrammar matcher, once the grammar is compiled
     speculates: bool = False  # its decode steps may verify proposed tokens
     verifying: bool = False  # a step that verifies proposals for it is in flight: its state is provisional
+    # speculation's pipeline (speculative_pipeline): its next verify step may launch while its last one is
+    # in flight, as if that one kept every proposal; `tail` holds the tokens its row in flight then adds
+    # (the proposals and the token the lookup expects after them), [] with no row in flight, None where
+    # they are unknown (a plain row's sample): it waits for its result before it speculates again
+    pipelines: bool = False
+    tail: list[int] | None = field(default_factory=list)
     # speculation's back-off: decode steps left in which it neither speculates nor waits for its own
     # result (its proposals lately found nothing or were all rejected), and how many times in a row
     spec_pause: int = 0

@@ -70,6 +70,11 @@ class Launched:
     def req_set(self) -> frozenset[Req]:
         return frozenset(self.batch.reqs)
 
+    @cached_property
+    def row_tokens(self) -> dict[Req, int]:
+        """The tokens each request's row computes (its input, and any proposals it verifies)."""
+        return dict(zip(self.batch.reqs, self.batch.desc.extend_lens.tolist()))
+
 
 class Scheduler:
     def __init__(
@@ -106,6 +111,9 @@ class Scheduler:
         self.spec = Speculator(config, self.cache, draft) if config.speculative_method is not None else None
         self.reqs: dict[int, Req] = {}  # every live request, by uid
         self.finished_reqs: set[Req] = set()  # left the batch in flight: its result there is dropped
+        # rows of the batch in flight launched as if the step before kept all its proposals, which it did
+        # not (speculation's pipeline): dropped too
+        self.voided: set[Req] = set()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.in_flight: Launched | None = None
         self.steps = self.prefill_tokens = self.decode_tokens = self.mixed_steps = 0
@@ -194,6 +202,7 @@ class Scheduler:
         # (ProcessorState.apply), min_tokens keeps a verify row's samples on one side of its bound
         # (Speculator._caps), and a grammar's masks follow the proposals (Grammars.verify_masks)
         req.speculates = self.spec is not None
+        req.pipelines = req.speculates and self.spec.pipelines(msg.params)
         if msg.after is not None:
             req.after = self.reqs.get(msg.after)
         self.reqs[req.uid] = req
@@ -273,16 +282,27 @@ class Scheduler:
             chosen = self.prefill.schedule(in_flight, self.decode.headroom, budget)
         if chosen:
             batch = self.builder.prefill(chosen, decoding)
+            self._unknown_tails(decoding)
             for req, prompt_done in zip(batch.reqs[batch.num_decode :], batch.emits[batch.num_decode :]):
                 if prompt_done:
+                    req.tail = None  # its first token is in flight
                     self.decode.add(req)
             return batch
         if not self.config.mixed_steps:
             decoding = self.decode.schedule(in_flight_reqs, speculating)
         if not decoding:
             return None
+        if not speculating:
+            self._unknown_tails(decoding)
+            return self.builder.decode(decoding)
         # proposals only in decode steps: a step with prompt chunks has given their pages out already
-        return self.builder.decode(decoding, self.spec.propose(decoding) if speculating else None)
+        return self.builder.decode(decoding, self.spec.propose(decoding))
+
+    def _unknown_tails(self, decoding: list[Req]) -> None:
+        """Rows launched without proposals: what their requests' rows add is unknown until handled."""
+        if self.spec is not None:
+            for req in decoding:
+                req.tail = None
 
     # -- the two loops -------------------------------------------------------------------------------
 
@@ -351,6 +371,8 @@ class Scheduler:
             raise
         self.req_slots.release()
         stale, self.finished_reqs = self.finished_reqs, set()
+        void, self.voided = self.voided, set()
+        later = self.in_flight  # the step launched after this one (the overlap loop)
         tokens = out.next_tokens.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         if batch.scored:
@@ -363,10 +385,12 @@ class Scheduler:
         for i, req in enumerate(batch.reqs):
             start, count = (first, num_new[i]) if spec is not None else (i, 1)
             first += spec[i] + 1 if spec is not None else 1
-            if req in stale or not batch.emits[i]:
-                continue  # a result of a request that left the batch, or of a mid-prompt chunk
+            if req in stale or req in void or not batch.emits[i]:
+                continue  # a result of a request that left the batch, of a void row, or of a mid-prompt chunk
+            if self.spec is not None and (later is None or req not in later.req_set):
+                req.tail = []  # nothing of it is in flight
             if spec is not None and spec[i]:
-                self.spec.accept(req, spec[i], count)
+                self.spec.accept(req, spec[i], count, self._void_later(req, later, kept_all=count > spec[i]))
             for j in range(start, start + count):
                 if self._emit_one(req, tokens[j], j, out, logprobs, now, deltas):
                     break
@@ -375,6 +399,19 @@ class Scheduler:
                     self.builder.rewrite_slots[req.slot] = req
         if deltas:
             self.on_output(deltas)
+
+    def _void_later(self, req: Req, later: Launched | None, kept_all: bool) -> int:
+        """req's row in the step in flight, if it has one, was launched as if this step kept all of req's
+        proposals (speculation's pipeline): where this one kept fewer, that row is void (its result is
+        dropped when handled). Returns the tokens it computes, to be given back with the rejected ones."""
+        n = later.row_tokens.get(req, 0) if later is not None else 0
+        if not n:
+            return 0
+        self.spec.num_pipelined_rows += 1
+        if kept_all:
+            return 0
+        self.voided.add(req)
+        return n
 
     def _emit_one(
         self, req: Req, token: int, j: int, out: StepOutput, logprobs: list[float] | None, now: float, deltas: list

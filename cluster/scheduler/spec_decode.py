@@ -12,6 +12,16 @@ before each sample (worker/sampling/processors.py). Past speculative_max_batch, 
 decodes in the overlap loop. At launch a verify row advances as if every proposal were kept; `accept`
 moves it back to what was and trims the pages of the rejected positions.
 
+With speculative_pipeline (n-gram, the overlap loop), a request without penalties, biases or a grammar
+does not wait: its next row launches while its last verify step is in flight, as if that one kept every
+proposal. Its proposals then continue from its tail (Req.tail): the last row's proposals and the token the
+lookup expects after them, asked for with them (a lookup of k + 1 tokens). Those are proposals like any
+other, so a wrong guess costs only acceptance; but where the last step keeps fewer than all, the row
+launched after it stands on positions that were not kept: the scheduler voids it (its samples are
+dropped, its KV given back with the rejected positions'). The token pool stays right for the next row:
+the void row wrote only past every position the earlier step could keep. Sampling is a function of
+(seed, position), so a void row leaves no trace in what is sampled later.
+
 Waiting costs the overlap: the host's work between two of the request's steps leaves the device idle.
 So a request whose proposals do not pay backs off: after a row whose lookup found nothing, or whose
 proposals were all rejected, it decodes in the overlap loop (not waiting, proposing nothing) for 2,
@@ -20,6 +30,7 @@ proposals were all rejected, it decodes in the overlap loop (not waiting, propos
 from __future__ import annotations
 
 from cluster.config import SchedulerConfig
+from cluster.sampling_params import SamplingParams
 from cluster.scheduler.cache_manager import CacheManager
 from cluster.scheduler.draft import DraftProposer
 from cluster.scheduler.grammars import accepted_prefix
@@ -35,8 +46,19 @@ class Speculator:
         self.max_step_tokens = config.max_extend_tokens
         self.max_batch = config.speculative_max_batch
         self.max_pause = config.speculative_max_pause
+        self.pipeline = config.speculative_pipeline and config.overlap
         self.num_draft_tokens = 0  # proposed, over every verify step
         self.num_accepted_tokens = 0  # of them, kept
+        self.num_pipelined_rows = (
+            0  # rows launched while the last verify step of their request was in flight (counted when it is handled)
+        )
+        self.num_void_rows = 0  # of them, void: that step kept fewer than all
+
+    def pipelines(self, params: SamplingParams) -> bool:
+        """Whether a request with these parameters speculates in the pipeline: n-gram lookup, the overlap
+        loop, and nothing whose state on the host or device a void row would disturb (penalties, biases
+        and min_tokens count samples into processor state; a grammar's matcher takes each token)."""
+        return self.pipeline and self.draft is None and not params.uses_processors and params.grammar is None
 
     def active(self, num_running: int) -> bool:
         """Whether the next step speculates: only while few requests decode. Else no request waits for
@@ -48,17 +70,32 @@ class Speculator:
         has any (a plain decode step). The pages they need come from what the step leaves available."""
         caps = self._caps(decoding)
         if not any(caps):
+            for req in decoding:
+                req.tail = None
             return None
         if self.draft is not None:
             drafts = self.draft.propose(decoding, caps)
         else:
-            drafts = [propose_ngram(r.input_ids, k, self.n_max) if k else [] for r, k in zip(decoding, caps)]
+            drafts = [self._lookup(r, k) for r, k in zip(decoding, caps)]
         for req, k, d in zip(decoding, caps, drafts):
             if k and not d:  # looked up, found nothing
                 self._missed(req)
         # a constrained row verifies only what its grammar allows: its proposals up to the first it rejects
         drafts = [self._grammatical(r, d) for r, d in zip(decoding, drafts)]
         return drafts if any(drafts) else None
+
+    def _lookup(self, req: Req, k: int) -> list[int]:
+        """Up to k proposals for req's row by n-gram lookup, after its tail when its last row is in flight;
+        in the pipeline, its new tail: those proposals and the token looked up after them (None when the
+        lookup has none: req then waits for this row's result before it speculates again)."""
+        if not k:
+            req.tail = None
+            return []
+        if not req.pipelines:
+            return propose_ngram(req.input_ids, k, self.n_max)
+        found = propose_ngram(req.input_ids + req.tail if req.tail else req.input_ids, k + 1, self.n_max)
+        req.tail = found if len(found) > k else None
+        return found[:k]
 
     def _grammatical(self, req: Req, proposals: list[int]) -> list[int]:
         if not proposals or req.matcher is None:
@@ -77,7 +114,8 @@ class Speculator:
         tokens = self.max_step_tokens - len(decoding)
         caps = []
         for req in decoding:
-            k = min(self.k, req.max_device_len - len(req.input_ids) - 1, tokens) if req.speculates else 0
+            # within max_tokens from its length on the device (past its tokens in flight, in the pipeline)
+            k = min(self.k, req.max_device_len - req.device_len - 1, tokens) if req.speculates else 0
             if req.spec_pause:  # backing off: this step counts down its pause
                 req.spec_pause -= 1
                 k = 0
@@ -93,10 +131,15 @@ class Speculator:
             caps.append(k)
         return caps
 
-    def accept(self, req: Req, num_drafts: int, num_new: int) -> None:
+    def accept(self, req: Req, num_drafts: int, num_new: int, void: int = 0) -> None:
         """req's verify row proposed num_drafts tokens and keeps num_new samples (the accepted proposals
-        and one more): its KV covers its input and the accepted ones; the rest is given back."""
-        rejected = num_drafts + 1 - num_new
+        and one more): its KV covers its input and the accepted ones; the rest is given back, and with
+        them the `void` tokens of its row launched after this one (in the pipeline), void since this one
+        kept fewer than all."""
+        rejected = num_drafts + 1 - num_new + void
+        if void:
+            req.tail = []  # nothing of it in flight counts now
+            self.num_void_rows += 1
         req.verifying = False
         req.cached_len -= rejected
         req.device_len -= rejected
@@ -119,5 +162,6 @@ class Speculator:
     def release(self, req: Req) -> None:
         """req gave its pages and slot back (it ended or was preempted)."""
         req.verifying = False
+        req.tail = []
         if self.draft is not None:
             self.draft.release(req)
