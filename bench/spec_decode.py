@@ -1,9 +1,10 @@
 """Speculative decoding: batch-1 milliseconds per output token and decode throughput at larger
-batches, without speculation, with n-gram proposals and with a draft model identical to the target
+batches, without speculation, with n-gram proposals (pipelined, the default, and ngram-wait: each
+request waiting for its last verify step's result) and with a draft model identical to the target
 (random weights, greedy: every proposal is accepted, the ceiling of the machinery), on Qwen3-0.6B's
 architecture by default. Prompts of random tokens; outputs of --output-len tokens, ignore_eos.
 
-    python bench/spec_decode.py [--out r.json] [--methods off ngram draft] [--k 4] [--batches 1 64]"""
+    python bench/spec_decode.py [--out r.json] [--methods off ngram ngram-wait draft] [--k 4] [--batches 1 64]"""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ from common import add_common_args, config_of, kernels_of, model_folder, report,
 
 from cluster import LLM, SamplingParams
 
+METHODS = ["off", "ngram", "ngram-wait", "draft"]
+
 
 def make(args, method: str) -> LLM:
     folder = model_folder(args.arch)
     spec = {}
     if method != "off":
-        spec = dict(speculative_method=method, num_speculative_tokens=args.k)
+        spec = dict(speculative_method=method.removesuffix("-wait"), num_speculative_tokens=args.k)
+        spec["speculative_pipeline"] = not method.endswith("-wait")
     if method == "draft":
         spec["speculative_model"] = folder  # with dummy weights: the same weights as the target's
     # pages for the largest batch's whole sequences (the draft's cache has as many), not the memory budget
@@ -47,6 +51,8 @@ def measure(llm: LLM, batch: int, args, seed: int) -> dict:
     vocab = llm.engine.hf_config.vocab_size
     prompts = [rng.integers(0, vocab, size=args.prompt_len).tolist() for _ in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    sched = llm.scheduler.spec
+    rows = (sched.num_pipelined_rows, sched.num_void_rows) if sched is not None else (0, 0)
     run = token_arrivals(llm, prompts, params)
     times = list(run.arrivals.values())
     start, end = max(t[0] for t in times), max(t[-1] for t in times)
@@ -56,13 +62,16 @@ def measure(llm: LLM, batch: int, args, seed: int) -> dict:
         "acceptance": run.acceptance,
         "draft_tokens": run.drafted,
         "accepted_tokens": run.accepted,
+        # rows launched on a verify step still in flight, and of them those void (it kept fewer than all)
+        "pipelined_rows": sched.num_pipelined_rows - rows[0] if sched is not None else 0,
+        "void_rows": sched.num_void_rows - rows[1] if sched is not None else 0,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
-    parser.add_argument("--methods", nargs="+", default=["off", "ngram", "draft"], choices=["off", "ngram", "draft"])
+    parser.add_argument("--methods", nargs="+", default=["off", "ngram", "draft"], choices=METHODS)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -82,12 +91,18 @@ def main() -> None:
                     "ms_per_token": statistics.median(r["ms_per_token"] for r in runs),
                     "decode_tok_per_s": statistics.median(r["decode_tok_per_s"] for r in runs),
                     "acceptance": runs[-1]["acceptance"],
+                    "void_share": runs[-1]["void_rows"] / max(runs[-1]["pipelined_rows"], 1),
                     "runs": runs,
                 }
                 r = results[key]
                 acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
+                rows = runs[-1]
                 table.append(
-                    (key, f"{r['ms_per_token']:.3f} ms/token, {r['decode_tok_per_s']:.0f} tok/s, accept {acc}")
+                    (
+                        key,
+                        f"{r['ms_per_token']:.3f} ms/token, {r['decode_tok_per_s']:.0f} tok/s, accept {acc}, "
+                        f"pipelined rows {rows['pipelined_rows']} (void {rows['void_rows']})",
+                    )
                 )
         finally:
             llm.shutdown()

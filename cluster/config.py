@@ -169,10 +169,20 @@ class ReplicaConfig:
         return self.served_model_name or Path(self.model).name
 
     @property
+    def ranks_engine(self) -> EngineConfig:
+        """Every rank's engine settings: the engine's, with room for a verify step's decode rows where
+        requests speculate (at most speculative_max_batch of them, each its proposals and one more)."""
+        s = self.scheduler
+        if s.speculative_method is None:
+            return self.engine
+        rows = min(self.engine.max_running_reqs, s.speculative_max_batch) * (s.num_speculative_tokens + 1)
+        return replace(self.engine, max_verify_rows=rows)
+
+    @property
     def rank0_engine(self) -> EngineConfig:
-        """Rank 0's engine settings: the engine's, and the draft model it holds beside it (speculative
+        """Rank 0's engine settings: every rank's, and the draft model it holds beside it (speculative
         decoding), which its memory budget counts."""
-        return replace(self.engine, draft_model=self.scheduler.speculative_model)
+        return replace(self.ranks_engine, draft_model=self.scheduler.speculative_model)
 
     def override(self: C, **values: Any) -> C:
         """A copy with the given settings (flat names) set, each value checked."""

@@ -206,7 +206,11 @@ def test_every_engine_option_but_the_kernels_is_a_flag_and_a_yaml_key(tmp_path):
     fields = EngineConfig.__dataclass_fields__.values()
     assert engine_fields == {f.metadata.get("name") or f.name for f in fields if f.metadata.get("setting", True)}
     # the kernels' choice is the offline API's alone; the draft model is speculative_model, set for rank 0
-    assert {f.name for f in fields if not f.metadata.get("setting", True)} == {"kernels", "draft_model"}
+    assert {f.name for f in fields if not f.metadata.get("setting", True)} == {
+        "kernels",
+        "draft_model",
+        "max_verify_rows",
+    }
     launch = load_launch()
     config = launch.build_config(launch.parse_args(["--model", str(tmp_path), "--cuda-graph-max-bs", "0"]))
     assert config.engine.cuda_graph_max_bs == 0

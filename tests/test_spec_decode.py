@@ -222,6 +222,26 @@ def test_pipelined_rows_launch_before_the_last_result_and_are_void_where_it_kept
         np.testing.assert_allclose(a, b, atol=1e-4)
 
 
+def test_a_verify_step_of_every_speculating_request_runs_as_decode_rows(qwen3_path, monkeypatch):
+    """Each sample of a verify step is a decode row of its own: the engine holds room for as many as
+    speculative_max_batch requests' proposals and one more, beyond max_running_reqs (so that a full
+    verify step replays a decode graph instead of running eagerly)."""
+    from worker import engine as engine_module
+
+    seen, convert = [], engine_module.verify_as_decode
+    monkeypatch.setattr(
+        engine_module,
+        "verify_as_decode",
+        lambda desc, *a: seen.append(convert(desc, *a) is not None) or convert(desc, *a),
+    )
+    with checked_llm(qwen3_path, page_size=4, max_running_reqs=4, **SPEC) as llm:
+        assert llm.engine.table.token_pool.shape[0] == 4 * (SPEC["num_speculative_tokens"] + 1)
+        prompts = encode_all(llm, REPEATING + PROMPT_TEXTS[:1])
+        on = [o.token_ids for o in llm.generate(prompts, greedy(24, ignore_eos=True))]
+    assert seen and all(seen)
+    assert on == hf_greedy(qwen3_path, prompts, 24, ignore_eos=True)
+
+
 def test_a_pipelined_request_waits_only_where_its_tail_is_unknown():
     """Its next proposals follow its tail (the proposals in flight and the token looked up after them):
     known, it does not wait for its result; after a plain row (unknown), it does, while speculating."""

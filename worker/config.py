@@ -107,3 +107,11 @@ class EngineConfig:
     # the folder of a draft model (speculative decoding) that rank 0's device holds beside this engine,
     # with a KV cache of as many pages: the memory budget's pages are sized so that both fit
     draft_model: str | None = field(default=None, metadata={"setting": False})
+    # rows a decode step may hold beyond max_running_reqs: a verify step (speculative decoding) runs each
+    # speculating request's samples as decode rows of their own, from the decode CUDA graphs; None: none
+    max_verify_rows: int | None = field(default=None, metadata={"setting": False})
+
+    @property
+    def max_decode_rows(self) -> int:
+        """The most rows a decode step holds: requests, or a verify step's samples."""
+        return max(self.max_running_reqs, self.max_verify_rows or 0)

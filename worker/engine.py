@@ -208,7 +208,8 @@ class Engine:
             self.device,
             self.kernels,
         )
-        self.table = TokenTable(config.max_running_reqs, self.max_seq_len, self.device)
+        # a row per decode row (the attention plans' buffers are as many): slots, or a verify step's samples
+        self.table = TokenTable(config.max_decode_rows, self.max_seq_len, self.device)
         self.sampler = StepSampler(self.table.flat_pool, self.proc_state, self.kernels)
         backend = self.kernels.attention
         if backend == "auto" and self.dtype == torch.float32:
@@ -283,7 +284,7 @@ class Engine:
         return pages
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
-        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_reqs)
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_decode_rows)
         if self.device.type != "cuda" or max_bs <= 0:
             return None
         from worker.attention.flashinfer_backend import FlashInferBackend

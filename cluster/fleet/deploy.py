@@ -202,7 +202,7 @@ class ReplicaHandle:
         self.followers = [
             ray.remote(Follower)
             .options(max_concurrency=2, name=name(rank), **placed(rank))
-            .remote(cfg.engine, rank, cfg.tp_size, address, cfg.collective_timeout_s)
+            .remote(cfg.ranks_engine, rank, cfg.tp_size, address, cfg.collective_timeout_s)
             for rank in range(1, cfg.tp_size)
         ]
         started = self._get(

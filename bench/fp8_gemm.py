@@ -1,0 +1,68 @@
+"""The FP8-weight linear layers of a decode step at larger batches, Qwen3-8B's shapes (e4m3 weights, a
+scale per output channel, bf16 activations quantized per token): bf16 cuBLAS beside the FP8 path at M
+rows, cuBLASLt's rowwise-scaled GEMM (`torch._scaled_mm`), with the activations' quantization and without,
+and the quantization alone. Each layer's COPIES (distinct weights, so L2 holds none of them) replayed in a
+CUDA graph; median microseconds a call, and the FP8 path's largest error against the float32 product.
+
+    python bench/fp8_gemm.py [--m 64 128 256] [--out r.json]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import time_graph  # noqa: E402
+
+from worker.quant import gemm  # noqa: E402
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
+COPIES = 6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--m", type=int, nargs="+", default=[64, 128, 256, 512])
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    results = []
+    for m in args.m:
+        for name, (k, n) in SHAPES.items():
+            ws = [(torch.randn(n, k, device="cuda") * 0.05).to(torch.float8_e4m3fn) for _ in range(COPIES)]
+            wb = [w.to(torch.bfloat16) for w in ws]
+            scale = torch.rand(n, 1, device="cuda") * 0.01 + 0.005
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ (ws[0].float() * scale).T
+
+            def err(y: torch.Tensor) -> float:
+                return ((y.float() - ref).abs().max() / ref.abs().max()).item()
+
+            row = {"m": m, "layer": name, "k": k, "n": n}
+            row["bf16_us"] = time_graph(lambda: [F.linear(x, w) for w in wb]) / COPIES
+            row["quantize_us"] = time_graph(lambda: gemm.quantize_activations(x, k))
+            xq, xs = gemm.quantize_activations(x, k)
+            row["scaled_mm_only_us"] = (
+                time_graph(
+                    lambda: [
+                        torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+                        for w in ws
+                    ]
+                )
+                / COPIES
+            )
+            row["scaled_mm_us"] = time_graph(lambda: [gemm.scaled_mm(x, w, scale) for w in ws]) / COPIES
+            row["scaled_mm_err"] = err(gemm.scaled_mm(x, ws[0], scale))
+            results.append(row)
+            print(json.dumps(row))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
