@@ -4,7 +4,7 @@ documentation with their mistakes corrected, an editing task whose answer repeat
 n-gram lookup (prompt lookup) finds what the model goes on to write. Greedy, each answer to its end of turn
 or max_tokens.
 
-    python bench/real_spec.py [--model PATH] [--dtype bfloat16] [--batches 1 32] [--methods off ngram]
+    python bench/real_spec.py [--model PATH] [--dtype bfloat16] [--batches 1 32] [--methods off ngram ngram-wait]
                               [--out r.json]
 
 For each method and batch: milliseconds per output token (a request's first token to its last over the
@@ -59,7 +59,9 @@ def main() -> None:
     parser.add_argument("--model", help="a model folder or GGUF file (default: the demo's SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--methods", nargs="+", default=["off", "ngram"], choices=["off", "ngram"])
+    parser.add_argument(
+        "--methods", nargs="+", default=["off", "ngram", "ngram-wait"], choices=["off", "ngram", "ngram-wait"]
+    )
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--passage-tokens", type=int, default=200)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -70,7 +72,10 @@ def main() -> None:
     table = []
     answers: dict[int, list] = {}
     for method in args.methods:
-        spec = {} if method == "off" else dict(speculative_method=method, num_speculative_tokens=args.k)
+        spec = {}
+        if method != "off":  # ngram-wait: each request waits for its last verify step's result
+            spec = dict(speculative_method="ngram", num_speculative_tokens=args.k)
+            spec["speculative_pipeline"] = method != "ngram-wait"
         with LLM(model, dtype=args.dtype, **spec) as llm:
             warm = edit_prompts(llm.tokenizer, 8, 99, args.passage_tokens)
             llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=32))  # kernels, graphs, allocator
