@@ -192,13 +192,42 @@ def test_greedy_with_speculation_equals_without_and_hf(model_paths, family, over
     assert on == off == hf_greedy(path, prompts, 24)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_pipelined_rows_launch_before_the_last_result_and_are_void_where_it_kept_fewer(model_paths, family):
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def cycling_path(request, model_paths, tmp_path_factory):
+    """A tiny model of that family whose output mostly follows short cycles of tokens (its layers' outputs
+    shrunk, its LM head leaning to a permutation of the current token's embedding), so that n-gram lookup
+    finds proposals it keeps whole at some steps and cuts short at others."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = model_paths[request.param], tmp_path_factory.mktemp(f"cycling-{request.param}")
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    w = load_file(str(src / "model.safetensors"))
+    for name in w:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = w[name] * 0.02
+    emb = w["model.embed_tokens.weight"]
+    rng = np.random.default_rng(0)
+    order, nxt, i = rng.permutation(len(emb)).tolist(), list(range(len(emb))), 0
+    while i < len(order):  # cycles of 1-6 tokens
+        cycle = order[i : i + int(rng.integers(1, 7))]
+        for a, b in zip(cycle, cycle[1:] + cycle[:1]):
+            nxt[a] = b
+        i += len(cycle)
+    prev = torch.empty(len(emb), dtype=torch.long)
+    prev[torch.tensor(nxt)] = torch.arange(len(emb))
+    w["lm_head.weight"] = (w["lm_head.weight"] + 3 * (emb / emb.norm(dim=1, keepdim=True))[prev]).contiguous()
+    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_pipelined_rows_launch_before_the_last_result_and_are_void_where_it_kept_fewer(cycling_path):
     """In the overlap loop a request's next verify row launches while its last is in flight, as if that one
     kept every proposal; where it kept fewer, the later row is dropped and its KV given back. Greedy and
     seeded outputs (logprobs too) equal those with the pipeline off and without speculation, and pages
     stay whole (checked_llm)."""
-    path = model_paths[family]
+    path = cycling_path
     params = [
         SamplingParams(max_tokens=64, temperature=0.8 if i % 2 else 0.0, seed=i, logprobs=1, ignore_eos=True)
         for i in range(len(PROMPTS))
@@ -255,6 +284,10 @@ def test_a_pipelined_request_waits_only_where_its_tail_is_unknown():
     assert spec.propose([req]) == [[7, 8, 5]] and req.tail == [7, 8, 5, 6]  # after [..., 5, 6] + [7, 8, 5, 6]
     spec.accept(req, 3, 2, void=4)  # the first kept one proposal: the row after it is void
     assert req.tail == [] and spec.num_void_rows == 1
+    # having lost the bet, it waits for its next verify step's result; one that keeps all ends the wait
+    assert DecodeManager._waits(req, speculating=True)
+    spec.accept(req, 3, 4)
+    assert req.kept_all and not DecodeManager._waits(req, speculating=True)
     req.tail = None  # a plain row in flight
     assert DecodeManager._waits(req, speculating=True) and not DecodeManager._waits(req, speculating=False)
 

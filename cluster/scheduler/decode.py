@@ -55,7 +55,7 @@ class DecodeManager:
         if req.matcher is not None:
             return True
         if req.pipelines:  # a row launched after its row in flight is void if that one keeps fewer
-            return speculating and not req.spec_pause and req.tail is None
+            return speculating and not req.spec_pause and (req.tail is None or not req.kept_all)
         return req.verifying or (speculating and req.speculates and not req.spec_pause)
 
     def _make_room(self, decoding: list[Req], in_flight: bool) -> list[Req]:

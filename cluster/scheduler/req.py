@@ -37,6 +37,9 @@ class Req:
     # they are unknown (a plain row's sample): it waits for its result before it speculates again
     pipelines: bool = False
     tail: list[int] | None = field(default_factory=list)
+    # whether its last verify step kept every proposal: the pipeline's bet on the step in flight is taken
+    # only then (where proposals are lately cut short, it waits instead of launching rows likely void)
+    kept_all: bool = True
     # speculation's back-off: decode steps left in which it neither speculates nor waits for its own
     # result (its proposals lately found nothing or were all rejected), and how many times in a row
     spec_pause: int = 0

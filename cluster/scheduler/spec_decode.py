@@ -13,14 +13,15 @@ decodes in the overlap loop. At launch a verify row advances as if every proposa
 moves it back to what was and trims the pages of the rejected positions.
 
 With speculative_pipeline (n-gram, the overlap loop), a request without penalties, biases or a grammar
-does not wait: its next row launches while its last verify step is in flight, as if that one kept every
-proposal. Its proposals then continue from its tail (Req.tail): the last row's proposals and the token the
-lookup expects after them, asked for with them (a lookup of k + 1 tokens). Those are proposals like any
-other, so a wrong guess costs only acceptance; but where the last step keeps fewer than all, the row
-launched after it stands on positions that were not kept: the scheduler voids it (its samples are
-dropped, its KV given back with the rejected positions'). The token pool stays right for the next row:
-the void row wrote only past every position the earlier step could keep. Sampling is a function of
-(seed, position), so a void row leaves no trace in what is sampled later.
+does not wait for its verify step in flight: its next row launches meanwhile, as if that step kept every
+proposal. It takes that bet only while its last handled verify step kept every proposal (after one that
+kept fewer, the bet would likely lose: it waits). Its proposals then continue from its tail (Req.tail):
+the last row's proposals and the token the lookup expects after them, asked for with them (a lookup of
+k + 1 tokens). Those are proposals like any other, so a wrong guess costs only acceptance; but where the
+last step keeps fewer than all, the row launched after it stands on positions that were not kept: the
+scheduler voids it (its samples are dropped, its KV given back with the rejected positions'). The token
+pool stays right for the next row: the void row wrote only past every position the earlier step could
+keep. Sampling is a function of (seed, position), so a void row leaves no trace in what is sampled later.
 
 Waiting costs the overlap: the host's work between two of the request's steps leaves the device idle.
 So a request whose proposals do not pay backs off: after a row whose lookup found nothing, or whose
@@ -137,6 +138,7 @@ class Speculator:
         them the `void` tokens of its row launched after this one (in the pipeline), void since this one
         kept fewer than all."""
         rejected = num_drafts + 1 - num_new + void
+        req.kept_all = not rejected
         if void:
             req.tail = []  # nothing of it in flight counts now
             self.num_void_rows += 1
