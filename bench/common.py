@@ -478,6 +478,9 @@ class TokenArrivals:
     arrivals: dict[int, list[float]]  # by request: when each of its tokens reached the scheduler's output
     drafted: int
     accepted: int
+    # rows launched on a verify step still in flight (speculation's pipeline), and of them those void
+    pipelined: int = 0
+    void: int = 0
 
     @property
     def ms_per_token(self) -> float:
@@ -503,6 +506,8 @@ def token_arrivals(llm: LLM, prompts: list[list[int]], params) -> TokenArrivals:
 
     sched.on_output = on_output
     before = sched.snapshot()
+    spec = sched.spec
+    rows = (spec.num_pipelined_rows, spec.num_void_rows) if spec is not None else (0, 0)
     try:
         outputs = llm.generate(prompts, params)
     finally:
@@ -513,6 +518,8 @@ def token_arrivals(llm: LLM, prompts: list[list[int]], params) -> TokenArrivals:
         arrivals,
         after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
         after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
+        spec.num_pipelined_rows - rows[0] if spec is not None else 0,
+        spec.num_void_rows - rows[1] if spec is not None else 0,
     )
 
 

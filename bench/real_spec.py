@@ -50,6 +50,9 @@ def measure(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
         "output_tok_per_s": tokens / elapsed,
         "output_tokens": tokens,
         "acceptance": run.acceptance,
+        # rows launched on a verify step still in flight (speculation's pipeline), and of them those void
+        "pipelined_rows": run.pipelined,
+        "void_rows": run.void,
         "answers": [o.token_ids for o in run.outputs],
     }
 
@@ -92,7 +95,8 @@ def main() -> None:
                 result[f"{method}_b{batch}"] = r
                 acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
                 table.append((f"{method} batch {batch}", f"{r['ms_per_token']:.3f} ms/token, "
-                              f"{r['output_tok_per_s']:,.0f} tok/s, acceptance {acc}"))  # fmt: skip
+                              f"{r['output_tok_per_s']:,.0f} tok/s, acceptance {acc}, "
+                              f"pipelined rows {r['pipelined_rows']} (void {r['void_rows']})"))  # fmt: skip
     for method in args.methods:
         for batch in args.batches:
             if method != "off" and f"off_b{batch}" in result:

@@ -51,8 +51,6 @@ def measure(llm: LLM, batch: int, args, seed: int) -> dict:
     vocab = llm.engine.hf_config.vocab_size
     prompts = [rng.integers(0, vocab, size=args.prompt_len).tolist() for _ in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    sched = llm.scheduler.spec
-    rows = (sched.num_pipelined_rows, sched.num_void_rows) if sched is not None else (0, 0)
     run = token_arrivals(llm, prompts, params)
     times = list(run.arrivals.values())
     start, end = max(t[0] for t in times), max(t[-1] for t in times)
@@ -63,8 +61,8 @@ def measure(llm: LLM, batch: int, args, seed: int) -> dict:
         "draft_tokens": run.drafted,
         "accepted_tokens": run.accepted,
         # rows launched on a verify step still in flight, and of them those void (it kept fewer than all)
-        "pipelined_rows": sched.num_pipelined_rows - rows[0] if sched is not None else 0,
-        "void_rows": sched.num_void_rows - rows[1] if sched is not None else 0,
+        "pipelined_rows": run.pipelined,
+        "void_rows": run.void,
     }
 
 
