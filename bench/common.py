@@ -171,6 +171,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         choices=["fp8"],
         help="fp8: the (dummy) weights quantized at load to e4m3 per output channel (default: bf16 weights)",
     )
+    parser.add_argument(
+        "--speculative-method",
+        choices=["ngram", "draft"],
+        help="speculative decoding (default: off); draft: a draft with the model's own (dummy) weights",
+    )
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
 
 
 def kernels_of(args: argparse.Namespace) -> Kernels:
@@ -200,9 +206,21 @@ def make_llm(args: argparse.Namespace) -> LLM:
         kv_cache_dtype=args.kv_cache_dtype,
         mixed_steps=not args.no_mixed_steps,
         quantization=args.quantization,
+        **speculation_of(args),
         # the engine's default unless asked: a benchmark "at the defaults" measures what users run
         **({"max_extend_tokens": args.max_extend_tokens} if args.max_extend_tokens is not None else {}),
     )
+
+
+def speculation_of(args: argparse.Namespace) -> dict:
+    """The speculative-decoding settings the flags ask for (none by default)."""
+    method = getattr(args, "speculative_method", None)
+    if method is None:
+        return {}
+    spec = dict(speculative_method=method, num_speculative_tokens=args.num_speculative_tokens)
+    if method == "draft":
+        spec["speculative_model"] = model_folder(args.arch)
+    return spec
 
 
 def config_of(args: argparse.Namespace) -> dict:
@@ -221,6 +239,7 @@ def config_of(args: argparse.Namespace) -> dict:
         "page_size": args.page_size,
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
+        "speculative_method": getattr(args, "speculative_method", None),
         "mixed_steps": not args.no_mixed_steps,
         "max_extend_tokens": args.max_extend_tokens
         if args.max_extend_tokens is not None

@@ -54,10 +54,12 @@ def main() -> None:
     llm.generate(warm_prompts, SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True, seed=0))
 
     llm.engine.step_timer = timer = StepTimer()
+    before = llm.stats()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     llm.engine.step_timer = None
+    after = llm.stats()
     output_tokens = sum(len(o.token_ids) for o in outs)
     input_tokens = sum(len(p) for p in prompts)
     result = {
@@ -72,6 +74,9 @@ def main() -> None:
         "startup": llm.engine.startup.as_dict(),
         "output_tok_per_s": output_tokens / elapsed,
         "total_tok_per_s": (input_tokens + output_tokens) / elapsed,
+        "spec_decode_num_draft_tokens": after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+        "spec_decode_num_accepted_tokens": after.spec_decode_num_accepted_tokens
+        - before.spec_decode_num_accepted_tokens,
         **timer.decode_summary(),
         **timer.phase_summary(),
     }
@@ -96,6 +101,10 @@ def main() -> None:
         ("engine start", str(llm.engine.startup)),
         ("seconds", elapsed),
         ("output tok/s", result["output_tok_per_s"]),
+        (
+            "speculation: proposed / accepted",
+            f"{result['spec_decode_num_draft_tokens']:,} / {result['spec_decode_num_accepted_tokens']:,}",
+        ),  # fmt: skip
         ("decode step ms (median)", result.get("decode_step_ms_median", float("nan"))),
         ("idle between decode steps % (median)", result.get("idle_pct_of_step_median", float("nan"))),
         ("idle between decode steps % (total)", result.get("idle_pct_of_step_total", float("nan"))),
