@@ -29,7 +29,8 @@
 #                  n-gram and a draft identical to the target (random weights, greedy)
 #   real           the real model (SmolLM2-135M-Instruct's GGUF) in bf16 against transformers' bf16,
 #                  bench/real_text.py and bench/real_spec.py (n-gram speculation on an editing task); the
-#                  file from .real/ (split parts, carried over calls) or the cache
+#                  file from .real/ (split parts, carried over calls) or the cache; transformers reads it
+#                  through the `gguf` package, which the GPU hosts lack (`pip download --no-deps -d .whl gguf`)
 #   peer           mini-sglang on the same token lists ((a) and (b); needs .peer/, see ../shared/peer)
 #   save           FlashInfer's built modules and Triton's cache into $OUT/kernels.tar.xz
 #
