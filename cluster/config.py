@@ -176,7 +176,8 @@ class ReplicaConfig:
         if s.speculative_method is None:
             return self.engine
         rows = min(self.engine.max_running_reqs, s.speculative_max_batch) * (s.num_speculative_tokens + 1)
-        return replace(self.engine, max_verify_rows=rows)
+        # a verify step computes at most max_extend_tokens tokens, a sample each
+        return replace(self.engine, max_verify_rows=min(rows, s.max_extend_tokens))
 
     @property
     def rank0_engine(self) -> EngineConfig:

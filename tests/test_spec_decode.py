@@ -271,9 +271,10 @@ def test_a_verify_step_of_every_speculating_request_runs_as_decode_rows(qwen3_pa
     assert on == hf_greedy(qwen3_path, prompts, 24, ignore_eos=True)
 
 
-def test_a_pipelined_request_waits_only_where_its_tail_is_unknown():
+def test_a_pipelined_request_waits_only_where_its_tail_is_unknown_or_its_last_bet_lost():
     """Its next proposals follow its tail (the proposals in flight and the token looked up after them):
-    known, it does not wait for its result; after a plain row (unknown), it does, while speculating."""
+    known, it does not wait for its result; after a plain row (unknown), it does, while speculating; after
+    a verify step cut short, its next row (beside the void one) is no bet, but the one after it waits."""
     from cluster.scheduler.decode import DecodeManager
 
     spec, req = _backoff_speculator(0), _speculating_req([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])
@@ -284,7 +285,9 @@ def test_a_pipelined_request_waits_only_where_its_tail_is_unknown():
     assert spec.propose([req]) == [[7, 8, 5]] and req.tail == [7, 8, 5, 6]  # after [..., 5, 6] + [7, 8, 5, 6]
     spec.accept(req, 3, 2, void=4)  # the first kept one proposal: the row after it is void
     assert req.tail == [] and spec.num_void_rows == 1
-    # having lost the bet, it waits for its next verify step's result; one that keeps all ends the wait
+    assert not DecodeManager._waits(req, speculating=True)  # only a void row in flight: no bet to take
+    assert spec.propose([req]) == [[7, 8, 5]]  # its next row, from what it kept
+    # having lost the last bet, it waits for that row's result; one that keeps all ends the wait
     assert DecodeManager._waits(req, speculating=True)
     spec.accept(req, 3, 4)
     assert req.kept_all and not DecodeManager._waits(req, speculating=True)

@@ -54,8 +54,12 @@ class DecodeManager:
         """Whether req, if its last step is in flight, waits for its result before its next one."""
         if req.matcher is not None:
             return True
-        if req.pipelines:  # a row launched after its row in flight is void if that one keeps fewer
-            return speculating and not req.spec_pause and (req.tail is None or not req.kept_all)
+        if req.pipelines:
+            # a row launched after its row in flight is void if that one keeps fewer: it waits where its
+            # next proposals are unknown (tail None), or where its last bet lost (a row in flight behind
+            # a verify step cut short); with only a void row in flight (tail []) there is no bet to take
+            lost = bool(req.tail) and not req.kept_all
+            return speculating and not req.spec_pause and (req.tail is None or lost)
         return req.verifying or (speculating and req.speculates and not req.spec_pause)
 
     def _make_room(self, decoding: list[Req], in_flight: bool) -> list[Req]:

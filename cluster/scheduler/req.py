@@ -30,11 +30,14 @@ class Req:
     after: Req | None = None  # another choice of the same prompt: admitted once that one's prompt is cached
     matcher: object = None  # with params.grammar: its xgrammar matcher, once the grammar is compiled
     speculates: bool = False  # its decode steps may verify proposed tokens
-    verifying: bool = False  # a step that verifies proposals for it is in flight: its state is provisional
+    # a step that verifies proposals for it is in flight: its state is provisional (in speculation's
+    # pipeline, the one after that step may verify too: the flag follows the step handled last)
+    verifying: bool = False
     # speculation's pipeline (speculative_pipeline): its next verify step may launch while its last one is
     # in flight, as if that one kept every proposal; `tail` holds the tokens its row in flight then adds
-    # (the proposals and the token the lookup expects after them), [] with no row in flight, None where
-    # they are unknown (a plain row's sample): it waits for its result before it speculates again
+    # (the proposals and the token the lookup expects after them), [] with no row in flight that counts
+    # (none, or a void one), None where they are unknown (a plain row's sample): it then waits for its
+    # result before it speculates again
     pipelines: bool = False
     tail: list[int] | None = field(default_factory=list)
     # whether its last verify step kept every proposal: the pipeline's bet on the step in flight is taken

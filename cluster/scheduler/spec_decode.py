@@ -50,9 +50,8 @@ class Speculator:
         self.pipeline = config.speculative_pipeline and config.overlap
         self.num_draft_tokens = 0  # proposed, over every verify step
         self.num_accepted_tokens = 0  # of them, kept
-        self.num_pipelined_rows = (
-            0  # rows launched while the last verify step of their request was in flight (counted when it is handled)
-        )
+        # rows launched while the last verify step of their request was in flight (counted when it is handled)
+        self.num_pipelined_rows = 0
         self.num_void_rows = 0  # of them, void: that step kept fewer than all
 
     def pipelines(self, params: SamplingParams) -> bool:
