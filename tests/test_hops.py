@@ -111,6 +111,21 @@ def test_the_replicas_hops_cross_as_intervals_whatever_its_clock():
     assert sum(v for name, v in hops.items()) == pytest.approx(0.011)
 
 
+def test_a_replica_share_longer_than_the_round_trip_is_cut_to_it_the_latest_hops_first():
+    # the stamps around the round trip are taken after the write and the read: a paused thread can leave
+    # the round trip (here 3 ms) shorter than the replica's intervals (5.5 ms); every hop stays whole and
+    # they still sum to the TTFT
+    timing = Timing(arrival=10.0, parsed=10.001, tokenized=10.002, submitted=10.003)
+    timing.hops = FirstTokenHops(0.001, 0.004, 0.0005)
+    timing.hops.router_received = 10.006
+    timing.received(1, 10.007)
+    hops = request_hops(timing)
+    assert all(v >= 0 for _, v in hops.items())
+    assert (hops.request_transfer, hops.request_first_flush) == (0.0, 0.0)
+    assert hops.request_queue == pytest.approx(0.001) and hops.request_prefill == pytest.approx(0.002)
+    assert sum(v for _, v in hops.items()) == pytest.approx(0.007)
+
+
 def test_a_request_without_the_replicas_hops_has_none():
     timing = Timing(arrival=1.0, submitted=1.001)
     timing.received(1, 1.01)

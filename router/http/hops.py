@@ -49,19 +49,34 @@ def request_hops(timing: Timing) -> RequestHops | None:
     if hops is None or hops.router_received is None or timing.submitted is None or first is None:
         return None
     start = timing.tokenized if timing.tokenized is not None else timing.arrival
-    round_trip = hops.router_received - timing.submitted
+    round_trip = max(0.0, hops.router_received - timing.submitted)
+    # the replica's share lies inside the round trip, but the stamps around it are taken after the write
+    # and after the read: a thread paused between its write and its clock (a busy host) or a drift of the
+    # clocks' rates can leave the round trip shorter. Then the replica's hops are cut to fit it, the
+    # latest first, so that every hop stays whole and they still sum to the TTFT
+    queue, prefill, flush = _fit((hops.queue_s, hops.prefill_s, hops.flush_s), round_trip)
     return RequestHops(
         router_parse=_between(timing.arrival, timing.parsed),
         router_tokenize=_between(timing.parsed, timing.tokenized),
         router_submit=max(0.0, timing.submitted - start),
-        # the replica's share is inside the round trip; only a drift of the clocks' rates could make it less
-        request_transfer=max(0.0, round_trip - hops.replica_s),
-        request_queue=hops.queue_s,
-        request_prefill=hops.prefill_s,
-        request_first_flush=hops.flush_s,
+        request_transfer=max(0.0, round_trip - (queue + prefill + flush)),
+        request_queue=queue,
+        request_prefill=prefill,
+        request_first_flush=flush,
         router_detokenize=max(0.0, first - hops.router_received),
         router_first_chunk_write=_between(first, timing.first_chunk_written),
     )
+
+
+def _fit(spans: tuple[float, ...], total: float) -> tuple[float, ...]:
+    """`spans` cut, the last first, so that their sum is at most `total`."""
+    excess = sum(spans) - total
+    cut = []
+    for span in reversed(spans):
+        taken = min(span, max(0.0, excess))
+        excess -= taken
+        cut.append(span - taken)
+    return tuple(reversed(cut))
 
 
 def _between(start: float | None, end: float | None) -> float | None:
