@@ -464,6 +464,17 @@ class ProfileWindow:
         ]
 
 
+# Qwen3-8B's linear layers, (K, N) each: what the FP8 benchmarks time
+QWEN3_8B_LINEARS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
+
+
+def fp8_weights(n: int, k: int, copies: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """`copies` random e4m3 weights [n, k] on the GPU (distinct, so that L2 holds none of them across a
+    graph's copies) and one per-channel scale [n, 1] for them."""
+    weights = [(torch.randn(n, k, device="cuda") * 0.05).to(torch.float8_e4m3fn) for _ in range(copies)]
+    return weights, torch.rand(n, 1, device="cuda") * 0.01 + 0.005
+
+
 def time_graph(fn, reps: int = 20, calls: int = 1) -> float:
     """Median microseconds of `calls` calls of fn, over `reps` replays of one CUDA graph holding them
     (fn runs once first outside the capture: it compiles, plans and allocates there)."""

@@ -18,11 +18,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import time_graph  # noqa: E402
+from common import QWEN3_8B_LINEARS, fp8_weights, time_graph  # noqa: E402
 
 from worker.quant import gemm  # noqa: E402
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
 COPIES = 6
 
 
@@ -33,10 +32,9 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     for m in args.m:
-        for name, (k, n) in SHAPES.items():
-            ws = [(torch.randn(n, k, device="cuda") * 0.05).to(torch.float8_e4m3fn) for _ in range(COPIES)]
+        for name, (k, n) in QWEN3_8B_LINEARS.items():
+            ws, scale = fp8_weights(n, k, COPIES)
             wb = [w.to(torch.bfloat16) for w in ws]
-            scale = torch.rand(n, 1, device="cuda") * 0.01 + 0.005
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ (ws[0].float() * scale).T
 

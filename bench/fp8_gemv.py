@@ -17,11 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import time_graph  # noqa: E402
+from common import QWEN3_8B_LINEARS, fp8_weights, time_graph  # noqa: E402
 
 from worker.quant import gemm  # noqa: E402
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
 CONFIGS = list(itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8)))
 COPIES = 8
 
@@ -33,9 +32,8 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     for m in args.m:
-        for name, (k, n) in SHAPES.items():
-            ws = [(torch.randn(n, k, device="cuda") * 0.05).to(torch.float8_e4m3fn) for _ in range(COPIES)]
-            scale = torch.rand(n, 1, device="cuda") * 0.01 + 0.005
+        for name, (k, n) in QWEN3_8B_LINEARS.items():
+            ws, scale = fp8_weights(n, k, COPIES)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ (ws[0].float() * scale).T
             got = gemm.fp8_gemv(x, ws[0], scale, None).float()
