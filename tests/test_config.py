@@ -276,3 +276,14 @@ def test_the_default_router_count_follows_the_replicas_and_the_nodes_cores(
 
     monkeypatch.setattr(config_module, "usable_cores", lambda: cores)
     assert ServeConfig(replicas=replicas, routers=routers).num_routers == expected
+
+
+def test_every_rank_holds_rows_for_a_verify_steps_samples_and_the_same_number():
+    """With speculation, a verify step runs each speculating request's proposals and one more as decode
+    rows: every rank's engine (rank 0's too) holds that many, capped by a step's token budget."""
+    plain = ReplicaConfig().override(max_running_reqs=8)
+    assert plain.ranks_engine.max_decode_rows == 8 and plain.rank0_engine.max_verify_rows is None
+    spec = plain.override(speculative_method="ngram", num_speculative_tokens=3, speculative_max_batch=4)
+    assert spec.ranks_engine.max_decode_rows == spec.rank0_engine.max_decode_rows == 4 * 4
+    capped = spec.override(max_extend_tokens=10)
+    assert capped.ranks_engine.max_decode_rows == 10
