@@ -14,35 +14,19 @@ import statistics
 import time
 
 import numpy as np
-from common import ARCHS, ProfileWindow, Sections, StepTimer, add_common_args, config_of, make_llm, report
+from common import (
+    ARCHS,
+    ProfileWindow,
+    Sections,
+    StepTimer,
+    add_common_args,
+    config_of,
+    make_llm,
+    report,
+    token_arrivals,
+)
 
 from cluster import LLM, SamplingParams
-
-
-def timed_generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[float]]:
-    """The host time at which each token of each request arrived."""
-    arrivals: dict[int, list[float]] = {}
-    uids: list[int] = []
-    scheduler = llm.scheduler
-    submit, collect = scheduler.submit, scheduler.on_output
-
-    def on_submit(request, *rest):  # an AddRequest (or, before it, uid, input_ids, params)
-        uids.append(getattr(request, "uid", request))
-        submit(request, *rest)
-
-    def on_output(deltas):
-        now = time.perf_counter()
-        for d in deltas:
-            if d.token is not None:
-                arrivals.setdefault(d.uid, []).append(now)
-        collect(deltas)
-
-    scheduler.submit, scheduler.on_output = on_submit, on_output
-    try:
-        llm.generate(prompts, params)
-    finally:
-        scheduler.submit, scheduler.on_output = submit, collect
-    return [arrivals[uid] for uid in uids]
 
 
 def measure_wall(llm: LLM, batch: int, prompt_len: int, output_len: int, seed: int, vocab: int) -> dict:
@@ -64,7 +48,7 @@ def measure(llm: LLM, batch: int, prompt_len: int, output_len: int, seed: int) -
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, llm.engine.hf_config.vocab_size, size=prompt_len).tolist() for _ in range(batch)]
     params = SamplingParams(temperature=0.6, max_tokens=output_len, ignore_eos=True, seed=seed)
-    times = timed_generate(llm, prompts, params)
+    times = list(token_arrivals(llm, prompts, params).arrivals.values())  # each request's token times
     per_token_ms = [1e3 * (t[-1] - t[0]) / (len(t) - 1) for t in times]
     start, end = max(t[0] for t in times), max(t[-1] for t in times)  # every request decoding
     decoded = sum(sum(1 for x in t if x > start) for t in times)

@@ -109,7 +109,7 @@ class DraftProposer:
             np.concatenate([self._locations(seq, seq.cached_len, len(req.input_ids)) for req, seq, _ in rows]),
             np.fromiter((t for x in ids for t in x), dtype=np.int32),
         )
-        if sum(map(len, ids)) <= self.engine.config.max_running_reqs and max(map(len, ids)) <= MAX_CATCH_UP_ROWS:
+        if sum(map(len, ids)) <= self.engine.config.max_decode_rows and max(map(len, ids)) <= MAX_CATCH_UP_ROWS:
             desc.spec_lens = desc.extend_lens - 1
         return desc
 
