@@ -14,7 +14,7 @@
 #   fp8_weights    Qwen3-8B's architecture with its weights quantized to FP8 at load against bf16: (a) and
 #                  (b) batch 1, each for both
 #   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
-#                  GEMMs' tile sweep at 256 and 8,192) and the FP8 GEMV's tile sweep (bench/fp8_gemv.py)
+#                  GEMMs' tile sweep at 64, 256 and 8,192) and the FP8 GEMV's tile sweep (bench/fp8_gemv.py)
 #   prologue       the attention prologue's tiles at a decode batch and a prompt chunk (bench/prologue.py)
 #   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
@@ -178,7 +178,7 @@ for suite in "$@"; do
           "${flag[@]}" --out "$OUT/fp8_weights_latency_$q.json"
       done ;;
     kernels)
-      step moe_decode 300 python3 bench/moe_decode.py --tokens 1 4 256 8192 --grouped-sweep --out "$OUT/moe_decode.json"
+      step moe_decode 420 python3 bench/moe_decode.py --tokens 1 4 64 256 8192 --grouped-sweep --out "$OUT/moe_decode.json"
       step fp8_gemv 200 python3 bench/fp8_gemv.py --out "$OUT/fp8_gemv.json" ;;
     prologue) step prologue 200 python3 bench/prologue.py --out "$OUT/prologue.json" ;;
     prefill_heavy) offline prefill_heavy 240 --workload prefill_heavy ;;

@@ -29,8 +29,13 @@ from worker.layers.moe.torch_experts import torch_experts  # noqa: E402
 EXPERTS, TOP_K, HIDDEN, INTER, LAYERS = 128, 8, 2048, 768, 8
 GATE_UP = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
 DOWN = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs
-GROUPED = [(m, n, k, w, 3) for m, n, k, w in itertools.product((16, 32, 64, 128), (64, 128), (32, 64, 128), (4, 8))]
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs: at a decode batch (a few rows an
+# expert) short blocks, narrow to wide column tiles and long K steps, deeper or shallower pipelines; at a
+# prompt chunk (hundreds of rows an expert) tall blocks
+GROUPED_DECODE = [(16, n, k, 4, s) for n, k, s in itertools.product((32, 64, 128), (64, 128, 256), (2, 3, 4))] + [
+    (32, n, 128, 4, s) for n, s in itertools.product((64, 128), (2, 3))
+]
+GROUPED_PREFILL = [(m, n, k, w, 3) for m, n, k, w in itertools.product((64, 128), (64, 128), (64, 128), (4, 8))]
 
 
 def _name(part: str, tile: tuple[int, int, int]) -> str:
@@ -127,7 +132,7 @@ def _grouped_sweep(grouped, tokens: int) -> dict:
     block_m, tiles = fused._block_m, dict(fused.GROUPED_TILES)
     sweep = {}
     try:
-        for m, n, k, w, st in GROUPED:
+        for m, n, k, w, st in GROUPED_DECODE if tokens * TOP_K <= 32 * EXPERTS else GROUPED_PREFILL:
             fused._block_m = lambda rows, experts, m=m: m
             fused.GROUPED_TILES = {m: (n, k, w, st)}
             try:
