@@ -191,13 +191,16 @@ def _experts(
     return x, w13, w2, weights.to(dtype), ids
 
 
-@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("kernel,chunk", [(False, None), (True, 1024), (True, 16)])
 @pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
-def test_align_by_expert_puts_every_row_once_in_blocks_of_its_expert(kernel, id_dtype):
-    """Both sorts (the kernel's, and torch's for a long prompt's rows), over select_experts' int64 ids
-    and the route kernel's int32 ones."""
+def test_align_by_expert_puts_every_row_once_in_blocks_of_its_expert(kernel, chunk, id_dtype, monkeypatch):
+    """Both sorts (the kernel's, in one chunk of rows and in several, and torch's for the longest
+    prompts' rows), over select_experts' int64 ids and the route kernel's int32 ones."""
     if kernel:
         pytest.importorskip("triton")
+        from worker.layers.moe import fused
+
+        monkeypatch.setattr(fused, "ALIGN_CHUNK", chunk)
     _, _, _, _, ids = _experts(13, 8, 3, 16, 16)
     ids = ids.to(id_dtype)
     order = align_by_expert(ids, 8, block_m=4, kernel=kernel)
@@ -239,7 +242,7 @@ def test_fused_experts_equal_the_torch_loop_under_the_interpreter(tokens, num_ex
 
 
 def test_a_long_prompts_rows_sorted_by_torch_equal_the_torch_loop(monkeypatch):
-    """Past ALIGN_KERNEL_MAX_ROWS rows (a prompt chunk of over 1,024 tokens at 8 experts a token) torch
+    """Past ALIGN_KERNEL_MAX_ROWS rows (a prompt chunk of over 8,192 tokens at 8 experts a token) torch
     sorts the route kernel's int32 ids: fused_moe there equals the torch loop."""
     pytest.importorskip("triton")
     from worker.layers.moe import fused

@@ -43,9 +43,12 @@ class ExpertOrder:
     block_m: int
 
 
-# rows (tokens x top_k) up to which one program sorts them (every decode batch); more, a prefill's, are
-# sorted by torch ops (some twenty launches, nothing that waits on the host either)
-ALIGN_KERNEL_MAX_ROWS = 8192
+# rows (tokens x top_k) up to which one program sorts them (every decode batch and a prompt chunk of 8,192
+# tokens at 8 choices); more are sorted by torch ops (some twenty launches, nothing that waits on the host
+# either)
+ALIGN_KERNEL_MAX_ROWS = 65536
+# rows the sort takes at a time
+ALIGN_CHUNK = 1024
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, kernel: bool = True) -> ExpertOrder:
@@ -57,7 +60,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, kernel: b
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=ids.device)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
     num_padded = torch.empty(1, dtype=torch.int32, device=ids.device)
-    scratch = torch.empty(3 * e_p2, dtype=torch.int32, device=ids.device)
+    scratch = torch.empty(2 * e_p2 + rows, dtype=torch.int32, device=ids.device)
     _kernels().moe_align_kernel[(1,)](
         ids,
         sorted_ids,
@@ -69,7 +72,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, kernel: b
         sorted_ids.numel(),
         max_blocks,
         BLOCK_M=block_m,
-        ROWS_P2=max(16, triton_ops.triton.next_power_of_2(rows)),
+        CHUNK=min(ALIGN_CHUNK, max(16, triton_ops.triton.next_power_of_2(rows))),
         E_P2=e_p2,
         FILL=1024,
         **({"num_warps": 8} if ids.is_cuda else {}),
@@ -221,15 +224,19 @@ def _row_tiles(tiles: tuple[int, int, int], cuda: bool, width_n: int, width_k: i
 
 
 def _block_m(rows: int, num_experts: int) -> int:
-    # a block as tall as an expert's usual share of the rows: decode leaves most blocks one or two rows
+    # a block about as tall as an expert's usual share of the rows: at 8 or fewer (decode up to 128 tokens
+    # at Qwen3-MoE's 8 of 128) blocks of 16; at 16 a row (decode at 256) blocks of 32 were 7% faster
+    # (bench/moe_decode.py --grouped-sweep); a prompt chunk's hundreds, blocks of 128
     per_expert = rows / num_experts
-    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    return 16 if per_expert <= 8 else 32 if per_expert <= 48 else 64 if per_expert <= 128 else 128
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs on CUDA by BLOCK_M: narrow column tiles
-# for short blocks, so that decode spreads one expert's weights over more programs (as vLLM's default
-# configurations do); bench/moe_decode.py --grouped-sweep times others
-GROUPED_TILES = {16: (32, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 32, 4, 3)}
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs on CUDA by BLOCK_M, the fastest of
+# bench/moe_decode.py --grouped-sweep on an H200 over Qwen3-30B-A3B's experts (the sort, both GEMMs and the
+# sum, a layer): at 64 tokens 286.6 us (4.1 TB/s), at 256 323.7 us (3.7 TB/s; 362.5 with the earlier
+# 16 x 32 x 64 tiles), at 8,192 1,707 us (362 TFLOP/s; 2,249 with 64 x 64 x 32). Blocks of 64 (between
+# 768 and 2,048 tokens) take the best tile of 64 rows at 8,192, unmeasured where they apply
+GROUPED_TILES = {16: (64, 128, 4, 3), 32: (64, 128, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
 
 
 def _fit(tile: int, width: int, least: int = 16) -> int:

@@ -290,12 +290,14 @@ def moe_align_kernel(
     num_slots,
     num_blocks,
     BLOCK_M: tl.constexpr,
-    ROWS_P2: tl.constexpr,
+    CHUNK: tl.constexpr,
     E_P2: tl.constexpr,
     FILL: tl.constexpr,
 ):
-    # one program: counts per expert (atomics into scratch), each expert's padded start (a cumsum), then
-    # the rows sorted by (expert, row) and scattered to their slots; barriers order the phases
+    # one program, rows taken CHUNK at a time: each row's rank among its expert's rows is what the atomic
+    # count returns (in no set order: the GEMMs compute each row alone, so a row's place in its expert's
+    # blocks changes none of its bits), then each expert's padded start (a cumsum), then each row goes to
+    # start + rank. Barriers order the phases. scratch: counts [E_P2], padded starts [E_P2], ranks [rows]
     e_offs = tl.arange(0, E_P2)
     tl.store(scratch_ptr + e_offs, tl.zeros((E_P2,), dtype=tl.int32))
     for start in range(0, num_slots, FILL):
@@ -305,22 +307,24 @@ def moe_align_kernel(
         o = start + tl.arange(0, FILL)
         tl.store(expert_ids_ptr + o, tl.full((FILL,), -1, tl.int32), mask=o < num_blocks)
     tl.debug_barrier()
-    offs = tl.arange(0, ROWS_P2)
-    valid = offs < rows
-    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
-    tl.atomic_add(scratch_ptr + ids, tl.full((ROWS_P2,), 1, tl.int32), mask=valid)
+    ranks_ptr = scratch_ptr + 2 * E_P2
+    for start in range(0, rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        valid = offs < rows
+        ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+        rank = tl.atomic_add(scratch_ptr + ids, tl.full((CHUNK,), 1, tl.int32), mask=valid)
+        tl.store(ranks_ptr + offs, rank, mask=valid)
     tl.debug_barrier()
     counts = tl.load(scratch_ptr + e_offs, mask=e_offs < num_experts, other=0, volatile=True)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     tl.store(scratch_ptr + E_P2 + e_offs, tl.cumsum(padded, 0) - padded)
-    tl.store(scratch_ptr + 2 * E_P2 + e_offs, tl.cumsum(counts, 0) - counts)
     tl.store(num_padded_ptr, tl.sum(padded, 0))
     tl.debug_barrier()
-    keys = tl.sort(tl.where(valid, ids, num_experts) * ROWS_P2 + offs)
-    expert = keys // ROWS_P2
-    ok = expert < num_experts
-    padded_start = tl.load(scratch_ptr + E_P2 + expert, mask=ok, other=0, volatile=True)
-    start = tl.load(scratch_ptr + 2 * E_P2 + expert, mask=ok, other=0, volatile=True)
-    dest = padded_start + offs - start
-    tl.store(sorted_ids_ptr + dest, keys % ROWS_P2, mask=ok)
-    tl.store(expert_ids_ptr + dest // BLOCK_M, expert, mask=ok)
+    for start in range(0, rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        valid = offs < rows
+        expert = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+        rank = tl.load(ranks_ptr + offs, mask=valid, other=0, volatile=True)
+        dest = tl.load(scratch_ptr + E_P2 + expert, mask=valid, other=0, volatile=True) + rank
+        tl.store(sorted_ids_ptr + dest, offs, mask=valid)
+        tl.store(expert_ids_ptr + dest // BLOCK_M, expert, mask=valid)
