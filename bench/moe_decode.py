@@ -90,7 +90,9 @@ def main() -> None:
         row["tflop_s"] = tokens * TOP_K * 3 * INTER * HIDDEN * 2 / row["grouped_us"] / 1e6
         ids = fused.route(logits[0], TOP_K, True)[1]
         row["sort_us"] = time_graph(lambda: fused.align_by_expert(ids, EXPERTS, row["grouped_block_m"]))
-        row["sort_torch_us"] = time_graph(lambda: fused.align_by_expert(ids, EXPERTS, row["grouped_block_m"], kernel=False))
+        row["sort_torch_us"] = time_graph(
+            lambda: fused.align_by_expert(ids, EXPERTS, row["grouped_block_m"], kernel=False)
+        )
         if not fused.per_row_applies(tokens * TOP_K, EXPERTS):
             if args.grouped_sweep:
                 row.update(_grouped_sweep(grouped, tokens))
