@@ -353,3 +353,23 @@ def test_a_tp_size_that_does_not_divide_the_experts_width_is_refused(qwen3_moe_p
     (tmp_path / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 34}))
     with pytest.raises(ConfigError, match="moe_intermediate_size 34"):
         ServeConfig().override(model=str(tmp_path), tp_size=4).check_against_model()
+
+
+@pytest.mark.parametrize("num_experts,top_k,max_tokens", [(128, 8, 8192), (8, 2, 8192), (60, 4, 512)])
+def test_warm_token_counts_take_every_variant_of_the_fused_path(num_experts, top_k, max_tokens):
+    """An engine's warm-up runs the fused path at these counts: between them every path a step of up to
+    max_tokens can take (per-row, each block height, the kernel's sort and torch's), one count each, so
+    no live step compiles a kernel."""
+    from worker.layers.moe import fused
+
+    def variant(tokens):
+        rows = tokens * top_k
+        if fused.per_row_applies(rows, num_experts):
+            return ("per_row",)
+        return (fused._block_m(rows, num_experts), rows <= fused.ALIGN_KERNEL_MAX_ROWS)
+
+    counts = fused.warm_token_counts(num_experts, top_k, max_tokens)
+    assert counts == sorted(counts) and counts[0] == 1 and counts[-1] <= max_tokens
+    every = {variant(t) for t in range(1, max_tokens + 1)}
+    assert {variant(t) for t in counts} == every
+    assert len(counts) == len(every)  # one count a variant

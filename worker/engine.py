@@ -34,6 +34,7 @@ from worker.draft_budget import draft_memory
 from worker.graph_io import IO
 from worker.kernel_builds import serialize_flashinfer_builds
 from worker.kv_cache import KVCachePool
+from worker.layers.moe.block import SparseMoeBlock
 from worker.loader import CheckpointError, init_dummy_weights, load_weights
 from worker.models import build_model
 from worker.parallel import TPGroup
@@ -242,6 +243,10 @@ class Engine:
             self.model.model.layers[0].self_attn.warm_prologue(
                 self.attn, self.scratch_page * self.page_size, self.dtype
             )
+            # the experts' kernels at every block height a step can take (all layers share them)
+            moe = next((m for m in self.model.modules() if isinstance(m, SparseMoeBlock)), None)
+            if moe is not None:
+                moe.warm_kernels(self.config.max_extend_tokens)
 
         def one(value, dtype):
             return np.array([value], dtype=dtype)

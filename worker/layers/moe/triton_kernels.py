@@ -18,7 +18,7 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one variant a tile, whatever the row count
 def moe_gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -75,7 +75,7 @@ def moe_gate_up_kernel(
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # one variant a tile, whatever the row count
 def moe_down_kernel(
     h_ptr,
     w_ptr,
@@ -278,7 +278,7 @@ def moe_row_down_kernel(
     tl.store(out_ptr + t * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "num_slots", "num_blocks"])  # one variant a tile, whatever the row count
 def moe_align_kernel(
     ids_ptr,
     sorted_ids_ptr,
