@@ -246,7 +246,7 @@ class Engine:
             # the experts' kernels at every block height a step can take (all layers share them)
             moe = next((m for m in self.model.modules() if isinstance(m, SparseMoeBlock)), None)
             if moe is not None:
-                moe.warm_kernels(self.config.max_extend_tokens)
+                moe.warm_kernels()
 
         def one(value, dtype):
             return np.array([value], dtype=dtype)

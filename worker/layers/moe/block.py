@@ -72,14 +72,14 @@ class SparseMoeBlock(nn.Module):
             out = self.tp.comm.all_reduce(out)
         return out
 
-    def warm_kernels(self, max_tokens: int) -> None:
-        """Runs the fused path once at each of warm_token_counts up to max_tokens (zeros in, nothing kept,
-        no collective): Triton compiles every variant a step can take here, not in a live step."""
+    def warm_kernels(self) -> None:
+        """Runs the fused path once at each of warm_token_counts (zeros in, nothing kept, no collective):
+        Triton compiles every variant a step can take here, not in a live step."""
         w13, w2 = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
         hidden, num_experts = w13.shape[2], w13.shape[0]
         if not fused_applies(self.kernels, w13[:1, :1]):
             return
-        for tokens in warm_token_counts(num_experts, self.top_k, max_tokens):
+        for tokens in warm_token_counts(num_experts, self.top_k):
             x = torch.zeros(tokens, hidden, dtype=w13.dtype, device=w13.device)
             logits = torch.zeros(tokens, num_experts, dtype=w13.dtype, device=w13.device)
             fused_moe(x, logits, w13, w2, self.top_k, self.renormalize)

@@ -240,20 +240,22 @@ def _block_m(rows: int, num_experts: int) -> int:
 GROUPED_TILES = {16: (64, 128, 4, 3), 32: (64, 128, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
 
 
-def warm_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[int]:
-    """Token counts, up to max_tokens, that between them take every variant of the fused path's kernels
-    (the per-row path, each block height of the grouped GEMMs, the sort's kernel and torch's): an engine
-    runs them at start, so that no live step compiles one."""
+def warm_token_counts(num_experts: int, top_k: int) -> list[int]:
+    """Token counts that between them take every variant of the fused path's kernels (the per-row path,
+    each block height of the grouped GEMMs, the sort's kernel and torch's), one count each: an engine
+    runs them at start, so that no live step compiles one. Past the last bound (128 rows an expert, the
+    sort kernel's rows) every count takes the same variant."""
     counts, seen, t = [], set(), 1
-    while t <= max_tokens:
+    while True:
         rows = t * top_k
         per_row = per_row_applies(rows, num_experts)
         key = (per_row, None if per_row else _block_m(rows, num_experts), rows <= ALIGN_KERNEL_MAX_ROWS)
         if key not in seen:
             seen.add(key)
             counts.append(t)
+        if rows > max(128 * num_experts, ALIGN_KERNEL_MAX_ROWS):
+            return counts
         t += 1 if t < 16 else t // 16  # every count to 16, then steps of a sixteenth
-    return counts
 
 
 def _fit(tile: int, width: int, least: int = 16) -> int:
