@@ -1,0 +1,110 @@
+"""The memory floor of a workload's decode: the bytes each decode step must read from HBM (the weights its
+tokens touch, the KV cache of every running request), summed over the steps the workload's output
+lengths make, at a given bandwidth. A bound, not a model: prefill, launches and every kernel's own
+inefficiency come on top. For a mixture of experts the weights a step touches depend on the batch: b
+tokens choosing k of E experts uniformly touch E * (1 - (1 - k/E)^b) experts a layer on average, nearly
+all of them from a few dozen tokens on, so a decode step costs nearly the whole expert weights until the
+batch is small, and the floor of a workload whose batch shrinks as requests finish lies well below
+batch 256's tokens per second.
+
+    python bench/memory_floor.py --arch qwen3-30b-a3b [--workload default] [--tb-s 4.3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+import numpy as np
+from common import ARCHS
+from offline_throughput import WORKLOADS, workload
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """What one decode step reads: fixed weights (attention, dense MLPs, norms, the LM head), experts'
+    weights per expert per layer, and KV cache per token of context."""
+
+    fixed: float
+    per_expert: float
+    experts: int
+    top_k: int
+    moe_layers: int
+    kv_per_token: float
+
+
+def step_bytes(cfg: dict, weight_bytes: float = 2, kv_bytes: float = 2) -> StepBytes:
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    attention = hidden * (q + 2 * kv) + q * hidden
+    lm_head = cfg["vocab_size"] * hidden
+    experts = cfg.get("num_experts", 0)
+    if experts:
+        per_expert = 3 * hidden * cfg["moe_intermediate_size"]
+        dense_mlp, moe_layers = hidden * experts, layers  # the router's weights
+    else:
+        per_expert, dense_mlp, moe_layers = 0, 3 * hidden * cfg["intermediate_size"], 0
+    return StepBytes(
+        fixed=weight_bytes * (layers * (attention + dense_mlp) + lm_head),
+        per_expert=weight_bytes * per_expert,
+        experts=experts,
+        top_k=cfg.get("num_experts_per_tok", 0),
+        moe_layers=moe_layers,
+        kv_per_token=kv_bytes * 2 * layers * kv,
+    )
+
+
+def decode_floor(b: StepBytes, prompt_lens: np.ndarray, output_lens: np.ndarray, bandwidth: float) -> dict:
+    """Every request decoding from the first step (the whole workload admitted at once), one token a step."""
+    seconds, expert_s, kv_s = 0.0, 0.0, 0.0
+    for step in range(int(output_lens.max())):
+        alive = output_lens > step
+        batch = int(alive.sum())
+        touched = b.experts * (1 - (1 - b.top_k / b.experts) ** batch) if b.experts else 0.0
+        kv = float((prompt_lens[alive] + step).sum()) * b.kv_per_token
+        experts = touched * b.per_expert * b.moe_layers
+        seconds += (b.fixed + experts + kv) / bandwidth
+        expert_s += experts / bandwidth
+        kv_s += kv / bandwidth
+    tokens = int(output_lens.sum())
+    return {
+        "output_tokens": tokens,
+        "decode_steps": int(output_lens.max()),
+        "floor_s": seconds,
+        "experts_s": expert_s,
+        "kv_s": kv_s,
+        "floor_tok_s": tokens / seconds,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="qwen3-30b-a3b", choices=sorted(ARCHS))
+    p.add_argument("--workload", default="default", choices=sorted(WORKLOADS))
+    p.add_argument("--tb-s", type=float, default=4.3, help="HBM bandwidth, TB/s (an H200 copies at about 4.3)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    cfg = ARCHS[args.arch]
+    n = WORKLOADS[args.workload][0]
+    prompts, params = workload(n, args.seed, cfg["vocab_size"], args.workload)
+    b = step_bytes(cfg)
+    report = {
+        "arch": args.arch,
+        "workload": args.workload,
+        "tb_s": args.tb_s,
+        **decode_floor(
+            b,
+            np.array([len(x) for x in prompts]),
+            np.array([x.max_tokens for x in params]),
+            args.tb_s * 1e12,
+        ),
+    }
+    full = b.fixed + b.per_expert * b.experts * b.moe_layers
+    report["batch_256_step_weights_gb"] = full / 1e9
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
