@@ -193,6 +193,7 @@ def _per_row(
         ROUTE=route_here,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        K_STEPS=triton_ops.triton.cdiv(hidden, block_k),
         **options,
     )
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
@@ -212,6 +213,7 @@ def _per_row(
         TOP_K=top_k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        K_STEPS=triton_ops.triton.cdiv(inter, block_k),
         **options,
     )
     return out
