@@ -193,7 +193,6 @@ def _per_row(
         ROUTE=route_here,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        K_STEPS=triton_ops.triton.cdiv(hidden, block_k),
         **options,
     )
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
@@ -213,7 +212,6 @@ def _per_row(
         TOP_K=top_k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        K_STEPS=triton_ops.triton.cdiv(inter, block_k),
         **options,
     )
     return out

@@ -203,7 +203,6 @@ def moe_row_gate_up_kernel(
     ROUTE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    K_STEPS: tl.constexpr,
 ):
     # the per-row path of a few tokens (decode at small batch): one program per ((token, choice) row r,
     # column tile), a matrix-vector product over its expert's gate and up rows, h[r] = silu(x g^T) * (x u^T).
@@ -228,9 +227,7 @@ def moe_row_gate_up_kernel(
     u_ptrs = g_ptrs + inter * stride_wn
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # a static loop: unrolled, so every step's loads issue before the first one's sum waits on memory
-    for step in tl.static_range(K_STEPS):
-        k0 = step * BLOCK_K
+    for k0 in range(0, hidden, BLOCK_K):
         k_ok = offs_k < hidden - k0
         xv = tl.load(x_ptr + t * stride_x + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         mask = n_ok[:, None] & k_ok[None, :]
@@ -258,7 +255,6 @@ def moe_row_down_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    K_STEPS: tl.constexpr,
 ):
     # the per-row path's second half: one program per (token, column tile) sums its TOP_K rows' expert
     # outputs, each scaled by its routing weight, in float32: the combine needs no launch of its own
@@ -273,8 +269,7 @@ def moe_row_down_kernel(
         expert = tl.load(ids_ptr + r).to(tl.int64)
         b_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
         part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for step in tl.static_range(K_STEPS):  # unrolled with the experts' loop: their loads overlap
-            k0 = step * BLOCK_K
+        for k0 in range(0, inter, BLOCK_K):
             k_ok = offs_k < inter - k0
             hv = tl.load(h_ptr + r * stride_h + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
             b = tl.load(b_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
