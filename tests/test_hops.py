@@ -197,6 +197,51 @@ def test_a_first_token_is_taken_for_sending_while_the_scheduler_thread_runs_pyth
     assert statistics.median(flushes) < default, flushes
 
 
+def test_a_first_token_is_handed_to_its_waiting_sender_before_the_scheduler_thread_runs_on():
+    """publish waits (briefly) for a waiting sender to take a first token: the interpreter goes to the
+    sender then and there, not when the scheduler thread's Python next lets go of it (at CPython's default
+    switch interval, 5 ms on)."""
+    from cluster.replica.subscribers import Subscribers
+
+    assert sys.getswitchinterval() >= 0.005
+    subs, flushes = Subscribers(), []
+    done, taken = threading.Event(), threading.Semaphore(0)
+
+    def sender() -> None:
+        while not done.is_set():
+            for d in subs.poll(0.1):
+                flushes.append(d.hops.flush_s)
+                taken.release()
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    try:
+        for uid in range(20):
+            while not subs.polling():  # the sender is back in its poll
+                time.sleep(0.0001)
+            subs.submitted([uid])
+            subs.publish([TokenDelta(uid, 1, hops=FirstTokenHops(0.0, 0.0, sampled_at=time.perf_counter()))])
+            _python_for(0.015)  # the scheduler thread's next step, holding the interpreter
+            assert taken.acquire(timeout=10)
+    finally:
+        done.set()
+        thread.join()
+    assert statistics.median(flushes) < 0.001, flushes
+
+
+def test_publish_does_not_wait_without_a_waiting_poll(monkeypatch):
+    from cluster.replica import subscribers
+
+    monkeypatch.setattr(subscribers, "HANDOVER_S", 60.0)  # a wait would be plain
+    subs = subscribers.Subscribers()
+    subs.submitted([1])
+    start = time.perf_counter()
+    subs.publish([TokenDelta(1, 1, hops=FirstTokenHops(0.0, 0.0, sampled_at=time.perf_counter()))])
+    subs.publish([TokenDelta(1, 2)])
+    assert time.perf_counter() - start < 30  # nobody polls: nothing to hand over
+    assert [d.token for d in subs.poll(0.0)] == [1, 2]
+
+
 def _python_for(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:

@@ -17,6 +17,8 @@ from cluster.messages import ReplicaOutput, TokenDelta
 from cluster.scheduler.prefix_cache.events import KVEventStream
 
 SUBSCRIBER_TIMEOUT_S = 60.0  # a router silent this long is gone: its requests are aborted
+# the longest a step's publisher waits for a first token's sender to take it (publish)
+HANDOVER_S = 0.002
 
 
 class Subscribers:
@@ -30,6 +32,8 @@ class Subscribers:
         self._live: set[int] = set()  # submitted and not yet finished
         self._lock = threading.Lock()
         self._wakeups: dict[int, threading.Condition] = {}
+        self._waiting: dict[int, int] = {}  # subscriber -> its polls waiting for deltas now
+        self._taken = threading.Condition(self._lock)  # an outbox was taken
         self._closed = False
 
     @property
@@ -39,6 +43,11 @@ class Subscribers:
 
     def is_live(self, uid: int) -> bool:
         return uid in self._live
+
+    def polling(self, subscriber: int = 0) -> bool:
+        """Whether a poll of subscriber's waits for deltas now."""
+        with self._lock:
+            return bool(self._waiting.get(subscriber))
 
     def owner(self, uid: int) -> int | None:
         """The subscriber a live request's deltas go to (None once it has ended)."""
@@ -75,13 +84,21 @@ class Subscribers:
             if self.failed is not None:
                 deltas = [d for d in deltas if d.uid in self._live]
             self._live.difference_update(d.uid for d in deltas if d.finished)
-            owners = set()
+            owners, first = set(), set()
             for d in deltas:
                 owner = self._owner.pop(d.uid, 0) if d.finished else self._owner.get(d.uid, 0)
                 self._outboxes.setdefault(owner, []).append(d)
                 owners.add(owner)
+                if d.hops is not None and d.hops.sampled_at is not None:
+                    first.add(owner)
             self._add_kv_events(stored, removed)
             self._notify(owners)
+            # a woken sender needs the interpreter, which this (the scheduler's) thread holds until its
+            # Python blocks or the switch interval runs out: waiting here for a first token's take hands
+            # the interpreter over at once. Only for a poll already waiting, and briefly
+            hand = [owner for owner in first if self._waiting.get(owner)]
+            if hand:
+                self._taken.wait_for(lambda: not any(self._outboxes.get(o) for o in hand), HANDOVER_S)
         return deltas
 
     def add_kv_events(self, stored: Sequence[int], removed: Sequence[int]) -> None:
@@ -136,20 +153,26 @@ class Subscribers:
             wakeup = self._wakeups.get(subscriber)
             if wakeup is None:
                 wakeup = self._wakeups[subscriber] = threading.Condition(self._lock)
-            while (
-                not self._outboxes.get(subscriber)
-                and not (kv_events and self._snapshot_due(subscriber))
-                and not self._closed
-            ):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                wakeup.wait(left)
+            self._waiting[subscriber] = self._waiting.get(subscriber, 0) + 1
+            try:
+                while (
+                    not self._outboxes.get(subscriber)
+                    and not (kv_events and self._snapshot_due(subscriber))
+                    and not self._closed
+                ):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    wakeup.wait(left)
+            finally:
+                self._waiting[subscriber] -= 1
             if receives is not None and not receives():
                 return ReplicaOutput([], None, len(self._live))
             self._last_poll[subscriber] = time.monotonic()
             out = self._outboxes.pop(subscriber, [])
             _flushed(out, time.perf_counter())
+            if out:
+                self._taken.notify_all()
             kv = self.kv.take(subscriber) if self.kv is not None and kv_events else None
             return ReplicaOutput(out, kv, len(self._live))
 
