@@ -17,8 +17,11 @@ from cluster.messages import ReplicaOutput, TokenDelta
 from cluster.scheduler.prefix_cache.events import KVEventStream
 
 SUBSCRIBER_TIMEOUT_S = 60.0  # a router silent this long is gone: its requests are aborted
-# the longest a step's publisher waits for a first token's sender to take it (publish)
+# the longest a step's publisher waits for a first token's sender to take it (publish), and the most
+# requests running for it to wait at all: the wait is for time to first token at low load; under load the
+# scheduler thread goes straight on to its next step
 HANDOVER_S = 0.002
+HANDOVER_MAX_LIVE = 8
 
 
 class Subscribers:
@@ -95,9 +98,9 @@ class Subscribers:
             self._notify(owners)
             # a woken sender needs the interpreter, which this (the scheduler's) thread holds until its
             # Python blocks or the switch interval runs out: waiting here for a first token's take hands
-            # the interpreter over at once. Only for a poll already waiting, and briefly
+            # the interpreter over at once. Only for a poll already waiting, at low load, and briefly
             hand = [owner for owner in first if self._waiting.get(owner)]
-            if hand:
+            if hand and len(self._live) <= HANDOVER_MAX_LIVE:
                 self._taken.wait_for(lambda: not any(self._outboxes.get(o) for o in hand), HANDOVER_S)
         return deltas
 
