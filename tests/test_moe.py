@@ -242,7 +242,7 @@ def test_fused_experts_equal_the_torch_loop_under_the_interpreter(tokens, num_ex
 
 
 def test_a_long_prompts_rows_sorted_by_torch_equal_the_torch_loop(monkeypatch):
-    """Past ALIGN_KERNEL_MAX_ROWS rows (a prompt chunk of over 8,192 tokens at 8 experts a token) torch
+    """Past ALIGN_KERNEL_MAX_ROWS rows (a prompt chunk of over 2,048 tokens at 8 experts a token) torch
     sorts the route kernel's int32 ids: fused_moe there equals the torch loop."""
     pytest.importorskip("triton")
     from worker.layers.moe import fused
@@ -355,21 +355,86 @@ def test_a_tp_size_that_does_not_divide_the_experts_width_is_refused(qwen3_moe_p
         ServeConfig().override(model=str(tmp_path), tp_size=4).check_against_model()
 
 
-@pytest.mark.parametrize("num_experts,top_k", [(128, 8), (8, 2), (60, 4)])
-def test_warm_token_counts_take_every_variant_of_the_fused_path(num_experts, top_k):
-    """An engine's warm-up runs the fused path at these counts: between them every path a step can take
-    (per-row, each block height, the kernel's sort and torch's), one count each, so no live step compiles
-    a kernel."""
+class _Launches:
+    """Stands in for the fused path's kernels module: records each launch's kernel and compile-time
+    arguments (what a GPU would compile a variant for) and computes nothing, except the routing's ids."""
+
+    def __init__(self) -> None:
+        self.seen: set = set()
+
+    def __getattr__(self, name: str):
+        def grid(_):
+            def launch(*args, **kwargs):
+                self.seen.add((name, tuple(sorted((k, v) for k, v in kwargs.items() if k.isupper()))))
+                if name == "moe_route_kernel":  # args: logits, weights, ids, num_experts
+                    args[2].copy_(torch.arange(args[2].numel()).view_as(args[2]) % args[3])
+
+            return launch
+
+        return type("Kernel", (), {"__getitem__": lambda _, g: grid(g)})()
+
+
+@pytest.mark.parametrize("num_experts,top_k", [(128, 8), (8, 2), (60, 4), (130, 8)])
+def test_warm_token_counts_take_every_variant_of_the_fused_path(num_experts, top_k, monkeypatch):
+    """An engine's warm-up runs the fused path at these counts: between them they launch every kernel
+    with every set of compile-time arguments that any token count does (recorded at the launches), so no
+    live step compiles one."""
     from worker.layers.moe import fused
 
-    def variant(tokens):
-        rows = tokens * top_k
-        if fused.per_row_applies(rows, num_experts):
-            return ("per_row",)
-        return (fused._block_m(rows, num_experts), rows <= fused.ALIGN_KERNEL_MAX_ROWS)
+    launches = _Launches()
+    monkeypatch.setattr(fused, "_kernels", lambda: launches)
+    hidden, inter = 8, 4
+    w13, w2 = torch.zeros(num_experts, 2 * inter, hidden), torch.zeros(num_experts, hidden, inter)
+
+    def variants(tokens: int) -> frozenset:
+        launches.seen = set()
+        fused.fused_moe(torch.zeros(tokens, hidden), torch.zeros(tokens, num_experts), w13, w2, top_k, True)
+        return frozenset(launches.seen)
 
     counts = fused.warm_token_counts(num_experts, top_k)
     assert counts == sorted(counts) and counts[0] == 1
-    every = {variant(t) for t in range(1, 40_000)}
-    assert {variant(t) for t in counts} == every
-    assert len(counts) == len(every)
+    warmed = set().union(*(variants(t) for t in counts))
+    last = (max(128 * num_experts, fused.ALIGN_KERNEL_MAX_ROWS) // top_k) + 2  # past every bound
+    every = set().union(*(variants(t) for t in range(1, last + 1)))
+    assert warmed == every
+
+
+def test_grouped_tiles_too_large_for_the_gpu_fall_back_to_smaller_ones(monkeypatch):
+    """Tiles that need more than the GPU has (Triton's OutOfResources at launch) give way to
+    FALLBACK_TILES, for that block height and dtype from then on; any other error is raised."""
+    from worker.layers.moe import fused
+
+    class OutOfResources(Exception):  # what Triton raises, matched by name
+        pass
+
+    launched = []
+
+    class Kernels:
+        def __getattr__(self, name):
+            def launch(*args, **kwargs):
+                if name == "moe_gate_up_kernel" and kwargs["BLOCK_K"] == 128:
+                    raise OutOfResources("shared memory")
+                launched.append((name, kwargs.get("BLOCK_N"), kwargs.get("BLOCK_K")))
+
+            return type("Kernel", (), {"__getitem__": lambda _, g: launch})()
+
+    monkeypatch.setattr(fused, "_kernels", lambda: Kernels())
+    monkeypatch.setattr(fused, "_FELL_BACK", set())
+    monkeypatch.setattr(fused, "GROUPED_TILES", {16: (64, 128, 4, 3)})
+    monkeypatch.setattr(fused, "FALLBACK_TILES", {16: (32, 64, 4, 3)})
+    monkeypatch.setattr(fused, "ALIGN_KERNEL_MAX_ROWS", 0)  # torch's sort: no kernel to fake there
+    hidden, inter, experts = 256, 128, 16
+    x, w13, w2 = torch.zeros(3, hidden), torch.zeros(experts, 2 * inter, hidden), torch.zeros(experts, hidden, inter)
+    ids = torch.arange(6).view(3, 2)
+    for _ in range(2):
+        fused.fused_experts(x, w13, w2, torch.ones(3, 2), ids, per_row=False)
+    assert launched == [("moe_gate_up_kernel", 32, 64), ("moe_down_kernel", 32, 64)] * 2
+    assert fused._FELL_BACK == {(16, torch.float32, x.device)}
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("not a matter of size")
+
+    monkeypatch.setattr(fused, "_FELL_BACK", set())
+    monkeypatch.setattr(fused, "_grouped_gemms", broken)
+    with pytest.raises(RuntimeError, match="not a matter of size"):
+        fused.fused_experts(x, w13, w2, torch.ones(3, 2), ids, per_row=False)

@@ -101,7 +101,10 @@ class Subscribers:
             # the interpreter over at once. Only for a poll already waiting, at low load, and briefly
             hand = [owner for owner in first if self._waiting.get(owner)]
             if hand and len(self._live) <= HANDOVER_MAX_LIVE:
-                self._taken.wait_for(lambda: not any(self._outboxes.get(o) for o in hand), HANDOVER_S)
+                # until each is taken, or no poll waits for it any more
+                self._taken.wait_for(
+                    lambda: not any(self._outboxes.get(o) and self._waiting.get(o) for o in hand), HANDOVER_S
+                )
         return deltas
 
     def add_kv_events(self, stored: Sequence[int], removed: Sequence[int]) -> None:
@@ -170,6 +173,7 @@ class Subscribers:
             finally:
                 self._waiting[subscriber] -= 1
             if receives is not None and not receives():
+                self._taken.notify_all()  # a publisher waiting for this poll's take waits no more
                 return ReplicaOutput([], None, len(self._live))
             self._last_poll[subscriber] = time.monotonic()
             out = self._outboxes.pop(subscriber, [])
@@ -202,7 +206,8 @@ class Subscribers:
 
     def _release_locked(self, subscriber: int) -> list[int]:
         uids = sorted(uid for uid, owner in self._owner.items() if owner == subscriber and uid in self._live)
-        self._outboxes.pop(subscriber, None)
+        if self._outboxes.pop(subscriber, None):
+            self._taken.notify_all()  # its outbox is gone: a publisher waiting for it to be taken goes on
         self._last_poll.pop(subscriber, None)
         if self.kv is not None:
             self.kv.drop(subscriber)

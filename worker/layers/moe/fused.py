@@ -7,12 +7,15 @@ inside the decode CUDA graphs."""
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from worker import triton_ops
 from worker.kernels import Kernels
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -48,7 +51,7 @@ class ExpertOrder:
 # host either). On an H200 at 8 of 128 experts: 14.5 us against torch's 82.4 at 2,048 rows, 257 against
 # 147 at 65,536 (contended atomics); the crossover between is not measured
 ALIGN_KERNEL_MAX_ROWS = 16384
-# rows the sort takes at a time
+# rows the sort takes at a time: at least a lane a thread of its 8 warps (256), so no lane is held twice
 ALIGN_CHUNK = 1024
 
 
@@ -73,7 +76,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, kernel: b
         sorted_ids.numel(),
         max_blocks,
         BLOCK_M=block_m,
-        CHUNK=min(ALIGN_CHUNK, max(16, triton_ops.triton.next_power_of_2(rows))),
+        CHUNK=ALIGN_CHUNK,  # one size for any row count (a variant less; a few rows mask the rest of a pass)
         E_P2=e_p2,
         FILL=1024,
         **({"num_warps": 8} if ids.is_cuda else {}),
@@ -243,19 +246,24 @@ GROUPED_TILES = {16: (64, 128, 4, 3), 32: (64, 128, 4, 3), 64: (128, 64, 4, 3), 
 def warm_token_counts(num_experts: int, top_k: int) -> list[int]:
     """Token counts that between them take every variant of the fused path's kernels (the per-row path,
     each block height of the grouped GEMMs, the sort's kernel and torch's), one count each: an engine
-    runs them at start, so that no live step compiles one. Past the last bound (128 rows an expert, the
-    sort kernel's rows) every count takes the same variant."""
-    counts, seen, t = [], set(), 1
-    while True:
-        rows = t * top_k
-        per_row = per_row_applies(rows, num_experts)
-        key = (per_row, None if per_row else _block_m(rows, num_experts), rows <= ALIGN_KERNEL_MAX_ROWS)
-        if key not in seen:
-            seen.add(key)
-            counts.append(t)
-        if rows > max(128 * num_experts, ALIGN_KERNEL_MAX_ROWS):
-            return counts
-        t += 1 if t < 16 else t // 16  # every count to 16, then steps of a sixteenth
+    runs them at start, so that no live step compiles one. Each variant holds the token counts between two
+    of the paths' bounds on rows, so each one's first count is 1 or one past a bound."""
+    bounds = (num_experts // 4, 8 * num_experts, 48 * num_experts, 128 * num_experts, ALIGN_KERNEL_MAX_ROWS)
+    counts, seen = [], set()
+    for tokens in sorted({1, *(bound // top_k + 1 for bound in bounds)}):
+        variant = _variant(tokens * top_k, num_experts)
+        if variant not in seen:
+            seen.add(variant)
+            counts.append(tokens)
+    return counts
+
+
+def _variant(rows: int, num_experts: int) -> tuple:
+    """What a launch of the fused path compiles for at this many rows, beside the model's shapes: the
+    per-row kernels, or the grouped GEMMs' block height (its tiles follow) and which sort."""
+    if per_row_applies(rows, num_experts):
+        return ("per_row",)
+    return ("grouped", _block_m(rows, num_experts), rows <= ALIGN_KERNEL_MAX_ROWS)
 
 
 def _fit(tile: int, width: int, least: int = 16) -> int:
@@ -272,8 +280,8 @@ def fused_experts(
 ) -> torch.Tensor:
     """What torch_experts computes: in three launches and a sum, or in the per-row path's two (`per_row`;
     by default where per_row_applies). x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights and ids [T, top_k]."""
-    tokens, hidden = x.shape
-    num_experts, inter = w13.shape[0], w2.shape[2]
+    tokens = x.shape[0]
+    num_experts = w13.shape[0]
     top_k = ids.shape[1]
     rows = tokens * top_k
     if tokens == 0:
@@ -283,11 +291,42 @@ def fused_experts(
     if per_row:
         return _per_row(x, w13, w2, top_k, weights=weights, ids=ids)
     order = align_by_expert(ids, num_experts, _block_m(rows, num_experts))
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    weights = weights.flatten().contiguous()
+    key = (order.block_m, x.dtype, x.device)
+    if key not in _FELL_BACK:
+        try:
+            return _grouped_gemms(x, w13, w2, weights, order, top_k, GROUPED_TILES[order.block_m])
+        except Exception as e:
+            if type(e).__name__ != "OutOfResources":  # Triton's: the tiles need more than this GPU has
+                raise
+            log.warning("MoE tiles %s need more than this GPU has (%s): the smaller ones from now on", key, e)
+            _FELL_BACK.add(key)
+    return _grouped_gemms(x, w13, w2, weights, order, top_k, FALLBACK_TILES[order.block_m])
+
+
+# the tiles a block height falls back to where its own need more shared memory or registers than the GPU
+# has (they were measured on an H200, for bfloat16; float32 operands take twice the shared memory): small,
+# as the tiles before the sweep were. Fallen back: (block height, dtype, device)
+FALLBACK_TILES = {16: (32, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 32, 4, 3), 128: (32, 32, 4, 2)}
+_FELL_BACK: set[tuple] = set()
+
+
+def _grouped_gemms(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    order: ExpertOrder,
+    top_k: int,
+    tiles: tuple[int, int, int, int],
+) -> torch.Tensor:
+    """The grouped path's two GEMMs over the rows in expert order, and the sum over each token's choices."""
     kernels = _kernels()
-    x, w13, w2, ids = x.contiguous(), w13.contiguous(), w2.contiguous(), ids.contiguous()
+    rows, hidden, inter = x.shape[0] * top_k, x.shape[1], w2.shape[2]
     ieee = x.dtype == torch.float32
     blocks = order.expert_ids.numel()
-    tile_n, tile_k, warps, stages = GROUPED_TILES[order.block_m]
+    tile_n, tile_k, warps, stages = tiles
     options = {"num_warps": warps, "num_stages": stages} if x.is_cuda else {}
 
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
@@ -319,7 +358,7 @@ def fused_experts(
         h,
         w2,
         out,
-        weights.flatten().contiguous(),
+        weights,
         order.sorted_ids,
         order.expert_ids,
         order.num_padded,
@@ -336,4 +375,4 @@ def fused_experts(
         IEEE=ieee,
         **options,
     )
-    return out.view(tokens, top_k, hidden).sum(dim=1)
+    return out.view(-1, top_k, hidden).sum(dim=1)
