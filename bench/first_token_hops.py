@@ -33,9 +33,11 @@ HOPS = (
 )
 
 
-def offline_ttft(model: str, requests: list, page_size: int, load_format: str | None) -> dict:
+def offline_ttft(model: str, requests: list, others: list, page_size: int, load_format: str | None) -> dict:
     """The in-process engine's TTFT one prompt at a time: to its first token's delta in a generation
-    of the request's own length, and to the end of a one-token generation."""
+    of the request's own length, and to the end of a one-token generation. `others`: prompts of their own
+    for the warm-up and the one-token generations, so that no measured prompt finds itself in the
+    prefix cache."""
     from cluster import LLM, SamplingParams
 
     opts = {"load_format": load_format} if load_format else {}
@@ -52,9 +54,9 @@ def offline_ttft(model: str, requests: list, page_size: int, load_format: str | 
         sched.on_output = stamped
         marks = _timeline(sched)
         params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True, seed=len(p)) for p, m in requests]
-        llm.generate([p for p, _ in requests[:8]], params[:8])  # warm-up
+        llm.generate([p for p, _ in others[:8]], params[:8])  # warm-up
         streamed, one, phases = [], [], []
-        for (prompt, _), p in zip(requests, params):
+        for (prompt, _), p, (other, _) in zip(requests, params, others):
             first.clear()
             marks.clear()
             start = time.perf_counter()
@@ -62,7 +64,7 @@ def offline_ttft(model: str, requests: list, page_size: int, load_format: str | 
             streamed.append(min(first.values()) - start)
             phases.append(_phases(marks, start, min(first.values())))
             start = time.perf_counter()
-            llm.generate([prompt], SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, seed=len(prompt)))
+            llm.generate([other], SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, seed=len(other)))
             one.append(time.perf_counter() - start)
     out = {"first_delta_ms": _mean_ms(streamed), "one_token_ms": _mean_ms(one)}
     keys = dict.fromkeys(k for p in phases for k in p)  # a phase a generation lacked is left out of its mean
@@ -154,9 +156,11 @@ def main() -> None:
 
     vocab = AutoConfig.from_pretrained(args.model).vocab_size
     requests = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
+    # the warm-ups' and the one-token generations' prompts: none of them a measured one's prefix
+    others = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed + 1)
     report: dict = {"args": vars(args)}
     if not args.no_offline:
-        report["offline"] = offline_ttft(args.model, requests, args.page_size, args.load_format)
+        report["offline"] = offline_ttft(args.model, requests, others, args.page_size, args.load_format)
         release_gpu_memory()
     server_args = SimpleNamespace(
         model=args.model,
@@ -168,7 +172,7 @@ def main() -> None:
     )
     server, url = start_server(server_args)
     try:
-        run(url, "bench", requests[:16], 16)  # warm-up
+        run(url, "bench", others[:16], 16)  # warm-up
         before = hop_sums(url)
         online = run(url, "bench", requests, 1)
         after = hop_sums(url)
