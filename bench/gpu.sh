@@ -36,7 +36,7 @@
 #
 # environment:
 #   OUT    where logs and JSON go (default ./bench_out)
-#   BASE   another tree (e.g. `git worktree add .base <commit>`): offline, latency and prefill_heavy run
+#   BASE   another tree (e.g. `git worktree add .base <commit>`): offline, latency, prefill_heavy and online run
 #          there too, right after this tree's, so the two are compared in one call
 #   RUNS   processes per throughput figure (default 3; the table quotes the median)
 #   REPEATS  runs of (b) in its one process (default 5)
@@ -201,8 +201,11 @@ for suite in "$@"; do
       step sampling_cost 200 python3 bench/sampling_cost.py --share 0.1 1.0 --out "$OUT/sampling_cost.json"
       step grammar_cost 150 python3 bench/grammar_cost.py --share 0.1 --out "$OUT/grammar_cost.json" ;;
     online)
-      step online 300 python3 bench/online_serving.py --arch qwen3-0.6b --num-prompts 256 --input-len 100 1024 \
-        --output-len 100 1024 --concurrency 1 256 --c1-prompts 48 --client-procs 4 --offline --out "$OUT/online.json" ;;
+      for tree in $(trees); do
+        (cd "$tree" && step "online$(tag "$tree")" 300 python3 bench/online_serving.py --arch qwen3-0.6b \
+          --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --concurrency 1 256 --c1-prompts 48 \
+          --client-procs 4 --offline --out "$OUT/online$(tag "$tree").json")
+      done ;;
     hops)
       step first_token_hops 300 python3 bench/first_token_hops.py --arch qwen3-0.6b --num-prompts 48 \
         --input-len 100 1024 --output-len 100 1024 --out "$OUT/first_token_hops.json" ;;
