@@ -17,8 +17,11 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from common import ARCHS
 from offline_throughput import WORKLOADS, workload
+
+from worker.kv_cache import KVCachePool
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,7 @@ class StepBytes:
     kv_per_token: float
 
 
-def step_bytes(cfg: dict, weight_bytes: float = 2, kv_bytes: float = 2) -> StepBytes:
+def step_bytes(cfg: dict, weight_bytes: float = 2, kv_dtype: torch.dtype = torch.bfloat16) -> StepBytes:
     hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
@@ -52,7 +55,7 @@ def step_bytes(cfg: dict, weight_bytes: float = 2, kv_bytes: float = 2) -> StepB
         experts=experts,
         top_k=cfg.get("num_experts_per_tok", 0),
         moe_layers=moe_layers,
-        kv_per_token=kv_bytes * 2 * layers * kv,
+        kv_per_token=KVCachePool.bytes_per_page(layers, 1, cfg["num_key_value_heads"], head_dim, kv_dtype),
     )
 
 

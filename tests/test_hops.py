@@ -169,29 +169,11 @@ def test_a_submit_is_written_at_once_and_the_rest_of_its_tick_in_one_message():
 def test_a_first_token_is_taken_for_sending_while_the_scheduler_thread_runs_python():
     from cluster.config import ReplicaConfig
     from cluster.replica.actor import SchedulerActor
-    from cluster.replica.subscribers import Subscribers
 
     default = sys.getswitchinterval()  # CPython's 5 ms: the wait this replica setting removes
     try:
         SchedulerActor(ReplicaConfig())  # a replica's process sets its interval as it starts
-        subs, flushes = Subscribers(), []
-        done, taken = threading.Event(), threading.Semaphore(0)
-
-        def sender() -> None:  # the channel's sender thread (cluster/channel.py)
-            while not done.is_set():
-                for d in subs.poll(0.1):
-                    flushes.append(d.hops.flush_s)
-                    taken.release()
-
-        thread = threading.Thread(target=sender)
-        thread.start()
-        for uid in range(20):
-            subs.submitted([uid])
-            subs.publish([TokenDelta(uid, 1, hops=FirstTokenHops(0.0, 0.0, sampled_at=time.perf_counter()))])
-            _python_for(0.015)  # the scheduler thread goes on to its next step, holding the interpreter
-            assert taken.acquire(timeout=10)  # the sender has it (what is measured is its flush_s)
-        done.set()
-        thread.join()
+        flushes = _first_token_flushes(one_at_a_time=False)
     finally:
         sys.setswitchinterval(default)
     assert statistics.median(flushes) < default, flushes
@@ -201,10 +183,21 @@ def test_a_first_token_is_handed_to_its_waiting_sender_before_the_scheduler_thre
     """publish waits (briefly) for a waiting sender to take a first token: the interpreter goes to the
     sender then and there, not when the scheduler thread's Python next lets go of it (at CPython's default
     switch interval, 5 ms on)."""
-    from cluster.replica.subscribers import Subscribers
-
     default = sys.getswitchinterval()
     sys.setswitchinterval(0.005)  # CPython's default (a replica built in this process earlier sets 0.5 ms)
+    try:
+        flushes = _first_token_flushes(one_at_a_time=True)
+    finally:
+        sys.setswitchinterval(default)
+    assert statistics.median(flushes) < 0.001, flushes
+
+
+def _first_token_flushes(one_at_a_time: bool, rounds: int = 20) -> list[float]:
+    """Each of `rounds` first tokens published while a sender thread polls (the channel's, cluster/channel.py),
+    the scheduler thread running Python on after each; their flush_s as the sender measured them.
+    one_at_a_time: each published once the sender waits in its poll again, and ended once taken (low load)."""
+    from cluster.replica.subscribers import Subscribers
+
     subs, flushes = Subscribers(), []
     done, taken = threading.Event(), threading.Semaphore(0)
 
@@ -217,19 +210,19 @@ def test_a_first_token_is_handed_to_its_waiting_sender_before_the_scheduler_thre
     thread = threading.Thread(target=sender)
     thread.start()
     try:
-        for uid in range(20):
-            while not subs.polling():  # the sender is back in its poll
+        for uid in range(rounds):
+            while one_at_a_time and not subs.polling():  # the sender is back in its poll
                 time.sleep(0.0001)
             subs.submitted([uid])
             subs.publish([TokenDelta(uid, 1, hops=FirstTokenHops(0.0, 0.0, sampled_at=time.perf_counter()))])
-            _python_for(0.015)  # the scheduler thread's next step, holding the interpreter
-            assert taken.acquire(timeout=10)
-            subs.aborted([uid])  # one request at a time: low load
+            _python_for(0.015)  # the scheduler thread goes on to its next step, holding the interpreter
+            assert taken.acquire(timeout=10)  # the sender has it (what is measured is its flush_s)
+            if one_at_a_time:
+                subs.aborted([uid])
     finally:
         done.set()
         thread.join()
-        sys.setswitchinterval(default)
-    assert statistics.median(flushes) < 0.001, flushes
+    return flushes
 
 
 def test_publish_does_not_wait_without_a_waiting_poll(monkeypatch):

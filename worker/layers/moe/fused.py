@@ -227,12 +227,16 @@ def _row_tiles(tiles: tuple[int, int, int], cuda: bool, width_n: int, width_k: i
     return _fit(block_n, width_n, 1), _fit(block_k, width_k), {"num_warps": warps} if cuda else {}
 
 
+# (most rows an expert, block height) of the grouped GEMMs: a block about as tall as an expert's usual share
+# of the rows: at 8 or fewer (decode up to 128 tokens at Qwen3-MoE's 8 of 128) blocks of 16; at 16 a row
+# (decode at 256) blocks of 32 were 7% faster (bench/moe_decode.py --grouped-sweep); a prompt chunk's
+# hundreds, blocks of 128
+BLOCK_HEIGHTS = ((8, 16), (48, 32), (128, 64), (None, 128))
+
+
 def _block_m(rows: int, num_experts: int) -> int:
-    # a block about as tall as an expert's usual share of the rows: at 8 or fewer (decode up to 128 tokens
-    # at Qwen3-MoE's 8 of 128) blocks of 16; at 16 a row (decode at 256) blocks of 32 were 7% faster
-    # (bench/moe_decode.py --grouped-sweep); a prompt chunk's hundreds, blocks of 128
     per_expert = rows / num_experts
-    return 16 if per_expert <= 8 else 32 if per_expert <= 48 else 64 if per_expert <= 128 else 128
+    return next(height for most, height in BLOCK_HEIGHTS if most is None or per_expert <= most)
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs on CUDA by BLOCK_M, the fastest of
@@ -248,7 +252,11 @@ def warm_token_counts(num_experts: int, top_k: int) -> list[int]:
     each block height of the grouped GEMMs, the sort's kernel and torch's), one count each: an engine
     runs them at start, so that no live step compiles one. Each variant holds the token counts between two
     of the paths' bounds on rows, so each one's first count is 1 or one past a bound."""
-    bounds = (num_experts // 4, 8 * num_experts, 48 * num_experts, 128 * num_experts, ALIGN_KERNEL_MAX_ROWS)
+    bounds = (
+        num_experts // 4,  # per_row_applies
+        *(most * num_experts for most, _ in BLOCK_HEIGHTS[:-1]),
+        ALIGN_KERNEL_MAX_ROWS,
+    )
     counts, seen = [], set()
     for tokens in sorted({1, *(bound // top_k + 1 for bound in bounds)}):
         variant = _variant(tokens * top_k, num_experts)
