@@ -27,6 +27,7 @@
 #   hops           where the online TTFT goes at concurrency 1: each hop's mean beside the offline TTFT
 #   spec           speculative decoding: batch 1 ms per token and decode throughput at 64 and 256, off,
 #                  n-gram and a draft identical to the target (random weights, greedy)
+#   spec_a         (a) without speculation, with n-gram and with a draft identical to the target
 #   real           the real model (SmolLM2-135M-Instruct's GGUF) in bf16 against transformers' bf16,
 #                  bench/real_text.py and bench/real_spec.py (n-gram speculation on an editing task); the
 #                  file from .real/ (split parts, carried over calls) or the cache; transformers reads it
@@ -211,6 +212,12 @@ for suite in "$@"; do
         --input-len 100 1024 --output-len 100 1024 --out "$OUT/first_token_hops.json" ;;
     spec)
       step spec 480 python3 bench/spec_decode.py --batches 1 64 256 --out "$OUT/spec.json" ;;
+    spec_a)
+      for method in none ngram draft; do
+        flag=$([ "$method" = none ] || echo "--speculative-method $method")
+        step "spec_a_$method" 300 python3 bench/offline_throughput.py --arch qwen3-0.6b $flag \
+          --out "$OUT/spec_a_$method.json"
+      done ;;
     peer)
       [ -f .peer/run_minisgl.sh ] || { log "peer: no .peer/ (../shared/peer/README.md makes it)"; continue; }
       # shellcheck disable=SC2086  # PEER_ARGS is split into its words on purpose

@@ -2,9 +2,13 @@
 batches, without speculation, with n-gram proposals (pipelined, the default, and ngram-wait: each
 request waiting for its last verify step's result) and with a draft model identical to the target
 (random weights, greedy: every proposal is accepted, the ceiling of the machinery), on Qwen3-0.6B's
-architecture by default. Prompts of random tokens; outputs of --output-len tokens, ignore_eos.
+architecture by default. Every method runs at the defaults, where speculation keeps itself on only
+while it measures faster (speculative_adaptive); a method named with -always (draft-always,
+ngram-always, ngram-wait-always) speculates whenever it may, what the machinery gives where it does
+not pay. Prompts of random tokens; outputs of --output-len tokens, ignore_eos.
 
-    python bench/spec_decode.py [--out r.json] [--methods off ngram ngram-wait draft] [--k 4] [--batches 1 64]"""
+    python bench/spec_decode.py [--out r.json] [--methods off ngram ngram-wait draft draft-always] [--k 4]
+        [--batches 1 64]"""
 
 from __future__ import annotations
 
@@ -17,15 +21,18 @@ from common import add_common_args, config_of, kernels_of, model_folder, report,
 
 from cluster import LLM, SamplingParams
 
-METHODS = ["off", "ngram", "ngram-wait", "draft"]
+METHODS = ["off", "ngram", "ngram-wait", "draft", "ngram-always", "ngram-wait-always", "draft-always"]
 
 
 def make(args, method: str) -> LLM:
     folder = model_folder(args.arch)
     spec = {}
+    always = method.endswith("-always")
+    method = method.removesuffix("-always")
     if method != "off":
         spec = dict(speculative_method=method.removesuffix("-wait"), num_speculative_tokens=args.k)
         spec["speculative_pipeline"] = not method.endswith("-wait")
+        spec["speculative_adaptive"] = not always
     if method == "draft":
         spec["speculative_model"] = folder  # with dummy weights: the same weights as the target's
     # pages for the largest batch's whole sequences (the draft's cache has as many), not the memory budget

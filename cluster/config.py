@@ -89,8 +89,8 @@ class SchedulerConfig:
         None,
         "speculative decoding: proposed tokens verified in one step, greedy outputs unchanged and sampled ones "
         "keeping their distribution. ngram proposes the tokens that followed an earlier occurrence of a "
-        "request's last few tokens (prompt lookup); draft, a smaller model's greedy continuation "
-        "(speculative_model). Every request speculates, within its grammar, penalties and biases",
+        "request's last few tokens (prompt lookup); draft, a smaller model's continuation, drawn as the "
+        "model draws (speculative_model). Every request speculates, within its grammar, penalties and biases",
         choices=("ngram", "draft"),
         unset="off",
     )
@@ -121,6 +121,13 @@ class SchedulerConfig:
         "steps, then 4, 8 ... up to this many as that repeats (it decodes in the overlap loop meanwhile; "
         "a proposal kept ends the pause); 0: it never stops",
         at_least=0,
+    )
+    speculative_adaptive: bool = setting(
+        True,
+        "speculation runs only while it measures faster: the decode steps' output tokens a request and "
+        "second with it and without it are measured in turn (a few steps each), the faster way kept, the "
+        "slower probed again after 16 steps, then twice as many as it keeps losing (up to 1,024). Off: "
+        "speculation runs whenever speculative_max_batch allows",
     )
     speculative_pipeline: bool = setting(
         True,

@@ -30,12 +30,16 @@ REPEATING = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 2,
 ]
 PROMPTS = PROMPT_TEXTS + REPEATING
-SPEC = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_max_pause=0)  # every step looks up
+# every step looks up (no back-off, and speculation on whatever it measures: the tests below count what
+# it does, not whether it pays on this host; the gate has tests of its own, test_spec_gate.py)
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=3, speculative_max_pause=0, speculative_adaptive=False)
 
 
 def draft_of(path, k: int = 4) -> dict:
-    """Speculation by a draft model identical to the target: every greedy proposal is the target's."""
-    return dict(speculative_method="draft", speculative_model=str(path), num_speculative_tokens=k)
+    """Speculation by a draft model identical to the target: every proposal is the target's."""
+    return dict(
+        speculative_method="draft", speculative_model=str(path), num_speculative_tokens=k, speculative_adaptive=False
+    )
 
 
 def spec_of(method: str, path) -> dict:
@@ -304,6 +308,22 @@ def test_a_draft_identical_to_the_model_has_every_greedy_proposal_accepted(qwen3
     assert on == hf_greedy(qwen3_path, prompts, 24)
 
 
+def test_a_draft_identical_to_the_model_has_every_sampled_proposal_accepted(qwen3_path):
+    """The draft draws each proposal with the request's own sampling settings and the noise the target's
+    verify step draws with at that position: a draft identical to the model proposes the model's own
+    draws, so at temperature 1 every proposal is kept (a greedy proposal would be kept only where it
+    happened to be the draw), and the outputs are those without speculation."""
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=40, max_tokens=24, seed=7 + i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    on, stats, prompts = generate(qwen3_path, PROMPTS, params, page_size=4, **draft_of(qwen3_path))
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    off, _, _ = generate(qwen3_path, prompts, params, page_size=4)
+    assert on == off
+
+
 def test_the_memory_budget_leaves_the_draft_its_weights_and_as_many_pages(qwen3_path):
     """Without num_pages the model's cache is sized from the budget with the draft's cache counted beside
     it (as many pages): the draft, built after the model, fits. The draft's weights, counted from its
@@ -437,9 +457,10 @@ def test_a_request_whose_proposals_do_not_pay_backs_off_into_the_overlap_loop():
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_outputs_with_speculation_backing_off_equal_those_without(qwen3_path, method, monkeypatch):
-    """The default back-off (sampled rows reject most proposals): seeded and greedy requests side by side
-    return what they do without speculation; requests backed off, and speculation still verified some."""
+def test_outputs_with_speculation_backing_off_equal_those_without(qwen3_path, llama_path, method, monkeypatch):
+    """The default back-off (sampled rows reject most n-gram proposals, and a draft of other weights, a
+    random llama, rarely proposes the model's tokens): seeded and greedy requests side by side return what
+    they do without speculation; requests backed off, and speculation still verified some."""
     from cluster.scheduler.spec_decode import Speculator
 
     missed, miss = [], Speculator._missed
@@ -449,6 +470,8 @@ def test_outputs_with_speculation_backing_off_equal_those_without(qwen3_path, me
         for i in range(len(PROMPTS))
     ]
     spec = dict(spec_of(method, qwen3_path))
+    if method == "draft":
+        spec["speculative_model"] = str(llama_path)
     spec.pop("speculative_max_pause", None)
     on, stats, prompts = generate(qwen3_path, PROMPTS, params, page_size=4, **spec)
     off, _, _ = generate(qwen3_path, prompts, params, page_size=4)

@@ -28,6 +28,7 @@ class Batch:
     # prompt logprobs: (request, where its scored positions start in desc.plp_idx, how many)
     scored: list[tuple[Req, int, int]] = field(default_factory=list)
     num_decode: int = 0  # the first rows that decode (all of a decode step's; a mixed step's before its prompts)
+    speculating: bool = False  # a decode step scheduled while speculation was on (its rows may wait on it)
 
 
 class BatchBuilder:

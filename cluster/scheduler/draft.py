@@ -1,10 +1,14 @@
 """The draft-model proposer: a second, smaller engine with the target's tokenizer, on rank 0's device
 beside the target's rank 0, with its own paged KV cache, request slots shared with the target's (a
 request's slot is its row in both) and its own pages. For each verify step it catches up with the
-tokens its requests kept since (one extend step), then decodes k - 1 more, greedily: its proposals
-are its argmax, so the proposal distribution q is one-hot and the target's verify rule stays exact
-(worker/sampling/verify.py). Its steps queue behind the target's on the device; the host waits once,
-for the last of them."""
+tokens its requests kept since (one extend step), then decodes k - 1 more. Each proposal is the draft's
+own draw with the request's temperature, top-p, top-k and seed at that position: the Gumbel noise the
+target's verify step adds there (worker/sampling/sampler.py), so where the two models agree the draft
+proposes the very token the target will draw, sampled rows as well as greedy ones (an argmax). The
+verify step keeps only the target's own draws, so what the draft proposes changes how many are kept,
+never which tokens come out (worker/sampling/verify.py). Penalties, biases, min-p and grammars are the
+target's alone: a row using them is proposed for without them, and keeps fewer. Its steps queue behind
+the target's on the device; the host waits once, for the last of them."""
 
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ class DraftProposer:
         self.seqs: dict[int, DraftSeq] = {}  # by request uid
 
     def propose(self, reqs: list[Req], caps: list[int]) -> list[list[int]]:
-        """Up to caps[i] tokens for reqs[i] (0: none), decoded greedily by the draft."""
+        """Up to caps[i] tokens for reqs[i] (0: none), drawn by the draft as the target draws."""
         rows = []  # (req, its state, k)
         for req, k in zip(reqs, caps):
             if k <= 0:
@@ -101,9 +105,9 @@ class DraftProposer:
         see, the step samples after each of them, as a verify step does (spec_lens): the engine then runs
         it as decode rows, from a CUDA graph, where an extend step would run eagerly."""
         ids = [req.input_ids[seq.cached_len :] for req, seq, _ in rows]
-        desc = _greedy(
+        desc = _drawing(
             True,
-            [req.slot for req, _, _ in rows],
+            [req for req, _, _ in rows],
             [len(req.input_ids) for req, _, _ in rows],
             [len(x) for x in ids],
             np.concatenate([self._locations(seq, seq.cached_len, len(req.input_ids)) for req, seq, _ in rows]),
@@ -117,9 +121,9 @@ class DraftProposer:
         """The decode step that samples each row's proposal j + 1 from proposal j (read from the
         draft's token pool, where the step before wrote it)."""
         n = [len(req.input_ids) + j for req, _ in rows]
-        return _greedy(
+        return _drawing(
             False,
-            [req.slot for req, _ in rows],
+            [req for req, _ in rows],
             n,
             [1] * len(rows),
             np.concatenate([self._locations(seq, pos - 1, pos) for (_, seq), pos in zip(rows, n)]),
@@ -127,24 +131,27 @@ class DraftProposer:
         )
 
 
-def _greedy(
+def _drawing(
     is_prefill: bool,
-    slots: list[int],
+    reqs: list[Req],
     seq_lens: list[int],
     extend_lens: list[int],
     out_loc: np.ndarray,
     input_ids: np.ndarray | None,
 ) -> BatchDesc:
-    b = len(slots)
+    """A draft step over reqs' rows, each sampling as its request does on the target (the same seed, so
+    the same noise at each position), without the target's processors and grammars."""
+    n = len(reqs)
+    params = [r.params for r in reqs]
     return BatchDesc(
         is_prefill,
-        slots=np.asarray(slots, dtype=np.int32),
+        slots=np.fromiter((r.slot for r in reqs), dtype=np.int32, count=n),
         seq_lens=np.asarray(seq_lens, dtype=np.int32),
         extend_lens=np.asarray(extend_lens, dtype=np.int32),
         out_loc=out_loc,
         input_ids=input_ids,
-        temperature=np.zeros(b, dtype=np.float32),
-        top_p=np.ones(b, dtype=np.float32),
-        top_k=np.full(b, -1, dtype=np.int32),
-        seeds=np.zeros(b, dtype=np.int64),
+        temperature=np.fromiter((p.temperature for p in params), dtype=np.float32, count=n),
+        top_p=np.fromiter((p.top_p for p in params), dtype=np.float32, count=n),
+        top_k=np.fromiter((p.top_k for p in params), dtype=np.int32, count=n),
+        seeds=np.fromiter((r.seed for r in reqs), dtype=np.int64, count=n),
     )

@@ -296,7 +296,9 @@ class Scheduler:
             self._unknown_tails(decoding)
             return self.builder.decode(decoding)
         # proposals only in decode steps: a step with prompt chunks has given their pages out already
-        return self.builder.decode(decoding, self.spec.propose(decoding))
+        batch = self.builder.decode(decoding, self.spec.propose(decoding))
+        batch.speculating = True
+        return batch
 
     def _unknown_tails(self, decoding: list[Req]) -> None:
         """Rows launched without proposals: what their requests' rows add is unknown until handled."""
@@ -382,11 +384,13 @@ class Scheduler:
         spec = batch.desc.spec_lens.tolist() if batch.desc.spec_lens is not None else None
         num_new = kept_counts(tokens, spec, batch.desc.input_ids) if spec is not None else None
         first = 0  # where the row's samples start (one a row, but spec_len + 1 in a verify step)
+        emitted = 0
         for i, req in enumerate(batch.reqs):
             start, count = (first, num_new[i]) if spec is not None else (i, 1)
             first += spec[i] + 1 if spec is not None else 1
             if req in stale or req in void or not batch.emits[i]:
                 continue  # a result of a request that left the batch, of a void row, or of a mid-prompt chunk
+            emitted += count
             if self.spec is not None and (later is None or req not in later.req_set):
                 req.tail = []  # nothing of it is in flight
             if spec is not None and spec[i]:
@@ -397,6 +401,9 @@ class Scheduler:
             else:
                 if batch.desc.is_prefill and self.cache.cache_prefix(req, req.fill_len):
                     self.builder.rewrite_slots[req.slot] = req
+        if self.spec is not None:
+            decode_only = batch.num_decode == len(batch.reqs)
+            self.spec.handled(now, batch.speculating if decode_only else None, len(batch.reqs), emitted)
         if deltas:
             self.on_output(deltas)
 

@@ -37,6 +37,7 @@ from cluster.scheduler.draft import DraftProposer
 from cluster.scheduler.grammars import accepted_prefix
 from cluster.scheduler.ngram import propose_ngram
 from cluster.scheduler.req import Req
+from cluster.scheduler.spec_gate import SpecGate
 
 
 class Speculator:
@@ -48,6 +49,7 @@ class Speculator:
         self.max_batch = config.speculative_max_batch
         self.max_pause = config.speculative_max_pause
         self.pipeline = config.speculative_pipeline and config.overlap
+        self.gate = SpecGate() if config.speculative_adaptive else None
         self.num_draft_tokens = 0  # proposed, over every verify step
         self.num_accepted_tokens = 0  # of them, kept
         # rows launched while the last verify step of their request was in flight (counted when it is handled)
@@ -61,9 +63,17 @@ class Speculator:
         return self.pipeline and self.draft is None and not params.uses_processors and params.grammar is None
 
     def active(self, num_running: int) -> bool:
-        """Whether the next step speculates: only while few requests decode. Else no request waits for
-        its own result, and every one decodes in the overlap loop."""
-        return num_running <= self.max_batch
+        """Whether the next step speculates: only while few requests decode, and (speculative_adaptive)
+        while speculating measures faster than not (spec_gate.py). Else no request waits for its own
+        result, and every one decodes in the overlap loop."""
+        if num_running > self.max_batch:
+            return False
+        return self.gate is None or self.gate.speculates(num_running)
+
+    def handled(self, now: float, speculated: bool | None, rows: int, tokens: int) -> None:
+        """A step's results were handled at `now` (SpecGate.handled)."""
+        if self.gate is not None:
+            self.gate.handled(now, speculated, rows, tokens)
 
     def propose(self, decoding: list[Req]) -> list[list[int]] | None:
         """Each row's proposals ([] for a row that does not speculate or found none); None when no row

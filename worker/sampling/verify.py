@@ -14,7 +14,10 @@ rejection the draw, conditioned on not being x, is distributed as p with x remov
 which is norm(max(0, p - q)). Greedy rows accept the proposals equal to the argmax. Because the draw
 at a position is the one that decoding without speculation makes there, every kept token is the
 token decoding without speculation would have produced: outputs are the same, token for token, for
-greedy and seeded sampled rows alike (up to the float rounding of an extend step against a decode step)."""
+greedy and seeded sampled rows alike (up to the float rounding of an extend step against a decode step),
+whatever the proposer. That leaves a draft model free to propose its own draw under the same noise
+(cluster/scheduler/draft.py): a draft whose distribution is close to the target's then proposes the
+target's draw as often as the two distributions' Gumbel-max draws coincide, at any temperature."""
 
 from __future__ import annotations
 
