@@ -45,6 +45,7 @@
 #   CHUNKS   the prefill chunk sizes `mixed` runs at (default 2048)
 #   ARCH   the peer's architecture (default qwen3-0.6b)
 #   PEER_ARGS  more arguments for the peer's bench_minisgl.py (e.g. --draws prefill_heavy:2 --b1-repeat 0)
+#   SPEC_ARGS  more arguments for `spec`'s bench/spec_decode.py (e.g. --methods off draft draft-always)
 #
 # Wheels come from .whl/ (../shared/gpu/wheels.sh fills it); a machine still warm from the last call keeps
 # them, and nothing is reinstalled then (a reinstalled FlashInfer loses the kernels restored into it).
@@ -211,7 +212,8 @@ for suite in "$@"; do
       step first_token_hops 300 python3 bench/first_token_hops.py --arch qwen3-0.6b --num-prompts 48 \
         --input-len 100 1024 --output-len 100 1024 --out "$OUT/first_token_hops.json" ;;
     spec)
-      step spec 480 python3 bench/spec_decode.py --batches 1 64 256 --out "$OUT/spec.json" ;;
+      # shlex-free on purpose: SPEC_ARGS is a plain list of flags (e.g. "--methods off draft --repeats 2")
+      step spec 480 python3 bench/spec_decode.py --batches 1 64 256 ${SPEC_ARGS:-} --out "$OUT/spec.json" ;;
     spec_a)
       for method in none ngram draft; do
         flag=$([ "$method" = none ] || echo "--speculative-method $method")

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 # the rates a probe measures (its first step, run after the other way's, is not one of them)
-PROBE_STEPS = 4
+PROBE_STEPS = 3
 FIRST_HOLD = 16  # steps the faster way runs before the slower is probed again; doubled per repeat win
 MAX_HOLD = 1024
 # a gap longer than this between two handled steps is idleness (no requests), not a step's time
