@@ -15,7 +15,6 @@
 #                  (b) batch 1, each for both
 #   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
 #                  GEMMs' tile sweep at 64, 256 and 8,192) and the FP8 GEMV's tile sweep (bench/fp8_gemv.py)
-#   moe_variants   the MoE per-row kernels' variants at 1, 2 and 4 tokens (bench/moe_decode.py --variants)
 #   prologue       the attention prologue's tiles at a decode batch and a prompt chunk (bench/prologue.py)
 #   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
@@ -183,8 +182,6 @@ for suite in "$@"; do
     kernels)
       step moe_decode 420 python3 bench/moe_decode.py --tokens 1 4 64 256 8192 --grouped-sweep --out "$OUT/moe_decode.json"
       step fp8_gemv 200 python3 bench/fp8_gemv.py --out "$OUT/fp8_gemv.json" ;;
-    moe_variants)
-      step moe_variants 300 python3 bench/moe_decode.py --tokens 1 2 4 --variants --out "$OUT/moe_variants.json" ;;
     prologue) step prologue 200 python3 bench/prologue.py --out "$OUT/prologue.json" ;;
     prefill_heavy) offline prefill_heavy 240 --workload prefill_heavy ;;
     prefill_sweep)

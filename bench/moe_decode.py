@@ -2,13 +2,11 @@
 width 768, bf16): the grouped path (routing, the sort by expert, two grouped GEMMs and the sum over
 choices) against the per-row kernels (routing inside, two launches) where those apply, with a sweep of
 the per-row kernels' tiles (--sweep, at the first token count) and of the grouped GEMMs' (--grouped-sweep,
-at every count past the per-row path's: a decode batch of 256 is 256 tokens, a prompt chunk 8,192), and
-the per-row kernels' variants (--variants: routing by rank, sums deferred; at the first token count the
-deferred kernels' tiles too).
+at every count past the per-row path's: a decode batch of 256 is 256 tokens, a prompt chunk 8,192).
 LAYERS copies of the experts (distinct weights, so L2 holds none of them) replayed in a CUDA graph;
 median microseconds a layer, the bandwidth over the distinct experts' bytes and the TFLOP/s.
 
-    python bench/moe_decode.py [--tokens 1 2 4 256 8192] [--sweep] [--grouped-sweep] [--variants] [--out r.json]"""
+    python bench/moe_decode.py [--tokens 1 2 4 256 8192] [--sweep] [--grouped-sweep] [--out r.json]"""
 
 from __future__ import annotations
 
@@ -48,9 +46,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--sweep", action="store_true", help="every per-row tile at the first token count")
-    parser.add_argument(
-        "--variants", action="store_true", help="the per-row kernels' variants (fused.ROUTE_BY_RANK, DEFER_SUMS)"
-    )
     parser.add_argument("--grouped-sweep", action="store_true", help="the grouped GEMMs' tiles past the per-row path")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -129,41 +124,10 @@ def main() -> None:
             fused.PER_ROW_GATE_UP, fused.PER_ROW_DOWN = best
             row["best_us"] = time_graph(per_row) / LAYERS
             fused.PER_ROW_GATE_UP, fused.PER_ROW_DOWN = default
-        if args.variants:
-            row.update(_variants(per_row, per_row_routed, tokens == args.tokens[0]))
         results.append(row)
         print(json.dumps(row))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
-
-
-DEFER_TILES = list(itertools.product((4, 8, 16), (256, 512), (4, 8)))
-
-
-def _variants(per_row, per_row_routed, sweep: bool) -> dict:
-    """The per-row path (and with the routing given) in each variant of its kernels: routing by rank,
-    sums deferred past the K loop, both; with `sweep`, the deferred kernels' tiles too."""
-    out = {}
-    for by_rank, defer in itertools.product((False, True), (False, True)):
-        fused.ROUTE_BY_RANK, fused.DEFER_SUMS = by_rank, defer
-        name = f"rank{int(by_rank)}_defer{int(defer)}"
-        out[f"variant_{name}_us"] = time_graph(per_row) / LAYERS
-        out[f"variant_{name}_routed_us"] = time_graph(per_row_routed) / LAYERS
-    if sweep:
-        default = fused.PER_ROW_GATE_UP, fused.PER_ROW_DOWN
-        fused.ROUTE_BY_RANK, fused.DEFER_SUMS = False, True
-        tiles = {}
-        for cfg in DEFER_TILES:
-            fused.PER_ROW_GATE_UP = cfg
-            tiles[_name("gate_up", cfg)] = time_graph(per_row_routed) / LAYERS
-        fused.PER_ROW_GATE_UP = default[0]
-        for cfg in DEFER_TILES:
-            fused.PER_ROW_DOWN = cfg
-            tiles[_name("down", cfg)] = time_graph(per_row_routed) / LAYERS
-        fused.PER_ROW_DOWN = default[1]
-        out["defer_sweep_routed_us"] = tiles
-    fused.ROUTE_BY_RANK, fused.DEFER_SUMS = False, False
-    return out
 
 
 def _grouped_sweep(grouped, tokens: int) -> dict:

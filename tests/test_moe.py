@@ -268,29 +268,6 @@ def test_per_row_kernels_route_as_select_experts_does(renormalize):
     torch.testing.assert_close(fused_moe(x, logits, w13, w2, 4, renormalize), want)
 
 
-@pytest.mark.parametrize("by_rank,defer", [(True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("renormalize", [False, True])
-def test_the_per_row_kernels_variants_route_and_sum_as_the_torch_loop(monkeypatch, by_rank, defer, renormalize):
-    """Routing by rank picks the experts and weights repeated argmax picks (ties to the lower index, a
-    tied pair included here), in both the route kernel and the per-row kernels; sums deferred past the K
-    loop give the torch loop's output."""
-    pytest.importorskip("triton")
-    from worker.layers.moe import fused
-
-    monkeypatch.setattr(fused, "ROUTE_BY_RANK", by_rank)
-    monkeypatch.setattr(fused, "DEFER_SUMS", defer)
-    x, w13, w2, _, _ = _experts(3, 64, 4, 40, 24)
-    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(7)) * 2
-    logits[1, 10] = logits[1, 20] = logits[1].max() + 1  # a tie at the top: the lower index comes first
-    want_weights, want_ids = select_experts(logits, 4, renormalize)
-    weights, ids = fused.route(logits, 4, renormalize)
-    assert torch.equal(ids.long(), want_ids) and ids[1, :2].tolist() == [10, 20]
-    torch.testing.assert_close(weights, want_weights)
-    want = torch_experts(x, w13, w2, want_weights, want_ids)
-    torch.testing.assert_close(fused.fused_moe(x, logits, w13, w2, 4, renormalize), want)
-    torch.testing.assert_close(fused.fused_experts(x, w13, w2, want_weights, want_ids, per_row=True), want)
-
-
 def test_engine_with_fused_experts_equals_hf_greedy(qwen2_moe_path):
     pytest.importorskip("triton")
     with checked_llm(qwen2_moe_path, page_size=4, kernels=INTERPRETED) as llm:

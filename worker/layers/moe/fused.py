@@ -119,7 +119,6 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
             K_P2=triton_ops.triton.next_power_of_2(top_k),
             E_P2=triton_ops.triton.next_power_of_2(num_experts),
             RENORMALIZE=renormalize,
-            BY_RANK=ROUTE_BY_RANK,
         )
     return weights, ids
 
@@ -147,10 +146,6 @@ def per_row_applies(rows: int, num_experts: int) -> bool:
 # in one step: 32.8 us a layer for both kernels, against 42.4 with 256)
 PER_ROW_GATE_UP = (8, 512, 4)
 PER_ROW_DOWN = (8, 1024, 4)
-# the per-row kernels' variants (bench/moe_decode.py --sweep measures them): routing by rank (one all-pairs
-# comparison) instead of top_k dependent argmaxes, and products summed once after the K loop
-ROUTE_BY_RANK = False
-DEFER_SUMS = False
 
 
 def _per_row(
@@ -201,8 +196,6 @@ def _per_row(
         ROUTE=route_here,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        BY_RANK=ROUTE_BY_RANK,
-        DEFER=DEFER_SUMS,
         **options,
     )
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
@@ -222,7 +215,6 @@ def _per_row(
         TOP_K=top_k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        DEFER=DEFER_SUMS,
         **options,
     )
     return out

@@ -137,12 +137,8 @@ def _top_k(
     K_P2: tl.constexpr,
     E_P2: tl.constexpr,
     RENORMALIZE: tl.constexpr,
-    BY_RANK: tl.constexpr = False,
 ):
-    # token t's softmax over the experts in float32, then its top k: (weights, ids) [K_P2], in descending
-    # order, ties to the lower index. By repeated argmax (TOP_K dependent reductions), or BY_RANK: each
-    # expert's rank (the experts before it: more probable, or as probable with a lower index) from one
-    # all-pairs comparison, then the expert of each rank k < TOP_K; the same picks in fewer dependent steps
+    # token t's softmax over the experts in float32, then its top k by repeated argmax: (weights, ids) [K_P2]
     offs = tl.arange(0, E_P2)
     x = tl.load(logits_ptr + t * stride_logits + offs, mask=offs < num_experts, other=-float("inf"))
     x = x.to(tl.float32)
@@ -150,21 +146,14 @@ def _top_k(
     p = p / tl.sum(p, 0)
     p = tl.where(offs < num_experts, p, -1.0)
     k_offs = tl.arange(0, K_P2)
-    if BY_RANK:
-        before = (p[None, :] > p[:, None]) | ((p[None, :] == p[:, None]) & (offs[None, :] < offs[:, None]))
-        rank = tl.sum(before.to(tl.int32), axis=1)
-        hit = (rank[None, :] == k_offs[:, None]) & (k_offs[:, None] < TOP_K)
-        top_w = tl.sum(tl.where(hit, p[None, :], 0.0), axis=1)
-        top_i = tl.sum(tl.where(hit, offs[None, :], 0), axis=1).to(tl.int32)
-    else:
-        top_w = tl.zeros((K_P2,), dtype=tl.float32)
-        top_i = tl.zeros((K_P2,), dtype=tl.int32)
-        for k in tl.static_range(TOP_K):
-            best = tl.max(p, 0)
-            idx = tl.argmax(p, 0)
-            top_w = tl.where(k_offs == k, best, top_w)
-            top_i = tl.where(k_offs == k, idx, top_i)
-            p = tl.where(offs == idx, -1.0, p)
+    top_w = tl.zeros((K_P2,), dtype=tl.float32)
+    top_i = tl.zeros((K_P2,), dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        idx = tl.argmax(p, 0)
+        top_w = tl.where(k_offs == k, best, top_w)
+        top_i = tl.where(k_offs == k, idx, top_i)
+        p = tl.where(offs == idx, -1.0, p)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, 0)
     return top_w, top_i
@@ -181,11 +170,10 @@ def moe_route_kernel(
     K_P2: tl.constexpr,
     E_P2: tl.constexpr,
     RENORMALIZE: tl.constexpr,
-    BY_RANK: tl.constexpr = False,
 ):
     # one program per token
     t = tl.program_id(0).to(tl.int64)
-    top_w, top_i = _top_k(logits_ptr, t, num_experts, stride_logits, TOP_K, K_P2, E_P2, RENORMALIZE, BY_RANK)
+    top_w, top_i = _top_k(logits_ptr, t, num_experts, stride_logits, TOP_K, K_P2, E_P2, RENORMALIZE)
     k_offs = tl.arange(0, K_P2)
     k_ok = k_offs < TOP_K
     tl.store(weights_ptr + t * TOP_K + k_offs, top_w.to(weights_ptr.dtype.element_ty), mask=k_ok)
@@ -215,8 +203,6 @@ def moe_row_gate_up_kernel(
     ROUTE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BY_RANK: tl.constexpr = False,
-    DEFER: tl.constexpr = False,
 ):
     # the per-row path of a few tokens (decode at small batch): one program per ((token, choice) row r,
     # column tile), a matrix-vector product over its expert's gate and up rows, h[r] = silu(x g^T) * (x u^T).
@@ -226,7 +212,7 @@ def moe_row_gate_up_kernel(
     pid_n = tl.program_id(1)
     t = r // TOP_K
     if ROUTE:
-        top_w, top_i = _top_k(logits_ptr, t, num_experts, stride_logits, TOP_K, K_P2, E_P2, RENORMALIZE, BY_RANK)
+        top_w, top_i = _top_k(logits_ptr, t, num_experts, stride_logits, TOP_K, K_P2, E_P2, RENORMALIZE)
         mine = tl.arange(0, K_P2) == r % TOP_K
         expert = tl.sum(tl.where(mine, top_i, 0), 0)
         if pid_n == 0:
@@ -239,28 +225,16 @@ def moe_row_gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = g_ptrs + inter * stride_wn
-    if DEFER:  # products summed across K once, after the loop: no reduction (and barrier) per step
-        acc_g2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_u2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            k_ok = offs_k < hidden - k0
-            xv = tl.load(x_ptr + t * stride_x + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            mask = n_ok[:, None] & k_ok[None, :]
-            acc_g2 += tl.load(g_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * xv[None, :]
-            acc_u2 += tl.load(u_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * xv[None, :]
-        acc_g = tl.sum(acc_g2, axis=1)
-        acc_u = tl.sum(acc_u2, axis=1)
-    else:
-        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            k_ok = offs_k < hidden - k0
-            xv = tl.load(x_ptr + t * stride_x + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            mask = n_ok[:, None] & k_ok[None, :]
-            g = tl.load(g_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(u_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
-            acc_g += tl.sum(g * xv[None, :], axis=1)
-            acc_u += tl.sum(u * xv[None, :], axis=1)
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = offs_k < hidden - k0
+        xv = tl.load(x_ptr + t * stride_x + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        mask = n_ok[:, None] & k_ok[None, :]
+        g = tl.load(g_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+        acc_g += tl.sum(g * xv[None, :], axis=1)
+        acc_u += tl.sum(u * xv[None, :], axis=1)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + r * stride_h + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
 
@@ -281,31 +255,16 @@ def moe_row_down_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    DEFER: tl.constexpr = False,
 ):
     # the per-row path's second half: one program per (token, column tile) sums its TOP_K rows' expert
-    # outputs, each scaled by its routing weight, in float32: the combine needs no launch of its own.
-    # DEFER: the weighted products of every row and K step summed once, at the end
+    # outputs, each scaled by its routing weight, in float32: the combine needs no launch of its own
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if DEFER:
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in tl.static_range(TOP_K):
-            r = t * TOP_K + k
-            expert = tl.load(ids_ptr + r).to(tl.int64)
-            b_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-            scale = tl.load(weights_ptr + r).to(tl.float32)
-            for k0 in range(0, inter, BLOCK_K):
-                k_ok = offs_k < inter - k0
-                hv = tl.load(h_ptr + r * stride_h + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32) * scale
-                b = tl.load(b_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                acc2 += b * hv[None, :]
-        acc = tl.sum(acc2, axis=1)
-    for k in tl.static_range(0 if DEFER else TOP_K):
+    for k in tl.static_range(TOP_K):
         r = t * TOP_K + k
         expert = tl.load(ids_ptr + r).to(tl.int64)
         b_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
