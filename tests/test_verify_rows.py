@@ -1,7 +1,8 @@
 """A verify step (speculative decoding) run as decode rows, one a sample, so that a decode CUDA graph
-replays it: each row's slot, length, KV location, input cell and sampling columns; the steps that
-stay extend steps (penalties counting proposals, prompt logprobs, prompt chunks, too many rows); and
-on an engine, the decode rows score and sample as the extend step does, and keep the same counts."""
+replays it: each row's slot, length, KV location, input cell and sampling columns, and where penalties
+count proposals, the (sample, proposal) pairs; the steps that stay extend steps (prompt logprobs,
+prompt chunks, too many rows); and on an engine, the decode rows score and sample as the extend step
+does, penalties too, and keep the same counts."""
 
 from __future__ import annotations
 
@@ -53,10 +54,20 @@ def test_a_verify_step_becomes_one_decode_row_per_sample():
     assert v.spec.rows.tolist() == [0, 0, 0, 1] and v.spec.drafts.tolist() == [40, 41, -1, -1]
 
 
-def test_a_verify_step_stays_an_extend_step_where_decode_rows_cannot_run_it():
+def test_a_verify_step_whose_penalties_count_proposals_carries_each_samples_proposals_before_it():
+    idle = verify_as_decode(verify_desc(procs=ProcessorRows.idle(2, scratch_row=8)), 8, POOL_ROW, 8)
+    assert not idle.counts and idle.spec.proposed_at.size == 0
     counted = ProcessorRows.idle(2, scratch_row=8)
     counted.state_row[0] = 3  # penalties count the proposals before each sample
-    assert verify_as_decode(verify_desc(procs=counted), 8, POOL_ROW, 8) is None
+    v = verify_as_decode(verify_desc(procs=counted), 8, POOL_ROW, 8)
+    assert v is not None and v.counts
+    assert v.desc.procs.state_row.tolist() == [3, 3, 3, 8]
+    # sample 1 comes after proposal 40, sample 2 after 40 and 41
+    pairs = sorted(zip(v.spec.proposed_at.tolist(), v.spec.proposed_token.tolist()))
+    assert pairs == [(1, 40), (2, 40), (2, 41)]
+
+
+def test_a_verify_step_stays_an_extend_step_where_decode_rows_cannot_run_it():
     assert verify_as_decode(verify_desc(), 8, POOL_ROW, 3) is None  # four samples, three rows
     assert verify_as_decode(verify_desc(plp_idx=np.array([0], np.int32)), 8, POOL_ROW, 8) is None
     chunk = verify_desc(extend_lens=np.array([3, 4], np.int32), out_loc=np.arange(7, dtype=np.int32))
@@ -85,8 +96,8 @@ def test_a_graph_replays_the_decode_rows_of_a_verify_step(qwen3_path):
     assert s.pool_cells.tolist() == [3 * row + 8, 3 * row + 9] and s.spec.row_start.tolist() == [0, 3]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_decode_rows_score_sample_and_keep_as_the_extend_step(qwen3_path, monkeypatch, temperature):
+@pytest.mark.parametrize("temperature,penalties", [(0.0, False), (1.0, False), (0.0, True), (1.0, True)])
+def test_decode_rows_score_sample_and_keep_as_the_extend_step(qwen3_path, monkeypatch, temperature, penalties):
     import worker.engine as engine_module
     from worker.config import EngineConfig
     from worker.engine import Engine
@@ -105,35 +116,59 @@ def test_decode_rows_score_sample_and_keep_as_the_extend_step(qwen3_path, monkey
     ids = np.concatenate(list(prompts.values())).astype(np.int32)
     slots = np.array(list(prompts), np.int32)
     engine.forward(BatchDesc(True, slots, lens, lens, locs, ids, **one)).done.synchronize()
-    # slot 0 verifies three proposals, slot 2 one (their inputs are the samples in the pool)
-    drafts = [[9, 14, 5], [33]]
-    spec = np.array([len(d) for d in drafts], np.int32)
-    ext = spec + 1
-    verify = BatchDesc(
-        True,
-        slots,
-        lens + ext,
-        ext,
-        np.concatenate([s * 16 + np.arange(n, n + e) for s, n, e in zip(slots, lens, ext)]).astype(np.int32),
-        np.concatenate([[-1, *d] for d in drafts]).astype(np.int32),
-        top_logprobs=2,
-        spec_lens=spec,
-        **one,
-    )
     pool = engine.table.token_pool.clone()
+    counts = engine.proc_state.counts.clone()
 
-    def run() -> tuple:
+    def verify_of(drafts: list[list[int]], procs: ProcessorRows | None = None) -> BatchDesc:
+        """Slot 0 verifies drafts[0] and slot 2 drafts[1] after their inputs (the samples in the pool)."""
+        spec = np.array([len(d) for d in drafts], np.int32)
+        ext = spec + 1
+        return BatchDesc(
+            True,
+            slots,
+            lens + ext,
+            ext,
+            np.concatenate([s * 16 + np.arange(n, n + e) for s, n, e in zip(slots, lens, ext)]).astype(np.int32),
+            np.concatenate([[-1, *d] for d in drafts]).astype(np.int32),
+            top_logprobs=2,
+            spec_lens=spec,
+            procs=procs,
+            **one,
+        )
+
+    def run(desc: BatchDesc) -> tuple:
         engine.table.token_pool.copy_(pool)
-        out = engine.forward(verify)
+        engine.proc_state.counts.copy_(counts)
+        out = engine.forward(desc)
         out.done.synchronize()
-        return out.next_tokens.clone(), out.logprobs.clone(), out.top_logprobs.clone()
+        return out.next_tokens.clone(), out.logprobs.clone(), out.top_logprobs.clone(), engine.proc_state.counts.clone()
+
+    verify = verify_of([[9, 14, 5], [33]])
+    if penalties:
+        # proposals of a token the model samples again right after it (found by trying tokens): without
+        # penalties the draw repeats it; the penalties on the proposals before a sample (the only counts
+        # there are) turn it away
+        for token in range(engine.hf_config.vocab_size):
+            drafts = [[token] * 3, [token]]
+            plain = run(verify_of(drafts))[0]
+            if token in plain[1:3].tolist():
+                break
+        procs = ProcessorRows.idle(2, engine.proc_state.scratch_row)
+        procs.state_row[:] = slots
+        procs.presence[:], procs.frequency[:], procs.repetition[:] = 2.0, 1.0, 1.5
+        verify = verify_of(drafts, procs)
 
     ran = []
     monkeypatch.setattr(engine_module, "verify_as_decode", lambda *a: ran.append(verify_as_decode(*a)) or ran[-1])
-    as_rows = run()
-    assert ran[0] is not None  # six samples, eight rows
+    as_rows = run(verify)
+    assert ran[-1] is not None and ran[-1].counts == penalties  # six samples, eight rows
     monkeypatch.setattr(engine_module, "verify_as_decode", lambda *a: None)
-    as_extend = run()
+    as_extend = run(verify)
     assert torch.equal(as_rows[0], as_extend[0])
     torch.testing.assert_close(as_rows[1], as_extend[1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(as_rows[2], as_extend[2], rtol=1e-4, atol=1e-4)
+    assert torch.equal(as_rows[3], as_extend[3])  # the kept samples counted, the same in both
+    if penalties:
+        assert int(as_rows[3].sum()) > int(counts.sum())
+        if temperature == 0:
+            assert not torch.equal(as_extend[0], plain)  # the proposals' penalties changed a sample

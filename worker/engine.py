@@ -44,7 +44,7 @@ from worker.sampling.inputs import SamplingInputs, stage_sampling
 from worker.sampling.logprobs import prompt_logprobs, token_logprobs
 from worker.sampling.processors import ProcessorState
 from worker.sampling.resample import redraw
-from worker.sampling.step_sampler import StepSampler
+from worker.sampling.step_sampler import SampleArgs, StepSampler
 from worker.sampling.verify import SpecRows, spec_rows
 from worker.staging import PinnedStaging, Staged, upload_record
 from worker.startup import StartupTimes, timed
@@ -334,7 +334,10 @@ class Engine:
         s = StepInputs(
             page_idx=token_slots * self.max_seq_len + positions,
             page_val=desc.out_loc.astype(np.int32),
-            sampling=stage_sampling(desc, columns, bs, sample_pos, token_write, self.proc_state),
+            # a verify step whose processors count proposals draws eagerly after its graph (verify_rows.py)
+            sampling=stage_sampling(
+                desc, columns, 0 if verify and verify.counts else bs, sample_pos, token_write, self.proc_state
+            ),
             spec=spec,
         )
         if verify is not None:
@@ -424,11 +427,12 @@ class Engine:
                 self.proc_state.apply_init(s.sampling.init)
             if s.pool_cells is not None:  # a verify step's proposals, where its decode rows read their inputs
                 self.table.flat_pool.index_copy_(0, s.pool_cells, s.pool_tokens)
+            counts = verify is not None and verify.counts
             if bs:
-                logits, next_tokens = self._replay(desc, bs, s)
+                logits, next_tokens = self._replay(desc, bs, s, counts)
                 scored = None
             else:
-                logits, next_tokens, scored = self._forward_eager(desc, batch, s)
+                logits, next_tokens, scored = self._forward_eager(desc, batch, s, counts)
             out = self._to_host(next_tokens, logits, desc.top_logprobs)
             if scored is not None:
                 chosen, values, ids = scored
@@ -441,10 +445,18 @@ class Engine:
                 self.step_timer.end(self.stream)
             return out
 
-    def _replay(self, desc: BatchDesc, bs: int, s: StepInputs[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(
+        self, desc: BatchDesc, bs: int, s: StepInputs[torch.Tensor], counts: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replays a decode step's graph. `counts`: its rows are a verify step's samples whose processors
+        count the proposals before each: drawn again, eagerly, with those counted (the graph's own draw,
+        without processors, is overwritten in the token pool)."""
         b = self.graphs.replay(bs, s.graph_io, lambda: self.inputs_free.record(self.stream))
         n, sp = desc.batch_size, s.sampling
         next_tokens = b.next_tokens
+        if counts:
+            args = _verify_args(sp.args(s.spec.sample_pos, n), s.spec)
+            return b.logits[:n], self.sampler(b.logits[:n], args, procs=True, filtered=sp.filtered)
         if sp.redraw is not None:
             next_tokens = redraw(
                 self.sampler, b.logits, next_tokens, sp.redraw, sp.grammar_mask, procs=sp.procs, filtered=sp.filtered
@@ -461,8 +473,9 @@ class Engine:
             )
         return b.logits[:n], next_tokens[:n]
 
-    def _forward_eager(self, desc: BatchDesc, batch: ForwardBatch, s: StepInputs[torch.Tensor]):
-        """Runs the step eagerly: (logits, sampled tokens, prompt logprobs or None)."""
+    def _forward_eager(self, desc: BatchDesc, batch: ForwardBatch, s: StepInputs[torch.Tensor], counts: bool = False):
+        """Runs the step eagerly: (logits, sampled tokens, prompt logprobs or None). `counts`: a verify
+        step run as decode rows whose processors count the proposals before each sample."""
         tokens = self.table.flat_pool
         if desc.is_prefill:
             tokens.index_copy_(0, s.token_idx, batch.input_ids)
@@ -478,9 +491,8 @@ class Engine:
         else:
             sample_pos, rows = s.spec.sample_pos, len(s.spec.rows)
         args = sp.args(sample_pos, rows)
-        if verifies:  # penalties count each sample's proposals before it, and the kept samples after
-            args.proposed = (s.spec.proposed_at, s.spec.proposed_token)
-            args.verify = (s.spec.drafts, s.spec.rows, s.spec.row_start)
+        if verifies or counts:
+            args = _verify_args(args, s.spec)
         next_tokens = self.sampler(logits, args, procs=sp.procs, filtered=sp.filtered)
         scored = None
         if sp.plp_idx is not None:
@@ -503,3 +515,11 @@ class Engine:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         return host
+
+
+def _verify_args(args: SampleArgs, spec: SpecRows) -> SampleArgs:
+    """A verify step's sampler arguments: penalties count each sample's proposals before it, and only
+    the kept samples after it."""
+    args.proposed = (spec.proposed_at, spec.proposed_token)
+    args.verify = (spec.drafts, spec.rows, spec.row_start)
+    return args

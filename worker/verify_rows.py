@@ -9,8 +9,11 @@ mask of the extend step. The proposals are written into the token pool first, at
 where a decode row reads its input; each row's sample then overwrites the cell after its input (the
 next row's proposal, already read), which leaves the pool holding the samples the request keeps.
 
-Rows whose penalties count the proposals before each sample (processor state in use) stay on the
-extend step: a decode row's processors read their slot's counts alone."""
+Rows whose penalties count the proposals before each sample (processor state in use) run as decode
+rows too, with the step's (sample, proposal) pairs (`DecodeVerify.counts`): their samples are then
+drawn eagerly after the forward (a replayed graph's own draw knows no pairs), with each sample's
+proposals before it counted and only the kept samples counted into the state afterwards, as the
+extend step draws them."""
 
 from __future__ import annotations
 
@@ -32,21 +35,23 @@ class DecodeVerify:
     spec: SpecRows
     pool_cells: np.ndarray  # int64 [P]
     pool_tokens: np.ndarray  # int32 [P]
+    # some row's processors count into its slot's state: its samples need the (sample, proposal) pairs
+    # (spec.proposed_at, proposed_token) and the kept-sample count, drawn eagerly
+    counts: bool = False
 
 
 def verify_as_decode(desc: BatchDesc, scratch_row: int, pool_row: int, max_rows: int) -> DecodeVerify | None:
-    """`desc`, a verify step, as decode rows; None where it must run as an extend step: a row's
-    penalties use processor state, it scores prompt logprobs, it has rows that do not verify (prompt
-    chunks), or its samples are more than `max_rows`."""
+    """`desc`, a verify step, as decode rows; None where it must run as an extend step: it scores
+    prompt logprobs, it has rows that do not verify (prompt chunks), or its samples are more than
+    `max_rows`."""
     if desc.spec_lens is None or desc.plp_idx is not None:
         return None
     n = desc.spec_lens.astype(np.int64) + 1
     if int(n.sum()) > max_rows or not np.array_equal(n, desc.extend_lens):
         return None
-    if desc.procs is not None and (desc.procs.state_row != scratch_row).any():
-        return None
+    counts = desc.procs is not None and bool((desc.procs.state_row != scratch_row).any())
     ends = np.cumsum(desc.extend_lens.astype(np.int64))
-    spec = spec_rows(desc.spec_lens, desc.seq_lens, ends, desc.input_ids, pairs=False)
+    spec = spec_rows(desc.spec_lens, desc.seq_lens, ends, desc.input_ids, pairs=counts)
     rows = spec.rows
     slots = desc.slots[rows]
     # every token is sampled after, so sample i is token i of the step (its out_loc too)
@@ -67,7 +72,7 @@ def verify_as_decode(desc: BatchDesc, scratch_row: int, pool_row: int, max_rows:
         procs=_rows_of(desc.procs, rows) if desc.procs is not None else None,
         spec_lens=None,
     )
-    return DecodeVerify(decode, spec, cells[given], desc.input_ids[given].astype(np.int32))
+    return DecodeVerify(decode, spec, cells[given], desc.input_ids[given].astype(np.int32), counts)
 
 
 def _rows_of(procs: ProcessorRows, rows: np.ndarray) -> ProcessorRows:
