@@ -57,7 +57,13 @@ def measure(llm: LLM, batch: int, args, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     vocab = llm.engine.hf_config.vocab_size
     prompts = [rng.integers(0, vocab, size=args.prompt_len).tolist() for _ in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=args.output_len,
+        ignore_eos=True,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+    )
     run = token_arrivals(llm, prompts, params)
     times = list(run.arrivals.values())
     start, end = max(t[0] for t in times), max(t[-1] for t in times)
@@ -81,6 +87,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="every request's (1: off)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="every request's (0: off)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     results: dict[str, dict] = {}

@@ -98,11 +98,39 @@ def test_a_graph_replays_the_decode_rows_of_a_verify_step(qwen3_path):
 
 @pytest.mark.parametrize("temperature,penalties", [(0.0, False), (1.0, False), (0.0, True), (1.0, True)])
 def test_decode_rows_score_sample_and_keep_as_the_extend_step(qwen3_path, monkeypatch, temperature, penalties):
-    import worker.engine as engine_module
     from worker.config import EngineConfig
     from worker.engine import Engine
 
     engine = Engine(EngineConfig(str(qwen3_path), page_size=4, num_pages=64, max_running_reqs=8))
+    _rows_against_extend(engine, monkeypatch, temperature, penalties, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature,penalties", [(0.0, True), (1.0, True), (1.0, False)])
+def test_on_gpu_replayed_decode_rows_sample_and_keep_as_the_extend_step(tmp_path, monkeypatch, temperature, penalties):
+    """On the GPU the decode rows replay a CUDA graph; with penalties counting proposals the draw runs
+    after it, eagerly. In bfloat16 the decode kernel and the extend step's prefill kernel round apart,
+    so logprobs agree within bfloat16's step."""
+    from tiny_checkpoints import build_qwen3_hd128
+
+    from worker.config import EngineConfig
+    from worker.engine import Engine
+
+    path = build_qwen3_hd128(tmp_path / "qwen3_hd128")
+    engine = Engine(EngineConfig(str(path), dtype="bfloat16", page_size=4, num_pages=64, max_running_reqs=8))
+    assert engine.graphs is not None
+    replayed = []
+    replay = engine._replay
+    monkeypatch.setattr(engine, "_replay", lambda *a: replayed.append(a[-1]) or replay(*a))
+    _rows_against_extend(engine, monkeypatch, temperature, penalties, atol=0.05)
+    assert replayed and replayed[-1] == penalties  # the graph ran the rows; with penalties, counting
+
+
+def _rows_against_extend(engine, monkeypatch, temperature: float, penalties: bool, atol: float) -> None:
+    """A verify step (slot 0: three proposals, slot 2: one) run as decode rows and as an extend step,
+    from the same token pool and processor counts: the same samples, logprobs and counts after."""
+    import worker.engine as engine_module
+
     prompts = {0: [5, 9, 14, 5, 9, 14, 5, 9], 2: [7, 21, 33, 48, 60]}
     one = dict(
         temperature=np.full(2, temperature, np.float32),
@@ -165,8 +193,8 @@ def test_decode_rows_score_sample_and_keep_as_the_extend_step(qwen3_path, monkey
     monkeypatch.setattr(engine_module, "verify_as_decode", lambda *a: None)
     as_extend = run(verify)
     assert torch.equal(as_rows[0], as_extend[0])
-    torch.testing.assert_close(as_rows[1], as_extend[1], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(as_rows[2], as_extend[2], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(as_rows[1], as_extend[1], rtol=1e-4, atol=atol)
+    torch.testing.assert_close(as_rows[2], as_extend[2], rtol=1e-4, atol=atol)
     assert torch.equal(as_rows[3], as_extend[3])  # the kept samples counted, the same in both
     if penalties:
         assert int(as_rows[3].sum()) > int(counts.sum())
