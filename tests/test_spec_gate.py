@@ -85,9 +85,11 @@ def test_a_rate_measured_at_another_batch_size_is_measured_again():
     steps = Steps(gate, seconds={True: 0.005, False: 0.001}, tokens={True: 3, False: 1}, rows=32)
     steps.run(300)
     assert gate.hold >= 128 and not gate.speculating and not gate.probing
-    steps.rows = 8  # the batch shrank: speculation is probed at once, not after the long hold
-    assert steps.run(1) == [True]
-    assert gate.probing
+    held = gate.steps  # steps of the hold run so far
+    # the batch halved: speculation is probed again once the hold has run first_hold steps, not at its end
+    steps.rows = 16
+    ways = steps.run(20)
+    assert ways.index(True) == max(0, 15 - held) and held + 20 < gate.hold
 
 
 def test_prompt_steps_and_idle_gaps_are_not_counted():

@@ -9,7 +9,9 @@ with the text. So the gate measures both ways in turn, a probe of a few steps ea
 for a hold of steps, then probes the slower again: a loser that loses again is held off twice as long
 (up to max_hold), one that wins takes over. A probe's first step is not counted (the step before it
 ran the other way: a draft catches up, an overlap fills or drains). A measurement taken at a batch
-size other than the current one by more than half is taken again.
+size at least twice or at most half the current one is taken again, once the hold has run first_hold
+steps (in a run's tail the batch halves every few dozen steps, and each probe costs: a draft model first
+catches up with every token decoded since its last proposals).
 
 Only the rate of a decode step that follows another step handled closely is counted: tokens it
 emitted, over its rows, over the time since the step handled before it (in the overlap loop the time
@@ -56,7 +58,8 @@ class SpecGate:
         """The way of the next decode step of `rows` requests."""
         if not self.probing:
             self.steps += 1
-            if self.steps > self.hold or _stale(self.ways[not self.speculating], rows):
+            stale = self.steps >= self.first_hold and _stale(self.ways[not self.speculating], rows)
+            if self.steps > self.hold or stale:
                 self._run(not self.speculating, probing=True)
         return self.speculating
 
@@ -100,5 +103,5 @@ class SpecGate:
 
 
 def _stale(way: _Way, rows: int) -> bool:
-    """A rate measured at a batch more than half again as large or small as this one."""
-    return way.rate is not None and not (way.rows / 1.5 <= rows <= way.rows * 1.5)
+    """A rate measured at a batch at least twice or at most half as large as this one."""
+    return way.rate is not None and not (way.rows / 2 < rows < way.rows * 2)
