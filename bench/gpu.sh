@@ -27,7 +27,8 @@
 #   hops           where the online TTFT goes at concurrency 1: each hop's mean beside the offline TTFT
 #   spec           speculative decoding: batch 1 ms per token and decode throughput at 64 and 256, off,
 #                  n-gram and a draft identical to the target (random weights, greedy)
-#   spec_a         (a) without speculation, with n-gram and with a draft identical to the target
+#   spec_a         (a) without speculation, with n-gram and with a draft identical to the target (RUNS each;
+#                  SPEC_A_METHODS picks among none, ngram and draft)
 #   real           the real model (SmolLM2-135M-Instruct's GGUF) in bf16 against transformers' bf16,
 #                  bench/real_text.py and bench/real_spec.py (n-gram speculation on an editing task); the
 #                  file from .real/ (split parts, carried over calls) or the cache; transformers reads it
@@ -215,10 +216,9 @@ for suite in "$@"; do
       # shlex-free on purpose: SPEC_ARGS is a plain list of flags (e.g. "--methods off draft --repeats 2")
       step spec 480 python3 bench/spec_decode.py --batches 1 64 256 ${SPEC_ARGS:-} --out "$OUT/spec.json" ;;
     spec_a)
-      for method in none ngram draft; do
-        flag=$([ "$method" = none ] || echo "--speculative-method $method")
-        step "spec_a_$method" 300 python3 bench/offline_throughput.py --arch qwen3-0.6b $flag \
-          --out "$OUT/spec_a_$method.json"
+      for method in ${SPEC_A_METHODS:-none ngram draft}; do
+        if [ "$method" = none ]; then offline spec_a_none 300 --arch qwen3-0.6b
+        else offline "spec_a_$method" 300 --arch qwen3-0.6b --speculative-method "$method"; fi
       done ;;
     peer)
       [ -f .peer/run_minisgl.sh ] || { log "peer: no .peer/ (../shared/peer/README.md makes it)"; continue; }
