@@ -3,9 +3,9 @@ batches, without speculation, with n-gram proposals (pipelined, the default, and
 request waiting for its last verify step's result) and with a draft model identical to the target
 (random weights, greedy: every proposal is accepted, the ceiling of the machinery), on Qwen3-0.6B's
 architecture by default. Every method runs at the defaults, where speculation keeps itself on only
-while it measures faster (speculative_adaptive); a method named with -always (draft-always,
-ngram-always, ngram-wait-always) speculates whenever it may, what the machinery gives where it does
-not pay. Prompts of random tokens; outputs of --output-len tokens, ignore_eos.
+while it measures faster (speculative_adaptive), and a draft as large as the model never runs; a method
+named with -always (draft-always, ngram-always, ngram-wait-always) speculates whenever it may, what the
+machinery gives where it does not pay. Prompts of random tokens; outputs of --output-len tokens, ignore_eos.
 
     python bench/spec_decode.py [--out r.json] [--methods off ngram ngram-wait draft draft-always] [--k 4]
         [--batches 1 64]"""

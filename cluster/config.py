@@ -126,8 +126,9 @@ class SchedulerConfig:
         True,
         "speculation runs only while it measures faster: the decode steps' output tokens a request and "
         "second with it and without it are measured in turn (a few steps each), the faster way kept, the "
-        "slower probed again after 16 steps, then twice as many as it keeps losing (up to 1,024). Off: "
-        "speculation runs whenever speculative_max_batch allows",
+        "slower probed again after 16 steps, then twice as many as it keeps losing (up to 1,024); a draft "
+        "model reading as many weight bytes a forward as the model is never run. Off: speculation runs "
+        "whenever speculative_max_batch allows",
     )
     speculative_pipeline: bool = setting(
         True,

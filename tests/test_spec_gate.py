@@ -125,3 +125,27 @@ def test_with_the_gate_on_the_outputs_are_those_without_speculation(qwen3_path, 
             assert llm.stats().spec_decode_num_draft_tokens > 0
         with checked_llm(qwen3_path, page_size=4, overlap=overlap) as llm:
             assert on == [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def test_a_draft_as_large_as_the_model_is_never_run_and_a_smaller_one_is_gated(qwen3_path, llama_path, caplog):
+    """With the gate on, a draft reading as many weight bytes a forward as the model (here the model
+    itself) cannot pay at any acceptance: speculation stays off, with a warning, and outputs are those
+    without it. A smaller draft (a random llama, about 0.83 of the model's bytes) is measured by the gate."""
+    texts = ["the the the and and of of to to in in is is it it " * 2]
+    params = [greedy(16, ignore_eos=True)]
+    same = dict(speculative_method="draft", speculative_model=str(qwen3_path))
+    with checked_llm(qwen3_path, page_size=4, **same) as llm:
+        spec = llm.scheduler.spec
+        assert spec.draft.relative_cost == 1.0 and spec.never_pays
+        prompts = encode_all(llm, texts)
+        on = [o.token_ids for o in llm.generate(prompts, params)]
+        assert llm.stats().spec_decode_num_draft_tokens == 0
+    assert "speculation cannot pay" in caplog.text
+    with checked_llm(qwen3_path, page_size=4) as llm:
+        assert on == [o.token_ids for o in llm.generate(prompts, params)]
+    smaller = dict(speculative_method="draft", speculative_model=str(llama_path))
+    with checked_llm(qwen3_path, page_size=4, **smaller) as llm:
+        spec = llm.scheduler.spec
+        assert 0.5 < spec.draft.relative_cost < 1 and not spec.never_pays and spec.gate is not None
+        llm.generate(prompts, params)
+        assert llm.stats().spec_decode_num_draft_tokens > 0  # the gate's first probe speculates

@@ -9,7 +9,7 @@ from dataclasses import replace
 from cluster.config import ReplicaConfig
 from cluster.messages import TokenDelta
 from cluster.model_info import eos_token_ids
-from cluster.scheduler.draft import DraftProposer
+from cluster.scheduler.draft import DraftProposer, weight_bytes
 from cluster.scheduler.executor import Executor
 from cluster.scheduler.grammars import Grammars
 from cluster.scheduler.req import Req
@@ -31,7 +31,8 @@ def build_scheduler(
     eos = eos_token_ids(config.engine.model_path, engine.hf_config, tokenizer)
     draft = None
     if config.scheduler.speculative_method == "draft":
-        draft = DraftProposer(Engine(draft_engine_config(config.engine, config.scheduler.speculative_model, engine)))
+        draft_engine = Engine(draft_engine_config(config.engine, config.scheduler.speculative_model, engine))
+        draft = DraftProposer(draft_engine, weight_bytes(draft_engine.model) / max(1, weight_bytes(engine.model)))
     vocab = engine.hf_config.vocab_size
     return Scheduler(
         config.scheduler,

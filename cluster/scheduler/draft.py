@@ -34,10 +34,19 @@ class DraftSeq:
     proposed_from: int = 0  # the request's length when its last proposals were made
 
 
+def weight_bytes(model) -> int:
+    """The bytes of a torch module's parameters, each tensor once (tied ones are one)."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
 class DraftProposer:
-    def __init__(self, engine) -> None:
-        """`engine`: the draft's worker Engine (tp 1), started."""
+    def __init__(self, engine, relative_cost: float = 0.0) -> None:
+        """`engine`: the draft's worker Engine (tp 1), started. `relative_cost`: its weights' bytes over
+        those the model's rank 0 holds, what one of its forwards reads against one of the model's (a
+        decode step reads its weights once): at 1 or more, speculation cannot pay (k of its forwards to
+        save at most k of the model's)."""
         self.engine = engine
+        self.relative_cost = relative_cost
         self.page_size = engine.page_size
         self.allocator = PageAllocator(engine.num_pages)
         self.seqs: dict[int, DraftSeq] = {}  # by request uid

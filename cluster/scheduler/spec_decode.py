@@ -30,6 +30,8 @@ proposals were all rejected, it decodes in the overlap loop (not waiting, propos
 
 from __future__ import annotations
 
+import logging
+
 from cluster.config import SchedulerConfig
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler.cache_manager import CacheManager
@@ -38,6 +40,8 @@ from cluster.scheduler.grammars import accepted_prefix
 from cluster.scheduler.ngram import propose_ngram
 from cluster.scheduler.req import Req
 from cluster.scheduler.spec_gate import SpecGate
+
+log = logging.getLogger(__name__)
 
 
 class Speculator:
@@ -50,6 +54,15 @@ class Speculator:
         self.max_pause = config.speculative_max_pause
         self.pipeline = config.speculative_pipeline and config.overlap
         self.gate = SpecGate() if config.speculative_adaptive else None
+        # a draft that reads as many bytes a forward as the model cannot pay at any acceptance: the gate
+        # keeps speculation off without probing it (each probe would cost the draft's catch-up)
+        self.never_pays = self.gate is not None and draft is not None and draft.relative_cost >= 1.0
+        if self.never_pays:
+            log.warning(
+                "the draft model reads %.2fx the bytes of the model a forward: speculation cannot pay and stays "
+                "off (speculative_adaptive false runs it anyway)",
+                draft.relative_cost,
+            )
         self.num_draft_tokens = 0  # proposed, over every verify step
         self.num_accepted_tokens = 0  # of them, kept
         # rows launched while the last verify step of their request was in flight (counted when it is handled)
@@ -66,7 +79,7 @@ class Speculator:
         """Whether the next step speculates: only while few requests decode, and (speculative_adaptive)
         while speculating measures faster than not (spec_gate.py). Else no request waits for its own
         result, and every one decodes in the overlap loop."""
-        if num_running > self.max_batch:
+        if num_running > self.max_batch or self.never_pays:
             return False
         return self.gate is None or self.gate.speculates(num_running)
 
