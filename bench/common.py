@@ -5,6 +5,7 @@ flags, GPU time per decode step and the idle gaps between steps, a kernel profil
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -21,6 +22,14 @@ from cluster import LLM  # noqa: E402
 from cluster.config import SchedulerConfig  # noqa: E402
 from worker.batch import BatchDesc  # noqa: E402
 from worker.kernels import DECODE_KERNELS, MOE_KERNELS, PREFILL_KERNELS, Kernels  # noqa: E402
+
+if torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is None:
+    # a figure taken so is not the engine's: no FlashInfer attention, hence no CUDA graphs
+    print(
+        "warning: a GPU but no flashinfer here: the engine runs torch attention, eagerly. On a GPU host "
+        "run benchmarks through bench/gpu.sh, which puts the wheels of .whl/ on PYTHONPATH",
+        file=sys.stderr,
+    )
 
 _QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"],
