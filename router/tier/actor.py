@@ -24,6 +24,7 @@ from cluster import load_tokenizer
 from router.http.app import build_app
 from router.http.connection import bounded_protocol
 from router.http.draining import DrainingServer
+from router.http.heap import freeze_startup_heap
 from router.http.state import RouterState
 from router.replicas.client import client_for
 from router.tier.directory import read_directory
@@ -66,6 +67,7 @@ class RouterActor:
         first_uid = (self.subscriber << 48) | (_next_incarnation(config.port, index) << 32)
         self.state: RouterState = router_state(config, tokenizer, info, replicas, self.subscriber, first_uid)
         self._release_predecessor(replicas)
+        freeze_startup_heap()  # a router actor serves for the rest of its life
         uv = uvicorn.Config(
             build_app(self.state),
             log_level="warning",

@@ -17,6 +17,7 @@ from cluster import Fleet, ReplicaHandle, ServeConfig, ensure_ray, load_tokenize
 from router.http.app import build_app
 from router.http.connection import bounded_protocol
 from router.http.draining import DrainingServer
+from router.http.heap import freeze_startup_heap
 from router.http.state import RouterState
 from router.tier.autoscaler import Autoscaler
 from router.tier.response_store import forget_responses
@@ -112,6 +113,7 @@ class Deployment:
     def run(self) -> None:
         """Serves until SIGINT or SIGTERM, lets requests in flight finish (up to the drain timeout),
         then stops every replica and returns."""
+        freeze_startup_heap()  # this process serves from here on: no full collection walks its startup
         if threading.current_thread() is not threading.main_thread():  # no signals here: uvicorn's way
             try:
                 self._make_uvicorn().run()
