@@ -13,11 +13,14 @@
 #   moe            (b) and (a) on Qwen3-30B-A3B's architecture (a mixture of experts, the fused Triton path)
 #   fp8_weights    Qwen3-8B's architecture with its weights quantized to FP8 at load against bf16: (a) and
 #                  (b) batch 1, each for both
+#   moe_latency    (b) alone on Qwen3-30B-A3B's architecture, on this tree and BASE's
 #   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
 #                  GEMMs' tile sweep at 64, 256 and 8,192) and the FP8 GEMV's tile sweep (bench/fp8_gemv.py)
 #   prologue       the attention prologue's tiles at a decode batch and a prompt chunk (bench/prologue.py)
 #   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
+#   row_fusion     batch-1 decode's fused residual-norm and SiLU GEMVs against the launches they replace
+#                  (bench/row_fusion.py)
 #   prefill_kernels  prefill_heavy with FlashInfer's FA2 prefill forced (beside the default's runs of the
 #                  suite above)
 #   profile_extend one prefill_heavy run, then the kernels of 20 extend steps of another draw
@@ -159,12 +162,17 @@ for suite in "$@"; do
   case $suite in
     tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py tests/test_moe.py \
-      tests/test_fp8_gpu.py tests/test_spec_decode.py} ;;
+      tests/test_fp8_gpu.py tests/test_spec_decode.py tests/test_row_fusion.py} ;;
     offline) offline offline 150 ;;
     latency)
       for tree in $(trees); do
         (cd "$tree" && step "latency$(tag "$tree")" 150 python3 bench/decode_latency.py --repeats "${REPEATS:-5}" \
           --out "$OUT/latency$(tag "$tree").json")
+      done ;;
+    moe_latency)  # (b) alone on the MoE architecture, on each tree
+      for tree in $(trees); do
+        (cd "$tree" && step "moe_latency$(tag "$tree")" 300 python3 bench/decode_latency.py --arch qwen3-30b-a3b \
+          --repeats "${REPEATS:-5}" --out "$OUT/moe_latency$(tag "$tree").json")
       done ;;
     fp8) offline fp8 150 --kv-cache-dtype fp8_e4m3 ;;
     qwen3_8b) offline qwen3_8b 240 --arch qwen3-8b ;;
@@ -183,6 +191,7 @@ for suite in "$@"; do
     kernels)
       step moe_decode 420 python3 bench/moe_decode.py --tokens 1 4 64 256 8192 --grouped-sweep --out "$OUT/moe_decode.json"
       step fp8_gemv 200 python3 bench/fp8_gemv.py --out "$OUT/fp8_gemv.json" ;;
+    row_fusion) step row_fusion 200 python3 bench/row_fusion.py --out "$OUT/row_fusion.json" ;;
     prologue) step prologue 200 python3 bench/prologue.py --out "$OUT/prologue.json" ;;
     prefill_heavy) offline prefill_heavy 240 --workload prefill_heavy ;;
     prefill_sweep)

@@ -210,3 +210,92 @@ def small_linear_kernel(
         acc.to(out_ptr.dtype.element_ty),
         mask=(rm[:, None] < M) & (rn[None, :] < N),
     )
+
+
+@triton.jit
+def norm_linear_kernel(
+    x_ptr,
+    res_ptr,
+    norm_w_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    normed_ptr,
+    N,
+    K,
+    w_stride,
+    eps,
+    HAS_RES: tl.constexpr,
+    WRITE_NORMED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # out = rmsnorm(x + res) @ w.T for one row (batch-1 decode), the residual norm and the GEMV in one
+    # launch. Each program computes the norm of the whole row itself (a few KiB read from L2) and then
+    # BLOCK_N output columns; program 0 also writes the new residual (x + res) and, with WRITE_NORMED,
+    # the normed row. As FlashInfer's norms: the sum in float32, normed = (x + res) * rstd * weight,
+    # rounded to the row's dtype before the product, as the GEMV after a separate norm reads it.
+    pid = tl.program_id(0)
+    rk = tl.arange(0, BLOCK_K)
+    sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        h = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if HAS_RES:
+            h += tl.load(res_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        sq += h * h
+    rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = (rk * 0 + pid) == 0  # program 0's lanes (a vector: the interpreter masks with vectors only)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        km = kk < K
+        h = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        if HAS_RES:
+            h += tl.load(res_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            tl.store(res_out_ptr + kk, h.to(res_out_ptr.dtype.element_ty), mask=km & first)
+        nw = tl.load(norm_w_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        normed = (h * rstd * nw).to(x_ptr.dtype.element_ty)
+        if WRITE_NORMED:
+            tl.store(normed_ptr + kk, normed, mask=km & first)
+        w = tl.load(
+            w_ptr + rn[:, None].to(tl.int64) * w_stride + kk[None, :],
+            mask=(rn[:, None] < N) & km[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(w * normed.to(tl.float32)[None, :], axis=1)
+    tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def silu_linear_kernel(
+    gate_up_ptr,
+    w_ptr,
+    out_ptr,
+    N,
+    K,
+    w_stride,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # out = (silu(gate) * up) @ w.T for one row, gate_up = [gate | up] of K each: SiLU-and-multiply and
+    # the down projection's GEMV in one launch. The product is rounded to the row's dtype before the
+    # GEMV, as it is when a separate kernel writes it.
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        km = kk < K
+        g = tl.load(gate_up_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        u = tl.load(gate_up_ptr + K + kk, mask=km, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g)) * u).to(gate_up_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(
+            w_ptr + rn[:, None].to(tl.int64) * w_stride + kk[None, :],
+            mask=(rn[:, None] < N) & km[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(w * act[None, :], axis=1)
+    tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)

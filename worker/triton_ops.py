@@ -295,3 +295,91 @@ def small_linear(
         num_warps=num_warps,
     )
     return out
+
+
+def row_fusion_applies(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether one row's residual norm (or SiLU-and-multiply) and the GEMV after it can run as one launch
+    (`norm_linear`, `silu_linear`): batch-1 decode, with both the fused norms and the small-M GEMV asked
+    for, in half precision on CUDA (and in any float dtype under the interpreter)."""
+    if not (kernels.fused and kernels.small_linear and x.dim() == 2 and x.shape[0] == 1):
+        return False
+    if x.is_cuda:
+        half = x.dtype in (torch.bfloat16, torch.float16)
+    else:
+        half = _interpreted(kernels) and x.dtype.is_floating_point
+    return (
+        half
+        and weight.dtype == x.dtype
+        and weight.device == x.device
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and _kernels() is not None
+    )
+
+
+def _fused_block_n(n: int) -> int:
+    """Output columns a program of the fused GEMVs: from 1 (N up to 1,024: a program a column, as
+    small_linear) to 8, so that a program's weight rows outweigh the row it reads and normalises itself."""
+    return max(1, min(8, triton.next_power_of_2(n) // 1024))
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    write_normed: bool = False,
+    block_n: int | None = None,
+    block_k: int = 1024,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """For one row x [1, K]: (rmsnorm(x + residual) @ weight.T, the new residual x + residual (x itself
+    without one), the normed row with write_normed) in one launch. x and residual are left as they are."""
+    k = x.shape[1]
+    n = weight.shape[0]
+    block_n = block_n or _fused_block_n(n)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else x
+    normed = torch.empty_like(x) if write_normed else None
+    _kernels().norm_linear_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        residual if residual is not None else x,
+        norm_weight,
+        weight,
+        out,
+        res_out,
+        normed if normed is not None else x,
+        n,
+        k,
+        weight.stride(0),
+        eps,
+        HAS_RES=residual is not None,
+        WRITE_NORMED=write_normed,
+        BLOCK_N=block_n,
+        BLOCK_K=min(block_k, triton.next_power_of_2(k)),
+        num_warps=num_warps,
+    )
+    return out, res_out, normed
+
+
+def silu_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int = 1024, num_warps: int = 4
+) -> torch.Tensor:
+    """For one row gate_up [1, 2K] = [gate | up]: (silu(gate) * up) @ weight.T in one launch."""
+    k = gate_up.shape[1] // 2
+    n = weight.shape[0]
+    block_n = block_n or _fused_block_n(n)
+    out = torch.empty(1, n, dtype=gate_up.dtype, device=gate_up.device)
+    _kernels().silu_linear_kernel[(triton.cdiv(n, block_n),)](
+        gate_up,
+        weight,
+        out,
+        n,
+        k,
+        weight.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_K=min(block_k, triton.next_power_of_2(k)),
+        num_warps=num_warps,
+    )
+    return out

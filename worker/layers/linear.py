@@ -140,6 +140,10 @@ class RowParallelLinear(nn.Module):
             y = self.quant.apply(self, x, None, self.small)
         else:
             y = linear(x, self.weight, small=self.small)
+        return self.finish(y)
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's partial products y, all-reduced (unless the caller reduces) and biased."""
         if self.reduce and self.tp.size > 1:
             y = self.tp.comm.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -9,6 +9,8 @@ from torch import nn
 from worker.kernels import Kernels
 from worker.layers.fused import fused_ops
 from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from worker.layers.norm import RMSNorm
+from worker.layers.row_fusion import norm_linear, silu_linear
 from worker.parallel import TPGroup
 
 
@@ -24,9 +26,23 @@ class SwiGLU(nn.Module):
         )
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=False, tp=tp, kernels=kernels, reduce=reduce)
         self.fused = kernels.fused
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def forward_after_norm(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block over norm(x + residual), and the new residual (the norm fused into gate-up at one row)."""
+        gate_up, residual, _ = norm_linear(norm, self.gate_up_proj, x, residual, self.kernels)
+        return self.down(gate_up), residual
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up): at one row in one launch."""
+        y = silu_linear(self.down_proj, gate_up, self.kernels)
+        if y is not None:
+            return self.down_proj.finish(y)
         ops = fused_ops(gate_up) if self.fused else None
         if ops is not None:
             return self.down_proj(ops.silu_and_mul(gate_up))

@@ -17,6 +17,7 @@ from worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from worker.layers.mlp import SwiGLU
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
+from worker.layers.row_fusion import norm_linear
 from worker.parallel import TPGroup
 
 
@@ -59,7 +60,10 @@ class Attention(nn.Module):
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        return self.attend(self.qkv_proj(x), positions, attn)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Attention from the projected q, k and v on, through o_proj."""
         # norm, rotary and the KV write in one kernel
         if triton_ops.prologue_applies(self.kernels, qkv, self.head_dim, attn.kv.dtype):
             q = self._fused_prologue(qkv, positions, attn.out_loc, attn)
@@ -146,14 +150,14 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp_of(config, layer_id, tp, kernels)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.kernels = kernels
 
     def forward(self, x, residual, positions, attn):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, attn)
+        # each residual norm runs inside the GEMV after it at one row (worker/layers/row_fusion.py)
+        qkv, residual, _ = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual, self.kernels)
+        x = self.self_attn.attend(qkv, positions, attn)
+        if hasattr(self.mlp, "forward_after_norm"):
+            return self.mlp.forward_after_norm(self.post_attention_layernorm, x, residual)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

@@ -13,6 +13,8 @@ from worker.layers.moe.fused import fused_applies, fused_moe, warm_token_counts
 from worker.layers.moe.routing import select_experts
 from worker.layers.moe.torch_experts import torch_experts
 from worker.layers.moe.weights import Experts
+from worker.layers.norm import RMSNorm
+from worker.layers.row_fusion import norm_linear
 from worker.parallel import TPGroup
 
 
@@ -60,7 +62,17 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
+        return self._experts(x, self.gate(x))
+
+    def forward_after_norm(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block over norm(x + residual), and the new residual: at one row the norm runs inside the
+        router's GEMV, which also writes the normed row for the experts."""
+        logits, residual, normed = norm_linear(norm, self.gate, x, residual, self.kernels, want_normed=True)
+        return self._experts(normed, logits), residual
+
+    def _experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         w13, w2 = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
         if fused_applies(self.kernels, x):
             out = fused_moe(x, logits, w13, w2, self.top_k, self.renormalize)

@@ -1,0 +1,50 @@
+"""Batch-1 decode runs each residual norm inside the GEMV that reads its output, and SiLU-and-multiply
+inside the down projection's GEMV (worker/triton_kernels.py: norm_linear_kernel, silu_linear_kernel).
+At one row a layer's small kernels cost more in launches and ramp than in bytes (a residual norm took
+2.6 us of GPU time for 2 KiB to 8 KiB): three launches fewer a dense layer, two a mixture of experts'.
+Other shapes, quantized layers and the CPU (outside the interpreter) run the norm and the linear apart."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker import triton_ops
+from worker.kernels import Kernels
+from worker.layers.norm import RMSNorm
+
+
+def _plain(linear: nn.Module) -> bool:
+    """A layer whose forward is the small-M GEMV over its weight (no quantization), bias or not."""
+    return getattr(linear, "quant", None) is None and getattr(linear, "small", False)
+
+
+def norm_linear(
+    norm: RMSNorm,
+    linear: nn.Module,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    kernels: Kernels,
+    want_normed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(linear(norm(x + residual)), the new residual, the normed rows when want_normed) as a decoder layer
+    takes them: without a residual (the first layer's input norm) x is the residual. One launch at one
+    row; the norm then the linear otherwise."""
+    weight = linear.weight
+    if _plain(linear) and triton_ops.row_fusion_applies(kernels, x, weight):
+        y, residual, normed = triton_ops.norm_linear(x, residual, norm.weight, norm.eps, weight, want_normed)
+        bias = getattr(linear, "bias", None)
+        return (y if bias is None else y + bias), residual, normed
+    if residual is None:
+        residual, normed = x, norm(x)
+    else:
+        normed, residual = norm(x, residual)
+    return linear(normed), residual, normed if want_normed else None
+
+
+def silu_linear(linear: nn.Module, gate_up: torch.Tensor, kernels: Kernels) -> torch.Tensor | None:
+    """linear's GEMV over silu(gate) * up of one row in one launch (before its all-reduce and bias, which
+    the caller adds); None where that does not apply."""
+    if _plain(linear) and triton_ops.row_fusion_applies(kernels, gate_up, linear.weight):
+        return triton_ops.silu_linear(gate_up, linear.weight)
+    return None
