@@ -46,6 +46,7 @@
 #   RUNS   processes per throughput figure (default 3; the table quotes the median)
 #   REPEATS  runs of (b) in its one process (default 5)
 #   TESTS  the test files `tests` runs (default: every file that holds GPU tests)
+#   LATENCY_ARCHS  the architectures `latency` runs (default qwen3-0.6b; e.g. "qwen3-0.6b qwen3-8b")
 #   CHUNKS   the prefill chunk sizes `mixed` runs at (default 2048)
 #   ARCH   the peer's architecture (default qwen3-0.6b)
 #   PEER_ARGS  more arguments for the peer's bench_minisgl.py (e.g. --draws prefill_heavy:2 --b1-repeat 0)
@@ -164,10 +165,13 @@ for suite in "$@"; do
       tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py tests/test_moe.py \
       tests/test_fp8_gpu.py tests/test_spec_decode.py tests/test_row_fusion.py} ;;
     offline) offline offline 150 ;;
-    latency)
-      for tree in $(trees); do
-        (cd "$tree" && step "latency$(tag "$tree")" 150 python3 bench/decode_latency.py --repeats "${REPEATS:-5}" \
-          --out "$OUT/latency$(tag "$tree").json")
+    latency)  # LATENCY_ARCHS: the architectures (default qwen3-0.6b)
+      for arch in ${LATENCY_ARCHS:-qwen3-0.6b}; do
+        sfx=$([ "$arch" = qwen3-0.6b ] && echo "" || echo "_$arch")
+        for tree in $(trees); do
+          (cd "$tree" && step "latency$sfx$(tag "$tree")" 200 python3 bench/decode_latency.py --arch "$arch" \
+            --repeats "${REPEATS:-5}" --out "$OUT/latency$sfx$(tag "$tree").json")
+        done
       done ;;
     moe_latency)  # (b) alone on the MoE architecture, on each tree
       for tree in $(trees); do

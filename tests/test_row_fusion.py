@@ -14,7 +14,7 @@ from worker import triton_ops
 from worker.kernels import Kernels
 from worker.layers.linear import ColumnParallelLinear
 from worker.layers.norm import RMSNorm
-from worker.layers.row_fusion import norm_linear, silu_linear
+from worker.layers.row_fusion import NORM_MAX_K, SILU_MAX_K, norm_linear, silu_linear
 from worker.parallel import TPGroup
 
 pytest.importorskip("triton")
@@ -55,7 +55,7 @@ def test_silu_linear_equals_silu_and_multiply_then_the_matmul(k, n):
     torch.testing.assert_close(got, (F.silu(gate) * up) @ weight.T, rtol=1e-5, atol=1e-4)
 
 
-def test_the_layers_fuse_only_one_unquantized_row_with_both_kernels_asked_for():
+def test_the_layers_fuse_only_one_unquantized_narrow_row_with_both_kernels_asked_for():
     tp = TPGroup(0, 1)
     layer = ColumnParallelLinear(32, [16, 16], bias=True, tp=tp, kernels=INTERPRETED)
     layer.weight.data.normal_()
@@ -78,6 +78,10 @@ def test_the_layers_fuse_only_one_unquantized_row_with_both_kernels_asked_for():
             norm_linear(norm, layer, torch.randn(rows, 32), torch.randn(rows, 32), kernels)
         norm_linear(norm, layer, x, residual, Kernels(interpret_on_cpu=True, small_linear=False))
         norm_linear(norm, layer, x, residual, Kernels())  # the CPU without the interpreter
+        wide = ColumnParallelLinear(NORM_MAX_K + 1, [8], bias=False, tp=tp, kernels=INTERPRETED)
+        norm_linear(_norm(NORM_MAX_K + 1), wide, torch.randn(1, NORM_MAX_K + 1), None, INTERPRETED)  # too wide to pay
+        down = ColumnParallelLinear(SILU_MAX_K + 1, [8], bias=False, tp=tp, kernels=INTERPRETED)
+        assert silu_linear(down, torch.randn(1, 2 * SILU_MAX_K + 2), INTERPRETED) is None
         layer.quant = object()  # a quantized layer multiplies through its method
         assert silu_linear(layer, torch.randn(1, 32), INTERPRETED) is None
         assert calls == [1]

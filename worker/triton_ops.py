@@ -317,10 +317,15 @@ def row_fusion_applies(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor) 
     )
 
 
-def _fused_block_n(n: int) -> int:
-    """Output columns a program of the fused GEMVs: from 1 (N up to 1,024: a program a column, as
-    small_linear) to 8, so that a program's weight rows outweigh the row it reads and normalises itself."""
-    return max(1, min(8, triton.next_power_of_2(n) // 1024))
+def _norm_block_n(n: int) -> int:
+    """Output columns a program of norm_linear: the fastest of 1-16 on an H200 (bench/row_fusion.py) at
+    N = 128 and 4,096 (2) and 5,120 and 6,144 (4); 8 was at 24,576."""
+    return 2 if n <= 4096 else 4 if n <= 16384 else 8
+
+
+def _silu_block_n(n: int) -> int:
+    """Output columns a program of silu_linear: the fastest at N = 1,024 (1) and 4,096 (2)."""
+    return 1 if n <= 1024 else 2
 
 
 def norm_linear(
@@ -338,7 +343,7 @@ def norm_linear(
     without one), the normed row with write_normed) in one launch. x and residual are left as they are."""
     k = x.shape[1]
     n = weight.shape[0]
-    block_n = block_n or _fused_block_n(n)
+    block_n = block_n or _norm_block_n(n)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else x
     normed = torch.empty_like(x) if write_normed else None
@@ -369,7 +374,7 @@ def silu_linear(
     """For one row gate_up [1, 2K] = [gate | up]: (silu(gate) * up) @ weight.T in one launch."""
     k = gate_up.shape[1] // 2
     n = weight.shape[0]
-    block_n = block_n or _fused_block_n(n)
+    block_n = block_n or _silu_block_n(n)
     out = torch.empty(1, n, dtype=gate_up.dtype, device=gate_up.device)
     _kernels().silu_linear_kernel[(triton.cdiv(n, block_n),)](
         gate_up,

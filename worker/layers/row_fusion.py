@@ -1,8 +1,9 @@
 """Batch-1 decode runs each residual norm inside the GEMV that reads its output, and SiLU-and-multiply
 inside the down projection's GEMV (worker/triton_kernels.py: norm_linear_kernel, silu_linear_kernel).
 At one row a layer's small kernels cost more in launches and ramp than in bytes (a residual norm took
-2.6 us of GPU time for 2 KiB to 8 KiB): three launches fewer a dense layer, two a mixture of experts'.
-Other shapes, quantized layers and the CPU (outside the interpreter) run the norm and the linear apart."""
+2.6 us of GPU time for 2 KiB to 8 KiB): three launches fewer a dense layer, two a mixture of experts'
+(Qwen3-0.6B's batch-1 decode: 0.954 ms a token against 1.026). Wider rows (NORM_MAX_K, SILU_MAX_K),
+more rows, quantized layers and the CPU (outside the interpreter) run the norm and the linear apart."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ from torch import nn
 from worker import triton_ops
 from worker.kernels import Kernels
 from worker.layers.norm import RMSNorm
+
+# The widest row each fusion pays at. Every program of the fused GEMV reads the whole row itself (x and the
+# residual twice and the norm's weight for a norm; gate and up for SiLU), which beside a few weight rows
+# a program doubles what it reads from L2 on wide rows. On an H200 (bench/row_fusion.py, 2026-12-04) the
+# fused norm saved 0.1-0.7 us a layer at 1,024 and 2,048 and lost 0.8-2.2 at 4,096; the fused SiLU saved
+# 0.3 at 3,072 and lost 7 at 12,288.
+NORM_MAX_K = 2048
+SILU_MAX_K = 3072
 
 
 def _plain(linear: nn.Module) -> bool:
@@ -31,7 +40,7 @@ def norm_linear(
     takes them: without a residual (the first layer's input norm) x is the residual. One launch at one
     row; the norm then the linear otherwise."""
     weight = linear.weight
-    if _plain(linear) and triton_ops.row_fusion_applies(kernels, x, weight):
+    if x.shape[-1] <= NORM_MAX_K and _plain(linear) and triton_ops.row_fusion_applies(kernels, x, weight):
         y, residual, normed = triton_ops.norm_linear(x, residual, norm.weight, norm.eps, weight, want_normed)
         bias = getattr(linear, "bias", None)
         return (y if bias is None else y + bias), residual, normed
@@ -45,6 +54,8 @@ def norm_linear(
 def silu_linear(linear: nn.Module, gate_up: torch.Tensor, kernels: Kernels) -> torch.Tensor | None:
     """linear's GEMV over silu(gate) * up of one row in one launch (before its all-reduce and bias, which
     the caller adds); None where that does not apply."""
-    if _plain(linear) and triton_ops.row_fusion_applies(kernels, gate_up, linear.weight):
+    if gate_up.shape[-1] <= 2 * SILU_MAX_K and _plain(linear) and triton_ops.row_fusion_applies(
+        kernels, gate_up, linear.weight
+    ):
         return triton_ops.silu_linear(gate_up, linear.weight)
     return None
