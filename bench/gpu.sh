@@ -47,6 +47,7 @@
 #   REPEATS  runs of (b) in its one process (default 5)
 #   TESTS  the test files `tests` runs (default: every file that holds GPU tests)
 #   LATENCY_ARCHS  the architectures `latency` runs (default qwen3-0.6b; e.g. "qwen3-0.6b qwen3-8b")
+#   LATENCY_ARGS   more flags for `latency`'s bench/decode_latency.py (e.g. --profile)
 #   CHUNKS   the prefill chunk sizes `mixed` runs at (default 2048)
 #   ARCH   the peer's architecture (default qwen3-0.6b)
 #   PEER_ARGS  more arguments for the peer's bench_minisgl.py (e.g. --draws prefill_heavy:2 --b1-repeat 0)
@@ -170,7 +171,7 @@ for suite in "$@"; do
         sfx=$([ "$arch" = qwen3-0.6b ] && echo "" || echo "_$arch")
         for tree in $(trees); do
           (cd "$tree" && step "latency$sfx$(tag "$tree")" 200 python3 bench/decode_latency.py --arch "$arch" \
-            --repeats "${REPEATS:-5}" --out "$OUT/latency$sfx$(tag "$tree").json")
+            --repeats "${REPEATS:-5}" ${LATENCY_ARGS:-} --out "$OUT/latency$sfx$(tag "$tree").json")
         done
       done ;;
     moe_latency)  # (b) alone on the MoE architecture, on each tree
