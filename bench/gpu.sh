@@ -14,7 +14,6 @@
 #   fp8_weights    Qwen3-8B's architecture with its weights quantized to FP8 at load against bf16: (a) and
 #                  (b) batch 1, each for both
 #   moe_latency    (b) alone on Qwen3-30B-A3B's architecture, on this tree and BASE's
-#   hops_profile   first_token_hops.py at 2-4 output tokens with py-spy on the replica (needs a py-spy wheel in .whl)
 #   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
 #                  GEMMs' tile sweep at 64, 256 and 8,192) and the FP8 GEMV's tile sweep (bench/fp8_gemv.py)
 #   prologue       the attention prologue's tiles at a decode batch and a prompt chunk (bench/prologue.py)
@@ -224,19 +223,6 @@ for suite in "$@"; do
           --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --concurrency 1 256 --c1-prompts 48 \
           --client-procs 4 --offline --out "$OUT/online$(tag "$tree").json")
       done ;;
-    hops_profile)  # hops, with py-spy sampling the replica's threads (native frames, idle ones too) as it serves
-      command -v py-spy >/dev/null || export PATH=$SITE/bin:$PATH
-      log "=== hops_profile: first_token_hops.py with py-spy on the replica"
-      python3 bench/first_token_hops.py --arch qwen3-0.6b --num-prompts 96 --input-len 100 1024 --output-len 2 4 \
-        --out "$OUT/hops_profile.json" > "$OUT/hops_profile.log" 2>&1 &
-      bench=$!
-      pid=""
-      for _ in $(seq 300); do pid=$(pgrep -f "ray::SchedulerActor" | head -1); [ -n "$pid" ] && break; sleep 1; done
-      # the server is ready once the replica's engine has started: the first request's warm-up follows
-      for _ in $(seq 300); do grep -q "ready in" "$OUT/hops_profile.log" && break; sleep 1; done
-      [ -n "$pid" ] && timeout 120 py-spy record -p "$pid" --threads --idle --native --rate 500 --format raw \
-        --duration 40 -o "$OUT/replica.pyspy.txt" > "$OUT/pyspy.log" 2>&1
-      wait "$bench"; tail -30 "$OUT/hops_profile.log"; tail -3 "$OUT/pyspy.log" ;;
     hops)
       step first_token_hops 300 python3 bench/first_token_hops.py --arch qwen3-0.6b --num-prompts 48 \
         --input-len 100 1024 --output-len 100 1024 --out "$OUT/first_token_hops.json" ;;

@@ -151,22 +151,6 @@ def test_one_launch_follows_lengths_changed_in_place_on_the_device():
     assert not torch.equal(out, before)
 
 
-@pytest.mark.parametrize("splits", [2, 3, 8])
-def test_the_last_split_merges_as_the_merge_kernel_does_and_leaves_its_counts_at_zero(splits):
-    # a 1-token request leaves most splits empty; the same scratch serves launch after launch (a CUDA graph)
-    args = make_decode([1, 17, 40, 5], 16, 2, 4, 64, "bf16", seed=splits)
-    scratch = decode_scratch(4, 8, 64, splits, DEVICE)
-    in_kernel = paged_decode(*args, num_splits=splits, scratch=scratch)
-    assert not scratch.arrivals.any()
-    again = paged_decode(*args, num_splits=splits, scratch=scratch)
-    apart = paged_decode(*args, num_splits=splits, scratch=scratch, merge_in_kernel=False)
-    assert torch.equal(in_kernel, apart) and torch.equal(again, in_kernel)
-    assert_close_to_reference(in_kernel, args)
-    without = decode_scratch(4, 8, 64, splits, DEVICE)
-    without.arrivals = None  # a scratch without counts: the merge kernel runs
-    assert torch.equal(paged_decode(*args, num_splits=splits, scratch=without), in_kernel)
-
-
 def test_scratch_must_hold_the_batch_and_the_splits():
     args = make_decode([3, 4, 5], 16, 1, 2, 64, "bf16")
     with pytest.raises(ValueError, match="too small"):

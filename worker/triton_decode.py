@@ -36,7 +36,6 @@ def _split_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    arrivals_ptr,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -56,15 +55,12 @@ def _split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    MERGE: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     F16_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     # one program per (request, kv head, split): the group's query heads against the split's tokens,
     # with an online softmax in base 2 (qk_scale = sm_scale * log2(e)); one split writes `out` itself,
-    # several write their normalized partial output and log2-sum-exp, which with MERGE the last of a
-    # (request, kv head)'s splits to finish merges (_merge_into_out), else _merge_kernel
+    # several write their normalized partial output and log2-sum-exp for _merge_kernel
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -133,74 +129,6 @@ def _split_kernel(
         part = part_out_ptr + b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
         tl.store(part[:, None] + offs_d[None, :], o, mask=h_mask[:, None])
         tl.store(part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
-        if MERGE:
-            # every thread's stores issued, then one release-acquire count of the splits done: the split
-            # that counts last sees every other's partials and merges them, a launch fewer than
-            # _merge_kernel; it sets the count back to 0 for the next launch (a CUDA graph's replay)
-            tl.debug_barrier()
-            arrival = arrivals_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-                _merge_into_out(
-                    part_out_ptr,
-                    part_lse_ptr,
-                    out_ptr,
-                    b,
-                    kvh * GROUP,
-                    stride_pb,
-                    stride_ph,
-                    stride_ps,
-                    stride_lb,
-                    stride_lh,
-                    stride_ob,
-                    stride_oh,
-                    GROUP,
-                    NUM_SPLITS,
-                    BLOCK_S,
-                    HEAD_DIM,
-                )
-                tl.atomic_xchg(arrival, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _merge_into_out(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    b,
-    first_head,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    stride_ob,
-    stride_oh,
-    HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    # HEADS query heads from first_head of request b: the splits' outputs weighed by their share of the
-    # softmax mass; a request's first split always holds a token, so the largest lse is finite. The
-    # partials are read past L1 (".cg"): other programs wrote them, and an earlier layer's may linger there
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < NUM_SPLITS
-    for g in tl.static_range(HEADS):
-        h = first_head + g
-        lse = tl.load(
-            part_lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s,
-            mask=s_mask,
-            other=-float("inf"),
-            cache_modifier=".cg",
-        )
-        w = tl.exp2(lse - tl.max(lse, axis=0))
-        part = part_out_ptr + b.to(tl.int64) * stride_pb + h * stride_ph
-        o = tl.load(
-            part + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_mask[:, None], other=0.0, cache_modifier=".cg"
-        )
-        o = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -244,13 +172,10 @@ MAX_SPLITS = 64
 @dataclass
 class DecodeScratch:
     """The split results of a launch: part_out [max_batch, num_heads, max_splits, head_dim] and part_lse
-    [max_batch, num_heads, max_splits], float32, allocated once (a CUDA graph's launches reuse them); and
-    arrivals, int32 zeros of at least max_batch * num_heads, where each (request, kv head) counts its splits
-    done so that the last merges (each launch leaves them at zero). Without arrivals a second kernel merges."""
+    [max_batch, num_heads, max_splits], float32, allocated once (a CUDA graph's launches reuse them)."""
 
     part_out: torch.Tensor
     part_lse: torch.Tensor
-    arrivals: torch.Tensor | None = None
 
 
 def decode_scratch(
@@ -260,7 +185,6 @@ def decode_scratch(
     return DecodeScratch(
         torch.empty(max_batch_size, num_heads, max_splits, head_dim, dtype=torch.float32, device=device),
         torch.empty(max_batch_size, num_heads, max_splits, dtype=torch.float32, device=device),
-        torch.zeros(max_batch_size * num_heads, dtype=torch.int32, device=device),
     )
 
 
@@ -288,7 +212,6 @@ def paged_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     f16_dot: bool | None = None,
-    merge_in_kernel: bool = True,
 ) -> torch.Tensor:
     """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
     k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]: request b reads pages
@@ -296,9 +219,7 @@ def paged_decode(
     Returns [B, num_heads, head_dim] in q's dtype (into `out` when given). With `scratch` (from
     decode_scratch) and `out` it allocates nothing. The rest tune it (None: the fastest in bench/fp8_decode.py
     on an H200): block_n, num_warps, num_stages, the tile (tokens a step) and launch shape; f16_dot, float16
-    tensor-core operands (None: for an fp8 cache) or q's dtype. merge_in_kernel: with several splits, the
-    last split of each (request, kv head) merges them (where the scratch has arrivals), else a second
-    kernel does."""
+    tensor-core operands (None: for an fp8 cache) or q's dtype."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -322,13 +243,8 @@ def paged_decode(
                 f"splits is too small for {batch} and {num_splits}"
             )
         part_out, part_lse = scratch.part_out, scratch.part_lse
-        arrivals = scratch.arrivals if merge_in_kernel else None
-        if arrivals is not None and arrivals.numel() < batch * num_kv_heads:
-            raise ValueError(
-                f"scratch arrivals for {arrivals.numel()} (request, kv head) pairs; {batch * num_kv_heads} needed"
-            )
     else:
-        part_out, part_lse, arrivals = out, out, None  # unread: one split writes out itself
+        part_out, part_lse = out, out  # unread: one split writes out itself
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -339,7 +255,6 @@ def paged_decode(
         out,
         part_out,
         part_lse,
-        arrivals if arrivals is not None else out,
         sm_scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -359,14 +274,12 @@ def paged_decode(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        MERGE=arrivals is not None,
-        BLOCK_S=triton.next_power_of_2(num_splits),
         F16_DOT=f16_dot,
         UPCAST=INTERPRETED,
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1 and arrivals is None:
+    if num_splits > 1:
         _merge_kernel[(batch, num_heads)](
             part_out,
             part_lse,

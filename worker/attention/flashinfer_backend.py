@@ -212,8 +212,6 @@ class FlashInferBackend(AttentionBackend):
             most = max(rows + 4 * self._num_sms, TENSOR_CORE_ABOVE_BATCH * triton_decode.MAX_SPLITS)
             self._part_out = torch.empty(most * num_heads * self.head_dim, dtype=torch.float32, device=device)
             self._part_lse = torch.empty(most * num_heads, dtype=torch.float32, device=device)
-            # each (request, kv head)'s count of splits done, that the last merges (every launch leaves it 0)
-            self._arrivals = torch.zeros(most * num_heads, dtype=torch.int32, device=device)
 
     @property
     def triton_decode(self) -> bool:
@@ -357,7 +355,6 @@ class FlashInferBackend(AttentionBackend):
         scratch = self._triton.DecodeScratch(
             self._part_out[: bs * h * splits * d].view(bs, h, splits, d),
             self._part_lse[: bs * h * splits].view(bs, h, splits),
-            self._arrivals,
         )
         return _TritonDecode(indptr, last_page_len, splits, scratch)
 
