@@ -27,6 +27,7 @@ HOPS = (
     "request_transfer",
     "request_queue",
     "request_prefill",
+    "request_first_sample",
     "request_first_flush",
     "router_detokenize",
     "router_first_chunk_write",

@@ -59,8 +59,11 @@ class FirstTokenHops:
     replica's own clock: intervals only, so a router on another host never subtracts across clocks."""
 
     queue_s: float  # read off the channel -> its first prefill chunk scheduled
-    prefill_s: float  # scheduled -> its first token on the host (every chunk; under overlap, the next step's launch)
+    prefill_s: float  # scheduled -> the launch of its prompt's last chunk returned (every chunk before it whole)
     flush_s: float = 0.0  # first token on the host -> taken for sending to its router
+    # that launch returned -> its first token on the host: the device's work the host waits for, and under
+    # overlap the next step's launch before it (a launch-bound prompt shows in prefill_s, a device-bound one here)
+    first_sample_s: float = 0.0
     # the replica's clock when the token reached the host, until flush_s is measured; not sent
     sampled_at: float | None = field(default=None, repr=False, compare=False)
     # the router's clock when its message was read there; set by the router, never sent
@@ -69,10 +72,10 @@ class FirstTokenHops:
     @property
     def replica_s(self) -> float:
         """The replica's whole share of the time to first token."""
-        return self.queue_s + self.prefill_s + self.flush_s
+        return self.queue_s + self.prefill_s + self.first_sample_s + self.flush_s
 
     def __reduce__(self):
-        return FirstTokenHops, (self.queue_s, self.prefill_s, self.flush_s)
+        return FirstTokenHops, (self.queue_s, self.prefill_s, self.flush_s, self.first_sample_s)
 
 
 @dataclass

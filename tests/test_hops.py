@@ -27,6 +27,7 @@ TO_FIRST_TOKEN = (
     "request_transfer",
     "request_queue",
     "request_prefill",
+    "request_first_sample",
     "request_first_flush",
     "router_detokenize",
 )
@@ -89,17 +90,24 @@ def test_every_hop_is_exported_once_per_request_and_they_sum_to_its_ttft(hopped)
         assert sum(values[h] for h in TO_FIRST_TOKEN) == pytest.approx(ttft, abs=1e-9)
         router_side = ("router_parse", "router_tokenize", "router_submit", "router_detokenize")
         assert sum(values[h] for h in router_side) <= ttft
-        assert hops.request_queue + hops.request_prefill + hops.request_first_flush <= ttft
+        replica = hops.request_queue + hops.request_prefill + hops.request_first_sample + hops.request_first_flush
+        assert replica <= ttft
 
 
 def test_the_replicas_hops_cross_as_intervals_whatever_its_clock():
     # the replica's clock is a day ahead of the router's: only intervals measured on it may cross
     replica_clock = 86_400.0
-    hops = FirstTokenHops(0.001, 0.004, sampled_at=replica_clock)
+    hops = FirstTokenHops(0.001, 0.003, first_sample_s=0.001, sampled_at=replica_clock)
     hops.flush_s, hops.sampled_at = 0.0005, None
     out = pickle.loads(pickle.dumps(ReplicaOutput([TokenDelta(7, 3, hops=hops)])))
     got = out[0].hops
-    assert (got.queue_s, got.prefill_s, got.flush_s, got.sampled_at) == (0.001, 0.004, 0.0005, None)
+    assert (got.queue_s, got.prefill_s, got.first_sample_s, got.flush_s, got.sampled_at) == (
+        0.001,
+        0.003,
+        0.001,
+        0.0005,
+        None,
+    )
 
     timing = Timing(arrival=10.0, parsed=10.001, tokenized=10.002, submitted=10.003)
     got.router_received = 10.010  # a round trip of 7 ms, 5.5 of them the replica's
@@ -107,6 +115,7 @@ def test_the_replicas_hops_cross_as_intervals_whatever_its_clock():
     timing.received(1, 10.011)
     hops = request_hops(timing)
     assert hops.request_transfer == pytest.approx(0.0015)
+    assert (hops.request_prefill, hops.request_first_sample) == pytest.approx((0.003, 0.001))
     assert hops.router_detokenize == pytest.approx(0.001)
     assert sum(v for name, v in hops.items()) == pytest.approx(0.011)
 
@@ -242,3 +251,47 @@ def _python_for(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         sum(range(100))
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
+def test_the_replicas_prefill_hop_ends_where_the_prompts_launch_returns(monkeypatch, overlap):
+    """request_prefill is the host's launching of the prompt (every chunk); request_first_sample what
+    follows to the first token on the host: the device's work the host waits for and, under overlap, the
+    next step's launch. On a clock that only the scripted device moves: a prompt chunk's launch takes 3 s,
+    a decode step's 1 s and each wait 5 s."""
+    import types
+
+    from scripted import scripted_scheduler
+
+    import cluster.scheduler.batch_builder as builder_module
+    import cluster.scheduler.scheduler as scheduler_module
+
+    clock = [100.0]
+    fake = types.SimpleNamespace(perf_counter=lambda: clock[0], monotonic=time.monotonic)
+    monkeypatch.setattr(scheduler_module, "time", fake)
+    monkeypatch.setattr(builder_module, "time", fake)
+    run = scripted_scheduler(overlap=overlap, max_extend_tokens=8)
+    launch, wait = run.executor.launch, run.executor.wait
+
+    def timed_launch(desc):
+        out = launch(desc)
+        clock[0] += 3.0 if desc.is_prefill else 1.0
+        return out
+
+    def timed_wait(out):
+        clock[0] += 5.0
+        return wait(out)
+
+    run.executor.launch, run.executor.wait = timed_launch, timed_wait
+    run.submit(0, list(range(1, 13)), max_tokens=3)  # 12 tokens: chunks of 8 and 4
+    run.run()
+    hops = next(d.hops for d in run.deltas if d.hops is not None)
+    assert [d.extend_lens.tolist() for d in run.executor.launched if d.is_prefill] == [[8], [4]]
+    if overlap:
+        # chunk 1 launched (3), chunk 2 launched (3): the prompt's launch; then chunk 1's tokens waited
+        # for (5), the decode step launched (1) and chunk 2's tokens waited for (5)
+        assert (hops.prefill_s, hops.first_sample_s) == (6.0, 11.0)
+    else:
+        # chunk 1 launched (3) and waited for (5), chunk 2 launched (3): the prompt's launch; its wait (5)
+        assert (hops.prefill_s, hops.first_sample_s) == (11.0, 5.0)
+    run.check()

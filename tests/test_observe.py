@@ -92,7 +92,11 @@ def test_router_and_ray_metrics_count_the_traffic_sent(observed, ray_metrics_por
     assert counts == (len(prompts), generated, prompt_tokens)
     assert sample_value(exported, "ray_raylm_queue_time_seconds_count", **tags) == len(prompts)
     # the replica's hops of each first token (router/http/hops.py), one sample per request
-    for family in ("ray_raylm_request_prefill_time_seconds", "ray_raylm_request_first_flush_time_seconds"):
+    for family in (
+        "ray_raylm_request_prefill_time_seconds",
+        "ray_raylm_request_first_sample_time_seconds",
+        "ray_raylm_request_first_flush_time_seconds",
+    ):
         assert sample_value(exported, family + "_count", **tags) == len(prompts), family
     # client-visible latencies are measured once, by the router
     for family in (

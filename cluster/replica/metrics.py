@@ -49,7 +49,13 @@ class ReplicaMetrics:
         # the replica's hops of each first token (the router shows them beside its own: router/http/metrics.py)
         self.prefill_time = Histogram(
             "raylm_request_prefill_time_seconds",
-            "First prefill chunk scheduled to the first token on the host",
+            "First prefill chunk scheduled to the launch of the prompt's last chunk returned",
+            _HOP,
+            _TAGS,
+        )
+        self.first_sample_time = Histogram(
+            "raylm_request_first_sample_time_seconds",
+            "The prompt's last launch returned to its first token on the host",
             _HOP,
             _TAGS,
         )
@@ -76,6 +82,7 @@ class ReplicaMetrics:
 
     def on_first_token(self, hops: FirstTokenHops) -> None:
         self.prefill_time.observe(hops.prefill_s, self.tags)
+        self.first_sample_time.observe(hops.first_sample_s, self.tags)
         self.first_flush_time.observe(hops.flush_s, self.tags)
 
     def on_replica_failed(self, num_requests: int) -> None:

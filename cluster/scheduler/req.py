@@ -53,6 +53,7 @@ class Req:
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     arrival: float = field(default_factory=time.perf_counter)
     scheduled: float | None = None  # first prefill launch
+    prompt_launched: float | None = None  # the launch of its prompt's last chunk returned (the latest such)
     first_token: float | None = None
     last_token: float | None = None
 

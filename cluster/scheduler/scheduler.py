@@ -351,6 +351,11 @@ class Scheduler:
             )
         try:
             launched = Launched(batch, self.executor.launch(desc))
+            if desc.is_prefill:  # for the first token's hops: where the prompt's launch ended
+                now = time.perf_counter()
+                for i in range(batch.num_decode, len(batch.reqs)):
+                    if batch.emits[i]:
+                        batch.reqs[i].prompt_launched = now
         except ReplicaBrokenError as e:
             self.fail_all(str(e), ErrorKind.REPLICA_DOWN)
             raise
@@ -439,7 +444,13 @@ class Scheduler:
         delta = TokenDelta(req.uid, token)
         if len(req.input_ids) == req.prompt_len + 1:  # its first token
             delta.cached_tokens = req.prefix_hit_len
-            delta.hops = FirstTokenHops(req.scheduled - req.arrival, now - req.scheduled, sampled_at=now)
+            launched = req.prompt_launched or now
+            delta.hops = FirstTokenHops(
+                req.scheduled - req.arrival,
+                launched - req.scheduled,
+                first_sample_s=now - launched,
+                sampled_at=now,
+            )
             if req.params.prompt_logprobs is not None:
                 delta.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
         if logprobs is not None and req.params.logprobs is not None:

@@ -4,12 +4,13 @@ transfers as the router's round trip less the replica's share, so no interval ev
 
 Router (its time.perf_counter)                         Replica (its own clock)
   received ─ parse ─ parsed ─ tokenize ─ tokenized
-  ─ submit ─ written to the channel ─┐                 read ─ queue ─ scheduled ─ prefill ─ first token
-                    transfer (both ways)               on the host ─ flush ─ taken for sending
+  ─ submit ─ written to the channel ─┐                 read ─ queue ─ scheduled ─ prefill ─ prompt launched
+                    transfer (both ways)               ─ first sample ─ first token on the host ─ flush ─ taken
   first delta read ◄─────────────────┘
   ─ detokenize ─ first token's piece (TTFT) ─ write ─ its SSE chunk written
 
-parse + tokenize + submit + transfer + queue + prefill + flush + detokenize is the router's TTFT."""
+parse + tokenize + submit + transfer + queue + prefill + first sample + flush + detokenize is the router's
+TTFT."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ class RequestHops:
     router_submit: float  # token ids -> written to the replica's channel (routing, the event-loop tick)
     request_transfer: float  # the channel both ways: the round trip less the replica's share
     request_queue: float  # read by the replica -> first prefill chunk scheduled
-    request_prefill: float  # scheduled -> first token on the replica's host
+    request_prefill: float  # scheduled -> the launch of the prompt's last chunk returned on the replica's host
+    request_first_sample: float  # that launch returned -> the first token on the host (device work, the next launch)
     request_first_flush: float  # first token on the host -> taken for sending to the router
     router_detokenize: float  # its message read by the router -> the first token's piece (TTFT)
     # the piece -> the stream's first chunk of output written to the client (a token whose text is held
@@ -54,14 +56,15 @@ def request_hops(timing: Timing) -> RequestHops | None:
     # and after the read: a thread paused between its write and its clock (a busy host) or a drift of the
     # clocks' rates can leave the round trip shorter. Then the replica's hops are cut to fit it, the
     # latest first, so that every hop stays whole and they still sum to the TTFT
-    queue, prefill, flush = _fit((hops.queue_s, hops.prefill_s, hops.flush_s), round_trip)
+    queue, prefill, sample, flush = _fit((hops.queue_s, hops.prefill_s, hops.first_sample_s, hops.flush_s), round_trip)
     return RequestHops(
         router_parse=_between(timing.arrival, timing.parsed),
         router_tokenize=_between(timing.parsed, timing.tokenized),
         router_submit=max(0.0, timing.submitted - start),
-        request_transfer=max(0.0, round_trip - (queue + prefill + flush)),
+        request_transfer=max(0.0, round_trip - (queue + prefill + sample + flush)),
         request_queue=queue,
         request_prefill=prefill,
+        request_first_sample=sample,
         request_first_flush=flush,
         router_detokenize=max(0.0, first - hops.router_received),
         router_first_chunk_write=_between(first, timing.first_chunk_written),

@@ -49,7 +49,8 @@ _HOP_HELP = {
     "router_submit": "Router: token ids ready to the request written to its replica's channel (routing included)",
     "request_transfer": "The channel both ways: the router's round trip to the first token less the replica's share",
     "request_queue": "Replica: the request read off its channel to its first prefill chunk scheduled",
-    "request_prefill": "Replica: the first prefill chunk scheduled to the first token on the host",
+    "request_prefill": "Replica: the first prefill chunk scheduled to the launch of the prompt's last chunk returned",
+    "request_first_sample": "Replica: the prompt's last launch returned to its first token on the host",
     "request_first_flush": "Replica: the first token on the host to its message taken for sending to the router",
     "router_detokenize": "Router: the first token's message read to its text piece ready (the TTFT stamp)",
     # a first token whose text is held back (part of a character, a stop string's start) waits for the next

@@ -54,8 +54,10 @@ def norm_linear(
 def silu_linear(linear: nn.Module, gate_up: torch.Tensor, kernels: Kernels) -> torch.Tensor | None:
     """linear's GEMV over silu(gate) * up of one row in one launch (before its all-reduce and bias, which
     the caller adds); None where that does not apply."""
-    if gate_up.shape[-1] <= 2 * SILU_MAX_K and _plain(linear) and triton_ops.row_fusion_applies(
-        kernels, gate_up, linear.weight
+    if (
+        gate_up.shape[-1] <= 2 * SILU_MAX_K
+        and _plain(linear)
+        and triton_ops.row_fusion_applies(kernels, gate_up, linear.weight)
     ):
         return triton_ops.silu_linear(gate_up, linear.weight)
     return None
