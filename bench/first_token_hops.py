@@ -10,15 +10,21 @@ the same length, and of a one-token generation), and the mean of every hop the s
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import os
+import pstats
 import re
 import signal
 import statistics
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 from online_serving import release_gpu_memory, run, start_server, workload
+
+from cluster.replica.profiling import PROFILE_ENV
 
 HOPS = (
     "router_parse",
@@ -34,11 +40,19 @@ HOPS = (
 )
 
 
-def offline_ttft(model: str, requests: list, others: list, page_size: int, load_format: str | None) -> dict:
+def offline_ttft(
+    model: str,
+    requests: list,
+    others: list,
+    page_size: int,
+    load_format: str | None,
+    profile: cProfile.Profile | None = None,
+) -> dict:
     """The in-process engine's TTFT one prompt at a time: to its first token's delta in a generation
     of the request's own length, and to the end of a one-token generation. `others`: prompts of their own
     for the warm-up and the one-token generations, so that no measured prompt finds itself in the
-    prefix cache."""
+    prefix cache. `profile`: enabled around the engine's generations (warm-up included), as the replica's
+    scheduler thread is profiled over all it serves."""
     from cluster import LLM, SamplingParams
 
     opts = {"load_format": load_format} if load_format else {}
@@ -55,6 +69,8 @@ def offline_ttft(model: str, requests: list, others: list, page_size: int, load_
         sched.on_output = stamped
         marks = _timeline(sched)
         params = [SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True, seed=len(p)) for p, m in requests]
+        if profile is not None:
+            profile.enable()
         llm.generate([p for p, _ in others[:8]], params[:8])  # warm-up
         streamed, one, phases = [], [], []
         for (prompt, _), p, (other, _) in zip(requests, params, others):
@@ -67,10 +83,47 @@ def offline_ttft(model: str, requests: list, others: list, page_size: int, load_
             start = time.perf_counter()
             llm.generate([other], SamplingParams(temperature=0.6, max_tokens=1, ignore_eos=True, seed=len(other)))
             one.append(time.perf_counter() - start)
+        if profile is not None:
+            profile.disable()
     out = {"first_delta_ms": _mean_ms(streamed), "one_token_ms": _mean_ms(one)}
     keys = dict.fromkeys(k for p in phases for k in p)  # a phase a generation lacked is left out of its mean
     out["first_delta_phases_ms"] = {k: statistics.fmean(p[k] for p in phases if k in p) for k in keys}
     return out
+
+
+def compare_profiles(
+    offline: cProfile.Profile | None, offline_prompts: int, replica_file: Path, replica_prompts: int, top: int
+) -> list[dict]:
+    """The functions with the most time of their own in either profile, as ms a prompt served in each
+    (cProfile's overhead alike on both sides); printed, and returned for the report."""
+    sides = {"replica": pstats.Stats(str(replica_file)).stats if replica_file.exists() else {}}
+    if offline is not None and offline_prompts:
+        sides["offline"] = pstats.Stats(offline).stats
+    per_prompt = {"replica": replica_prompts, "offline": offline_prompts}
+    names = set()
+    for stats in sides.values():
+        names |= set(sorted(stats, key=lambda f: stats[f][2], reverse=True)[:top])
+    rows = []
+    for func in names:
+        file, line, name = func
+        row = {"where": f"{file.rsplit('/', 2)[-1] if '/' in file else file}:{line}({name})"}
+        for side, stats in sides.items():
+            _cc, calls, tt, ct, _ = stats.get(func, (0, 0, 0.0, 0.0, None))
+            row[f"{side}_tottime_ms"] = 1e3 * tt / per_prompt[side]
+            row[f"{side}_cumtime_ms"] = 1e3 * ct / per_prompt[side]
+            row[f"{side}_calls"] = calls / per_prompt[side]
+        rows.append(row)
+    rows.sort(key=lambda r: max(r.get("replica_tottime_ms", 0.0), r.get("offline_tottime_ms", 0.0)), reverse=True)
+    print(f"{'ms a prompt of their own time (calls a prompt)':60} {'replica':>18} {'offline':>18}")
+    for r in rows[:top]:
+        cells = [
+            f"{r[f'{side}_tottime_ms']:8.3f} ({r[f'{side}_calls']:6.1f})" if f"{side}_tottime_ms" in r else ""
+            for side in ("replica", "offline")
+        ]
+        print(f"  {r['where'][:58]:58} {cells[0]:>18} {cells[1]:>18}")
+    if not replica_file.exists():
+        print(f"  (no replica profile at {replica_file}: did the replica shut down in order?)")
+    return rows[:top]
 
 
 def _timeline(sched) -> list[tuple[str, float, float]]:
@@ -144,6 +197,13 @@ def main() -> None:
     p.add_argument("--routers", type=int, default=None)
     p.add_argument("--no-offline", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile-replica",
+        metavar="DIR",
+        help="cProfile the replica's scheduler thread and the offline engine, and print where each spends its "
+        "host time a prompt (the statistics files go to DIR)",
+    )
+    p.add_argument("--top", type=int, default=30, help="with --profile-replica: functions shown")
     p.add_argument("--out")
     args = p.parse_args()
     args.load_format = None
@@ -160,9 +220,15 @@ def main() -> None:
     # the warm-ups' and the one-token generations' prompts: none of them a measured one's prefix
     others = workload(args.num_prompts, tuple(args.input_len), tuple(args.output_len), vocab, args.seed + 1)
     report: dict = {"args": vars(args)}
+    offline_profile = cProfile.Profile() if args.profile_replica else None
     if not args.no_offline:
-        report["offline"] = offline_ttft(args.model, requests, others, args.page_size, args.load_format)
+        report["offline"] = offline_ttft(
+            args.model, requests, others, args.page_size, args.load_format, offline_profile
+        )
         release_gpu_memory()
+    if args.profile_replica:  # the server's replica inherits it (Ray's local workers take the driver's environment)
+        Path(args.profile_replica).mkdir(parents=True, exist_ok=True)
+        os.environ[PROFILE_ENV] = str(Path(args.profile_replica).resolve() / "scheduler")
     server_args = SimpleNamespace(
         model=args.model,
         tp_size=1,
@@ -195,6 +261,14 @@ def main() -> None:
     for name, ms in report["hops_ms"].items():
         print(f"  {name:26} {ms:8.3f} ms")
     print(f"  {'sum of the hops to TTFT':26} {sum(report['hops_ms'][h] for h in HOPS[:-1]):8.3f} ms")
+    if args.profile_replica:
+        report["profile"] = compare_profiles(
+            offline_profile,
+            len(requests) * 2 + 8 if not args.no_offline else 0,
+            Path(os.environ[PROFILE_ENV] + "-replica0.pstats"),
+            len(requests) + 16,
+            args.top,
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

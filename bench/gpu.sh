@@ -48,6 +48,8 @@
 #   TESTS  the test files `tests` runs (default: every file that holds GPU tests)
 #   LATENCY_ARCHS  the architectures `latency` runs (default qwen3-0.6b; e.g. "qwen3-0.6b qwen3-8b")
 #   LATENCY_ARGS   more flags for `latency`'s bench/decode_latency.py (e.g. --profile)
+#   HOPS_ARGS      more flags for `hops`'s bench/first_token_hops.py (e.g. "--profile-replica $OUT/prof": the
+#                  replica's scheduler thread and the offline engine under cProfile, side by side)
 #   CHUNKS   the prefill chunk sizes `mixed` runs at (default 2048)
 #   ARCH   the peer's architecture (default qwen3-0.6b)
 #   PEER_ARGS  more arguments for the peer's bench_minisgl.py (e.g. --draws prefill_heavy:2 --b1-repeat 0)
@@ -225,7 +227,7 @@ for suite in "$@"; do
       done ;;
     hops)
       step first_token_hops 300 python3 bench/first_token_hops.py --arch qwen3-0.6b --num-prompts 48 \
-        --input-len 100 1024 --output-len 100 1024 --out "$OUT/first_token_hops.json" ;;
+        --input-len 100 1024 --output-len 100 1024 ${HOPS_ARGS:-} --out "$OUT/first_token_hops.json" ;;
     spec)
       # shlex-free on purpose: SPEC_ARGS is a plain list of flags (e.g. "--methods off draft --repeats 2")
       step spec 480 python3 bench/spec_decode.py --batches 1 64 256 ${SPEC_ARGS:-} --out "$OUT/spec.json" ;;

@@ -25,6 +25,7 @@ from cluster.messages import AddRequest, ReplicaInfo, ReplicaOutput, ReplicaStat
 from cluster.model_info import load_tokenizer
 from cluster.replica.engine_executors import LocalExecutor, TensorParallelExecutor
 from cluster.replica.metrics import ReplicaMetrics
+from cluster.replica.profiling import run_profiled
 from cluster.replica.subscribers import Subscribers
 from cluster.scheduler.build import build_scheduler
 from cluster.scheduler.executor import ReplicaBrokenError
@@ -102,6 +103,9 @@ class SchedulerActor:
         )
 
     def _loop(self) -> None:
+        run_profiled(self._steps, self.replica_id)
+
+    def _steps(self) -> None:
         sched = self.scheduler
         while not self._stop.is_set() and not self.broken:
             try:
