@@ -295,6 +295,24 @@ def print_ready(server, config: ServeConfig, seconds: float) -> None:
         f"{config.initial_replicas} replica(s) x tp {config.tp_size}{scaling}{routers})",
         flush=True,
     )
+    print(startup_line(server, seconds), flush=True)
+
+
+def startup_line(server, seconds: float) -> str:
+    """Where the start's seconds went: Ray, the replicas (with the first one's engine by part), the router
+    actors, and the rest (the model check, the tokenizer, the HTTP server)."""
+    parts = getattr(server, "startup", {})
+    shown = []
+    for name, s in parts.items():
+        shown.append(f"{name} {s:.1f} s")
+        replicas = server.fleet.replicas if name == "replicas" else []
+        if replicas and (engine := dict(replicas[0].info.startup)):
+            shown[-1] += (
+                f" (replica 0's engine {engine['total_s']:.1f} s: weights {engine['weights_s']:.1f}, KV cache "
+                f"{engine['kv_cache_s']:.1f}, CUDA graphs {engine['graphs_s']:.1f}, warm-up {engine['warm_up_s']:.1f})"
+            )
+    shown.append(f"the rest {max(0.0, seconds - sum(parts.values())):.1f} s")
+    return "start-up: " + ", ".join(shown)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,8 @@ class ReplicaInfo:
     page_size: int
     vocab_size: int
     eos_ids: tuple[int, ...]
+    # where rank 0's engine start went, (part, seconds) in order (worker/startup.py's StartupTimes)
+    startup: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,20 @@ def test_demo_serves_and_stops_cleanly_on_sigterm(tmp_path, dashboard_packages):
     # uvicorn re-raises the signal after its graceful shutdown; Ray's handler then exits with 15
     assert proc.returncode in (0, signal.SIGTERM, -signal.SIGTERM), out
     assert "Traceback" not in out, out
-    assert re.search(rf"ready in [0-9.]+ s: OpenAI-compatible API at http://127.0.0.1:{port}/v1", out), out
+    ready = re.search(rf"ready in ([0-9.]+) s: OpenAI-compatible API at http://127.0.0.1:{port}/v1", out)
+    assert ready, out
+    # where the start went: Ray, the replicas with the first one's engine by part, what is left
+    parts = re.search(
+        r"start-up: Ray ([0-9.]+) s, replicas ([0-9.]+) s \(replica 0's engine ([0-9.]+) s: weights [0-9.]+, "
+        r"KV cache [0-9.]+, CUDA graphs [0-9.]+, warm-up [0-9.]+\)"
+        r"(?:, router actors ([0-9.]+) s)?, the rest ([0-9.]+) s",
+        out,
+    )
+    assert parts, out
+    ray_s, replicas_s, engine_s, routers_s, rest_s = (float(x or 0) for x in parts.groups())
+    assert engine_s <= replicas_s and ray_s + replicas_s + routers_s + rest_s == pytest.approx(
+        float(ready.group(1)), abs=0.25
+    )
     assert "draining" in out, out
     if dashboard_packages:
         assert "Ray dashboard: http" in out and "ray get-auth-token" in out, out

@@ -100,6 +100,7 @@ class SchedulerActor:
             page_size=engine.page_size,
             vocab_size=engine.hf_config.vocab_size,
             eos_ids=tuple(sorted(self.scheduler.eos_ids)),
+            startup=tuple(engine.startup.as_dict().items()),
         )
 
     def _loop(self) -> None:

@@ -42,15 +42,23 @@ class Deployment:
         tokenizer = load_tokenizer(config.model)
         if tokenizer is None:
             raise ValueError(f"{config.model} has no tokenizer files; the HTTP server needs one")
+        # seconds of each part of the start, in order (launch.py prints them beside its "ready in")
+        self.startup: dict[str, float] = {}
+        t = time.monotonic()
         self.dashboard_url = ensure_ray(config.address, **ray_options)
+        self.startup["Ray"] = time.monotonic() - t
+        t = time.monotonic()
         self.fleet = Fleet.start(config.replica_config(), config.initial_replicas)
+        self.startup["replicas"] = time.monotonic() - t
         self.tier: RouterTier | None = None
         try:
             info = self.fleet.replicas[0].info
             # beside router actors this process only supervises: its clients need no cache contents
             self.state = router_state(config, tokenizer, info, self.fleet.replicas, kv_events=not config.num_routers)
             if config.num_routers:  # the router actors serve; this process supervises the replicas
+                t = time.monotonic()
                 self.tier = RouterTier(config, self.fleet.replicas, info, self.state)
+                self.startup["router actors"] = time.monotonic() - t
             self.supervisor = Supervisor(
                 self.state, self.fleet, on_replaced=self.tier.replaced if self.tier is not None else None
             )
