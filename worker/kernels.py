@@ -22,7 +22,8 @@ class Kernels:
     # FlashInfer's norm and rotary kernels and the Triton KV store. Triton's sampler and KV store run on
     # CUDA regardless
     triton: bool = True
-    # a Triton matrix-vector kernel for linear layers at batch 1 on CUDA; off: cuBLAS
+    # a Triton matrix-vector kernel for linear layers at batch 1 on CUDA; off: cuBLAS. With `fused` too, a
+    # narrow row's residual norm and SiLU-and-multiply run inside it (worker/layers/row_fusion.py)
     small_linear: bool = True
     # auto: FlashInfer on a GPU in half precision, torch otherwise
     attention: str = "auto"
