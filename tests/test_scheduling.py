@@ -203,3 +203,30 @@ def test_preemption_takes_the_lowest_priority_first_then_the_newest(scripted, ov
     assert run.preempted[0] > 0 and run.preempted[1] == 0  # the oldest of priority 0 runs through
     assert [len(run.tokens(uid)) for uid in range(4)] == [24] * 4
     run.check()
+
+
+@pytest.mark.parametrize("live", [1, 6])
+def test_under_overlap_a_prompts_first_token_goes_out_before_the_next_launch_at_low_load(scripted, live):
+    """With few requests live (FIRST_TOKEN_FIRST_MAX_LIVE) a step that ends a prompt is handled before the
+    next step is launched, so the first token does not wait for that launch; with more the loop keeps its
+    overlap and the first tokens follow the next launch."""
+    from cluster.scheduler.scheduler import FIRST_TOKEN_FIRST_MAX_LIVE
+
+    run = scripted(overlap=True)
+    delivered_at_launch = []  # how many deltas had gone out when each step launched
+    launch = run.executor.launch
+
+    def counted(desc):
+        delivered_at_launch.append(len(run.deltas))
+        return launch(desc)
+
+    run.executor.launch = counted
+    for uid in range(live):
+        run.submit(uid, [uid + 1, 2, 3, 4], max_tokens=3)
+    run.run()
+    prompt_step = next(i for i, d in enumerate(run.executor.launched) if d.is_prefill)
+    first_tokens_out = delivered_at_launch[prompt_step + 1]  # deltas out when the step after the prompts launched
+    assert 1 <= FIRST_TOKEN_FIRST_MAX_LIVE < 6  # the premise: one request is few, six are many
+    assert first_tokens_out == {1: 1, 6: 0}[live]
+    assert all(run.tokens(uid) == [TOKEN] * 3 for uid in range(live))
+    run.check()
