@@ -62,7 +62,11 @@ class SchedulerConfig:
         "a step carries every running decode beside the prompt chunks that fit, so "
         "no decode waits for a prompt; off: a step prefills or decodes, prefill first",
     )
-    overlap: bool = setting(True, "the overlap loop: launch step N+1 before handling step N's results")
+    overlap: bool = setting(
+        True,
+        "the overlap loop: launch step N+1 before handling step N's results (a step that ends a prompt while "
+        "at most 4 requests are live is handled first, so its first tokens do not wait for the next launch)",
+    )
     # a request whose max_tokens fits its reservation is never preempted
     decode_reserve_tokens: int = setting(
         1024,
