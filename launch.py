@@ -301,7 +301,7 @@ def print_ready(server, config: ServeConfig, seconds: float) -> None:
 def startup_line(server, seconds: float) -> str:
     """Where the start's seconds went: Ray, the replicas (with the first one's engine by part), the router
     actors, and the rest (the model check, the tokenizer, the HTTP server)."""
-    parts = getattr(server, "startup", {})
+    parts = server.startup
     shown = []
     for name, s in parts.items():
         shown.append(f"{name} {s:.1f} s")

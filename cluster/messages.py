@@ -61,8 +61,8 @@ class FirstTokenHops:
     queue_s: float  # read off the channel -> its first prefill chunk scheduled
     prefill_s: float  # scheduled -> the launch of its prompt's last chunk returned (every chunk before it whole)
     flush_s: float = 0.0  # first token on the host -> taken for sending to its router
-    # that launch returned -> its first token on the host: the device's work the host waits for, and under
-    # overlap the next step's launch before it (a launch-bound prompt shows in prefill_s, a device-bound one here)
+    # that launch returned -> its first token on the host: the device's work the host waits for (under overlap
+    # past FIRST_TOKEN_FIRST_MAX_LIVE, the next step's launch too); a launch-bound prompt shows in prefill_s
     first_sample_s: float = 0.0
     # the replica's clock when the token reached the host, until flush_s is measured; not sent
     sampled_at: float | None = field(default=None, repr=False, compare=False)

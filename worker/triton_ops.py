@@ -304,11 +304,11 @@ def row_fusion_applies(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor) 
     if not (kernels.fused and kernels.small_linear and x.dim() == 2 and x.shape[0] == 1):
         return False
     if x.is_cuda:
-        half = x.dtype in (torch.bfloat16, torch.float16)
+        dtype_ok = x.dtype in (torch.bfloat16, torch.float16)
     else:
-        half = _interpreted(kernels) and x.dtype.is_floating_point
+        dtype_ok = _interpreted(kernels) and x.dtype.is_floating_point
     return (
-        half
+        dtype_ok
         and weight.dtype == x.dtype
         and weight.device == x.device
         and x.is_contiguous()

@@ -125,7 +125,8 @@ class Attention(nn.Module):
         return q, k, v
 
 
-# a layer's feed-forward block: (config, layer_id, tp, kernels) -> a module that all-reduces its output
+# a layer's feed-forward block: (config, layer_id, tp, kernels) -> a module that all-reduces its output and
+# takes its input through `forward_after_norm(norm, x, residual)` (SwiGLU, SparseMoeBlock)
 MlpOf = Callable[[PretrainedConfig, int, TPGroup, Kernels], nn.Module]
 
 
@@ -156,10 +157,7 @@ class DecoderLayer(nn.Module):
         # each residual norm runs inside the GEMV after it at one row (worker/layers/row_fusion.py)
         qkv, residual, _ = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual, self.kernels)
         x = self.self_attn.attend(qkv, positions, attn)
-        if hasattr(self.mlp, "forward_after_norm"):
-            return self.mlp.forward_after_norm(self.post_attention_layernorm, x, residual)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp.forward_after_norm(self.post_attention_layernorm, x, residual)
 
 
 class DecoderModel(nn.Module):
