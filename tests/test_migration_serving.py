@@ -147,18 +147,24 @@ def undisturbed(pair) -> list[Stream]:
 
 
 def test_every_stream_of_a_killed_replica_completes_with_the_tokens_of_an_undisturbed_run(pair, undisturbed):
-    _wait_until_healthy(pair)
-    before = _migrations(pair, "replica_down")
-
     def kill() -> int:
         live = pair.state.clients[0].load  # its streams in flight, as the router sees them
         ray.kill(pair.replicas[0].actor, no_restart=True)
         return live
 
-    streams, live = run_streams(pair, [_body(i) for i in range(STREAMS)], kill)
-    _check_whole(streams, undisturbed)
-    moved = _migrations(pair, "replica_down") - before
-    assert live > 0 and 0 < moved <= live
+    # as with a drain, on a loaded host the replica may have generated every token before the kill (the
+    # rest waiting in the sockets, the router's load still counting them): a kill with nothing left to
+    # move tests nothing, so the run is made again
+    for _ in range(3):
+        _wait_until_healthy(pair)
+        before = _migrations(pair, "replica_down")
+        streams, live = run_streams(pair, [_body(i) for i in range(STREAMS)], kill)
+        _check_whole(streams, undisturbed)
+        moved = _migrations(pair, "replica_down") - before
+        assert moved <= live
+        if moved > 0:
+            break
+    assert moved > 0, "every stream of the killed replica had ended before the kill, three times"
     for replica in pair.replicas[1:]:
         ray.get(replica.actor.check_integrity.remote())
     _wait_until_healthy(pair)
