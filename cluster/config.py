@@ -17,7 +17,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
-from worker.config import EngineConfig, setting
+from worker.config import EAGLE3_ARCHITECTURES, EngineConfig, setting
 
 GROUPS = ("engine", "scheduler", "cluster", "server", "limits and access")
 CORES_PER_ROUTER = 8  # the default router count leaves a node this many cores for each router actor
@@ -94,14 +94,17 @@ class SchedulerConfig:
         "speculative decoding: proposed tokens verified in one step, greedy outputs unchanged and sampled ones "
         "keeping their distribution. ngram proposes the tokens that followed an earlier occurrence of a "
         "request's last few tokens (prompt lookup); draft, a smaller model's continuation, drawn as the "
-        "model draws (speculative_model). Every request speculates, within its grammar, penalties and biases",
-        choices=("ngram", "draft"),
+        "model draws (speculative_model); eagle3, an EAGLE-3 draft head (speculative_model: its folder as "
+        "published) reading the model's hidden states at three of its layers. Every request speculates, "
+        "within its grammar, penalties and biases",
+        choices=("ngram", "draft", "eagle3"),
         unset="off",
     )
     speculative_model: str | None = setting(
         None,
-        "draft: a local model folder with the model's tokenizer (its vocabulary), run on rank 0's device "
-        "with a KV cache of as many pages as the model's (the memory budget counts both)",
+        "draft: a local model folder with the model's tokenizer (its vocabulary); eagle3: the head's folder "
+        "(config.json and safetensors as published). Run on rank 0's device with a KV cache of as many pages "
+        "as the model's (the memory budget counts both, and an EAGLE-3 head's hidden states)",
         unset="none",
     )
     num_speculative_tokens: int = setting(
@@ -217,10 +220,11 @@ class ReplicaConfig:
         if not self.model:
             raise ConfigError("model", "is required: a local model folder or a Hugging Face id")
         sched = self.scheduler
-        if (sched.speculative_method == "draft") != (sched.speculative_model is not None):
+        if (sched.speculative_method in ("draft", "eagle3")) != (sched.speculative_model is not None):
             raise ConfigError(
                 "speculative_model",
-                "is the draft model's folder: give it with speculative_method draft, and only then",
+                "is the draft model's (or EAGLE-3 head's) folder: give it with speculative_method draft "
+                "(or eagle3), and only then",
             )
 
     def check_against_model(self) -> None:
@@ -231,7 +235,7 @@ class ReplicaConfig:
         except (OSError, ValueError):
             return
         if (draft := self.scheduler.speculative_model) is not None:
-            self._check_draft(Path(draft), hf_config)
+            self._check_draft(Path(draft), hf_config, self.scheduler.speculative_method == "eagle3")
         context = hf_config.get("max_position_embeddings")
         if context and self.engine.max_seq_len and self.engine.max_seq_len > context:
             raise ConfigError(
@@ -254,11 +258,19 @@ class ReplicaConfig:
             )
 
     @staticmethod
-    def _check_draft(folder: Path, hf_config: dict) -> None:
+    def _check_draft(folder: Path, hf_config: dict, eagle3: bool) -> None:
         try:
             draft = json.loads((folder / "config.json").read_text())
         except (OSError, ValueError) as e:
             raise ConfigError("speculative_model", f"must be a local model folder with a config.json: {e}") from None
+        archs = draft.get("architectures") or []
+        head = any(a in EAGLE3_ARCHITECTURES for a in archs)
+        if head != eagle3:
+            want = "an EAGLE-3 head (" + " or ".join(EAGLE3_ARCHITECTURES) + ")" if eagle3 else "a model"
+            raise ConfigError(
+                "speculative_model",
+                f"must be {want} with speculative_method {'eagle3' if eagle3 else 'draft'}; {folder} holds {archs}",
+            )
         if draft.get("vocab_size") != hf_config.get("vocab_size"):
             raise ConfigError(
                 "speculative_model",

@@ -14,6 +14,7 @@ import pytest
 import torch
 from fixtures import PROMPT_TEXTS, hf_generate, hf_greedy
 from helpers import checked_llm, client, encode_all, greedy, serving
+from tiny_checkpoints import build_cycling_checkpoint
 from scipy.stats import chisquare
 
 from cluster import GrammarSpec, SamplingParams
@@ -201,29 +202,8 @@ def cycling_path(request, model_paths, tmp_path_factory):
     """A tiny model of that family whose output mostly follows short cycles of tokens (its layers' outputs
     shrunk, its LM head leaning to a permutation of the current token's embedding), so that n-gram lookup
     finds proposals it keeps whole at some steps and cuts short at others."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    src, dst = model_paths[request.param], tmp_path_factory.mktemp(f"cycling-{request.param}")
-    shutil.copytree(src, dst, dirs_exist_ok=True)
-    w = load_file(str(src / "model.safetensors"))
-    for name in w:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            w[name] = w[name] * 0.02
-    emb = w["model.embed_tokens.weight"]
-    rng = np.random.default_rng(0)
-    order, nxt, i = rng.permutation(len(emb)).tolist(), list(range(len(emb))), 0
-    while i < len(order):  # cycles of 1-6 tokens
-        cycle = order[i : i + int(rng.integers(1, 7))]
-        for a, b in zip(cycle, cycle[1:] + cycle[:1]):
-            nxt[a] = b
-        i += len(cycle)
-    prev = torch.empty(len(emb), dtype=torch.long)
-    prev[torch.tensor(nxt)] = torch.arange(len(emb))
-    w["lm_head.weight"] = (w["lm_head.weight"] + 3 * (emb / emb.norm(dim=1, keepdim=True))[prev]).contiguous()
-    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
+    dst = tmp_path_factory.mktemp(f"cycling-{request.param}")
+    return build_cycling_checkpoint(model_paths[request.param], dst)[0]
 
 
 def test_pipelined_rows_launch_before_the_last_result_and_are_void_where_it_kept_fewer(cycling_path):

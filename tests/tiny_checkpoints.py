@@ -275,3 +275,120 @@ def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     """n prompts of lo..hi random ids of the head-size-128 models' vocabulary (3..359)."""
     rng = random.Random(seed)
     return [[rng.randrange(3, 360) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def build_eagle3_head(
+    target_dir: Path,
+    out_dir: Path,
+    *,
+    draft_vocab_size: int | None = None,
+    aux_layer_ids: tuple[int, int, int] = (0, 1, 1),
+    successor_of: list[int] | None = None,
+    own_embeddings: bool = False,
+    seed: int = 0,
+) -> Path:
+    """A tiny EAGLE-3 draft head for the model in `target_dir`, written as published
+    (`LlamaForCausalLMEagle3`: `midlayer.*`, `fc`, `norm`, `lm_head` over a `draft_vocab_size` subset of
+    the model's vocabulary mapped by `d2t`, `t2d`), random. With `successor_of` (a token's successor),
+    the head proposes successors instead: its attention copies the current token's embedding (q and k
+    alike, so each position attends to itself), the model's hidden states and its MLP are all but muted,
+    and its LM head scores a token by how well its predecessor's embedding matches."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    hidden, vocab = target["hidden_size"], target["vocab_size"]
+    heads, head_dim, inter = 4, hidden // 4, 2 * hidden
+    dv = draft_vocab_size or vocab
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        num_hidden_layers=1,
+        max_position_embeddings=target["max_position_embeddings"],
+        rms_norm_eps=1e-6,
+        dtype="float32",
+    )
+    config.architectures = ["LlamaForCausalLMEagle3"]
+    config.draft_vocab_size = dv
+    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape: int, std: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    ids = sorted(torch.randperm(vocab, generator=gen)[:dv].tolist())
+    w = {
+        "fc.weight": draw(hidden, 3 * hidden, std=0.1),
+        "norm.weight": 1 + draw(hidden, std=0.05),
+        "lm_head.weight": draw(dv, hidden),
+        "d2t": torch.tensor([t - i for i, t in enumerate(ids)], dtype=torch.int64),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, torch.tensor(ids), True),
+    }
+    layer = {
+        "self_attn.q_proj.weight": draw(heads * head_dim, 2 * hidden),
+        "self_attn.k_proj.weight": draw(heads * head_dim, 2 * hidden),
+        "self_attn.v_proj.weight": draw(heads * head_dim, 2 * hidden),
+        "self_attn.o_proj.weight": draw(hidden, heads * head_dim),
+        "mlp.gate_proj.weight": draw(inter, hidden),
+        "mlp.up_proj.weight": draw(inter, hidden),
+        "mlp.down_proj.weight": draw(hidden, inter),
+        "input_layernorm.weight": 1 + draw(hidden, std=0.05),
+        "hidden_norm.weight": 1 + draw(hidden, std=0.05),
+        "post_attention_layernorm.weight": 1 + draw(hidden, std=0.05),
+    }
+    embed = load_file(str(Path(target_dir) / "model.safetensors"))["model.embed_tokens.weight"].float()
+    if successor_of is not None:
+        eye, zeros = torch.eye(hidden), torch.zeros(hidden, hidden)
+        layer["self_attn.q_proj.weight"] = 6 * torch.cat([eye, zeros], dim=1)
+        layer["self_attn.k_proj.weight"] = 6 * torch.cat([eye, zeros], dim=1)
+        layer["self_attn.v_proj.weight"] = torch.cat([eye, zeros], dim=1)
+        layer["self_attn.o_proj.weight"] = 10 * eye
+        layer["mlp.down_proj.weight"] = torch.zeros(hidden, inter)
+        for name in ("input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight"):
+            layer[name] = torch.ones(hidden)
+        w["norm.weight"] = torch.ones(hidden)
+        w["fc.weight"] = w["fc.weight"] * 0.01
+        normed = embed / embed.pow(2).mean(-1, keepdim=True).sqrt()
+        predecessor = {b: a for a, b in enumerate(successor_of)}
+        w["lm_head.weight"] = torch.stack([normed[predecessor[t]] for t in ids])
+    w.update({f"midlayer.{name}": t for name, t in layer.items()})
+    if own_embeddings:
+        w["embed_tokens.weight"] = embed
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out_dir)
+    save_file({k: v.contiguous() for k, v in w.items()}, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def build_cycling_checkpoint(src: Path, dst: Path, seed: int = 0) -> tuple[Path, list[int]]:
+    """A copy of the tiny model in `src` whose output mostly follows short cycles of tokens (its layers'
+    outputs shrunk, its LM head leaning to a permutation of the current token's embedding): the copy's
+    folder, and each token's successor in its cycle."""
+    import shutil
+
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    w = load_file(str(Path(src) / "model.safetensors"))
+    for name in w:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = w[name] * 0.02
+    emb = w["model.embed_tokens.weight"]
+    rng = np.random.default_rng(seed)
+    order, nxt, i = rng.permutation(len(emb)).tolist(), list(range(len(emb))), 0
+    while i < len(order):  # cycles of 1-6 tokens
+        cycle = order[i : i + int(rng.integers(1, 7))]
+        for a, b in zip(cycle, cycle[1:] + cycle[:1]):
+            nxt[a] = b
+        i += len(cycle)
+    prev = torch.empty(len(emb), dtype=torch.long)
+    prev[torch.tensor(nxt)] = torch.arange(len(emb))
+    w["lm_head.weight"] = (w["lm_head.weight"] + 3 * (emb / emb.norm(dim=1, keepdim=True))[prev]).contiguous()
+    save_file(w, str(Path(dst) / "model.safetensors"), metadata={"format": "pt"})
+    return Path(dst), nxt

@@ -46,6 +46,12 @@ class BatchDesc:
     # the end of its extend; a row with s of them samples at its last s + 1 positions, and keeps the
     # samples up to the first that differs from its proposal. None: every row samples once.
     spec_lens: np.ndarray | None = None  # int32 [B]
+    # an EAGLE-3 draft head's steps (rank 0's draft engine alone; never broadcast): where each token's
+    # hidden state from the model sits in the model's auxiliary-hidden cache (None: each row goes on
+    # from its own last hidden state), and how far past its seq_len a row's sample lands (the head runs
+    # a position behind the tokens it takes, so its noise is the model's one position on)
+    hidden_loc: np.ndarray | None = None  # int32 [T]
+    sample_shift: int = 0
 
     @property
     def batch_size(self) -> int:

@@ -16,6 +16,10 @@ from typing import Any
 
 from worker.kernels import Kernels
 
+# the architectures of EAGLE-3 draft heads as published (worker/models/eagle3.py), named here where the
+# settings' checks read them without the model code
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
 
 def setting(
     default: Any,

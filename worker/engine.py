@@ -37,6 +37,7 @@ from worker.kv_cache import KVCachePool
 from worker.layers.moe.block import SparseMoeBlock
 from worker.loader import CheckpointError, init_dummy_weights, load_weights
 from worker.models import build_model
+from worker.models.eagle3 import aux_layer_ids, has_own_embeddings, is_eagle3, target_hidden_size
 from worker.parallel import TPGroup
 from worker.quant.prepare import check_device, quantize_linears
 from worker.quant.scheme import scheme_of
@@ -129,6 +130,7 @@ class StepInputs(Generic[A]):
     # a verify step run as decode rows: the token-pool cells its proposals fill, and the proposals
     pool_cells: A | None = None  # int64 [P]
     pool_tokens: A | None = None  # int32 [P]
+    hidden_loc: A | None = None  # int64 [T]: an EAGLE-3 head's extend step: the model's hidden states' cells
     staged: Staged | None = None  # the device twin's slot: release(stream) once the step's last reader is enqueued
 
 
@@ -170,6 +172,8 @@ class Engine:
         if scheme is not None:
             check_device(scheme, self.device)
         dummy = self.config.load_format == "dummy"
+        if is_eagle3(self.hf_config):  # a head shares the model's embeddings unless it has its own
+            self.hf_config.embed_tokens_in_checkpoint = not dummy and has_own_embeddings(self.config.model_path)
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = build_model(self.hf_config, self.max_seq_len + 1, self.tp, self.kernels)
         # a prequantized checkpoint's fp8 weights and scales load into FP8 linears; random weights (dummy)
@@ -229,6 +233,23 @@ class Engine:
         self.sched_stream = new_stream(self.device)  # metadata copies and attention planning
         self.inputs_free = new_event(self.device)  # the last step's forward no longer reads its inputs
         self.staging = PinnedStaging(self.device, waits=self.host_waits)
+        if getattr(self.model, "takes_hidden", False):  # an EAGLE-3 head: each slot's last hidden state
+            self.model.allocate_state(config.max_running_reqs)
+        # with an EAGLE-3 head beside it (rank 0): the residual stream the head reads, at every KV cell
+        self.aux_hidden = None
+        if config.draft_model is not None:
+            head = load_hf_config(config.draft_model)
+            if is_eagle3(head):
+                layers = aux_layer_ids(head, self.hf_config.num_hidden_layers)
+                width = self.hf_config.hidden_size
+                if target_hidden_size(head) != width:
+                    raise CheckpointError(
+                        f"the EAGLE-3 head in {config.draft_model} reads hidden states {target_hidden_size(head)} "
+                        f"wide; the model's are {width}"
+                    )
+                cells = (self.num_pages + 1) * self.page_size
+                self.aux_hidden = torch.empty(len(layers), cells, width, dtype=self.dtype, device=self.device)
+                self.model.model.capture_aux(layers, self.aux_hidden)
         # optional, for benchmarks: an object with begin(stream, desc) and end(stream) (the compute
         # stream's step), sched_begin(stream) and sched_end(stream) (the scheduler stream's part of it)
         self.step_timer = None
@@ -290,8 +311,8 @@ class Engine:
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_decode_rows)
-        if self.device.type != "cuda" or max_bs <= 0:
-            return None
+        if self.device.type != "cuda" or max_bs <= 0 or getattr(self.model, "takes_hidden", False):
+            return None  # an EAGLE-3 head's steps run eagerly
         from worker.attention.flashinfer_backend import FlashInferBackend
 
         if not isinstance(self.attn, FlashInferBackend):
@@ -342,6 +363,8 @@ class Engine:
         )
         if verify is not None:
             s.spec, s.pool_cells, s.pool_tokens = verify.spec, verify.pool_cells, verify.pool_tokens
+        if desc.hidden_loc is not None:
+            s.hidden_loc = desc.hidden_loc.astype(np.int64)
         if desc.prefix_slots:
             s.prefix_idx = np.concatenate(
                 [slot * self.max_seq_len + np.arange(len(locs)) for slot, locs in desc.prefix_slots]
@@ -481,13 +504,19 @@ class Engine:
             tokens.index_copy_(0, s.token_idx, batch.input_ids)
         if s.token_read is not None:
             batch.input_ids = tokens.index_select(0, s.token_read)
-        hidden = self.model(batch.input_ids.long(), batch.positions, self.attn)
+        if getattr(self.model, "takes_hidden", False):  # an EAGLE-3 head: where its hidden states come from
+            last = batch.last_idx if desc.is_prefill else None
+            hidden = self.model(batch.input_ids.long(), batch.positions, self.attn, s.hidden_loc, batch.slots, last)
+        else:
+            hidden = self.model(batch.input_ids.long(), batch.positions, self.attn)
         self.inputs_free.record(self.stream)
         logits = self.model.compute_logits(hidden[batch.last_idx] if desc.is_prefill else hidden)
         sp = s.sampling
         verifies = desc.spec_lens is not None  # an extend step (not one run as decode rows)
         if not verifies:
             sample_pos, rows = batch.seq_lens, desc.batch_size
+            if desc.sample_shift:
+                sample_pos = sample_pos + desc.sample_shift
         else:
             sample_pos, rows = s.spec.sample_pos, len(s.spec.rows)
         args = sp.args(sample_pos, rows)

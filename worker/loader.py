@@ -51,9 +51,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
+    # a model may load checkpoint tensors into buffers (an index map), may do without some (`optional`)
+    # and may not use others (`ignored`)
+    buffers = dict(model.named_buffers())
+    params.update({name: buffers[name] for name in getattr(model, "checkpoint_buffers", ())})
+    optional, ignored = set(getattr(model, "optional", ())), set(getattr(model, "ignored", ()))
     packed = getattr(model, "packed", {})
     tied = getattr(model.config, "tie_word_embeddings", False)
-    expected = {name for name in params if not (tied and name == "lm_head.weight")}
+    expected = {name for name in params if not (tied and name == "lm_head.weight") and name not in optional}
     loaded: set[tuple[str, object]] = set()
     files = safetensors_files(model_dir)
     for path in tqdm(files, desc="loading weights", unit="file", disable=not progress or len(files) < 2):
@@ -61,7 +66,7 @@ def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> No
             with safe_open(str(path), framework="pt") as f:
                 for ckpt_name in f.keys():
                     target = _target_of(ckpt_name, packed)
-                    if target is None:
+                    if target is None or ckpt_name in ignored:
                         continue
                     name, shard = target
                     if tied and name == "lm_head.weight":

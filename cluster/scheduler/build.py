@@ -9,7 +9,7 @@ from dataclasses import replace
 from cluster.config import ReplicaConfig
 from cluster.messages import TokenDelta
 from cluster.model_info import eos_token_ids
-from cluster.scheduler.draft import DraftProposer, weight_bytes
+from cluster.scheduler.draft import DraftProposer, Eagle3Proposer, weight_bytes
 from cluster.scheduler.executor import Executor
 from cluster.scheduler.grammars import Grammars
 from cluster.scheduler.req import Req
@@ -30,9 +30,14 @@ def build_scheduler(
     `tokenizer`: the model folder's (None: no grammars are served)."""
     eos = eos_token_ids(config.engine.model_path, engine.hf_config, tokenizer)
     draft = None
-    if config.scheduler.speculative_method == "draft":
+    method = config.scheduler.speculative_method
+    if method in ("draft", "eagle3"):
         draft_engine = Engine(draft_engine_config(config.engine, config.scheduler.speculative_model, engine))
-        draft = DraftProposer(draft_engine, weight_bytes(draft_engine.model) / max(1, weight_bytes(engine.model)))
+        cost = weight_bytes(draft_engine.model) / max(1, weight_bytes(engine.model))
+        if method == "eagle3":
+            draft = Eagle3Proposer(draft_engine, engine, cost)
+        else:
+            draft = DraftProposer(draft_engine, cost)
     vocab = engine.hf_config.vocab_size
     return Scheduler(
         config.scheduler,

@@ -40,6 +40,9 @@ def weight_bytes(model) -> int:
 
 
 class DraftProposer:
+    # how many positions the draft's rows run behind the tokens they take (an EAGLE-3 head's: one)
+    shift = 0
+
     def __init__(self, engine, relative_cost: float = 0.0) -> None:
         """`engine`: the draft's worker Engine (tp 1), started. `relative_cost`: its weights' bytes over
         those the model's rank 0 holds, what one of its forwards reads against one of the model's (a
@@ -58,7 +61,7 @@ class DraftProposer:
             if k <= 0:
                 continue
             seq = self.seqs.setdefault(req.uid, DraftSeq())
-            if self._grow(seq, len(req.input_ids) + k - 1):
+            if self._grow(seq, len(req.input_ids) + k - 1 - self.shift):
                 rows.append((req, seq, k))
         drafts = {req.uid: [] for req in reqs}
         if not rows:
@@ -76,7 +79,7 @@ class DraftProposer:
                 drafts[req.uid].append(token)
         for req, seq, k in rows:
             seq.proposed_from = len(req.input_ids)
-            seq.cached_len = len(req.input_ids) + k - 1
+            seq.cached_len = len(req.input_ids) + k - 1 - self.shift
         return [drafts[req.uid] for req in reqs]
 
     def accept(self, req: Req, num_new: int) -> None:
@@ -113,23 +116,28 @@ class DraftProposer:
         it samples the first proposal. Once every row has only the few tokens of its last verify step to
         see, the step samples after each of them, as a verify step does (spec_lens): the engine then runs
         it as decode rows, from a CUDA graph, where an extend step would run eagerly."""
-        ids = [req.input_ids[seq.cached_len :] for req, seq, _ in rows]
-        desc = _drawing(
-            True,
-            [req for req, _, _ in rows],
-            [len(req.input_ids) for req, _, _ in rows],
-            [len(x) for x in ids],
-            np.concatenate([self._locations(seq, seq.cached_len, len(req.input_ids)) for req, seq, _ in rows]),
-            np.fromiter((t for x in ids for t in x), dtype=np.int32),
-        )
-        if sum(map(len, ids)) <= self.engine.config.max_decode_rows and max(map(len, ids)) <= MAX_CATCH_UP_ROWS:
+        desc = self._extend(rows)
+        if desc.num_tokens <= self.engine.config.max_decode_rows and desc.extend_lens.max() <= MAX_CATCH_UP_ROWS:
             desc.spec_lens = desc.extend_lens - 1
         return desc
+
+    def _extend(self, rows: list[tuple[Req, DraftSeq, int]]) -> BatchDesc:
+        """The extend step over each row's positions from its cached_len on, sampling after the last."""
+        ids = [req.input_ids[seq.cached_len + self.shift :] for req, seq, _ in rows]
+        ends = [len(req.input_ids) - self.shift for req, _, _ in rows]
+        return _drawing(
+            True,
+            [req for req, _, _ in rows],
+            ends,
+            [len(x) for x in ids],
+            np.concatenate([self._locations(seq, seq.cached_len, end) for (_, seq, _), end in zip(rows, ends)]),
+            np.fromiter((t for x in ids for t in x), dtype=np.int32),
+        )
 
     def _decode(self, rows: list[tuple[Req, DraftSeq]], j: int) -> BatchDesc:
         """The decode step that samples each row's proposal j + 1 from proposal j (read from the
         draft's token pool, where the step before wrote it)."""
-        n = [len(req.input_ids) + j for req, _ in rows]
+        n = [len(req.input_ids) + j - self.shift for req, _ in rows]
         return _drawing(
             False,
             [req for req, _ in rows],
@@ -164,3 +172,61 @@ def _drawing(
         top_k=np.fromiter((p.top_k for p in params), dtype=np.int32, count=n),
         seeds=np.fromiter((r.seed for r in reqs), dtype=np.int64, count=n),
     )
+
+
+class Eagle3Proposer(DraftProposer):
+    """An EAGLE-3 head as the draft (worker/models/eagle3.py): its row at position p takes the token at
+    p + 1 with the model's hidden state at p, which the model's steps leave in its auxiliary-hidden cache
+    at p's KV cell. Each catch-up reruns the positions from the last proposals' first on with the
+    model's hidden states (the verify step computed them for the kept tokens): only its own rows' KV
+    before those stands. Then k - 1 decode steps go on from the head's own hidden states."""
+
+    shift = 1
+
+    def __init__(self, engine, target, relative_cost: float = 0.0) -> None:
+        """`engine`: the head's Engine; `target`: rank 0's Engine of the model, built with the head as
+        its draft_model (so that it keeps the hidden states the head reads)."""
+        super().__init__(engine, relative_cost)
+        self.target_page_size = target.page_size
+        head = engine.model
+        head.aux_source = target.aux_hidden
+        if head.model.embed_tokens is None:  # the model's token embeddings, whole
+            head.share_embeddings(target_embeddings(target))
+
+    def accept(self, req: Req, num_new: int) -> None:
+        """Whatever req kept, its next catch-up starts at its last proposals' first position: the
+        positions the head drafted on from its own hidden states are rerun with the model's."""
+        seq = self.seqs.get(req.uid)
+        if seq is None:
+            return
+        seq.cached_len = min(seq.cached_len, seq.proposed_from - 1)
+        keep = -(-seq.cached_len // self.page_size)
+        self.allocator.free(seq.pages[keep:])
+        del seq.pages[keep:]
+
+    def _catch_up(self, rows: list[tuple[Req, DraftSeq, int]]) -> BatchDesc:
+        desc = self._extend(rows)
+        ps = self.target_page_size
+        cells = []
+        for req, seq, _ in rows:
+            pos = np.arange(seq.cached_len, len(req.input_ids) - 1, dtype=np.int64)
+            cells.append(np.asarray(req.pages, dtype=np.int64)[pos // ps] * ps + pos % ps)
+        desc.hidden_loc = np.concatenate(cells).astype(np.int32)
+        desc.sample_shift = 1
+        return desc
+
+    def _decode(self, rows: list[tuple[Req, DraftSeq]], j: int) -> BatchDesc:
+        desc = super()._decode(rows, j)
+        desc.sample_shift = 1
+        return desc
+
+
+def target_embeddings(target):
+    """Rank 0's token embeddings of the model, whole: its own module at tp 1, else read from its
+    checkpoint (each rank holds a shard)."""
+    from worker.models.eagle3 import load_embeddings
+
+    embed = target.model.model.embed_tokens
+    if target.tp.size == 1:
+        return embed
+    return load_embeddings(target.config.model_path, target.hf_config, embed.weight.dtype, embed.weight.device)

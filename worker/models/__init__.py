@@ -6,6 +6,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from worker.kernels import Kernels
+from worker.models.eagle3 import ARCHITECTURES as EAGLE3_ARCHITECTURES
+from worker.models.eagle3 import Eagle3ForCausalLM
 from worker.models.llama import LlamaForCausalLM
 from worker.models.mixtral import MixtralForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
@@ -21,6 +23,8 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    # draft heads (speculative_method eagle3), served only beside the model they draft for
+    **{arch: Eagle3ForCausalLM for arch in EAGLE3_ARCHITECTURES},
 }
 
 

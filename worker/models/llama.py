@@ -178,12 +178,28 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, i, rotary, tp, bias, qk_norm, kernels, mlp_of) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        # an EAGLE-3 head drafting beside this model (worker/models/eagle3.py) reads the residual stream
+        # before some layers: {layer: its rows in aux_cache}, aux_cache [rows, KV cells, hidden], each
+        # token's written at its KV cell (a prompt's prefix-cache hits keep theirs with their KV)
+        self.aux_rows: dict[int, list[int]] = {}
+        self.aux_cache: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_rows:
+                stream = x if residual is None else x + residual
+                for row in self.aux_rows[i]:
+                    self.aux_cache[row].index_copy_(0, attn.out_loc, stream.to(self.aux_cache.dtype))
             x, residual = layer(x, residual, positions, attn)
         return self.norm(x, residual)[0]
+
+    def capture_aux(self, layer_ids: tuple[int, ...], cache: torch.Tensor) -> None:
+        """From now on every step writes the residual stream before each of `layer_ids` (in order, rows
+        of `cache`) at its tokens' KV cells."""
+        self.aux_rows, self.aux_cache = {}, cache
+        for row, layer in enumerate(layer_ids):
+            self.aux_rows.setdefault(layer, []).append(row)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,239 @@
+"""EAGLE-3 draft heads (speculative_method eagle3), written as published: each proposal is what a plain
+torch reading of the published architecture proposes over Hugging Face's hidden states of the model;
+greedy outputs equal those without speculation and Hugging Face's, for two families, overlap on and off,
+tp 2; seeded sampled outputs equal those without; pages (the head's too) stay whole after rejections and
+preemptions; a head that does not fit is refused with a clear error."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from fixtures import PROMPT_TEXTS, hf_greedy
+from helpers import checked_llm, encode_all, greedy
+from safetensors.torch import load_file
+from tiny_checkpoints import build_cycling_checkpoint, build_eagle3_head
+from transformers import AutoModelForCausalLM
+
+from cluster import SamplingParams
+from cluster.config import ConfigError, ReplicaConfig
+from cluster.scheduler.draft import Eagle3Proposer
+from worker.models.eagle3 import Eagle3ConfigError, aux_layer_ids
+
+DRAFT_VOCAB = 300  # of the tiny tokenizer's 360: some of the model's tokens the head never proposes
+
+
+def eagle3(head, k: int = 3) -> dict:
+    return dict(
+        speculative_method="eagle3",
+        speculative_model=str(head),
+        num_speculative_tokens=k,
+        speculative_adaptive=False,
+        speculative_max_pause=0,
+    )
+
+
+@pytest.fixture(scope="module")
+def random_head(qwen3_path, tmp_path_factory):
+    return build_eagle3_head(qwen3_path, tmp_path_factory.mktemp("head"), draft_vocab_size=DRAFT_VOCAB)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def cycling(request, model_paths, tmp_path_factory):
+    """A model whose output mostly follows cycles of tokens, and a head proposing each token's successor in
+    its cycle (within its smaller vocabulary): some proposals kept, some rejected."""
+    model, successor = build_cycling_checkpoint(
+        model_paths[request.param], tmp_path_factory.mktemp(f"cycling-{request.param}")
+    )
+    head = build_eagle3_head(
+        model, tmp_path_factory.mktemp(f"head-{request.param}"), draft_vocab_size=DRAFT_VOCAB, successor_of=successor
+    )
+    return model, head
+
+
+# -- the reference: the published architecture in plain torch ---------------------------------------
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half) of x [L, heads, d] at positions 0..L-1."""
+    d = x.shape[-1]
+    freqs = torch.outer(torch.arange(len(x), dtype=torch.float64), theta ** -(torch.arange(0, d, 2) / d))
+    cos, sin = torch.cat([freqs.cos()] * 2, -1)[:, None].float(), torch.cat([freqs.sin()] * 2, -1)[:, None].float()
+    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+    return x * cos + half * sin
+
+
+def _head_forward(w: dict, cfg: dict, embeds: torch.Tensor, hidden: torch.Tensor):
+    """The head over a whole sequence: (logits over its vocabulary, prenorm hidden states)."""
+    eps, heads = cfg["rms_norm_eps"], cfg["num_attention_heads"]
+    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    m = "midlayer."
+    normed = _rms(hidden, w[m + "hidden_norm.weight"], eps)
+    x = torch.cat([_rms(embeds, w[m + "input_layernorm.weight"], eps), normed], -1)
+    q, k, v = (
+        (x @ w[m + f"self_attn.{p}_proj.weight"].T).view(len(x), heads, -1) for p in ("q", "k", "v")
+    )
+    q, k = _rotate(q, theta), _rotate(k, theta)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(torch.ones(len(x), len(x), dtype=torch.bool).triu(1), float("-inf"))
+    att = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(len(x), -1) @ w[m + "self_attn.o_proj.weight"].T
+    r = att + hidden
+    y = _rms(r, w[m + "post_attention_layernorm.weight"], eps)
+    mlp = (torch.nn.functional.silu(y @ w[m + "mlp.gate_proj.weight"].T) * (y @ w[m + "mlp.up_proj.weight"].T)) @ w[
+        m + "mlp.down_proj.weight"
+    ].T
+    prenorm = mlp + r
+    return _rms(prenorm, w["norm.weight"], eps) @ w["lm_head.weight"].T, prenorm
+
+
+def reference_proposals(model_dir, head_dir, tokens: list[int], k: int) -> list[int]:
+    """k greedy proposals after `tokens`, the model's hidden states taken from Hugging Face's forward
+    (hidden_states[i] is the input of layer i) over every token but the last."""
+    cfg = json.loads((head_dir / "config.json").read_text())
+    w = load_file(str(head_dir / "model.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    layers = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    with torch.no_grad():
+        states = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        embed = hf.get_input_embeddings().weight
+        hidden = torch.cat([states[i][0] for i in layers], -1) @ w["fc.weight"].T
+        ids, out = list(tokens[1:]), []
+        for _ in range(k):
+            logits, prenorm = _head_forward(w, cfg, embed[torch.tensor(ids)], hidden)
+            best = int(logits[-1].argmax())
+            out.append(best + int(w["d2t"][best]))
+            ids.append(out[-1])
+            hidden = torch.cat([hidden, prenorm[-1:]])  # the next position goes on from the head's own
+    return out
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_each_proposal_is_the_published_heads_over_the_models_hidden_states(qwen3_path, random_head, monkeypatch, overlap):
+    seen = []
+    propose = Eagle3Proposer.propose
+
+    def recording(self, reqs, caps):
+        out = propose(self, reqs, caps)
+        seen.extend((list(r.input_ids), d) for r, d in zip(reqs, out) if d)
+        return out
+
+    monkeypatch.setattr(Eagle3Proposer, "propose", recording)
+    on, _, prompts = _generate(qwen3_path, PROMPT_TEXTS[:4], greedy(10), overlap=overlap, page_size=4, **eagle3(random_head))
+    assert on == hf_greedy(qwen3_path, prompts, 10)
+    assert len(seen) > 8
+    for tokens, drafted in seen[::3]:  # a catch-up over a prompt, and over the few tokens of a verify step
+        assert drafted == reference_proposals(qwen3_path, random_head, tokens, len(drafted))
+
+
+# -- outputs -----------------------------------------------------------------------------------------
+
+
+def _generate(path, prompts, params, **kw):
+    with checked_llm(path, **kw) as llm:
+        ids = encode_all(llm, prompts) if isinstance(prompts[0], str) else prompts
+        outs = llm.generate(ids, params)
+        return [o.token_ids for o in outs], llm.stats(), ids
+
+
+@pytest.mark.parametrize("overlap,page_size", [(True, 4), (False, 1)])
+def test_greedy_with_an_eagle3_head_equals_without_and_hf(cycling, overlap, page_size):
+    model, head = cycling
+    kw = dict(overlap=overlap, page_size=page_size)
+    on, stats, prompts = _generate(model, PROMPT_TEXTS, greedy(24), **kw, **eagle3(head))
+    off, _, _ = _generate(model, prompts, greedy(24), **kw)
+    assert stats.spec_decode_num_accepted_tokens > 0  # proposals were kept ...
+    assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens  # ... and some rejected
+    assert on == off == hf_greedy(model, prompts, 24)
+
+
+def test_seeded_sampling_with_an_eagle3_head_equals_without_logprobs_too(cycling):
+    model, head = cycling
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.95, max_tokens=24, seed=i, logprobs=2, ignore_eos=True)
+        for i in range(len(PROMPT_TEXTS))
+    ]
+    with checked_llm(model, page_size=4, **eagle3(head)) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS)
+        on = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+        stats = llm.stats()
+    with checked_llm(model, page_size=4) as llm:
+        off = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert [ids for ids, _ in on] == [ids for ids, _ in off]
+    for (_, a), (_, b) in zip(on, off):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_pages_stay_whole_after_rejections_and_preemptions(cycling):
+    model, head = cycling
+    kw = dict(page_size=4, num_pages=80, decode_reserve_tokens=1)
+    with checked_llm(model, **kw, **eagle3(head)) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS)
+        on = [o.token_ids for o in llm.generate(prompts, greedy(24, ignore_eos=True))]
+        stats = llm.stats()
+        draft = llm.scheduler.spec.draft
+        assert draft.allocator.num_free == draft.allocator.num_pages and not draft.seqs
+    assert stats.preempted > 0 and stats.spec_decode_num_accepted_tokens > 0
+    assert on == hf_greedy(model, prompts, 24, ignore_eos=True)
+
+
+def test_tp2_greedy_with_an_eagle3_head_equals_hf(ray_cluster, qwen3_path, tmp_path):
+    """At tp 2 each rank holds a shard of the embeddings: the head, on rank 0, reads them whole from the
+    model's checkpoint."""
+    model, successor = build_cycling_checkpoint(qwen3_path, tmp_path / "model")
+    head = build_eagle3_head(model, tmp_path / "head", draft_vocab_size=DRAFT_VOCAB, successor_of=successor)
+    with checked_llm(model, tp_size=2, page_size=4, **eagle3(head)) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS)
+        on = [o.token_ids for o in llm.generate(prompts, greedy(16))]
+        assert llm.stats().spec_decode_num_accepted_tokens > 0
+    assert on == hf_greedy(model, prompts, 16)
+
+
+# -- what is refused ---------------------------------------------------------------------------------
+
+
+def test_eagle3_needs_a_head_and_a_head_needs_eagle3(qwen3_path, random_head):
+    with pytest.raises(ConfigError, match="speculative_model"):
+        ReplicaConfig().override(model=str(qwen3_path), speculative_method="eagle3").validate()
+    as_draft = ReplicaConfig().override(model=str(qwen3_path), speculative_method="draft", speculative_model=str(random_head))
+    with pytest.raises(ConfigError, match="speculative_model.*must be a model"):
+        as_draft.check_against_model()
+    as_head = ReplicaConfig().override(model=str(qwen3_path), speculative_method="eagle3", speculative_model=str(qwen3_path))
+    with pytest.raises(ConfigError, match="EAGLE-3 head"):
+        as_head.check_against_model()
+
+
+def test_the_heads_layers_are_its_configs_or_the_published_default_within_the_model(random_head):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(random_head))
+    assert aux_layer_ids(cfg, 2) == (0, 1, 1)
+    cfg.eagle_config = {}
+    assert aux_layer_ids(cfg, 36) == (2, 18, 33)
+    with pytest.raises(Eagle3ConfigError, match="eagle_aux_hidden_state_layer_ids"):
+        aux_layer_ids(cfg, 2)  # the default needs 4 layers
+
+
+def test_the_memory_budget_counts_the_heads_cache_and_the_hidden_states_it_reads(qwen3_path, random_head):
+    from worker.kv_cache import KVCachePool
+
+    budget_gb = 0.004  # small enough that max_running_reqs' whole contexts do not cap the pages
+    with checked_llm(qwen3_path, cpu_kv_cache_gb=budget_gb, page_size=4, **eagle3(random_head)) as llm:
+        engine, head = llm.engine, llm.scheduler.spec.draft.engine
+        assert head.num_pages == engine.num_pages
+        hidden = engine.hf_config.hidden_size
+        assert tuple(engine.aux_hidden.shape) == (3, (engine.num_pages + 1) * 4, hidden)
+        own = KVCachePool.bytes_per_page(
+            engine.hf_config.num_hidden_layers, 4, engine.kv.num_kv_heads, engine.kv.head_dim, engine.kv_dtype
+        )
+        heads = KVCachePool.bytes_per_page(1, 4, head.kv.num_kv_heads, head.kv.head_dim, head.kv_dtype)
+        aux = 3 * hidden * 4 * engine.dtype.itemsize  # three hidden states a token
+        assert engine.num_pages == int(budget_gb * 2**30 // (own + heads + aux))
+        assert llm.generate([[5, 6, 7, 5, 6]], greedy(8))[0].token_ids
