@@ -77,9 +77,7 @@ def _head_forward(w: dict, cfg: dict, embeds: torch.Tensor, hidden: torch.Tensor
     m = "midlayer."
     normed = _rms(hidden, w[m + "hidden_norm.weight"], eps)
     x = torch.cat([_rms(embeds, w[m + "input_layernorm.weight"], eps), normed], -1)
-    q, k, v = (
-        (x @ w[m + f"self_attn.{p}_proj.weight"].T).view(len(x), heads, -1) for p in ("q", "k", "v")
-    )
+    q, k, v = ((x @ w[m + f"self_attn.{p}_proj.weight"].T).view(len(x), heads, -1) for p in ("q", "k", "v"))
     q, k = _rotate(q, theta), _rotate(k, theta)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     scores = scores.masked_fill(torch.ones(len(x), len(x), dtype=torch.bool).triu(1), float("-inf"))
@@ -115,7 +113,9 @@ def reference_proposals(model_dir, head_dir, tokens: list[int], k: int) -> list[
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_each_proposal_is_the_published_heads_over_the_models_hidden_states(qwen3_path, random_head, monkeypatch, overlap):
+def test_each_proposal_is_the_published_heads_over_the_models_hidden_states(
+    qwen3_path, random_head, monkeypatch, overlap
+):
     seen = []
     propose = Eagle3Proposer.propose
 
@@ -125,7 +125,9 @@ def test_each_proposal_is_the_published_heads_over_the_models_hidden_states(qwen
         return out
 
     monkeypatch.setattr(Eagle3Proposer, "propose", recording)
-    on, _, prompts = _generate(qwen3_path, PROMPT_TEXTS[:4], greedy(10), overlap=overlap, page_size=4, **eagle3(random_head))
+    on, _, prompts = _generate(
+        qwen3_path, PROMPT_TEXTS[:4], greedy(10), overlap=overlap, page_size=4, **eagle3(random_head)
+    )
     assert on == hf_greedy(qwen3_path, prompts, 10)
     assert len(seen) > 8
     for tokens, drafted in seen[::3]:  # a catch-up over a prompt, and over the few tokens of a verify step
@@ -202,10 +204,14 @@ def test_tp2_greedy_with_an_eagle3_head_equals_hf(ray_cluster, qwen3_path, tmp_p
 def test_eagle3_needs_a_head_and_a_head_needs_eagle3(qwen3_path, random_head):
     with pytest.raises(ConfigError, match="speculative_model"):
         ReplicaConfig().override(model=str(qwen3_path), speculative_method="eagle3").validate()
-    as_draft = ReplicaConfig().override(model=str(qwen3_path), speculative_method="draft", speculative_model=str(random_head))
+    as_draft = ReplicaConfig().override(
+        model=str(qwen3_path), speculative_method="draft", speculative_model=str(random_head)
+    )
     with pytest.raises(ConfigError, match="speculative_model.*must be a model"):
         as_draft.check_against_model()
-    as_head = ReplicaConfig().override(model=str(qwen3_path), speculative_method="eagle3", speculative_model=str(qwen3_path))
+    as_head = ReplicaConfig().override(
+        model=str(qwen3_path), speculative_method="eagle3", speculative_model=str(qwen3_path)
+    )
     with pytest.raises(ConfigError, match="EAGLE-3 head"):
         as_head.check_against_model()
 

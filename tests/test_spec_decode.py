@@ -14,8 +14,8 @@ import pytest
 import torch
 from fixtures import PROMPT_TEXTS, hf_generate, hf_greedy
 from helpers import checked_llm, client, encode_all, greedy, serving
-from tiny_checkpoints import build_cycling_checkpoint
 from scipy.stats import chisquare
+from tiny_checkpoints import build_cycling_checkpoint
 
 from cluster import GrammarSpec, SamplingParams
 from cluster.config import ConfigError, ReplicaConfig

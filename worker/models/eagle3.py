@@ -115,7 +115,9 @@ class Eagle3Model(nn.Module):
         super().__init__()
         rotary = RotaryEmbedding(config, head_dim_of(config), max_positions, kernels)
         # None until the model's are lent (Eagle3ForCausalLM.share_embeddings)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) if own_embeddings else None
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) if own_embeddings else None
+        )
         self.layers = nn.ModuleList([Eagle3Layer(config, rotary, tp, kernels)])
         self.fc = ColumnParallelLinear(3 * target_hidden_size(config), [config.hidden_size], False, tp, kernels)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
