@@ -227,7 +227,7 @@ def test_the_heads_layers_are_its_configs_or_the_published_default_within_the_mo
         aux_layer_ids(cfg, 2)  # the default needs 4 layers
 
 
-def test_the_memory_budget_counts_the_heads_cache_and_the_hidden_states_it_reads(qwen3_path, random_head):
+def test_the_memory_budget_counts_the_heads_cache_and_the_hidden_state_it_reads(qwen3_path, random_head):
     from worker.kv_cache import KVCachePool
 
     budget_gb = 0.004  # small enough that max_running_reqs' whole contexts do not cap the pages
@@ -235,11 +235,12 @@ def test_the_memory_budget_counts_the_heads_cache_and_the_hidden_states_it_reads
         engine, head = llm.engine, llm.scheduler.spec.draft.engine
         assert head.num_pages == engine.num_pages
         hidden = engine.hf_config.hidden_size
-        assert tuple(engine.aux_hidden.shape) == (3, (engine.num_pages + 1) * 4, hidden)
+        # a hidden state a token, fc(the model's three) as the head reads it
+        assert tuple(engine.aux_hidden.shape) == ((engine.num_pages + 1) * 4, hidden)
         own = KVCachePool.bytes_per_page(
             engine.hf_config.num_hidden_layers, 4, engine.kv.num_kv_heads, engine.kv.head_dim, engine.kv_dtype
         )
         heads = KVCachePool.bytes_per_page(1, 4, head.kv.num_kv_heads, head.kv.head_dim, head.kv_dtype)
-        aux = 3 * hidden * 4 * engine.dtype.itemsize  # three hidden states a token
+        aux = hidden * 4 * engine.dtype.itemsize
         assert engine.num_pages == int(budget_gb * 2**30 // (own + heads + aux))
         assert llm.generate([[5, 6, 7, 5, 6]], greedy(8))[0].token_ids

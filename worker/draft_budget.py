@@ -1,6 +1,6 @@
 """What a draft model (speculative decoding) takes of the device beside the model it proposes for: its
 weights, and its KV cache's bytes a page (it holds as many pages as the model; an EAGLE-3 head, also the
-model's hidden states it reads, three a token). The model's engine sizes
+model's hidden states it reads, projected to its width, one a token). The model's engine sizes
 its own cache with both counted, so that the draft, built after it, finds its memory."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from worker.kv_cache import KVCachePool
-from worker.models.eagle3 import is_eagle3, target_hidden_size
+from worker.models.eagle3 import is_eagle3
 from worker.models.llama import head_dim_of
 
 
@@ -26,9 +26,9 @@ def draft_memory(folder: str, dtype: torch.dtype, kv_dtype: torch.dtype, page_si
     """The draft in `folder` at the model's dtypes and page size: its parameters counted on the meta
     device (nothing is allocated), its KV bytes a page from its layers and heads."""
     config = AutoConfig.from_pretrained(folder)
-    if is_eagle3(config):  # one layer, and the model's hidden states it reads kept at every KV cell
+    if is_eagle3(config):  # one layer, and the projected hidden state it reads kept at every KV cell
         per_page = KVCachePool.bytes_per_page(1, page_size, config.num_key_value_heads, head_dim_of(config), kv_dtype)
-        per_page += 3 * target_hidden_size(config) * page_size * dtype.itemsize
+        per_page += config.hidden_size * page_size * dtype.itemsize
         weights = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
         return DraftMemory(weights, per_page)
     try:

@@ -1,7 +1,9 @@
 """EAGLE-3 draft heads in their published format (`LlamaForCausalLMEagle3`): one Llama decoder layer that
 reads the model's own hidden states. Its input at position p is the next token, t[p + 1], with the
 model's residual stream at p taken at three of its layers (low, middle, high; `aux_layer_ids`) and
-projected to one width by `fc`; the layer attends over the concatenation of the normed token embedding
+projected to one width by `fc`. The model computes that projection itself, as it goes (the head's `fc`
+lent to it: worker/models/llama.py AuxHidden), and keeps it for every token beside its KV cache: a third
+of the bytes the three hidden states would take. The layer attends over the concatenation of the normed token embedding
 and the normed hidden state (twice the width, so its q, k and v projections are twice as wide). Each
 further position it drafts goes on from its own output before the final norm (the "prenorm" hidden
 state) instead of the model's. Its LM head covers a smaller vocabulary (`draft_vocab_size`), each of
@@ -24,7 +26,7 @@ from worker.attention.base import AttentionBackend
 from worker.config import EAGLE3_ARCHITECTURES
 from worker.kernels import Kernels
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from worker.layers.linear import ColumnParallelLinear, QKVParallelLinear
+from worker.layers.linear import QKVParallelLinear
 from worker.layers.mlp import SwiGLU
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
@@ -119,7 +121,6 @@ class Eagle3Model(nn.Module):
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) if own_embeddings else None
         )
         self.layers = nn.ModuleList([Eagle3Layer(config, rotary, tp, kernels)])
-        self.fc = ColumnParallelLinear(3 * target_hidden_size(config), [config.hidden_size], False, tp, kernels)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
 
@@ -131,7 +132,6 @@ class Eagle3ForCausalLM(nn.Module):
     takes_hidden = True
     packed = {
         "midlayer": ("model.layers.0", 0),
-        "fc": ("model.fc", 0),
         "norm": ("model.norm", 0),
         "embed_tokens": ("model.embed_tokens", 0),
         "q_proj": ("qkv_proj", 0),
@@ -142,7 +142,7 @@ class Eagle3ForCausalLM(nn.Module):
     }
     checkpoint_buffers = ("d2t",)  # loaded as tensors of the checkpoint, though not parameters
     optional = ("d2t",)  # absent where the head's vocabulary is the model's
-    ignored = ("t2d",)
+    ignored = ("t2d", "fc.weight")  # fc: the model's to apply (head_fc)
 
     def __init__(self, config: PretrainedConfig, max_positions: int, tp: TPGroup, kernels: Kernels = Kernels()) -> None:
         super().__init__()
@@ -153,7 +153,7 @@ class Eagle3ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(self.draft_vocab_size, config.hidden_size, tp)
         # target id = draft id + d2t[draft id]
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64), persistent=False)
-        self.aux_source: torch.Tensor | None = None  # the model's auxiliary-hidden cache [3, cells, width]
+        self.aux_source: torch.Tensor | None = None  # the model's projected hidden states [KV cells, hidden]
         self.slot_hidden: torch.Tensor | None = None  # [slots, hidden]
         self._target_ids: torch.Tensor | None = None  # each draft id's model id; empty: the same ids
 
@@ -181,8 +181,7 @@ class Eagle3ForCausalLM(nn.Module):
         each row's last prenorm hidden state is kept for its slot."""
         m = self.model
         if hidden_loc is not None:
-            aux = self.aux_source
-            hidden = m.fc(torch.cat([aux[j].index_select(0, hidden_loc) for j in range(aux.shape[0])], dim=-1))
+            hidden = self.aux_source.index_select(0, hidden_loc)
         elif last_idx is not None:
             hidden = self.slot_hidden.new_zeros(len(input_ids), self.config.hidden_size)
         else:
@@ -233,3 +232,26 @@ def load_embeddings(
         f"the EAGLE-3 head has no token embeddings and none were found in {folder}'s safetensors: give the "
         "head its own (embed_tokens.weight) or serve the model at tensor_parallel_size 1"
     )
+
+
+def head_fc(
+    folder: str, config: PretrainedConfig, dummy: bool, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The head's fc weight [hidden, 3 x the model's hidden], which the model applies: from its checkpoint,
+    or random (load_format dummy, as the engine draws random weights)."""
+    shape = (config.hidden_size, 3 * target_hidden_size(config))
+    if dummy:
+        gen = torch.Generator(device=device).manual_seed(0)
+        return torch.empty(shape, dtype=dtype, device=device).uniform_(-0.02, 0.02, generator=gen)
+    from worker.checkpoint_error import CheckpointError
+
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            if "fc.weight" in f.keys():
+                fc = f.get_tensor("fc.weight")
+                if tuple(fc.shape) != shape:
+                    raise CheckpointError(
+                        f"{path.name}: fc.weight is {tuple(fc.shape)}, the head's config says {shape}"
+                    )
+                return fc.to(device=device, dtype=dtype)
+    raise CheckpointError(f"the EAGLE-3 head in {folder} has no fc.weight")

@@ -4,8 +4,10 @@ the mixtures of experts by their feed-forward block (`mlp_of`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -179,27 +181,39 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         # an EAGLE-3 head drafting beside this model (worker/models/eagle3.py) reads the residual stream
-        # before some layers: {layer: its rows in aux_cache}, aux_cache [rows, KV cells, hidden], each
-        # token's written at its KV cell (a prompt's prefix-cache hits keep theirs with their KV)
-        self.aux_rows: dict[int, list[int]] = {}
-        self.aux_cache: torch.Tensor | None = None
+        # before three layers, projected by its fc: kept for every token at its KV cell
+        self.aux: AuxHidden | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual, aux, projected = self.embed_tokens(input_ids), None, self.aux, None
         for i, layer in enumerate(self.layers):
-            if i in self.aux_rows:
-                stream = x if residual is None else x + residual
-                for row in self.aux_rows[i]:
-                    self.aux_cache[row].index_copy_(0, attn.out_loc, stream.to(self.aux_cache.dtype))
+            if aux is not None and i in aux.weights:
+                part = F.linear(x if residual is None else x + residual, aux.weights[i])
+                projected = part if projected is None else projected + part
+                if i == aux.last:  # a prompt's prefix-cache hits keep theirs, with their KV
+                    aux.cache.index_copy_(0, attn.out_loc, projected)
             x, residual = layer(x, residual, positions, attn)
         return self.norm(x, residual)[0]
 
-    def capture_aux(self, layer_ids: tuple[int, ...], cache: torch.Tensor) -> None:
-        """From now on every step writes the residual stream before each of `layer_ids` (in order, rows
-        of `cache`) at its tokens' KV cells."""
-        self.aux_rows, self.aux_cache = {}, cache
-        for row, layer in enumerate(layer_ids):
-            self.aux_rows.setdefault(layer, []).append(row)
+
+@dataclass
+class AuxHidden:
+    """What a model keeps for an EAGLE-3 head: fc(concat(h[a], h[b], h[c])) of each token, h[i] the
+    residual stream before layer i, computed as the sum of each layer's slice of fc (one GEMM a layer;
+    a layer named twice has its slices summed), into cache [KV cells, the head's width]."""
+
+    weights: dict[int, torch.Tensor]
+    last: int
+    cache: torch.Tensor
+
+    @classmethod
+    def of(cls, layer_ids: tuple[int, ...], fc: torch.Tensor, cache: torch.Tensor) -> AuxHidden:
+        """`fc`: the head's [width, len(layer_ids) * hidden]."""
+        slices = fc.chunk(len(layer_ids), dim=1)
+        weights: dict[int, torch.Tensor] = {}
+        for layer, w in zip(layer_ids, slices):
+            weights[layer] = w.contiguous() if layer not in weights else weights[layer] + w
+        return cls(weights, max(layer_ids), cache)
 
 
 class LlamaForCausalLM(nn.Module):
