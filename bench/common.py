@@ -138,6 +138,35 @@ def model_folder(arch: str, with_tokenizer: bool = False) -> str:
     return str(folder)
 
 
+def eagle3_head_folder(arch: str, draft_vocab_size: int = 32000) -> str:
+    """A temporary folder holding the config.json of an EAGLE-3 head (random weights, load_format dummy)
+    for the architecture, shaped as the published heads are: one Llama layer of the model's widths, an LM
+    head over `draft_vocab_size` of its tokens, reading the published default layers."""
+    model = ARCHS[arch]
+    head = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": model["hidden_size"],
+        "intermediate_size": model["intermediate_size"] if "intermediate_size" in model else 4 * model["hidden_size"],
+        "num_attention_heads": model["num_attention_heads"],
+        "num_key_value_heads": model["num_key_value_heads"],
+        "head_dim": model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"],
+        "num_hidden_layers": 1,
+        "vocab_size": model["vocab_size"],
+        "draft_vocab_size": min(draft_vocab_size, model["vocab_size"]),
+        "max_position_embeddings": model["max_position_embeddings"],
+        "rms_norm_eps": model.get("rms_norm_eps", 1e-6),
+        "rope_theta": model.get("rope_theta", 1000000.0),
+        "torch_dtype": "bfloat16",
+    }
+    layers = model["num_hidden_layers"]
+    if layers < 4:  # too few for the published default (2, L / 2, L - 3)
+        head["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, layers // 2, layers - 1]}
+    folder = Path(tempfile.mkdtemp(prefix=f"raylm-{arch}-eagle3-"))
+    (folder / "config.json").write_text(json.dumps(head, indent=2))
+    return str(folder)
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="write the results here as JSON")
     parser.add_argument("--arch", choices=sorted(ARCHS), default="qwen3-0.6b")
@@ -182,8 +211,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--speculative-method",
-        choices=["ngram", "draft"],
-        help="speculative decoding (default: off); draft: a draft with the model's own (dummy) weights",
+        choices=["ngram", "draft", "eagle3"],
+        help="speculative decoding (default: off); draft: a draft with the model's own (dummy) weights; "
+        "eagle3: a random EAGLE-3 head of the model's widths",
     )
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
 
@@ -229,6 +259,8 @@ def speculation_of(args: argparse.Namespace) -> dict:
     spec = dict(speculative_method=method, num_speculative_tokens=args.num_speculative_tokens)
     if method == "draft":
         spec["speculative_model"] = model_folder(args.arch)
+    elif method == "eagle3":
+        spec["speculative_model"] = eagle3_head_folder(args.arch)
     return spec
 
 

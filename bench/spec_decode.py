@@ -1,7 +1,8 @@
 """Speculative decoding: batch-1 milliseconds per output token and decode throughput at larger
 batches, without speculation, with n-gram proposals (pipelined, the default, and ngram-wait: each
 request waiting for its last verify step's result) and with a draft model identical to the target
-(random weights, greedy: every proposal is accepted, the ceiling of the machinery), on Qwen3-0.6B's
+(random weights, greedy: every proposal is accepted, the ceiling of the machinery), and with a random
+EAGLE-3 head (eagle3-always: its proposals are rarely kept, so it shows what its steps cost), on Qwen3-0.6B's
 architecture by default. Every method runs at the defaults, where speculation keeps itself on only
 while it measures faster (speculative_adaptive), and a draft as large as the model never runs; a method
 named with -always (draft-always, ngram-always, ngram-wait-always) speculates whenever it may, what the
@@ -17,11 +18,20 @@ import gc
 import statistics
 
 import numpy as np
-from common import add_common_args, config_of, kernels_of, model_folder, report, token_arrivals
+from common import add_common_args, config_of, eagle3_head_folder, kernels_of, model_folder, report, token_arrivals
 
 from cluster import LLM, SamplingParams
 
-METHODS = ["off", "ngram", "ngram-wait", "draft", "ngram-always", "ngram-wait-always", "draft-always"]
+METHODS = [
+    "off",
+    "ngram",
+    "ngram-wait",
+    "draft",
+    "ngram-always",
+    "ngram-wait-always",
+    "draft-always",
+    "eagle3-always",
+]
 
 
 def make(args, method: str) -> LLM:
@@ -35,6 +45,8 @@ def make(args, method: str) -> LLM:
         spec["speculative_adaptive"] = not always
     if method == "draft":
         spec["speculative_model"] = folder  # with dummy weights: the same weights as the target's
+    elif method == "eagle3":  # a random head: its proposals are rarely kept, the cost of its machinery
+        spec["speculative_model"] = eagle3_head_folder(args.arch)
     # pages for the largest batch's whole sequences (the draft's cache has as many), not the memory budget
     tokens = max(args.batches) * (args.prompt_len + args.output_len + args.k + 1)
     return LLM(

@@ -57,13 +57,16 @@ def build_scheduler(
 
 
 def draft_engine_config(target: EngineConfig, folder: str, engine) -> EngineConfig:
-    """The draft's engine: the target's settings on rank 0's device, its own weights, and as many pages
-    and as long a context as the target's (its request slots are the target's)."""
+    """The draft's engine: the target's settings on rank 0's device and in its dtype, its own weights, and
+    as many pages and as long a context as the target's (its request slots are the target's)."""
     device = str(engine.device)
     return replace(
         target,
         model_path=folder,
         device=device,
+        # the model's dtype, whatever the draft's config says: an EAGLE-3 head reads the model's hidden
+        # states, and a head published in float16 drafts beside a bfloat16 model
+        dtype=str(engine.dtype).removeprefix("torch."),
         num_pages=engine.num_pages,
         max_seq_len=engine.max_seq_len,
         draft_model=None,
