@@ -160,6 +160,11 @@ class Eagle3ForCausalLM(nn.Module):
     def share_embeddings(self, embed: VocabParallelEmbedding) -> None:
         """Takes the model's token embeddings (whole, not a shard of them) for a head without its own."""
         if self.model.embed_tokens is None:
+            if embed.weight.shape[-1] != self.config.hidden_size:
+                raise Eagle3ConfigError(
+                    f"the EAGLE-3 head is {self.config.hidden_size} wide and has no token embeddings of its own; "
+                    f"the model's are {embed.weight.shape[-1]} wide"
+                )
             self.model.embed_tokens = embed
 
     def allocate_state(self, num_slots: int) -> None:
