@@ -139,11 +139,11 @@ class SchedulerConfig:
     )
     speculative_pipeline: bool = setting(
         True,
-        "ngram, in the overlap loop: a request without penalties, biases or a grammar whose last verify "
-        "step kept every proposal launches its next one before the one in flight is known, as if that kept "
-        "every proposal too (proposing after the token the lookup expects next); where it kept fewer, the "
-        "later row is void and its KV given back. Off: a speculating request waits for its result before "
-        "its next step",
+        "ngram and draft, in the overlap loop: a request without penalties, biases or a grammar whose last "
+        "verify step kept every proposal launches its next one before the one in flight is known, as if that "
+        "kept every proposal too (proposing after the token the lookup, or the draft, expects next); where it "
+        "kept fewer, the later row is void and its KV given back. Off (and with eagle3): a speculating "
+        "request waits for its result before its next step",
     )
 
 

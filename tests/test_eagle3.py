@@ -119,8 +119,8 @@ def test_each_proposal_is_the_published_heads_over_the_models_hidden_states(
     seen = []
     propose = Eagle3Proposer.propose
 
-    def recording(self, reqs, caps):
-        out = propose(self, reqs, caps)
+    def recording(self, reqs, caps, after=None, verified=None):
+        out = propose(self, reqs, caps, after, verified)
         seen.extend((list(r.input_ids), d) for r, d in zip(reqs, out) if d)
         return out
 

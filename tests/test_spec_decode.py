@@ -198,26 +198,31 @@ def test_greedy_with_speculation_equals_without_and_hf(model_paths, family, over
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
-def cycling_path(request, model_paths, tmp_path_factory):
+def cycling(request, model_paths, tmp_path_factory):
     """A tiny model of that family whose output mostly follows short cycles of tokens (its layers' outputs
     shrunk, its LM head leaning to a permutation of the current token's embedding), so that n-gram lookup
-    finds proposals it keeps whole at some steps and cuts short at others."""
-    dst = tmp_path_factory.mktemp(f"cycling-{request.param}")
-    return build_cycling_checkpoint(model_paths[request.param], dst)[0]
+    finds proposals it keeps whole at some steps and cuts short at others; and a draft for it, the same
+    with its cycles' lean weaker, which mostly agrees with it."""
+    src = model_paths[request.param]
+    model = build_cycling_checkpoint(src, tmp_path_factory.mktemp(f"cycling-{request.param}"))[0]
+    draft = build_cycling_checkpoint(src, tmp_path_factory.mktemp(f"cycling-draft-{request.param}"), lean=2.5)[0]
+    return model, draft
 
 
-def test_pipelined_rows_launch_before_the_last_result_and_are_void_where_it_kept_fewer(cycling_path):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_pipelined_rows_launch_before_the_last_result_and_are_void_where_it_kept_fewer(cycling, method):
     """In the overlap loop a request's next verify row launches while its last is in flight, as if that one
-    kept every proposal; where it kept fewer, the later row is dropped and its KV given back. Greedy and
-    seeded outputs (logprobs too) equal those with the pipeline off and without speculation, and pages
-    stay whole (checked_llm)."""
-    path = cycling_path
+    kept every proposal; where it kept fewer, the later row is dropped and its KV given back (the draft's
+    too). Greedy and seeded outputs (logprobs too) equal those with the pipeline off and without
+    speculation, and pages stay whole (checked_llm)."""
+    path, draft = cycling
+    spec = SPEC if method == "ngram" else dict(SPEC, speculative_method="draft", speculative_model=str(draft))
     params = [
         SamplingParams(max_tokens=64, temperature=0.8 if i % 2 else 0.0, seed=i, logprobs=1, ignore_eos=True)
         for i in range(len(PROMPTS))
     ]
     runs = {}
-    for name, kw in (("pipelined", SPEC), ("waiting", {**SPEC, "speculative_pipeline": False}), ("off", {})):
+    for name, kw in (("pipelined", spec), ("waiting", {**spec, "speculative_pipeline": False}), ("off", {})):
         with checked_llm(path, page_size=4, **kw) as llm:
             prompts = encode_all(llm, PROMPTS)
             outs = llm.generate(prompts, params)
@@ -281,10 +286,17 @@ def test_a_pipelined_request_waits_only_where_its_tail_is_unknown_or_its_last_be
 
 @pytest.mark.parametrize("overlap,page_size", [(True, 4), (False, 1)])
 def test_a_draft_identical_to_the_model_has_every_greedy_proposal_accepted(qwen3_path, overlap, page_size):
+    """In the overlap loop the pipeline drafts each row on from the row in flight and its guess of that
+    row's last sample, and keeps that draft KV where the guess was right: a draft identical to the model
+    guesses right every time, so no row is void and every proposal, drafted ahead or not, is kept."""
     kw = dict(overlap=overlap, page_size=page_size)
-    on, stats, prompts = generate(qwen3_path, PROMPTS, greedy(24), **kw, **draft_of(qwen3_path))
+    with checked_llm(qwen3_path, **kw, **draft_of(qwen3_path)) as llm:
+        prompts = encode_all(llm, PROMPTS)
+        on = [o.token_ids for o in llm.generate(prompts, greedy(24))]
+        stats, spec = llm.stats(), llm.scheduler.spec
     assert stats.spec_decode_num_draft_tokens > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert (spec.num_pipelined_rows > 0) == overlap and spec.num_void_rows == 0
     assert on == hf_greedy(qwen3_path, prompts, 24)
 
 

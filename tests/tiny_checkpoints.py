@@ -365,10 +365,10 @@ def build_eagle3_head(
     return out_dir
 
 
-def build_cycling_checkpoint(src: Path, dst: Path, seed: int = 0) -> tuple[Path, list[int]]:
+def build_cycling_checkpoint(src: Path, dst: Path, seed: int = 0, lean: float = 3.0) -> tuple[Path, list[int]]:
     """A copy of the tiny model in `src` whose output mostly follows short cycles of tokens (its layers'
-    outputs shrunk, its LM head leaning to a permutation of the current token's embedding): the copy's
-    folder, and each token's successor in its cycle."""
+    outputs shrunk, its LM head leaning to a permutation of the current token's embedding, by `lean`):
+    the copy's folder, and each token's successor in its cycle."""
     import shutil
 
     import numpy as np
@@ -389,6 +389,6 @@ def build_cycling_checkpoint(src: Path, dst: Path, seed: int = 0) -> tuple[Path,
         i += len(cycle)
     prev = torch.empty(len(emb), dtype=torch.long)
     prev[torch.tensor(nxt)] = torch.arange(len(emb))
-    w["lm_head.weight"] = (w["lm_head.weight"] + 3 * (emb / emb.norm(dim=1, keepdim=True))[prev]).contiguous()
+    w["lm_head.weight"] = (w["lm_head.weight"] + lean * (emb / emb.norm(dim=1, keepdim=True))[prev]).contiguous()
     save_file(w, str(Path(dst) / "model.safetensors"), metadata={"format": "pt"})
     return Path(dst), nxt

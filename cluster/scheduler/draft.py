@@ -8,10 +8,14 @@ proposes the very token the target will draw, sampled rows as well as greedy one
 verify step keeps only the target's own draws, so what the draft proposes changes how many are kept,
 never which tokens come out (worker/sampling/verify.py). Penalties, biases, min-p and grammars are the
 target's alone: a row using them is proposed for without them, and keeps fewer. Its steps queue behind
-the target's on the device; the host waits once, for the last of them."""
+the target's on the device; the host waits once, for the last of them. In speculation's pipeline a
+request's next row is drafted while its verify row is in flight, on from that row's proposals and one
+token more, the draft's guess of the row's last sample (spec_decode.py): that draft KV stands where the
+row keeps every proposal and its last sample is the guess, and is trimmed where not."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +35,18 @@ class DraftSeq:
 
     pages: list[int] = field(default_factory=list)
     cached_len: int = 0  # positions whose draft KV is written
-    proposed_from: int = 0  # the request's length when its last proposals were made
+    # per verify row not yet handled (two in speculation's pipeline), oldest first: (the length of the
+    # tokens it drafted after, the proposals it verifies, the token drafted after them: the guess of the
+    # row's last sample that a row launched behind it drafts on from; None where none was drafted)
+    rows: deque[tuple[int, int, int | None]] = field(default_factory=deque)
+
+
+@dataclass
+class _Row:
+    req: Req
+    seq: DraftSeq
+    k: int  # tokens to draft
+    tokens: list[int]  # what they follow: the request's tokens (and, in the pipeline, its row in flight's)
 
 
 def weight_bytes(model) -> int:
@@ -42,6 +57,9 @@ def weight_bytes(model) -> int:
 class DraftProposer:
     # how many positions the draft's rows run behind the tokens they take (an EAGLE-3 head's: one)
     shift = 0
+    # whether a request's next row may be drafted while its verify row is in flight (speculation's
+    # pipeline): the draft drafts on from that row's proposals and its guess of the row's last sample
+    pipelines = True
 
     def __init__(self, engine, relative_cost: float = 0.0) -> None:
         """`engine`: the draft's worker Engine (tp 1), started. `relative_cost`: its weights' bytes over
@@ -54,41 +72,64 @@ class DraftProposer:
         self.allocator = PageAllocator(engine.num_pages)
         self.seqs: dict[int, DraftSeq] = {}  # by request uid
 
-    def propose(self, reqs: list[Req], caps: list[int]) -> list[list[int]]:
-        """Up to caps[i] tokens for reqs[i] (0: none), drawn by the draft as the target draws."""
-        rows = []  # (req, its state, k)
-        for req, k in zip(reqs, caps):
+    def propose(
+        self,
+        reqs: list[Req],
+        caps: list[int],
+        after: list[list[int]] | None = None,
+        verified: list[int] | None = None,
+    ) -> list[list[int]]:
+        """Up to caps[i] tokens for reqs[i] (0: none), drawn by the draft as the target draws, after
+        after[i] (default: the request's tokens). Of them the first verified[i] (default: all) are the
+        row's proposals, the next one a guess of its last sample."""
+        after = after or [req.input_ids for req in reqs]
+        verified = verified or caps
+        rows: list[_Row] = []
+        for req, k, tokens in zip(reqs, caps, after):
             if k <= 0:
                 continue
             seq = self.seqs.setdefault(req.uid, DraftSeq())
-            if self._grow(seq, len(req.input_ids) + k - 1 - self.shift):
-                rows.append((req, seq, k))
-        drafts = {req.uid: [] for req in reqs}
+            if self._grow(seq, len(tokens) + k - 1 - self.shift):
+                rows.append(_Row(req, seq, k, tokens))
+        drafts: dict[int, list[int]] = {req.uid: [] for req in reqs}
         if not rows:
             return [[] for _ in reqs]
         catch_up = self._catch_up(rows)
         outs = [self.engine.forward(catch_up)]
-        for j in range(1, max(k for _, _, k in rows)):
-            outs.append(self.engine.forward(self._decode([(r, s) for r, s, k in rows if k > j], j)))
+        for j in range(1, max(row.k for row in rows)):
+            outs.append(self.engine.forward(self._decode([row for row in rows if row.k > j], j)))
         outs[-1].done.synchronize()  # the draft's steps run in order: the last one done, all are
         for j, out in enumerate(outs):
             tokens = out.next_tokens.tolist()
             if j == 0 and catch_up.spec_lens is not None:  # a sample a token: each row's last is its proposal
                 tokens = [tokens[end - 1] for end in np.cumsum(catch_up.extend_lens).tolist()]
-            for (req, _, _), token in zip([row for row in rows if row[2] > j], tokens):
-                drafts[req.uid].append(token)
-        for req, seq, k in rows:
-            seq.proposed_from = len(req.input_ids)
-            seq.cached_len = len(req.input_ids) + k - 1 - self.shift
+            for row, token in zip([row for row in rows if row.k > j], tokens):
+                drafts[row.req.uid].append(token)
+        proposals = dict(zip([req.uid for req in reqs], verified))
+        for row in rows:
+            n, drafted = proposals[row.req.uid], drafts[row.req.uid]
+            row.seq.rows.append((len(row.tokens), n, drafted[n] if len(drafted) > n else None))
+            row.seq.cached_len = len(row.tokens) + row.k - 1 - self.shift
         return [drafts[req.uid] for req in reqs]
 
-    def accept(self, req: Req, num_new: int) -> None:
-        """req kept num_new samples of its verify step: the draft's KV holds what it had before the
-        proposals, the accepted ones among them (the last proposal's KV was never written)."""
+    def accept(self, req: Req, num_new: int, last: int | None = None, void: bool = False) -> None:
+        """req's oldest verify row not yet handled kept num_new samples, the last of them `last`: the
+        draft's KV stands up to the accepted proposals, and past them where the sample after them is the
+        guess a row behind it drafted on from. `void`: that row behind it is void (this one kept fewer
+        than all), its draft KV with it."""
         seq = self.seqs.get(req.uid)
-        if seq is None:
+        if seq is None or not seq.rows:
             return
-        seq.cached_len = min(seq.cached_len, seq.proposed_from + num_new - 1)
+        start, proposals, guess = seq.rows.popleft()
+        if void and seq.rows:
+            seq.rows.popleft()
+        stands = start + num_new - 1 - self.shift
+        if num_new == proposals + 1 and guess is not None and last == guess:
+            stands += 1
+        self._trim(seq, stands)
+
+    def _trim(self, seq: DraftSeq, stands: int) -> None:
+        seq.cached_len = min(seq.cached_len, stands)
         keep = -(-seq.cached_len // self.page_size)
         self.allocator.free(seq.pages[keep:])
         del seq.pages[keep:]
@@ -111,7 +152,7 @@ class DraftProposer:
         pages = np.asarray(seq.pages, dtype=np.int64)
         return (pages[pos // self.page_size] * self.page_size + pos % self.page_size).astype(np.int32)
 
-    def _catch_up(self, rows: list[tuple[Req, DraftSeq, int]]) -> BatchDesc:
+    def _catch_up(self, rows: list[_Row]) -> BatchDesc:
         """One extend step over every row's tokens the draft has not seen (its whole prompt at first);
         it samples the first proposal. Once every row has only the few tokens of its last verify step to
         see, the step samples after each of them, as a verify step does (spec_lens): the engine then runs
@@ -121,29 +162,29 @@ class DraftProposer:
             desc.spec_lens = desc.extend_lens - 1
         return desc
 
-    def _extend(self, rows: list[tuple[Req, DraftSeq, int]]) -> BatchDesc:
+    def _extend(self, rows: list[_Row]) -> BatchDesc:
         """The extend step over each row's positions from its cached_len on, sampling after the last."""
-        ids = [req.input_ids[seq.cached_len + self.shift :] for req, seq, _ in rows]
-        ends = [len(req.input_ids) - self.shift for req, _, _ in rows]
+        ids = [row.tokens[row.seq.cached_len + self.shift :] for row in rows]
+        ends = [len(row.tokens) - self.shift for row in rows]
         return _drawing(
             True,
-            [req for req, _, _ in rows],
+            [row.req for row in rows],
             ends,
             [len(x) for x in ids],
-            np.concatenate([self._locations(seq, seq.cached_len, end) for (_, seq, _), end in zip(rows, ends)]),
+            np.concatenate([self._locations(row.seq, row.seq.cached_len, end) for row, end in zip(rows, ends)]),
             np.fromiter((t for x in ids for t in x), dtype=np.int32),
         )
 
-    def _decode(self, rows: list[tuple[Req, DraftSeq]], j: int) -> BatchDesc:
+    def _decode(self, rows: list[_Row], j: int) -> BatchDesc:
         """The decode step that samples each row's proposal j + 1 from proposal j (read from the
         draft's token pool, where the step before wrote it)."""
-        n = [len(req.input_ids) + j - self.shift for req, _ in rows]
+        n = [len(row.tokens) + j - self.shift for row in rows]
         return _drawing(
             False,
-            [req for req, _ in rows],
+            [row.req for row in rows],
             n,
             [1] * len(rows),
-            np.concatenate([self._locations(seq, pos - 1, pos) for (_, seq), pos in zip(rows, n)]),
+            np.concatenate([self._locations(row.seq, pos - 1, pos) for row, pos in zip(rows, n)]),
             None,
         )
 
@@ -182,6 +223,7 @@ class Eagle3Proposer(DraftProposer):
     before those stands. Then k - 1 decode steps go on from the head's own hidden states."""
 
     shift = 1
+    pipelines = False  # a row's catch-up needs the model's hidden states of the row before it
 
     def __init__(self, engine, target, relative_cost: float = 0.0) -> None:
         """`engine`: the head's Engine; `target`: rank 0's Engine of the model, built with the head as
@@ -193,29 +235,27 @@ class Eagle3Proposer(DraftProposer):
         if head.model.embed_tokens is None:  # the model's token embeddings, whole
             head.share_embeddings(target_embeddings(target))
 
-    def accept(self, req: Req, num_new: int) -> None:
+    def accept(self, req: Req, num_new: int, last: int | None = None, void: bool = False) -> None:
         """Whatever req kept, its next catch-up starts at its last proposals' first position: the
         positions the head drafted on from its own hidden states are rerun with the model's."""
         seq = self.seqs.get(req.uid)
-        if seq is None:
+        if seq is None or not seq.rows:
             return
-        seq.cached_len = min(seq.cached_len, seq.proposed_from - 1)
-        keep = -(-seq.cached_len // self.page_size)
-        self.allocator.free(seq.pages[keep:])
-        del seq.pages[keep:]
+        start, _, _ = seq.rows.popleft()
+        self._trim(seq, start - 1)
 
-    def _catch_up(self, rows: list[tuple[Req, DraftSeq, int]]) -> BatchDesc:
+    def _catch_up(self, rows: list[_Row]) -> BatchDesc:
         desc = self._extend(rows)
         ps = self.target_page_size
         cells = []
-        for req, seq, _ in rows:
-            pos = np.arange(seq.cached_len, len(req.input_ids) - 1, dtype=np.int64)
-            cells.append(np.asarray(req.pages, dtype=np.int64)[pos // ps] * ps + pos % ps)
+        for row in rows:
+            pos = np.arange(row.seq.cached_len, len(row.tokens) - 1, dtype=np.int64)
+            cells.append(np.asarray(row.req.pages, dtype=np.int64)[pos // ps] * ps + pos % ps)
         desc.hidden_loc = np.concatenate(cells).astype(np.int32)
         desc.sample_shift = 1
         return desc
 
-    def _decode(self, rows: list[tuple[Req, DraftSeq]], j: int) -> BatchDesc:
+    def _decode(self, rows: list[_Row], j: int) -> BatchDesc:
         desc = super()._decode(rows, j)
         desc.sample_shift = 1
         return desc

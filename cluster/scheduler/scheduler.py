@@ -419,7 +419,8 @@ class Scheduler:
             if self.spec is not None and (later is None or req not in later.req_set):
                 req.tail = []  # nothing of it is in flight
             if spec is not None and spec[i]:
-                self.spec.accept(req, spec[i], count, self._void_later(req, later, kept_all=count > spec[i]))
+                voided = self._void_later(req, later, kept_all=count > spec[i])
+                self.spec.accept(req, spec[i], count, voided, last=tokens[start + count - 1])
             for j in range(start, start + count):
                 if self._emit_one(req, tokens[j], j, out, logprobs, now, deltas):
                     break

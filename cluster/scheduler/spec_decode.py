@@ -12,16 +12,18 @@ before each sample (worker/sampling/processors.py). Past speculative_max_batch, 
 decodes in the overlap loop. At launch a verify row advances as if every proposal were kept; `accept`
 moves it back to what was and trims the pages of the rejected positions.
 
-With speculative_pipeline (n-gram, the overlap loop), a request without penalties, biases or a grammar
-does not wait for its verify step in flight: its next row launches meanwhile, as if that step kept every
-proposal. It takes that bet only while its last handled verify step kept every proposal (after one that
-kept fewer, the bet would likely lose: it waits). Its proposals then continue from its tail (Req.tail):
-the last row's proposals and the token the lookup expects after them, asked for with them (a lookup of
-k + 1 tokens). Those are proposals like any other, so a wrong guess costs only acceptance; but where the
-last step keeps fewer than all, the row launched after it stands on positions that were not kept: the
-scheduler voids it (its samples are dropped, its KV given back with the rejected positions'). The token
-pool stays right for the next row: the void row wrote only past every position the earlier step could
-keep. Sampling is a function of (seed, position), so a void row leaves no trace in what is sampled later.
+With speculative_pipeline (n-gram or a draft model, the overlap loop), a request without penalties,
+biases or a grammar does not wait for its verify step in flight: its next row launches meanwhile, as if
+that step kept every proposal. It takes that bet only while its last handled verify step kept every
+proposal (after one that kept fewer, the bet would likely lose: it waits). Its proposals then continue
+from its tail (Req.tail): the last row's proposals and the token the lookup (or the draft) expects after
+them, asked for with them (a lookup of k + 1 tokens; a draft drafts k + 1). An EAGLE-3 head does not
+pipeline: its next row needs the model's hidden states of the row in flight. Those are proposals like
+any other, so a wrong guess costs only acceptance; but where the last step keeps fewer than all, the row
+launched after it stands on positions that were not kept: the scheduler voids it (its samples are
+dropped, its KV given back with the rejected positions'). The token pool stays right for the next row:
+the void row wrote only past every position the earlier step could keep. Sampling is a function of
+(seed, position), so a void row leaves no trace in what is sampled later.
 
 Waiting costs the overlap: the host's work between two of the request's steps leaves the device idle.
 So a request whose proposals do not pay backs off: after a row whose lookup found nothing, or whose
@@ -73,7 +75,12 @@ class Speculator:
         """Whether a request with these parameters speculates in the pipeline: n-gram lookup, the overlap
         loop, and nothing whose state on the host or device a void row would disturb (penalties, biases
         and min_tokens count samples into processor state; a grammar's matcher takes each token)."""
-        return self.pipeline and self.draft is None and not params.uses_processors and params.grammar is None
+        return (
+            self.pipeline
+            and (self.draft is None or self.draft.pipelines)
+            and not params.uses_processors
+            and params.grammar is None
+        )
 
     def active(self, num_running: int) -> bool:
         """Whether the next step speculates: only while few requests decode, and (speculative_adaptive)
@@ -97,7 +104,7 @@ class Speculator:
                 req.tail = None
             return None
         if self.draft is not None:
-            drafts = self.draft.propose(decoding, caps)
+            drafts = self._draft(decoding, caps)
         else:
             drafts = [self._lookup(r, k) for r, k in zip(decoding, caps)]
         for req, k, d in zip(decoding, caps, drafts):
@@ -119,6 +126,21 @@ class Speculator:
         found = propose_ngram(req.input_ids + req.tail if req.tail else req.input_ids, k + 1, self.n_max)
         req.tail = found if len(found) > k else None
         return found[:k]
+
+    def _draft(self, decoding: list[Req], caps: list[int]) -> list[list[int]]:
+        """Each row's proposals by the draft model; in the pipeline, drafted on from its tail when its last
+        row is in flight, one more drafted after them: its guess of the row's last sample, which makes its
+        new tail with them (None where the draft gave fewer)."""
+        wants, after = [], []
+        for req, k in zip(decoding, caps):
+            piped = bool(k) and req.pipelines
+            wants.append(k + 1 if piped else k)
+            after.append(req.input_ids + req.tail if piped and req.tail else req.input_ids)
+        found = self.draft.propose(decoding, wants, after, caps)
+        for req, k, f in zip(decoding, caps, found):
+            if req.pipelines:
+                req.tail = f if k and len(f) > k else None
+        return [f[:k] for f, k in zip(found, caps)]
 
     def _grammatical(self, req: Req, proposals: list[int]) -> list[int]:
         if not proposals or req.matcher is None:
@@ -154,11 +176,11 @@ class Speculator:
             caps.append(k)
         return caps
 
-    def accept(self, req: Req, num_drafts: int, num_new: int, void: int = 0) -> None:
+    def accept(self, req: Req, num_drafts: int, num_new: int, void: int = 0, last: int | None = None) -> None:
         """req's verify row proposed num_drafts tokens and keeps num_new samples (the accepted proposals
-        and one more): its KV covers its input and the accepted ones; the rest is given back, and with
-        them the `void` tokens of its row launched after this one (in the pipeline), void since this one
-        kept fewer than all."""
+        and one more, `last`): its KV covers its input and the accepted ones; the rest is given back, and
+        with them the `void` tokens of its row launched after this one (in the pipeline), void since this
+        one kept fewer than all."""
         rejected = num_drafts + 1 - num_new + void
         req.kept_all = not rejected
         if void:
@@ -169,7 +191,7 @@ class Speculator:
         req.device_len -= rejected
         self.cache.trim(req, req.cached_len)
         if self.draft is not None:
-            self.draft.accept(req, num_new)
+            self.draft.accept(req, num_new, last, void=bool(void))
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_new - 1
         if num_new > 1:
