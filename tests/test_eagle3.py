@@ -244,3 +244,24 @@ def test_the_memory_budget_counts_the_heads_cache_and_the_hidden_state_it_reads(
         aux = hidden * 4 * engine.dtype.itemsize
         assert engine.num_pages == int(budget_gb * 2**30 // (own + heads + aux))
         assert llm.generate([[5, 6, 7, 5, 6]], greedy(8))[0].token_ids
+
+
+@pytest.mark.gpu
+def test_on_gpu_an_eagle3_head_drafts_beside_the_models_cuda_graphs_in_bfloat16(tmp_path):
+    """The model keeps the head's hidden states from its CUDA graphs' decode and verify replays as from its
+    eager prompt steps, and the head drafts with FlashInfer's kernels in bfloat16: proposals are kept, and
+    the outputs are those without speculation (where bfloat16 near-ties do not part them: nearly all)."""
+    from tiny_checkpoints import build_qwen3_hd128, random_prompts
+
+    model, successor = build_cycling_checkpoint(build_qwen3_hd128(tmp_path / "base"), tmp_path / "model")
+    head = build_eagle3_head(model, tmp_path / "head", draft_vocab_size=DRAFT_VOCAB, successor_of=successor)
+    kw = dict(dtype="bfloat16", num_pages=16384, max_running_reqs=16, page_size=16)
+    prompts = random_prompts(12, 5, 60)
+    with checked_llm(model, **kw, **eagle3(head)) as llm:
+        assert llm.engine.graphs is not None and llm.engine.aux_hidden.dtype == torch.bfloat16
+        on = [o.token_ids for o in llm.generate(prompts, greedy(40, ignore_eos=True))]
+        stats = llm.stats()
+    with checked_llm(model, **kw) as llm:
+        off = [o.token_ids for o in llm.generate(prompts, greedy(40, ignore_eos=True))]
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert sum(a == b for a, b in zip(on, off)) >= len(prompts) - 1
