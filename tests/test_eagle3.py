@@ -225,6 +225,29 @@ def test_the_heads_layers_are_its_configs_or_the_published_default_within_the_mo
     assert aux_layer_ids(cfg, 36) == (2, 18, 33)
     with pytest.raises(Eagle3ConfigError, match="eagle_aux_hidden_state_layer_ids"):
         aux_layer_ids(cfg, 2)  # the default needs 4 layers
+    cfg.eagle_config = {"use_aux_hidden_state": False}
+    with pytest.raises(Eagle3ConfigError, match="use_aux_hidden_state"):
+        aux_layer_ids(cfg, 36)
+
+
+def test_a_head_whose_layer_is_named_layers_0_loads_as_one_named_midlayer(qwen3_path, random_head, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    renamed = tmp_path / "renamed"
+    shutil.copytree(random_head, renamed)
+    w = load_file(str(random_head / "model.safetensors"))
+    save_file({k.replace("midlayer.", "layers.0."): v for k, v in w.items()}, str(renamed / "model.safetensors"))
+    runs = []
+    for head in (random_head, renamed):
+        with checked_llm(qwen3_path, page_size=4, **eagle3(head)) as llm:
+            prompts = encode_all(llm, PROMPT_TEXTS[:3])
+            llm.generate(prompts, greedy(12))
+            runs.append(llm.stats().spec_decode_num_draft_tokens)
+            params = dict(llm.scheduler.spec.draft.engine.model.named_parameters())
+            runs.append(float(params["model.layers.0.self_attn.qkv_proj.weight"].sum()))
+    assert runs[0] > 0 and runs[:2] == runs[2:]
 
 
 def test_the_memory_budget_counts_the_heads_cache_and_the_hidden_state_it_reads(qwen3_path, random_head):

@@ -49,6 +49,11 @@ def aux_layer_ids(head: PretrainedConfig, num_layers: int) -> tuple[int, int, in
     config names them (`eagle_aux_hidden_state_layer_ids`, at its top or in `eagle_config`), else the
     published default (2, L // 2, L - 3) for a model of L layers."""
     eagle = getattr(head, "eagle_config", None) or {}
+    if eagle.get("use_aux_hidden_state", True) is False:
+        raise Eagle3ConfigError(
+            "the head's eagle_config has use_aux_hidden_state false (it reads the model's last hidden state "
+            "alone, as EAGLE-1 and -2 heads do): only EAGLE-3 heads, reading three layers, are served"
+        )
     ids = getattr(head, "eagle_aux_hidden_state_layer_ids", None) or eagle.get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
         ids = (2, num_layers // 2, num_layers - 3)
@@ -132,6 +137,7 @@ class Eagle3ForCausalLM(nn.Module):
     takes_hidden = True
     packed = {
         "midlayer": ("model.layers.0", 0),
+        "layers": ("model.layers", 0),  # some heads name their layer layers.0
         "norm": ("model.norm", 0),
         "embed_tokens": ("model.embed_tokens", 0),
         "q_proj": ("qkv_proj", 0),
