@@ -173,6 +173,32 @@ def test_seeded_sampling_with_an_eagle3_head_equals_without_logprobs_too(cycling
         np.testing.assert_allclose(a, b, atol=1e-4)
 
 
+def test_requests_with_processors_grammars_and_choices_keep_their_outputs_with_an_eagle3_head(cycling):
+    """The head proposes for every request (without their penalties, biases and grammars, which are the
+    model's); each verify sample applies them after the proposals before it: the outputs are those
+    without speculation."""
+    from cluster import GrammarSpec
+
+    model, head = cycling
+    params = [
+        greedy(20, ignore_eos=True, repetition_penalty=1.3),
+        greedy(20, ignore_eos=True, presence_penalty=0.4, frequency_penalty=0.3, logit_bias={7: 3.0}),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=20, min_p=0.1, min_tokens=12, ignore_eos=True),
+        greedy(30, grammar=GrammarSpec("regex", "((ab|ba) ){4,8}")),
+        SamplingParams(temperature=1.0, seed=6, max_tokens=16, n=2, ignore_eos=True),
+        greedy(24, stop_token_ids=list(range(100, 140)), min_tokens=4),
+    ]
+    with checked_llm(model, page_size=4) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS[:3])
+        ids = [p for p in prompts for _ in params]
+        off = [[c.token_ids for c in o.outputs] for o in llm.generate(ids, params * len(prompts))]
+    with checked_llm(model, page_size=4, **eagle3(head)) as llm:
+        on = [[c.token_ids for c in o.outputs] for o in llm.generate(ids, params * len(prompts))]
+        stats = llm.stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert on == off
+
+
 def test_pages_stay_whole_after_rejections_and_preemptions(cycling):
     model, head = cycling
     kw = dict(page_size=4, num_pages=80, decode_reserve_tokens=1)
