@@ -6,8 +6,10 @@ preemptions; a head that does not fit is refused with a clear error."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -91,12 +93,20 @@ def _head_forward(w: dict, cfg: dict, embeds: torch.Tensor, hidden: torch.Tensor
     return _rms(prenorm, w["norm.weight"], eps) @ w["lm_head.weight"].T, prenorm
 
 
+@functools.cache
+def _loaded(model_dir: str, head_dir: str):
+    cfg = json.loads((Path(head_dir) / "config.json").read_text())
+    return (
+        cfg,
+        load_file(str(Path(head_dir) / "model.safetensors")),
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+    )
+
+
 def reference_proposals(model_dir, head_dir, tokens: list[int], k: int) -> list[int]:
     """k greedy proposals after `tokens`, the model's hidden states taken from Hugging Face's forward
     (hidden_states[i] is the input of layer i) over every token but the last."""
-    cfg = json.loads((head_dir / "config.json").read_text())
-    w = load_file(str(head_dir / "model.safetensors"))
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    cfg, w, hf = _loaded(str(model_dir), str(head_dir))
     layers = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     with torch.no_grad():
         states = hf(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
@@ -116,6 +126,8 @@ def reference_proposals(model_dir, head_dir, tokens: list[int], k: int) -> list[
 def test_each_proposal_is_the_published_heads_over_the_models_hidden_states(
     qwen3_path, random_head, monkeypatch, overlap
 ):
+    """Checked on the first run of the prompts and on a second, whose prompts the prefix cache holds: the
+    model's hidden states of a cached prefix are kept with its KV."""
     seen = []
     propose = Eagle3Proposer.propose
 
@@ -125,12 +137,15 @@ def test_each_proposal_is_the_published_heads_over_the_models_hidden_states(
         return out
 
     monkeypatch.setattr(Eagle3Proposer, "propose", recording)
-    on, _, prompts = _generate(
-        qwen3_path, PROMPT_TEXTS[:4], greedy(10), overlap=overlap, page_size=4, **eagle3(random_head)
-    )
-    assert on == hf_greedy(qwen3_path, prompts, 10)
-    assert len(seen) > 8
-    for tokens, drafted in seen[::3]:  # a catch-up over a prompt, and over the few tokens of a verify step
+    with checked_llm(qwen3_path, overlap=overlap, page_size=4, **eagle3(random_head)) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS[:4])
+        first = [o.token_ids for o in llm.generate(prompts, greedy(10))]
+        hits = llm.stats().prefix_hit_tokens
+        again = [o.token_ids for o in llm.generate(prompts, greedy(10))]
+        assert llm.stats().prefix_hit_tokens > hits
+    assert first == again == hf_greedy(qwen3_path, prompts, 10)
+    assert len(seen) > 16
+    for tokens, drafted in seen:  # catch-ups over a prompt (cached or not), and over a verify step's tokens
         assert drafted == reference_proposals(qwen3_path, random_head, tokens, len(drafted))
 
 
