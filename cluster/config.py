@@ -281,7 +281,13 @@ class ReplicaConfig:
     def replica_config(self) -> ReplicaConfig:
         """The part of this configuration one replica needs, with its served name resolved."""
         own = {f.name: getattr(self, f.name) for f in fields(ReplicaConfig)}
-        return ReplicaConfig(**dict(own, served_model_name=self.model_name))
+        config = ReplicaConfig(**dict(own, served_model_name=self.model_name))
+        if config.engine.cpu_threads is None:
+            # Ray starts each rank's process with one thread (OMP_NUM_THREADS for its one CPU): on a CPU
+            # the host's cores go to the ranks of as many replicas as the fleet may hold
+            ranks = max(self.replicas, self.max_replicas or 0) * self.tp_size
+            config = replace(config, engine=replace(config.engine, cpu_threads=max(1, (os.cpu_count() or 1) // ranks)))
+        return config
 
 
 @dataclass

@@ -53,6 +53,7 @@ def serving(model_path, **config):
     config.setdefault("served_model_name", "tiny")
     config.setdefault("page_size", 4)
     config.setdefault("routers", 0)  # the router in this process, whose state the tests inspect, whatever the cores
+    config.setdefault("cpu_threads", 1)  # as this process's torch (conftest.py): tiny models on a few cores
     srv = Deployment(ServeConfig().override(model=str(model_path), port=free_port(), **config))
     srv.start_in_thread()
     try:

@@ -98,6 +98,13 @@ class EngineConfig:
         0.85, "share of the GPU's memory for weights, KV cache and activations", above=0, at_most=1
     )
     cpu_kv_cache_gb: float = setting(2.0, "KV-cache budget in GiB on a CPU", above=0)
+    cpu_threads: int | None = setting(
+        None,
+        "torch's threads for an engine on a CPU; auto: in launch.py's deployment the host's cores shared "
+        "among the replicas' ranks (Ray would give each one), in the offline LLM torch's own choice",
+        at_least=1,
+        unset="auto",
+    )
     cuda_graph_max_bs: int = setting(
         256, "largest decode batch replayed from a CUDA graph; 0 turns graphs off", at_least=0
     )

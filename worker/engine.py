@@ -140,6 +140,8 @@ class Engine:
         self.config = config
         self.tp = tp or TPGroup()
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu" and config.cpu_threads is not None:
+            torch.set_num_threads(config.cpu_threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
             self.device = torch.device("cuda", torch.cuda.current_device())
