@@ -257,6 +257,13 @@ def test_eagle3_needs_a_head_and_a_head_needs_eagle3(qwen3_path, random_head):
         as_head.check_against_model()
 
 
+def test_a_head_is_served_only_beside_its_model(random_head):
+    from worker.loader import CheckpointError
+
+    with pytest.raises(CheckpointError, match="EAGLE-3 draft head.*speculative_method eagle3"):
+        checked_llm(random_head).__enter__()
+
+
 def test_the_heads_layers_are_its_configs_or_the_published_default_within_the_model(random_head):
     from transformers import AutoConfig
 

@@ -109,6 +109,9 @@ class CudaGraphRunner:
         self.pad = io_pads(self.scratch_loc, table.scratch_cell)
         self.sampler_pad = sampler_io_pads(sampler.state.scratch_row)
         self.graphs = self.buckets  # the captured batch sizes (tests look at the keys)
+        # an EAGLE-3 head: a row's slot is its token-pool row, that of the cell its sample is written to
+        # (a padded row's, past every slot, has a slot of hidden state of its own)
+        self.takes_hidden = getattr(model, "takes_hidden", False)
 
     def bucket(self, desc: BatchDesc) -> int:
         """The captured batch size that runs `desc`; 0 when it must run eagerly."""
@@ -148,10 +151,14 @@ class CudaGraphRunner:
 
     def _forward(self, b: _Bucket) -> torch.Tensor:
         ids = self.table.flat_pool.index_select(0, b.token_read)
+        if self.takes_hidden:  # an EAGLE-3 head: each row goes on from its slot's last hidden state
+            slots = torch.div(b.token_write, self.table.token_pool.shape[1], rounding_mode="floor")
+            return self.model(ids.long(), b.positions, self.attn, None, slots, None)
         return self.model(ids.long(), b.positions, self.attn)
 
     def _head(self, b: _Bucket, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.model.lm_head(hidden)
+        # an EAGLE-3 head's logits over its vocabulary are spread over the model's (compute_logits)
+        logits = self.model.compute_logits(hidden) if self.takes_hidden else self.model.lm_head(hidden)
         return logits, self.sampler(logits, b.args(False, False), procs=False, filtered=False)
 
     def prepare(self, desc: BatchDesc, bs: int, staged: object | None = None) -> None:

@@ -136,8 +136,11 @@ class StepInputs(Generic[A]):
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None, beside: Engine | None = None) -> None:
+        """`beside`: for an EAGLE-3 head's engine, rank 0's engine of the model it drafts for (built with
+        the head as its draft_model), whose token embeddings and hidden states the head reads."""
         self.config = config
+        self.beside = beside
         self.tp = tp or TPGroup()
         self.device = resolve_device(config.device)
         if self.device.type == "cpu" and config.cpu_threads is not None:
@@ -190,6 +193,13 @@ class Engine:
         if scheme is not None and (dummy or not scheme.prequantized):
             quantize_linears(self.model, replace(scheme, block=None, prequantized=False))
         self.model.eval()
+        if getattr(self.model, "takes_hidden", False):  # before its CUDA graphs are captured
+            if self.beside is None:
+                raise CheckpointError(
+                    f"{self.config.model_path} is an EAGLE-3 draft head: it runs beside its model "
+                    "(speculative_method eagle3, speculative_model: this folder), not on its own"
+                )
+            self.model.attach(self.beside)
 
     def _allocate(self) -> None:
         """The KV cache (with what memory the model left), the token pool and page table, the sampler's
@@ -236,8 +246,9 @@ class Engine:
         self.sched_stream = new_stream(self.device)  # metadata copies and attention planning
         self.inputs_free = new_event(self.device)  # the last step's forward no longer reads its inputs
         self.staging = PinnedStaging(self.device, waits=self.host_waits)
-        if getattr(self.model, "takes_hidden", False):  # an EAGLE-3 head: each slot's last hidden state
-            self.model.allocate_state(config.max_running_reqs)
+        if getattr(self.model, "takes_hidden", False):  # an EAGLE-3 head: each slot's last hidden state,
+            # and one more for a decode graph's padded rows (their token-pool cell is past every slot's)
+            self.model.allocate_state(self.table.token_pool.shape[0] + 1)
         # with an EAGLE-3 head beside it (rank 0): the model's hidden states the head reads, at every KV cell
         self.aux_hidden = None
         if config.draft_model is not None:
@@ -314,8 +325,8 @@ class Engine:
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_decode_rows)
-        if self.device.type != "cuda" or max_bs <= 0 or getattr(self.model, "takes_hidden", False):
-            return None  # an EAGLE-3 head's steps run eagerly
+        if self.device.type != "cuda" or max_bs <= 0:
+            return None
         from worker.attention.flashinfer_backend import FlashInferBackend
 
         if not isinstance(self.attn, FlashInferBackend):
@@ -355,12 +366,13 @@ class Engine:
         else:
             slots_of = slots
         token_write = slots_of * pool_row + sample_pos  # where each sampled token goes
+        draw_pos = sample_pos + desc.sample_shift  # the position whose noise each sample draws with
         s = StepInputs(
             page_idx=token_slots * self.max_seq_len + positions,
             page_val=desc.out_loc.astype(np.int32),
             # a verify step whose processors count proposals draws eagerly after its graph (verify_rows.py)
             sampling=stage_sampling(
-                desc, columns, 0 if verify and verify.counts else bs, sample_pos, token_write, self.proc_state
+                desc, columns, 0 if verify and verify.counts else bs, draw_pos, token_write, self.proc_state
             ),
             spec=spec,
         )
@@ -382,7 +394,7 @@ class Engine:
                     "positions": positions,
                     "out_loc": desc.out_loc,
                     "token_write": token_write,
-                    "sample_pos": seq,
+                    "sample_pos": seq + desc.sample_shift,
                     **columns,
                 },
                 self.graphs.pad,

@@ -32,7 +32,8 @@ def build_scheduler(
     draft = None
     method = config.scheduler.speculative_method
     if method in ("draft", "eagle3"):
-        draft_engine = Engine(draft_engine_config(config.engine, config.scheduler.speculative_model, engine))
+        draft_config = draft_engine_config(config.engine, config.scheduler.speculative_model, engine)
+        draft_engine = Engine(draft_config, beside=engine if method == "eagle3" else None)
         cost = weight_bytes(draft_engine.model) / max(1, weight_bytes(engine.model))
         if method == "eagle3":
             draft = Eagle3Proposer(draft_engine, engine, cost)

@@ -226,14 +226,9 @@ class Eagle3Proposer(DraftProposer):
     pipelines = False  # a row's catch-up needs the model's hidden states of the row before it
 
     def __init__(self, engine, target, relative_cost: float = 0.0) -> None:
-        """`engine`: the head's Engine; `target`: rank 0's Engine of the model, built with the head as
-        its draft_model (so that it keeps the hidden states the head reads)."""
+        """`engine`: the head's Engine, built beside `target`, rank 0's Engine of the model."""
         super().__init__(engine, relative_cost)
         self.target_page_size = target.page_size
-        head = engine.model
-        head.aux_source = target.aux_hidden
-        if head.model.embed_tokens is None:  # the model's token embeddings, whole
-            head.share_embeddings(target_embeddings(target))
 
     def accept(self, req: Req, num_new: int, last: int | None = None, void: bool = False) -> None:
         """Whatever req kept, its next catch-up starts at its last proposals' first position: the
@@ -259,14 +254,3 @@ class Eagle3Proposer(DraftProposer):
         desc = super()._decode(rows, j)
         desc.sample_shift = 1
         return desc
-
-
-def target_embeddings(target):
-    """Rank 0's token embeddings of the model, whole: its own module at tp 1, else read from its
-    checkpoint (each rank holds a shard)."""
-    from worker.models.eagle3 import load_embeddings
-
-    embed = target.model.model.embed_tokens
-    if target.tp.size == 1:
-        return embed
-    return load_embeddings(target.config.model_path, target.hf_config, embed.weight.dtype, embed.weight.device)

@@ -163,6 +163,13 @@ class Eagle3ForCausalLM(nn.Module):
         self.slot_hidden: torch.Tensor | None = None  # [slots, hidden]
         self._target_ids: torch.Tensor | None = None  # each draft id's model id; empty: the same ids
 
+    def attach(self, target) -> None:
+        """Reads from now on the hidden states that `target` (rank 0's Engine of the model) keeps, and its
+        token embeddings where the head has none of its own."""
+        self.aux_source = target.aux_hidden
+        if self.model.embed_tokens is None:
+            self.share_embeddings(model_embeddings(target))
+
     def share_embeddings(self, embed: VocabParallelEmbedding) -> None:
         """Takes the model's token embeddings (whole, not a shard of them) for a head without its own."""
         if self.model.embed_tokens is None:
@@ -197,11 +204,7 @@ class Eagle3ForCausalLM(nn.Module):
             hidden = self.slot_hidden.new_zeros(len(input_ids), self.config.hidden_size)
         else:
             hidden = self.slot_hidden.index_select(0, slots)
-        if m.embed_tokens is not None:
-            embeds = m.embed_tokens(input_ids)
-        else:  # the engine's warm-up, before the model's embeddings are lent
-            embeds = self.slot_hidden.new_zeros(len(input_ids), self.config.hidden_size)
-        x, residual = m.layers[0](embeds, hidden, positions, attn)
+        x, residual = m.layers[0](m.embed_tokens(input_ids), hidden, positions, attn)
         normed, prenorm = m.norm(x, residual)
         last = prenorm if last_idx is None else prenorm.index_select(0, last_idx)
         self.slot_hidden.index_copy_(0, slots, last.to(self.slot_hidden.dtype))
@@ -219,6 +222,15 @@ class Eagle3ForCausalLM(nn.Module):
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
         full[:, self._target_ids] = logits
         return full
+
+
+def model_embeddings(target) -> VocabParallelEmbedding:
+    """Rank 0's token embeddings of the model (`target`, its Engine), whole: its own module at tp 1, else
+    read from its checkpoint (each rank holds a shard)."""
+    embed = target.model.model.embed_tokens
+    if target.tp.size == 1:
+        return embed
+    return load_embeddings(target.config.model_path, target.hf_config, embed.weight.dtype, embed.weight.device)
 
 
 def load_embeddings(
