@@ -320,8 +320,9 @@ def test_the_memory_budget_counts_the_heads_cache_and_the_hidden_state_it_reads(
 @pytest.mark.gpu
 def test_on_gpu_an_eagle3_head_drafts_beside_the_models_cuda_graphs_in_bfloat16(tmp_path):
     """The model keeps the head's hidden states from its CUDA graphs' decode and verify replays as from its
-    eager prompt steps, and the head drafts with FlashInfer's kernels in bfloat16: proposals are kept, and
-    the outputs are those without speculation (where bfloat16 near-ties do not part them: nearly all)."""
+    eager prompt steps, and the head drafts with FlashInfer's kernels in bfloat16, its decode steps from
+    its own graphs: proposals are kept, and the outputs are those without speculation (where bfloat16
+    near-ties do not part them: nearly all)."""
     from tiny_checkpoints import build_qwen3_hd128, random_prompts
 
     model, successor = build_cycling_checkpoint(build_qwen3_hd128(tmp_path / "base"), tmp_path / "model")
@@ -330,6 +331,7 @@ def test_on_gpu_an_eagle3_head_drafts_beside_the_models_cuda_graphs_in_bfloat16(
     prompts = random_prompts(12, 5, 60)
     with checked_llm(model, **kw, **eagle3(head)) as llm:
         assert llm.engine.graphs is not None and llm.engine.aux_hidden.dtype == torch.bfloat16
+        assert llm.scheduler.spec.draft.engine.graphs is not None  # the head's decode steps replay graphs
         on = [o.token_ids for o in llm.generate(prompts, greedy(40, ignore_eos=True))]
         stats = llm.stats()
     with checked_llm(model, **kw) as llm:
