@@ -115,18 +115,18 @@ class DraftProposer:
     def accept(self, req: Req, num_new: int, last: int | None = None, void: bool = False) -> None:
         """req's oldest verify row not yet handled kept num_new samples, the last of them `last`: the
         draft's KV stands up to the accepted proposals, and past them where the sample after them is the
-        guess a row behind it drafted on from. `void`: that row behind it is void (this one kept fewer
-        than all), its draft KV with it."""
+        guess a row behind it drafted on from (that row's KV then stands until it is handled). `void`:
+        the row behind it is void (this one kept fewer than all), its draft KV with it."""
         seq = self.seqs.get(req.uid)
         if seq is None or not seq.rows:
             return
         start, proposals, guess = seq.rows.popleft()
         if void and seq.rows:
             seq.rows.popleft()
-        stands = start + num_new - 1 - self.shift
-        if num_new == proposals + 1 and guess is not None and last == guess:
-            stands += 1
-        self._trim(seq, stands)
+        on_track = num_new == proposals + 1 and guess is not None and last == guess
+        if on_track and seq.rows:
+            return
+        self._trim(seq, start + num_new - 1 - self.shift + on_track)
 
     def _trim(self, seq: DraftSeq, stands: int) -> None:
         seq.cached_len = min(seq.cached_len, stands)
