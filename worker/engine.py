@@ -37,8 +37,7 @@ from worker.kv_cache import KVCachePool
 from worker.layers.moe.block import SparseMoeBlock
 from worker.loader import CheckpointError, init_dummy_weights, load_weights
 from worker.models import build_model
-from worker.models.eagle3 import aux_layer_ids, has_own_embeddings, head_fc, is_eagle3, target_hidden_size
-from worker.models.llama import AuxHidden
+from worker.models.eagle3 import has_own_embeddings, is_eagle3, keep_hidden_states
 from worker.parallel import TPGroup
 from worker.quant.prepare import check_device, quantize_linears
 from worker.quant.scheme import scheme_of
@@ -251,19 +250,11 @@ class Engine:
             self.model.allocate_state(self.table.token_pool.shape[0] + 1)
         # with an EAGLE-3 head beside it (rank 0): the model's hidden states the head reads, at every KV cell
         self.aux_hidden = None
-        if config.draft_model is not None:
-            head = load_hf_config(config.draft_model)
-            if is_eagle3(head):
-                layers = aux_layer_ids(head, self.hf_config.num_hidden_layers)
-                if target_hidden_size(head) != self.hf_config.hidden_size:
-                    raise CheckpointError(
-                        f"the EAGLE-3 head in {config.draft_model} reads hidden states {target_hidden_size(head)} "
-                        f"wide; the model's are {self.hf_config.hidden_size}"
-                    )
-                fc = head_fc(config.draft_model, head, config.load_format == "dummy", self.dtype, self.device)
-                cells = (self.num_pages + 1) * self.page_size
-                self.aux_hidden = torch.empty(cells, head.hidden_size, dtype=self.dtype, device=self.device)
-                self.model.model.aux = AuxHidden.of(layers, fc, self.aux_hidden)
+        if config.draft_model is not None and is_eagle3(head := load_hf_config(config.draft_model)):
+            cells = (self.num_pages + 1) * self.page_size
+            self.aux_hidden = keep_hidden_states(
+                self.model, head, config.draft_model, cells, config.load_format == "dummy"
+            )
         # optional, for benchmarks: an object with begin(stream, desc) and end(stream) (the compute
         # stream's step), sched_begin(stream) and sched_end(stream) (the scheduler stream's part of it)
         self.step_timer = None

@@ -30,7 +30,7 @@ from worker.layers.linear import QKVParallelLinear
 from worker.layers.mlp import SwiGLU
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
-from worker.models.llama import Attention, head_dim_of
+from worker.models.llama import Attention, AuxHidden, head_dim_of
 from worker.parallel import TPGroup
 
 ARCHITECTURES = EAGLE3_ARCHITECTURES
@@ -278,3 +278,23 @@ def head_fc(
                     )
                 return fc.to(device=device, dtype=dtype)
     raise CheckpointError(f"the EAGLE-3 head in {folder} has no fc.weight")
+
+
+def keep_hidden_states(model: nn.Module, head: PretrainedConfig, folder: str, cells: int, dummy: bool) -> torch.Tensor:
+    """Has `model` (built, on its device) keep for every token, at its KV cell (of `cells`), the hidden
+    state the head in `folder` (its config `head`) reads: fc of its three layers' residual streams.
+    Returns that cache."""
+    from worker.checkpoint_error import CheckpointError
+
+    config = model.config
+    layers = aux_layer_ids(head, config.num_hidden_layers)
+    if target_hidden_size(head) != config.hidden_size:
+        raise CheckpointError(
+            f"the EAGLE-3 head in {folder} reads hidden states {target_hidden_size(head)} wide; "
+            f"the model's are {config.hidden_size}"
+        )
+    weight = model.model.norm.weight
+    fc = head_fc(folder, head, dummy, weight.dtype, weight.device)
+    cache = torch.empty(cells, head.hidden_size, dtype=weight.dtype, device=weight.device)
+    model.model.aux = AuxHidden.of(layers, fc, cache)
+    return cache
