@@ -277,6 +277,13 @@ class ReplicaConfig:
                 f"must share the model's tokenizer: its vocabulary has {draft.get('vocab_size')} tokens, "
                 f"the model's {hf_config.get('vocab_size')}",
             )
+        reads = draft.get("target_hidden_size") or draft.get("hidden_size")
+        if eagle3 and reads != hf_config.get("hidden_size", reads):
+            raise ConfigError(
+                "speculative_model",
+                f"must be an EAGLE-3 head for this model: it reads hidden states {reads} wide, the model's are "
+                f"{hf_config.get('hidden_size')}",
+            )
 
     def replica_config(self) -> ReplicaConfig:
         """The part of this configuration one replica needs, with its served name resolved."""

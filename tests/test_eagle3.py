@@ -242,7 +242,7 @@ def test_tp2_greedy_with_an_eagle3_head_equals_hf(ray_cluster, qwen3_path, tmp_p
 # -- what is refused ---------------------------------------------------------------------------------
 
 
-def test_eagle3_needs_a_head_and_a_head_needs_eagle3(qwen3_path, random_head):
+def test_eagle3_needs_a_head_and_a_head_needs_eagle3(qwen3_path, random_head, tmp_path):
     with pytest.raises(ConfigError, match="speculative_model"):
         ReplicaConfig().override(model=str(qwen3_path), speculative_method="eagle3").validate()
     as_draft = ReplicaConfig().override(
@@ -255,6 +255,15 @@ def test_eagle3_needs_a_head_and_a_head_needs_eagle3(qwen3_path, random_head):
     )
     with pytest.raises(ConfigError, match="EAGLE-3 head"):
         as_head.check_against_model()
+    narrow = tmp_path / "narrow"
+    narrow.mkdir()
+    cfg = json.loads((random_head / "config.json").read_text())
+    (narrow / "config.json").write_text(json.dumps({**cfg, "hidden_size": cfg["hidden_size"] // 2}))
+    as_narrow = ReplicaConfig().override(
+        model=str(qwen3_path), speculative_method="eagle3", speculative_model=str(narrow)
+    )
+    with pytest.raises(ConfigError, match="reads hidden states 32 wide, the model's are 64"):
+        as_narrow.check_against_model()
 
 
 def test_a_head_is_served_only_beside_its_model(random_head):
