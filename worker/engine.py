@@ -192,7 +192,9 @@ class Engine:
         if scheme is not None and (dummy or not scheme.prequantized):
             quantize_linears(self.model, replace(scheme, block=None, prequantized=False))
         self.model.eval()
-        if getattr(self.model, "takes_hidden", False):  # before its CUDA graphs are captured
+        # an EAGLE-3 head: its steps take hidden states of the model's or its own (worker/models/eagle3.py)
+        self.takes_hidden = getattr(self.model, "takes_hidden", False)
+        if self.takes_hidden:  # before its CUDA graphs are captured
             if self.beside is None:
                 raise CheckpointError(
                     f"{self.config.model_path} is an EAGLE-3 draft head: it runs beside its model "
@@ -245,7 +247,7 @@ class Engine:
         self.sched_stream = new_stream(self.device)  # metadata copies and attention planning
         self.inputs_free = new_event(self.device)  # the last step's forward no longer reads its inputs
         self.staging = PinnedStaging(self.device, waits=self.host_waits)
-        if getattr(self.model, "takes_hidden", False):  # an EAGLE-3 head: each slot's last hidden state,
+        if self.takes_hidden:  # each slot's last hidden state,
             # and one more for a decode graph's padded rows (their token-pool cell is past every slot's)
             self.model.allocate_state(self.table.token_pool.shape[0] + 1)
         # with an EAGLE-3 head beside it (rank 0): the model's hidden states the head reads, at every KV cell
@@ -510,7 +512,7 @@ class Engine:
             tokens.index_copy_(0, s.token_idx, batch.input_ids)
         if s.token_read is not None:
             batch.input_ids = tokens.index_select(0, s.token_read)
-        if getattr(self.model, "takes_hidden", False):  # an EAGLE-3 head: where its hidden states come from
+        if self.takes_hidden:  # where the head's hidden states come from
             last = batch.last_idx if desc.is_prefill else None
             hidden = self.model(batch.input_ids.long(), batch.positions, self.attn, s.hidden_loc, batch.slots, last)
         else:

@@ -126,7 +126,13 @@ class DraftProposer:
         on_track = num_new == proposals + 1 and guess is not None and last == guess
         if on_track and seq.rows:
             return
-        self._trim(seq, start + num_new - 1 - self.shift + on_track)
+        self._trim(seq, self._stands(start, num_new, on_track))
+
+    def _stands(self, start: int, num_new: int, on_track: bool) -> int:
+        """Up to which position the draft's KV stands once the row drafted after `start` tokens kept
+        num_new samples: the accepted proposals' (the last one's KV was never written), and the guess's
+        where it was right."""
+        return start + num_new - 1 + on_track
 
     def _trim(self, seq: DraftSeq, stands: int) -> None:
         seq.cached_len = min(seq.cached_len, stands)
@@ -230,14 +236,10 @@ class Eagle3Proposer(DraftProposer):
         super().__init__(engine, relative_cost)
         self.target_page_size = target.page_size
 
-    def accept(self, req: Req, num_new: int, last: int | None = None, void: bool = False) -> None:
-        """Whatever req kept, its next catch-up starts at its last proposals' first position: the
-        positions the head drafted on from its own hidden states are rerun with the model's."""
-        seq = self.seqs.get(req.uid)
-        if seq is None or not seq.rows:
-            return
-        start, _, _ = seq.rows.popleft()
-        self._trim(seq, start - 1)
+    def _stands(self, start: int, num_new: int, on_track: bool) -> int:
+        """Whatever the row kept, the head's next catch-up starts at its proposals' first position: the
+        positions it drafted on from its own hidden states are rerun with the model's."""
+        return start - 1
 
     def _catch_up(self, rows: list[_Row]) -> BatchDesc:
         desc = self._extend(rows)

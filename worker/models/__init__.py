@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
+from worker.config import EAGLE3_ARCHITECTURES
 from worker.kernels import Kernels
-from worker.models.eagle3 import ARCHITECTURES as EAGLE3_ARCHITECTURES
 from worker.models.eagle3 import Eagle3ForCausalLM
 from worker.models.llama import LlamaForCausalLM
 from worker.models.mixtral import MixtralForCausalLM

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from worker.attention.base import AttentionBackend
+from worker.checkpoint_error import CheckpointError
 from worker.config import EAGLE3_ARCHITECTURES
 from worker.kernels import Kernels
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -30,10 +31,9 @@ from worker.layers.linear import QKVParallelLinear
 from worker.layers.mlp import SwiGLU
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
+from worker.loader import safetensors_files
 from worker.models.llama import Attention, AuxHidden, head_dim_of
 from worker.parallel import TPGroup
-
-ARCHITECTURES = EAGLE3_ARCHITECTURES
 
 
 class Eagle3ConfigError(ValueError):
@@ -41,7 +41,7 @@ class Eagle3ConfigError(ValueError):
 
 
 def is_eagle3(config: PretrainedConfig) -> bool:
-    return any(arch in ARCHITECTURES for arch in getattr(config, "architectures", None) or [])
+    return any(arch in EAGLE3_ARCHITECTURES for arch in getattr(config, "architectures", None) or [])
 
 
 def aux_layer_ids(head: PretrainedConfig, num_layers: int) -> tuple[int, int, int]:
@@ -73,13 +73,27 @@ def target_hidden_size(head: PretrainedConfig) -> int:
     return getattr(head, "target_hidden_size", None) or head.hidden_size
 
 
+def _find_tensor(folder: str, names: tuple[str, ...]) -> tuple[Path, str] | None:
+    """The file of the folder's safetensors holding the first of `names` it holds, and that name."""
+    for path in safetensors_files(Path(folder)):
+        with safe_open(str(path), framework="pt") as f:
+            name = next((n for n in names if n in f.keys()), None)
+            if name is not None:
+                return path, name
+    return None
+
+
+def _read_tensor(folder: str, names: tuple[str, ...]) -> torch.Tensor | None:
+    found = _find_tensor(folder, names)
+    if found is None:
+        return None
+    with safe_open(str(found[0]), framework="pt") as f:
+        return f.get_tensor(found[1])
+
+
 def has_own_embeddings(folder: str) -> bool:
     """Whether the head's checkpoint holds token embeddings (most share the model's)."""
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            if any(name.split(".")[-2:] == ["embed_tokens", "weight"] for name in f.keys()):
-                return True
-    return False
+    return _find_tensor(folder, ("embed_tokens.weight",)) is not None
 
 
 class Eagle3Layer(nn.Module):
@@ -161,24 +175,23 @@ class Eagle3ForCausalLM(nn.Module):
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64), persistent=False)
         self.aux_source: torch.Tensor | None = None  # the model's projected hidden states [KV cells, hidden]
         self.slot_hidden: torch.Tensor | None = None  # [slots, hidden]
-        self._target_ids: torch.Tensor | None = None  # each draft id's model id; empty: the same ids
+        self._target_ids: torch.Tensor | None = None  # each draft id's model id; None: the same ids
 
     def attach(self, target) -> None:
-        """Reads from now on the hidden states that `target` (rank 0's Engine of the model) keeps, and its
-        token embeddings where the head has none of its own."""
+        """Once its weights are loaded: reads from now on the hidden states that `target` (rank 0's Engine
+        of the model) keeps, and its token embeddings (whole) where the head has none of its own."""
         self.aux_source = target.aux_hidden
         if self.model.embed_tokens is None:
-            self.share_embeddings(model_embeddings(target))
-
-    def share_embeddings(self, embed: VocabParallelEmbedding) -> None:
-        """Takes the model's token embeddings (whole, not a shard of them) for a head without its own."""
-        if self.model.embed_tokens is None:
+            embed = model_embeddings(target)
             if embed.weight.shape[-1] != self.config.hidden_size:
                 raise Eagle3ConfigError(
                     f"the EAGLE-3 head is {self.config.hidden_size} wide and has no token embeddings of its own; "
                     f"the model's are {embed.weight.shape[-1]} wide"
                 )
             self.model.embed_tokens = embed
+        identity = self.draft_vocab_size == self.config.vocab_size and not bool(self.d2t.any())
+        if not identity:
+            self._target_ids = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def allocate_state(self, num_slots: int) -> None:
         weight = self.model.norm.weight
@@ -213,11 +226,7 @@ class Eagle3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the model's vocabulary: the head's own at their mapped ids, -inf elsewhere."""
         logits = self.lm_head(hidden).float()
-        if self._target_ids is None:  # once, after loading (the engine's warm-up): it waits on the device
-            identity = self.draft_vocab_size == self.config.vocab_size and not bool(self.d2t.any())
-            ids = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
-            self._target_ids = ids if not identity else torch.empty(0, dtype=torch.int64)
-        if not len(self._target_ids):
+        if self._target_ids is None:
             return logits
         full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
         full[:, self._target_ids] = logits
@@ -238,23 +247,16 @@ def load_embeddings(
 ) -> VocabParallelEmbedding:
     """The model's token embeddings, whole, from its safetensors checkpoint (for a head beside a model
     whose ranks each hold a shard of them)."""
-    from worker.checkpoint_error import CheckpointError
-    from worker.loader import safetensors_files
-
-    names = ("model.embed_tokens.weight", "embed_tokens.weight")
-    for path in safetensors_files(Path(folder)):
-        with safe_open(str(path), framework="pt") as f:
-            name = next((n for n in names if n in f.keys()), None)
-            if name is None:
-                continue
-            with torch.device("meta"):
-                embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size, TPGroup())
-            embed.weight = nn.Parameter(f.get_tensor(name).to(device=device, dtype=dtype), requires_grad=False)
-            return embed
-    raise CheckpointError(
-        f"the EAGLE-3 head has no token embeddings and none were found in {folder}'s safetensors: give the "
-        "head its own (embed_tokens.weight) or serve the model at tensor_parallel_size 1"
-    )
+    weight = _read_tensor(folder, ("model.embed_tokens.weight", "embed_tokens.weight"))
+    if weight is None:
+        raise CheckpointError(
+            f"the EAGLE-3 head has no token embeddings and none were found in {folder}'s safetensors: give the "
+            "head its own (embed_tokens.weight) or serve the model at tensor_parallel_size 1"
+        )
+    with torch.device("meta"):
+        embed = VocabParallelEmbedding(config.vocab_size, config.hidden_size, TPGroup())
+    embed.weight = nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False)
+    return embed
 
 
 def head_fc(
@@ -266,26 +268,18 @@ def head_fc(
     if dummy:
         gen = torch.Generator(device=device).manual_seed(0)
         return torch.empty(shape, dtype=dtype, device=device).uniform_(-0.02, 0.02, generator=gen)
-    from worker.checkpoint_error import CheckpointError
-
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            if "fc.weight" in f.keys():
-                fc = f.get_tensor("fc.weight")
-                if tuple(fc.shape) != shape:
-                    raise CheckpointError(
-                        f"{path.name}: fc.weight is {tuple(fc.shape)}, the head's config says {shape}"
-                    )
-                return fc.to(device=device, dtype=dtype)
-    raise CheckpointError(f"the EAGLE-3 head in {folder} has no fc.weight")
+    fc = _read_tensor(folder, ("fc.weight",))
+    if fc is None:
+        raise CheckpointError(f"the EAGLE-3 head in {folder} has no fc.weight")
+    if tuple(fc.shape) != shape:
+        raise CheckpointError(f"the EAGLE-3 head in {folder}: fc.weight is {tuple(fc.shape)}, its config says {shape}")
+    return fc.to(device=device, dtype=dtype)
 
 
 def keep_hidden_states(model: nn.Module, head: PretrainedConfig, folder: str, cells: int, dummy: bool) -> torch.Tensor:
     """Has `model` (built, on its device) keep for every token, at its KV cell (of `cells`), the hidden
     state the head in `folder` (its config `head`) reads: fc of its three layers' residual streams.
     Returns that cache."""
-    from worker.checkpoint_error import CheckpointError
-
     config = model.config
     layers = aux_layer_ids(head, config.num_hidden_layers)
     if target_hidden_size(head) != config.hidden_size:
