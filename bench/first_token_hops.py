@@ -17,14 +17,17 @@ import pstats
 import re
 import signal
 import statistics
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
-from online_serving import release_gpu_memory, run, start_server, workload
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python bench/x.py` from anywhere
 
-from cluster.replica.profiling import PROFILE_ENV
+import httpx  # noqa: E402
+from online_serving import release_gpu_memory, run, start_server, workload  # noqa: E402
+
+from cluster.replica.profiling import PROFILE_ENV  # noqa: E402
 
 HOPS = (
     "router_parse",

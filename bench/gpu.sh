@@ -23,6 +23,8 @@
 #                  (bench/row_fusion.py)
 #   prefill_kernels  prefill_heavy with FlashInfer's FA2 prefill forced (beside the default's runs of the
 #                  suite above)
+#   prefill_launch one prompt's eager extend step (TTFT's at low load): host launch and device time at 128, 512
+#                  and 1,024 tokens, greedy and seeded, and the blocking CUDA calls under torch's profiler
 #   profile_extend one prefill_heavy run, then the kernels of 20 extend steps of another draw
 #   mixed          decode latency under arriving prompts, mixed steps against prefill-first
 #   sampling       what penalties, filters and grammars cost beside plain sampling
@@ -53,6 +55,7 @@
 #   CHUNKS   the prefill chunk sizes `mixed` runs at (default 2048)
 #   ARCH   the peer's architecture (default qwen3-0.6b)
 #   PEER_ARGS  more arguments for the peer's bench_minisgl.py (e.g. --draws prefill_heavy:2 --b1-repeat 0)
+#   LAUNCH_ARGS  more flags for `prefill_launch`'s bench/prefill_launch.py (e.g. --arch qwen3-8b)
 #   SPEC_ARGS  more arguments for `spec`'s bench/spec_decode.py (e.g. --methods off draft draft-always)
 #
 # Wheels come from .whl/ (../shared/gpu/wheels.sh fills it); a machine still warm from the last call keeps
@@ -166,7 +169,7 @@ for suite in "$@"; do
   case $suite in
     tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py tests/test_moe.py \
-      tests/test_fp8_gpu.py tests/test_spec_decode.py tests/test_row_fusion.py tests/test_eagle3.py} ;;
+      tests/test_fp8_gpu.py tests/test_spec_decode.py tests/test_row_fusion.py tests/test_eagle3.py tests/test_extend_graphs.py} ;;
     offline) offline offline 150 ;;
     latency)  # LATENCY_ARCHS: the architectures (default qwen3-0.6b)
       for arch in ${LATENCY_ARCHS:-qwen3-0.6b}; do
@@ -209,6 +212,7 @@ for suite in "$@"; do
       done ;;
     prefill_kernels)
       offline prefill_heavy_fa2 240 --workload prefill_heavy --prefill-kernel fa2 ;;
+    prefill_launch) step prefill_launch 200 python3 bench/prefill_launch.py ${LAUNCH_ARGS:-} --out "$OUT/prefill_launch.json" ;;
     profile_extend)
       step profile_extend 240 python3 bench/offline_throughput.py --workload prefill_heavy --profile-extend \
         --out "$OUT/profile_extend.json" ;;

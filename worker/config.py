@@ -108,6 +108,12 @@ class EngineConfig:
     cuda_graph_max_bs: int = setting(
         256, "largest decode batch replayed from a CUDA graph; 0 turns graphs off", at_least=0
     )
+    extend_graph_tokens: int = setting(
+        2048,
+        "largest eager step (a prompt at low load, a mixed step) in tokens replayed from piecewise CUDA "
+        "graphs, the attention run between them; 0: such steps launch op by op",
+        at_least=0,
+    )
     max_logit_bias: int = setting(
         1024,
         "token ids a request's logit_bias may name (with its stop ids while "

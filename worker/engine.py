@@ -165,6 +165,20 @@ class Engine:
             self._allocate()
         with timed(self.startup, "graphs_s", self.device):
             self.graphs = self._capture_graphs()
+            self.extend_graphs = None
+            # an EAGLE-3 head's extend steps read the model's hidden states: they run eagerly
+            if not self.takes_hidden and self.device.type == "cuda":
+                from worker.extend_graphs import capture_extend_graphs
+
+                self.extend_graphs = capture_extend_graphs(
+                    self.model,
+                    self.attn,
+                    config.extend_graph_tokens,
+                    self.scratch_page * self.page_size,
+                    self.stream,
+                    self.device,
+                    progress=self.tp.rank == 0,
+                )
         with timed(self.startup, "warm_up_s", self.device):
             self._warm_up()
         if self.tp.rank == 0:
@@ -515,6 +529,8 @@ class Engine:
         if self.takes_hidden:  # where the head's hidden states come from
             last = batch.last_idx if desc.is_prefill else None
             hidden = self.model(batch.input_ids.long(), batch.positions, self.attn, s.hidden_loc, batch.slots, last)
+        elif self.extend_graphs is not None and (tokens := self.extend_graphs.bucket(desc.num_tokens)):
+            hidden = self.extend_graphs.run(tokens, batch.input_ids, batch.positions, batch.out_loc)
         else:
             hidden = self.model(batch.input_ids.long(), batch.positions, self.attn)
         self.inputs_free.record(self.stream)

@@ -26,7 +26,9 @@ class AttentionBackend(ABC):
         """Derive this step's metadata (shared by every layer) from the batch (and `stage`'s result)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Write k and v at the batch's out_loc (unless they are None: already written), then attend q
         ([T, heads, head_dim]) over each request's cached prefix and its new tokens, causally.
-        Returns [T, heads, head_dim]."""
+        Returns [T, heads, head_dim]: `out` when given."""

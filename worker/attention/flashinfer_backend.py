@@ -368,7 +368,10 @@ class FlashInferBackend(AttentionBackend):
 
     # -- attention -----------------------------------------------------------------------------------
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`out`: where the output goes (an extend graph's static buffer, worker/extend_graphs.py)."""
         if k is not None:
             self.kv.store(layer_id, self.out_loc, k, v)
         if (dec := self._decode) is not None:
@@ -382,15 +385,18 @@ class FlashInferBackend(AttentionBackend):
                 dec.last_page_len,
                 num_splits=dec.splits,
                 scratch=dec.scratch,
+                out=out,
             )
         if (split := self._split) is not None:
-            return self._forward_split(q, layer_id, split)
+            return self._forward_split(q, layer_id, split, out)
         with self._on_torch_stream():
-            return self.wrapper.run(q, self.caches[layer_id])
+            return self.wrapper.run(q, self.caches[layer_id], out=out)
 
-    def _forward_split(self, q: torch.Tensor, layer_id: int, split: _SplitStep) -> torch.Tensor:
+    def _forward_split(
+        self, q: torch.Tensor, layer_id: int, split: _SplitStep, out: torch.Tensor | None
+    ) -> torch.Tensor:
         d, cache = split.decode_rows, self.caches[layer_id]
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         if isinstance(split.decode, _TritonDecode):
             dec = split.decode
             self._triton.paged_decode(

@@ -36,7 +36,13 @@ class TorchBackend(AttentionBackend):
         else:
             self.valid = torch.arange(max_len, device=self.kv.device).unsqueeze(0) < batch.seq_lens.unsqueeze(1)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        result = self._attend(q, k, v, layer_id)
+        return result if out is None else out.copy_(result)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         batch = self.batch
         if k is not None:
             self.kv.store(layer_id, batch.out_loc, k, v)
