@@ -199,6 +199,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)"
     )
     parser.add_argument(
+        "--extend-graph-tokens",
+        type=int,
+        help="largest eager step replayed from CUDA graphs; 0: none (default: the engine's)",
+    )
+    parser.add_argument(
         "--kv-cache-dtype",
         choices=["auto", "fp8_e4m3"],
         default="auto",
@@ -248,6 +253,7 @@ def make_llm(args: argparse.Namespace) -> LLM:
         **speculation_of(args),
         # the engine's default unless asked: a benchmark "at the defaults" measures what users run
         **({"max_extend_tokens": args.max_extend_tokens} if args.max_extend_tokens is not None else {}),
+        **({"extend_graph_tokens": args.extend_graph_tokens} if args.extend_graph_tokens is not None else {}),
     )
 
 
