@@ -186,14 +186,17 @@ class ReplicaConfig:
 
     @property
     def ranks_engine(self) -> EngineConfig:
-        """Every rank's engine settings: the engine's, with room for a verify step's decode rows where
-        requests speculate (at most speculative_max_batch of them, each its proposals and one more)."""
+        """Every rank's engine settings: the engine's, its extend graphs no larger than a step, with room for
+        a verify step's decode rows where requests speculate (at most speculative_max_batch of them, each its
+        proposals and one more)."""
         s = self.scheduler
+        # no step computes more than max_extend_tokens: graphs of more tokens would never replay
+        engine = replace(self.engine, extend_graph_tokens=min(self.engine.extend_graph_tokens, s.max_extend_tokens))
         if s.speculative_method is None:
-            return self.engine
-        rows = min(self.engine.max_running_reqs, s.speculative_max_batch) * (s.num_speculative_tokens + 1)
+            return engine
+        rows = min(engine.max_running_reqs, s.speculative_max_batch) * (s.num_speculative_tokens + 1)
         # a verify step computes at most max_extend_tokens tokens, a sample each
-        return replace(self.engine, max_verify_rows=min(rows, s.max_extend_tokens))
+        return replace(engine, max_verify_rows=min(rows, s.max_extend_tokens))
 
     @property
     def rank0_engine(self) -> EngineConfig:

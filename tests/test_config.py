@@ -217,6 +217,15 @@ def test_every_engine_option_but_the_kernels_is_a_flag_and_a_yaml_key(tmp_path):
     assert ServeConfig().override(cuda_graph_max_bs=8).engine.cuda_graph_max_bs == 8
 
 
+def test_extend_graphs_are_captured_no_larger_than_a_step():
+    assert ServeConfig().rank0_engine.extend_graph_tokens == 2048
+    small = ServeConfig().override(max_extend_tokens=1000)
+    assert small.engine.extend_graph_tokens == 2048  # as set; the ranks' engines get what a step can hold
+    assert small.rank0_engine.extend_graph_tokens == small.ranks_engine.extend_graph_tokens == 1000
+    off = ServeConfig().override(extend_graph_tokens=0, speculative_method="ngram")
+    assert off.rank0_engine.extend_graph_tokens == 0
+
+
 @pytest.mark.parametrize(
     "name", ["kernels", "fused_kernels", "triton_kernels", "small_linear", "decode_kernel", "attention_backend", "seed"]
 )

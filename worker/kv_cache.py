@@ -7,6 +7,9 @@ attention backends."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from worker import triton_ops
@@ -29,6 +32,14 @@ def to_fp8(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor whose pages the OS zeroes as they are first touched (calloc, through numpy's
+    zeros): a CPU engine's KV cache costs nothing at start, where torch.zeros writes every byte (seconds
+    for the default 2 GiB). The bytes are allocated as uint8 and reinterpreted, for dtypes numpy lacks."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class KVCachePool:
     def __init__(
         self,
@@ -46,8 +57,9 @@ class KVCachePool:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.is_fp8 = dtype == FP8
-        self.buffer = torch.zeros(
-            2, num_layers, num_pages * page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        shape = (2, num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.buffer = (
+            torch.zeros(shape, dtype=dtype, device=device) if self.device.type != "cpu" else host_zeros(shape, dtype)
         )
         # index_copy_ and gathers lack float8 kernels (on the CPU at least): an fp8 pool moves its bytes
         self._cells = self.buffer.view(torch.uint8) if self.is_fp8 else self.buffer
