@@ -5,6 +5,9 @@ chunks, mixed steps, prefix-cache hits, an fp8 KV cache) against generations wit
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -15,27 +18,98 @@ from tiny_checkpoints import build_qwen3_hd128, random_prompts
 from cluster import SamplingParams
 from worker.batch import BatchDesc
 from worker.config import EngineConfig
-from worker.extend_graphs import extend_graph_sizes
+from worker.extend_graphs import extend_graph_bytes, extend_graph_sizes
 
 gpu = pytest.mark.gpu
 
 
-def test_buckets_double_from_16_with_midpoints_from_512_and_end_at_the_setting():
-    assert extend_graph_sizes(2048) == [16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048]
-    assert extend_graph_sizes(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
+def test_buckets_double_from_16_with_midpoints_from_128_and_end_at_the_setting():
+    assert extend_graph_sizes(2048) == [16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert extend_graph_sizes(1000) == [16, 32, 64, 128, 192, 256, 384, 512, 768, 1000]
     assert extend_graph_sizes(16) == [16]
     assert extend_graph_sizes(10) == [10]
     for top in (100, 700, 3000, 8192):
         sizes = extend_graph_sizes(top)
         assert sizes == sorted(set(sizes)) and sizes[-1] == top
         assert all(b <= 2 * a for a, b in zip(sizes, sizes[1:]))  # a step pads by less than itself
+        assert all(2 * b <= 3 * a for a, b in zip(sizes, sizes[1:]) if a >= 128)  # from 128, by at most half
 
 
-def test_an_engine_on_the_cpu_has_no_extend_graphs(model_paths):
+def test_the_graphs_memory_estimate_grows_with_the_tokens_and_shrinks_with_the_ranks(model_paths):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_paths["qwen3"])
+    one, two = extend_graph_bytes(config, 1024, torch.bfloat16), extend_graph_bytes(config, 2048, torch.bfloat16)
+    assert extend_graph_bytes(config, 0, torch.bfloat16) == 0 and 0 < one < two
+    # the largest bucket's activations alone: q, k, v, gate-up and SiLU outputs, 4 hidden-wide tensors
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    widths = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim + 3 * config.intermediate_size
+    assert two >= 2048 * (widths + 4 * config.hidden_size) * 2
+    assert extend_graph_bytes(config, 2048, torch.bfloat16, tp_size=2) < two
+    assert extend_graph_bytes(config, 2048, torch.float32) == 2 * two
+
+
+def test_a_full_draft_counts_its_graphs_and_a_head_none(model_paths, tmp_path):
+    from tiny_checkpoints import build_eagle3_head
+
+    from worker.draft_budget import draft_memory
+
+    draft = draft_memory(model_paths["qwen3"], torch.bfloat16, torch.bfloat16, 16, extend_graph_tokens=2048)
+    assert draft.graph_bytes > 0
+    assert draft_memory(model_paths["qwen3"], torch.bfloat16, torch.bfloat16, 16).graph_bytes == 0
+    head = build_eagle3_head(Path(model_paths["qwen3"]), tmp_path / "head")
+    assert draft_memory(str(head), torch.bfloat16, torch.bfloat16, 16, extend_graph_tokens=2048).graph_bytes == 0
+
+
+def test_an_engine_on_the_cpu_has_no_extend_graphs_and_cuda_graph_max_bs_0_turns_them_off(model_paths):
     from worker.engine import Engine
 
     engine = Engine(EngineConfig(model_paths["qwen3"], num_pages=64))
-    assert engine.extend_graphs is None
+    assert engine.extend_graphs is None and engine.extend_graph_tokens == 2048
+    assert not engine.replays(_prefill([[5, 6, 7]], [np.arange(3)]))
+    off = Engine(EngineConfig(model_paths["qwen3"], num_pages=64, cuda_graph_max_bs=0))
+    assert off.extend_graph_tokens == 0
+
+
+class _Comm:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def broadcast_desc(self, desc) -> None:
+        self.calls.append("broadcast")
+
+    def post_with_first_collective(self, desc) -> None:
+        self.calls.append("post at the first collective")
+
+    def post_held(self) -> None:
+        pass
+
+    def withdraw_held(self) -> bool:
+        return False
+
+
+class _Engine:
+    """What TensorParallelExecutor reads of rank 0's engine."""
+
+    def __init__(self, replays: bool, calls: list[str]) -> None:
+        self.tp = SimpleNamespace(comm=_Comm(calls))
+        self._replays, self.calls = replays, calls
+
+    def replays(self, desc) -> bool:
+        return self._replays
+
+    def forward(self, desc):
+        self.calls.append("forward")
+
+
+@pytest.mark.parametrize("replays", [True, False])
+def test_rank_0_sends_a_step_whose_collectives_are_inside_graphs_before_it_launches(replays):
+    from cluster.replica.engine_executors import TensorParallelExecutor
+
+    calls: list[str] = []
+    TensorParallelExecutor(_Engine(replays, calls), keepalive_s=60).launch(_prefill([[1, 2]], [np.arange(2)]))
+    first = "broadcast" if replays else "post at the first collective"
+    assert calls == [first, "forward"]
 
 
 @pytest.fixture(scope="module")

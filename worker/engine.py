@@ -158,6 +158,8 @@ class Engine:
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
         self.max_seq_len = config.max_seq_len or self.hf_config.max_position_embeddings
         self.page_size = config.page_size
+        # cuda_graph_max_bs 0 turns every CUDA graph off, the extend steps' too
+        self.extend_graph_tokens = config.extend_graph_tokens if config.cuda_graph_max_bs > 0 else 0
         self.startup = StartupTimes()
         with timed(self.startup, "weights_s", self.device):
             self._build_model()
@@ -166,18 +168,17 @@ class Engine:
         with timed(self.startup, "graphs_s", self.device):
             self.graphs = self._capture_graphs()
             self.extend_graphs = None
-            # an EAGLE-3 head's extend steps read the model's hidden states: they run eagerly
-            if not self.takes_hidden and self.device.type == "cuda":
+            if self.device.type == "cuda":
                 from worker.extend_graphs import capture_extend_graphs
 
                 self.extend_graphs = capture_extend_graphs(
                     self.model,
                     self.attn,
-                    config.extend_graph_tokens,
+                    self.extend_graph_tokens,
                     self.scratch_page * self.page_size,
                     self.stream,
                     self.device,
-                    progress=self.tp.rank == 0,
+                    self.tp,
                 )
         with timed(self.startup, "warm_up_s", self.device):
             self._warm_up()
@@ -312,13 +313,20 @@ class Engine:
             self.hf_config.num_hidden_layers, self.page_size, kv_heads, head_dim, self.kv_dtype
         )
         if self.device.type == "cuda":
+            from worker.extend_graphs import extend_graph_bytes, extend_graphs_apply
+
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - self.config.gpu_memory_utilization) * total
+            # the extend graphs' activations, captured after the cache, stay for good
+            if extend_graphs_apply(self.model, self.extend_graph_tokens, self.device):
+                budget -= extend_graph_bytes(self.hf_config, self.extend_graph_tokens, self.dtype, self.tp.size)
         else:
             budget = self.config.cpu_kv_cache_gb * 2**30
         if self.config.draft_model is not None:  # a draft's weights and as many pages of its cache go beside
-            draft = draft_memory(self.config.draft_model, self.dtype, self.kv_dtype, self.page_size)
-            budget -= draft.weight_bytes if self.device.type == "cuda" else 0
+            draft = draft_memory(
+                self.config.draft_model, self.dtype, self.kv_dtype, self.page_size, self.extend_graph_tokens
+            )
+            budget -= draft.weight_bytes + draft.graph_bytes if self.device.type == "cuda" else 0
             per_page += draft.bytes_per_page
         # there is no use for more pages than every slot filled to the context length
         most = self.config.max_running_reqs * -(-self.max_seq_len // self.page_size)
@@ -421,6 +429,19 @@ class Engine:
                 s.token_read = slots * pool_row + seq - 1
         s.staged = upload_record(self.staging, s)  # s now holds the device views
         return s
+
+    def replays(self, desc: BatchDesc) -> bool:
+        """Whether `forward(desc)` runs the step's collectives inside CUDA graphs (a decode graph, or the
+        extend graphs), where the communicator does not see them: a tensor-parallel rank 0 then sends
+        the step before launching it. Mirrors forward's choices."""
+        if desc.spec_lens is not None:
+            max_rows, pool_row = self.table.token_pool.shape
+            verify = verify_as_decode(desc, self.proc_state.scratch_row, pool_row, max_rows)
+            desc = verify.desc if verify is not None else desc
+        if self.graphs is not None and self.graphs.bucket(desc):
+            return True
+        extend = self.extend_graphs
+        return not self.takes_hidden and extend is not None and extend.bucket(desc.num_tokens) > 0
 
     @torch.inference_mode()
     def forward(self, desc: BatchDesc) -> StepOutput:

@@ -10,34 +10,56 @@ attention runs eagerly between the pieces, planned for the step's real tokens as
 prompts of any lengths and any mix of them in a step share one bucket's graphs. A piece copies its
 queries into a static buffer and the next reads the attention's output from another.
 
-A step pads its tokens to the bucket: padded tokens read token 0 at their stale position, write their
-KV to the scratch page that no request owns, and are never sampled."""
+A step pads its tokens to the bucket: padded tokens read whatever ids and positions an earlier step
+left in the static buffers (every op outside the attention works row by row, so they touch no real
+row), write their KV to the scratch page that no request owns, and are never sampled. Under tensor
+parallelism every rank captures the same buckets (each piece holds its layers' all-reduces), and the
+ranks agree to drop them all where one rank's capture failed."""
 
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 
 import torch
 from torch import nn
 from tqdm import tqdm
+from transformers import PretrainedConfig
 
 from worker.attention.flashinfer_backend import FlashInferBackend
+from worker.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
 
 
 def extend_graph_sizes(max_tokens: int) -> list[int]:
-    """Powers of two from 16, with the midpoints from 512 (padding at most a third there), to max_tokens."""
+    """Powers of two from 16, with the midpoints from 128 (from there a step's GEMMs are near compute-bound:
+    it pads by at most half), to max_tokens."""
     sizes, t = [], 16
     while t <= max_tokens:
         sizes.append(t)
-        if t >= 512 and t + t // 2 <= max_tokens:
+        if t >= 128 and t + t // 2 <= max_tokens:
             sizes.append(t + t // 2)
         t *= 2
     if max_tokens >= 1 and (not sizes or sizes[-1] != max_tokens):
         sizes.append(max_tokens)
     return sorted(set(sizes))
+
+
+def extend_graph_bytes(config: PretrainedConfig, max_tokens: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """What the graphs hold for good, estimated from the model's widths (the engine takes it out of the
+    KV cache's budget): the largest bucket's peak of activations (a layer's q, k and v, its gate-up and
+    SiLU outputs, four hidden-wide tensors), every bucket's output and the attention's two buffers."""
+    if max_tokens <= 0:
+        return 0
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    hidden = config.hidden_size
+    per_token = ((heads + 2 * kv_heads) * head_dim + 3 * config.intermediate_size) // tp_size + 4 * hidden
+    queries = 2 * heads * head_dim // tp_size
+    elements = max_tokens * (per_token + queries) + sum(extend_graph_sizes(max_tokens)) * hidden
+    return elements * dtype.itemsize
 
 
 class _Pieces:
@@ -109,6 +131,8 @@ class ExtendGraphs:
 
     def capture(self, stream: torch.cuda.Stream, progress: bool = True) -> None:
         pool = torch.cuda.graph_pool_handle()
+        gc.collect()  # as torch.cuda.graph does: what awaits the collector leaves the allocator first
+        torch.cuda.synchronize()
         # largest first: the smaller buckets' pieces then fit in the memory the largest took from the pool
         for tokens in tqdm(self.sizes[::-1], desc="capturing extend graphs", unit="bucket", disable=not progress):
             with torch.cuda.stream(stream):
@@ -145,6 +169,17 @@ class ExtendGraphs:
         return p.hidden[:n]
 
 
+def extend_graphs_apply(model: nn.Module, max_tokens: int, device: torch.device) -> bool:
+    """Whether an engine captures extend graphs (before its attention backend exists: its KV budget
+    asks): on a GPU, turned on, and not for a mixture of experts (its prompt steps' expert kernels have
+    not been run inside graphs) nor an EAGLE-3 head (its steps read the model's hidden states)."""
+    if max_tokens <= 0 or device.type != "cuda" or getattr(model, "takes_hidden", False):
+        return False
+    from worker.layers.moe.block import SparseMoeBlock
+
+    return not any(isinstance(m, SparseMoeBlock) for m in model.modules())
+
+
 def capture_extend_graphs(
     model: nn.Module,
     attn: object,
@@ -152,23 +187,23 @@ def capture_extend_graphs(
     scratch_loc: int,
     stream: torch.cuda.Stream,
     device: torch.device,
-    progress: bool,
+    tp: TPGroup,
 ) -> ExtendGraphs | None:
-    """The extend graphs, or None where they do not apply (turned off, the torch backend, a mixture of
-    experts, whose prompt steps sort tokens by expert with the host's help) or failed to capture (logged:
-    the engine then runs those steps eagerly, as before)."""
-    if max_tokens <= 0 or device.type != "cuda" or not isinstance(attn, FlashInferBackend):
+    """The extend graphs, or None where they do not apply (extend_graphs_apply; the torch backend) or
+    failed to capture on any rank (logged: the engine then runs those steps eagerly, as before, on every
+    rank alike, so the ranks' collectives stay in step)."""
+    if not extend_graphs_apply(model, max_tokens, device) or not isinstance(attn, FlashInferBackend):
         return None
-    from worker.layers.moe.block import SparseMoeBlock
-
-    if any(isinstance(m, SparseMoeBlock) for m in model.modules()):
-        return None
-    graphs = ExtendGraphs(model, attn, max_tokens, scratch_loc, device)
+    graphs: ExtendGraphs | None = ExtendGraphs(model, attn, max_tokens, scratch_loc, device)
     try:
         with torch.inference_mode():
-            graphs.capture(stream, progress)
-    except RuntimeError as e:  # a kernel that syncs with the host, or an op capture refuses
-        logger.warning("extend steps run eagerly: their CUDA graphs failed to capture (%s)", e)
-        stream.synchronize()
-        return None
+            graphs.capture(stream, progress=tp.rank == 0)
+    except Exception as e:  # a kernel that syncs with the host, an op capture refuses, out of memory
+        logger.warning("extend steps run eagerly: their CUDA graphs failed to capture on rank %d (%s)", tp.rank, e)
+        graphs = None
+    stream.synchronize()
+    if tp.size > 1 and tp.comm.min_over_ranks(int(graphs is not None)) == 0:
+        if graphs is not None:
+            logger.warning("extend steps run eagerly: another rank's CUDA graphs failed to capture")
+        graphs = None
     return graphs

@@ -43,8 +43,9 @@ class TensorParallelExecutor:
       rank 0, which did not, would meet them with the next step's.
 
     So rank 0 sends an eager step's description just before its own first collective (the followers
-    then start while its first layer runs). A step replayed from a CUDA graph issues its collectives
-    inside the graph, unseen by the communicator, so its description goes out before it is launched."""
+    then start while its first layer runs). A step replayed from CUDA graphs (a decode graph, the extend
+    graphs) issues its collectives inside them, unseen by the communicator, so its description goes out
+    before it is launched."""
 
     def __init__(self, engine: Engine, keepalive_s: float) -> None:
         self.engine = engine
@@ -78,8 +79,7 @@ class TensorParallelExecutor:
             return out
 
     def _replayed(self, desc: BatchDesc) -> bool:
-        graphs = self.engine.graphs
-        return graphs is not None and graphs.bucket(desc) > 0
+        return self.engine.replays(desc)
 
     def wait(self, out: StepOutput) -> None:
         try:

@@ -32,7 +32,11 @@ def build_scheduler(
     draft = None
     method = config.scheduler.speculative_method
     if method in ("draft", "eagle3"):
-        draft_config = draft_engine_config(config.engine, config.scheduler.speculative_model, engine)
+        # the draft's extend graphs no larger than a step, as the model's (ReplicaConfig.ranks_engine)
+        draft_config = replace(
+            draft_engine_config(config.engine, config.scheduler.speculative_model, engine),
+            extend_graph_tokens=config.ranks_engine.extend_graph_tokens,
+        )
         draft_engine = Engine(draft_config, beside=engine if method == "eagle3" else None)
         cost = weight_bytes(draft_engine.model) / max(1, weight_bytes(engine.model))
         if method == "eagle3":
