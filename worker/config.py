@@ -106,7 +106,9 @@ class EngineConfig:
         unset="auto",
     )
     cuda_graph_max_bs: int = setting(
-        256, "largest decode batch replayed from a CUDA graph; 0 turns graphs off", at_least=0
+        256,
+        "largest decode batch replayed from a CUDA graph; 0 turns every CUDA graph off, the extend graphs too",
+        at_least=0,
     )
     extend_graph_tokens: int = setting(
         2048,
