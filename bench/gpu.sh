@@ -55,6 +55,7 @@
 #   CHUNKS   the prefill chunk sizes `mixed` runs at (default 2048)
 #   ARCH   the peer's architecture (default qwen3-0.6b)
 #   PEER_ARGS  more arguments for the peer's bench_minisgl.py (e.g. --draws prefill_heavy:2 --b1-repeat 0)
+#   ONLINE_ARGS  more flags for `online`'s bench/online_serving.py (e.g. --extend-graph-tokens 0)
 #   LAUNCH_ARGS  more flags for `prefill_launch`'s bench/prefill_launch.py (e.g. --arch qwen3-8b)
 #   SPEC_ARGS  more arguments for `spec`'s bench/spec_decode.py (e.g. --methods off draft draft-always)
 #
@@ -227,7 +228,7 @@ for suite in "$@"; do
       for tree in $(trees); do
         (cd "$tree" && step "online$(tag "$tree")" 300 python3 bench/online_serving.py --arch qwen3-0.6b \
           --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --concurrency 1 256 --c1-prompts 48 \
-          --client-procs 4 --offline --out "$OUT/online$(tag "$tree").json")
+          --client-procs 4 --offline ${ONLINE_ARGS:-} --out "$OUT/online$(tag "$tree").json")
       done ;;
     hops)
       step first_token_hops 300 python3 bench/first_token_hops.py --arch qwen3-0.6b --num-prompts 48 \

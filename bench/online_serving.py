@@ -173,6 +173,8 @@ def engine_options(args) -> dict:
     opts = {"page_size": args.page_size}  # every other setting at the engine's default, online and offline
     if args.load_format:
         opts["load_format"] = args.load_format
+    if getattr(args, "extend_graph_tokens", None) is not None:
+        opts["extend_graph_tokens"] = args.extend_graph_tokens
     return opts
 
 
@@ -204,6 +206,11 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         "--log-level",
         "WARNING",
         "--no-dashboard",
+        *(
+            ["--extend-graph-tokens", str(args.extend_graph_tokens)]
+            if getattr(args, "extend_graph_tokens", None) is not None
+            else []
+        ),
         *(["--routers", str(args.routers)] if args.routers is not None else []),
     ]
     server = subprocess.Popen(cmd)
@@ -285,6 +292,9 @@ def main() -> None:
     p.add_argument("--client-procs", type=int, default=1, help="client processes sharing the requests and concurrency")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--load-format", default=None)
+    p.add_argument(
+        "--extend-graph-tokens", type=int, default=None, help="the engines' extend graphs (0: none; default: theirs)"
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, nargs=2, default=[32, 128])
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 64])
