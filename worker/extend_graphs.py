@@ -53,10 +53,12 @@ def extend_graph_bytes(config: PretrainedConfig, max_tokens: int, dtype: torch.d
     SiLU outputs, four hidden-wide tensors), every bucket's output and the attention's two buffers."""
     if max_tokens <= 0:
         return 0
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     hidden = config.hidden_size
-    per_token = ((heads + 2 * kv_heads) * head_dim + 3 * config.intermediate_size) // tp_size + 4 * hidden
+    inter = getattr(config, "intermediate_size", None) or 4 * hidden  # a config without one: the usual ratio
+    per_token = ((heads + 2 * kv_heads) * head_dim + 3 * inter) // tp_size + 4 * hidden
     queries = 2 * heads * head_dim // tp_size
     elements = max_tokens * (per_token + queries) + sum(extend_graph_sizes(max_tokens)) * hidden
     return elements * dtype.itemsize
