@@ -31,6 +31,7 @@ from worker.attention import create_backend
 from worker.batch import BatchDesc, ForwardBatch, StepOutput, desc_columns
 from worker.config import EngineConfig
 from worker.draft_budget import draft_memory
+from worker.extend_graphs import capture_extend_graphs, extend_graph_bytes, extend_graphs_apply
 from worker.graph_io import IO
 from worker.kernel_builds import serialize_flashinfer_builds
 from worker.kv_cache import KVCachePool
@@ -167,19 +168,15 @@ class Engine:
             self._allocate()
         with timed(self.startup, "graphs_s", self.device):
             self.graphs = self._capture_graphs()
-            self.extend_graphs = None
-            if self.device.type == "cuda":
-                from worker.extend_graphs import capture_extend_graphs
-
-                self.extend_graphs = capture_extend_graphs(
-                    self.model,
-                    self.attn,
-                    self.extend_graph_tokens,
-                    self.scratch_page * self.page_size,
-                    self.stream,
-                    self.device,
-                    self.tp,
-                )
+            self.extend_graphs = capture_extend_graphs(
+                self.model,
+                self.attn,
+                self.extend_graph_tokens,
+                self.scratch_page * self.page_size,
+                self.stream,
+                self.device,
+                self.tp,
+            )
         with timed(self.startup, "warm_up_s", self.device):
             self._warm_up()
         if self.tp.rank == 0:
@@ -313,8 +310,6 @@ class Engine:
             self.hf_config.num_hidden_layers, self.page_size, kv_heads, head_dim, self.kv_dtype
         )
         if self.device.type == "cuda":
-            from worker.extend_graphs import extend_graph_bytes, extend_graphs_apply
-
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - self.config.gpu_memory_utilization) * total
             # the extend graphs' activations, captured after the cache, stay for good
@@ -440,8 +435,7 @@ class Engine:
             desc = verify.desc if verify is not None else desc
         if self.graphs is not None and self.graphs.bucket(desc):
             return True
-        extend = self.extend_graphs
-        return not self.takes_hidden and extend is not None and extend.bucket(desc.num_tokens) > 0
+        return self.extend_graphs is not None and self.extend_graphs.bucket(desc.num_tokens) > 0
 
     @torch.inference_mode()
     def forward(self, desc: BatchDesc) -> StepOutput:

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from transformers import PretrainedConfig
 
 from worker.attention.flashinfer_backend import FlashInferBackend
+from worker.models.llama import head_dim_of
 from worker.parallel import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -55,8 +56,7 @@ def extend_graph_bytes(config: PretrainedConfig, max_tokens: int, dtype: torch.d
         return 0
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    hidden = config.hidden_size
+    head_dim, hidden = head_dim_of(config), config.hidden_size
     inter = getattr(config, "intermediate_size", None) or 4 * hidden  # a config without one: the usual ratio
     per_token = ((heads + 2 * kv_heads) * head_dim + 3 * inter) // tp_size + 4 * hidden
     queries = 2 * heads * head_dim // tp_size
@@ -127,7 +127,7 @@ class ExtendGraphs:
 
     def bucket(self, tokens: int) -> int:
         """The captured token count that runs a step of `tokens`; 0 when it runs eagerly."""
-        if tokens > self.max_tokens or not self.pieces:
+        if tokens > self.max_tokens:
             return 0
         return self.sizes[bisect.bisect_left(self.sizes, tokens)]
 
