@@ -43,6 +43,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="also profile kernels over a window of decode steps")
     parser.add_argument(
+        "--profile-from",
+        type=int,
+        nargs="+",
+        default=[50],
+        help="with --profile: the decode steps each window of 50 starts at (50: the batch still full; (a)'s batch "
+        "shrinks as its requests finish, to about half by step 600)",
+    )
+    parser.add_argument(
         "--profile-extend", action="store_true", help="also profile kernels over a window of extend steps"
     )
     args = parser.parse_args()
@@ -80,11 +88,11 @@ def main() -> None:
         **timer.decode_summary(),
         **timer.phase_summary(),
     }
-    if args.profile:  # the same run again, profiling 50 decode steps while the batch is still full
-        llm.engine.step_timer = window = ProfileWindow(first=50, count=50)
+    for first in args.profile_from if args.profile else ():  # the same run again, profiling 50 decode steps
+        llm.engine.step_timer = window = ProfileWindow(first=first, count=50)
         llm.generate(prompts, params)
         llm.engine.step_timer = None
-        result["profile"] = window.top_kernels()
+        result["profile" if first == args.profile_from[0] else f"profile_from_{first}"] = window.top_kernels()
     if args.profile_extend:  # another draw of the workload (the prefix cache holds this one's prompts),
         # profiling 20 extend steps after the first 5
         llm.engine.step_timer = window = ProfileWindow(first=5, count=20, extend=True)
@@ -112,8 +120,9 @@ def main() -> None:
         ("decode steps, GPU ms in all", result.get("decode_gpu_ms_total", float("nan"))),
     ]
     report(result, args.out, table)
-    for key in ("profile", "profile_extend"):
-        for row in result.get(key, []):
+    for key in [k for k in result if k.startswith("profile")]:
+        print(f"{key}:")
+        for row in result[key]:
             print(f"  {row['pct']:5.1f}%  {row['ms']:8.2f} ms  {row['calls']:6d}  {row['kernel']}")
     llm.shutdown()
 
