@@ -24,6 +24,8 @@ from common import time_graph  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 CALLS, REPLAYS = 20, 5
+# (block_n, num_warps, num_stages) of the CUDA-core variant (--cuda-cores)
+CUDA_CORE_TILES = [(16, 4, 2), (32, 4, 2), (32, 2, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3)]
 # (block_n, num_warps, num_stages) beside the launcher's default (None: its choice)
 TILES = {
     "none": [(None, None, None)],
@@ -150,8 +152,12 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
         runs = [
             (tile, dot) for tile, dot in itertools.product(TILES[args.sweep], dots) if dot is None or tile[0] is None
         ]  # bf16 operands over fp8 with the default tile only
+        if args.cuda_cores:  # the group's heads as float32 products and sums, at tiles of their own
+            runs += [(tile, "cuda_cores") for tile in CUDA_CORE_TILES]
         for splits, ((block_n, warps, stages), f16_dot) in itertools.product(splits_to_try(batch), runs):
             scratch = decode_scratch(batch, NUM_HEADS, HEAD_DIM, splits, "cuda")
+            cuda_cores = f16_dot == "cuda_cores"
+            f16_dot = None if cuda_cores else f16_dot
 
             def call() -> torch.Tensor:
                 return paged_decode(
@@ -167,6 +173,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                     num_warps=warps,
                     num_stages=stages,
                     f16_dot=f16_dot,
+                    cuda_cores=cuda_cores,
                 )
 
             got = call().float()
@@ -178,7 +185,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                 "block_n": block_n,
                 "num_warps": warps,
                 "num_stages": stages,
-                "dot": "bf16" if f16_dot is False or kv == "bf16" else "fp16",
+                "dot": "cuda_cores" if cuda_cores else "bf16" if f16_dot is False or kv == "bf16" else "fp16",
                 "us": us,
                 "tb_s": kv_bytes / us / 1e6,
             }
@@ -205,6 +212,9 @@ def summary(rows: list[dict]) -> None:
         if triton_rows:
             fastest = min(triton_rows, key=lambda r: r["us"])
             best += [r for r in default[:1] if r is not fastest] + [fastest]
+            cores = [r for r in triton_rows if r["dot"] == "cuda_cores"]
+            if cores and min(cores, key=lambda r: r["us"]) is not fastest:
+                best.append(min(cores, key=lambda r: r["us"]))
         for r in best:
             name = r["impl"]
             if name == "triton":
@@ -237,6 +247,11 @@ def main() -> None:
         help="the tiles tried beside the launcher's default (none: it alone), at each split count",
     )
     parser.add_argument("--no-flashinfer", action="store_true", help="time the Triton kernel alone")
+    parser.add_argument(
+        "--cuda-cores",
+        action="store_true",
+        help="also the Triton kernel's CUDA-core variant (paged_decode's cuda_cores)",
+    )
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -245,3 +245,19 @@ def test_flashinfers_decode_path_follows_the_choice_it_is_given():
     small, large = TENSOR_CORE_ABOVE_BATCH, TENSOR_CORE_ABOVE_BATCH + 1
     assert not use_tensor_cores(small) and use_tensor_cores(large)  # auto
     assert use_tensor_cores(small, "tensor_cores") and not use_tensor_cores(large, "cuda_cores")
+
+
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "page16-group2-d64-one-split-blocks-across-pages",
+        "page16-group4-d128-three-splits",
+        "page1-group1-d64-four-splits",
+        "page16-group2-d64-more-splits-than-tokens",
+    ],
+)
+def test_the_cuda_core_variant_equals_float32_attention_over_the_pages(kv, case):
+    page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
+    args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, kv, seed=4)
+    assert_close_to_reference(paged_decode(*args, num_splits=num_splits, block_n=block_n, cuda_cores=True), args)

@@ -57,6 +57,7 @@ def _split_kernel(
     NUM_SPLITS: tl.constexpr,
     F16_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
+    CUDA_CORES: tl.constexpr,
 ):
     # one program per (request, kv head, split): the group's query heads against the split's tokens,
     # with an online softmax in base 2 (qk_scale = sm_scale * log2(e)); one split writes `out` itself,
@@ -84,7 +85,11 @@ def _split_kernel(
         mask=h_mask[:, None],
         other=0.0,
     )
-    if F16_DOT:
+    if CUDA_CORES:
+        # the group's few heads as products and sums in float32: no rows padded to 16, no operand
+        # shuffles for the tensor cores; each K and V element converted once
+        q = q.to(tl.float32)
+    elif F16_DOT:
         # float16 operands: e4m3 converts to float16 directly, to bfloat16 only through it (so bfloat16
         # operands are slower). Every e4m3 value is exact in float16, and so is a
         # bfloat16 query from 2^-17 up to float16's range (saturated there)
@@ -104,14 +109,20 @@ def _split_kernel(
         page = tl.load(pages + t_u // PAGE_SIZE, mask=t_mask, other=0)
         row = page.to(tl.int64) * stride_page + (t_u % PAGE_SIZE).to(tl.int32) * stride_tok + head
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
-        qk = _mma(q, tl.trans(k.to(q.dtype)), UPCAST) * qk_scale
+        if CUDA_CORES:
+            qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * qk_scale
+        else:
+            qk = _mma(q, tl.trans(k.to(q.dtype)), UPCAST) * qk_scale
         qk = tl.where(t_mask[None, :], qk, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every block holds a token
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v.to(q.dtype), UPCAST)
+        if CUDA_CORES:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        else:
+            acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v.to(q.dtype), UPCAST)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -212,6 +223,7 @@ def paged_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     f16_dot: bool | None = None,
+    cuda_cores: bool = False,
 ) -> torch.Tensor:
     """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
     k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]: request b reads pages
@@ -219,7 +231,8 @@ def paged_decode(
     Returns [B, num_heads, head_dim] in q's dtype (into `out` when given). With `scratch` (from
     decode_scratch) and `out` it allocates nothing. The rest tune it (None: the fastest in bench/fp8_decode.py
     on an H200): block_n, num_warps, num_stages, the tile (tokens a step) and launch shape; f16_dot, float16
-    tensor-core operands (None: for an fp8 cache) or q's dtype."""
+    tensor-core operands (None: for an fp8 cache) or q's dtype; cuda_cores, the group's heads as float32
+    products and sums instead of tensor-core tiles padded to 16 rows (for groups of a few heads)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -271,11 +284,12 @@ def paged_decode(
         GROUP=group,
         PAGE_SIZE=page_size,
         HEAD_DIM=head_dim,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_H=triton.next_power_of_2(group) if cuda_cores else max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         F16_DOT=f16_dot,
         UPCAST=INTERPRETED,
+        CUDA_CORES=cuda_cores,
         num_warps=num_warps,
         num_stages=num_stages,
     )
