@@ -296,3 +296,29 @@ def test_the_replicas_prefill_hop_ends_where_the_prompts_launch_returns(monkeypa
         # chunk 1 launched (3) and waited for (5), chunk 2 launched (3): the prompt's launch; its wait (5)
         assert (hops.prefill_s, hops.first_sample_s) == (11.0, 5.0)
     run.check()
+
+
+def test_a_replica_records_a_first_tokens_hops_at_its_routers_next_poll_after_sending_them(scripted):
+    """A histogram's record lets go of the interpreter: the hops handed out by one poll go into the
+    replica's metrics at the next poll of that router, after the answer went out, and once each."""
+    from test_kv_events import in_process_replica
+
+    from cluster import AddRequest, SamplingParams
+
+    actor, _ = in_process_replica(scripted)
+    recorded = []
+    actor.metrics.on_first_token = recorded.append
+    actor.submit([AddRequest(1, [5, 6, 7], SamplingParams(max_tokens=3, temperature=0))], subscriber=2)
+    hops = []
+    while not hops:  # until the first token is out
+        actor.scheduler.step()
+        hops = [d.hops for d in actor.poll(0.0, subscriber=2) if d.hops is not None]
+    assert len(hops) == 1 and recorded == []  # not while the answer is on its way
+    assert list(actor.poll(0.0, subscriber=0)) == [] and recorded == []  # another router's poll records none
+    while actor.scheduler.has_work:
+        actor.scheduler.step()
+    rest = actor.poll(0.0, subscriber=2)
+    assert rest and all(d.hops is None for d in rest)
+    assert recorded == hops
+    actor.poll(0.0, subscriber=2)
+    assert recorded == hops  # once
