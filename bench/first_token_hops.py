@@ -14,6 +14,7 @@ import cProfile
 import json
 import os
 import pstats
+import random
 import re
 import signal
 import statistics
@@ -25,7 +26,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python bench/x.py` from anywhere
 
 import httpx  # noqa: E402
-from online_serving import release_gpu_memory, run, start_server, workload  # noqa: E402
+from online_serving import default_client, release_gpu_memory, run, start_server, workload  # noqa: E402
 
 from cluster.replica.profiling import PROFILE_ENV  # noqa: E402
 
@@ -207,6 +208,13 @@ def main() -> None:
         "host time a prompt (the statistics files go to DIR)",
     )
     p.add_argument("--top", type=int, default=30, help="with --profile-replica: functions shown")
+    p.add_argument(
+        "--clients",
+        nargs="+",
+        choices=["aiohttp", "httpx"],
+        default=[default_client(), "httpx"] if default_client() != "httpx" else ["httpx"],
+        help="HTTP clients, in turn (the hops are the first's): aiohttp as SGLang's bench_serving, httpx",
+    )
     p.add_argument("--out")
     args = p.parse_args()
     args.load_format = None
@@ -242,14 +250,22 @@ def main() -> None:
     )
     server, url = start_server(server_args)
     try:
-        run(url, "bench", others[:16], 16)  # warm-up
+        run(url, "bench", others[:16], 16, client=args.clients[0])  # warm-up
         before = hop_sums(url)
-        online = run(url, "bench", requests, 1)
+        online = run(url, "bench", requests, 1, client=args.clients[0])
         after = hop_sums(url)
+        # the other clients on the same prompts (a prefix-cache hit each, as the first client's were not)
+        # would not compare: prompts of their own, of the same lengths
+        by_client = {args.clients[0]: online["ttft"]["mean_ms"]}
+        for i, client in enumerate(args.clients[1:], 1):
+            rng = random.Random(args.seed + 10 + i)
+            again = [([rng.randrange(100, vocab - 100) for _ in p], m) for p, m in requests]
+            by_client[client] = run(url, "bench", again, 1, client=client)["ttft"]["mean_ms"]
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=120)
     report["online_ttft_ms"] = online["ttft"]["mean_ms"]
+    report["client"], report["online_ttft_ms_by_client"] = args.clients[0], by_client
     report["hops_ms"] = {
         name: 1e3 * (after[name][0] - before[name][0]) / max(1.0, after[name][1] - before[name][1]) for name in after
     }
@@ -260,7 +276,9 @@ def main() -> None:
         )
         for name, ms in o["first_delta_phases_ms"].items():
             print(f"  offline {name:22} {ms:8.3f} ms")
-    print(f"online TTFT (client, streamed, concurrency 1): {report['online_ttft_ms']:.2f} ms")
+    print(f"online TTFT (client, streamed, concurrency 1): {report['online_ttft_ms']:.2f} ms ({args.clients[0]})")
+    for client, ms in list(by_client.items())[1:]:
+        print(f"  the same prompts' lengths through {client}: {ms:.2f} ms")
     for name, ms in report["hops_ms"].items():
         print(f"  {name:26} {ms:8.3f} ms")
     print(f"  {'sum of the hops to TTFT':26} {sum(report['hops_ms'][h] for h in HOPS[:-1]):8.3f} ms")

@@ -6,13 +6,16 @@ with the offline engine's throughput on the same workload beside it.
     python bench/online_serving.py --model PATH [--tp-size K --replicas N --routers R] [--offline] [...]
 
 With --client-procs P the client runs in P processes (each a share of the requests and of the
-concurrency), so that its own work (HTTP, SSE parsing, JSON) does not bound what it measures.
+concurrency), so that its own work (HTTP, SSE parsing, JSON) does not bound what it measures. The client
+is aiohttp, as in SGLang's bench_serving (`--client httpx`: the `openai` package's transport, which
+adds about 0.5 ms to a streamed request's TTFT on a 2-core host).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import random
@@ -35,8 +38,8 @@ def workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int], vo
     ]
 
 
-async def one(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {
+def _body(model: str, prompt: list[int], max_tokens: int) -> dict:
+    return {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -45,15 +48,17 @@ async def one(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], 
         "stream": True,
         "seed": len(prompt),
     }
-    start = time.perf_counter()
-    stamps = []
-    async with http.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk["choices"] and chunk["choices"][0]["text"] or chunk["choices"][0].get("finish_reason"):
-                    stamps.append(time.perf_counter())
+
+
+def _stamped(line: str, stamps: list[float]) -> None:
+    """Stamps an SSE line that carries a token's text or the finish (a chunk a client shows)."""
+    if line.startswith("data: {"):
+        chunk = json.loads(line[6:])
+        if chunk["choices"] and chunk["choices"][0]["text"] or chunk["choices"][0].get("finish_reason"):
+            stamps.append(time.perf_counter())
+
+
+def _timed(start: float, stamps: list[float], max_tokens: int) -> dict:
     end = time.perf_counter()
     return {
         "ttft": stamps[0] - start,
@@ -64,11 +69,51 @@ async def one(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], 
     }
 
 
-async def run_share(url: str, model: str, requests: list, concurrency: int, ready=None) -> tuple[list, float, float]:
+async def one(http, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion through `http`: an aiohttp session (as SGLang's and vLLM's serving
+    benchmarks send) or an httpx client (the `openai` package's transport)."""
+    start, stamps = time.perf_counter(), []
+    if isinstance(http, httpx.AsyncClient):
+        async with http.stream("POST", url + "/v1/completions", json=_body(model, prompt, max_tokens)) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                _stamped(line, stamps)
+    else:
+        async with http.post(url + "/v1/completions", json=_body(model, prompt, max_tokens)) as r:
+            r.raise_for_status()
+            async for raw in r.content:
+                _stamped(raw.decode(), stamps)
+    return _timed(start, stamps, max_tokens)
+
+
+@contextlib.asynccontextmanager
+async def http_client(kind: str, concurrency: int):
+    """The benchmark's HTTP client: `aiohttp` (the default where installed) or `httpx`."""
+    if kind == "aiohttp":
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=concurrency + 8)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+            yield session
+    else:
+        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency + 8)) as http:
+            yield http
+
+
+def default_client() -> str:
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        return "httpx"
+    return "aiohttp"
+
+
+async def run_share(
+    url: str, model: str, requests: list, concurrency: int, ready=None, client: str = "httpx"
+) -> tuple[list, float, float]:
     """One client process's requests at its concurrency: the results, and when (time.monotonic, the
     same clock in every process) it started and ended. `ready`: a barrier to pass first."""
-    limits = httpx.Limits(max_connections=concurrency + 8)
-    async with httpx.AsyncClient(timeout=None, limits=limits) as http:
+    async with http_client(client, concurrency) as http:
         sem = asyncio.Semaphore(concurrency)
 
         async def guarded(req):
@@ -85,21 +130,23 @@ async def run_share(url: str, model: str, requests: list, concurrency: int, read
         return results, start, time.monotonic()
 
 
-def _client_process(url, model, requests, concurrency, ready, answers) -> None:
-    answers.put(asyncio.run(run_share(url, model, requests, concurrency, ready)))
+def _client_process(url, model, requests, concurrency, ready, answers, client) -> None:
+    answers.put(asyncio.run(run_share(url, model, requests, concurrency, ready, client)))
 
 
-def run(url: str, model: str, requests: list, concurrency: int, procs: int = 1) -> dict:
+def run(url: str, model: str, requests: list, concurrency: int, procs: int = 1, client: str | None = None) -> dict:
+    """`client`: the HTTP client (http_client; None: default_client())."""
+    client = client or default_client()
     procs = max(1, min(procs, concurrency, len(requests)))
     if procs == 1:
-        results, start, end = asyncio.run(run_share(url, model, requests, concurrency))
+        results, start, end = asyncio.run(run_share(url, model, requests, concurrency, client=client))
         return summarize(results, end - start, sum(len(p) for p, _ in requests))
     ctx = multiprocessing.get_context("spawn")
     ready, answers = ctx.Barrier(procs), ctx.Queue()
     shares = [requests[i::procs] for i in range(procs)]
     limits = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
     workers = [
-        ctx.Process(target=_client_process, args=(url, model, share, limit, ready, answers))
+        ctx.Process(target=_client_process, args=(url, model, share, limit, ready, answers, client))
         for share, limit in zip(shares, limits)
     ]
     for w in workers:
@@ -290,6 +337,12 @@ def main() -> None:
         help="router actors (launch.py --routers; 0: the launching process; unset: the server's default)",
     )
     p.add_argument("--client-procs", type=int, default=1, help="client processes sharing the requests and concurrency")
+    p.add_argument(
+        "--client",
+        choices=["aiohttp", "httpx"],
+        default=default_client(),
+        help="the HTTP client: aiohttp as SGLang's bench_serving (default where installed), or httpx",
+    )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--load-format", default=None)
     p.add_argument(
@@ -336,12 +389,17 @@ def main() -> None:
     try:
         # warm-up: prompts of many lengths, so that the concurrency-1 TTFT, like the offline engine's
         # (taken after its whole run), does not pay for first-time allocations of new shapes
-        run(url, name, requests[:64], 64, args.client_procs)
+        run(url, name, requests[:64], 64, args.client_procs, args.client)
         procs = router_processes(server)
         for c in args.concurrency:
             before = cpu_seconds(procs)
             rep = run(
-                url, name, requests[: args.c1_prompts] if c == 1 and args.c1_prompts else requests, c, args.client_procs
+                url,
+                name,
+                requests[: args.c1_prompts] if c == 1 and args.c1_prompts else requests,
+                c,
+                args.client_procs,
+                args.client,
             )
             if procs:
                 used = cpu_seconds(procs) - before
