@@ -1,11 +1,11 @@
 """One layer's decode attention on one GPU, Qwen3-0.6B shapes (16 query heads, 8 KV heads, head_dim 128):
 the Triton split-KV kernel of worker/triton_decode.py over a float8 e4m3 and a bfloat16 cache (a sweep of
-its tile, warps, stages and splits) against FlashInfer's decode over both (tensor cores, and at up to 8
-rows its CUDA-core kernels too). Batch 256 with KV lengths uniform in 150..1600 (seeded) and batch 1 with
+its tile, warps, stages and splits; with --variants its CUDA-core and prefetching variants too) against
+FlashInfer's decode over both (tensor cores, and at up to 8 rows its CUDA-core kernels too). Batch 256 with KV lengths uniform in 150..1600 (seeded) and batch 1 with
 560 tokens; 20 calls replayed in a CUDA graph, median of 5 replays; microseconds a call, TB/s of K and V
 read once, the largest difference from FlashInfer's tensor-core output over the same cache.
 
-    python bench/fp8_decode.py [--batch 256 1] [--page-size 16] [--sweep none|small|full] [--out r.json]"""
+    python bench/fp8_decode.py [--batch 256 1] [--page-size 16] [--sweep none|small|full] [--variants] [--out r.json]"""
 
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ from common import time_graph  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 CALLS, REPLAYS = 20, 5
-# (block_n, num_warps, num_stages) of the CUDA-core variant (--cuda-cores)
+# (block_n, num_warps, num_stages) of the kernel's variants (--variants): the CUDA-core one, and K and V
+# loaded from cells found the block before
 CUDA_CORE_TILES = [(16, 4, 2), (32, 4, 2), (32, 2, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3)]
+PREFETCH_TILES = [(None, None, None), (64, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 2), (32, 4, 3)]
 # (block_n, num_warps, num_stages) beside the launcher's default (None: its choice)
 TILES = {
     "none": [(None, None, None)],
@@ -150,14 +152,16 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
         out = torch.empty_like(q)
         dots = [None, False] if kv == "fp8" else [None]  # fp8: the float16 operands (default), bf16's
         runs = [
-            (tile, dot) for tile, dot in itertools.product(TILES[args.sweep], dots) if dot is None or tile[0] is None
+            (tile, dot, {})
+            for tile, dot in itertools.product(TILES[args.sweep], dots)
+            if dot is None or tile[0] is None
         ]  # bf16 operands over fp8 with the default tile only
-        if args.cuda_cores:  # the group's heads as float32 products and sums, at tiles of their own
-            runs += [(tile, "cuda_cores") for tile in CUDA_CORE_TILES]
-        for splits, ((block_n, warps, stages), f16_dot) in itertools.product(splits_to_try(batch), runs):
+        if args.variants:  # the kernel's variants, each at tiles of its own
+            runs += [(tile, None, {"prefetch": True}) for tile in PREFETCH_TILES]
+            runs += [(tile, None, {"cuda_cores": True}) for tile in CUDA_CORE_TILES]
+            runs += [(tile, None, {"cuda_cores": True, "prefetch": True}) for tile in CUDA_CORE_TILES]
+        for splits, ((block_n, warps, stages), f16_dot, variant) in itertools.product(splits_to_try(batch), runs):
             scratch = decode_scratch(batch, NUM_HEADS, HEAD_DIM, splits, "cuda")
-            cuda_cores = f16_dot == "cuda_cores"
-            f16_dot = None if cuda_cores else f16_dot
 
             def call() -> torch.Tensor:
                 return paged_decode(
@@ -173,7 +177,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                     num_warps=warps,
                     num_stages=stages,
                     f16_dot=f16_dot,
-                    cuda_cores=cuda_cores,
+                    **variant,
                 )
 
             got = call().float()
@@ -185,7 +189,12 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                 "block_n": block_n,
                 "num_warps": warps,
                 "num_stages": stages,
-                "dot": "cuda_cores" if cuda_cores else "bf16" if f16_dot is False or kv == "bf16" else "fp16",
+                "dot": "cuda_cores"
+                if variant.get("cuda_cores")
+                else "bf16"
+                if f16_dot is False or kv == "bf16"
+                else "fp16",
+                "prefetch": bool(variant.get("prefetch")),
                 "us": us,
                 "tb_s": kv_bytes / us / 1e6,
             }
@@ -208,19 +217,21 @@ def summary(rows: list[dict]) -> None:
             if r["block_n"] is None
             and r["num_splits"] == _default_splits(batch)
             and r["dot"] == ("fp16" if kv == "fp8" else "bf16")
+            and not r["prefetch"]
         ]  # the launcher's own choices
         if triton_rows:
             fastest = min(triton_rows, key=lambda r: r["us"])
             best += [r for r in default[:1] if r is not fastest] + [fastest]
-            cores = [r for r in triton_rows if r["dot"] == "cuda_cores"]
-            if cores and min(cores, key=lambda r: r["us"]) is not fastest:
-                best.append(min(cores, key=lambda r: r["us"]))
+            for kind in ({"dot": "cuda_cores", "prefetch": False}, {"prefetch": True}):
+                of_kind = [r for r in triton_rows if all(r.get(k) == v for k, v in kind.items())]
+                if of_kind and min(of_kind, key=lambda r: r["us"]) is not fastest:
+                    best.append(min(of_kind, key=lambda r: r["us"]))
         for r in best:
             name = r["impl"]
             if name == "triton":
                 name += (
                     f" splits={r['num_splits']} block_n={r['block_n']} warps={r['num_warps']}"
-                    f" stages={r['num_stages']} dot={r['dot']}"
+                    f" stages={r['num_stages']} dot={r['dot']}{' prefetch' if r.get('prefetch') else ''}"
                 )
             diff = r.get("max_abs_diff_vs_flashinfer")
             print(
@@ -248,9 +259,9 @@ def main() -> None:
     )
     parser.add_argument("--no-flashinfer", action="store_true", help="time the Triton kernel alone")
     parser.add_argument(
-        "--cuda-cores",
+        "--variants",
         action="store_true",
-        help="also the Triton kernel's CUDA-core variant (paged_decode's cuda_cores)",
+        help="also the Triton kernel's variants (paged_decode's cuda_cores and prefetch) at tiles of their own",
     )
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()

@@ -257,7 +257,8 @@ def test_flashinfers_decode_path_follows_the_choice_it_is_given():
         "page16-group2-d64-more-splits-than-tokens",
     ],
 )
-def test_the_cuda_core_variant_equals_float32_attention_over_the_pages(kv, case):
+@pytest.mark.parametrize("variant", [{"cuda_cores": True}, {"prefetch": True}, {"cuda_cores": True, "prefetch": True}])
+def test_the_kernels_variants_equal_float32_attention_over_the_pages(kv, case, variant):
     page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
     args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, kv, seed=4)
-    assert_close_to_reference(paged_decode(*args, num_splits=num_splits, block_n=block_n, cuda_cores=True), args)
+    assert_close_to_reference(paged_decode(*args, num_splits=num_splits, block_n=block_n, **variant), args)

@@ -26,6 +26,17 @@ def _mma(a, b, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _cells(pages, t, end, PAGE_SIZE: tl.constexpr, stride_page, stride_tok, head):
+    # each token's cell through the page table: right for any page size, within or across pages (t >= 0:
+    # unsigned, so a power-of-two page size divides by a shift and a mask, without signed division's
+    # fix-ups); and which of the block's tokens are the split's
+    t_mask = t < end
+    t_u = t.to(tl.uint32)
+    page = tl.load(pages + t_u // PAGE_SIZE, mask=t_mask, other=0)
+    return page.to(tl.int64) * stride_page + (t_u % PAGE_SIZE).to(tl.int32) * stride_tok + head, t_mask
+
+
+@triton.jit
 def _split_kernel(
     q_ptr,
     k_ptr,
@@ -58,6 +69,7 @@ def _split_kernel(
     F16_DOT: tl.constexpr,
     UPCAST: tl.constexpr,
     CUDA_CORES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # one program per (request, kv head, split): the group's query heads against the split's tokens,
     # with an online softmax in base 2 (qk_scale = sm_scale * log2(e)); one split writes `out` itself,
@@ -99,26 +111,30 @@ def _split_kernel(
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     pages = kv_indices_ptr + first_page
     head = kvh.to(tl.int64) * stride_kvh
+    if PREFETCH:  # the first block's cells, before the loop
+        row, t_mask = _cells(pages, start + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
     for n0 in range(start, end, BLOCK_N):
-        t = n0 + offs_n
-        t_mask = t < end
-        # each token's cell through the page table: right for any page size, within or across pages
-        # (t >= 0: unsigned, so a power-of-two page size divides by a shift and a mask, without signed
-        # division's fix-ups)
-        t_u = t.to(tl.uint32)
-        page = tl.load(pages + t_u // PAGE_SIZE, mask=t_mask, other=0)
-        row = page.to(tl.int64) * stride_page + (t_u % PAGE_SIZE).to(tl.int32) * stride_tok + head
-        k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+        if PREFETCH:
+            # K and V of cells found the block before: no load in this block waits on another load of
+            # it; the next block's page ids load while this one's computes
+            k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+            v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+            mask = t_mask
+            row, t_mask = _cells(pages, n0 + BLOCK_N + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
+        else:
+            this_row, mask = _cells(pages, n0 + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
+            k = tl.load(k_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
         if CUDA_CORES:
             qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * qk_scale
         else:
             qk = _mma(q, tl.trans(k.to(q.dtype)), UPCAST) * qk_scale
-        qk = tl.where(t_mask[None, :], qk, -float("inf"))
+        qk = tl.where(mask[None, :], qk, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every block holds a token
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+        if not PREFETCH:
+            v = tl.load(v_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
         if CUDA_CORES:
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         else:
@@ -224,6 +240,7 @@ def paged_decode(
     num_stages: int | None = None,
     f16_dot: bool | None = None,
     cuda_cores: bool = False,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
     k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]: request b reads pages
@@ -232,7 +249,8 @@ def paged_decode(
     decode_scratch) and `out` it allocates nothing. The rest tune it (None: the fastest in bench/fp8_decode.py
     on an H200): block_n, num_warps, num_stages, the tile (tokens a step) and launch shape; f16_dot, float16
     tensor-core operands (None: for an fp8 cache) or q's dtype; cuda_cores, the group's heads as float32
-    products and sums instead of tensor-core tiles padded to 16 rows (for groups of a few heads)."""
+    products and sums instead of tensor-core tiles padded to 16 rows (for groups of a few heads); prefetch,
+    each block's K and V loaded together from cells found the block before (no load waits on another)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -290,6 +308,7 @@ def paged_decode(
         F16_DOT=f16_dot,
         UPCAST=INTERPRETED,
         CUDA_CORES=cuda_cores,
+        PREFETCH=prefetch,
         num_warps=num_warps,
         num_stages=num_stages,
     )
