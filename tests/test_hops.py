@@ -322,3 +322,21 @@ def test_a_replica_records_a_first_tokens_hops_at_its_routers_next_poll_after_se
     assert recorded == hops
     actor.poll(0.0, subscriber=2)
     assert recorded == hops  # once
+
+
+def test_a_released_routers_last_first_tokens_are_recorded_at_its_release(scripted):
+    from test_kv_events import in_process_replica
+
+    from cluster import AddRequest, SamplingParams
+
+    actor, _ = in_process_replica(scripted)
+    recorded = []
+    actor.metrics.on_first_token = recorded.append
+    actor.submit([AddRequest(1, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0))], subscriber=3)
+    hops = []
+    while not hops:
+        actor.scheduler.step()
+        hops = [d.hops for d in actor.poll(0.0, subscriber=3) if d.hops is not None]
+    assert recorded == []
+    assert actor.release_subscriber(3) == 1  # its request aborted with it
+    assert recorded == hops

@@ -173,6 +173,7 @@ class SchedulerActor:
         requests (Subscribers.release_silent). Returns those released."""
         released = self.subscribers.release_silent(now)
         for sub, uids in released.items():
+            self._record_first_tokens(sub)
             if uids:
                 log.warning(
                     "replica %d: router %d stopped polling; aborting its %d request(s)",
@@ -214,6 +215,7 @@ class SchedulerActor:
         requests were aborted."""
         uids = self.subscribers.release(subscriber)
         self.abort(uids)
+        self._record_first_tokens(subscriber)  # its last poll's: it polls no more
         return len(uids)
 
     def poll(
@@ -227,12 +229,15 @@ class SchedulerActor:
         tokens' hops go into the metrics at the subscriber's next poll, once this answer is sent: a
         histogram's record lets go of the interpreter, and the scheduler thread, woken by the take, would
         keep it for a switch interval (0.3 ms of the time to first token on a 2-core host)."""
-        for hops in self._unrecorded.pop(subscriber, ()):
-            self.metrics.on_first_token(hops)
+        self._record_first_tokens(subscriber)
         out = self.subscribers.poll(timeout_s, subscriber, kv_events, receives)
         if firsts := [d.hops for d in out if d.hops is not None]:
             self._unrecorded[subscriber] = firsts
         return out
+
+    def _record_first_tokens(self, subscriber: int) -> None:
+        for hops in self._unrecorded.pop(subscriber, ()):
+            self.metrics.on_first_token(hops)
 
     def kv_subscribe(self, subscriber: int = 0) -> None:
         """The next poll of subscriber carries every block hash the prefix cache holds (a router that
