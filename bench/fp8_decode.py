@@ -161,6 +161,8 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
             runs += [(tile, None, {"cuda_cores": True}) for tile in CUDA_CORE_TILES]
             runs += [(tile, None, {"cuda_cores": True, "prefetch": True}) for tile in CUDA_CORE_TILES]
         for splits, ((block_n, warps, stages), f16_dot, variant) in itertools.product(splits_to_try(batch), runs):
+            if variant and splits != _default_splits(batch):
+                continue  # the variants at the launcher's split count only
             scratch = decode_scratch(batch, NUM_HEADS, HEAD_DIM, splits, "cuda")
 
             def call() -> torch.Tensor:

@@ -17,8 +17,8 @@
 #   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
 #                  GEMMs' tile sweep at 64, 256 and 8,192) and the FP8 GEMV's tile sweep (bench/fp8_gemv.py)
 #   prologue       the attention prologue's tiles at a decode batch and a prompt chunk (bench/prologue.py)
-#   decode_kernels the Triton decode kernel over fp8 and bf16 caches at batch 256 against FlashInfer, with its
-#                  CUDA-core and prefetching variants (bench/fp8_decode.py --variants)
+#   decode_kernels the Triton decode kernel over fp8 and bf16 caches at batches 256 and 1 against FlashInfer, with
+#                  its CUDA-core and prefetching variants (bench/fp8_decode.py --variants)
 #   profile        (a) once, with the kernels of 50 decode steps from steps 50, 500 and 800 (the batch full,
 #                  about half, a quarter)
 #   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens
@@ -207,7 +207,8 @@ for suite in "$@"; do
       step moe_decode 420 python3 bench/moe_decode.py --tokens 1 4 64 256 8192 --grouped-sweep --out "$OUT/moe_decode.json"
       step fp8_gemv 200 python3 bench/fp8_gemv.py --out "$OUT/fp8_gemv.json" ;;
     row_fusion) step row_fusion 200 python3 bench/row_fusion.py --out "$OUT/row_fusion.json" ;;
-    decode_kernels) step decode_kernels 300 python3 bench/fp8_decode.py --batch 256 --variants --out "$OUT/fp8_decode.json" ;;
+    decode_kernels) step decode_kernels 400 python3 bench/fp8_decode.py --batch 256 1 --sweep none --variants \
+      --out "$OUT/fp8_decode.json" ;;
     profile) step profile 300 python3 bench/offline_throughput.py --profile --profile-from 50 500 800 \
       --out "$OUT/profile.json" ;;
     prologue) step prologue 200 python3 bench/prologue.py --out "$OUT/prologue.json" ;;
