@@ -202,3 +202,24 @@ def _rows_against_extend(engine, monkeypatch, temperature: float, penalties: boo
         if temperature == 0:
             assert not torch.equal(as_extend[0], plain)  # the proposals' penalties changed a sample
     return as_rows, as_extend
+
+
+def test_a_verify_step_asked_whether_it_replays_is_turned_into_decode_rows_once(qwen3_path, monkeypatch):
+    """A tensor-parallel rank 0 asks replays(desc) before forward(desc): the step's decode rows are made
+    once, and a step forward gets without that question (or another step) is converted afresh."""
+    import worker.engine as engine_module
+    from worker.config import EngineConfig
+    from worker.engine import Engine
+
+    engine = Engine(EngineConfig(str(qwen3_path), page_size=4, num_pages=64, max_running_reqs=8))
+    made = []
+    convert = engine_module.verify_as_decode
+    monkeypatch.setattr(engine_module, "verify_as_decode", lambda *a: made.append(a[0]) or convert(*a))
+    desc, other = verify_desc(), verify_desc(seeds=np.array([21, 22], np.int64))
+    assert not engine.replays(desc)  # no graphs on the CPU
+    engine.forward(desc).done.synchronize()
+    assert made == [desc]
+    engine.forward(desc).done.synchronize()  # not asked again: converted again
+    engine.replays(desc)
+    engine.forward(other).done.synchronize()  # asked of another step
+    assert [d is desc for d in made] == [True, True, True, False]

@@ -272,6 +272,9 @@ class Engine:
         # optional, for benchmarks: an object with begin(stream, desc) and end(stream) (the compute
         # stream's step), sched_begin(stream) and sched_end(stream) (the scheduler stream's part of it)
         self.step_timer = None
+        # a verify step that replays() turned into decode rows, and those rows: the forward of that step
+        # (a tensor-parallel rank 0 asks replays first) takes them instead of converting it again
+        self._replayed_verify: tuple[BatchDesc, DecodeVerify | None] | None = None
 
     def _warm_up(self) -> None:
         """One sampled prefill step of one token into the scratch page, on every rank alike (its
@@ -425,13 +428,17 @@ class Engine:
         s.staged = upload_record(self.staging, s)  # s now holds the device views
         return s
 
+    def _verify_rows(self, desc: BatchDesc) -> DecodeVerify | None:
+        max_rows, pool_row = self.table.token_pool.shape  # the attention plans' buffers hold as many rows
+        return verify_as_decode(desc, self.proc_state.scratch_row, pool_row, max_rows)
+
     def replays(self, desc: BatchDesc) -> bool:
         """Whether `forward(desc)` runs the step's collectives inside CUDA graphs (a decode graph, or the
         extend graphs), where the communicator does not see them: a tensor-parallel rank 0 then sends
         the step before launching it. Mirrors forward's choices."""
         if desc.spec_lens is not None:
-            max_rows, pool_row = self.table.token_pool.shape
-            verify = verify_as_decode(desc, self.proc_state.scratch_row, pool_row, max_rows)
+            verify = self._verify_rows(desc)
+            self._replayed_verify = (desc, verify)  # forward(desc) takes it from here
             desc = verify.desc if verify is not None else desc
         if self.graphs is not None and self.graphs.bucket(desc):
             return True
@@ -443,8 +450,8 @@ class Engine:
         reached the host."""
         verify = None
         if desc.spec_lens is not None:  # as decode rows where it can: a graph replays those
-            max_rows, pool_row = self.table.token_pool.shape  # the attention plans' buffers hold as many rows
-            verify = verify_as_decode(desc, self.proc_state.scratch_row, pool_row, max_rows)
+            asked, self._replayed_verify = self._replayed_verify, None
+            verify = asked[1] if asked is not None and asked[0] is desc else self._verify_rows(desc)
             desc = verify.desc if verify is not None else desc
         bs = self.graphs.bucket(desc) if self.graphs is not None else 0
         n, pages = desc.num_tokens, self.table.page_table.view(-1)
