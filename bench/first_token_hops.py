@@ -212,7 +212,7 @@ def main() -> None:
         "--clients",
         nargs="+",
         choices=["aiohttp", "httpx"],
-        default=[default_client(), "httpx"] if default_client() != "httpx" else ["httpx"],
+        default=list(dict.fromkeys([default_client(), "httpx"])),
         help="HTTP clients, in turn (the hops are the first's): aiohttp as SGLang's bench_serving, httpx",
     )
     p.add_argument("--out")

@@ -1,9 +1,10 @@
 """One layer's decode attention on one GPU, Qwen3-0.6B shapes (16 query heads, 8 KV heads, head_dim 128):
 the Triton split-KV kernel of worker/triton_decode.py over a float8 e4m3 and a bfloat16 cache (a sweep of
 its tile, warps, stages and splits; with --variants its CUDA-core and prefetching variants too) against
-FlashInfer's decode over both (tensor cores, and at up to 8 rows its CUDA-core kernels too). Batch 256 with KV lengths uniform in 150..1600 (seeded) and batch 1 with
-560 tokens; 20 calls replayed in a CUDA graph, median of 5 replays; microseconds a call, TB/s of K and V
-read once, the largest difference from FlashInfer's tensor-core output over the same cache.
+FlashInfer's decode over both (tensor cores, and at up to 8 rows its CUDA-core kernels too). Batch 256
+with KV lengths uniform in 150..1600 (seeded) and batch 1 with 560 tokens; 20 calls replayed in a CUDA
+graph, median of 5 replays; microseconds a call, TB/s of K and V read once, the largest difference from
+FlashInfer's tensor-core output over the same cache.
 
     python bench/fp8_decode.py [--batch 256 1] [--page-size 16] [--sweep none|small|full] [--variants] [--out r.json]"""
 
@@ -191,11 +192,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                 "block_n": block_n,
                 "num_warps": warps,
                 "num_stages": stages,
-                "dot": "cuda_cores"
-                if variant.get("cuda_cores")
-                else "bf16"
-                if f16_dot is False or kv == "bf16"
-                else "fp16",
+                "dot": _dot_name(kv, f16_dot, variant),
                 "prefetch": bool(variant.get("prefetch")),
                 "us": us,
                 "tb_s": kv_bytes / us / 1e6,
@@ -205,6 +202,13 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
+
+
+def _dot_name(kv: str, f16_dot: bool | None, variant: dict) -> str:
+    """What a run multiplies with: float32 products on the CUDA cores, or the tensor cores' operands."""
+    if variant.get("cuda_cores"):
+        return "cuda_cores"
+    return "bf16" if f16_dot is False or kv == "bf16" else "fp16"
 
 
 def summary(rows: list[dict]) -> None:

@@ -109,10 +109,11 @@ def default_client() -> str:
 
 
 async def run_share(
-    url: str, model: str, requests: list, concurrency: int, ready=None, client: str = "httpx"
+    url: str, model: str, requests: list, concurrency: int, client: str, ready=None
 ) -> tuple[list, float, float]:
-    """One client process's requests at its concurrency: the results, and when (time.monotonic, the
-    same clock in every process) it started and ended. `ready`: a barrier to pass first."""
+    """One client process's requests at its concurrency through `client` (http_client): the results, and
+    when (time.monotonic, the same clock in every process) it started and ended. `ready`: a barrier to
+    pass first."""
     async with http_client(client, concurrency) as http:
         sem = asyncio.Semaphore(concurrency)
 
@@ -131,7 +132,7 @@ async def run_share(
 
 
 def _client_process(url, model, requests, concurrency, ready, answers, client) -> None:
-    answers.put(asyncio.run(run_share(url, model, requests, concurrency, ready, client)))
+    answers.put(asyncio.run(run_share(url, model, requests, concurrency, client, ready)))
 
 
 def run(url: str, model: str, requests: list, concurrency: int, procs: int = 1, client: str | None = None) -> dict:
@@ -139,7 +140,7 @@ def run(url: str, model: str, requests: list, concurrency: int, procs: int = 1, 
     client = client or default_client()
     procs = max(1, min(procs, concurrency, len(requests)))
     if procs == 1:
-        results, start, end = asyncio.run(run_share(url, model, requests, concurrency, client=client))
+        results, start, end = asyncio.run(run_share(url, model, requests, concurrency, client))
         return summarize(results, end - start, sum(len(p) for p, _ in requests))
     ctx = multiprocessing.get_context("spawn")
     ready, answers = ctx.Barrier(procs), ctx.Queue()
