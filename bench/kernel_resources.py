@@ -1,0 +1,240 @@
+"""Every Triton kernel of the engine compiled for an H200 (sm_90) without a GPU: the launchers called on CPU
+tensors at an architecture's shapes, as its steps call them (decode at batches 1, 8 and 256, prompt
+chunks, bf16 and fp8 KV caches, FP8 weights, the MoE paths), each launch compiled and not run
+(worker/kernel_compile.py). Prints each launch's registers and spilled bytes a thread, shared memory a
+program, and the warps an SM can hold at those (occupancy). A kernel that fails to compile fails here,
+on any machine: tests/test_kernel_compile.py runs this on the tiny architectures.
+
+    python bench/kernel_resources.py [--arch qwen3-0.6b qwen3-30b-a3b ...] [--arch-sm 90] [--out r.json]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # Triton must be imported to compile, not to interpret
+    del os.environ["TRITON_INTERPRET"]
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default it has had (Triton 3.9 warns)
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python bench/x.py` from anywhere
+
+from common import ARCHS  # noqa: E402
+
+from worker import triton_decode, triton_ops  # noqa: E402
+from worker.kernel_compile import CompiledLaunch, compile_only, on_gpu  # noqa: E402
+from worker.layers.moe import fused  # noqa: E402
+from worker.quant import gemm  # noqa: E402
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+DECODE_BATCHES = (1, 8, 256)
+PAGE_SIZE = 16
+# an H200's SM: 64K registers, 227 KB of shared memory a program at most, 64 warps, 32 programs
+SM_REGISTERS, SM_SHARED, SM_WARPS, SM_PROGRAMS = 65536, 232448, 64, 32
+
+
+def _gpu(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
+    """An unwritten CPU tensor posing as a GPU one (Triton reads only its pointer and dtype)."""
+    return on_gpu(torch.empty(*shape, dtype=dtype))
+
+
+def _ids(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return on_gpu(torch.zeros(*shape, dtype=dtype))
+
+
+def launches(arch: str) -> list[tuple[str, Callable[[], object]]]:
+    """(where, a call of a launcher) for each launch the architecture's steps make."""
+    cfg = ARCHS[arch]
+    hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim, vocab = cfg.get("head_dim") or hidden // heads, cfg["vocab_size"]
+    qkv_width = (heads + 2 * kv_heads) * head_dim
+    calls: list[tuple[str, Callable[[], object]]] = []
+
+    for cache in (BF16, FP8):
+        k_cache, v_cache = _gpu(4096, kv_heads, head_dim, dtype=cache), _gpu(4096, kv_heads, head_dim, dtype=cache)
+        for tokens in triton_ops.PROLOGUE_TILE_STARTS:
+            calls.append(
+                (
+                    f"attention prologue, {tokens} tokens, {_name(cache)} cache",
+                    lambda t=tokens, k=k_cache, v=v_cache: triton_ops.qkv_prologue(
+                        _gpu(t, qkv_width),
+                        _ids(t),
+                        _ids(t),
+                        _gpu(4096, head_dim, dtype=torch.float32),
+                        _gpu(head_dim),
+                        _gpu(head_dim),
+                        1e-6,
+                        k,
+                        v,
+                        heads,
+                        kv_heads,
+                        head_dim,
+                    ),
+                )
+            )
+        calls.append(
+            (
+                f"KV store, {_name(cache)} cache",
+                lambda k=k_cache, v=v_cache: triton_ops.kv_store(
+                    _ids(64), _gpu(64, kv_heads, head_dim), _gpu(64, kv_heads, head_dim), k, v
+                ),
+            )
+        )
+        pages = _gpu(4096, PAGE_SIZE, kv_heads, head_dim, dtype=cache)
+        for batch in DECODE_BATCHES:
+            splits = triton_decode.decode_num_splits(batch, kv_heads)
+            variants = [{}] + ([{"cuda_cores": True}, {"prefetch": True}] if cache == FP8 else [])
+            for variant in variants:
+                calls.append(
+                    (
+                        f"decode attention, batch {batch}, {_name(cache)} cache{_variant(variant)}",
+                        lambda b=batch, s=splits, p=pages, v=variant: triton_decode.paged_decode(
+                            _gpu(b, heads, head_dim),
+                            p,
+                            p,
+                            _ids(b + 1, dtype=torch.int32),
+                            _ids(4096, dtype=torch.int32),
+                            _ids(b, dtype=torch.int32),
+                            num_splits=s,
+                            **v,
+                        ),
+                    )
+                )
+
+    for batch in (1, 256):
+        calls.append(
+            (
+                f"sampling, batch {batch}",
+                lambda b=batch: triton_ops.sample_rows(
+                    _gpu(b, vocab, dtype=torch.float32),
+                    _gpu(b, dtype=torch.float32),
+                    _ids(b),
+                    _ids(b),
+                    token_pool=_ids(4096, dtype=torch.int32),
+                    token_write=_ids(b),
+                ),
+            )
+        )
+
+    # batch-1 decode's row fusion: the residual norm into the QKV GEMV, SiLU-and-multiply into down's
+    calls.append(
+        (
+            "norm + QKV GEMV, batch 1",
+            lambda: triton_ops.norm_linear(
+                _gpu(1, hidden), _gpu(1, hidden), _gpu(hidden), 1e-6, _gpu(qkv_width, hidden)
+            ),
+        )
+    )
+    calls.append(
+        (
+            "small GEMV (o), batch 1",
+            lambda: triton_ops.small_linear(_gpu(1, heads * head_dim), _gpu(hidden, heads * head_dim)),
+        )
+    )
+    if "num_experts" in cfg:
+        calls.extend(_moe_launches(cfg, hidden))
+    else:
+        inter = cfg["intermediate_size"]
+        calls.append(
+            ("SiLU + down GEMV, batch 1", lambda: triton_ops.silu_linear(_gpu(1, 2 * inter), _gpu(hidden, inter)))
+        )
+        calls.extend(_fp8_launches(hidden, inter))
+    return calls
+
+
+def _moe_launches(cfg: dict, hidden: int) -> list[tuple[str, Callable[[], object]]]:
+    experts, top_k, inter = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    w13, w2 = _gpu(experts, 2 * inter, hidden), _gpu(experts, hidden, inter)
+
+    def experts_of(tokens: int) -> object:
+        if tokens * top_k <= fused.ALIGN_KERNEL_MAX_ROWS:  # routed and sorted on the device
+            return fused.fused_moe(_gpu(tokens, hidden), _gpu(tokens, experts), w13, w2, top_k, cfg["norm_topk_prob"])
+        # sorted by torch ops, which read the routing's ids: given here, as no kernel writes them
+        ids = _ids(tokens, top_k, dtype=torch.int32)
+        return fused.fused_experts(_gpu(tokens, hidden), w13, w2, _ids(tokens, top_k, dtype=BF16), ids)
+
+    return [
+        (f"MoE experts, {tokens} tokens", lambda t=tokens: experts_of(t))
+        for tokens in fused.warm_token_counts(experts, top_k)
+    ]
+
+
+def _fp8_launches(hidden: int, inter: int) -> list[tuple[str, Callable[[], object]]]:
+    """FP8 weights: the GEMV of a few rows (per-channel and 128 x 128 block scales) and the block-scaled
+    GEMM with its activations' quantization."""
+    weight = _gpu(2 * inter, hidden, dtype=FP8)
+    channel, blocks = (
+        _gpu(2 * inter, 1, dtype=torch.float32),
+        _gpu(-(-2 * inter // 128), -(-hidden // 128), dtype=torch.float32),
+    )
+    calls = [
+        (f"FP8 GEMV, batch 1, {name} scales", lambda s=scale, b=block: gemm.fp8_gemv(_gpu(1, hidden), weight, s, b))
+        for name, scale, block in (("per-channel", channel, None), ("block", blocks, (128, 128)))
+    ]
+    calls += [
+        (
+            f"FP8 block-scaled GEMM, {rows} rows",
+            lambda m=rows: gemm.block_scaled_mm(_gpu(m, hidden), weight, blocks, 128),
+        )
+        for rows in (16, 256, 8192)
+    ]
+    return calls
+
+
+def _name(dtype: torch.dtype) -> str:
+    return {BF16: "bf16", FP8: "fp8"}[dtype]
+
+
+def _variant(variant: dict) -> str:
+    return "".join(f", {k}" for k in variant)
+
+
+def occupancy(launch: CompiledLaunch) -> int:
+    """Warps an SM holds at once: bounded by registers (allocated 8 a thread at a time, a warp's 256 at a
+    time), shared memory and the SM's warp and program counts."""
+    warps = launch.constants.get("num_warps", 4)
+    per_warp = -(-max(launch.registers, 1) * 32 // 256) * 256
+    by_registers = SM_REGISTERS // (per_warp * warps)
+    by_shared = SM_SHARED // launch.shared_bytes if launch.shared_bytes else SM_PROGRAMS
+    return min(by_registers, by_shared, SM_PROGRAMS, SM_WARPS // warps) * warps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", nargs="+", default=["qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"], choices=sorted(ARCHS))
+    p.add_argument(
+        "--arch-sm", type=int, default=90, help="the GPU's compute capability, major and minor (90: H100/H200)"
+    )
+    p.add_argument("--out", help="write the launches as JSON here")
+    args = p.parse_args()
+    report, failed = [], []
+    for arch in args.arch:
+        print(f"== {arch}, compiled for sm_{args.arch_sm} ==")
+        print(f"{'launch':<48} {'kernel':<26} {'regs':>4} {'spill':>5} {'smem':>6} {'warps/SM':>8}")
+        for where, call in launches(arch):
+            with compile_only(args.arch_sm) as compiled:
+                try:
+                    call()
+                except Exception as e:  # a kernel that does not compile: named, and the rest still compiled
+                    failed.append(f"{arch}: {where}: {type(e).__name__}: {e}")
+                    print(f"{where:<48} FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                    continue
+            for launch in compiled.launches:
+                print(
+                    f"{where:<48} {launch.kernel:<26} {launch.registers:>4} {launch.spilled_bytes:>5} "
+                    f"{launch.shared_bytes:>6} {occupancy(launch):>8}"
+                )
+                report.append({"arch": arch, "launch": where, **vars(launch), "warps_per_sm": occupancy(launch)})
+    if args.out:
+        Path(args.out).write_text(json.dumps({"launches": report, "failed": failed}, indent=2, default=str))
+    if failed:
+        raise SystemExit("did not compile:\n" + "\n".join(failed))
+
+
+if __name__ == "__main__":
+    main()

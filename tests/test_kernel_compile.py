@@ -1,0 +1,65 @@
+"""Every Triton kernel compiles for an H200 (sm_90) on a machine without a GPU, through the launchers at the
+shapes the engine's steps give them (bench/kernel_resources.py on the tiny architectures, in a process of
+its own: this one imported Triton to interpret). A kernel that would fail to compile on the GPU fails here."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_MODULES = (
+    "worker.triton_kernels",
+    "worker.triton_decode",
+    "worker.layers.moe.triton_kernels",
+    "worker.quant.fp8_kernels",
+)
+
+
+def kernels_defined() -> set[str]:
+    """The Triton kernels the modules define (their jitted helpers, called from kernels, are not launched)."""
+    names = set()
+    for module in map(importlib.import_module, KERNEL_MODULES):
+        names |= {name for name, obj in vars(module).items() if name.endswith("_kernel") and hasattr(obj, "fn")}
+    return names
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("kernels") / "launches.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "kernel_resources.py"), "--arch", "tiny", "tiny-moe", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_every_launch_compiles_for_sm90(report):
+    assert report["failed"] == []
+    assert report["launches"]
+    assert all(launch["registers"] > 0 for launch in report["launches"])
+
+
+def test_every_kernel_the_engine_defines_is_compiled(report):
+    defined = kernels_defined()
+    assert "_split_kernel" in defined and "moe_row_down_kernel" in defined
+    assert defined - {launch["kernel"] for launch in report["launches"]} == set()
+
+
+def test_the_decode_kernels_variants_compile_over_an_fp8_cache(report):
+    decode = [launch["launch"] for launch in report["launches"] if launch["kernel"] == "_split_kernel"]
+    for variant in ("cuda_cores", "prefetch"):
+        assert any(variant in where and "fp8 cache" in where for where in decode)

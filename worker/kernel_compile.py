@@ -1,0 +1,119 @@
+"""Compiling the Triton kernels for a GPU without one: a Triton driver that names the target and
+launches nothing, so that a launcher called on CPU tensors compiles its kernel exactly as it would on that
+GPU. A kernel that does not compile is then found on any machine, and each compiled kernel's registers,
+spilled bytes and shared memory can be read (bench/kernel_resources.py) before a GPU is at hand."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class CompiledLaunch:
+    """One launch as compiled: the kernel, its compile-time arguments and launch options, and what a
+    program of it holds on the target."""
+
+    kernel: str
+    constants: dict
+    registers: int  # a thread's
+    spilled_bytes: int  # a thread's stack: registers spilled to local memory
+    shared_bytes: int  # a program's
+
+
+@dataclass
+class Compiled:
+    """What the launches inside `compile_only` compiled, in launch order."""
+
+    launches: list[CompiledLaunch] = field(default_factory=list)
+
+    def named(self, kernel: str) -> list[CompiledLaunch]:
+        return [launch for launch in self.launches if launch.kernel == kernel]
+
+
+class OnGpu(torch.Tensor):
+    """A CPU tensor that says it is on CUDA, so that a launcher picks what it picks for a GPU (its tiles,
+    its kernel over a torch fallback). Only its data pointer and dtype reach Triton."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+def on_gpu(x: torch.Tensor) -> torch.Tensor:
+    return x.as_subclass(OnGpu)
+
+
+class _CompileOnlyDriver:
+    """What Triton's JIT asks of the active driver before it compiles (the device, the stream, the
+    target); the launch itself is skipped by `compile_only`."""
+
+    def __init__(self, arch: int) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def is_active(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def compile_only(arch: int = 90) -> Iterator[Compiled]:
+    """Every Triton launch inside compiles for sm_`arch` and runs nothing (the outputs stay as allocated).
+    Needs Triton imported to compile (not TRITON_INTERPRET=1) and its bundled CUDA tools, no GPU."""
+    import triton
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_only needs Triton imported to compile: unset TRITON_INTERPRET")
+    compiled = Compiled()
+    launch = JITFunction.run
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        registers, spilled = _resource_usage(kernel.asm["cubin"], triton)
+        constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        compiled.launches.append(
+            CompiledLaunch(self.fn.__name__, constants, registers, spilled, int(kernel.metadata.shared))
+        )
+        return kernel
+
+    before = driver._active  # reset_active() would build the default driver, which fails without a GPU
+    driver.set_active(_CompileOnlyDriver(arch))
+    JITFunction.run = compile_instead
+    try:
+        yield compiled
+    finally:
+        JITFunction.run = launch
+        driver.set_active(before)
+
+
+def _resource_usage(cubin: bytes, triton) -> tuple[int, int]:
+    """(registers, stack bytes) of a thread, as cuobjdump (bundled with Triton) reads them from the cubin."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    registers, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    return int(registers.group(1)) if registers else 0, int(stack.group(1)) if stack else 0
