@@ -217,6 +217,13 @@ def test_a_stop_sequence_is_the_stop_reason_with_the_sequence(srv):
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
 
 
+def _result(tool_use_id: str, content) -> dict:
+    return {"type": "tool_result", "tool_use_id": tool_use_id, "content": content}
+
+
+_USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}]}
+
+
 @pytest.mark.parametrize(
     "fields, where",
     [
@@ -227,6 +234,13 @@ def test_a_stop_sequence_is_the_stop_reason_with_the_sequence(srv):
         ({"temperature": 3}, "temperature"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
         ({"max_tokens": 10**6}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": []}]}, "messages.0.content"),
+        ({"messages": [_USE, {"role": "user", "content": [_result("t1", None)]}]}, "messages.1.content.0.content"),
+        ({"messages": [_USE, {"role": "user", "content": [_result("t1", 5)]}]}, "messages.1.content.0.content"),
+        ({"messages": [_USE, {"role": "user", "content": [_result("t1", ["x"])]}]}, "messages.1.content.0.content.0"),
+        ({"messages": [{"role": "user", "content": [_result("t1", "x")]}]}, "messages.0.content.0.tool_use_id"),
+        ({"messages": [_USE, {"role": "user", "content": [_result("t2", "x")]}]}, "messages.1.content.0.tool_use_id"),
+        ({"messages": [{**_USE, "content": [{**_USE["content"][0], "id": None}]}]}, "messages.0.content.0"),
     ],
 )
 def test_bad_input_is_an_anthropic_error_naming_the_field(srv, fields, where):
@@ -246,6 +260,64 @@ def test_the_client_raises_its_own_errors(srv):
     with pytest.raises(anthropic.AuthenticationError) as e:
         wrong.messages.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert e.value.body["error"]["type"] == "authentication_error"
+
+
+def test_count_tokens_names_a_bad_tool_result_in_anthropics_shape(srv):
+    body = {"model": "tiny", "messages": [_USE, {"role": "user", "content": [_result("t1", None)]}]}
+    r = httpx.post(srv.url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": KEY}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "messages.1.content.0.content" in r.json()["error"]["message"]
+
+
+def test_a_wrong_stop_sequences_type_is_named_as_sent(srv):
+    body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stop_sequences": "END"}
+    r = httpx.post(srv.url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("stop_sequences:"), r.text
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/messages"), ("PUT", "/v1/messages"), ("POST", "/v1/messages/x")])
+def test_a_wrong_method_or_path_under_messages_is_an_anthropic_error(srv, method, path):
+    r = httpx.request(method, srv.url + path, json={}, headers={"x-api-key": KEY}, timeout=30)
+    assert r.status_code in (404, 405) and r.json()["type"] == "error", r.text
+
+
+def test_a_final_assistant_message_is_the_text_the_answer_continues(srv, model):
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "One two"}]
+    m = claude(srv).messages.create(model="tiny", messages=messages, max_tokens=6, extra_body=GREEDY)
+    continued = {**NO_THINKING_CHAT, "add_generation_prompt": False, "continue_final_message": True}
+    c = chat(srv, messages, max_tokens=6, extra_body=continued)
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == c.usage.prompt_tokens
+    assert m.content[0].text == c.choices[0].message.content
+    tokenizer = load_tokenizer(str(model))
+    text = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False, enable_thinking=False)
+    assert text.endswith("One two")
+    counted = claude(srv).messages.count_tokens(model="tiny", messages=messages).input_tokens
+    assert counted == len(tokenizer(text, add_special_tokens=False).input_ids)
+    # an empty final assistant turn prefills nothing: the answer is a new turn's
+    empty = claude(srv).messages.count_tokens(
+        model="tiny", messages=[*messages[:1], {"role": "assistant", "content": ""}]
+    )
+    assert empty.input_tokens == claude(srv).messages.count_tokens(model="tiny", messages=messages[:1]).input_tokens
+
+
+def test_an_error_tool_result_says_so_in_the_prompt(srv):
+    def count(**result) -> int:
+        user = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", **result}]}
+        return claude(srv).messages.count_tokens(model="tiny", messages=[_USE, user]).input_tokens
+
+    assert count(content="failed", is_error=True) == count(content="Error: failed")
+    assert count(content="failed", is_error=True) > count(content="failed")
+
+
+def test_a_streamed_message_reports_the_prefix_cache_as_the_whole_message_does(srv):
+    body = dict(model="tiny", system="Streamed twice.", messages=[{"role": "user", "content": "A longer prompt here"}])
+    claude(srv).messages.create(**body, max_tokens=2)
+    whole = claude(srv).messages.create(**body, max_tokens=2)
+    with claude(srv).messages.stream(**body, max_tokens=2) as stream:
+        final = stream.get_final_message()
+    assert whole.usage.cache_read_input_tokens > 0
+    assert final.usage.cache_read_input_tokens == whole.usage.cache_read_input_tokens
+    assert final.usage.input_tokens == whole.usage.input_tokens
 
 
 def test_the_replicas_are_whole_after_the_messages(srv):

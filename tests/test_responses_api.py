@@ -169,11 +169,15 @@ def test_the_reasoning_parser_output_is_a_reasoning_item(srv):
     assert r.usage.output_tokens_details.reasoning_tokens > 0
     with client(srv).responses.stream(model="tiny", input="Think", max_output_tokens=8, temperature=0) as stream:
         events = list(stream)
-    assert event_types(events)[2:5] == [
+    assert event_types(events)[2:7] == [
         "response.output_item.added",
+        "response.content_part.added",
         "response.reasoning_text.delta",
         "response.reasoning_text.done",
+        "response.content_part.done",
     ]
+    part = next(e for e in events if e.type == "response.content_part.done").part
+    assert part.type == "reasoning_text" and part.text == r.output[0].content[0].text
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert deltas == r.output[0].content[0].text
 
@@ -238,6 +242,10 @@ def test_parse_reads_a_json_schema_output_into_its_model(srv, bias):
     assert json_mode.status == "completed" and isinstance(json.loads(json_mode.output_text), dict)
 
 
+# a function call's output with no call before it
+UNANSWERED = {"type": "function_call_output", "call_id": "call_nope", "output": "x"}
+
+
 @pytest.mark.parametrize(
     "fields, param",
     [
@@ -249,6 +257,9 @@ def test_parse_reads_a_json_schema_output_into_its_model(srv, bias):
         ({"max_output_tokens": 10**6}, "max_output_tokens"),
         ({"background": True}, "background"),
         ({"temperature": "hot"}, "temperature"),
+        ({"input": [UNANSWERED]}, "input.0.call_id"),
+        ({"input": [{"role": "user", "content": "hi"}, {**UNANSWERED, "call_id": ""}]}, "input.1.call_id"),
+        ({"tools": [{**TOOL, "parameters": json.loads('{"a":' * 400 + "1" + "}" * 400)}]}, "tools"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(srv, fields, param):
@@ -331,6 +342,41 @@ def test_the_store_forgets_what_expires_and_the_oldest_past_its_bounds(monkeypat
     assert [store.get(k) for k in "bcd"] == [None, None, {"n": 4}]
     now[0] = 11.0
     assert store.get("d") is None
+
+
+def test_instructions_come_first_and_the_inputs_own_system_messages_stay(srv):
+    system, user = {"role": "system", "content": "Answer in French, always."}, {"role": "user", "content": "Hello"}
+    r = client(srv).responses.create(
+        model="tiny", instructions="Be brief.", input=[system, user], max_output_tokens=2, reasoning=NO_THINKING
+    )
+    c = chat(srv, [{"role": "system", "content": "Be brief."}, system, user], max_tokens=2, extra_body=NO_THINKING_CHAT)
+    assert r.usage.input_tokens == c.usage.prompt_tokens
+
+
+def test_a_stream_that_fails_ends_failed_with_one_code_and_is_kept(srv):
+    never = {"format": {"type": "json_schema", "name": "never", "schema": {"type": "string", "pattern": "^[^\\s\\S]$"}}}
+    events = list(
+        client(srv).responses.create(
+            model="tiny", input="Hi", text=never, max_output_tokens=8, reasoning=NO_THINKING, stream=True
+        )
+    )
+    error = next(e for e in events if e.type == "error")
+    failed = events[-1]
+    assert failed.type == "response.failed" and failed.response.error.code == error.code
+    assert all(item.status != "completed" for item in failed.response.output)
+    assert client(srv).responses.retrieve(failed.response.id).status == "failed"
+
+
+def test_the_echoed_settings_are_those_sent(srv):
+    r = client(srv).responses.create(
+        model="tiny",
+        input="Hi",
+        max_output_tokens=1,
+        text={"format": {"type": "json_object"}},
+        reasoning={"effort": "none", "summary": "auto"},
+    )
+    assert r.text.format.model_dump(exclude_none=True) == {"type": "json_object"}
+    assert r.reasoning.summary == "auto"
 
 
 def test_the_replicas_are_whole_after_the_responses(srv):

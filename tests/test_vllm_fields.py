@@ -162,12 +162,34 @@ REFUSED = [
     (C, "truncate_prompt_tokens", 100_000),
     (C, "truncate_prompt_tokens", 0),
     (CHAT, "reasoning_effort", "high"),
-    (CHAT, "continue_final_message", True),
-    (CHAT, "add_generation_prompt", False),
     (CHAT, "chat_template", "{{ messages }}"),
     (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
     (CHAT, "spaces_between_special_tokens", False),
 ]
+
+
+def test_continue_final_message_continues_the_last_message_as_it_stands(srv, tokenizer):
+    messages = [*MSG, {"role": "assistant", "content": "It is"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True, "return_token_ids": True}
+    r = client(srv).chat.completions.create(model="tiny", messages=messages, max_tokens=3, extra_body=extra)
+    text = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    assert text.endswith("It is")
+    assert r.prompt_token_ids == tokenizer(text, add_special_tokens=False).input_ids
+    bare = client(srv).chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=1, extra_body={"add_generation_prompt": False, "return_token_ids": True}
+    )
+    opened = tokenizer.apply_chat_template(MSG, add_generation_prompt=False, tokenize=False)
+    assert bare.prompt_token_ids == tokenizer(opened, add_special_tokens=False).input_ids
+    counted = httpx.post(srv.url + "/tokenize", json={"messages": messages, **extra}, timeout=30).json()
+    assert counted["tokens"] == r.prompt_token_ids
+
+
+def test_continue_final_message_with_add_generation_prompt_is_a_400_naming_it(srv):
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 1, "continue_final_message": True}
+    for path in (CHAT, "/tokenize"):
+        r = httpx.post(srv.url + path, json=body, timeout=30)
+        assert r.status_code == 400, r.text
+        assert "continue_final_message" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path,field,value", REFUSED, ids=[f"{r[1]}-{i}" for i, r in enumerate(REFUSED)])

@@ -15,7 +15,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.chat.prepare import prepare_chat
 from router.chat.structured import request_grammar
-from router.http.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
+from router.http.errors import (
+    APIError,
+    api_error_handler,
+    http_error_handler,
+    internal_error_handler,
+    validation_error_handler,
+)
 from router.http.extras import Extras
 from router.http.guard import RequestGuard
 from router.http.head import HeadAsGet
@@ -56,6 +62,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, internal_error_handler)
     app.add_middleware(RequestGuard, state=state)
     app.add_middleware(HeadAsGet)
 
@@ -94,8 +101,12 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
             state.check_model(body.model)
         if body.messages is not None:
             ids = state.chat_ids(
-                ChatCompletionRequest(model=state.model_name, messages=body.messages),
-                add_generation_prompt=body.add_generation_prompt,
+                ChatCompletionRequest(
+                    model=state.model_name,
+                    messages=body.messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                )
             )
         else:
             ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids

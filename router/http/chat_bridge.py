@@ -91,11 +91,17 @@ def sse_event(name: str, data: dict) -> str:
 def renamed(error: APIError, names: dict[str, str]) -> APIError:
     """error with the chat fields it names written as the API's own (`names`: chat's -> the API's)."""
     for old, new in names.items():
-        if error.param is not None and (error.param == old or error.param.startswith(old + ".")):
+        if error.param is not None and _starts_with_name(error.param, old):
             error.param = new + error.param[len(old) :]
-        if error.message.startswith(old):
+        if _starts_with_name(error.message, old):
             error.message = new + error.message[len(old) :]
     return error
+
+
+def _starts_with_name(text: str, name: str) -> bool:
+    """Whether text begins with the field name `name` whole ("stop: ..." or "stop.0", not "stop_sequences")."""
+    after = text[len(name) : len(name) + 1]
+    return text.startswith(name) and not (after.isalnum() or after == "_")
 
 
 def cached_of(used: dict) -> int:

@@ -1,4 +1,5 @@
-"""Errors as the OpenAI API reports them: a status code and {"error": {message, type, param, code}}."""
+"""Errors as the OpenAI API reports them: a status code and {"error": {message, type, param, code}}; and
+on the Anthropic Messages API's routes as it does: {"type": "error", "error": {type, message}}."""
 
 from __future__ import annotations
 
@@ -89,4 +90,40 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
 
 async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(exc.status_code, str(exc.detail), type_)
+    return responder(request.url.path)(exc.status_code, str(exc.detail), type_)
+
+
+async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """What no handler caught (a bug): a 500 in the route's error shape, not a plain-text page."""
+    return responder(request.url.path)(500, f"internal error: {type(exc).__name__}", "server_error")
+
+
+# HTTP status -> Anthropic's error type
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def anthropic_error(
+    status: int, message: str, type_: str | None = None, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    """An error response in Anthropic's shape, called as error_response is (its type comes from the
+    status; Anthropic's errors have no param or code)."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
+
+
+def responder(path: str):
+    """error_response, or anthropic_error on the Messages API's routes (whose clients read that shape)."""
+    return anthropic_error if path.startswith("/v1/messages") else error_response

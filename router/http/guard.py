@@ -10,8 +10,7 @@ import asyncio
 import hmac
 import time
 
-from router.http.errors import error_response
-from router.http.messages_api.output import anthropic_error
+from router.http.errors import responder
 
 # the scope's key for when the request was received (time.perf_counter): where its TTFT starts
 RECEIVED = "raylm.received"
@@ -30,7 +29,7 @@ class RequestGuard:
         cfg = self.state.config
         # Anthropic's clients send the key in x-api-key, and read errors in Anthropic's shape
         anthropic = scope["path"].startswith("/v1/messages")
-        respond = anthropic_error if anthropic else error_response
+        respond = responder(scope["path"])
         if scope["path"].startswith(_GUARDED):
             if cfg.api_key is not None:
                 headers = dict(scope["headers"])

@@ -45,7 +45,11 @@ class UnicodeChecked(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
-        if _holds_bad_text(value):
+        try:
+            bad = _holds_bad_text(value)
+        except RecursionError:  # JSON parses deeper than Python recurses: no field here needs such depth
+            raise ValueError("is nested too deeply") from None
+        if bad:
             raise ValueError("holds a string that is not valid Unicode (a lone surrogate)")
         return value
 
@@ -263,8 +267,6 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
-    add_generation_prompt: Any = None
-    continue_final_message: Any = None
     chat_template: Any = None
     documents: Any = None
     include_reasoning: Any = None
@@ -273,6 +275,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call (the grammar's, or the first one parsed)
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template ({"enable_thinking": false})
+    # vLLM's: the assistant turn's opening after the messages, or (continue_final_message) none, the answer
+    # continuing the last message as it stands (a prefill)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -292,6 +298,13 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("echo is not supported by this server for chat completions (use /v1/completions)")
         return value
 
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continues_without_a_new_turn(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt", True):  # vLLM's 400: the two contradict
+            raise ValueError("continue_final_message needs add_generation_prompt: false")
+        return value
+
 
 class TokenizeRequest(APIRequest):
     """POST /tokenize: a prompt, or chat messages rendered by the chat template first."""
@@ -301,11 +314,14 @@ class TokenizeRequest(APIRequest):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send either prompt or messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false")
         return self
 
 

@@ -36,8 +36,6 @@ CHAT_UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "verbosity": (None,),
     "web_search_options": (None,),
     # vLLM's
-    "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False),
     "chat_template": (None,),
     "documents": (None, []),
     "include_reasoning": (None, True),

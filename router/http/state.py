@@ -148,13 +148,12 @@ class RouterState:
                 code="model_not_found",
             )
 
-    def chat_ids(self, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> list[int]:
-        return self.tokenizer(self.chat_prompt(req, add_generation_prompt), add_special_tokens=False).input_ids
+    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+        return self.tokenizer(self.chat_prompt(req), add_special_tokens=False).input_ids
 
-    def chat_prompt(
-        self, req: ChatCompletionRequest, add_generation_prompt: bool = True, tools: list[dict] | None = None
-    ) -> str:
-        """The messages (and tools) rendered by the chat template, with the request's chat_template_kwargs."""
+    def chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None = None) -> str:
+        """The messages (and tools) rendered by the chat template, with the request's chat_template_kwargs,
+        ending with the assistant turn's opening or, continue_final_message, inside the last message."""
         extra = req.chat_template_kwargs or {}
         if reserved := sorted(_TEMPLATE_ARGUMENTS & extra.keys()):
             raise APIError(
@@ -165,7 +164,12 @@ class RouterState:
         try:
             messages = [m.for_template() for m in req.messages]
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                **extra,
             )
         except ValueError as e:
             raise APIError(400, f"messages: {e}", param="messages") from e

@@ -8,36 +8,11 @@ import uuid
 
 from fastapi.responses import JSONResponse
 
-from router.http.errors import RETRY_AFTER_S, APIError
-
-# HTTP status -> Anthropic's error type
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
-
-
-def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+from router.http.errors import APIError, anthropic_error
 
 
 def error_response(error: APIError) -> JSONResponse:
     return anthropic_error(error.status, error.message)
-
-
-def anthropic_error(
-    status: int, message: str, type_: str | None = None, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    """An error response in Anthropic's shape, called as router.http.errors.error_response is (its type
-    comes from the status; Anthropic's errors have no param or code)."""
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
-    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 
 def new_id() -> str:

@@ -1,14 +1,15 @@
 """A streamed message as Anthropic's events, from the chat stream's chunks: message_start; per content
 block content_block_start, its content_block_delta events (thinking_delta, text_delta,
-input_json_delta) and content_block_stop; then message_delta (stop_reason, output usage) and
+input_json_delta) and content_block_stop; then message_delta (stop_reason, the whole usage) and
 message_stop; an error event after a failure."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
-from router.http.chat_bridge import sse_event
-from router.http.messages_api.output import error_body, message_body, usage
+from router.http.chat_bridge import cached_of, sse_event
+from router.http.errors import anthropic_error_body
+from router.http.messages_api.output import message_body, usage
 
 _STATUS_OF_CODE = {"invalid_request_error": 400, "rate_limit_error": 429, "service_unavailable": 503}
 
@@ -34,7 +35,7 @@ class MessageEvents:
                 error = chunk["error"]
                 code = error.get("code")
                 status = code if isinstance(code, int) else _STATUS_OF_CODE.get(error.get("type"), 500)
-                yield sse_event("error", error_body(status, error["message"]))
+                yield sse_event("error", anthropic_error_body(status, error["message"]))
                 async for _ in chunks:  # the chat stream's end
                     pass
                 return
@@ -51,10 +52,13 @@ class MessageEvents:
         for event in self._stop():
             yield event
         stop = self.stop_of(finish, ids)
-        output = used["completion_tokens"] if used else len(ids)
-        yield self._event(
-            "message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]}, usage={"output_tokens": output}
-        )
+        # the whole usage, as Anthropic's message_delta carries it: what the prefix cache served is known
+        # only now (message_start counted the prompt as computed)
+        if used:
+            final = usage(used["prompt_tokens"], used["completion_tokens"], cached_of(used))
+        else:
+            final = usage(self.input_tokens, len(ids))
+        yield self._event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]}, usage=final)
         yield self._event("message_stop")
 
     def _delta(self, delta: dict) -> list[str]:

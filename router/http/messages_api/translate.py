@@ -1,6 +1,7 @@
 """A Messages request as the chat request it means: the system prompt a system message, text blocks
-content, an assistant's tool_use blocks its tool_calls, tool_result blocks tool messages; tool_choice
-any the chat API's "required"; thinking, when not enabled, the template's enable_thinking false."""
+content, an assistant's tool_use blocks its tool_calls, tool_result blocks tool messages; a final
+assistant turn the text the answer continues (continue_final_message); tool_choice any the chat API's
+"required"; thinking, when not enabled, the template's enable_thinking false."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ from router.http.messages_api.protocol import CountTokensRequest, MessagesReques
 from router.http.protocol import ChatCompletionRequest
 
 
-def _text(blocks: str | list[dict], field: str) -> str:
+def _text(blocks: object, field: str) -> str:
     """Text blocks' text (a tool_result's content, a system prompt), or a 400 naming the block."""
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise APIError(400, f"{field}: must be a string or a list of text blocks", param=field)
     out = []
     for i, block in enumerate(blocks):
+        if not isinstance(block, dict):
+            raise APIError(400, f"{field}.{i}: must be a content block (an object with a type)", param=f"{field}.{i}")
         if block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise _unsupported(block, f"{field}.{i}")
         out.append(block["text"])
@@ -29,14 +34,25 @@ def _unsupported(block: dict, where: str) -> APIError:
     return APIError(400, f"{where}: {kind!r} content blocks are not supported by this server", param=f"{where}.type")
 
 
-def _user(content: list[dict], where: str) -> list[dict]:
+def _user(content: list[dict], where: str, calls: set[str]) -> list[dict]:
+    """A user turn's messages: its tool results (each answering one of `calls`, the tool_use ids of the
+    assistant turn before it), then its text."""
     tools, text = [], []
     for j, block in enumerate(content):
         kind, at = block.get("type"), f"{where}.content.{j}"
         if kind == "text" and isinstance(block.get("text"), str):
             text.append(block["text"])
         elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
+            if block["tool_use_id"] not in calls:
+                raise APIError(
+                    400,
+                    f"{at}.tool_use_id: {block['tool_use_id']!r} answers no tool_use block of the assistant "
+                    "message before it",
+                    param=f"{at}.tool_use_id",
+                )
             result = _text(block.get("content", ""), f"{at}.content")
+            if block.get("is_error") is True:  # chat templates have no field for it: the result says so
+                result = f"Error: {result}"
             tools.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
         elif kind in ("text", "tool_result"):
             raise APIError(
@@ -47,16 +63,19 @@ def _user(content: list[dict], where: str) -> list[dict]:
     return tools + ([{"role": "user", "content": "".join(text)}] if text else [])
 
 
+_TOOL_USE_FIELDS = (("id", str), ("name", str), ("input", dict))
+
+
 def _assistant(content: list[dict], where: str) -> dict:
     text, calls = [], []
     for j, block in enumerate(content):
         kind, at = block.get("type"), f"{where}.content.{j}"
         if kind == "text" and isinstance(block.get("text"), str):
             text.append(block["text"])
-        elif kind == "tool_use" and isinstance(block.get("name"), str) and isinstance(block.get("input"), dict):
+        elif kind == "tool_use" and all(isinstance(block.get(k), t) for k, t in _TOOL_USE_FIELDS):
             arguments = json.dumps(block["input"], ensure_ascii=False)
             calls.append(
-                {"id": block.get("id"), "type": "function", "function": {"name": block["name"], "arguments": arguments}}
+                {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": arguments}}
             )
         elif kind in ("thinking", "redacted_thinking"):
             continue  # earlier turns' thinking stays out of the prompt, as chat templates leave it
@@ -70,14 +89,33 @@ def _assistant(content: list[dict], where: str) -> dict:
 
 def chat_messages(req: CountTokensRequest) -> list[dict]:
     messages = [] if req.system is None else [{"role": "system", "content": _text(req.system, "system")}]
+    calls: set[str] = set()  # the tool_use ids of the assistant turn before, which its results answer
     for i, m in enumerate(req.messages):
+        if not m.content and not (m.role == "assistant" and i == len(req.messages) - 1):
+            raise APIError(400, f"messages.{i}.content: a message needs content", param=f"messages.{i}.content")
         if isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content})
         elif m.role == "user":
-            messages += _user(m.content, f"messages.{i}")
+            messages += _user(m.content, f"messages.{i}", calls)
         else:
             messages.append(_assistant(m.content, f"messages.{i}"))
+        calls = {c["id"] for c in messages[-1].get("tool_calls", ())} if m.role == "assistant" else set()
     return messages
+
+
+def prefilled(req: CountTokensRequest) -> bool:
+    """Whether the conversation ends with an assistant turn, which the answer continues (a prefill)."""
+    last = req.messages[-1]
+    if last.role != "assistant":
+        return False
+    if isinstance(last.content, list) and any(b.get("type") != "text" for b in last.content):
+        raise APIError(
+            400,
+            f"messages.{len(req.messages) - 1}.content: a final assistant message the answer continues may hold "
+            "only text",
+            param=f"messages.{len(req.messages) - 1}.content",
+        )
+    return True
 
 
 def _tool_choice(choice: ToolChoice | None) -> str | dict | None:
@@ -102,9 +140,14 @@ def chat_of(req: CountTokensRequest) -> ChatCompletionRequest:
     ] or None
     thinking = req.thinking is not None and req.thinking.type == "enabled"
     choice = req.tool_choice
+    messages, prefill = chat_messages(req), prefilled(req)
+    if prefill and not messages[-1]["content"]:  # an empty final assistant turn prefills nothing
+        messages, prefill = messages[:-1], False
     fields = {
         "model": req.model,
-        "messages": chat_messages(req),
+        "messages": messages,
+        "add_generation_prompt": not prefill,
+        "continue_final_message": prefill,
         "tools": [{**t, "function": {k: v for k, v in t["function"].items() if v is not None}} for t in tools or []]
         or None,
         "tool_choice": _tool_choice(choice),

@@ -14,8 +14,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def reasoning_text(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
 def reasoning_item(item_id: str, text: str | None, status: str = "completed") -> dict:
-    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    content = [] if text is None else [reasoning_text(text)]
     return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
 
@@ -80,7 +84,10 @@ class ResponseHead:
         error: dict | None = None,
     ) -> dict:
         req = self.req
-        fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else None
+        fmt = req.text.format if req.text else None
+        if fmt is not None:  # a name (and a schema) are json_schema's alone
+            only = None if fmt.type == "json_schema" else {"type"}
+            fmt = fmt.model_dump(by_alias=True, exclude_none=True, include=only)
         choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
         return {
             "id": self.id,
@@ -96,7 +103,10 @@ class ResponseHead:
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
-            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
+            "reasoning": {
+                "effort": req.reasoning.effort if req.reasoning else None,
+                "summary": req.reasoning.summary if req.reasoning else None,
+            },
             "store": req.store is not False,
             "temperature": req.temperature,
             "text": {"format": fmt or {"type": "text"}},
@@ -108,6 +118,17 @@ class ResponseHead:
             "user": req.user,
             "metadata": req.metadata or {},
         }
+
+
+def failure_code(error: dict) -> str:
+    """The Responses API's error code for a chat stream's error event (whose code is the HTTP status):
+    the request's fault, the rate limit's, or the server's."""
+    status = error.get("code")
+    if status == 429:
+        return "rate_limit_exceeded"
+    if isinstance(status, int) and 400 <= status < 500:
+        return "invalid_prompt"
+    return "server_error"
 
 
 def status_of(finish_reason: str | None) -> tuple[str, str | None]:

@@ -20,6 +20,7 @@ FIELD_NAMES = {
     "max_completion_tokens": "max_output_tokens",
     "max_tokens": "max_output_tokens",
     "messages": "input",
+    "prompt": "input",
 }
 
 
@@ -29,7 +30,7 @@ async def create_response(state: RouterState, request: Request, req: ResponsesRe
     if req.previous_response_id is not None:
         history = (await stored(state, req.previous_response_id, "previous_response_id"))["messages"]
     try:
-        messages = history + input_messages(req.input)
+        messages = history + input_messages(req.input, history)
         result = await run_chat(state, request, chat_of(req, messages))
     except APIError as e:
         raise renamed(e, FIELD_NAMES) from None

@@ -1,8 +1,9 @@
 """A streamed response as the Responses API's events, from the chat stream's chunks: response.created
 and response.in_progress; then per output item, in order, response.output_item.added, its deltas
-(response.reasoning_text.delta; response.content_part.added, response.output_text.delta; or
+(response.content_part.added, then response.reasoning_text.delta or response.output_text.delta; or
 response.function_call_arguments.delta), their .done events and response.output_item.done; then
-response.completed (response.incomplete at max_output_tokens, response.failed after an error event)."""
+response.completed (response.incomplete at max_output_tokens; after a failure an error event, the open
+item closed incomplete, and response.failed)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from collections.abc import AsyncIterator, Callable
 from router.http.chat_bridge import cached_of, sse_event
 from router.http.responses_api.output import (
     ResponseHead,
+    failure_code,
     function_call_item,
     message_item,
     new_id,
     output_text,
     reasoning_item,
+    reasoning_text,
     status_of,
     usage,
 )
@@ -42,12 +45,15 @@ class ResponseEvents:
         finish, used = None, None
         async for chunk in chunks:
             if "error" in chunk:
-                for event in self._close():
+                for event in self._close("incomplete", failed=True):
                     yield event
                 error = chunk["error"]
-                yield self._event("error", code=str(error.get("code")), message=error["message"], param=error["param"])
-                failed = {"code": "server_error", "message": error["message"]}
-                yield self._event("response.failed", response=self.head.body("failed", self.output, error=failed))
+                code = failure_code(error)
+                yield self._event("error", code=code, message=error["message"], param=error["param"])
+                failed = self.head.body("failed", self.output, error={"code": code, "message": error["message"]})
+                if self.finished is not None:  # kept, as OpenAI keeps a failed response
+                    await self.finished(failed)
+                yield self._event("response.failed", response=failed)
                 async for _ in chunks:  # what is left: the chat stream's end
                     pass
                 return
@@ -138,33 +144,35 @@ class ResponseEvents:
         item_id, index = new_id("rs" if kind == "reasoning" else "msg"), len(self.output)
         self.open = (kind, item_id, [])
         if kind == "reasoning":
-            item = reasoning_item(item_id, None, "in_progress")
-            return [self._event("response.output_item.added", output_index=index, item=item)]
+            item, part = reasoning_item(item_id, None, "in_progress"), reasoning_text("")
+        else:
+            item, part = message_item(item_id, None, "in_progress"), output_text("")
         return [
-            self._event(
-                "response.output_item.added", output_index=index, item=message_item(item_id, None, "in_progress")
-            ),
-            self._event(
-                "response.content_part.added",
-                item_id=item_id,
-                output_index=index,
-                content_index=0,
-                part=output_text(""),
-            ),
+            self._event("response.output_item.added", output_index=index, item=item),
+            self._event("response.content_part.added", item_id=item_id, output_index=index, content_index=0, part=part),
         ]
 
-    def _close(self, status: str = "completed") -> list[str]:
+    def _close(self, status: str = "completed", failed: bool = False) -> list[str]:
+        """Closes the item streaming: a message with the response's status; reasoning completed (as in
+        the whole response), unless the stream failed inside it."""
         if self.open is None:
             return []
         kind, item_id, parts = self.open
         text, index = "".join(parts), len(self.output)
         self.open = None
         if kind == "reasoning":
-            item = reasoning_item(item_id, text)
+            item = reasoning_item(item_id, text, "incomplete" if failed else "completed")
             events = [
                 self._event(
                     "response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0, text=text
-                )
+                ),
+                self._event(
+                    "response.content_part.done",
+                    item_id=item_id,
+                    output_index=index,
+                    content_index=0,
+                    part=reasoning_text(text),
+                ),
             ]
         else:
             item = message_item(item_id, text, status)

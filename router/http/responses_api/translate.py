@@ -19,10 +19,12 @@ from router.http.responses_api.protocol import (
 )
 
 
-def input_messages(items: str | list[dict], field: str = "input") -> list[dict]:
-    """The input as chat messages, or a 400 naming the item at fault."""
+def input_messages(items: str | list[dict], history: list[dict] = (), field: str = "input") -> list[dict]:
+    """The input as chat messages, after `history` (the conversation of previous_response_id), or a 400
+    naming the item at fault; a function_call_output answers a function_call of either."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
+    calls = {c["id"] for m in history for c in m.get("tool_calls", ())}
     messages: list[dict] = []
     for i, raw in enumerate(items):
         kind = raw.get("type", "message")  # an "easy" message has only role and content
@@ -48,12 +50,19 @@ def input_messages(items: str | list[dict], field: str = "input") -> list[dict]:
                 "type": "function",
                 "function": {"name": item.name, "arguments": item.arguments},
             }
+            calls.add(item.call_id)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":  # calls of one turn are one message's
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in calls:  # OpenAI's 400 too: a result must answer a call before it
+                raise APIError(
+                    400,
+                    f"{field}.{i}.call_id: no function_call before it has the call_id {item.call_id!r}",
+                    param=f"{field}.{i}.call_id",
+                )
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
     return messages
 
@@ -61,8 +70,8 @@ def input_messages(items: str | list[dict], field: str = "input") -> list[dict]:
 def chat_of(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
     """The chat request of these messages: the input's, after those of the responses before it
     (previous_response_id)."""
-    if req.instructions is not None:  # not carried over from a previous response, as OpenAI's
-        messages = [{"role": "system", "content": req.instructions}, *[m for m in messages if m["role"] != "system"]]
+    if req.instructions is not None:  # first; not carried over from a previous response, as OpenAI's
+        messages = [{"role": "system", "content": req.instructions}, *messages]
     if not messages:
         raise APIError(400, "input: the conversation is empty", param="input")
     choice = req.tool_choice
