@@ -137,11 +137,14 @@ class LLM:
                     self.scheduler.step()
         finally:
             outputs = [self._outputs.pop(uid)[1] for uid in uids]
-        for out in outputs:
+        for request, out in zip(requests, outputs):
             if out.error is not None:  # the same exception whether the scheduler ran here or in an actor
                 raise error_for(out.error_kind or ErrorKind.ENGINE, out.error)
             if self.tokenizer is not None:
-                out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                shown = out.token_ids
+                if out.finish_reason == "stop" and shown and shown[-1] in request.params.stop_token_ids:
+                    shown = shown[:-1]  # the stop token's text is not the output's, as vLLM's (and EOS's)
+                out.text = self.tokenizer.decode(shown, skip_special_tokens=True)
         return results
 
     def _run_remote(self, requests: list[AddRequest]) -> None:

@@ -148,11 +148,11 @@ def test_what_the_http_parser_rejects_gets_an_openai_error_body(srv, request_byt
     assert status == 400 and body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
 
 
-def test_malformed_json_gets_an_openai_error_body(srv):
-    r = httpx.post(
-        srv.url + C, content=b'{"model": "tiny", "prompt": ', headers={**AUTH, "content-type": "application/json"}
-    )
-    assert r.status_code == 400 and r.json()["error"]["message"]
+@pytest.mark.parametrize("body", [b'{"model": "tiny", "prompt": ', b"hello", b'{"model": oops}'])
+def test_malformed_json_gets_an_openai_error_body_naming_no_field(srv, body):
+    r = httpx.post(srv.url + C, content=body, headers={**AUTH, "content-type": "application/json"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and "not valid JSON" in error["message"] and error["param"] is None, error
 
 
 def test_a_body_that_stops_arriving_is_cut_off_with_a_408(srv):

@@ -89,6 +89,7 @@ def test_stop_token_ids_end_the_request(qwen3_path):
         free = llm.generate(PROMPT_TEXTS[1], greedy(12, ignore_eos=True))[0].token_ids
         stopped = llm.generate(PROMPT_TEXTS[1], greedy(12, ignore_eos=True, stop_token_ids=[free[5]]))[0]
     assert stopped.token_ids == free[: free.index(free[5]) + 1]
+    assert stopped.text == llm.tokenizer.decode(stopped.token_ids[:-1], skip_special_tokens=True)
 
 
 def test_prompt_longer_than_the_context_is_rejected(qwen3_path):

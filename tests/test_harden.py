@@ -34,6 +34,21 @@ C, CHAT = "/v1/completions", "/v1/chat/completions"
 OK = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
 MSG = [{"role": "user", "content": "Hello"}]
 
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _any_of(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"anyOf": [schema]}
+    return {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
+
+
 BAD = [  # (name, path, body (dict, or bytes sent raw), expected status)
     ("invalid json", C, b'{"model": "tiny", "prompt": ', 400),
     ("json array", C, b"[1, 2, 3]", 400),
@@ -147,23 +162,48 @@ BAD = [  # (name, path, body (dict, or bytes sent raw), expected status)
     ("suffix", C, {**OK, "suffix": "the end"}, 400),
     ("best_of", C, {**OK, "best_of": 2}, 400),
     ("tools on completions", C, {**OK, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    # what once reached the handlers and failed there: bounded or refused where the request is read
+    ("logit_bias key of 5,000 digits", C, {**OK, "logit_bias": {"1" * 5000: 1}}, 400),
+    ("prompt nested 500 deep", C, {**OK, "prompt": _nested(500)}, 400),
+    ("stop nested 500 deep", CHAT, {"model": "tiny", "messages": MSG, "stop": _nested(500)}, 400),
+    ("guided_json as a string nested 1,500 deep", C, {**OK, "guided_json": "[" * 1500 + "]" * 1500}, 400),
+    (
+        "response_format nested 200 anyOf deep",
+        CHAT,
+        {"model": "tiny", "messages": MSG, "response_format": _any_of(200)},
+        400,
+    ),
+    ("user as a number", C, {**OK, "user": 5}, 400),
+    ("metadata as a string", CHAT, {"model": "tiny", "messages": MSG, "metadata": "x"}, 400),
 ]
 
 # what a refused field's message must name
 NAMED = {
-    "tools",
-    "tool_choice",
-    "response_format",
-    "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_p",
-    "min_tokens",
-    "echo",
-    "suffix",
-    "best_of",
-    "guided_json",
+    "logit_bias key of 5,000 digits": "logit_bias",
+    "guided_json as a string nested 1,500 deep": "guided_json",
+    "response_format nested 200 anyOf deep": "response_format",
+    "user as a number": "user",
+    "metadata as a string": "metadata",
+    "prompt nested 500 deep": "prompt",
+    "stop nested 500 deep": "stop",
+    **{
+        name: name
+        for name in (
+            "tools",
+            "tool_choice",
+            "response_format",
+            "logit_bias",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "min_p",
+            "min_tokens",
+            "echo",
+            "suffix",
+            "best_of",
+            "guided_json",
+        )
+    },
 }
 
 
@@ -177,7 +217,8 @@ def test_bad_input_gets_a_4xx_with_an_openai_error_body(guarded, name, path, bod
         err = r.json()["error"]
         assert isinstance(err["message"], str) and err["message"] and err["type"]
         if name in NAMED:
-            assert err["param"] == name and name in err["message"], err
+            field = NAMED[name]
+            assert err["param"] == field and field in err["message"], err
         good = http.post(C, json={**OK, "ignore_eos": True})
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
 

@@ -207,6 +207,49 @@ def test_a_stop_string_ends_only_the_choices_that_produce_it(srv):
     check_replicas_whole(srv)
 
 
+def test_the_token_that_ends_a_request_adds_no_text_and_stays_in_its_token_ids(srv, tokenizer):
+    args = dict(model="tiny", prompt=PROMPT_TEXTS[1], max_tokens=12, temperature=0)
+    free = client(srv).completions.create(**args, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = free.choices[0].token_ids
+    stop = next(t for t in ids[3:] if tokenizer.decode([t]).strip() and t not in ids[:3])
+    body = {"ignore_eos": True, "return_token_ids": True, "stop_token_ids": [stop]}
+    cut = client(srv).completions.create(**args, extra_body=body)
+    streamed = client(srv).completions.create(**args, extra_body=body, stream=True)
+    kept = ids[: ids.index(stop) + 1]
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].token_ids == kept
+    assert cut.choices[0].text == tokenizer.decode(kept[:-1]) == "".join(c.choices[0].text for c in streamed)
+
+
+def test_stop_strings_count_only_past_min_tokens(srv):
+    args = dict(model="tiny", prompt=PROMPT_TEXTS[2], max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    text = client(srv).completions.create(**args).choices[0].text
+    stop = next(text[i : i + 2] for i in range(len(text) - 2) if text[i : i + 2].strip())
+    first = client(srv).completions.create(**args, stop=[stop]).choices[0]
+    late = client(srv).completions.create(**{**args, "extra_body": {"ignore_eos": True, "min_tokens": 12}}, stop=[stop])
+    assert first.text == text[: text.find(stop)] and first.finish_reason == "stop"
+    assert late.choices[0].text == text and late.choices[0].finish_reason == "length"
+    assert late.usage.completion_tokens == 12
+
+
+def test_completion_top_logprobs_hold_the_sampled_token_too(srv, tokenizer):
+    r = client(srv).completions.create(
+        model="tiny", prompt=PROMPT_TEXTS[3], max_tokens=8, temperature=1.5, seed=11, logprobs=1
+    )
+    lp = r.choices[0].logprobs
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == pytest.approx(logprob) and 1 <= len(top) <= 2
+
+
+def test_a_max_completion_tokens_past_the_context_is_named_as_sent(srv):
+    r = httpx.post(
+        srv.url + "/v1/chat/completions",
+        json={"model": "tiny", "messages": MSG, "max_completion_tokens": 10**6},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    assert r.json()["error"]["message"].startswith("max_completion_tokens")
+
+
 def test_a_disconnect_mid_stream_aborts_every_choice(srv):
     body = {
         "model": "tiny",
@@ -271,7 +314,9 @@ def test_echoed_prompt_logprobs_equal_the_models_for_every_choice(srv, tokenizer
     for choice in r.choices:
         lp = choice.logprobs
         assert lp.token_logprobs[1 : len(ids)] == pytest.approx(expected, abs=1e-3)
-        assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1 : len(ids)])
+        # the 2 most likely and the prompt's own token (OpenAI's legacy completions: up to logprobs + 1)
+        for token, top in zip(lp.tokens[1 : len(ids)], lp.top_logprobs[1 : len(ids)]):
+            assert token in top and 1 <= len(top) <= 3
 
 
 def hf_greedy_biased(path, ids: list[int], max_new_tokens: int, bias: dict[int, float]) -> list[int]:

@@ -1,6 +1,7 @@
 """Incremental detokenization with stop strings: text is released as tokens arrive, never splitting a
 multi-byte character (tokenizers' DecodeStream), and held back while it could be the start of a stop
-string, so a stop that spans several tokens is still found and never shown."""
+string, so a stop that spans several tokens is still found and never shown. As vLLM's: the token that
+ends a request (EOS, a stop_token_id) adds no text, and stop strings count only past min_tokens."""
 
 from __future__ import annotations
 
@@ -9,8 +10,19 @@ from transformers import PreTrainedTokenizerBase
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str], skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        stops: list[str],
+        skip_special_tokens: bool = True,
+        stop_token_ids: frozenset[int] = frozenset(),
+        min_tokens: int = 0,
+    ) -> None:
+        """`stop_token_ids`: the tokens that end a request (EOS, stop_token_ids), whose text is not the
+        output's when they do (`add(..., ends=True)`); `min_tokens`: stop strings are looked for only in
+        the text of the tokens past the first min_tokens, as vLLM does."""
         self._tokenizer, self._skip = tokenizer, skip_special_tokens
+        self.stop_token_ids, self.min_tokens = stop_token_ids, min_tokens
         self._backend = tokenizer.backend_tokenizer
         self._ids: list[int] = []
         self._released = ""
@@ -20,16 +32,21 @@ class IncrementalDetokenizer:
         self._pending = ""
         self.stopped = False  # a stop string was found: nothing more is released
 
-    def add(self, token_id: int) -> str:
-        """Releases the text that token completes (possibly "")."""
+    def add(self, token_id: int, ends: bool = False) -> str:
+        """Releases the text that token completes (possibly ""); `ends`: the request ended with it, a stop
+        token whose text is left out."""
         if self.stopped:
+            return ""
+        if ends and token_id in self.stop_token_ids:
             return ""
         self._ids.append(token_id)
         self._pending += self._stream.step(self._backend, token_id) or ""
         return self._release(self._hold)
 
     def _release(self, keep: int) -> str:
-        cut = min((i for i in (self._pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        searched = len(self._ids) > self.min_tokens  # the held-back text joins the search once past them
+        found = (self._pending.find(s) for s in self.stops) if searched else ()
+        cut = min((i for i in found if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
             out, self._pending = self._pending[:cut], ""

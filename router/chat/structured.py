@@ -69,8 +69,8 @@ def _spec(name: str, value: Any) -> GrammarSpec:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError as e:
-                raise APIError(400, f"{field} is not JSON: {e}", param=field) from e
+            except (ValueError, RecursionError) as e:
+                raise APIError(400, f"{field} is not JSON this server reads: {e}", param=field) from e
         return json_schema_grammar(value, field)
     if name == "guided_regex":
         return checked(GrammarSpec("regex", value), field)
@@ -96,6 +96,8 @@ def check_json_schema(schema: Any, field: str, what: str = "the schema") -> None
         raise APIError(400, f"{field}: {what} must be a JSON Schema object, not {type(schema).__name__}", param=field)
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except RecursionError:  # the checks after this one walk the schema too
+        raise APIError(400, f"{field}: {what} is nested too deeply", param=field) from None
     except jsonschema.SchemaError as e:
         where = "/".join(map(str, e.path))
         raise APIError(
@@ -108,7 +110,11 @@ def check_json_schema(schema: Any, field: str, what: str = "the schema") -> None
 def check_enforceable(schema: Any, field: str, what: str = "the schema") -> None:
     """A 400 naming `field` where a schema that an output must follow uses a keyword the grammar would
     not enforce (the output could break it and still end with "stop")."""
-    if (keyword := _unenforced(schema)) is not None:
+    try:
+        keyword = _unenforced(schema)
+    except RecursionError:
+        raise APIError(400, f"{field}: {what} is nested too deeply", param=field) from None
+    if keyword is not None:
         raise APIError(
             400, f"{field}: {what} uses {keyword}, which this server cannot enforce while generating", param=field
         )

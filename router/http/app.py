@@ -172,6 +172,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
             top,
             extras.prompt_logprobs,
             grammar=chat.grammar,
+            max_tokens_field="max_tokens" if body.max_completion_tokens is None else "max_completion_tokens",
         )
         fmt = Formatter(
             f"chatcmpl-{uuid.uuid4().hex}",

@@ -58,7 +58,15 @@ async def run_chat(state: RouterState, request: Request, req: ChatCompletionRequ
     """Serves req as /v1/chat/completions does; the output's token ids come with it (a stop reason
     is read from the last of them)."""
     chat = prepare_chat(state, req)
-    params = state.sampling_params(req, chat.ids, req.max_completion_tokens, None, None, grammar=chat.grammar)
+    params = state.sampling_params(
+        req,
+        chat.ids,
+        req.max_completion_tokens,
+        None,
+        None,
+        grammar=chat.grammar,
+        max_tokens_field="max_completion_tokens",
+    )
     fmt = Formatter(
         f"chatcmpl-{uuid.uuid4().hex}",
         state.model_name,

@@ -83,6 +83,8 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
             f"the body must be JSON, sent with Content-Type: application/json "
             f"(got {content_type or 'no Content-Type'})",
         )
+    if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+        return error_response(400, f"the body is not valid JSON ({first.get('msg', 'JSON decode error')})")
     where = ".".join(p for p in loc if p != "body")
     msg = first.get("msg", "invalid request").removeprefix("Value error, ")
     return error_response(400, f"{where}: {msg}" if where else msg, param=where or None)

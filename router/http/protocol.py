@@ -174,6 +174,10 @@ class SamplingFields(APIRequest):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     priority: int = Field(default=0, ge=-(2**63), lt=2**63)  # lower runs first, as vLLM's
+    # accepted and ignored (they do not change the output), but typed as OpenAI's: a wrong type is a 400
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
     # ranges are checked where SamplingParams is made (router/http/state.py), with the limits of the config
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -137,13 +137,13 @@ class Formatter:
         )
 
     def _top_dict(self, token: int, logprob: float, top: list[tuple[int, float]]) -> dict[str, float]:
-        """A completion's top_logprobs at one position: the k most likely, or with logprobs 0 the token
-        itself (vLLM's)."""
-        if self.top_logprobs == 0:
-            return {self._token(token): logprob}
+        """A completion's top_logprobs at one position: the k most likely and the token itself, which
+        may make k + 1, as OpenAI's legacy completions and vLLM's return them (with logprobs 0, the
+        token alone)."""
         out: dict[str, float] = {}
         for i, v in top[: self.top_logprobs]:  # keys differ but where two added tokens share a text
             out.setdefault(self._token(i), v)
+        out.setdefault(self._token(token), logprob)
         return out
 
     def whole(self, pieces: list[Piece], prompt_tokens: int, cached_tokens: int | None = None) -> dict:

@@ -62,9 +62,14 @@ def _send(
             )
             client = state.policy.pick(room, run.ids)
             requests = _choices(state, run.ids, run.params)
-            # stops apply per choice
+            # stops apply per choice; what ends a request on the replica (EOS unless ignored, stop_token_ids)
+            # is left out of its text
+            ends = frozenset(run.params.stop_token_ids) | frozenset(() if run.params.ignore_eos else state.eos_ids)
             detoks = [
-                IncrementalDetokenizer(state.tokenizer, body.stop_list, body.skip_special_tokens) for _ in requests
+                IncrementalDetokenizer(
+                    state.tokenizer, body.stop_list, body.skip_special_tokens, ends, run.params.min_tokens
+                )
+                for _ in requests
             ]
             received, parsed, tokenized = stamps
             timing = Timing(arrival=received, parsed=parsed, tokenized=tokenized)

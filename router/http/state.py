@@ -185,7 +185,10 @@ class RouterState:
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         grammar: GrammarSpec | None = None,
+        max_tokens_field: str = "max_tokens",
     ) -> SamplingParams:
+        """`max_tokens_field`: the request's name for max_tokens (chat's max_completion_tokens), as its
+        errors name it."""
         cfg, n, limits = self.config, len(ids), self.limits
         try:
             limits.check_prompt(n)
@@ -195,13 +198,13 @@ class RouterState:
         if max_tokens is not None and max_tokens > room:
             raise APIError(
                 400,
-                f"max_tokens is {max_tokens}, but the prompt ({n} tokens) leaves room for {room} "
+                f"{max_tokens_field} is {max_tokens}, but the prompt ({n} tokens) leaves room for {room} "
                 f"within this model's context of {self.max_seq_len} tokens",
-                param="max_tokens",
+                param=max_tokens_field,
                 code="context_length_exceeded",
             )
         if max_tokens is not None and cfg.max_tokens_limit and max_tokens > cfg.max_tokens_limit:
-            raise APIError(400, f"max_tokens may be at most {cfg.max_tokens_limit}", param="max_tokens")
+            raise APIError(400, f"{max_tokens_field} may be at most {cfg.max_tokens_limit}", param=max_tokens_field)
         if len(req.stop_list) > cfg.max_stop_strings:
             raise APIError(400, f"at most {cfg.max_stop_strings} stop strings are allowed", param="stop")
         bad = [t for t in req.stop_token_ids or [] if not 0 <= t < self.vocab_size]
@@ -246,10 +249,13 @@ class RouterState:
         """The request's logit_bias keyed by token id (RequestLimits bounds the ids and their number)."""
         biases: dict[int, float] = {}
         for key, value in (req.logit_bias or {}).items():
-            if not (key.isascii() and key.isdecimal()):
+            # at most 19 digits: any id past the vocabulary is refused by its value, and int() of thousands
+            # of digits raises (Python bounds integer parsing)
+            if not (key.isascii() and key.isdecimal() and len(key) <= 19):
                 raise APIError(
                     400,
-                    f"logit_bias has the key {key!r}; keys are token ids from 0 to {self.vocab_size - 1}",
+                    f"logit_bias has the key {key[:32]!r}{'...' if len(key) > 32 else ''}; keys are token ids "
+                    f"from 0 to {self.vocab_size - 1}",
                     param="logit_bias",
                 )
             biases[int(key)] = value

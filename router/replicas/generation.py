@@ -201,7 +201,7 @@ class Generation:
 
 def _add(piece: Piece, delta: TokenDelta, detok: IncrementalDetokenizer) -> bool:
     """Adds delta's token to its choice's piece; whether the choice has ended."""
-    piece.text += detok.add(delta.token)
+    piece.text += detok.add(delta.token, ends=delta.finished and delta.finish_reason == "stop")
     piece.token_ids.append(delta.token)
     if delta.logprob is not None:
         piece.logprobs.append(delta.logprob)
