@@ -125,7 +125,7 @@ class _ScriptedClient:
 class _Detok:
     stopped = False
 
-    def add(self, token: int) -> str:
+    def add(self, token: int, ends: bool = False) -> str:  # no token here is a stop token
         return f"<{token}>"
 
     def flush(self) -> str:

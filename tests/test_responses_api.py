@@ -242,6 +242,7 @@ def test_parse_reads_a_json_schema_output_into_its_model(srv, bias):
     assert json_mode.status == "completed" and isinstance(json.loads(json_mode.output_text), dict)
 
 
+IMAGE = {"type": "input_image", "image_url": "https://example.com/x.png"}
 # a function call's output with no call before it
 UNANSWERED = {"type": "function_call_output", "call_id": "call_nope", "output": "x"}
 
@@ -258,6 +259,8 @@ UNANSWERED = {"type": "function_call_output", "call_id": "call_nope", "output": 
         ({"background": True}, "background"),
         ({"temperature": "hot"}, "temperature"),
         ({"input": [UNANSWERED]}, "input.0.call_id"),
+        ({"input": [{"role": "user", "content": [IMAGE]}]}, "input.0.content.0.type"),
+        ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice.type"),
         ({"input": [{"role": "user", "content": "hi"}, {**UNANSWERED, "call_id": ""}]}, "input.1.call_id"),
         ({"tools": [{**TOOL, "parameters": json.loads('{"a":' * 400 + "1" + "}" * 400)}]}, "tools"),
     ],
@@ -268,6 +271,7 @@ def test_bad_input_is_a_400_naming_the_field(srv, fields, param):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"].startswith(param), error
+    assert "[" not in error["param"] and ".str" not in error["param"], error  # field names, not union members
 
 
 def test_an_unknown_model_is_a_404_the_client_raises(srv):

@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from router.chat.prepare import prepare_chat
-from router.http.errors import APIError
+from router.http.errors import APIError, validation_error
 from router.http.extras import Extras
 from router.http.protocol import ChatCompletionRequest
 from router.http.responses import Formatter, PromptShown, stream_json
@@ -44,9 +44,8 @@ def chat_request(fields: dict) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise APIError(400, f"{where}: {first['msg'].removeprefix('Value error, ')}", param=where or None) from e
+        where, msg = validation_error(e.errors())
+        raise APIError(400, f"{where}: {msg}", param=where or None) from e
 
 
 def prompt_ids(state: RouterState, req: ChatCompletionRequest) -> list[int]:

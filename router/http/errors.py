@@ -72,6 +72,30 @@ async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
+# pydantic's names of a union's members in an error's location ("str", "list[InputText]", "FunctionChoice",
+# "literal['none','auto']"): the field's type, not a field; integers (list indices) are kept
+_SCALAR_TAGS = frozenset(("str", "int", "float", "bool", "none", "dict", "list"))
+
+
+def _is_field(part: object) -> bool:
+    text = str(part)
+    return isinstance(part, int) or not (
+        text in _SCALAR_TAGS or "[" in text or "(" in text or text[:1].isupper() or "-" in text
+    )
+
+
+def validation_error(errors: list[dict], prefix: tuple = ()) -> tuple[str, str]:
+    """(where, message) of a validation's errors, as a 400 names them: the most specific one (where a
+    union's members each failed, the member that got furthest into the value), its location in field
+    names alone, behind `prefix`."""
+    if not errors:
+        return ".".join(map(str, prefix)), "invalid request"
+    located = [([p for p in e.get("loc", ()) if _is_field(p)], e) for e in errors]
+    loc, best = max(located, key=lambda pair: len(pair[0]))  # the first of the deepest
+    where = ".".join(str(p) for p in (*prefix, *loc))
+    return where, best.get("msg", "invalid request").removeprefix("Value error, ")
+
+
 async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
     loc = [str(p) for p in first.get("loc", ())]
@@ -85,8 +109,8 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
         )
     if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
         return error_response(400, f"the body is not valid JSON ({first.get('msg', 'JSON decode error')})")
-    where = ".".join(p for p in loc if p != "body")
-    msg = first.get("msg", "invalid request").removeprefix("Value error, ")
+    errors = [{**e, "loc": [p for p in e.get("loc", ()) if p != "body"]} for e in exc.errors()]
+    where, msg = validation_error(errors)
     return error_response(400, f"{where}: {msg}" if where else msg, param=where or None)
 
 

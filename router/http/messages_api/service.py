@@ -10,7 +10,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from router.http.chat_bridge import cached_of, prompt_ids, renamed, run_chat
-from router.http.errors import APIError
+from router.http.errors import APIError, validation_error
 from router.http.messages_api.output import blocks_of, error_response, message_body, new_id, stop_of, usage
 from router.http.messages_api.protocol import CountTokensRequest, MessagesRequest
 from router.http.messages_api.stream import MessageEvents
@@ -29,9 +29,7 @@ async def _parsed(request: Request, model: type[BaseModel]):
     except ValueError as e:
         if not isinstance(e, ValidationError):
             raise APIError(400, f"the body is not JSON: {e}") from e
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        msg = first["msg"].removeprefix("Value error, ")
+        where, msg = validation_error(e.errors())
         raise APIError(400, f"{where}: {msg}" if where else msg, param=where or None) from e
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from router.http.chat_bridge import chat_request
-from router.http.errors import APIError
+from router.http.errors import APIError, validation_error
 from router.http.protocol import ChatCompletionRequest
 from router.http.responses_api.protocol import (
     INPUT_ITEMS,
@@ -39,9 +39,8 @@ def input_messages(items: str | list[dict], history: list[dict] = (), field: str
         try:
             item = model.model_validate(raw)
         except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join([field, str(i), *(str(p) for p in first["loc"])])
-            raise APIError(400, f"{where}: {first['msg']}", param=where) from e
+            where, msg = validation_error(e.errors(), (field, i))
+            raise APIError(400, f"{where}: {msg}", param=where) from e
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
