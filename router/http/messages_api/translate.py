@@ -103,12 +103,15 @@ def chat_messages(req: CountTokensRequest) -> list[dict]:
     return messages
 
 
+_PREFILL_BLOCKS = ("text", "thinking", "redacted_thinking")  # thinking is left out of the prompt, as ever
+
+
 def prefilled(req: CountTokensRequest) -> bool:
     """Whether the conversation ends with an assistant turn, which the answer continues (a prefill)."""
     last = req.messages[-1]
     if last.role != "assistant":
         return False
-    if isinstance(last.content, list) and any(b.get("type") != "text" for b in last.content):
+    if isinstance(last.content, list) and any(b.get("type") not in _PREFILL_BLOCKS for b in last.content):
         raise APIError(
             400,
             f"messages.{len(req.messages) - 1}.content: a final assistant message the answer continues may hold "
