@@ -175,6 +175,7 @@ BAD = [  # (name, path, body (dict, or bytes sent raw), expected status)
     ),
     ("user as a number", C, {**OK, "user": 5}, 400),
     ("metadata as a string", CHAT, {"model": "tiny", "messages": MSG, "metadata": "x"}, 400),
+    ("metadata value as a number", CHAT, {"model": "tiny", "messages": MSG, "metadata": {"Team-X": 1}}, 400),
 ]
 
 # what a refused field's message must name
@@ -184,6 +185,7 @@ NAMED = {
     "response_format nested 200 anyOf deep": "response_format",
     "user as a number": "user",
     "metadata as a string": "metadata",
+    "metadata value as a number": "metadata.Team-X",
     "prompt nested 500 deep": "prompt",
     "stop nested 500 deep": "stop",
     **{

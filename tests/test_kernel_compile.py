@@ -63,3 +63,40 @@ def test_the_decode_kernels_variants_compile_over_an_fp8_cache(report):
     decode = [launch["launch"] for launch in report["launches"] if launch["kernel"] == "_split_kernel"]
     for variant in ("cuda_cores", "prefetch"):
         assert any(variant in where and "fp8 cache" in where for where in decode)
+
+
+# a kernel whose tiles fit an sm_80 at 64 and no GPU at 256: run in a process of its own (see above)
+OVERSIZED = """
+import torch, triton, triton.language as tl
+from triton.runtime.errors import OutOfResources
+from worker.kernel_compile import compile_only, on_gpu
+
+@triton.jit
+def product(a, b, c, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(a + offs[:, None] * N + offs[None, :])
+    y = tl.load(b + offs[:, None] * N + offs[None, :])
+    tl.store(c + offs[:, None] * N + offs[None, :], tl.dot(x, y))
+
+def launch(n):
+    x = on_gpu(torch.empty(n, n, dtype=torch.bfloat16))
+    product[(1,)](x, x, on_gpu(torch.empty(n, n)), N=n)
+
+with compile_only(90) as hopper:
+    launch(64)
+with compile_only(80) as ampere:
+    launch(64)
+try:
+    with compile_only(90):
+        launch(256)
+except OutOfResources:
+    print("refused", hopper.launches[0].shared_bytes > 0, len(ampere.launches))
+"""
+
+
+def test_a_kernel_past_the_gpus_shared_memory_fails_as_its_launch_would(tmp_path):
+    script = tmp_path / "oversized.py"
+    script.write_text(OVERSIZED)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.stdout.split() == ["refused", "True", "1"], run.stdout + run.stderr[-3000:]

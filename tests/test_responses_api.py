@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from test_serve import check_replicas_whole
 
 from cluster.model_info import load_tokenizer
+from router.http.responses_api.output import failure_code
 
 NO_THINKING = {"effort": "none"}
 NO_THINKING_CHAT = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -369,6 +370,20 @@ def test_a_stream_that_fails_ends_failed_with_one_code_and_is_kept(srv):
     assert failed.type == "response.failed" and failed.response.error.code == error.code
     assert all(item.status != "completed" for item in failed.response.output)
     assert client(srv).responses.retrieve(failed.response.id).status == "failed"
+
+
+@pytest.mark.parametrize(
+    "error_type, code",
+    [
+        ("invalid_request_error", "invalid_prompt"),
+        ("rate_limit_error", "rate_limit_exceeded"),
+        ("timeout_error", "server_error"),
+        ("server_error", "server_error"),
+        ("service_unavailable", "server_error"),
+    ],
+)
+def test_a_failures_code_follows_its_type(error_type, code):
+    assert failure_code({"type": error_type, "code": 400, "message": "x"}) == code
 
 
 def test_the_echoed_settings_are_those_sent(srv):

@@ -184,6 +184,12 @@ def test_continue_final_message_continues_the_last_message_as_it_stands(srv, tok
     assert counted["tokens"] == r.prompt_token_ids
 
 
+def test_the_template_switches_sent_as_null_are_their_defaults(srv, tokenizer):
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 1, "return_token_ids": True}
+    r = httpx.post(srv.url + CHAT, json={**body, "add_generation_prompt": None, "continue_final_message": None})
+    assert r.status_code == 200 and r.json()["prompt_token_ids"] == chat_ids(tokenizer, MSG), r.text
+
+
 def test_continue_final_message_with_add_generation_prompt_is_a_400_naming_it(srv):
     body = {"model": "tiny", "messages": MSG, "max_tokens": 1, "continue_final_message": True}
     for path in (CHAT, "/tokenize"):

@@ -51,19 +51,27 @@ def on_gpu(x: torch.Tensor) -> torch.Tensor:
     return x.as_subclass(OnGpu)
 
 
+# the most shared memory a program may have on a GPU of this compute capability (cudaDevAttr
+# MaxSharedMemoryPerBlockOptin); what Triton checks when it loads a kernel, which compile_only never does
+MAX_SHARED_BYTES = {70: 98304, 75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}
+
+
 class _CompileOnlyDriver:
     """What Triton's JIT asks of the active driver before it compiles (the device, the stream, the
-    target); the launch itself is skipped by `compile_only`."""
+    target); the launch itself is skipped by `compile_only`. Its device is a key of its own, so that the
+    kernels' per-device caches keep what it compiled apart from a real GPU's (and one target's from
+    another's)."""
 
     def __init__(self, arch: int) -> None:
         from triton.backends.compiler import GPUTarget
 
         self.target = GPUTarget("cuda", arch, 32)
+        self.device = f"compile-only-sm_{arch}"
 
-    def get_current_device(self) -> int:
-        return 0
+    def get_current_device(self) -> str:
+        return self.device
 
-    def get_current_stream(self, device: int | None = None) -> int:
+    def get_current_stream(self, device: str | None = None) -> int:
         return 0
 
     def get_current_target(self):
@@ -82,6 +90,7 @@ def compile_only(arch: int = 90) -> Iterator[Compiled]:
     Needs Triton imported to compile (not TRITON_INTERPRET=1) and its bundled CUDA tools, no GPU."""
     import triton
     from triton.runtime import driver
+    from triton.runtime.errors import OutOfResources
     from triton.runtime.jit import JITFunction
 
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -89,8 +98,12 @@ def compile_only(arch: int = 90) -> Iterator[Compiled]:
     compiled = Compiled()
     launch = JITFunction.run
 
+    limit = MAX_SHARED_BYTES.get(arch, MAX_SHARED_BYTES[max(a for a in MAX_SHARED_BYTES if a <= arch)])
+
     def compile_instead(self, *args, grid, warmup, **kwargs):
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        if kernel.metadata.shared > limit:  # as a launch on that GPU fails (a launcher may fall back)
+            raise OutOfResources(kernel.metadata.shared, limit, "shared memory")
         registers, spilled = _resource_usage(kernel.asm["cubin"], triton)
         constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
         compiled.launches.append(

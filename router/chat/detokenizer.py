@@ -30,6 +30,9 @@ class IncrementalDetokenizer:
         self.stops = stops
         self._hold = max((len(s) for s in stops), default=1) - 1
         self._pending = ""
+        # where the text of the first min_tokens tokens ends (None: not yet): a stop counts only if it ends
+        # past it, whatever the other stops hold back
+        self._boundary: int | None = 0 if min_tokens == 0 else None
         self.stopped = False  # a stop string was found: nothing more is released
 
     def add(self, token_id: int, ends: bool = False) -> str:
@@ -41,11 +44,16 @@ class IncrementalDetokenizer:
             return ""
         self._ids.append(token_id)
         self._pending += self._stream.step(self._backend, token_id) or ""
+        if len(self._ids) == self.min_tokens:
+            self._boundary = len(self._released) + len(self._pending)
         return self._release(self._hold)
 
     def _release(self, keep: int) -> str:
-        searched = len(self._ids) > self.min_tokens  # the held-back text joins the search once past them
-        found = (self._pending.find(s) for s in self.stops) if searched else ()
+        found = ()
+        if self._boundary is not None and len(self._ids) > self.min_tokens:
+            # in pending's own offsets: a stop must end past the boundary
+            start = self._boundary - len(self._released)
+            found = (self._pending.find(s, max(0, start - len(s) + 1)) for s in self.stops)
         cut = min((i for i in found if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True

@@ -41,10 +41,11 @@ class ChatResult:
 
 def chat_request(fields: dict) -> ChatCompletionRequest:
     """The chat request a translation wrote (its errors are the translation's: a 400 either way)."""
+    sent = {k: v for k, v in fields.items() if v is not None}
     try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+        return ChatCompletionRequest.model_validate(sent)
     except ValidationError as e:
-        where, msg = validation_error(e.errors())
+        where, msg = validation_error(e.errors(), sent)
         raise APIError(400, f"{where}: {msg}", param=where or None) from e
 
 

@@ -73,24 +73,41 @@ async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:
 
 
 # pydantic's names of a union's members in an error's location ("str", "list[InputText]", "FunctionChoice",
-# "literal['none','auto']"): the field's type, not a field; integers (list indices) are kept
+# "literal['none','auto']", "function-after[...]"): the field's type, not a field
 _SCALAR_TAGS = frozenset(("str", "int", "float", "bool", "none", "dict", "list"))
 
 
-def _is_field(part: object) -> bool:
+def _is_member_tag(part: object) -> bool:
     text = str(part)
-    return isinstance(part, int) or not (
+    return not isinstance(part, int) and (
         text in _SCALAR_TAGS or "[" in text or "(" in text or text[:1].isupper() or "-" in text
     )
 
 
-def validation_error(errors: list[dict], prefix: tuple = ()) -> tuple[str, str]:
-    """(where, message) of a validation's errors, as a 400 names them: the most specific one (where a
-    union's members each failed, the member that got furthest into the value), its location in field
-    names alone, behind `prefix`."""
+def _field_path(loc: tuple | list, body: object) -> list:
+    """loc with a union's member tags left out: a part that indexes the value sent (a key of its object,
+    an index of its list) is the value's; past that, what looks like a tag is one."""
+    path, value, walking = [], body, body is not None
+    for part in loc:
+        if walking and isinstance(value, dict) and part in value:
+            value = value[part]
+        elif walking and isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
+            value = value[part]
+        elif _is_member_tag(part):
+            continue
+        else:
+            walking = False  # a field not sent (required), or past the value
+        path.append(part)
+    return path
+
+
+def validation_error(errors: list[dict], body: object = None, prefix: tuple = ()) -> tuple[str, str]:
+    """(where, message) of a validation's errors over `body` (the value validated), as a 400 names them:
+    the most specific one (where a union's members each failed, the member that got furthest into the
+    value), its location in the value's own keys and indices, behind `prefix`."""
     if not errors:
         return ".".join(map(str, prefix)), "invalid request"
-    located = [([p for p in e.get("loc", ()) if _is_field(p)], e) for e in errors]
+    located = [(_field_path(e.get("loc", ()), body), e) for e in errors]
     loc, best = max(located, key=lambda pair: len(pair[0]))  # the first of the deepest
     where = ".".join(str(p) for p in (*prefix, *loc))
     return where, best.get("msg", "invalid request").removeprefix("Value error, ")
@@ -110,7 +127,7 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
     if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
         return error_response(400, f"the body is not valid JSON ({first.get('msg', 'JSON decode error')})")
     errors = [{**e, "loc": [p for p in e.get("loc", ()) if p != "body"]} for e in exc.errors()]
-    where, msg = validation_error(errors)
+    where, msg = validation_error(errors, exc.body)
     return error_response(400, f"{where}: {msg}" if where else msg, param=where or None)
 
 

@@ -281,8 +281,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template ({"enable_thinking": false})
     # vLLM's: the assistant turn's opening after the messages, or (continue_final_message) none, the answer
     # continuing the last message as it stands (a prefill)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None  # None: true
+    continue_final_message: bool | None = None  # None: false
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -304,8 +304,8 @@ class ChatCompletionRequest(SamplingFields):
 
     @field_validator("continue_final_message")
     @classmethod
-    def _continues_without_a_new_turn(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("add_generation_prompt", True):  # vLLM's 400: the two contradict
+    def _continues_without_a_new_turn(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value and info.data.get("add_generation_prompt") is not False:  # vLLM's 400: the two contradict
             raise ValueError("continue_final_message needs add_generation_prompt: false")
         return value
 
@@ -317,14 +317,14 @@ class TokenizeRequest(APIRequest):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None  # None: true
+    continue_final_message: bool | None = None  # None: false
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send either prompt or messages")
-        if self.continue_final_message and self.add_generation_prompt:
+        if self.continue_final_message and self.add_generation_prompt is not False:
             raise ValueError("continue_final_message needs add_generation_prompt: false")
         return self
 

@@ -167,8 +167,8 @@ class RouterState:
                 messages,
                 tools=tools,
                 tokenize=False,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
+                add_generation_prompt=req.add_generation_prompt is not False,
+                continue_final_message=bool(req.continue_final_message),
                 **extra,
             )
         except ValueError as e:

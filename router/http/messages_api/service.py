@@ -22,14 +22,16 @@ FIELD_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", 
 
 
 async def _parsed(request: Request, model: type[BaseModel]):
+    body = None
     try:
-        return model.model_validate(json.loads(await request.body()))
+        body = json.loads(await request.body())
+        return model.model_validate(body)
     except RecursionError as e:
         raise APIError(400, "the body is not JSON this server reads: it is nested too deeply") from e
     except ValueError as e:
         if not isinstance(e, ValidationError):
             raise APIError(400, f"the body is not JSON: {e}") from e
-        where, msg = validation_error(e.errors())
+        where, msg = validation_error(e.errors(), body)
         raise APIError(400, f"{where}: {msg}" if where else msg, param=where or None) from e
 
 

@@ -121,14 +121,11 @@ class ResponseHead:
 
 
 def failure_code(error: dict) -> str:
-    """The Responses API's error code for a chat stream's error event (whose code is the HTTP status):
-    the request's fault, the rate limit's, or the server's."""
-    status = error.get("code")
-    if status == 429:
-        return "rate_limit_exceeded"
-    if isinstance(status, int) and 400 <= status < 500:
-        return "invalid_prompt"
-    return "server_error"
+    """The Responses API's error code for a chat stream's error event, by its type: the request's fault,
+    the rate limit's, or the server's (a timeout, a replica gone, an engine failure)."""
+    return {"invalid_request_error": "invalid_prompt", "rate_limit_error": "rate_limit_exceeded"}.get(
+        error.get("type"), "server_error"
+    )
 
 
 def status_of(finish_reason: str | None) -> tuple[str, str | None]:

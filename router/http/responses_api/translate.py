@@ -39,7 +39,7 @@ def input_messages(items: str | list[dict], history: list[dict] = (), field: str
         try:
             item = model.model_validate(raw)
         except ValidationError as e:
-            where, msg = validation_error(e.errors(), (field, i))
+            where, msg = validation_error(e.errors(), raw, (field, i))
             raise APIError(400, f"{where}: {msg}", param=where) from e
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
