@@ -60,6 +60,14 @@ def test_two_router_actors_share_the_port_and_answer_as_the_offline_engine(qwen3
         while ray.get(router.down_replicas.remote()) != []:
             assert time.monotonic() < deadline, "router 0 did not get replica 0 back"
             time.sleep(0.1)
+        # the supervisor's verdict on a replica reaches every router at once: a stream there fails then
+        # (one replica: nowhere to move it), not once the router's own channel has been silent for long
+        verdict = "injected: replica 0 has not answered a health check"
+        rest = _stream_then(srv.url, lambda: srv.tier.failed(0, srv.replicas[0].actor, verdict))
+        assert any(verdict in line for line in rest) and rest[-1] == "data: [DONE]", rest[-3:]
+        while any(ray.get(a.down_replicas.remote()) for a in srv.tier.actors):  # the tier's watch gives it back
+            assert time.monotonic() < deadline, "the routers did not get replica 0 back"
+            time.sleep(0.1)
         for replica in srv.replicas:
             ray.get(replica.actor.check_integrity.remote())
             # the routers (subscribers 1 and 2) get the cache's contents, router 0 again once its client
@@ -72,6 +80,16 @@ def test_two_router_actors_share_the_port_and_answer_as_the_offline_engine(qwen3
     with LLM(str(qwen3_path), page_size=4) as llm:  # after the server: the two would share this machine's cores
         want = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
     assert got == want * 2
+
+
+def _stream_then(url: str, act) -> list[str]:
+    """The lines of a long stream after its first token, `act` called once that token has arrived."""
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
+        lines = (line for line in r.iter_lines() if line)
+        assert next(lines).startswith("data: {")
+        act()
+        return list(lines)
 
 
 async def _stream(url: str, ids: list[int], n: int) -> str:

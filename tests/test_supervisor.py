@@ -133,3 +133,46 @@ def test_a_replacement_that_comes_up_after_shutdown_is_shut_down_too():
     release.set()
     assert future.result(timeout=5) is None
     assert built[0].down
+
+
+class _SilentClient:
+    """A replica client whose health check finds the replica failed."""
+
+    replica_id, actor = 3, "actor-3"
+
+    def __init__(self) -> None:
+        self.error = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None
+
+    async def check_health(self) -> str | None:
+        return "replica 3 has not answered a health check in 1 s"
+
+    def mark_failed(self, why: str) -> None:
+        self.error = why
+
+    async def stop(self) -> None:
+        pass
+
+
+def test_a_failed_health_check_is_told_to_the_router_actors_with_the_replica_it_found():
+    told: list[tuple] = []
+    client = _SilentClient()
+    state = SimpleNamespace(
+        clients=[client], draining=True, retiring=set(), config=SimpleNamespace(health_check_timeout_s=1.0)
+    )
+    fleet = SimpleNamespace(closed=False)
+    supervisor = Supervisor(state, fleet, interval_s=0.05, on_failed=lambda *failed: told.append(failed))
+
+    async def supervise_until_told() -> None:
+        task = asyncio.get_running_loop().create_task(supervisor.run())
+        while not told:
+            await asyncio.sleep(0.05)
+        fleet.closed = True
+        await task
+
+    asyncio.run(asyncio.wait_for(supervise_until_told(), 10))
+    assert told == [(3, "actor-3", "replica 3 has not answered a health check in 1 s")]
+    assert client.error == told[0][2]

@@ -149,6 +149,18 @@ class RouterActor:
             return  # draining or stopped: there is nothing to route any more
         asyncio.run_coroutine_threadsafe(install(), self._loop).result(timeout=30)
 
+    def fail_replica(self, replica_id: int, actor_id: object, why: str) -> None:
+        """The launching process's supervisor found a replica (the incarnation `actor_id`) failed: this
+        router stops routing to it and moves its streams elsewhere now, not once its own channel has
+        been silent long enough to say so (a replica hung with its channel open never is)."""
+
+        async def mark() -> None:
+            for client in self.state.clients:
+                if client.replica_id == replica_id and client.healthy and _actor_id(client.actor) == actor_id:
+                    client.mark_failed(why)
+
+        self._on_loop(mark())
+
     def drain_replica(self, i: int) -> int:
         """Stops routing to replica i and moves this router's streams on it elsewhere (RouterState.drain_replica);
         how many it had there."""

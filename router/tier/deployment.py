@@ -59,8 +59,12 @@ class Deployment:
                 t = time.monotonic()
                 self.tier = RouterTier(config, self.fleet.replicas, info, self.state)
                 self.startup["router actors"] = time.monotonic() - t
+            tier = self.tier
             self.supervisor = Supervisor(
-                self.state, self.fleet, on_replaced=self.tier.replaced if self.tier is not None else None
+                self.state,
+                self.fleet,
+                on_replaced=tier.replaced if tier is not None else None,
+                on_failed=tier.failed if tier is not None else None,
             )
             background = [self.supervisor.run] + ([self.tier.watch] if self.tier is not None else [])
             self.autoscaler = (

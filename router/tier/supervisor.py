@@ -30,9 +30,13 @@ class Supervisor:
         fleet: Fleet,
         interval_s: float = 1.0,
         on_replaced: Callable[[int, ReplicaHandle], None] | None = None,
+        on_failed: Callable[[int, object, str], None] | None = None,
     ) -> None:
-        """`on_replaced(i, replica)`: told when replica i's replacement serves (the router actors)."""
+        """`on_replaced(i, replica)`: told when replica i's replacement serves; `on_failed(replica_id,
+        actor, why)`: when a health check finds a replica (that scheduler actor) failed (both: the router
+        actors)."""
         self.state, self.fleet, self.interval_s, self.on_replaced = state, fleet, interval_s, on_replaced
+        self.on_failed = on_failed
         self.restarts = 0
         self._checking: set[ReplicaClient] = set()  # one check in flight per client: a slow one delays no other
         self._replacing: set[int] = set()  # until the replacement's client is routed to, or it failed
@@ -84,6 +88,8 @@ class Supervisor:
             why = await client.check_health()
             if why is not None and client.healthy:
                 client.mark_failed(why)
+                if self.on_failed is not None:
+                    self.on_failed(client.replica_id, client.actor, why)
         finally:
             self._checking.discard(client)
 

@@ -63,6 +63,12 @@ class RouterTier:
     def _on_this_node(self) -> NodeAffinitySchedulingStrategy:
         return NodeAffinitySchedulingStrategy(self._node, soft=False)
 
+    def failed(self, replica_id: int, actor, why: str) -> None:
+        """The supervisor found a replica failed: every router stops routing to it now (not waiting, as
+        each would, for its channel's silence), until replaced() brings its replacement."""
+        for router in self.actors:
+            router.fail_replica.remote(replica_id, getattr(actor, "_actor_id", actor), why)
+
     def replaced(self, i: int, replica) -> None:
         """Replica i's replacement serves: every router routes to it from now on."""
         self.replicas[i] = ref_of(replica)
