@@ -160,38 +160,13 @@ class ResponseEvents:
         kind, item_id, parts = self.open
         text, index = "".join(parts), len(self.output)
         self.open = None
+        at = {"item_id": item_id, "output_index": index, "content_index": 0}
         if kind == "reasoning":
-            item = reasoning_item(item_id, text, "incomplete" if failed else "completed")
-            events = [
-                self._event(
-                    "response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0, text=text
-                ),
-                self._event(
-                    "response.content_part.done",
-                    item_id=item_id,
-                    output_index=index,
-                    content_index=0,
-                    part=reasoning_text(text),
-                ),
-            ]
+            item, part = reasoning_item(item_id, text, "incomplete" if failed else "completed"), reasoning_text(text)
+            done = self._event("response.reasoning_text.done", **at, text=text)
         else:
-            item = message_item(item_id, text, status)
-            events = [
-                self._event(
-                    "response.output_text.done",
-                    item_id=item_id,
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                    logprobs=[],
-                ),
-                self._event(
-                    "response.content_part.done",
-                    item_id=item_id,
-                    output_index=index,
-                    content_index=0,
-                    part=output_text(text),
-                ),
-            ]
+            item, part = message_item(item_id, text, status), output_text(text)
+            done = self._event("response.output_text.done", **at, text=text, logprobs=[])
+        events = [done, self._event("response.content_part.done", **at, part=part)]
         self.output.append(item)
         return events + [self._event("response.output_item.done", output_index=index, item=item)]
