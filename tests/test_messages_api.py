@@ -241,6 +241,8 @@ _USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name"
         ({"messages": [{"role": "user", "content": [_result("t1", "x")]}]}, "messages.0.content.0.tool_use_id"),
         ({"messages": [_USE, {"role": "user", "content": [_result("t2", "x")]}]}, "messages.1.content.0.tool_use_id"),
         ({"messages": [{**_USE, "content": [{**_USE["content"][0], "id": None}]}]}, "messages.0.content.0"),
+        ({"messages": [{**_USE, "content": [{**_USE["content"][0], "id": ""}]}]}, "messages.0.content.0"),
+        ({"messages": [_USE, {"role": "user", "content": [_result("", "x")]}]}, "messages.1.content.0"),
     ],
 )
 def test_bad_input_is_an_anthropic_error_naming_the_field(srv, fields, where):

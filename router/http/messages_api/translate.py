@@ -42,7 +42,7 @@ def _user(content: list[dict], where: str, calls: set[str]) -> list[dict]:
         kind, at = block.get("type"), f"{where}.content.{j}"
         if kind == "text" and isinstance(block.get("text"), str):
             text.append(block["text"])
-        elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str):
+        elif kind == "tool_result" and isinstance(block.get("tool_use_id"), str) and block["tool_use_id"]:
             if block["tool_use_id"] not in calls:
                 raise APIError(
                     400,
@@ -72,7 +72,7 @@ def _assistant(content: list[dict], where: str) -> dict:
         kind, at = block.get("type"), f"{where}.content.{j}"
         if kind == "text" and isinstance(block.get("text"), str):
             text.append(block["text"])
-        elif kind == "tool_use" and all(isinstance(block.get(k), t) for k, t in _TOOL_USE_FIELDS):
+        elif kind == "tool_use" and all(isinstance(block.get(k), t) and block[k] != "" for k, t in _TOOL_USE_FIELDS):
             arguments = json.dumps(block["input"], ensure_ascii=False)
             calls.append(
                 {"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": arguments}}

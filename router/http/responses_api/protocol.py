@@ -45,7 +45,7 @@ class FunctionCallItem(_Strict):
     """An earlier turn's tool call, sent back with the conversation."""
 
     type: Literal["function_call"]
-    call_id: str
+    call_id: str = Field(min_length=1)
     name: str
     arguments: str
 
@@ -54,7 +54,7 @@ class FunctionCallOutputItem(_Strict):
     """The result of a function_call, by its call_id."""
 
     type: Literal["function_call_output"]
-    call_id: str
+    call_id: str = Field(min_length=1)
     output: str | list[InputText]
 
     def text(self) -> str:
