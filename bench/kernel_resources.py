@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `pytho
 from common import ARCHS  # noqa: E402
 
 from worker import triton_decode, triton_ops  # noqa: E402
-from worker.kernel_compile import CompiledLaunch, compile_only, on_gpu  # noqa: E402
+from worker.kernel_compile import MAX_SHARED_BYTES, CompiledLaunch, compile_only, on_gpu  # noqa: E402
 from worker.layers.moe import fused  # noqa: E402
 from worker.quant import gemm  # noqa: E402
 
@@ -35,7 +35,7 @@ BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 DECODE_BATCHES = (1, 8, 256)
 PAGE_SIZE = 16
 # an H200's SM: 64K registers, 227 KB of shared memory a program at most, 64 warps, 32 programs
-SM_REGISTERS, SM_SHARED, SM_WARPS, SM_PROGRAMS = 65536, 232448, 64, 32
+SM_REGISTERS, SM_SHARED, SM_WARPS, SM_PROGRAMS = 65536, MAX_SHARED_BYTES[90], 64, 32
 
 
 def _gpu(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:

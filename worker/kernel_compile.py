@@ -98,7 +98,7 @@ def compile_only(arch: int = 90) -> Iterator[Compiled]:
     compiled = Compiled()
     launch = JITFunction.run
 
-    limit = MAX_SHARED_BYTES.get(arch, MAX_SHARED_BYTES[max(a for a in MAX_SHARED_BYTES if a <= arch)])
+    limit = MAX_SHARED_BYTES[max(a for a in MAX_SHARED_BYTES if a <= arch)]  # the nearest at or below
 
     def compile_instead(self, *args, grid, warmup, **kwargs):
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)

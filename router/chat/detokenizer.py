@@ -50,8 +50,8 @@ class IncrementalDetokenizer:
 
     def _release(self, keep: int) -> str:
         found = ()
-        if self._boundary is not None and len(self._ids) > self.min_tokens:
-            # in pending's own offsets: a stop must end past the boundary
+        if self._boundary is not None:
+            # in pending's own offsets: a stop must end past the boundary (none can at its own token)
             start = self._boundary - len(self._released)
             found = (self._pending.find(s, max(0, start - len(s) + 1)) for s in self.stops)
         cut = min((i for i in found if i >= 0), default=-1)

@@ -167,6 +167,11 @@ def anthropic_error(
     return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
 
 
+def anthropic_route(path: str) -> bool:
+    """Whether path is the Messages API's (its clients send their key and read errors in Anthropic's ways)."""
+    return path.startswith("/v1/messages")
+
+
 def responder(path: str):
-    """error_response, or anthropic_error on the Messages API's routes (whose clients read that shape)."""
-    return anthropic_error if path.startswith("/v1/messages") else error_response
+    """error_response, or anthropic_error on the Messages API's routes."""
+    return anthropic_error if anthropic_route(path) else error_response

@@ -10,7 +10,7 @@ import asyncio
 import hmac
 import time
 
-from router.http.errors import responder
+from router.http.errors import anthropic_route, responder
 
 # the scope's key for when the request was received (time.perf_counter): where its TTFT starts
 RECEIVED = "raylm.received"
@@ -28,7 +28,7 @@ class RequestGuard:
         scope[RECEIVED] = time.perf_counter()
         cfg = self.state.config
         # Anthropic's clients send the key in x-api-key, and read errors in Anthropic's shape
-        anthropic = scope["path"].startswith("/v1/messages")
+        anthropic = anthropic_route(scope["path"])
         respond = responder(scope["path"])
         if scope["path"].startswith(_GUARDED):
             if cfg.api_key is not None:
