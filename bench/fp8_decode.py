@@ -180,7 +180,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                     num_warps=warps,
                     num_stages=stages,
                     f16_dot=f16_dot,
-                    **variant,
+                    **{"prefetch": False, **variant},  # the plain kernel unless the variant says otherwise
                 )
 
             got = call().float()
