@@ -9,6 +9,8 @@
 #   offline        (a) offline throughput, Qwen3-0.6B's architecture, RUNS runs (one process each)
 #   latency        (b) batch 1, ms per output token (5 runs in one process)
 #   fp8            (a) over an fp8 KV cache
+#   decode_triton  (a) with the Triton decode kernel at every batch over the bf16 cache (FlashInfer's tensor
+#                  cores by default above 8 rows)
 #   qwen3_8b       (a)'s shape on Qwen3-8B's architecture
 #   moe            (b) and (a) on Qwen3-30B-A3B's architecture (a mixture of experts, the fused Triton path)
 #   fp8_weights    Qwen3-8B's architecture with its weights quantized to FP8 at load against bf16: (a) and
@@ -190,6 +192,7 @@ for suite in "$@"; do
           --repeats "${REPEATS:-5}" --out "$OUT/moe_latency$(tag "$tree").json")
       done ;;
     fp8) offline fp8 150 --kv-cache-dtype fp8_e4m3 ;;
+    decode_triton) offline decode_triton 150 --decode-kernel triton ;;
     qwen3_8b) offline qwen3_8b 240 --arch qwen3-8b ;;
     moe)
       step moe_latency 300 python3 bench/decode_latency.py --arch qwen3-30b-a3b --repeats "${REPEATS:-5}" \
