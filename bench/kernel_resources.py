@@ -88,7 +88,7 @@ def launches(arch: str) -> list[tuple[str, Callable[[], object]]]:
         pages = _gpu(4096, PAGE_SIZE, kv_heads, head_dim, dtype=cache)
         for batch in DECODE_BATCHES:
             splits = triton_decode.decode_num_splits(batch, kv_heads)
-            variants = [{}] + ([{"cuda_cores": True}, {"prefetch": True}] if cache == FP8 else [])
+            variants = [{}] + ([{"prefetch": False}, {"prefetch": True}, {"cuda_cores": True}] if cache == FP8 else [])
             for variant in variants:
                 calls.append(
                     (
@@ -191,7 +191,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def _variant(variant: dict) -> str:
-    return "".join(f", {k}" for k in variant)
+    return "".join(f", {k}" if on else f", no {k}" for k, on in variant.items())
 
 
 def occupancy(launch: CompiledLaunch) -> int:
