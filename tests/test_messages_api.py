@@ -243,6 +243,11 @@ _USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name"
         ({"messages": [{**_USE, "content": [{**_USE["content"][0], "id": None}]}]}, "messages.0.content.0"),
         ({"messages": [{**_USE, "content": [{**_USE["content"][0], "id": ""}]}]}, "messages.0.content.0"),
         ({"messages": [_USE, {"role": "user", "content": [_result("", "x")]}]}, "messages.1.content.0"),
+        # the chat API's fields this API has not: refused, never ignored (with this API's own where it has one)
+        ({"stop": ["x"]}, "stop_sequences"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"n": 2}, "n is the chat API's"),
+        ({"max_completion_tokens": 3}, "max_completion_tokens"),
     ],
 )
 def test_bad_input_is_an_anthropic_error_naming_the_field(srv, fields, where):
@@ -253,6 +258,22 @@ def test_bad_input_is_an_anthropic_error_naming_the_field(srv, fields, where):
     error = r.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert where in error["error"]["message"]
+
+
+def test_the_chat_apis_fields_at_their_defaults_are_accepted_and_a_seed_repeats_a_sampled_answer(srv):
+    body = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "temperature": 1}
+    defaults = {"n": 1, "frequency_penalty": 0.0, "stop": [], "logprobs": False}
+
+    def text(seed: int) -> str:
+        r = httpx.post(
+            srv.url + "/v1/messages", json={**body, **defaults, "seed": seed}, headers={"x-api-key": KEY}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        return "".join(block["text"] for block in r.json()["content"] if block["type"] == "text")
+
+    first = text(7)
+    assert text(7) == first
+    assert any(text(seed) != first for seed in (8, 9, 10))
 
 
 def test_the_client_raises_its_own_errors(srv):

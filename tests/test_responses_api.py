@@ -264,6 +264,11 @@ UNANSWERED = {"type": "function_call_output", "call_id": "call_nope", "output": 
         ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice.type"),
         ({"input": [{"role": "user", "content": "hi"}, {**UNANSWERED, "call_id": ""}]}, "input.1.call_id"),
         ({"tools": [{**TOOL, "parameters": json.loads('{"a":' * 400 + "1" + "}" * 400)}]}, "tools"),
+        # the chat API's fields this API has not: refused, never ignored
+        ({"max_tokens": 3}, "max_tokens"),
+        ({"stop": ["x"]}, "stop"),
+        ({"n": 2}, "n"),
+        ({"repetition_penalty": 1.3}, "repetition_penalty"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(srv, fields, param):

@@ -368,6 +368,10 @@ BAD = [  # (param, path, body): each a 400 whose param names the field
         C,
         {"structured_outputs": {"regex": "a", "disable_any_whitespace": "yes"}},
     ),
+    ("structured_outputs.jsn", CHAT, {"structured_outputs": {"jsn": SCHEMA}}),  # a misspelled key
+    ("structured_outputs", C, {"structured_outputs": {}}),  # no constraint at all
+    # a schema the grammar would not enforce whole (tests/test_json_schema_rewrite.py has the cases)
+    ("response_format", CHAT, {"response_format": json_schema_format({"type": "number", "multipleOf": 0.5})}),
 ]
 
 

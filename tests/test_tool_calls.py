@@ -212,3 +212,26 @@ def test_a_streamed_chat_of_reasoning_text_and_calls_adds_up_to_the_whole_messag
     streamed = [call for d in deltas for call in d.get("tool_calls", [])]
     assert [c["index"] for c in streamed] == [0, 1]
     assert [c["function"] for c in streamed] == [c["function"] for c in message["tool_calls"]]
+
+
+def test_a_forced_calls_arguments_take_whitespace_one_character_at_a_time():
+    """A model that runs on with newlines inside a forced call's JSON would spend its tokens there: the
+    grammar allows no run of whitespace (xgrammar's structural tags have no compact JSON)."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from router.chat.tools import tool_grammar
+    from router.http.protocol import ChatCompletionRequest
+
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}],
+            "tool_choice": "required",
+        }
+    )
+    grammar = xgrammar.Grammar.from_structural_tag(tool_grammar(req, "llama", "disabled").spec)
+    assert _is_grammar_accept_string(grammar, '{"name": "f", "parameters": {"city": "Oslo"}}')
+    assert not _is_grammar_accept_string(grammar, '{"name": "f", "parameters": {\n    "city" : "Oslo"\n\n}}')

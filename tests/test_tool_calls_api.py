@@ -244,6 +244,23 @@ BAD = [  # (param, body): each a 400 whose param names the field
     ("tool_choice", {"tools": TOOLS, "tool_choice": "always"}),
     ("messages.1", {"messages": [*MSG, {"role": "tool", "content": "sunny"}]}),  # no tool_call_id
     ("functions", {"functions": [{"name": "f"}]}),  # the deprecated form stays refused
+    # a function's arguments are an object: another schema is refused, not a call the parser cannot read
+    (
+        "tools.0.function.parameters",
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+    ),
+    (
+        "tools.0.function.parameters",
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"anyOf": [{"type": "string"}]}}}]},
+    ),
+    # a forced call's arguments follow a schema the grammar cannot enforce: refused
+    (
+        "tools",
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "https://x.org/s.json"}}}],
+            "tool_choice": "required",
+        },
+    ),
 ]
 
 

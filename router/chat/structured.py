@@ -16,6 +16,7 @@ import jsonschema
 import xgrammar
 
 from cluster import GrammarSpec
+from router.chat.json_schema import enforced_schema
 from router.http.errors import APIError
 from router.http.protocol import SamplingFields
 
@@ -32,6 +33,12 @@ def request_grammar(req: SamplingFields) -> GrammarSpec | None:
     if len(given) > 1:
         raise APIError(
             400, f"send one of {' or '.join(given)}, not both: each constrains the whole output", param=given[1]
+        )
+    if outputs is not None and not given:  # its options alone (or nothing) constrain nothing
+        raise APIError(
+            400,
+            f"structured_outputs sets no constraint: give one of {', '.join(outputs.CONSTRAINTS)}",
+            param="structured_outputs",
         )
     if not given:
         return None
@@ -87,6 +94,7 @@ def _given(req: SamplingFields, name: str) -> bool:
 def json_schema_grammar(schema: Any, field: str) -> GrammarSpec:
     check_json_schema(schema, field)
     check_enforceable(schema, field)
+    schema = enforced_schema(schema, field)
     return checked(GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False)), field)
 
 

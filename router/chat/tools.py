@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import xgrammar
 
 from cluster import GrammarSpec
+from router.chat.json_schema import enforced_schema
 from router.chat.structured import check_enforceable, check_json_schema, checked
 from router.http.errors import APIError
 from router.http.protocol import ChatCompletionRequest, NamedToolChoice
@@ -43,13 +44,15 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
         raise APIError(400, f"tools: two functions are named {twice!r}", param="tools")
     named = isinstance(choice, NamedToolChoice)
     forced = choice == "required" or named
-    for tool in tools:
+    for i, tool in enumerate(tools):
         params = tool.function.parameters
         if params is not None:
             what = f"the parameters of function {tool.function.name!r}"
             check_json_schema(params, "tools", what)
+            _check_object(params, f"tools.{i}.function.parameters", what)
             if forced and (not named or choice.function.name == tool.function.name):
                 check_enforceable(params, "tools", what)  # a grammar makes the calls' arguments follow them
+                enforced_schema(params, "tools", what)
             checked(GrammarSpec("json_schema", json.dumps(params, ensure_ascii=False)), "tools")
     if forced and not tools:
         raise APIError(400, "tool_choice asks for a tool call, but the request lists no tools", param="tool_choice")
@@ -71,12 +74,24 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     return ToolPlan(template_tools, parse=parser is not None and choice != "none" and bool(tools), forced=forced)
 
 
+# the schema keywords whose value is no object where they stand at a function's parameters' top
+_NOT_AN_OBJECT = ("anyOf", "oneOf", "allOf", "$ref", "enum", "const", "items", "prefixItems")
+
+
+def _check_object(params: Any, field: str, what: str) -> None:
+    """A function's arguments are an object (OpenAI requires `"type": "object"`; the tool-call formats
+    write them as one): a schema of any other value is a 400, not a call the parser cannot read."""
+    kind = params.get("type", "object") if isinstance(params, dict) else None
+    if kind != "object" or any(k in params for k in _NOT_AN_OBJECT):
+        raise APIError(400, f"{field}: {what} must be a JSON Schema of type object", param=field)
+
+
 def tool_grammar(req: ChatCompletionRequest, parser: str, reasoning: ReasoningMode) -> GrammarSpec:
     """The structural tag that makes the output one call (a named function) or at least one (required),
     each call's arguments following its function's parameters; `reasoning` says whether a think block
     comes first (Qwen3's)."""
     tools = [
-        {"type": "function", "function": {"name": t.function.name, "parameters": t.function.parameters or NO_ARGUMENTS}}
+        {"type": "function", "function": {"name": t.function.name, "parameters": _arguments(t.function)}}
         for t in req.tools or []
     ]
     choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else "required"
@@ -87,6 +102,9 @@ def tool_grammar(req: ChatCompletionRequest, parser: str, reasoning: ReasoningMo
             tool_choice=choice,
             reasoning=reasoning,
             parallel_tool_calls=req.parallel_tool_calls is not False,
+            # the arguments' whitespace, free in this format, one character at a time (a model that runs
+            # on with newlines and spaces would spend its tokens there)
+            max_whitespace_cnt=1,
         )
     except ValueError as e:
         raise APIError(400, f"tools: {e}", param="tools") from e
@@ -94,6 +112,13 @@ def tool_grammar(req: ChatCompletionRequest, parser: str, reasoning: ReasoningMo
     if choice == "required":
         tag["format"] = _calls_only(tag["format"], CALL_SEPARATORS[parser])
     return checked(GrammarSpec("structural_tag", json.dumps(tag, ensure_ascii=False)), "tools")
+
+
+def _arguments(function: Any) -> Any:
+    """The schema a call's arguments follow, as the grammar enforces it whole (router/chat/json_schema.py)."""
+    if function.parameters is None:
+        return NO_ARGUMENTS
+    return enforced_schema(function.parameters, "tools", f"the parameters of function {function.name!r}")
 
 
 def _calls_only(fmt: dict, separator: str) -> dict:

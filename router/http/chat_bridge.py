@@ -5,6 +5,7 @@ body, or as its stream's chunks, for the Responses and Messages APIs to write in
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -97,13 +98,23 @@ def sse_event(name: str, data: dict) -> str:
 
 
 def renamed(error: APIError, names: dict[str, str]) -> APIError:
-    """error with the chat fields it names written as the API's own (`names`: chat's -> the API's)."""
+    """error with the chat fields it names written as the API's own (`names`: chat's -> the API's; a `*`
+    in both stands for the same list index)."""
     for old, new in names.items():
-        if error.param is not None and _starts_with_name(error.param, old):
-            error.param = new + error.param[len(old) :]
-        if _starts_with_name(error.message, old):
-            error.message = new + error.message[len(old) :]
+        if error.param is not None:
+            error.param = _rename(error.param, old, new)
+        error.message = _rename(error.message, old, new)
     return error
+
+
+def _rename(text: str, old: str, new: str) -> str:
+    """text with the field name `old` at its start written as `new`."""
+    if "*" in old:
+        found = re.match(re.escape(old).replace(r"\*", r"(\d+)"), text)
+        if found is None or not _starts_with_name(text, found.group(0)):
+            return text
+        return new.replace("*", found.group(1)) + text[found.end() :]
+    return new + text[len(old) :] if _starts_with_name(text, old) else text
 
 
 def _starts_with_name(text: str, name: str) -> bool:

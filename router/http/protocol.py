@@ -16,6 +16,7 @@ from router.http.refused import (
     COMPLETION_UNSUPPORTED_FIELDS,
     REFUSABLE,
     UNSUPPORTED_FIELDS,
+    is_neutral,
 )
 
 # values that hold no string: a list of them (a prompt's token ids) is passed over by type alone
@@ -78,7 +79,7 @@ class APIRequest(UnicodeChecked):
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         neutral = cls.refused.get(info.field_name)
-        if neutral is not None and not any(value == v and type(value) is type(v) for v in neutral):
+        if neutral is not None and not is_neutral(value, neutral):
             raise ValueError(
                 f"{info.field_name} is not supported by this server"
                 + (" for completions (use /v1/chat/completions)" if info.field_name.startswith("tool") else "")
@@ -113,9 +114,10 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's structured_outputs: one constraint on the whole output (router/chat/structured.py)."""
+    """vLLM's structured_outputs: one constraint on the whole output (router/chat/structured.py). Its keys
+    are vLLM's alone: a misspelled one is a 400 (ignored, it would leave the output unconstrained)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     refused: ClassVar[dict[str, tuple]] = {
         "structural_tag": (None,),
         "whitespace_pattern": (None,),
@@ -138,7 +140,7 @@ class StructuredOutputs(BaseModel):
     @field_validator("structural_tag", "whitespace_pattern", "disable_additional_properties")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        if not any(value == v and type(value) is type(v) for v in cls.refused[info.field_name]):
+        if not is_neutral(value, cls.refused[info.field_name]):
             raise ValueError(f"structured_outputs.{info.field_name} is not supported by this server")
         return value
 

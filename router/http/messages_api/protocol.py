@@ -6,9 +6,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from router.http.protocol import UnicodeChecked
+from router.http.refused import CHAT_ONLY_FIELDS, chat_only_error, is_neutral
+
+# the chat API's fields this API has not (max_tokens is its own), and its field for those it names otherwise
+CHAT_ONLY = {k: v for k, v in CHAT_ONLY_FIELDS.items() if k != "max_tokens"}
+INSTEAD = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
 
 
 class _Strict(UnicodeChecked):
@@ -55,16 +60,36 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(default=None, ge=1, le=2**31 - 1)
     stream: bool = False
     metadata: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None  # the chat API's, as on /v1/responses
+    # the chat API's, as on /v1/responses
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    logit_bias: dict[str, float] | None = None
     # Anthropic's fields that would change the result and that this server does not serve (structured
     # outputs, MCP servers): declared so that each is a 400 naming it, never ignored
     output_format: Any = None
     output_config: Any = None
     mcp_servers: Any = None
+    max_completion_tokens: Any = None
+    stop: Any = None
+    n: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    response_format: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
 
     @field_validator("output_format", "output_config", "mcp_servers")
     @classmethod
     def _not_served(cls, value: Any) -> Any:
         if value is not None:
             raise ValueError("is not supported by this server")
+        return value
+
+    @field_validator(*CHAT_ONLY)
+    @classmethod
+    def _chat_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if not is_neutral(value, CHAT_ONLY[info.field_name]):
+            raise ValueError(chat_only_error(info.field_name, "Messages API", INSTEAD))
         return value

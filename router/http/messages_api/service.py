@@ -18,7 +18,12 @@ from router.http.messages_api.translate import chat_of
 from router.http.state import RouterState
 
 # the chat fields a shared check may name, as the Messages API calls them
-FIELD_NAMES = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "tool_choice": "tool_choice"}
+FIELD_NAMES = {
+    "max_completion_tokens": "max_tokens",
+    "stop": "stop_sequences",
+    "tool_choice": "tool_choice",
+    "tools.*.function.parameters": "tools.*.input_schema",
+}
 
 
 async def _parsed(request: Request, model: type[BaseModel]):

@@ -164,6 +164,7 @@ def chat_of(req: CountTokensRequest) -> ChatCompletionRequest:
             "temperature": req.temperature,
             "top_p": req.top_p,
             "top_k": req.top_k,
+            "seed": req.seed,
             "logit_bias": req.logit_bias,
             "stream": req.stream,
             "stream_options": {"include_usage": True} if req.stream else None,

@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from router.http.protocol import UnicodeChecked
+from router.http.refused import CHAT_ONLY_FIELDS, chat_only_error, is_neutral
 
 # field -> the values that leave a request's meaning unchanged (what a client sends as the default)
 REFUSED: dict[str, tuple] = {
@@ -18,6 +19,14 @@ REFUSED: dict[str, tuple] = {
     "top_logprobs": (None, 0),
     "max_tool_calls": (None,),
     "truncation": (None, "disabled"),
+}
+# the chat API's fields this API has not (top_logprobs is refused above): the Responses field for each one
+# it has another name for
+CHAT_ONLY = {k: v for k, v in CHAT_ONLY_FIELDS.items() if k not in REFUSED}
+INSTEAD = {
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
 }
 
 
@@ -138,10 +147,28 @@ class ResponsesRequest(_Strict):
     top_logprobs: Any = None
     max_tool_calls: Any = None
     truncation: Any = None
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    stop: Any = None
+    n: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    response_format: Any = None
+    logprobs: Any = None
 
     @field_validator(*REFUSED)
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        if not any(value == v and type(value) is type(v) for v in cls.refused[info.field_name]):
+        if not is_neutral(value, cls.refused[info.field_name]):
             raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
+
+    @field_validator(*CHAT_ONLY)
+    @classmethod
+    def _chat_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if not is_neutral(value, CHAT_ONLY[info.field_name]):
+            raise ValueError(chat_only_error(info.field_name, "Responses API", INSTEAD))
         return value

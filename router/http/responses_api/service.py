@@ -21,6 +21,7 @@ FIELD_NAMES = {
     "max_tokens": "max_output_tokens",
     "messages": "input",
     "prompt": "input",
+    "tools.*.function.parameters": "tools.*.parameters",
 }
 
 
