@@ -109,3 +109,14 @@ def test_schema_keywords_a_grammar_would_not_enforce_are_refused_where_a_grammar
 def test_anthropic_fields_this_server_does_not_serve_are_400s_naming_them(srv, field):
     value = [] if field == "mcp_servers" else {"format": {"type": "json_schema", "schema": {"type": "object"}}}
     assert field in refused(post(srv, MESSAGES, {**BODIES[MESSAGES], field: value}), MESSAGES)["message"]
+
+
+def test_a_prompt_list_past_max_prompts_is_refused_before_any_work_and_one_at_it_is_served(srv):
+    """A batch of 100,000 prompts once held the replica long enough that its channel to the router was
+    taken for lost, failing other clients' requests: the list is bounded (OpenAI's 2,048 by default)."""
+    limit = srv.config.max_prompts
+    error = refused(post(srv, C, {**BODIES[C], "prompt": ["x"] * (limit + 1)}), C)
+    assert error["param"] == "prompt" and str(limit) in error["message"], error
+    served = post(srv, C, {**BODIES[C], "prompt": [[1, 2]] * 3, "max_tokens": 1})
+    assert served.status_code == 200 and len(served.json()["choices"]) == 3
+    serves(srv)

@@ -26,7 +26,7 @@ from router.http.extras import Extras
 from router.http.guard import RequestGuard
 from router.http.head import HeadAsGet
 from router.http.messages_api.service import count_tokens, create_message
-from router.http.prompts import completion_prompts, truncated
+from router.http.prompts import completion_prompts, prompt_count, truncated
 from router.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -128,6 +128,11 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
         parsed = time.perf_counter()  # the body read and validated: what is left to do is the router's own
         state.check_model(body.model)
         extras = _extras(body)
+        listed = prompt_count(body.prompt)
+        if listed > state.config.max_prompts:  # each becomes a sequence (n of them): refused before any work
+            raise APIError(
+                400, f"prompt lists {listed} prompts; at most {state.config.max_prompts} are allowed", param="prompt"
+            )
         prompts = completion_prompts(body, state.tokenizer, state.vocab_size, state.max_seq_len)
         grammar = request_grammar(body)
         # an echo with logprobs shows the prompt's too: the replica scores the prompt for them

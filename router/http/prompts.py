@@ -20,12 +20,22 @@ class Prompt:
     text: str | None
 
 
+def _several(prompt: str | list) -> bool:
+    """Whether `prompt` lists prompts (strings or lists of ids), not one string or one list of ids."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+
+
+def prompt_count(prompt: str | list) -> int:
+    """How many prompts a completions request's `prompt` lists (a string or one list of ids is one)."""
+    return len(prompt) if _several(prompt) else 1
+
+
 def completion_prompts(
     req: CompletionRequest, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_seq_len: int
 ) -> list[Prompt]:
     """The request's prompts in order, truncated as it asks."""
     prompt = req.prompt
-    several = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    several = _several(prompt)
     prompts = prompt if several else [prompt]
     special = req.add_special_tokens is not False
     out = []
