@@ -114,3 +114,32 @@ def test_a_schema_the_grammar_cannot_follow_is_a_400_naming_the_field(name):
     with pytest.raises(APIError) as e:
         json_schema_grammar(schema, "response_format")
     assert e.value.status == 400 and e.value.param == "response_format" and says in e.value.message
+
+
+def test_a_pydantic_models_schema_keeps_its_shape():
+    """What the openai client's parse sends: references, optional fields (anyOf with null) and a tagged
+    union (oneOf beside OpenAPI's discriminator) are enforced as they are, left unrewritten but for a
+    const written as a one-value enum."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int = Field(ge=0, le=9)
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        name: str | None = Field(default=None, max_length=10)
+
+    class Pet(BaseModel):
+        pet: Cat | Dog = Field(discriminator="kind")
+        tags: list[str] = Field(min_length=1, max_length=3)
+
+    schema = Pet.model_json_schema()
+    rewritten = json.loads(json_schema_grammar(schema, "response_format").spec)
+    assert rewritten["properties"]["pet"] == schema["properties"]["pet"]  # the oneOf of two $refs, untouched
+    assert rewritten["$defs"]["Cat"]["properties"]["kind"] == {"title": "Kind", "enum": ["cat"]}
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(rewritten), any_whitespace=True)
+    assert _is_grammar_accept_string(grammar, '{"pet": {"kind": "dog", "name": null}, "tags": ["a"]}')
+    assert not _is_grammar_accept_string(grammar, '{"pet": {"kind": "cat", "lives": 10}, "tags": ["a"]}')

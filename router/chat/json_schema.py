@@ -26,10 +26,11 @@ import xgrammar
 
 from router.http.errors import APIError
 
-# keywords that say nothing of which values are valid (kept where they are, never merged into a branch)
+# keywords that say nothing of which values are valid (kept where they are, never merged into a branch);
+# OpenAPI's discriminator, which pydantic writes beside a tagged union's oneOf, only names the tag
 _ANNOTATIONS = frozenset(
     {"title", "description", "default", "examples", "$comment", "$schema", "$id", "$anchor", "deprecated"}
-    | {"readOnly", "writeOnly", "$defs", "definitions"}
+    | {"readOnly", "writeOnly", "$defs", "definitions", "discriminator"}
 )
 _SCHEMA_KEYS = ("additionalProperties", "items", "additionalItems", "propertyNames", "contains", "not")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
