@@ -120,3 +120,13 @@ def test_a_prompt_list_past_max_prompts_is_refused_before_any_work_and_one_at_it
     served = post(srv, C, {**BODIES[C], "prompt": [[1, 2]] * 3, "max_tokens": 1})
     assert served.status_code == 200 and len(served.json()["choices"]) == 3
     serves(srv)
+
+
+@pytest.mark.parametrize("path", [C, CHAT, RESPONSES])
+def test_an_empty_body_and_a_nan_are_named_as_such(srv, path):
+    empty = httpx.post(srv.url + path, headers={"content-type": "application/json"}, timeout=60)
+    assert empty.status_code == 400 and "body is empty" in empty.json()["error"]["message"], empty.text
+    body = json.dumps({**BODIES[path], "temperature": 0.5}).replace("0.5", "NaN").encode()
+    error = refused(post(srv, path, body), path)
+    assert error["param"] == "temperature" and "finite" in error["message"], error
+    serves(srv)

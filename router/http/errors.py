@@ -124,6 +124,8 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
             f"the body must be JSON, sent with Content-Type: application/json "
             f"(got {content_type or 'no Content-Type'})",
         )
+    if loc == ["body"] and first.get("type") == "missing":
+        return error_response(400, "the body is empty: send the request's fields as a JSON object")
     if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
         return error_response(400, f"the body is not valid JSON ({first.get('msg', 'JSON decode error')})")
     errors = [{**e, "loc": [p for p in e.get("loc", ()) if p != "body"]} for e in exc.errors()]

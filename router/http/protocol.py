@@ -41,7 +41,10 @@ def _holds_bad_text(value: Any) -> bool:
 
 class UnicodeChecked(BaseModel):
     """A request model (of every API) whose fields hold no string that is not valid Unicode: a 400
-    naming the field, where a tokenizer would fail later."""
+    naming the field, where a tokenizer would fail later; and no NaN or infinity (JSON has neither,
+    Python's parser reads both), refused as such rather than as out of a field's range."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
