@@ -244,10 +244,11 @@ _USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name"
         ({"messages": [{**_USE, "content": [{**_USE["content"][0], "id": ""}]}]}, "messages.0.content.0"),
         ({"messages": [_USE, {"role": "user", "content": [_result("", "x")]}]}, "messages.1.content.0"),
         # the chat API's fields this API has not: refused, never ignored (with this API's own where it has one)
-        ({"stop": ["x"]}, "stop_sequences"),
+        ({"stop": ["x"]}, "stop: stop is the chat API's"),  # named as sent, this API's own field after it
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"n": 2}, "n is the chat API's"),
-        ({"max_completion_tokens": 3}, "max_completion_tokens"),
+        ({"max_completion_tokens": 3}, "max_completion_tokens: "),
+        ({"tools": [{**TOOL, "input_schema": {"type": "array"}}]}, "tools.0.input_schema"),
     ],
 )
 def test_bad_input_is_an_anthropic_error_naming_the_field(srv, fields, where):

@@ -123,6 +123,41 @@ def test_a_named_function_is_the_one_called(srv, bias):
         check_calls(calls)
 
 
+# parameters as pydantic writes a recursive model (a reference at the top) and as clients often write
+# them (no type: an object here, as OpenAI reads it)
+TREE = {
+    "$defs": {
+        "Node": {
+            "type": "object",
+            "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}},
+            "required": ["v"],
+        }
+    },
+    "$ref": "#/$defs/Node",
+}
+UNTYPED = {"properties": {"note": {"enum": ["a", "b"]}}, "required": ["note"]}
+
+
+@pytest.mark.parametrize("params", [TREE, UNTYPED, {}], ids=["top-reference", "no-type", "empty"])
+def test_parameters_given_as_a_reference_or_without_a_type_are_an_object_a_forced_call_fills(srv, bias, params):
+    r = client(srv).chat.completions.create(
+        model="tiny",
+        messages=MSG,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": params}}],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=150,
+        temperature=0,
+        logit_bias=bias,
+        extra_body=NO_THINKING,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+    arguments = json.loads(choice.message.tool_calls[0].function.arguments)
+    assert isinstance(arguments, dict)
+    jsonschema.validate(arguments, params)
+
+
 def test_a_thinking_model_may_think_before_a_required_call(srv, bias):
     # without enable_thinking false the grammar lets a think block come first, and the output's start
     # is read as reasoning

@@ -47,13 +47,13 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     for i, tool in enumerate(tools):
         params = tool.function.parameters
         if params is not None:
-            what = f"the parameters of function {tool.function.name!r}"
-            check_json_schema(params, "tools", what)
-            _check_object(params, f"tools.{i}.function.parameters", what)
+            what, field = f"the parameters of function {tool.function.name!r}", f"tools.{i}.function.parameters"
+            check_json_schema(params, field, what)
+            _check_object(params, field, what)
             if forced and (not named or choice.function.name == tool.function.name):
-                check_enforceable(params, "tools", what)  # a grammar makes the calls' arguments follow them
-                enforced_schema(params, "tools", what)
-            checked(GrammarSpec("json_schema", json.dumps(params, ensure_ascii=False)), "tools")
+                check_enforceable(params, field, what)  # a grammar makes the calls' arguments follow them
+                enforced_schema(params, field, what)
+            checked(GrammarSpec("json_schema", json.dumps(params, ensure_ascii=False)), field)
     if forced and not tools:
         raise APIError(400, "tool_choice asks for a tool call, but the request lists no tools", param="tool_choice")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
@@ -74,16 +74,32 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     return ToolPlan(template_tools, parse=parser is not None and choice != "none" and bool(tools), forced=forced)
 
 
-# the schema keywords whose value is no object where they stand at a function's parameters' top
-_NOT_AN_OBJECT = ("anyOf", "oneOf", "allOf", "$ref", "enum", "const", "items", "prefixItems")
+# the schema keywords that would let a function's arguments be other than one object, at its top
+_NOT_AN_OBJECT = ("anyOf", "oneOf", "allOf", "enum", "const", "items", "prefixItems")
 
 
 def _check_object(params: Any, field: str, what: str) -> None:
     """A function's arguments are an object (OpenAI requires `"type": "object"`; the tool-call formats
-    write them as one): a schema of any other value is a 400, not a call the parser cannot read."""
-    kind = params.get("type", "object") if isinstance(params, dict) else None
-    if kind != "object" or any(k in params for k in _NOT_AN_OBJECT):
+    write them as one): a schema of any other value is a 400, not a call the parser cannot read. A schema
+    with no type (`{}`, properties alone) means an object here; a reference at the top (pydantic's
+    recursive models) is followed."""
+    root, seen = params, set()
+    while isinstance(root, dict) and isinstance(root.get("$ref"), str) and root["$ref"] not in seen:
+        seen.add(root["$ref"])
+        root = _local(params, root["$ref"])
+    kind = root.get("type", "object") if isinstance(root, dict) else None
+    if kind != "object" or any(k in root for k in _NOT_AN_OBJECT):
         raise APIError(400, f"{field}: {what} must be a JSON Schema of type object", param=field)
+
+
+def _local(schema: dict, ref: str) -> Any:
+    """What a reference into schema (`#/...`) points at; None where it points at nothing."""
+    node: Any = schema
+    if not ref.startswith("#"):
+        return None
+    for part in (p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/") if p):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def tool_grammar(req: ChatCompletionRequest, parser: str, reasoning: ReasoningMode) -> GrammarSpec:
@@ -115,10 +131,14 @@ def tool_grammar(req: ChatCompletionRequest, parser: str, reasoning: ReasoningMo
 
 
 def _arguments(function: Any) -> Any:
-    """The schema a call's arguments follow, as the grammar enforces it whole (router/chat/json_schema.py)."""
-    if function.parameters is None:
+    """The schema a call's arguments follow, as the grammar enforces it whole (router/chat/json_schema.py):
+    an object (a schema that names no type, `{}` included, is one here, as plan_tools checked)."""
+    params = function.parameters
+    if params is None:
         return NO_ARGUMENTS
-    return enforced_schema(function.parameters, "tools", f"the parameters of function {function.name!r}")
+    if "type" not in params and "$ref" not in params:
+        params = {"type": "object", **params}
+    return enforced_schema(params, "tools", f"the parameters of function {function.name!r}")
 
 
 def _calls_only(fmt: dict, separator: str) -> dict:

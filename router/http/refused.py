@@ -55,7 +55,7 @@ CHAT_ONLY_FIELDS: dict[str, tuple] = {
     "repetition_penalty": (None, 1, 1.0),
     "min_p": (None, 0, 0.0),
     "min_tokens": (None, 0),
-    "response_format": (None,),
+    "response_format": (None, {"type": "text"}),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
 }

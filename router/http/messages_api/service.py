@@ -41,9 +41,12 @@ async def _parsed(request: Request, model: type[BaseModel]):
 
 
 async def create_message(state: RouterState, request: Request):
-    try:
+    try:  # the request's own fields: errors name them as sent
         req = await _parsed(request, MessagesRequest)
         state.check_model(req.model)
+    except APIError as e:
+        return error_response(e)
+    try:  # the chat path's checks: errors name its fields as this API calls them
         result = await run_chat(state, request, chat_of(req))
     except APIError as e:
         return error_response(renamed(e, FIELD_NAMES))
@@ -70,6 +73,9 @@ async def count_tokens(state: RouterState, request: Request):
     try:
         req = await _parsed(request, CountTokensRequest)
         state.check_model(req.model)
+    except APIError as e:
+        return error_response(e)
+    try:
         return {"input_tokens": len(prompt_ids(state, chat_of(req)))}
     except APIError as e:
         return error_response(renamed(e, FIELD_NAMES))
