@@ -102,7 +102,7 @@ def test_schema_keywords_a_grammar_would_not_enforce_are_refused_where_a_grammar
     # a tool's parameters are only rendered for the model to read unless a call is forced
     assert post(srv, CHAT, {**BODIES[CHAT], "tools": [tool]}).status_code == 200
     forced = {**BODIES[CHAT], "tools": [tool], "tool_choice": "required"}
-    assert refused(post(srv, CHAT, forced), CHAT)["param"] == "tools"
+    assert refused(post(srv, CHAT, forced), CHAT)["param"] == "tools.0.function.parameters"
 
 
 @pytest.mark.parametrize("field", ["output_format", "output_config", "mcp_servers"])

@@ -188,10 +188,10 @@ NAMED = {
     "metadata value as a number": "metadata.Team-X",
     "prompt nested 500 deep": "prompt",
     "stop nested 500 deep": "stop",
+    "tools": "tools.0.function.parameters",
     **{
         name: name
         for name in (
-            "tools",
             "tool_choice",
             "response_format",
             "logit_bias",

@@ -101,6 +101,13 @@ REFUSED = {
         {"type": "object", "properties": {"a": {}}, "required": ["z"], "additionalProperties": False},
         "'z'",
     ),
+    "an enum beside a reference the check cannot follow": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"enum": [1], "allOf": [{"$ref": "#/properties/a"}]}},
+        },
+        "cannot check them",
+    ),
     "keywords set twice beside an anyOf": (
         {"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"properties": {"a": {}}}]},
         "properties both beside its anyOf",

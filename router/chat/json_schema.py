@@ -170,7 +170,12 @@ class _Rewrite:
             defs = {k: self.root[k] for k in ("$defs", "definitions") if isinstance(self.root, dict) and k in self.root}
             check = {**rest, **defs}
             validator = jsonschema.validators.validator_for(check, default=jsonschema.Draft202012Validator)(check)
-            values = [v for v in values if validator.is_valid(v)]
+            try:
+                values = [v for v in values if validator.is_valid(v)]
+            except Exception:  # noqa: BLE001 - a reference the check cannot follow from here (#/properties/...)
+                raise self.refuse(
+                    where, "lists enum or const values beside a reference this server cannot check them against"
+                ) from None
         if not values:
             raise self.refuse(where, "allows no value: none of its enum or const is valid by the rest of it")
         kept = {k: v for k, v in schema.items() if k in _ANNOTATIONS}
