@@ -12,10 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from router.http.messages import ChatMessage
 from router.http.refused import (
+    CHAT_ONLY_FIELDS,
     CHAT_UNSUPPORTED_FIELDS,
     COMPLETION_UNSUPPORTED_FIELDS,
     REFUSABLE,
     UNSUPPORTED_FIELDS,
+    chat_only_error,
     is_neutral,
 )
 
@@ -55,6 +57,38 @@ class UnicodeChecked(BaseModel):
             raise ValueError("is nested too deeply") from None
         if bad:
             raise ValueError("holds a string that is not valid Unicode (a lone surrogate)")
+        return value
+
+
+class ChatOnlyFields(UnicodeChecked):
+    """The chat API's sampling fields, declared on an API that lacks them (Responses, Messages): a client
+    moving from chat that still sends one at a value that would change the result gets a 400 naming it,
+    not an answer that ignored it. `chat_only`: those the API lacks (others it may declare as its own);
+    `api`: its name; `instead`: its own field for each it names otherwise."""
+
+    chat_only: ClassVar[dict[str, tuple]] = {}
+    api: ClassVar[str] = ""
+    instead: ClassVar[dict[str, str]] = {}
+
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    stop: Any = None
+    n: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    response_format: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+
+    @field_validator(*CHAT_ONLY_FIELDS)
+    @classmethod
+    def _chat_only(cls, value: Any, info: ValidationInfo) -> Any:
+        neutral = cls.chat_only.get(info.field_name)
+        if neutral is not None and not is_neutral(value, neutral):
+            raise ValueError(chat_only_error(info.field_name, cls.api, cls.instead))
         return value
 
 

@@ -4,12 +4,12 @@ name where they are translated (router/http/messages_api/translate.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
-from router.http.protocol import UnicodeChecked
-from router.http.refused import CHAT_ONLY_FIELDS, chat_only_error, is_neutral
+from router.http.protocol import ChatOnlyFields, UnicodeChecked
+from router.http.refused import CHAT_ONLY_FIELDS
 
 # the chat API's fields this API has not (max_tokens is its own), and its field for those it names otherwise
 CHAT_ONLY = {k: v for k, v in CHAT_ONLY_FIELDS.items() if k != "max_tokens"}
@@ -52,7 +52,11 @@ class CountTokensRequest(_Strict):
     thinking: Thinking | None = None
 
 
-class MessagesRequest(CountTokensRequest):
+class MessagesRequest(CountTokensRequest, ChatOnlyFields):
+    chat_only: ClassVar[dict[str, tuple]] = CHAT_ONLY
+    api: ClassVar[str] = "Messages API"
+    instead: ClassVar[dict[str, str]] = INSTEAD
+
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
@@ -68,28 +72,10 @@ class MessagesRequest(CountTokensRequest):
     output_format: Any = None
     output_config: Any = None
     mcp_servers: Any = None
-    max_completion_tokens: Any = None
-    stop: Any = None
-    n: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    repetition_penalty: Any = None
-    min_p: Any = None
-    min_tokens: Any = None
-    response_format: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
 
     @field_validator("output_format", "output_config", "mcp_servers")
     @classmethod
     def _not_served(cls, value: Any) -> Any:
         if value is not None:
             raise ValueError("is not supported by this server")
-        return value
-
-    @field_validator(*CHAT_ONLY)
-    @classmethod
-    def _chat_only(cls, value: Any, info: ValidationInfo) -> Any:
-        if not is_neutral(value, CHAT_ONLY[info.field_name]):
-            raise ValueError(chat_only_error(info.field_name, "Messages API", INSTEAD))
         return value

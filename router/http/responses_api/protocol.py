@@ -8,8 +8,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from router.http.protocol import UnicodeChecked
-from router.http.refused import CHAT_ONLY_FIELDS, chat_only_error, is_neutral
+from router.http.protocol import ChatOnlyFields, UnicodeChecked
+from router.http.refused import CHAT_ONLY_FIELDS, is_neutral
 
 # field -> the values that leave a request's meaning unchanged (what a client sends as the default)
 REFUSED: dict[str, tuple] = {
@@ -116,8 +116,11 @@ class ReasoningConfig(_Strict):
     summary: Literal["auto", "concise", "detailed"] | None = None  # the reasoning is returned whole
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(_Strict, ChatOnlyFields):
     refused: ClassVar[dict[str, tuple]] = REFUSED
+    chat_only: ClassVar[dict[str, tuple]] = CHAT_ONLY
+    api: ClassVar[str] = "Responses API"
+    instead: ClassVar[dict[str, str]] = INSTEAD
 
     model: str
     input: str | list[dict[str, Any]]
@@ -147,28 +150,10 @@ class ResponsesRequest(_Strict):
     top_logprobs: Any = None
     max_tool_calls: Any = None
     truncation: Any = None
-    max_tokens: Any = None
-    max_completion_tokens: Any = None
-    stop: Any = None
-    n: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    repetition_penalty: Any = None
-    min_p: Any = None
-    min_tokens: Any = None
-    response_format: Any = None
-    logprobs: Any = None
 
     @field_validator(*REFUSED)
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         if not is_neutral(value, cls.refused[info.field_name]):
             raise ValueError(f"{info.field_name} is not supported by this server")
-        return value
-
-    @field_validator(*CHAT_ONLY)
-    @classmethod
-    def _chat_only(cls, value: Any, info: ValidationInfo) -> Any:
-        if not is_neutral(value, CHAT_ONLY[info.field_name]):
-            raise ValueError(chat_only_error(info.field_name, "Responses API", INSTEAD))
         return value
