@@ -342,9 +342,7 @@ def _default_tile(head_dim: int, num_splits: int, fp8: bool) -> tuple[int, int, 
     (batch 1). Over an fp8 cache at batch 256 the prefetching variant with three stages took 184.7 us against
     208.5 for the plain kernel's two (the bf16 cache's variants were within 1% of each other; at batch 1 every
     variant was). Past head_dim 128, 32 (a guess: K and V tiles twice the size)."""
-    if head_dim > 128:
-        return 32, 4, 2, False
-    if num_splits > 2:
+    if head_dim > 128 or num_splits > 2:
         return 32, 4, 2, False
     return (128, 4, 3, True) if fp8 else (128, 4, 2, False)
 

@@ -17,13 +17,12 @@ would not enforce. Its grammar compiles several valid schemas into rules that le
 from __future__ import annotations
 
 import copy
-import functools
 import re
 from typing import Any
 
 import jsonschema
-import xgrammar
 
+from router.chat.grammar_check import grammar_problem
 from router.http.errors import APIError
 
 # keywords that say nothing of which values are valid (kept where they are, never merged into a branch);
@@ -98,16 +97,10 @@ class _Rewrite:
         return {**kept, **self.merge(target, rest, where, "$ref")}
 
     def resolve(self, ref: str, where: str) -> Any:
-        node = self.root
-        for part in (p for p in ref[1:].split("/") if p):
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                raise self.refuse(where, f"refers to {ref!r}, which the schema does not hold")
-        return node
+        target = local_target(self.root, ref)
+        if target is None:
+            raise self.refuse(where, f"refers to {ref!r}, which the schema does not hold")
+        return target
 
     def distribute(self, schema: dict, key: str, where: str, inlining: tuple[str, ...]) -> dict:
         """{rest, anyOf: [a, b]} as {anyOf: [rest and a, rest and b]}: each branch takes in the keywords
@@ -194,8 +187,8 @@ class _Rewrite:
         if isinstance(schema.get("patternProperties"), dict):
             patterns += list(schema["patternProperties"])
         for pattern in patterns:
-            if (problem := _regex_problem(pattern)) is not None:
-                raise self.refuse(where, f"has the pattern {pattern!r}, which this server cannot enforce: {problem}")
+            if (problem := grammar_problem("regex", pattern)) is not None:
+                raise self.refuse(where, f"has the pattern {pattern!r}: {problem}")
 
     def required(self, schema: dict, where: str) -> dict:
         """Every required name among the properties, with the schema its value has to follow."""
@@ -222,6 +215,21 @@ class _Rewrite:
         return {**schema, "properties": properties}
 
 
+def local_target(schema: Any, ref: str) -> Any:
+    """What a reference into schema (`#/...`, a JSON Pointer) points at; None where it points at nothing."""
+    if not ref.startswith("#"):
+        return None
+    node = schema
+    for part in (p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/") if p):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
 class _NoValue(Exception):
     """Two schemas merged share no value."""
 
@@ -245,16 +253,6 @@ def _constraints(schema: dict, *besides: str) -> dict:
 def _same(a: Any, b: Any) -> bool:
     """JSON equality: 1 and true differ, 1 and 1.0 do not."""
     return a == b and isinstance(a, bool) == isinstance(b, bool)
-
-
-@functools.lru_cache(maxsize=256)
-def _regex_problem(pattern: str) -> str | None:
-    try:
-        xgrammar.Grammar.from_regex(pattern)
-    except (RuntimeError, ValueError, TypeError) as e:
-        lines = str(e).strip().splitlines()
-        return (lines[0].split(": ", 1)[-1] if lines else type(e).__name__)[:200]
-    return None
 
 
 def _search(pattern: str, name: str) -> bool:

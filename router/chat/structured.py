@@ -7,15 +7,13 @@ cannot turn into a grammar, is a 400 naming its field), so a bad one never reach
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-from functools import lru_cache
 from typing import Any
 
 import jsonschema
-import xgrammar
 
 from cluster import GrammarSpec
+from router.chat.grammar_check import grammar_problem
 from router.chat.json_schema import enforced_schema
 from router.http.errors import APIError
 from router.http.protocol import SamplingFields
@@ -168,28 +166,7 @@ def choice_grammar(choices: list[str], field: str = "guided_choice") -> str:
 
 def checked(spec: GrammarSpec, field: str) -> GrammarSpec:
     """spec, once xgrammar has turned it into a grammar here; a 400 naming field when it cannot."""
-    problem = _problem(spec.kind, spec.spec, spec.any_whitespace)
+    problem = grammar_problem(spec.kind, spec.spec, spec.any_whitespace)
     if problem is not None:
         raise APIError(400, f"{field}: {problem}", param=field)
     return spec
-
-
-@lru_cache(maxsize=256)
-def _problem(kind: str, spec: str, any_whitespace: bool) -> str | None:
-    build = {
-        "json_schema": functools.partial(xgrammar.Grammar.from_json_schema, any_whitespace=any_whitespace),
-        "regex": xgrammar.Grammar.from_regex,
-        "ebnf": xgrammar.Grammar.from_ebnf,
-        "structural_tag": xgrammar.Grammar.from_structural_tag,
-    }[kind]
-    try:
-        build(spec)
-    except (RuntimeError, ValueError, TypeError) as e:
-        return f"xgrammar cannot use this {kind.replace('_', ' ')}: {_first_line(e)}"
-    return None
-
-
-def _first_line(e: Exception) -> str:
-    lines = str(e).strip().splitlines()
-    # xgrammar's messages start with a time and a source location
-    return (lines[0].split(": ", 1)[-1] if lines else type(e).__name__)[:300]

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import xgrammar
 
 from cluster import GrammarSpec
-from router.chat.json_schema import enforced_schema
+from router.chat.json_schema import enforced_schema, local_target
 from router.chat.structured import check_enforceable, check_json_schema, checked
 from router.http.errors import APIError
 from router.http.protocol import ChatCompletionRequest, NamedToolChoice
@@ -51,8 +51,8 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
             check_json_schema(params, field, what)
             _check_object(params, field, what)
             if forced and (not named or choice.function.name == tool.function.name):
-                check_enforceable(params, field, what)  # a grammar makes the calls' arguments follow them
-                enforced_schema(params, field, what)
+                # a grammar makes the calls' arguments follow them (tool_grammar rewrites them for it)
+                check_enforceable(params, field, what)
             checked(GrammarSpec("json_schema", json.dumps(params, ensure_ascii=False)), field)
     if forced and not tools:
         raise APIError(400, "tool_choice asks for a tool call, but the request lists no tools", param="tool_choice")
@@ -86,31 +86,28 @@ def _check_object(params: Any, field: str, what: str) -> None:
     root, seen = params, set()
     while isinstance(root, dict) and isinstance(root.get("$ref"), str) and root["$ref"] not in seen:
         seen.add(root["$ref"])
-        root = _local(params, root["$ref"])
+        root = local_target(params, root["$ref"])
     kind = root.get("type", "object") if isinstance(root, dict) else None
     if kind != "object" or any(k in root for k in _NOT_AN_OBJECT):
         raise APIError(400, f"{field}: {what} must be a JSON Schema of type object", param=field)
-
-
-def _local(schema: dict, ref: str) -> Any:
-    """What a reference into schema (`#/...`) points at; None where it points at nothing."""
-    node: Any = schema
-    if not ref.startswith("#"):
-        return None
-    for part in (p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/") if p):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
 
 
 def tool_grammar(req: ChatCompletionRequest, parser: str, reasoning: ReasoningMode) -> GrammarSpec:
     """The structural tag that makes the output one call (a named function) or at least one (required),
     each call's arguments following its function's parameters; `reasoning` says whether a think block
     comes first (Qwen3's)."""
+    named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
     tools = [
-        {"type": "function", "function": {"name": t.function.name, "parameters": _arguments(t.function)}}
-        for t in req.tools or []
+        {
+            "type": "function",
+            "function": {
+                "name": t.function.name,
+                "parameters": _arguments(t.function, i) if named in (None, t.function.name) else t.function.parameters,
+            },
+        }
+        for i, t in enumerate(req.tools or [])
     ]
-    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else "required"
+    choice = req.tool_choice.model_dump() if named is not None else "required"
     try:
         tag = xgrammar.get_model_structural_tag(
             STRUCTURAL_TAG_MODELS[parser],
@@ -130,15 +127,17 @@ def tool_grammar(req: ChatCompletionRequest, parser: str, reasoning: ReasoningMo
     return checked(GrammarSpec("structural_tag", json.dumps(tag, ensure_ascii=False)), "tools")
 
 
-def _arguments(function: Any) -> Any:
-    """The schema a call's arguments follow, as the grammar enforces it whole (router/chat/json_schema.py):
-    an object (a schema that names no type, `{}` included, is one here, as plan_tools checked)."""
+def _arguments(function: Any, i: int) -> Any:
+    """The schema the calls' arguments of the forced function `i` follow, as the grammar enforces it whole
+    (router/chat/json_schema.py): an object (a schema that names no type, `{}` included, is one here, as
+    plan_tools checked)."""
     params = function.parameters
     if params is None:
         return NO_ARGUMENTS
     if "type" not in params and "$ref" not in params:
         params = {"type": "object", **params}
-    return enforced_schema(params, "tools", f"the parameters of function {function.name!r}")
+    what = f"the parameters of function {function.name!r}"
+    return enforced_schema(params, f"tools.{i}.function.parameters", what)
 
 
 def _calls_only(fmt: dict, separator: str) -> dict:

@@ -135,7 +135,7 @@ class RouterActor:
         """Routes replica i's traffic to ref from now on: its replacement serves, or (repair) the
         replica serves and this router's client of it had failed (a transient error)."""
         old = self.state.clients[i]
-        if _actor_id(old.actor) == _actor_id(ref.actor) and not (repair and not old.healthy):
+        if actor_id(old.actor) == actor_id(ref.actor) and not (repair and not old.healthy):
             return  # the push after a restart repeats the replicas that did not change
         self._release(ref)  # a predecessor's requests there, or the failed client's
 
@@ -149,14 +149,14 @@ class RouterActor:
             return  # draining or stopped: there is nothing to route any more
         asyncio.run_coroutine_threadsafe(install(), self._loop).result(timeout=30)
 
-    def fail_replica(self, replica_id: int, actor_id: object, why: str) -> None:
-        """The launching process's supervisor found a replica (the incarnation `actor_id`) failed: this
+    def fail_replica(self, replica_id: int, incarnation: object, why: str) -> None:
+        """The launching process's supervisor found a replica (`incarnation`: its actor's id) failed: this
         router stops routing to it and moves its streams elsewhere now, not once its own channel has
         been silent long enough to say so (a replica hung with its channel open never is)."""
 
         async def mark() -> None:
             for client in self.state.clients:
-                if client.replica_id == replica_id and client.healthy and _actor_id(client.actor) == actor_id:
+                if client.replica_id == replica_id and client.healthy and actor_id(client.actor) == incarnation:
                     client.mark_failed(why)
 
         self._on_loop(mark())
@@ -223,7 +223,8 @@ class RouterActor:
         self._thread.join(timeout=self.config.drain_timeout_s + 10)
 
 
-def _actor_id(actor) -> object:
+def actor_id(actor) -> object:
+    """An actor handle's id (what identifies one incarnation of a replica across processes)."""
     return getattr(actor, "_actor_id", actor)
 
 

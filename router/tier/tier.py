@@ -14,7 +14,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster import ReplicaInfo, ServeConfig
-from router.tier.actor import ReplicaRef, RouterActor
+from router.tier.actor import ReplicaRef, RouterActor, actor_id
 from router.tier.directory import start_directory
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class RouterTier:
         """The supervisor found a replica failed: every router stops routing to it now (not waiting, as
         each would, for its channel's silence), until replaced() brings its replacement."""
         for router in self.actors:
-            router.fail_replica.remote(replica_id, getattr(actor, "_actor_id", actor), why)
+            router.fail_replica.remote(replica_id, actor_id(actor), why)
 
     def replaced(self, i: int, replica) -> None:
         """Replica i's replacement serves: every router routes to it from now on."""
