@@ -85,6 +85,34 @@ def triton_decode_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> in
     return triton_decode.decode_num_splits(1 if small else batch_size, num_kv_heads, num_sms)
 
 
+# FlashInfer's planner sizes split-KV work to two CTAs a multiprocessor (batch_prefill.cu's PrefillPlan)
+SPLIT_CTAS_PER_SM = 2
+
+
+def whole_kv_decode(batch_size: int, num_kv_heads: int, num_sms: int) -> bool:
+    """Whether FlashInfer's tensor-core decode attends each request's KV in one chunk anyway: its planner
+    splits KV only while the batch's (request, kv head) pairs fit in two CTAs a multiprocessor. In a
+    CUDA graph it still plans such a batch as split, so every layer writes partial results and launches a
+    merge that only copies them back (2% of (a)'s decode step at batch 256); `disable_split_kv` drops both
+    and computes the same."""
+    return batch_size * num_kv_heads > SPLIT_CTAS_PER_SM * num_sms
+
+
+def exact_decode_grid(wrapper: object, batch_size: int, group: int) -> None:
+    """Cuts a tensor-core decode plan's grid to the scheduler entries it wrote. FlashInfer 0.5.3's
+    CUDA-graph plan without split-KV still pads its grid to the split plan's size, and the padded CTAs
+    would read entries the plan never wrote (flashinfer-ai/flashinfer#4002). A decode row's query heads
+    (`group` of them) fill part of one query tile, so the entries are one a request: fixed by the batch
+    size, the same at capture and at every replay. The plan's fields: PrefillPlanInfo::ToVector."""
+    info = wrapper._plan_info
+    values = [int(v) for v in info]
+    padded, cta_tile_q, enable_cuda_graph, split_kv = values[0], values[3], values[13], values[14]
+    entries = batch_size * -(-group // cta_tile_q)
+    if enable_cuda_graph and not split_kv and padded > entries:
+        values[0] = entries
+        wrapper._plan_info = type(info)(values)
+
+
 def use_tensor_cores(batch_size: int, choice: str = "auto") -> bool:
     """FlashInfer's decode path for a batch: its tensor-core kernels, or its CUDA-core ones."""
     if choice != "auto":
@@ -201,15 +229,15 @@ class FlashInferBackend(AttentionBackend):
         self.triton_rows = triton_decode_rows(kv.dtype, device, decode)
         self._decode: _TritonDecode | None = None  # this step's, when the Triton kernel attends
         self._split: _SplitStep | None = None  # this step's, when an extend step's decode rows attend apart
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         if self.triton_decode:
             from worker import triton_decode
 
             self._triton = triton_decode
-            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
             # the split results of any batch of bs <= rows: above TENSOR_CORE_ABOVE_BATCH rows
             # decode_num_splits gives ceil(4 SMs / (bs kv heads)) splits at most, so bs * splits < 4 SMs + bs;
             # at and below, the batch-1 count (at most MAX_SPLITS) for each of up to that many rows
-            most = max(rows + 4 * self._num_sms, TENSOR_CORE_ABOVE_BATCH * triton_decode.MAX_SPLITS)
+            most = max(rows + 4 * self.num_sms, TENSOR_CORE_ABOVE_BATCH * triton_decode.MAX_SPLITS)
             self._part_out = torch.empty(most * num_heads * self.head_dim, dtype=torch.float32, device=device)
             self._part_lse = torch.empty(most * num_heads, dtype=torch.float32, device=device)
 
@@ -318,7 +346,10 @@ class FlashInferBackend(AttentionBackend):
                         h["qo_indptr"], h["kv_indptr"], indices, h["last_page_len"], *dims, causal=True, **types
                     )
                 else:
-                    wrapper.plan(h["kv_indptr"], indices, h["last_page_len"], *dims, **types)
+                    whole = wrapper.use_tensor_cores and whole_kv_decode(bs, self.num_kv_heads, self.num_sms)
+                    wrapper.plan(h["kv_indptr"], indices, h["last_page_len"], *dims, disable_split_kv=whole, **types)
+                    if whole:
+                        exact_decode_grid(wrapper, bs, self.num_heads // self.num_kv_heads)
         stream = current_stream(self.kv.device)
         self._plan_copied.record(stream)
         staged.release(stream)  # every reader of the staged arrays (copies, gathers, plan) is on this stream
@@ -350,7 +381,7 @@ class FlashInferBackend(AttentionBackend):
         indptr, last_page_len = self.graph_indptr[: bs + 1], self.graph_last_page_len[:bs]
         indptr.copy_(staged.device[prefix + "kv_indptr"], non_blocking=True)
         last_page_len.copy_(staged.device[prefix + "last_page_len"], non_blocking=True)
-        splits = triton_decode_splits(bs, self.num_kv_heads, self._num_sms)
+        splits = triton_decode_splits(bs, self.num_kv_heads, self.num_sms)
         h, d = self.num_heads, self.head_dim
         scratch = self._triton.DecodeScratch(
             self._part_out[: bs * h * splits * d].view(bs, h, splits, d),
