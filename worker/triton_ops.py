@@ -21,6 +21,7 @@ from worker.kernels import Kernels
 
 log = logging.getLogger(__name__)
 _SAMPLE_BLOCK = 2048  # 75 blocks a row over a vocabulary of 151,936
+_SAMPLE_WARPS = 4
 
 
 @functools.cache
@@ -186,24 +187,38 @@ def sample_rows(
     out: torch.Tensor | None = None,
     token_pool: torch.Tensor | None = None,
     token_write: torch.Tensor | None = None,
+    block: int = _SAMPLE_BLOCK,
+    num_warps: int = _SAMPLE_WARPS,
 ) -> torch.Tensor:
     """What `worker.sampling.sampler.sample_unfiltered` computes (the argmax where temperature <= 0, else the
     Gumbel-max draw of (seed, position)), for logits [B, V] of any float dtype with unit stride along
     V: one kernel over (row, block of the vocabulary), one over rows. Returns int32 [B] (in `out` when
     given); with `token_pool` (flat int32) also writes each row's token at token_pool[token_write[row]].
-    The two may part from the torch path only where float rounding of the noise breaks a near-tie."""
+    The two may part from the torch path only where float rounding of the noise breaks a near-tie.
+    `block` / `num_warps`: the vocabulary a program of the first kernel and its warps (any split picks the
+    same token: the first index of the largest value)."""
     rows, vocab = logits.shape
     if out is None:
         out = torch.empty(rows, dtype=torch.int32, device=logits.device)
     if rows == 0:
         return out
     assert logits.stride(1) == 1
-    blocks = triton.cdiv(vocab, _SAMPLE_BLOCK)
+    blocks = triton.cdiv(vocab, block)
     val = torch.empty(rows, blocks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, blocks, dtype=torch.int32, device=logits.device)
     k = _kernels()
     k.sample_partial_kernel[(rows, blocks)](
-        logits, logits.stride(0), temperature, seeds, positions, val, idx, vocab, blocks, BLOCK=_SAMPLE_BLOCK
+        logits,
+        logits.stride(0),
+        temperature,
+        seeds,
+        positions,
+        val,
+        idx,
+        vocab,
+        blocks,
+        BLOCK=block,
+        num_warps=num_warps,
     )
     has_pool = token_pool is not None
     k.sample_reduce_kernel[(rows,)](
