@@ -194,16 +194,19 @@ def test_ctrl_c_stops_the_launch_while_it_waits_on_the_address(qwen3_path):
         silent.listen()
         connected = threading.Event()
         held = []
+        proc = None
 
         def accept():
             held.append(silent.accept()[0])
+            # Ctrl-C at once, from this thread: the probe gives up after 3 s, and on a busy host the
+            # main thread could wake up later than that
+            proc.send_signal(signal.SIGINT)
             connected.set()
 
-        threading.Thread(target=accept, daemon=True).start()
         proc = _launch(qwen3_path, f"127.0.0.1:{silent.getsockname()[1]}")
+        threading.Thread(target=accept, daemon=True).start()
         try:
             assert connected.wait(60), "the launch never probed the address"
-            proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=10)
         finally:
             proc.kill()
