@@ -2,8 +2,9 @@
 FlashInfer's residual norm then the Triton GEMV, and FlashInfer's SiLU-and-multiply then the GEMV; on the
 layers of Qwen3-0.6B, Qwen3-8B and Qwen3-30B-A3B (bf16), each as many distinct copies as the model has
 layers (so L2 does not hold the weights) replayed in a CUDA graph. Median microseconds a layer, the
-fused kernel's default tiles and a sweep of its output columns a program; and the largest difference
-between the fused and the separate outputs.
+fused kernel's default tiles and a sweep of its output columns a program (for the norm at K up to
+NORM_MAX_K, its one-block variant's too); and the largest difference between the fused and the separate
+outputs.
 
     python bench/row_fusion.py [--out r.json]"""
 
@@ -22,6 +23,7 @@ from common import time_graph  # noqa: E402
 
 from worker import triton_ops  # noqa: E402
 from worker.layers.fused import fused_ops  # noqa: E402
+from worker.layers.row_fusion import NORM_MAX_K  # noqa: E402
 
 # (architecture, layers, part, K, N): "norm" parts fuse the residual norm into the GEMV over K -> N
 # ("norm+normed" also writes the normed row, as the mixture's router does); "silu" parts read [gate | up]
@@ -58,9 +60,21 @@ def main() -> None:
                     ops.fused_add_rmsnorm(xs, rs, nw, 1e-6)
                     triton_ops.small_linear(xs, w)
 
-            def fused(bn=None):
+            def fused(bn=None, one_block=False):
                 for w in ws:
-                    triton_ops.norm_linear(x, res, nw, 1e-6, w, normed, block_n=bn)
+                    triton_ops.norm_linear(x, res, nw, 1e-6, w, normed, block_n=bn, one_block=one_block)
+
+            if k <= NORM_MAX_K:  # the whole row in one block, every load issued before the norm's sum
+                row["one_block_us"] = time_graph(lambda: fused(one_block=True)) / layers
+                row["one_block_sweep_us"] = {
+                    bn: time_graph(lambda bn=bn: fused(bn, True)) / layers for bn in (1, 2, 4, 8, 16)
+                }
+                got = triton_ops.norm_linear(x, res, nw, 1e-6, ws[0], normed, one_block=True)[0]
+                a, b = x.clone(), res.clone()
+                ops.fused_add_rmsnorm(a, b, nw, 1e-6)
+                row["one_block_max_abs_diff"] = (
+                    (got.float() - triton_ops.small_linear(a, ws[0]).float()).abs().max().item()
+                )
 
             a, b = x.clone(), res.clone()
             ops.fused_add_rmsnorm(a, b, nw, 1e-6)

@@ -31,14 +31,17 @@ def _norm(dim: int, eps: float = 1e-6) -> RMSNorm:
 # K past one BLOCK_K (1,024) and not a multiple of it; N past one program's columns and not a multiple
 @pytest.mark.parametrize("k,n", [(64, 48), (1100, 37), (96, 2500), (200, 5000)])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_norm_linear_equals_the_norm_then_the_matmul(k, n, with_residual):
+@pytest.mark.parametrize("one_block", [False, True])
+def test_norm_linear_equals_the_norm_then_the_matmul(k, n, with_residual, one_block):
     torch.manual_seed(k + n)
     x, residual = torch.randn(1, k), torch.randn(1, k) if with_residual else None
     weight, norm = torch.randn(n, k), _norm(k)
     ref_residual = x + residual if with_residual else x
     ref_normed = norm(ref_residual)
     assert triton_ops.row_fusion_applies(INTERPRETED, x, weight)
-    y, new_residual, normed = triton_ops.norm_linear(x, residual, norm.weight, norm.eps, weight, write_normed=True)
+    y, new_residual, normed = triton_ops.norm_linear(
+        x, residual, norm.weight, norm.eps, weight, write_normed=True, one_block=one_block
+    )
     torch.testing.assert_close(new_residual, ref_residual, rtol=0, atol=0)
     torch.testing.assert_close(normed, ref_normed, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(y, ref_normed @ weight.T, rtol=1e-5, atol=1e-4)
@@ -128,12 +131,15 @@ def test_on_gpu_the_fused_launches_equal_flashinfers_norm_and_silu_then_the_gemv
     norm_weight = torch.rand(k, device=dev, dtype=dt) + 0.5
     weight = torch.randn(n, k, device=dev, dtype=dt) * 0.02
     assert triton_ops.row_fusion_applies(Kernels(), x, weight)
-    got, new_residual, normed = triton_ops.norm_linear(x, residual, norm_weight, 1e-6, weight, write_normed=True)
     a, b = x.clone(), residual.clone()
     ops.fused_add_rmsnorm(a, b, norm_weight, 1e-6)
-    assert torch.equal(new_residual, b)
-    torch.testing.assert_close(normed, a, rtol=0.008, atol=0.008)  # at most one bfloat16 step apart
-    torch.testing.assert_close(got, triton_ops.small_linear(a, weight), rtol=0.02, atol=0.02)
+    for one_block in (False, True) if k <= NORM_MAX_K else (False,):
+        got, new_residual, normed = triton_ops.norm_linear(
+            x, residual, norm_weight, 1e-6, weight, write_normed=True, one_block=one_block
+        )
+        assert torch.equal(new_residual, b)
+        torch.testing.assert_close(normed, a, rtol=0.008, atol=0.008)  # at most one bfloat16 step apart
+        torch.testing.assert_close(got, triton_ops.small_linear(a, weight), rtol=0.02, atol=0.02)
     gate_up = torch.randn(1, 2 * k, device=dev, dtype=dt)
     down = torch.randn(k // 2, k, device=dev, dtype=dt) * 0.02
     ref = triton_ops.small_linear(ops.silu_and_mul(gate_up), down)

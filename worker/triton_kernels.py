@@ -229,6 +229,7 @@ def norm_linear_kernel(
     WRITE_NORMED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
 ):
     # out = rmsnorm(x + res) @ w.T for one row (batch-1 decode), the residual norm and the GEMV in one
     # launch. Each program computes the norm of the whole row itself (a few KiB read from L2) and then
@@ -237,6 +238,30 @@ def norm_linear_kernel(
     # rounded to the row's dtype before the product, as the GEMV after a separate norm reads it.
     pid = tl.program_id(0)
     rk = tl.arange(0, BLOCK_K)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = (rk * 0 + pid) == 0  # program 0's lanes (a vector: the interpreter masks with vectors only)
+    if ONE_BLOCK:
+        # K <= BLOCK_K: the row, the norm's weight and the program's weight rows loaded at once, before the
+        # norm's sum (which the weight loads do not need), so the program waits on memory once, not twice
+        km = rk < K
+        h = tl.load(x_ptr + rk, mask=km, other=0.0).to(tl.float32)
+        if HAS_RES:
+            h += tl.load(res_ptr + rk, mask=km, other=0.0).to(tl.float32)
+        nw = tl.load(norm_w_ptr + rk, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(
+            w_ptr + rn[:, None].to(tl.int64) * w_stride + rk[None, :],
+            mask=(rn[:, None] < N) & km[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
+        if HAS_RES:
+            tl.store(res_out_ptr + rk, h.to(res_out_ptr.dtype.element_ty), mask=km & first)
+        normed = (h * rstd * nw).to(x_ptr.dtype.element_ty)
+        if WRITE_NORMED:
+            tl.store(normed_ptr + rk, normed, mask=km & first)
+        acc = tl.sum(w * normed.to(tl.float32)[None, :], axis=1)
+        tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
+        return
     sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
@@ -245,8 +270,6 @@ def norm_linear_kernel(
             h += tl.load(res_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         sq += h * h
     rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    first = (rk * 0 + pid) == 0  # program 0's lanes (a vector: the interpreter masks with vectors only)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk

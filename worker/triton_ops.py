@@ -353,10 +353,15 @@ def norm_linear(
     block_n: int | None = None,
     block_k: int = 1024,
     num_warps: int = 4,
+    one_block: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """For one row x [1, K]: (rmsnorm(x + residual) @ weight.T, the new residual x + residual (x itself
-    without one), the normed row with write_normed) in one launch. x and residual are left as they are."""
+    without one), the normed row with write_normed) in one launch. x and residual are left as they are.
+    `one_block`: the whole row in one block (K up to NORM_MAX_K), every load issued before the norm's sum
+    (bench/row_fusion.py times it beside the default, two passes over blocks of `block_k`)."""
     k = x.shape[1]
+    if one_block:
+        block_k = triton.next_power_of_2(k)
     n = weight.shape[0]
     block_n = block_n or _norm_block_n(n)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -378,6 +383,7 @@ def norm_linear(
         WRITE_NORMED=write_normed,
         BLOCK_N=block_n,
         BLOCK_K=min(block_k, triton.next_power_of_2(k)),
+        ONE_BLOCK=one_block,
         num_warps=num_warps,
     )
     return out, res_out, normed
