@@ -29,6 +29,8 @@ from worker.layers.moe.torch_experts import torch_experts  # noqa: E402
 EXPERTS, TOP_K, HIDDEN, INTER, LAYERS = 128, 8, 2048, 768, 8
 GATE_UP = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
 DOWN = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
+# (BLOCK_N, num_warps) of the down kernel's at-once variant (fused.PER_ROW_DOWN_AT_ONCE)
+DOWN_AT_ONCE = list(itertools.product((1, 2, 4), (4, 8)))
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs: at a decode batch (a few rows an
 # expert) short blocks, narrow to wide column tiles and long K steps, deeper or shallower pipelines; at a
 # prompt chunk (hundreds of rows an expert) tall blocks
@@ -119,6 +121,15 @@ def main() -> None:
                 fused.PER_ROW_DOWN = cfg
                 sweep[_name("down", cfg)] = time_graph(per_row) / LAYERS
             best = fused.PER_ROW_GATE_UP, min(DOWN, key=lambda c: sweep[_name("down", c)])
+            fused.PER_ROW_DOWN = best[1]
+            for cfg in DOWN_AT_ONCE:  # every choice's weights loaded at once, beside the best loop's tile
+                fused.PER_ROW_DOWN_AT_ONCE = cfg
+                sweep[f"down at once {cfg[0]}w{cfg[1]}"] = time_graph(per_row) / LAYERS
+                got = fused._per_row(x, w13s[0], w2s[0], TOP_K, logits=logits[0], renormalize=True).float()
+                row.setdefault("at_once_max_rel_err", {})[f"{cfg[0]}w{cfg[1]}"] = (
+                    (got - want).abs().max() / want.abs().max()
+                ).item()
+            fused.PER_ROW_DOWN_AT_ONCE = None
             row["sweep_us"] = sweep
             row["best"] = {"gate_up": best[0], "down": best[1]}
             fused.PER_ROW_GATE_UP, fused.PER_ROW_DOWN = best

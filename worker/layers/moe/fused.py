@@ -146,6 +146,10 @@ def per_row_applies(rows: int, num_experts: int) -> bool:
 # in one step: 32.8 us a layer for both kernels, against 42.4 with 256)
 PER_ROW_GATE_UP = (8, 512, 4)
 PER_ROW_DOWN = (8, 1024, 4)
+# (BLOCK_N, num_warps) of the down kernel's variant that loads every choice's weights at once (where the
+# expert width fits one block); None: the loop over choices. Not measured yet: bench/moe_decode.py --sweep
+# times it beside the loop
+PER_ROW_DOWN_AT_ONCE: tuple[int, int] | None = None
 
 
 def _per_row(
@@ -199,7 +203,13 @@ def _per_row(
         **options,
     )
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    block_n, block_k, options = _row_tiles(PER_ROW_DOWN, x.is_cuda, hidden, inter)
+    at_once = PER_ROW_DOWN_AT_ONCE is not None and inter <= _AT_ONCE_MAX_K
+    if at_once:
+        block_n, warps = PER_ROW_DOWN_AT_ONCE
+        block_n, block_k = _fit(block_n, hidden, 1), triton_ops.triton.next_power_of_2(inter)
+        options = {"num_warps": warps} if x.is_cuda else {}
+    else:
+        block_n, block_k, options = _row_tiles(PER_ROW_DOWN, x.is_cuda, hidden, inter)
     kernels.moe_row_down_kernel[(tokens, triton_ops.triton.cdiv(hidden, block_n))](
         h,
         w2,
@@ -215,9 +225,14 @@ def _per_row(
         TOP_K=top_k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        K_P2=triton_ops.triton.next_power_of_2(top_k),
+        AT_ONCE=at_once,
         **options,
     )
     return out
+
+
+_AT_ONCE_MAX_K = 1024  # the widest expert the down kernel's at-once variant holds in one block
 
 
 def _row_tiles(tiles: tuple[int, int, int], cuda: bool, width_n: int, width_k: int) -> tuple[int, int, dict]:

@@ -255,6 +255,8 @@ def moe_row_down_kernel(
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_P2: tl.constexpr,
+    AT_ONCE: tl.constexpr,
 ):
     # the per-row path's second half: one program per (token, column tile) sums its TOP_K rows' expert
     # outputs, each scaled by its routing weight, in float32: the combine needs no launch of its own
@@ -263,6 +265,30 @@ def moe_row_down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
+    if AT_ONCE:
+        # inter <= BLOCK_K: every choice's expert id, rows of h and weight tile loaded at once (one wait on
+        # memory a program, where the loop below waits twice a choice: for its id, then for its weights)
+        offs_c = tl.arange(0, K_P2)
+        c_ok = offs_c < TOP_K
+        r = t * TOP_K + offs_c
+        k_ok = offs_k < inter
+        experts = tl.load(ids_ptr + r, mask=c_ok, other=0).to(tl.int64)
+        route_w = tl.load(weights_ptr + r, mask=c_ok, other=0.0).to(tl.float32)
+        hv = tl.load(h_ptr + r[:, None] * stride_h + offs_k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0).to(
+            tl.float32
+        )
+        b = tl.load(
+            w_ptr
+            + experts[:, None, None] * stride_we
+            + offs_n[None, :, None].to(tl.int64) * stride_wn
+            + offs_k[None, None, :],
+            mask=c_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :],
+            other=0.0,
+        ).to(tl.float32)
+        part = tl.sum(b * hv[:, None, :], axis=2)  # [K_P2, BLOCK_N]: each choice's expert output
+        acc = tl.sum(part * route_w[:, None], axis=0)
+        tl.store(out_ptr + t * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        return
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         r = t * TOP_K + k
