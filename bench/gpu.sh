@@ -25,6 +25,8 @@
 #                  about half, a quarter)
 #   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
+#   moe_rows       the MoE per-row kernels at 1, 2 and 4 tokens with their tile sweep, the down kernel's
+#                  at-once variant included (bench/moe_decode.py --sweep)
 #   fp8_gemm       Qwen3-8B's FP8 linears at 256 and 64 rows against bf16, with and without fast accumulation
 #                  (bench/fp8_gemm.py)
 #   sample_kernel  the sampler's Gumbel-max kernels at batches 256, 64 and 1: tiles against the default
@@ -213,6 +215,7 @@ for suite in "$@"; do
     kernels)
       step moe_decode 420 python3 bench/moe_decode.py --tokens 1 4 64 256 8192 --grouped-sweep --out "$OUT/moe_decode.json"
       step fp8_gemv 200 python3 bench/fp8_gemv.py --out "$OUT/fp8_gemv.json" ;;
+    moe_rows) step moe_rows 400 python3 bench/moe_decode.py --tokens 1 2 4 --sweep --out "$OUT/moe_rows.json" ;;
     fp8_gemm) step fp8_gemm 200 python3 bench/fp8_gemm.py --m 256 64 --out "$OUT/fp8_gemm.json" ;;
     sample_kernel) step sample_kernel 200 python3 bench/sample_kernel.py --out "$OUT/sample_kernel.json" ;;
     row_fusion) step row_fusion 200 python3 bench/row_fusion.py --out "$OUT/row_fusion.json" ;;
