@@ -27,7 +27,13 @@ from worker.layers.moe.routing import select_experts  # noqa: E402
 from worker.layers.moe.torch_experts import torch_experts  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER, LAYERS = 128, 8, 2048, 768, 8
-GATE_UP = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
+# the whole hidden row (2,048) in one step with one to four columns a program too
+GATE_UP = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8))) + [
+    (1, 2048, 4),
+    (2, 2048, 4),
+    (2, 2048, 8),
+    (4, 2048, 8),
+]
 DOWN = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
 # (BLOCK_N, num_warps) of the down kernel's at-once variant (fused.PER_ROW_DOWN_AT_ONCE)
 DOWN_AT_ONCE = list(itertools.product((1, 2, 4), (4, 8)))
