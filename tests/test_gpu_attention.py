@@ -64,7 +64,7 @@ def _plan_info(padded: int, cta_tile_q: int, graph: bool, split: bool) -> tuple[
 
 def test_a_graph_plan_without_split_kv_launches_one_cta_a_request():
     w = _Planned(_plan_info(287, 16, graph=True, split=False))
-    exact_decode_grid(w, 256, 2)
+    assert exact_decode_grid(w, 256, 2)
     assert w._plan_info == _plan_info(256, 16, graph=True, split=False) and isinstance(w._plan_info, tuple)
     # a group wider than one query tile takes two entries a request
     w = _Planned(_plan_info(300, 16, graph=True, split=False))
@@ -73,8 +73,10 @@ def test_a_graph_plan_without_split_kv_launches_one_cta_a_request():
     # split plans (the mask marks their padded CTAs) and eager plans (never padded) are left as they are
     for graph, split in ((True, True), (False, False)):
         w = _Planned(_plan_info(287, 16, graph, split))
-        exact_decode_grid(w, 256, 2)
-        assert w._plan_info[0] == 287
+        assert exact_decode_grid(w, 256, 2) and w._plan_info[0] == 287
+    # a plan of another layout (another FlashInfer) is not touched, and the caller plans without the cut
+    w = _Planned(_plan_info(287, 16, graph=True, split=False) + (0,))
+    assert not exact_decode_grid(w, 256, 2) and w._plan_info[0] == 287
 
 
 def _mixed_desc(extend: list[int], seq: list[int]) -> BatchDesc:

@@ -98,19 +98,26 @@ def whole_kv_decode(batch_size: int, num_kv_heads: int, num_sms: int) -> bool:
     return batch_size * num_kv_heads > SPLIT_CTAS_PER_SM * num_sms
 
 
-def exact_decode_grid(wrapper: object, batch_size: int, group: int) -> None:
+def exact_decode_grid(wrapper: object, batch_size: int, group: int) -> bool:
     """Cuts a tensor-core decode plan's grid to the scheduler entries it wrote. FlashInfer 0.5.3's
     CUDA-graph plan without split-KV still pads its grid to the split plan's size, and the padded CTAs
     would read entries the plan never wrote (flashinfer-ai/flashinfer#4002). A decode row's query heads
     (`group` of them) fill part of one query tile, so the entries are one a request: fixed by the batch
-    size, the same at capture and at every replay. The plan's fields: PrefillPlanInfo::ToVector."""
-    info = wrapper._plan_info
+    size, the same at capture and at every replay. The plan's fields: PrefillPlanInfo::ToVector. False
+    (the plan left as it is) where the fields are not that layout (another FlashInfer)."""
+    info = getattr(wrapper, "_plan_info", None)
+    if info is None or len(info) != _PLAN_INFO_FIELDS:
+        return False
     values = [int(v) for v in info]
     padded, cta_tile_q, enable_cuda_graph, split_kv = values[0], values[3], values[13], values[14]
     entries = batch_size * -(-group // cta_tile_q)
     if enable_cuda_graph and not split_kv and padded > entries:
         values[0] = entries
         wrapper._plan_info = type(info)(values)
+    return True
+
+
+_PLAN_INFO_FIELDS = 15  # FlashInfer 0.5.3's PrefillPlanInfo
 
 
 def use_tensor_cores(batch_size: int, choice: str = "auto") -> bool:
@@ -348,8 +355,9 @@ class FlashInferBackend(AttentionBackend):
                 else:
                     whole = wrapper.use_tensor_cores and whole_kv_decode(bs, self.num_kv_heads, self.num_sms)
                     wrapper.plan(h["kv_indptr"], indices, h["last_page_len"], *dims, disable_split_kv=whole, **types)
-                    if whole:
-                        exact_decode_grid(wrapper, bs, self.num_heads // self.num_kv_heads)
+                    if whole and not exact_decode_grid(wrapper, bs, self.num_heads // self.num_kv_heads):
+                        # a plan this code cannot cut: FlashInfer's own split plan, merge and all
+                        wrapper.plan(h["kv_indptr"], indices, h["last_page_len"], *dims, **types)
         stream = current_stream(self.kv.device)
         self._plan_copied.record(stream)
         staged.release(stream)  # every reader of the staged arrays (copies, gathers, plan) is on this stream
