@@ -1,8 +1,9 @@
 """The FP8-weight linear layers of a decode step at larger batches, Qwen3-8B's shapes (e4m3 weights, a
 scale per output channel, bf16 activations quantized per token): bf16 cuBLAS beside the FP8 path at M
 rows, cuBLASLt's rowwise-scaled GEMM (`torch._scaled_mm`), with the activations' quantization and without,
-and the quantization alone; the GEMM alone with cuBLASLt's fast accumulation too. Each layer's COPIES (distinct weights, so L2 holds none of them) replayed in a
-CUDA graph; median microseconds a call, and the FP8 path's largest error against the float32 product.
+and the quantization alone; the GEMM alone with cuBLASLt's fast accumulation and without. Each layer's
+COPIES (distinct weights, so L2 holds none of them) replayed in a CUDA graph; median microseconds a call,
+and the FP8 path's largest error against the float32 product.
 
     python bench/fp8_gemm.py [--m 64 128 256] [--out r.json]"""
 
@@ -45,32 +46,16 @@ def main() -> None:
             row["bf16_us"] = time_graph(lambda: [F.linear(x, w) for w in wb]) / COPIES
             row["quantize_us"] = time_graph(lambda: gemm.quantize_activations(x, k))
             xq, xs = gemm.quantize_activations(x, k)
-            row["scaled_mm_only_us"] = (
-                time_graph(
-                    lambda: [
-                        torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
-                        for w in ws
-                    ]
+
+            def mm(w: torch.Tensor, fast: bool) -> torch.Tensor:
+                # fast: cuBLASLt's fast accumulation, partial sums in the tensor cores' own precision, not promoted
+                return torch._scaled_mm(
+                    xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype, use_fast_accum=fast
                 )
-                / COPIES
-            )
-            # cuBLASLt's fast accumulation: partial sums in the tensor cores' own precision, not promoted
-            row["fast_accum_only_us"] = (
-                time_graph(
-                    lambda: [
-                        torch._scaled_mm(
-                            xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype, use_fast_accum=True
-                        )
-                        for w in ws
-                    ]
-                )
-                / COPIES
-            )
-            row["fast_accum_err"] = err(
-                torch._scaled_mm(
-                    xq, ws[0].t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype, use_fast_accum=True
-                )
-            )
+
+            row["scaled_mm_only_us"] = time_graph(lambda: [mm(w, False) for w in ws]) / COPIES
+            row["fast_accum_only_us"] = time_graph(lambda: [mm(w, True) for w in ws]) / COPIES
+            row["fast_accum_err"] = err(mm(ws[0], True))
             row["scaled_mm_us"] = time_graph(lambda: [gemm.scaled_mm(x, w, scale) for w in ws]) / COPIES
             row["scaled_mm_err"] = err(gemm.scaled_mm(x, ws[0], scale))
             results.append(row)

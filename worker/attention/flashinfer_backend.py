@@ -236,7 +236,10 @@ class FlashInferBackend(AttentionBackend):
         self.triton_rows = triton_decode_rows(kv.dtype, device, decode)
         self._decode: _TritonDecode | None = None  # this step's, when the Triton kernel attends
         self._split: _SplitStep | None = None  # this step's, when an extend step's decode rows attend apart
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # whether decode plans past the split bound drop FlashInfer's no-op split (whole_kv_decode); off for
+        # good once a plan's fields turn out not to be the layout exact_decode_grid cuts
+        self._whole_kv = True
         if self.triton_decode:
             from worker import triton_decode
 
@@ -353,10 +356,15 @@ class FlashInferBackend(AttentionBackend):
                         h["qo_indptr"], h["kv_indptr"], indices, h["last_page_len"], *dims, causal=True, **types
                     )
                 else:
-                    whole = wrapper.use_tensor_cores and whole_kv_decode(bs, self.num_kv_heads, self.num_sms)
+                    whole = (
+                        self._whole_kv
+                        and wrapper.use_tensor_cores
+                        and whole_kv_decode(bs, self.num_kv_heads, self.num_sms)
+                    )
                     wrapper.plan(h["kv_indptr"], indices, h["last_page_len"], *dims, disable_split_kv=whole, **types)
                     if whole and not exact_decode_grid(wrapper, bs, self.num_heads // self.num_kv_heads):
-                        # a plan this code cannot cut: FlashInfer's own split plan, merge and all
+                        # a plan this code cannot cut: FlashInfer's own split plan, merge and all, from now on
+                        self._whole_kv = False
                         wrapper.plan(h["kv_indptr"], indices, h["last_page_len"], *dims, **types)
         stream = current_stream(self.kv.device)
         self._plan_copied.record(stream)
