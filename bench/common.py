@@ -194,6 +194,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--moe-kernel", choices=MOE_KERNELS, default="auto", help="torch: the loop over experts instead of Triton's"
     )
+    parser.add_argument(
+        "--pdl",
+        action="store_true",
+        help="programmatic dependent launch of the steps' Triton kernels (Kernels.pdl; compute capability 9.0+)",
+    )
     parser.add_argument("--max-extend-tokens", type=int, help="tokens computed per step (default: the engine's)")
     parser.add_argument(
         "--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)"
@@ -232,6 +237,7 @@ def kernels_of(args: argparse.Namespace) -> Kernels:
         decode=args.decode_kernel,
         prefill=args.prefill_kernel,
         moe=args.moe_kernel,
+        pdl=args.pdl,
     )
 
 
@@ -280,6 +286,7 @@ def config_of(args: argparse.Namespace) -> dict:
         "prefill_kernel": args.prefill_kernel,
         "small_linear": not args.no_small_linear,
         "moe_kernel": args.moe_kernel,
+        "pdl": args.pdl,
         "overlap": not args.no_overlap,
         "cuda_graph": not args.no_cuda_graph,
         "cache": args.cache,

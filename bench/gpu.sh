@@ -16,6 +16,8 @@
 #   fp8_weights    Qwen3-8B's architecture with its weights quantized to FP8 at load against bf16: (a) and
 #                  (b) batch 1, each for both
 #   moe_latency    (b) alone on Qwen3-30B-A3B's architecture, on this tree and BASE's
+#   pdl            (b) without and with programmatic dependent launch (--pdl), alternated: Qwen3-0.6B,
+#                  Qwen3-30B-A3B, and Qwen3-8B with FP8 weights
 #   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
 #                  GEMMs' tile sweep at 64, 256 and 8,192) and the FP8 GEMV's tile sweep (bench/fp8_gemv.py)
 #   prologue       the attention prologue's tiles at a decode batch and a prompt chunk (bench/prologue.py)
@@ -196,6 +198,16 @@ for suite in "$@"; do
       for tree in $(trees); do
         (cd "$tree" && step "moe_latency$(tag "$tree")" 300 python3 bench/decode_latency.py --arch qwen3-30b-a3b \
           --repeats "${REPEATS:-5}" --out "$OUT/moe_latency$(tag "$tree").json")
+      done ;;
+    pdl)  # batch 1 without and with programmatic dependent launch (Kernels.pdl), alternated, on each model
+      for model in qwen3-0.6b qwen3-30b-a3b "qwen3-8b --quantization fp8"; do
+        name=$(echo "$model" | sed 's/ --quantization /_/; s/[.-]//g')
+        for mode in off on; do
+          flag=(); [ "$mode" = on ] && flag=(--pdl)
+          # shellcheck disable=SC2086  # the model's words are its flags
+          step "pdl_${mode}_$name" 300 python3 bench/decode_latency.py --arch $model --repeats "${REPEATS:-3}" \
+            "${flag[@]}" --out "$OUT/pdl_${mode}_$name.json"
+        done
       done ;;
     fp8) offline fp8 150 --kv-cache-dtype fp8_e4m3 ;;
     decode_triton) offline decode_triton 150 --decode-kernel triton ;;

@@ -144,6 +144,104 @@ def launches(arch: str) -> list[tuple[str, Callable[[], object]]]:
             ("SiLU + down GEMV, batch 1", lambda: triton_ops.silu_linear(_gpu(1, 2 * inter), _gpu(hidden, inter)))
         )
         calls.extend(_fp8_launches(hidden, inter))
+    return calls + _pdl_launches(cfg)
+
+
+def _pdl_launches(cfg: dict) -> list[tuple[str, Callable[[], object]]]:
+    """Batch-1 decode's Triton kernels launched with programmatic dependent launch (Kernels.pdl)."""
+    hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim, vocab = cfg.get("head_dim") or hidden // heads, cfg["vocab_size"]
+    qkv_width = (heads + 2 * kv_heads) * head_dim
+    splits = triton_decode.decode_num_splits(1, kv_heads)
+    calls = [
+        (
+            "attention prologue, 1 token, pdl",
+            lambda: triton_ops.qkv_prologue(
+                _gpu(1, qkv_width),
+                _ids(1),
+                _ids(1),
+                _gpu(4096, head_dim, dtype=torch.float32),
+                _gpu(head_dim),
+                _gpu(head_dim),
+                1e-6,
+                _gpu(4096, kv_heads, head_dim),
+                _gpu(4096, kv_heads, head_dim),
+                heads,
+                kv_heads,
+                head_dim,
+                pdl=True,
+            ),
+        ),
+        *(
+            (
+                f"decode attention, batch 1, {_name(cache)} cache, pdl",
+                lambda p=_gpu(4096, PAGE_SIZE, kv_heads, head_dim, dtype=cache): triton_decode.paged_decode(
+                    _gpu(1, heads, head_dim),
+                    p,
+                    p,
+                    _ids(2, dtype=torch.int32),
+                    _ids(4096, dtype=torch.int32),
+                    _ids(1, dtype=torch.int32),
+                    num_splits=splits,
+                    pdl=True,
+                ),
+            )
+            for cache in (BF16, FP8)
+        ),
+        (
+            "sampling, batch 1, pdl",
+            lambda: triton_ops.sample_rows(
+                _gpu(1, vocab, dtype=torch.float32),
+                _gpu(1, dtype=torch.float32),
+                _ids(1),
+                _ids(1),
+                token_pool=_ids(4096, dtype=torch.int32),
+                token_write=_ids(1),
+                pdl=True,
+            ),
+        ),
+        (
+            "norm + QKV GEMV, batch 1, pdl",
+            lambda: triton_ops.norm_linear(
+                _gpu(1, hidden), _gpu(1, hidden), _gpu(hidden), 1e-6, _gpu(qkv_width, hidden), pdl=True
+            ),
+        ),
+        (
+            "small GEMV (o), batch 1, pdl",
+            lambda: triton_ops.small_linear(_gpu(1, heads * head_dim), _gpu(hidden, heads * head_dim), pdl=True),
+        ),
+    ]
+    if "num_experts" in cfg:
+        experts, top_k, inter = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+        calls.append(
+            (
+                "MoE experts, 1 token, pdl",
+                lambda: fused.fused_moe(
+                    _gpu(1, hidden),
+                    _gpu(1, experts),
+                    _gpu(experts, 2 * inter, hidden),
+                    _gpu(experts, hidden, inter),
+                    top_k,
+                    cfg["norm_topk_prob"],
+                    pdl=True,
+                ),
+            )
+        )
+        return calls
+    inter = cfg["intermediate_size"]
+    weight = _gpu(2 * inter, hidden, dtype=FP8)
+    calls.append(
+        (
+            "SiLU + down GEMV, batch 1, pdl",
+            lambda: triton_ops.silu_linear(_gpu(1, 2 * inter), _gpu(hidden, inter), pdl=True),
+        )
+    )
+    calls.append(
+        (
+            "FP8 GEMV, batch 1, per-channel scales, pdl",
+            lambda: gemm.fp8_gemv(_gpu(1, hidden), weight, _gpu(2 * inter, 1, dtype=torch.float32), None, pdl=True),
+        )
+    )
     return calls
 
 
@@ -230,6 +328,11 @@ def main() -> None:
                     f"{launch.shared_bytes:>6} {occupancy(launch):>8}"
                 )
                 report.append({"arch": arch, "launch": where, **vars(launch), "warps_per_sm": occupancy(launch)})
+                if launch.launch_pdl and launch.memory_before_wait:
+                    failed.append(
+                        f"{arch}: {where}: {launch.kernel} touches global memory {launch.memory_before_wait} "
+                        "times before its wait on the kernel before"
+                    )
     if args.out:
         Path(args.out).write_text(json.dumps({"launches": report, "failed": failed}, indent=2, default=str))
     if failed:

@@ -65,6 +65,16 @@ def test_the_decode_kernels_variants_compile_over_an_fp8_cache(report):
         assert any(variant in where and "fp8 cache" in where for where in decode)
 
 
+def test_batch_1s_kernels_launched_with_pdl_wait_before_they_touch_memory(report):
+    pdl = [launch for launch in report["launches"] if launch["launch"].endswith(", pdl")]
+    kernels = {launch["kernel"] for launch in pdl}
+    assert {"norm_linear_kernel", "small_linear_kernel", "_split_kernel", "moe_row_down_kernel"} <= kernels
+    assert {"fp8_gemv_kernel", "silu_linear_kernel", "sample_reduce_kernel", "qkv_prologue_kernel"} <= kernels
+    assert all(launch["launch_pdl"] for launch in pdl)
+    assert [launch["kernel"] for launch in pdl if launch["memory_before_wait"]] == []
+    assert not any(launch["launch_pdl"] for launch in report["launches"] if launch not in pdl)
+
+
 # a kernel whose tiles fit an sm_80 at 64 and no GPU at 256: run in a process of its own (see above)
 OVERSIZED = """
 import torch, triton, triton.language as tl

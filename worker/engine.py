@@ -254,6 +254,7 @@ class Engine:
             decode=self.kernels.decode,
             prefill=self.kernels.prefill,
             waits=self.host_waits,
+            pdl=triton_ops.pdl_applies(self.kernels, self.device),
         )
         self.stream = new_stream(self.device)  # compute
         self.sched_stream = new_stream(self.device)  # metadata copies and attention planning

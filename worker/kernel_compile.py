@@ -26,6 +26,10 @@ class CompiledLaunch:
     registers: int  # a thread's
     spilled_bytes: int  # a thread's stack: registers spilled to local memory
     shared_bytes: int  # a program's
+    # launched with programmatic dependent launch, and then the global loads, stores and atomics its code
+    # holds before its first wait on the kernel before (none is safe: worker/pdl_kernels.py)
+    launch_pdl: bool = False
+    memory_before_wait: int = 0
 
 
 @dataclass
@@ -106,8 +110,17 @@ def compile_only(arch: int = 90) -> Iterator[Compiled]:
             raise OutOfResources(kernel.metadata.shared, limit, "shared memory")
         registers, spilled = _resource_usage(kernel.asm["cubin"], triton)
         constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        pdl = bool(getattr(kernel.metadata, "launch_pdl", False))
         compiled.launches.append(
-            CompiledLaunch(self.fn.__name__, constants, registers, spilled, int(kernel.metadata.shared))
+            CompiledLaunch(
+                self.fn.__name__,
+                constants,
+                registers,
+                spilled,
+                int(kernel.metadata.shared),
+                pdl,
+                _memory_before_wait(kernel.asm["ptx"]) if pdl else 0,
+            )
         )
         return kernel
 
@@ -130,3 +143,13 @@ def _resource_usage(cubin: bytes, triton) -> tuple[int, int]:
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     registers, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     return int(registers.group(1)) if registers else 0, int(stack.group(1)) if stack else 0
+
+
+_GLOBAL_MEMORY = re.compile(r"\b(?:ld|st|atom|red)\.global\b")
+
+
+def _memory_before_wait(ptx: str) -> int:
+    """Global memory instructions in the kernel's code before its first `griddepcontrol.wait`, all of it
+    when it has none (a kernel launched with programmatic dependent launch must wait first)."""
+    body = ptx[ptx.index(".entry") :]
+    return len(_GLOBAL_MEMORY.findall(body.split("griddepcontrol.wait", 1)[0]))

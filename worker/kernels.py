@@ -40,6 +40,10 @@ class Kernels:
     # GEMMs; CUDA-graph safe) on CUDA where Triton is installed, and on the CPU under Triton's interpreter
     # with interpret_on_cpu; the torch loop over experts otherwise, or always with torch
     moe: str = "auto"
+    # programmatic dependent launch (compute capability 9.0+) of a step's Triton kernels: each may start
+    # while the kernel before it finishes, its weights prefetched into L2 meanwhile (worker/pdl_kernels.py).
+    # Off until measured: bench/decode_latency.py --pdl
+    pdl: bool = False
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too
     # slow to serve with

@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from worker.pdl_kernels import await_previous
+from worker.triton_ops import pdl_options
+
 LOG2E = 1.4426950408889634
 FP16_MAX = tl.constexpr(65504.0)
 
@@ -70,10 +73,12 @@ def _split_kernel(
     UPCAST: tl.constexpr,
     CUDA_CORES: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # one program per (request, kv head, split): the group's query heads against the split's tokens,
     # with an online softmax in base 2 (qk_scale = sm_scale * log2(e)); one split writes `out` itself,
     # several write their normalized partial output and log2-sum-exp for _merge_kernel
+    await_previous(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -173,9 +178,11 @@ def _merge_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # one program per (request, query head): the splits' outputs weighed by their share of the softmax
     # mass; a request's first split always holds a token, so the largest lse is finite
+    await_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -241,6 +248,7 @@ def paged_decode(
     f16_dot: bool | None = None,
     cuda_cores: bool = False,
     prefetch: bool | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
     k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]: request b reads pages
@@ -251,7 +259,8 @@ def paged_decode(
     tensor-core operands (None: for an fp8 cache) or q's dtype; cuda_cores, the group's heads as float32
     products and sums instead of tensor-core tiles padded to 16 rows (for groups of a few heads); prefetch,
     each block's K and V loaded together from cells found the block before (no load waits on another; None:
-    over an fp8 cache at a split or two a request)."""
+    over an fp8 cache at a split or two a request); pdl, both kernels launched with programmatic dependent
+    launch (worker/pdl_kernels.py)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -313,8 +322,10 @@ def paged_decode(
         UPCAST=INTERPRETED,
         CUDA_CORES=cuda_cores,
         PREFETCH=prefetch,
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_options(pdl),
     )
     if num_splits > 1:
         _merge_kernel[(batch, num_heads)](
@@ -331,7 +342,9 @@ def paged_decode(
             NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
+            PDL=pdl,
             num_warps=4,
+            **pdl_options(pdl),
         )
     return out
 

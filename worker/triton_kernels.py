@@ -4,6 +4,8 @@ the kernels' module globals, and importing this needs Triton)."""
 import triton
 import triton.language as tl
 
+from worker.pdl_kernels import await_previous, prefetch_rows
+
 FP8_MAX = tl.constexpr(448.0)  # float8 e4m3's largest finite value (worker/kv_cache.py saturates there too)
 
 
@@ -36,10 +38,12 @@ def qkv_prologue_kernel(
     HAS_NORM: tl.constexpr,
     FP8: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # one program per (block of BLOCK_T tokens, head) of the queries and keys; a key head's program also
     # copies the value head of the same index. A prompt chunk takes blocks of tokens: one token a program
     # made programs of half a warp's work, and the kernel ran at a fifth of the memory's speed
+    await_previous(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     half = HEAD_DIM // 2
@@ -102,9 +106,11 @@ def sample_partial_kernel(
     vocab,
     num_blocks,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # one program per (row, block of the vocabulary): the block's largest logit / T + Gumbel noise (the
     # logit itself for a greedy row) and its first index; sample_reduce_kernel picks among the blocks
+    await_previous(PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -130,10 +136,20 @@ def sample_partial_kernel(
 
 @triton.jit
 def sample_reduce_kernel(
-    val_ptr, idx_ptr, num_blocks, vocab, out_ptr, pool_ptr, write_ptr, HAS_POOL: tl.constexpr, NB: tl.constexpr
+    val_ptr,
+    idx_ptr,
+    num_blocks,
+    vocab,
+    out_ptr,
+    pool_ptr,
+    write_ptr,
+    HAS_POOL: tl.constexpr,
+    NB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # one program per row: the largest of the blocks' values, the first index among equals (as
     # torch.argmax picks it); written to out and, with a pool, into the token pool at write[row]
+    await_previous(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, NB)
     m = offs < num_blocks
@@ -186,11 +202,15 @@ def small_linear_kernel(
     M_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (decode at small batch): one program per
     # BLOCK_N output columns, reading its weight rows once for every m, accumulating in float32
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PDL:
+        prefetch_rows(w_ptr, tl.minimum(rn, N - 1), w_stride, K)
+    await_previous(PDL)
     rm = tl.arange(0, M_BLOCK)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
@@ -230,6 +250,7 @@ def norm_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # out = rmsnorm(x + res) @ w.T for one row (batch-1 decode), the residual norm and the GEMV in one
     # launch. Each program computes the norm of the whole row itself (a few KiB read from L2) and then
@@ -240,6 +261,9 @@ def norm_linear_kernel(
     rk = tl.arange(0, BLOCK_K)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     first = (rk * 0 + pid) == 0  # program 0's lanes (a vector: the interpreter masks with vectors only)
+    if PDL:
+        prefetch_rows(w_ptr, tl.minimum(rn, N - 1), w_stride, K)
+    await_previous(PDL)
     if ONE_BLOCK:
         # K <= BLOCK_K: the row, the norm's weight and the program's weight rows loaded at once, before the
         # norm's sum (which the weight loads do not need), so the program waits on memory once, not twice
@@ -301,12 +325,16 @@ def silu_linear_kernel(
     w_stride,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # out = (silu(gate) * up) @ w.T for one row, gate_up = [gate | up] of K each: SiLU-and-multiply and
     # the down projection's GEMV in one launch. The product is rounded to the row's dtype before the
     # GEMV, as it is when a separate kernel writes it.
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PDL:
+        prefetch_rows(w_ptr, tl.minimum(rn, N - 1), w_stride, K)
+    await_previous(PDL)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

@@ -73,6 +73,17 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def pdl_applies(kernels: Kernels, device: torch.device) -> bool:
+    """Whether the Triton kernels of a step on `device` launch with programmatic dependent launch
+    (Kernels.pdl, on a GPU of compute capability 9.0+; worker/pdl_kernels.py)."""
+    return kernels.pdl and device.type == "cuda" and _capability(device.index) >= (9, 0)
+
+
+def pdl_options(pdl: bool) -> dict:
+    """A launch's options for a kernel whose PDL argument is `pdl`."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 def triton_installed() -> bool:
     return _kernels() is not None
 
@@ -114,11 +125,13 @@ def qkv_prologue(
     head_dim: int,
     block_tokens: int | None = None,
     num_warps: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """qkv: [T, (num_heads + 2 * num_kv_heads) * head_dim], contiguous. Writes the normed, rotated keys
     and the values at out_loc of k_cache / v_cache ([slots, num_kv_heads, head_dim]); returns the
     normed, rotated queries [T, num_heads, head_dim]. q_weight/k_weight None: no q/k norm.
-    block_tokens / num_warps: the tokens of one program and its warps (None: prologue_tiles)."""
+    block_tokens / num_warps: the tokens of one program and its warps (None: prologue_tiles). `pdl`:
+    launched with programmatic dependent launch (pdl_applies)."""
     tokens = qkv.shape[0]
     q = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
@@ -148,7 +161,9 @@ def qkv_prologue(
         HAS_NORM=has_norm,
         FP8=k_cache.dtype == torch.float8_e4m3fn,
         BLOCK_T=block_tokens,
+        PDL=pdl,
         num_warps=num_warps,
+        **pdl_options(pdl),
     )
     return q
 
@@ -189,6 +204,7 @@ def sample_rows(
     token_write: torch.Tensor | None = None,
     block: int = _SAMPLE_BLOCK,
     num_warps: int = _SAMPLE_WARPS,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """What `worker.sampling.sampler.sample_unfiltered` computes (the argmax where temperature <= 0, else the
     Gumbel-max draw of (seed, position)), for logits [B, V] of any float dtype with unit stride along
@@ -196,7 +212,7 @@ def sample_rows(
     given); with `token_pool` (flat int32) also writes each row's token at token_pool[token_write[row]].
     The two may part from the torch path only where float rounding of the noise breaks a near-tie.
     `block` / `num_warps`: the vocabulary a program of the first kernel and its warps (any split picks the
-    same token: the first index of the largest value)."""
+    same token: the first index of the largest value). `pdl`: launched with programmatic dependent launch."""
     rows, vocab = logits.shape
     if out is None:
         out = torch.empty(rows, dtype=torch.int32, device=logits.device)
@@ -218,7 +234,9 @@ def sample_rows(
         vocab,
         blocks,
         BLOCK=block,
+        PDL=pdl,
         num_warps=num_warps,
+        **pdl_options(pdl),
     )
     has_pool = token_pool is not None
     k.sample_reduce_kernel[(rows,)](
@@ -231,6 +249,8 @@ def sample_rows(
         token_write if has_pool else out,
         HAS_POOL=has_pool,
         NB=max(triton.next_power_of_2(blocks), 2),
+        PDL=pdl,
+        **pdl_options(pdl),
     )
     return out
 
@@ -285,8 +305,10 @@ def small_linear(
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T for small M (a GEMV-like kernel that reads each weight once)."""
+    """x [M, K] @ weight[N, K].T for small M (a GEMV-like kernel that reads each weight once). `pdl`:
+    launched with programmatic dependent launch, its weight rows prefetched before the wait."""
     m, k = x.shape
     n = weight.shape[0]
     # the fastest at M=1 over Qwen3-0.6B's layers in bench/small_gemm.py: one output column a program up
@@ -307,7 +329,9 @@ def small_linear(
         M_BLOCK=triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        PDL=pdl,
         num_warps=num_warps,
+        **pdl_options(pdl),
     )
     return out
 
@@ -354,11 +378,13 @@ def norm_linear(
     block_k: int = 1024,
     num_warps: int = 4,
     one_block: bool = False,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """For one row x [1, K]: (rmsnorm(x + residual) @ weight.T, the new residual x + residual (x itself
     without one), the normed row with write_normed) in one launch. x and residual are left as they are.
     `one_block`: the whole row in one block (K up to NORM_MAX_K), every load issued before the norm's sum
-    (bench/row_fusion.py times it beside the default, two passes over blocks of `block_k`)."""
+    (bench/row_fusion.py times it beside the default, two passes over blocks of `block_k`). `pdl`: launched
+    with programmatic dependent launch, the norm's and the GEMV's weights prefetched before the wait."""
     k = x.shape[1]
     if one_block:
         block_k = triton.next_power_of_2(k)
@@ -384,15 +410,23 @@ def norm_linear(
         BLOCK_N=block_n,
         BLOCK_K=min(block_k, triton.next_power_of_2(k)),
         ONE_BLOCK=one_block,
+        PDL=pdl,
         num_warps=num_warps,
+        **pdl_options(pdl),
     )
     return out, res_out, normed
 
 
 def silu_linear(
-    gate_up: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int = 1024, num_warps: int = 4
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    block_n: int | None = None,
+    block_k: int = 1024,
+    num_warps: int = 4,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """For one row gate_up [1, 2K] = [gate | up]: (silu(gate) * up) @ weight.T in one launch."""
+    """For one row gate_up [1, 2K] = [gate | up]: (silu(gate) * up) @ weight.T in one launch (`pdl`: as
+    small_linear's)."""
     k = gate_up.shape[1] // 2
     n = weight.shape[0]
     block_n = block_n or _silu_block_n(n)
@@ -406,6 +440,8 @@ def silu_linear(
         weight.stride(0),
         BLOCK_N=block_n,
         BLOCK_K=min(block_k, triton.next_power_of_2(k)),
+        PDL=pdl,
         num_warps=num_warps,
+        **pdl_options(pdl),
     )
     return out

@@ -174,10 +174,12 @@ class FlashInferBackend(AttentionBackend):
         decode: str = "auto",
         waits: HostWaits | None = None,
         prefill: str = "auto",
+        pdl: bool = False,
     ) -> None:
         """q_dtype: the queries' (the model's) dtype; None: the cache's, or bfloat16 over a float8 cache.
         decode: Kernels.decode. waits: where the host's waits are counted (the engine's). prefill:
-        Kernels.prefill."""
+        Kernels.prefill. pdl: the Triton decode kernels launched with programmatic dependent launch
+        (triton_ops.pdl_applies)."""
         import flashinfer  # imported here: the package exists on GPU hosts only
 
         q_dtype = q_dtype or (torch.bfloat16 if kv.dtype in FP8_KV_DTYPES else kv.dtype)
@@ -193,6 +195,7 @@ class FlashInferBackend(AttentionBackend):
         self.flashinfer = flashinfer
         self.q_dtype = q_dtype
         self.decode_choice = decode
+        self.pdl = pdl
         self.waits = waits or HostWaits()
         # tvm-ffi launches FlashInfer's kernels on torch's current stream when torch exports its DLPack
         # exchange API; without it they would go to the default stream, so the stream is set by hand
@@ -433,6 +436,7 @@ class FlashInferBackend(AttentionBackend):
                 num_splits=dec.splits,
                 scratch=dec.scratch,
                 out=out,
+                pdl=self.pdl,
             )
         if (split := self._split) is not None:
             return self._forward_split(q, layer_id, split, out)
@@ -455,6 +459,7 @@ class FlashInferBackend(AttentionBackend):
                 num_splits=dec.splits,
                 scratch=dec.scratch,
                 out=out[:d],
+                pdl=self.pdl,
             )
         with self._on_torch_stream():
             if not isinstance(split.decode, _TritonDecode):

@@ -13,12 +13,14 @@ from worker.kernels import Kernels
 from worker.parallel import TPGroup
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, small: bool = True) -> torch.Tensor:
-    """F.linear, but for one row (batch-1 decode) on CUDA a Triton GEMV unless `small` is off
-    (Kernels.small_linear): at M=1 cuBLAS reads these weights well below the memory's bandwidth, and the
-    GEMV nearer it (bench/small_gemm.py compares them)."""
-    if small and x.dim() == 2 and x.shape[0] == 1 and triton_ops.small_linear_applies(x, weight):
-        y = triton_ops.small_linear(x, weight)
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, kernels: Kernels = Kernels()
+) -> torch.Tensor:
+    """F.linear, but for one row (batch-1 decode) on CUDA a Triton GEMV unless Kernels.small_linear is
+    off: at M=1 cuBLAS reads these weights well below the memory's bandwidth, and the GEMV nearer it
+    (bench/small_gemm.py compares them)."""
+    if kernels.small_linear and x.dim() == 2 and x.shape[0] == 1 and triton_ops.small_linear_applies(x, weight):
+        y = triton_ops.small_linear(x, weight, pdl=triton_ops.pdl_applies(kernels, x.device))
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
@@ -58,7 +60,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.apply(self, x, self.bias, self.small)
-        return linear(x, self.weight, self.bias, self.small)
+        return linear(x, self.weight, self.bias, self.kernels)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -139,7 +141,7 @@ class RowParallelLinear(nn.Module):
         if self.quant is not None:
             y = self.quant.apply(self, x, None, self.small)
         else:
-            y = linear(x, self.weight, small=self.small)
+            y = linear(x, self.weight, kernels=self.kernels)
         return self.finish(y)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:

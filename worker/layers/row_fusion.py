@@ -41,7 +41,9 @@ def norm_linear(
     row; the norm then the linear otherwise."""
     weight = linear.weight
     if x.shape[-1] <= NORM_MAX_K and _plain(linear) and triton_ops.row_fusion_applies(kernels, x, weight):
-        y, residual, normed = triton_ops.norm_linear(x, residual, norm.weight, norm.eps, weight, want_normed)
+        y, residual, normed = triton_ops.norm_linear(
+            x, residual, norm.weight, norm.eps, weight, want_normed, pdl=triton_ops.pdl_applies(kernels, x.device)
+        )
         bias = getattr(linear, "bias", None)
         return (y if bias is None else y + bias), residual, normed
     if residual is None:
@@ -59,5 +61,5 @@ def silu_linear(linear: nn.Module, gate_up: torch.Tensor, kernels: Kernels) -> t
         and _plain(linear)
         and triton_ops.row_fusion_applies(kernels, gate_up, linear.weight)
     ):
-        return triton_ops.silu_linear(gate_up, linear.weight)
+        return triton_ops.silu_linear(gate_up, linear.weight, pdl=triton_ops.pdl_applies(kernels, gate_up.device))
     return None

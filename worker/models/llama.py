@@ -110,6 +110,7 @@ class Attention(nn.Module):
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
+            pdl=triton_ops.pdl_applies(self.kernels, qkv.device),
         )
 
     def _qkv(self, qkv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -42,7 +42,7 @@ def _matmul(x, weight, scale, block, small, kernels) -> torch.Tensor:
             return scaled_mm(x, weight, scale)
         return dequantized_linear(x, weight, scale, block)
     if small and x.shape[0] == 1:
-        return fp8_gemv(x, weight, scale, block)
+        return fp8_gemv(x, weight, scale, block, pdl=triton_ops.pdl_applies(kernels, x.device))
     if block is None:
         if scaled_mm_applies(x, weight):
             return scaled_mm(x, weight, scale)
@@ -155,9 +155,11 @@ def fp8_gemv(
     block_n: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (a few rows) @ dequantized(weight).T, reading each e4m3 weight once; the scales applied in
-    float32 (per channel at the end, per block in the loop)."""
+    float32 (per channel at the end, per block in the loop). `pdl`: launched with programmatic dependent
+    launch, its weight rows prefetched before the wait."""
     m, k = x.shape
     n = weight.shape[0]
     # the fastest at M=1 over Qwen3-8B's layers in bench/fp8_gemv.py: four output rows a program, 2048
@@ -183,7 +185,9 @@ def fp8_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCKED=block is not None,
+        PDL=pdl,
         num_warps=num_warps,
+        **triton_ops.pdl_options(pdl),
     )
     return out
 

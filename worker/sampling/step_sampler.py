@@ -107,7 +107,14 @@ class StepSampler:
     def _draw(self, x: torch.Tensor, a: SampleArgs, out: torch.Tensor | None) -> torch.Tensor:
         if triton_ops.kernels_available(self.kernels, x):
             return triton_ops.sample_rows(
-                x, a.temperature, a.seeds, a.positions, out=out, token_pool=self.flat_pool, token_write=a.token_write
+                x,
+                a.temperature,
+                a.seeds,
+                a.positions,
+                out=out,
+                token_pool=self.flat_pool,
+                token_write=a.token_write,
+                pdl=triton_ops.pdl_applies(self.kernels, x.device),
             )
         tokens = sample_unfiltered(x, a.temperature, a.seeds, a.positions).to(torch.int32)
         self.flat_pool.index_copy_(0, a.token_write, tokens)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker import triton_ops
 from worker.kernels import Kernels
 from worker.layers.linear import linear
 from worker.layers.mlp import SwiGLU
@@ -21,13 +22,14 @@ from worker.parallel import TPGroup
 class Router(nn.Module):
     """The gate: a replicated linear from the hidden state to one logit per expert."""
 
-    def __init__(self, hidden: int, num_experts: int, small: bool = True) -> None:
+    def __init__(self, hidden: int, num_experts: int, kernels: Kernels = Kernels()) -> None:
         super().__init__()
-        self.small = small  # Kernels.small_linear: a Triton GEMV at batch 1 (cuBLAS took 5 us for 0.5 MB)
+        self.kernels = kernels
+        self.small = kernels.small_linear  # a Triton GEMV at batch 1 (cuBLAS took 5 us for 0.5 MB)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, small=self.small)
+        return linear(x, self.weight, kernels=self.kernels)
 
 
 class SparseMoeBlock(nn.Module):
@@ -53,11 +55,11 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.kernels = kernels
-        self.gate = Router(hidden, num_experts, kernels.small_linear)
+        self.gate = Router(hidden, num_experts, kernels)
         self.experts = Experts(num_experts, hidden, intermediate, tp)
         if shared_intermediate:
             self.shared_expert = SwiGLU(hidden, shared_intermediate, tp, kernels, reduce=False)
-            self.shared_expert_gate = Router(hidden, 1, kernels.small_linear)
+            self.shared_expert_gate = Router(hidden, 1, kernels)
         else:
             self.shared_expert = None
 
@@ -75,7 +77,8 @@ class SparseMoeBlock(nn.Module):
     def _experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         w13, w2 = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
         if fused_applies(self.kernels, x):
-            out = fused_moe(x, logits, w13, w2, self.top_k, self.renormalize)
+            pdl = triton_ops.pdl_applies(self.kernels, x.device)
+            out = fused_moe(x, logits, w13, w2, self.top_k, self.renormalize, pdl)
         else:
             out = torch_experts(x, w13, w2, *select_experts(logits, self.top_k, self.renormalize))
         if self.shared_expert is not None:

@@ -124,11 +124,18 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 def fused_moe(
-    x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """Routing and the experts: this rank's part of the block's output."""
+    """Routing and the experts: this rank's part of the block's output. `pdl`: the per-row kernels
+    launched with programmatic dependent launch (worker/pdl_kernels.py)."""
     if per_row_applies(x.shape[0] * top_k, w13.shape[0]):
-        return _per_row(x, w13, w2, top_k, logits=logits, renormalize=renormalize)
+        return _per_row(x, w13, w2, top_k, logits=logits, renormalize=renormalize, pdl=pdl)
     weights, ids = route(logits, top_k, renormalize)
     return fused_experts(x, w13, w2, weights, ids)
 
@@ -161,6 +168,7 @@ def _per_row(
     ids: torch.Tensor | None = None,
     logits: torch.Tensor | None = None,
     renormalize: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """The per-row path, from the router's logits (routing inside the first kernel) or from a routing."""
     tokens, hidden = x.shape
@@ -200,7 +208,9 @@ def _per_row(
         ROUTE=route_here,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        PDL=pdl,
         **options,
+        **triton_ops.pdl_options(pdl),
     )
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     at_once = PER_ROW_DOWN_AT_ONCE is not None and inter <= _AT_ONCE_MAX_K
@@ -227,7 +237,9 @@ def _per_row(
         BLOCK_K=block_k,
         K_P2=triton_ops.triton.next_power_of_2(top_k),
         AT_ONCE=at_once,
+        PDL=pdl,
         **options,
+        **triton_ops.pdl_options(pdl),
     )
     return out
 

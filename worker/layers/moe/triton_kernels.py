@@ -9,6 +9,8 @@ combine inside, two launches where the grouped path takes five."""
 import triton
 import triton.language as tl
 
+from worker.pdl_kernels import await_previous
+
 
 @triton.jit
 def _dot(a, b, acc, IEEE: tl.constexpr):
@@ -203,11 +205,14 @@ def moe_row_gate_up_kernel(
     ROUTE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # the per-row path of a few tokens (decode at small batch): one program per ((token, choice) row r,
     # column tile), a matrix-vector product over its expert's gate and up rows, h[r] = silu(x g^T) * (x u^T).
     # With ROUTE the program picks its row's expert from the logits itself (the route kernel's choice,
-    # recomputed: 128 logits cost less than a launch) and tile 0 stores it and its weight for the down pass
+    # recomputed: 128 logits cost less than a launch) and tile 0 stores it and its weight for the down pass.
+    # Its weights follow from the routing, so there is nothing to prefetch before the wait
+    await_previous(PDL)
     r = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     t = r // TOP_K
@@ -257,9 +262,11 @@ def moe_row_down_kernel(
     BLOCK_K: tl.constexpr,
     K_P2: tl.constexpr,
     AT_ONCE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # the per-row path's second half: one program per (token, column tile) sums its TOP_K rows' expert
     # outputs, each scaled by its routing weight, in float32: the combine needs no launch of its own
+    await_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
