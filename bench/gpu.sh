@@ -18,6 +18,7 @@
 #   moe_latency    (b) alone on Qwen3-30B-A3B's architecture, on this tree and BASE's
 #   pdl            (b) without and with programmatic dependent launch (--pdl), alternated: Qwen3-0.6B,
 #                  Qwen3-30B-A3B, and Qwen3-8B with FP8 weights
+#   pdl_offline    (a) over bf16 and fp8 caches without and with --pdl, alternated, RUNS runs each
 #   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
 #                  GEMMs' tile sweep at 64, 256 and 8,192) and the FP8 GEMV's tile sweep (bench/fp8_gemv.py)
 #   prologue       the attention prologue's tiles at a decode batch and a prompt chunk (bench/prologue.py)
@@ -207,6 +208,16 @@ for suite in "$@"; do
           # shellcheck disable=SC2086  # the model's words are its flags
           step "pdl_${mode}_$name" 300 python3 bench/decode_latency.py --arch $model --repeats "${REPEATS:-3}" \
             "${flag[@]}" --out "$OUT/pdl_${mode}_$name.json"
+        done
+      done ;;
+    pdl_offline)  # (a) over bf16 and fp8 caches without and with programmatic dependent launch, alternated
+      for i in $(seq "$RUNS"); do
+        for mode in off on; do
+          flag=(); [ "$mode" = on ] && flag=(--pdl)
+          step "pdl_offline_${mode}_$i" 150 python3 bench/offline_throughput.py "${flag[@]}" \
+            --out "$OUT/pdl_offline_${mode}_$i.json"
+          step "pdl_offline_fp8_${mode}_$i" 150 python3 bench/offline_throughput.py --kv-cache-dtype fp8_e4m3 \
+            "${flag[@]}" --out "$OUT/pdl_offline_fp8_${mode}_$i.json"
         done
       done ;;
     fp8) offline fp8 150 --kv-cache-dtype fp8_e4m3 ;;

@@ -110,3 +110,40 @@ def test_a_kernel_past_the_gpus_shared_memory_fails_as_its_launch_would(tmp_path
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert run.stdout.split() == ["refused", "True", "1"], run.stdout + run.stderr[-3000:]
+
+
+# a kernel launched with programmatic dependent launch that reads its input before its wait, on one of two
+# paths, beside one that waits first: the compile check counts the first's early read, not the second's
+EARLY_READ = """
+import torch, triton, triton.language as tl
+from worker.kernel_compile import compile_only, on_gpu
+
+@triton.jit
+def copy(src, dst, n, EARLY: tl.constexpr):
+    offs = tl.arange(0, 64)
+    if EARLY:
+        if n > 64:
+            x = tl.load(src + offs)
+            tl.extra.cuda.gdc_wait()
+        else:
+            tl.extra.cuda.gdc_wait()
+            x = tl.load(src + offs)
+    else:
+        tl.extra.cuda.gdc_wait()
+        x = tl.load(src + offs)
+    tl.store(dst + offs, x)
+
+x = on_gpu(torch.empty(64))
+with compile_only(90) as compiled:
+    for early in (True, False):
+        copy[(1,)](x, x, 64, EARLY=early, launch_pdl=True)
+print(*(launch.memory_before_wait for launch in compiled.launches))
+"""
+
+
+def test_the_compile_check_finds_a_read_before_the_wait_on_any_path(tmp_path):
+    script = tmp_path / "early_read.py"
+    script.write_text(EARLY_READ)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.stdout.split() == ["1", "0"], run.stdout + run.stderr[-3000:]

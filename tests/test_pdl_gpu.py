@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import checked_llm, greedy
-from tiny_checkpoints import build_qwen3_hd128, random_prompts
+from fixtures import PROMPT_TEXTS
+from helpers import checked_llm, encode_all, greedy
+from tiny_checkpoints import build_qwen3_hd128
 
 from worker import triton_decode, triton_ops
 from worker.kernels import Kernels
@@ -101,8 +102,9 @@ def test_batch_1_decode_attention_with_pdl_reads_the_key_the_prologue_wrote():
 
 
 def _generate(path, kernels: Kernels, **kw) -> list[list[int]]:
-    prompts = random_prompts(4, 20, 200, seed=5)
+    """Each prompt alone (every decode step one row, from the engine's CUDA graphs), greedy."""
     with checked_llm(path, kernels=kernels, num_pages=4096, page_size=16, max_running_reqs=4, **kw) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS[:4])
         return [llm.generate([p], greedy(40, ignore_eos=True))[0].token_ids for p in prompts]
 
 

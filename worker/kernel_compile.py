@@ -146,10 +146,30 @@ def _resource_usage(cubin: bytes, triton) -> tuple[int, int]:
 
 
 _GLOBAL_MEMORY = re.compile(r"\b(?:ld|st|atom|red)\.global\b")
+_LABEL = re.compile(r"^\s*(\$?[\w.$]+):")
+_BRANCH = re.compile(r"^\s*(@!?%\w+\s+)?bra(?:\.uni)?\s+(\$?[\w.$]+);")
 
 
 def _memory_before_wait(ptx: str) -> int:
-    """Global memory instructions in the kernel's code before its first `griddepcontrol.wait`, all of it
-    when it has none (a kernel launched with programmatic dependent launch must wait first)."""
-    body = ptx[ptx.index(".entry") :]
-    return len(_GLOBAL_MEMORY.findall(body.split("griddepcontrol.wait", 1)[0]))
+    """Global memory instructions that some path from the kernel's entry reaches before a
+    `griddepcontrol.wait` (a kernel launched with programmatic dependent launch must have none)."""
+    lines = ptx[ptx.index(".entry") :].splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
+    seen, found, todo = set(), set(), [0]
+    while todo:
+        i = todo.pop()
+        while i < len(lines) and i not in seen:
+            seen.add(i)
+            line = lines[i]
+            if "griddepcontrol.wait" in line:
+                break
+            if _GLOBAL_MEMORY.search(line):
+                found.add(i)
+            if re.match(r"^\s*ret;", line):
+                break
+            if branch := _BRANCH.match(line):
+                todo.append(labels[branch.group(2)])
+                if branch.group(1) is None:  # unpredicated: no fall-through
+                    break
+            i += 1
+    return len(found)
