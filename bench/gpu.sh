@@ -19,6 +19,8 @@
 #   pdl            (b) without and with programmatic dependent launch (--pdl), alternated: Qwen3-0.6B,
 #                  Qwen3-30B-A3B, and Qwen3-8B with FP8 weights
 #   pdl_offline    (a) over bf16 and fp8 caches without and with --pdl, alternated, RUNS runs each
+#   small_gemm     batch 1's dense layers and LM heads: cuBLAS against the Triton GEMV, without and with
+#                  programmatic dependent launch, and the GEMV's tiles (bench/small_gemm.py)
 #   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
 #                  GEMMs' tile sweep at 64, 256 and 8,192) and the FP8 GEMV's tile sweep (bench/fp8_gemv.py)
 #   prologue       the attention prologue's tiles at a decode batch and a prompt chunk (bench/prologue.py)
@@ -185,7 +187,8 @@ for suite in "$@"; do
   case $suite in
     tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py tests/test_moe.py \
-      tests/test_fp8_gpu.py tests/test_spec_decode.py tests/test_row_fusion.py tests/test_eagle3.py tests/test_extend_graphs.py} ;;
+      tests/test_fp8_gpu.py tests/test_spec_decode.py tests/test_row_fusion.py tests/test_eagle3.py tests/test_extend_graphs.py \
+      tests/test_verify_rows.py tests/test_pdl_gpu.py} ;;
     offline) offline offline 150 ;;
     latency)  # LATENCY_ARCHS: the architectures (default qwen3-0.6b)
       for arch in ${LATENCY_ARCHS:-qwen3-0.6b}; do
@@ -239,6 +242,7 @@ for suite in "$@"; do
       step moe_decode 420 python3 bench/moe_decode.py --tokens 1 4 64 256 8192 --grouped-sweep --out "$OUT/moe_decode.json"
       step fp8_gemv 200 python3 bench/fp8_gemv.py --out "$OUT/fp8_gemv.json" ;;
     moe_rows) step moe_rows 400 python3 bench/moe_decode.py --tokens 1 2 4 --sweep --out "$OUT/moe_rows.json" ;;
+    small_gemm) step small_gemm 300 python3 bench/small_gemm.py --m 1 --out "$OUT/small_gemm.json" ;;
     fp8_gemm) step fp8_gemm 200 python3 bench/fp8_gemm.py --m 256 64 --out "$OUT/fp8_gemm.json" ;;
     sample_kernel) step sample_kernel 200 python3 bench/sample_kernel.py --out "$OUT/sample_kernel.json" ;;
     row_fusion) step row_fusion 200 python3 bench/row_fusion.py --out "$OUT/row_fusion.json" ;;

@@ -152,7 +152,21 @@ def _pdl_launches(cfg: dict) -> list[tuple[str, Callable[[], object]]]:
     hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim, vocab = cfg.get("head_dim") or hidden // heads, cfg["vocab_size"]
     qkv_width = (heads + 2 * kv_heads) * head_dim
-    splits = triton_decode.decode_num_splits(1, kv_heads)
+
+    def decode(cache: torch.dtype, batch: int = 1, **variant) -> Callable[[], object]:
+        pages = _gpu(4096, PAGE_SIZE, kv_heads, head_dim, dtype=cache)
+        return lambda: triton_decode.paged_decode(
+            _gpu(batch, heads, head_dim),
+            pages,
+            pages,
+            _ids(batch + 1, dtype=torch.int32),
+            _ids(4096, dtype=torch.int32),
+            _ids(batch, dtype=torch.int32),
+            num_splits=triton_decode.decode_num_splits(batch, kv_heads),
+            pdl=True,
+            **variant,
+        )
+
     calls = [
         (
             "attention prologue, 1 token, pdl",
@@ -172,22 +186,11 @@ def _pdl_launches(cfg: dict) -> list[tuple[str, Callable[[], object]]]:
                 pdl=True,
             ),
         ),
-        *(
-            (
-                f"decode attention, batch 1, {_name(cache)} cache, pdl",
-                lambda p=_gpu(4096, PAGE_SIZE, kv_heads, head_dim, dtype=cache): triton_decode.paged_decode(
-                    _gpu(1, heads, head_dim),
-                    p,
-                    p,
-                    _ids(2, dtype=torch.int32),
-                    _ids(4096, dtype=torch.int32),
-                    _ids(1, dtype=torch.int32),
-                    num_splits=splits,
-                    pdl=True,
-                ),
-            )
-            for cache in (BF16, FP8)
-        ),
+        ("decode attention, batch 1, bf16 cache, pdl", decode(BF16)),
+        ("decode attention, batch 1, fp8 cache, pdl", decode(FP8)),
+        ("decode attention, batch 1, fp8 cache, cuda_cores, pdl", decode(FP8, cuda_cores=True)),
+        ("decode attention, batch 1, fp8 cache, prefetch, pdl", decode(FP8, prefetch=True)),
+        ("decode attention, batch 256 (one split), fp8 cache, pdl", decode(FP8, 256)),
         (
             "sampling, batch 1, pdl",
             lambda: triton_ops.sample_rows(
@@ -207,12 +210,26 @@ def _pdl_launches(cfg: dict) -> list[tuple[str, Callable[[], object]]]:
             ),
         ),
         (
+            "norm + QKV GEMV, the first layer (no residual), one block, batch 1, pdl",
+            lambda: triton_ops.norm_linear(
+                _gpu(1, hidden), None, _gpu(hidden), 1e-6, _gpu(qkv_width, hidden), one_block=True, pdl=True
+            ),
+        ),
+        (
             "small GEMV (o), batch 1, pdl",
             lambda: triton_ops.small_linear(_gpu(1, heads * head_dim), _gpu(hidden, heads * head_dim), pdl=True),
         ),
     ]
     if "num_experts" in cfg:
         experts, top_k, inter = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+        calls.append(
+            (
+                "norm + router GEMV writing the normed row, batch 1, pdl",
+                lambda: triton_ops.norm_linear(
+                    _gpu(1, hidden), _gpu(1, hidden), _gpu(hidden), 1e-6, _gpu(experts, hidden), True, pdl=True
+                ),
+            )
+        )
         calls.append(
             (
                 "MoE experts, 1 token, pdl",
@@ -242,6 +259,13 @@ def _pdl_launches(cfg: dict) -> list[tuple[str, Callable[[], object]]]:
             lambda: gemm.fp8_gemv(_gpu(1, hidden), weight, _gpu(2 * inter, 1, dtype=torch.float32), None, pdl=True),
         )
     )
+    blocks = _gpu(-(-2 * inter // 128), -(-hidden // 128), dtype=torch.float32)
+    calls.append(
+        (
+            "FP8 GEMV, batch 1, block scales, pdl",
+            lambda: gemm.fp8_gemv(_gpu(1, hidden), weight, blocks, (128, 128), pdl=True),
+        )
+    )
     return calls
 
 
@@ -256,10 +280,17 @@ def _moe_launches(cfg: dict, hidden: int) -> list[tuple[str, Callable[[], object
         ids = _ids(tokens, top_k, dtype=torch.int32)
         return fused.fused_experts(_gpu(tokens, hidden), w13, w2, _ids(tokens, top_k, dtype=BF16), ids)
 
+    def down_at_once() -> object:
+        before, fused.PER_ROW_DOWN_AT_ONCE = fused.PER_ROW_DOWN_AT_ONCE, (8, 4)
+        try:
+            return experts_of(1)
+        finally:
+            fused.PER_ROW_DOWN_AT_ONCE = before
+
     return [
         (f"MoE experts, {tokens} tokens", lambda t=tokens: experts_of(t))
         for tokens in fused.warm_token_counts(experts, top_k)
-    ]
+    ] + [("MoE experts, 1 token, down at once", down_at_once)]
 
 
 def _fp8_launches(hidden: int, inter: int) -> list[tuple[str, Callable[[], object]]]:
@@ -328,10 +359,10 @@ def main() -> None:
                     f"{launch.shared_bytes:>6} {occupancy(launch):>8}"
                 )
                 report.append({"arch": arch, "launch": where, **vars(launch), "warps_per_sm": occupancy(launch)})
-                if launch.launch_pdl and launch.memory_before_wait:
+                if launch.launch_pdl and (launch.memory_before_wait or launch.returns_before_wait):
                     failed.append(
-                        f"{arch}: {where}: {launch.kernel} touches global memory {launch.memory_before_wait} "
-                        "times before its wait on the kernel before"
+                        f"{arch}: {where}: {launch.kernel} may touch global memory ({launch.memory_before_wait}) "
+                        f"or return ({launch.returns_before_wait}) before its wait on the kernel before"
                     )
     if args.out:
         Path(args.out).write_text(json.dumps({"launches": report, "failed": failed}, indent=2, default=str))

@@ -47,6 +47,7 @@ def test_a_chain_of_pdl_launches_in_a_cuda_graph_equals_the_chain_without_pdl():
             torch.rand(k, device=dev, dtype=dt) + 0.5,
             torch.randn(2 * k, k, device=dev, dtype=dt) * 0.03,
             torch.randn(k, k, device=dev, dtype=dt) * 0.03,
+            torch.randn(k, k, device=dev, dtype=dt) * 0.03,
         )
         for _ in range(12)
     ]

@@ -26,10 +26,11 @@ class CompiledLaunch:
     registers: int  # a thread's
     spilled_bytes: int  # a thread's stack: registers spilled to local memory
     shared_bytes: int  # a program's
-    # launched with programmatic dependent launch, and then the global loads, stores and atomics its code
-    # holds before its first wait on the kernel before (none is safe: worker/pdl_kernels.py)
+    # launched with programmatic dependent launch, and then what some path of its code does before its first
+    # wait on the kernel before: touches global memory, returns (neither is safe: worker/pdl_kernels.py)
     launch_pdl: bool = False
     memory_before_wait: int = 0
+    returns_before_wait: int = 0
 
 
 @dataclass
@@ -111,6 +112,7 @@ def compile_only(arch: int = 90) -> Iterator[Compiled]:
         registers, spilled = _resource_usage(kernel.asm["cubin"], triton)
         constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
         pdl = bool(getattr(kernel.metadata, "launch_pdl", False))
+        early = before_wait(kernel.asm["ptx"]) if pdl else BeforeWait(0, 0)
         compiled.launches.append(
             CompiledLaunch(
                 self.fn.__name__,
@@ -119,7 +121,8 @@ def compile_only(arch: int = 90) -> Iterator[Compiled]:
                 spilled,
                 int(kernel.metadata.shared),
                 pdl,
-                _memory_before_wait(kernel.asm["ptx"]) if pdl else 0,
+                early.memory,
+                early.returns,
             )
         )
         return kernel
@@ -145,31 +148,60 @@ def _resource_usage(cubin: bytes, triton) -> tuple[int, int]:
     return int(registers.group(1)) if registers else 0, int(stack.group(1)) if stack else 0
 
 
-_GLOBAL_MEMORY = re.compile(r"\b(?:ld|st|atom|red)\.global\b")
-_LABEL = re.compile(r"^\s*(\$?[\w.$]+):")
-_BRANCH = re.compile(r"^\s*(@!?%\w+\s+)?bra(?:\.uni)?\s+(\$?[\w.$]+);")
+_LABEL = re.compile(r"^\s*(\$?[\w$.]+):\s*(?://.*)?$")
+_INSTRUCTION = re.compile(r"^\s*(@!?%\w+\s+)?([a-z][\w.:]*)\s*([^;]*);")
+# what touches memory the kernel before may write: loads, stores, atomics, copies from global memory
+# (cp.async, TMA) and calls (what they do is not walked)
+_MEMORY_OPS = {"ld", "ldu", "st", "atom", "red", "multimem", "tex", "suld", "sust"}
+# state spaces a kernel's own launch owns: its parameters, its shared and local memory, constants
+_OWN_SPACES = ("param", "shared", "local", "const")
 
 
-def _memory_before_wait(ptx: str) -> int:
-    """Global memory instructions that some path from the kernel's entry reaches before a
-    `griddepcontrol.wait` (a kernel launched with programmatic dependent launch must have none)."""
+@dataclass(frozen=True)
+class BeforeWait:
+    """What some path from a kernel's entry does before its first `griddepcontrol.wait`: instructions
+    that may touch global memory (a load, a store, an atomic, a copy from global, a generic address, a call),
+    and exits (an early return: then a later kernel's wait would not imply this one's predecessors)."""
+
+    memory: int
+    returns: int
+
+
+def before_wait(ptx: str) -> BeforeWait:
+    """Walks every path of the kernel's PTX from its entry to its first unpredicated wait."""
     lines = ptx[ptx.index(".entry") :].splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
-    seen, found, todo = set(), set(), [0]
+    seen: set[int] = set()
+    memory: set[int] = set()
+    returns: set[int] = set()
+    todo = [0]
     while todo:
         i = todo.pop()
         while i < len(lines) and i not in seen:
             seen.add(i)
-            line = lines[i]
-            if "griddepcontrol.wait" in line:
-                break
-            if _GLOBAL_MEMORY.search(line):
-                found.add(i)
-            if re.match(r"^\s*ret;", line):
-                break
-            if branch := _BRANCH.match(line):
-                todo.append(labels[branch.group(2)])
-                if branch.group(1) is None:  # unpredicated: no fall-through
-                    break
+            m = _INSTRUCTION.match(lines[i])
             i += 1
-    return len(found)
+            if m is None:
+                continue
+            predicated, opcode, operands = m.group(1) is not None, m.group(2), m.group(3)
+            parts = opcode.split(".")
+            if parts[0] == "griddepcontrol" and "wait" in parts and not predicated:
+                break
+            if (
+                parts[0] == "call"
+                or (parts[0] == "cp" and "global" in parts and "prefetch" not in parts)
+                or (
+                    parts[0] in _MEMORY_OPS
+                    and ("global" in parts or not any(p.startswith(_OWN_SPACES) for p in parts[1:]))
+                )
+            ):
+                memory.add(i - 1)
+            if parts[0] in ("ret", "exit"):
+                returns.add(i - 1)
+                if not predicated:
+                    break
+            if parts[0] in ("bra", "brx"):
+                todo.extend(labels[t] for t in re.findall(r"\$?[\w$.]+", operands) if t in labels)
+                if not predicated:  # no fall-through
+                    break
+    return BeforeWait(len(memory), len(returns))

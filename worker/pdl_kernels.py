@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (compute capability 9.0+) inside the Triton kernels of a decode step. A
+"""Programmatic dependent launch (compute capability 9.0+) inside the Triton kernels of a step. A
 kernel launched with it (`launch_pdl`) may start while the kernel before it in the stream still runs: it
 first prefetches into L2 what no kernel of the step writes (its weights), then waits until the kernel
 before it has finished and its writes are visible (`await_previous`), and only then reads anything else
@@ -10,14 +10,15 @@ Launched without it, the wait and the prefetch are a no-op and a hint."""
 import triton
 import triton.language as tl
 
-# elements of a row prefetched a step: 16 lines of 128 bytes each
-PREFETCH_LINES = tl.constexpr(16)
+# what a row's prefetch covers a step: 64 sectors of 32 bytes (an L2 miss fills the sectors asked for,
+# which need not be the whole 128-byte line), one a thread of a program of 4 warps over two rows
+PREFETCH_SECTORS = tl.constexpr(64)
 
 
 @triton.jit
 def l2_prefetch(ptrs):
-    # a prefetch of each pointer's 128-byte line into L2: no register waits on it, and an address past
-    # what the kernel reads later only costs the fetch (the callers keep theirs inside the tensor)
+    # a prefetch of each pointer's sector into L2: no register waits on it, and an address past what the
+    # kernel reads later only costs the fetch (the callers keep theirs inside the tensor)
     tl.inline_asm_elementwise(
         "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
     )
@@ -25,12 +26,12 @@ def l2_prefetch(ptrs):
 
 @triton.jit
 def prefetch_rows(w_ptr, rows, row_stride, K):
-    # the first K elements of each of `rows` (indices that exist) of a row-major matrix, line by line
-    LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
-    lines = tl.arange(0, PREFETCH_LINES) * LINE
+    # the first K elements of each of `rows` (indices that exist) of a row-major matrix, sector by sector
+    SECTOR: tl.constexpr = 256 // w_ptr.dtype.element_ty.primitive_bitwidth
+    sectors = tl.arange(0, PREFETCH_SECTORS) * SECTOR
     base = w_ptr + rows[:, None].to(tl.int64) * row_stride
-    for k0 in range(0, K, PREFETCH_LINES * LINE):
-        l2_prefetch(base + tl.minimum(k0 + lines, K - 1)[None, :])
+    for k0 in range(0, K, PREFETCH_SECTORS * SECTOR):
+        l2_prefetch(base + tl.minimum(k0 + sectors, K - 1)[None, :])
 
 
 @triton.jit

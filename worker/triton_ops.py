@@ -384,7 +384,7 @@ def norm_linear(
     without one), the normed row with write_normed) in one launch. x and residual are left as they are.
     `one_block`: the whole row in one block (K up to NORM_MAX_K), every load issued before the norm's sum
     (bench/row_fusion.py times it beside the default, two passes over blocks of `block_k`). `pdl`: launched
-    with programmatic dependent launch, the norm's and the GEMV's weights prefetched before the wait."""
+    with programmatic dependent launch, the GEMV's weight rows prefetched before the wait."""
     k = x.shape[1]
     if one_block:
         block_k = triton.next_power_of_2(k)

@@ -274,7 +274,7 @@ def moe_row_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     if AT_ONCE:
         # inter <= BLOCK_K: every choice's expert id, rows of h and weight tile loaded at once (one wait on
-        # memory a program, where the loop below waits twice a choice: for its id, then for its weights)
+        # memory a program, where the other branch waits twice a choice: for its id, then for its weights)
         offs_c = tl.arange(0, K_P2)
         c_ok = offs_c < TOP_K
         r = t * TOP_K + offs_c
@@ -294,20 +294,19 @@ def moe_row_down_kernel(
         ).to(tl.float32)
         part = tl.sum(b * hv[:, None, :], axis=2)  # [K_P2, BLOCK_N]: each choice's expert output
         acc = tl.sum(part * route_w[:, None], axis=0)
-        tl.store(out_ptr + t * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
-        return
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        r = t * TOP_K + k
-        expert = tl.load(ids_ptr + r).to(tl.int64)
-        b_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            k_ok = offs_k < inter - k0
-            hv = tl.load(h_ptr + r * stride_h + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            b = tl.load(b_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            part += tl.sum(b * hv[None, :], axis=1)
-        acc += tl.load(weights_ptr + r).to(tl.float32) * part
+    else:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            r = t * TOP_K + k
+            expert = tl.load(ids_ptr + r).to(tl.int64)
+            b_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+            part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                k_ok = offs_k < inter - k0
+                hv = tl.load(h_ptr + r * stride_h + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                b = tl.load(b_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                part += tl.sum(b * hv[None, :], axis=1)
+            acc += tl.load(weights_ptr + r).to(tl.float32) * part
     tl.store(out_ptr + t * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
