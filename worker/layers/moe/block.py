@@ -97,4 +97,4 @@ class SparseMoeBlock(nn.Module):
         for tokens in warm_token_counts(num_experts, self.top_k):
             x = torch.zeros(tokens, hidden, dtype=w13.dtype, device=w13.device)
             logits = torch.zeros(tokens, num_experts, dtype=w13.dtype, device=w13.device)
-            fused_moe(x, logits, w13, w2, self.top_k, self.renormalize)
+            fused_moe(x, logits, w13, w2, self.top_k, self.renormalize, triton_ops.pdl_applies(self.kernels, x.device))
