@@ -15,6 +15,7 @@
 #   moe            (b) and (a) on Qwen3-30B-A3B's architecture (a mixture of experts, the fused Triton path)
 #   fp8_weights    Qwen3-8B's architecture with its weights quantized to FP8 at load against bf16: (a) and
 #                  (b) batch 1, each for both
+#   fp8_weights_kv Qwen3-8B's (a) with FP8 weights over an fp8 KV cache (beside fp8_weights' bf16 runs)
 #   moe_latency    (b) alone on Qwen3-30B-A3B's architecture, on this tree and BASE's
 #   pdl            (b) without and with programmatic dependent launch (--pdl), alternated: Qwen3-0.6B,
 #                  Qwen3-30B-A3B, and Qwen3-8B with FP8 weights
@@ -238,6 +239,7 @@ for suite in "$@"; do
         step "fp8_weights_latency_$q" 240 python3 bench/decode_latency.py --arch qwen3-8b --repeats "${REPEATS:-5}" \
           "${flag[@]}" --out "$OUT/fp8_weights_latency_$q.json"
       done ;;
+    fp8_weights_kv) offline fp8_weights_fp8_kv 240 --arch qwen3-8b --quantization fp8 --kv-cache-dtype fp8_e4m3 ;;
     kernels)
       step moe_decode 420 python3 bench/moe_decode.py --tokens 1 4 64 256 8192 --grouped-sweep --out "$OUT/moe_decode.json"
       step fp8_gemv 200 python3 bench/fp8_gemv.py --out "$OUT/fp8_gemv.json" ;;

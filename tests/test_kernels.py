@@ -4,6 +4,7 @@ in one process, built one after the other with different choices, each keep thei
 from __future__ import annotations
 
 import pytest
+import torch
 from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy
 from test_fused_layers import STAND_INS
@@ -97,3 +98,21 @@ def test_the_prologue_warm_up_runs_every_tile_and_writes_only_the_scratch_cell(m
         changed = (engine.kv.buffer != before).flatten(3).any(-1)  # [k or v, layer, cell]: which cells moved
         assert changed.nonzero()[:, 2].unique().tolist() == [scratch]
         assert changed[:, 0].any(-1).all() and not changed[:, 1:].any()  # keys and values, layer 0 alone
+
+
+@pytest.mark.parametrize(
+    "kernels,device,capability,applies",
+    [
+        (Kernels(pdl=True), "cuda", (9, 0), True),
+        (Kernels(pdl=True), "cuda", (10, 0), True),
+        (Kernels(pdl=True), "cuda", (8, 9), False),  # Ada: no programmatic dependent launch
+        (Kernels(pdl=True), "cpu", None, False),
+        (Kernels(), "cuda", (9, 0), False),  # off until measured
+    ],
+)
+def test_programmatic_dependent_launch_applies_where_asked_on_a_gpu_that_has_it(
+    monkeypatch, kernels, device, capability, applies
+):
+    monkeypatch.setattr(triton_ops, "_capability", lambda index: capability)
+    assert triton_ops.pdl_applies(kernels, torch.device(device)) is applies
+    assert triton_ops.pdl_options(applies) == ({"launch_pdl": True} if applies else {})
