@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `pytho
 
 from common import ARCHS  # noqa: E402
 
-from worker import triton_decode, triton_ops  # noqa: E402
+from worker import gemv, triton_decode, triton_ops  # noqa: E402
 from worker.kernel_compile import MAX_SHARED_BYTES, CompiledLaunch, compile_only, on_gpu  # noqa: E402
 from worker.layers.moe import fused  # noqa: E402
 from worker.quant import gemm  # noqa: E402
@@ -125,24 +125,20 @@ def launches(arch: str) -> list[tuple[str, Callable[[], object]]]:
     calls.append(
         (
             "norm + QKV GEMV, batch 1",
-            lambda: triton_ops.norm_linear(
-                _gpu(1, hidden), _gpu(1, hidden), _gpu(hidden), 1e-6, _gpu(qkv_width, hidden)
-            ),
+            lambda: gemv.norm_linear(_gpu(1, hidden), _gpu(1, hidden), _gpu(hidden), 1e-6, _gpu(qkv_width, hidden)),
         )
     )
     calls.append(
         (
             "small GEMV (o), batch 1",
-            lambda: triton_ops.small_linear(_gpu(1, heads * head_dim), _gpu(hidden, heads * head_dim)),
+            lambda: gemv.small_linear(_gpu(1, heads * head_dim), _gpu(hidden, heads * head_dim)),
         )
     )
     if "num_experts" in cfg:
         calls.extend(_moe_launches(cfg, hidden))
     else:
         inter = cfg["intermediate_size"]
-        calls.append(
-            ("SiLU + down GEMV, batch 1", lambda: triton_ops.silu_linear(_gpu(1, 2 * inter), _gpu(hidden, inter)))
-        )
+        calls.append(("SiLU + down GEMV, batch 1", lambda: gemv.silu_linear(_gpu(1, 2 * inter), _gpu(hidden, inter))))
         calls.extend(_fp8_launches(hidden, inter))
     return calls + _pdl_launches(cfg)
 
@@ -205,19 +201,19 @@ def _pdl_launches(cfg: dict) -> list[tuple[str, Callable[[], object]]]:
         ),
         (
             "norm + QKV GEMV, batch 1, pdl",
-            lambda: triton_ops.norm_linear(
+            lambda: gemv.norm_linear(
                 _gpu(1, hidden), _gpu(1, hidden), _gpu(hidden), 1e-6, _gpu(qkv_width, hidden), pdl=True
             ),
         ),
         (
             "norm + QKV GEMV, the first layer (no residual), one block, batch 1, pdl",
-            lambda: triton_ops.norm_linear(
+            lambda: gemv.norm_linear(
                 _gpu(1, hidden), None, _gpu(hidden), 1e-6, _gpu(qkv_width, hidden), one_block=True, pdl=True
             ),
         ),
         (
             "small GEMV (o), batch 1, pdl",
-            lambda: triton_ops.small_linear(_gpu(1, heads * head_dim), _gpu(hidden, heads * head_dim), pdl=True),
+            lambda: gemv.small_linear(_gpu(1, heads * head_dim), _gpu(hidden, heads * head_dim), pdl=True),
         ),
     ]
     if "num_experts" in cfg:
@@ -225,7 +221,7 @@ def _pdl_launches(cfg: dict) -> list[tuple[str, Callable[[], object]]]:
         calls.append(
             (
                 "norm + router GEMV writing the normed row, batch 1, pdl",
-                lambda: triton_ops.norm_linear(
+                lambda: gemv.norm_linear(
                     _gpu(1, hidden), _gpu(1, hidden), _gpu(hidden), 1e-6, _gpu(experts, hidden), True, pdl=True
                 ),
             )
@@ -250,7 +246,7 @@ def _pdl_launches(cfg: dict) -> list[tuple[str, Callable[[], object]]]:
     calls.append(
         (
             "SiLU + down GEMV, batch 1, pdl",
-            lambda: triton_ops.silu_linear(_gpu(1, 2 * inter), _gpu(hidden, inter), pdl=True),
+            lambda: gemv.silu_linear(_gpu(1, 2 * inter), _gpu(hidden, inter), pdl=True),
         )
     )
     calls.append(

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import time_graph  # noqa: E402
 
-from worker import triton_ops  # noqa: E402
+from worker import gemv  # noqa: E402
 from worker.layers.fused import fused_ops  # noqa: E402
 from worker.layers.row_fusion import NORM_MAX_K  # noqa: E402
 
@@ -58,28 +58,26 @@ def main() -> None:
             def separate():
                 for w in ws:
                     ops.fused_add_rmsnorm(xs, rs, nw, 1e-6)
-                    triton_ops.small_linear(xs, w)
+                    gemv.small_linear(xs, w)
 
             def fused(bn=None, one_block=False):
                 for w in ws:
-                    triton_ops.norm_linear(x, res, nw, 1e-6, w, normed, block_n=bn, one_block=one_block)
+                    gemv.norm_linear(x, res, nw, 1e-6, w, normed, block_n=bn, one_block=one_block)
 
             if k <= NORM_MAX_K:  # the whole row in one block, every load issued before the norm's sum
                 row["one_block_us"] = time_graph(lambda: fused(one_block=True)) / layers
                 row["one_block_sweep_us"] = {
                     bn: time_graph(lambda bn=bn: fused(bn, True)) / layers for bn in (1, 2, 4, 8, 16)
                 }
-                got = triton_ops.norm_linear(x, res, nw, 1e-6, ws[0], normed, one_block=True)[0]
+                got = gemv.norm_linear(x, res, nw, 1e-6, ws[0], normed, one_block=True)[0]
                 a, b = x.clone(), res.clone()
                 ops.fused_add_rmsnorm(a, b, nw, 1e-6)
-                row["one_block_max_abs_diff"] = (
-                    (got.float() - triton_ops.small_linear(a, ws[0]).float()).abs().max().item()
-                )
+                row["one_block_max_abs_diff"] = (got.float() - gemv.small_linear(a, ws[0]).float()).abs().max().item()
 
             a, b = x.clone(), res.clone()
             ops.fused_add_rmsnorm(a, b, nw, 1e-6)
-            ref = triton_ops.small_linear(a, ws[0])
-            got, new_res, got_normed = triton_ops.norm_linear(x, res, nw, 1e-6, ws[0], normed)
+            ref = gemv.small_linear(a, ws[0])
+            got, new_res, got_normed = gemv.norm_linear(x, res, nw, 1e-6, ws[0], normed)
             row["max_abs_diff"] = (got.float() - ref.float()).abs().max().item()
             row["residual_equal"] = torch.equal(new_res, b)
             if normed:
@@ -89,14 +87,14 @@ def main() -> None:
 
             def separate():
                 for w in ws:
-                    triton_ops.small_linear(ops.silu_and_mul(gu), w)
+                    gemv.small_linear(ops.silu_and_mul(gu), w)
 
             def fused(bn=None):
                 for w in ws:
-                    triton_ops.silu_linear(gu, w, block_n=bn)
+                    gemv.silu_linear(gu, w, block_n=bn)
 
-            ref = triton_ops.small_linear(ops.silu_and_mul(gu), ws[0])
-            row["max_abs_diff"] = (triton_ops.silu_linear(gu, ws[0]).float() - ref.float()).abs().max().item()
+            ref = gemv.small_linear(ops.silu_and_mul(gu), ws[0])
+            row["max_abs_diff"] = (gemv.silu_linear(gu, ws[0]).float() - ref.float()).abs().max().item()
         row["separate_us"] = time_graph(separate) / layers
         row["fused_us"] = time_graph(fused) / layers
         row["sweep_us"] = {bn: time_graph(lambda bn=bn: fused(bn)) / layers for bn in (1, 2, 4, 8, 16)}

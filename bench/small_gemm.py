@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import time_graph  # noqa: E402
 
-from worker import triton_ops  # noqa: E402
+from worker import gemv  # noqa: E402
 
 CONFIGS = [
     (2, 1024, 4),
@@ -55,25 +55,23 @@ def main() -> None:
             ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, ws[0])
-            got = triton_ops.small_linear(x, ws[0])
+            got = gemv.small_linear(x, ws[0])
             err = (got.float() - ref.float()).abs().max().item()
             row = {"m": m, "layer": name, "k": k, "n": n, "triton_max_abs_err": err}
             row["cublas_us"] = time_graph(lambda: [F.linear(x, w) for w in ws]) / copies
             torch.backends.cuda.preferred_blas_library("cublaslt")
             row["cublaslt_us"] = time_graph(lambda: [F.linear(x, w) for w in ws]) / copies
             torch.backends.cuda.preferred_blas_library("cublas")
-            row["triton_us"] = time_graph(lambda: [triton_ops.small_linear(x, w) for w in ws]) / copies
+            row["triton_us"] = time_graph(lambda: [gemv.small_linear(x, w) for w in ws]) / copies
             row["triton_tb_s"] = n * k * 2 / row["triton_us"] / 1e6
             if pdl:
-                assert torch.equal(triton_ops.small_linear(x, ws[0], pdl=True), got)
-                row["triton_pdl_us"] = (
-                    time_graph(lambda: [triton_ops.small_linear(x, w, pdl=True) for w in ws]) / copies
-                )
+                assert torch.equal(gemv.small_linear(x, ws[0], pdl=True), got)
+                row["triton_pdl_us"] = time_graph(lambda: [gemv.small_linear(x, w, pdl=True) for w in ws]) / copies
             if m == 1 and name in SHAPES:  # block shapes (block_n, block_k, num_warps)
                 sweep = {}
                 for bn, bk, nw in CONFIGS:
                     sweep[f"{bn}x{bk}w{nw}"] = (
-                        time_graph(lambda: [triton_ops.small_linear(x, w, bn, bk, nw) for w in ws]) / copies
+                        time_graph(lambda: [gemv.small_linear(x, w, bn, bk, nw) for w in ws]) / copies
                     )
                 row["sweep_us"] = sweep
                 row["best"] = min(sweep, key=sweep.get)

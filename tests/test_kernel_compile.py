@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_MODULES = (
     "worker.triton_kernels",
+    "worker.gemv_kernels",
     "worker.triton_decode",
     "worker.layers.moe.triton_kernels",
     "worker.quant.fp8_kernels",

@@ -13,7 +13,7 @@ from fixtures import PROMPT_TEXTS
 from helpers import checked_llm, encode_all, greedy
 from tiny_checkpoints import build_qwen3_hd128
 
-from worker import triton_decode, triton_ops
+from worker import gemv, triton_decode, triton_ops
 from worker.kernels import Kernels
 
 pytestmark = [
@@ -34,8 +34,8 @@ def _layers(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], pdl: bool)
     """Dependent launches as a batch-1 step makes them: each reads the rows the one before wrote."""
     residual = None
     for norm_w, w_gate_up, w_down, w_o in weights:
-        gate_up, residual, _ = triton_ops.norm_linear(x, residual, norm_w, 1e-6, w_gate_up, pdl=pdl)
-        x = triton_ops.small_linear(triton_ops.silu_linear(gate_up, w_down, pdl=pdl), w_o, pdl=pdl)
+        gate_up, residual, _ = gemv.norm_linear(x, residual, norm_w, 1e-6, w_gate_up, pdl=pdl)
+        x = gemv.small_linear(gemv.silu_linear(gate_up, w_down, pdl=pdl), w_o, pdl=pdl)
     return x + residual
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy
 
-from worker import triton_ops
+from worker import gemv
 from worker.kernels import Kernels
 from worker.layers.linear import ColumnParallelLinear
 from worker.layers.norm import RMSNorm
@@ -38,8 +38,8 @@ def test_norm_linear_equals_the_norm_then_the_matmul(k, n, with_residual, one_bl
     weight, norm = torch.randn(n, k), _norm(k)
     ref_residual = x + residual if with_residual else x
     ref_normed = norm(ref_residual)
-    assert triton_ops.row_fusion_applies(INTERPRETED, x, weight)
-    y, new_residual, normed = triton_ops.norm_linear(
+    assert gemv.row_fusion_applies(INTERPRETED, x, weight)
+    y, new_residual, normed = gemv.norm_linear(
         x, residual, norm.weight, norm.eps, weight, write_normed=True, one_block=one_block
     )
     torch.testing.assert_close(new_residual, ref_residual, rtol=0, atol=0)
@@ -54,7 +54,7 @@ def test_silu_linear_equals_silu_and_multiply_then_the_matmul(k, n):
     torch.manual_seed(k * n)
     gate_up, weight = torch.randn(1, 2 * k), torch.randn(n, k)
     gate, up = gate_up.chunk(2, dim=-1)
-    got = triton_ops.silu_linear(gate_up, weight)
+    got = gemv.silu_linear(gate_up, weight)
     torch.testing.assert_close(got, (F.silu(gate) * up) @ weight.T, rtol=1e-5, atol=1e-4)
 
 
@@ -65,13 +65,13 @@ def test_the_layers_fuse_only_one_unquantized_narrow_row_with_both_kernels_asked
     layer.bias.data.normal_()
     norm, x, residual = _norm(32), torch.randn(1, 32), torch.randn(1, 32)
     calls = []
-    real = triton_ops.norm_linear
+    real = gemv.norm_linear
 
     def counted(*args, **kw):
         calls.append(args[0].shape[0])
         return real(*args, **kw)
 
-    triton_ops.norm_linear = counted
+    gemv.norm_linear = counted
     try:
         y, new_residual, _ = norm_linear(norm, layer, x, residual, INTERPRETED)
         torch.testing.assert_close(y, norm(x + residual) @ layer.weight.T + layer.bias, rtol=1e-5, atol=1e-5)
@@ -89,7 +89,7 @@ def test_the_layers_fuse_only_one_unquantized_narrow_row_with_both_kernels_asked
         assert silu_linear(layer, torch.randn(1, 32), INTERPRETED) is None
         assert calls == [1]
     finally:
-        triton_ops.norm_linear = real
+        gemv.norm_linear = real
 
 
 # qwen2: a bias on qkv after the fused norm; qwen2_moe: the router's GEMV with the norm, the experts and
@@ -103,13 +103,13 @@ def test_batch_1_decode_with_the_fused_launches_equals_hf_greedy(model_paths, fa
     path = model_paths[family]
     launches = {"norm": 0, "silu": 0}
     for name, key in (("norm_linear", "norm"), ("silu_linear", "silu")):
-        real = getattr(triton_ops, name)
+        real = getattr(gemv, name)
 
         def counted(*args, _real=real, _key=key, **kw):
             launches[_key] += 1
             return _real(*args, **kw)
 
-        monkeypatch.setattr(triton_ops, name, counted)
+        monkeypatch.setattr(gemv, name, counted)
     with checked_llm(path, page_size=4, kernels=INTERPRETED) as llm:
         prompts = encode_all(llm, PROMPT_TEXTS[:2])
         got = [llm.generate([p], greedy(5))[0].token_ids for p in prompts]
@@ -130,17 +130,17 @@ def test_on_gpu_the_fused_launches_equal_flashinfers_norm_and_silu_then_the_gemv
     x, residual = torch.randn(1, k, device=dev, dtype=dt), torch.randn(1, k, device=dev, dtype=dt)
     norm_weight = torch.rand(k, device=dev, dtype=dt) + 0.5
     weight = torch.randn(n, k, device=dev, dtype=dt) * 0.02
-    assert triton_ops.row_fusion_applies(Kernels(), x, weight)
+    assert gemv.row_fusion_applies(Kernels(), x, weight)
     a, b = x.clone(), residual.clone()
     ops.fused_add_rmsnorm(a, b, norm_weight, 1e-6)
     for one_block in (False, True) if k <= NORM_MAX_K else (False,):
-        got, new_residual, normed = triton_ops.norm_linear(
+        got, new_residual, normed = gemv.norm_linear(
             x, residual, norm_weight, 1e-6, weight, write_normed=True, one_block=one_block
         )
         assert torch.equal(new_residual, b)
         torch.testing.assert_close(normed, a, rtol=0.008, atol=0.008)  # at most one bfloat16 step apart
-        torch.testing.assert_close(got, triton_ops.small_linear(a, weight), rtol=0.02, atol=0.02)
+        torch.testing.assert_close(got, gemv.small_linear(a, weight), rtol=0.02, atol=0.02)
     gate_up = torch.randn(1, 2 * k, device=dev, dtype=dt)
     down = torch.randn(k // 2, k, device=dev, dtype=dt) * 0.02
-    ref = triton_ops.small_linear(ops.silu_and_mul(gate_up), down)
-    torch.testing.assert_close(triton_ops.silu_linear(gate_up, down), ref, rtol=0.02, atol=0.02)
+    ref = gemv.small_linear(ops.silu_and_mul(gate_up), down)
+    torch.testing.assert_close(gemv.silu_linear(gate_up, down), ref, rtol=0.02, atol=0.02)

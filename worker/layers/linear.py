@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker import triton_ops
+from worker import gemv, triton_ops
 from worker.kernels import Kernels
 from worker.parallel import TPGroup
 
@@ -19,8 +19,8 @@ def linear(
     """F.linear, but for one row (batch-1 decode) on CUDA a Triton GEMV unless Kernels.small_linear is
     off: at M=1 cuBLAS reads these weights well below the memory's bandwidth, and the GEMV nearer it
     (bench/small_gemm.py compares them)."""
-    if kernels.small_linear and x.dim() == 2 and x.shape[0] == 1 and triton_ops.small_linear_applies(x, weight):
-        y = triton_ops.small_linear(x, weight, pdl=triton_ops.pdl_applies(kernels, x.device))
+    if kernels.small_linear and x.dim() == 2 and x.shape[0] == 1 and gemv.small_linear_applies(x, weight):
+        y = gemv.small_linear(x, weight, pdl=triton_ops.pdl_applies(kernels, x.device))
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 

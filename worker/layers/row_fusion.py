@@ -1,5 +1,5 @@
 """Batch-1 decode runs each residual norm inside the GEMV that reads its output, and SiLU-and-multiply
-inside the down projection's GEMV (worker/triton_kernels.py: norm_linear_kernel, silu_linear_kernel).
+inside the down projection's GEMV (worker/gemv_kernels.py: norm_linear_kernel, silu_linear_kernel).
 At one row a layer's small kernels cost more in launches and ramp than in bytes (a residual norm took
 2.6 us of GPU time for 2 KiB to 8 KiB): three launches fewer a dense layer, two a mixture of experts'
 (Qwen3-0.6B's batch-1 decode: 0.954 ms a token against 1.026). Wider rows (NORM_MAX_K, SILU_MAX_K),
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker import triton_ops
+from worker import gemv, triton_ops
 from worker.kernels import Kernels
 from worker.layers.norm import RMSNorm
 
@@ -40,8 +40,8 @@ def norm_linear(
     takes them: without a residual (the first layer's input norm) x is the residual. One launch at one
     row; the norm then the linear otherwise."""
     weight = linear.weight
-    if x.shape[-1] <= NORM_MAX_K and _plain(linear) and triton_ops.row_fusion_applies(kernels, x, weight):
-        y, residual, normed = triton_ops.norm_linear(
+    if x.shape[-1] <= NORM_MAX_K and _plain(linear) and gemv.row_fusion_applies(kernels, x, weight):
+        y, residual, normed = gemv.norm_linear(
             x, residual, norm.weight, norm.eps, weight, want_normed, pdl=triton_ops.pdl_applies(kernels, x.device)
         )
         bias = getattr(linear, "bias", None)
@@ -59,7 +59,7 @@ def silu_linear(linear: nn.Module, gate_up: torch.Tensor, kernels: Kernels) -> t
     if (
         gate_up.shape[-1] <= 2 * SILU_MAX_K
         and _plain(linear)
-        and triton_ops.row_fusion_applies(kernels, gate_up, linear.weight)
+        and gemv.row_fusion_applies(kernels, gate_up, linear.weight)
     ):
-        return triton_ops.silu_linear(gate_up, linear.weight, pdl=triton_ops.pdl_applies(kernels, gate_up.device))
+        return gemv.silu_linear(gate_up, linear.weight, pdl=triton_ops.pdl_applies(kernels, gate_up.device))
     return None

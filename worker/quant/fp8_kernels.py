@@ -96,7 +96,7 @@ def fp8_gemv_kernel(
     BLOCKED: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # out[m, n] = sum_k x[m, k] * w[n, k] * scale: worker/triton_kernels.py's small_linear_kernel over an
+    # out[m, n] = sum_k x[m, k] * w[n, k] * scale: worker/gemv_kernels.py's small_linear_kernel over an
     # e4m3 weight (half the bytes), scaled per block of GROUP_K columns in the loop, or per row at the end
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)

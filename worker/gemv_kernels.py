@@ -1,0 +1,171 @@
+"""Triton kernels of worker/gemv.py (a module of their own: Triton's interpreter patches `tl` in the
+kernels' module globals, and importing this needs Triton)."""
+
+import triton
+import triton.language as tl
+
+from worker.pdl_kernels import await_previous, prefetch_rows
+
+
+@triton.jit
+def small_linear_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    x_stride,
+    w_stride,
+    out_stride,
+    M_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # out[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (decode at small batch): one program per
+    # BLOCK_N output columns, reading its weight rows once for every m, accumulating in float32
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PDL:
+        prefetch_rows(w_ptr, tl.minimum(rn, N - 1), w_stride, K)
+    await_previous(PDL)
+    rm = tl.arange(0, M_BLOCK)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        w = tl.load(
+            w_ptr + rn[:, None].to(tl.int64) * w_stride + kk[None, :],
+            mask=(rn[:, None] < N) & (kk[None, :] < K),
+            other=0.0,
+        ).to(tl.float32)
+        for mi in tl.static_range(M_BLOCK):
+            x = tl.load(x_ptr + tl.minimum(mi, M - 1) * x_stride + kk, mask=kk < K, other=0.0).to(tl.float32)
+            part = tl.sum(w * x[None, :], axis=1)
+            acc += tl.where(rm[:, None] == mi, part[None, :], 0.0)
+    tl.store(
+        out_ptr + rm[:, None] * out_stride + rn[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
+
+
+@triton.jit
+def norm_linear_kernel(
+    x_ptr,
+    res_ptr,
+    norm_w_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    normed_ptr,
+    N,
+    K,
+    w_stride,
+    eps,
+    HAS_RES: tl.constexpr,
+    WRITE_NORMED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # out = rmsnorm(x + res) @ w.T for one row (batch-1 decode), the residual norm and the GEMV in one
+    # launch. Each program computes the norm of the whole row itself (a few KiB read from L2) and then
+    # BLOCK_N output columns; program 0 also writes the new residual (x + res) and, with WRITE_NORMED,
+    # the normed row. As FlashInfer's norms: the sum in float32, normed = (x + res) * rstd * weight,
+    # rounded to the row's dtype before the product, as the GEMV after a separate norm reads it.
+    pid = tl.program_id(0)
+    rk = tl.arange(0, BLOCK_K)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = (rk * 0 + pid) == 0  # program 0's lanes (a vector: the interpreter masks with vectors only)
+    if PDL:
+        prefetch_rows(w_ptr, tl.minimum(rn, N - 1), w_stride, K)
+    await_previous(PDL)
+    if ONE_BLOCK:
+        # K <= BLOCK_K: the row, the norm's weight and the program's weight rows loaded at once, before the
+        # norm's sum (which the weight loads do not need), so the program waits on memory once, not twice
+        km = rk < K
+        h = tl.load(x_ptr + rk, mask=km, other=0.0).to(tl.float32)
+        if HAS_RES:
+            h += tl.load(res_ptr + rk, mask=km, other=0.0).to(tl.float32)
+        nw = tl.load(norm_w_ptr + rk, mask=km, other=0.0).to(tl.float32)
+        w = tl.load(
+            w_ptr + rn[:, None].to(tl.int64) * w_stride + rk[None, :],
+            mask=(rn[:, None] < N) & km[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
+        if HAS_RES:
+            tl.store(res_out_ptr + rk, h.to(res_out_ptr.dtype.element_ty), mask=km & first)
+        normed = (h * rstd * nw).to(x_ptr.dtype.element_ty)
+        if WRITE_NORMED:
+            tl.store(normed_ptr + rk, normed, mask=km & first)
+        acc = tl.sum(w * normed.to(tl.float32)[None, :], axis=1)
+        tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
+        return
+    sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        h = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        if HAS_RES:
+            h += tl.load(res_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        sq += h * h
+    rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        km = kk < K
+        h = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        if HAS_RES:
+            h += tl.load(res_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            tl.store(res_out_ptr + kk, h.to(res_out_ptr.dtype.element_ty), mask=km & first)
+        nw = tl.load(norm_w_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        normed = (h * rstd * nw).to(x_ptr.dtype.element_ty)
+        if WRITE_NORMED:
+            tl.store(normed_ptr + kk, normed, mask=km & first)
+        w = tl.load(
+            w_ptr + rn[:, None].to(tl.int64) * w_stride + kk[None, :],
+            mask=(rn[:, None] < N) & km[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(w * normed.to(tl.float32)[None, :], axis=1)
+    tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def silu_linear_kernel(
+    gate_up_ptr,
+    w_ptr,
+    out_ptr,
+    N,
+    K,
+    w_stride,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # out = (silu(gate) * up) @ w.T for one row, gate_up = [gate | up] of K each: SiLU-and-multiply and
+    # the down projection's GEMV in one launch. The product is rounded to the row's dtype before the
+    # GEMV, as it is when a separate kernel writes it.
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PDL:
+        prefetch_rows(w_ptr, tl.minimum(rn, N - 1), w_stride, K)
+    await_previous(PDL)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        km = kk < K
+        g = tl.load(gate_up_ptr + kk, mask=km, other=0.0).to(tl.float32)
+        u = tl.load(gate_up_ptr + K + kk, mask=km, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g)) * u).to(gate_up_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(
+            w_ptr + rn[:, None].to(tl.int64) * w_stride + kk[None, :],
+            mask=(rn[:, None] < N) & km[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(w * act[None, :], axis=1)
+    tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=rn < N)
