@@ -105,11 +105,16 @@ except OutOfResources:
 """
 
 
-def test_a_kernel_past_the_gpus_shared_memory_fails_as_its_launch_would(tmp_path):
-    script = tmp_path / "oversized.py"
-    script.write_text(OVERSIZED)
+def compiled_in_a_process(tmp_path, source: str) -> subprocess.CompletedProcess:
+    """Runs `source` in a process of its own, where Triton compiles (this one imported it to interpret)."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_kernel_past_the_gpus_shared_memory_fails_as_its_launch_would(tmp_path):
+    run = compiled_in_a_process(tmp_path, OVERSIZED)
     assert run.stdout.split() == ["refused", "True", "1"], run.stdout + run.stderr[-3000:]
 
 
@@ -148,8 +153,5 @@ print(*(f"{launch.memory_before_wait}/{launch.returns_before_wait}" for launch i
 
 
 def test_the_compile_check_finds_a_read_or_a_return_before_the_wait_on_any_path(tmp_path):
-    script = tmp_path / "early_read.py"
-    script.write_text(EARLY_READ)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    run = compiled_in_a_process(tmp_path, EARLY_READ)
     assert run.stdout.split() == ["1/0", "0/1", "0/0"], run.stdout + run.stderr[-3000:]

@@ -4,7 +4,7 @@ kernels' module globals, and importing this needs Triton)."""
 import triton
 import triton.language as tl
 
-from worker.pdl_kernels import await_previous, prefetch_rows
+from worker.pdl_kernels import gemv_rows
 
 
 @triton.jit
@@ -25,11 +25,7 @@ def small_linear_kernel(
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (decode at small batch): one program per
     # BLOCK_N output columns, reading its weight rows once for every m, accumulating in float32
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PDL:
-        prefetch_rows(w_ptr, tl.minimum(rn, N - 1), w_stride, K)
-    await_previous(PDL)
+    rn = gemv_rows(w_ptr, N, K, w_stride, BLOCK_N, PDL)
     rm = tl.arange(0, M_BLOCK)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
@@ -76,13 +72,9 @@ def norm_linear_kernel(
     # BLOCK_N output columns; program 0 also writes the new residual (x + res) and, with WRITE_NORMED,
     # the normed row. As FlashInfer's norms: the sum in float32, normed = (x + res) * rstd * weight,
     # rounded to the row's dtype before the product, as the GEMV after a separate norm reads it.
-    pid = tl.program_id(0)
+    rn = gemv_rows(w_ptr, N, K, w_stride, BLOCK_N, PDL)
     rk = tl.arange(0, BLOCK_K)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    first = (rk * 0 + pid) == 0  # program 0's lanes (a vector: the interpreter masks with vectors only)
-    if PDL:
-        prefetch_rows(w_ptr, tl.minimum(rn, N - 1), w_stride, K)
-    await_previous(PDL)
+    first = (rk * 0 + tl.program_id(0)) == 0  # program 0's lanes (the interpreter masks with vectors only)
     if ONE_BLOCK:
         # K <= BLOCK_K: the row, the norm's weight and the program's weight rows loaded at once, before the
         # norm's sum (which the weight loads do not need), so the program waits on memory once, not twice
@@ -149,11 +141,7 @@ def silu_linear_kernel(
     # out = (silu(gate) * up) @ w.T for one row, gate_up = [gate | up] of K each: SiLU-and-multiply and
     # the down projection's GEMV in one launch. The product is rounded to the row's dtype before the
     # GEMV, as it is when a separate kernel writes it.
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PDL:
-        prefetch_rows(w_ptr, tl.minimum(rn, N - 1), w_stride, K)
-    await_previous(PDL)
+    rn = gemv_rows(w_ptr, N, K, w_stride, BLOCK_N, PDL)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

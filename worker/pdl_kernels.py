@@ -35,6 +35,17 @@ def prefetch_rows(w_ptr, rows, row_stride, K):
 
 
 @triton.jit
+def gemv_rows(w_ptr, N, K, w_stride, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    # a GEMV program's BLOCK_N output rows of w [N, K]; launched with PDL, their weights prefetched and the
+    # kernel before awaited first
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PDL:
+        prefetch_rows(w_ptr, tl.minimum(rn, N - 1), w_stride, K)
+    await_previous(PDL)
+    return rn
+
+
+@triton.jit
 def await_previous(PDL: tl.constexpr):
     # the kernel before has finished (its writes, and every earlier kernel's, are visible), and the next
     # kernel may launch now and prefetch while this one works

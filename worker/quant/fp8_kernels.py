@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from worker.pdl_kernels import await_previous, prefetch_rows
+from worker.pdl_kernels import gemv_rows
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -98,11 +98,7 @@ def fp8_gemv_kernel(
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k] * scale: worker/gemv_kernels.py's small_linear_kernel over an
     # e4m3 weight (half the bytes), scaled per block of GROUP_K columns in the loop, or per row at the end
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PDL:
-        prefetch_rows(w_ptr, tl.minimum(rn, N - 1), w_stride, K)
-    await_previous(PDL)
+    rn = gemv_rows(w_ptr, N, K, w_stride, BLOCK_N, PDL)
     rm = tl.arange(0, M_BLOCK)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
