@@ -10,8 +10,8 @@ Launched without it, the wait and the prefetch are a no-op and a hint."""
 import triton
 import triton.language as tl
 
-# what a row's prefetch covers a step: 64 sectors of 32 bytes (an L2 miss fills the sectors asked for,
-# which need not be the whole 128-byte line), one a thread of a program of 4 warps over two rows
+# what a row's prefetch covers a step: 64 sectors of 32 bytes, one a thread of a program of 4 warps over two
+# rows. One a sector, not one a 128-byte line: a prefetch may fill only the sector it names (not measured)
 PREFETCH_SECTORS = tl.constexpr(64)
 
 
