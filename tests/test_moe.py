@@ -228,6 +228,30 @@ def test_routing_kernel_picks_what_select_experts_picks(renormalize):
     torch.testing.assert_close(weights, want_weights)
 
 
+def test_routing_kernel_at_qwen3_moes_width_and_past_the_softmaxs_underflow():
+    """128 experts, 8 a token (Qwen3-30B-A3B), over logits spread so wide that most probabilities are 0.0
+    in float32: the kernel's picks and weights are select_experts' wherever the k-th probability is not 0."""
+    pytest.importorskip("triton")
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.cat([torch.randn(6, 128, generator=generator), torch.randn(6, 128, generator=generator) * 40])
+    weights, ids = route(logits, 8, True)
+    want_weights, want_ids = select_experts(logits, 8, True)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_weights)
+
+
+def test_routing_kernel_breaks_ties_toward_the_lower_expert():
+    """Equal probabilities go to the lower expert index first (the per-row kernels route with the same
+    function)."""
+    pytest.importorskip("triton")
+    logits = torch.zeros(2, 16)
+    logits[0, [3, 9, 12]] = 1.0  # three equal leaders, then thirteen equal others
+    weights, ids = route(logits, 5, False)
+    assert ids[0].tolist() == [3, 9, 12, 0, 1]
+    assert ids[1].tolist() == [0, 1, 2, 3, 4]
+    torch.testing.assert_close(weights.float(), torch.softmax(logits, -1).gather(1, ids.long()))
+
+
 @pytest.mark.parametrize("per_row", [False, True, "down at once"])
 @pytest.mark.parametrize(
     "tokens,num_experts,top_k,hidden,inter",

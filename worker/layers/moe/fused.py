@@ -119,6 +119,9 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
             K_P2=triton_ops.triton.next_power_of_2(top_k),
             E_P2=triton_ops.triton.next_power_of_2(num_experts),
             RENORMALIZE=renormalize,
+            COPIES=1,
+            # one warp holds a token's logits: its reductions need no barrier
+            **({"num_warps": 1} if logits.is_cuda else {}),
         )
     return weights, ids
 
@@ -206,6 +209,7 @@ def _per_row(
         E_P2=triton_ops.triton.next_power_of_2(num_experts),
         RENORMALIZE=renormalize,
         ROUTE=route_here,
+        COPIES=options.get("num_warps", 1),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PDL=pdl,

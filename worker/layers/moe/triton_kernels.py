@@ -139,23 +139,34 @@ def _top_k(
     K_P2: tl.constexpr,
     E_P2: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    COPIES: tl.constexpr,
 ):
-    # token t's softmax over the experts in float32, then its top k by repeated argmax: (weights, ids) [K_P2]
-    offs = tl.arange(0, E_P2)
-    x = tl.load(logits_ptr + t * stride_logits + offs, mask=offs < num_experts, other=-float("inf"))
+    # token t's softmax over the experts in float32, then its top k: (weights, ids) [K_P2]. Routing is on
+    # batch 1's critical path (every per-row program routes before its first weight load), so it is kept
+    # to reductions inside a warp: each of the program's COPIES warps (pass its num_warps) routes a copy of
+    # the logits, [COPIES, E_P2] laid out a row a warp, and the copies meet once at the end (a max over
+    # the copies: 6 barriers a program in sm_90's code, where one row over all warps took 29). Each
+    # expert's key packs its probability's bits (a non-negative float orders as its bits do) above its
+    # index reversed: one integer max a choice finds the largest probability and, among equal ones, the
+    # lowest expert (a max and an argmax a choice took twice the reductions)
+    offs = tl.arange(0, E_P2)[None, :] + tl.zeros((COPIES, 1), dtype=tl.int32)
+    valid = offs < num_experts
+    x = tl.load(logits_ptr + t * stride_logits + offs, mask=valid, other=-float("inf"))
     x = x.to(tl.float32)
-    p = tl.exp(x - tl.max(x, 0))
-    p = p / tl.sum(p, 0)
-    p = tl.where(offs < num_experts, p, -1.0)
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    bits = p.to(tl.int32, bitcast=True).to(tl.int64)
+    keys = tl.where(valid, (bits << 32) | (E_P2 - 1 - offs), -1)
     k_offs = tl.arange(0, K_P2)
-    top_w = tl.zeros((K_P2,), dtype=tl.float32)
-    top_i = tl.zeros((K_P2,), dtype=tl.int32)
+    top_key = tl.zeros((COPIES, K_P2), dtype=tl.int64)
     for k in tl.static_range(TOP_K):
-        best = tl.max(p, 0)
-        idx = tl.argmax(p, 0)
-        top_w = tl.where(k_offs == k, best, top_w)
-        top_i = tl.where(k_offs == k, idx, top_i)
-        p = tl.where(offs == idx, -1.0, p)
+        best = tl.max(keys, 1)
+        top_key = tl.where(k_offs[None, :] == k, best[:, None], top_key)
+        keys = tl.where(keys == best[:, None], -1, keys)
+    top_key = tl.max(top_key, 0)
+    top_i = (E_P2 - 1 - (top_key & (E_P2 - 1))).to(tl.int32)
+    top_w = (top_key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    top_w = tl.where(k_offs < TOP_K, top_w, 0.0)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, 0)
     return top_w, top_i
@@ -172,10 +183,11 @@ def moe_route_kernel(
     K_P2: tl.constexpr,
     E_P2: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    COPIES: tl.constexpr,
 ):
     # one program per token
     t = tl.program_id(0).to(tl.int64)
-    top_w, top_i = _top_k(logits_ptr, t, num_experts, stride_logits, TOP_K, K_P2, E_P2, RENORMALIZE)
+    top_w, top_i = _top_k(logits_ptr, t, num_experts, stride_logits, TOP_K, K_P2, E_P2, RENORMALIZE, COPIES)
     k_offs = tl.arange(0, K_P2)
     k_ok = k_offs < TOP_K
     tl.store(weights_ptr + t * TOP_K + k_offs, top_w.to(weights_ptr.dtype.element_ty), mask=k_ok)
@@ -203,6 +215,7 @@ def moe_row_gate_up_kernel(
     E_P2: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     ROUTE: tl.constexpr,
+    COPIES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
@@ -217,7 +230,7 @@ def moe_row_gate_up_kernel(
     pid_n = tl.program_id(1)
     t = r // TOP_K
     if ROUTE:
-        top_w, top_i = _top_k(logits_ptr, t, num_experts, stride_logits, TOP_K, K_P2, E_P2, RENORMALIZE)
+        top_w, top_i = _top_k(logits_ptr, t, num_experts, stride_logits, TOP_K, K_P2, E_P2, RENORMALIZE, COPIES)
         mine = tl.arange(0, K_P2) == r % TOP_K
         expert = tl.sum(tl.where(mine, top_i, 0), 0)
         if pid_n == 0:
