@@ -2,7 +2,8 @@
 tensors at an architecture's shapes, as its steps call them (decode at batches 1, 8 and 256, prompt
 chunks, bf16 and fp8 KV caches, FP8 weights, the MoE paths), each launch compiled and not run
 (worker/kernel_compile.py). Prints each launch's registers and spilled bytes a thread, shared memory a
-program, and the warps an SM can hold at those (occupancy). A kernel that fails to compile fails here,
+program, the warps an SM can hold at those (occupancy), and the barriers in a program's code (batch 1's
+kernels are latency-bound, and a reduction across warps waits at one or two). A kernel that fails to compile fails here,
 on any machine: tests/test_kernel_compile.py runs this on the tiny architectures.
 
     python bench/kernel_resources.py [--arch qwen3-0.6b qwen3-30b-a3b ...] [--arch-sm 90] [--out r.json]"""
@@ -340,7 +341,7 @@ def main() -> None:
     report, failed = [], []
     for arch in args.arch:
         print(f"== {arch}, compiled for sm_{args.arch_sm} ==")
-        print(f"{'launch':<48} {'kernel':<26} {'regs':>4} {'spill':>5} {'smem':>6} {'warps/SM':>8}")
+        print(f"{'launch':<48} {'kernel':<26} {'regs':>4} {'spill':>5} {'smem':>6} {'warps/SM':>8} {'bars':>4}")
         for where, call in launches(arch):
             with compile_only(args.arch_sm) as compiled:
                 try:
@@ -352,7 +353,7 @@ def main() -> None:
             for launch in compiled.launches:
                 print(
                     f"{where:<48} {launch.kernel:<26} {launch.registers:>4} {launch.spilled_bytes:>5} "
-                    f"{launch.shared_bytes:>6} {occupancy(launch):>8}"
+                    f"{launch.shared_bytes:>6} {occupancy(launch):>8} {launch.barriers:>4}"
                 )
                 report.append({"arch": arch, "launch": where, **vars(launch), "warps_per_sm": occupancy(launch)})
                 if launch.launch_pdl and (launch.memory_before_wait or launch.returns_before_wait):

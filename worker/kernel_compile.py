@@ -31,6 +31,9 @@ class CompiledLaunch:
     launch_pdl: bool = False
     memory_before_wait: int = 0
     returns_before_wait: int = 0
+    # a program's barriers in its code (each a wait for all its warps; a reduction across warps takes one
+    # or two): at batch 1 a kernel's time is mostly latency, and a chain of them is part of it
+    barriers: int = 0
 
 
 @dataclass
@@ -123,6 +126,7 @@ def compile_only(arch: int = 90) -> Iterator[Compiled]:
                 pdl,
                 early.memory,
                 early.returns,
+                barriers(kernel.asm["ptx"]),
             )
         )
         return kernel
@@ -146,6 +150,11 @@ def _resource_usage(cubin: bytes, triton) -> tuple[int, int]:
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     registers, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     return int(registers.group(1)) if registers else 0, int(stack.group(1)) if stack else 0
+
+
+def barriers(ptx: str) -> int:
+    """The barrier instructions in a kernel's PTX (each in a loop counted once)."""
+    return len(re.findall(r"^\s*(?:@!?%\w+\s+)?(?:bar|barrier)\.(?:sync|red|arrive)\b", ptx, re.MULTILINE))
 
 
 _LABEL = re.compile(r"^\s*(\$?[\w$.]+):\s*(?://.*)?$")
