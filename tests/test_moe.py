@@ -240,6 +240,21 @@ def test_routing_kernel_at_qwen3_moes_width_and_past_the_softmaxs_underflow():
     torch.testing.assert_close(weights, want_weights)
 
 
+def test_routing_with_a_copy_of_the_logits_a_warp_picks_as_with_one():
+    """On the GPU the per-row kernels route with one copy of the logits for each of their warps (COPIES);
+    under the interpreter the launchers pass one. Four copies pick the same experts and weights."""
+    pytest.importorskip("triton")
+    from worker.layers.moe import fused
+
+    logits = torch.randn(5, 128, generator=torch.Generator().manual_seed(7))
+    want_weights, want_ids = route(logits, 8, True)
+    weights, ids = torch.empty_like(want_weights), torch.empty_like(want_ids)
+    fused._kernels().moe_route_kernel[(5,)](
+        logits, weights, ids, 128, logits.stride(0), TOP_K=8, K_P2=8, E_P2=128, RENORMALIZE=True, COPIES=4
+    )
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+
+
 def test_routing_kernel_breaks_ties_toward_the_lower_expert():
     """Equal probabilities go to the lower expert index first (the per-row kernels route with the same
     function)."""
