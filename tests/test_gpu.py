@@ -12,6 +12,7 @@ import pytest
 import torch
 from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, greedy
+from test_gumbel_top_uniform import TOP_UNIFORM, VOCAB
 from tiny_checkpoints import build_llama_hd128, build_qwen3_hd128, random_prompts
 
 from cluster import SamplingParams
@@ -244,6 +245,38 @@ def test_triton_sampling_kernel_picks_what_the_torch_sampler_picks_at_full_vocab
     filtered = sample(logits, temperature, top_p, top_k, seeds, positions, any_filter=True)
     ranks = (logits.float() > logits.float().gather(1, filtered.unsqueeze(1))).sum(dim=1)
     assert (ranks < 50).all()
+
+
+def test_the_sampling_kernels_draws_follow_the_softmax_on_gpu():
+    """On CUDA the kernel takes its logarithms from the hardware's approximate log2 and a polynomial near
+    one: each token's frequency over 20,000 positions is still its probability under softmax(x / T)."""
+    from worker import triton_ops
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5]], device="cuda")
+    n, temperature = 20_000, 0.8
+    got = triton_ops.sample_rows(
+        logits.expand(n, -1).contiguous(),
+        torch.full((n,), temperature, device="cuda"),
+        torch.full((n,), 42, device="cuda"),
+        torch.arange(n, device="cuda"),
+    )
+    freq = torch.bincount(got.long().cpu(), minlength=6).double() / n
+    probs = torch.softmax(logits[0].double().cpu() / temperature, dim=0)
+    assert freq[4] == 0
+    torch.testing.assert_close(freq, probs, atol=0.012, rtol=0)
+
+
+@pytest.mark.parametrize("seed,pos,token", TOP_UNIFORM)
+def test_the_top_uniforms_noise_on_gpu_is_the_largest_and_finite(seed, pos, token):
+    """Over flat logits the token with the largest uniform (noise 16.6, from -ln u near 1) is the draw on
+    CUDA too; 40 below the rest it is not."""
+    from worker import triton_ops
+
+    x = torch.zeros(1, VOCAB, device="cuda")
+    args = (torch.ones(1, device="cuda"), torch.tensor([seed], device="cuda"), torch.tensor([pos], device="cuda"))
+    assert int(triton_ops.sample_rows(x, *args)) == token
+    x[0, token] = -40.0
+    assert int(triton_ops.sample_rows(x, *args)) != token
 
 
 def test_sampling_with_top_p_in_a_graph_batch_leaves_plain_rows_alone(qwen3_hd128_path):

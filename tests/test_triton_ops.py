@@ -19,6 +19,10 @@ from worker.layers.rotary import RotaryEmbedding
 from worker.sampling.sampler import filter_logits, sample, sample_unfiltered
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from worker import triton_kernels  # noqa: E402
 
 INTERPRETED = Kernels(interpret_on_cpu=True)  # the Triton kernels on CPU tensors too (conftest sets TRITON_INTERPRET)
 
@@ -113,6 +117,59 @@ def test_sampling_kernel_picks_what_the_torch_sampler_picks(vocab):
     assert torch.equal(got[::7].long(), logits[::7].argmax(-1))
     assert (got.long() == want).float().mean() >= 0.98  # they may part only where rounding breaks a near-tie
     assert torch.equal(pool[write], got) and (pool[::2] == -1).all()
+
+
+@triton.jit
+def _near_one(u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    u = tl.load(u_ptr + offs, mask=offs < n, other=0.75)
+    tl.store(out_ptr + offs, -triton_kernels._ln_near_one(u - 1.0), mask=offs < n)
+
+
+def test_the_samplers_logarithm_near_one_keeps_its_relative_precision():
+    """On CUDA the sampler takes -ln u for uniforms above sqrt(1/2) from a polynomial in u - 1: there -ln u
+    is tiny where the Gumbel noise is largest, and its relative error is the noise's absolute error. Over
+    the top uniforms the sampler can draw and a spread below them, within 3 float32 ulps of float64's."""
+    top = (2**24 - 1 - torch.arange(4096, dtype=torch.float64) + 0.5) / 2**24  # the sampler's largest uniforms
+    spread = torch.linspace(0.70710677, 0.9997, 8192, dtype=torch.float64)
+    u = torch.cat([top, spread]).float().clamp(max=1 - 2**-24)  # held below 1 as the sampler holds it
+    out = torch.empty_like(u)
+    _near_one[(-(-u.numel() // 1024),)](u, out, u.numel(), BLOCK=1024)
+    want = -torch.log(u.double())
+    assert ((out.double() - want).abs() / want).max() < 3 * 2**-24
+
+
+@triton.jit
+def _exact_log2(x):
+    return tl.log2(x)
+
+
+@triton.jit
+def _noise(u_ptr, out_ptr, n, FAST_LOG: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    u = tl.load(u_ptr + offs, mask=offs < n, other=0.5)
+    tl.store(out_ptr + offs, triton_kernels._gumbel(u, FAST_LOG), mask=offs < n)
+
+
+def test_the_samplers_noise_on_cuda_is_the_torch_samplers(monkeypatch):
+    """The noise CUDA's sampler computes, its hardware log2 stood in for by the exact one (the interpreter
+    has no hardware): within 2e-6 of the torch sampler's over the uniforms it draws, the top ones included."""
+    import types
+
+    monkeypatch.setattr(triton_kernels, "libdevice", types.SimpleNamespace(fast_log2f=_exact_log2))
+    k = torch.cat(
+        [
+            torch.arange(2**24 - 4096, 2**24),
+            torch.randint(0, 2**24, (16384,), generator=torch.Generator().manual_seed(0)),
+        ]
+    )
+    u = ((k.double() + 0.5) / 2**24).float().clamp(max=1 - 2**-24)
+    fast, precise = torch.empty_like(u), torch.empty_like(u)
+    for out, mode in ((fast, True), (precise, False)):
+        _noise[(-(-u.numel() // 1024),)](u, out, u.numel(), FAST_LOG=mode, BLOCK=1024)
+    want = -torch.log(-torch.log(u.double()))
+    assert (precise.double() - want).abs().max() < 2e-6
+    assert (fast.double() - want).abs().max() < 2e-6
 
 
 def test_sampling_kernel_reads_bfloat16_logits_and_int32_positions():

@@ -3,6 +3,7 @@ the kernels' module globals, and importing this needs Triton)."""
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from worker.pdl_kernels import await_previous
 
@@ -95,6 +96,39 @@ def _mix32(h):
 
 
 @triton.jit
+def _ln_near_one(f):
+    # ln(1 + f) for f in [sqrt(1/2) - 1, sqrt(2) - 1]: Cephes' logf polynomial (about 1 ulp), relative
+    # precision kept as f goes to 0
+    z = f * f
+    y = 7.0376836292e-2 * f - 1.1514610310e-1
+    y = y * f + 1.1676998740e-1
+    y = y * f - 1.2420140846e-1
+    y = y * f + 1.4249322787e-1
+    y = y * f - 1.6668057665e-1
+    y = y * f + 2.0000714765e-1
+    y = y * f - 2.4999993993e-1
+    y = y * f + 3.3333331174e-1
+    return f + (y * f * z - 0.5 * z)
+
+
+@triton.jit
+def _gumbel(u, FAST_LOG: tl.constexpr):
+    # -ln(-ln u) for the sampler's uniforms u in (0, 1). The sampler is bound by instruction issue, and
+    # libdevice's precise logf took about half of its 107 instructions a logit (sm_90 code); FAST_LOG
+    # (CUDA) takes the hardware's approximate log2 (one instruction, about 22 bits) where its error is
+    # small beside the result: the outer logarithm (its absolute error is the noise's) and u below
+    # sqrt(1/2). Above that -ln u is tiny where the noise is largest, and its relative error is the
+    # noise's absolute one, so there a polynomial in u - 1 (exact) keeps it. The interpreter has no
+    # hardware log: there, and off CUDA, the precise one, as the torch sampler computes it
+    if FAST_LOG:
+        ln2: tl.constexpr = 0.6931471805599453
+        e = tl.where(u >= 0.70710677, -_ln_near_one(u - 1.0), -ln2 * libdevice.fast_log2f(u))
+        return -ln2 * libdevice.fast_log2f(e)
+    else:
+        return -tl.log(-tl.log(u))
+
+
+@triton.jit
 def sample_partial_kernel(
     logits_ptr,
     row_stride,
@@ -106,6 +140,7 @@ def sample_partial_kernel(
     vocab,
     num_blocks,
     BLOCK: tl.constexpr,
+    FAST_LOG: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # one program per (row, block of the vocabulary): the block's largest logit / T + Gumbel noise (the
@@ -128,7 +163,7 @@ def sample_partial_kernel(
         # held below 1 as the torch sampler's gumbel_noise holds it (2**24 - 0.5 rounds to 2**24)
         u = tl.minimum(((e >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0), 0.9999999403953552)
         inv_t = 1.0 / tl.maximum(t, 1e-5)
-        x = x * inv_t - tl.log(-tl.log(u))
+        x = x * inv_t + _gumbel(u, FAST_LOG)
     best, where = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
     tl.store(val_ptr + row * num_blocks + blk, best)
     tl.store(idx_ptr + row * num_blocks + blk, blk * BLOCK + where)

@@ -235,6 +235,7 @@ def sample_rows(
         vocab,
         blocks,
         BLOCK=block,
+        FAST_LOG=logits.is_cuda,
         PDL=pdl,
         num_warps=num_warps,
         **pdl_options(pdl),
