@@ -30,7 +30,7 @@ from common import ARCHS  # noqa: E402
 from worker import gemv, triton_decode, triton_ops  # noqa: E402
 from worker.kernel_compile import MAX_SHARED_BYTES, CompiledLaunch, compile_only, on_gpu  # noqa: E402
 from worker.layers.moe import fused  # noqa: E402
-from worker.quant import gemm  # noqa: E402
+from worker.quant import fused_quant, gemm  # noqa: E402
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 DECODE_BATCHES = (1, 8, 256)
@@ -298,8 +298,8 @@ def _moe_launches(cfg: dict, hidden: int) -> list[tuple[str, Callable[[], object
 
 
 def _fp8_launches(hidden: int, inter: int) -> list[tuple[str, Callable[[], object]]]:
-    """FP8 weights: the GEMV of a few rows (per-channel and 128 x 128 block scales) and the block-scaled
-    GEMM with its activations' quantization."""
+    """FP8 weights: the GEMV of a few rows (per-channel and 128 x 128 block scales), the block-scaled GEMM
+    with its activations' quantization, and the quantization inside the norm and SiLU."""
     weight = _gpu(2 * inter, hidden, dtype=FP8)
     channel, blocks = (
         _gpu(2 * inter, 1, dtype=torch.float32),
@@ -315,6 +315,14 @@ def _fp8_launches(hidden: int, inter: int) -> list[tuple[str, Callable[[], objec
             lambda m=rows: gemm.block_scaled_mm(_gpu(m, hidden), weight, blocks, 128),
         )
         for rows in (16, 256, 8192)
+    ]
+    # the per-token quantization inside the residual norm and SiLU before a per-channel FP8 linear
+    calls += [
+        (
+            "FP8 input: residual norm and quantization, 256 rows",
+            lambda: fused_quant.norm_quant(_gpu(256, hidden), _gpu(256, hidden), _gpu(hidden), 1e-6),
+        ),
+        ("FP8 input: SiLU and quantization, 256 rows", lambda: fused_quant.silu_quant(_gpu(256, 2 * inter))),
     ]
     return calls
 

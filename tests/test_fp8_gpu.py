@@ -93,6 +93,69 @@ def test_the_triton_activation_quantization_is_the_torch_paths():
         assert (q.float() == want_q.float()).float().mean() > 0.999  # a division's last bit may round apart
 
 
+def _fp8_layer(cls, n: int, k: int):
+    from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from worker.parallel import TPGroup
+    from worker.quant.fp8 import Fp8Weights
+    from worker.quant.scheme import Fp8Scheme
+
+    torch.manual_seed(n + 3 * k)
+    layer = (
+        ColumnParallelLinear(k, [n], bias=False, tp=TPGroup(0, 1))
+        if cls == "column"
+        else RowParallelLinear(k, n, bias=False, tp=TPGroup(0, 1))
+    ).to(CUDA)
+    layer.weight.data = (torch.randn(n, k, device=CUDA) * 0.02).bfloat16()
+    Fp8Weights.attach(layer, Fp8Scheme(prequantized=False))
+    return layer
+
+
+@pytest.mark.parametrize("rows", [2, 64, 256])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_the_norm_with_the_quantization_inside_gives_the_unfused_norm_and_linear(rows, with_residual):
+    """At more than one row an FP8 linear's input is quantized inside the residual norm before it
+    (worker/quant/fused_quant.py, by norm_linear): the new residual, the per-token scales and e4m3 rows,
+    and the linear's output are the unfused path's (FlashInfer's norm, the Triton quantization,
+    cuBLASLt)."""
+    from worker.kernels import Kernels
+    from worker.layers.norm import RMSNorm
+    from worker.layers.row_fusion import norm_linear
+    from worker.quant import fused_quant
+
+    layer = _fp8_layer("column", 1536, 4096)
+    norm = RMSNorm(4096, 1e-6).to(CUDA)
+    norm.weight.data = (1 + 0.3 * torch.randn(4096, device=CUDA)).bfloat16()
+    x, residual = ((torch.randn(rows, 4096, device=CUDA) * 2).bfloat16() for _ in range(2))
+    assert fused_quant.applies(layer, x, Kernels())
+    given = residual.clone() if with_residual else None
+    xq, xs, new_residual = fused_quant.norm_quant(x.clone(), given, norm.weight, 1e-6)
+    normed, want_residual = norm(x.clone(), residual.clone()) if with_residual else (norm(x.clone()), x)
+    assert torch.equal(new_residual, want_residual)
+    want_q, want_s = gemm.quantize_activations(normed.contiguous(), 4096)
+    torch.testing.assert_close(xs, want_s, rtol=2**-7, atol=0)  # the largest normed value, a bf16 ulp apart
+    assert (xq.float() == want_q.float()).float().mean() > 0.99
+    y, _, _ = norm_linear(norm, layer, x.clone(), residual.clone() if with_residual else None, Kernels())
+    assert _rel(y, layer.quant.apply(layer, normed, None, True).float()) < OUT_TOL
+
+
+@pytest.mark.parametrize("rows", [2, 64, 256])
+def test_silu_with_the_quantization_inside_gives_the_unfused_silu_and_down(rows):
+    from worker.kernels import Kernels
+    from worker.layers.fused import fused_ops
+    from worker.layers.row_fusion import silu_linear
+    from worker.quant import fused_quant
+
+    layer = _fp8_layer("row", 4096, 12288)
+    gate_up = (torch.randn(rows, 2 * 12288, device=CUDA) * 3).bfloat16()
+    h = fused_ops(gate_up).silu_and_mul(gate_up)
+    xq, xs = fused_quant.silu_quant(gate_up)
+    want_q, want_s = gemm.quantize_activations(h.contiguous(), 12288)
+    torch.testing.assert_close(xs, want_s, rtol=2**-7, atol=0)
+    assert (xq.float() == want_q.float()).float().mean() > 0.99
+    y = silu_linear(layer, gate_up, Kernels())
+    assert y is not None and _rel(y, layer(h).float()) < OUT_TOL
+
+
 def test_fp8_gemms_run_inside_a_cuda_graph():
     q, s = _weights(1024, 1024, None)
     qb, sb = _weights(1024, 1024, (128, 128))

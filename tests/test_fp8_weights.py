@@ -307,6 +307,41 @@ def test_the_block_scaled_gemm_is_float32_over_the_rounded_activations_and_weigh
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("k", [64, 1000, 2500])  # within one block; a partial block; three blocks
+def test_the_norm_with_the_fp8_quantization_inside_is_the_norm_then_the_quantization(needs_triton, with_residual, k):
+    """An FP8 linear's input quantized inside the residual norm (worker/quant/fused_quant.py): the new
+    residual is x + residual, updated in place, and the scale each row's largest normed magnitude over
+    448. In float32, and the e4m3 values unchecked: the interpreter truncates to bfloat16 and converts to
+    e4m3 wrongly, where a GPU rounds (tests/test_fp8_gpu.py checks those there)."""
+    from worker.quant import fused_quant
+
+    g = torch.Generator().manual_seed(k)
+    x, residual = (torch.randn(5, k, generator=g) * 2 for _ in range(2))
+    weight = 1 + 0.3 * torch.randn(k, generator=g)
+    s = x + residual if with_residual else x
+    normed = s * weight * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)
+    _, want_s = gemm.quantize_activations_torch(normed, k)
+    xq, xs, new_residual = fused_quant.norm_quant(x, residual if with_residual else None, weight, 1e-6)
+    torch.testing.assert_close(new_residual, s, rtol=0, atol=0)
+    assert new_residual.data_ptr() == (residual if with_residual else x).data_ptr()  # in place, as the fused norm
+    torch.testing.assert_close(xs, want_s, rtol=1e-6, atol=0)
+    assert xq.dtype == FP8 and xq.shape == x.shape
+
+
+@pytest.mark.parametrize("inter", [48, 1000, 2100])
+def test_silu_with_the_fp8_quantization_inside_is_silu_then_the_quantization(needs_triton, inter):
+    from worker.quant import fused_quant
+
+    gate_up = torch.randn(4, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 3
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = torch.nn.functional.silu(gate) * up
+    _, want_s = gemm.quantize_activations_torch(h, inter)
+    xq, xs = fused_quant.silu_quant(gate_up)
+    torch.testing.assert_close(xs, want_s, rtol=1e-6, atol=0)
+    assert xq.dtype == FP8 and xq.shape == h.shape
+
+
 def test_activations_round_per_token_group_to_448_at_their_largest():
     x = torch.tensor([[1.0, -2.0, 0.5, 4.0], [0.0, 0.0, 0.0, 0.0]])
     q, s = gemm.quantize_activations_torch(x, 2)

@@ -1,9 +1,11 @@
-"""Batch-1 decode runs each residual norm inside the GEMV that reads its output, and SiLU-and-multiply
-inside the down projection's GEMV (worker/gemv_kernels.py: norm_linear_kernel, silu_linear_kernel).
-At one row a layer's small kernels cost more in launches and ramp than in bytes (a residual norm took
-2.6 us of GPU time for 2 KiB to 8 KiB): three launches fewer a dense layer, two a mixture of experts'
-(Qwen3-0.6B's batch-1 decode: 0.954 ms a token against 1.026). Wider rows (NORM_MAX_K, SILU_MAX_K),
-more rows, quantized layers and the CPU (outside the interpreter) run the norm and the linear apart."""
+"""What precedes a linear, run inside the kernel around it. Batch-1 decode runs each residual norm inside
+the GEMV that reads its output, and SiLU-and-multiply inside the down projection's GEMV
+(worker/gemv_kernels.py: norm_linear_kernel, silu_linear_kernel): at one row a layer's small kernels cost
+more in launches and ramp than in bytes (a residual norm took 2.6 us of GPU time for 2 KiB to 8 KiB), three
+launches fewer a dense layer, two a mixture of experts' (Qwen3-0.6B's batch-1 decode: 0.954 ms a token
+against 1.026). Wider rows (NORM_MAX_K, SILU_MAX_K), quantized layers and the CPU (outside the interpreter)
+run the norm and the GEMV apart. At more rows, an FP8 linear's per-token activation quantization runs
+inside the norm or SiLU before it instead (worker/quant/fused_quant.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from torch import nn
 from worker import gemv, triton_ops
 from worker.kernels import Kernels
 from worker.layers.norm import RMSNorm
+from worker.quant import fused_quant, gemm
 
 # The widest row each fusion pays at. Every program of the fused GEMV reads the whole row itself (x and the
 # residual twice and the norm's weight for a norm; gate and up for SiLU), which beside a few weight rows
@@ -40,6 +43,9 @@ def norm_linear(
     takes them: without a residual (the first layer's input norm) x is the residual. One launch at one
     row; the norm then the linear otherwise."""
     weight = linear.weight
+    if not want_normed and fused_quant.applies(linear, x, kernels):
+        xq, xs, residual = fused_quant.norm_quant(x, residual, norm.weight, norm.eps)
+        return fused_quant.linear(linear, xq, xs, x.dtype), residual, None
     if x.shape[-1] <= NORM_MAX_K and _plain(linear) and gemv.row_fusion_applies(kernels, x, weight):
         y, residual, normed = gemv.norm_linear(
             x, residual, norm.weight, norm.eps, weight, want_normed, pdl=triton_ops.pdl_applies(kernels, x.device)
@@ -54,8 +60,12 @@ def norm_linear(
 
 
 def silu_linear(linear: nn.Module, gate_up: torch.Tensor, kernels: Kernels) -> torch.Tensor | None:
-    """linear's GEMV over silu(gate) * up of one row in one launch (before its all-reduce and bias, which
-    the caller adds); None where that does not apply."""
+    """linear's GEMV over silu(gate) * up of one row in one launch, or an FP8 linear's GEMM over more rows
+    with SiLU and the activations' quantization in one launch before it (before its all-reduce and bias,
+    which the caller adds); None where neither applies."""
+    if fused_quant.applies(linear, gate_up, kernels):
+        xq, xs = fused_quant.silu_quant(gate_up)
+        return gemm.scaled_mm_quantized(xq, xs, linear.weight, linear.quant.scale_of(linear), gate_up.dtype)
     if (
         gate_up.shape[-1] <= 2 * SILU_MAX_K
         and _plain(linear)

@@ -120,3 +120,83 @@ def fp8_gemv_kernel(
         acc.to(out_ptr.dtype.element_ty),
         mask=(rm[:, None] < M) & n_ok[None, :],
     )
+
+
+@triton.jit
+def rmsnorm_quant_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    eps,
+    x_stride,
+    res_stride,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # one program a row, two passes over it: s = x + residual, rounded to x's dtype as the unfused add
+    # rounds it (written over the residual in the second pass); the RMS norm of s times the weight,
+    # rounded to x's dtype as the unfused norm writes it; that row quantized to e4m3 at one scale (its
+    # largest magnitude at 448), as quantize_groups_kernel quantizes the norm's output. The first pass
+    # finds the sum of squares and the largest |s w| (times the row's 1/rms, a positive factor, that is
+    # the normed row's largest magnitude), the second writes
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    sumsq = tl.zeros((BLOCK,), dtype=tl.float32)
+    peak = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        kk = k0 + offs
+        ok = kk < K
+        s = tl.load(x_ptr + row * x_stride + kk, mask=ok, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            s += tl.load(res_ptr + row * res_stride + kk, mask=ok, other=0.0).to(tl.float32)
+        s = s.to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + kk, mask=ok, other=0.0).to(tl.float32)
+        sumsq += s * s
+        peak = tl.maximum(peak, tl.abs(s * w))
+    rrms = tl.math.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
+    amax = (tl.max(peak, axis=0) * rrms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.maximum(amax / FP8_MAX, 1e-12)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        kk = k0 + offs
+        ok = kk < K
+        s = tl.load(x_ptr + row * x_stride + kk, mask=ok, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            s += tl.load(res_ptr + row * res_stride + kk, mask=ok, other=0.0).to(tl.float32)
+            tl.store(res_ptr + row * res_stride + kk, s.to(res_ptr.dtype.element_ty), mask=ok)
+        s = s.to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + kk, mask=ok, other=0.0).to(tl.float32)
+        normed = (s * w * rrms).to(x_ptr.dtype.element_ty).to(tl.float32)
+        q = tl.clamp(normed / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * K + kk, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def silu_quant_kernel(gu_ptr, q_ptr, s_ptr, inter, gu_stride, BLOCK: tl.constexpr):
+    # one program a row of [gate | up], two passes: h = silu(gate) * up in float32, rounded to the input's
+    # dtype as the unfused SiLU-and-multiply writes it, then quantized to e4m3 at the row's scale (its
+    # largest magnitude at 448); the first pass finds that magnitude, the second writes
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    gate_row = gu_ptr + row * gu_stride
+    peak = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK):
+        kk = k0 + offs
+        ok = kk < inter
+        g = tl.load(gate_row + kk, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(gate_row + inter + kk, mask=ok, other=0.0).to(tl.float32)
+        h = (g / (1.0 + tl.exp(-g)) * u).to(gu_ptr.dtype.element_ty).to(tl.float32)
+        peak = tl.maximum(peak, tl.abs(h))
+    scale = tl.maximum(tl.max(peak, axis=0) / FP8_MAX, 1e-12)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, inter, BLOCK):
+        kk = k0 + offs
+        ok = kk < inter
+        g = tl.load(gate_row + kk, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(gate_row + inter + kk, mask=ok, other=0.0).to(tl.float32)
+        h = (g / (1.0 + tl.exp(-g)) * u).to(gu_ptr.dtype.element_ty).to(tl.float32)
+        q = tl.clamp(h / scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * inter + kk, q.to(q_ptr.dtype.element_ty), mask=ok)
