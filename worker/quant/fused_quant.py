@@ -12,12 +12,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker import triton_ops
 from worker.kernels import Kernels
 from worker.quant import gemm
 
 FP8 = torch.float8_e4m3fn
-# columns a program takes a step (each pass); four warps: 8 a thread
-BLOCK = 1024
+# the most columns a program takes a step (each pass): a row of up to 4,096 (Qwen3-8B's hidden width) in one
+# step, so each pass waits on memory once; eight warps at that, 16 columns a thread
+MAX_BLOCK = 4096
+
+
+def _tile(width: int) -> dict:
+    block = min(MAX_BLOCK, triton_ops.triton.next_power_of_2(width))
+    return {"BLOCK": block, "num_warps": max(4, block // 512)}
 
 
 def applies(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
@@ -59,8 +66,7 @@ def norm_quant(
         x.stride(0),
         res.stride(0),
         HAS_RESIDUAL=has_residual,
-        BLOCK=BLOCK,
-        num_warps=4,
+        **_tile(k),
     )
     return xq, xs, res
 
@@ -71,7 +77,7 @@ def silu_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inter = width // 2
     xq = torch.empty(m, inter, dtype=FP8, device=gate_up.device)
     xs = torch.empty(m, 1, dtype=torch.float32, device=gate_up.device)
-    gemm._fp8_kernels().silu_quant_kernel[(m,)](gate_up, xq, xs, inter, gate_up.stride(0), BLOCK=BLOCK, num_warps=4)
+    gemm._fp8_kernels().silu_quant_kernel[(m,)](gate_up, xq, xs, inter, gate_up.stride(0), **_tile(inter))
     return xq, xs
 
 
