@@ -133,7 +133,7 @@ def test_the_norm_with_the_quantization_inside_gives_the_unfused_norm_and_linear
     assert torch.equal(new_residual, want_residual)
     want_q, want_s = gemm.quantize_activations(normed.contiguous(), 4096)
     torch.testing.assert_close(xs, want_s, rtol=2**-7, atol=0)  # the largest normed value, a bf16 ulp apart
-    assert (xq.float() == want_q.float()).float().mean() > 0.99
+    assert (xq.float() == want_q.float()).float().mean() > 0.999  # a product's last bit may round apart
     y, _, _ = norm_linear(norm, layer, x.clone(), residual.clone() if with_residual else None, Kernels())
     assert _rel(y, layer.quant.apply(layer, normed, None, True).float()) < OUT_TOL
 

@@ -312,6 +312,8 @@ def paged_decode(
     block_n, num_warps, num_stages = block_n or tile[0], num_warps or tile[1], num_stages or tile[2]
     if prefetch is None:
         prefetch = tile[3]
+    if convert_first and not (fp8 and f16_dot and not cuda_cores):
+        raise ValueError("convert_first converts an fp8 cache for float16 tensor-core operands only")
     if convert_first is None:
         convert_first = CONVERT_FIRST
     if num_splits > 1:
@@ -358,7 +360,8 @@ def paged_decode(
         UPCAST=INTERPRETED,
         CUDA_CORES=cuda_cores,
         PREFETCH=prefetch,
-        CONVERT_FIRST=convert_first and fp8 and f16_dot and not cuda_cores and q.is_cuda,
+        # PTX, where the GPU converts e4m3 (8.9+; the interpreter runs the plain conversion)
+        CONVERT_FIRST=convert_first and fp8 and f16_dot and not cuda_cores and q.is_cuda and _converts_fp8(q),
         PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -384,6 +387,11 @@ def paged_decode(
             **pdl_options(pdl),
         )
     return out
+
+
+def _converts_fp8(q: torch.Tensor) -> bool:
+    # a compile-only launch's tensors (worker/kernel_compile.py) stand on the CPU: it names its target itself
+    return q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) >= (8, 9)
 
 
 def _default_tile(head_dim: int, num_splits: int, fp8: bool) -> tuple[int, int, int, bool]:

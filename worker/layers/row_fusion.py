@@ -43,7 +43,7 @@ def norm_linear(
     takes them: without a residual (the first layer's input norm) x is the residual. One launch at one
     row; the norm then the linear otherwise."""
     weight = linear.weight
-    if not want_normed and fused_quant.applies(linear, x, kernels):
+    if not want_normed and (residual is None or residual.is_contiguous()) and fused_quant.applies(linear, x, kernels):
         xq, xs, residual = fused_quant.norm_quant(x, residual, norm.weight, norm.eps)
         return fused_quant.linear(linear, xq, xs, x.dtype), residual, None
     if x.shape[-1] <= NORM_MAX_K and _plain(linear) and gemv.row_fusion_applies(kernels, x, weight):

@@ -136,12 +136,12 @@ def rmsnorm_quant_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # one program a row, two passes over it: s = x + residual, rounded to x's dtype as the unfused add
-    # rounds it (written over the residual in the second pass); the RMS norm of s times the weight,
-    # rounded to x's dtype as the unfused norm writes it; that row quantized to e4m3 at one scale (its
-    # largest magnitude at 448), as quantize_groups_kernel quantizes the norm's output. The first pass
-    # finds the sum of squares and the largest |s w| (times the row's 1/rms, a positive factor, that is
-    # the normed row's largest magnitude), the second writes
+    # one program a row, two passes over it, as FlashInfer's fused add-and-norm computes it: s = x + residual
+    # in float32 (written over the residual in x's dtype in the second pass), its RMS norm times the weight
+    # from that float32 sum, rounded once to x's dtype as the norm writes it, and that row quantized to
+    # e4m3 at one scale (its largest magnitude at 448), as quantize_groups_kernel quantizes the norm's
+    # output. The first pass finds the sum of squares and the largest |s w| (times the row's 1/rms, a
+    # positive factor, that is the normed row's largest magnitude), the second writes
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     sumsq = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -152,7 +152,6 @@ def rmsnorm_quant_kernel(
         s = tl.load(x_ptr + row * x_stride + kk, mask=ok, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             s += tl.load(res_ptr + row * res_stride + kk, mask=ok, other=0.0).to(tl.float32)
-        s = s.to(x_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + kk, mask=ok, other=0.0).to(tl.float32)
         sumsq += s * s
         peak = tl.maximum(peak, tl.abs(s * w))
@@ -167,7 +166,6 @@ def rmsnorm_quant_kernel(
         if HAS_RESIDUAL:
             s += tl.load(res_ptr + row * res_stride + kk, mask=ok, other=0.0).to(tl.float32)
             tl.store(res_ptr + row * res_stride + kk, s.to(res_ptr.dtype.element_ty), mask=ok)
-        s = s.to(x_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + kk, mask=ok, other=0.0).to(tl.float32)
         normed = (s * w * rrms).to(x_ptr.dtype.element_ty).to(tl.float32)
         q = tl.clamp(normed / scale, -FP8_MAX, FP8_MAX)

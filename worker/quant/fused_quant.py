@@ -3,9 +3,10 @@ per-channel e4m3 weights multiplies through cuBLASLt after its input is quantize
 (gemm.scaled_mm): a launch that reads the row the kernel before just wrote. Where that kernel is the
 residual RMSNorm (before QKV and gate-up) or SiLU-and-multiply (before down), one Triton kernel does both
 and writes e4m3 and the row's scale; the normed (or SiLU) row in bfloat16 is never written. The numbers are
-the unfused path's: the sum and the norm rounded to bfloat16 where those kernels round them, then the same
-per-token quantization. On Qwen3-8B's decode at 256 rows the separate quantizations took 0.39 ms of each
-step (2026-12-03); 3 of a layer's 4 now ride along (o's input comes from attention)."""
+the unfused path's: the norm and SiLU computed in float32 and rounded to bfloat16 once, as FlashInfer's
+kernels compute and round them, then the same per-token quantization. On Qwen3-8B's decode at 256 rows the
+separate quantizations took 0.39 ms of each step (2026-12-03); 3 of a layer's 4 now ride along (o's input
+comes from attention)."""
 
 from __future__ import annotations
 
