@@ -284,8 +284,8 @@ def _moe_launches(cfg: dict, hidden: int) -> list[tuple[str, Callable[[], object
         ids = _ids(tokens, top_k, dtype=torch.int32)
         return fused.fused_experts(_gpu(tokens, hidden), w13, w2, _ids(tokens, top_k, dtype=BF16), ids)
 
-    def down_at_once() -> object:
-        before, fused.PER_ROW_DOWN_AT_ONCE = fused.PER_ROW_DOWN_AT_ONCE, (8, 4)
+    def down_in_a_loop() -> object:
+        before, fused.PER_ROW_DOWN_AT_ONCE = fused.PER_ROW_DOWN_AT_ONCE, None
         try:
             return experts_of(1)
         finally:
@@ -294,7 +294,7 @@ def _moe_launches(cfg: dict, hidden: int) -> list[tuple[str, Callable[[], object
     return [
         (f"MoE experts, {tokens} tokens", lambda t=tokens: experts_of(t))
         for tokens in fused.warm_token_counts(experts, top_k)
-    ] + [("MoE experts, 1 token, down at once", down_at_once)]
+    ] + [("MoE experts, 1 token, down in a loop over choices", down_in_a_loop)]
 
 
 def _fp8_launches(hidden: int, inter: int) -> list[tuple[str, Callable[[], object]]]:

@@ -121,6 +121,8 @@ def main() -> None:
         row["per_row_tb_s"] = nbytes / row["per_row_us"] / 1e6
         if args.sweep and tokens == args.tokens[0]:
             default = fused.PER_ROW_GATE_UP, fused.PER_ROW_DOWN
+            at_once = fused.PER_ROW_DOWN_AT_ONCE
+            fused.PER_ROW_DOWN_AT_ONCE = None  # the loop over choices, whose tiles the sweep tries first
             sweep = {}
             for cfg in GATE_UP:
                 fused.PER_ROW_GATE_UP = cfg
@@ -138,7 +140,7 @@ def main() -> None:
                 row.setdefault("at_once_max_rel_err", {})[f"{cfg[0]}w{cfg[1]}"] = (
                     (got - want).abs().max() / want.abs().max()
                 ).item()
-            fused.PER_ROW_DOWN_AT_ONCE = None
+            fused.PER_ROW_DOWN_AT_ONCE = at_once
             row["sweep_us"] = sweep
             row["best"] = {"gate_up": best[0], "down": best[1]}
             fused.PER_ROW_GATE_UP, fused.PER_ROW_DOWN = best

@@ -267,7 +267,7 @@ def test_routing_kernel_breaks_ties_toward_the_lower_expert():
     torch.testing.assert_close(weights.float(), torch.softmax(logits, -1).gather(1, ids.long()))
 
 
-@pytest.mark.parametrize("per_row", [False, True, "down at once"])
+@pytest.mark.parametrize("per_row", [False, True, "down in a loop"])
 @pytest.mark.parametrize(
     "tokens,num_experts,top_k,hidden,inter",
     [(1, 8, 2, 64, 32), (7, 4, 2, 48, 40), (40, 8, 4, 32, 16), (2, 8, 3, 40, 24)],
@@ -276,12 +276,12 @@ def test_fused_experts_equal_the_torch_loop_under_the_interpreter(
     tokens, num_experts, top_k, hidden, inter, per_row, monkeypatch
 ):
     """Both fused paths: the grouped GEMMs over rows sorted by expert, and the per-row kernels (their down
-    kernel's loop over choices, and its variant that loads every choice at once)."""
+    kernel's default, which loads every choice at once, and its loop over choices)."""
     pytest.importorskip("triton")
     from worker.layers.moe import fused
 
-    if per_row == "down at once":
-        monkeypatch.setattr(fused, "PER_ROW_DOWN_AT_ONCE", (2, 4))
+    if per_row == "down in a loop":
+        monkeypatch.setattr(fused, "PER_ROW_DOWN_AT_ONCE", None)
         per_row = True
     x, w13, w2, weights, ids = _experts(tokens, num_experts, top_k, hidden, inter)
     assert fused_applies(INTERPRETED, x) and not fused_applies(Kernels(moe="torch", interpret_on_cpu=True), x)
@@ -332,17 +332,18 @@ _ARCH = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "tokens,per_row",
-    [(1, True), (1, False), (1, "down at once"), (4, True), (4, "down at once"), (5, None), (64, None), (300, None)],
+    [(1, True), (1, False), (1, "down in a loop"), (4, True), (4, "down in a loop"), (5, None), (64, None)]
+    + [(300, None)],
 )
 def test_fused_experts_agree_with_the_torch_loop_in_bf16_on_gpu(tokens, per_row, monkeypatch):
     """bf16 inputs; the reference is the torch loop in float32 on the same bf16 values. Tolerance: the
     largest error within 2% of the largest output (bf16 keeps 8 bits: 0.4% per rounding), and no worse
     than twice the bf16 torch loop's own. Both paths at a few tokens (the per-row kernels by default, their
-    down kernel's at-once variant too)."""
+    down kernel's loop over choices too)."""
     from worker.layers.moe import fused
 
-    if per_row == "down at once":
-        monkeypatch.setattr(fused, "PER_ROW_DOWN_AT_ONCE", (2, 4))
+    if per_row == "down in a loop":
+        monkeypatch.setattr(fused, "PER_ROW_DOWN_AT_ONCE", None)
         per_row = True
     x, w13, w2, weights, ids = _experts(tokens, **_ARCH, dtype=torch.bfloat16, device="cuda")
     want = torch_experts(x.float(), w13.float(), w2.float(), weights.float(), ids)
