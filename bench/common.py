@@ -199,12 +199,6 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="programmatic dependent launch of the steps' Triton kernels (Kernels.pdl; compute capability 9.0+)",
     )
-    parser.add_argument(
-        "--fp8-convert-first",
-        action="store_true",
-        help="the Triton decode kernel converts an fp8 cache's K and V to float16 where it loads them "
-        "(worker/triton_decode.py: CONVERT_FIRST; this process's engine)",
-    )
     parser.add_argument("--max-extend-tokens", type=int, help="tokens computed per step (default: the engine's)")
     parser.add_argument(
         "--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)"
@@ -248,12 +242,6 @@ def kernels_of(args: argparse.Namespace) -> Kernels:
 
 
 def make_llm(args: argparse.Namespace) -> LLM:
-    if args.fp8_convert_first:  # a module default read at each launch: the engine runs in this process at tp 1
-        if args.tp_size > 1:
-            raise SystemExit("--fp8-convert-first reaches this process's engine only: run it at --tp-size 1")
-        from worker import triton_decode
-
-        triton_decode.CONVERT_FIRST = True
     return LLM(
         model_folder(args.arch),
         kernels=kernels_of(args),
@@ -299,7 +287,6 @@ def config_of(args: argparse.Namespace) -> dict:
         "small_linear": not args.no_small_linear,
         "moe_kernel": args.moe_kernel,
         "pdl": args.pdl,
-        "fp8_convert_first": args.fp8_convert_first,
         "overlap": not args.no_overlap,
         "cuda_graph": not args.no_cuda_graph,
         "cache": args.cache,

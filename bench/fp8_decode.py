@@ -1,7 +1,6 @@
 """One layer's decode attention on one GPU, Qwen3-0.6B shapes (16 query heads, 8 KV heads, head_dim 128):
 the Triton split-KV kernel of worker/triton_decode.py over a float8 e4m3 and a bfloat16 cache (a sweep of
-its tile, warps, stages and splits; with --variants its CUDA-core and prefetching variants, and over fp8
-the conversion where K and V are loaded, too) against
+its tile, warps, stages and splits; with --variants its CUDA-core and prefetching variants too) against
 FlashInfer's decode over both (tensor cores, and at up to 8 rows its CUDA-core kernels too). Batch 256
 with KV lengths uniform in 150..1600 (seeded) and batch 1 with 560 tokens; 20 calls replayed in a CUDA
 graph, median of 5 replays; microseconds a call, TB/s of K and V read once, the largest difference from
@@ -173,9 +172,6 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
         ]  # bf16 operands over fp8 with the default tile only
         if args.variants:  # the kernel's variants, each at tiles of its own
             runs += [(tile, None, {"prefetch": True}) for tile in PREFETCH_TILES]
-            if kv == "fp8":  # fp8 converted to float16 where it is loaded, beside the same tiles without
-                runs += [(tile, None, {"prefetch": True, "convert_first": True}) for tile in PREFETCH_TILES]
-                runs += [((None, None, None), None, {"convert_first": True})]
             runs += [(tile, None, {"cuda_cores": True}) for tile in CUDA_CORE_TILES]
             runs += [(tile, None, {"cuda_cores": True, "prefetch": True}) for tile in CUDA_CORE_TILES]
         for splits, ((block_n, warps, stages), f16_dot, variant) in itertools.product(splits_to_try(batch), runs):
@@ -197,8 +193,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                     num_warps=warps,
                     num_stages=stages,
                     f16_dot=f16_dot,
-                    # the plain kernel unless the variant says otherwise
-                    **{"prefetch": False, "convert_first": False, **variant},
+                    **{"prefetch": False, **variant},  # the plain kernel unless the variant says otherwise
                 )
 
             try:
@@ -216,7 +211,6 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                 "num_stages": stages,
                 "dot": _dot_name(kv, f16_dot, variant),
                 "prefetch": bool(variant.get("prefetch")),
-                "convert_first": bool(variant.get("convert_first")),
                 "us": us,
                 "tb_s": kv_bytes / us / 1e6,
             }
@@ -247,16 +241,11 @@ def summary(rows: list[dict]) -> None:
             and r["num_splits"] == _default_splits(batch)
             and r["dot"] == ("fp16" if kv == "fp8" else "bf16")
             and not r["prefetch"]
-            and not r.get("convert_first")
         ]  # the launcher's own choices
         if triton_rows:
             fastest = min(triton_rows, key=lambda r: r["us"])
             best += [r for r in default[:1] if r is not fastest] + [fastest]
-            for kind in (
-                {"dot": "cuda_cores", "prefetch": False},
-                {"prefetch": True, "convert_first": False},
-                {"convert_first": True},
-            ):
+            for kind in ({"dot": "cuda_cores", "prefetch": False}, {"prefetch": True}):
                 of_kind = [r for r in triton_rows if all(r.get(k) == v for k, v in kind.items())]
                 if of_kind and min(of_kind, key=lambda r: r["us"]) is not fastest:
                     best.append(min(of_kind, key=lambda r: r["us"]))
@@ -266,7 +255,6 @@ def summary(rows: list[dict]) -> None:
                 name += (
                     f" splits={r['num_splits']} block_n={r['block_n']} warps={r['num_warps']}"
                     f" stages={r['num_stages']} dot={r['dot']}{' prefetch' if r.get('prefetch') else ''}"
-                    f"{' convert_first' if r.get('convert_first') else ''}"
                 )
             diff = r.get("max_abs_diff_vs_flashinfer")
             print(
@@ -296,8 +284,7 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         action="store_true",
-        help="also the Triton kernel's variants (paged_decode's cuda_cores, prefetch and, over fp8, convert_first) "
-        "at tiles of their own",
+        help="also the Triton kernel's variants (paged_decode's cuda_cores and prefetch) at tiles of their own",
     )
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()

@@ -16,8 +16,6 @@
 #   fp8_weights    Qwen3-8B's architecture with its weights quantized to FP8 at load against bf16: (a) and
 #                  (b) batch 1, each for both
 #   fp8_weights_kv Qwen3-8B's (a) with FP8 weights over an fp8 KV cache (beside fp8_weights' bf16 runs)
-#   fp8_convert    (a) over an fp8 KV cache without and with the decode kernel converting K and V where it loads
-#                  them (--fp8-convert-first), alternated, RUNS runs each
 #   moe_latency    (b) alone on Qwen3-30B-A3B's architecture, on this tree and BASE's
 #   pdl            (b) without and with programmatic dependent launch (--pdl), alternated: Qwen3-0.6B,
 #                  Qwen3-30B-A3B, and Qwen3-8B with FP8 weights
@@ -224,14 +222,6 @@ for suite in "$@"; do
             --out "$OUT/pdl_offline_${mode}_$i.json"
           step "pdl_offline_fp8_${mode}_$i" 150 python3 bench/offline_throughput.py --kv-cache-dtype fp8_e4m3 \
             "${flag[@]}" --out "$OUT/pdl_offline_fp8_${mode}_$i.json"
-        done
-      done ;;
-    fp8_convert)  # (a) over fp8 without and with the conversion where K and V are loaded, alternated
-      for i in $(seq "$RUNS"); do
-        for mode in off on; do
-          flag=(); [ "$mode" = on ] && flag=(--fp8-convert-first)
-          step "fp8_convert_${mode}_$i" 150 python3 bench/offline_throughput.py --kv-cache-dtype fp8_e4m3 \
-            "${flag[@]}" --out "$OUT/fp8_convert_${mode}_$i.json"
         done
       done ;;
     fp8) offline fp8 150 --kv-cache-dtype fp8_e4m3 ;;

@@ -167,24 +167,6 @@ def test_splits_fill_the_gpu_at_small_batches_and_stay_bounded():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_an_fp8_cache_converted_where_it_is_loaded_gives_the_same_attention(case, prefetch):
-    """convert_first (CUDA only: the conversion is PTX): K and V go to float16 where they are loaded, so the
-    tensor cores multiply the same values; the output is float32 attention's as the default's is, at every
-    page size, split count and tile, and at Qwen3-0.6B's heads over a batch of 64 with one split."""
-    page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
-    args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, "fp8", seed=6)
-    tiles = dict(num_splits=num_splits, block_n=block_n, prefetch=prefetch)
-    got = paged_decode(*args, convert_first=True, **tiles)
-    assert_close_to_reference(got, args)
-    torch.testing.assert_close(got, paged_decode(*args, convert_first=False, **tiles), atol=1e-2, rtol=0)
-    lens = torch.randint(1, 1001, (64,), generator=torch.Generator().manual_seed(6)).tolist()
-    args = make_decode(lens, 16, 8, 2, 128, "fp8", seed=6)
-    assert_close_to_reference(paged_decode(*args, num_splits=1, prefetch=prefetch, convert_first=True), args)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp8", "bf16"])
 def test_decode_agrees_with_flashinfer_tensor_core_decode(kv):
     flashinfer = pytest.importorskip("flashinfer")

@@ -17,12 +17,6 @@ from worker.triton_ops import pdl_options
 
 LOG2E = 1.4426950408889634
 FP16_MAX = tl.constexpr(65504.0)
-# Over an fp8 cache, convert each K and V block to float16 as loaded, then stage it for the tensor cores
-# (paged_decode's convert_first). In sm_90 code at batch 256 (Qwen3-0.6B, the default tile) the loop takes
-# 689 PTX instructions a block instead of 1,022, with 193 registers instead of 255 and 106 KB of shared memory
-# instead of 74 KB (two programs an SM either way). Off until measured: bench/fp8_decode.py --variants,
-# bench/gpu.sh fp8_convert
-CONVERT_FIRST = False
 
 
 @triton.jit
@@ -32,27 +26,6 @@ def _mma(a, b, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a, b)
-
-
-@triton.jit
-def _e4m3_to_f16(x):
-    # e4m3 -> float16 four bytes at a time (two conversions of a byte pair each), where the load put them.
-    # Not pure to the compiler on purpose: a pure conversion is moved past the change of layout to the
-    # tensor cores' operand, which then gathers its fp8 bytes from shared memory one at a time (half the
-    # loop's instructions went to that); this one stays, and float16 goes to the operand through ldmatrix
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b16 lo, hi;
-        mov.b32 {lo, hi}, $2;
-        cvt.rn.f16x2.e4m3x2 $0, lo;
-        cvt.rn.f16x2.e4m3x2 $1, hi;
-        }""",
-        "=r,=r,r",
-        [x.to(tl.uint8, bitcast=True)],
-        dtype=tl.float16,
-        is_pure=False,
-        pack=4,
-    )
 
 
 @triton.jit
@@ -100,7 +73,6 @@ def _split_kernel(
     UPCAST: tl.constexpr,
     CUDA_CORES: tl.constexpr,
     PREFETCH: tl.constexpr,
-    CONVERT_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # one program per (request, kv head, split): the group's query heads against the split's tokens,
@@ -157,8 +129,6 @@ def _split_kernel(
         else:
             this_row, mask = _cells(pages, n0 + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
             k = tl.load(k_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
-        if CONVERT_FIRST:
-            k = _e4m3_to_f16(k)
         if CUDA_CORES:
             qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * qk_scale
         else:
@@ -170,8 +140,6 @@ def _split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if not PREFETCH:
             v = tl.load(v_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
-        if CONVERT_FIRST:
-            v = _e4m3_to_f16(v)
         if CUDA_CORES:
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         else:
@@ -280,7 +248,6 @@ def paged_decode(
     f16_dot: bool | None = None,
     cuda_cores: bool = False,
     prefetch: bool | None = None,
-    convert_first: bool | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
@@ -292,9 +259,8 @@ def paged_decode(
     tensor-core operands (None: for an fp8 cache) or q's dtype; cuda_cores, the group's heads as float32
     products and sums instead of tensor-core tiles padded to 16 rows (for groups of a few heads); prefetch,
     each block's K and V loaded together from cells found the block before (no load waits on another; None:
-    over an fp8 cache at a split or two a request); convert_first, an fp8 cache's blocks converted to float16
-    where they are loaded, on CUDA with float16 operands (None: CONVERT_FIRST); pdl, both kernels launched
-    with programmatic dependent launch (worker/pdl_kernels.py)."""
+    over an fp8 cache at a split or two a request); pdl, both kernels launched with programmatic dependent
+    launch (worker/pdl_kernels.py)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -312,10 +278,6 @@ def paged_decode(
     block_n, num_warps, num_stages = block_n or tile[0], num_warps or tile[1], num_stages or tile[2]
     if prefetch is None:
         prefetch = tile[3]
-    if convert_first and not (fp8 and f16_dot and not cuda_cores):
-        raise ValueError("convert_first converts an fp8 cache for float16 tensor-core operands only")
-    if convert_first is None:
-        convert_first = CONVERT_FIRST
     if num_splits > 1:
         if scratch is None:
             scratch = decode_scratch(batch, num_heads, head_dim, num_splits, q.device)
@@ -360,8 +322,6 @@ def paged_decode(
         UPCAST=INTERPRETED,
         CUDA_CORES=cuda_cores,
         PREFETCH=prefetch,
-        # PTX, where the GPU converts e4m3 (8.9+; the interpreter runs the plain conversion)
-        CONVERT_FIRST=convert_first and fp8 and f16_dot and not cuda_cores and q.is_cuda and _converts_fp8(q),
         PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -387,11 +347,6 @@ def paged_decode(
             **pdl_options(pdl),
         )
     return out
-
-
-def _converts_fp8(q: torch.Tensor) -> bool:
-    # a compile-only launch's tensors (worker/kernel_compile.py) stand on the CPU: it names its target itself
-    return q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) >= (8, 9)
 
 
 def _default_tile(head_dim: int, num_splits: int, fp8: bool) -> tuple[int, int, int, bool]:
