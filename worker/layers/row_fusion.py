@@ -15,7 +15,7 @@ from torch import nn
 from worker import gemv, triton_ops
 from worker.kernels import Kernels
 from worker.layers.norm import RMSNorm
-from worker.quant import fused_quant, gemm
+from worker.quant import fused_quant
 
 # The widest row each fusion pays at. Every program of the fused GEMV reads the whole row itself (x and the
 # residual twice and the norm's weight for a norm; gate and up for SiLU), which beside a few weight rows
@@ -43,13 +43,15 @@ def norm_linear(
     takes them: without a residual (the first layer's input norm) x is the residual. One launch at one
     row; the norm then the linear otherwise."""
     weight = linear.weight
+    y = None
     if not want_normed and (residual is None or residual.is_contiguous()) and fused_quant.applies(linear, x, kernels):
         xq, xs, residual = fused_quant.norm_quant(x, residual, norm.weight, norm.eps)
-        return fused_quant.linear(linear, xq, xs, x.dtype), residual, None
-    if x.shape[-1] <= NORM_MAX_K and _plain(linear) and gemv.row_fusion_applies(kernels, x, weight):
+        y, normed = fused_quant.matmul(linear, xq, xs, x.dtype), None
+    elif x.shape[-1] <= NORM_MAX_K and _plain(linear) and gemv.row_fusion_applies(kernels, x, weight):
         y, residual, normed = gemv.norm_linear(
             x, residual, norm.weight, norm.eps, weight, want_normed, pdl=triton_ops.pdl_applies(kernels, x.device)
         )
+    if y is not None:
         bias = getattr(linear, "bias", None)
         return (y if bias is None else y + bias), residual, normed
     if residual is None:
@@ -65,7 +67,7 @@ def silu_linear(linear: nn.Module, gate_up: torch.Tensor, kernels: Kernels) -> t
     which the caller adds); None where neither applies."""
     if fused_quant.applies(linear, gate_up, kernels):
         xq, xs = fused_quant.silu_quant(gate_up)
-        return gemm.scaled_mm_quantized(xq, xs, linear.weight, linear.quant.scale_of(linear), gate_up.dtype)
+        return fused_quant.matmul(linear, xq, xs, gate_up.dtype)
     if (
         gate_up.shape[-1] <= 2 * SILU_MAX_K
         and _plain(linear)

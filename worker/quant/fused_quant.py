@@ -82,8 +82,7 @@ def silu_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, xs
 
 
-def linear(layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The FP8 linear `layer` (its bias added) over activations already quantized per token."""
-    y = gemm.scaled_mm_quantized(xq, xs, layer.weight, layer.quant.scale_of(layer), out_dtype)
-    bias = getattr(layer, "bias", None)
-    return y if bias is None else y + bias
+def matmul(layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 linear `layer`'s product (its bias, and a row-parallel one's all-reduce, are the caller's)
+    over activations already quantized per token."""
+    return gemm.scaled_mm_quantized(xq, xs, layer.weight, layer.quant.scale_of(layer), out_dtype)
