@@ -33,8 +33,10 @@
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
 #   moe_rows       the MoE per-row kernels at 1, 2 and 4 tokens with their tile sweep, the down kernel's
 #                  at-once variant included (bench/moe_decode.py --sweep)
-#   fp8_gemm       Qwen3-8B's FP8 linears at 256 and 64 rows against bf16, with and without fast accumulation
-#                  (bench/fp8_gemm.py)
+#   fp8_gemm       Qwen3-8B's FP8 linears at 256 and 64 rows against bf16: cuBLASLt with and without fast
+#                  accumulation, the Triton GEMM (bench/fp8_gemm.py; FP8_GEMM_ARGS, e.g. "--m 16 64 --sweep")
+#   fp8_gemm_ab    Qwen3-8B's (a) with FP8 weights, the Triton GEMM at decode batches (the default) and
+#                  cuBLASLt's (--fp8-gemm cublaslt) alternated, RUNS each
 #   sample_kernel  the sampler's Gumbel-max kernels at batches 256, 64 and 1: tiles against the default
 #                  (bench/sample_kernel.py)
 #   row_fusion     batch-1 decode's fused residual-norm and SiLU GEMVs against the launches they replace
@@ -72,6 +74,7 @@
 #                  replica's scheduler thread and the offline engine under cProfile, side by side)
 #   CHUNKS   the prefill chunk sizes `mixed` runs at (default 2048)
 #   ARCH   the peer's architecture (default qwen3-0.6b)
+#   FP8_GEMM_ARGS  the arguments of `fp8_gemm`'s bench/fp8_gemm.py (default --m 256 64)
 #   PEER_ARGS  more arguments for the peer's bench_minisgl.py (e.g. --draws prefill_heavy:2 --b1-repeat 0)
 #   ONLINE_ARGS  more flags for `online`'s bench/online_serving.py (e.g. --extend-graph-tokens 0)
 #   LAUNCH_ARGS  more flags for `prefill_launch`'s bench/prefill_launch.py (e.g. --arch qwen3-8b)
@@ -245,7 +248,15 @@ for suite in "$@"; do
       step fp8_gemv 200 python3 bench/fp8_gemv.py --out "$OUT/fp8_gemv.json" ;;
     moe_rows) step moe_rows 400 python3 bench/moe_decode.py --tokens 1 2 4 --sweep --out "$OUT/moe_rows.json" ;;
     small_gemm) step small_gemm 300 python3 bench/small_gemm.py --m 1 --out "$OUT/small_gemm.json" ;;
-    fp8_gemm) step fp8_gemm 200 python3 bench/fp8_gemm.py --m 256 64 --out "$OUT/fp8_gemm.json" ;;
+    # shellcheck disable=SC2086  # FP8_GEMM_ARGS is split into its words on purpose
+    fp8_gemm) step fp8_gemm 400 python3 bench/fp8_gemm.py ${FP8_GEMM_ARGS:---m 256 64} --out "$OUT/fp8_gemm.json" ;;
+    fp8_gemm_ab)  # (a) with FP8 weights, decode batches through the Triton GEMM (the default) or cuBLASLt's
+      for i in $(seq "$RUNS"); do
+        for gemm in auto cublaslt; do
+          step "fp8_gemm_${gemm}_$i" 240 python3 bench/offline_throughput.py --arch qwen3-8b --quantization fp8 \
+            --fp8-gemm "$gemm" --out "$OUT/fp8_gemm_${gemm}_$i.json"
+        done
+      done ;;
     sample_kernel) step sample_kernel 200 python3 bench/sample_kernel.py --out "$OUT/sample_kernel.json" ;;
     row_fusion) step row_fusion 200 python3 bench/row_fusion.py --out "$OUT/row_fusion.json" ;;
     decode_kernels) step decode_kernels 400 python3 bench/fp8_decode.py --batch 256 1 --sweep none --variants \

@@ -309,6 +309,16 @@ def _fp8_launches(hidden: int, inter: int) -> list[tuple[str, Callable[[], objec
         )
         for rows in (16, 256, 8192)
     ]
+    # decode batches' per-channel product through the Triton GEMM (its own tile at each row count)
+    calls += [
+        (
+            f"FP8 per-channel Triton GEMM, {rows} rows",
+            lambda m=rows: gemm.triton_scaled_mm(
+                _gpu(m, hidden, dtype=FP8), _gpu(m, 1, dtype=torch.float32), weight, channel, BF16
+            ),
+        )
+        for rows in (2, 16, 64, 128)
+    ]
     # the per-token quantization inside the residual norm and SiLU before a per-channel FP8 linear
     calls += [
         (

@@ -60,6 +60,24 @@ def test_scaled_mm_with_per_token_activations_is_float32_over_the_dequantized_we
     assert _rel(got, (xq.float() * xs) @ w.T) < OUT_TOL
 
 
+@pytest.mark.parametrize("split_k", [1, 2, 4])
+@pytest.mark.parametrize("m", [2, 16, 33, 128])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
+def test_the_triton_fp8_gemm_agrees_with_cublaslt_and_repeats_exactly(m, n, k, split_k):
+    """The per-channel product at decode's row counts (gemm.TRITON_MM_MAX_ROWS) through the Triton GEMM,
+    split over K or not, against cuBLASLt's on the same e4m3 operands; a split sum is the same bits on
+    every launch (its last program adds the partials in K's order) and leaves its counts at zero."""
+    q, s = _weights(n, k, None)
+    xq, xs = gemm.quantize_activations(torch.randn(m, k, device=CUDA).bfloat16(), k)
+    want = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=torch.float32)
+    base = gemm.mm_tile(m, n, k, None)
+    tile = gemm.MmTile(base.block_m, base.block_n, base.block_k, split_k, base.num_warps, base.num_stages)
+    got = [gemm.triton_scaled_mm(xq, xs, q, s, torch.bfloat16, None, tile) for _ in range(3)]
+    assert _rel(got[0], want) < 0.005
+    assert all(torch.equal(got[0], g) for g in got[1:])
+    assert not gemm._split_counts(torch.device(CUDA)).any()
+
+
 @pytest.mark.parametrize("m", [2, 16, 33, 200])
 @pytest.mark.parametrize("n,k", [(320, 576), (4096, 4096)])
 def test_block_scaled_triton_gemm_is_float32_over_the_dequantized_weight(m, n, k):

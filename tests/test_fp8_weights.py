@@ -307,6 +307,30 @@ def test_the_block_scaled_gemm_is_float32_over_the_rounded_activations_and_weigh
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+@pytest.mark.parametrize("group_k", [None, 32])
+def test_the_triton_fp8_gemm_split_over_k_is_float32_over_its_operands(needs_triton, split_k, group_k):
+    """gemm.triton_scaled_mm over e4m3 operands (per token and channel, or per 32-column group), 21 rows
+    of a 40 x 160 weight in 16 x 16 tiles (partial tiles; five K steps over three splits, the last shorter):
+    the products in float32 (to 1e-6 of the largest), every split's count reset for the next launch, and
+    the same sum twice."""
+    g = torch.Generator().manual_seed(split_k)
+    xq = (torch.randn(21, 160, generator=g) * 40).to(FP8)
+    q = (torch.randn(40, 160, generator=g) * 40).to(FP8)
+    groups = 1 if group_k is None else 160 // group_k
+    xs, s = torch.rand(21, groups, generator=g) + 0.5, torch.rand(40, groups, generator=g) + 0.5
+    width = group_k or 160
+    want = (xq.float() * xs.repeat_interleave(width, dim=1)) @ (q.float() * s.repeat_interleave(width, dim=1)).T
+    tile = gemm.MmTile(16, 16, group_k or 32, split_k)
+    scales = s if group_k else s.view(-1)
+    got = gemm.triton_scaled_mm(xq, xs, q, scales, torch.float32, group_k, tile)
+    # float32's order of additions (and the per-channel scales applied after the sum), against the largest
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+    assert torch.equal(gemm.triton_scaled_mm(xq, xs, q, scales, torch.float32, group_k, tile), got)
+    if split_k > 1:
+        assert not gemm._split_counts(torch.device("cpu")).any()
+
+
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("k", [64, 1000, 2500])  # within one block; a partial block; three blocks
 def test_the_norm_with_the_fp8_quantization_inside_is_the_norm_then_the_quantization(needs_triton, with_residual, k):

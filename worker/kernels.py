@@ -11,6 +11,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DECODE_KERNELS = ("auto", "tensor_cores", "cuda_cores", "triton")
 PREFILL_KERNELS = ("auto", "fa2", "fa3")
 MOE_KERNELS = ("auto", "torch")
+FP8_GEMMS = ("auto", "cublaslt", "triton")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class Kernels:
     # GEMMs; CUDA-graph safe) on CUDA where Triton is installed, and on the CPU under Triton's interpreter
     # with interpret_on_cpu; the torch loop over experts otherwise, or always with torch
     moe: str = "auto"
+    # per-channel FP8 linears above one row on CUDA. auto: the Triton GEMM up to gemm.TRITON_MM_MAX_ROWS rows
+    # (decode batches) and cuBLASLt above (prompt chunks); the others force one at every row count
+    fp8_gemm: str = "auto"
     # programmatic dependent launch (compute capability 9.0+) of a step's Triton kernels: each may start
     # while the kernel before it finishes, its weights prefetched into L2 meanwhile (worker/pdl_kernels.py).
     # Off until measured: bench/decode_latency.py --pdl
@@ -56,5 +60,7 @@ class Kernels:
             raise ValueError(f"unknown decode kernel {self.decode!r}; choose {', '.join(DECODE_KERNELS)}")
         if self.prefill not in PREFILL_KERNELS:
             raise ValueError(f"unknown prefill kernel {self.prefill!r}; choose {', '.join(PREFILL_KERNELS)}")
+        if self.fp8_gemm not in FP8_GEMMS:
+            raise ValueError(f"unknown FP8 GEMM {self.fp8_gemm!r}; choose {', '.join(FP8_GEMMS)}")
         if self.moe not in MOE_KERNELS:
             raise ValueError(f"unknown MoE kernel {self.moe!r}; choose {', '.join(MOE_KERNELS)}")

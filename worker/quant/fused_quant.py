@@ -85,4 +85,4 @@ def silu_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def matmul(layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The FP8 linear `layer`'s product (its bias, and a row-parallel one's all-reduce, are the caller's)
     over activations already quantized per token."""
-    return gemm.scaled_mm_quantized(xq, xs, layer.weight, layer.quant.scale_of(layer), out_dtype)
+    return gemm.scaled_mm_quantized(xq, xs, layer.weight, layer.quant.scale_of(layer), out_dtype, layer.quant.kernels)

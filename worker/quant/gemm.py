@@ -8,6 +8,7 @@ here synchronizes the host, so all of it runs inside CUDA graphs."""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +40,13 @@ def fp8_linear(
 def _matmul(x, weight, scale, block, small, kernels) -> torch.Tensor:
     if not triton_runs(x, kernels):
         if x.is_cuda and block is None and scaled_mm_applies(x, weight):
-            return scaled_mm(x, weight, scale)
+            return scaled_mm(x, weight, scale, kernels)
         return dequantized_linear(x, weight, scale, block)
     if small and x.shape[0] == 1:
         return fp8_gemv(x, weight, scale, block, pdl=triton_ops.pdl_applies(kernels, x.device))
     if block is None:
         if scaled_mm_applies(x, weight):
-            return scaled_mm(x, weight, scale)
+            return scaled_mm(x, weight, scale, kernels)
         return dequantized_linear(x, weight, scale, block)
     return block_scaled_mm(x, weight, scale, block[1])
 
@@ -74,15 +75,25 @@ def scaled_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
 
 
-def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, kernels: Kernels = Kernels()) -> torch.Tensor:
     xq, xs = quantize_activations(x, x.shape[1])
-    return scaled_mm_quantized(xq, xs, weight, scale, x.dtype)
+    return scaled_mm_quantized(xq, xs, weight, scale, x.dtype, kernels)
 
 
 def scaled_mm_quantized(
-    xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    kernels: Kernels = Kernels(),
 ) -> torch.Tensor:
-    """e4m3 activations [M, K] with per-token scales [M, 1] @ an e4m3 weight [N, K] with per-channel scales [N]."""
+    """e4m3 activations [M, K] with per-token scales [M, 1] @ an e4m3 weight [N, K] with per-channel scales [N]:
+    the Triton GEMM or cuBLASLt's by Kernels.fp8_gemm."""
+    if _fp8_kernels() is not None and (
+        kernels.fp8_gemm == "triton" or (kernels.fp8_gemm == "auto" and xq.shape[0] <= TRITON_MM_MAX_ROWS)
+    ):
+        return triton_scaled_mm(xq, xs, weight, scale, out_dtype)
     # weight [N, K] row-major is the column-major [K, N] that cuBLASLt wants as its second operand
     # fast accumulation: up to 14% faster on Qwen3-8B's layers at 64 and 256 rows, about the same error against
     # float32 (bench/fp8_gemm.py, docs/BENCHMARKS.md)
@@ -121,22 +132,78 @@ def quantize_activations_torch(x: torch.Tensor, group: int) -> tuple[torch.Tenso
 def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_k: int) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ weight [N, K] e4m3 with scales [N, ceil(K / group_k)]: the activations
     quantized per token per group_k columns, the products summed in float32 block by block."""
-    m, k = x.shape
-    n = weight.shape[0]
     xq, xs = quantize_activations(x.contiguous(), group_k)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    return triton_scaled_mm(xq, xs, weight, scale, x.dtype, group_k)
+
+
+@dataclass(frozen=True)
+class MmTile:
+    """A launch of fp8_kernels.scaled_mm_kernel: its output tile, K step, split of K, warps and stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Rows up to which a per-channel FP8 linear multiplies through the Triton GEMM instead of cuBLASLt's: at a
+# few dozen rows the product is the weight's read, and cuBLASLt's tiles leave most of the GPU idle on
+# N = 4,096 layers (bench/fp8_gemm.py --sweep)
+TRITON_MM_MAX_ROWS = 128
+
+
+def mm_tile(m: int, n: int, k: int, group_k: int | None) -> MmTile:
+    """The tile for an [m, k] @ [k, n] FP8 product. Block-scaled: K steps of the scales' group. Past
+    TRITON_MM_MAX_ROWS (prompt chunks) the large tiles of a compute-bound GEMM; at fewer rows, the rows in
+    one tile and enough programs over N (split over K where N alone gives too few) to keep every
+    multiprocessor reading weights."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    if m > TRITON_MM_MAX_ROWS:
+        return MmTile(block_m, 128, group_k or 128, 1, 8 if block_m == 128 else 4, 3)
+    block_n = 64 if n >= 8192 else 32
+    block_k = group_k or (128 if block_m == 128 else 256)
+    programs = triton_ops.triton.cdiv(n, block_n) * triton_ops.triton.cdiv(m, block_m)
+    split = 1 if programs >= 256 else 2 if programs >= 128 else 4
+    return MmTile(block_m, block_n, block_k, min(split, triton_ops.triton.cdiv(k, block_k)), 4, 4)
+
+
+def triton_scaled_mm(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    group_k: int | None = None,
+    tile: MmTile | None = None,
+) -> torch.Tensor:
+    """e4m3 xq [M, K] @ e4m3 weight [N, K].T in float32 through fp8_kernels.scaled_mm_kernel. group_k: both
+    scaled per group_k columns (xs [M, K / group_k], scale [N, K / group_k]); None: per token (xs [M, 1])
+    and per channel (scale [N])."""
+    m, k = xq.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
-    # smaller row tiles for small batches: fewer wasted rows, more programs over N
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    block_n = 128
-    grid = (triton_ops.triton.cdiv(m, block_m), triton_ops.triton.cdiv(n, block_n))
-    _fp8_kernels().block_scaled_mm_kernel[grid](
+    tile = tile or mm_tile(m, n, k, group_k)
+    if group_k is not None and tile.block_k != group_k:
+        raise ValueError(f"a block-scaled product steps through K by its scales' group ({group_k}), not {tile.block_k}")
+    grid = (triton_ops.triton.cdiv(n, tile.block_n), tile.split_k, triton_ops.triton.cdiv(m, tile.block_m))
+    counts = _split_counts(xq.device)
+    if tile.split_k > 1 and grid[0] * grid[2] <= counts.numel():
+        part = torch.empty(tile.split_k, m, n, dtype=torch.float32, device=xq.device)
+    else:
+        grid = (grid[0], 1, grid[2])
+        part = counts.view(torch.float32)  # not written: the partials' type, so the launch compiles as one
+    _fp8_kernels().scaled_mm_kernel[grid](
         xq,
         xs,
         weight,
         scale,
         out,
+        part,
+        counts,
         m,
         n,
         k,
@@ -145,13 +212,26 @@ def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
         weight.stride(0),
         scale.stride(0),
         out.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=group_k,
-        num_warps=8 if block_m == 128 else 4,
-        num_stages=3,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        BLOCKED=group_k is not None,
+        SPLIT=grid[1] > 1,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     return out
+
+
+# One count per output tile of a split-K product: each launch's last program per tile resets its count, so
+# the buffer is zeroed once per device and every launch (kernels of one stream run one at a time) finds it so
+_counts: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counts(device: torch.device) -> torch.Tensor:
+    if device not in _counts:
+        _counts[device] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
+    return _counts[device]
 
 
 def fp8_gemv(
