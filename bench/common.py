@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `pytho
 from cluster import LLM  # noqa: E402
 from cluster.config import SchedulerConfig  # noqa: E402
 from worker.batch import BatchDesc  # noqa: E402
-from worker.kernels import DECODE_KERNELS, FP8_GEMMS, MOE_KERNELS, PREFILL_KERNELS, Kernels  # noqa: E402
+from worker.kernels import DECODE_GEMMS, DECODE_KERNELS, MOE_KERNELS, PREFILL_KERNELS, Kernels  # noqa: E402
 
 if torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is None:
     # a figure taken so is not the engine's: no FlashInfer attention, hence no CUDA graphs
@@ -195,10 +195,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "--moe-kernel", choices=MOE_KERNELS, default="auto", help="torch: the loop over experts instead of Triton's"
     )
     parser.add_argument(
-        "--fp8-gemm",
-        choices=FP8_GEMMS,
+        "--decode-gemm",
+        choices=DECODE_GEMMS,
         default="auto",
-        help="per-channel FP8 linears above one row: force the Triton GEMM or cuBLASLt's (to compare)",
+        help="linear layers above one row: force the Triton GEMM or cuBLAS/cuBLASLt at every row count (to compare)",
     )
     parser.add_argument(
         "--pdl",
@@ -243,7 +243,7 @@ def kernels_of(args: argparse.Namespace) -> Kernels:
         decode=args.decode_kernel,
         prefill=args.prefill_kernel,
         moe=args.moe_kernel,
-        fp8_gemm=args.fp8_gemm,
+        decode_gemm=args.decode_gemm,
         pdl=args.pdl,
     )
 
@@ -293,7 +293,7 @@ def config_of(args: argparse.Namespace) -> dict:
         "prefill_kernel": args.prefill_kernel,
         "small_linear": not args.no_small_linear,
         "moe_kernel": args.moe_kernel,
-        "fp8_gemm": args.fp8_gemm,
+        "decode_gemm": args.decode_gemm,
         "pdl": args.pdl,
         "overlap": not args.no_overlap,
         "cuda_graph": not args.no_cuda_graph,

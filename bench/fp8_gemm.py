@@ -1,12 +1,12 @@
-"""The FP8-weight linear layers of a decode step at larger batches, Qwen3-8B's shapes (e4m3 weights, a
-scale per output channel, bf16 activations quantized per token): bf16 cuBLAS beside the FP8 path at M
-rows, cuBLASLt's rowwise-scaled GEMM (`torch._scaled_mm`), with the activations' quantization and without,
-and the quantization alone; the GEMM alone with cuBLASLt's fast accumulation and without; the Triton GEMM
-(gemm.triton_scaled_mm) at its default tile and, with --sweep, at each tile of TILES (the one that wins
+"""The linear layers of a decode step at larger batches, Qwen3-8B's shapes, in bf16 and with e4m3 weights
+(a scale per output channel, bf16 activations quantized per token): bf16 through cuBLAS and through the
+Triton GEMM of worker/skinny_gemm.py; FP8 through cuBLASLt's rowwise-scaled GEMM (`torch._scaled_mm`),
+with the activations' quantization and without, with its fast accumulation and without, and through the
+Triton GEMM; each Triton GEMM at its default tile and, with --sweep, at each tile of TILES (the fastest
 named). Each layer's COPIES (distinct weights, so L2 holds none of them) replayed in a CUDA graph; median
-microseconds a call, and each FP8 path's largest error against the float32 product.
+microseconds a call, and each path's largest error against the float32 product.
 
-    python bench/fp8_gemm.py [--m 64 128 256] [--sweep] [--out r.json]"""
+    python bench/fp8_gemm.py [--m 16 64 128 256] [--sweep] [--out r.json]"""
 
 from __future__ import annotations
 
@@ -23,27 +23,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import QWEN3_8B_LINEARS, fp8_weights, time_graph  # noqa: E402
 
+from worker import skinny_gemm  # noqa: E402
 from worker.kernels import Kernels  # noqa: E402
 from worker.quant import gemm  # noqa: E402
 
 COPIES = 6
-# the sweep: output columns a program, K a step, pipeline stages, splits of K (the rows a tile: gemm.mm_tile's)
-TILES = {"block_n": (32, 64, 128), "block_k": (128, 256), "num_stages": (3, 4), "split_k": (1, 2, 4)}
+# the sweep: output columns a program, bytes of K a step, pipeline stages, splits of K (the rows a tile:
+# skinny_gemm.mm_tile's)
+TILES = {"block_n": (32, 64, 128), "k_bytes": (128, 256), "num_stages": (3, 4), "split_k": (1, 2, 4)}
+CUBLASLT = Kernels(decode_gemm="vendor")
 
 
-def sweep(m: int, n: int, k: int, xq, xs, ws, scale) -> dict:
-    """Microseconds a call of every tile of TILES that compiles, and the fastest."""
-    base = gemm.mm_tile(m, n, k, None)
+def sweep(product, m: int, n: int, k: int, element_bytes: int) -> dict:
+    """Microseconds a call of `product(tile)` at every tile of TILES that compiles, and the fastest."""
+    base = skinny_gemm.mm_tile(m, n, k, element_bytes)
     times = {}
-    for bn, bk, stages, split in itertools.product(*TILES.values()):
-        tile = gemm.MmTile(base.block_m, bn, bk, split, base.num_warps, stages)
+    for bn, k_bytes, stages, split in itertools.product(*TILES.values()):
+        tile = skinny_gemm.MmTile(base.block_m, bn, k_bytes // element_bytes, split, base.num_warps, stages)
         try:
-            times[str(tile)] = (
-                time_graph(
-                    lambda t=tile: [gemm.triton_scaled_mm(xq, xs, w, scale, torch.bfloat16, None, t) for w in ws]
-                )
-                / COPIES
-            )
+            times[str(tile)] = time_graph(lambda t=tile: product(t)) / COPIES
         except Exception as exc:  # a tile past the GPU's shared memory, say
             print(f"  {tile}: {type(exc).__name__}", file=sys.stderr)
     best = min(times, key=times.get)
@@ -52,8 +50,8 @@ def sweep(m: int, n: int, k: int, xq, xs, ws, scale) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--m", type=int, nargs="+", default=[64, 128, 256, 512])
-    parser.add_argument("--sweep", action="store_true", help="the Triton GEMM at every tile of TILES too")
+    parser.add_argument("--m", type=int, nargs="+", default=[16, 64, 128, 256])
+    parser.add_argument("--sweep", action="store_true", help="each Triton GEMM at every tile of TILES too")
     parser.add_argument("--out")
     args = parser.parse_args()
     results = []
@@ -63,12 +61,20 @@ def main() -> None:
             wb = [w.to(torch.bfloat16) for w in ws]
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ (ws[0].float() * scale).T
+            ref_b = x.float() @ wb[0].float().T
 
-            def err(y: torch.Tensor) -> float:
-                return ((y.float() - ref).abs().max() / ref.abs().max()).item()
+            def err(y: torch.Tensor, want: torch.Tensor = ref) -> float:
+                return ((y.float() - want).abs().max() / want.abs().max()).item()
 
             row = {"m": m, "layer": name, "k": k, "n": n}
             row["bf16_us"] = time_graph(lambda: [F.linear(x, w) for w in wb]) / COPIES
+
+            def bf16_triton(tile=None):
+                return [skinny_gemm.matmul(x, w, x.dtype, tile=tile) for w in wb]
+
+            row["bf16_triton_tile"] = str(skinny_gemm.mm_tile(m, n, k, 2))
+            row["bf16_triton_us"] = time_graph(bf16_triton) / COPIES
+            row["bf16_triton_err"] = err(skinny_gemm.matmul(x, wb[0], x.dtype), ref_b)
             row["quantize_us"] = time_graph(lambda: gemm.quantize_activations(x, k))
             xq, xs = gemm.quantize_activations(x, k)
 
@@ -78,29 +84,43 @@ def main() -> None:
                     xq, w.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype, use_fast_accum=fast
                 )
 
+            def fp8_triton(tile=None):
+                return [skinny_gemm.matmul(xq, w, x.dtype, xs, scale, tile=tile) for w in ws]
+
             row["scaled_mm_only_us"] = time_graph(lambda: [mm(w, False) for w in ws]) / COPIES
             row["fast_accum_only_us"] = time_graph(lambda: [mm(w, True) for w in ws]) / COPIES
             row["fast_accum_err"] = err(mm(ws[0], True))
-            cublaslt = Kernels(fp8_gemm="cublaslt")
-            row["scaled_mm_us"] = time_graph(lambda: [gemm.scaled_mm(x, w, scale, cublaslt) for w in ws]) / COPIES
-            row["scaled_mm_err"] = err(gemm.scaled_mm(x, ws[0], scale, Kernels(fp8_gemm="cublaslt")))
-            tile = gemm.mm_tile(m, n, k, None)
-            row["triton_tile"] = str(tile)
-            row["triton_only_us"] = (
-                time_graph(lambda: [gemm.triton_scaled_mm(xq, xs, w, scale, x.dtype, None, tile) for w in ws]) / COPIES
-            )
-            row["triton_err"] = err(gemm.triton_scaled_mm(xq, xs, ws[0], scale, x.dtype, None, tile))
+            row["scaled_mm_us"] = time_graph(lambda: [gemm.scaled_mm(x, w, scale, CUBLASLT) for w in ws]) / COPIES
+            row["scaled_mm_err"] = err(gemm.scaled_mm(x, ws[0], scale, CUBLASLT))
+            row["triton_tile"] = str(skinny_gemm.mm_tile(m, n, k, 1))
+            row["triton_only_us"] = time_graph(fp8_triton) / COPIES
+            row["triton_err"] = err(skinny_gemm.matmul(xq, ws[0], x.dtype, xs, scale))
             if args.sweep:
-                row.update(sweep(m, n, k, xq, xs, ws, scale))
+                row["fp8_sweep"] = sweep(fp8_triton, m, n, k, 1)
+                row["bf16_sweep"] = sweep(bf16_triton, m, n, k, 2)
             results.append(row)
-            print(json.dumps({key: v for key, v in row.items() if key != "sweep_us"}))
+            print(json.dumps({key: v for key, v in row.items() if not key.endswith("_sweep")}))
+            for dtype in ("fp8", "bf16"):
+                if f"{dtype}_sweep" in row:
+                    print(
+                        f"  {dtype} best: {row[f'{dtype}_sweep']['best_tile']} {row[f'{dtype}_sweep']['best_us']:.2f} us"
+                    )
     for m in args.m:
         rows = [r for r in results if r["m"] == m]
-        total = {key: sum(r[key] for r in rows) for key in ("bf16_us", "fast_accum_only_us", "triton_only_us")}
-        best = f", the sweep's best {sum(r['best_us'] for r in rows):.1f}" if args.sweep else ""
+
+        def total(key: str) -> float:
+            return sum(r[key] for r in rows)
+
+        best = ""
+        if args.sweep:
+            best = (
+                f"; the sweep's best: bf16 {sum(r['bf16_sweep']['best_us'] for r in rows):.1f}, "
+                f"FP8 {sum(r['fp8_sweep']['best_us'] for r in rows):.1f}"
+            )
         print(
-            f"M={m}: a layer's four linears, us: bf16 {total['bf16_us']:.1f}, cuBLASLt FP8 (fast accumulation) "
-            f"{total['fast_accum_only_us']:.1f}, Triton FP8 {total['triton_only_us']:.1f}{best}"
+            f"M={m}, a layer's four linears, us: bf16 cuBLAS {total('bf16_us'):.1f}, Triton "
+            f"{total('bf16_triton_us'):.1f}; FP8 cuBLASLt (fast accumulation) {total('fast_accum_only_us'):.1f}, "
+            f"Triton {total('triton_only_us'):.1f}{best}"
         )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))

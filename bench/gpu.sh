@@ -33,10 +33,10 @@
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
 #   moe_rows       the MoE per-row kernels at 1, 2 and 4 tokens with their tile sweep, the down kernel's
 #                  at-once variant included (bench/moe_decode.py --sweep)
-#   fp8_gemm       Qwen3-8B's FP8 linears at 256 and 64 rows against bf16: cuBLASLt with and without fast
+#   fp8_gemm       Qwen3-8B's linears at 256 and 64 rows, bf16 and FP8: cuBLAS, cuBLASLt with and without fast
 #                  accumulation, the Triton GEMM (bench/fp8_gemm.py; FP8_GEMM_ARGS, e.g. "--m 16 64 --sweep")
 #   fp8_gemm_ab    Qwen3-8B's (a) with FP8 weights, the Triton GEMM at decode batches (the default) and
-#                  cuBLASLt's (--fp8-gemm cublaslt) alternated, RUNS each
+#                  cuBLASLt (--decode-gemm vendor) alternated, RUNS each
 #   sample_kernel  the sampler's Gumbel-max kernels at batches 256, 64 and 1: tiles against the default
 #                  (bench/sample_kernel.py)
 #   row_fusion     batch-1 decode's fused residual-norm and SiLU GEMVs against the launches they replace
@@ -252,9 +252,9 @@ for suite in "$@"; do
     fp8_gemm) step fp8_gemm 400 python3 bench/fp8_gemm.py ${FP8_GEMM_ARGS:---m 256 64} --out "$OUT/fp8_gemm.json" ;;
     fp8_gemm_ab)  # (a) with FP8 weights, decode batches through the Triton GEMM (the default) or cuBLASLt's
       for i in $(seq "$RUNS"); do
-        for gemm in auto cublaslt; do
+        for gemm in auto vendor; do
           step "fp8_gemm_${gemm}_$i" 240 python3 bench/offline_throughput.py --arch qwen3-8b --quantization fp8 \
-            --fp8-gemm "$gemm" --out "$OUT/fp8_gemm_${gemm}_$i.json"
+            --decode-gemm "$gemm" --out "$OUT/fp8_gemm_${gemm}_$i.json"
         done
       done ;;
     sample_kernel) step sample_kernel 200 python3 bench/sample_kernel.py --out "$OUT/sample_kernel.json" ;;

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `pytho
 
 from common import ARCHS  # noqa: E402
 
-from worker import gemv, triton_decode, triton_ops  # noqa: E402
+from worker import gemv, skinny_gemm, triton_decode, triton_ops  # noqa: E402
 from worker.kernel_compile import MAX_SHARED_BYTES, CompiledLaunch, compile_only, on_gpu  # noqa: E402
 from worker.layers.moe import fused  # noqa: E402
 from worker.quant import fused_quant, gemm  # noqa: E402
@@ -313,11 +313,19 @@ def _fp8_launches(hidden: int, inter: int) -> list[tuple[str, Callable[[], objec
     calls += [
         (
             f"FP8 per-channel Triton GEMM, {rows} rows",
-            lambda m=rows: gemm.triton_scaled_mm(
-                _gpu(m, hidden, dtype=FP8), _gpu(m, 1, dtype=torch.float32), weight, channel, BF16
+            lambda m=rows: skinny_gemm.matmul(
+                _gpu(m, hidden, dtype=FP8), weight, BF16, _gpu(m, 1, dtype=torch.float32), channel
             ),
         )
         for rows in (2, 16, 64, 128)
+    ]
+    # the same GEMM over bf16 at an N = hidden layer (o's shape: split over K)
+    calls += [
+        (
+            f"bf16 Triton GEMM, {rows} rows, o's shape",
+            lambda m=rows: skinny_gemm.matmul(_gpu(m, hidden), _gpu(hidden, hidden), BF16),
+        )
+        for rows in (16, 64, 128)
     ]
     # the per-token quantization inside the residual norm and SiLU before a per-channel FP8 linear
     calls += [

@@ -15,6 +15,7 @@ from fp8_checkpoints import write_fp8_checkpoint
 from helpers import checked_llm, greedy
 from tiny_checkpoints import build_qwen3_hd128, random_prompts
 
+from worker import skinny_gemm
 from worker.quant import gemm
 from worker.quant.fp8 import dequantize, quantize_per_channel
 
@@ -64,18 +65,30 @@ def test_scaled_mm_with_per_token_activations_is_float32_over_the_dequantized_we
 @pytest.mark.parametrize("m", [2, 16, 33, 128])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
 def test_the_triton_fp8_gemm_agrees_with_cublaslt_and_repeats_exactly(m, n, k, split_k):
-    """The per-channel product at decode's row counts (gemm.TRITON_MM_MAX_ROWS) through the Triton GEMM,
+    """The per-channel product at decode's row counts (skinny_gemm.AUTO_MAX_ROWS) through the Triton GEMM,
     split over K or not, against cuBLASLt's on the same e4m3 operands; a split sum is the same bits on
     every launch (its last program adds the partials in K's order) and leaves its counts at zero."""
     q, s = _weights(n, k, None)
     xq, xs = gemm.quantize_activations(torch.randn(m, k, device=CUDA).bfloat16(), k)
     want = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=torch.float32)
-    base = gemm.mm_tile(m, n, k, None)
-    tile = gemm.MmTile(base.block_m, base.block_n, base.block_k, split_k, base.num_warps, base.num_stages)
-    got = [gemm.triton_scaled_mm(xq, xs, q, s, torch.bfloat16, None, tile) for _ in range(3)]
+    base = skinny_gemm.mm_tile(m, n, k, 1)
+    tile = skinny_gemm.MmTile(base.block_m, base.block_n, base.block_k, split_k, base.num_warps, base.num_stages)
+    got = [skinny_gemm.matmul(xq, q, torch.bfloat16, xs, s, tile=tile) for _ in range(3)]
     assert _rel(got[0], want) < 0.005
     assert all(torch.equal(got[0], g) for g in got[1:])
-    assert not gemm._split_counts(torch.device(CUDA)).any()
+    assert not skinny_gemm._split_counts(torch.device(CUDA)).any()
+
+
+@pytest.mark.parametrize("m", [2, 16, 64, 128])
+def test_the_triton_gemm_over_bf16_agrees_with_cublas(m):
+    """The same kernel over bf16 operands without scales (Kernels.decode_gemm for bf16 linears), split over K
+    where its tile splits, against cuBLAS, on Qwen3-8B's o and down shapes."""
+    for n, k in ((4096, 4096), (4096, 12288)):
+        torch.manual_seed(m + k)
+        x, w = torch.randn(m, k, device=CUDA).bfloat16(), (torch.randn(n, k, device=CUDA) * 0.02).bfloat16()
+        got = skinny_gemm.matmul(x, w, torch.bfloat16)
+        assert _rel(got, x.float() @ w.float().T) < OUT_TOL
+        assert torch.equal(skinny_gemm.matmul(x, w, torch.bfloat16), got)
 
 
 @pytest.mark.parametrize("m", [2, 16, 33, 200])

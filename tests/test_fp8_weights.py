@@ -27,6 +27,7 @@ from tiny_checkpoints import build_qwen3_hd128
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM
+from worker import skinny_gemm
 from worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.loader import CheckpointError, LazyTensor
 from worker.parallel import TPGroup
@@ -308,27 +309,30 @@ def test_the_block_scaled_gemm_is_float32_over_the_rounded_activations_and_weigh
 
 
 @pytest.mark.parametrize("split_k", [1, 2, 3])
-@pytest.mark.parametrize("group_k", [None, 32])
-def test_the_triton_fp8_gemm_split_over_k_is_float32_over_its_operands(needs_triton, split_k, group_k):
-    """gemm.triton_scaled_mm over e4m3 operands (per token and channel, or per 32-column group), 21 rows
-    of a 40 x 160 weight in 16 x 16 tiles (partial tiles; five K steps over three splits, the last shorter):
-    the products in float32 (to 1e-6 of the largest), every split's count reset for the next launch, and
-    the same sum twice."""
+@pytest.mark.parametrize("scales", ["row", "block", "none"])
+def test_the_triton_gemm_split_over_k_is_float32_over_its_operands(needs_triton, split_k, scales):
+    """skinny_gemm.matmul, 21 rows of a 40 x 160 weight in 16 x 16 tiles (partial tiles; five K steps over
+    three splits, the last shorter): over e4m3 operands scaled per token and channel or per 32-column
+    group, and over unscaled ones (float32 here; bf16 on the GPU, tests/test_fp8_gpu.py). The products in
+    float32 (to 1e-6 of the largest), every split's count reset for the next launch, the same sum twice."""
     g = torch.Generator().manual_seed(split_k)
-    xq = (torch.randn(21, 160, generator=g) * 40).to(FP8)
-    q = (torch.randn(40, 160, generator=g) * 40).to(FP8)
-    groups = 1 if group_k is None else 160 // group_k
-    xs, s = torch.rand(21, groups, generator=g) + 0.5, torch.rand(40, groups, generator=g) + 0.5
-    width = group_k or 160
-    want = (xq.float() * xs.repeat_interleave(width, dim=1)) @ (q.float() * s.repeat_interleave(width, dim=1)).T
-    tile = gemm.MmTile(16, 16, group_k or 32, split_k)
-    scales = s if group_k else s.view(-1)
-    got = gemm.triton_scaled_mm(xq, xs, q, scales, torch.float32, group_k, tile)
-    # float32's order of additions (and the per-channel scales applied after the sum), against the largest
+    dtype = torch.float32 if scales == "none" else FP8
+    a, b = (torch.randn(21, 160, generator=g) * 40).to(dtype), (torch.randn(40, 160, generator=g) * 40).to(dtype)
+    group_k = 32 if scales == "block" else None
+    groups = 160 // 32 if scales == "block" else 1
+    a_s, b_s = torch.rand(21, groups, generator=g) + 0.5, torch.rand(40, groups, generator=g) + 0.5
+    if scales == "none":
+        a_s, b_s = torch.ones(21, 1), torch.ones(40, 1)
+    width = 160 // groups
+    want = (a.float() * a_s.repeat_interleave(width, dim=1)) @ (b.float() * b_s.repeat_interleave(width, dim=1)).T
+    tile = skinny_gemm.MmTile(16, 16, 32, split_k)
+    args = () if scales == "none" else (a_s, b_s if group_k else b_s.view(-1), group_k)
+    got = skinny_gemm.matmul(a, b, torch.float32, *args, tile=tile)
+    # float32's order of additions (and per-channel scales applied after the sum), against the largest
     assert (got - want).abs().max() <= 1e-6 * want.abs().max()
-    assert torch.equal(gemm.triton_scaled_mm(xq, xs, q, scales, torch.float32, group_k, tile), got)
+    assert torch.equal(skinny_gemm.matmul(a, b, torch.float32, *args, tile=tile), got)
     if split_k > 1:
-        assert not gemm._split_counts(torch.device("cpu")).any()
+        assert not skinny_gemm._split_counts(torch.device("cpu")).any()
 
 
 @pytest.mark.parametrize("with_residual", [True, False])

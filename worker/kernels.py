@@ -11,7 +11,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DECODE_KERNELS = ("auto", "tensor_cores", "cuda_cores", "triton")
 PREFILL_KERNELS = ("auto", "fa2", "fa3")
 MOE_KERNELS = ("auto", "torch")
-FP8_GEMMS = ("auto", "cublaslt", "triton")
+DECODE_GEMMS = ("auto", "vendor", "triton")
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,11 @@ class Kernels:
     # GEMMs; CUDA-graph safe) on CUDA where Triton is installed, and on the CPU under Triton's interpreter
     # with interpret_on_cpu; the torch loop over experts otherwise, or always with torch
     moe: str = "auto"
-    # per-channel FP8 linears above one row on CUDA. auto: the Triton GEMM up to gemm.TRITON_MM_MAX_ROWS rows
-    # (decode batches) and cuBLASLt above (prompt chunks); the others force one at every row count
-    fp8_gemm: str = "auto"
+    # linear layers above one row on CUDA (bf16, and FP8 with per-channel scales). auto: the Triton GEMM of
+    # worker/skinny_gemm.py up to its AUTO_MAX_ROWS for the weight's dtype (decode batches), cuBLAS or
+    # cuBLASLt above (prompt chunks); vendor: cuBLAS and cuBLASLt at every row count; triton: the Triton
+    # GEMM at every row count
+    decode_gemm: str = "auto"
     # programmatic dependent launch (compute capability 9.0+) of a step's Triton kernels: each may start
     # while the kernel before it finishes, its weights prefetched into L2 meanwhile (worker/pdl_kernels.py).
     # Off until measured: bench/decode_latency.py --pdl
@@ -60,7 +62,7 @@ class Kernels:
             raise ValueError(f"unknown decode kernel {self.decode!r}; choose {', '.join(DECODE_KERNELS)}")
         if self.prefill not in PREFILL_KERNELS:
             raise ValueError(f"unknown prefill kernel {self.prefill!r}; choose {', '.join(PREFILL_KERNELS)}")
-        if self.fp8_gemm not in FP8_GEMMS:
-            raise ValueError(f"unknown FP8 GEMM {self.fp8_gemm!r}; choose {', '.join(FP8_GEMMS)}")
+        if self.decode_gemm not in DECODE_GEMMS:
+            raise ValueError(f"unknown decode GEMM {self.decode_gemm!r}; choose {', '.join(DECODE_GEMMS)}")
         if self.moe not in MOE_KERNELS:
             raise ValueError(f"unknown MoE kernel {self.moe!r}; choose {', '.join(MOE_KERNELS)}")

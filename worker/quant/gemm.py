@@ -1,19 +1,19 @@
 """The GEMMs of FP8 linears. On CUDA (compute capability 8.9+): at one row (batch-1 decode) a Triton GEMV
 that reads the e4m3 weight once and scales in its loop (the activations stay in bf16); per-channel weights
-otherwise through cuBLASLt (`torch._scaled_mm`, rowwise scales) after a per-token activation quantization;
-block-scaled weights through a Triton block-scaled GEMM after a per-token, per-128-column-group
-quantization. Elsewhere (the CPU) the weight is dequantized to the activations' dtype for F.linear. Nothing
-here synchronizes the host, so all of it runs inside CUDA graphs."""
+otherwise, after a per-token activation quantization, through the Triton GEMM of worker/skinny_gemm.py at
+decode batches and cuBLASLt (`torch._scaled_mm`, rowwise scales) on prompt chunks (Kernels.decode_gemm);
+block-scaled weights through the Triton GEMM after a per-token, per-128-column-group quantization. Elsewhere
+(the CPU) the weight is dequantized to the activations' dtype for F.linear. Nothing here synchronizes the
+host, so all of it runs inside CUDA graphs."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from worker import triton_ops
+from worker import skinny_gemm, triton_ops
 from worker.kernels import Kernels
 
 FP8 = torch.float8_e4m3fn
@@ -89,11 +89,9 @@ def scaled_mm_quantized(
     kernels: Kernels = Kernels(),
 ) -> torch.Tensor:
     """e4m3 activations [M, K] with per-token scales [M, 1] @ an e4m3 weight [N, K] with per-channel scales [N]:
-    the Triton GEMM or cuBLASLt's by Kernels.fp8_gemm."""
-    if _fp8_kernels() is not None and (
-        kernels.fp8_gemm == "triton" or (kernels.fp8_gemm == "auto" and xq.shape[0] <= TRITON_MM_MAX_ROWS)
-    ):
-        return triton_scaled_mm(xq, xs, weight, scale, out_dtype)
+    the Triton GEMM (worker/skinny_gemm.py) or cuBLASLt's by Kernels.decode_gemm."""
+    if skinny_gemm._kernels() is not None and skinny_gemm.chosen(kernels, xq.shape[0], weight.dtype):
+        return skinny_gemm.matmul(xq, weight, out_dtype, xs, scale)
     # weight [N, K] row-major is the column-major [K, N] that cuBLASLt wants as its second operand
     # fast accumulation: up to 14% faster on Qwen3-8B's layers at 64 and 256 rows, about the same error against
     # float32 (bench/fp8_gemm.py, docs/BENCHMARKS.md)
@@ -133,105 +131,7 @@ def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     """x [M, K] (bf16/fp16/fp32) @ weight [N, K] e4m3 with scales [N, ceil(K / group_k)]: the activations
     quantized per token per group_k columns, the products summed in float32 block by block."""
     xq, xs = quantize_activations(x.contiguous(), group_k)
-    return triton_scaled_mm(xq, xs, weight, scale, x.dtype, group_k)
-
-
-@dataclass(frozen=True)
-class MmTile:
-    """A launch of fp8_kernels.scaled_mm_kernel: its output tile, K step, split of K, warps and stages."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-# Rows up to which a per-channel FP8 linear multiplies through the Triton GEMM instead of cuBLASLt's: at a
-# few dozen rows the product is the weight's read, and cuBLASLt's tiles leave most of the GPU idle on
-# N = 4,096 layers (bench/fp8_gemm.py --sweep)
-TRITON_MM_MAX_ROWS = 128
-
-
-def mm_tile(m: int, n: int, k: int, group_k: int | None) -> MmTile:
-    """The tile for an [m, k] @ [k, n] FP8 product. Block-scaled: K steps of the scales' group. Past
-    TRITON_MM_MAX_ROWS (prompt chunks) the large tiles of a compute-bound GEMM; at fewer rows, the rows in
-    one tile and enough programs over N (split over K where N alone gives too few) to keep every
-    multiprocessor reading weights."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    if m > TRITON_MM_MAX_ROWS:
-        return MmTile(block_m, 128, group_k or 128, 1, 8 if block_m == 128 else 4, 3)
-    block_n = 64 if n >= 8192 else 32
-    block_k = group_k or (128 if block_m == 128 else 256)
-    programs = triton_ops.triton.cdiv(n, block_n) * triton_ops.triton.cdiv(m, block_m)
-    split = 1 if programs >= 256 else 2 if programs >= 128 else 4
-    return MmTile(block_m, block_n, block_k, min(split, triton_ops.triton.cdiv(k, block_k)), 4, 4)
-
-
-def triton_scaled_mm(
-    xq: torch.Tensor,
-    xs: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    out_dtype: torch.dtype,
-    group_k: int | None = None,
-    tile: MmTile | None = None,
-) -> torch.Tensor:
-    """e4m3 xq [M, K] @ e4m3 weight [N, K].T in float32 through fp8_kernels.scaled_mm_kernel. group_k: both
-    scaled per group_k columns (xs [M, K / group_k], scale [N, K / group_k]); None: per token (xs [M, 1])
-    and per channel (scale [N])."""
-    m, k = xq.shape
-    n = weight.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    if m == 0:
-        return out
-    tile = tile or mm_tile(m, n, k, group_k)
-    if group_k is not None and tile.block_k != group_k:
-        raise ValueError(f"a block-scaled product steps through K by its scales' group ({group_k}), not {tile.block_k}")
-    grid = (triton_ops.triton.cdiv(n, tile.block_n), tile.split_k, triton_ops.triton.cdiv(m, tile.block_m))
-    counts = _split_counts(xq.device)
-    if tile.split_k > 1 and grid[0] * grid[2] <= counts.numel():
-        part = torch.empty(tile.split_k, m, n, dtype=torch.float32, device=xq.device)
-    else:
-        grid = (grid[0], 1, grid[2])
-        part = counts.view(torch.float32)  # not written: the partials' type, so the launch compiles as one
-    _fp8_kernels().scaled_mm_kernel[grid](
-        xq,
-        xs,
-        weight,
-        scale,
-        out,
-        part,
-        counts,
-        m,
-        n,
-        k,
-        xq.stride(0),
-        xs.stride(0),
-        weight.stride(0),
-        scale.stride(0),
-        out.stride(0),
-        BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k,
-        BLOCKED=group_k is not None,
-        SPLIT=grid[1] > 1,
-        num_warps=tile.num_warps,
-        num_stages=tile.num_stages,
-    )
-    return out
-
-
-# One count per output tile of a split-K product: each launch's last program per tile resets its count, so
-# the buffer is zeroed once per device and every launch (kernels of one stream run one at a time) finds it so
-_counts: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counts(device: torch.device) -> torch.Tensor:
-    if device not in _counts:
-        _counts[device] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
-    return _counts[device]
+    return skinny_gemm.matmul(xq, weight, x.dtype, xs, scale, group_k)
 
 
 def fp8_gemv(

@@ -1,0 +1,153 @@
+"""Matrix products at decode batches' row counts (a few to a few hundred rows) in Triton, for bf16 and
+e4m3 operands: the weight read once, in tiles narrow enough over N (and split over K where N alone gives
+too few) that every multiprocessor reads weights, where the vendor libraries' tiles for these shapes
+leave most of the GPU idle on N = 4,096 layers. A split product sums its partials in a fixed order
+(the kernel's last program for each tile adds them in K's order), so its result does not depend on the
+order the programs ran in. bench/fp8_gemm.py times it beside cuBLAS and cuBLASLt and sweeps its tiles."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from worker import triton_ops
+from worker.kernels import Kernels
+
+NO_SCALES, ROW_SCALES, BLOCK_SCALES = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class MmTile:
+    """A launch of skinny_mm_kernel: its output tile, K step, split of K, warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Rows up to which a product takes the narrow tiles below; past it (prompt chunks) the large tiles of a
+# compute-bound GEMM
+SKINNY_MAX_ROWS = 128
+
+
+def mm_tile(m: int, n: int, k: int, element_bytes: int, group_k: int | None = None) -> MmTile:
+    """The tile for an [m, k] @ [k, n] product of `element_bytes` operands (block-scaled: K steps of the
+    scales' group). Up to SKINNY_MAX_ROWS rows: the rows in one tile, enough programs over N (split over K
+    where N alone gives too few) to keep every multiprocessor reading weights, 256 bytes of K a step."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    if m > SKINNY_MAX_ROWS:
+        return MmTile(block_m, 128, group_k or 128 // element_bytes, 1, 8 if block_m == 128 else 4, 3)
+    block_n = 64 if n >= 8192 else 32
+    block_k = group_k or (128 if block_m == 128 else 256) // element_bytes
+    programs = triton_ops.triton.cdiv(n, block_n) * triton_ops.triton.cdiv(m, block_m)
+    split = 1 if programs >= 256 else 2 if programs >= 128 else 4
+    return MmTile(block_m, block_n, block_k, min(split, triton_ops.triton.cdiv(k, block_k)), 4, 4)
+
+
+# Rows up to which a linear layer of each weight dtype multiplies through `matmul` by default (Kernels.
+# decode_gemm auto): at decode batches the product is the weight's read (bench/fp8_gemm.py --sweep)
+AUTO_MAX_ROWS = {torch.float8_e4m3fn: 128, torch.bfloat16: 0, torch.float16: 0}
+
+
+def chosen(kernels: Kernels, rows: int, weight_dtype: torch.dtype) -> bool:
+    """Whether a linear layer of `rows` rows over a `weight_dtype` weight multiplies here (where it can)."""
+    if kernels.decode_gemm == "auto":
+        return rows <= AUTO_MAX_ROWS.get(weight_dtype, 0)
+    return kernels.decode_gemm == "triton"
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `matmul` can compute x @ weight.T without scales: half-precision operands of one dtype on a
+    GPU, rows and weight contiguous."""
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(-1) == 1
+        and weight.is_contiguous()
+        and _kernels() is not None
+    )
+
+
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_dtype: torch.dtype,
+    a_scale: torch.Tensor | None = None,
+    b_scale: torch.Tensor | None = None,
+    group_k: int | None = None,
+    tile: MmTile | None = None,
+) -> torch.Tensor:
+    """a [M, K] @ b [N, K].T, summed in float32, in `out_dtype`. Scales (e4m3 operands): group_k None, a's
+    per row (a_scale [M, 1]) and b's per row (b_scale [N]); group_k given, both per group_k columns
+    (a_scale [M, K / group_k], b_scale [N, K / group_k])."""
+    m, k = a.shape
+    n = b.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    tile = tile or mm_tile(m, n, k, a.element_size(), group_k)
+    if group_k is not None and tile.block_k != group_k:
+        raise ValueError(f"a block-scaled product steps through K by its scales' group ({group_k}), not {tile.block_k}")
+    scales = NO_SCALES if a_scale is None else ROW_SCALES if group_k is None else BLOCK_SCALES
+    grid = (triton_ops.triton.cdiv(n, tile.block_n), tile.split_k, triton_ops.triton.cdiv(m, tile.block_m))
+    counts = _split_counts(a.device)
+    if tile.split_k > 1 and grid[0] * grid[2] <= counts.numel():
+        part = torch.empty(tile.split_k, m, n, dtype=torch.float32, device=a.device)
+    else:
+        grid = (grid[0], 1, grid[2])
+        part = counts.view(torch.float32)  # not written: the partials' type, so the launch compiles as one
+    a_scale = counts if a_scale is None else a_scale  # not read without scales
+    b_scale = counts if b_scale is None else b_scale
+    _kernels().skinny_mm_kernel[grid](
+        a,
+        a_scale,
+        b,
+        b_scale,
+        out,
+        part,
+        counts,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a_scale.stride(0),
+        b.stride(0),
+        b_scale.stride(0),
+        out.stride(0),
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        SCALES=scales,
+        SPLIT=grid[1] > 1,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+    return out
+
+
+# One count per output tile of a split product: each launch's last program for a tile resets its count, so
+# the buffer is zeroed once per device and every launch finds it so (a stream's kernels run one at a time,
+# and a step's products run on its one compute stream)
+_counts: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counts(device: torch.device) -> torch.Tensor:
+    if device not in _counts:
+        _counts[device] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
+    return _counts[device]
+
+
+@functools.cache
+def _kernels():
+    try:
+        from worker import skinny_gemm_kernels
+    except ImportError:  # no Triton here
+        return None
+    return skinny_gemm_kernels
