@@ -35,8 +35,8 @@
 #                  at-once variant included (bench/moe_decode.py --sweep)
 #   fp8_gemm       Qwen3-8B's linears at 256 and 64 rows, bf16 and FP8: cuBLAS, cuBLASLt with and without fast
 #                  accumulation, the Triton GEMM (bench/fp8_gemm.py; FP8_GEMM_ARGS, e.g. "--m 16 64 --sweep")
-#   fp8_gemm_ab    Qwen3-8B's (a) with FP8 weights, the Triton GEMM at decode batches (the default) and
-#                  cuBLASLt (--decode-gemm vendor) alternated, RUNS each
+#   gemm_ab        (a) with the Triton GEMM at decode batches (the default) and with cuBLAS/cuBLASLt
+#                  (--decode-gemm vendor) alternated, RUNS each, for each of GEMM_AB_MODELS
 #   sample_kernel  the sampler's Gumbel-max kernels at batches 256, 64 and 1: tiles against the default
 #                  (bench/sample_kernel.py)
 #   row_fusion     batch-1 decode's fused residual-norm and SiLU GEMVs against the launches they replace
@@ -74,6 +74,7 @@
 #                  replica's scheduler thread and the offline engine under cProfile, side by side)
 #   CHUNKS   the prefill chunk sizes `mixed` runs at (default 2048)
 #   ARCH   the peer's architecture (default qwen3-0.6b)
+#   GEMM_AB_MODELS  the architectures `gemm_ab` runs, _fp8 for FP8 weights (default "qwen3-8b_fp8 qwen3-8b")
 #   FP8_GEMM_ARGS  the arguments of `fp8_gemm`'s bench/fp8_gemm.py (default --m 256 64)
 #   PEER_ARGS  more arguments for the peer's bench_minisgl.py (e.g. --draws prefill_heavy:2 --b1-repeat 0)
 #   ONLINE_ARGS  more flags for `online`'s bench/online_serving.py (e.g. --extend-graph-tokens 0)
@@ -250,11 +251,14 @@ for suite in "$@"; do
     small_gemm) step small_gemm 300 python3 bench/small_gemm.py --m 1 --out "$OUT/small_gemm.json" ;;
     # shellcheck disable=SC2086  # FP8_GEMM_ARGS is split into its words on purpose
     fp8_gemm) step fp8_gemm 400 python3 bench/fp8_gemm.py ${FP8_GEMM_ARGS:---m 256 64} --out "$OUT/fp8_gemm.json" ;;
-    fp8_gemm_ab)  # (a) with FP8 weights, decode batches through the Triton GEMM (the default) or cuBLASLt's
+    gemm_ab)  # (a) with the Triton GEMM at decode batches (the default) and with cuBLAS/cuBLASLt, alternated
       for i in $(seq "$RUNS"); do
-        for gemm in auto vendor; do
-          step "fp8_gemm_${gemm}_$i" 240 python3 bench/offline_throughput.py --arch qwen3-8b --quantization fp8 \
-            --decode-gemm "$gemm" --out "$OUT/fp8_gemm_${gemm}_$i.json"
+        for model in ${GEMM_AB_MODELS:-qwen3-8b_fp8 qwen3-8b}; do
+          for gemm in auto vendor; do
+            flag=(); [ "${model%_fp8}" != "$model" ] && flag=(--quantization fp8)
+            step "gemm_${model}_${gemm}_$i" 240 python3 bench/offline_throughput.py --arch "${model%_fp8}" \
+              "${flag[@]}" --decode-gemm "$gemm" --out "$OUT/gemm_${model}_${gemm}_$i.json"
+          done
         done
       done ;;
     sample_kernel) step sample_kernel 200 python3 bench/sample_kernel.py --out "$OUT/sample_kernel.json" ;;
