@@ -198,7 +198,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         "--decode-gemm",
         choices=DECODE_GEMMS,
         default="auto",
-        help="linear layers above one row: force the Triton GEMM or cuBLAS/cuBLASLt at every row count (to compare)",
+        help="linear layers above one row: the Triton GEMM at decode batches for every dtype, or cuBLAS/cuBLASLt only",
     )
     parser.add_argument(
         "--pdl",

@@ -35,8 +35,8 @@
 #                  at-once variant included (bench/moe_decode.py --sweep)
 #   fp8_gemm       Qwen3-8B's linears at 256 and 64 rows, bf16 and FP8: cuBLAS, cuBLASLt with and without fast
 #                  accumulation, the Triton GEMM (bench/fp8_gemm.py; FP8_GEMM_ARGS, e.g. "--m 16 64 --sweep")
-#   gemm_ab        (a) with the Triton GEMM at decode batches (the default) and with cuBLAS/cuBLASLt
-#                  (--decode-gemm vendor) alternated, RUNS each, for each of GEMM_AB_MODELS
+#   gemm_ab        (a) with the Triton GEMM at decode batches (--decode-gemm triton) and with cuBLAS/cuBLASLt
+#                  only (--decode-gemm vendor) alternated, RUNS each, for each of GEMM_AB_MODELS
 #   sample_kernel  the sampler's Gumbel-max kernels at batches 256, 64 and 1: tiles against the default
 #                  (bench/sample_kernel.py)
 #   row_fusion     batch-1 decode's fused residual-norm and SiLU GEMVs against the launches they replace
@@ -251,10 +251,10 @@ for suite in "$@"; do
     small_gemm) step small_gemm 300 python3 bench/small_gemm.py --m 1 --out "$OUT/small_gemm.json" ;;
     # shellcheck disable=SC2086  # FP8_GEMM_ARGS is split into its words on purpose
     fp8_gemm) step fp8_gemm 400 python3 bench/fp8_gemm.py ${FP8_GEMM_ARGS:---m 256 64} --out "$OUT/fp8_gemm.json" ;;
-    gemm_ab)  # (a) with the Triton GEMM at decode batches (the default) and with cuBLAS/cuBLASLt, alternated
+    gemm_ab)  # (a) with the Triton GEMM at decode batches and with cuBLAS/cuBLASLt only, alternated
       for i in $(seq "$RUNS"); do
         for model in ${GEMM_AB_MODELS:-qwen3-8b_fp8 qwen3-8b}; do
-          for gemm in auto vendor; do
+          for gemm in triton vendor; do
             flag=(); [ "${model%_fp8}" != "$model" ] && flag=(--quantization fp8)
             step "gemm_${model}_${gemm}_$i" 240 python3 bench/offline_throughput.py --arch "${model%_fp8}" \
               "${flag[@]}" --decode-gemm "$gemm" --out "$OUT/gemm_${model}_${gemm}_$i.json"

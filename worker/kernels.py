@@ -43,8 +43,8 @@ class Kernels:
     moe: str = "auto"
     # linear layers above one row on CUDA (bf16, and FP8 with per-channel scales). auto: the Triton GEMM of
     # worker/skinny_gemm.py up to its AUTO_MAX_ROWS for the weight's dtype (decode batches), cuBLAS or
-    # cuBLASLt above (prompt chunks); vendor: cuBLAS and cuBLASLt at every row count; triton: the Triton
-    # GEMM at every row count
+    # cuBLASLt above (prompt chunks); triton: the Triton GEMM up to SKINNY_MAX_ROWS for every dtype;
+    # vendor: cuBLAS and cuBLASLt at every row count
     decode_gemm: str = "auto"
     # programmatic dependent launch (compute capability 9.0+) of a step's Triton kernels: each may start
     # while the kernel before it finishes, its weights prefetched into L2 meanwhile (worker/pdl_kernels.py).

@@ -55,10 +55,11 @@ AUTO_MAX_ROWS = {torch.float8_e4m3fn: 128, torch.bfloat16: 0, torch.float16: 0}
 
 
 def chosen(kernels: Kernels, rows: int, weight_dtype: torch.dtype) -> bool:
-    """Whether a linear layer of `rows` rows over a `weight_dtype` weight multiplies here (where it can)."""
+    """Whether a linear layer of `rows` rows over a `weight_dtype` weight multiplies here (where it can):
+    Kernels.decode_gemm auto, up to AUTO_MAX_ROWS for the dtype; triton, up to SKINNY_MAX_ROWS for any."""
     if kernels.decode_gemm == "auto":
         return rows <= AUTO_MAX_ROWS.get(weight_dtype, 0)
-    return kernels.decode_gemm == "triton"
+    return kernels.decode_gemm == "triton" and rows <= SKINNY_MAX_ROWS
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
