@@ -30,7 +30,7 @@ from worker.quant import gemm  # noqa: E402
 COPIES = 6
 # the sweep: output columns a program, bytes of K a step, pipeline stages, splits of K (the rows a tile:
 # skinny_gemm.mm_tile's)
-TILES = {"block_n": (32, 64, 128), "k_bytes": (128, 256), "num_stages": (3, 4), "split_k": (1, 2, 4)}
+TILES = {"block_n": (32, 64, 128), "k_bytes": (128, 256), "num_stages": (4,), "split_k": (1, 2, 4)}
 CUBLASLT = Kernels(decode_gemm="vendor")
 
 
