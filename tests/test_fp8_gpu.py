@@ -16,6 +16,7 @@ from helpers import checked_llm, greedy
 from tiny_checkpoints import build_qwen3_hd128, random_prompts
 
 from worker import skinny_gemm
+from worker.kernels import Kernels
 from worker.quant import gemm
 from worker.quant.fp8 import dequantize, quantize_per_channel
 
@@ -89,6 +90,52 @@ def test_the_triton_gemm_over_bf16_agrees_with_cublas(m):
         got = skinny_gemm.matmul(x, w, torch.bfloat16)
         assert _rel(got, x.float() @ w.float().T) < OUT_TOL
         assert torch.equal(skinny_gemm.matmul(x, w, torch.bfloat16), got)
+        assert not skinny_gemm._split_counts(torch.device(CUDA)).any()
+
+
+def test_split_products_on_two_streams_at_once_keep_their_own_counts():
+    """Two engines on one GPU (a draft model beside its target) launch on streams of their own, at once:
+    each stream's split products count in a buffer of its own, so both come out right, launch after
+    launch, and leave their counts at zero."""
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 4096, device=CUDA).bfloat16(), (torch.randn(4096, 4096, device=CUDA) * 0.02).bfloat16()
+    tiles = [skinny_gemm.MmTile(16, 32, 128, split) for split in (2, 4)]
+    want = [skinny_gemm.matmul(x, w, torch.bfloat16, tile=t) for t in tiles]
+    streams = [torch.cuda.Stream() for _ in tiles]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = [[], []]
+    for i, (s, t) in enumerate(zip(streams, tiles)):
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(1_000_000)  # both streams' launches queue up behind it, then run side by side
+            outs[i] = [skinny_gemm.matmul(x, w, torch.bfloat16, tile=t) for _ in range(200)]
+    torch.cuda.synchronize()
+    for i, s in enumerate(streams):
+        assert all(torch.equal(o, want[i]) for o in outs[i])
+        with torch.cuda.stream(s):
+            assert not skinny_gemm._split_counts(torch.device(CUDA)).any()
+    assert not skinny_gemm._split_counts(torch.device(CUDA)).any()
+
+
+def test_per_channel_fp8_products_take_the_triton_gemm_at_decode_batches_and_cublaslt_above():
+    """gemm.scaled_mm_quantized: the Triton GEMM up to AUTO_MAX_ROWS rows, cuBLASLt's past them and at
+    every row count with Kernels.decode_gemm vendor (each the same bits as the product it names)."""
+    q, s = _weights(4096, 4096, None)
+    limit = skinny_gemm.AUTO_MAX_ROWS[q.dtype]
+    for m, kernels, triton in (
+        (limit, Kernels(), True),
+        (limit + 1, Kernels(), False),
+        (8, Kernels(decode_gemm="vendor"), False),
+    ):
+        xq, xs = gemm.quantize_activations(torch.randn(m, 4096, device=CUDA).bfloat16(), 4096)
+        got = gemm.scaled_mm_quantized(xq, xs, q, s, torch.bfloat16, kernels)
+        if triton:
+            want = skinny_gemm.matmul(xq, q, torch.bfloat16, xs, s)
+        else:
+            want = torch._scaled_mm(
+                xq, q.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=torch.bfloat16, use_fast_accum=True
+            )
+        assert torch.equal(got, want), (m, kernels.decode_gemm)
 
 
 @pytest.mark.parametrize("m", [2, 16, 33, 200])
@@ -148,7 +195,6 @@ def test_the_norm_with_the_quantization_inside_gives_the_unfused_norm_and_linear
     (worker/quant/fused_quant.py, by norm_linear): the new residual, the per-token scales and e4m3 rows,
     and the linear's output are the unfused path's (FlashInfer's norm, the Triton quantization,
     cuBLASLt)."""
-    from worker.kernels import Kernels
     from worker.layers.norm import RMSNorm
     from worker.layers.row_fusion import norm_linear
     from worker.quant import fused_quant
@@ -171,7 +217,6 @@ def test_the_norm_with_the_quantization_inside_gives_the_unfused_norm_and_linear
 
 @pytest.mark.parametrize("rows", [2, 64, 256])
 def test_silu_with_the_quantization_inside_gives_the_unfused_silu_and_down(rows):
-    from worker.kernels import Kernels
     from worker.layers.fused import fused_ops
     from worker.layers.row_fusion import silu_linear
     from worker.quant import fused_quant

@@ -308,31 +308,33 @@ def test_the_block_scaled_gemm_is_float32_over_the_rounded_activations_and_weigh
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("k", [160, 150])
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 @pytest.mark.parametrize("scales", ["row", "block", "none"])
-def test_the_triton_gemm_split_over_k_is_float32_over_its_operands(needs_triton, split_k, scales):
-    """skinny_gemm.matmul, 21 rows of a 40 x 160 weight in 16 x 16 tiles (partial tiles; five K steps over
-    three splits, the last shorter): over e4m3 operands scaled per token and channel or per 32-column
-    group, and over unscaled ones (float32 here; bf16 on the GPU, tests/test_fp8_gpu.py). The products in
-    float32 (to 1e-6 of the largest), every split's count reset for the next launch, the same sum twice."""
+def test_the_triton_gemm_split_over_k_is_float32_over_its_operands(needs_triton, split_k, scales, k):
+    """skinny_gemm.matmul, 21 rows of a 40 x K weight in 16 x 16 tiles (partial tiles; five K steps over
+    three splits, the last shorter; at K = 150 a partial last step): over e4m3 operands scaled per token and
+    channel or per 32-column group, and over unscaled ones (float32 here; bf16 on the GPU,
+    tests/test_fp8_gpu.py). The products in float32 (to 1e-6 of the largest), every split's count reset
+    for the next launch, the same sum twice."""
     g = torch.Generator().manual_seed(split_k)
     dtype = torch.float32 if scales == "none" else FP8
-    a, b = (torch.randn(21, 160, generator=g) * 40).to(dtype), (torch.randn(40, 160, generator=g) * 40).to(dtype)
+    a, b = (torch.randn(21, k, generator=g) * 40).to(dtype), (torch.randn(40, k, generator=g) * 40).to(dtype)
     group_k = 32 if scales == "block" else None
-    groups = 160 // 32 if scales == "block" else 1
+    groups = -(-k // 32) if scales == "block" else 1
     a_s, b_s = torch.rand(21, groups, generator=g) + 0.5, torch.rand(40, groups, generator=g) + 0.5
     if scales == "none":
         a_s, b_s = torch.ones(21, 1), torch.ones(40, 1)
-    width = 160 // groups
-    want = (a.float() * a_s.repeat_interleave(width, dim=1)) @ (b.float() * b_s.repeat_interleave(width, dim=1)).T
+    width = 32 if scales == "block" else k
+    a_w, b_w = (t.repeat_interleave(width, dim=1)[:, :k] for t in (a_s, b_s))
+    want = (a.float() * a_w) @ (b.float() * b_w).T
     tile = skinny_gemm.MmTile(16, 16, 32, split_k)
     args = () if scales == "none" else (a_s, b_s if group_k else b_s.view(-1), group_k)
     got = skinny_gemm.matmul(a, b, torch.float32, *args, tile=tile)
     # float32's order of additions (and per-channel scales applied after the sum), against the largest
     assert (got - want).abs().max() <= 1e-6 * want.abs().max()
     assert torch.equal(skinny_gemm.matmul(a, b, torch.float32, *args, tile=tile), got)
-    if split_k > 1:
-        assert not skinny_gemm._split_counts(torch.device("cpu")).any()
+    assert not skinny_gemm._split_counts(torch.device("cpu")).any()
 
 
 @pytest.mark.parametrize("with_residual", [True, False])

@@ -97,12 +97,15 @@ def matmul(
     if group_k is not None and tile.block_k != group_k:
         raise ValueError(f"a block-scaled product steps through K by its scales' group ({group_k}), not {tile.block_k}")
     scales = NO_SCALES if a_scale is None else ROW_SCALES if group_k is None else BLOCK_SCALES
-    grid = (triton_ops.triton.cdiv(n, tile.block_n), tile.split_k, triton_ops.triton.cdiv(m, tile.block_m))
+    steps = triton_ops.triton.cdiv(k, tile.block_k)
+    splits = triton_ops.triton.cdiv(steps, triton_ops.triton.cdiv(steps, tile.split_k))  # none left empty
+    grid = (triton_ops.triton.cdiv(n, tile.block_n), splits, triton_ops.triton.cdiv(m, tile.block_m))
     counts = _split_counts(a.device)
-    if tile.split_k > 1 and grid[0] * grid[2] <= counts.numel():
-        part = torch.empty(tile.split_k, m, n, dtype=torch.float32, device=a.device)
+    if counts is not None and splits > 1 and grid[0] * grid[2] <= counts.numel():
+        part = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
     else:
         grid = (grid[0], 1, grid[2])
+        counts = _placeholder(a.device)
         part = counts.view(torch.float32)  # not written: the partials' type, so the launch compiles as one
     a_scale = counts if a_scale is None else a_scale  # not read without scales
     b_scale = counts if b_scale is None else b_scale
@@ -133,16 +136,30 @@ def matmul(
     return out
 
 
-# One count per output tile of a split product: each launch's last program for a tile resets its count, so
-# the buffer is zeroed once per device and every launch finds it so (a stream's kernels run one at a time,
-# and a step's products run on its one compute stream)
-_counts: dict[torch.device, torch.Tensor] = {}
+# One count per output tile of a split product, a buffer per stream: each launch's last program for a
+# tile resets its count, so a buffer is zeroed once and every launch finds it so, as long as no two launches
+# that share it run at once. An engine launches on its compute stream and captures its CUDA graphs there
+# (worker/engine.py), and a stream runs its kernels one at a time; engines beside each other on one GPU (a
+# draft model's) have streams, and buffers, of their own.
+MAX_SPLIT_TILES = 1 << 14
+_counts: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def _split_counts(device: torch.device) -> torch.Tensor:
-    if device not in _counts:
-        _counts[device] = torch.zeros(1 << 16, dtype=torch.int32, device=device)
-    return _counts[device]
+def _split_counts(device: torch.device) -> torch.Tensor | None:
+    """The current stream's counts on `device`; None (the product then not split) where it has none yet
+    and a CUDA graph is being captured, which would record the buffer's zeroing instead of running it."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _counts:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _counts[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _counts[key]
+
+
+@functools.cache
+def _placeholder(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 @functools.cache

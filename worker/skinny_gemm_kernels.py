@@ -75,16 +75,16 @@ def skinny_mm_kernel(
                 # past L1, which may hold this address from an earlier launch
                 acc += tl.load(part_ptr + s * plane + tile, mask=ok, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_m * tl.num_programs(0) + pid_n, 0)
-            _store_scaled(acc, as_ptr, bs_ptr, c_ptr, rm, rn, m_ok, n_ok, as_stride, c_stride, SCALES)
+            _store_scaled(acc, as_ptr, bs_ptr, c_ptr, rm, rn, m_ok, n_ok, as_stride, bs_stride, c_stride, SCALES)
     else:
-        _store_scaled(acc, as_ptr, bs_ptr, c_ptr, rm, rn, m_ok, n_ok, as_stride, c_stride, SCALES)
+        _store_scaled(acc, as_ptr, bs_ptr, c_ptr, rm, rn, m_ok, n_ok, as_stride, bs_stride, c_stride, SCALES)
 
 
 @triton.jit
-def _store_scaled(acc, as_ptr, bs_ptr, c_ptr, rm, rn, m_ok, n_ok, as_stride, c_stride, SCALES: tl.constexpr):
+def _store_scaled(acc, as_ptr, bs_ptr, c_ptr, rm, rn, m_ok, n_ok, as_stride, bs_stride, c_stride, SCALES: tl.constexpr):
     if SCALES == 1:
         acc = acc * tl.load(as_ptr + rm * as_stride, mask=m_ok, other=0.0)[:, None]
-        acc = acc * tl.load(bs_ptr + rn, mask=n_ok, other=0.0)[None, :]
+        acc = acc * tl.load(bs_ptr + rn * bs_stride, mask=n_ok, other=0.0)[None, :]
     tl.store(
         c_ptr + rm[:, None].to(tl.int64) * c_stride + rn[None, :],
         acc.to(c_ptr.dtype.element_ty),
