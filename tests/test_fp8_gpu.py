@@ -118,24 +118,24 @@ def test_split_products_on_two_streams_at_once_keep_their_own_counts():
 
 
 def test_per_channel_fp8_products_take_the_triton_gemm_at_decode_batches_and_cublaslt_above():
-    """gemm.scaled_mm_quantized: the Triton GEMM up to AUTO_MAX_ROWS rows, cuBLASLt's past them and at
-    every row count with Kernels.decode_gemm vendor (each the same bits as the product it names)."""
+    """gemm.scaled_mm_quantized by Kernels.decode_gemm: triton, the Triton GEMM up to SKINNY_MAX_ROWS rows and
+    cuBLASLt past them; auto, the same up to AUTO_MAX_ROWS; vendor, cuBLASLt at every row count (each the
+    same bits as the product it names)."""
     q, s = _weights(4096, 4096, None)
-    limit = skinny_gemm.AUTO_MAX_ROWS[q.dtype]
-    for m, kernels, triton in (
-        (limit, Kernels(), True),
-        (limit + 1, Kernels(), False),
-        (8, Kernels(decode_gemm="vendor"), False),
-    ):
+    skinny, auto = skinny_gemm.SKINNY_MAX_ROWS, skinny_gemm.AUTO_MAX_ROWS[q.dtype]
+    cases = [(skinny, "triton", True), (skinny + 1, "triton", False), (8, "vendor", False), (auto + 1, "auto", False)]
+    if auto:
+        cases.append((auto, "auto", True))
+    for m, choice, triton in cases:
         xq, xs = gemm.quantize_activations(torch.randn(m, 4096, device=CUDA).bfloat16(), 4096)
-        got = gemm.scaled_mm_quantized(xq, xs, q, s, torch.bfloat16, kernels)
+        got = gemm.scaled_mm_quantized(xq, xs, q, s, torch.bfloat16, Kernels(decode_gemm=choice))
         if triton:
             want = skinny_gemm.matmul(xq, q, torch.bfloat16, xs, s)
         else:
             want = torch._scaled_mm(
                 xq, q.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=torch.bfloat16, use_fast_accum=True
             )
-        assert torch.equal(got, want), (m, kernels.decode_gemm)
+        assert torch.equal(got, want), (m, choice)
 
 
 @pytest.mark.parametrize("m", [2, 16, 33, 200])
@@ -265,15 +265,20 @@ def _prefill_logits(path, prompts, **kw) -> torch.Tensor:
         return torch.stack([r[-1].cpu() for r in rows])
 
 
-@pytest.mark.parametrize("fmt", ["at load", "fp8", "compressed-tensors"])
-def test_an_fp8_engine_generates_and_its_logits_are_near_float32s(hd128, tmp_path, fmt):
+@pytest.mark.parametrize(
+    "fmt,decode_gemm",
+    [("at load", "auto"), ("fp8", "auto"), ("compressed-tensors", "auto"), ("at load", "triton")],
+)
+def test_an_fp8_engine_generates_and_its_logits_are_near_float32s(hd128, tmp_path, fmt, decode_gemm):
     # against float32 over the same (dequantized) weights; a bf16 engine's error on the same reference is
-    # the yardstick: FP8's activations round 16 times coarser than bf16's
+    # the yardstick: FP8's activations round 16 times coarser than bf16's. decode_gemm triton: the per-channel
+    # products at up to 128 rows (these prompts' shorter half, and every decode step) through the Triton GEMM
     if fmt == "at load":
         path, ref_path, kw = hd128, None, {"quantization": "fp8"}
     else:
         path, ref_path = write_fp8_checkpoint(hd128, tmp_path, fmt)
         kw = {}
+    kw["kernels"] = Kernels(decode_gemm=decode_gemm)
     prompts = random_prompts(8, 20, 200, seed=3)
     if ref_path is None:  # the reference for at-load quantization: its own weights, dequantized
         with checked_llm(hd128, dtype="float32", page_size=16, num_pages=1024, max_running_reqs=16) as llm:

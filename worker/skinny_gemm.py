@@ -50,8 +50,9 @@ def mm_tile(m: int, n: int, k: int, element_bytes: int, group_k: int | None = No
 
 
 # Rows up to which a linear layer of each weight dtype multiplies through `matmul` by default (Kernels.
-# decode_gemm auto): at decode batches the product is the weight's read (bench/fp8_gemm.py --sweep)
-AUTO_MAX_ROWS = {torch.float8_e4m3fn: 128, torch.bfloat16: 0, torch.float16: 0}
+# decode_gemm auto): none until a GPU has measured it against cuBLAS and cuBLASLt (bench/fp8_gemm.py --sweep,
+# bench/gpu.sh gemm_ab); Kernels(decode_gemm="triton") asks for it
+AUTO_MAX_ROWS = {torch.float8_e4m3fn: 0, torch.bfloat16: 0, torch.float16: 0}
 
 
 def chosen(kernels: Kernels, rows: int, weight_dtype: torch.dtype) -> bool:

@@ -1,7 +1,7 @@
 """The GEMMs of FP8 linears. On CUDA (compute capability 8.9+): at one row (batch-1 decode) a Triton GEMV
 that reads the e4m3 weight once and scales in its loop (the activations stay in bf16); per-channel weights
-otherwise, after a per-token activation quantization, through the Triton GEMM of worker/skinny_gemm.py at
-decode batches and cuBLASLt (`torch._scaled_mm`, rowwise scales) on prompt chunks (Kernels.decode_gemm);
+otherwise, after a per-token activation quantization, through the Triton GEMM of worker/skinny_gemm.py where
+Kernels.decode_gemm chooses it (decode batches) and cuBLASLt (`torch._scaled_mm`, rowwise scales) elsewhere;
 block-scaled weights through the Triton GEMM after a per-token, per-128-column-group quantization. Elsewhere
 (the CPU) the weight is dequantized to the activations' dtype for F.linear. Nothing here synchronizes the
 host, so all of it runs inside CUDA graphs."""
