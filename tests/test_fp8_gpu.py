@@ -66,7 +66,7 @@ def test_scaled_mm_with_per_token_activations_is_float32_over_the_dequantized_we
 @pytest.mark.parametrize("m", [2, 16, 33, 128])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
 def test_the_triton_fp8_gemm_agrees_with_cublaslt_and_repeats_exactly(m, n, k, split_k):
-    """The per-channel product at decode's row counts (skinny_gemm.AUTO_MAX_ROWS) through the Triton GEMM,
+    """The per-channel product at decode's row counts (skinny_gemm.SKINNY_MAX_ROWS) through the Triton GEMM,
     split over K or not, against cuBLASLt's on the same e4m3 operands; a split sum is the same bits on
     every launch (its last program adds the partials in K's order) and leaves its counts at zero."""
     q, s = _weights(n, k, None)
@@ -118,15 +118,21 @@ def test_split_products_on_two_streams_at_once_keep_their_own_counts():
 
 
 def test_per_channel_fp8_products_take_the_triton_gemm_at_decode_batches_and_cublaslt_above():
-    """gemm.scaled_mm_quantized by Kernels.decode_gemm: triton, the Triton GEMM up to SKINNY_MAX_ROWS rows and
-    cuBLASLt past them; auto, the same up to AUTO_MAX_ROWS; vendor, cuBLASLt at every row count (each the
-    same bits as the product it names)."""
-    q, s = _weights(4096, 4096, None)
-    skinny, auto = skinny_gemm.SKINNY_MAX_ROWS, skinny_gemm.AUTO_MAX_ROWS[q.dtype]
-    cases = [(skinny, "triton", True), (skinny + 1, "triton", False), (8, "vendor", False), (auto + 1, "auto", False)]
-    if auto:
-        cases.append((auto, "auto", True))
-    for m, choice, triton in cases:
+    """gemm.scaled_mm_quantized by Kernels.decode_gemm: triton, the Triton GEMM where skinny_gemm.pays (N =
+    4,096 up to SKINNY_MAX_ROWS rows, N = 24,576 up to 64) and cuBLASLt past it; auto, the same if FP8 is one
+    of AUTO_DTYPES and cuBLASLt if not; vendor, cuBLASLt at every row count (each the same bits as the
+    product it names)."""
+    skinny, auto = skinny_gemm.SKINNY_MAX_ROWS, torch.float8_e4m3fn in skinny_gemm.AUTO_DTYPES
+    cases = [
+        (4096, skinny, "triton", True),
+        (4096, skinny + 1, "triton", False),
+        (24576, 64, "triton", True),
+        (24576, 65, "triton", False),
+        (4096, 8, "vendor", False),
+        (4096, 8, "auto", auto),
+    ]
+    for n, m, choice, triton in cases:
+        q, s = _weights(n, 4096, None)
         xq, xs = gemm.quantize_activations(torch.randn(m, 4096, device=CUDA).bfloat16(), 4096)
         got = gemm.scaled_mm_quantized(xq, xs, q, s, torch.bfloat16, Kernels(decode_gemm=choice))
         if triton:
@@ -135,7 +141,7 @@ def test_per_channel_fp8_products_take_the_triton_gemm_at_decode_batches_and_cub
             want = torch._scaled_mm(
                 xq, q.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=torch.bfloat16, use_fast_accum=True
             )
-        assert torch.equal(got, want), (m, choice)
+        assert torch.equal(got, want), (n, m, choice)
 
 
 @pytest.mark.parametrize("m", [2, 16, 33, 200])

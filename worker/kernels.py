@@ -41,9 +41,9 @@ class Kernels:
     # GEMMs; CUDA-graph safe) on CUDA where Triton is installed, and on the CPU under Triton's interpreter
     # with interpret_on_cpu; the torch loop over experts otherwise, or always with torch
     moe: str = "auto"
-    # linear layers above one row on CUDA (bf16, and FP8 with per-channel scales). auto: the Triton GEMM of
-    # worker/skinny_gemm.py up to its AUTO_MAX_ROWS for the weight's dtype (decode batches), cuBLAS or
-    # cuBLASLt above (prompt chunks); triton: the Triton GEMM up to SKINNY_MAX_ROWS for every dtype;
+    # linear layers above one row on CUDA (bf16, and FP8 with per-channel scales). triton: the Triton GEMM
+    # of worker/skinny_gemm.py at decode batches where it pays (skinny_gemm.pays), cuBLAS or cuBLASLt
+    # elsewhere; auto: the same for the weight dtypes of skinny_gemm.AUTO_DTYPES, vendor for the others;
     # vendor: cuBLAS and cuBLASLt at every row count
     decode_gemm: str = "auto"
     # programmatic dependent launch (compute capability 9.0+) of a step's Triton kernels: each may start

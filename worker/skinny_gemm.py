@@ -37,30 +37,39 @@ SKINNY_MAX_ROWS = 128
 
 def mm_tile(m: int, n: int, k: int, element_bytes: int, group_k: int | None = None) -> MmTile:
     """The tile for an [m, k] @ [k, n] product of `element_bytes` operands (block-scaled: K steps of the
-    scales' group). Up to SKINNY_MAX_ROWS rows: the rows in one tile, enough programs over N (split over K
-    where N alone gives too few) to keep every multiprocessor reading weights, 256 bytes of K a step."""
+    scales' group). Up to SKINNY_MAX_ROWS rows, as bench/fp8_gemm.py --sweep found on Qwen3-8B's layers
+    (an H100, 2026-12-05): the rows in one tile, 256 bytes of K a step, 32 output columns a program up to
+    N = 4,096 and 64 beyond, and K split in two only at 16 rows or fewer where K is twice N or more (down:
+    23.0 against 24.7 us); every other split was slower, up to twice as slow at 64 and 128 rows."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     if m > SKINNY_MAX_ROWS:
         return MmTile(block_m, 128, group_k or 128 // element_bytes, 1, 8 if block_m == 128 else 4, 3)
-    block_n = 64 if n >= 8192 else 32
-    block_k = group_k or (128 if block_m == 128 else 256) // element_bytes
-    programs = triton_ops.triton.cdiv(n, block_n) * triton_ops.triton.cdiv(m, block_m)
-    split = 1 if programs >= 256 else 2 if programs >= 128 else 4
+    block_n = 32 if n <= 4096 else 64
+    block_k = group_k or 256 // element_bytes
+    split = 2 if m <= 16 and k >= 2 * n else 1
     return MmTile(block_m, block_n, block_k, min(split, triton_ops.triton.cdiv(k, block_k)), 4, 4)
 
 
-# Rows up to which a linear layer of each weight dtype multiplies through `matmul` by default (Kernels.
-# decode_gemm auto): none until a GPU has measured it against cuBLAS and cuBLASLt (bench/fp8_gemm.py --sweep,
-# bench/gpu.sh gemm_ab); Kernels(decode_gemm="triton") asks for it
-AUTO_MAX_ROWS = {torch.float8_e4m3fn: 0, torch.bfloat16: 0, torch.float16: 0}
+def pays(rows: int, n: int) -> bool:
+    """Where the sweep found the Triton GEMM ahead of cuBLASLt's FP8 (fast accumulation) on Qwen3-8B's layers
+    (an H100, 2026-12-05; a layer's four at 16 / 64 / 128 rows, 85.7 / 90.7 / 100.4 us against 104.9 /
+    104.7 / 106.4): o and down (N = 4,096) and qkv at every row count up to 128, gate-up (N = 24,576) up to
+    64 rows (38.5 against 42.0 us at 16, even at 64, 47.2 against 43.1 at 128)."""
+    return rows <= 64 or (rows <= SKINNY_MAX_ROWS and n <= 8192)
 
 
-def chosen(kernels: Kernels, rows: int, weight_dtype: torch.dtype) -> bool:
-    """Whether a linear layer of `rows` rows over a `weight_dtype` weight multiplies here (where it can):
-    Kernels.decode_gemm auto, up to AUTO_MAX_ROWS for the dtype; triton, up to SKINNY_MAX_ROWS for any."""
-    if kernels.decode_gemm == "auto":
-        return rows <= AUTO_MAX_ROWS.get(weight_dtype, 0)
-    return kernels.decode_gemm == "triton" and rows <= SKINNY_MAX_ROWS
+# The weight dtypes whose linear layers multiply through `matmul` by default (Kernels.decode_gemm auto), where
+# `pays`: none until the engine has measured it end to end (bench/gpu.sh gemm_ab); Kernels(decode_gemm=
+# "triton") asks for it for every dtype
+AUTO_DTYPES: frozenset[torch.dtype] = frozenset()
+
+
+def chosen(kernels: Kernels, rows: int, weight: torch.Tensor) -> bool:
+    """Whether a linear layer of `rows` rows over `weight` multiplies here (where it can): where it `pays`,
+    with Kernels.decode_gemm triton, or auto for the dtypes of AUTO_DTYPES."""
+    if kernels.decode_gemm == "vendor" or (kernels.decode_gemm == "auto" and weight.dtype not in AUTO_DTYPES):
+        return False
+    return pays(rows, weight.shape[0])
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -24,7 +24,7 @@ def linear(
         y = None
         if kernels.small_linear and x.shape[0] == 1 and gemv.small_linear_applies(x, weight):
             y = gemv.small_linear(x, weight, pdl=triton_ops.pdl_applies(kernels, x.device))
-        elif skinny_gemm.chosen(kernels, x.shape[0], weight.dtype) and skinny_gemm.applies(x, weight):
+        elif skinny_gemm.chosen(kernels, x.shape[0], weight) and skinny_gemm.applies(x, weight):
             y = skinny_gemm.matmul(x, weight, x.dtype)
         if y is not None:
             return y if bias is None else y + bias
