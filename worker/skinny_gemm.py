@@ -50,6 +50,21 @@ def mm_tile(m: int, n: int, k: int, element_bytes: int, group_k: int | None = No
     return MmTile(block_m, block_n, block_k, min(split, triton_ops.triton.cdiv(k, block_k)), 4, 4)
 
 
+def _fit(tile: MmTile, element_bytes: int, device: torch.device) -> MmTile:
+    """`tile` with fewer pipeline stages where its operands' stages would pass the GPU's shared memory (an
+    Ada GPU holds 99 KB a program, a Hopper 227: 128 rows of 256 bytes beside 64 take 196 KB at 4 stages)."""
+    if device.type != "cuda":
+        return tile
+    stage = (tile.block_m + tile.block_n) * tile.block_k * element_bytes
+    stages = min(tile.num_stages, max(1, (_shared_bytes(device.index) - 2048) // stage))  # leaves Triton's own
+    return tile if stages == tile.num_stages else MmTile(**{**tile.__dict__, "num_stages": stages})
+
+
+@functools.cache
+def _shared_bytes(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
 def pays(rows: int, n: int) -> bool:
     """Where the sweep found the Triton GEMM ahead of cuBLASLt's FP8 (fast accumulation) on Qwen3-8B's layers
     (an H100, 2026-12-05; a layer's four at 16 / 64 / 128 rows, 85.7 / 90.7 / 100.4 us against 104.9 /
@@ -103,7 +118,7 @@ def matmul(
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    tile = tile or mm_tile(m, n, k, a.element_size(), group_k)
+    tile = tile or _fit(mm_tile(m, n, k, a.element_size(), group_k), a.element_size(), a.device)
     if group_k is not None and tile.block_k != group_k:
         raise ValueError(f"a block-scaled product steps through K by its scales' group ({group_k}), not {tile.block_k}")
     scales = NO_SCALES if a_scale is None else ROW_SCALES if group_k is None else BLOCK_SCALES
