@@ -72,7 +72,7 @@ def test_the_triton_fp8_gemm_agrees_with_cublaslt_and_repeats_exactly(m, n, k, s
     q, s = _weights(n, k, None)
     xq, xs = gemm.quantize_activations(torch.randn(m, k, device=CUDA).bfloat16(), k)
     want = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=torch.float32)
-    base = skinny_gemm.mm_tile(m, n, k, 1)
+    base = skinny_gemm._fit(skinny_gemm.mm_tile(m, n, k, 1), 1, q.device)
     tile = skinny_gemm.MmTile(base.block_m, base.block_n, base.block_k, split_k, base.num_warps, base.num_stages)
     got = [skinny_gemm.matmul(xq, q, torch.bfloat16, xs, s, tile=tile) for _ in range(3)]
     assert _rel(got[0], want) < 0.005
@@ -145,9 +145,10 @@ def test_per_channel_fp8_products_take_the_triton_gemm_at_decode_batches_and_cub
 
 
 @pytest.mark.parametrize("m", [2, 16, 33, 200])
-@pytest.mark.parametrize("n,k", [(320, 576), (4096, 4096)])
+@pytest.mark.parametrize("n,k", [(320, 576), (4096, 4096), (4096, 12288)])
 def test_block_scaled_triton_gemm_is_float32_over_the_dequantized_weight(m, n, k):
-    # 320 rows and 576 columns: partial blocks at both ends
+    # 320 rows and 576 columns: partial blocks at both ends; 4096 x 12288 (down's shape): split over K at 16
+    # rows or fewer
     q, s = _weights(n, k, (128, 128))
     x = torch.randn(m, k, device=CUDA).bfloat16()
     w = dequantize(q, s, (128, 128))

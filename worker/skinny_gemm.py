@@ -62,15 +62,19 @@ def _fit(tile: MmTile, element_bytes: int, device: torch.device) -> MmTile:
 
 @functools.cache
 def _shared_bytes(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    props = torch.cuda.get_device_properties(index)
+    return getattr(props, "shared_memory_per_block_optin", None) or props.shared_memory_per_block
 
 
-def pays(rows: int, n: int) -> bool:
-    """Where the sweep found the Triton GEMM ahead of cuBLASLt's FP8 (fast accumulation) on Qwen3-8B's layers
-    (an H100, 2026-12-05; a layer's four at 16 / 64 / 128 rows, 85.7 / 90.7 / 100.4 us against 104.9 /
-    104.7 / 106.4): o and down (N = 4,096) and qkv at every row count up to 128, gate-up (N = 24,576) up to
-    64 rows (38.5 against 42.0 us at 16, even at 64, 47.2 against 43.1 at 128)."""
-    return rows <= 64 or (rows <= SKINNY_MAX_ROWS and n <= 8192)
+def pays(rows: int, weight: torch.Tensor) -> bool:
+    """Where the sweep found the Triton GEMM ahead of the vendor's on Qwen3-8B's layers (an H100,
+    2026-12-05). FP8 against cuBLASLt (fast accumulation; a layer's four at 16 / 64 / 128 rows, 85.8 / 90.7
+    / 100.4 us at these tiles against 104.8 / 104.8 / 106.4): o and down (N = 4,096) and qkv at every row
+    count up to 128, gate-up (N = 24,576) up to 64 rows (38.5 against 42.0 us at 16, 42.2 against 42.5 at
+    64, 47.2 against 43.1 at 128). bf16 against cuBLAS: up to 16 rows (149.3 against 155.1; it lost from 64)."""
+    if weight.element_size() > 1:
+        return rows <= 16
+    return rows <= 64 or (rows <= SKINNY_MAX_ROWS and weight.shape[0] <= 8192)
 
 
 # The weight dtypes whose linear layers multiply through `matmul` by default (Kernels.decode_gemm auto), where
@@ -84,7 +88,7 @@ def chosen(kernels: Kernels, rows: int, weight: torch.Tensor) -> bool:
     with Kernels.decode_gemm triton, or auto for the dtypes of AUTO_DTYPES."""
     if kernels.decode_gemm == "vendor" or (kernels.decode_gemm == "auto" and weight.dtype not in AUTO_DTYPES):
         return False
-    return pays(rows, weight.shape[0])
+    return pays(rows, weight)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
