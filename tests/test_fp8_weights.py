@@ -308,23 +308,23 @@ def test_the_block_scaled_gemm_is_float32_over_the_rounded_activations_and_weigh
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("k", [160, 150])
+@pytest.mark.parametrize("rows,k", [(21, 160), (21, 150), (150, 160)])
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 @pytest.mark.parametrize("scales", ["row", "block", "none"])
-def test_the_triton_gemm_split_over_k_is_float32_over_its_operands(needs_triton, split_k, scales, k):
-    """skinny_gemm.matmul, 21 rows of a 40 x K weight in 16 x 16 tiles (partial tiles; five K steps over
-    three splits, the last shorter; at K = 150 a partial last step): over e4m3 operands scaled per token and
-    channel or per 32-column group, and over unscaled ones (float32 here; bf16 on the GPU,
-    tests/test_fp8_gpu.py). The products in float32 (to 1e-6 of the largest), every split's count reset
-    for the next launch, the same sum twice."""
+def test_the_triton_gemm_split_over_k_is_float32_over_its_operands(needs_triton, split_k, scales, rows, k):
+    """skinny_gemm.matmul, 21 rows (150: past SKINNY_MAX_ROWS, its grid over M first) of a 40 x K weight in
+    16 x 16 tiles (partial tiles; five K steps over three splits, the last shorter; at K = 150 a partial last
+    step): over e4m3 operands scaled per token and channel or per 32-column group, and over unscaled ones
+    (float32 here; bf16 on the GPU, tests/test_fp8_gpu.py). The products in float32 (to 1e-6 of the
+    largest), every split's count reset for the next launch, the same sum twice."""
     g = torch.Generator().manual_seed(split_k)
     dtype = torch.float32 if scales == "none" else FP8
-    a, b = (torch.randn(21, k, generator=g) * 40).to(dtype), (torch.randn(40, k, generator=g) * 40).to(dtype)
+    a, b = (torch.randn(rows, k, generator=g) * 40).to(dtype), (torch.randn(40, k, generator=g) * 40).to(dtype)
     group_k = 32 if scales == "block" else None
     groups = -(-k // 32) if scales == "block" else 1
-    a_s, b_s = torch.rand(21, groups, generator=g) + 0.5, torch.rand(40, groups, generator=g) + 0.5
+    a_s, b_s = torch.rand(rows, groups, generator=g) + 0.5, torch.rand(40, groups, generator=g) + 0.5
     if scales == "none":
-        a_s, b_s = torch.ones(21, 1), torch.ones(40, 1)
+        a_s, b_s = torch.ones(rows, 1), torch.ones(40, 1)
     width = 32 if scales == "block" else k
     a_w, b_w = (t.repeat_interleave(width, dim=1)[:, :k] for t in (a_s, b_s))
     want = (a.float() * a_w) @ (b.float() * b_w).T

@@ -128,12 +128,15 @@ def matmul(
     scales = NO_SCALES if a_scale is None else ROW_SCALES if group_k is None else BLOCK_SCALES
     steps = triton_ops.triton.cdiv(k, tile.block_k)
     splits = triton_ops.triton.cdiv(steps, triton_ops.triton.cdiv(steps, tile.split_k))  # none left empty
-    grid = (triton_ops.triton.cdiv(n, tile.block_n), splits, triton_ops.triton.cdiv(m, tile.block_m))
+    n_tiles, m_tiles = triton_ops.triton.cdiv(n, tile.block_n), triton_ops.triton.cdiv(m, tile.block_m)
+    m_first = m > SKINNY_MAX_ROWS  # a prompt chunk's programs share their weight tile (the kernel's comment)
     counts = _split_counts(a.device)
-    if counts is not None and splits > 1 and grid[0] * grid[2] <= counts.numel():
+    if not (counts is not None and splits > 1 and n_tiles * m_tiles <= counts.numel()):
+        splits = 1
+    grid = (m_tiles, splits, n_tiles) if m_first else (n_tiles, splits, m_tiles)
+    if splits > 1:
         part = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
     else:
-        grid = (grid[0], 1, grid[2])
         counts = _placeholder(a.device)
         part = counts.view(torch.float32)  # not written: the partials' type, so the launch compiles as one
     a_scale = counts if a_scale is None else a_scale  # not read without scales
@@ -158,7 +161,8 @@ def matmul(
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         SCALES=scales,
-        SPLIT=grid[1] > 1,
+        SPLIT=splits > 1,
+        M_FIRST=m_first,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )

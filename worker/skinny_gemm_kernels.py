@@ -26,6 +26,7 @@ def skinny_mm_kernel(
     BLOCK_K: tl.constexpr,
     SCALES: tl.constexpr,
     SPLIT: tl.constexpr,
+    M_FIRST: tl.constexpr,
 ):
     # c = a @ b.T over a [M, K] and b [N, K] of one dtype (bf16, fp16 or e4m3), summed in float32: one
     # program per [BLOCK_M, BLOCK_N] tile of c and per split of K. SCALES: 0 none; 1 a's per row [M] and b's
@@ -35,10 +36,14 @@ def skinny_mm_kernel(
     # partial tile to part [splits, M, N] and counts itself in count[tile], and the last to arrive adds the
     # partials in the order of K (its own too, read back), so the sum does not depend on which program came
     # last, writes c and resets the count for the next launch
-    pid_n = tl.program_id(0)
+    # the grid: (N tiles, splits, M tiles), or with M_FIRST (M tiles, splits, N tiles), so that programs
+    # launched together share their weight tile (prompt chunks: the weight is read once from memory, the
+    # activations' tiles from L2) rather than their rows
+    pid_n = tl.program_id(2) if M_FIRST else tl.program_id(0)
+    pid_m = tl.program_id(0) if M_FIRST else tl.program_id(2)
+    n_tiles = tl.num_programs(2) if M_FIRST else tl.num_programs(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
-    pid_m = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -67,14 +72,14 @@ def skinny_mm_kernel(
         plane = tl.cast(M, tl.int64) * N  # one split's partials
         tl.store(part_ptr + split * plane + tile, acc, mask=ok)
         tl.debug_barrier()  # every thread's partial is written before the count says so
-        arrived = tl.atomic_add(count_ptr + pid_m * tl.num_programs(0) + pid_n, 1, sem="acq_rel")
+        arrived = tl.atomic_add(count_ptr + pid_m * n_tiles + pid_n, 1, sem="acq_rel")
         if arrived == splits - 1:
             tl.debug_barrier()
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(splits):
                 # past L1, which may hold this address from an earlier launch
                 acc += tl.load(part_ptr + s * plane + tile, mask=ok, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + pid_m * tl.num_programs(0) + pid_n, 0)
+            tl.atomic_xchg(count_ptr + pid_m * n_tiles + pid_n, 0)
             _store_scaled(acc, as_ptr, bs_ptr, c_ptr, rm, rn, m_ok, n_ok, as_stride, bs_stride, c_stride, SCALES)
     else:
         _store_scaled(acc, as_ptr, bs_ptr, c_ptr, rm, rn, m_ok, n_ok, as_stride, bs_stride, c_stride, SCALES)
