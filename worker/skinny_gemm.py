@@ -1,7 +1,7 @@
 """Matrix products at decode batches' row counts (a few to a few hundred rows) in Triton, for bf16 and
-e4m3 operands: the weight read once, in tiles narrow enough over N (and split over K where N alone gives
-too few) that every multiprocessor reads weights, where the vendor libraries' tiles for these shapes
-leave most of the GPU idle on N = 4,096 layers. A split product sums its partials in a fixed order
+e4m3 operands: the weight read once, in tiles narrow enough over N (and split over K where K is long
+beside a narrow N) that every multiprocessor reads weights, where cuBLASLt's FP8 GEMM read Qwen3-8B's
+N = 4,096 layers well below the memory's speed (bench/fp8_gemm.py). A split product sums its partials in a fixed order
 (the kernel's last program for each tile adds them in K's order), so its result does not depend on the
 order the programs ran in. bench/fp8_gemm.py times it beside cuBLAS and cuBLASLt and sweeps its tiles."""
 
@@ -88,12 +88,12 @@ def chosen(kernels: Kernels, rows: int, weight: torch.Tensor) -> bool:
     with Kernels.decode_gemm triton, or auto for the dtypes of AUTO_DTYPES."""
     if kernels.decode_gemm == "vendor" or (kernels.decode_gemm == "auto" and weight.dtype not in AUTO_DTYPES):
         return False
-    return pays(rows, weight)
+    return pays(rows, weight) and _kernels() is not None
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `matmul` can compute x @ weight.T without scales: half-precision operands of one dtype on a
-    GPU, rows and weight contiguous."""
+    """Whether `matmul` can compute x @ weight.T without scales (where `chosen`, which needs Triton):
+    half-precision operands of one dtype on a GPU, rows and weight contiguous."""
     return (
         x.is_cuda
         and x.dim() == 2
@@ -101,7 +101,6 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype == x.dtype
         and x.stride(-1) == 1
         and weight.is_contiguous()
-        and _kernels() is not None
     )
 
 
@@ -130,15 +129,14 @@ def matmul(
     splits = triton_ops.triton.cdiv(steps, triton_ops.triton.cdiv(steps, tile.split_k))  # none left empty
     n_tiles, m_tiles = triton_ops.triton.cdiv(n, tile.block_n), triton_ops.triton.cdiv(m, tile.block_m)
     m_first = m > SKINNY_MAX_ROWS  # a prompt chunk's programs share their weight tile (the kernel's comment)
-    counts = _split_counts(a.device)
-    if not (counts is not None and splits > 1 and n_tiles * m_tiles <= counts.numel()):
+    counts = _split_counts(a.device) if splits > 1 and n_tiles * m_tiles <= MAX_SPLIT_TILES else None
+    if counts is None:
         splits = 1
-    grid = (m_tiles, splits, n_tiles) if m_first else (n_tiles, splits, m_tiles)
-    if splits > 1:
-        part = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
-    else:
         counts = _placeholder(a.device)
         part = counts.view(torch.float32)  # not written: the partials' type, so the launch compiles as one
+    else:
+        part = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
+    grid = (m_tiles, splits, n_tiles) if m_first else (n_tiles, splits, m_tiles)
     a_scale = counts if a_scale is None else a_scale  # not read without scales
     b_scale = counts if b_scale is None else b_scale
     _kernels().skinny_mm_kernel[grid](
