@@ -95,6 +95,31 @@ def test_fp8_checkpoint_greedy_tokens_equal_the_dequantized_references(checkpoin
     assert got == hf_greedy(ref_path, prompts, 16, ignore_eos=True)
 
 
+def test_fp8_batch_1_decode_through_the_triton_gemvs_equals_the_dequantized_reference(checkpoints, monkeypatch):
+    """One prompt under Triton's interpreter (slow: block scales only; the per-channel GEMV's unit tests in
+    tests/test_row_fusion.py): every linear's FP8 GEMV reads the e4m3 weight and its scales itself,
+    gate-up's with SiLU-and-multiply in its epilogue (down's takes no SiLU)."""
+    pytest.importorskip("triton")
+    if gemm._fp8_kernels() is None:
+        pytest.skip("no Triton")
+    from worker.kernels import Kernels
+
+    path, ref_path = checkpoints["fp8"]
+    calls = []
+    real = gemm.fp8_gemv
+
+    def counted(*args, **kw):
+        calls.append(kw.get("gated", False))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gemm, "fp8_gemv", counted)
+    prompts = _prompts(1)
+    with checked_llm(path, page_size=4, kernels=Kernels(interpret_on_cpu=True)) as llm:
+        got = [llm.generate([p], greedy(4, ignore_eos=True))[0].token_ids for p in prompts]
+    assert got == hf_greedy(ref_path, prompts, 4, ignore_eos=True)
+    assert True in calls and False in calls
+
+
 # block-scaled weights end to end at tp=2; both formats' shards and scales are checked in process below
 @pytest.mark.parametrize("fmt", ["fp8"])
 def test_fp8_checkpoint_at_tp2_equals_tp1(ray_cluster, checkpoints, fmt):

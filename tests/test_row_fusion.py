@@ -1,5 +1,6 @@
 """Batch-1 decode's fused launches (worker/layers/row_fusion.py): a residual norm inside the GEMV after it,
-SiLU-and-multiply inside the down projection's. Against the torch norm, SiLU and matmul in float32 under
+SiLU-and-multiply inside the down projection's, or inside gate-up's epilogue where down's cannot take it
+(bf16 and FP8 weights). Against the torch norm, SiLU and matmul in float32 under
 Triton's interpreter, and end to end against transformers' greedy output one prompt at a time."""
 
 from __future__ import annotations
@@ -12,10 +13,21 @@ from helpers import checked_llm, encode_all, greedy
 
 from worker import gemv
 from worker.kernels import Kernels
-from worker.layers.linear import ColumnParallelLinear
+from worker.layers import row_fusion
+from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm
-from worker.layers.row_fusion import NORM_MAX_K, SILU_MAX_K, norm_linear, silu_linear
+from worker.layers.row_fusion import (
+    NORM_MAX_K,
+    SILU_MAX_K,
+    gate_up_silu,
+    gate_up_silu_applies,
+    norm_linear,
+    silu_linear,
+)
 from worker.parallel import TPGroup
+from worker.quant import gemm
+from worker.quant.fp8 import Fp8Weights, dequantize, quantize_per_channel
+from worker.quant.scheme import Fp8Scheme
 
 pytest.importorskip("triton")
 
@@ -56,6 +68,78 @@ def test_silu_linear_equals_silu_and_multiply_then_the_matmul(k, n):
     gate, up = gate_up.chunk(2, dim=-1)
     got = gemv.silu_linear(gate_up, weight)
     torch.testing.assert_close(got, (F.silu(gate) * up) @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+# K past one BLOCK_K (1,024) and not a multiple of it; N past one program's rows and not a multiple; a few rows
+@pytest.mark.parametrize("m,k,n", [(1, 64, 48), (1, 1100, 37), (1, 96, 2500), (3, 200, 5)])
+def test_the_gated_gemv_is_silu_of_the_gate_rows_times_the_up_rows(m, k, n):
+    torch.manual_seed(m + k + n)
+    x, weight = torch.randn(m, k), torch.randn(2 * n, k) * 0.05
+    gate, up = (x @ weight.T).chunk(2, dim=-1)
+    got = gemv.small_linear(x, weight, gated=True)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-4)
+
+
+def _fp8(n: int, k: int, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 weight [n, k] and its scales as an FP8 linear holds them (per row; block scales repeated over
+    their block's rows)."""
+    from fp8_checkpoints import quantize_blocks
+
+    w = torch.randn(n, k) * 0.05
+    if block is None:
+        return quantize_per_channel(w)
+    q, s = quantize_blocks(w, block)
+    return q, s.repeat_interleave(block[0], dim=0)[:n].contiguous()
+
+
+@pytest.mark.parametrize("block", [None, (16, 32)])
+@pytest.mark.parametrize("m,k,n", [(1, 96, 40), (2, 200, 24)])
+def test_the_gated_fp8_gemv_is_silu_of_the_dequantized_gate_rows_times_the_up_rows(block, m, k, n):
+    if gemm._fp8_kernels() is None:
+        pytest.skip("no Triton")
+    torch.manual_seed(k * n)
+    q, scale = _fp8(2 * n, k, block)
+    x = torch.randn(m, k)
+    gate, up = (x @ dequantize(q, scale, block).T).chunk(2, dim=-1)
+    got = gemm.fp8_gemv(x, q, scale, block, block_k=64, gated=True)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def _mlp_layers(hidden: int, inter: int, kernels: Kernels) -> tuple[ColumnParallelLinear, RowParallelLinear]:
+    tp = TPGroup(0, 1)
+    gate_up = ColumnParallelLinear(hidden, [inter, inter], bias=False, tp=tp, kernels=kernels)
+    down = RowParallelLinear(inter, hidden, bias=False, tp=tp, kernels=kernels)
+    gate_up.weight.data.normal_(0, 0.05)
+    down.weight.data.normal_(0, 0.05)
+    return gate_up, down
+
+
+def test_the_silu_goes_into_gate_ups_gemv_only_where_downs_cannot_take_it():
+    narrow_up, narrow_down = _mlp_layers(16, SILU_MAX_K, INTERPRETED)
+    wide_up, wide_down = _mlp_layers(16, SILU_MAX_K + 1, INTERPRETED)
+    row = torch.randn(1, 16)
+    assert not gate_up_silu_applies(narrow_up, narrow_down, row, INTERPRETED)  # down's GEMV takes it
+    assert gate_up_silu_applies(wide_up, wide_down, row, INTERPRETED)
+    gate, up = (row @ wide_up.weight.T).chunk(2, dim=-1)
+    torch.testing.assert_close(gate_up_silu(wide_up, row, INTERPRETED), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    for x, kernels in [
+        (torch.randn(2, 16), INTERPRETED),  # more than one row
+        (row, Kernels(interpret_on_cpu=True, fused=False)),
+        (row, Kernels(interpret_on_cpu=True, small_linear=False)),
+        (row, Kernels()),  # the CPU without the interpreter
+    ]:
+        up_layer, down_layer = _mlp_layers(16, SILU_MAX_K + 1, kernels)
+        assert not gate_up_silu_applies(up_layer, down_layer, x, kernels)
+    # FP8: down's GEMV reads its row in bfloat16 and takes no SiLU, so gate-up's applies it at any width
+    fp8_up, fp8_down = _mlp_layers(16, 24, INTERPRETED)
+    for layer in (fp8_up, fp8_down):
+        Fp8Weights.attach(layer, Fp8Scheme(block=None, prequantized=False))
+    if gemm._fp8_kernels() is not None:
+        assert gate_up_silu_applies(fp8_up, fp8_down, row, INTERPRETED)
+        gate, up = (row @ dequantize(fp8_up.weight, fp8_up.weight_scale, None).T).chunk(2, dim=-1)
+        torch.testing.assert_close(gate_up_silu(fp8_up, row, INTERPRETED), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    assert not gate_up_silu_applies(fp8_up, fp8_down, torch.randn(2, 16), INTERPRETED)
 
 
 def test_the_layers_fuse_only_one_unquantized_narrow_row_with_both_kernels_asked_for():
@@ -117,6 +201,28 @@ def test_batch_1_decode_with_the_fused_launches_equals_hf_greedy(model_paths, fa
     assert launches["norm"] > 0 and launches["silu"] > 0  # the mixtures' dense layers and shared expert: SiLU
 
 
+def test_batch_1_decode_with_the_silu_in_gate_ups_gemv_equals_hf_greedy(model_paths, monkeypatch):
+    """Where neither the norm nor the SiLU fits the GEMVs beside them (here with both limits at zero: on
+    Qwen3-8B's widths), every dense block's norm runs alone, then gate-up's GEMV with the SiLU inside, then
+    down's GEMV."""
+    path = model_paths["qwen2"]
+    monkeypatch.setattr(row_fusion, "NORM_MAX_K", 0)
+    monkeypatch.setattr(row_fusion, "SILU_MAX_K", 0)
+    gated = []
+    real = gemv.small_linear
+
+    def counted(*args, **kw):
+        gated.append(kw.get("gated", False))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gemv, "small_linear", counted)
+    with checked_llm(path, page_size=4, kernels=INTERPRETED) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS[:2])
+        got = [llm.generate([p], greedy(5))[0].token_ids for p in prompts]
+    assert got == hf_greedy(path, prompts, 5)
+    assert any(gated)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(1024, 4096), (2048, 128), (4096, 24576)])
 def test_on_gpu_the_fused_launches_equal_flashinfers_norm_and_silu_then_the_gemv(k, n):
@@ -144,3 +250,25 @@ def test_on_gpu_the_fused_launches_equal_flashinfers_norm_and_silu_then_the_gemv
     down = torch.randn(k // 2, k, device=dev, dtype=dt) * 0.02
     ref = gemv.small_linear(ops.silu_and_mul(gate_up), down)
     torch.testing.assert_close(gemv.silu_linear(gate_up, down), ref, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", ["bf16", None, (128, 128)])
+def test_on_gpu_the_gated_gemvs_equal_the_gemv_then_flashinfers_silu(block):
+    """Qwen3-8B's gate-up (4,096 -> 2 x 12,288) at one row, bf16 and FP8 (per channel, block-scaled): the
+    SiLU in the GEMV's epilogue against the GEMV's [gate | up] row through FlashInfer's SiLU-and-multiply,
+    within bfloat16's rounding (exp computed another way)."""
+    from worker.layers.fused import fused_ops
+
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    ops = fused_ops(torch.empty(1, device=dev, dtype=dt))
+    x = torch.randn(1, 4096, device=dev, dtype=dt)
+    w = torch.randn(2 * 12288, 4096, device=dev, dtype=dt) * 0.02
+    if block == "bf16":
+        got, unfused = gemv.small_linear(x, w, gated=True), gemv.small_linear(x, w)
+    else:
+        q, scale = _fp8(2 * 12288, 4096, block)
+        q, scale = q.to(dev), scale.to(dev)
+        got, unfused = gemm.fp8_gemv(x, q, scale, block, gated=True), gemm.fp8_gemv(x, q, scale, block)
+    torch.testing.assert_close(got, ops.silu_and_mul(unfused), rtol=0.016, atol=0.01)

@@ -42,14 +42,18 @@ def small_linear(
     block_k: int | None = None,
     num_warps: int | None = None,
     pdl: bool = False,
+    gated: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T for small M (a GEMV-like kernel that reads each weight once). `pdl`:
-    launched with programmatic dependent launch, its weight rows prefetched before the wait."""
+    launched with programmatic dependent launch, its weight rows prefetched before the wait. `gated`:
+    weight is [gate; up] and the result silu(x gate.T) * (x up.T) [M, N / 2], SiLU-and-multiply in the
+    GEMV's epilogue."""
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
     # the fastest at M=1 over Qwen3-0.6B's layers in bench/small_gemm.py: one output column a program up
-    # to N = 2048, two beyond, 1024 of K a step, four warps
-    block_n = block_n or (1 if n <= 2048 else 2)
+    # to N = 2048, two beyond, 1024 of K a step, four warps (gated: the weight rows of the ungated GEMV's
+    # program, half of them gate rows and half up rows)
+    block_n = block_n or (1 if gated or n <= 2048 else 2)
     block_k, num_warps = block_k or 1024, num_warps or 4
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _kernels().small_linear_kernel[(triton_ops.triton.cdiv(n, block_n),)](
@@ -65,6 +69,7 @@ def small_linear(
         M_BLOCK=triton_ops.triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        GATED=gated,
         PDL=pdl,
         num_warps=num_warps,
         **triton_ops.pdl_options(pdl),

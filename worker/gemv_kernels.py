@@ -21,30 +21,45 @@ def small_linear_kernel(
     M_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k] for a few rows m (decode at small batch): one program per
-    # BLOCK_N output columns, reading its weight rows once for every m, accumulating in float32
+    # BLOCK_N output columns, reading its weight rows once for every m, accumulating in float32. GATED: w
+    # is [gate; up] of 2N rows and out[m, n] = silu(gate row n's product) * (up row n's product), each
+    # rounded to out's dtype first as the unfused GEMV writes them (the SiLU in the GEMV's epilogue)
     rn = gemv_rows(w_ptr, N, K, w_stride, BLOCK_N, PDL)
     rm = tl.arange(0, M_BLOCK)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * w_stride
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
-        w = tl.load(
-            w_ptr + rn[:, None].to(tl.int64) * w_stride + kk[None, :],
-            mask=(rn[:, None] < N) & (kk[None, :] < K),
-            other=0.0,
-        ).to(tl.float32)
+        mask = (rn[:, None] < N) & (kk[None, :] < K)
+        w = tl.load(w_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+        if GATED:
+            u = tl.load(w_rows + N * w_stride + kk[None, :], mask=mask, other=0.0).to(tl.float32)
         for mi in tl.static_range(M_BLOCK):
             x = tl.load(x_ptr + tl.minimum(mi, M - 1) * x_stride + kk, mask=kk < K, other=0.0).to(tl.float32)
-            part = tl.sum(w * x[None, :], axis=1)
-            acc += tl.where(rm[:, None] == mi, part[None, :], 0.0)
+            acc += tl.where(rm[:, None] == mi, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)
+            if GATED:
+                acc_up += tl.where(rm[:, None] == mi, tl.sum(u * x[None, :], axis=1)[None, :], 0.0)
+    if GATED:
+        acc = silu_and_mul(acc, acc_up, out_ptr.dtype.element_ty)
     tl.store(
         out_ptr + rm[:, None] * out_stride + rn[None, :],
         acc.to(out_ptr.dtype.element_ty),
         mask=(rm[:, None] < M) & (rn[None, :] < N),
     )
+
+
+@triton.jit
+def silu_and_mul(gate, up, dtype: tl.constexpr):
+    # silu(gate) * up in float32 from both rounded to dtype, as SiLU-and-multiply computes it from the
+    # gate-up GEMV's output (the result is rounded by the caller's store)
+    g = gate.to(dtype).to(tl.float32)
+    return g / (1.0 + tl.exp(-g)) * up.to(dtype).to(tl.float32)
 
 
 @triton.jit

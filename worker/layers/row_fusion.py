@@ -4,8 +4,10 @@ the GEMV that reads its output, and SiLU-and-multiply inside the down projection
 more in launches and ramp than in bytes (a residual norm took 2.6 us of GPU time for 2 KiB to 8 KiB), three
 launches fewer a dense layer, two a mixture of experts' (Qwen3-0.6B's batch-1 decode: 0.954 ms a token
 against 1.026). Wider rows (NORM_MAX_K, SILU_MAX_K), quantized layers and the CPU (outside the interpreter)
-run the norm and the GEMV apart. At more rows, an FP8 linear's per-token activation quantization runs
-inside the norm or SiLU before it instead (worker/quant/fused_quant.py)."""
+run the norm and the GEMV apart; where the SiLU cannot go into down's GEMV it goes into the epilogue of
+gate-up's instead (`gate_up_silu`, bf16 or FP8), each program computing a gate row and its up row. At more
+rows, an FP8 linear's per-token activation quantization runs inside the norm or SiLU before it instead
+(worker/quant/fused_quant.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from torch import nn
 from worker import gemv, triton_ops
 from worker.kernels import Kernels
 from worker.layers.norm import RMSNorm
-from worker.quant import fused_quant
+from worker.quant import fused_quant, gemm
+from worker.quant.fp8 import Fp8Weights
 
 # The widest row each fusion pays at. Every program of the fused GEMV reads the whole row itself (x and the
 # residual twice and the norm's weight for a norm; gate and up for SiLU), which beside a few weight rows
@@ -47,7 +50,7 @@ def norm_linear(
     if not want_normed and (residual is None or residual.is_contiguous()) and fused_quant.applies(linear, x, kernels):
         xq, xs, residual = fused_quant.norm_quant(x, residual, norm.weight, norm.eps)
         y, normed = fused_quant.matmul(linear, xq, xs, x.dtype), None
-    elif x.shape[-1] <= NORM_MAX_K and _plain(linear) and gemv.row_fusion_applies(kernels, x, weight):
+    elif norm_fuses(linear, x, kernels):
         y, residual, normed = gemv.norm_linear(
             x, residual, norm.weight, norm.eps, weight, want_normed, pdl=triton_ops.pdl_applies(kernels, x.device)
         )
@@ -59,6 +62,35 @@ def norm_linear(
     else:
         normed, residual = norm(x, residual)
     return linear(normed), residual, normed if want_normed else None
+
+
+def norm_fuses(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
+    """Whether `norm_linear` runs the residual norm inside linear's GEMV (one row, K up to NORM_MAX_K)."""
+    return x.shape[-1] <= NORM_MAX_K and _plain(linear) and gemv.row_fusion_applies(kernels, x, linear.weight)
+
+
+def gate_up_silu_applies(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
+    """Whether `gate_up_silu` computes silu(gate) * up of one row x in one launch: gate-up's GEMV (bf16, or
+    FP8 with either scale layout) with SiLU-and-multiply in its epilogue, where down's GEMV cannot take the
+    SiLU itself (`silu_linear`: rows wider than SILU_MAX_K, or a quantized down). One launch fewer a layer,
+    and the [1, 2 x inter] row is never written."""
+    if x.dim() != 2 or x.shape[0] != 1 or not kernels.fused or getattr(gate_up, "bias", None) is not None:
+        return False
+    if gate_up.weight.shape[0] // 2 <= SILU_MAX_K and _plain(down):
+        return False  # silu_linear runs it inside down's GEMV
+    quant = getattr(gate_up, "quant", None)
+    if quant is None:
+        return _plain(gate_up) and gemv.row_fusion_applies(kernels, x, gate_up.weight)
+    return isinstance(quant, Fp8Weights) and gate_up.small and x.is_contiguous() and gemm.triton_runs(x, kernels)
+
+
+def gate_up_silu(gate_up: nn.Module, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+    """silu(gate) * up [1, inter] of one row x from gate-up's GEMV (where gate_up_silu_applies)."""
+    pdl = triton_ops.pdl_applies(kernels, x.device)
+    quant = gate_up.quant
+    if quant is None:
+        return gemv.small_linear(x, gate_up.weight, pdl=pdl, gated=True)
+    return gemm.fp8_gemv(x, gate_up.weight, quant.scale_of(gate_up), quant.block, pdl=pdl, gated=True)
 
 
 def silu_linear(linear: nn.Module, gate_up: torch.Tensor, kernels: Kernels) -> torch.Tensor | None:

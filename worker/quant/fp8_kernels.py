@@ -3,6 +3,7 @@
 import triton
 import triton.language as tl
 
+from worker.gemv_kernels import silu_and_mul
 from worker.pdl_kernels import gemv_rows
 
 FP8_MAX = tl.constexpr(448.0)
@@ -49,27 +50,41 @@ def fp8_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCKED: tl.constexpr,
+    GATED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k] * scale: worker/gemv_kernels.py's small_linear_kernel over an
-    # e4m3 weight (half the bytes), scaled per block of GROUP_K columns in the loop, or per row at the end
+    # e4m3 weight (half the bytes), scaled per block of GROUP_K columns in the loop, or per row at the end.
+    # GATED: w is [gate; up] of 2N rows and out is silu(gate) * up, as small_linear_kernel's
     rn = gemv_rows(w_ptr, N, K, w_stride, BLOCK_N, PDL)
     rm = tl.arange(0, M_BLOCK)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     acc = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * w_stride
+    s_rows = s_ptr + rn[:, None] * s_stride
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         mask = n_ok[:, None] & (kk[None, :] < K)
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * w_stride + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+        if GATED:
+            u = tl.load(w_rows + N * w_stride + kk[None, :], mask=mask, other=0.0).to(tl.float32)
         if BLOCKED:
-            w = w * tl.load(s_ptr + rn[:, None] * s_stride + kk[None, :] // GROUP_K, mask=mask, other=0.0)
+            w = w * tl.load(s_rows + kk[None, :] // GROUP_K, mask=mask, other=0.0)
+            if GATED:
+                u = u * tl.load(s_rows + N * s_stride + kk[None, :] // GROUP_K, mask=mask, other=0.0)
         for mi in tl.static_range(M_BLOCK):
             x = tl.load(x_ptr + tl.minimum(mi, M - 1) * x_stride + kk, mask=kk < K, other=0.0).to(tl.float32)
-            part = tl.sum(w * x[None, :], axis=1)
-            acc += tl.where(rm[:, None] == mi, part[None, :], 0.0)
+            acc += tl.where(rm[:, None] == mi, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)
+            if GATED:
+                acc_up += tl.where(rm[:, None] == mi, tl.sum(u * x[None, :], axis=1)[None, :], 0.0)
     if not BLOCKED:
         acc = acc * tl.load(s_ptr + rn * s_stride, mask=n_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(s_ptr + (rn + N) * s_stride, mask=n_ok, other=0.0)[None, :]
+    if GATED:
+        acc = silu_and_mul(acc, acc_up, out_ptr.dtype.element_ty)
     tl.store(
         out_ptr + rm[:, None] * out_stride + rn[None, :],
         acc.to(out_ptr.dtype.element_ty),

@@ -143,15 +143,18 @@ def fp8_gemv(
     block_k: int | None = None,
     num_warps: int | None = None,
     pdl: bool = False,
+    gated: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (a few rows) @ dequantized(weight).T, reading each e4m3 weight once; the scales applied in
     float32 (per channel at the end, per block in the loop). `pdl`: launched with programmatic dependent
-    launch, its weight rows prefetched before the wait."""
+    launch, its weight rows prefetched before the wait. `gated`: as gemv.small_linear's (weight [gate; up],
+    the result silu(gate) * up)."""
     m, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
     # the fastest at M=1 over Qwen3-8B's layers in bench/fp8_gemv.py: four output rows a program, 2048
-    # of K a step (1024 read 7-15% slower), four warps
-    block_n = block_n or (2 if n <= 2048 else 4)
+    # of K a step (1024 read 7-15% slower), four warps (gated: as many weight rows as the ungated GEMV of
+    # 2N rows reads, half of them gate rows and half up rows)
+    block_n = block_n or (2 if n <= 2048 or gated else 4)
     block_k, num_warps = block_k or 2048, num_warps or 4
     group_k = block[1] if block is not None else k
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -172,6 +175,7 @@ def fp8_gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         BLOCKED=block is not None,
+        GATED=gated,
         PDL=pdl,
         num_warps=num_warps,
         **triton_ops.pdl_options(pdl),
