@@ -43,7 +43,7 @@ class Kernels:
     moe: str = "auto"
     # linear layers above one row on CUDA (bf16, and FP8 with per-channel scales). triton: the Triton GEMM
     # of worker/skinny_gemm.py at decode batches where it pays (skinny_gemm.pays), cuBLAS or cuBLASLt
-    # elsewhere; auto: the same for the weight dtypes of skinny_gemm.AUTO_DTYPES, vendor for the others;
+    # elsewhere; auto: the same for the weight dtypes of skinny_gemm.AUTO_DTYPES (e4m3), vendor for the others;
     # vendor: cuBLAS and cuBLASLt at every row count
     decode_gemm: str = "auto"
     # programmatic dependent launch (compute capability 9.0+) of a step's Triton kernels: each may start

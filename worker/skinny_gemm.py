@@ -78,9 +78,11 @@ def pays(rows: int, weight: torch.Tensor) -> bool:
 
 
 # The weight dtypes whose linear layers multiply through `matmul` by default (Kernels.decode_gemm auto), where
-# `pays`: none until the engine has measured it end to end (bench/gpu.sh gemm_ab); Kernels(decode_gemm=
-# "triton") asks for it for every dtype
-AUTO_DTYPES: frozenset[torch.dtype] = frozenset()
+# `pays`: those measured faster end to end (bench/gpu.sh gemm_ab). e4m3: Qwen3-8B's (a) with FP8 weights
+# 10,077 and 10,080 output tok/s against cuBLASLt's 9,988 and 9,982 (two alternated pairs, one H100,
+# 2026-12-05). bf16 lost there (8,073 against 8,197 on the earlier tiles) and is not measured on these.
+# Kernels(decode_gemm="triton") asks for it for every dtype
+AUTO_DTYPES: frozenset[torch.dtype] = frozenset({torch.float8_e4m3fn})
 
 
 def chosen(kernels: Kernels, rows: int, weight: torch.Tensor) -> bool:
