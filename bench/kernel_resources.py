@@ -140,6 +140,12 @@ def launches(arch: str) -> list[tuple[str, Callable[[], object]]]:
     else:
         inter = cfg["intermediate_size"]
         calls.append(("SiLU + down GEMV, batch 1", lambda: gemv.silu_linear(_gpu(1, 2 * inter), _gpu(hidden, inter))))
+        calls.append(
+            (
+                "gate-up GEMV + SiLU, batch 1",
+                lambda: gemv.small_linear(_gpu(1, hidden), _gpu(2 * inter, hidden), gated=True),
+            )
+        )
         calls.extend(_fp8_launches(hidden, inter))
     return calls + _pdl_launches(cfg)
 
@@ -277,17 +283,24 @@ def _moe_launches(cfg: dict, hidden: int) -> list[tuple[str, Callable[[], object
         ids = _ids(tokens, top_k, dtype=torch.int32)
         return fused.fused_experts(_gpu(tokens, hidden), w13, w2, _ids(tokens, top_k, dtype=BF16), ids)
 
-    def down_in_a_loop() -> object:
-        before, fused.PER_ROW_DOWN_AT_ONCE = fused.PER_ROW_DOWN_AT_ONCE, None
-        try:
-            return experts_of(1)
-        finally:
-            fused.PER_ROW_DOWN_AT_ONCE = before
+    def down_variant(setting: str, value: object) -> Callable[[], object]:
+        def call() -> object:
+            before = getattr(fused, setting)
+            setattr(fused, setting, value)
+            try:
+                return experts_of(1)
+            finally:
+                setattr(fused, setting, before)
+
+        return call
 
     return [
         (f"MoE experts, {tokens} tokens", lambda t=tokens: experts_of(t))
         for tokens in fused.warm_token_counts(experts, top_k)
-    ] + [("MoE experts, 1 token, down in a loop over choices", down_in_a_loop)]
+    ] + [
+        ("MoE experts, 1 token, down in a loop over choices", down_variant("PER_ROW_DOWN_AT_ONCE", None)),
+        ("MoE experts, 1 token, down split over choices", down_variant("PER_ROW_DOWN_BY_CHOICE", (4, 4))),
+    ]
 
 
 def _fp8_launches(hidden: int, inter: int) -> list[tuple[str, Callable[[], object]]]:
@@ -300,6 +313,13 @@ def _fp8_launches(hidden: int, inter: int) -> list[tuple[str, Callable[[], objec
     )
     calls = [
         (f"FP8 GEMV, batch 1, {name} scales", lambda s=scale, b=block: gemm.fp8_gemv(_gpu(1, hidden), weight, s, b))
+        for name, scale, block in (("per-channel", channel, None), ("block", blocks, (128, 128)))
+    ]
+    calls += [
+        (
+            f"FP8 gate-up GEMV + SiLU, batch 1, {name} scales",
+            lambda s=scale, b=block: gemm.fp8_gemv(_gpu(1, hidden), weight, s, b, gated=True),
+        )
         for name, scale, block in (("per-channel", channel, None), ("block", blocks, (128, 128)))
     ]
     calls += [

@@ -1,7 +1,7 @@
 """One MoE block's experts on one GPU, Qwen3-30B-A3B's shapes (128 experts, 8 a token, hidden 2048, expert
 width 768, bf16): the grouped path (routing, the sort by expert, two grouped GEMMs and the sum over
 choices) against the per-row kernels (routing inside, two launches) where those apply, with a sweep of
-the per-row kernels' tiles (--sweep, at the first token count) and of the grouped GEMMs' (--grouped-sweep,
+the per-row kernels' tiles and their down kernel's variants (--sweep, at the first token count) and of the grouped GEMMs' (--grouped-sweep,
 at every count past the per-row path's: a decode batch of 256 is 256 tokens, a prompt chunk 8,192).
 LAYERS copies of the experts (distinct weights, so L2 holds none of them) replayed in a CUDA graph;
 median microseconds a layer, the bandwidth over the distinct experts' bytes and the TFLOP/s. The per-row
@@ -38,6 +38,9 @@ GATE_UP = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8))) + [
 DOWN = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
 # (BLOCK_N, num_warps) of the down kernel's at-once variant (fused.PER_ROW_DOWN_AT_ONCE)
 DOWN_AT_ONCE = list(itertools.product((1, 2, 4), (4, 8)))
+# (BLOCK_N, num_warps) of its split over choices (fused.PER_ROW_DOWN_BY_CHOICE): a program per token, column
+# tile and choice
+DOWN_BY_CHOICE = list(itertools.product((1, 2, 4, 8, 16), (2, 4, 8)))
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs: at a decode batch (a few rows an
 # expert) short blocks, narrow to wide column tiles and long K steps, deeper or shallower pipelines; at a
 # prompt chunk (hundreds of rows an expert) tall blocks
@@ -141,6 +144,15 @@ def main() -> None:
                     (got - want).abs().max() / want.abs().max()
                 ).item()
             fused.PER_ROW_DOWN_AT_ONCE = at_once
+            by_choice = fused.PER_ROW_DOWN_BY_CHOICE
+            for cfg in DOWN_BY_CHOICE:  # a program a choice, the last of a tile's adding the partials
+                fused.PER_ROW_DOWN_BY_CHOICE = cfg
+                sweep[f"down by choice {cfg[0]}w{cfg[1]}"] = time_graph(per_row) / LAYERS
+                got = fused._per_row(x, w13s[0], w2s[0], TOP_K, logits=logits[0], renormalize=True).float()
+                row.setdefault("by_choice_max_rel_err", {})[f"{cfg[0]}w{cfg[1]}"] = (
+                    (got - want).abs().max() / want.abs().max()
+                ).item()
+            fused.PER_ROW_DOWN_BY_CHOICE = by_choice
             row["sweep_us"] = sweep
             row["best"] = {"gate_up": best[0], "down": best[1]}
             fused.PER_ROW_GATE_UP, fused.PER_ROW_DOWN = best
