@@ -33,8 +33,6 @@
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
 #   moe_rows       the MoE per-row kernels at 1, 2 and 4 tokens with their tile sweep, the down kernel's
 #                  at-once variant included (bench/moe_decode.py --sweep)
-#   moe_down       the MoE per-row pair at 1 and 4 tokens with each variant of its down kernel: at once (the
-#                  default), in a loop over choices, split over choices at each of its tiles
 #   fp8_gemm       Qwen3-8B's linears at 256 and 64 rows, bf16 and FP8: cuBLAS, cuBLASLt with and without fast
 #                  accumulation, the Triton GEMM (bench/fp8_gemm.py; FP8_GEMM_ARGS, e.g. "--m 16 64 --sweep")
 #   gemm_ab        (a) with the Triton GEMM at decode batches (--decode-gemm triton) and with cuBLAS/cuBLASLt
@@ -250,7 +248,6 @@ for suite in "$@"; do
       step moe_decode 420 python3 bench/moe_decode.py --tokens 1 4 64 256 8192 --grouped-sweep --out "$OUT/moe_decode.json"
       step fp8_gemv 200 python3 bench/fp8_gemv.py --out "$OUT/fp8_gemv.json" ;;
     moe_rows) step moe_rows 400 python3 bench/moe_decode.py --tokens 1 2 4 --sweep --out "$OUT/moe_rows.json" ;;
-    moe_down) step moe_down 300 python3 bench/moe_decode.py --tokens 1 4 --down-variants --out "$OUT/moe_down.json" ;;
     small_gemm) step small_gemm 300 python3 bench/small_gemm.py --m 1 --out "$OUT/small_gemm.json" ;;
     # shellcheck disable=SC2086  # FP8_GEMM_ARGS is split into its words on purpose
     fp8_gemm) step fp8_gemm 400 python3 bench/fp8_gemm.py ${FP8_GEMM_ARGS:---m 256 64} --out "$OUT/fp8_gemm.json" ;;

@@ -283,24 +283,17 @@ def _moe_launches(cfg: dict, hidden: int) -> list[tuple[str, Callable[[], object
         ids = _ids(tokens, top_k, dtype=torch.int32)
         return fused.fused_experts(_gpu(tokens, hidden), w13, w2, _ids(tokens, top_k, dtype=BF16), ids)
 
-    def down_variant(setting: str, value: object) -> Callable[[], object]:
-        def call() -> object:
-            before = getattr(fused, setting)
-            setattr(fused, setting, value)
-            try:
-                return experts_of(1)
-            finally:
-                setattr(fused, setting, before)
-
-        return call
+    def down_in_a_loop() -> object:
+        before, fused.PER_ROW_DOWN_AT_ONCE = fused.PER_ROW_DOWN_AT_ONCE, None
+        try:
+            return experts_of(1)
+        finally:
+            fused.PER_ROW_DOWN_AT_ONCE = before
 
     return [
         (f"MoE experts, {tokens} tokens", lambda t=tokens: experts_of(t))
         for tokens in fused.warm_token_counts(experts, top_k)
-    ] + [
-        ("MoE experts, 1 token, down in a loop over choices", down_variant("PER_ROW_DOWN_AT_ONCE", None)),
-        ("MoE experts, 1 token, down split over choices", down_variant("PER_ROW_DOWN_BY_CHOICE", (4, 4))),
-    ]
+    ] + [("MoE experts, 1 token, down in a loop over choices", down_in_a_loop)]
 
 
 def _fp8_launches(hidden: int, inter: int) -> list[tuple[str, Callable[[], object]]]:

@@ -1,14 +1,13 @@
 """One MoE block's experts on one GPU, Qwen3-30B-A3B's shapes (128 experts, 8 a token, hidden 2048, expert
 width 768, bf16): the grouped path (routing, the sort by expert, two grouped GEMMs and the sum over
 choices) against the per-row kernels (routing inside, two launches) where those apply, with a sweep of
-the per-row kernels' tiles and their down kernel's variants (--sweep, at the first token count) and of the grouped GEMMs' (--grouped-sweep,
+the per-row kernels' tiles (--sweep, at the first token count) and of the grouped GEMMs' (--grouped-sweep,
 at every count past the per-row path's: a decode batch of 256 is 256 tokens, a prompt chunk 8,192).
 LAYERS copies of the experts (distinct weights, so L2 holds none of them) replayed in a CUDA graph;
 median microseconds a layer, the bandwidth over the distinct experts' bytes and the TFLOP/s. The per-row
 kernels also with programmatic dependent launch (`per_row_pdl_us`, on compute capability 9.0+).
 
-    python bench/moe_decode.py [--tokens 1 2 4 256 8192] [--sweep] [--grouped-sweep] [--down-variants]
-        [--out r.json]"""
+    python bench/moe_decode.py [--tokens 1 2 4 256 8192] [--sweep] [--grouped-sweep] [--out r.json]"""
 
 from __future__ import annotations
 
@@ -39,9 +38,6 @@ GATE_UP = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8))) + [
 DOWN = list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8)))
 # (BLOCK_N, num_warps) of the down kernel's at-once variant (fused.PER_ROW_DOWN_AT_ONCE)
 DOWN_AT_ONCE = list(itertools.product((1, 2, 4), (4, 8)))
-# (BLOCK_N, num_warps) of its split over choices (fused.PER_ROW_DOWN_BY_CHOICE): a program per token, column
-# tile and choice
-DOWN_BY_CHOICE = list(itertools.product((1, 2, 4, 8, 16), (2, 4, 8)))
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the grouped GEMMs: at a decode batch (a few rows an
 # expert) short blocks, narrow to wide column tiles and long K steps, deeper or shallower pipelines; at a
 # prompt chunk (hundreds of rows an expert) tall blocks
@@ -60,11 +56,6 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--sweep", action="store_true", help="every per-row tile at the first token count")
     parser.add_argument("--grouped-sweep", action="store_true", help="the grouped GEMMs' tiles past the per-row path")
-    parser.add_argument(
-        "--down-variants",
-        action="store_true",
-        help="the per-row down kernel's loop over choices and its split over choices at each token count",
-    )
     parser.add_argument("--out")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -120,11 +111,7 @@ def main() -> None:
         want = torch_experts(
             x.float(), w13s[0].float(), w2s[0].float(), *select_experts(logits[0].float(), TOP_K, True)
         )
-
-        def one_layer() -> torch.Tensor:
-            return fused._per_row(x, w13s[0], w2s[0], TOP_K, logits=logits[0], renormalize=True).float()
-
-        got = one_layer()
+        got = fused._per_row(x, w13s[0], w2s[0], TOP_K, logits=logits[0], renormalize=True).float()
         row["per_row_max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
         row["per_row_us"] = time_graph(per_row) / LAYERS
         if torch.cuda.get_device_capability() >= (9, 0):  # with programmatic dependent launch (Kernels.pdl)
@@ -132,13 +119,6 @@ def main() -> None:
         row["per_row_routed_us"] = time_graph(per_row_routed) / LAYERS
         row["per_row_tiles"] = {"gate_up": fused.PER_ROW_GATE_UP, "down": fused.PER_ROW_DOWN}
         row["per_row_tb_s"] = nbytes / row["per_row_us"] / 1e6
-        if args.down_variants:  # the down kernel's variants beside the default pair: its loop, its split
-            at_once = fused.PER_ROW_DOWN_AT_ONCE
-            fused.PER_ROW_DOWN_AT_ONCE = None
-            variants = {"down in a loop": time_graph(per_row) / LAYERS}
-            fused.PER_ROW_DOWN_AT_ONCE = at_once
-            variants.update(_by_choice_sweep(row, per_row, one_layer, want))
-            row["down_variants_us"] = variants
         if args.sweep and tokens == args.tokens[0]:
             default = fused.PER_ROW_GATE_UP, fused.PER_ROW_DOWN
             at_once = fused.PER_ROW_DOWN_AT_ONCE
@@ -156,12 +136,11 @@ def main() -> None:
             for cfg in DOWN_AT_ONCE:  # every choice's weights loaded at once, beside the best loop's tile
                 fused.PER_ROW_DOWN_AT_ONCE = cfg
                 sweep[f"down at once {cfg[0]}w{cfg[1]}"] = time_graph(per_row) / LAYERS
-                got = one_layer()
+                got = fused._per_row(x, w13s[0], w2s[0], TOP_K, logits=logits[0], renormalize=True).float()
                 row.setdefault("at_once_max_rel_err", {})[f"{cfg[0]}w{cfg[1]}"] = (
                     (got - want).abs().max() / want.abs().max()
                 ).item()
             fused.PER_ROW_DOWN_AT_ONCE = at_once
-            sweep.update(_by_choice_sweep(row, per_row, one_layer, want))
             row["sweep_us"] = sweep
             row["best"] = {"gate_up": best[0], "down": best[1]}
             fused.PER_ROW_GATE_UP, fused.PER_ROW_DOWN = best
@@ -171,23 +150,6 @@ def main() -> None:
         print(json.dumps(row))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
-
-
-def _by_choice_sweep(row: dict, per_row, one_layer, want: torch.Tensor) -> dict:
-    """us a layer of the per-row pair with the down kernel split over choices at each of DOWN_BY_CHOICE's
-    tiles (fused.PER_ROW_DOWN_BY_CHOICE), each one's error against the float32 loop into row."""
-    before, sweep = fused.PER_ROW_DOWN_BY_CHOICE, {}
-    try:
-        for cfg in DOWN_BY_CHOICE:  # a program a choice, the last of a tile's adding the partials
-            fused.PER_ROW_DOWN_BY_CHOICE = cfg
-            sweep[f"down by choice {cfg[0]}w{cfg[1]}"] = time_graph(per_row) / LAYERS
-            got = one_layer()
-            row.setdefault("by_choice_max_rel_err", {})[f"{cfg[0]}w{cfg[1]}"] = (
-                (got - want).abs().max() / want.abs().max()
-            ).item()
-    finally:
-        fused.PER_ROW_DOWN_BY_CHOICE = before
-    return sweep
 
 
 def _grouped_sweep(grouped, tokens: int) -> dict:

@@ -15,7 +15,7 @@ from fp8_checkpoints import write_fp8_checkpoint
 from helpers import checked_llm, greedy
 from tiny_checkpoints import build_qwen3_hd128, random_prompts
 
-from worker import arrival_counts, skinny_gemm
+from worker import skinny_gemm
 from worker.kernels import Kernels
 from worker.quant import gemm
 from worker.quant.fp8 import dequantize, quantize_per_channel
@@ -77,7 +77,7 @@ def test_the_triton_fp8_gemm_agrees_with_cublaslt_and_repeats_exactly(m, n, k, s
     got = [skinny_gemm.matmul(xq, q, torch.bfloat16, xs, s, tile=tile) for _ in range(3)]
     assert _rel(got[0], want) < 0.005
     assert all(torch.equal(got[0], g) for g in got[1:])
-    assert not arrival_counts.counts(torch.device(CUDA)).any()
+    assert not skinny_gemm._split_counts(torch.device(CUDA)).any()
 
 
 @pytest.mark.parametrize("m", [2, 16, 64, 128])
@@ -90,7 +90,7 @@ def test_the_triton_gemm_over_bf16_agrees_with_cublas(m):
         got = skinny_gemm.matmul(x, w, torch.bfloat16)
         assert _rel(got, x.float() @ w.float().T) < OUT_TOL
         assert torch.equal(skinny_gemm.matmul(x, w, torch.bfloat16), got)
-        assert not arrival_counts.counts(torch.device(CUDA)).any()
+        assert not skinny_gemm._split_counts(torch.device(CUDA)).any()
 
 
 def test_split_products_on_two_streams_at_once_keep_their_own_counts():
@@ -113,8 +113,8 @@ def test_split_products_on_two_streams_at_once_keep_their_own_counts():
     for i, s in enumerate(streams):
         assert all(torch.equal(o, want[i]) for o in outs[i])
         with torch.cuda.stream(s):
-            assert not arrival_counts.counts(torch.device(CUDA)).any()
-    assert not arrival_counts.counts(torch.device(CUDA)).any()
+            assert not skinny_gemm._split_counts(torch.device(CUDA)).any()
+    assert not skinny_gemm._split_counts(torch.device(CUDA)).any()
 
 
 def test_per_channel_fp8_products_take_the_triton_gemm_at_decode_batches_and_cublaslt_above():

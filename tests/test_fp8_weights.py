@@ -27,7 +27,7 @@ from tiny_checkpoints import build_qwen3_hd128
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM
-from worker import arrival_counts, skinny_gemm
+from worker import skinny_gemm
 from worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.loader import CheckpointError, LazyTensor
 from worker.parallel import TPGroup
@@ -359,7 +359,7 @@ def test_the_triton_gemm_split_over_k_is_float32_over_its_operands(needs_triton,
     # float32's order of additions (and per-channel scales applied after the sum), against the largest
     assert (got - want).abs().max() <= 1e-6 * want.abs().max()
     assert torch.equal(skinny_gemm.matmul(a, b, torch.float32, *args, tile=tile), got)
-    assert not arrival_counts.counts(torch.device("cpu")).any()
+    assert not skinny_gemm._split_counts(torch.device("cpu")).any()
 
 
 @pytest.mark.parametrize("with_residual", [True, False])

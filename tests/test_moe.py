@@ -267,19 +267,7 @@ def test_routing_kernel_breaks_ties_toward_the_lower_expert():
     torch.testing.assert_close(weights.float(), torch.softmax(logits, -1).gather(1, ids.long()))
 
 
-def _down_variant(per_row, monkeypatch):
-    """per_row as fused_experts takes it, after setting the per-row down kernel's variant it names: "down in
-    a loop" (over choices), "down by choice" (a program a choice, the last adding the partials)."""
-    from worker.layers.moe import fused
-
-    if per_row == "down in a loop":
-        monkeypatch.setattr(fused, "PER_ROW_DOWN_AT_ONCE", None)
-    elif per_row == "down by choice":
-        monkeypatch.setattr(fused, "PER_ROW_DOWN_BY_CHOICE", (2, 4))
-    return True if isinstance(per_row, str) else per_row
-
-
-@pytest.mark.parametrize("per_row", [False, True, "down in a loop", "down by choice"])
+@pytest.mark.parametrize("per_row", [False, True, "down in a loop"])
 @pytest.mark.parametrize(
     "tokens,num_experts,top_k,hidden,inter",
     [(1, 8, 2, 64, 32), (7, 4, 2, 48, 40), (40, 8, 4, 32, 16), (2, 8, 3, 40, 24)],
@@ -288,17 +276,17 @@ def test_fused_experts_equal_the_torch_loop_under_the_interpreter(
     tokens, num_experts, top_k, hidden, inter, per_row, monkeypatch
 ):
     """Both fused paths: the grouped GEMMs over rows sorted by expert, and the per-row kernels (their down
-    kernel's default, which loads every choice at once, its loop over choices, and its split over choices,
-    whose counts are back at zero after it)."""
+    kernel's default, which loads every choice at once, and its loop over choices)."""
     pytest.importorskip("triton")
-    from worker import arrival_counts
+    from worker.layers.moe import fused
 
-    per_row = _down_variant(per_row, monkeypatch)
+    if per_row == "down in a loop":
+        monkeypatch.setattr(fused, "PER_ROW_DOWN_AT_ONCE", None)
+        per_row = True
     x, w13, w2, weights, ids = _experts(tokens, num_experts, top_k, hidden, inter)
     assert fused_applies(INTERPRETED, x) and not fused_applies(Kernels(moe="torch", interpret_on_cpu=True), x)
     got = fused_experts(x, w13, w2, weights, ids, per_row=per_row)
     torch.testing.assert_close(got, torch_experts(x, w13, w2, weights, ids))
-    assert not arrival_counts.counts(x.device).any()
 
 
 def test_a_long_prompts_rows_sorted_by_torch_equal_the_torch_loop(monkeypatch):
@@ -344,25 +332,22 @@ _ARCH = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "tokens,per_row",
-    [(1, True), (1, False), (1, "down in a loop"), (1, "down by choice"), (4, True), (4, "down in a loop")]
-    + [(4, "down by choice"), (5, None), (64, None), (300, None)],
+    [(1, True), (1, False), (1, "down in a loop"), (4, True), (4, "down in a loop"), (5, None), (64, None)]
+    + [(300, None)],
 )
 def test_fused_experts_agree_with_the_torch_loop_in_bf16_on_gpu(tokens, per_row, monkeypatch):
     """bf16 inputs; the reference is the torch loop in float32 on the same bf16 values. Tolerance: the
     largest error within 2% of the largest output (bf16 keeps 8 bits: 0.4% per rounding), and no worse
     than twice the bf16 torch loop's own. Both paths at a few tokens (the per-row kernels by default, their
-    down kernel's loop over choices and split over choices too: the split gives the same bits each time,
-    whichever choice arrives last, and leaves its counts at zero)."""
-    from worker import arrival_counts
+    down kernel's loop over choices too)."""
+    from worker.layers.moe import fused
 
-    per_row = _down_variant(per_row, monkeypatch)
+    if per_row == "down in a loop":
+        monkeypatch.setattr(fused, "PER_ROW_DOWN_AT_ONCE", None)
+        per_row = True
     x, w13, w2, weights, ids = _experts(tokens, **_ARCH, dtype=torch.bfloat16, device="cuda")
     want = torch_experts(x.float(), w13.float(), w2.float(), weights.float(), ids)
-    got = fused_experts(x, w13, w2, weights, ids, per_row=per_row)
-    for _ in range(3):
-        assert torch.equal(fused_experts(x, w13, w2, weights, ids, per_row=per_row), got)
-    assert not arrival_counts.counts(x.device).any()
-    got = got.float()
+    got = fused_experts(x, w13, w2, weights, ids, per_row=per_row).float()
     loop = torch_experts(x, w13, w2, weights, ids).float()
     scale = want.abs().max()
     assert (got - want).abs().max() <= 0.02 * scale
@@ -370,22 +355,16 @@ def test_fused_experts_agree_with_the_torch_loop_in_bf16_on_gpu(tokens, per_row,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("per_row", [True, "down by choice"])
-def test_per_row_routing_replays_in_a_cuda_graph(per_row, monkeypatch):
-    """fused_moe at 2 tokens (routing inside the per-row kernels) captured once on a stream and replayed on
-    new inputs gives what it gives eagerly, and what the torch loop gives on select_experts' routing (the
-    down kernel's split over choices too, with the counts the stream had before the capture)."""
+def test_per_row_routing_replays_in_a_cuda_graph():
+    """fused_moe at 2 tokens (routing inside the per-row kernels) captured once and replayed on new
+    inputs gives what it gives eagerly, and what the torch loop gives on select_experts' routing."""
     from worker.layers.moe.fused import fused_moe
 
-    _down_variant(per_row, monkeypatch)
     x, w13, w2, _, _ = _experts(2, **_ARCH, dtype=torch.bfloat16, device="cuda")
     logits = torch.randn(2, _ARCH["num_experts"], device="cuda", dtype=torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fused_moe(x, logits, w13, w2, 8, True)
+    fused_moe(x, logits, w13, w2, 8, True)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph):
         out = fused_moe(x, logits, w13, w2, 8, True)
     x.copy_(torch.randn_like(x))
     logits.copy_(torch.randn_like(logits))

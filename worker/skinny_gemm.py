@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker import arrival_counts, triton_ops
+from worker import triton_ops
 from worker.kernels import Kernels
 
 NO_SCALES, ROW_SCALES, BLOCK_SCALES = 0, 1, 2
@@ -131,10 +131,10 @@ def matmul(
     splits = triton_ops.triton.cdiv(steps, triton_ops.triton.cdiv(steps, tile.split_k))  # none left empty
     n_tiles, m_tiles = triton_ops.triton.cdiv(n, tile.block_n), triton_ops.triton.cdiv(m, tile.block_m)
     m_first = m > SKINNY_MAX_ROWS  # a prompt chunk's programs share their weight tile (the kernel's comment)
-    counts = arrival_counts.counts(a.device) if splits > 1 and n_tiles * m_tiles <= arrival_counts.MAX_TILES else None
+    counts = _split_counts(a.device) if splits > 1 and n_tiles * m_tiles <= MAX_SPLIT_TILES else None
     if counts is None:
         splits = 1
-        counts = arrival_counts.placeholder(a.device)
+        counts = _placeholder(a.device)
         part = counts.view(torch.float32)  # not written: the partials' type, so the launch compiles as one
     else:
         part = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
@@ -167,6 +167,32 @@ def matmul(
         num_stages=tile.num_stages,
     )
     return out
+
+
+# One count per output tile of a split product, a buffer per stream: each launch's last program for a
+# tile resets its count, so a buffer is zeroed once and every launch finds it so, as long as no two launches
+# that share it run at once. An engine launches on its compute stream and captures its CUDA graphs there
+# (worker/engine.py), and a stream runs its kernels one at a time; engines beside each other on one GPU (a
+# draft model's) have streams, and buffers, of their own.
+MAX_SPLIT_TILES = 1 << 14
+_counts: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _split_counts(device: torch.device) -> torch.Tensor | None:
+    """The current stream's counts on `device`; None (the product then not split) where it has none yet
+    and a CUDA graph is being captured, which would record the buffer's zeroing instead of running it."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _counts:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _counts[key] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return _counts[key]
+
+
+@functools.cache
+def _placeholder(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 @functools.cache

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker import arrival_counts, triton_ops
+from worker import triton_ops
 from worker.kernels import Kernels
 
 log = logging.getLogger(__name__)
@@ -162,12 +162,6 @@ PER_ROW_DOWN = (8, 1024, 4)
 # against the loop's 35.9), and Qwen3-30B-A3B's batch-1 decode took 3.463 and 3.478 ms a token against the
 # loop's 3.556 and 3.593
 PER_ROW_DOWN_AT_ONCE: tuple[int, int] | None = (2, 4)
-# (BLOCK_N, num_warps) of the down kernel's split over choices (one program per token, column tile and
-# choice, the last of a tile's choices adding their partials), where the expert width fits one block; None:
-# off. The other variants run a program per token and column tile, few at one token (1,024 on
-# Qwen3-30B-A3B at two columns, 198 registers a thread: two programs an SM); this runs TOP_K times as many,
-# each reading one expert's tile. Off until bench/moe_decode.py --sweep measures it
-PER_ROW_DOWN_BY_CHOICE: tuple[int, int] | None = None
 
 
 def _per_row(
@@ -225,19 +219,19 @@ def _per_row(
         **triton_ops.pdl_options(pdl),
     )
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    variant, block_n, block_k, options, counts = _down_variant(tokens, hidden, inter, x.device)
-    by_choice = variant == "by_choice"
-    counts = counts if by_choice else arrival_counts.placeholder(x.device)
-    # the partials; without the split not written (a float32 pointer all the same: one compile of each variant)
-    part = torch.empty(rows, hidden, dtype=torch.float32, device=x.device) if by_choice else counts.view(torch.float32)
-    kernels.moe_row_down_kernel[(tokens, triton_ops.triton.cdiv(hidden, block_n), top_k if by_choice else 1)](
+    at_once = PER_ROW_DOWN_AT_ONCE is not None and inter <= _AT_ONCE_MAX_K
+    if at_once:
+        block_n, warps = PER_ROW_DOWN_AT_ONCE
+        block_n, block_k = _fit(block_n, hidden, 1), triton_ops.triton.next_power_of_2(inter)
+        options = {"num_warps": warps} if x.is_cuda else {}
+    else:
+        block_n, block_k, options = _row_tiles(PER_ROW_DOWN, x.is_cuda, hidden, inter)
+    kernels.moe_row_down_kernel[(tokens, triton_ops.triton.cdiv(hidden, block_n))](
         h,
         w2,
         out,
         weights,
         ids,
-        part,
-        counts,
         hidden,
         inter,
         h.stride(0),
@@ -248,8 +242,7 @@ def _per_row(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         K_P2=triton_ops.triton.next_power_of_2(top_k),
-        AT_ONCE=variant == "at_once",
-        BY_CHOICE=by_choice,
+        AT_ONCE=at_once,
         PDL=pdl,
         **options,
         **triton_ops.pdl_options(pdl),
@@ -257,26 +250,7 @@ def _per_row(
     return out
 
 
-_AT_ONCE_MAX_K = 1024  # the widest expert the down kernel's at-once and by-choice variants hold in one block
-
-
-def _down_variant(tokens: int, hidden: int, inter: int, device: torch.device) -> tuple:
-    """The down kernel's variant ("by_choice", "at_once" or "loop"), BLOCK_N, BLOCK_K, launch options and,
-    split over choices, the stream's arrival counts."""
-    cuda = device.type == "cuda"
-    one_block = inter <= _AT_ONCE_MAX_K
-    whole = triton_ops.triton.next_power_of_2(inter)
-    if PER_ROW_DOWN_BY_CHOICE is not None and one_block:
-        block_n, warps = PER_ROW_DOWN_BY_CHOICE
-        block_n = _fit(block_n, hidden, 1)
-        if tokens * triton_ops.triton.cdiv(hidden, block_n) <= arrival_counts.MAX_TILES:
-            counts = arrival_counts.counts(device)
-            if counts is not None:
-                return "by_choice", block_n, whole, {"num_warps": warps} if cuda else {}, counts
-    if PER_ROW_DOWN_AT_ONCE is not None and one_block:
-        block_n, warps = PER_ROW_DOWN_AT_ONCE
-        return "at_once", _fit(block_n, hidden, 1), whole, {"num_warps": warps} if cuda else {}, None
-    return ("loop", *_row_tiles(PER_ROW_DOWN, cuda, hidden, inter), None)
+_AT_ONCE_MAX_K = 1024  # the widest expert the down kernel's at-once variant holds in one block
 
 
 def _row_tiles(tiles: tuple[int, int, int], cuda: bool, width_n: int, width_k: int) -> tuple[int, int, dict]:

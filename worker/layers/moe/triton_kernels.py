@@ -264,8 +264,6 @@ def moe_row_down_kernel(
     out_ptr,
     weights_ptr,
     ids_ptr,
-    part_ptr,
-    count_ptr,
     hidden,
     inter,
     stride_h,
@@ -277,44 +275,17 @@ def moe_row_down_kernel(
     BLOCK_K: tl.constexpr,
     K_P2: tl.constexpr,
     AT_ONCE: tl.constexpr,
-    BY_CHOICE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # the per-row path's second half: one program per (token, column tile) sums its TOP_K rows' expert
-    # outputs, each scaled by its routing weight, in float32: the combine needs no launch of its own.
-    # BY_CHOICE: one program per (token, column tile, choice) instead, TOP_K times the programs each
-    # reading one expert's tile (inter <= BLOCK_K, in one load): each writes its scaled products to
-    # part [rows, hidden] in float32 and counts itself in count[token's tile], and the last of the token's
-    # choices to arrive adds the TOP_K partials in the choices' order (worker/arrival_counts.py)
+    # outputs, each scaled by its routing weight, in float32: the combine needs no launch of its own
     await_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
-    if BY_CHOICE:
-        r = t * TOP_K + tl.program_id(2)
-        k_ok = offs_k < inter
-        expert = tl.load(ids_ptr + r).to(tl.int64)
-        route_w = tl.load(weights_ptr + r).to(tl.float32)
-        hv = tl.load(h_ptr + r * stride_h + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        b = tl.load(
-            w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-            mask=n_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        tl.store(part_ptr + r * hidden + offs_n, tl.sum(b * hv[None, :], axis=1) * route_w, mask=n_ok)
-        tl.debug_barrier()  # every thread's partial is written before the count says so
-        tile = count_ptr + t * tl.num_programs(1) + pid_n
-        if tl.atomic_add(tile, 1, sem="acq_rel") == TOP_K - 1:
-            tl.debug_barrier()
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for k in tl.static_range(TOP_K):
-                # past L1, which may hold this address from an earlier launch
-                acc += tl.load(part_ptr + (t * TOP_K + k) * hidden + offs_n, mask=n_ok, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(tile, 0)
-            tl.store(out_ptr + t * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
-    elif AT_ONCE:
+    if AT_ONCE:
         # inter <= BLOCK_K: every choice's expert id, rows of h and weight tile loaded at once (one wait on
         # memory a program, where the other branch waits twice a choice: for its id, then for its weights)
         offs_c = tl.arange(0, K_P2)
@@ -336,7 +307,6 @@ def moe_row_down_kernel(
         ).to(tl.float32)
         part = tl.sum(b * hv[:, None, :], axis=2)  # [K_P2, BLOCK_N]: each choice's expert output
         acc = tl.sum(part * route_w[:, None], axis=0)
-        tl.store(out_ptr + t * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
     else:
         # every choice's products summed in a tile, reduced across the warps once at the end: no barrier
         # between one choice's loads and the next's (26 a program in sm_90's code at the default tile, now
@@ -353,7 +323,7 @@ def moe_row_down_kernel(
                 b = tl.load(b_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
                 acc2 += b * (hv * route_w)[None, :]
         acc = tl.sum(acc2, axis=1)
-        tl.store(out_ptr + t * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(out_ptr + t * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit(do_not_specialize=["rows", "num_slots", "num_blocks"])  # one variant a tile, whatever the row count
