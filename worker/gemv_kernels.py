@@ -39,7 +39,7 @@ def small_linear_kernel(
         mask = (rn[:, None] < N) & (kk[None, :] < K)
         w = tl.load(w_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
         if GATED:
-            u = tl.load(w_rows + N * w_stride + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(w_rows + tl.cast(N, tl.int64) * w_stride + kk[None, :], mask=mask, other=0.0).to(tl.float32)
         for mi in tl.static_range(M_BLOCK):
             x = tl.load(x_ptr + tl.minimum(mi, M - 1) * x_stride + kk, mask=kk < K, other=0.0).to(tl.float32)
             acc += tl.where(rm[:, None] == mi, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)

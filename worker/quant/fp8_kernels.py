@@ -69,11 +69,11 @@ def fp8_gemv_kernel(
         mask = n_ok[:, None] & (kk[None, :] < K)
         w = tl.load(w_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
         if GATED:
-            u = tl.load(w_rows + N * w_stride + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(w_rows + tl.cast(N, tl.int64) * w_stride + kk[None, :], mask=mask, other=0.0).to(tl.float32)
         if BLOCKED:
             w = w * tl.load(s_rows + kk[None, :] // GROUP_K, mask=mask, other=0.0)
             if GATED:
-                u = u * tl.load(s_rows + N * s_stride + kk[None, :] // GROUP_K, mask=mask, other=0.0)
+                u = u * tl.load(s_rows + tl.cast(N, tl.int64) * s_stride + kk[None, :] // GROUP_K, mask=mask, other=0.0)
         for mi in tl.static_range(M_BLOCK):
             x = tl.load(x_ptr + tl.minimum(mi, M - 1) * x_stride + kk, mask=kk < K, other=0.0).to(tl.float32)
             acc += tl.where(rm[:, None] == mi, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)
