@@ -25,6 +25,19 @@ def checked_llm(path, **kw):
         llm.shutdown()
 
 
+def gated_calls(monkeypatch, module, name: str) -> list[bool]:
+    """Wraps module.name (a GEMV launcher) for the test: the returned list grows by each call's `gated`."""
+    calls: list[bool] = []
+    real = getattr(module, name)
+
+    def counted(*args, **kw):
+        calls.append(kw.get("gated", False))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 def encode_all(llm: LLM, texts: list[str]) -> list[list[int]]:
     return [llm.tokenizer(t).input_ids for t in texts]
 

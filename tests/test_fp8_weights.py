@@ -22,7 +22,7 @@ from fp8_checkpoints import (
     quantize_channels,
     write_fp8_checkpoint,
 )
-from helpers import checked_llm, encode_all, greedy
+from helpers import checked_llm, encode_all, gated_calls, greedy
 from tiny_checkpoints import build_qwen3_hd128
 from transformers import AutoModelForCausalLM
 
@@ -105,14 +105,7 @@ def test_fp8_batch_1_decode_through_the_triton_gemvs_equals_the_dequantized_refe
     from worker.kernels import Kernels
 
     path, ref_path = checkpoints["fp8"]
-    calls = []
-    real = gemm.fp8_gemv
-
-    def counted(*args, **kw):
-        calls.append(kw.get("gated", False))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(gemm, "fp8_gemv", counted)
+    calls = gated_calls(monkeypatch, gemm, "fp8_gemv")
     prompts = _prompts(1)
     with checked_llm(path, page_size=4, kernels=Kernels(interpret_on_cpu=True)) as llm:
         got = [llm.generate([p], greedy(4, ignore_eos=True))[0].token_ids for p in prompts]

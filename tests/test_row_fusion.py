@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fixtures import PROMPT_TEXTS, hf_greedy
-from helpers import checked_llm, encode_all, greedy
+from helpers import checked_llm, encode_all, gated_calls, greedy
 
 from worker import gemv
 from worker.kernels import Kernels
@@ -208,14 +208,7 @@ def test_batch_1_decode_with_the_silu_in_gate_ups_gemv_equals_hf_greedy(model_pa
     path = model_paths["qwen2"]
     monkeypatch.setattr(row_fusion, "NORM_MAX_K", 0)
     monkeypatch.setattr(row_fusion, "SILU_MAX_K", 0)
-    gated = []
-    real = gemv.small_linear
-
-    def counted(*args, **kw):
-        gated.append(kw.get("gated", False))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(gemv, "small_linear", counted)
+    gated = gated_calls(monkeypatch, gemv, "small_linear")
     with checked_llm(path, page_size=4, kernels=INTERPRETED) as llm:
         prompts = encode_all(llm, PROMPT_TEXTS[:2])
         got = [llm.generate([p], greedy(5))[0].token_ids for p in prompts]
