@@ -1,6 +1,7 @@
 """One layer's decode attention on one GPU, Qwen3-0.6B shapes (16 query heads, 8 KV heads, head_dim 128):
 the Triton split-KV kernel of worker/triton_decode.py over a float8 e4m3 and a bfloat16 cache (a sweep of
-its tile, warps, stages and splits; with --variants its CUDA-core and prefetching variants too) against
+its tile, warps, stages and splits; with --variants its CUDA-core and prefetching variants too, and over fp8
+V converted to float16 before it is staged) against
 FlashInfer's decode over both (tensor cores, and at up to 8 rows its CUDA-core kernels too). Batch 256
 with KV lengths uniform in 150..1600 (seeded) and batch 1 with 560 tokens; 20 calls replayed in a CUDA
 graph, median of 5 replays; microseconds a call, TB/s of K and V read once, the largest difference from
@@ -40,6 +41,9 @@ PREFETCH_TILES = [
     (256, 8, 3),
     (32, 4, 3),
 ]
+# V converted before staging, without the prefetch: the plain kernel's tile and smaller ones (fewer registers:
+# 156 a thread at 128 x 4 x 2 in sm_90 code against 255 for the default, so three programs an SM)
+CONVERT_V_TILES = [(128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (128, 8, 2)]
 # (block_n, num_warps, num_stages) beside the launcher's default (None: its choice)
 TILES = {
     "none": [(None, None, None)],
@@ -174,6 +178,9 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
             runs += [(tile, None, {"prefetch": True}) for tile in PREFETCH_TILES]
             runs += [(tile, None, {"cuda_cores": True}) for tile in CUDA_CORE_TILES]
             runs += [(tile, None, {"cuda_cores": True, "prefetch": True}) for tile in CUDA_CORE_TILES]
+            if kv == "fp8":  # V converted to float16 before it is staged, with and without the prefetch
+                runs += [(tile, None, {"prefetch": True, "convert_v": True}) for tile in PREFETCH_TILES]
+                runs += [(tile, None, {"convert_v": True}) for tile in CONVERT_V_TILES]
         for splits, ((block_n, warps, stages), f16_dot, variant) in itertools.product(splits_to_try(batch), runs):
             if variant and splits != _default_splits(batch):
                 continue  # the variants at the launcher's split count only
@@ -193,7 +200,8 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                     num_warps=warps,
                     num_stages=stages,
                     f16_dot=f16_dot,
-                    **{"prefetch": False, **variant},  # the plain kernel unless the variant says otherwise
+                    # the plain kernel unless the variant says otherwise
+                    **{"prefetch": False, "convert_v": False, **variant},
                 )
 
             try:
@@ -211,6 +219,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                 "num_stages": stages,
                 "dot": _dot_name(kv, f16_dot, variant),
                 "prefetch": bool(variant.get("prefetch")),
+                "convert_v": bool(variant.get("convert_v")),
                 "us": us,
                 "tb_s": kv_bytes / us / 1e6,
             }
@@ -241,11 +250,17 @@ def summary(rows: list[dict]) -> None:
             and r["num_splits"] == _default_splits(batch)
             and r["dot"] == ("fp16" if kv == "fp8" else "bf16")
             and not r["prefetch"]
+            and not r.get("convert_v")
         ]  # the launcher's own choices
         if triton_rows:
             fastest = min(triton_rows, key=lambda r: r["us"])
             best += [r for r in default[:1] if r is not fastest] + [fastest]
-            for kind in ({"dot": "cuda_cores", "prefetch": False}, {"prefetch": True}):
+            for kind in (
+                {"dot": "cuda_cores", "prefetch": False},
+                {"prefetch": True, "convert_v": False},
+                {"prefetch": True, "convert_v": True},
+                {"prefetch": False, "convert_v": True},
+            ):
                 of_kind = [r for r in triton_rows if all(r.get(k) == v for k, v in kind.items())]
                 if of_kind and min(of_kind, key=lambda r: r["us"]) is not fastest:
                     best.append(min(of_kind, key=lambda r: r["us"]))
@@ -255,6 +270,7 @@ def summary(rows: list[dict]) -> None:
                 name += (
                     f" splits={r['num_splits']} block_n={r['block_n']} warps={r['num_warps']}"
                     f" stages={r['num_stages']} dot={r['dot']}{' prefetch' if r.get('prefetch') else ''}"
+                    f"{' convert_v' if r.get('convert_v') else ''}"
                 )
             diff = r.get("max_abs_diff_vs_flashinfer")
             print(

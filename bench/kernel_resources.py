@@ -89,7 +89,14 @@ def launches(arch: str) -> list[tuple[str, Callable[[], object]]]:
         pages = _gpu(4096, PAGE_SIZE, kv_heads, head_dim, dtype=cache)
         for batch in DECODE_BATCHES:
             splits = triton_decode.decode_num_splits(batch, kv_heads)
-            variants = [{}] + ([{"prefetch": False}, {"prefetch": True}, {"cuda_cores": True}] if cache == FP8 else [])
+            fp8_variants = [
+                {"prefetch": False},
+                {"prefetch": True},
+                {"cuda_cores": True},
+                {"convert_v": True},
+                {"prefetch": False, "convert_v": True},
+            ]
+            variants = [{}] + (fp8_variants if cache == FP8 else [])
             for variant in variants:
                 calls.append(
                     (

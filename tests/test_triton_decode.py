@@ -262,3 +262,37 @@ def test_the_kernels_variants_equal_float32_attention_over_the_pages(kv, case, v
     page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
     args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, kv, seed=4)
     assert_close_to_reference(paged_decode(*args, num_splits=num_splits, block_n=block_n, **variant), args)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_an_fp8_caches_v_converted_before_staging_gives_the_same_attention(case, prefetch):
+    """convert_v (PTX on CUDA; the interpreter runs the plain conversion): V goes to float16 before the tensor
+    cores' operand is staged, so they multiply the same values; the output is float32 attention's, and the
+    default's, at every page size, split count and tile."""
+    page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
+    args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, "fp8", seed=6)
+    tiles = dict(num_splits=num_splits, block_n=block_n, prefetch=prefetch)
+    got = paged_decode(*args, convert_v=True, **tiles)
+    assert_close_to_reference(got, args)
+    torch.testing.assert_close(got, paged_decode(*args, convert_v=False, **tiles), atol=1e-2, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_v_converted_before_staging_at_qwen3_0_6b_heads_over_a_batch(prefetch):
+    lens = torch.randint(1, 1001, (64,), generator=torch.Generator().manual_seed(6)).tolist()
+    args = make_decode(lens, 16, 8, 2, 128, "fp8", seed=6)
+    got = paged_decode(*args, num_splits=1, prefetch=prefetch, convert_v=True)
+    assert_close_to_reference(got, args)
+    plain = paged_decode(*args, num_splits=1, prefetch=prefetch, convert_v=False)
+    torch.testing.assert_close(got, plain, atol=1e-2, rtol=0)
+
+
+def test_convert_v_is_for_an_fp8_cache_on_float16_operands():
+    args = make_decode([5, 40], 16, 2, 2, 64, "bf16", seed=2)
+    with pytest.raises(ValueError, match="convert_v"):
+        paged_decode(*args, num_splits=2, convert_v=True)
+    fp8_args = make_decode([5, 40], 16, 2, 2, 64, "fp8", seed=2)
+    with pytest.raises(ValueError, match="convert_v"):
+        paged_decode(*fp8_args, num_splits=2, convert_v=True, cuda_cores=True)

@@ -17,6 +17,15 @@ from worker.triton_ops import pdl_options
 
 LOG2E = 1.4426950408889634
 FP16_MAX = tl.constexpr(65504.0)
+# Over an fp8 cache, convert each V block to float16 in registers before it is staged for the tensor cores
+# (paged_decode's convert_v). The product P V sums over tokens, and V's bytes lie token after token: an e4m3
+# V reaches the float16 operand's pairs of tokens one byte at a time from shared memory (in sm_90 code at
+# batch 256, Qwen3-0.6B, the default tile: 128 LDS.U8 a thread a block, 2,144 SASS instructions in all);
+# converted first it goes through ldmatrix's transposing load as float16 does (1,336 instructions, 189
+# registers against 255, 104 KB of shared memory against 72). K stays e4m3 up to its operand, which it
+# reaches 8 bytes at a time (its pairs are neighbours along head_dim). Off until measured: bench/gpu.sh
+# decode_kernels (bench/fp8_decode.py --variants). Converting K first too was slower on an H100 (fa77bb8)
+CONVERT_V = False
 
 
 @triton.jit
@@ -26,6 +35,26 @@ def _mma(a, b, UPCAST: tl.constexpr):
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     return tl.dot(a, b)
+
+
+@triton.jit
+def _e4m3_to_f16(x):
+    # e4m3 -> float16 four bytes at a time (two conversions of a byte pair each) where the values lie. Not pure
+    # to the compiler on purpose: a pure conversion is moved past the change of layout to the tensor cores'
+    # operand, and this one must stay before it (CONVERT_V)
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b16 lo, hi;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        cvt.rn.f16x2.e4m3x2 $1, hi;
+        }""",
+        "=r,=r,r",
+        [x.to(tl.uint8, bitcast=True)],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -73,6 +102,7 @@ def _split_kernel(
     UPCAST: tl.constexpr,
     CUDA_CORES: tl.constexpr,
     PREFETCH: tl.constexpr,
+    CONVERT_V: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # one program per (request, kv head, split): the group's query heads against the split's tokens,
@@ -140,6 +170,8 @@ def _split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if not PREFETCH:
             v = tl.load(v_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
+        if CONVERT_V:
+            v = _e4m3_to_f16(v)
         if CUDA_CORES:
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         else:
@@ -248,6 +280,7 @@ def paged_decode(
     f16_dot: bool | None = None,
     cuda_cores: bool = False,
     prefetch: bool | None = None,
+    convert_v: bool | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
     """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
@@ -259,8 +292,10 @@ def paged_decode(
     tensor-core operands (None: for an fp8 cache) or q's dtype; cuda_cores, the group's heads as float32
     products and sums instead of tensor-core tiles padded to 16 rows (for groups of a few heads); prefetch,
     each block's K and V loaded together from cells found the block before (no load waits on another; None:
-    over an fp8 cache at a split or two a request); pdl, both kernels launched with programmatic dependent
-    launch (worker/pdl_kernels.py)."""
+    over an fp8 cache at a split or two a request); convert_v, an fp8 cache's V blocks converted to float16
+    before the tensor cores' operand is staged, on CUDA with float16 operands (None: CONVERT_V; under the
+    interpreter the plain conversion runs); pdl, both kernels launched with programmatic dependent launch
+    (worker/pdl_kernels.py)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -278,6 +313,10 @@ def paged_decode(
     block_n, num_warps, num_stages = block_n or tile[0], num_warps or tile[1], num_stages or tile[2]
     if prefetch is None:
         prefetch = tile[3]
+    if convert_v and not (fp8 and f16_dot and not cuda_cores):
+        raise ValueError("convert_v converts an fp8 cache's V for float16 tensor-core operands only")
+    if convert_v is None:
+        convert_v = CONVERT_V and fp8 and f16_dot and not cuda_cores
     if num_splits > 1:
         if scratch is None:
             scratch = decode_scratch(batch, num_heads, head_dim, num_splits, q.device)
@@ -322,6 +361,7 @@ def paged_decode(
         UPCAST=INTERPRETED,
         CUDA_CORES=cuda_cores,
         PREFETCH=prefetch,
+        CONVERT_V=convert_v and not INTERPRETED,  # PTX: the interpreter runs the plain conversion
         PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
