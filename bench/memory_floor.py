@@ -1,13 +1,16 @@
 """The memory floor of a workload's decode: the bytes each decode step must read from HBM (the weights its
 tokens touch, the KV cache of every running request), summed over the steps the workload's output
-lengths make, at a given bandwidth. A bound, not a model: prefill, launches and every kernel's own
-inefficiency come on top. For a mixture of experts the weights a step touches depend on the batch: b
+lengths make, at a given bandwidth. A bound, not a model: launches and every kernel's own inefficiency
+come on top. With --tflops each step is also bounded by its arithmetic (the larger of the two: a
+roofline), and the prompts' prefill is added at that rate, so the figure bounds the whole workload, not
+its decode alone. For a mixture of experts the weights a step touches depend on the batch: b
 tokens choosing k of E experts uniformly touch E * (1 - (1 - k/E)^b) experts a layer on average, nearly
 all of them from a few dozen tokens on, so a decode step costs nearly the whole expert weights until the
 batch is small, and the floor of a workload whose batch shrinks as requests finish lies well below
 batch 256's tokens per second.
 
-    python bench/memory_floor.py --arch qwen3-30b-a3b [--workload default] [--tb-s 4.3]
+    python bench/memory_floor.py --arch qwen3-30b-a3b [--workload default] [--tb-s 4.3] [--tflops 790]
+        [--weight-bytes 1]
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ class StepBytes:
     top_k: int
     moe_layers: int
     kv_per_token: float
+    # the arithmetic: multiply-adds a token of the linears it runs (the experts it picks, the LM head) and
+    # of attention a token of context (QK and PV over every layer's query heads)
+    macs_per_token: float = 0.0
+    attention_macs_per_context: float = 0.0
 
 
 def step_bytes(cfg: dict, weight_bytes: float = 2, kv_dtype: torch.dtype = torch.bfloat16) -> StepBytes:
@@ -49,6 +56,7 @@ def step_bytes(cfg: dict, weight_bytes: float = 2, kv_dtype: torch.dtype = torch
         dense_mlp, moe_layers = hidden * experts, layers  # the router's weights
     else:
         per_expert, dense_mlp, moe_layers = 0, 3 * hidden * cfg["intermediate_size"], 0
+    active = layers * (attention + dense_mlp) + lm_head + layers * cfg.get("num_experts_per_tok", 0) * per_expert
     return StepBytes(
         fixed=weight_bytes * (layers * (attention + dense_mlp) + lm_head),
         per_expert=weight_bytes * per_expert,
@@ -56,19 +64,29 @@ def step_bytes(cfg: dict, weight_bytes: float = 2, kv_dtype: torch.dtype = torch
         top_k=cfg.get("num_experts_per_tok", 0),
         moe_layers=moe_layers,
         kv_per_token=KVCachePool.bytes_per_page(layers, 1, cfg["num_key_value_heads"], head_dim, kv_dtype),
+        macs_per_token=active,
+        attention_macs_per_context=2 * layers * q,
     )
 
 
-def decode_floor(b: StepBytes, prompt_lens: np.ndarray, output_lens: np.ndarray, bandwidth: float) -> dict:
-    """Every request decoding from the first step (the whole workload admitted at once), one token a step."""
-    seconds, expert_s, kv_s = 0.0, 0.0, 0.0
+def decode_floor(
+    b: StepBytes, prompt_lens: np.ndarray, output_lens: np.ndarray, bandwidth: float, flops: float | None = None
+) -> dict:
+    """Every request decoding from the first step (the whole workload admitted at once), one token a step;
+    with `flops` (a second's multiply-adds times two) each step takes the longer of its bytes and its
+    arithmetic."""
+    seconds, expert_s, kv_s, compute_bound = 0.0, 0.0, 0.0, 0
     for step in range(int(output_lens.max())):
         alive = output_lens > step
         batch = int(alive.sum())
         touched = b.experts * (1 - (1 - b.top_k / b.experts) ** batch) if b.experts else 0.0
-        kv = float((prompt_lens[alive] + step).sum()) * b.kv_per_token
+        context = float((prompt_lens[alive] + step).sum())
+        kv = context * b.kv_per_token
         experts = touched * b.per_expert * b.moe_layers
-        seconds += (b.fixed + experts + kv) / bandwidth
+        memory = (b.fixed + experts + kv) / bandwidth
+        arithmetic = 2 * (batch * b.macs_per_token + context * b.attention_macs_per_context) / flops if flops else 0.0
+        seconds += max(memory, arithmetic)
+        compute_bound += arithmetic > memory
         expert_s += experts / bandwidth
         kv_s += kv / bandwidth
     tokens = int(output_lens.sum())
@@ -78,8 +96,17 @@ def decode_floor(b: StepBytes, prompt_lens: np.ndarray, output_lens: np.ndarray,
         "floor_s": seconds,
         "experts_s": expert_s,
         "kv_s": kv_s,
+        "compute_bound_steps": compute_bound,
         "floor_tok_s": tokens / seconds,
     }
+
+
+def prefill_floor(b: StepBytes, prompt_lens: np.ndarray, flops: float) -> float:
+    """Seconds of the prompts' arithmetic at `flops`: each token's linears and its causal attention over the
+    tokens before it (the weights' bytes, read once a chunk, are small beside it)."""
+    tokens = float(prompt_lens.sum())
+    causal_context = float((prompt_lens * (prompt_lens + 1) / 2).sum())
+    return 2 * (tokens * b.macs_per_token + causal_context * b.attention_macs_per_context) / flops
 
 
 def main() -> None:
@@ -87,23 +114,35 @@ def main() -> None:
     p.add_argument("--arch", default="qwen3-30b-a3b", choices=sorted(ARCHS))
     p.add_argument("--workload", default="default", choices=sorted(WORKLOADS))
     p.add_argument("--tb-s", type=float, default=4.3, help="HBM bandwidth, TB/s (an H200 copies at about 4.3)")
+    p.add_argument(
+        "--tflops",
+        type=float,
+        help="the tensor cores' rate, TFLOP/s (an H200 multiplies bf16 at about 790): each step is bounded by its "
+        "arithmetic too, and the prefill is added",
+    )
+    p.add_argument("--weight-bytes", type=float, default=2, help="bytes a weight (1: FP8)")
+    p.add_argument("--kv-cache-dtype", choices=["bf16", "fp8_e4m3"], default="bf16")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     cfg = ARCHS[args.arch]
     n = WORKLOADS[args.workload][0]
     prompts, params = workload(n, args.seed, cfg["vocab_size"], args.workload)
-    b = step_bytes(cfg)
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
+    b = step_bytes(cfg, args.weight_bytes, kv_dtype)
+    flops = args.tflops * 1e12 if args.tflops else None
+    prompt_lens = np.array([len(x) for x in prompts])
     report = {
         "arch": args.arch,
         "workload": args.workload,
         "tb_s": args.tb_s,
-        **decode_floor(
-            b,
-            np.array([len(x) for x in prompts]),
-            np.array([x.max_tokens for x in params]),
-            args.tb_s * 1e12,
-        ),
+        "tflops": args.tflops,
+        "weight_bytes": args.weight_bytes,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        **decode_floor(b, prompt_lens, np.array([x.max_tokens for x in params]), args.tb_s * 1e12, flops),
     }
+    if flops:
+        report["prefill_s"] = prefill_floor(b, prompt_lens, flops)
+        report["workload_floor_tok_s"] = report["output_tokens"] / (report["floor_s"] + report["prefill_s"])
     full = b.fixed + b.per_expert * b.experts * b.moe_layers
     report["batch_256_step_weights_gb"] = full / 1e9
     print(json.dumps(report, indent=2))
