@@ -6,7 +6,7 @@ Triton GEMM; each Triton GEMM at its default tile and, with --sweep, at each til
 named). Each layer's COPIES (distinct weights, so L2 holds none of them) replayed in a CUDA graph; median
 microseconds a call, and each path's largest error against the float32 product.
 
-    python bench/fp8_gemm.py [--m 16 64 128 256] [--sweep] [--out r.json]"""
+    python bench/fp8_gemm.py [--m 16 64 128 256] [--sweep] [--sweep-dtypes fp8] [--layers o down] [--out r.json]"""
 
 from __future__ import annotations
 
@@ -31,15 +31,19 @@ COPIES = 6
 # the sweep: output columns a program, bytes of K a step, pipeline stages, splits of K (the rows a tile:
 # skinny_gemm.mm_tile's)
 TILES = {"block_n": (32, 64, 128), "k_bytes": (128, 256), "num_stages": (4,), "split_k": (1, 2, 4)}
+# past 64 rows the sweep also tries 64-row tiles (twice the programs of mm_tile's 128: an N = 4,096 layer at
+# 128 x 128 fills 64 of an H200's 132 multiprocessors at 256 rows)
+SHORT_BLOCK_M = 64
 CUBLASLT = Kernels(decode_gemm="vendor")
 
 
 def sweep(product, m: int, n: int, k: int, element_bytes: int) -> dict:
     """Microseconds a call of `product(tile)` at every tile of TILES that compiles, and the fastest."""
     base = skinny_gemm.mm_tile(m, n, k, element_bytes)
+    heights = [(base.block_m, base.num_warps)] + ([(SHORT_BLOCK_M, 4)] if base.block_m > SHORT_BLOCK_M else [])
     times = {}
-    for bn, k_bytes, stages, split in itertools.product(*TILES.values()):
-        tile = skinny_gemm.MmTile(base.block_m, bn, k_bytes // element_bytes, split, base.num_warps, stages)
+    for (bm, warps), bn, k_bytes, stages, split in itertools.product(heights, *TILES.values()):
+        tile = skinny_gemm.MmTile(bm, bn, k_bytes // element_bytes, split, warps, stages)
         try:
             times[str(tile)] = time_graph(lambda t=tile: product(t)) / COPIES
         except Exception as exc:  # a tile past the GPU's shared memory, say
@@ -52,11 +56,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", type=int, nargs="+", default=[16, 64, 128, 256])
     parser.add_argument("--sweep", action="store_true", help="each Triton GEMM at every tile of TILES too")
+    parser.add_argument(
+        "--sweep-dtypes", nargs="+", choices=["fp8", "bf16"], default=["fp8", "bf16"], help="the GEMMs --sweep sweeps"
+    )
+    parser.add_argument("--layers", nargs="+", help="these of Qwen3-8B's linears only (default: all four)")
     parser.add_argument("--out")
     args = parser.parse_args()
     results = []
     for m in args.m:
         for name, (k, n) in QWEN3_8B_LINEARS.items():
+            if args.layers and name not in args.layers:
+                continue
             ws, scale = fp8_weights(n, k, COPIES)
             wb = [w.to(torch.bfloat16) for w in ws]
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -95,8 +105,9 @@ def main() -> None:
             row["triton_tile"] = str(skinny_gemm.mm_tile(m, n, k, 1))
             row["triton_only_us"] = time_graph(fp8_triton) / COPIES
             row["triton_err"] = err(skinny_gemm.matmul(xq, ws[0], x.dtype, xs, scale))
-            if args.sweep:
+            if args.sweep and "fp8" in args.sweep_dtypes:
                 row["fp8_sweep"] = sweep(fp8_triton, m, n, k, 1)
+            if args.sweep and "bf16" in args.sweep_dtypes:
                 row["bf16_sweep"] = sweep(bf16_triton, m, n, k, 2)
             results.append(row)
             print(json.dumps({key: v for key, v in row.items() if not key.endswith("_sweep")}))
@@ -112,11 +123,9 @@ def main() -> None:
             return sum(r[key] for r in rows)
 
         best = ""
-        if args.sweep:
-            best = (
-                f"; the sweep's best: bf16 {sum(r['bf16_sweep']['best_us'] for r in rows):.1f}, "
-                f"FP8 {sum(r['fp8_sweep']['best_us'] for r in rows):.1f}"
-            )
+        for dtype in ("bf16", "fp8"):
+            if args.sweep and dtype in args.sweep_dtypes:
+                best += f"; the sweep's best {dtype}: {sum(r[f'{dtype}_sweep']['best_us'] for r in rows):.1f}"
         print(
             f"M={m}, a layer's four linears, us: bf16 cuBLAS {total('bf16_us'):.1f}, Triton "
             f"{total('bf16_triton_us'):.1f}; FP8 cuBLASLt (fast accumulation) {total('fast_accum_only_us'):.1f}, "
