@@ -7,7 +7,8 @@ with KV lengths uniform in 150..1600 (seeded) and batch 1 with 560 tokens; 20 ca
 graph, median of 5 replays; microseconds a call, TB/s of K and V read once, the largest difference from
 FlashInfer's tensor-core output over the same cache.
 
-    python bench/fp8_decode.py [--batch 256 1] [--page-size 16] [--sweep none|small|full] [--variants] [--out r.json]"""
+    python bench/fp8_decode.py [--batch 256 1] [--page-size 16] [--sweep none|small|full] [--variants] [--kv fp8]
+        [--out r.json]"""
 
 from __future__ import annotations
 
@@ -140,6 +141,8 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
     tokens = sum(lens)
     rows = []
     for kv, cache in caches.items():
+        if kv not in args.kv:
+            continue
         kv_bytes = 2 * tokens * NUM_KV_HEADS * HEAD_DIM * cache[0].element_size()
         base = {
             "batch": batch,
@@ -297,10 +300,11 @@ def main() -> None:
         help="the tiles tried beside the launcher's default (none: it alone), at each split count",
     )
     parser.add_argument("--no-flashinfer", action="store_true", help="time the Triton kernel alone")
+    parser.add_argument("--kv", nargs="+", choices=["fp8", "bf16"], default=["fp8", "bf16"], help="the caches timed")
     parser.add_argument(
         "--variants",
         action="store_true",
-        help="also the Triton kernel's variants (paged_decode's cuda_cores and prefetch) at tiles of their own",
+        help="also the Triton kernel's variants (paged_decode's cuda_cores, prefetch and convert_v) at tiles of their own",
     )
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
