@@ -23,9 +23,11 @@ FP16_MAX = tl.constexpr(65504.0)
 # batch 256, Qwen3-0.6B, the default tile: 128 LDS.U8 a thread a block, 2,144 SASS instructions in all);
 # converted first it goes through ldmatrix's transposing load as float16 does (1,336 instructions, 189
 # registers against 255, 104 KB of shared memory against 72). K stays e4m3 up to its operand, which it
-# reaches 8 bytes at a time (its pairs are neighbours along head_dim). Off until measured: bench/gpu.sh
-# decode_kernels (bench/fp8_decode.py --variants). Converting K first too was slower on an H100 (fa77bb8)
-CONVERT_V = False
+# reaches 8 bytes at a time (its pairs are neighbours along head_dim). On an H100 (2026-12-05,
+# bench/fp8_decode.py --variants): 191.7 us a layer at batch 256 against 197.9, the same at batch 1 (5.68
+# against 5.58-5.67); (a) over fp8 28,444 and 27,840 output tok/s against 27,839 and 27,124 (two pairs of
+# two runs). Converting K first too was slower there (fa77bb8: its float16 copy doubles K's shared memory)
+CONVERT_V = True
 
 
 @triton.jit
