@@ -351,6 +351,19 @@ def _fp8_launches(hidden: int, inter: int) -> list[tuple[str, Callable[[], objec
         )
         for rows in (2, 16, 64, 128)
     ]
+    # a full decode batch through an N = hidden layer (o's shape: skinny_gemm.FULL_BATCH_TILE)
+    calls.append(
+        (
+            "FP8 per-channel Triton GEMM, 256 rows, o's shape",
+            lambda: skinny_gemm.matmul(
+                _gpu(256, hidden, dtype=FP8),
+                _gpu(hidden, hidden, dtype=FP8),
+                BF16,
+                _gpu(256, 1, dtype=torch.float32),
+                _gpu(hidden, 1, dtype=torch.float32),
+            ),
+        )
+    )
     # the same GEMM over bf16 at an N = hidden layer (o's shape: split over K)
     calls += [
         (

@@ -80,6 +80,20 @@ def test_the_triton_fp8_gemm_agrees_with_cublaslt_and_repeats_exactly(m, n, k, s
     assert not skinny_gemm._split_counts(torch.device(CUDA)).any()
 
 
+@pytest.mark.parametrize("m", [129, 200, 256])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288)])
+def test_the_triton_fp8_gemm_at_full_decode_batches_agrees_with_cublaslt(m, n, k):
+    """Past SKINNY_MAX_ROWS, Qwen3-8B's o and down shapes at their default tile (skinny_gemm.FULL_BATCH_TILE,
+    partial 64-row tiles included) against cuBLASLt on the same e4m3 operands, the same bits twice."""
+    q, s = _weights(n, k, None)
+    xq, xs = gemm.quantize_activations(torch.randn(m, k, device=CUDA).bfloat16(), k)
+    assert skinny_gemm.pays(m, q) and skinny_gemm.mm_tile(m, n, k, 1).block_m == 64
+    want = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=torch.float32)
+    got = skinny_gemm.matmul(xq, q, torch.bfloat16, xs, s)
+    assert _rel(got, want) < 0.005
+    assert torch.equal(skinny_gemm.matmul(xq, q, torch.bfloat16, xs, s), got)
+
+
 @pytest.mark.parametrize("m", [2, 16, 64, 128])
 def test_the_triton_gemm_over_bf16_agrees_with_cublas(m):
     """The same kernel over bf16 operands without scales (Kernels.decode_gemm for bf16 linears), split over K

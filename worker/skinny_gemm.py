@@ -33,6 +33,13 @@ class MmTile:
 # Rows up to which a product takes the narrow tiles below; past it (prompt chunks) the large tiles of a
 # compute-bound GEMM
 SKINNY_MAX_ROWS = 128
+# Up to these rows an FP8 product with per-channel scales and at most NARROW_N output columns (Qwen3-8B's o
+# and down) takes 64-row tiles of 128 columns: at 256 rows bench/fp8_gemm.py --sweep found them ahead of
+# cuBLASLt (an H100, 2026-12-05: o 13.17 against 14.62 us, down 30.56 against 33.91; qkv, N = 6,144, lost:
+# 18.87 against 16.77), where 128-row tiles leave half of the GPU's multiprocessors without a program
+FULL_BATCH_ROWS = 256
+NARROW_N = 4096
+FULL_BATCH_TILE = (64, 128, 256, 4, 4)  # block_m, block_n, bytes of K a step, warps, stages
 
 
 def mm_tile(m: int, n: int, k: int, element_bytes: int, group_k: int | None = None) -> MmTile:
@@ -40,8 +47,12 @@ def mm_tile(m: int, n: int, k: int, element_bytes: int, group_k: int | None = No
     scales' group). Up to SKINNY_MAX_ROWS rows, as bench/fp8_gemm.py --sweep found on Qwen3-8B's layers
     (an H100, 2026-12-05): the rows in one tile, 256 bytes of K a step, 32 output columns a program up to
     N = 4,096 and 64 beyond, and K split in two only at 16 rows or fewer where K is twice N or more (down:
-    23.0 against 24.7 us); every other split was slower, up to twice as slow at 64 and 128 rows."""
+    23.0 against 24.7 us); every other split was slower, up to twice as slow at 64 and 128 rows. Past it, an
+    FP8 product of per-channel scales and at most NARROW_N columns up to FULL_BATCH_ROWS takes FULL_BATCH_TILE."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    if element_bytes == 1 and group_k is None and SKINNY_MAX_ROWS < m <= FULL_BATCH_ROWS and n <= NARROW_N:
+        bm, bn, k_bytes, warps, stages = FULL_BATCH_TILE
+        return MmTile(bm, bn, k_bytes // element_bytes, 1, warps, stages)
     if m > SKINNY_MAX_ROWS:
         return MmTile(block_m, 128, group_k or 128 // element_bytes, 1, 8 if block_m == 128 else 4, 3)
     block_n = 32 if n <= 4096 else 64
@@ -71,10 +82,12 @@ def pays(rows: int, weight: torch.Tensor) -> bool:
     2026-12-05). FP8 against cuBLASLt (fast accumulation; a layer's four at 16 / 64 / 128 rows, 85.8 / 90.7
     / 100.4 us at these tiles against 104.8 / 104.8 / 106.4): o and down (N = 4,096) and qkv at every row
     count up to 128, gate-up (N = 24,576) up to 64 rows (38.5 against 42.0 us at 16, 42.2 against 42.5 at
-    64, 47.2 against 43.1 at 128). bf16 against cuBLAS: up to 16 rows (149.3 against 155.1; it lost from 64)."""
+    64, 47.2 against 43.1 at 128), and o and down up to FULL_BATCH_ROWS. bf16 against cuBLAS: up to 16 rows
+    (149.3 against 155.1; it lost from 64)."""
     if weight.element_size() > 1:
         return rows <= 16
-    return rows <= 64 or (rows <= SKINNY_MAX_ROWS and weight.shape[0] <= 8192)
+    n = weight.shape[0]
+    return rows <= 64 or (rows <= SKINNY_MAX_ROWS and n <= 8192) or (rows <= FULL_BATCH_ROWS and n <= NARROW_N)
 
 
 # The weight dtypes whose linear layers multiply through `matmul` by default (Kernels.decode_gemm auto), where
