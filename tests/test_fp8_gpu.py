@@ -133,13 +133,18 @@ def test_split_products_on_two_streams_at_once_keep_their_own_counts():
 
 def test_per_channel_fp8_products_take_the_triton_gemm_at_decode_batches_and_cublaslt_above():
     """gemm.scaled_mm_quantized by Kernels.decode_gemm: triton, the Triton GEMM where skinny_gemm.pays (N =
-    4,096 up to SKINNY_MAX_ROWS rows, N = 24,576 up to 64) and cuBLASLt past it; auto, the same if FP8 is one
-    of AUTO_DTYPES and cuBLASLt if not; vendor, cuBLASLt at every row count (each the same bits as the
-    product it names)."""
+    4,096 up to FULL_BATCH_ROWS rows, N = 6,144 up to SKINNY_MAX_ROWS, N = 24,576 up to 64) and cuBLASLt past
+    it; auto, the same if FP8 is one of AUTO_DTYPES and cuBLASLt if not; vendor, cuBLASLt at every row count
+    (each the same bits as the product it names)."""
     skinny, auto = skinny_gemm.SKINNY_MAX_ROWS, torch.float8_e4m3fn in skinny_gemm.AUTO_DTYPES
+    full = skinny_gemm.FULL_BATCH_ROWS
     cases = [
         (4096, skinny, "triton", True),
-        (4096, skinny + 1, "triton", False),
+        (4096, skinny + 1, "triton", True),
+        (4096, full, "triton", True),
+        (4096, full + 1, "triton", False),
+        (6144, skinny, "triton", True),
+        (6144, skinny + 1, "triton", False),
         (24576, 64, "triton", True),
         (24576, 65, "triton", False),
         (4096, 8, "vendor", False),
