@@ -1,7 +1,7 @@
 """One layer's decode attention on one GPU, Qwen3-0.6B shapes (16 query heads, 8 KV heads, head_dim 128):
 the Triton split-KV kernel of worker/triton_decode.py over a float8 e4m3 and a bfloat16 cache (a sweep of
-its tile, warps, stages and splits; with --variants its CUDA-core and prefetching variants too, and over fp8
-V converted to float16 before it is staged) against
+its tile, warps, stages and splits, beside the launcher's own choices; with --variants its CUDA-core and
+prefetching variants too, and over fp8 V converted to float16 before it is staged) against
 FlashInfer's decode over both (tensor cores, and at up to 8 rows its CUDA-core kernels too). Batch 256
 with KV lengths uniform in 150..1600 (seeded) and batch 1 with 560 tokens; 20 calls replayed in a CUDA
 graph, median of 5 replays; microseconds a call, TB/s of K and V read once, the largest difference from
@@ -177,6 +177,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
             for tile, dot in itertools.product(TILES[args.sweep], dots)
             if dot is None or tile[0] is None
         ]  # bf16 operands over fp8 with the default tile only
+        runs.insert(0, ((None, None, None), None, {"launcher": True}))  # every choice the launcher's own
         if args.variants:  # the kernel's variants, each at tiles of its own
             runs += [(tile, None, {"prefetch": True}) for tile in PREFETCH_TILES]
             runs += [(tile, None, {"cuda_cores": True}) for tile in CUDA_CORE_TILES]
@@ -187,6 +188,8 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
         for splits, ((block_n, warps, stages), f16_dot, variant) in itertools.product(splits_to_try(batch), runs):
             if variant and splits != _default_splits(batch):
                 continue  # the variants at the launcher's split count only
+            # the plain kernel unless the variant says otherwise; the launcher's row leaves it every choice
+            choices = {} if variant.get("launcher") else {"prefetch": False, "convert_v": False, **variant}
             scratch = decode_scratch(batch, NUM_HEADS, HEAD_DIM, splits, "cuda")
 
             def call() -> torch.Tensor:
@@ -203,8 +206,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                     num_warps=warps,
                     num_stages=stages,
                     f16_dot=f16_dot,
-                    # the plain kernel unless the variant says otherwise
-                    **{"prefetch": False, "convert_v": False, **variant},
+                    **choices,
                 )
 
             try:
@@ -221,6 +223,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                 "num_warps": warps,
                 "num_stages": stages,
                 "dot": _dot_name(kv, f16_dot, variant),
+                "launcher": bool(variant.get("launcher")),
                 "prefetch": bool(variant.get("prefetch")),
                 "convert_v": bool(variant.get("convert_v")),
                 "us": us,
@@ -246,15 +249,7 @@ def summary(rows: list[dict]) -> None:
         group = list(group)
         best = [r for r in group if r["impl"] != "triton"]
         triton_rows = [r for r in group if r["impl"] == "triton"]
-        default = [
-            r
-            for r in triton_rows
-            if r["block_n"] is None
-            and r["num_splits"] == _default_splits(batch)
-            and r["dot"] == ("fp16" if kv == "fp8" else "bf16")
-            and not r["prefetch"]
-            and not r.get("convert_v")
-        ]  # the launcher's own choices
+        default = [r for r in triton_rows if r.get("launcher")]  # the launcher's own choices
         if triton_rows:
             fastest = min(triton_rows, key=lambda r: r["us"])
             best += [r for r in default[:1] if r is not fastest] + [fastest]
@@ -273,7 +268,7 @@ def summary(rows: list[dict]) -> None:
                 name += (
                     f" splits={r['num_splits']} block_n={r['block_n']} warps={r['num_warps']}"
                     f" stages={r['num_stages']} dot={r['dot']}{' prefetch' if r.get('prefetch') else ''}"
-                    f"{' convert_v' if r.get('convert_v') else ''}"
+                    f"{' convert_v' if r.get('convert_v') else ''}{' (the launcher default)' if r.get('launcher') else ''}"
                 )
             diff = r.get("max_abs_diff_vs_flashinfer")
             print(

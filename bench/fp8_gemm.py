@@ -31,8 +31,8 @@ COPIES = 6
 # the sweep: output columns a program, bytes of K a step, pipeline stages, splits of K (the rows a tile:
 # skinny_gemm.mm_tile's)
 TILES = {"block_n": (32, 64, 128), "k_bytes": (128, 256), "num_stages": (4,), "split_k": (1, 2, 4)}
-# past 64 rows the sweep also tries 64-row tiles (twice the programs of mm_tile's 128: an N = 4,096 layer at
-# 128 x 128 fills 64 of an H200's 132 multiprocessors at 256 rows)
+# past 64 rows the sweep tries both 128-row tiles and 64-row ones (twice the programs: an N = 4,096 layer at
+# 128 x 128 fills 64 of an H200's 132 multiprocessors at 256 rows), whichever of them mm_tile picks
 SHORT_BLOCK_M = 64
 CUBLASLT = Kernels(decode_gemm="vendor")
 
@@ -40,7 +40,10 @@ CUBLASLT = Kernels(decode_gemm="vendor")
 def sweep(product, m: int, n: int, k: int, element_bytes: int) -> dict:
     """Microseconds a call of `product(tile)` at every tile of TILES that compiles, and the fastest."""
     base = skinny_gemm.mm_tile(m, n, k, element_bytes)
-    heights = [(base.block_m, base.num_warps)] + ([(SHORT_BLOCK_M, 4)] if base.block_m > SHORT_BLOCK_M else [])
+    heights = [(base.block_m, base.num_warps)]
+    if m > SHORT_BLOCK_M:  # the other of 128 rows (8 warps past SKINNY_MAX_ROWS, as prompt chunks) and 64
+        tall = (128, 8 if m > skinny_gemm.SKINNY_MAX_ROWS else 4)
+        heights += [h for h in (tall, (SHORT_BLOCK_M, 4)) if h[0] != base.block_m]
     times = {}
     for (bm, warps), bn, k_bytes, stages, split in itertools.product(heights, *TILES.values()):
         tile = skinny_gemm.MmTile(bm, bn, k_bytes // element_bytes, split, warps, stages)
@@ -59,7 +62,9 @@ def main() -> None:
     parser.add_argument(
         "--sweep-dtypes", nargs="+", choices=["fp8", "bf16"], default=["fp8", "bf16"], help="the GEMMs --sweep sweeps"
     )
-    parser.add_argument("--layers", nargs="+", help="these of Qwen3-8B's linears only (default: all four)")
+    parser.add_argument(
+        "--layers", nargs="+", choices=sorted(QWEN3_8B_LINEARS), help="these of Qwen3-8B's linears only (default: all)"
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     results = []
@@ -127,7 +132,7 @@ def main() -> None:
             if args.sweep and dtype in args.sweep_dtypes:
                 best += f"; the sweep's best {dtype}: {sum(r[f'{dtype}_sweep']['best_us'] for r in rows):.1f}"
         print(
-            f"M={m}, a layer's four linears, us: bf16 cuBLAS {total('bf16_us'):.1f}, Triton "
+            f"M={m}, the layer's {len(rows)} linears timed, us: bf16 cuBLAS {total('bf16_us'):.1f}, Triton "
             f"{total('bf16_triton_us'):.1f}; FP8 cuBLASLt (fast accumulation) {total('fast_accum_only_us'):.1f}, "
             f"Triton {total('triton_only_us'):.1f}{best}"
         )

@@ -26,7 +26,7 @@
 #                  GEMMs' tile sweep at 64, 256 and 8,192) and the FP8 GEMV's tile sweep (bench/fp8_gemv.py)
 #   prologue       the attention prologue's tiles at a decode batch and a prompt chunk (bench/prologue.py)
 #   decode_kernels the Triton decode kernel over fp8 and bf16 caches at batches 256 and 1 against FlashInfer, with
-#                  its CUDA-core and prefetching variants (bench/fp8_decode.py --variants)
+#                  its CUDA-core and prefetching variants and V converted first (bench/fp8_decode.py --variants)
 #   profile        (a) once, with the kernels of 50 decode steps from steps 50, 500 and 800 (the batch full,
 #                  about half, a quarter)
 #   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens

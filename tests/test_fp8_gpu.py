@@ -293,12 +293,19 @@ def _prefill_logits(path, prompts, **kw) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "fmt,decode_gemm",
-    [("at load", "auto"), ("fp8", "auto"), ("compressed-tensors", "auto"), ("at load", "triton")],
+    [
+        ("at load", "auto"),
+        ("fp8", "auto"),
+        ("compressed-tensors", "auto"),
+        ("at load", "triton"),
+        ("at load", "vendor"),
+    ],
 )
 def test_an_fp8_engine_generates_and_its_logits_are_near_float32s(hd128, tmp_path, fmt, decode_gemm):
     # against float32 over the same (dequantized) weights; a bf16 engine's error on the same reference is
-    # the yardstick: FP8's activations round 16 times coarser than bf16's. decode_gemm triton: the per-channel
-    # products at up to 128 rows (these prompts' shorter half, and every decode step) through the Triton GEMM
+    # the yardstick: FP8's activations round 16 times coarser than bf16's. decode_gemm auto and triton: the
+    # per-channel products of these prompts (20-200 tokens, every layer of hd128 at most 4,096 wide) and of every
+    # decode step through the Triton GEMM (skinny_gemm.pays); vendor: all of them through cuBLASLt
     if fmt == "at load":
         path, ref_path, kw = hd128, None, {"quantization": "fp8"}
     else:

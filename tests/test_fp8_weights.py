@@ -358,7 +358,7 @@ def test_the_triton_gemm_split_over_k_is_float32_over_its_operands(needs_triton,
 def test_full_decode_batches_of_narrow_fp8_layers_take_the_triton_gemm_in_64_row_tiles():
     """Past SKINNY_MAX_ROWS up to FULL_BATCH_ROWS, an FP8 layer of at most NARROW_N output columns with
     per-channel scales (Qwen3-8B's o and down) multiplies in the Triton GEMM at FULL_BATCH_TILE; wider
-    layers, block-scaled products, bf16 and more rows keep cuBLASLt or the prompt chunks' tile."""
+    layers do not pay there (cuBLASLt), and block-scaled products, bf16 and more rows keep the 128-row tile."""
     bm, bn, k_bytes, warps, stages = skinny_gemm.FULL_BATCH_TILE
     fp8_weight = {n: torch.empty(n, 4096, dtype=FP8) for n in (4096, 6144, 24576)}
     for rows in (129, 200, 256):

@@ -62,8 +62,8 @@ def test_every_kernel_the_engine_defines_is_compiled(report):
 
 def test_the_decode_kernels_variants_compile_over_an_fp8_cache(report):
     decode = [launch["launch"] for launch in report["launches"] if launch["kernel"] == "_split_kernel"]
-    for variant in ("cuda_cores", "prefetch"):
-        assert any(variant in where and "fp8 cache" in where for where in decode)
+    for variant in (", cuda_cores", ", prefetch", ", no prefetch", ", convert_v", ", no convert_v"):
+        assert any(where.endswith(variant) and "fp8 cache" in where for where in decode), variant
 
 
 def test_batch_1s_kernels_launched_with_pdl_wait_before_they_touch_memory(report):

@@ -36,9 +36,12 @@ SKINNY_MAX_ROWS = 128
 # Up to these rows an FP8 product with per-channel scales and at most NARROW_N output columns (Qwen3-8B's o
 # and down) takes 64-row tiles of 128 columns: at 256 rows bench/fp8_gemm.py --sweep found them ahead of
 # cuBLASLt (an H100, 2026-12-05: o 13.17 against 14.62 us, down 30.56 against 33.91; qkv, N = 6,144, lost:
-# 18.87 against 16.77), where 128-row tiles leave half of the GPU's multiprocessors without a program
+# 18.87 against 16.77), where 128-row tiles leave half of the GPU's multiprocessors without a program.
+# Measured at 256 rows and N = 4,096 only: 129-255 rows (prompt chunks of that size too) and narrower layers
+# (smaller models', tensor-parallel shards) follow by extrapolation
 FULL_BATCH_ROWS = 256
 NARROW_N = 4096
+MEDIUM_N = 8192  # up to SKINNY_MAX_ROWS rows, FP8 layers up to this wide (qkv; not gate-up) pay
 FULL_BATCH_TILE = (64, 128, 256, 4, 4)  # block_m, block_n, bytes of K a step, warps, stages
 
 
@@ -87,7 +90,7 @@ def pays(rows: int, weight: torch.Tensor) -> bool:
     if weight.element_size() > 1:
         return rows <= 16
     n = weight.shape[0]
-    return rows <= 64 or (rows <= SKINNY_MAX_ROWS and n <= 8192) or (rows <= FULL_BATCH_ROWS and n <= NARROW_N)
+    return rows <= 64 or (rows <= SKINNY_MAX_ROWS and n <= MEDIUM_N) or (rows <= FULL_BATCH_ROWS and n <= NARROW_N)
 
 
 # The weight dtypes whose linear layers multiply through `matmul` by default (Kernels.decode_gemm auto), where

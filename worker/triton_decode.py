@@ -24,9 +24,11 @@ FP16_MAX = tl.constexpr(65504.0)
 # converted first it goes through ldmatrix's transposing load as float16 does (1,336 instructions, 189
 # registers against 255, 104 KB of shared memory against 72). K stays e4m3 up to its operand, which it
 # reaches 8 bytes at a time (its pairs are neighbours along head_dim). On an H100 (2026-12-05,
-# bench/fp8_decode.py --variants): 191.7 us a layer at batch 256 against 197.9, the same at batch 1 (5.68
-# against 5.58-5.67); (a) over fp8 28,444 and 27,840 output tok/s against 27,839 and 27,124 (two pairs of
-# two runs). Converting K first too was slower there (fa77bb8: its float16 copy doubles K's shared memory)
+# bench/fp8_decode.py --variants): 191.7 us a layer at batch 256 against 197.9; (a) over fp8 28,444 and
+# 27,840 output tok/s against 27,839 and 27,124 (medians of two runs, two calls). At batch 1 (32 splits) it
+# was no faster (5.68 against 5.58 prefetching, 5.67 plain), and batch 8 was not timed: by default it applies
+# at the tile it was measured at (paged_decode). Converting K first too was slower there (the variant that
+# fa77bb8 removed: its float16 copy doubles K's shared memory)
 CONVERT_V = True
 
 
@@ -290,13 +292,14 @@ def paged_decode(
     kv_indices[kv_indptr[b]:kv_indptr[b + 1]], the last of them filled to last_page_len[b] (int32 all).
     Returns [B, num_heads, head_dim] in q's dtype (into `out` when given). With `scratch` (from
     decode_scratch) and `out` it allocates nothing. The rest tune it (None: the fastest in bench/fp8_decode.py
-    on an H200): block_n, num_warps, num_stages, the tile (tokens a step) and launch shape; f16_dot, float16
+    on an H200 or an H100): block_n, num_warps, num_stages, the tile (tokens a step) and launch shape; f16_dot, float16
     tensor-core operands (None: for an fp8 cache) or q's dtype; cuda_cores, the group's heads as float32
     products and sums instead of tensor-core tiles padded to 16 rows (for groups of a few heads); prefetch,
     each block's K and V loaded together from cells found the block before (no load waits on another; None:
     over an fp8 cache at a split or two a request); convert_v, an fp8 cache's V blocks converted to float16
-    before the tensor cores' operand is staged, on CUDA with float16 operands (None: CONVERT_V; under the
-    interpreter the plain conversion runs); pdl, both kernels launched with programmatic dependent launch
+    before the tensor cores' operand is staged, where those operands are float16 (None: CONVERT_V at the
+    prefetching tile of a split or two a request, where it was measured; under the interpreter the plain
+    conversion runs); pdl, both kernels launched with programmatic dependent launch
     (worker/pdl_kernels.py)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -315,10 +318,11 @@ def paged_decode(
     block_n, num_warps, num_stages = block_n or tile[0], num_warps or tile[1], num_stages or tile[2]
     if prefetch is None:
         prefetch = tile[3]
-    if convert_v and not (fp8 and f16_dot and not cuda_cores):
+    float16_operands = fp8 and not cuda_cores and (f16_dot or q.dtype == torch.float16)
+    if convert_v and not float16_operands:
         raise ValueError("convert_v converts an fp8 cache's V for float16 tensor-core operands only")
-    if convert_v is None:
-        convert_v = CONVERT_V and fp8 and f16_dot and not cuda_cores
+    if convert_v is None:  # where it was measured: the prefetching tile of a split or two a request
+        convert_v = CONVERT_V and float16_operands and tile[3]
     if num_splits > 1:
         if scratch is None:
             scratch = decode_scratch(batch, num_heads, head_dim, num_splits, q.device)

@@ -1,6 +1,7 @@
 """An FP8 linear's activation quantization inside the kernel before it. At more than one row, a linear with
-per-channel e4m3 weights multiplies through cuBLASLt after its input is quantized per token
-(gemm.scaled_mm): a launch that reads the row the kernel before just wrote. Where that kernel is the
+per-channel e4m3 weights multiplies its input quantized per token (gemm.scaled_mm: the Triton GEMM of
+worker/skinny_gemm.py at decode batches where it pays, cuBLASLt elsewhere), and that quantization was a
+launch that reads the row the kernel before just wrote. Where that kernel is the
 residual RMSNorm (before QKV and gate-up) or SiLU-and-multiply (before down), one Triton kernel does both
 and writes e4m3 and the row's scale; the normed (or SiLU) row in bfloat16 is never written. The numbers are
 the unfused path's: the norm and SiLU computed in float32 and rounded to bfloat16 once, as FlashInfer's
@@ -30,7 +31,7 @@ def _tile(width: int) -> dict:
 
 def applies(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
     """Whether x's quantization for `linear` can run inside the kernel before it: a per-channel FP8 linear
-    multiplying through cuBLASLt (CUDA, bfloat16, more than the GEMV's one row), with the fused kernels on."""
+    multiplying its quantized input (CUDA, bfloat16, more than the GEMV's one row), with the fused kernels on."""
     quant = getattr(linear, "quant", None)
     return (
         kernels.fused
