@@ -359,13 +359,12 @@ def test_full_decode_batches_of_narrow_fp8_layers_take_the_triton_gemm_in_64_row
     """Past SKINNY_MAX_ROWS up to FULL_BATCH_ROWS, an FP8 layer of at most NARROW_N output columns with
     per-channel scales (Qwen3-8B's o and down) multiplies in the Triton GEMM at FULL_BATCH_TILE; wider
     layers do not pay there (cuBLASLt), and block-scaled products, bf16 and more rows keep the 128-row tile."""
-    bm, bn, k_bytes, warps, stages = skinny_gemm.FULL_BATCH_TILE
     fp8_weight = {n: torch.empty(n, 4096, dtype=FP8) for n in (4096, 6144, 24576)}
     for rows in (129, 200, 256):
         assert skinny_gemm.pays(rows, fp8_weight[4096])
         assert not skinny_gemm.pays(rows, fp8_weight[6144]) and not skinny_gemm.pays(rows, fp8_weight[24576])
         for k in (4096, 12288):
-            assert skinny_gemm.mm_tile(rows, 4096, k, 1) == skinny_gemm.MmTile(bm, bn, k_bytes, 1, warps, stages)
+            assert skinny_gemm.mm_tile(rows, 4096, k, 1) == skinny_gemm.FULL_BATCH_TILE
         assert skinny_gemm.mm_tile(rows, 4096, 4096, 1, group_k=128).block_m == 128  # block-scaled: unchanged
         assert skinny_gemm.mm_tile(rows, 4096, 4096, 2).block_m == 128  # bf16: unchanged
     assert not skinny_gemm.pays(257, fp8_weight[4096])

@@ -42,7 +42,7 @@ SKINNY_MAX_ROWS = 128
 FULL_BATCH_ROWS = 256
 NARROW_N = 4096
 MEDIUM_N = 8192  # up to SKINNY_MAX_ROWS rows, FP8 layers up to this wide (qkv; not gate-up) pay
-FULL_BATCH_TILE = (64, 128, 256, 4, 4)  # block_m, block_n, bytes of K a step, warps, stages
+FULL_BATCH_TILE = MmTile(64, 128, 256, 1, 4, 4)  # e4m3: 256 of K a step is 256 bytes
 
 
 def mm_tile(m: int, n: int, k: int, element_bytes: int, group_k: int | None = None) -> MmTile:
@@ -54,8 +54,7 @@ def mm_tile(m: int, n: int, k: int, element_bytes: int, group_k: int | None = No
     FP8 product of per-channel scales and at most NARROW_N columns up to FULL_BATCH_ROWS takes FULL_BATCH_TILE."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
     if element_bytes == 1 and group_k is None and SKINNY_MAX_ROWS < m <= FULL_BATCH_ROWS and n <= NARROW_N:
-        bm, bn, k_bytes, warps, stages = FULL_BATCH_TILE
-        return MmTile(bm, bn, k_bytes // element_bytes, 1, warps, stages)
+        return FULL_BATCH_TILE
     if m > SKINNY_MAX_ROWS:
         return MmTile(block_m, 128, group_k or 128 // element_bytes, 1, 8 if block_m == 128 else 4, 3)
     block_n = 32 if n <= 4096 else 64
