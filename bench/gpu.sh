@@ -193,7 +193,7 @@ for suite in "$@"; do
     tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py tests/test_moe.py \
       tests/test_fp8_gpu.py tests/test_spec_decode.py tests/test_row_fusion.py tests/test_eagle3.py tests/test_extend_graphs.py \
-      tests/test_verify_rows.py tests/test_pdl_gpu.py} ;;
+      tests/test_verify_rows.py tests/test_pdl_gpu.py tests/test_lm_head.py} ;;
     offline) offline offline 150 ;;
     latency)  # LATENCY_ARCHS: the architectures (default qwen3-0.6b)
       for arch in ${LATENCY_ARCHS:-qwen3-0.6b}; do

@@ -143,6 +143,7 @@ def launches(arch: str) -> list[tuple[str, Callable[[], object]]]:
             lambda: gemv.small_linear(_gpu(1, heads * head_dim), _gpu(hidden, heads * head_dim)),
         )
     )
+    calls.append(("LM head GEMV, batch 1", lambda: gemv.small_linear(_gpu(1, hidden), _gpu(vocab, hidden))))
     if "num_experts" in cfg:
         calls.extend(_moe_launches(cfg, hidden))
     else:

@@ -2,9 +2,10 @@
 FlashInfer's residual norm then the Triton GEMV, and FlashInfer's SiLU-and-multiply then the GEMV; on the
 layers of Qwen3-0.6B, Qwen3-8B and Qwen3-30B-A3B (bf16), each as many distinct copies as the model has
 layers (so L2 does not hold the weights) replayed in a CUDA graph. Median microseconds a layer, the
-fused kernel's default tiles and a sweep of its output columns a program (for the norm at K up to
-NORM_MAX_K, its one-block variant's too); and the largest difference between the fused and the separate
-outputs.
+fused kernel's default tiles and a sweep of its output columns a program; for the norm, `fused_us` is its
+two passes over the row and `one_block_us` the whole row in one block (the default up to
+gemv.ONE_BLOCK_MAX_K, timed at K up to NORM_MAX_K); and the largest difference between the fused and the
+separate outputs.
 
     python bench/row_fusion.py [--out r.json]"""
 

@@ -97,6 +97,13 @@ def row_fusion_applies(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor) 
     )
 
 
+# The widest row norm_linear loads in one block by default. bench/row_fusion.py on an H100 (2026-12-05), us
+# a layer against the two passes: Qwen3-0.6B's qkv 5.35 against 5.84 and gate-up 6.63 against 7.72 (K =
+# 1,024), Qwen3-30B-A3B's qkv 9.38 against 11.32 and its router 2.14 against 3.41 (K = 2,048). Wider rows
+# are not fused with their norm (worker/layers/row_fusion.py: NORM_MAX_K) and were not measured
+ONE_BLOCK_MAX_K = 2048
+
+
 def _norm_block_n(n: int) -> int:
     """Output columns a program of norm_linear: the fastest of 1-16 on an H200 (bench/row_fusion.py) at
     N = 128 and 4,096 (2) and 5,120 and 6,144 (4); 8 was at 24,576."""
@@ -118,15 +125,17 @@ def norm_linear(
     block_n: int | None = None,
     block_k: int = 1024,
     num_warps: int = 4,
-    one_block: bool = False,
+    one_block: bool | None = None,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """For one row x [1, K]: (rmsnorm(x + residual) @ weight.T, the new residual x + residual (x itself
     without one), the normed row with write_normed) in one launch. x and residual are left as they are.
-    `one_block`: the whole row in one block (K up to NORM_MAX_K), every load issued before the norm's sum
-    (bench/row_fusion.py times it beside the default, two passes over blocks of `block_k`). `pdl`: launched
-    with programmatic dependent launch, the GEMV's weight rows prefetched before the wait."""
+    `one_block`: the whole row in one block, every load issued before the norm's sum, or two passes over
+    blocks of `block_k` (the sum, then the GEMV); by default one block up to ONE_BLOCK_MAX_K. `pdl`:
+    launched with programmatic dependent launch, the GEMV's weight rows prefetched before the wait."""
     k = x.shape[1]
+    if one_block is None:
+        one_block = k <= ONE_BLOCK_MAX_K
     if one_block:
         block_k = triton_ops.triton.next_power_of_2(k)
     n = weight.shape[0]

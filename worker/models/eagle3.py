@@ -170,7 +170,7 @@ class Eagle3ForCausalLM(nn.Module):
         self.draft_vocab_size = getattr(config, "draft_vocab_size", None) or config.vocab_size
         own = bool(getattr(config, "embed_tokens_in_checkpoint", True))
         self.model = Eagle3Model(config, max_positions, tp, kernels, own)
-        self.lm_head = ParallelLMHead(self.draft_vocab_size, config.hidden_size, tp)
+        self.lm_head = ParallelLMHead(self.draft_vocab_size, config.hidden_size, tp, kernels)
         # target id = draft id + d2t[draft id]
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64), persistent=False)
         self.aux_source: torch.Tensor | None = None  # the model's projected hidden states [KV cells, hidden]

@@ -237,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
         # Llama's attention_bias covers q, k, v and o; Qwen2 has a bias on q, k and v only
         bias = (self.qkv_bias or attention_bias, attention_bias and not self.qkv_bias)
         self.model = DecoderModel(config, max_positions, tp, bias, self.qk_norm, kernels, self.mlp_of)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, kernels)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
