@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `pytho
 from cluster import LLM  # noqa: E402
 from cluster.config import SchedulerConfig  # noqa: E402
 from worker.batch import BatchDesc  # noqa: E402
-from worker.kernels import DECODE_GEMMS, DECODE_KERNELS, MOE_KERNELS, PREFILL_KERNELS, Kernels  # noqa: E402
+from worker.kernels import DECODE_GEMMS, DECODE_KERNELS, MOE_KERNELS, PDL_MODES, PREFILL_KERNELS, Kernels  # noqa: E402
 
 if torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is None:
     # a figure taken so is not the engine's: no FlashInfer attention, hence no CUDA graphs
@@ -202,7 +202,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pdl",
-        action="store_true",
+        choices=PDL_MODES,
+        default="auto",
         help="programmatic dependent launch of the steps' Triton kernels (Kernels.pdl; compute capability 9.0+)",
     )
     parser.add_argument("--max-extend-tokens", type=int, help="tokens computed per step (default: the engine's)")

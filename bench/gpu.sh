@@ -17,9 +17,9 @@
 #                  (b) batch 1, each for both
 #   fp8_weights_kv Qwen3-8B's (a) with FP8 weights over an fp8 KV cache (beside fp8_weights' bf16 runs)
 #   moe_latency    (b) alone on Qwen3-30B-A3B's architecture, on this tree and BASE's
-#   pdl            (b) without and with programmatic dependent launch (--pdl), alternated: Qwen3-0.6B,
+#   pdl            (b) without and with programmatic dependent launch (--pdl off, on), alternated: Qwen3-0.6B,
 #                  Qwen3-30B-A3B, and Qwen3-8B with FP8 weights
-#   pdl_offline    (a) over bf16 and fp8 caches without and with --pdl, alternated, RUNS runs each
+#   pdl_offline    (a) over bf16 and fp8 caches with --pdl off and on, alternated, RUNS runs each
 #   small_gemm     batch 1's dense layers and LM heads: cuBLAS against the Triton GEMV, without and with
 #                  programmatic dependent launch, and the GEMV's tiles (bench/small_gemm.py)
 #   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
@@ -212,7 +212,7 @@ for suite in "$@"; do
       for model in qwen3-0.6b qwen3-30b-a3b "qwen3-8b --quantization fp8"; do
         name=$(echo "$model" | sed 's/ --quantization /_/; s/[.-]//g')
         for mode in off on; do
-          flag=(); [ "$mode" = on ] && flag=(--pdl)
+          flag=(--pdl "$mode")
           # shellcheck disable=SC2086  # the model's words are its flags
           step "pdl_${mode}_$name" 300 python3 bench/decode_latency.py --arch $model --repeats "${REPEATS:-3}" \
             "${flag[@]}" --out "$OUT/pdl_${mode}_$name.json"
@@ -221,7 +221,7 @@ for suite in "$@"; do
     pdl_offline)  # (a) over bf16 and fp8 caches without and with programmatic dependent launch, alternated
       for i in $(seq "$RUNS"); do
         for mode in off on; do
-          flag=(); [ "$mode" = on ] && flag=(--pdl)
+          flag=(--pdl "$mode")
           step "pdl_offline_${mode}_$i" 150 python3 bench/offline_throughput.py "${flag[@]}" \
             --out "$OUT/pdl_offline_${mode}_$i.json"
           step "pdl_offline_fp8_${mode}_$i" 150 python3 bench/offline_throughput.py --kv-cache-dtype fp8_e4m3 \

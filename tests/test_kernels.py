@@ -28,7 +28,7 @@ def test_two_engines_in_one_process_keep_their_own_fused_kernel_choice(monkeypat
     for module in (worker.layers.norm, worker.layers.rotary, worker.layers.mlp):
         monkeypatch.setattr(module, "fused_ops", stand_ins)
     with checked_llm(qwen3_path, kernels=Kernels(fused=False)) as unfused, checked_llm(qwen3_path) as fused:
-        assert unfused.engine.kernels == Kernels(fused=False) and fused.engine.kernels == Kernels()
+        assert not unfused.engine.kernels.fused and fused.engine.kernels.fused
         prompts = encode_all(fused, PROMPT_TEXTS[:2])
         want = hf_greedy(qwen3_path, prompts, 4)
         fused_calls.clear()  # the fused engine's warm-up step
@@ -103,11 +103,12 @@ def test_the_prologue_warm_up_runs_every_tile_and_writes_only_the_scratch_cell(m
 @pytest.mark.parametrize(
     "kernels,device,capability,applies",
     [
-        (Kernels(pdl=True), "cuda", (9, 0), True),
-        (Kernels(pdl=True), "cuda", (10, 0), True),
-        (Kernels(pdl=True), "cuda", (8, 9), False),  # Ada: no programmatic dependent launch
-        (Kernels(pdl=True), "cpu", None, False),
-        (Kernels(), "cuda", (9, 0), False),  # off until measured
+        (Kernels(pdl="on"), "cuda", (9, 0), True),
+        (Kernels(pdl="on"), "cuda", (10, 0), True),
+        (Kernels(pdl="on"), "cuda", (8, 9), False),  # Ada: no programmatic dependent launch
+        (Kernels(pdl="on"), "cpu", None, False),
+        (Kernels(pdl="off"), "cuda", (9, 0), False),
+        (Kernels(), "cuda", (9, 0), False),  # auto, unresolved by an engine: off
     ],
 )
 def test_programmatic_dependent_launch_applies_where_asked_on_a_gpu_that_has_it(
@@ -116,3 +117,41 @@ def test_programmatic_dependent_launch_applies_where_asked_on_a_gpu_that_has_it(
     monkeypatch.setattr(triton_ops, "_capability", lambda index: capability)
     assert triton_ops.pdl_applies(kernels, torch.device(device)) is applies
     assert triton_ops.pdl_options(applies) == ({"launch_pdl": True} if applies else {})
+
+
+@pytest.mark.parametrize(
+    "hidden,dense,quantized,tp_size,resolved",
+    [
+        (1024, True, False, 1, "on"),  # Qwen3-0.6B's width, where it was measured faster
+        (576, True, False, 1, "on"),
+        (4096, True, False, 1, "off"),  # Qwen3-8B's, where it was measured slower
+        (1024, False, False, 1, "off"),  # a mixture of experts
+        (1024, True, True, 1, "off"),  # FP8 weights
+        (1024, True, False, 2, "off"),  # tensor parallelism: not measured
+    ],
+)
+def test_pdl_auto_is_resolved_on_only_for_narrow_dense_unquantized_models_on_one_gpu(
+    hidden, dense, quantized, tp_size, resolved
+):
+    kernels = Kernels(fused=False).with_model(hidden, dense, quantized, tp_size)
+    assert kernels == Kernels(fused=False, pdl=resolved)
+    for asked in ("on", "off"):  # an explicit choice stays as it is
+        assert Kernels(pdl=asked).with_model(hidden, dense, quantized, tp_size).pdl == asked
+
+
+def test_an_unknown_pdl_mode_is_a_clear_error():
+    with pytest.raises(ValueError, match="programmatic dependent launch mode True"):
+        Kernels(pdl=True)
+
+
+def test_an_engine_resolves_pdl_auto_by_its_model(qwen3_path, qwen3_moe_path):
+    from worker.config import EngineConfig
+    from worker.engine import Engine
+
+    dense = Engine(EngineConfig(str(qwen3_path), num_pages=64))
+    assert dense.kernels.pdl == ("on" if dense.hf_config.hidden_size <= 1024 else "off")
+    assert dense.model.lm_head.kernels.pdl == dense.kernels.pdl  # what its layers were built with
+    assert Engine(EngineConfig(str(qwen3_moe_path), num_pages=64)).kernels.pdl == "off"
+    assert Engine(EngineConfig(str(qwen3_path), num_pages=64, quantization="fp8")).kernels.pdl == "off"
+    asked = Engine(EngineConfig(str(qwen3_path), num_pages=64, kernels=Kernels(pdl="off")))
+    assert asked.kernels.pdl == "off"

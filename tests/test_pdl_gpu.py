@@ -112,12 +112,12 @@ def _generate(path, kernels: Kernels, **kw) -> list[list[int]]:
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_batch_1_generation_with_pdl_equals_generation_without_it(hd128, quantization):
     kw = {"dtype": "bfloat16", "quantization": quantization}
-    assert _generate(hd128, Kernels(pdl=True), **kw) == _generate(hd128, Kernels(), **kw)
+    assert _generate(hd128, Kernels(pdl="on"), **kw) == _generate(hd128, Kernels(pdl="off"), **kw)
 
 
 def test_batch_1_generation_of_a_mixture_with_pdl_equals_generation_without_it(qwen3_moe_path):
     """The router's norm-GEMV and the per-row expert kernels (its head size has no FlashInfer kernels:
     torch attention)."""
     kw = {"dtype": "bfloat16"}
-    with_pdl = _generate(qwen3_moe_path, Kernels(attention="torch", pdl=True), **kw)
-    assert with_pdl == _generate(qwen3_moe_path, Kernels(attention="torch"), **kw)
+    with_pdl = _generate(qwen3_moe_path, Kernels(attention="torch", pdl="on"), **kw)
+    assert with_pdl == _generate(qwen3_moe_path, Kernels(attention="torch", pdl="off"), **kw)

@@ -5,13 +5,22 @@ choice, and benchmarks and tests pass others (`LLM(path, kernels=Kernels(fused=F
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DECODE_KERNELS = ("auto", "tensor_cores", "cuda_cores", "triton")
 PREFILL_KERNELS = ("auto", "fa2", "fa3")
 MOE_KERNELS = ("auto", "torch")
 DECODE_GEMMS = ("auto", "vendor", "triton")
+PDL_MODES = ("auto", "on", "off")
+# The widest hidden size at which `pdl` auto turns programmatic dependent launch on. Batch 1 on an H100
+# (bench/decode_latency.py --pdl, 8700eb9, 2026-12-05, ms a token, two alternated pairs): Qwen3-0.6B
+# (1,024) 0.886 and 0.883 with it against 0.959 and 0.960; Qwen3-8B (4,096) 6.280 and 6.278 against 5.817
+# and 5.816. Earlier (53fe163) the mixture of experts (2,048) and Qwen3-8B with FP8 weights lost 1.5% and
+# 0.5%. Where a layer's launches are short, it hides their launch and ramp; where they read hundreds of MB,
+# the next kernel's programs waiting on the GPU beside them cost more than that. (a) over the 0.6B moved
+# within its noise (bf16 20,145 against 19,898, fp8 cache 28,103 against 28,373; one run each)
+PDL_MAX_HIDDEN = 1024
 
 
 @dataclass(frozen=True)
@@ -48,8 +57,9 @@ class Kernels:
     decode_gemm: str = "auto"
     # programmatic dependent launch (compute capability 9.0+) of a step's Triton kernels: each may start
     # while the kernel before it finishes, its weights prefetched into L2 meanwhile (worker/pdl_kernels.py).
-    # Off until measured: bench/decode_latency.py --pdl
-    pdl: bool = False
+    # auto: on where it was measured faster (`with_model`: a dense model with unquantized weights of hidden
+    # size up to PDL_MAX_HIDDEN on one GPU), off elsewhere and wherever no engine resolved it
+    pdl: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too
     # slow to serve with
@@ -66,3 +76,13 @@ class Kernels:
             raise ValueError(f"unknown decode GEMM {self.decode_gemm!r}; choose {', '.join(DECODE_GEMMS)}")
         if self.moe not in MOE_KERNELS:
             raise ValueError(f"unknown MoE kernel {self.moe!r}; choose {', '.join(MOE_KERNELS)}")
+        if self.pdl not in PDL_MODES:
+            raise ValueError(f"unknown programmatic dependent launch mode {self.pdl!r}; choose {', '.join(PDL_MODES)}")
+
+    def with_model(self, hidden_size: int, dense: bool, quantized: bool, tp_size: int) -> Kernels:
+        """These kernels with `pdl` auto resolved for a model (an engine's, before it builds its layers):
+        on for a dense model of unquantized weights and hidden size up to PDL_MAX_HIDDEN on one GPU."""
+        if self.pdl != "auto":
+            return self
+        on = dense and not quantized and tp_size == 1 and hidden_size <= PDL_MAX_HIDDEN
+        return replace(self, pdl="on" if on else "off")

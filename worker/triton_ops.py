@@ -76,8 +76,9 @@ def _capability(index: int | None) -> tuple[int, int]:
 
 def pdl_applies(kernels: Kernels, device: torch.device) -> bool:
     """Whether the Triton kernels of a step on `device` launch with programmatic dependent launch
-    (Kernels.pdl, on a GPU of compute capability 9.0+; worker/pdl_kernels.py)."""
-    return kernels.pdl and device.type == "cuda" and _capability(device.index) >= (9, 0)
+    (Kernels.pdl on, or auto resolved on by the engine, on a GPU of compute capability 9.0+;
+    worker/pdl_kernels.py)."""
+    return kernels.pdl == "on" and device.type == "cuda" and _capability(device.index) >= (9, 0)
 
 
 def pdl_options(pdl: bool) -> dict:
