@@ -50,7 +50,7 @@ def test_on_gpu_one_rows_logits_through_the_gemv_agree_with_cublas(vocab, hidden
     head = _head(vocab, hidden, Kernels(), "cuda", torch.bfloat16)
     x = torch.randn(1, hidden, device="cuda", dtype=torch.bfloat16)
     got, want = head(x).float(), F.linear(x, head.weight).float()
-    exact = (x.float() @ head.weight.float().T)
+    exact = x.float() @ head.weight.float().T
     # both sum in float32 and round once to bf16: within a bf16 rounding of the exact logits' scale
     tol = exact.abs().max().item() / 128
     assert (got - exact).abs().max().item() <= tol

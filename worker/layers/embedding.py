@@ -46,8 +46,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.kernels = kernels
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.kernels.small_linear and hidden.dim() == 2 and hidden.shape[0] == 1 and gemv.small_linear_applies(
-            hidden, self.weight
+        if (
+            self.kernels.small_linear
+            and hidden.dim() == 2
+            and hidden.shape[0] == 1
+            and gemv.small_linear_applies(hidden, self.weight)
         ):
             logits = gemv.small_linear(hidden, self.weight)
         else:
