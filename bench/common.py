@@ -284,6 +284,13 @@ def speculation_of(args: argparse.Namespace) -> dict:
     return spec
 
 
+def resolved_kernels(llm: LLM) -> dict:
+    """What the engine resolved its automatic kernel choices to (programmatic dependent launch by the
+    model), beside the flags' asks in config_of; nothing where no engine runs in this process (tp > 1)."""
+    engine = getattr(llm, "engine", None)
+    return {} if engine is None else {"pdl_resolved": engine.kernels.pdl}
+
+
 def config_of(args: argparse.Namespace) -> dict:
     return {
         "arch": args.arch,

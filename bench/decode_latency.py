@@ -23,6 +23,7 @@ from common import (
     config_of,
     make_llm,
     report,
+    resolved_kernels,
     token_arrivals,
 )
 
@@ -81,6 +82,7 @@ def run_batch(llm: LLM, args, batch: int) -> dict:
     return {
         "benchmark": "decode_latency",
         **config_of(args),
+        **resolved_kernels(llm),
         "batch": batch,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,

@@ -139,6 +139,14 @@ def launches(arch: str) -> list[tuple[str, Callable[[], object]]]:
     )
     calls.append(
         (
+            "norm + QKV GEMV in two passes, batch 1",
+            lambda: gemv.norm_linear(
+                _gpu(1, hidden), _gpu(1, hidden), _gpu(hidden), 1e-6, _gpu(qkv_width, hidden), one_block=False
+            ),
+        )
+    )
+    calls.append(
+        (
             "small GEMV (o), batch 1",
             lambda: gemv.small_linear(_gpu(1, heads * head_dim), _gpu(hidden, heads * head_dim)),
         )

@@ -14,7 +14,7 @@ import argparse
 import time
 
 import numpy as np
-from common import ProfileWindow, StepTimer, add_common_args, config_of, make_llm, report
+from common import ProfileWindow, StepTimer, add_common_args, config_of, make_llm, report, resolved_kernels
 
 from cluster import SamplingParams
 
@@ -74,6 +74,7 @@ def main() -> None:
         "benchmark": "offline_throughput",
         "workload": args.workload,
         **config_of(args),
+        **resolved_kernels(llm),
         "requests": len(prompts),
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,

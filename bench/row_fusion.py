@@ -4,7 +4,7 @@ layers of Qwen3-0.6B, Qwen3-8B and Qwen3-30B-A3B (bf16), each as many distinct c
 layers (so L2 does not hold the weights) replayed in a CUDA graph. Median microseconds a layer, the
 fused kernel's default tiles and a sweep of its output columns a program; for the norm, `fused_us` is its
 two passes over the row and `one_block_us` the whole row in one block (the default up to
-gemv.ONE_BLOCK_MAX_K; timed up to ONE_BLOCK_TIMED_MAX_K, past the rows the engine fuses); and the largest
+gemv.ONE_BLOCK_MAX_ELEMENTS; timed up to ONE_BLOCK_TIMED_MAX_K, past the rows the engine fuses); and the largest
 difference between the fused and the separate outputs.
 
     python bench/row_fusion.py [--out r.json]"""

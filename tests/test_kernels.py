@@ -149,7 +149,7 @@ def test_an_engine_resolves_pdl_auto_by_its_model(qwen3_path, qwen3_moe_path):
     from worker.engine import Engine
 
     dense = Engine(EngineConfig(str(qwen3_path), num_pages=64))
-    assert dense.kernels.pdl == ("on" if dense.hf_config.hidden_size <= 1024 else "off")
+    assert dense.hf_config.hidden_size <= 1024 and dense.kernels.pdl == "on"
     assert dense.model.lm_head.kernels.pdl == dense.kernels.pdl  # what its layers were built with
     assert Engine(EngineConfig(str(qwen3_moe_path), num_pages=64)).kernels.pdl == "off"
     assert Engine(EngineConfig(str(qwen3_path), num_pages=64, quantization="fp8")).kernels.pdl == "off"

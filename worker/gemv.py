@@ -97,11 +97,13 @@ def row_fusion_applies(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor) 
     )
 
 
-# The widest row norm_linear loads in one block by default. bench/row_fusion.py on an H100 (2026-12-05), us
-# a layer against the two passes: Qwen3-0.6B's qkv 5.35 against 5.84 and gate-up 6.63 against 7.72 (K =
-# 1,024), Qwen3-30B-A3B's qkv 9.38 against 11.32 and its router 2.14 against 3.41 (K = 2,048). Wider rows
-# are not fused with their norm (worker/layers/row_fusion.py: NORM_MAX_K) and were not measured
-ONE_BLOCK_MAX_K = 2048
+# The largest weight tile (output columns a program x the row padded to a power of two) norm_linear loads in
+# one block by default: the largest measured. bench/row_fusion.py on an H100 (2026-12-05), us a layer
+# against the two passes: Qwen3-0.6B's qkv 5.35 against 5.84 and gate-up 6.63 against 7.72 (K = 1,024, 2
+# and 4 columns), Qwen3-30B-A3B's qkv 9.38 against 11.32 (K = 2,048, 4 columns) and its router 2.14
+# against 3.41 (2 columns). Larger tiles (8 columns of a 2,048-wide row: 128 registers a thread for sm_90
+# against the two passes' 56) keep the two passes until measured
+ONE_BLOCK_MAX_ELEMENTS = 8192
 
 
 def _norm_block_n(n: int) -> int:
@@ -129,17 +131,18 @@ def norm_linear(
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """For one row x [1, K]: (rmsnorm(x + residual) @ weight.T, the new residual x + residual (x itself
-    without one), the normed row with write_normed) in one launch. x and residual are left as they are.
-    `one_block`: the whole row in one block, every load issued before the norm's sum, or two passes over
-    blocks of `block_k` (the sum, then the GEMV); by default one block up to ONE_BLOCK_MAX_K. `pdl`:
-    launched with programmatic dependent launch, the GEMV's weight rows prefetched before the wait."""
+        without one), the normed row with write_normed) in one launch. x and residual are left as they are.
+        `one_block`: the whole row in one block, every load issued before the norm's sum, or two passes over
+        blocks of `block_k` (the sum, then the GEMV); by default one block where a program's weight tile holds
+    at most ONE_BLOCK_MAX_ELEMENTS. `pdl`:
+        launched with programmatic dependent launch, the GEMV's weight rows prefetched before the wait."""
     k = x.shape[1]
-    if one_block is None:
-        one_block = k <= ONE_BLOCK_MAX_K
-    if one_block:
-        block_k = triton_ops.triton.next_power_of_2(k)
     n = weight.shape[0]
     block_n = block_n or _norm_block_n(n)
+    if one_block is None:
+        one_block = block_n * triton_ops.triton.next_power_of_2(k) <= ONE_BLOCK_MAX_ELEMENTS
+    if one_block:
+        block_k = triton_ops.triton.next_power_of_2(k)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else x
     normed = torch.empty_like(x) if write_normed else None
