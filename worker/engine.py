@@ -155,10 +155,11 @@ class Engine:
             serialize_flashinfer_builds()
         self.host_waits = HostWaits()  # every wait of this engine's host on its device
         self.hf_config = load_hf_config(config.model_path)
+        self.scheme = scheme_of(self.hf_config, config.quantization)  # None: unquantized weights
         self.kernels = self.kernels.with_model(
             self.hf_config.hidden_size,
             dense=not (getattr(self.hf_config, "num_experts", 0) or getattr(self.hf_config, "num_local_experts", 0)),
-            quantized=scheme_of(self.hf_config, config.quantization) is not None,
+            quantized=self.scheme is not None,
             tp_size=self.tp.size,
         )
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
@@ -191,7 +192,7 @@ class Engine:
     def _build_model(self) -> None:
         if self.config.load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {self.config.load_format!r}; choose auto or dummy")
-        scheme = scheme_of(self.hf_config, self.config.quantization)
+        scheme = self.scheme
         if scheme is not None:
             check_device(scheme, self.device)
         dummy = self.config.load_format == "dummy"

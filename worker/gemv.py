@@ -131,11 +131,11 @@ def norm_linear(
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """For one row x [1, K]: (rmsnorm(x + residual) @ weight.T, the new residual x + residual (x itself
-        without one), the normed row with write_normed) in one launch. x and residual are left as they are.
-        `one_block`: the whole row in one block, every load issued before the norm's sum, or two passes over
-        blocks of `block_k` (the sum, then the GEMV); by default one block where a program's weight tile holds
-    at most ONE_BLOCK_MAX_ELEMENTS. `pdl`:
-        launched with programmatic dependent launch, the GEMV's weight rows prefetched before the wait."""
+    without one), the normed row with write_normed) in one launch. x and residual are left as they are.
+    `one_block`: the whole row in one block, every load issued before the norm's sum, or two passes over
+    blocks of `block_k` (the sum, then the GEMV); by default one block where a program's weight tile holds
+    at most ONE_BLOCK_MAX_ELEMENTS. `pdl`: launched with programmatic dependent launch, the GEMV's weight
+    rows prefetched before the wait."""
     k = x.shape[1]
     n = weight.shape[0]
     block_n = block_n or _norm_block_n(n)
