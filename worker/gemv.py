@@ -43,6 +43,7 @@ def small_linear(
     num_warps: int | None = None,
     pdl: bool = False,
     gated: bool = False,
+    prefetch_programs: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T for small M (a GEMV-like kernel that reads each weight once). `pdl`:
     launched with programmatic dependent launch, its weight rows prefetched before the wait. `gated`:
@@ -66,6 +67,7 @@ def small_linear(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
+        triton_ops.prefetch_programs(prefetch_programs),
         M_BLOCK=triton_ops.triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -129,6 +131,7 @@ def norm_linear(
     num_warps: int = 4,
     one_block: bool | None = None,
     pdl: bool = False,
+    prefetch_programs: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """For one row x [1, K]: (rmsnorm(x + residual) @ weight.T, the new residual x + residual (x itself
     without one), the normed row with write_normed) in one launch. x and residual are left as they are.
@@ -158,6 +161,7 @@ def norm_linear(
         k,
         weight.stride(0),
         eps,
+        triton_ops.prefetch_programs(prefetch_programs),
         HAS_RES=residual is not None,
         WRITE_NORMED=write_normed,
         BLOCK_N=block_n,
@@ -177,6 +181,7 @@ def silu_linear(
     block_k: int = 1024,
     num_warps: int = 4,
     pdl: bool = False,
+    prefetch_programs: int | None = None,
 ) -> torch.Tensor:
     """For one row gate_up [1, 2K] = [gate | up]: (silu(gate) * up) @ weight.T in one launch (`pdl`: as
     small_linear's)."""
@@ -191,6 +196,7 @@ def silu_linear(
         n,
         k,
         weight.stride(0),
+        triton_ops.prefetch_programs(prefetch_programs),
         BLOCK_N=block_n,
         BLOCK_K=min(block_k, triton_ops.triton.next_power_of_2(k)),
         PDL=pdl,

@@ -18,6 +18,7 @@ def small_linear_kernel(
     x_stride,
     w_stride,
     out_stride,
+    prefetch_programs,
     M_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -28,7 +29,7 @@ def small_linear_kernel(
     # BLOCK_N output columns, reading its weight rows once for every m, accumulating in float32. GATED: w
     # is [gate; up] of 2N rows and out[m, n] = silu(gate row n's product) * (up row n's product), each
     # rounded to out's dtype first as the unfused GEMV writes them (the SiLU in the GEMV's epilogue)
-    rn = gemv_rows(w_ptr, N, K, w_stride, BLOCK_N, PDL)
+    rn = gemv_rows(w_ptr, N, K, w_stride, prefetch_programs, BLOCK_N, PDL)
     rm = tl.arange(0, M_BLOCK)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
@@ -75,6 +76,7 @@ def norm_linear_kernel(
     K,
     w_stride,
     eps,
+    prefetch_programs,
     HAS_RES: tl.constexpr,
     WRITE_NORMED: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -87,7 +89,7 @@ def norm_linear_kernel(
     # BLOCK_N output columns; program 0 also writes the new residual (x + res) and, with WRITE_NORMED,
     # the normed row. As FlashInfer's norms: the sum in float32, normed = (x + res) * rstd * weight,
     # rounded to the row's dtype before the product, as the GEMV after a separate norm reads it.
-    rn = gemv_rows(w_ptr, N, K, w_stride, BLOCK_N, PDL)
+    rn = gemv_rows(w_ptr, N, K, w_stride, prefetch_programs, BLOCK_N, PDL)
     rk = tl.arange(0, BLOCK_K)
     first = (rk * 0 + tl.program_id(0)) == 0  # program 0's lanes (the interpreter masks with vectors only)
     if ONE_BLOCK:
@@ -149,6 +151,7 @@ def silu_linear_kernel(
     N,
     K,
     w_stride,
+    prefetch_programs,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
@@ -156,7 +159,7 @@ def silu_linear_kernel(
     # out = (silu(gate) * up) @ w.T for one row, gate_up = [gate | up] of K each: SiLU-and-multiply and
     # the down projection's GEMV in one launch. The product is rounded to the row's dtype before the
     # GEMV, as it is when a separate kernel writes it.
-    rn = gemv_rows(w_ptr, N, K, w_stride, BLOCK_N, PDL)
+    rn = gemv_rows(w_ptr, N, K, w_stride, prefetch_programs, BLOCK_N, PDL)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

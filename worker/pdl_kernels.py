@@ -35,12 +35,14 @@ def prefetch_rows(w_ptr, rows, row_stride, K):
 
 
 @triton.jit
-def gemv_rows(w_ptr, N, K, w_stride, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    # a GEMV program's BLOCK_N output rows of w [N, K]; launched with PDL, their weights prefetched and the
-    # kernel before awaited first
+def gemv_rows(w_ptr, N, K, w_stride, prefetch_programs, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    # a GEMV program's BLOCK_N output rows of w [N, K]; launched with PDL, the kernel before awaited first,
+    # and the weights of the first `prefetch_programs` programs prefetched before that (a program that
+    # starts later, once earlier ones of its own kernel have left, finds the kernel before long finished)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if PDL:
-        prefetch_rows(w_ptr, tl.minimum(rn, N - 1), w_stride, K)
+        if tl.program_id(0) < prefetch_programs:
+            prefetch_rows(w_ptr, tl.minimum(rn, N - 1), w_stride, K)
     await_previous(PDL)
     return rn
 

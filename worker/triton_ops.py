@@ -86,6 +86,15 @@ def pdl_options(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
+# the programs of a GEMV launched with PDL that prefetch their weight rows before the wait, by default: all
+PDL_PREFETCH_PROGRAMS = 2**31 - 1
+
+
+def prefetch_programs(override: int | None) -> int:
+    """How many of a PDL GEMV's programs prefetch their weights before the wait (`override` if given)."""
+    return PDL_PREFETCH_PROGRAMS if override is None else override
+
+
 def triton_installed() -> bool:
     return _kernels() is not None
 

@@ -46,6 +46,7 @@ def fp8_gemv_kernel(
     s_stride,
     out_stride,
     GROUP_K,
+    prefetch_programs,
     M_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -56,7 +57,7 @@ def fp8_gemv_kernel(
     # out[m, n] = sum_k x[m, k] * w[n, k] * scale: worker/gemv_kernels.py's small_linear_kernel over an
     # e4m3 weight (half the bytes), scaled per block of GROUP_K columns in the loop, or per row at the end.
     # GATED: w is [gate; up] of 2N rows and out is silu(gate) * up, as small_linear_kernel's
-    rn = gemv_rows(w_ptr, N, K, w_stride, BLOCK_N, PDL)
+    rn = gemv_rows(w_ptr, N, K, w_stride, prefetch_programs, BLOCK_N, PDL)
     rm = tl.arange(0, M_BLOCK)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N

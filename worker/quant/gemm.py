@@ -144,6 +144,7 @@ def fp8_gemv(
     num_warps: int | None = None,
     pdl: bool = False,
     gated: bool = False,
+    prefetch_programs: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] (a few rows) @ dequantized(weight).T, reading each e4m3 weight once; the scales applied in
     float32 (per channel at the end, per block in the loop). `pdl`: launched with programmatic dependent
@@ -171,6 +172,7 @@ def fp8_gemv(
         scale.stride(0),
         out.stride(0),
         group_k,
+        triton_ops.prefetch_programs(prefetch_programs),
         M_BLOCK=triton_ops.triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
