@@ -17,8 +17,8 @@
 #                  (b) batch 1, each for both
 #   fp8_weights_kv Qwen3-8B's (a) with FP8 weights over an fp8 KV cache (beside fp8_weights' bf16 runs)
 #   moe_latency    (b) alone on Qwen3-30B-A3B's architecture, on this tree and BASE's
-#   pdl            (b) without and with programmatic dependent launch (--pdl off, on), alternated: Qwen3-0.6B,
-#                  Qwen3-30B-A3B, and Qwen3-8B with FP8 weights
+#   pdl            (b) without and with programmatic dependent launch (--pdl off, on), alternated: Qwen3-8B in
+#                  bf16 and with FP8 weights, Qwen3-30B-A3B and Qwen3-0.6B (PDL_MODELS: others, one word each)
 #   pdl_offline    (a) over bf16 and fp8 caches with --pdl off and on, alternated, RUNS runs each
 #   small_gemm     batch 1's dense layers and LM heads: cuBLAS against the Triton GEMV, without and with
 #                  programmatic dependent launch, and the GEMV's tiles (bench/small_gemm.py)
@@ -211,7 +211,7 @@ for suite in "$@"; do
           --repeats "${REPEATS:-5}" --out "$OUT/moe_latency$(tag "$tree").json")
       done ;;
     pdl)  # batch 1 without and with programmatic dependent launch (Kernels.pdl), alternated, on each model
-      for model in qwen3-0.6b qwen3-30b-a3b "qwen3-8b --quantization fp8"; do
+      for model in ${PDL_MODELS:-qwen3-8b "qwen3-8b --quantization fp8" qwen3-30b-a3b qwen3-0.6b}; do
         name=$(echo "$model" | sed 's/ --quantization /_/; s/[.-]//g')
         for mode in off on; do
           flag=(--pdl "$mode")

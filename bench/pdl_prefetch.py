@@ -1,8 +1,9 @@
 """How much of a batch-1 decode step's GEMVs programmatic dependent launch (PDL) saves, by how many of each
 GEMV's programs prefetch their weight rows into L2 before they wait on the kernel before. A model's
 dense layers (qkv, o, gate-up with SiLU in the epilogue, down; distinct weights for every layer, so L2
-holds none across layers) replayed in one CUDA graph: without PDL, and with it while all programs
-prefetch, the first 8, 4, 2 and 1 waves' worth (that many programs per SM) or none. Median microseconds a
+holds none across layers) replayed in one CUDA graph: without PDL, and with it by the default rule
+(triton_ops.prefetch_programs), while all programs prefetch, the first 8, 4, 2 and 1 a multiprocessor, or
+none. Median microseconds a
 layer, each variant timed in two rounds (alternated).
 
     python bench/pdl_prefetch.py [--arch qwen3-8b] [--fp8] [--out r.json]"""
@@ -73,7 +74,7 @@ def main() -> None:
             for name, (w, scale) in layer.items():
                 linear(name, w, scale, pdl, programs)
 
-    variants = {"off": (False, None), "all": (True, triton_ops.PDL_PREFETCH_PROGRAMS)}
+    variants = {"off": (False, None), "default": (True, None), "all": (True, triton_ops.PDL_PREFETCH_ALL)}
     variants.update({f"{p}_per_sm": (True, p * sms) for p in PROGRAMS_PER_SM})
     reference = [linear(n, w, s, False, None) for n, (w, s) in weights[0].items()]
     for pdl, programs in variants.values():

@@ -119,6 +119,19 @@ def test_programmatic_dependent_launch_applies_where_asked_on_a_gpu_that_has_it(
     assert triton_ops.pdl_options(applies) == ({"launch_pdl": True} if applies else {})
 
 
+def test_a_pdl_gemv_prefetches_in_its_first_programs_only_over_a_small_weight():
+    """Over a weight of at most PDL_PREFETCH_MAX_BYTES the first PDL_PREFETCH_PROGRAMS_PER_SM programs a
+    multiprocessor prefetch; over a larger one none (a long kernel's prefetch only competes for the memory);
+    an explicit count is kept, and nothing prefetches off a GPU."""
+    per_sm, limit = triton_ops.PDL_PREFETCH_PROGRAMS_PER_SM, triton_ops.PDL_PREFETCH_MAX_BYTES
+    assert triton_ops.default_prefetch_programs(limit, 132) == 132 * per_sm
+    assert triton_ops.default_prefetch_programs(1024 * 6144 * 2, 132) == 132 * per_sm  # Qwen3-0.6B's gate-up
+    assert triton_ops.default_prefetch_programs(limit + 1, 132) == 0
+    assert triton_ops.default_prefetch_programs(4096 * 4096, 132) == 0  # Qwen3-8B's o in FP8
+    assert triton_ops.prefetch_programs(torch.empty(4, 4)) == 0
+    assert triton_ops.prefetch_programs(torch.empty(4, 4), 5) == 5
+
+
 @pytest.mark.parametrize(
     "hidden,dense,quantized,tp_size,resolved",
     [

@@ -30,16 +30,23 @@ def hd128(tmp_path_factory: pytest.TempPathFactory):
     return build_qwen3_hd128(tmp_path_factory.mktemp("qwen3_hd128"))
 
 
-def _layers(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], pdl: bool) -> torch.Tensor:
+def _layers(
+    x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]], pdl: bool, prefetch: int | None = None
+) -> torch.Tensor:
     """Dependent launches as a batch-1 step makes them: each reads the rows the one before wrote."""
     residual = None
     for norm_w, w_gate_up, w_down, w_o in weights:
-        gate_up, residual, _ = gemv.norm_linear(x, residual, norm_w, 1e-6, w_gate_up, pdl=pdl)
-        x = gemv.small_linear(gemv.silu_linear(gate_up, w_down, pdl=pdl), w_o, pdl=pdl)
+        gate_up, residual, _ = gemv.norm_linear(
+            x, residual, norm_w, 1e-6, w_gate_up, pdl=pdl, prefetch_programs=prefetch
+        )
+        act = gemv.silu_linear(gate_up, w_down, pdl=pdl, prefetch_programs=prefetch)
+        x = gemv.small_linear(act, w_o, pdl=pdl, prefetch_programs=prefetch)
     return x + residual
 
 
-def test_a_chain_of_pdl_launches_in_a_cuda_graph_equals_the_chain_without_pdl():
+# the default rule, every program, and none prefetching its weights before the wait
+@pytest.mark.parametrize("prefetch", [None, triton_ops.PDL_PREFETCH_ALL, 0])
+def test_a_chain_of_pdl_launches_in_a_cuda_graph_equals_the_chain_without_pdl(prefetch):
     torch.manual_seed(0)
     dev, dt, k = "cuda", torch.bfloat16, 1024
     weights = [
@@ -54,14 +61,14 @@ def test_a_chain_of_pdl_launches_in_a_cuda_graph_equals_the_chain_without_pdl():
     static_x = torch.zeros(1, k, device=dev, dtype=dt)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        _layers(static_x, weights, pdl=True)  # compiled outside the capture
+        _layers(static_x, weights, pdl=True, prefetch=prefetch)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        static_out = _layers(static_x, weights, pdl=True)
+        static_out = _layers(static_x, weights, pdl=True, prefetch=prefetch)
     for draw in range(20):
         x = torch.randn(1, k, device=dev, dtype=dt)
         want = _layers(x, weights, pdl=False)
-        eager = _layers(x, weights, pdl=True)
+        eager = _layers(x, weights, pdl=True, prefetch=prefetch)
         static_x.copy_(x)
         graph.replay()
         assert torch.equal(static_out, want), draw

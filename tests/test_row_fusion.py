@@ -5,6 +5,8 @@ Triton's interpreter, and end to end against transformers' greedy output one pro
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -59,6 +61,31 @@ def test_norm_linear_equals_the_norm_then_the_matmul(k, n, with_residual, one_bl
     torch.testing.assert_close(y, ref_normed @ weight.T, rtol=1e-5, atol=1e-4)
     if with_residual:  # the inputs are left as they were: other programs read them while program 0 writes
         assert new_residual.data_ptr() not in (x.data_ptr(), residual.data_ptr())
+
+
+def test_norm_linear_by_default_loads_the_row_in_one_block_of_at_most_the_measured_tile(monkeypatch):
+    """The default: one block, with the columns a program narrowed so the weight tile holds at most
+    ONE_BLOCK_MAX_ELEMENTS (2 at Qwen3-8B's 4,096-wide rows, the fastest measured there); an explicit wider
+    tile keeps the two passes."""
+    launches = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(kw)
+
+    monkeypatch.setattr(gemv, "_kernels", lambda: SimpleNamespace(norm_linear_kernel=Launcher()))
+
+    def launch(k: int, n: int, **kw) -> dict:
+        x = torch.empty(1, k, device="meta")
+        gemv.norm_linear(x, x, torch.empty(k, device="meta"), 1e-6, torch.empty(n, k, device="meta"), **kw)
+        return launches.pop()
+
+    for k, n, block_n in [(1024, 4096, 2), (1024, 6144, 4), (2048, 5120, 4), (4096, 6144, 2), (4096, 24576, 2)]:
+        kw = launch(k, n)
+        assert kw["ONE_BLOCK"] and kw["BLOCK_K"] == k and kw["BLOCK_N"] == block_n, (k, n)
+        assert block_n * k <= gemv.ONE_BLOCK_MAX_ELEMENTS
+    kw = launch(4096, 24576, block_n=8)
+    assert not kw["ONE_BLOCK"] and kw["BLOCK_N"] == 8 and kw["BLOCK_K"] == 1024
 
 
 @pytest.mark.parametrize("k,n", [(64, 48), (1100, 37), (96, 2500)])
@@ -232,7 +259,7 @@ def test_on_gpu_the_fused_launches_equal_flashinfers_norm_and_silu_then_the_gemv
     assert gemv.row_fusion_applies(Kernels(), x, weight)
     a, b = x.clone(), residual.clone()
     ops.fused_add_rmsnorm(a, b, norm_weight, 1e-6)
-    for one_block in (False, True) if k <= NORM_MAX_K else (False,):
+    for one_block in (False, True, None) if k <= NORM_MAX_K else (False,):
         got, new_residual, normed = gemv.norm_linear(
             x, residual, norm_weight, 1e-6, weight, write_normed=True, one_block=one_block
         )

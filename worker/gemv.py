@@ -46,7 +46,8 @@ def small_linear(
     prefetch_programs: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T for small M (a GEMV-like kernel that reads each weight once). `pdl`:
-    launched with programmatic dependent launch, its weight rows prefetched before the wait. `gated`:
+    launched with programmatic dependent launch, the first `prefetch_programs` programs' weight rows
+    prefetched before the wait (by default triton_ops.prefetch_programs's rule). `gated`:
     weight is [gate; up] and the result silu(x gate.T) * (x up.T) [M, N / 2], SiLU-and-multiply in the
     GEMV's epilogue."""
     m, k = x.shape
@@ -67,7 +68,7 @@ def small_linear(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        triton_ops.prefetch_programs(prefetch_programs),
+        triton_ops.prefetch_programs(weight, prefetch_programs),
         M_BLOCK=triton_ops.triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -103,8 +104,10 @@ def row_fusion_applies(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor) 
 # one block by default: the largest measured. bench/row_fusion.py on an H100 (2026-12-05), us a layer
 # against the two passes: Qwen3-0.6B's qkv 5.35 against 5.84 and gate-up 6.63 against 7.72 (K = 1,024, 2
 # and 4 columns), Qwen3-30B-A3B's qkv 9.38 against 11.32 (K = 2,048, 4 columns) and its router 2.14
-# against 3.41 (2 columns). Larger tiles (8 columns of a 2,048-wide row: 128 registers a thread for sm_90
-# against the two passes' 56) keep the two passes until measured
+# against 3.41 (2 columns); at Qwen3-8B's 4,096-wide rows with 2 columns (the fastest of 1-8 there) qkv
+# 19.31 and gate-up 66.17 against the separate norm and GEMV's 22.06 and 68.46. Larger tiles (8 columns
+# of a 2,048-wide row: 128 registers a thread for sm_90 against the two passes' 56) keep the two passes
+# until measured, and the default narrows a program's columns to fit
 ONE_BLOCK_MAX_ELEMENTS = 8192
 
 
@@ -137,15 +140,19 @@ def norm_linear(
     without one), the normed row with write_normed) in one launch. x and residual are left as they are.
     `one_block`: the whole row in one block, every load issued before the norm's sum, or two passes over
     blocks of `block_k` (the sum, then the GEMV); by default one block where a program's weight tile holds
-    at most ONE_BLOCK_MAX_ELEMENTS. `pdl`: launched with programmatic dependent launch, the GEMV's weight
-    rows prefetched before the wait."""
+    at most ONE_BLOCK_MAX_ELEMENTS (the default columns a program narrowed to fit it). `pdl`,
+    `prefetch_programs`: as small_linear's."""
     k = x.shape[1]
     n = weight.shape[0]
-    block_n = block_n or _norm_block_n(n)
+    k_pow2 = triton_ops.triton.next_power_of_2(k)
+    if block_n is None:
+        block_n = _norm_block_n(n)
+        if one_block is not False:
+            block_n = max(1, min(block_n, ONE_BLOCK_MAX_ELEMENTS // k_pow2))
     if one_block is None:
-        one_block = block_n * triton_ops.triton.next_power_of_2(k) <= ONE_BLOCK_MAX_ELEMENTS
+        one_block = block_n * k_pow2 <= ONE_BLOCK_MAX_ELEMENTS
     if one_block:
-        block_k = triton_ops.triton.next_power_of_2(k)
+        block_k = k_pow2
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else x
     normed = torch.empty_like(x) if write_normed else None
@@ -161,7 +168,7 @@ def norm_linear(
         k,
         weight.stride(0),
         eps,
-        triton_ops.prefetch_programs(prefetch_programs),
+        triton_ops.prefetch_programs(weight, prefetch_programs),
         HAS_RES=residual is not None,
         WRITE_NORMED=write_normed,
         BLOCK_N=block_n,
@@ -184,7 +191,8 @@ def silu_linear(
     prefetch_programs: int | None = None,
 ) -> torch.Tensor:
     """For one row gate_up [1, 2K] = [gate | up]: (silu(gate) * up) @ weight.T in one launch (`pdl`: as
-    small_linear's)."""
+    small_linear's, with
+    `prefetch_programs`)."""
     k = gate_up.shape[1] // 2
     n = weight.shape[0]
     block_n = block_n or _silu_block_n(n)
@@ -196,7 +204,7 @@ def silu_linear(
         n,
         k,
         weight.stride(0),
-        triton_ops.prefetch_programs(prefetch_programs),
+        triton_ops.prefetch_programs(weight, prefetch_programs),
         BLOCK_N=block_n,
         BLOCK_K=min(block_k, triton_ops.triton.next_power_of_2(k)),
         PDL=pdl,

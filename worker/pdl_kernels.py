@@ -1,6 +1,7 @@
 """Programmatic dependent launch (compute capability 9.0+) inside the Triton kernels of a step. A
 kernel launched with it (`launch_pdl`) may start while the kernel before it in the stream still runs: it
-first prefetches into L2 what no kernel of the step writes (its weights), then waits until the kernel
+may first prefetch into L2 what no kernel of the step writes (its weights; triton_ops.prefetch_programs
+says which GEMV programs do), then waits until the kernel
 before it has finished and its writes are visible (`await_previous`), and only then reads anything else
 or writes. Waiting there also lets the next kernel launch, so each kernel's prefetch overlaps the one
 before it. Every program of such a kernel must wait before it returns: a kernel whose programs all left

@@ -86,13 +86,38 @@ def pdl_options(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
-# the programs of a GEMV launched with PDL that prefetch their weight rows before the wait, by default: all
-PDL_PREFETCH_PROGRAMS = 2**31 - 1
+# Which programs of a GEMV launched with PDL prefetch their weight rows before the wait: the first
+# PDL_PREFETCH_PROGRAMS_PER_SM a multiprocessor where the whole weight holds at most PDL_PREFETCH_MAX_BYTES,
+# none in larger ones. bench/pdl_prefetch.py on an H100 (2026-12-05), batch 1's GEMV chain, us a layer
+# without PDL / with it while every program prefetches / the first 8 a multiprocessor / none:
+# Qwen3-0.6B (weights of 4-13 MB) 19.44 / 16.60 / 16.45 / 16.90; Qwen3-8B (34-201 MB) 130.7 / 151.1 /
+# 137.8 / 128.4, and with FP8 weights 72.85 / 79.6 / 77.5 / 71.3. A long kernel streams its weights at the
+# memory's speed anyway, and what the next one prefetches beside it only competes (and, past a wave, is
+# evicted before it is read)
+PDL_PREFETCH_PROGRAMS_PER_SM = 8
+PDL_PREFETCH_MAX_BYTES = 16_000_000
+# every program prefetches (what `prefetch_programs` takes for "all")
+PDL_PREFETCH_ALL = 2**31 - 1
 
 
-def prefetch_programs(override: int | None) -> int:
-    """How many of a PDL GEMV's programs prefetch their weights before the wait (`override` if given)."""
-    return PDL_PREFETCH_PROGRAMS if override is None else override
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def prefetch_programs(weight: torch.Tensor, override: int | None = None) -> int:
+    """How many of a PDL GEMV's programs over `weight` prefetch their rows before the wait (`override` if
+    given)."""
+    if override is not None:
+        return override
+    if not weight.is_cuda:
+        return 0
+    return default_prefetch_programs(weight.numel() * weight.element_size(), _multiprocessors(weight.device.index or 0))
+
+
+def default_prefetch_programs(weight_bytes: int, multiprocessors: int) -> int:
+    """The rule above: how many programs of a PDL GEMV over `weight_bytes` of weights prefetch."""
+    return 0 if weight_bytes > PDL_PREFETCH_MAX_BYTES else PDL_PREFETCH_PROGRAMS_PER_SM * multiprocessors
 
 
 def triton_installed() -> bool:

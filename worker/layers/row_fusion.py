@@ -23,9 +23,10 @@ from worker.quant.fp8 import Fp8Weights
 # The widest row each fusion pays at. Every program of the fused GEMV reads the whole row itself (x and the
 # residual twice and the norm's weight for a norm; gate and up for SiLU), which beside a few weight rows
 # a program doubles what it reads from L2 on wide rows. On an H200 (bench/row_fusion.py, 2026-12-04) the
-# fused norm saved 0.1-0.7 us a layer at 1,024 and 2,048 and lost 0.8-2.2 at 4,096; the fused SiLU saved
-# 0.3 at 3,072 and lost 7 at 12,288.
-NORM_MAX_K = 2048
+# fused norm in two passes saved 0.1-0.7 us a layer at 1,024 and 2,048 and lost 0.8-2.2 at 4,096; the
+# fused SiLU saved 0.3 at 3,072 and lost 7 at 12,288. In one block (gemv.ONE_BLOCK_MAX_ELEMENTS) the norm
+# saves at 4,096 too: 2.8 and 2.3 us a layer on Qwen3-8B on an H100 (2026-12-05).
+NORM_MAX_K = 4096
 SILU_MAX_K = 3072
 
 

@@ -147,8 +147,8 @@ def fp8_gemv(
     prefetch_programs: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] (a few rows) @ dequantized(weight).T, reading each e4m3 weight once; the scales applied in
-    float32 (per channel at the end, per block in the loop). `pdl`: launched with programmatic dependent
-    launch, its weight rows prefetched before the wait. `gated`: as gemv.small_linear's (weight [gate; up],
+    float32 (per channel at the end, per block in the loop). `pdl`, `prefetch_programs`: as
+    gemv.small_linear's. `gated`: as gemv.small_linear's (weight [gate; up],
     the result silu(gate) * up)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -172,7 +172,7 @@ def fp8_gemv(
         scale.stride(0),
         out.stride(0),
         group_k,
-        triton_ops.prefetch_programs(prefetch_programs),
+        triton_ops.prefetch_programs(weight, prefetch_programs),
         M_BLOCK=triton_ops.triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
