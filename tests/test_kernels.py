@@ -132,24 +132,12 @@ def test_a_pdl_gemv_prefetches_in_its_first_programs_only_over_a_small_weight():
     assert triton_ops.prefetch_programs(torch.empty(4, 4), 5) == 5
 
 
-@pytest.mark.parametrize(
-    "hidden,dense,quantized,tp_size,resolved",
-    [
-        (1024, True, False, 1, "on"),  # Qwen3-0.6B's width, where it was measured faster
-        (576, True, False, 1, "on"),
-        (4096, True, False, 1, "off"),  # Qwen3-8B's, where it was measured slower
-        (1024, False, False, 1, "off"),  # a mixture of experts
-        (1024, True, True, 1, "off"),  # FP8 weights
-        (1024, True, False, 2, "off"),  # tensor parallelism: not measured
-    ],
-)
-def test_pdl_auto_is_resolved_on_only_for_narrow_dense_unquantized_models_on_one_gpu(
-    hidden, dense, quantized, tp_size, resolved
-):
-    kernels = Kernels(fused=False).with_model(hidden, dense, quantized, tp_size)
+@pytest.mark.parametrize("tp_size,resolved", [(1, "on"), (2, "off")])  # tensor parallelism: not measured
+def test_pdl_auto_is_resolved_on_for_a_model_on_one_gpu(tp_size, resolved):
+    kernels = Kernels(fused=False).with_model(tp_size)
     assert kernels == Kernels(fused=False, pdl=resolved)
     for asked in ("on", "off"):  # an explicit choice stays as it is
-        assert Kernels(pdl=asked).with_model(hidden, dense, quantized, tp_size).pdl == asked
+        assert Kernels(pdl=asked).with_model(tp_size).pdl == asked
 
 
 def test_an_unknown_pdl_mode_is_a_clear_error():
@@ -157,14 +145,14 @@ def test_an_unknown_pdl_mode_is_a_clear_error():
         Kernels(pdl=True)
 
 
-def test_an_engine_resolves_pdl_auto_by_its_model(qwen3_path, qwen3_moe_path):
+def test_an_engine_resolves_pdl_auto_before_it_builds_its_layers(qwen3_path, qwen3_moe_path):
     from worker.config import EngineConfig
     from worker.engine import Engine
 
     dense = Engine(EngineConfig(str(qwen3_path), num_pages=64))
-    assert dense.hf_config.hidden_size <= 1024 and dense.kernels.pdl == "on"
+    assert dense.kernels.pdl == "on"
     assert dense.model.lm_head.kernels.pdl == dense.kernels.pdl  # what its layers were built with
-    assert Engine(EngineConfig(str(qwen3_moe_path), num_pages=64)).kernels.pdl == "off"
-    assert Engine(EngineConfig(str(qwen3_path), num_pages=64, quantization="fp8")).kernels.pdl == "off"
+    assert Engine(EngineConfig(str(qwen3_moe_path), num_pages=64)).kernels.pdl == "on"
+    assert Engine(EngineConfig(str(qwen3_path), num_pages=64, quantization="fp8")).kernels.pdl == "on"
     asked = Engine(EngineConfig(str(qwen3_path), num_pages=64, kernels=Kernels(pdl="off")))
     assert asked.kernels.pdl == "off"

@@ -156,12 +156,7 @@ class Engine:
         self.host_waits = HostWaits()  # every wait of this engine's host on its device
         self.hf_config = load_hf_config(config.model_path)
         self.scheme = scheme_of(self.hf_config, config.quantization)  # None: unquantized weights
-        self.kernels = self.kernels.with_model(
-            self.hf_config.hidden_size,
-            dense=not (getattr(self.hf_config, "num_experts", 0) or getattr(self.hf_config, "num_local_experts", 0)),
-            quantized=self.scheme is not None,
-            tp_size=self.tp.size,
-        )
+        self.kernels = self.kernels.with_model(tp_size=self.tp.size)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
         self.max_seq_len = config.max_seq_len or self.hf_config.max_position_embeddings

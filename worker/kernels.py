@@ -13,14 +13,11 @@ PREFILL_KERNELS = ("auto", "fa2", "fa3")
 MOE_KERNELS = ("auto", "torch")
 DECODE_GEMMS = ("auto", "vendor", "triton")
 PDL_MODES = ("auto", "on", "off")
-# The widest hidden size at which `pdl` auto turns programmatic dependent launch on. Batch 1 on an H100
-# (bench/decode_latency.py --pdl, 8700eb9, 2026-12-05, ms a token, two alternated pairs): Qwen3-0.6B
-# (1,024) 0.886 and 0.883 with it against 0.959 and 0.960; Qwen3-8B (4,096) 6.280 and 6.278 against 5.817
-# and 5.816. Earlier (53fe163) the mixture of experts (2,048) and Qwen3-8B with FP8 weights lost 1.5% and
-# 0.5%. Where a layer's launches are short, it hides their launch and ramp; where they read hundreds of MB,
-# the next kernel's programs waiting on the GPU beside them cost more than that. (a) over the 0.6B moved
-# within its noise (bf16 20,145 against 19,898, fp8 cache 28,103 against 28,373; one run each)
-PDL_MAX_HIDDEN = 1024
+# Where `pdl` auto turns programmatic dependent launch on: every model on one GPU. Batch 1 on an H100
+# (bench/decode_latency.py --pdl off / on, e61451b, 2026-12-05, ms a token): Qwen3-0.6B 0.963 / 0.896,
+# Qwen3-8B 5.740 / 5.558, with FP8 weights 3.669 / 3.476, Qwen3-30B-A3B 3.216 / 2.975. (Before its GEMVs'
+# prefetch was limited to small weights, triton_ops.prefetch_programs, the wide models lost 0.5-8% with
+# it.) Tensor parallelism is not measured: the all-reduce's kernels sit between the step's launches
 
 
 @dataclass(frozen=True)
@@ -57,8 +54,8 @@ class Kernels:
     decode_gemm: str = "auto"
     # programmatic dependent launch (compute capability 9.0+) of a step's Triton kernels: each may start
     # while the kernel before it finishes, its weights prefetched into L2 meanwhile (worker/pdl_kernels.py).
-    # auto: on where it was measured faster (`with_model`: a dense model with unquantized weights of hidden
-    # size up to PDL_MAX_HIDDEN on one GPU), off elsewhere and wherever no engine resolved it
+    # auto: on where it was measured faster (`with_model`: on one GPU), off elsewhere and wherever no engine
+    # resolved it
     pdl: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too
@@ -79,10 +76,10 @@ class Kernels:
         if self.pdl not in PDL_MODES:
             raise ValueError(f"unknown programmatic dependent launch mode {self.pdl!r}; choose {', '.join(PDL_MODES)}")
 
-    def with_model(self, hidden_size: int, dense: bool, quantized: bool, tp_size: int) -> Kernels:
+    def with_model(self, tp_size: int) -> Kernels:
         """These kernels with `pdl` auto resolved for a model (an engine's, before it builds its layers):
-        on for a dense model of unquantized weights and hidden size up to PDL_MAX_HIDDEN on one GPU."""
+        on where it runs on one GPU."""
         if self.pdl != "auto":
             return self
-        on = dense and not quantized and tp_size == 1 and hidden_size <= PDL_MAX_HIDDEN
+        on = tp_size == 1
         return replace(self, pdl="on" if on else "off")
