@@ -163,6 +163,14 @@ def launches(arch: str) -> list[tuple[str, Callable[[], object]]]:
                 lambda: gemv.small_linear(_gpu(1, hidden), _gpu(2 * inter, hidden), gated=True),
             )
         )
+        calls.append(
+            (
+                "norm + gate-up GEMV + SiLU, batch 1",
+                lambda: gemv.norm_linear(
+                    _gpu(1, hidden), _gpu(1, hidden), _gpu(hidden), 1e-6, _gpu(2 * inter, hidden), gated=True
+                ),
+            )
+        )
         calls.extend(_fp8_launches(hidden, inter))
     return calls + _pdl_launches(cfg)
 
@@ -343,6 +351,22 @@ def _fp8_launches(hidden: int, inter: int) -> list[tuple[str, Callable[[], objec
             lambda s=scale, b=block: gemm.fp8_gemv(_gpu(1, hidden), weight, s, b, gated=True),
         )
         for name, scale, block in (("per-channel", channel, None), ("block", blocks, (128, 128)))
+    ]
+    # the residual norm inside the FP8 GEMVs (scales a row, as an FP8 linear keeps them; block scales repeated
+    # over their block's rows)
+    row_blocks = _gpu(2 * inter, -(-hidden // 128), dtype=torch.float32)
+    calls += [
+        (
+            f"norm + FP8 {what}, batch 1, {name} scales",
+            lambda s=scale, b=block, g=gated: gemv.norm_linear(
+                _gpu(1, hidden), _gpu(1, hidden), _gpu(hidden), 1e-6, weight, scale=s, block=b, gated=g
+            ),
+        )
+        for name, scale, block in (
+            ("per-channel", _gpu(2 * inter, dtype=torch.float32), None),
+            ("block", row_blocks, (128, 128)),
+        )
+        for what, gated in (("GEMV", False), ("gate-up GEMV + SiLU", True))
     ]
     calls += [
         (

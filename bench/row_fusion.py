@@ -7,6 +7,9 @@ two passes over the row and `one_block_us` the whole row in one block (the defau
 gemv.ONE_BLOCK_MAX_ELEMENTS; timed up to ONE_BLOCK_TIMED_MAX_K, past the rows the engine fuses); and the largest
 difference between the fused and the separate outputs.
 
+Then Qwen3-8B's norms before gate-up's GEMV with the SiLU in its epilogue and before FP8 weights' GEMVs
+(`gated_and_fp8`).
+
     python bench/row_fusion.py [--out r.json]"""
 
 from __future__ import annotations
@@ -105,8 +108,79 @@ def main() -> None:
         row["saved_per_layer_us"] = row["separate_us"] - row["fused_us"]
         results.append(row)
         print(json.dumps(row), flush=True)
+    for row in gated_and_fp8(ops):
+        results.append(row)
+        print(json.dumps(row), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+# Qwen3-8B's norms before a GEMV that applies the SiLU itself (gate-up, where down's GEMV cannot take it) and
+# before FP8 weights' GEMVs: (part, K, N, weight dtype, gated)
+GATED_AND_FP8 = [
+    ("norm+gate_up_silu", 4096, 12288, "bf16", True),
+    ("norm+qkv", 4096, 6144, "fp8", False),
+    ("norm+gate_up_silu", 4096, 12288, "fp8", True),
+    ("norm+gate_up_silu", 4096, 12288, "fp8_block", True),
+]
+
+
+def gated_and_fp8(ops) -> list[dict]:
+    """On Qwen3-8B's widths (36 copies): FlashInfer's residual norm then the GEMV (bf16, or FP8 per channel
+    or in 128 x 128 blocks; gated: SiLU-and-multiply in its epilogue) against gemv.norm_linear doing both,
+    at its default tile, at 1, 2 and 4 columns a program and in two passes."""
+    from worker.quant import gemm
+
+    rows, layers, dt = [], 36, torch.bfloat16
+    for part, k, n, wdt, gated in GATED_AND_FP8:
+        rows_n = 2 * n if gated else n
+        ws = [torch.randn(rows_n, k, device="cuda", dtype=dt) * 0.02 for _ in range(layers)]
+        scale, block = None, None
+        if wdt == "fp8":
+            scale = torch.rand(rows_n, device="cuda") * 0.01 + 0.005
+        elif wdt == "fp8_block":  # 128 x 128 blocks, their scales repeated over each block's rows
+            scale, block = torch.rand(rows_n, k // 128, device="cuda") * 0.01 + 0.005, (128, 128)
+        if scale is not None:
+            ws = [w.to(torch.float8_e4m3fn) for w in ws]
+        x, res = torch.randn(1, k, device="cuda", dtype=dt), torch.randn(1, k, device="cuda", dtype=dt)
+        nw = torch.rand(k, device="cuda", dtype=dt) + 0.5
+        xs, rs = x.clone(), res.clone()
+
+        def gemv_of(a, w):
+            if scale is None:
+                return gemv.small_linear(a, w, gated=gated)
+            return gemm.fp8_gemv(a, w, scale, block, gated=gated)
+
+        def separate():
+            for w in ws:
+                ops.fused_add_rmsnorm(xs, rs, nw, 1e-6)
+                gemv_of(xs, w)
+
+        def fused(bn=None):
+            for w in ws:
+                gemv.norm_linear(x, res, nw, 1e-6, w, block_n=bn, scale=scale, block=block, gated=gated)
+
+        a, b = x.clone(), res.clone()
+        ops.fused_add_rmsnorm(a, b, nw, 1e-6)
+        got = gemv.norm_linear(x, res, nw, 1e-6, ws[0], scale=scale, block=block, gated=gated)[0]
+        row = {"arch": "qwen3-8b", "part": part, "weights": wdt, "k": k, "n": n}
+        row["max_abs_diff"] = (got.float() - gemv_of(a, ws[0]).float()).abs().max().item()
+        row["separate_us"] = time_graph(separate) / layers
+        row["fused_us"] = time_graph(fused) / layers
+        row["sweep_us"] = {bn: time_graph(lambda bn=bn: fused(bn)) / layers for bn in (1, 2, 4)}
+        row["two_pass_us"] = (
+            time_graph(
+                lambda: [
+                    gemv.norm_linear(x, res, nw, 1e-6, w, scale=scale, block=block, gated=gated, one_block=False)
+                    for w in ws
+                ]
+            )
+            / layers
+        )
+        row["saved_per_layer_us"] = row["separate_us"] - row["fused_us"]
+        rows.append(row)
+        ws.clear()
+    return rows
 
 
 if __name__ == "__main__":

@@ -63,6 +63,29 @@ def test_norm_linear_equals_the_norm_then_the_matmul(k, n, with_residual, one_bl
         assert new_residual.data_ptr() not in (x.data_ptr(), residual.data_ptr())
 
 
+# per channel and block-scaled (blocks of 32 rows and 64 columns: K past one block and not a multiple of it)
+@pytest.mark.parametrize("block", [None, (32, 64)])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("one_block", [False, True])
+def test_norm_linear_over_fp8_weights_equals_the_norm_then_the_dequantized_matmul(block, gated, one_block):
+    """The norm inside the FP8 GEMV: e4m3 rows scaled as quant.gemm.fp8_gemv scales them, gated or not
+    (silu(gate) * up in the epilogue), against the norm and the matmul over the dequantized weight."""
+    torch.manual_seed(3)
+    k, n = 200, 37
+    q, scale = _fp8(2 * n if gated else n, k, block)
+    x, residual, norm = torch.randn(1, k), torch.randn(1, k), _norm(k)
+    assert gemv.row_fusion_applies(INTERPRETED, x, q)
+    got, new_residual, _ = gemv.norm_linear(
+        x, residual, norm.weight, norm.eps, q, scale=scale, block=block, gated=gated, one_block=one_block, block_k=64
+    )
+    ref = norm(x + residual) @ dequantize(q, scale, block).T
+    if gated:
+        gate, up = ref.chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+    torch.testing.assert_close(new_residual, x + residual, rtol=0, atol=0)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_norm_linear_by_default_loads_the_row_in_one_block_of_at_most_the_measured_tile(monkeypatch):
     """The default: one block, with the columns a program narrowed so the weight tile holds at most
     ONE_BLOCK_MAX_ELEMENTS (2 at Qwen3-8B's 4,096-wide rows, the fastest measured there); an explicit wider
@@ -228,19 +251,23 @@ def test_batch_1_decode_with_the_fused_launches_equals_hf_greedy(model_paths, fa
     assert launches["norm"] > 0 and launches["silu"] > 0  # the mixtures' dense layers and shared expert: SiLU
 
 
-def test_batch_1_decode_with_the_silu_in_gate_ups_gemv_equals_hf_greedy(model_paths, monkeypatch):
-    """Where neither the norm nor the SiLU fits the GEMVs beside them (here with both limits at zero: on
-    Qwen3-8B's widths), a dense block's norm runs alone, then gate-up's GEMV with the SiLU inside, then
-    down's product (on the CPU through torch, as outside the interpreter's GEMVs)."""
+@pytest.mark.parametrize("norm_fits", [False, True])
+def test_batch_1_decode_with_the_silu_in_gate_ups_gemv_equals_hf_greedy(model_paths, monkeypatch, norm_fits):
+    """Where the SiLU does not fit down's GEMV (here with its limit at zero: on Qwen3-8B's widths), gate-up's
+    GEMV applies it: with the norm inside the same launch where the norm fits (Qwen3-8B's 4,096), or after
+    the norm on its own (the norm's limit at zero too); then down's product (on the CPU through torch, as
+    outside the interpreter's GEMVs)."""
     path = model_paths["qwen2"]
-    monkeypatch.setattr(row_fusion, "NORM_MAX_K", 0)
+    if not norm_fits:
+        monkeypatch.setattr(row_fusion, "NORM_MAX_K", 0)
     monkeypatch.setattr(row_fusion, "SILU_MAX_K", 0)
     gated = gated_calls(monkeypatch, gemv, "small_linear")
+    norm_gated = gated_calls(monkeypatch, gemv, "norm_linear")
     with checked_llm(path, page_size=4, kernels=INTERPRETED) as llm:
         prompts = encode_all(llm, PROMPT_TEXTS[:2])
         got = [llm.generate([p], greedy(5))[0].token_ids for p in prompts]
     assert got == hf_greedy(path, prompts, 5)
-    assert any(gated)
+    assert any(norm_gated) is norm_fits and any(gated) is not norm_fits
 
 
 @pytest.mark.gpu
@@ -292,3 +319,35 @@ def test_on_gpu_the_gated_gemvs_equal_the_gemv_then_flashinfers_silu(block):
         q, scale = q.to(dev), scale.to(dev)
         got, unfused = gemm.fp8_gemv(x, q, scale, block, gated=True), gemm.fp8_gemv(x, q, scale, block)
     torch.testing.assert_close(got, ops.silu_and_mul(unfused), rtol=0.016, atol=0.01)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", ["bf16", None, (128, 128)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_on_gpu_the_norm_inside_gate_ups_and_fp8_gemvs_equals_flashinfers_norm_then_the_gemv(block, gated):
+    """Qwen3-8B's widths (4,096 -> 6,144, or gate-up's 2 x 12,288 with the SiLU in the epilogue), bf16 and FP8
+    (per channel, block-scaled): the norm inside the GEMV against FlashInfer's residual norm then the GEMV
+    it replaces, at the default tile and in two passes, within bfloat16's rounding of the same sums."""
+    from worker.layers.fused import fused_ops
+
+    torch.manual_seed(0)
+    dev, dt, k = "cuda", torch.bfloat16, 4096
+    n = 2 * 12288 if gated else 6144
+    ops = fused_ops(torch.empty(1, device=dev, dtype=dt))
+    x, residual = torch.randn(1, k, device=dev, dtype=dt), torch.randn(1, k, device=dev, dtype=dt)
+    norm_weight = torch.rand(k, device=dev, dtype=dt) + 0.5
+    normed, new_residual = x.clone(), residual.clone()
+    ops.fused_add_rmsnorm(normed, new_residual, norm_weight, 1e-6)
+    if block == "bf16":
+        w, scale, quant = torch.randn(n, k, device=dev, dtype=dt) * 0.02, None, None
+        want = gemv.small_linear(normed, w, gated=gated)
+    else:
+        w, scale = (t.to(dev) for t in _fp8(n, k, block))
+        quant = block
+        want = gemm.fp8_gemv(normed, w, scale, block, gated=gated)
+    for one_block in (None, False):
+        got, res_out, _ = gemv.norm_linear(
+            x, residual, norm_weight, 1e-6, w, scale=scale, block=quant, gated=gated, one_block=one_block
+        )
+        assert torch.equal(res_out, new_residual)
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)

@@ -83,7 +83,8 @@ def small_linear(
 def row_fusion_applies(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether one row's residual norm (or SiLU-and-multiply) and the GEMV after it can run as one launch
     (`norm_linear`, `silu_linear`): batch-1 decode, with both the fused norms and the small-M GEMV asked
-    for, in half precision on CUDA (and in any float dtype under the interpreter)."""
+    for, in half precision on CUDA (and in any float dtype under the interpreter), the weight in the row's
+    dtype or e4m3 (whose callers check the GPU converts it: quant.gemm.triton_runs)."""
     if not (kernels.fused and kernels.small_linear and x.dim() == 2 and x.shape[0] == 1):
         return False
     if x.is_cuda:
@@ -92,7 +93,7 @@ def row_fusion_applies(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor) 
         dtype_ok = triton_ops.interpreted(kernels) and x.dtype.is_floating_point
     return (
         dtype_ok
-        and weight.dtype == x.dtype
+        and weight.dtype in (x.dtype, torch.float8_e4m3fn)
         and weight.device == x.device
         and x.is_contiguous()
         and weight.is_contiguous()
@@ -135,22 +136,29 @@ def norm_linear(
     one_block: bool | None = None,
     pdl: bool = False,
     prefetch_programs: int | None = None,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+    gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """For one row x [1, K]: (rmsnorm(x + residual) @ weight.T, the new residual x + residual (x itself
     without one), the normed row with write_normed) in one launch. x and residual are left as they are.
     `one_block`: the whole row in one block, every load issued before the norm's sum, or two passes over
     blocks of `block_k` (the sum, then the GEMV); by default one block where a program's weight tile holds
     at most ONE_BLOCK_MAX_ELEMENTS (the default columns a program narrowed to fit it). `pdl`,
-    `prefetch_programs`: as small_linear's."""
+    `prefetch_programs`: as small_linear's. `scale`: weight is e4m3 (FP8), its scale a row [N], or with
+    `block` (rows, columns) a row and block of columns [N, K / columns], as quant.gemm.fp8_gemv takes them.
+    `gated`: weight is [gate; up] and the product silu(gate) * up [1, N / 2], as small_linear's (a program's
+    tile then holds both halves' rows)."""
     k = x.shape[1]
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
     k_pow2 = triton_ops.triton.next_power_of_2(k)
+    tile_k = k_pow2 * (2 if gated else 1)  # the weight elements a program's column loads in one block
     if block_n is None:
         block_n = _norm_block_n(n)
         if one_block is not False:
-            block_n = max(1, min(block_n, ONE_BLOCK_MAX_ELEMENTS // k_pow2))
+            block_n = max(1, min(block_n, ONE_BLOCK_MAX_ELEMENTS // tile_k))
     if one_block is None:
-        one_block = block_n * k_pow2 <= ONE_BLOCK_MAX_ELEMENTS
+        one_block = block_n * tile_k <= ONE_BLOCK_MAX_ELEMENTS
     if one_block:
         block_k = k_pow2
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -168,12 +176,18 @@ def norm_linear(
         k,
         weight.stride(0),
         eps,
+        scale if scale is not None else weight,
+        scale.stride(0) if scale is not None else 0,
+        block[1] if block is not None else k,
         triton_ops.prefetch_programs(weight, prefetch_programs),
         HAS_RES=residual is not None,
         WRITE_NORMED=write_normed,
         BLOCK_N=block_n,
         BLOCK_K=min(block_k, triton_ops.triton.next_power_of_2(k)),
         ONE_BLOCK=one_block,
+        SCALED=scale is not None,
+        BLOCKED=scale is not None and block is not None,
+        GATED=gated,
         PDL=pdl,
         num_warps=num_warps,
         **triton_ops.pdl_options(pdl),

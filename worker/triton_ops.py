@@ -110,7 +110,7 @@ def prefetch_programs(weight: torch.Tensor, override: int | None = None) -> int:
     given)."""
     if override is not None:
         return override
-    if not weight.is_cuda:
+    if weight.device.type != "cuda":  # the interpreter, or kernel_compile's stand-ins (no GPU to ask)
         return 0
     return default_prefetch_programs(weight.numel() * weight.element_size(), _multiprocessors(weight.device.index or 0))
 

@@ -10,7 +10,7 @@ from worker.kernels import Kernels
 from worker.layers.fused import fused_ops
 from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm
-from worker.layers.row_fusion import gate_up_silu, gate_up_silu_applies, norm_fuses, norm_linear, silu_linear
+from worker.layers.row_fusion import gate_up_silu, gate_up_silu_applies, norm_gate_up_silu, norm_linear, silu_linear
 from worker.parallel import TPGroup
 
 
@@ -37,13 +37,11 @@ class SwiGLU(nn.Module):
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block over norm(x + residual), and the new residual. At one row the norm runs inside gate-up's
-        GEMV where it fits, and otherwise on its own before a gate-up GEMV that applies the SiLU itself
-        (where down's cannot)."""
-        if not norm_fuses(self.gate_up_proj, x, self.kernels) and gate_up_silu_applies(
-            self.gate_up_proj, self.down_proj, x, self.kernels
-        ):
-            normed, residual = norm(x, residual)
-            return self.down_proj(gate_up_silu(self.gate_up_proj, normed, self.kernels)), residual
+        GEMV where it fits; where down's GEMV cannot take the SiLU, gate-up's applies it (with the norm
+        inside too where that fits)."""
+        if gate_up_silu_applies(self.gate_up_proj, self.down_proj, x, self.kernels):
+            act, residual = norm_gate_up_silu(norm, self.gate_up_proj, x, residual, self.kernels)
+            return self.down_proj(act), residual
         gate_up, residual, _ = norm_linear(norm, self.gate_up_proj, x, residual, self.kernels)
         return self.down(gate_up), residual
 

@@ -3,11 +3,12 @@ the GEMV that reads its output, and SiLU-and-multiply inside the down projection
 (worker/gemv_kernels.py: norm_linear_kernel, silu_linear_kernel): at one row a layer's small kernels cost
 more in launches and ramp than in bytes (a residual norm took 2.6 us of GPU time for 2 KiB to 8 KiB), three
 launches fewer a dense layer, two a mixture of experts' (Qwen3-0.6B's batch-1 decode: 0.954 ms a token
-against 1.026). Wider rows (NORM_MAX_K, SILU_MAX_K), quantized layers and the CPU (outside the interpreter)
-run the norm and the GEMV apart; where the SiLU cannot go into down's GEMV it goes into the epilogue of
-gate-up's instead (`gate_up_silu`, bf16 or FP8), each program computing a gate row and its up row. At more
-rows, an FP8 linear's per-token activation quantization runs inside the norm or SiLU before it instead
-(worker/quant/fused_quant.py)."""
+against 1.026). The norm goes into FP8 weights' GEMV too (e4m3 rows scaled as quant.gemm.fp8_gemv scales
+them). Wider rows (NORM_MAX_K, SILU_MAX_K), other quantized layers, a quantized down projection's SiLU
+and the CPU (outside the interpreter) run the two apart; where the SiLU cannot go into down's GEMV it
+goes into the epilogue of gate-up's instead (`gate_up_silu`, bf16 or FP8), each program computing a gate
+row and its up row. At more rows, an FP8 linear's per-token activation quantization runs inside the norm
+or SiLU before it instead (worker/quant/fused_quant.py)."""
 
 from __future__ import annotations
 
@@ -46,15 +47,12 @@ def norm_linear(
     """(linear(norm(x + residual)), the new residual, the normed rows when want_normed) as a decoder layer
     takes them: without a residual (the first layer's input norm) x is the residual. One launch at one
     row; the norm then the linear otherwise."""
-    weight = linear.weight
     y = None
     if not want_normed and (residual is None or residual.is_contiguous()) and fused_quant.applies(linear, x, kernels):
         xq, xs, residual = fused_quant.norm_quant(x, residual, norm.weight, norm.eps)
         y, normed = fused_quant.matmul(linear, xq, xs, x.dtype), None
     elif norm_fuses(linear, x, kernels):
-        y, residual, normed = gemv.norm_linear(
-            x, residual, norm.weight, norm.eps, weight, want_normed, pdl=triton_ops.pdl_applies(kernels, x.device)
-        )
+        y, residual, normed = _norm_gemv(norm, linear, x, residual, kernels, want_normed)
     if y is not None:
         bias = getattr(linear, "bias", None)
         return (y if bias is None else y + bias), residual, normed
@@ -65,9 +63,45 @@ def norm_linear(
     return linear(normed), residual, normed if want_normed else None
 
 
+def _norm_gemv(
+    norm: RMSNorm,
+    linear: nn.Module,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    kernels: Kernels,
+    want_normed: bool = False,
+    gated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """gemv.norm_linear over linear's weight (and its FP8 scales), where norm_fuses."""
+    quant = getattr(linear, "quant", None)
+    return gemv.norm_linear(
+        x,
+        residual,
+        norm.weight,
+        norm.eps,
+        linear.weight,
+        want_normed,
+        pdl=triton_ops.pdl_applies(kernels, x.device),
+        scale=quant.scale_of(linear) if quant is not None else None,
+        block=quant.block if quant is not None else None,
+        gated=gated,
+    )
+
+
 def norm_fuses(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
-    """Whether `norm_linear` runs the residual norm inside linear's GEMV (one row, K up to NORM_MAX_K)."""
-    return x.shape[-1] <= NORM_MAX_K and _plain(linear) and gemv.row_fusion_applies(kernels, x, linear.weight)
+    """Whether `norm_linear` runs the residual norm inside linear's GEMV (one row, K up to NORM_MAX_K): a
+    plain linear's, or an FP8 linear's (either scale layout) where the FP8 GEMV would run."""
+    if x.shape[-1] > NORM_MAX_K or not gemv.row_fusion_applies(kernels, x, linear.weight):
+        return False
+    if _plain(linear):
+        return True
+    return _fp8_gemv_runs(linear, x, kernels)
+
+
+def _fp8_gemv_runs(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
+    """Whether an FP8 linear's forward over one row x is the FP8 GEMV (quant.gemm.fp8_gemv)."""
+    quant = getattr(linear, "quant", None)
+    return isinstance(quant, Fp8Weights) and linear.small and x.is_contiguous() and gemm.triton_runs(x, kernels)
 
 
 def gate_up_silu_applies(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
@@ -79,10 +113,9 @@ def gate_up_silu_applies(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, k
         return False
     if gate_up.weight.shape[0] // 2 <= SILU_MAX_K and _plain(down):
         return False  # silu_linear runs it inside down's GEMV
-    quant = getattr(gate_up, "quant", None)
-    if quant is None:
+    if getattr(gate_up, "quant", None) is None:
         return _plain(gate_up) and gemv.row_fusion_applies(kernels, x, gate_up.weight)
-    return isinstance(quant, Fp8Weights) and gate_up.small and x.is_contiguous() and gemm.triton_runs(x, kernels)
+    return _fp8_gemv_runs(gate_up, x, kernels)
 
 
 def gate_up_silu(gate_up: nn.Module, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
@@ -92,6 +125,18 @@ def gate_up_silu(gate_up: nn.Module, x: torch.Tensor, kernels: Kernels) -> torch
     if quant is None:
         return gemv.small_linear(x, gate_up.weight, pdl=pdl, gated=True)
     return gemm.fp8_gemv(x, gate_up.weight, quant.scale_of(gate_up), quant.block, pdl=pdl, gated=True)
+
+
+def norm_gate_up_silu(
+    norm: RMSNorm, gate_up: nn.Module, x: torch.Tensor, residual: torch.Tensor, kernels: Kernels
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up of norm(x + residual) [1, inter], the new residual) where gate_up_silu_applies: the
+    norm inside the same launch where it fits (norm_fuses), on its own before it otherwise."""
+    if norm_fuses(gate_up, x, kernels):
+        act, residual, _ = _norm_gemv(norm, gate_up, x, residual, kernels, gated=True)
+        return act, residual
+    normed, residual = norm(x, residual)
+    return gate_up_silu(gate_up, normed, kernels), residual
 
 
 def silu_linear(linear: nn.Module, gate_up: torch.Tensor, kernels: Kernels) -> torch.Tensor | None:
