@@ -146,7 +146,8 @@ def norm_linear(
     blocks of `block_k` (the sum, then the GEMV); by default one block where a program's weight tile holds
     at most ONE_BLOCK_MAX_ELEMENTS (the default columns a program narrowed to fit it). `pdl`,
     `prefetch_programs`: as small_linear's. `scale`: weight is e4m3 (FP8), its scale a row [N], or with
-    `block` (rows, columns) a row and block of columns [N, K / columns], as quant.gemm.fp8_gemv takes them.
+    `block` (rows, columns) a row and block of columns [N, K / columns], as quant.gemm.fp8_gemv takes them
+    (bench/row_fusion.py times it; the engine keeps FP8 norms apart: row_fusion.norm_fuses says why).
     `gated`: weight is [gate; up] and the product silu(gate) * up [1, N / 2], as small_linear's (a program's
     tile then holds both halves' rows)."""
     k = x.shape[1]

@@ -3,12 +3,12 @@ the GEMV that reads its output, and SiLU-and-multiply inside the down projection
 (worker/gemv_kernels.py: norm_linear_kernel, silu_linear_kernel): at one row a layer's small kernels cost
 more in launches and ramp than in bytes (a residual norm took 2.6 us of GPU time for 2 KiB to 8 KiB), three
 launches fewer a dense layer, two a mixture of experts' (Qwen3-0.6B's batch-1 decode: 0.954 ms a token
-against 1.026). The norm goes into FP8 weights' GEMV too (e4m3 rows scaled as quant.gemm.fp8_gemv scales
-them). Wider rows (NORM_MAX_K, SILU_MAX_K), other quantized layers, a quantized down projection's SiLU
-and the CPU (outside the interpreter) run the two apart; where the SiLU cannot go into down's GEMV it
-goes into the epilogue of gate-up's instead (`gate_up_silu`, bf16 or FP8), each program computing a gate
-row and its up row. At more rows, an FP8 linear's per-token activation quantization runs inside the norm
-or SiLU before it instead (worker/quant/fused_quant.py)."""
+against 1.026). Wider rows (NORM_MAX_K, SILU_MAX_K), quantized layers and the CPU (outside the
+interpreter) run the norm and the GEMV apart; where the SiLU cannot go into down's GEMV it goes into the
+epilogue of gate-up's instead (`gate_up_silu`, bf16 or FP8, with the norm in the same launch where it
+fits: `norm_gate_up_silu`), each program computing a gate row and its up row. At more rows, an FP8
+linear's per-token activation quantization runs inside the norm or SiLU before it instead
+(worker/quant/fused_quant.py)."""
 
 from __future__ import annotations
 
@@ -72,30 +72,19 @@ def _norm_gemv(
     want_normed: bool = False,
     gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """gemv.norm_linear over linear's weight (and its FP8 scales), where norm_fuses."""
-    quant = getattr(linear, "quant", None)
-    return gemv.norm_linear(
-        x,
-        residual,
-        norm.weight,
-        norm.eps,
-        linear.weight,
-        want_normed,
-        pdl=triton_ops.pdl_applies(kernels, x.device),
-        scale=quant.scale_of(linear) if quant is not None else None,
-        block=quant.block if quant is not None else None,
-        gated=gated,
-    )
+    """gemv.norm_linear over linear's weight, where norm_fuses."""
+    pdl = triton_ops.pdl_applies(kernels, x.device)
+    return gemv.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, want_normed, pdl=pdl, gated=gated)
 
 
 def norm_fuses(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
-    """Whether `norm_linear` runs the residual norm inside linear's GEMV (one row, K up to NORM_MAX_K): a
-    plain linear's, or an FP8 linear's (either scale layout) where the FP8 GEMV would run."""
-    if x.shape[-1] > NORM_MAX_K or not gemv.row_fusion_applies(kernels, x, linear.weight):
-        return False
-    if _plain(linear):
-        return True
-    return _fp8_gemv_runs(linear, x, kernels)
+    """Whether `norm_linear` runs the residual norm inside linear's GEMV (one row, K up to NORM_MAX_K, an
+    unquantized linear). Not an FP8 linear's: every program of the fused GEMV reads the whole row for the
+    norm, against half the weight bytes of bf16 beside it. On an H100 (bench/row_fusion.py, 2026-12-05, us
+    a layer, Qwen3-8B) the norm inside FP8 gate-up's GEMV with the SiLU took 49.30 (44.69 in two passes)
+    against the separate norm and GEMV's 38.94, 152.09 against 118.68 with 128 x 128 block scales, and
+    inside qkv's 14.07 against 14.30."""
+    return x.shape[-1] <= NORM_MAX_K and _plain(linear) and gemv.row_fusion_applies(kernels, x, linear.weight)
 
 
 def _fp8_gemv_runs(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
