@@ -52,7 +52,8 @@ def norm_linear(
         xq, xs, residual = fused_quant.norm_quant(x, residual, norm.weight, norm.eps)
         y, normed = fused_quant.matmul(linear, xq, xs, x.dtype), None
     elif norm_fuses(linear, x, kernels):
-        y, residual, normed = _norm_gemv(norm, linear, x, residual, kernels, want_normed)
+        pdl = triton_ops.pdl_applies(kernels, x.device)
+        y, residual, normed = gemv.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, want_normed, pdl=pdl)
     if y is not None:
         bias = getattr(linear, "bias", None)
         return (y if bias is None else y + bias), residual, normed
@@ -61,20 +62,6 @@ def norm_linear(
     else:
         normed, residual = norm(x, residual)
     return linear(normed), residual, normed if want_normed else None
-
-
-def _norm_gemv(
-    norm: RMSNorm,
-    linear: nn.Module,
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    kernels: Kernels,
-    want_normed: bool = False,
-    gated: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """gemv.norm_linear over linear's weight, where norm_fuses."""
-    pdl = triton_ops.pdl_applies(kernels, x.device)
-    return gemv.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, want_normed, pdl=pdl, gated=gated)
 
 
 def norm_fuses(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
@@ -122,7 +109,8 @@ def norm_gate_up_silu(
     """(silu(gate) * up of norm(x + residual) [1, inter], the new residual) where gate_up_silu_applies: the
     norm inside the same launch where it fits (norm_fuses), on its own before it otherwise."""
     if norm_fuses(gate_up, x, kernels):
-        act, residual, _ = _norm_gemv(norm, gate_up, x, residual, kernels, gated=True)
+        pdl = triton_ops.pdl_applies(kernels, x.device)
+        act, residual, _ = gemv.norm_linear(x, residual, norm.weight, norm.eps, gate_up.weight, pdl=pdl, gated=True)
         return act, residual
     normed, residual = norm(x, residual)
     return gate_up_silu(gate_up, normed, kernels), residual
