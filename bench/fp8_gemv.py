@@ -3,7 +3,9 @@ output channel, bf16 activations): worker/quant/gemm.py's GEMV at its default ti
 of (BLOCK_N, BLOCK_K, num_warps), each layer's COPIES (distinct weights, so L2 holds none of them)
 replayed in a CUDA graph; median microseconds a call and the bandwidth over the weight's bytes.
 
-    python bench/fp8_gemv.py [--m 1] [--out r.json]"""
+With --blocks, 128 x 128 block-scaled weights instead: a scale loaded a weight against one a block.
+
+    python bench/fp8_gemv.py [--m 1] [--blocks] [--out r.json]"""
 
 from __future__ import annotations
 
@@ -29,7 +31,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", type=int, nargs="+", default=[1])
     parser.add_argument("--out")
+    parser.add_argument(
+        "--blocks", action="store_true", help="only 128 x 128 block scales: a scale loaded a weight against a block"
+    )
     args = parser.parse_args()
+    if args.blocks:
+        return block_scales(args)
     results = []
     for m in args.m:
         for name, (k, n) in QWEN3_8B_LINEARS.items():
@@ -56,6 +63,34 @@ def main() -> None:
             row["best_tb_s"] = n * k / sweep[row["best"]] / 1e6
             results.append(row)
             print(json.dumps({key: v for key, v in row.items() if key != "sweep_us"}))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def block_scales(args: argparse.Namespace) -> None:
+    """The GEMV over 128 x 128 block-scaled weights (the scales repeated over each block's rows, as an FP8
+    linear keeps them), plain and gated as gate-up runs: a scale loaded for every weight (the default)
+    against one a block applied to each block's sum (`grouped`)."""
+    results = []
+    for m in args.m:
+        for name, (k, n) in QWEN3_8B_LINEARS.items():
+            ws, _ = fp8_weights(n, k, COPIES)
+            scale = torch.rand(n, k // 128, device="cuda") * 0.01 + 0.005
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            gated = name == "gate_up"
+            row = {"m": m, "layer": name, "k": k, "n": n, "gated": gated}
+            want = gemm.fp8_gemv(x, ws[0], scale, (128, 128), gated=gated).float()
+            got = gemm.fp8_gemv(x, ws[0], scale, (128, 128), gated=gated, grouped=True).float()
+            row["max_rel_diff"] = ((got - want).abs().max() / want.abs().max()).item()
+            for variant, grouped in (("default_us", False), ("grouped_us", True)):
+                row[variant] = (
+                    time_graph(
+                        lambda g=grouped: [gemm.fp8_gemv(x, w, scale, (128, 128), gated=gated, grouped=g) for w in ws]
+                    )
+                    / COPIES
+                )
+            results.append(row)
+            print(json.dumps(row))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -352,6 +352,13 @@ def _fp8_launches(hidden: int, inter: int) -> list[tuple[str, Callable[[], objec
         )
         for name, scale, block in (("per-channel", channel, None), ("block", blocks, (128, 128)))
     ]
+    calls += [
+        (
+            f"FP8 {what}, batch 1, block scales a block",
+            lambda g=gated: gemm.fp8_gemv(_gpu(1, hidden), weight, blocks, (128, 128), gated=g, grouped=True),
+        )
+        for what, gated in (("GEMV", False), ("gate-up GEMV + SiLU", True))
+    ]
     # the residual norm inside the FP8 GEMVs (scales a row, as an FP8 linear keeps them; block scales repeated
     # over their block's rows)
     row_blocks = _gpu(2 * inter, -(-hidden // 128), dtype=torch.float32)

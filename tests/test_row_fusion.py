@@ -86,6 +86,27 @@ def test_norm_linear_over_fp8_weights_equals_the_norm_then_the_dequantized_matmu
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("m,gated", [(1, False), (1, True), (3, True)])
+def test_the_fp8_gemv_with_grouped_block_scales_equals_it_with_a_scale_a_weight(m, gated):
+    """Block scales loaded a block at a time and applied to each block's sum: the same product as one scale
+    loaded for every weight (K past two steps of two blocks and not a multiple of a block)."""
+    if gemm._fp8_kernels() is None:
+        pytest.skip("no Triton")
+    torch.manual_seed(m)
+    block, k, n = (32, 64), 300, 37
+    q, scale = _fp8(2 * n if gated else n, k, block)
+    x = torch.randn(m, k)
+    want = gemm.fp8_gemv(x, q, scale, block, block_k=128, gated=gated)
+    got = gemm.fp8_gemv(x, q, scale, block, block_k=128, gated=gated, grouped=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ref = x @ dequantize(q, scale, block).T
+    if gated:
+        ref = F.silu(ref[:, :n]) * ref[:, n:]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="multiple of the block's columns"):
+        gemm.fp8_gemv(x, q, scale, block, block_k=96, grouped=True)
+
+
 def test_norm_linear_by_default_loads_the_row_in_one_block_of_at_most_the_measured_tile(monkeypatch):
     """The default: one block, with the columns a program narrowed so the weight tile holds at most
     ONE_BLOCK_MAX_ELEMENTS (2 at Qwen3-8B's 4,096-wide rows, the fastest measured there); an explicit wider

@@ -53,10 +53,13 @@ def fp8_gemv_kernel(
     BLOCKED: tl.constexpr,
     GATED: tl.constexpr,
     PDL: tl.constexpr,
+    GROUPS: tl.constexpr = 0,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k] * scale: worker/gemv_kernels.py's small_linear_kernel over an
     # e4m3 weight (half the bytes), scaled per block of GROUP_K columns in the loop, or per row at the end.
-    # GATED: w is [gate; up] of 2N rows and out is silu(gate) * up, as small_linear_kernel's
+    # GATED: w is [gate; up] of 2N rows and out is silu(gate) * up, as small_linear_kernel's. GROUPS (with
+    # BLOCKED, BLOCK_K = GROUPS x GROUP_K): each step's GROUPS block scales a row loaded once and applied
+    # to the step's per-group sums, not one scale loaded for every weight
     rn = gemv_rows(w_ptr, N, K, w_stride, prefetch_programs, BLOCK_N, PDL)
     rm = tl.arange(0, M_BLOCK)
     rk = tl.arange(0, BLOCK_K)
@@ -71,15 +74,26 @@ def fp8_gemv_kernel(
         w = tl.load(w_rows + kk[None, :], mask=mask, other=0.0).to(tl.float32)
         if GATED:
             u = tl.load(w_rows + tl.cast(N, tl.int64) * w_stride + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-        if BLOCKED:
+        if BLOCKED and GROUPS > 0:
+            groups = k0 // GROUP_K + tl.arange(0, GROUPS)
+            g_mask = n_ok[:, None] & (groups[None, :] < tl.cdiv(K, GROUP_K))
+            sw = tl.load(s_rows + groups[None, :], mask=g_mask, other=0.0)
+            if GATED:
+                su = tl.load(s_rows + tl.cast(N, tl.int64) * s_stride + groups[None, :], mask=g_mask, other=0.0)
+        elif BLOCKED:
             w = w * tl.load(s_rows + kk[None, :] // GROUP_K, mask=mask, other=0.0)
             if GATED:
                 u = u * tl.load(s_rows + tl.cast(N, tl.int64) * s_stride + kk[None, :] // GROUP_K, mask=mask, other=0.0)
         for mi in tl.static_range(M_BLOCK):
             x = tl.load(x_ptr + tl.minimum(mi, M - 1) * x_stride + kk, mask=kk < K, other=0.0).to(tl.float32)
-            acc += tl.where(rm[:, None] == mi, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)
-            if GATED:
-                acc_up += tl.where(rm[:, None] == mi, tl.sum(u * x[None, :], axis=1)[None, :], 0.0)
+            if BLOCKED and GROUPS > 0:
+                acc += tl.where(rm[:, None] == mi, grouped_dot(w, x, sw, BLOCK_N, BLOCK_K, GROUPS)[None, :], 0.0)
+                if GATED:
+                    acc_up += tl.where(rm[:, None] == mi, grouped_dot(u, x, su, BLOCK_N, BLOCK_K, GROUPS)[None, :], 0.0)
+            else:
+                acc += tl.where(rm[:, None] == mi, tl.sum(w * x[None, :], axis=1)[None, :], 0.0)
+                if GATED:
+                    acc_up += tl.where(rm[:, None] == mi, tl.sum(u * x[None, :], axis=1)[None, :], 0.0)
     if not BLOCKED:
         acc = acc * tl.load(s_ptr + rn * s_stride, mask=n_ok, other=0.0)[None, :]
         if GATED:
@@ -91,6 +105,13 @@ def fp8_gemv_kernel(
         acc.to(out_ptr.dtype.element_ty),
         mask=(rm[:, None] < M) & n_ok[None, :],
     )
+
+
+@triton.jit
+def grouped_dot(w, x, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr):
+    # sum_k w[n, k] x[k] scales[n, k's group] for a step of GROUPS groups of BLOCK_K / GROUPS columns
+    parts = tl.sum(tl.reshape(w * x[None, :], (BLOCK_N, GROUPS, BLOCK_K // GROUPS)), axis=2)
+    return tl.sum(parts * scales, axis=1)
 
 
 @triton.jit

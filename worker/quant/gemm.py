@@ -145,11 +145,13 @@ def fp8_gemv(
     pdl: bool = False,
     gated: bool = False,
     prefetch_programs: int | None = None,
+    grouped: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (a few rows) @ dequantized(weight).T, reading each e4m3 weight once; the scales applied in
     float32 (per channel at the end, per block in the loop). `pdl`, `prefetch_programs`: as
     gemv.small_linear's. `gated`: as gemv.small_linear's (weight [gate; up],
-    the result silu(gate) * up)."""
+    the result silu(gate) * up). `grouped`: block scales loaded a block at a time and applied to the
+    blocks' sums, not loaded for every weight (block_k a multiple of the block's columns)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     # the fastest at M=1 over Qwen3-8B's layers in bench/fp8_gemv.py: four output rows a program, 2048
@@ -158,6 +160,8 @@ def fp8_gemv(
     block_n = block_n or (2 if n <= 2048 or gated else 4)
     block_k, num_warps = block_k or 2048, num_warps or 4
     group_k = block[1] if block is not None else k
+    if grouped and block is not None and block_k % group_k:
+        raise ValueError(f"grouped block scales need block_k ({block_k}) a multiple of the block's columns ({group_k})")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _fp8_kernels().fp8_gemv_kernel[(triton_ops.triton.cdiv(n, block_n),)](
         x,
@@ -179,6 +183,7 @@ def fp8_gemv(
         BLOCKED=block is not None,
         GATED=gated,
         PDL=pdl,
+        GROUPS=block_k // group_k if grouped and block is not None else 0,
         num_warps=num_warps,
         **triton_ops.pdl_options(pdl),
     )
