@@ -128,8 +128,9 @@ def test_a_pdl_gemv_prefetches_in_its_first_programs_only_over_a_small_weight():
     assert triton_ops.default_prefetch_programs(1024 * 6144 * 2, 132) == 132 * per_sm  # Qwen3-0.6B's gate-up
     assert triton_ops.default_prefetch_programs(limit + 1, 132) == 0
     assert triton_ops.default_prefetch_programs(4096 * 4096, 132) == 0  # Qwen3-8B's o in FP8
-    assert triton_ops.prefetch_programs(torch.empty(4, 4)) == 0
-    assert triton_ops.prefetch_programs(torch.empty(4, 4), 5) == 5
+    assert triton_ops.prefetch_programs(torch.empty(4, 4), pdl=True) == 0
+    assert triton_ops.prefetch_programs(torch.empty(4, 4), pdl=True, override=5) == 5
+    assert triton_ops.prefetch_programs(torch.empty(4, 4), pdl=False, override=5) == 0  # nothing waits
 
 
 @pytest.mark.parametrize("tp_size,resolved", [(1, "on"), (2, "off")])  # tensor parallelism: not measured

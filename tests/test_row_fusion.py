@@ -124,12 +124,16 @@ def test_norm_linear_by_default_loads_the_row_in_one_block_of_at_most_the_measur
         gemv.norm_linear(x, x, torch.empty(k, device="meta"), 1e-6, torch.empty(n, k, device="meta"), **kw)
         return launches.pop()
 
-    for k, n, block_n in [(1024, 4096, 2), (1024, 6144, 4), (2048, 5120, 4), (4096, 6144, 2), (4096, 24576, 2)]:
-        kw = launch(k, n)
+    cases = [(1024, 4096, False, 2), (1024, 6144, False, 4), (2048, 5120, False, 4), (4096, 6144, False, 2)]
+    cases += [(4096, 24576, False, 2), (4096, 2 * 12288, True, 1)]  # gated: a column's gate and up rows
+    for k, n, gated, block_n in cases:
+        kw = launch(k, n, gated=gated)
         assert kw["ONE_BLOCK"] and kw["BLOCK_K"] == k and kw["BLOCK_N"] == block_n, (k, n)
-        assert block_n * k <= gemv.ONE_BLOCK_MAX_ELEMENTS
+        assert kw["BLOCK_N"] * k * (2 if gated else 1) <= gemv.ONE_BLOCK_MAX_ELEMENTS
     kw = launch(4096, 24576, block_n=8)
     assert not kw["ONE_BLOCK"] and kw["BLOCK_N"] == 8 and kw["BLOCK_K"] == 1024
+    kw = launch(16384, 4096)  # no column fits one block: the two passes at the default columns
+    assert not kw["ONE_BLOCK"] and kw["BLOCK_N"] == 2
 
 
 @pytest.mark.parametrize("k,n", [(64, 48), (1100, 37), (96, 2500)])

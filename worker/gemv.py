@@ -68,7 +68,7 @@ def small_linear(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        triton_ops.prefetch_programs(weight, prefetch_programs),
+        triton_ops.prefetch_programs(weight, pdl, prefetch_programs),
         M_BLOCK=triton_ops.triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -84,7 +84,7 @@ def row_fusion_applies(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor) 
     """Whether one row's residual norm (or SiLU-and-multiply) and the GEMV after it can run as one launch
     (`norm_linear`, `silu_linear`): batch-1 decode, with both the fused norms and the small-M GEMV asked
     for, in half precision on CUDA (and in any float dtype under the interpreter), the weight in the row's
-    dtype or e4m3 (whose callers check the GPU converts it: quant.gemm.triton_runs)."""
+    dtype or e4m3 (a caller passing e4m3 checks that the GPU converts it: quant.gemm.triton_runs)."""
     if not (kernels.fused and kernels.small_linear and x.dim() == 2 and x.shape[0] == 1):
         return False
     if x.is_cuda:
@@ -106,9 +106,9 @@ def row_fusion_applies(kernels: Kernels, x: torch.Tensor, weight: torch.Tensor) 
 # against the two passes: Qwen3-0.6B's qkv 5.35 against 5.84 and gate-up 6.63 against 7.72 (K = 1,024, 2
 # and 4 columns), Qwen3-30B-A3B's qkv 9.38 against 11.32 (K = 2,048, 4 columns) and its router 2.14
 # against 3.41 (2 columns); at Qwen3-8B's 4,096-wide rows with 2 columns (the fastest of 1-8 there) qkv
-# 19.31 and gate-up 66.17 against the separate norm and GEMV's 22.06 and 68.46. Larger tiles (8 columns
-# of a 2,048-wide row: 128 registers a thread for sm_90 against the two passes' 56) keep the two passes
-# until measured, and the default narrows a program's columns to fit
+# 19.31 and gate-up 66.17 against the separate norm and GEMV's 22.06 and 68.46. So the default narrows a
+# program's columns to fit (from _norm_block_n's); an explicit wider tile keeps the two passes (8 columns of
+# a 2,048-wide row would take 128 registers a thread for sm_90 against the two passes' 56)
 ONE_BLOCK_MAX_ELEMENTS = 8192
 
 
@@ -145,8 +145,8 @@ def norm_linear(
     `one_block`: the whole row in one block, every load issued before the norm's sum, or two passes over
     blocks of `block_k` (the sum, then the GEMV); by default one block where a program's weight tile holds
     at most ONE_BLOCK_MAX_ELEMENTS (the default columns a program narrowed to fit it). `pdl`,
-    `prefetch_programs`: as small_linear's. `scale`: weight is e4m3 (FP8), its scale a row [N], or with
-    `block` (rows, columns) a row and block of columns [N, K / columns], as quant.gemm.fp8_gemv takes them
+    `prefetch_programs`: as small_linear's. `scale`: weight is e4m3 (FP8), its scale a row [rows], or with
+    `block` (rows, columns) a row and block of columns [rows, K / columns], as quant.gemm.fp8_gemv takes them
     (bench/row_fusion.py times it; the engine keeps FP8 norms apart: row_fusion.norm_fuses says why).
     `gated`: weight is [gate; up] and the product silu(gate) * up [1, N / 2], as small_linear's (a program's
     tile then holds both halves' rows)."""
@@ -156,8 +156,8 @@ def norm_linear(
     tile_k = k_pow2 * (2 if gated else 1)  # the weight elements a program's column loads in one block
     if block_n is None:
         block_n = _norm_block_n(n)
-        if one_block is not False:
-            block_n = max(1, min(block_n, ONE_BLOCK_MAX_ELEMENTS // tile_k))
+        if one_block is not False and ONE_BLOCK_MAX_ELEMENTS // tile_k >= 1:
+            block_n = min(block_n, ONE_BLOCK_MAX_ELEMENTS // tile_k)
     if one_block is None:
         one_block = block_n * tile_k <= ONE_BLOCK_MAX_ELEMENTS
     if one_block:
@@ -180,7 +180,7 @@ def norm_linear(
         scale if scale is not None else weight,
         scale.stride(0) if scale is not None else 0,
         block[1] if block is not None else k,
-        triton_ops.prefetch_programs(weight, prefetch_programs),
+        triton_ops.prefetch_programs(weight, pdl, prefetch_programs),
         HAS_RES=residual is not None,
         WRITE_NORMED=write_normed,
         BLOCK_N=block_n,
@@ -205,9 +205,8 @@ def silu_linear(
     pdl: bool = False,
     prefetch_programs: int | None = None,
 ) -> torch.Tensor:
-    """For one row gate_up [1, 2K] = [gate | up]: (silu(gate) * up) @ weight.T in one launch (`pdl`: as
-    small_linear's, with
-    `prefetch_programs`)."""
+    """For one row gate_up [1, 2K] = [gate | up]: (silu(gate) * up) @ weight.T in one launch (`pdl`,
+    `prefetch_programs`: as small_linear's)."""
     k = gate_up.shape[1] // 2
     n = weight.shape[0]
     block_n = block_n or _silu_block_n(n)
@@ -219,7 +218,7 @@ def silu_linear(
         n,
         k,
         weight.stride(0),
-        triton_ops.prefetch_programs(weight, prefetch_programs),
+        triton_ops.prefetch_programs(weight, pdl, prefetch_programs),
         BLOCK_N=block_n,
         BLOCK_K=min(block_k, triton_ops.triton.next_power_of_2(k)),
         PDL=pdl,

@@ -39,7 +39,8 @@ def prefetch_rows(w_ptr, rows, row_stride, K):
 def gemv_rows(w_ptr, N, K, w_stride, prefetch_programs, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     # a GEMV program's BLOCK_N output rows of w [N, K]; launched with PDL, the kernel before awaited first,
     # and the weights of the first `prefetch_programs` programs prefetched before that (a program that
-    # starts later, once earlier ones of its own kernel have left, finds the kernel before long finished)
+    # starts later, once earlier ones of its own kernel have left, finds the kernel before long finished;
+    # a gated GEMV's up rows, N further on, are not prefetched)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if PDL:
         if tl.program_id(0) < prefetch_programs:

@@ -105,9 +105,11 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def prefetch_programs(weight: torch.Tensor, override: int | None = None) -> int:
-    """How many of a PDL GEMV's programs over `weight` prefetch their rows before the wait (`override` if
-    given)."""
+def prefetch_programs(weight: torch.Tensor, pdl: bool, override: int | None = None) -> int:
+    """How many of a GEMV's programs over `weight` prefetch their rows before the wait: none without PDL,
+    `override` if given."""
+    if not pdl:
+        return 0
     if override is not None:
         return override
     if weight.device.type != "cuda":  # the interpreter, or kernel_compile's stand-ins (no GPU to ask)

@@ -176,7 +176,7 @@ def fp8_gemv(
         scale.stride(0),
         out.stride(0),
         group_k,
-        triton_ops.prefetch_programs(weight, prefetch_programs),
+        triton_ops.prefetch_programs(weight, pdl, prefetch_programs),
         M_BLOCK=triton_ops.triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
