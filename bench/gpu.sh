@@ -24,6 +24,8 @@
 #                  programmatic dependent launch, and the GEMV's tiles (bench/small_gemm.py)
 #   pdl_prefetch   batch 1's dense GEMVs of Qwen3-8B (bf16 and FP8) and Qwen3-0.6B in one graph: without PDL,
 #                  and with it by how many of each GEMV's programs prefetch their weights (bench/pdl_prefetch.py)
+#   fp8_blocks     the FP8 GEMV over 128 x 128 block-scaled weights: a scale loaded for every weight against one a
+#                  block (bench/fp8_gemv.py --blocks)
 #   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
 #                  GEMMs' tile sweep at 64, 256 and 8,192) and the FP8 GEMV's tile sweep (bench/fp8_gemv.py)
 #   prologue       the attention prologue's tiles at a decode batch and a prompt chunk (bench/prologue.py)
@@ -250,6 +252,7 @@ for suite in "$@"; do
       step moe_decode 420 python3 bench/moe_decode.py --tokens 1 4 64 256 8192 --grouped-sweep --out "$OUT/moe_decode.json"
       step fp8_gemv 200 python3 bench/fp8_gemv.py --out "$OUT/fp8_gemv.json" ;;
     moe_rows) step moe_rows 400 python3 bench/moe_decode.py --tokens 1 2 4 --sweep --out "$OUT/moe_rows.json" ;;
+    fp8_blocks) step fp8_blocks 200 python3 bench/fp8_gemv.py --blocks --out "$OUT/fp8_blocks.json" ;;
     pdl_prefetch)
       step pdl_prefetch_8b 150 python3 bench/pdl_prefetch.py --arch qwen3-8b --out "$OUT/pdl_prefetch_8b.json"
       step pdl_prefetch_8b_fp8 150 python3 bench/pdl_prefetch.py --arch qwen3-8b --fp8 --out "$OUT/pdl_prefetch_8b_fp8.json"

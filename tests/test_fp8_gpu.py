@@ -177,14 +177,19 @@ def test_block_scaled_triton_gemm_is_float32_over_the_dequantized_weight(m, n, k
     assert _rel(got, (xq.float() * xs.repeat_interleave(128, dim=1)[:, :k]) @ w.T) < OUT_TOL
 
 
-@pytest.mark.parametrize("block", [None, (128, 128)])
+# block scales loaded for every weight, and a block at a time (`grouped`)
+@pytest.mark.parametrize("block,grouped", [(None, False), ((128, 128), False), ((128, 128), True)])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (12288, 4096), (4096, 12288), (300, 200)])
-def test_fp8_gemv_at_one_row_is_float32_over_the_dequantized_weight(block, n, k):
+def test_fp8_gemv_at_one_row_is_float32_over_the_dequantized_weight(block, grouped, n, k):
     q, s = _weights(n, k, block)
     x = torch.randn(1, k, device=CUDA).bfloat16()
-    got = gemm.fp8_gemv(x, q, s, block)
+    got = gemm.fp8_gemv(x, q, s, block, grouped=grouped)
     assert _rel(got, x.float() @ dequantize(q, s, block).T) < OUT_TOL
-    assert torch.equal(gemm.fp8_linear(x, q, s, block), got)
+    if block is None or grouped == gemm.GROUPED_BLOCK_SCALES:  # the layer's path
+        assert torch.equal(gemm.fp8_linear(x, q, s, block), got)
+    for gated in (False, True) if block is not None else ():  # both scale loads: bf16 outputs a step apart
+        want = gemm.fp8_gemv(x, q, s, block, gated=gated, grouped=not grouped).float()
+        assert _rel(gemm.fp8_gemv(x, q, s, block, gated=gated, grouped=grouped), want) < 2e-3
 
 
 def test_the_triton_activation_quantization_is_the_torch_paths():

@@ -134,6 +134,13 @@ def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     return skinny_gemm.matmul(xq, weight, x.dtype, xs, scale, group_k)
 
 
+# Whether the GEMV over block-scaled weights loads their scales a block at a time (`fp8_gemv`'s `grouped`)
+# by default. Not yet timed on a GPU (bench/fp8_gemv.py --blocks). Compiled for sm_90 (bench/kernel_resources.py)
+# it holds 54 registers a thread against 160 with a scale loaded for every weight; on an H100 that default
+# took 118.68 us for Qwen3-8B's block-scaled gate-up (after a separate norm) against 38.94 with scales a row
+GROUPED_BLOCK_SCALES = False
+
+
 def fp8_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -145,13 +152,14 @@ def fp8_gemv(
     pdl: bool = False,
     gated: bool = False,
     prefetch_programs: int | None = None,
-    grouped: bool = False,
+    grouped: bool | None = None,
 ) -> torch.Tensor:
     """x [M, K] (a few rows) @ dequantized(weight).T, reading each e4m3 weight once; the scales applied in
     float32 (per channel at the end, per block in the loop). `pdl`, `prefetch_programs`: as
     gemv.small_linear's. `gated`: as gemv.small_linear's (weight [gate; up],
     the result silu(gate) * up). `grouped`: block scales loaded a block at a time and applied to the
-    blocks' sums, not loaded for every weight (block_k a multiple of the block's columns)."""
+    blocks' sums, not loaded for every weight (block_k a multiple of the block's columns); by default
+    GROUPED_BLOCK_SCALES."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     # the fastest at M=1 over Qwen3-8B's layers in bench/fp8_gemv.py: four output rows a program, 2048
@@ -160,6 +168,7 @@ def fp8_gemv(
     block_n = block_n or (2 if n <= 2048 or gated else 4)
     block_k, num_warps = block_k or 2048, num_warps or 4
     group_k = block[1] if block is not None else k
+    grouped = GROUPED_BLOCK_SCALES if grouped is None else grouped
     if grouped and block is not None and block_k % group_k:
         raise ValueError(f"grouped block scales need block_k ({block_k}) a multiple of the block's columns ({group_k})")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
