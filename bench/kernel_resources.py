@@ -306,6 +306,20 @@ def _pdl_launches(cfg: dict) -> list[tuple[str, Callable[[], object]]]:
             lambda: gemm.fp8_gemv(_gpu(1, hidden), weight, blocks, (128, 128), pdl=True, gated=True),
         )
     )
+    calls.append(
+        (
+            "FP8 gate-up GEMV + SiLU, batch 1, block scales a block, pdl",
+            lambda: gemm.fp8_gemv(_gpu(1, hidden), weight, blocks, (128, 128), pdl=True, gated=True, grouped=True),
+        )
+    )
+    calls.append(
+        (
+            "norm + gate-up GEMV + SiLU, batch 1, pdl",
+            lambda: gemv.norm_linear(
+                _gpu(1, hidden), _gpu(1, hidden), _gpu(hidden), 1e-6, _gpu(2 * inter, hidden), pdl=True, gated=True
+            ),
+        )
+    )
     return calls
 
 
