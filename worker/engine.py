@@ -155,7 +155,6 @@ class Engine:
             serialize_flashinfer_builds()
         self.host_waits = HostWaits()  # every wait of this engine's host on its device
         self.hf_config = load_hf_config(config.model_path)
-        self.scheme = scheme_of(self.hf_config, config.quantization)  # None: unquantized weights
         self.kernels = self.kernels.with_model(tp_size=self.tp.size)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
@@ -187,7 +186,7 @@ class Engine:
     def _build_model(self) -> None:
         if self.config.load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {self.config.load_format!r}; choose auto or dummy")
-        scheme = self.scheme
+        scheme = scheme_of(self.hf_config, self.config.quantization)
         if scheme is not None:
             check_device(scheme, self.device)
         dummy = self.config.load_format == "dummy"

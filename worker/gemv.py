@@ -184,7 +184,7 @@ def norm_linear(
         HAS_RES=residual is not None,
         WRITE_NORMED=write_normed,
         BLOCK_N=block_n,
-        BLOCK_K=min(block_k, triton_ops.triton.next_power_of_2(k)),
+        BLOCK_K=min(block_k, k_pow2),
         ONE_BLOCK=one_block,
         SCALED=scale is not None,
         BLOCKED=scale is not None and block is not None,

@@ -74,12 +74,6 @@ def norm_fuses(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
     return x.shape[-1] <= NORM_MAX_K and _plain(linear) and gemv.row_fusion_applies(kernels, x, linear.weight)
 
 
-def _fp8_gemv_runs(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
-    """Whether an FP8 linear's forward over one row x is the FP8 GEMV (quant.gemm.fp8_gemv)."""
-    quant = getattr(linear, "quant", None)
-    return isinstance(quant, Fp8Weights) and linear.small and x.is_contiguous() and gemm.triton_runs(x, kernels)
-
-
 def gate_up_silu_applies(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
     """Whether `gate_up_silu` computes silu(gate) * up of one row x in one launch: gate-up's GEMV (bf16, or
     FP8 with either scale layout) with SiLU-and-multiply in its epilogue, where down's GEMV cannot take the
@@ -89,9 +83,10 @@ def gate_up_silu_applies(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, k
         return False
     if gate_up.weight.shape[0] // 2 <= SILU_MAX_K and _plain(down):
         return False  # silu_linear runs it inside down's GEMV
-    if getattr(gate_up, "quant", None) is None:
+    quant = getattr(gate_up, "quant", None)
+    if quant is None:
         return _plain(gate_up) and gemv.row_fusion_applies(kernels, x, gate_up.weight)
-    return _fp8_gemv_runs(gate_up, x, kernels)
+    return isinstance(quant, Fp8Weights) and gate_up.small and x.is_contiguous() and gemm.triton_runs(x, kernels)
 
 
 def gate_up_silu(gate_up: nn.Module, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
