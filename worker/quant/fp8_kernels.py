@@ -54,18 +54,33 @@ def fp8_gemv_kernel(
     GATED: tl.constexpr,
     PDL: tl.constexpr,
     GROUPS: tl.constexpr = 0,
+    res_ptr=None,
+    norm_w_ptr=None,
+    eps=0.0,
+    RMS: tl.constexpr = False,
+    NORM_WEIGHT: tl.constexpr = False,
+    ADD_RESIDUAL: tl.constexpr = False,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k] * scale: worker/gemv_kernels.py's small_linear_kernel over an
     # e4m3 weight (half the bytes), scaled per block of GROUP_K columns in the loop, or per row at the end.
     # GATED: w is [gate; up] of 2N rows and out is silu(gate) * up, as small_linear_kernel's. GROUPS (with
     # BLOCKED, BLOCK_K = GROUPS x GROUP_K): each step's GROUPS block scales a row loaded once and applied
-    # to the step's per-group sums, not one scale loaded for every weight
+    # to the step's per-group sums, not one scale loaded for every weight.
+    # RMS (one row, M = 1): x is the residual stream h and out is the GEMV over its RMS norm, h * rstd * the
+    # norm's weight (NORM_WEIGHT; without it the weight is folded into w). rstd is one factor of every
+    # output, so the sum of squares rides along the loop that reads h anyway and rstd scales the sums at
+    # the end: one pass, no launch of its own for the norm (the normed row is not rounded to x's dtype
+    # first, as a separate norm writes it). ADD_RESIDUAL: out = (the product, rounded to out's dtype) + res,
+    # as the residual add after this GEMV computes it, so the next norm reads one row
     rn = gemv_rows(w_ptr, N, K, w_stride, prefetch_programs, BLOCK_N, PDL)
+    if ADD_RESIDUAL:  # loaded before the loop, so its wait overlaps the weights'
+        res = tl.load(res_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
     rm = tl.arange(0, M_BLOCK)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     acc = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((M_BLOCK, BLOCK_N), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
     w_rows = w_ptr + rn[:, None].to(tl.int64) * w_stride
     s_rows = s_ptr + rn[:, None] * s_stride
     for k0 in range(0, K, BLOCK_K):
@@ -86,6 +101,10 @@ def fp8_gemv_kernel(
                 u = u * tl.load(s_rows + tl.cast(N, tl.int64) * s_stride + kk[None, :] // GROUP_K, mask=mask, other=0.0)
         for mi in tl.static_range(M_BLOCK):
             x = tl.load(x_ptr + tl.minimum(mi, M - 1) * x_stride + kk, mask=kk < K, other=0.0).to(tl.float32)
+            if RMS:
+                sq += x * x
+                if NORM_WEIGHT:
+                    x = x * tl.load(norm_w_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
             if BLOCKED and GROUPS > 0:
                 acc += tl.where(rm[:, None] == mi, grouped_dot(w, x, sw, BLOCK_N, BLOCK_K, GROUPS)[None, :], 0.0)
                 if GATED:
@@ -98,8 +117,14 @@ def fp8_gemv_kernel(
         acc = acc * tl.load(s_ptr + rn * s_stride, mask=n_ok, other=0.0)[None, :]
         if GATED:
             acc_up = acc_up * tl.load(s_ptr + (rn + N) * s_stride, mask=n_ok, other=0.0)[None, :]
+    if RMS:
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+        acc = acc * rstd
+        acc_up = acc_up * rstd
     if GATED:
         acc = silu_and_mul(acc, acc_up, out_ptr.dtype.element_ty)
+    if ADD_RESIDUAL:
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + res[None, :]
     tl.store(
         out_ptr + rm[:, None] * out_stride + rn[None, :],
         acc.to(out_ptr.dtype.element_ty),

@@ -9,6 +9,7 @@ host, so all of it runs inside CUDA graphs."""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,15 @@ from worker import skinny_gemm, triton_ops
 from worker.kernels import Kernels
 
 FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class RowNorm:
+    """The RMS norm a GEMV computes over its input row itself (`fp8_gemv`'s `norm`): its weight [K], or None
+    where the weight is folded into the GEMV's (worker/quant/fold.py), and its epsilon."""
+
+    weight: torch.Tensor | None
+    eps: float
 
 
 def fp8_linear(
@@ -153,15 +163,23 @@ def fp8_gemv(
     gated: bool = False,
     prefetch_programs: int | None = None,
     grouped: bool | None = None,
+    norm: RowNorm | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] (a few rows) @ dequantized(weight).T, reading each e4m3 weight once; the scales applied in
     float32 (per channel at the end, per block in the loop). `pdl`, `prefetch_programs`: as
     gemv.small_linear's. `gated`: as gemv.small_linear's (weight [gate; up],
     the result silu(gate) * up). `grouped`: block scales loaded a block at a time and applied to the
     blocks' sums, not loaded for every weight (block_k a multiple of the block's columns); by default
-    GROUPED_BLOCK_SCALES."""
+    GROUPED_BLOCK_SCALES. `norm` (one row): x is the residual stream and the GEMV reads its RMS norm, in
+    the same pass. `residual` [1, N] (one row, not gated): added to the product, rounded first as a
+    separate add reads it."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
+    if (norm is not None or residual is not None) and m != 1:
+        raise ValueError(f"the norm and the residual add inside the FP8 GEMV take one row, not {m}")
+    if residual is not None and (gated or residual.shape != (1, n) or not residual.is_contiguous()):
+        raise ValueError(f"the residual added in the FP8 GEMV's epilogue must be one contiguous [1, {n}] row")
     # the fastest at M=1 over Qwen3-8B's layers in bench/fp8_gemv.py: four output rows a program, 2048
     # of K a step (1024 read 7-15% slower), four warps (gated: as many weight rows as the ungated GEMV of
     # 2N rows reads, half of them gate rows and half up rows)
@@ -193,6 +211,12 @@ def fp8_gemv(
         GATED=gated,
         PDL=pdl,
         GROUPS=block_k // group_k if grouped and block is not None else 0,
+        res_ptr=residual,
+        norm_w_ptr=None if norm is None else norm.weight,
+        eps=0.0 if norm is None else norm.eps,
+        RMS=norm is not None,
+        NORM_WEIGHT=norm is not None and norm.weight is not None,
+        ADD_RESIDUAL=residual is not None,
         num_warps=num_warps,
         **triton_ops.pdl_options(pdl),
     )
