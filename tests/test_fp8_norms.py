@@ -9,9 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import checked_llm, greedy
+from tiny_checkpoints import random_prompts
 
+from worker.kernels import Kernels
+from worker.layers.norm import RMSNorm
 from worker.quant import gemm
-from worker.quant.fp8 import dequantize, quantize_per_channel
+from worker.quant.fp8 import FP8, dequantize, quantize_per_channel
+from worker.quant.prepare import quantize_linears
+from worker.quant.scheme import Fp8Scheme
 
 EPS = 1e-6
 
@@ -30,7 +36,7 @@ def _needs_triton() -> None:
 @pytest.mark.parametrize("k,n", [(300, 37), (64, 9)])
 @pytest.mark.parametrize("with_weight", [True, False])
 @pytest.mark.parametrize("gated", [False, True])
-def test_the_fp8_gemv_over_the_rms_norm_of_its_row_equals_the_norm_then_the_dequantized_matmul(k, n, with_weight, gated):
+def test_the_fp8_gemv_over_the_rms_norm_of_its_row_is_the_norm_then_the_dequantized_matmul(k, n, with_weight, gated):
     """rstd factors out of every output, so the one pass that reads the row sums its squares too: the same
     product as the norm first (in float32, unrounded) then the GEMV."""
     _needs_triton()
@@ -84,3 +90,127 @@ def test_the_norm_and_the_residual_inside_the_fp8_gemv_take_one_row_and_a_row_of
         gemm.fp8_gemv(torch.randn(1, 16), q, scale, None, residual=torch.randn(1, 7))
     with pytest.raises(ValueError, match=r"\[1, 4\]"):
         gemm.fp8_gemv(torch.randn(1, 16), q, scale, None, gated=True, residual=torch.randn(1, 4))
+
+
+# -- the fold at load ------------------------------------------------------------------------------------
+
+
+def _last_logits(llm, prompts: list[list[int]]) -> torch.Tensor:
+    """Each prompt's next-token logits, one prompt a step."""
+    rows = []
+    compute_logits = llm.engine.model.compute_logits
+    llm.engine.model.compute_logits = lambda h: rows.append(compute_logits(h)) or rows[-1]
+    for p in prompts:
+        llm.generate([p], greedy(1))
+    llm.engine.model.compute_logits = compute_logits
+    return torch.stack([r[-1] for r in rows])
+
+
+@pytest.fixture(scope="module")
+def weighted_norms(qwen3_path, tmp_path_factory):
+    """The tiny Qwen3 with every norm's weight drawn from [0.25, 4) (transformers initializes them to ones)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("weighted_norms")
+    shutil.copytree(qwen3_path, out, dirs_exist_ok=True)
+    tensors = load_file(str(out / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    for name, w in tensors.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = (4.0 ** (torch.rand(w.shape, generator=gen) * 2 - 1)).to(w.dtype)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_folding_the_norms_into_the_weights_quantized_at_load_costs_no_accuracy(weighted_norms):
+    """The folded model is the same function: its logits are as near the unquantized model's as the
+    unfolded FP8 model's are, and only the input and post-attention norms become ones."""
+    prompts = random_prompts(6, 4, 40, seed=3)
+    qwen3_path = weighted_norms
+    with checked_llm(qwen3_path, page_size=4) as llm:
+        exact = _last_logits(llm, prompts)
+        norms = {n: m.weight.clone() for n, m in llm.engine.model.named_modules() if isinstance(m, RMSNorm)}
+    with checked_llm(qwen3_path, page_size=4, quantization="fp8") as llm:
+        apart = _last_logits(llm, prompts)
+    with checked_llm(qwen3_path, page_size=4, quantization="fp8", kernels=Kernels(fp8_norms="folded")) as llm:
+        folded = _last_logits(llm, prompts)
+        model = llm.engine.model
+        for name, m in model.named_modules():
+            if isinstance(m, RMSNorm):
+                residual_norm = name.endswith(("input_layernorm", "post_attention_layernorm"))
+                assert m.folded == residual_norm, name
+                assert torch.equal(m.weight, torch.ones_like(m.weight) if residual_norm else norms[name]), name
+        assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
+    err_apart = float((apart - exact).norm() / exact.norm())
+    err_folded = float((folded - exact).norm() / exact.norm())
+    assert 0 < err_apart < 0.3 and 0 < err_folded < 1.5 * err_apart and err_folded != err_apart, (err_apart, err_folded)
+
+
+def test_a_quantized_checkpoint_is_not_folded():
+    """Its weights would be rounded to e4m3 twice."""
+    with pytest.raises(ValueError, match="quantized at load"):
+        quantize_linears(torch.nn.Linear(2, 2), Fp8Scheme(prequantized=True), fold_norms=True)
+
+
+def test_the_real_model_with_its_norms_folded_answers_its_factual_questions(smollm2_path):
+    from test_real_model import QUESTIONS, chat_ids
+
+    from cluster.model_info import load_tokenizer
+
+    tokenizer = load_tokenizer(str(smollm2_path))
+    kernels = Kernels(fp8_norms="folded")
+    with checked_llm(smollm2_path, page_size=16, num_pages=256, quantization="fp8", kernels=kernels) as llm:
+        assert llm.engine.model.model.layers[0].input_layernorm.folded
+        outs = llm.generate([chat_ids(tokenizer, q) for q in QUESTIONS], greedy(12))
+    for (question, word), out in zip(QUESTIONS.items(), outs):
+        assert word in tokenizer.decode(out.token_ids), question
+
+
+# -- end to end through the interpreted kernels ------------------------------------------------------------
+
+
+def _recorded(monkeypatch) -> list[dict]:
+    """gemm.fp8_gemv's calls' keyword arguments, as the layers make them."""
+    calls: list[dict] = []
+    real = gemm.fp8_gemv
+
+    def recorded(*args, **kw):
+        calls.append(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gemm, "fp8_gemv", recorded)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["inside", "folded"])
+def test_batch_1_decode_with_the_norms_inside_the_fp8_gemvs_equals_them_apart(weighted_norms, monkeypatch, mode):
+    """One prompt under Triton's interpreter (slow), in float32: qkv's and gate-up's GEMVs compute the norm of
+    the residual stream (with the norm's weight, or folded into theirs) that o's and down's add in their
+    epilogues, and no residual norm runs on its own at one row; greedy tokens as the CPU's, which runs
+    every norm apart before dequantized matmuls."""
+    _needs_triton()
+    prompts = random_prompts(1, 4, 40, seed=2)
+    with checked_llm(weighted_norms, page_size=4, quantization="fp8", kernels=Kernels(fp8_norms=mode)) as llm:
+        want = [llm.generate([p], greedy(4, ignore_eos=True))[0].token_ids for p in prompts]
+    calls = _recorded(monkeypatch)
+    rows_normed: list[tuple[RMSNorm, int]] = []
+    forward = RMSNorm.forward
+    monkeypatch.setattr(
+        RMSNorm, "forward", lambda self, x, *a: rows_normed.append((self, x.shape[0])) or forward(self, x, *a)
+    )
+    kernels = Kernels(interpret_on_cpu=True, fp8_norms=mode)
+    with checked_llm(weighted_norms, page_size=4, quantization="fp8", kernels=kernels) as llm:
+        layers = llm.engine.model.model.layers
+        residual_norms = {m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)}
+        assert all(m.folded == (mode == "folded") for m in residual_norms)
+        got = [llm.generate([p], greedy(4, ignore_eos=True))[0].token_ids for p in prompts]
+    assert got == want
+    normed = [kw["norm"] for kw in calls if kw.get("norm") is not None]
+    assert normed and all((n.weight is None) == (mode == "folded") for n in normed)
+    assert any(kw.get("norm") is not None and kw.get("gated") for kw in calls)  # gate-up
+    assert any(kw.get("norm") is not None and not kw.get("gated") for kw in calls)  # qkv
+    assert any(kw.get("residual") is not None for kw in calls)  # o and down
+    assert not [m for m, rows in rows_normed if m in residual_norms and rows == 1]
+    assert [m for m, rows in rows_normed if m in residual_norms and rows > 1]  # the prompt's, apart

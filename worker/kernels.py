@@ -13,6 +13,7 @@ PREFILL_KERNELS = ("auto", "fa2", "fa3")
 MOE_KERNELS = ("auto", "torch")
 DECODE_GEMMS = ("auto", "vendor", "triton")
 PDL_MODES = ("auto", "on", "off")
+FP8_NORMS = ("auto", "apart", "inside", "folded")
 # Where `pdl` auto turns programmatic dependent launch on: every model on one GPU. Batch 1 on an H100
 # (bench/decode_latency.py --pdl off / on, e61451b, 2026-12-05, ms a token): Qwen3-0.6B 0.963 / 0.896,
 # Qwen3-8B 5.740 / 5.558, with FP8 weights 3.669 / 3.476, Qwen3-30B-A3B 3.216 / 2.975. (Before its GEMVs'
@@ -57,6 +58,13 @@ class Kernels:
     # auto: on where it was measured faster (`with_model`: on one GPU), off elsewhere and wherever no engine
     # resolved it
     pdl: str = "auto"
+    # the residual norms before an FP8 model's qkv and gate-up at batch 1 (worker/layers/row_fusion.py,
+    # rms_fuses). apart: a norm launch of its own (the residual add in it); inside: the residual add in the
+    # epilogue of the GEMV before (o, down) and the norm inside the FP8 GEMV after, in its one pass over the
+    # row; folded: as inside, and where the weights are quantized at load the norm's weight folded into
+    # them first (worker/quant/fold.py), so the GEMV reads nothing the plain GEMV does not. auto: apart
+    # (inside and folded are not yet timed on a GPU: bench/gpu.sh fp8_norms)
+    fp8_norms: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too
     # slow to serve with
@@ -73,6 +81,8 @@ class Kernels:
             raise ValueError(f"unknown decode GEMM {self.decode_gemm!r}; choose {', '.join(DECODE_GEMMS)}")
         if self.moe not in MOE_KERNELS:
             raise ValueError(f"unknown MoE kernel {self.moe!r}; choose {', '.join(MOE_KERNELS)}")
+        if self.fp8_norms not in FP8_NORMS:
+            raise ValueError(f"unknown FP8 norm placement {self.fp8_norms!r}; choose {', '.join(FP8_NORMS)}")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"unknown programmatic dependent launch mode {self.pdl!r}; choose {', '.join(PDL_MODES)}")
 
@@ -83,3 +93,8 @@ class Kernels:
             return self
         on = tp_size == 1
         return replace(self, pdl="on" if on else "off")
+
+    @property
+    def fp8_norms_inside(self) -> bool:
+        """Whether an FP8 model's residual norms run inside its GEMVs at batch 1 (fp8_norms inside or folded)."""
+        return self.fp8_norms in ("inside", "folded")

@@ -10,7 +10,14 @@ from worker.kernels import Kernels
 from worker.layers.fused import fused_ops
 from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm
-from worker.layers.row_fusion import gate_up_silu, gate_up_silu_applies, norm_gate_up_silu, norm_linear, silu_linear
+from worker.layers.row_fusion import (
+    gate_up_silu,
+    gate_up_silu_applies,
+    linear_add,
+    norm_gate_up_silu,
+    norm_linear,
+    silu_linear,
+)
 from worker.parallel import TPGroup
 
 
@@ -34,14 +41,15 @@ class SwiGLU(nn.Module):
         return self.down(self.gate_up_proj(x))
 
     def forward_after_norm(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block over norm(x + residual), and the new residual. At one row the norm runs inside gate-up's
-        GEMV where it fits; where down's GEMV cannot take the SiLU, gate-up's applies it (with the norm
-        inside too where that fits)."""
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block over norm(x + residual), and the new residual (x itself the residual stream without
+        one). At one row the norm runs inside gate-up's GEMV where it fits; where down's GEMV cannot take the
+        SiLU, gate-up's applies it (with the norm inside too where that fits), and an FP8 down's GEMV may add
+        the residual itself (row_fusion.linear_add: then the new residual is None)."""
         if gate_up_silu_applies(self.gate_up_proj, self.down_proj, x, self.kernels):
             act, residual = norm_gate_up_silu(norm, self.gate_up_proj, x, residual, self.kernels)
-            return self.down_proj(act), residual
+            return linear_add(self.down_proj, act, residual, self.kernels)
         gate_up, residual, _ = norm_linear(norm, self.gate_up_proj, x, residual, self.kernels)
         return self.down(gate_up), residual
 

@@ -15,6 +15,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = kernels.fused
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        # the weight was folded into the linear that reads this norm's output, and is ones here now
+        # (worker/quant/fold.py): a GEMV computing the norm itself need not read it
+        self.folded = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, adds it first and returns (normed, new residual), saving one pass.

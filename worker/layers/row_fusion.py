@@ -17,6 +17,7 @@ from torch import nn
 
 from worker import gemv, triton_ops
 from worker.kernels import Kernels
+from worker.layers.linear import RowParallelLinear
 from worker.layers.norm import RMSNorm
 from worker.quant import fused_quant, gemm
 from worker.quant.fp8 import Fp8Weights
@@ -48,7 +49,10 @@ def norm_linear(
     takes them: without a residual (the first layer's input norm) x is the residual. One launch at one
     row; the norm then the linear otherwise."""
     y = None
-    if not want_normed and (residual is None or residual.is_contiguous()) and fused_quant.applies(linear, x, kernels):
+    if not want_normed and rms_fuses(linear, x, residual, kernels):
+        y, normed = _fp8_gemv(linear, x, kernels, norm=row_norm(norm)), None
+        residual = x
+    elif not want_normed and (residual is None or residual.is_contiguous()) and fused_quant.applies(linear, x, kernels):
         xq, xs, residual = fused_quant.norm_quant(x, residual, norm.weight, norm.eps)
         y, normed = fused_quant.matmul(linear, xq, xs, x.dtype), None
     elif norm_fuses(linear, x, kernels):
@@ -72,6 +76,62 @@ def norm_fuses(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
     against the separate norm and GEMV's 38.94, 152.09 against 118.68 with 128 x 128 block scales, and
     inside qkv's 14.07 against 14.30."""
     return x.shape[-1] <= NORM_MAX_K and _plain(linear) and gemv.row_fusion_applies(kernels, x, linear.weight)
+
+
+def rms_fuses(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, kernels: Kernels) -> bool:
+    """Whether `norm_linear` runs linear's FP8 GEMV over the RMS norm of x itself (gemm.fp8_gemv's `norm`),
+    in its one pass over the row: Kernels.fp8_norms inside or folded, one row x that is the whole residual
+    stream (no residual left to add: the GEMV before added it in its epilogue, `linear_add`), an FP8
+    linear on the Triton GEMV. The norm's own launch goes, and nothing is read twice."""
+    return kernels.fp8_norms_inside and residual is None and _fp8_gemv_runs(linear, x, kernels)
+
+
+def _fp8_gemv_runs(linear: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
+    """Whether linear's forward over x is the FP8 GEMV: an FP8 linear at one contiguous row on the Triton
+    kernels, with the fused kernels asked for."""
+    return (
+        kernels.fused
+        and isinstance(getattr(linear, "quant", None), Fp8Weights)
+        and linear.small
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.is_contiguous()
+        and gemm.triton_runs(x, kernels)
+    )
+
+
+def row_norm(norm: RMSNorm) -> gemm.RowNorm:
+    """The norm as the FP8 GEMV computes it: without its weight where the weight is folded into the linear's."""
+    return gemm.RowNorm(None if norm.folded else norm.weight, norm.eps)
+
+
+def _fp8_gemv(linear: nn.Module, x: torch.Tensor, kernels: Kernels, **kw) -> torch.Tensor:
+    quant = linear.quant
+    pdl = triton_ops.pdl_applies(kernels, x.device)
+    return gemm.fp8_gemv(x, linear.weight, quant.scale_of(linear), quant.block, pdl=pdl, **kw)
+
+
+def linear_add(
+    linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, kernels: Kernels
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(linear(x), residual) as a decoder layer takes them after its attention or feed-forward block, or
+    (linear(x) + residual, None) with the add inside the FP8 GEMV's epilogue: where Kernels.fp8_norms is
+    inside or folded and linear is a row-parallel FP8 linear on one GPU without a bias (its output is the
+    whole sum, nothing is added after it). The next norm then reads one row (`rms_fuses`)."""
+    if (
+        kernels.fp8_norms_inside
+        and residual is not None
+        and isinstance(linear, RowParallelLinear)
+        and linear.reduce
+        and linear.tp.size == 1
+        and linear.bias is None
+        and residual.shape == (1, linear.weight.shape[0])
+        and residual.dtype == x.dtype
+        and residual.is_contiguous()
+        and _fp8_gemv_runs(linear, x, kernels)
+    ):
+        return _fp8_gemv(linear, x, kernels, residual=residual), None
+    return linear(x), residual
 
 
 def gate_up_silu_applies(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
@@ -99,10 +159,15 @@ def gate_up_silu(gate_up: nn.Module, x: torch.Tensor, kernels: Kernels) -> torch
 
 
 def norm_gate_up_silu(
-    norm: RMSNorm, gate_up: nn.Module, x: torch.Tensor, residual: torch.Tensor, kernels: Kernels
+    norm: RMSNorm, gate_up: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, kernels: Kernels
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(silu(gate) * up of norm(x + residual) [1, inter], the new residual) where gate_up_silu_applies: the
-    norm inside the same launch where it fits (norm_fuses), on its own before it otherwise."""
+    norm inside the same launch where it fits (norm_fuses, or an FP8 GEMV's where rms_fuses), on its own
+    before it otherwise. Without a residual x is the residual stream."""
+    if rms_fuses(gate_up, x, residual, kernels):
+        return _fp8_gemv(gate_up, x, kernels, gated=True, norm=row_norm(norm)), x
+    if residual is None:
+        return gate_up_silu(gate_up, norm(x), kernels), x
     if norm_fuses(gate_up, x, kernels):
         pdl = triton_ops.pdl_applies(kernels, x.device)
         act, residual, _ = gemv.norm_linear(x, residual, norm.weight, norm.eps, gate_up.weight, pdl=pdl, gated=True)

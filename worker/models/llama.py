@@ -19,7 +19,7 @@ from worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from worker.layers.mlp import SwiGLU
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
-from worker.layers.row_fusion import norm_linear
+from worker.layers.row_fusion import linear_add, norm_linear
 from worker.parallel import TPGroup
 
 
@@ -62,17 +62,24 @@ class Attention(nn.Module):
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), positions, attn)
+        return self.attend(self.qkv_proj(x), positions, attn)[0]
 
-    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """Attention from the projected q, k and v on, through o_proj."""
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention from the projected q, k and v on, through o_proj: (its output, residual), or (its output
+        plus residual, None) where o_proj's GEMV adds it (row_fusion.linear_add)."""
         # norm, rotary and the KV write in one kernel
         if triton_ops.prologue_applies(self.kernels, qkv, self.head_dim, attn.kv.dtype):
             q = self._fused_prologue(qkv, positions, attn.out_loc, attn)
             out = attn.forward(q, None, None, self.layer_id)  # keys and values are in the cache already
         else:
             out = attn.forward(*self._qkv(qkv, positions), self.layer_id)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        return linear_add(self.o_proj, out.reshape(-1, self.num_heads * self.head_dim), residual, self.kernels)
 
     def warm_prologue(self, attn: AttentionBackend, scratch_loc: int, dtype: torch.dtype) -> None:
         """Runs the fused prologue once at the first token count of each of its tiles
@@ -157,10 +164,21 @@ class DecoderLayer(nn.Module):
         self.kernels = kernels
 
     def forward(self, x, residual, positions, attn):
-        # each residual norm runs inside the GEMV after it at one row (worker/layers/row_fusion.py)
+        # each residual norm runs inside the GEMV after it at one row, and in an FP8 model the residual add
+        # inside the GEMV before it (worker/layers/row_fusion.py): then residual is None between them, x the
+        # whole residual stream
         qkv, residual, _ = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual, self.kernels)
-        x = self.self_attn.attend(qkv, positions, attn)
+        x, residual = self.self_attn.attend(qkv, positions, attn, residual)
         return self.mlp.forward_after_norm(self.post_attention_layernorm, x, residual)
+
+    def norm_folds(self) -> list[tuple[RMSNorm, nn.Module]]:
+        """(norm, the one linear that reads its output) pairs, whose norm weight may fold into the linear's
+        input columns (worker/quant/fold.py): the input norm and qkv; the post-attention norm and a dense
+        SwiGLU's gate-up (a mixture of experts' router and experts both read it)."""
+        folds = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if isinstance(self.mlp, SwiGLU):
+            folds.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
+        return folds
 
 
 class DecoderModel(nn.Module):
@@ -194,7 +212,7 @@ class DecoderModel(nn.Module):
                 if i == aux.last:  # a prompt's prefix-cache hits keep theirs, with their KV
                     aux.cache.index_copy_(0, attn.out_loc, projected)
             x, residual = layer(x, residual, positions, attn)
-        return self.norm(x, residual)[0]
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 @dataclass

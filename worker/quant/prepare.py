@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from worker.quant.fold import fold_into, norm_folds
 from worker.quant.fp8 import Fp8Weights
 from worker.quant.gemm import fp8_supported
 from worker.quant.scheme import Fp8Scheme, QuantizationError
@@ -24,9 +25,14 @@ def check_device(scheme: Fp8Scheme, device: torch.device) -> None:
         )
 
 
-def quantize_linears(model: nn.Module, scheme: Fp8Scheme) -> int:
+def quantize_linears(model: nn.Module, scheme: Fp8Scheme, fold_norms: bool = False) -> int:
     """Makes every column-, row- and QKV-parallel linear of `model` an FP8 linear, but those the scheme
-    leaves unquantized; returns how many it made. The unquantized weights it replaces are freed."""
+    leaves unquantized; returns how many it made. The unquantized weights it replaces are freed.
+    `fold_norms` (weights quantized here): each norm's weight folded into the linear that reads its
+    output first (worker/quant/fold.py)."""
+    if fold_norms and scheme.prequantized:
+        raise ValueError("a norm's weight folds into weights quantized at load, not into a quantized checkpoint's")
+    folds = norm_folds(model) if fold_norms else {}
     parts_of: dict[str, list[str]] = {}
     for part, (ours, _) in getattr(model, "packed", {}).items():
         parts_of.setdefault(ours, []).append(part)
@@ -44,6 +50,8 @@ def quantize_linears(model: nn.Module, scheme: Fp8Scheme) -> int:
                 f"the checkpoint quantizes some of {', '.join(checkpoint_names)} but not all, which this server "
                 "runs as one fused layer"
             )
+        if module in folds:
+            fold_into(module, folds[module])
         Fp8Weights.attach(module, scheme)
         made += 1
     if next(model.parameters()).is_cuda:

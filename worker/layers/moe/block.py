@@ -67,10 +67,11 @@ class SparseMoeBlock(nn.Module):
         return self._experts(x, self.gate(x))
 
     def forward_after_norm(
-        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block over norm(x + residual), and the new residual: at one row the norm runs inside the
-        router's GEMV, which also writes the normed row for the experts."""
+        """The block over norm(x + residual), and the new residual (x itself the residual stream without
+        one): at one row the norm runs inside the router's GEMV, which also writes the normed row for the
+        experts."""
         logits, residual, normed = norm_linear(norm, self.gate, x, residual, self.kernels, want_normed=True)
         return self._experts(normed, logits), residual
 
