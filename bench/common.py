@@ -21,7 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `pytho
 from cluster import LLM  # noqa: E402
 from cluster.config import SchedulerConfig  # noqa: E402
 from worker.batch import BatchDesc  # noqa: E402
-from worker.kernels import DECODE_GEMMS, DECODE_KERNELS, MOE_KERNELS, PDL_MODES, PREFILL_KERNELS, Kernels  # noqa: E402
+from worker.kernels import (  # noqa: E402
+    DECODE_GEMMS,
+    DECODE_KERNELS,
+    FP8_NORMS,
+    MOE_KERNELS,
+    PDL_MODES,
+    PREFILL_KERNELS,
+    Kernels,
+)
 
 if torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is None:
     # a figure taken so is not the engine's: no FlashInfer attention, hence no CUDA graphs
@@ -206,6 +214,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="programmatic dependent launch of the steps' Triton kernels (Kernels.pdl; compute capability 9.0+)",
     )
+    parser.add_argument(
+        "--fp8-norms",
+        choices=FP8_NORMS,
+        default="auto",
+        help="an FP8 model's residual norms at batch 1: a launch of their own (apart), inside its GEMVs, or "
+        "inside with their weights folded into the weights quantized at load (Kernels.fp8_norms)",
+    )
     parser.add_argument("--max-extend-tokens", type=int, help="tokens computed per step (default: the engine's)")
     parser.add_argument(
         "--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)"
@@ -246,6 +261,7 @@ def kernels_of(args: argparse.Namespace) -> Kernels:
         moe=args.moe_kernel,
         decode_gemm=args.decode_gemm,
         pdl=args.pdl,
+        fp8_norms=args.fp8_norms,
     )
 
 
@@ -303,6 +319,7 @@ def config_of(args: argparse.Namespace) -> dict:
         "moe_kernel": args.moe_kernel,
         "decode_gemm": args.decode_gemm,
         "pdl": args.pdl,
+        "fp8_norms": args.fp8_norms,
         "overlap": not args.no_overlap,
         "cuda_graph": not args.no_cuda_graph,
         "cache": args.cache,

@@ -26,6 +26,8 @@
 #                  and with it by how many of each GEMV's programs prefetch their weights (bench/pdl_prefetch.py)
 #   fp8_blocks     the FP8 GEMV over 128 x 128 block-scaled weights: a scale loaded for every weight against one a
 #                  block (bench/fp8_gemv.py --blocks)
+#   fp8_norms      (b) of Qwen3-8B with FP8 weights by where its residual norms run (--fp8-norms apart, folded,
+#                  inside; FP8_NORMS_MODES: others), then in bf16 for the ratio
 #   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
 #                  GEMMs' tile sweep at 64, 256 and 8,192) and the FP8 GEMV's tile sweep (bench/fp8_gemv.py)
 #   prologue       the attention prologue's tiles at a decode batch and a prompt chunk (bench/prologue.py)
@@ -197,7 +199,7 @@ for suite in "$@"; do
     tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py tests/test_moe.py \
       tests/test_fp8_gpu.py tests/test_spec_decode.py tests/test_row_fusion.py tests/test_eagle3.py tests/test_extend_graphs.py \
-      tests/test_verify_rows.py tests/test_pdl_gpu.py tests/test_lm_head.py} ;;
+      tests/test_verify_rows.py tests/test_pdl_gpu.py tests/test_lm_head.py tests/test_fp8_norms.py} ;;
     offline) offline offline 150 ;;
     latency)  # LATENCY_ARCHS: the architectures (default qwen3-0.6b)
       for arch in ${LATENCY_ARCHS:-qwen3-0.6b}; do
@@ -253,6 +255,13 @@ for suite in "$@"; do
       step fp8_gemv 200 python3 bench/fp8_gemv.py --out "$OUT/fp8_gemv.json" ;;
     moe_rows) step moe_rows 400 python3 bench/moe_decode.py --tokens 1 2 4 --sweep --out "$OUT/moe_rows.json" ;;
     fp8_blocks) step fp8_blocks 200 python3 bench/fp8_gemv.py --blocks --out "$OUT/fp8_blocks.json" ;;
+    fp8_norms)  # (b) of Qwen3-8B with FP8 weights, its residual norms apart, inside its GEMVs, and folded, then bf16
+      for mode in ${FP8_NORMS_MODES:-apart folded inside}; do
+        step "fp8_norms_$mode" 240 python3 bench/decode_latency.py --arch qwen3-8b --quantization fp8 \
+          --fp8-norms "$mode" --repeats "${REPEATS:-3}" --out "$OUT/fp8_norms_$mode.json"
+      done
+      step fp8_norms_bf16 240 python3 bench/decode_latency.py --arch qwen3-8b --repeats "${REPEATS:-3}" \
+        --out "$OUT/fp8_norms_bf16.json" ;;
     pdl_prefetch)
       step pdl_prefetch_8b 150 python3 bench/pdl_prefetch.py --arch qwen3-8b --out "$OUT/pdl_prefetch_8b.json"
       step pdl_prefetch_8b_fp8 150 python3 bench/pdl_prefetch.py --arch qwen3-8b --fp8 --out "$OUT/pdl_prefetch_8b_fp8.json"

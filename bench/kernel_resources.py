@@ -320,6 +320,27 @@ def _pdl_launches(cfg: dict) -> list[tuple[str, Callable[[], object]]]:
             ),
         )
     )
+    # Kernels.fp8_norms inside and folded: the norm in qkv's and gate-up's FP8 GEMVs, the residual in o's and down's
+    channel_scales = _gpu(2 * inter, dtype=torch.float32)
+    for folded in (False, True):
+        norm = gemm.RowNorm(None if folded else _gpu(hidden), 1e-6)
+        calls.append(
+            (
+                f"norm{' (folded)' if folded else ''} + FP8 gate-up GEMV + SiLU, batch 1, per-channel scales, pdl",
+                lambda norm=norm: gemm.fp8_gemv(
+                    _gpu(1, hidden), weight, channel_scales, None, pdl=True, gated=True, norm=norm
+                ),
+            )
+        )
+    down = _gpu(hidden, inter, dtype=FP8)
+    calls.append(
+        (
+            "FP8 down GEMV + residual, batch 1, per-channel scales, pdl",
+            lambda: gemm.fp8_gemv(
+                _gpu(1, inter), down, _gpu(hidden, dtype=torch.float32), None, pdl=True, residual=_gpu(1, hidden)
+            ),
+        )
+    )
     return calls
 
 

@@ -214,3 +214,100 @@ def test_batch_1_decode_with_the_norms_inside_the_fp8_gemvs_equals_them_apart(we
     assert any(kw.get("residual") is not None for kw in calls)  # o and down
     assert not [m for m, rows in rows_normed if m in residual_norms and rows == 1]
     assert [m for m, rows in rows_normed if m in residual_norms and rows > 1]  # the prompt's, apart
+
+
+# -- on the GPU ----------------------------------------------------------------------------------------------
+
+CUDA = "cuda"
+
+
+def _fp8_gpu() -> None:
+    if not torch.cuda.is_available() or not gemm.fp8_supported(torch.device(CUDA)):
+        pytest.skip("needs a GPU of compute capability 8.9+")
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("gated,n", [(False, 6144), (True, 12288)])  # Qwen3-8B's qkv and gate-up
+def test_on_gpu_the_fp8_gemv_over_the_norm_of_its_row_equals_flashinfers_norm_then_the_gemv(block, gated, n):
+    """The norm inside: the product of the normed row unrounded, against FlashInfer's norm rounded to bf16
+    then the GEMV; the products of a 4,096-wide row agree within a few bf16 roundings."""
+    _fp8_gpu()
+    from fp8_checkpoints import quantize_blocks
+
+    torch.manual_seed(n)
+    k, rows = 4096, 2 * n if gated else n
+    w = torch.randn(rows, k) * 0.02
+    if block is None:
+        q, s = quantize_per_channel(w.to(CUDA))
+    else:
+        q, s = quantize_blocks(w, block)
+        q, s = q.to(CUDA), s.repeat_interleave(block[0], dim=0)[:rows].contiguous().to(CUDA)
+    norm = RMSNorm(k, EPS).to(CUDA)
+    norm.weight.data.uniform_(0.25, 4.0)
+    h = (torch.randn(1, k, device=CUDA) * 4).bfloat16()
+    want = gemm.fp8_gemv(norm.to(torch.bfloat16)(h.clone()), q, s, block, gated=gated)
+    got = gemm.fp8_gemv(h, q, s, block, gated=gated, norm=gemm.RowNorm(norm.weight.bfloat16(), EPS), pdl=True)
+    assert _rel(got, want) < 5e-3
+
+
+@pytest.mark.gpu
+def test_on_gpu_the_residual_added_in_the_fp8_gemvs_epilogue_is_the_rounded_sum():
+    _fp8_gpu()
+    torch.manual_seed(0)
+    k, n = 12288, 4096  # Qwen3-8B's down
+    q, s = quantize_per_channel(torch.randn(n, k, device=CUDA) * 0.02)
+    x, res = torch.randn(1, k, device=CUDA).bfloat16(), (torch.randn(1, n, device=CUDA) * 8).bfloat16()
+    got = gemm.fp8_gemv(x, q, s, None, residual=res, pdl=True)
+    want = gemm.fp8_gemv(x, q, s, None, pdl=True) + res
+    torch.testing.assert_close(got, want, rtol=2**-8, atol=0)  # a bf16 unit of the last place at most
+
+
+@pytest.mark.gpu
+def test_on_gpu_an_fp8_engine_with_its_norms_inside_its_gemvs_decodes_as_with_them_apart(tmp_path_factory):
+    """Batch 1 with PDL, eagerly: each prompt's first decode step (after the same prompt step, so from the same
+    token where the first tokens agree) against the norms apart: inside within bf16's roundings, folded (the
+    weights quantized with the norms' weights in them) within FP8's. From CUDA graphs: the eager tokens."""
+    _fp8_gpu()
+    from safetensors.torch import load_file, save_file
+    from tiny_checkpoints import build_qwen3_hd128
+
+    path = build_qwen3_hd128(tmp_path_factory.mktemp("qwen3_hd128_norms"))
+    tensors = load_file(str(path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    for name, w in tensors.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = (4.0 ** (torch.rand(w.shape, generator=gen) * 2 - 1)).to(w.dtype)
+    save_file(tensors, str(path / "model.safetensors"))
+    prompts = random_prompts(6, 20, 200, seed=4)
+
+    def run(mode: str, graphs: bool = False) -> tuple[list[list[int]], torch.Tensor]:
+        """Each prompt's greedy tokens alone (8) and its first decode step's logits (eager only)."""
+        kw = {"dtype": "bfloat16", "page_size": 16, "num_pages": 512, "quantization": "fp8"}
+        kw.update(kernels=Kernels(fp8_norms=mode), cuda_graph_max_bs=16 if graphs else 0)
+        with checked_llm(path, **kw) as llm:
+            rows = []
+            compute_logits = llm.engine.model.compute_logits
+            llm.engine.model.compute_logits = lambda h: rows.append(compute_logits(h).float().cpu()) or rows[-1]
+            tokens, steps = [], []
+            for p in prompts:
+                rows.clear()
+                tokens.append(llm.generate([p], greedy(8, ignore_eos=True))[0].token_ids)
+                if not graphs:
+                    assert rows[1].shape[0] == 1  # the first decode step's row
+                    steps.append(rows[1][-1])
+        return tokens, torch.stack(steps) if steps else torch.empty(0)
+
+    apart_tokens, apart = run("apart")
+    for mode, tol in (("inside", 0.02), ("folded", 0.3)):
+        tokens, steps = run(mode)
+        same = [i for i, (a, b) in enumerate(zip(apart_tokens, tokens)) if a[0] == b[0]]
+        if mode == "inside":
+            assert len(same) == len(prompts)  # the prompt steps take the same kernels
+        assert len(same) >= len(prompts) // 2
+        assert _rel(steps[same], apart[same]) < tol, mode
+        assert run(mode, graphs=True)[0] == tokens, mode
