@@ -311,3 +311,14 @@ def test_on_gpu_an_fp8_engine_with_its_norms_inside_its_gemvs_decodes_as_with_th
         assert len(same) >= len(prompts) // 2
         assert _rel(steps[same], apart[same]) < tol, mode
         assert run(mode, graphs=True)[0] == tokens, mode
+
+
+def test_fp8_norms_auto_resolves_to_the_measured_placement_and_an_unknown_one_is_an_error(monkeypatch):
+    from worker import kernels as kernels_module
+
+    assert Kernels().fp8_norms_resolved == kernels_module.FP8_NORMS_AUTO
+    monkeypatch.setattr(kernels_module, "FP8_NORMS_AUTO", "folded")
+    assert Kernels().fp8_norms_resolved == "folded" and Kernels().fp8_norms_inside
+    assert Kernels(fp8_norms="apart").fp8_norms_resolved == "apart" and not Kernels(fp8_norms="apart").fp8_norms_inside
+    with pytest.raises(ValueError, match="unknown FP8 norm placement 'beside'"):
+        Kernels(fp8_norms="beside")

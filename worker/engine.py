@@ -203,7 +203,7 @@ class Engine:
         else:
             load_weights(self.model, Path(self.config.model_path), progress=self.tp.rank == 0)
         if scheme is not None and (dummy or not scheme.prequantized):
-            fold = self.kernels.fp8_norms == "folded"
+            fold = self.kernels.fp8_norms_resolved == "folded"
             quantize_linears(self.model, replace(scheme, block=None, prequantized=False), fold_norms=fold)
         self.model.eval()
         # an EAGLE-3 head: its steps take hidden states of the model's or its own (worker/models/eagle3.py)

@@ -14,6 +14,8 @@ MOE_KERNELS = ("auto", "torch")
 DECODE_GEMMS = ("auto", "vendor", "triton")
 PDL_MODES = ("auto", "on", "off")
 FP8_NORMS = ("auto", "apart", "inside", "folded")
+# What `fp8_norms` auto resolves to: apart until inside and folded are timed on a GPU (bench/gpu.sh fp8_norms)
+FP8_NORMS_AUTO = "apart"
 # Where `pdl` auto turns programmatic dependent launch on: every model on one GPU. Batch 1 on an H100
 # (bench/decode_latency.py --pdl off / on, e61451b, 2026-12-05, ms a token): Qwen3-0.6B 0.963 / 0.896,
 # Qwen3-8B 5.740 / 5.558, with FP8 weights 3.669 / 3.476, Qwen3-30B-A3B 3.216 / 2.975. (Before its GEMVs'
@@ -62,8 +64,8 @@ class Kernels:
     # rms_fuses). apart: a norm launch of its own (the residual add in it); inside: the residual add in the
     # epilogue of the GEMV before (o, down) and the norm inside the FP8 GEMV after, in its one pass over the
     # row; folded: as inside, and where the weights are quantized at load the norm's weight folded into
-    # them first (worker/quant/fold.py), so the GEMV reads nothing the plain GEMV does not. auto: apart
-    # (inside and folded are not yet timed on a GPU: bench/gpu.sh fp8_norms)
+    # them first (worker/quant/fold.py), so the GEMV reads nothing the plain GEMV does not. auto:
+    # FP8_NORMS_AUTO
     fp8_norms: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too
@@ -95,6 +97,11 @@ class Kernels:
         return replace(self, pdl="on" if on else "off")
 
     @property
+    def fp8_norms_resolved(self) -> str:
+        """fp8_norms with auto resolved (FP8_NORMS_AUTO)."""
+        return FP8_NORMS_AUTO if self.fp8_norms == "auto" else self.fp8_norms
+
+    @property
     def fp8_norms_inside(self) -> bool:
         """Whether an FP8 model's residual norms run inside its GEMVs at batch 1 (fp8_norms inside or folded)."""
-        return self.fp8_norms in ("inside", "folded")
+        return self.fp8_norms_resolved in ("inside", "folded")
