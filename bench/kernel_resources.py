@@ -332,6 +332,20 @@ def _pdl_launches(cfg: dict) -> list[tuple[str, Callable[[], object]]]:
                 ),
             )
         )
+    qkv_fp8 = _gpu(qkv_width, hidden, dtype=FP8)
+    calls.append(
+        (
+            "norm + FP8 QKV GEMV, batch 1, per-channel scales, pdl",
+            lambda: gemm.fp8_gemv(
+                _gpu(1, hidden),
+                qkv_fp8,
+                _gpu(qkv_width, dtype=torch.float32),
+                None,
+                pdl=True,
+                norm=gemm.RowNorm(_gpu(hidden), 1e-6),
+            ),
+        )
+    )
     down = _gpu(hidden, inter, dtype=FP8)
     calls.append(
         (

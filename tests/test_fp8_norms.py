@@ -216,6 +216,29 @@ def test_batch_1_decode_with_the_norms_inside_the_fp8_gemvs_equals_them_apart(we
     assert [m for m, rows in rows_normed if m in residual_norms and rows > 1]  # the prompt's, apart
 
 
+def test_an_eagle3_head_beside_an_fp8_model_with_its_norms_inside_keeps_its_greedy_tokens(
+    qwen3_path, tmp_path, monkeypatch
+):
+    """The head's engine takes the model's settings (its down projection quantized too), and its one layer's
+    down GEMV adds the residual as the model's do: the head's final norm reads the one row it leaves.
+    Speculation changes no greedy token: the model's own, from the CPU's norms apart."""
+    _needs_triton()
+    from tiny_checkpoints import build_eagle3_head
+
+    head = build_eagle3_head(qwen3_path, tmp_path / "head", draft_vocab_size=300)
+    prompt = random_prompts(1, 4, 10, seed=2)[0]
+    with checked_llm(qwen3_path, page_size=4, quantization="fp8") as llm:
+        want = llm.generate([prompt], greedy(3, ignore_eos=True))[0].token_ids
+    calls = _recorded(monkeypatch)
+    spec = dict(speculative_method="eagle3", speculative_model=str(head), num_speculative_tokens=2)
+    spec.update(speculative_adaptive=False, speculative_max_pause=0)
+    kernels = Kernels(interpret_on_cpu=True, fp8_norms="inside")
+    with checked_llm(qwen3_path, page_size=4, quantization="fp8", kernels=kernels, **spec) as llm:
+        got = llm.generate([prompt], greedy(3, ignore_eos=True))[0].token_ids
+    assert got == want
+    assert any(kw.get("residual") is not None for kw in calls)
+
+
 # -- on the GPU ----------------------------------------------------------------------------------------------
 
 CUDA = "cuda"
@@ -268,7 +291,7 @@ def test_on_gpu_the_residual_added_in_the_fp8_gemvs_epilogue_is_the_rounded_sum(
 
 
 @pytest.mark.gpu
-def test_on_gpu_an_fp8_engine_with_its_norms_inside_its_gemvs_decodes_as_with_them_apart(tmp_path_factory):
+def test_on_gpu_an_fp8_engine_with_its_norms_inside_its_gemvs_decodes_as_with_them_apart(tmp_path_factory, monkeypatch):
     """Batch 1 with PDL, eagerly: each prompt's first decode step (after the same prompt step, so from the same
     token where the first tokens agree) against the norms apart: inside within bf16's roundings, folded (the
     weights quantized with the norms' weights in them) within FP8's. From CUDA graphs: the eager tokens."""
@@ -302,9 +325,13 @@ def test_on_gpu_an_fp8_engine_with_its_norms_inside_its_gemvs_decodes_as_with_th
                     steps.append(rows[1][-1])
         return tokens, torch.stack(steps) if steps else torch.empty(0)
 
+    calls = _recorded(monkeypatch)
     apart_tokens, apart = run("apart")
+    assert not [kw for kw in calls if kw.get("norm") is not None or kw.get("residual") is not None]
     for mode, tol in (("inside", 0.02), ("folded", 0.3)):
+        calls.clear()
         tokens, steps = run(mode)
+        assert any(kw.get("norm") is not None for kw in calls) and any(kw.get("residual") is not None for kw in calls)
         same = [i for i, (a, b) in enumerate(zip(apart_tokens, tokens)) if a[0] == b[0]]
         if mode == "inside":
             assert len(same) == len(prompts)  # the prompt steps take the same kernels

@@ -147,7 +147,8 @@ def norm_linear(
     at most ONE_BLOCK_MAX_ELEMENTS (the default columns a program narrowed to fit it). `pdl`,
     `prefetch_programs`: as small_linear's. `scale`: weight is e4m3 (FP8), its scale a row [rows], or with
     `block` (rows, columns) a row and block of columns [rows, K / columns], as quant.gemm.fp8_gemv takes them
-    (bench/row_fusion.py times it; the engine keeps FP8 norms apart: row_fusion.norm_fuses says why).
+    (bench/row_fusion.py times it; the engine does not run FP8 norms here: row_fusion.norm_fuses says why,
+    and row_fusion.rms_fuses where they go instead).
     `gated`: weight is [gate; up] and the product silu(gate) * up [1, N / 2], as small_linear's (a program's
     tile then holds both halves' rows)."""
     k = x.shape[1]

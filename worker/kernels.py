@@ -64,8 +64,8 @@ class Kernels:
     # rms_fuses). apart: a norm launch of its own (the residual add in it); inside: the residual add in the
     # epilogue of the GEMV before (o, down) and the norm inside the FP8 GEMV after, in its one pass over the
     # row; folded: as inside, and where the weights are quantized at load the norm's weight folded into
-    # them first (worker/quant/fold.py), so the GEMV reads nothing the plain GEMV does not. auto:
-    # FP8_NORMS_AUTO
+    # them first (worker/quant/fold.py), so the GEMV reads nothing the plain GEMV does not (a checkpoint
+    # quantized already is not folded: there folded is inside). auto: FP8_NORMS_AUTO
     fp8_norms: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too

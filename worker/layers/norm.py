@@ -36,3 +36,10 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * h.to(dtype)
         return out if residual is None else (out, residual)
+
+    def of_stream(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of the residual stream x + residual, that stream): without a residual x is the stream
+        (the first layer's input, or after a GEMV that added it, worker/layers/row_fusion.py's linear_add)."""
+        if residual is None:
+            return self(x), x
+        return self(x, residual)

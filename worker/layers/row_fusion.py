@@ -6,8 +6,10 @@ launches fewer a dense layer, two a mixture of experts' (Qwen3-0.6B's batch-1 de
 against 1.026). Wider rows (NORM_MAX_K, SILU_MAX_K), quantized layers and the CPU (outside the
 interpreter) run the norm and the GEMV apart; where the SiLU cannot go into down's GEMV it goes into the
 epilogue of gate-up's instead (`gate_up_silu`, bf16 or FP8, with the norm in the same launch where it
-fits: `norm_gate_up_silu`), each program computing a gate row and its up row. At more rows, an FP8
-linear's per-token activation quantization runs inside the norm or SiLU before it instead
+fits: `norm_gate_up_silu`), each program computing a gate row and its up row. An FP8 model's norms go
+inside its GEMVs another way where Kernels.fp8_norms asks (`rms_fuses`, `linear_add`): the residual add in
+the epilogue of the GEMV before, the norm of the one row it writes in the pass of the GEMV after. At more
+rows, an FP8 linear's per-token activation quantization runs inside the norm or SiLU before it instead
 (worker/quant/fused_quant.py)."""
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ def row_norm(norm: RMSNorm) -> gemm.RowNorm:
 
 
 def _fp8_gemv(linear: nn.Module, x: torch.Tensor, kernels: Kernels, **kw) -> torch.Tensor:
+    """An FP8 linear's GEMV over one row x (gemm.fp8_gemv with the layer's weight, scales and PDL; `kw`: its
+    norm, residual or gating), without the layer's bias."""
     quant = linear.quant
     pdl = triton_ops.pdl_applies(kernels, x.device)
     return gemm.fp8_gemv(x, linear.weight, quant.scale_of(linear), quant.block, pdl=pdl, **kw)
@@ -118,9 +122,15 @@ def linear_add(
     (linear(x) + residual, None) with the add inside the FP8 GEMV's epilogue: where Kernels.fp8_norms is
     inside or folded and linear is a row-parallel FP8 linear on one GPU without a bias (its output is the
     whole sum, nothing is added after it). The next norm then reads one row (`rms_fuses`)."""
-    if (
+    if residual is not None and adds_residual(linear, x, residual, kernels):
+        return _fp8_gemv(linear, x, kernels, residual=residual), None
+    return linear(x), residual
+
+
+def adds_residual(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor, kernels: Kernels) -> bool:
+    """Whether `linear_add` adds the residual inside linear's FP8 GEMV (see there)."""
+    return (
         kernels.fp8_norms_inside
-        and residual is not None
         and isinstance(linear, RowParallelLinear)
         and linear.reduce
         and linear.tp.size == 1
@@ -129,9 +139,7 @@ def linear_add(
         and residual.dtype == x.dtype
         and residual.is_contiguous()
         and _fp8_gemv_runs(linear, x, kernels)
-    ):
-        return _fp8_gemv(linear, x, kernels, residual=residual), None
-    return linear(x), residual
+    )
 
 
 def gate_up_silu_applies(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, kernels: Kernels) -> bool:
@@ -151,11 +159,9 @@ def gate_up_silu_applies(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, k
 
 def gate_up_silu(gate_up: nn.Module, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
     """silu(gate) * up [1, inter] of one row x from gate-up's GEMV (where gate_up_silu_applies)."""
-    pdl = triton_ops.pdl_applies(kernels, x.device)
-    quant = gate_up.quant
-    if quant is None:
-        return gemv.small_linear(x, gate_up.weight, pdl=pdl, gated=True)
-    return gemm.fp8_gemv(x, gate_up.weight, quant.scale_of(gate_up), quant.block, pdl=pdl, gated=True)
+    if gate_up.quant is None:
+        return gemv.small_linear(x, gate_up.weight, pdl=triton_ops.pdl_applies(kernels, x.device), gated=True)
+    return _fp8_gemv(gate_up, x, kernels, gated=True)
 
 
 def norm_gate_up_silu(
@@ -166,13 +172,11 @@ def norm_gate_up_silu(
     before it otherwise. Without a residual x is the residual stream."""
     if rms_fuses(gate_up, x, residual, kernels):
         return _fp8_gemv(gate_up, x, kernels, gated=True, norm=row_norm(norm)), x
-    if residual is None:
-        return gate_up_silu(gate_up, norm(x), kernels), x
     if norm_fuses(gate_up, x, kernels):
         pdl = triton_ops.pdl_applies(kernels, x.device)
         act, residual, _ = gemv.norm_linear(x, residual, norm.weight, norm.eps, gate_up.weight, pdl=pdl, gated=True)
         return act, residual
-    normed, residual = norm(x, residual)
+    normed, residual = norm.of_stream(x, residual)
     return gate_up_silu(gate_up, normed, kernels), residual
 
 

@@ -218,7 +218,7 @@ class Eagle3ForCausalLM(nn.Module):
         else:
             hidden = self.slot_hidden.index_select(0, slots)
         x, residual = m.layers[0](m.embed_tokens(input_ids), hidden, positions, attn)
-        normed, prenorm = m.norm(x, residual)
+        normed, prenorm = m.norm.of_stream(x, residual)
         last = prenorm if last_idx is None else prenorm.index_select(0, last_idx)
         self.slot_hidden.index_copy_(0, slots, last.to(self.slot_hidden.dtype))
         return normed

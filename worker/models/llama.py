@@ -212,7 +212,7 @@ class DecoderModel(nn.Module):
                 if i == aux.last:  # a prompt's prefix-cache hits keep theirs, with their KV
                     aux.cache.index_copy_(0, attn.out_loc, projected)
             x, residual = layer(x, residual, positions, attn)
-        return self.norm(x) if residual is None else self.norm(x, residual)[0]
+        return self.norm.of_stream(x, residual)[0]
 
 
 @dataclass

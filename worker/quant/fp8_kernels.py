@@ -69,9 +69,12 @@ def fp8_gemv_kernel(
     # RMS (one row, M = 1): x is the residual stream h and out is the GEMV over its RMS norm, h * rstd * the
     # norm's weight (NORM_WEIGHT; without it the weight is folded into w). rstd is one factor of every
     # output, so the sum of squares rides along the loop that reads h anyway and rstd scales the sums at
-    # the end: one pass, no launch of its own for the norm (the normed row is not rounded to x's dtype
-    # first, as a separate norm writes it). ADD_RESIDUAL: out = (the product, rounded to out's dtype) + res,
-    # as the residual add after this GEMV computes it, so the next norm reads one row
+    # the end: one pass, no launch of its own for the norm (where FlashInfer's norm takes rstd from the
+    # float32 sum x + residual and rounds the normed row to x's dtype, this takes it from the stream as
+    # the GEMV before rounded it, and rounds nothing before the product). ADD_RESIDUAL: out = (the
+    # product, rounded to out's dtype) + res, as the residual add after this GEMV computes it, so the next
+    # norm reads one row
+    tl.static_assert(M_BLOCK == 1 or not (RMS or ADD_RESIDUAL), "the norm and the residual take one row")
     rn = gemv_rows(w_ptr, N, K, w_stride, prefetch_programs, BLOCK_N, PDL)
     if ADD_RESIDUAL:  # loaded before the loop, so its wait overlaps the weights'
         res = tl.load(res_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)

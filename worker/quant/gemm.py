@@ -178,6 +178,8 @@ def fp8_gemv(
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     if (norm is not None or residual is not None) and m != 1:
         raise ValueError(f"the norm and the residual add inside the FP8 GEMV take one row, not {m}")
+    if norm is not None and norm.weight is not None and norm.weight.shape != (k,):
+        raise ValueError(f"the norm's weight inside the FP8 GEMV must be [{k}], not {list(norm.weight.shape)}")
     if residual is not None and (gated or residual.shape != (1, n) or not residual.is_contiguous()):
         raise ValueError(f"the residual added in the FP8 GEMV's epilogue must be one contiguous [1, {n}] row")
     # the fastest at M=1 over Qwen3-8B's layers in bench/fp8_gemv.py: four output rows a program, 2048
