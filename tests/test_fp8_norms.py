@@ -106,21 +106,27 @@ def _last_logits(llm, prompts: list[list[int]]) -> torch.Tensor:
     return torch.stack([r[-1] for r in rows])
 
 
-@pytest.fixture(scope="module")
-def weighted_norms(qwen3_path, tmp_path_factory):
-    """The tiny Qwen3 with every norm's weight drawn from [0.25, 4) (transformers initializes them to ones)."""
-    import shutil
-
+def _draw_norm_weights(folder) -> None:
+    """Every norm's weight in the checkpoint drawn from [0.25, 4) (transformers initializes them to ones,
+    which a fold would leave as they are)."""
     from safetensors.torch import load_file, save_file
 
-    out = tmp_path_factory.mktemp("weighted_norms")
-    shutil.copytree(qwen3_path, out, dirs_exist_ok=True)
-    tensors = load_file(str(out / "model.safetensors"))
+    tensors = load_file(str(folder / "model.safetensors"))
     gen = torch.Generator().manual_seed(0)
     for name, w in tensors.items():
         if name.endswith("norm.weight"):
             tensors[name] = (4.0 ** (torch.rand(w.shape, generator=gen) * 2 - 1)).to(w.dtype)
-    save_file(tensors, str(out / "model.safetensors"))
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def weighted_norms(qwen3_path, tmp_path_factory):
+    """The tiny Qwen3 with drawn norm weights."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("weighted_norms")
+    shutil.copytree(qwen3_path, out, dirs_exist_ok=True)
+    _draw_norm_weights(out)
     return out
 
 
@@ -296,16 +302,10 @@ def test_on_gpu_an_fp8_engine_with_its_norms_inside_its_gemvs_decodes_as_with_th
     token where the first tokens agree) against the norms apart: inside within bf16's roundings, folded (the
     weights quantized with the norms' weights in them) within FP8's. From CUDA graphs: the eager tokens."""
     _fp8_gpu()
-    from safetensors.torch import load_file, save_file
     from tiny_checkpoints import build_qwen3_hd128
 
     path = build_qwen3_hd128(tmp_path_factory.mktemp("qwen3_hd128_norms"))
-    tensors = load_file(str(path / "model.safetensors"))
-    gen = torch.Generator().manual_seed(0)
-    for name, w in tensors.items():
-        if name.endswith("norm.weight"):
-            tensors[name] = (4.0 ** (torch.rand(w.shape, generator=gen) * 2 - 1)).to(w.dtype)
-    save_file(tensors, str(path / "model.safetensors"))
+    _draw_norm_weights(path)
     prompts = random_prompts(6, 20, 200, seed=4)
 
     def run(mode: str, graphs: bool = False) -> tuple[list[list[int]], torch.Tensor]:
