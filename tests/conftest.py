@@ -22,9 +22,12 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from fixtures import build_checkpoint, build_sharded_checkpoint  # noqa: E402
+from interpreter_speed import patch_the_language_once_a_launch  # noqa: E402
 from scripted import ScriptedScheduler, scripted_scheduler  # noqa: E402
 
 torch.set_num_threads(1)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    patch_the_language_once_a_launch()
 
 
 def pytest_configure(config: pytest.Config) -> None:
