@@ -190,15 +190,18 @@ def _recorded(monkeypatch) -> list[dict]:
     return calls
 
 
-@pytest.mark.parametrize("mode", ["inside", "folded"])
-def test_batch_1_decode_with_the_norms_inside_the_fp8_gemvs_equals_them_apart(weighted_norms, monkeypatch, mode):
+@pytest.mark.parametrize("model,mode", [("qwen3", "inside"), ("qwen3", "folded"), ("qwen2", "inside")])
+def test_batch_1_decode_with_the_norms_inside_the_fp8_gemvs_equals_them_apart(
+    weighted_norms, qwen2_path, monkeypatch, model, mode
+):
     """One prompt under Triton's interpreter (slow), in float32: qkv's and gate-up's GEMVs compute the norm of
     the residual stream (with the norm's weight, or folded into theirs) that o's and down's add in their
     epilogues, and no residual norm runs on its own at one row; greedy tokens as the CPU's, which runs
-    every norm apart before dequantized matmuls."""
+    every norm apart before dequantized matmuls. Qwen2: qkv's bias added after the GEMV with the norm."""
     _needs_triton()
+    path = weighted_norms if model == "qwen3" else qwen2_path
     prompts = random_prompts(1, 4, 40, seed=2)
-    with checked_llm(weighted_norms, page_size=4, quantization="fp8", kernels=Kernels(fp8_norms=mode)) as llm:
+    with checked_llm(path, page_size=4, quantization="fp8", kernels=Kernels(fp8_norms=mode)) as llm:
         want = [llm.generate([p], greedy(4, ignore_eos=True))[0].token_ids for p in prompts]
     calls = _recorded(monkeypatch)
     rows_normed: list[tuple[RMSNorm, int]] = []
@@ -207,8 +210,9 @@ def test_batch_1_decode_with_the_norms_inside_the_fp8_gemvs_equals_them_apart(we
         RMSNorm, "forward", lambda self, x, *a: rows_normed.append((self, x.shape[0])) or forward(self, x, *a)
     )
     kernels = Kernels(interpret_on_cpu=True, fp8_norms=mode)
-    with checked_llm(weighted_norms, page_size=4, quantization="fp8", kernels=kernels) as llm:
+    with checked_llm(path, page_size=4, quantization="fp8", kernels=kernels) as llm:
         layers = llm.engine.model.model.layers
+        assert model == "qwen3" or layers[0].self_attn.qkv_proj.bias is not None
         residual_norms = {m for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)}
         assert all(m.folded == (mode == "folded") for m in residual_norms)
         got = [llm.generate([p], greedy(4, ignore_eos=True))[0].token_ids for p in prompts]
