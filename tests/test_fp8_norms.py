@@ -268,7 +268,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("gated,n", [(False, 6144), (True, 12288)])  # Qwen3-8B's qkv and gate-up
 def test_on_gpu_the_fp8_gemv_over_the_norm_of_its_row_equals_flashinfers_norm_then_the_gemv(block, gated, n):
     """The norm inside: the product of the normed row unrounded, against FlashInfer's norm rounded to bf16
-    then the GEMV; the products of a 4,096-wide row agree within a few bf16 roundings."""
+    then the GEMV."""
     _fp8_gpu()
     from fp8_checkpoints import quantize_blocks
 
@@ -285,7 +285,9 @@ def test_on_gpu_the_fp8_gemv_over_the_norm_of_its_row_equals_flashinfers_norm_th
     h = (torch.randn(1, k, device=CUDA) * 4).bfloat16()
     want = gemm.fp8_gemv(norm.to(torch.bfloat16)(h.clone()), q, s, block, gated=gated)
     got = gemm.fp8_gemv(h, q, s, block, gated=gated, norm=gemm.RowNorm(norm.weight.bfloat16(), EPS), pdl=True)
-    assert _rel(got, want) < 5e-3
+    # the unrounded normed row against one rounded to bf16 (2^-9 of each element) and both outputs' bf16
+    # rounding: a few 2^-9 of the product's norm (1%: test_fp8_gpu.py's OUT_TOL)
+    assert _rel(got, want) < 1e-2
 
 
 @pytest.mark.gpu
