@@ -334,7 +334,9 @@ def test_on_gpu_an_fp8_engine_with_its_norms_inside_its_gemvs_decodes_as_with_th
     calls = _recorded(monkeypatch)
     apart_tokens, apart = run("apart")
     assert not [kw for kw in calls if kw.get("norm") is not None or kw.get("residual") is not None]
-    for mode, tol in (("inside", 0.02), ("folded", 0.3)):
+    # a bf16 engine's logits are about 0.016 from float32's (test_fp8_gpu.py), FP8's about 0.13: inside
+    # differs from apart by roundings of the bf16 kind, folded by its weights' own rounding to e4m3
+    for mode, tol in (("inside", 0.05), ("folded", 0.3)):
         calls.clear()
         tokens, steps = run(mode)
         assert any(kw.get("norm") is not None for kw in calls) and any(kw.get("residual") is not None for kw in calls)
