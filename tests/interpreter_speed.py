@@ -23,27 +23,31 @@ def patch_the_language_once_a_launch() -> None:
         return
     patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
     state = threading.local()
-    langs_of: dict[object, frozenset[int]] = {}  # a function's language modules, as _patch_lang finds them
+    # a function's language modules on its first call (Triton's rewrite may add tl to its module's globals
+    # later; the launch around it has patched tl already)
+    langs_of: dict[object, frozenset[int]] = {}
 
-    def patch_once(fn):
+    def patch_once(fn, *args, **kwargs):
         langs = langs_of.get(fn)
         if langs is None:
             found = (v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
             langs = langs_of[fn] = frozenset(id(v) for v in found)
         patched = getattr(state, "patched", None)
-        if patched is not None and langs <= patched:
+        # a function that sees no language module goes to Triton, which says so
+        if langs and patched is not None and langs <= patched:
             return interpreter._LangPatchScope()  # nothing to restore
-        scope = patch_lang(fn)
+        scope = patch_lang(fn, *args, **kwargs)
         if patched is not None:
             patched |= langs
         return scope
 
     def launch_patching_once(self, *args, **kwargs):
+        outer = getattr(state, "patched", None)  # a launch inside another's keeps the outer's on return
         state.patched = set()
         try:
             return launch(self, *args, **kwargs)
         finally:
-            state.patched = None
+            state.patched = outer
 
     interpreter._patch_lang = patch_once
     interpreter.GridExecutor.__call__ = launch_patching_once

@@ -119,15 +119,24 @@ def _draw_norm_weights(folder) -> None:
     save_file(tensors, str(folder / "model.safetensors"))
 
 
+def _with_drawn_norms(src, out):
+    import shutil
+
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    _draw_norm_weights(out)
+    return out
+
+
 @pytest.fixture(scope="module")
 def weighted_norms(qwen3_path, tmp_path_factory):
     """The tiny Qwen3 with drawn norm weights."""
-    import shutil
+    return _with_drawn_norms(qwen3_path, tmp_path_factory.mktemp("weighted_norms"))
 
-    out = tmp_path_factory.mktemp("weighted_norms")
-    shutil.copytree(qwen3_path, out, dirs_exist_ok=True)
-    _draw_norm_weights(out)
-    return out
+
+@pytest.fixture(scope="module")
+def weighted_qwen2(qwen2_path, tmp_path_factory):
+    """The tiny Qwen2 (a bias on q, k and v) with drawn norm weights."""
+    return _with_drawn_norms(qwen2_path, tmp_path_factory.mktemp("weighted_qwen2"))
 
 
 def test_folding_the_norms_into_the_weights_quantized_at_load_costs_no_accuracy(weighted_norms):
@@ -190,16 +199,15 @@ def _recorded(monkeypatch) -> list[dict]:
     return calls
 
 
-@pytest.mark.parametrize("model,mode", [("qwen3", "inside"), ("qwen3", "folded"), ("qwen2", "inside")])
-def test_batch_1_decode_with_the_norms_inside_the_fp8_gemvs_equals_them_apart(
-    weighted_norms, qwen2_path, monkeypatch, model, mode
-):
+@pytest.mark.parametrize("model", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("mode", ["inside", "folded"])
+def test_batch_1_decode_with_the_norms_inside_the_fp8_gemvs_equals_them_apart(request, monkeypatch, model, mode):
     """One prompt under Triton's interpreter (slow), in float32: qkv's and gate-up's GEMVs compute the norm of
     the residual stream (with the norm's weight, or folded into theirs) that o's and down's add in their
     epilogues, and no residual norm runs on its own at one row; greedy tokens as the CPU's, which runs
     every norm apart before dequantized matmuls. Qwen2: qkv's bias added after the GEMV with the norm."""
     _needs_triton()
-    path = weighted_norms if model == "qwen3" else qwen2_path
+    path = request.getfixturevalue("weighted_norms" if model == "qwen3" else "weighted_qwen2")
     prompts = random_prompts(1, 4, 40, seed=2)
     with checked_llm(path, page_size=4, quantization="fp8", kernels=Kernels(fp8_norms=mode)) as llm:
         want = [llm.generate([p], greedy(4, ignore_eos=True))[0].token_ids for p in prompts]
