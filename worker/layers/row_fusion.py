@@ -63,10 +63,7 @@ def norm_linear(
     if y is not None:
         bias = getattr(linear, "bias", None)
         return (y if bias is None else y + bias), residual, normed
-    if residual is None:
-        residual, normed = x, norm(x)
-    else:
-        normed, residual = norm(x, residual)
+    normed, residual = norm.of_stream(x, residual)
     return linear(normed), residual, normed if want_normed else None
 
 
