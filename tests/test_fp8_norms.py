@@ -51,7 +51,8 @@ def test_the_fp8_gemv_over_the_rms_norm_of_its_row_is_the_norm_then_the_dequanti
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_the_fp8_gemv_over_block_scaled_weights_takes_the_norm_too():
+@pytest.mark.parametrize("grouped", [False, True])  # a scale loaded for every weight, or once a block
+def test_the_fp8_gemv_over_block_scaled_weights_takes_the_norm_too(grouped):
     _needs_triton()
     from fp8_checkpoints import quantize_blocks
 
@@ -60,7 +61,7 @@ def test_the_fp8_gemv_over_block_scaled_weights_takes_the_norm_too():
     q, s = quantize_blocks(torch.randn(n, k) * 0.05, block)
     s = s.repeat_interleave(block[0], dim=0)[:n].contiguous()
     h, weight = torch.randn(1, k), torch.rand(k) + 0.5
-    got = gemm.fp8_gemv(h, q, s, block, block_k=64, norm=gemm.RowNorm(weight, EPS))
+    got = gemm.fp8_gemv(h, q, s, block, block_k=64, grouped=grouped, norm=gemm.RowNorm(weight, EPS))
     torch.testing.assert_close(got, _rms(h, weight) @ dequantize(q, s, block).T, rtol=1e-4, atol=1e-5)
 
 
@@ -272,9 +273,9 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("block,grouped", [(None, False), ((128, 128), False), ((128, 128), True)])
 @pytest.mark.parametrize("gated,n", [(False, 6144), (True, 12288)])  # Qwen3-8B's qkv and gate-up
-def test_on_gpu_the_fp8_gemv_over_the_norm_of_its_row_equals_flashinfers_norm_then_the_gemv(block, gated, n):
+def test_on_gpu_the_fp8_gemv_over_the_norm_of_its_row_equals_flashinfers_norm_then_the_gemv(block, grouped, gated, n):
     """The norm inside: the product of the normed row unrounded, against FlashInfer's norm rounded to bf16
     then the GEMV."""
     _fp8_gpu()
@@ -291,8 +292,9 @@ def test_on_gpu_the_fp8_gemv_over_the_norm_of_its_row_equals_flashinfers_norm_th
     norm = RMSNorm(k, EPS).to(CUDA)
     norm.weight.data.uniform_(0.25, 4.0)
     h = (torch.randn(1, k, device=CUDA) * 4).bfloat16()
-    want = gemm.fp8_gemv(norm.to(torch.bfloat16)(h.clone()), q, s, block, gated=gated)
-    got = gemm.fp8_gemv(h, q, s, block, gated=gated, norm=gemm.RowNorm(norm.weight.bfloat16(), EPS), pdl=True)
+    want = gemm.fp8_gemv(norm.to(torch.bfloat16)(h.clone()), q, s, block, gated=gated, grouped=grouped)
+    row_norm = gemm.RowNorm(norm.weight.bfloat16(), EPS)
+    got = gemm.fp8_gemv(h, q, s, block, gated=gated, grouped=grouped, norm=row_norm, pdl=True)
     # the unrounded normed row against one rounded to bf16 (2^-9 of each element) and both outputs' bf16
     # rounding: a few 2^-9 of the product's norm (1%: test_fp8_gpu.py's OUT_TOL)
     assert _rel(got, want) < 1e-2
