@@ -372,6 +372,12 @@ class ServeConfig(ReplicaConfig):
         at_least=0,
         group="cluster",
     )
+    rebalance_on_join: bool = setting(
+        True,
+        "when a replica joins the routing (the fleet grew, a failed one was replaced, a draining one takes "
+        "requests again), requests waiting on busier replicas with no token yet move to it",
+        group="cluster",
+    )
     dashboard: bool = setting(
         True, "the Ray dashboard (on 127.0.0.1) with the local Ray this command starts", group="cluster"
     )

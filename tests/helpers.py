@@ -111,3 +111,15 @@ def concurrent_completions(url: str, prompts: list[str], max_tokens: int) -> lis
         return await asyncio.gather(*(one(p, i % 2 == 0) for i, p in enumerate(prompts)))
 
     return asyncio.run(all_of_them())
+
+
+def migrations_counted(url: str, cause: str) -> float:
+    """The server's raylm:request_migrations_total of one cause (0 before the first)."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    prefix = "raylm:request_migrations_total{"
+    for line in text.splitlines():
+        if line.startswith(prefix) and f'cause="{cause}"' in line:
+            return float(line.split()[-1])
+    return 0.0

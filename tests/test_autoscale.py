@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from conftest import live_ray_objects
-from helpers import serving
+from helpers import migrations_counted, serving
 
 from cluster.fleet.autoscale import AutoscalePolicy
 
@@ -207,6 +207,41 @@ def test_a_drain_for_scale_down_lets_the_streams_on_the_leaving_replica_finish(s
         _assert_one_replica_left(srv)
     finally:
         _set_policy(srv, min_replicas=1, max_replicas=3, queue_per_replica=1, down_delay_s=1.0)
+
+
+def test_a_replica_that_joins_takes_over_requests_waiting_on_the_busy_one_and_every_stream_completes(srv):
+    import ray
+
+    # the test adds the replica itself, once requests wait: nothing grows or shrinks by itself meanwhile
+    _set_policy(srv, queue_per_replica=10**6, down_delay_s=3600.0)
+    try:
+        joining = srv.fleet.add()  # started and in the fleet, not yet routed to
+        joining.result(timeout=180)
+        busy, before = srv.state.clients[0], migrations_counted(srv.url, "rebalanced")
+        issued = srv.state.uids.issued
+
+        async def burst() -> tuple[list[Stream], int]:
+            client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            streams = [asyncio.ensure_future(_stream(client, i % len(PROMPTS), 48)) for i in range(16)]
+            while srv.state.uids.issued - issued < len(streams):  # every request sent to the one replica routed to
+                await asyncio.sleep(0.01)
+            waiting = len(busy.waiting)  # two run at a time there (max_running_reqs), the rest wait
+            install = srv.autoscaler._install(joining)
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(install, srv.autoscaler.loop))
+            return list(await asyncio.gather(*streams)), waiting
+
+        streams, waiting = asyncio.run(burst())
+        assert waiting > 0, "every request had its first token before the replica joined"
+        moved = migrations_counted(srv.url, "rebalanced") - before
+        # loads of 16 and 0 even out at 8 and 8, as far as requests still wait
+        assert 1 <= moved <= min(waiting, 8), (moved, waiting)
+        _assert_complete(streams, 48)  # a moved stream's text is the one the busy replica gives its prompt
+        assert len(srv.state.clients) == 2
+        for replica in srv.replicas:
+            ray.get(replica.actor.check_integrity.remote())
+    finally:
+        _set_policy(srv, min_replicas=1, max_replicas=3, queue_per_replica=1, down_delay_s=1.0)
+    _assert_one_replica_left(srv)
 
 
 def test_a_replica_that_dies_during_its_own_start_is_started_again_until_the_fleet_has_the_count_wanted(srv):

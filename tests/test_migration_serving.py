@@ -16,7 +16,7 @@ import httpx
 import pytest
 import ray
 from fixtures import PROMPT_TEXTS
-from helpers import serving
+from helpers import migrations_counted, serving
 
 STREAMS, MAX_TOKENS, KILL_AFTER = 32, 48, 4
 
@@ -117,12 +117,7 @@ def run_streams(srv, bodies: list[dict], at_k: Callable[[], object] | None = Non
 
 
 def _migrations(srv, cause: str) -> float:
-    text = httpx.get(srv.url + "/metrics", timeout=30).text
-    prefix = "raylm:request_migrations_total{"
-    for line in text.splitlines():
-        if line.startswith(prefix) and f'cause="{cause}"' in line:
-            return float(line.split()[-1])
-    return 0.0
+    return migrations_counted(srv.url, cause)
 
 
 def _wait_until_healthy(srv) -> None:

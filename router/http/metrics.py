@@ -127,8 +127,8 @@ class RouterMetrics:
         }
         self.migrations = Counter(
             "raylm:request_migrations",
-            "Choices continued on another replica mid-stream, by cause (replica_down: theirs died or broke; "
-            "drained: theirs was drained)",
+            "Choices continued on another replica, by cause (replica_down: theirs died or broke; "
+            "drained: theirs was drained; rebalanced: waiting there, moved to a replica that joined)",
             labels + ["cause"],
             registry=self.registry,
         )

@@ -104,7 +104,12 @@ def _migration(state: RouterState) -> Migration:
     def counted(cause: str) -> None:
         state.metrics.migrations.labels(state.model_name, cause).inc()
 
-    return Migration(state.config.max_migrations, reroute, lambda: next(state.uids), counted)
+    def rehome(request: AddRequest, to) -> object | None:
+        if state.draining or not to.healthy or to not in state.routable:
+            return None
+        return to if to.has_room(len(request.input_ids), bounds.max_queued_requests, bounds.max_queued_tokens) else None
+
+    return Migration(state.config.max_migrations, reroute, lambda: next(state.uids), counted, rehome)
 
 
 async def serve(

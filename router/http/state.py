@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,9 @@ from cluster import GrammarSpec, InvalidRequestError, RequestLimits, SamplingPar
 from router.http.errors import APIError
 from router.http.metrics import RouterMetrics
 from router.http.protocol import ChatCompletionRequest, SamplingFields
+from router.replicas.rebalance import rebalance
+
+log = logging.getLogger(__name__)
 
 
 def generation_defaults(model_path: str) -> dict:
@@ -130,8 +134,26 @@ class RouterState:
         )
 
     def set_client(self, i: int, client) -> None:
-        """Routes replica i's traffic to client from now on (its replacement is serving)."""
+        """Routes replica i's traffic to client from now on (its replacement is serving); requests
+        waiting elsewhere move to it (`rebalance`). On the router's event loop."""
         self.clients[i] = client
+        self.rebalance()
+
+    def add_client(self, client) -> None:
+        """Routes to a replica that joined the fleet (at the end: its id is its index); requests waiting
+        elsewhere move to it (`rebalance`). On the router's event loop."""
+        self.clients.append(client)
+        self.rebalance()
+
+    def rebalance(self) -> int:
+        """Moves this router's requests waiting on its busier replicas to its idler ones, with
+        rebalance_on_join (router/replicas/rebalance.py); how many. On the router's event loop."""
+        if not self.config.rebalance_on_join:
+            return 0
+        moved = rebalance(self.routable)
+        if moved:
+            log.info("%d waiting request(s) move to the replicas that joined", moved)
+        return moved
 
     @property
     def routable(self) -> list:

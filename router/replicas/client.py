@@ -68,6 +68,9 @@ class ReplicaClient:
         self.replica_live = 0  # requests the replica held at its last message, every router's
         # drained (drain()): routed nothing new; its streams moved to other replicas, or left to end
         self.draining = False
+        # waiting requests handed over to another replica's client (hand_over), until their generation
+        # moves them there or they end
+        self.moving: dict[int, ReplicaClient] = {}
         self._idle = asyncio.Event()  # set while no request of this router is on the replica
         self._idle.set()
 
@@ -143,6 +146,7 @@ class ReplicaClient:
             self._schedule_flush()
 
     def _pop(self, uid: int) -> asyncio.Queue | None:
+        self.moving.pop(uid, None)
         queue = self.queues.pop(uid, None)
         if not self.queues:
             self._idle.set()
@@ -160,6 +164,24 @@ class ReplicaClient:
             self.queues[uid].put_nowait(TokenDelta(uid, None, error=why, error_kind=ErrorKind.REPLICA_DOWN))
         await self._idle.wait()
         return len(noticed)
+
+    @property
+    def waiting(self) -> list[int]:
+        """This router's requests on the replica that have no token yet and are not being handed over,
+        the first sent first."""
+        return [uid for uid in self.queued if uid not in self.moving]
+
+    def hand_over(self, count: int, to: ReplicaClient) -> int:
+        """Moves up to `count` of this router's waiting requests, the last sent first (they would wait
+        longest here), to the replica of `to` (router/replicas/rebalance.py): each gets a notice, after
+        the tokens that came before it, on which its generation sends it there as it was first sent and
+        aborts it here, or, should `to` have no room by then, leaves it here. Returns how many."""
+        uids = self.waiting[::-1][:count]
+        for uid in uids:
+            self.moving[uid] = to
+            why = f"replica {self.replica_id}'s waiting request moves to replica {to.replica_id}"
+            self.queues[uid].put_nowait(TokenDelta(uid, None, error=why, error_kind=ErrorKind.REPLICA_DOWN))
+        return len(uids)
 
     def undrain(self) -> None:
         """Routes to the replica again."""

@@ -125,33 +125,42 @@ class Generation:
         self.live.clear()
 
     def _move(self, delta: TokenDelta) -> str | None:
-        """Continues the failed (or drain-noticed, not finished) delta's choice on another replica; None
-        once sent there, else why it cannot move (a failed request then fails with that said after the
-        failure's own message)."""
+        """Continues the failed (or drain-noticed, or handed-over, not finished) delta's choice on another
+        replica; None once sent there, else why it cannot move (a failed request then fails with that said
+        after the failure's own message; a notice is then ignored and the choice stays)."""
         m, i = self.migration, self.index[delta.uid]
-        if m is None or not m.max_migrations or not movable(delta):
-            return ""
-        if self.migrations[i] >= m.max_migrations:
-            return f"; it was moved to another replica {self.migrations[i]} time(s) already (max_migrations)"
         failed = self.clients[i]
-        request = continuation(self.requests[i], self.sent[i], m.next_uid())
-        client = m.reroute(request, failed)
-        if client is None:
-            return "; no other replica could take it over"
-        self.migrations[i] += 1
+        handed_to = None if delta.finished else getattr(failed, "moving", {}).pop(delta.uid, None)
+        if handed_to is not None:  # a rebalance's: it waits for its prefill there; not counted as a move
+            if m is None:
+                return ""
+            request = continuation(self.requests[i], self.sent[i], m.next_uid())
+            if (client := m.rehome(request, handed_to)) is None:
+                return ""
+            cause = "rebalanced"
+        else:
+            if m is None or not m.max_migrations or not movable(delta):
+                return ""
+            if self.migrations[i] >= m.max_migrations:
+                return f"; it was moved to another replica {self.migrations[i]} time(s) already (max_migrations)"
+            request = continuation(self.requests[i], self.sent[i], m.next_uid())
+            if (client := m.reroute(request, failed)) is None:
+                return "; no other replica could take it over"
+            self.migrations[i] += 1
+            cause = "drained" if getattr(failed, "draining", False) else "replica_down"
         self.live.discard(delta.uid)  # what its old replica still sends is dropped from here on
         failed.abort(delta.uid)  # a drained replica's: it serves on (a dead one's has let go already)
         self.clients[i], self.index[request.uid] = client, i
         self.live.add(request.uid)
         client.submit(request.uid, request.input_ids, request.params, queue=self.queue, output_len=request.output_len)
-        m.counted("drained" if getattr(failed, "draining", False) else "replica_down")
+        m.counted(cause)
         log.info(
-            "request %d continues on replica %d as %d after %d token(s) (move %d)",
+            "request %d continues on replica %d as %d after %d token(s) (%s)",
             self.requests[i].uid,
             client.replica_id,
             request.uid,
             len(self.sent[i]),
-            self.migrations[i],
+            cause if cause == "rebalanced" else f"move {self.migrations[i]}",
         )
         return None
 

@@ -29,12 +29,15 @@ def continuation(original: AddRequest, sent: list[int], uid: int) -> AddRequest:
 class Migration:
     """What a generation needs to move its choices: the limit per choice (0: never move), where to send
     a continuation (`reroute(request, failed)`: another replica's client, or None when no replica can
-    take it), new request ids, and a callback counting each move by its cause."""
+    take it), new request ids, a callback counting each move by its cause, and whether a waiting request
+    a rebalance hands over may go where it is handed (`rehome(request, to)`: `to`, or None when it is
+    no longer routed to or has no room; router/replicas/rebalance.py)."""
 
     max_migrations: int
     reroute: Callable[[AddRequest, object], object | None]
     next_uid: Callable[[], int]
     counted: Callable[[str], None] = lambda cause: None
+    rehome: Callable[[AddRequest, object], object | None] = lambda request, to: None
 
 
 def movable(delta: TokenDelta) -> bool:

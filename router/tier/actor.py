@@ -177,7 +177,7 @@ class RouterActor:
         async def install() -> None:
             client = client_for(ref, self.config, self.subscriber)
             client.start()
-            self.state.clients.append(client)
+            self.state.add_client(client)
 
         self._on_loop(install())
 
@@ -186,7 +186,11 @@ class RouterActor:
         Once this returns, nothing more is sent to it."""
 
         async def mark() -> None:
-            (self.state.retiring.add if retiring else self.state.retiring.discard)(i)
+            if retiring:
+                self.state.retiring.add(i)
+            else:
+                self.state.retiring.discard(i)
+                self.state.rebalance()
 
         self._on_loop(mark())
 

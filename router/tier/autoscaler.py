@@ -138,7 +138,7 @@ class Autoscaler:
         # beside router actors this process routes nothing: no cache contents
         client = client_for(new, self.state.config, kv_events=self.tier is None)
         client.start()
-        self.state.clients.append(client)
+        self.state.add_client(client)
         if self.tier is not None:
             await self.tier.add(new)
         self.added += 1
@@ -164,6 +164,7 @@ class Autoscaler:
 
     async def _resume(self, i: int) -> None:
         self.state.retiring.discard(i)
+        self.state.rebalance()
         if self.tier is not None:
             await self.tier.retire(i, retiring=False)
         self._export()

@@ -1,0 +1,138 @@
+"""Rebalancing when a replica joins the routing, without Ray: the plan evens out the loads by moving
+only waiting requests, and never between replicas within one of each other; the router's clients hand
+the last-sent waiting requests over, each generation moves its request to the replica it was handed
+to as it was first sent (aborted where it waited), or keeps it there when that replica has no room;
+what the old replica sent after the notice is dropped, so each stream is whole."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from cluster import AddRequest, ReplicaOutput, SamplingParams, TokenDelta
+from router.replicas.client import ReplicaClient
+from router.replicas.generation import Generation, Timing
+from router.replicas.migration import Migration
+from router.replicas.rebalance import Move, plan, rebalance
+
+
+def test_a_replica_that_joins_takes_half_of_a_backlog():
+    assert plan([10, 0], [8, 0]) == [Move(0, 1, 5)]
+
+
+def test_only_waiting_requests_move():
+    assert plan([10, 0], [3, 0]) == [Move(0, 1, 3)]
+    assert plan([10, 0], [0, 0]) == []
+
+
+def test_loads_within_one_of_each_other_stay_and_a_gap_of_two_closes():
+    assert plan([5, 4, 5], [5, 4, 5]) == []
+    assert plan([5, 3], [5, 3]) == [Move(0, 1, 1)]
+
+
+def test_several_busy_replicas_share_their_waiting_requests_with_several_new_ones():
+    moves = plan([12, 9, 0, 0], [6, 6, 0, 0])
+    loads = [12, 9, 0, 0]
+    for m in moves:
+        loads[m.source] -= m.count
+        loads[m.target] += m.count
+    assert sorted(loads) == [5, 5, 5, 6]
+    assert all(m.source in (0, 1) and m.target in (2, 3) for m in moves)
+
+
+def test_a_plan_of_mismatched_lists_is_an_error():
+    with pytest.raises(ValueError, match="3 loads against 2"):
+        plan([1, 2, 3], [0, 0])
+
+
+class _Detok:
+    stopped = False
+
+    def add(self, token: int, ends: bool = False) -> str:
+        return f"<{token}>"
+
+    def flush(self) -> str:
+        return ""
+
+
+def _client(replica_id: int) -> ReplicaClient:
+    """A real client whose channel never connects: what it would send stays in _submits and _aborts."""
+    return ReplicaClient(replica_id, actor=None)
+
+
+def _migration(state: dict) -> Migration:
+    def rehome(request, to):
+        return to if state["room"] else None
+
+    m = Migration(2, lambda request, failed: None, state["uids"].__next__, rehome=rehome)
+    m.counted = state["counted"].append
+    return m
+
+
+def _finish(client: ReplicaClient, uid: int, tokens: list[int]) -> None:
+    last = len(tokens) - 1
+    deltas = [
+        TokenDelta(uid, t, finished=k == last, finish_reason="length" if k == last else None)
+        for k, t in enumerate(tokens)
+    ]
+    client._take(ReplicaOutput(deltas))
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_the_last_sent_waiting_requests_move_to_the_replica_that_joined_and_every_stream_is_whole(room):
+    state = {"room": room, "counted": [], "uids": itertools.count(100)}
+
+    async def main():
+        busy, new = _client(0), _client(1)
+        params = SamplingParams(temperature=0.0, max_tokens=3)
+        requests = [AddRequest(uid, [1, 2, uid], params) for uid in range(5)]
+        gens = [Generation(busy, [r], [_Detok()], Timing(), _migration(state)) for r in requests]
+        texts = [asyncio.ensure_future(_text(g)) for g in gens]
+        assert list(busy.queued) == [0, 1, 2, 3, 4]  # each generation submitted as it was made
+        busy._take(ReplicaOutput([TokenDelta(0, 7)]))  # request 0 has its first token: it runs, not waits
+
+        handed = rebalance([busy, new])
+        assert handed == 2 and set(busy.moving) == {3, 4}  # loads 5 and 0: the last two sent of those waiting
+        while busy.moving:  # until each generation has taken its notice
+            await asyncio.sleep(0)
+        # what the busy replica sends for a handed-over request after the notice is dropped
+        _finish(busy, 0, [8, 9])
+        for uid in (1, 2, 3, 4):
+            _finish(busy, uid, [uid, uid, uid])
+        moved = {r.uid: r for r in new._submits}
+        if room:
+            assert [r.input_ids for r in moved.values()] == [[1, 2, 3], [1, 2, 4]]
+            assert all(r.output_len == 0 and r.params == params for r in moved.values())
+            assert busy._aborts == [3, 4] and state["counted"] == ["rebalanced", "rebalanced"]
+            for r in moved.values():
+                _finish(new, r.uid, [50, 51, 52])
+        else:
+            assert not moved and not busy._aborts and not state["counted"]
+        assert not busy.moving and not busy.queues
+        return await asyncio.gather(*texts)
+
+    texts = asyncio.run(main())
+    assert texts[0] == "<7><8><9>" and texts[1:3] == ["<1><1><1>", "<2><2><2>"]
+    assert texts[3:] == (["<50><51><52>"] * 2 if room else ["<3><3><3>", "<4><4><4>"])
+
+
+async def _text(g: Generation) -> str:
+    return "".join([piece.text async for piece in g])
+
+
+def test_a_client_hands_over_no_more_than_it_has_waiting_and_none_twice():
+    async def main():
+        busy, new = _client(0), _client(1)
+        for uid in range(3):
+            busy.submit(uid, [1, 2], SamplingParams())
+        assert busy.hand_over(2, new) == 2 and busy.waiting == [0]
+        assert busy.hand_over(5, new) == 1 and busy.waiting == []
+        notices = [busy.queues[uid].get_nowait() for uid in (2, 1, 0)]
+        assert all(d.error is not None and not d.finished for d in notices)
+        assert rebalance([busy, new]) == 0  # nothing left to move: loads count the handed-over ones as gone
+        busy.abort(1)
+        assert 1 not in busy.moving
+
+    asyncio.run(main())
