@@ -148,7 +148,7 @@ def test_folding_the_norms_into_the_weights_quantized_at_load_costs_no_accuracy(
     with checked_llm(qwen3_path, page_size=4) as llm:
         exact = _last_logits(llm, prompts)
         norms = {n: m.weight.clone() for n, m in llm.engine.model.named_modules() if isinstance(m, RMSNorm)}
-    with checked_llm(qwen3_path, page_size=4, quantization="fp8") as llm:
+    with checked_llm(qwen3_path, page_size=4, quantization="fp8", kernels=Kernels(fp8_norms="apart")) as llm:
         apart = _last_logits(llm, prompts)
     with checked_llm(qwen3_path, page_size=4, quantization="fp8", kernels=Kernels(fp8_norms="folded")) as llm:
         folded = _last_logits(llm, prompts)
@@ -331,7 +331,13 @@ def test_on_gpu_an_fp8_engine_with_its_norms_inside_its_gemvs_decodes_as_with_th
         with checked_llm(path, **kw) as llm:
             rows = []
             compute_logits = llm.engine.model.compute_logits
-            llm.engine.model.compute_logits = lambda h: rows.append(compute_logits(h).float().cpu()) or rows[-1]
+
+            def recorded(h: torch.Tensor) -> torch.Tensor:
+                logits = compute_logits(h)
+                rows.append(logits.float().cpu())
+                return logits  # on the device, for the sampler
+
+            llm.engine.model.compute_logits = recorded
             tokens, steps = [], []
             for p in prompts:
                 rows.clear()
@@ -367,3 +373,10 @@ def test_fp8_norms_auto_resolves_to_the_measured_placement_and_an_unknown_one_is
     assert Kernels(fp8_norms="apart").fp8_norms_resolved == "apart" and not Kernels(fp8_norms="apart").fp8_norms_inside
     with pytest.raises(ValueError, match="unknown FP8 norm placement 'beside'"):
         Kernels(fp8_norms="beside")
+
+
+def test_fp8_norms_auto_is_folded_for_weights_quantized_at_load_and_apart_for_a_quantized_checkpoint():
+    """Inside (what folded is where nothing can be folded) was measured slower than apart."""
+    assert Kernels().with_weights(quantized_at_load=True).fp8_norms == "folded"
+    assert Kernels().with_weights(quantized_at_load=False).fp8_norms == "apart"
+    assert Kernels(fp8_norms="inside").with_weights(quantized_at_load=False).fp8_norms == "inside"

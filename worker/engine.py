@@ -190,13 +190,15 @@ class Engine:
         if scheme is not None:
             check_device(scheme, self.device)
         dummy = self.config.load_format == "dummy"
+        prequantized = scheme is not None and scheme.prequantized and not dummy
+        self.kernels = self.kernels.with_weights(quantized_at_load=not prequantized)
         if is_eagle3(self.hf_config):  # a head shares the model's embeddings unless it has its own
             self.hf_config.embed_tokens_in_checkpoint = not dummy and has_own_embeddings(self.config.model_path)
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = build_model(self.hf_config, self.max_seq_len + 1, self.tp, self.kernels)
         # a prequantized checkpoint's fp8 weights and scales load into FP8 linears; random weights (dummy)
         # and unquantized checkpoints are quantized once loaded
-        if scheme is not None and scheme.prequantized and not dummy:
+        if prequantized:
             quantize_linears(self.model, scheme)
         if dummy:
             init_dummy_weights(self.model)

@@ -14,8 +14,10 @@ MOE_KERNELS = ("auto", "torch")
 DECODE_GEMMS = ("auto", "vendor", "triton")
 PDL_MODES = ("auto", "on", "off")
 FP8_NORMS = ("auto", "apart", "inside", "folded")
-# What `fp8_norms` auto resolves to: apart until inside and folded are timed on a GPU (bench/gpu.sh fp8_norms)
-FP8_NORMS_AUTO = "apart"
+# What `fp8_norms` auto resolves to. Qwen3-8B with FP8 weights at batch 1 on an H100 (bench/gpu.sh fp8_norms,
+# 2026-12-06, ms a token): apart 3.476, inside 3.564 (the norm in the GEMV costs registers: 87 against 47),
+# folded 3.358 (bf16 5.451); folded falls back to inside for a prequantized checkpoint
+FP8_NORMS_AUTO = "folded"
 # Where `pdl` auto turns programmatic dependent launch on: every model on one GPU. Batch 1 on an H100
 # (bench/decode_latency.py --pdl off / on, e61451b, 2026-12-05, ms a token): Qwen3-0.6B 0.963 / 0.896,
 # Qwen3-8B 5.740 / 5.558, with FP8 weights 3.669 / 3.476, Qwen3-30B-A3B 3.216 / 2.975. (Before its GEMVs'
@@ -65,7 +67,8 @@ class Kernels:
     # epilogue of the GEMV before (o, down) and the norm inside the FP8 GEMV after, in its one pass over the
     # row; folded: as inside, and where the weights are quantized at load the norm's weight folded into
     # them first (worker/quant/fold.py), so the GEMV reads nothing the plain GEMV does not (a checkpoint
-    # quantized already is not folded: there folded is inside). auto: FP8_NORMS_AUTO
+    # quantized already is not folded: there folded is inside). auto: FP8_NORMS_AUTO where the weights are
+    # quantized at load, apart for a checkpoint quantized already (`with_weights`)
     fp8_norms: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too
@@ -95,6 +98,14 @@ class Kernels:
             return self
         on = tp_size == 1
         return replace(self, pdl="on" if on else "off")
+
+    def with_weights(self, quantized_at_load: bool) -> Kernels:
+        """These kernels with `fp8_norms` auto resolved for the model's weights (an engine's, before it
+        builds its layers): FP8_NORMS_AUTO where they are quantized at load, apart for a checkpoint
+        quantized already (where folded would be inside, which was measured slower than apart)."""
+        if self.fp8_norms != "auto":
+            return self
+        return replace(self, fp8_norms=FP8_NORMS_AUTO if quantized_at_load else "apart")
 
     @property
     def fp8_norms_resolved(self) -> str:

@@ -145,10 +145,10 @@ def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
 
 
 # Whether the GEMV over block-scaled weights loads their scales a block at a time (`fp8_gemv`'s `grouped`)
-# by default. Not yet timed on a GPU (bench/fp8_gemv.py --blocks). Compiled for sm_90 (bench/kernel_resources.py)
-# it holds 54 registers a thread against 160 with a scale loaded for every weight; on an H100 that default
-# took 118.68 us for Qwen3-8B's block-scaled gate-up (after a separate norm) against 38.94 with scales a row
-GROUPED_BLOCK_SCALES = False
+# by default. Qwen3-8B's layers at one row over 128 x 128 blocks on an H100 (bench/fp8_gemv.py --blocks,
+# 2026-12-06, us, a scale for every weight / a block at a time): qkv 36.3 / 11.6, o 25.6 / 8.2, gate-up
+# 115.9 / 36.4, down 71.1 / 20.3. Compiled for sm_90 it holds 54 registers a thread against 160.
+GROUPED_BLOCK_SCALES = True
 
 
 def fp8_gemv(
