@@ -148,6 +148,9 @@ class _Client:
     def __init__(self, replica_id: int, stats: _Stats) -> None:
         self.replica_id, self.stats, self.healthy, self.load = replica_id, stats, True, stats.live
         self.draining = False
+        self.moving: dict = {}
+        self.waiting: list[int] = []  # this router's requests waiting on it (sent, no token yet)
+        self.handed: list[tuple[int, _Client]] = []
 
         async def stats_call():
             return self.stats
@@ -156,6 +159,10 @@ class _Client:
 
     async def stop(self) -> None:
         pass
+
+    def hand_over(self, count: int, to: _Client) -> int:
+        self.handed.append((count, to))
+        return count
 
 
 class _Fleet:
@@ -197,9 +204,11 @@ def test_a_draining_replica_takes_requests_again_when_they_queue_instead_of_a_ne
     asyncio.run(autoscaler.step())
     assert state.retiring == {1} and [c.replica_id for c in state.routable] == [0]
     clients[0].stats = _Stats(waiting=5, running=2)  # requests queue on the one left
+    clients[0].load, clients[0].waiting = 4, [7, 8, 9]  # this router's share: three of them wait
     asyncio.run(autoscaler.step())
     assert state.retiring == set() and fleet.added == 0 and fleet.removed == 0
     assert autoscaler.wanted == 2
+    assert clients[0].handed == [(1, clients[1])]  # loads 4 and 1 even out at 3 and 2
 
 
 def test_a_drained_replica_is_removed_only_once_nothing_of_its_requests_is_left():

@@ -77,7 +77,7 @@ def test_a_replacement_is_built_on_a_fleet_thread_then_routed_to():
     old = _Replica()
     fleet = Fleet(None, [old], build=build)
     state = RouterState(
-        config=SimpleNamespace(health_check_timeout_s=1.0),
+        config=SimpleNamespace(health_check_timeout_s=1.0, rebalance_on_join=True),
         tokenizer=None,
         model_name="m",
         max_seq_len=8,
