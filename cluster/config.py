@@ -374,8 +374,8 @@ class ServeConfig(ReplicaConfig):
     )
     rebalance_on_join: bool = setting(
         True,
-        "when a replica joins the routing (the fleet grew, a failed one was replaced, a draining one takes "
-        "requests again), requests waiting on busier replicas with no token yet move to it",
+        "when a replica joins the routing (the fleet grew, a failed one was replaced, one retiring for "
+        "scale-down takes requests again), requests waiting on busier replicas with no token yet move to it",
         group="cluster",
     )
     dashboard: bool = setting(

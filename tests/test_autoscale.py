@@ -225,9 +225,13 @@ def test_a_replica_that_joins_takes_over_requests_waiting_on_the_busy_one_and_ev
             streams = [asyncio.ensure_future(_stream(client, i % len(PROMPTS), 48)) for i in range(16)]
             while srv.state.uids.issued - issued < len(streams):  # every request sent to the one replica routed to
                 await asyncio.sleep(0.01)
-            waiting = len(busy.waiting)  # two run at a time there (max_running_reqs), the rest wait
-            install = srv.autoscaler._install(joining)
-            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(install, srv.autoscaler.loop))
+
+            async def join() -> int:  # on the router's loop, where its clients change
+                waiting = len(busy.waiting)  # two run at a time there (max_running_reqs), the rest wait
+                await srv.autoscaler._install(joining)
+                return waiting
+
+            waiting = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(join(), srv.autoscaler.loop))
             return list(await asyncio.gather(*streams)), waiting
 
         streams, waiting = asyncio.run(burst())

@@ -149,6 +149,7 @@ class _Client:
         self.replica_id, self.stats, self.healthy, self.load = replica_id, stats, True, stats.live
         self.draining = False
         self.moving: dict = {}
+        self.outgoing: list[_Client] = []
         self.waiting: list[int] = []  # this router's requests waiting on it (sent, no token yet)
         self.handed: list[tuple[int, _Client]] = []
 

@@ -95,10 +95,9 @@ def test_the_last_sent_waiting_requests_move_to_the_replica_that_joined_and_ever
 
         handed = rebalance([busy, new])
         assert handed == 2 and set(busy.moving) == {3, 4}  # loads 5 and 0: the last two sent of those waiting
-        while busy.moving:  # until each generation has taken its notice
-            await asyncio.sleep(0)
-        # what the busy replica sends for a handed-over request after the notice is dropped
+        await _notices_taken(busy)
         _finish(busy, 0, [8, 9])
+        # what the busy replica sends for a handed-over request after the notice is dropped
         for uid in (1, 2, 3, 4):
             _finish(busy, uid, [uid, uid, uid])
         moved = {r.uid: r for r in new._submits}
@@ -120,6 +119,54 @@ def test_the_last_sent_waiting_requests_move_to_the_replica_that_joined_and_ever
 
 async def _text(g: Generation) -> str:
     return "".join([piece.text async for piece in g])
+
+
+async def _notices_taken(client: ReplicaClient) -> None:
+    """Lets the generations run until each has taken its notice (a few turns of the loop)."""
+    for _ in range(100):
+        if not client.moving:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"notices not taken: {client.moving}")
+
+
+def test_a_handed_over_request_whose_first_token_or_end_came_before_its_notice_was_taken_stays():
+    """The notice is in the queue first, the token or the end after it: the generation finds the request
+    no longer waiting, so it neither moves it nor takes the notice for a drain or a failure."""
+    state = {"room": True, "counted": [], "uids": itertools.count(100)}
+
+    async def main():
+        busy, new = _client(0), _client(1)
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        gens = [
+            Generation(busy, [AddRequest(uid, [1, uid], params)], [_Detok()], Timing(), _migration(state))
+            for uid in range(4)
+        ]
+        texts = [asyncio.ensure_future(_text(g)) for g in gens]
+        assert rebalance([busy, new]) == 2 and set(busy.moving) == {2, 3}
+        busy._take(ReplicaOutput([TokenDelta(2, 20)]))  # a first token before the notice is taken
+        _finish(busy, 3, [30, 31])  # the whole request before the notice is taken
+        await _notices_taken(busy)
+        for uid in (0, 1):
+            _finish(busy, uid, [uid, uid])
+        _finish(busy, 2, [21])
+        assert not new._submits and not busy._aborts and not state["counted"]
+        return await asyncio.gather(*texts)
+
+    assert asyncio.run(main()) == ["<0><0>", "<1><1>", "<20><21>", "<30><31>"]
+
+
+def test_a_second_rebalance_counts_the_requests_the_first_handed_over_where_they_go():
+    async def main():
+        a, b, c = _client(0), _client(1), _client(2)
+        for uid in range(12):
+            a.submit(uid, [1, 2], SamplingParams())
+        assert rebalance([a, b]) == 6  # 12 and 0: 6 and 6
+        # 6, 6 and 0, the six not moved yet counted on b (they are bound for it): 3, 6 and 3
+        assert rebalance([a, b, c]) == 3
+        assert [to.replica_id for to in a.outgoing].count(2) == 3
+
+    asyncio.run(main())
 
 
 def test_a_client_hands_over_no_more_than_it_has_waiting_and_none_twice():

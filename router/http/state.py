@@ -146,13 +146,13 @@ class RouterState:
         self.rebalance()
 
     def rebalance(self) -> int:
-        """Moves this router's requests waiting on its busier replicas to its idler ones, with
+        """Hands this router's requests waiting on its busier replicas over to its idler ones, with
         rebalance_on_join (router/replicas/rebalance.py); how many. On the router's event loop."""
         if not self.config.rebalance_on_join:
             return 0
         moved = rebalance(self.routable)
         if moved:
-            log.info("%d waiting request(s) move to the replicas that joined", moved)
+            log.info("%d waiting request(s) handed over to the replicas that joined", moved)
         return moved
 
     @property

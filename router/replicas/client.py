@@ -69,7 +69,8 @@ class ReplicaClient:
         # drained (drain()): routed nothing new; its streams moved to other replicas, or left to end
         self.draining = False
         # waiting requests handed over to another replica's client (hand_over), until their generation
-        # moves them there or they end
+        # takes the notice (it moves them, or leaves one that has had a token or ended meanwhile) or
+        # aborts them: an entry outlives the request's end here, so a late notice is known for one
         self.moving: dict[int, ReplicaClient] = {}
         self._idle = asyncio.Event()  # set while no request of this router is on the replica
         self._idle.set()
@@ -141,12 +142,12 @@ class ReplicaClient:
 
     def abort(self, uid: int) -> None:
         self._dequeue(uid)
+        self.moving.pop(uid, None)
         if self._pop(uid) is not None:
             self._aborts.append(uid)
             self._schedule_flush()
 
     def _pop(self, uid: int) -> asyncio.Queue | None:
-        self.moving.pop(uid, None)
         queue = self.queues.pop(uid, None)
         if not self.queues:
             self._idle.set()
@@ -164,6 +165,11 @@ class ReplicaClient:
             self.queues[uid].put_nowait(TokenDelta(uid, None, error=why, error_kind=ErrorKind.REPLICA_DOWN))
         await self._idle.wait()
         return len(noticed)
+
+    @property
+    def outgoing(self) -> list[ReplicaClient]:
+        """The client each handed-over request that still waits here is going to."""
+        return [to for uid, to in self.moving.items() if uid in self.queued]
 
     @property
     def waiting(self) -> list[int]:

@@ -131,12 +131,14 @@ class Generation:
         m, i = self.migration, self.index[delta.uid]
         failed = self.clients[i]
         handed_to = None if delta.finished else getattr(failed, "moving", {}).pop(delta.uid, None)
-        if handed_to is not None:  # a rebalance's: it waits for its prefill there; not counted as a move
-            if m is None:
+        if handed_to is not None:  # a rebalance's notice (not counted as a move)
+            # moved only while it still waits there: one whose first token (or end) came meanwhile stays
+            if m is None or delta.uid not in failed.queued:
                 return ""
-            request = continuation(self.requests[i], self.sent[i], m.next_uid())
+            request = continuation(self.requests[i], self.sent[i], uid=-1)
             if (client := m.rehome(request, handed_to)) is None:
                 return ""
+            request.uid = m.next_uid()
             cause = "rebalanced"
         else:
             if m is None or not m.max_migrations or not movable(delta):

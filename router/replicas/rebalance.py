@@ -11,6 +11,7 @@ out the fleet."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 # replicas whose loads differ by less than this are left as they are (moving one request between
@@ -33,6 +34,8 @@ def plan(loads: list[int], waiting: list[int], min_gap: int = MIN_GAP) -> list[M
     request to the least loaded, while they differ by at least min_gap."""
     if len(loads) != len(waiting):
         raise ValueError(f"{len(loads)} loads against {len(waiting)} waiting counts")
+    if min_gap < 1:
+        raise ValueError(f"min_gap must be at least 1, not {min_gap}")
     loads, left = list(loads), list(waiting)
     counts: dict[tuple[int, int], int] = {}
     while True:
@@ -52,5 +55,9 @@ def rebalance(clients: list) -> int:
     """Hands this router's waiting requests from its busier replicas' clients to its idler ones'
     (ReplicaClient.hand_over) as `plan` says; how many were handed over. On the router's event loop."""
     up = [c for c in clients if c.healthy]
-    moves = plan([c.load - len(c.moving) for c in up], [len(c.waiting) for c in up])
+    # requests handed over by an earlier rebalance whose generation has not moved them yet count where
+    # they are going
+    incoming = Counter(id(to) for c in up for to in c.outgoing)
+    loads = [c.load - len(c.outgoing) + incoming[id(c)] for c in up]
+    moves = plan(loads, [len(c.waiting) for c in up])
     return sum(up[m.source].hand_over(m.count, up[m.target]) for m in moves)
