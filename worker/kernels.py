@@ -16,7 +16,8 @@ PDL_MODES = ("auto", "on", "off")
 FP8_NORMS = ("auto", "apart", "inside", "folded")
 # What `fp8_norms` auto resolves to. Qwen3-8B with FP8 weights at batch 1 on an H100 (bench/gpu.sh fp8_norms,
 # 2026-12-06, ms a token): apart 3.476, inside 3.564 (the norm in the GEMV costs registers: 87 against 47),
-# folded 3.358 (bf16 5.451); folded falls back to inside for a prequantized checkpoint
+# folded 3.358 (bf16 5.451). For a checkpoint quantized already auto is apart (`Kernels.with_weights`): nothing
+# folds there, so folded would be inside
 FP8_NORMS_AUTO = "folded"
 # Where `pdl` auto turns programmatic dependent launch on: every model on one GPU. Batch 1 on an H100
 # (bench/decode_latency.py --pdl off / on, e61451b, 2026-12-05, ms a token): Qwen3-0.6B 0.963 / 0.896,

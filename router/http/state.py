@@ -145,6 +145,12 @@ class RouterState:
         self.clients.append(client)
         self.rebalance()
 
+    def resume(self, i: int) -> None:
+        """Routes to replica i again, which was retiring (draining for scale-down); requests waiting
+        elsewhere move to it (`rebalance`). On the router's event loop."""
+        self.retiring.discard(i)
+        self.rebalance()
+
     def rebalance(self) -> int:
         """Hands this router's requests waiting on its busier replicas over to its idler ones, with
         rebalance_on_join (router/replicas/rebalance.py); how many. On the router's event loop."""

@@ -180,8 +180,9 @@ class ReplicaClient:
     def hand_over(self, count: int, to: ReplicaClient) -> int:
         """Moves up to `count` of this router's waiting requests, the last sent first (they would wait
         longest here), to the replica of `to` (router/replicas/rebalance.py): each gets a notice, after
-        the tokens that came before it, on which its generation sends it there as it was first sent and
-        aborts it here, or, should `to` have no room by then, leaves it here. Returns how many."""
+        the tokens that came before it, on which its generation sends it there as it stands and aborts it
+        here, or, should `to` have no room by then (or the request have had a token meanwhile), leaves it
+        here. Returns how many."""
         uids = self.waiting[::-1][:count]
         for uid in uids:
             self.moving[uid] = to

@@ -189,8 +189,7 @@ class RouterActor:
             if retiring:
                 self.state.retiring.add(i)
             else:
-                self.state.retiring.discard(i)
-                self.state.rebalance()
+                self.state.resume(i)
 
         self._on_loop(mark())
 

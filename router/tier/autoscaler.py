@@ -163,8 +163,7 @@ class Autoscaler:
         log.warning("autoscaling: draining replica %d (no new requests; those it has finish)", i)
 
     async def _resume(self, i: int) -> None:
-        self.state.retiring.discard(i)
-        self.state.rebalance()
+        self.state.resume(i)
         if self.tier is not None:
             await self.tier.retire(i, retiring=False)
         self._export()
