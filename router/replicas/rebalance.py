@@ -1,13 +1,12 @@
 """Rebalancing when a replica joins the routing (the fleet grew, a failed replica was replaced, one
-retiring for scale-down takes requests again). Requests are sent to a replica as they arrive and wait
-in its own queue, so a backlog that built up before the newcomer served would otherwise stay where it is while
-the newcomer idles. Each router moves its own requests that are still waiting (sent, no token yet
+retiring for scale-down takes requests again). Requests are sent to a replica as they arrive and wait in
+its own queue, so a backlog that built up before the newcomer served would otherwise stay where it is
+while the newcomer idles. Each router moves its own requests that are still waiting (sent, no token yet
 from that replica) from its busiest replicas to its idlest until their counts are within one of each
-other. A move is a migration (router/replicas/migration.py) before the prefill: the request goes to
-the other replica as it stands (as first sent, or the continuation it already is) and is aborted
-where it waited, so its output is the same. A request that has produced a token there stays: moving
-it would cost its prefill again. Every router does this for its own requests, so together they even
-out the fleet."""
+other. A move is a migration (router/replicas/migration.py) before the prefill: the request goes to the
+other replica as it stands (as first sent, or the continuation it already is) and is aborted where it
+waited, so its output is the same. A request that has produced a token there stays: moving it would cost
+its prefill again. Every router does this for its own requests, so together they even out the fleet."""
 
 from __future__ import annotations
 
