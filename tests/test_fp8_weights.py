@@ -32,7 +32,7 @@ from worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowPar
 from worker.loader import CheckpointError, LazyTensor
 from worker.parallel import TPGroup
 from worker.quant import gemm
-from worker.quant.fp8 import FP8, Fp8Weights, dequantize
+from worker.quant.fp8 import FP8, Fp8Weights, dequantize, quantize_per_channel
 from worker.quant.scheme import Fp8Scheme, QuantizationError
 
 FORMATS = ["fp8", "compressed-tensors"]
@@ -129,6 +129,33 @@ def test_fp8_checkpoint_at_tp2_equals_tp1(ray_cluster, checkpoints, fmt):
     assert [t for t, _ in tp2] == [t for t, _ in tp1]
     flat = [[x for _, lps in run for x in lps] for run in (tp2, tp1)]
     assert flat[0] == pytest.approx(flat[1], abs=1e-4)
+
+
+def test_quantization_fp8_at_load_at_tp2_equals_tp1(ray_cluster, hd128):
+    # o and down are row-parallel: a rank holds half of each output row, and scales it by the whole row's
+    # largest magnitude, as tp=1 does, so both quantize every weight alike
+    prompts = _prompts(4)
+    params = greedy(12, ignore_eos=True, logprobs=0)
+    runs = []
+    for tp_size in (2, 1):
+        with checked_llm(hd128, tp_size=tp_size, page_size=4, quantization="fp8") as llm:
+            runs.append([(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)])
+    assert [t for t, _ in runs[0]] == [t for t, _ in runs[1]]
+    flat = [[x for _, lps in run for x in lps] for run in runs]
+    assert flat[0] == pytest.approx(flat[1], abs=1e-4)
+
+
+def test_row_parallel_shards_quantized_at_load_take_the_whole_rows_scales():
+    torch.manual_seed(0)
+    full = torch.randn(48, 128)
+    whole_q, whole_s = quantize_per_channel(full)
+    shards = full.chunk(2, dim=1)
+    # the largest magnitude of each row over both ranks' columns, as max_over_ranks gives it
+    row_max = torch.stack([p.abs().amax(dim=1) for p in shards]).amax(dim=0)
+    for rank, part in enumerate(shards):
+        q, s = quantize_per_channel(part, lambda amax, m=row_max: torch.maximum(amax, m))
+        assert torch.equal(s, whole_s)
+        assert torch.equal(q.float(), whole_q.float().chunk(2, dim=1)[rank])
 
 
 def test_quantization_fp8_at_load_is_the_model_over_its_per_channel_e4m3_weights(qwen3_path, tmp_path):

@@ -176,7 +176,8 @@ def test_a_drain_with_streams_in_flight_moves_them_and_cuts_nothing(pair, undist
             streams, had = run_streams(pair, [_body(i) for i in range(STREAMS)], lambda: pair.drain_replica(1))
             assert pair.state.clients[1].load == 0  # nothing of this router is left on the drained replica
         finally:
-            pair.state.clients[1].undrain()
+            pair.undrain_replica(1)
+        assert pair.state.routable == pair.state.clients  # routed to again
         _check_whole(streams, undisturbed)
         assert _migrations(pair, "drained") - before == had  # each stream it had moved
         if had > 0:

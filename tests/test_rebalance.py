@@ -183,3 +183,33 @@ def test_a_client_hands_over_no_more_than_it_has_waiting_and_none_twice():
         assert 1 not in busy.moving
 
     asyncio.run(main())
+
+
+def test_an_undrained_replica_takes_over_requests_waiting_on_the_others():
+    from cluster.config import ServeConfig
+    from router.http.metrics import RouterMetrics
+    from router.http.state import RouterState
+
+    async def main():
+        state = RouterState(
+            config=ServeConfig().override(model="m"),
+            tokenizer=None,
+            model_name="m",
+            max_seq_len=64,
+            vocab_size=10,
+            metrics=RouterMetrics("m"),
+        )
+        busy, drained = _client(0), _client(1)
+        state.clients = [busy, drained]
+        await drained.drain()  # nothing of this router's on it: returns at once, out of routing
+        for uid in range(4):
+            busy.submit(uid, [1, 2], SamplingParams())
+        assert state.routable == [busy]
+        assert state.undrain_replica(1) == 2
+        assert state.routable == [busy, drained] and [to.replica_id for to in busy.outgoing] == [1, 1]
+        # with rebalance_on_join off it is routed to again and nothing moves
+        await drained.drain()
+        state.config = ServeConfig().override(model="m", rebalance_on_join=False)
+        assert state.undrain_replica(1) == 0 and state.routable == [busy, drained]
+
+    asyncio.run(main())

@@ -142,6 +142,11 @@ class TorchDistComm:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.device_group)
         return int(t.item())
 
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """x, elementwise the largest of every rank's (in place). At start-up, as min_over_ranks."""
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.device_group)
+        return x
+
     def broadcast_desc(self, desc: BatchDesc | Keepalive | None) -> BatchDesc | Keepalive | None:
         """Rank 0 sends the step (None: stop) and gets it back; the others receive it (their argument
         is unused)."""

@@ -15,6 +15,8 @@ class Collectives(Protocol):
 
     def min_over_ranks(self, value: int) -> int: ...
 
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor: ...
+
 
 class SingleRank:
     """The collectives of a group of one: every operation is the identity."""
@@ -27,6 +29,9 @@ class SingleRank:
 
     def min_over_ranks(self, value: int) -> int:
         return value
+
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,22 @@ class RouterState:
             raise RuntimeError("the router is not serving yet")
         return asyncio.run_coroutine_threadsafe(self.drain_replica(i), self.loop).result(timeout_s)
 
+    def undrain_replica(self, i: int) -> int:
+        """Routes to replica i again after drain_replica; requests waiting elsewhere move to it
+        (`rebalance`), as to a replica that joined; how many. On the router's event loop."""
+        self.clients[i].undrain()
+        return self.rebalance()
+
+    def undrain_replica_from_thread(self, i: int, timeout_s: float | None = None) -> int:
+        """undrain_replica from another thread than the router's."""
+        if self.loop is None:
+            raise RuntimeError("the router is not serving yet")
+
+        async def undrain() -> int:
+            return self.undrain_replica(i)
+
+        return asyncio.run_coroutine_threadsafe(undrain(), self.loop).result(timeout_s)
+
     # replicas being drained to leave the fleet: their requests finish, no new one goes to them
     retiring: set[int] = field(default_factory=set)
 
@@ -158,7 +174,7 @@ class RouterState:
             return 0
         moved = rebalance(self.routable)
         if moved:
-            log.info("%d waiting request(s) handed over to the replicas that joined", moved)
+            log.info("%d waiting request(s) handed over to the replicas that joined or came back", moved)
         return moved
 
     @property

@@ -166,6 +166,10 @@ class RouterActor:
         how many it had there."""
         return self.state.drain_replica_from_thread(i, self.config.drain_timeout_s + 10)
 
+    def undrain_replica(self, i: int) -> int:
+        """Routes to replica i again (RouterState.undrain_replica); how many waiting requests moved to it."""
+        return self.state.undrain_replica_from_thread(i, 30)
+
     # -- the autoscaler's: a replica joins at the end, or retires from it ---------------------------
 
     def add_replica(self, ref: ReplicaRef) -> None:

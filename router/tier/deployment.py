@@ -90,11 +90,19 @@ class Deployment:
         """Takes replica i out of routing with its streams in flight moved to the other replicas, unbroken
         (those that may not move, with max_migrations 0 or used up, left to finish on it); returns once
         no router has a request on it, with how many streams it had. The replica still runs: stop,
-        replace or undrain it after (the clients' `undrain`). Callable from any thread."""
+        replace or undrain it after (`undrain_replica`). Callable from any thread."""
         had = self.state.drain_replica_from_thread(i, self.config.drain_timeout_s + 10)
         if self.tier is not None:
             had += self.tier.drain_replica(i)
         return had
+
+    def undrain_replica(self, i: int) -> int:
+        """Routes to replica i again after drain_replica, every router handing it some of the requests
+        that wait on the others (with rebalance_on_join); returns how many moved. Callable from any thread."""
+        moved = self.state.undrain_replica_from_thread(i, 30)
+        if self.tier is not None:
+            moved += self.tier.undrain_replica(i)
+        return moved
 
     @property
     def url(self) -> str:

@@ -184,6 +184,10 @@ class RouterTier:
         """Every router stops routing to replica i and moves its streams there elsewhere; how many they had."""
         return sum(ray.get([a.drain_replica.remote(i) for a in self.actors], timeout=self.config.drain_timeout_s + 20))
 
+    def undrain_replica(self, i: int) -> int:
+        """Every router routes to replica i again; how many waiting requests they moved to it."""
+        return sum(ray.get([a.undrain_replica.remote(i) for a in self.actors], timeout=60))
+
     def drain(self) -> None:
         """Each router stops taking requests and finishes those in flight (up to the drain timeout)."""
         self._closed = True

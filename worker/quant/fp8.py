@@ -5,6 +5,8 @@ side). Its loader keeps a rank's shard of the weight and of the scales; its GEMM
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -17,11 +19,18 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_channel(
+    weight: torch.Tensor, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (e4m3 [N, K], float32 scales [N]) with weight ~= e4m3 * scale, each row's largest
-    magnitude at 448 (round to nearest, as torch converts)."""
+    magnitude at 448 (round to nearest, as torch converts). `row_max`: the rows' largest magnitudes [N]
+    -> those of the whole rows, where `weight` holds a slice of each (a tensor-parallel rank's columns of
+    a row-parallel layer), so that every rank scales a row as one rank holding all of it would."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    amax = w.abs().amax(dim=1)
+    if row_max is not None:
+        amax = row_max(amax)
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
@@ -41,9 +50,12 @@ class Fp8Weights:
         self.kernels = kernels
 
     @staticmethod
-    def attach(layer: nn.Module, scheme: Fp8Scheme) -> None:
+    def attach(
+        layer: nn.Module, scheme: Fp8Scheme, row_max: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> None:
         """Makes `layer` an FP8 linear. A prequantized scheme gives it empty e4m3 weights and scales for the
-        checkpoint to fill; otherwise its loaded (or random) weight is quantized now, per output channel."""
+        checkpoint to fill; otherwise its loaded (or random) weight is quantized now, per output channel
+        (`row_max`: as quantize_per_channel's)."""
         n, k = layer.weight.shape
         device = layer.weight.device
         if scheme.prequantized:
@@ -53,7 +65,7 @@ class Fp8Weights:
             layer.weight = nn.Parameter(weight, requires_grad=False)
             layer.register_parameter(scheme.scale_name, nn.Parameter(scale, requires_grad=False))
         else:
-            weight, scale = quantize_per_channel(layer.weight.data)
+            weight, scale = quantize_per_channel(layer.weight.data, row_max)
             layer.weight = nn.Parameter(weight, requires_grad=False)
             # computed here, not read from the checkpoint: a buffer, which the loader does not expect
             layer.register_buffer(scheme.scale_name, scale)

@@ -1,6 +1,7 @@
 """The load step for quantized weights, which the model classes do not see: before a prequantized checkpoint
 is read, its linears become FP8 linears with empty weights and scales for the loader to fill; with
-`quantization="fp8"`, after the unquantized weights are loaded (or drawn), they are quantized in place."""
+`quantization="fp8"`, after the unquantized weights are loaded (or drawn), they are quantized in place, each
+output row at one scale at any tensor-parallel size."""
 
 from __future__ import annotations
 
@@ -52,7 +53,10 @@ def quantize_linears(model: nn.Module, scheme: Fp8Scheme, fold_norms: bool = Fal
             )
         if module in folds:
             fold_into(module, folds[module])
-        Fp8Weights.attach(module, scheme)
+        # a row-parallel rank holds a slice of each output row: its scale from the whole row's largest
+        # magnitude, as at tp=1 (every rank reaches these layers in the same order)
+        shards_rows = isinstance(module, RowParallelLinear) and module.tp.size > 1 and not scheme.prequantized
+        Fp8Weights.attach(module, scheme, module.tp.comm.max_over_ranks if shards_rows else None)
         made += 1
     if next(model.parameters()).is_cuda:
         torch.cuda.empty_cache()  # the bf16 weights' memory back to the device, for the KV cache's budget
