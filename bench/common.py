@@ -24,6 +24,7 @@ from worker.batch import BatchDesc  # noqa: E402
 from worker.kernels import (  # noqa: E402
     DECODE_GEMMS,
     DECODE_KERNELS,
+    DECODE_MERGES,
     FP8_NORMS,
     MOE_KERNELS,
     PDL_MODES,
@@ -221,6 +222,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         help="an FP8 model's residual norms at batch 1: a launch of their own (apart), inside its GEMVs, or "
         "inside with their weights folded into the weights quantized at load (Kernels.fp8_norms)",
     )
+    parser.add_argument(
+        "--decode-merge",
+        choices=DECODE_MERGES,
+        default="auto",
+        help="the Triton decode kernel's split results merged by a launch of their own or by the last split's "
+        "program (Kernels.decode_merge)",
+    )
     parser.add_argument("--max-extend-tokens", type=int, help="tokens computed per step (default: the engine's)")
     parser.add_argument(
         "--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)"
@@ -262,6 +270,7 @@ def kernels_of(args: argparse.Namespace) -> Kernels:
         decode_gemm=args.decode_gemm,
         pdl=args.pdl,
         fp8_norms=args.fp8_norms,
+        decode_merge=args.decode_merge,
     )
 
 
@@ -320,6 +329,7 @@ def config_of(args: argparse.Namespace) -> dict:
         "decode_gemm": args.decode_gemm,
         "pdl": args.pdl,
         "fp8_norms": args.fp8_norms,
+        "decode_merge": args.decode_merge,
         "overlap": not args.no_overlap,
         "cuda_graph": not args.no_cuda_graph,
         "cache": args.cache,

@@ -178,6 +178,8 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
             if dot is None or tile[0] is None
         ]  # bf16 operands over fp8 with the default tile only
         runs.insert(0, ((None, None, None), None, {"launcher": True}))  # every choice the launcher's own
+        # and with the split results merged by the last split's program instead of a launch of their own
+        runs.insert(1, ((None, None, None), None, {"launcher": True, "merge_in_last": True}))
         if args.variants:  # the kernel's variants, each at tiles of its own
             runs += [(tile, None, {"prefetch": True}) for tile in PREFETCH_TILES]
             runs += [(tile, None, {"cuda_cores": True}) for tile in CUDA_CORE_TILES]
@@ -189,7 +191,10 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
             if variant and splits != _default_splits(batch):
                 continue  # the variants at the launcher's split count only
             # the plain kernel unless the variant says otherwise; the launcher's row leaves it every choice
-            choices = {} if variant.get("launcher") else {"prefetch": False, "convert_v": False, **variant}
+            if variant.get("launcher"):
+                choices = {"merge_in_last": bool(variant.get("merge_in_last"))}
+            else:
+                choices = {"prefetch": False, "convert_v": False, "merge_in_last": False, **variant}
             scratch = decode_scratch(batch, NUM_HEADS, HEAD_DIM, splits, "cuda")
 
             def call() -> torch.Tensor:
@@ -226,6 +231,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                 "launcher": bool(variant.get("launcher")),
                 "prefetch": bool(variant.get("prefetch")),
                 "convert_v": bool(variant.get("convert_v")),
+                "merge_in_last": bool(variant.get("merge_in_last")),
                 "us": us,
                 "tb_s": kv_bytes / us / 1e6,
             }
@@ -249,10 +255,12 @@ def summary(rows: list[dict]) -> None:
         group = list(group)
         best = [r for r in group if r["impl"] != "triton"]
         triton_rows = [r for r in group if r["impl"] == "triton"]
-        default = [r for r in triton_rows if r.get("launcher")]  # the launcher's own choices
+        default = [
+            r for r in triton_rows if r.get("launcher")
+        ]  # the launcher's own choices (merge: a launch, the last)
         if triton_rows:
             fastest = min(triton_rows, key=lambda r: r["us"])
-            best += [r for r in default[:1] if r is not fastest] + [fastest]
+            best += [r for r in default[:2] if r is not fastest] + [fastest]
             for kind in (
                 {"dot": "cuda_cores", "prefetch": False},
                 {"prefetch": True, "convert_v": False},
@@ -268,7 +276,8 @@ def summary(rows: list[dict]) -> None:
                 name += (
                     f" splits={r['num_splits']} block_n={r['block_n']} warps={r['num_warps']}"
                     f" stages={r['num_stages']} dot={r['dot']}{' prefetch' if r.get('prefetch') else ''}"
-                    f"{' convert_v' if r.get('convert_v') else ''}{' (the launcher default)' if r.get('launcher') else ''}"
+                    f"{' convert_v' if r.get('convert_v') else ''}{' merge in last' if r.get('merge_in_last') else ''}"
+                    f"{' (the launcher default)' if r.get('launcher') else ''}"
                 )
             diff = r.get("max_abs_diff_vs_flashinfer")
             print(

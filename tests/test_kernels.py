@@ -157,3 +157,8 @@ def test_an_engine_resolves_pdl_auto_before_it_builds_its_layers(qwen3_path, qwe
     assert Engine(EngineConfig(str(qwen3_path), num_pages=64, quantization="fp8")).kernels.pdl == "on"
     asked = Engine(EngineConfig(str(qwen3_path), num_pages=64, kernels=Kernels(pdl="off")))
     assert asked.kernels.pdl == "off"
+
+
+def test_an_unknown_decode_merge_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown decode merge 'fused'; choose auto, launch, last"):
+        Kernels(decode_merge="fused")

@@ -110,7 +110,36 @@ def test_sm_scale_is_applied():
     torch.testing.assert_close(got.float(), want, atol=2 * UNIT_ROUNDOFF * args[2].float().abs().max().item(), rtol=0)
 
 
-def test_one_launch_follows_lengths_changed_in_place_on_the_device():
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][4] > 1])
+def test_split_results_merged_by_the_last_split_equal_those_merged_by_a_launch(kv, case):
+    page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
+    args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, kv)
+    scratch = decode_scratch(len(args[0]), num_kv_heads * group, head_dim, num_splits, DEVICE)
+    launched = paged_decode(*args, num_splits=num_splits, block_n=block_n, merge_in_last=False)
+    for _ in range(2):  # the arrivals are counted from zero again at each launch
+        got = paged_decode(*args, num_splits=num_splits, block_n=block_n, scratch=scratch, merge_in_last=True)
+        assert torch.equal(got, launched)
+        assert not scratch.arrivals.any()
+
+
+def test_the_merge_in_the_last_split_needs_arrivals_for_every_kv_head():
+    args = make_decode([3, 4], 16, 2, 2, 64, "bf16")
+    scratch = decode_scratch(2, 4, 64, 4, DEVICE)
+    with pytest.raises(ValueError, match="arrivals"):
+        paged_decode(
+            *args,
+            num_splits=4,
+            scratch=triton_decode.DecodeScratch(scratch.part_out, scratch.part_lse),
+            merge_in_last=True,
+        )
+    short = triton_decode.DecodeScratch(scratch.part_out, scratch.part_lse, scratch.arrivals[:3])
+    with pytest.raises(ValueError, match="arrivals"):
+        paged_decode(*args, num_splits=4, scratch=short, merge_in_last=True)
+
+
+@pytest.mark.parametrize("merge_in_last", [False, True])
+def test_one_launch_follows_lengths_changed_in_place_on_the_device(merge_in_last):
     # a CUDA graph replays the same grid and arguments: only the page lists' contents change
     page_size, num_kv_heads, group, head_dim, max_batch, capacity = 16, 2, 2, 64, 6, 24
     g = torch.Generator().manual_seed(4)
@@ -124,7 +153,10 @@ def test_one_launch_follows_lengths_changed_in_place_on_the_device():
     scratch = decode_scratch(max_batch, num_kv_heads * group, head_dim, 8, DEVICE)
 
     def launch() -> torch.Tensor:
-        return paged_decode(q, k, v, kv_indptr, kv_indices, last_page_len, num_splits=4, out=out, scratch=scratch)
+        return paged_decode(
+            q, k, v, kv_indptr, kv_indices, last_page_len, num_splits=4, out=out, scratch=scratch,
+            merge_in_last=merge_in_last,
+        )  # fmt: skip
 
     def set_lengths(lens: list[int]) -> tuple[torch.Tensor, ...]:
         indptr, ids, last = page_lists(lens, page_size, capacity, g)
@@ -149,6 +181,7 @@ def test_one_launch_follows_lengths_changed_in_place_on_the_device():
     replay()
     assert_close_to_reference(out, args)
     assert not torch.equal(out, before)
+    assert not scratch.arrivals.any()
 
 
 def test_scratch_must_hold_the_batch_and_the_splits():
@@ -314,3 +347,27 @@ def test_convert_v_is_for_an_fp8_cache_on_float16_operands():
         paged_decode(*fp8_args, num_splits=2, convert_v=True, f16_dot=False)
     half = make_decode([5, 40], 16, 2, 2, 64, "fp8", q_dtype=torch.float16, seed=2)
     assert_close_to_reference(paged_decode(*half, num_splits=2, convert_v=True, f16_dot=False), half)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_the_merge_in_the_last_split_at_qwen3_8b_heads_in_a_graph(kv, batch):
+    # 32 query heads over 8 kv heads, 32 splits a request (batch 1's count, which the engine keeps up to 8
+    # rows): every replay's output as the merge launch gives it, the arrivals back at zero after each
+    num_heads, num_kv_heads, head_dim, page_size, splits = 32, 8, 128, 16, decode_num_splits(1, 8)
+    g = torch.Generator().manual_seed(6)
+    lens = torch.randint(1, 600, (batch,), generator=g).tolist()
+    args = make_decode(lens, page_size, num_kv_heads, num_heads // num_kv_heads, head_dim, kv, seed=6)
+    launched = paged_decode(*args, num_splits=splits, merge_in_last=False)
+    scratch = decode_scratch(batch, num_heads, head_dim, splits, DEVICE)
+    out = torch.empty_like(args[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode(*args, num_splits=splits, out=out, scratch=scratch, merge_in_last=True, pdl=True)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.testing.assert_close(out, launched, atol=0, rtol=2.0**-7)  # at most the last bit apart
+        assert not scratch.arrivals.any()
+    assert_close_to_reference(out, args)

@@ -259,6 +259,7 @@ class Engine:
             prefill=self.kernels.prefill,
             waits=self.host_waits,
             pdl=triton_ops.pdl_applies(self.kernels, self.device),
+            merge=self.kernels.decode_merge,
         )
         self.stream = new_stream(self.device)  # compute
         self.sched_stream = new_stream(self.device)  # metadata copies and attention planning

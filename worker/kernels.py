@@ -13,6 +13,7 @@ PREFILL_KERNELS = ("auto", "fa2", "fa3")
 MOE_KERNELS = ("auto", "torch")
 DECODE_GEMMS = ("auto", "vendor", "triton")
 PDL_MODES = ("auto", "on", "off")
+DECODE_MERGES = ("auto", "launch", "last")
 FP8_NORMS = ("auto", "apart", "inside", "folded")
 # What `fp8_norms` auto resolves to. Qwen3-8B with FP8 weights at batch 1 on an H100 (bench/gpu.sh fp8_norms,
 # 2026-12-06, ms a token): apart 3.476, inside 3.564 (the norm in the GEMV costs registers: 87 against 47),
@@ -71,6 +72,10 @@ class Kernels:
     # quantized already is not folded: there folded is inside). auto: FP8_NORMS_AUTO where the weights are
     # quantized at load, apart for a checkpoint quantized already (`with_weights`)
     fp8_norms: str = "auto"
+    # how the Triton decode kernel's split results merge (worker/triton_decode.py). launch: a merge kernel
+    # after the splits; last: in the program of a request's kv head's last split to finish, with no launch
+    # of its own; auto: triton_decode.MERGE_IN_LAST
+    decode_merge: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too
     # slow to serve with
@@ -89,6 +94,8 @@ class Kernels:
             raise ValueError(f"unknown MoE kernel {self.moe!r}; choose {', '.join(MOE_KERNELS)}")
         if self.fp8_norms not in FP8_NORMS:
             raise ValueError(f"unknown FP8 norm placement {self.fp8_norms!r}; choose {', '.join(FP8_NORMS)}")
+        if self.decode_merge not in DECODE_MERGES:
+            raise ValueError(f"unknown decode merge {self.decode_merge!r}; choose {', '.join(DECODE_MERGES)}")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"unknown programmatic dependent launch mode {self.pdl!r}; choose {', '.join(PDL_MODES)}")
 

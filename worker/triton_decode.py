@@ -30,6 +30,11 @@ FP16_MAX = tl.constexpr(65504.0)
 # at the tile it was measured at (paged_decode). Converting K first too was slower there (the variant that
 # fa77bb8 removed: its float16 copy doubles K's shared memory)
 CONVERT_V = True
+# Merge a request's split results in the program of its last split to finish (paged_decode's merge_in_last):
+# the count of a kv head's finished splits is an atomic in the scratch, and the merge's launch (a few us at
+# batch 1, where the step is a chain of launches) is gone. Off until measured on a GPU (bench/gpu.sh
+# decode_merge)
+MERGE_IN_LAST = False
 
 
 @triton.jit
@@ -83,6 +88,7 @@ def _split_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    arrivals_ptr,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -108,10 +114,13 @@ def _split_kernel(
     PREFETCH: tl.constexpr,
     CONVERT_V: tl.constexpr,
     PDL: tl.constexpr,
+    MERGE_IN_LAST: tl.constexpr = False,
+    BLOCK_S: tl.constexpr = 1,
 ):
     # one program per (request, kv head, split): the group's query heads against the split's tokens,
     # with an online softmax in base 2 (qk_scale = sm_scale * log2(e)); one split writes `out` itself,
-    # several write their normalized partial output and log2-sum-exp for _merge_kernel
+    # several write their normalized partial output and log2-sum-exp for _merge_kernel, or (MERGE_IN_LAST)
+    # for the last of the request's kv head's splits to finish, which merges them itself
     await_previous(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -197,6 +206,19 @@ def _split_kernel(
         part = part_out_ptr + b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
         tl.store(part[:, None] + offs_d[None, :], o, mask=h_mask[:, None])
         tl.store(part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+        if MERGE_IN_LAST:
+            # every warp's stores before the count (released with it, at the GPU's scope), as a semaphore's
+            # release; the program that counts last sees every split's (acquired) and merges them, through L2
+            tl.debug_barrier()
+            slot = arrivals_ptr + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")  # counted from 0 again at the next launch
+                for g in tl.static_range(GROUP):
+                    _merge_head(
+                        part_out_ptr, part_lse_ptr, out_ptr, b, kvh * GROUP + g,
+                        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                        NUM_SPLITS, BLOCK_S, HEAD_DIM, ".cg",
+                    )  # fmt: skip
 
 
 @triton.jit
@@ -216,18 +238,50 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # one program per (request, query head): the splits' outputs weighed by their share of the softmax
-    # mass; a request's first split always holds a token, so the largest lse is finite
+    # one program per (request, query head)
     await_previous(PDL)
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    _merge_head(
+        part_out_ptr, part_lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1),
+        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+        NUM_SPLITS, BLOCK_S, HEAD_DIM, "",
+    )  # fmt: skip
+
+
+@triton.jit
+def _merge_head(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    b,
+    h,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    # request b's query head h: the splits' outputs weighed by their share of the softmax mass; a request's
+    # first split always holds a token, so the largest lse is finite. CACHE: the loads' cache modifier
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     s_mask = offs_s < NUM_SPLITS
-    lse = tl.load(part_lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=-float("inf"))
+    lse = tl.load(
+        part_lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s,
+        mask=s_mask,
+        other=-float("inf"),
+        cache_modifier=CACHE,
+    )
     w = tl.exp2(lse - tl.max(lse, axis=0))
     part = part_out_ptr + b.to(tl.int64) * stride_pb + h * stride_ph
-    o = tl.load(part + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    o = tl.load(
+        part + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_mask[:, None], other=0.0, cache_modifier=CACHE
+    )
     o = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
@@ -242,10 +296,13 @@ MAX_SPLITS = 64
 @dataclass
 class DecodeScratch:
     """The split results of a launch: part_out [max_batch, num_heads, max_splits, head_dim] and part_lse
-    [max_batch, num_heads, max_splits], float32, allocated once (a CUDA graph's launches reuse them)."""
+    [max_batch, num_heads, max_splits], float32, allocated once (a CUDA graph's launches reuse them);
+    arrivals, int32 zeros of at least max_batch x num_kv_heads: how many of each request's kv head's splits
+    have finished, for the merge in the last of them (each launch leaves them at zero again)."""
 
     part_out: torch.Tensor
     part_lse: torch.Tensor
+    arrivals: torch.Tensor | None = None
 
 
 def decode_scratch(
@@ -255,6 +312,7 @@ def decode_scratch(
     return DecodeScratch(
         torch.empty(max_batch_size, num_heads, max_splits, head_dim, dtype=torch.float32, device=device),
         torch.empty(max_batch_size, num_heads, max_splits, dtype=torch.float32, device=device),
+        torch.zeros(max_batch_size * num_heads, dtype=torch.int32, device=device),  # num_kv_heads <= num_heads
     )
 
 
@@ -286,6 +344,7 @@ def paged_decode(
     prefetch: bool | None = None,
     convert_v: bool | None = None,
     pdl: bool = False,
+    merge_in_last: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
     k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]: request b reads pages
@@ -300,7 +359,8 @@ def paged_decode(
     before the tensor cores' operand is staged, where those operands are float16 (None: CONVERT_V at the
     prefetching tile of a split or two a request, where it was measured; under the interpreter the plain
     conversion runs); pdl, both kernels launched with programmatic dependent launch
-    (worker/pdl_kernels.py)."""
+    (worker/pdl_kernels.py); merge_in_last, split results merged by the last of a request's kv head's splits
+    to finish instead of a second launch (None: MERGE_IN_LAST; needs the scratch's arrivals)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -332,8 +392,13 @@ def paged_decode(
                 f"splits is too small for {batch} and {num_splits}"
             )
         part_out, part_lse = scratch.part_out, scratch.part_lse
+        merge_in_last = MERGE_IN_LAST if merge_in_last is None else merge_in_last
+        arrivals = scratch.arrivals if merge_in_last else part_lse  # unread without the merge in the last
+        if merge_in_last and (arrivals is None or arrivals.numel() < batch * num_kv_heads):
+            raise ValueError(f"merge_in_last needs the scratch's arrivals for {batch} x {num_kv_heads} kv heads")
     else:
         part_out, part_lse = out, out  # unread: one split writes out itself
+        arrivals, merge_in_last = out, False
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -344,6 +409,7 @@ def paged_decode(
         out,
         part_out,
         part_lse,
+        arrivals,
         sm_scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -369,11 +435,13 @@ def paged_decode(
         PREFETCH=prefetch,
         CONVERT_V=convert_v and not INTERPRETED,  # PTX: the interpreter runs the plain conversion
         PDL=pdl,
+        MERGE_IN_LAST=merge_in_last,
+        BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge_in_last:
         _merge_kernel[(batch, num_heads)](
             part_out,
             part_lse,

@@ -175,11 +175,12 @@ class FlashInferBackend(AttentionBackend):
         waits: HostWaits | None = None,
         prefill: str = "auto",
         pdl: bool = False,
+        merge: str = "auto",
     ) -> None:
         """q_dtype: the queries' (the model's) dtype; None: the cache's, or bfloat16 over a float8 cache.
         decode: Kernels.decode. waits: where the host's waits are counted (the engine's). prefill:
         Kernels.prefill. pdl: the Triton decode kernels launched with programmatic dependent launch
-        (triton_ops.pdl_applies)."""
+        (triton_ops.pdl_applies). merge: Kernels.decode_merge."""
         import flashinfer  # imported here: the package exists on GPU hosts only
 
         q_dtype = q_dtype or (torch.bfloat16 if kv.dtype in FP8_KV_DTYPES else kv.dtype)
@@ -196,6 +197,7 @@ class FlashInferBackend(AttentionBackend):
         self.q_dtype = q_dtype
         self.decode_choice = decode
         self.pdl = pdl
+        self.merge_in_last = {"auto": None, "launch": False, "last": True}[merge]
         self.waits = waits or HostWaits()
         # tvm-ffi launches FlashInfer's kernels on torch's current stream when torch exports its DLPack
         # exchange API; without it they would go to the default stream, so the stream is set by hand
@@ -253,6 +255,8 @@ class FlashInferBackend(AttentionBackend):
             most = max(rows + 4 * self.num_sms, TENSOR_CORE_ABOVE_BATCH * triton_decode.MAX_SPLITS)
             self._part_out = torch.empty(most * num_heads * self.head_dim, dtype=torch.float32, device=device)
             self._part_lse = torch.empty(most * num_heads, dtype=torch.float32, device=device)
+            # each (request, kv head)'s count of finished splits, for the merge in the last (merge_in_last)
+            self._arrivals = torch.zeros(rows * self.num_kv_heads, dtype=torch.int32, device=device)
 
     @property
     def triton_decode(self) -> bool:
@@ -405,6 +409,7 @@ class FlashInferBackend(AttentionBackend):
         scratch = self._triton.DecodeScratch(
             self._part_out[: bs * h * splits * d].view(bs, h, splits, d),
             self._part_lse[: bs * h * splits].view(bs, h, splits),
+            self._arrivals,
         )
         return _TritonDecode(indptr, last_page_len, splits, scratch)
 
@@ -437,6 +442,7 @@ class FlashInferBackend(AttentionBackend):
                 scratch=dec.scratch,
                 out=out,
                 pdl=self.pdl,
+                merge_in_last=self.merge_in_last,
             )
         if (split := self._split) is not None:
             return self._forward_split(q, layer_id, split, out)
@@ -460,6 +466,7 @@ class FlashInferBackend(AttentionBackend):
                 scratch=dec.scratch,
                 out=out[:d],
                 pdl=self.pdl,
+                merge_in_last=self.merge_in_last,
             )
         with self._on_torch_stream():
             if not isinstance(split.decode, _TritonDecode):
