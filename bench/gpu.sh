@@ -22,7 +22,8 @@
 #   pdl_offline    (a) over bf16 and fp8 caches with --pdl off and on, alternated, RUNS runs each
 #   decode_merge   (b) with the Triton decode's split results merged by a launch and by the last split's program
 #                  (--decode-merge launch, last), alternated: Qwen3-0.6B, Qwen3-8B with FP8 weights and in bf16,
-#                  Qwen3-30B-A3B (MERGE_MODELS: others); then the kernel alone at batches 1 and 8 (fp8_decode.py)
+#                  Qwen3-30B-A3B (MERGE_MODELS: others, e.g. "qwen3-0.6b qwen3-8b_fp8"); then the kernel alone at
+#                  batches 1 and 8 (fp8_decode.py)
 #   small_gemm     batch 1's dense layers and LM heads: cuBLAS against the Triton GEMV, without and with
 #                  programmatic dependent launch, and the GEMV's tiles (bench/small_gemm.py)
 #   pdl_prefetch   batch 1's dense GEMVs of Qwen3-8B (bf16 and FP8) and Qwen3-0.6B in one graph: without PDL,
@@ -237,13 +238,12 @@ for suite in "$@"; do
             "${flag[@]}" --out "$OUT/pdl_offline_fp8_${mode}_$i.json"
         done
       done ;;
-    decode_merge)
-      for model in ${MERGE_MODELS:-qwen3-0.6b "qwen3-8b --quantization fp8" qwen3-8b qwen3-30b-a3b}; do
-        name=$(echo "$model" | sed 's/ --quantization /_/; s/[.-]//g')
+    decode_merge)  # MERGE_MODELS: architectures, _fp8 for FP8 weights quantized at load
+      for model in ${MERGE_MODELS:-qwen3-0.6b qwen3-8b_fp8 qwen3-8b qwen3-30b-a3b}; do
+        flag=(); [ "${model%_fp8}" != "$model" ] && flag=(--quantization fp8)
         for mode in launch last; do
-          # shellcheck disable=SC2086  # the model's words are its flags
-          step "merge_${mode}_$name" 300 python3 bench/decode_latency.py --arch $model --repeats "${REPEATS:-3}" \
-            --decode-merge "$mode" --out "$OUT/merge_${mode}_$name.json"
+          step "merge_${mode}_$model" 300 python3 bench/decode_latency.py --arch "${model%_fp8}" "${flag[@]}" \
+            --repeats "${REPEATS:-3}" --decode-merge "$mode" --out "$OUT/merge_${mode}_$model.json"
         done
       done
       step merge_kernel 200 python3 bench/fp8_decode.py --batch 1 8 --sweep none --out "$OUT/merge_kernel.json" ;;
