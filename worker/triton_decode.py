@@ -115,7 +115,7 @@ def _split_kernel(
     CONVERT_V: tl.constexpr,
     PDL: tl.constexpr,
     MERGE_IN_LAST: tl.constexpr = False,
-    BLOCK_S: tl.constexpr = 1,
+    BLOCK_G: tl.constexpr = 1,
 ):
     # one program per (request, kv head, split): the group's query heads against the split's tokens,
     # with an online softmax in base 2 (qk_scale = sm_scale * log2(e)); one split writes `out` itself,
@@ -213,12 +213,58 @@ def _split_kernel(
             slot = arrivals_ptr + b * tl.num_programs(1) + kvh
             if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
                 tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")  # counted from 0 again at the next launch
-                for g in tl.static_range(GROUP):
-                    _merge_head(
-                        part_out_ptr, part_lse_ptr, out_ptr, b, kvh * GROUP + g,
-                        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                        NUM_SPLITS, BLOCK_S, HEAD_DIM, ".cg",
-                    )  # fmt: skip
+                _merge_group(
+                    part_out_ptr, part_lse_ptr, out_ptr, b, kvh,
+                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                    GROUP, BLOCK_G, NUM_SPLITS, HEAD_DIM,
+                )  # fmt: skip
+
+
+@triton.jit
+def _merge_group(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    b,
+    kvh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    G: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    # request b's kv head's query heads at once (G: GROUP's next power of two), split after split
+    # (unrolled): elementwise maxima, weights and sums of rows loaded whole, so no step reduces across
+    # threads (each such reduction would wait at a barrier, and the launch waits for this one program);
+    # loads through L2 (.cg), where the other programs' stores are
+    offs_g = tl.arange(0, G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    lse_rows = part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh
+    m = tl.full([G], -float("inf"), dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(lse_rows + s, mask=g_mask, other=0.0, cache_modifier=".cg"))
+    parts = part_out_ptr + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + offs_d[None, :]
+    acc = tl.zeros([G, HEAD_DIM], dtype=tl.float32)
+    total = tl.zeros([G], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        w = tl.exp2(tl.load(lse_rows + s, mask=g_mask, other=0.0, cache_modifier=".cg") - m)
+        o = tl.load(parts + s * stride_ps, mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * o
+        total += w
+    o = acc / total[:, None]
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None],
+    )
 
 
 @triton.jit
@@ -243,7 +289,7 @@ def _merge_kernel(
     _merge_head(
         part_out_ptr, part_lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1),
         stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-        NUM_SPLITS, BLOCK_S, HEAD_DIM, "",
+        NUM_SPLITS, BLOCK_S, HEAD_DIM,
     )  # fmt: skip
 
 
@@ -264,24 +310,16 @@ def _merge_head(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    CACHE: tl.constexpr,
 ):
     # request b's query head h: the splits' outputs weighed by their share of the softmax mass; a request's
-    # first split always holds a token, so the largest lse is finite. CACHE: the loads' cache modifier
+    # first split always holds a token, so the largest lse is finite
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     s_mask = offs_s < NUM_SPLITS
-    lse = tl.load(
-        part_lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s,
-        mask=s_mask,
-        other=-float("inf"),
-        cache_modifier=CACHE,
-    )
+    lse = tl.load(part_lse_ptr + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=-float("inf"))
     w = tl.exp2(lse - tl.max(lse, axis=0))
     part = part_out_ptr + b.to(tl.int64) * stride_pb + h * stride_ph
-    o = tl.load(
-        part + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_mask[:, None], other=0.0, cache_modifier=CACHE
-    )
+    o = tl.load(part + offs_s[:, None] * stride_ps + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     o = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
@@ -436,7 +474,7 @@ def paged_decode(
         CONVERT_V=convert_v and not INTERPRETED,  # PTX: the interpreter runs the plain conversion
         PDL=pdl,
         MERGE_IN_LAST=merge_in_last,
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_G=triton.next_power_of_2(group),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),
