@@ -98,6 +98,8 @@ def launches(arch: str) -> list[tuple[str, Callable[[], object]]]:
                 {"convert_v": False},
             ]
             variants = [{}] + (fp8_variants if cache == FP8 else [])
+            if splits > 1:  # the split results merged by the last split's program, not a launch of their own
+                variants.append({"merge_in_last": True})
             for variant in variants:
                 calls.append(
                     (

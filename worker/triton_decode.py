@@ -213,58 +213,31 @@ def _split_kernel(
             slot = arrivals_ptr + b * tl.num_programs(1) + kvh
             if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
                 tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")  # counted from 0 again at the next launch
-                _merge_group(
-                    part_out_ptr, part_lse_ptr, out_ptr, b, kvh,
-                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-                    GROUP, BLOCK_G, NUM_SPLITS, HEAD_DIM,
-                )  # fmt: skip
-
-
-@triton.jit
-def _merge_group(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    b,
-    kvh,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    stride_ob,
-    stride_oh,
-    GROUP: tl.constexpr,
-    G: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    # request b's kv head's query heads at once (G: GROUP's next power of two), split after split
-    # (unrolled): elementwise maxima, weights and sums of rows loaded whole, so no step reduces across
-    # threads (each such reduction would wait at a barrier, and the launch waits for this one program);
-    # loads through L2 (.cg), where the other programs' stores are
-    offs_g = tl.arange(0, G)
-    offs_d = tl.arange(0, HEAD_DIM)
-    g_mask = offs_g < GROUP
-    heads = kvh * GROUP + offs_g
-    lse_rows = part_lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh
-    m = tl.full([G], -float("inf"), dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(lse_rows + s, mask=g_mask, other=0.0, cache_modifier=".cg"))
-    parts = part_out_ptr + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + offs_d[None, :]
-    acc = tl.zeros([G, HEAD_DIM], dtype=tl.float32)
-    total = tl.zeros([G], dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        w = tl.exp2(tl.load(lse_rows + s, mask=g_mask, other=0.0, cache_modifier=".cg") - m)
-        o = tl.load(parts + s * stride_ps, mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * o
-        total += w
-    o = acc / total[:, None]
-    tl.store(
-        out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-        o.to(out_ptr.dtype.element_ty),
-        mask=g_mask[:, None],
-    )
+                # the kv head's query heads at once, split after split (unrolled): elementwise maxima,
+                # weights and sums of rows loaded whole, so no step reduces across threads (each such
+                # reduction would wait at a barrier, and the launch waits for this one program); loads
+                # through L2 (.cg), where the other programs' stores are
+                offs_g = tl.arange(0, BLOCK_G)
+                g_mask = offs_g < GROUP
+                q_heads = kvh * GROUP + offs_g
+                lse_rows = part_lse_ptr + b.to(tl.int64) * stride_lb + q_heads * stride_lh
+                top = tl.full([BLOCK_G], -float("inf"), dtype=tl.float32)
+                for s in tl.static_range(NUM_SPLITS):
+                    top = tl.maximum(top, tl.load(lse_rows + s, mask=g_mask, other=0.0, cache_modifier=".cg"))
+                parts = part_out_ptr + b.to(tl.int64) * stride_pb + q_heads[:, None] * stride_ph + offs_d[None, :]
+                merged = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+                total = tl.zeros([BLOCK_G], dtype=tl.float32)
+                for s in tl.static_range(NUM_SPLITS):
+                    w = tl.exp2(tl.load(lse_rows + s, mask=g_mask, other=0.0, cache_modifier=".cg") - top)
+                    merged += w[:, None] * tl.load(
+                        parts + s * stride_ps, mask=g_mask[:, None], other=0.0, cache_modifier=".cg"
+                    )
+                    total += w
+                tl.store(
+                    out_ptr + b.to(tl.int64) * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :],
+                    (merged / total[:, None]).to(out_ptr.dtype.element_ty),
+                    mask=g_mask[:, None],
+                )
 
 
 @triton.jit
@@ -284,35 +257,11 @@ def _merge_kernel(
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # one program per (request, query head)
+    # one program per (request, query head): the splits' outputs weighed by their share of the softmax
+    # mass; a request's first split always holds a token, so the largest lse is finite
     await_previous(PDL)
-    _merge_head(
-        part_out_ptr, part_lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1),
-        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-        NUM_SPLITS, BLOCK_S, HEAD_DIM,
-    )  # fmt: skip
-
-
-@triton.jit
-def _merge_head(
-    part_out_ptr,
-    part_lse_ptr,
-    out_ptr,
-    b,
-    h,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    stride_ob,
-    stride_oh,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    # request b's query head h: the splits' outputs weighed by their share of the softmax mass; a request's
-    # first split always holds a token, so the largest lse is finite
+    b = tl.program_id(0)
+    h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     s_mask = offs_s < NUM_SPLITS
