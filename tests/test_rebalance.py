@@ -207,8 +207,15 @@ def test_an_undrained_replica_takes_over_requests_waiting_on_the_others():
         assert state.routable == [busy]
         assert state.undrain_replica(1) == 2
         assert state.routable == [busy, drained] and [to.replica_id for to in busy.outgoing] == [1, 1]
+        # a drain still emptying the replica is not undone
+        drained.submit(9, [1, 2], SamplingParams())
+        draining = asyncio.ensure_future(drained.drain())
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="still being drained"):
+            state.undrain_replica(1)
+        drained.abort(9)  # its generation moved it: the drain returns
+        assert await draining == 1
         # with rebalance_on_join off it is routed to again and nothing moves
-        await drained.drain()
         state.config = ServeConfig().override(model="m", rebalance_on_join=False)
         assert state.undrain_replica(1) == 0 and state.routable == [busy, drained]
 

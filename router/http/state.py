@@ -120,9 +120,16 @@ class RouterState:
         return asyncio.run_coroutine_threadsafe(self.drain_replica(i), self.loop).result(timeout_s)
 
     def undrain_replica(self, i: int) -> int:
-        """Routes to replica i again after drain_replica; requests waiting elsewhere move to it
-        (`rebalance`), as to a replica that joined; how many. On the router's event loop."""
-        self.clients[i].undrain()
+        """Routes to replica i again after drain_replica returned (unless it is retiring: the autoscaler's
+        scale-down holds it out); requests waiting elsewhere move to it (`rebalance`), as to a replica
+        that joined; how many. A drain still emptying it is an error. On the router's event loop."""
+        client = self.clients[i]
+        if client.draining and client.queues:
+            raise ValueError(
+                f"replica {i} is still being drained ({len(client.queues)} stream(s) of this router on it): "
+                "undrain it once drain_replica returns"
+            )
+        client.undrain()
         return self.rebalance()
 
     def undrain_replica_from_thread(self, i: int, timeout_s: float | None = None) -> int:

@@ -97,7 +97,7 @@ class Deployment:
         return had
 
     def undrain_replica(self, i: int) -> int:
-        """Routes to replica i again after drain_replica, every router handing it some of the requests
+        """Routes to replica i again once drain_replica returned, every router handing it some of the requests
         that wait on the others (with rebalance_on_join); returns how many moved. Callable from any thread."""
         moved = self.state.undrain_replica_from_thread(i, 30)
         if self.tier is not None:
