@@ -324,8 +324,9 @@ def test_on_gpu_an_fp8_engine_with_its_norms_inside_its_gemvs_decodes_as_with_th
     _draw_norm_weights(path)
     prompts = random_prompts(6, 20, 200, seed=4)
 
-    def run(mode: str, graphs: bool = False) -> tuple[list[list[int]], torch.Tensor]:
-        """Each prompt's greedy tokens alone (8) and its first decode step's logits (eager only)."""
+    def run(mode: str, graphs: bool = False) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+        """Each prompt's greedy tokens alone (8), and (eager only) its prompt step's last logits and its first
+        decode step's."""
         kw = {"dtype": "bfloat16", "page_size": 16, "num_pages": 512, "quantization": "fp8"}
         kw.update(kernels=Kernels(fp8_norms=mode), cuda_graph_max_bs=16 if graphs else 0)
         with checked_llm(path, **kw) as llm:
@@ -338,29 +339,33 @@ def test_on_gpu_an_fp8_engine_with_its_norms_inside_its_gemvs_decodes_as_with_th
                 return logits  # on the device, for the sampler
 
             llm.engine.model.compute_logits = recorded
-            tokens, steps = [], []
+            tokens, firsts, steps = [], [], []
             for p in prompts:
                 rows.clear()
                 tokens.append(llm.generate([p], greedy(8, ignore_eos=True))[0].token_ids)
                 if not graphs:
                     assert rows[1].shape[0] == 1  # the first decode step's row
+                    firsts.append(rows[0][-1])
                     steps.append(rows[1][-1])
-        return tokens, torch.stack(steps) if steps else torch.empty(0)
+        return tokens, *(torch.stack(x) if x else torch.empty(0) for x in (firsts, steps))
 
     calls = _recorded(monkeypatch)
-    apart_tokens, apart = run("apart")
+    apart_tokens, apart_first, apart = run("apart")
     assert not [kw for kw in calls if kw.get("norm") is not None or kw.get("residual") is not None]
     # a bf16 engine's logits are about 0.016 from float32's (test_fp8_gpu.py), FP8's about 0.13: inside
     # differs from apart by roundings of the bf16 kind, folded by its weights' own rounding to e4m3
     for mode, tol in (("inside", 0.05), ("folded", 0.3)):
         calls.clear()
-        tokens, steps = run(mode)
+        tokens, first, steps = run(mode)
         assert any(kw.get("norm") is not None for kw in calls) and any(kw.get("residual") is not None for kw in calls)
+        assert _rel(first, apart_first) < tol, mode  # the prompt steps read the same tokens in every mode
         same = [i for i, (a, b) in enumerate(zip(apart_tokens, tokens)) if a[0] == b[0]]
         if mode == "inside":
             assert len(same) == len(prompts)  # the prompt steps take the same kernels
-        assert len(same) >= len(prompts) // 2
-        assert _rel(steps[same], apart[same]) < tol, mode
+        # a random model's top logits lie close, so folded weights' own rounding may pick another first token
+        # (2 of 6 agreed on an H100): the first decode steps compare where the first tokens agree
+        if same:
+            assert _rel(steps[same], apart[same]) < tol, mode
         assert run(mode, graphs=True)[0] == tokens, mode
 
 

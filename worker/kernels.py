@@ -74,7 +74,7 @@ class Kernels:
     fp8_norms: str = "auto"
     # how the Triton decode kernel's split results merge (worker/triton_decode.py). launch: a merge kernel
     # after the splits; last: in the program of a request's kv head's last split to finish, with no launch
-    # of its own; auto: triton_decode.MERGE_IN_LAST
+    # of its own; auto: last where a kv head has at most triton_decode.MERGE_IN_LAST_MAX_GROUP query heads
     decode_merge: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too

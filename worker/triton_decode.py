@@ -30,11 +30,14 @@ FP16_MAX = tl.constexpr(65504.0)
 # at the tile it was measured at (paged_decode). Converting K first too was slower there (the variant that
 # fa77bb8 removed: its float16 copy doubles K's shared memory)
 CONVERT_V = True
-# Merge a request's split results in the program of its last split to finish (paged_decode's merge_in_last):
-# the count of a kv head's finished splits is an atomic in the scratch, and the merge's launch (a few us at
-# batch 1, where the step is a chain of launches) is gone. Off until measured on a GPU (bench/gpu.sh
-# decode_merge)
-MERGE_IN_LAST = False
+# Merge a request's split results in the program of its last split to finish (paged_decode's merge_in_last)
+# where a kv head has at most this many query heads: the count of a kv head's finished splits is an atomic
+# in the scratch, and the merge's launch is gone. On an H100 (2026-12-06, bench/gpu.sh decode_merge, ms a
+# token at batch 1): Qwen3-0.6B (2 query heads a kv head) 0.895 and 0.896 against 0.945 and 0.920 with the
+# merge launched; Qwen3-8B with FP8 weights (4) 3.338 against 3.316 twice, where the last program's merge
+# of 4 heads' 32 splits costs more than the launch; the kernel alone at Qwen3-0.6B's heads 5.26 against
+# 5.79 us (fp8 cache, batch 1) and 5.59 against 5.77 (bf16)
+MERGE_IN_LAST_MAX_GROUP = 2
 
 
 @triton.jit
@@ -347,7 +350,8 @@ def paged_decode(
     prefetching tile of a split or two a request, where it was measured; under the interpreter the plain
     conversion runs); pdl, both kernels launched with programmatic dependent launch
     (worker/pdl_kernels.py); merge_in_last, split results merged by the last of a request's kv head's splits
-    to finish instead of a second launch (None: MERGE_IN_LAST; needs the scratch's arrivals)."""
+    to finish instead of a second launch (None: where a kv head has at most MERGE_IN_LAST_MAX_GROUP query
+    heads; needs the scratch's arrivals)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -379,7 +383,7 @@ def paged_decode(
                 f"splits is too small for {batch} and {num_splits}"
             )
         part_out, part_lse = scratch.part_out, scratch.part_lse
-        merge_in_last = MERGE_IN_LAST if merge_in_last is None else merge_in_last
+        merge_in_last = group <= MERGE_IN_LAST_MAX_GROUP if merge_in_last is None else merge_in_last
         arrivals = scratch.arrivals if merge_in_last else part_lse  # unread without the merge in the last
         if merge_in_last and (arrivals is None or arrivals.numel() < batch * num_kv_heads):
             raise ValueError(f"merge_in_last needs the scratch's arrivals for {batch} x {num_kv_heads} kv heads")
