@@ -98,8 +98,8 @@ def launches(arch: str) -> list[tuple[str, Callable[[], object]]]:
                 {"convert_v": False},
             ]
             variants = [{}] + (fp8_variants if cache == FP8 else [])
-            if splits > 1:  # the split results merged by the last split's program, not a launch of their own
-                variants.append({"merge_in_last": True})
+            if splits > 1:  # the split results merged by the last split's program, and by a launch of their own
+                variants += [{"merge_in_last": True}, {"merge_in_last": False}]
             for variant in variants:
                 calls.append(
                     (
