@@ -255,9 +255,8 @@ def summary(rows: list[dict]) -> None:
         group = list(group)
         best = [r for r in group if r["impl"] != "triton"]
         triton_rows = [r for r in group if r["impl"] == "triton"]
-        default = [
-            r for r in triton_rows if r.get("launcher")
-        ]  # the launcher's own choices (merge: a launch, the last)
+        # the launcher's own choices, with the merge launched and in the last split
+        default = [r for r in triton_rows if r.get("launcher")]
         if triton_rows:
             fastest = min(triton_rows, key=lambda r: r["us"])
             best += [r for r in default[:2] if r is not fastest] + [fastest]

@@ -115,9 +115,7 @@ class RouterState:
 
     def drain_replica_from_thread(self, i: int, timeout_s: float | None = None) -> int:
         """drain_replica from another thread than the router's (an operator's call, a test)."""
-        if self.loop is None:
-            raise RuntimeError("the router is not serving yet")
-        return asyncio.run_coroutine_threadsafe(self.drain_replica(i), self.loop).result(timeout_s)
+        return self._from_thread(self.drain_replica(i), timeout_s)
 
     def undrain_replica(self, i: int) -> int:
         """Routes to replica i again after drain_replica returned (unless it is retiring: the autoscaler's
@@ -134,13 +132,18 @@ class RouterState:
 
     def undrain_replica_from_thread(self, i: int, timeout_s: float | None = None) -> int:
         """undrain_replica from another thread than the router's."""
-        if self.loop is None:
-            raise RuntimeError("the router is not serving yet")
 
         async def undrain() -> int:
             return self.undrain_replica(i)
 
-        return asyncio.run_coroutine_threadsafe(undrain(), self.loop).result(timeout_s)
+        return self._from_thread(undrain(), timeout_s)
+
+    def _from_thread(self, coro, timeout_s: float | None) -> int:
+        """coro's result, run on the router's event loop from another thread."""
+        if self.loop is None:
+            coro.close()
+            raise RuntimeError("the router is not serving yet")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     # replicas being drained to leave the fleet: their requests finish, no new one goes to them
     retiring: set[int] = field(default_factory=set)

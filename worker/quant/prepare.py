@@ -55,7 +55,7 @@ def quantize_linears(model: nn.Module, scheme: Fp8Scheme, fold_norms: bool = Fal
             fold_into(module, folds[module])
         # a row-parallel rank holds a slice of each output row: its scale from the whole row's largest
         # magnitude, as at tp=1 (every rank reaches these layers in the same order)
-        shards_rows = isinstance(module, RowParallelLinear) and module.tp.size > 1 and not scheme.prequantized
+        shards_rows = isinstance(module, RowParallelLinear) and module.tp.size > 1
         Fp8Weights.attach(module, scheme, module.tp.comm.max_over_ranks if shards_rows else None)
         made += 1
     if next(model.parameters()).is_cuda:
