@@ -263,7 +263,9 @@ def _pdl_launches(cfg: dict) -> list[tuple[str, Callable[[], object]]]:
         for prefetch in fused.PREFETCH_PLACES:  # Kernels.moe_prefetch's places
             calls.append(
                 (
-                    "MoE experts, 1 token" + ("" if prefetch == "off" else f", down prefetched at the {prefetch}") + ", pdl",
+                    "MoE experts, 1 token"
+                    + ("" if prefetch == "off" else f", down prefetched at the {prefetch}")
+                    + ", pdl",
                     lambda prefetch=prefetch: fused.fused_moe(
                         _gpu(1, hidden),
                         _gpu(1, experts),
