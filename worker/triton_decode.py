@@ -235,8 +235,8 @@ def _split_kernel(
                 total = tl.zeros([BLOCK_G], dtype=tl.float32)
                 for s in tl.static_range(NUM_SPLITS):
                     s_mask = g_mask & (offs_g * 0 + s < used)
-                    lse = tl.load(lse_rows + s, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
-                    w = tl.where(s_mask, tl.exp2(lse - top), 0.0)
+                    split_lse = tl.load(lse_rows + s, mask=s_mask, other=-float("inf"), cache_modifier=".cg")
+                    w = tl.where(s_mask, tl.exp2(split_lse - top), 0.0)
                     merged += w[:, None] * tl.load(
                         parts + s * stride_ps, mask=s_mask[:, None], other=0.0, cache_modifier=".cg"
                     )
