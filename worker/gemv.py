@@ -55,7 +55,7 @@ def small_linear(
     # the fastest at M=1 over Qwen3-0.6B's layers in bench/small_gemm.py: one output column a program up
     # to N = 2048, two beyond, 1024 of K a step, four warps (gated: the weight rows of the ungated GEMV's
     # program, half of them gate rows and half up rows)
-    block_n = block_n or (1 if gated or n <= 2048 else 2)
+    block_n = block_n or ((1 if gated or n <= 2048 else 2) if x.is_cuda else triton_ops.INTERPRETED_BLOCK_N)
     block_k, num_warps = block_k or 1024, num_warps or 4
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _kernels().small_linear_kernel[(triton_ops.triton.cdiv(n, block_n),)](

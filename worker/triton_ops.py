@@ -86,6 +86,11 @@ def pdl_options(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
+# output columns a program of the GEMVs whose columns are independent (gemv.small_linear, the FP8 GEMV) under
+# Triton's interpreter, which runs programs one after another: a few wide ones cost less than many narrow
+# ones, and each column's sum is the same at any width
+INTERPRETED_BLOCK_N = 64
+
 # Which programs of a GEMV launched with PDL prefetch their weight rows before the wait: the first
 # PDL_PREFETCH_PROGRAMS_PER_SM a multiprocessor where the whole weight holds at most PDL_PREFETCH_MAX_BYTES,
 # none in larger ones. bench/pdl_prefetch.py on an H100 (2026-12-05), batch 1's GEMV chain, us a layer

@@ -185,7 +185,7 @@ def fp8_gemv(
     # the fastest at M=1 over Qwen3-8B's layers in bench/fp8_gemv.py: four output rows a program, 2048
     # of K a step (1024 read 7-15% slower), four warps (gated: as many weight rows as the ungated GEMV of
     # 2N rows reads, half of them gate rows and half up rows)
-    block_n = block_n or (2 if n <= 2048 or gated else 4)
+    block_n = block_n or ((2 if n <= 2048 or gated else 4) if x.is_cuda else triton_ops.INTERPRETED_BLOCK_N)
     block_k, num_warps = block_k or 2048, num_warps or 4
     group_k = block[1] if block is not None else k
     grouped = GROUPED_BLOCK_SCALES if grouped is None else grouped
