@@ -27,7 +27,6 @@ from worker.kernels import (  # noqa: E402
     DECODE_MERGES,
     FP8_NORMS,
     MOE_KERNELS,
-    MOE_PREFETCHES,
     PDL_MODES,
     PREFILL_KERNELS,
     Kernels,
@@ -230,13 +229,6 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         help="the Triton decode kernel's split results merged by a launch of their own or by the last split's "
         "program (Kernels.decode_merge)",
     )
-    parser.add_argument(
-        "--moe-prefetch",
-        choices=MOE_PREFETCHES,
-        default="auto",
-        help="a mixture of experts at small batch: whether its gate-up kernel prefetches the down weights into "
-        "L2, before its own loads (start) or after (end) (Kernels.moe_prefetch)",
-    )
     parser.add_argument("--max-extend-tokens", type=int, help="tokens computed per step (default: the engine's)")
     parser.add_argument(
         "--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)"
@@ -279,7 +271,6 @@ def kernels_of(args: argparse.Namespace) -> Kernels:
         pdl=args.pdl,
         fp8_norms=args.fp8_norms,
         decode_merge=args.decode_merge,
-        moe_prefetch=args.moe_prefetch,
     )
 
 
@@ -339,7 +330,6 @@ def config_of(args: argparse.Namespace) -> dict:
         "pdl": args.pdl,
         "fp8_norms": args.fp8_norms,
         "decode_merge": args.decode_merge,
-        "moe_prefetch": args.moe_prefetch,
         "overlap": not args.no_overlap,
         "cuda_graph": not args.no_cuda_graph,
         "cache": args.cache,

@@ -24,9 +24,6 @@
 #                  (--decode-merge launch, last), alternated: Qwen3-0.6B, Qwen3-8B with FP8 weights and in bf16,
 #                  Qwen3-30B-A3B (MERGE_MODELS: others, e.g. "qwen3-0.6b qwen3-8b_fp8"); then the kernel alone at
 #                  batches 1 and 8 (fp8_decode.py)
-#   moe_prefetch   (b) on Qwen3-30B-A3B's architecture with the per-row gate-up kernel prefetching the down
-#                  weights into L2 (--moe-prefetch off, start, end), alternated; then the experts alone at 1, 2
-#                  and 4 tokens (bench/moe_decode.py: per_row_*prefetch_*)
 #   small_gemm     batch 1's dense layers and LM heads: cuBLAS against the Triton GEMV, without and with
 #                  programmatic dependent launch, and the GEMV's tiles (bench/small_gemm.py)
 #   pdl_prefetch   batch 1's dense GEMVs of Qwen3-8B (bf16 and FP8) and Qwen3-0.6B in one graph: without PDL,
@@ -250,14 +247,6 @@ for suite in "$@"; do
         done
       done
       step merge_kernel 200 python3 bench/fp8_decode.py --batch 1 8 --sweep none --out "$OUT/merge_kernel.json" ;;
-    moe_prefetch)
-      for round in 1 2; do
-        for mode in off start end; do
-          step "moe_prefetch_${mode}_$round" 300 python3 bench/decode_latency.py --arch qwen3-30b-a3b \
-            --repeats "${REPEATS:-3}" --moe-prefetch "$mode" --out "$OUT/moe_prefetch_${mode}_$round.json"
-        done
-      done
-      step moe_prefetch_kernels 300 python3 bench/moe_decode.py --tokens 1 2 4 --out "$OUT/moe_prefetch_kernels.json" ;;
     fp8) offline fp8 150 --kv-cache-dtype fp8_e4m3 ;;
     decode_triton) offline decode_triton 150 --decode-kernel triton ;;
     qwen3_8b) offline qwen3_8b 240 --arch qwen3-8b ;;

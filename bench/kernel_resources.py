@@ -260,24 +260,20 @@ def _pdl_launches(cfg: dict) -> list[tuple[str, Callable[[], object]]]:
                 ),
             )
         )
-        for prefetch in fused.PREFETCH_PLACES:  # Kernels.moe_prefetch's places
-            calls.append(
-                (
-                    "MoE experts, 1 token"
-                    + ("" if prefetch == "off" else f", down prefetched at the {prefetch}")
-                    + ", pdl",
-                    lambda prefetch=prefetch: fused.fused_moe(
-                        _gpu(1, hidden),
-                        _gpu(1, experts),
-                        _gpu(experts, 2 * inter, hidden),
-                        _gpu(experts, hidden, inter),
-                        top_k,
-                        cfg["norm_topk_prob"],
-                        pdl=True,
-                        prefetch=prefetch,
-                    ),
-                )
+        calls.append(
+            (
+                "MoE experts, 1 token, pdl",
+                lambda: fused.fused_moe(
+                    _gpu(1, hidden),
+                    _gpu(1, experts),
+                    _gpu(experts, 2 * inter, hidden),
+                    _gpu(experts, hidden, inter),
+                    top_k,
+                    cfg["norm_topk_prob"],
+                    pdl=True,
+                ),
             )
+        )
         return calls
     inter = cfg["intermediate_size"]
     weight = _gpu(2 * inter, hidden, dtype=FP8)

@@ -5,8 +5,7 @@ the per-row kernels' tiles (--sweep, at the first token count) and of the groupe
 at every count past the per-row path's: a decode batch of 256 is 256 tokens, a prompt chunk 8,192).
 LAYERS copies of the experts (distinct weights, so L2 holds none of them) replayed in a CUDA graph;
 median microseconds a layer, the bandwidth over the distinct experts' bytes and the TFLOP/s. The per-row
-kernels also with programmatic dependent launch (`per_row_pdl_us`, on compute capability 9.0+), and with
-their gate-up kernel prefetching the down weights before or after its own loads (`per_row_prefetch_*`).
+kernels also with programmatic dependent launch (`per_row_pdl_us`, on compute capability 9.0+).
 
     python bench/moe_decode.py [--tokens 1 2 4 256 8192] [--sweep] [--grouped-sweep] [--out r.json]"""
 
@@ -80,11 +79,9 @@ def main() -> None:
                 w, ids = fused.route(logits[i], TOP_K, True)
                 fused.fused_experts(x, w13s[i], w2s[i], w, ids, per_row=False)
 
-        def per_row(pdl: bool = False, prefetch: str = "off"):
+        def per_row(pdl: bool = False):
             for i in range(LAYERS):
-                fused._per_row(
-                    x, w13s[i], w2s[i], TOP_K, logits=logits[i], renormalize=True, pdl=pdl, prefetch=prefetch
-                )
+                fused._per_row(x, w13s[i], w2s[i], TOP_K, logits=logits[i], renormalize=True, pdl=pdl)
 
         routings = [select_experts(logits[i], TOP_K, True) for i in range(LAYERS)]
 
@@ -119,16 +116,6 @@ def main() -> None:
         row["per_row_us"] = time_graph(per_row) / LAYERS
         if torch.cuda.get_device_capability() >= (9, 0):  # with programmatic dependent launch (Kernels.pdl)
             row["per_row_pdl_us"] = time_graph(lambda: per_row(pdl=True)) / LAYERS
-            # the gate-up kernel prefetching the down weights (Kernels.moe_prefetch), with PDL and without;
-            # a prefetch changes no result
-            for place in ("start", "end"):
-                for pdl in (True, False):
-                    name = f"per_row_{'pdl_' if pdl else ''}prefetch_{place}_us"
-                    row[name] = time_graph(lambda pdl=pdl, place=place: per_row(pdl=pdl, prefetch=place)) / LAYERS
-                prefetched = fused._per_row(
-                    x, w13s[0], w2s[0], TOP_K, logits=logits[0], renormalize=True, pdl=True, prefetch=place
-                )
-                row[f"prefetch_{place}_equal"] = bool(torch.equal(prefetched.float(), got))
         row["per_row_routed_us"] = time_graph(per_row_routed) / LAYERS
         row["per_row_tiles"] = {"gate_up": fused.PER_ROW_GATE_UP, "down": fused.PER_ROW_DOWN}
         row["per_row_tb_s"] = nbytes / row["per_row_us"] / 1e6

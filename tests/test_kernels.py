@@ -162,12 +162,3 @@ def test_an_engine_resolves_pdl_auto_before_it_builds_its_layers(qwen3_path, qwe
 def test_an_unknown_decode_merge_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown decode merge 'fused'; choose auto, launch, last"):
         Kernels(decode_merge="fused")
-
-
-def test_an_unknown_moe_prefetch_is_a_clear_error_and_auto_resolves():
-    from worker.kernels import MOE_PREFETCH_AUTO
-
-    with pytest.raises(ValueError, match="unknown MoE prefetch 'always'; choose auto, off, start, end"):
-        Kernels(moe_prefetch="always")
-    assert Kernels().moe_prefetch_resolved == MOE_PREFETCH_AUTO
-    assert Kernels(moe_prefetch="end").moe_prefetch_resolved == "end"

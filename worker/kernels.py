@@ -15,9 +15,6 @@ DECODE_GEMMS = ("auto", "vendor", "triton")
 PDL_MODES = ("auto", "on", "off")
 DECODE_MERGES = ("auto", "launch", "last")
 FP8_NORMS = ("auto", "apart", "inside", "folded")
-MOE_PREFETCHES = ("auto", "off", "start", "end")
-# What `moe_prefetch` auto resolves to: off until a GPU has measured the prefetch
-MOE_PREFETCH_AUTO = "off"
 # What `fp8_norms` auto resolves to. Qwen3-8B with FP8 weights at batch 1 on an H100 (bench/gpu.sh fp8_norms,
 # 2026-12-06, ms a token): apart 3.476, inside 3.564 (the norm in the GEMV costs registers: 87 against 47),
 # folded 3.358 (bf16 5.451). For a checkpoint quantized already auto is apart (`Kernels.with_weights`): nothing
@@ -79,11 +76,6 @@ class Kernels:
     # after the splits; last: in the program of a request's kv head's last split to finish, with no launch
     # of its own; auto: last where a kv head has at most triton_decode.MERGE_IN_LAST_MAX_GROUP query heads
     decode_merge: str = "auto"
-    # a mixture of experts' per-row path (decode at small batch, worker/layers/moe/fused.py): whether its
-    # gate-up kernel prefetches the down kernel's weights into L2 (its own loaded evict-first, those kept
-    # evict-last), and where in its programs: before their own loads (start) or after (end). auto:
-    # MOE_PREFETCH_AUTO
-    moe_prefetch: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too
     # slow to serve with
@@ -104,8 +96,6 @@ class Kernels:
             raise ValueError(f"unknown FP8 norm placement {self.fp8_norms!r}; choose {', '.join(FP8_NORMS)}")
         if self.decode_merge not in DECODE_MERGES:
             raise ValueError(f"unknown decode merge {self.decode_merge!r}; choose {', '.join(DECODE_MERGES)}")
-        if self.moe_prefetch not in MOE_PREFETCHES:
-            raise ValueError(f"unknown MoE prefetch {self.moe_prefetch!r}; choose {', '.join(MOE_PREFETCHES)}")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"unknown programmatic dependent launch mode {self.pdl!r}; choose {', '.join(PDL_MODES)}")
 
@@ -129,11 +119,6 @@ class Kernels:
     def fp8_norms_resolved(self) -> str:
         """fp8_norms with auto resolved (FP8_NORMS_AUTO)."""
         return FP8_NORMS_AUTO if self.fp8_norms == "auto" else self.fp8_norms
-
-    @property
-    def moe_prefetch_resolved(self) -> str:
-        """moe_prefetch with auto resolved (MOE_PREFETCH_AUTO)."""
-        return MOE_PREFETCH_AUTO if self.moe_prefetch == "auto" else self.moe_prefetch
 
     @property
     def fp8_norms_inside(self) -> bool:

@@ -26,26 +26,13 @@ def l2_prefetch(ptrs):
 
 
 @triton.jit
-def l2_prefetch_kept(ptrs):
-    # l2_prefetch with L2's evict-last priority: for what a later kernel reads while a kernel between
-    # streams other bytes through L2 (loaded evict-first), so that their stream does not evict it first
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def prefetch_rows(w_ptr, rows, row_stride, K, KEEP: tl.constexpr = False):
-    # the first K elements of each of `rows` (indices that exist) of a row-major matrix, sector by sector;
-    # KEEP: at evict-last priority (l2_prefetch_kept)
+def prefetch_rows(w_ptr, rows, row_stride, K):
+    # the first K elements of each of `rows` (indices that exist) of a row-major matrix, sector by sector
     SECTOR: tl.constexpr = 256 // w_ptr.dtype.element_ty.primitive_bitwidth
     sectors = tl.arange(0, PREFETCH_SECTORS) * SECTOR
     base = w_ptr + rows[:, None].to(tl.int64) * row_stride
     for k0 in range(0, K, PREFETCH_SECTORS * SECTOR):
-        if KEEP:
-            l2_prefetch_kept(base + tl.minimum(k0 + sectors, K - 1)[None, :])
-        else:
-            l2_prefetch(base + tl.minimum(k0 + sectors, K - 1)[None, :])
+        l2_prefetch(base + tl.minimum(k0 + sectors, K - 1)[None, :])
 
 
 @triton.jit

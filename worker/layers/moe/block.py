@@ -79,7 +79,7 @@ class SparseMoeBlock(nn.Module):
         w13, w2 = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
         if fused_applies(self.kernels, x):
             pdl = triton_ops.pdl_applies(self.kernels, x.device)
-            out = fused_moe(x, logits, w13, w2, self.top_k, self.renormalize, pdl, self.kernels.moe_prefetch_resolved)
+            out = fused_moe(x, logits, w13, w2, self.top_k, self.renormalize, pdl)
         else:
             out = torch_experts(x, w13, w2, *select_experts(logits, self.top_k, self.renormalize))
         if self.shared_expert is not None:
@@ -98,5 +98,4 @@ class SparseMoeBlock(nn.Module):
         for tokens in warm_token_counts(num_experts, self.top_k):
             x = torch.zeros(tokens, hidden, dtype=w13.dtype, device=w13.device)
             logits = torch.zeros(tokens, num_experts, dtype=w13.dtype, device=w13.device)
-            pdl = triton_ops.pdl_applies(self.kernels, x.device)
-            fused_moe(x, logits, w13, w2, self.top_k, self.renormalize, pdl, self.kernels.moe_prefetch_resolved)
+            fused_moe(x, logits, w13, w2, self.top_k, self.renormalize, triton_ops.pdl_applies(self.kernels, x.device))

@@ -134,13 +134,11 @@ def fused_moe(
     top_k: int,
     renormalize: bool,
     pdl: bool = False,
-    prefetch: str = "off",
 ) -> torch.Tensor:
     """Routing and the experts: this rank's part of the block's output. `pdl`: the per-row kernels
-    launched with programmatic dependent launch (worker/pdl_kernels.py); `prefetch`: where their gate-up
-    kernel prefetches the down kernel's weights (Kernels.moe_prefetch resolved: off, start or end)."""
+    launched with programmatic dependent launch (worker/pdl_kernels.py)."""
     if per_row_applies(x.shape[0] * top_k, w13.shape[0]):
-        return _per_row(x, w13, w2, top_k, logits=logits, renormalize=renormalize, pdl=pdl, prefetch=prefetch)
+        return _per_row(x, w13, w2, top_k, logits=logits, renormalize=renormalize, pdl=pdl)
     weights, ids = route(logits, top_k, renormalize)
     return fused_experts(x, w13, w2, weights, ids)
 
@@ -176,7 +174,6 @@ def _per_row(
     logits: torch.Tensor | None = None,
     renormalize: bool = False,
     pdl: bool = False,
-    prefetch: str = "off",
 ) -> torch.Tensor:
     """The per-row path, from the router's logits (routing inside the first kernel) or from a routing."""
     tokens, hidden = x.shape
@@ -194,17 +191,13 @@ def _per_row(
     kernels = _kernels()
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     block_n, block_k, options = _row_tiles(PER_ROW_GATE_UP, x.is_cuda, inter, hidden)
-    tiles = triton_ops.triton.cdiv(inter, block_n)
-    # a prefetch is inline PTX, which the interpreter does not run (and it changes no result)
-    prefetch_down = PREFETCH_PLACES[prefetch] if x.is_cuda else 0
-    kernels.moe_row_gate_up_kernel[(rows, tiles)](
+    kernels.moe_row_gate_up_kernel[(rows, triton_ops.triton.cdiv(inter, block_n))](
         x,
         w13,
         h,
         logits,
         weights,
         ids,
-        w2,
         num_experts,
         hidden,
         inter,
@@ -213,8 +206,6 @@ def _per_row(
         w13.stride(0),
         w13.stride(1),
         h.stride(0),
-        w2.stride(0),
-        w2.stride(1),
         TOP_K=top_k,
         K_P2=triton_ops.triton.next_power_of_2(top_k),
         E_P2=triton_ops.triton.next_power_of_2(num_experts),
@@ -224,8 +215,6 @@ def _per_row(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PDL=pdl,
-        PREFETCH_DOWN=prefetch_down,
-        PREFETCH_ROWS=triton_ops.triton.next_power_of_2(triton_ops.triton.cdiv(hidden, tiles)),
         **options,
         **triton_ops.pdl_options(pdl),
     )
@@ -262,8 +251,6 @@ def _per_row(
 
 
 _AT_ONCE_MAX_K = 1024  # the widest expert the down kernel's at-once variant holds in one block
-# Kernels.moe_prefetch's places for the gate-up kernel's prefetch of the down weights (its PREFETCH_DOWN)
-PREFETCH_PLACES = {"off": 0, "start": 1, "end": 2}
 
 
 def _row_tiles(tiles: tuple[int, int, int], cuda: bool, width_n: int, width_k: int) -> tuple[int, int, dict]:

@@ -9,7 +9,7 @@ combine inside, two launches where the grouped path takes five."""
 import triton
 import triton.language as tl
 
-from worker.pdl_kernels import await_previous, prefetch_rows
+from worker.pdl_kernels import await_previous
 
 
 @triton.jit
@@ -202,7 +202,6 @@ def moe_row_gate_up_kernel(
     logits_ptr,
     weights_ptr,
     ids_ptr,
-    w2_ptr,
     num_experts,
     hidden,
     inter,
@@ -211,8 +210,6 @@ def moe_row_gate_up_kernel(
     stride_we,
     stride_wn,
     stride_h,
-    stride_w2e,
-    stride_w2n,
     TOP_K: tl.constexpr,
     K_P2: tl.constexpr,
     E_P2: tl.constexpr,
@@ -222,18 +219,12 @@ def moe_row_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH_DOWN: tl.constexpr,
-    PREFETCH_ROWS: tl.constexpr,
 ):
     # the per-row path of a few tokens (decode at small batch): one program per ((token, choice) row r,
     # column tile), a matrix-vector product over its expert's gate and up rows, h[r] = silu(x g^T) * (x u^T).
     # With ROUTE the program picks its row's expert from the logits itself (the route kernel's choice,
     # recomputed: 128 logits cost less than a launch) and tile 0 stores it and its weight for the down pass.
-    # Its weights follow from the routing, so there is nothing to prefetch before the wait. PREFETCH_DOWN
-    # (1: before its own loads, 2: after them; 0: none): the program also prefetches its share of its
-    # expert's down weights (w2 [E, hidden, inter]) into L2 at evict-last priority, about hidden / tiles
-    # rows (at most PREFETCH_ROWS), and loads its own weights evict-first, so the down kernel after it
-    # finds its weights in L2 (the tiles of a row cover the whole expert between them)
+    # Its weights follow from the routing, so there is nothing to prefetch before the wait
     await_previous(PDL)
     r = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
@@ -247,8 +238,6 @@ def moe_row_gate_up_kernel(
             tl.store(ids_ptr + r, expert.to(ids_ptr.dtype.element_ty))
     else:
         expert = tl.load(ids_ptr + r)
-    if PREFETCH_DOWN == 1:
-        _prefetch_down_share(w2_ptr, expert, pid_n, hidden, inter, stride_w2e, stride_w2n, PREFETCH_ROWS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -256,33 +245,16 @@ def moe_row_gate_up_kernel(
     u_ptrs = g_ptrs + inter * stride_wn
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # read once: with the down weights prefetched, these go first out of L2
-    policy: tl.constexpr = "evict_first" if PREFETCH_DOWN else ""
     for k0 in range(0, hidden, BLOCK_K):
         k_ok = offs_k < hidden - k0
         xv = tl.load(x_ptr + t * stride_x + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         mask = n_ok[:, None] & k_ok[None, :]
-        g = tl.load(g_ptrs + k0, mask=mask, other=0.0, eviction_policy=policy).to(tl.float32)
-        u = tl.load(u_ptrs + k0, mask=mask, other=0.0, eviction_policy=policy).to(tl.float32)
+        g = tl.load(g_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
         acc_g += tl.sum(g * xv[None, :], axis=1)
         acc_u += tl.sum(u * xv[None, :], axis=1)
-    if PREFETCH_DOWN == 2:
-        _prefetch_down_share(w2_ptr, expert, pid_n, hidden, inter, stride_w2e, stride_w2n, PREFETCH_ROWS)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + r * stride_h + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _prefetch_down_share(w2_ptr, expert, pid_n, hidden, inter, stride_w2e, stride_w2n, ROWS: tl.constexpr):
-    # a gate-up program's share of its expert's down weights into L2, kept there: the rows
-    # [pid_n * share, (pid_n + 1) * share) of w2[expert] ([hidden, inter]), share = cdiv(hidden, tiles) <= ROWS;
-    # the rows past the share or the matrix are the share's first row again (a prefetch must name memory
-    # that exists, and a repeat costs an L2 hit)
-    share = tl.cdiv(hidden, tl.num_programs(1))
-    first = tl.minimum(pid_n * share, hidden - 1)
-    rows = pid_n * share + tl.arange(0, ROWS)
-    rows = tl.where((tl.arange(0, ROWS) < share) & (rows < hidden), rows, first)
-    prefetch_rows(w2_ptr + expert.to(tl.int64) * stride_w2e, rows, stride_w2n, inter, KEEP=True)
 
 
 @triton.jit
