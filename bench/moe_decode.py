@@ -116,11 +116,6 @@ def main() -> None:
         row["per_row_us"] = time_graph(per_row) / LAYERS
         if torch.cuda.get_device_capability() >= (9, 0):  # with programmatic dependent launch (Kernels.pdl)
             row["per_row_pdl_us"] = time_graph(lambda: per_row(pdl=True)) / LAYERS
-            # the down kernel reading the routing gate-up stored, after its wait (not routing itself before it)
-            fused.PER_ROW_DOWN_ROUTES = False
-            row["per_row_pdl_stored_routing_us"] = time_graph(lambda: per_row(pdl=True)) / LAYERS
-            row["per_row_stored_routing_us"] = time_graph(per_row) / LAYERS
-            fused.PER_ROW_DOWN_ROUTES = True
         row["per_row_routed_us"] = time_graph(per_row_routed) / LAYERS
         row["per_row_tiles"] = {"gate_up": fused.PER_ROW_GATE_UP, "down": fused.PER_ROW_DOWN}
         row["per_row_tb_s"] = nbytes / row["per_row_us"] / 1e6

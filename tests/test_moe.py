@@ -302,26 +302,18 @@ def test_a_long_prompts_rows_sorted_by_torch_equal_the_torch_loop(monkeypatch):
     torch.testing.assert_close(fused.fused_moe(x, logits, w13, w2, 2, True), want)
 
 
-@pytest.mark.parametrize("down", ["at once", "in a loop"])
 @pytest.mark.parametrize("renormalize", [False, True])
-def test_per_row_kernels_route_as_select_experts_does(renormalize, down, monkeypatch):
+def test_per_row_kernels_route_as_select_experts_does(renormalize):
     """fused_moe at a few tokens routes inside the per-row kernels: the experts and weights that
-    select_experts picks, so the output equals the torch loop's. The down kernel routes again itself
-    (PER_ROW_DOWN_ROUTES), with every choice's weights loaded at once or in a loop over choices: bit for
-    bit what it gives reading the routing the gate-up kernel stored."""
+    select_experts picks, so the output equals the torch loop's."""
     pytest.importorskip("triton")
-    from worker.layers.moe import fused
+    from worker.layers.moe.fused import fused_moe, per_row_applies
 
-    if down == "in a loop":
-        monkeypatch.setattr(fused, "PER_ROW_DOWN_AT_ONCE", None)
     x, w13, w2, _, _ = _experts(3, 64, 4, 32, 24)
     logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)) * 2
-    assert fused.per_row_applies(3 * 4, 64) and fused.PER_ROW_DOWN_ROUTES
+    assert per_row_applies(3 * 4, 64)
     want = torch_experts(x, w13, w2, *select_experts(logits, 4, renormalize))
-    routed_twice = fused.fused_moe(x, logits, w13, w2, 4, renormalize)
-    torch.testing.assert_close(routed_twice, want)
-    monkeypatch.setattr(fused, "PER_ROW_DOWN_ROUTES", False)
-    assert torch.equal(routed_twice, fused.fused_moe(x, logits, w13, w2, 4, renormalize))
+    torch.testing.assert_close(fused_moe(x, logits, w13, w2, 4, renormalize), want)
 
 
 def test_engine_with_fused_experts_equals_hf_greedy(qwen2_moe_path):
@@ -380,31 +372,6 @@ def test_per_row_routing_replays_in_a_cuda_graph():
     torch.testing.assert_close(out, fused_moe(x, logits, w13, w2, 8, True), atol=0, rtol=0)
     want = torch_experts(x.float(), w13.float(), w2.float(), *select_experts(logits.float(), 8, True))
     assert (out.float() - want).abs().max() <= 0.02 * want.abs().max()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [False, True])
-def test_the_down_kernel_routing_before_its_wait_gives_the_stored_routings_output(pdl, monkeypatch):
-    """bf16 at Qwen3-30B-A3B's shapes, 1 and 4 tokens, replayed in a CUDA graph with and without
-    programmatic dependent launch on new inputs: the down kernel routing from the logits itself before its
-    wait (PER_ROW_DOWN_ROUTES) gives, bit for bit, what reading the gate-up kernel's routing after it gives."""
-    from worker.layers.moe import fused
-
-    if pdl and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    for tokens in (1, 4):
-        x, w13, w2, _, _ = _experts(tokens, **_ARCH, dtype=torch.bfloat16, device="cuda")
-        logits = torch.randn(tokens, _ARCH["num_experts"], device="cuda", dtype=torch.bfloat16)
-        fused.fused_moe(x, logits, w13, w2, 8, True, pdl)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fused.fused_moe(x, logits, w13, w2, 8, True, pdl)
-        x.copy_(torch.randn_like(x))
-        logits.copy_(torch.randn_like(logits))
-        graph.replay()
-        monkeypatch.setattr(fused, "PER_ROW_DOWN_ROUTES", False)
-        torch.testing.assert_close(out, fused.fused_moe(x, logits, w13, w2, 8, True, pdl), atol=0, rtol=0)
-        monkeypatch.setattr(fused, "PER_ROW_DOWN_ROUTES", True)
 
 
 @pytest.mark.gpu

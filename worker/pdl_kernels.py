@@ -3,8 +3,7 @@ kernel launched with it (`launch_pdl`) may start while the kernel before it in t
 may first prefetch into L2 what no kernel of the step writes (its weights; triton_ops.prefetch_programs
 says which GEMV programs do), then waits until the kernel
 before it has finished and its writes are visible (`await_previous`), and only then reads anything else
-or writes (one exception, by design: the MoE's per-row down kernel reads the router's logits before it,
-written two kernels back, before the kernel it follows passed its own wait and let it launch). Waiting there also lets the next kernel launch, so each kernel's prefetch overlaps the one
+or writes. Waiting there also lets the next kernel launch, so each kernel's prefetch overlaps the one
 before it. Every program of such a kernel must wait before it returns: a kernel whose programs all left
 without waiting could finish before the one it follows, and the kernel after it would wait on nothing.
 Launched without it, the wait and the prefetch are a no-op and a hint."""

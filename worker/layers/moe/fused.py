@@ -230,14 +230,11 @@ def _per_row(
         h,
         w2,
         out,
-        logits,
         weights,
         ids,
-        num_experts,
         hidden,
         inter,
         h.stride(0),
-        logits.stride(0),
         w2.stride(0),
         w2.stride(1),
         out.stride(0),
@@ -245,10 +242,6 @@ def _per_row(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         K_P2=triton_ops.triton.next_power_of_2(top_k),
-        E_P2=triton_ops.triton.next_power_of_2(num_experts),
-        RENORMALIZE=renormalize,
-        ROUTE=route_here and PER_ROW_DOWN_ROUTES,
-        COPIES=options.get("num_warps", 1),
         AT_ONCE=at_once,
         PDL=pdl,
         **options,
@@ -258,9 +251,6 @@ def _per_row(
 
 
 _AT_ONCE_MAX_K = 1024  # the widest expert the down kernel's at-once variant holds in one block
-# Whether the down kernel routes from the router's logits itself, before its wait (and, at once, loads its
-# weights there too), where the gate-up kernel routed: False reads the routing gate-up stored, after the wait
-PER_ROW_DOWN_ROUTES = True
 
 
 def _row_tiles(tiles: tuple[int, int, int], cuda: bool, width_n: int, width_k: int) -> tuple[int, int, dict]:

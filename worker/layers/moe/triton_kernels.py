@@ -262,14 +262,11 @@ def moe_row_down_kernel(
     h_ptr,
     w_ptr,
     out_ptr,
-    logits_ptr,
     weights_ptr,
     ids_ptr,
-    num_experts,
     hidden,
     inter,
     stride_h,
-    stride_logits,
     stride_we,
     stride_wn,
     stride_out,
@@ -277,40 +274,29 @@ def moe_row_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_P2: tl.constexpr,
-    E_P2: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    ROUTE: tl.constexpr,
-    COPIES: tl.constexpr,
     AT_ONCE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # the per-row path's second half: one program per (token, column tile) sums its TOP_K rows' expert
-    # outputs, each scaled by its routing weight, in float32: the combine needs no launch of its own.
-    # ROUTE: the program routes its token from the router's logits itself, as the gate-up programs did
-    # (their weights rounded to the weights' dtype, as they store them), and before its wait: the logits'
-    # kernel came before the gate-up kernel, which let this one launch only once each of its programs had
-    # waited for that kernel to finish. With AT_ONCE it loads its experts' weights before the wait too,
-    # so they arrive while gate-up's last programs run; only h, gate-up's, is read after it
+    # outputs, each scaled by its routing weight, in float32: the combine needs no launch of its own
+    await_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
-    offs_c = tl.arange(0, K_P2)
-    c_ok = offs_c < TOP_K
-    r = t * TOP_K + offs_c
-    if ROUTE:
-        top_w, top_i = _top_k(logits_ptr, t, num_experts, stride_logits, TOP_K, K_P2, E_P2, RENORMALIZE, COPIES)
-        experts = top_i.to(tl.int64)
-        route_w = top_w.to(weights_ptr.dtype.element_ty).to(tl.float32)
-    else:
-        await_previous(PDL)
+    if AT_ONCE:
+        # inter <= BLOCK_K: every choice's expert id, rows of h and weight tile loaded at once (one wait on
+        # memory a program, where the other branch waits twice a choice: for its id, then for its weights)
+        offs_c = tl.arange(0, K_P2)
+        c_ok = offs_c < TOP_K
+        r = t * TOP_K + offs_c
+        k_ok = offs_k < inter
         experts = tl.load(ids_ptr + r, mask=c_ok, other=0).to(tl.int64)
         route_w = tl.load(weights_ptr + r, mask=c_ok, other=0.0).to(tl.float32)
-    if AT_ONCE:
-        # inter <= BLOCK_K: every choice's weight tile and row of h loaded at once (one wait on memory a
-        # program, where the other branch waits a choice at a time)
-        k_ok = offs_k < inter
+        hv = tl.load(h_ptr + r[:, None] * stride_h + offs_k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0).to(
+            tl.float32
+        )
         b = tl.load(
             w_ptr
             + experts[:, None, None] * stride_we
@@ -318,31 +304,24 @@ def moe_row_down_kernel(
             + offs_k[None, None, :],
             mask=c_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :],
             other=0.0,
-        )
-        if ROUTE:
-            await_previous(PDL)
-        hv = tl.load(h_ptr + r[:, None] * stride_h + offs_k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0).to(
-            tl.float32
-        )
-        part = tl.sum(b.to(tl.float32) * hv[:, None, :], axis=2)  # [K_P2, BLOCK_N]: each choice's expert output
+        ).to(tl.float32)
+        part = tl.sum(b * hv[:, None, :], axis=2)  # [K_P2, BLOCK_N]: each choice's expert output
         acc = tl.sum(part * route_w[:, None], axis=0)
     else:
         # every choice's products summed in a tile, reduced across the warps once at the end: no barrier
         # between one choice's loads and the next's (26 a program in sm_90's code at the default tile, now
-        # 4). Each choice waits for its weights; the at-once variant waits once
-        if ROUTE:
-            await_previous(PDL)
+        # 4). Each choice still waits for its id, then its weights; the at-once variant waits once
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k in tl.static_range(TOP_K):
-            mine = offs_c == k
-            expert = tl.sum(tl.where(mine, experts, 0), 0)
-            weight = tl.sum(tl.where(mine, route_w, 0.0), 0)
+            r = t * TOP_K + k
+            expert = tl.load(ids_ptr + r).to(tl.int64)
+            route_w = tl.load(weights_ptr + r).to(tl.float32)
             b_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
             for k0 in range(0, inter, BLOCK_K):
                 k_ok = offs_k < inter - k0
-                hv = tl.load(h_ptr + (t * TOP_K + k) * stride_h + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                hv = tl.load(h_ptr + r * stride_h + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
                 b = tl.load(b_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                acc2 += b * (hv * weight)[None, :]
+                acc2 += b * (hv * route_w)[None, :]
         acc = tl.sum(acc2, axis=1)
     tl.store(out_ptr + t * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
