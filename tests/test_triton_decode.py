@@ -371,3 +371,61 @@ def test_the_merge_in_the_last_split_at_qwen3_8b_heads_in_a_graph(kv, batch):
         torch.testing.assert_close(out, launched, atol=0, rtol=2.0**-7)  # at most the last bit apart
         assert not scratch.arrivals.any()
     assert_close_to_reference(out, args)
+
+
+def _last_cells(indptr: torch.Tensor, ids: torch.Tensor, last: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Each request's last position's cell (page * page_size + offset): where its new token's key goes."""
+    return torch.stack([ids[indptr[b + 1] - 1].long() * page_size + last[b].long() - 1 for b in range(len(last))])
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][3] == 64] + ["page16-group4-d128-three-splits"])
+def test_the_prologue_inside_the_decode_kernel_equals_it_launched_before(case, kv, norm):
+    """paged_decode(prologue=...) norms and rotates the queries and writes each request's new key and value
+    itself, in the split that holds its last position: the output and the cache as the prologue kernel
+    (triton_ops.qkv_prologue) then the decode kernel give them (within a float32 rounding of the queries
+    and keys: the norm's sum runs in another order)."""
+    from worker import triton_ops
+
+    if kv == "fp8" and not triton_ops.cache_dtype_supported(torch.float8_e4m3fn, torch.device(DEVICE)):
+        pytest.skip("the prologue writes an fp8 cache only where the GPU converts to fp8")
+    page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
+    lens = lens_around(page_size)
+    _, k_cache, v_cache, indptr, ids, last = make_decode(lens, page_size, num_kv_heads, group, head_dim, kv, seed=4)
+    g = torch.Generator().manual_seed(9)
+    heads = num_kv_heads * group
+    qkv = torch.randn(len(lens), (heads + 2 * num_kv_heads) * head_dim, generator=g).to(torch.bfloat16).to(DEVICE)
+    positions = torch.tensor([n - 1 for n in lens]).to(DEVICE)
+    angles = torch.arange(float(max(lens)))[:, None] * torch.rand(head_dim // 2, generator=g)[None, :]
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1).to(DEVICE)
+    weights = (1 + 0.1 * torch.randn(2, head_dim, generator=g)).to(torch.bfloat16).to(DEVICE) if norm else (None, None)
+    cells = _last_cells(indptr, ids, last, page_size).to(DEVICE)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    flat = [(k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)) for k, v in caches]
+    q = triton_ops.qkv_prologue(
+        qkv, positions, cells, cos_sin, weights[0], weights[1], 1e-6, *flat[0], heads, num_kv_heads, head_dim
+    )
+    pages = (indptr, ids, last)
+    want = paged_decode(q, *caches[0], *pages, num_splits=num_splits, block_n=block_n)
+    prologue = triton_decode.DecodePrologue(qkv, positions, cos_sin, weights[0], weights[1], 1e-6)
+    got = paged_decode(
+        torch.empty_like(q), *caches[1], *pages, num_splits=num_splits, block_n=block_n, prologue=prologue
+    )
+    for new, old in zip(flat[1], flat[0]):  # the new tokens' cells, and nothing else, written alike
+        torch.testing.assert_close(
+            new[cells].float(), old[cells].float(), atol=0.07 if kv == "fp8" else 0.02, rtol=0.02
+        )
+        untouched = torch.ones(new.shape[0], dtype=torch.bool, device=DEVICE)
+        untouched[cells] = False
+        assert torch.equal(new[untouched].float(), old[untouched].float())
+    torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
+
+
+def test_a_prologue_of_the_wrong_width_is_a_clear_error():
+    args = make_decode([5, 9], 16, 2, 2, 64, "bf16")
+    prologue = triton_decode.DecodePrologue(
+        torch.zeros(2, 100, device=DEVICE), torch.zeros(2, dtype=torch.long), torch.zeros(8, 64)
+    )
+    with pytest.raises(ValueError, match=r"the prologue's qkv must be a contiguous \[2, 512\]"):
+        paged_decode(*args, num_splits=2, prologue=prologue)
