@@ -25,7 +25,6 @@ from worker.kernels import (  # noqa: E402
     DECODE_GEMMS,
     DECODE_KERNELS,
     DECODE_MERGES,
-    DECODE_PROLOGUES,
     FP8_NORMS,
     MOE_KERNELS,
     PDL_MODES,
@@ -230,13 +229,6 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         help="the Triton decode kernel's split results merged by a launch of their own or by the last split's "
         "program (Kernels.decode_merge)",
     )
-    parser.add_argument(
-        "--decode-prologue",
-        choices=DECODE_PROLOGUES,
-        default="auto",
-        help="a decode step's attention prologue where the Triton decode kernel attends: a launch of its own, "
-        "or inside the decode kernel (Kernels.decode_prologue)",
-    )
     parser.add_argument("--max-extend-tokens", type=int, help="tokens computed per step (default: the engine's)")
     parser.add_argument(
         "--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)"
@@ -279,7 +271,6 @@ def kernels_of(args: argparse.Namespace) -> Kernels:
         pdl=args.pdl,
         fp8_norms=args.fp8_norms,
         decode_merge=args.decode_merge,
-        decode_prologue=args.decode_prologue,
     )
 
 
@@ -339,7 +330,6 @@ def config_of(args: argparse.Namespace) -> dict:
         "pdl": args.pdl,
         "fp8_norms": args.fp8_norms,
         "decode_merge": args.decode_merge,
-        "decode_prologue": args.decode_prologue,
         "overlap": not args.no_overlap,
         "cuda_graph": not args.no_cuda_graph,
         "cache": args.cache,

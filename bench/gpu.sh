@@ -24,9 +24,6 @@
 #                  (--decode-merge launch, last), alternated: Qwen3-0.6B, Qwen3-8B with FP8 weights and in bf16,
 #                  Qwen3-30B-A3B (MERGE_MODELS: others, e.g. "qwen3-0.6b qwen3-8b_fp8"); then the kernel alone at
 #                  batches 1 and 8 (fp8_decode.py)
-#   decode_prologue (b) with the attention prologue launched before the Triton decode kernel and inside it
-#                  (--decode-prologue launch, inside), alternated, for each of PROLOGUE_MODELS (default
-#                  "qwen3-0.6b qwen3-30b-a3b qwen3-8b_fp8")
 #   small_gemm     batch 1's dense layers and LM heads: cuBLAS against the Triton GEMV, without and with
 #                  programmatic dependent launch, and the GEMV's tiles (bench/small_gemm.py)
 #   pdl_prefetch   batch 1's dense GEMVs of Qwen3-8B (bf16 and FP8) and Qwen3-0.6B in one graph: without PDL,
@@ -250,14 +247,6 @@ for suite in "$@"; do
         done
       done
       step merge_kernel 200 python3 bench/fp8_decode.py --batch 1 8 --sweep none --out "$OUT/merge_kernel.json" ;;
-    decode_prologue)
-      for model in ${PROLOGUE_MODELS:-qwen3-0.6b qwen3-30b-a3b qwen3-8b_fp8}; do
-        flag=(); [ "${model%_fp8}" != "$model" ] && flag=(--quantization fp8)
-        for mode in launch inside; do
-          step "prologue_${mode}_$model" 300 python3 bench/decode_latency.py --arch "${model%_fp8}" "${flag[@]}" \
-            --repeats "${REPEATS:-3}" --decode-prologue "$mode" --out "$OUT/prologue_${mode}_$model.json"
-        done
-      done ;;
     fp8) offline fp8 150 --kv-cache-dtype fp8_e4m3 ;;
     decode_triton) offline decode_triton 150 --decode-kernel triton ;;
     qwen3_8b) offline qwen3_8b 240 --arch qwen3-8b ;;

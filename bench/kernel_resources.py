@@ -197,12 +197,6 @@ def _pdl_launches(cfg: dict) -> list[tuple[str, Callable[[], object]]]:
             **variant,
         )
 
-    def prologue(batch: int, norm: bool = True) -> triton_decode.DecodePrologue:
-        weight = _gpu(head_dim) if norm else None
-        return triton_decode.DecodePrologue(
-            _gpu(batch, qkv_width), _ids(batch), _gpu(4096, head_dim, dtype=torch.float32), weight, weight, 1e-6
-        )
-
     calls = [
         (
             "attention prologue, 1 token, pdl",
@@ -227,12 +221,6 @@ def _pdl_launches(cfg: dict) -> list[tuple[str, Callable[[], object]]]:
         ("decode attention, batch 1, fp8 cache, cuda_cores, pdl", decode(FP8, cuda_cores=True)),
         ("decode attention, batch 1, fp8 cache, prefetch, pdl", decode(FP8, prefetch=True)),
         ("decode attention, batch 256 (one split), fp8 cache, pdl", decode(FP8, 256)),
-        ("decode attention, batch 1, bf16 cache, the prologue inside, pdl", decode(BF16, prologue=prologue(1))),
-        ("decode attention, batch 1, fp8 cache, the prologue inside, pdl", decode(FP8, prologue=prologue(1))),
-        (
-            "decode attention, batch 8, bf16 cache, the prologue inside without a norm, pdl",
-            decode(BF16, 8, prologue=prologue(8, norm=False)),
-        ),
         (
             "sampling, batch 1, pdl",
             lambda: triton_ops.sample_rows(

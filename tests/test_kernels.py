@@ -162,12 +162,3 @@ def test_an_engine_resolves_pdl_auto_before_it_builds_its_layers(qwen3_path, qwe
 def test_an_unknown_decode_merge_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown decode merge 'fused'; choose auto, launch, last"):
         Kernels(decode_merge="fused")
-
-
-def test_an_unknown_decode_prologue_is_a_clear_error_and_auto_resolves():
-    from worker.kernels import DECODE_PROLOGUE_AUTO
-
-    with pytest.raises(ValueError, match="unknown decode prologue 'fused'; choose auto, launch, inside"):
-        Kernels(decode_prologue="fused")
-    assert Kernels().decode_prologue_resolved == DECODE_PROLOGUE_AUTO
-    assert Kernels(decode_prologue="inside").decode_prologue_resolved == "inside"

@@ -128,17 +128,3 @@ def test_batch_1_generation_of_a_mixture_with_pdl_equals_generation_without_it(q
     kw = {"dtype": "bfloat16"}
     with_pdl = _generate(qwen3_moe_path, Kernels(attention="torch", pdl="on"), **kw)
     assert with_pdl == _generate(qwen3_moe_path, Kernels(attention="torch", pdl="off"), **kw)
-
-
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
-def test_batch_1_generation_with_the_prologue_inside_the_decode_kernel_follows_it_launched(hd128, kv_cache_dtype):
-    """Kernels.decode_prologue inside: every decode step's queries, keys and values from the projection's
-    output inside the Triton decode kernel, in the engine's CUDA graphs with PDL. The norms sum in another
-    order than the prologue kernel's, so the first 12 tokens of each prompt are asked to agree (a random
-    model's top logits may tie later), and the engine's backend must have taken it."""
-    kw = {"dtype": "bfloat16", "kv_cache_dtype": kv_cache_dtype}
-    inside = _generate(hd128, Kernels(decode_prologue="inside"), **kw)
-    launched = _generate(hd128, Kernels(decode_prologue="launch"), **kw)
-    assert [t[:12] for t in inside] == [t[:12] for t in launched]
-    with checked_llm(hd128, kernels=Kernels(decode_prologue="inside"), num_pages=256, **kw) as llm:
-        assert llm.engine.attn.prologue_inside

@@ -260,8 +260,6 @@ class Engine:
             waits=self.host_waits,
             pdl=triton_ops.pdl_applies(self.kernels, self.device),
             merge=self.kernels.decode_merge,
-            # verify steps run as decode rows read keys that another row's program would write inside
-            prologue_inside=self.kernels.decode_prologue_resolved == "inside" and config.max_verify_rows is None,
         )
         self.stream = new_stream(self.device)  # compute
         self.sched_stream = new_stream(self.device)  # metadata copies and attention planning

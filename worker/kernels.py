@@ -14,9 +14,6 @@ MOE_KERNELS = ("auto", "torch")
 DECODE_GEMMS = ("auto", "vendor", "triton")
 PDL_MODES = ("auto", "on", "off")
 DECODE_MERGES = ("auto", "launch", "last")
-DECODE_PROLOGUES = ("auto", "launch", "inside")
-# What `decode_prologue` auto resolves to: launch until a GPU has measured the prologue inside the decode kernel
-DECODE_PROLOGUE_AUTO = "launch"
 FP8_NORMS = ("auto", "apart", "inside", "folded")
 # What `fp8_norms` auto resolves to. Qwen3-8B with FP8 weights at batch 1 on an H100 (bench/gpu.sh fp8_norms,
 # 2026-12-06, ms a token): apart 3.476, inside 3.564 (the norm in the GEMV costs registers: 87 against 47),
@@ -79,12 +76,6 @@ class Kernels:
     # after the splits; last: in the program of a request's kv head's last split to finish, with no launch
     # of its own; auto: last where a kv head has at most triton_decode.MERGE_IN_LAST_MAX_GROUP query heads
     decode_merge: str = "auto"
-    # where a decode step's attention prologue runs (q/k norm, rotary, the new keys and values written)
-    # where the Triton decode kernel attends (worker/triton_decode.py). launch: a kernel of its own before
-    # it (the `triton` prologue); inside: in the decode kernel's programs, from the projection's output,
-    # one launch fewer a layer (not where verify steps run as decode rows: a request's rows would read
-    # keys another row's program writes). auto: DECODE_PROLOGUE_AUTO
-    decode_prologue: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too
     # slow to serve with
@@ -105,8 +96,6 @@ class Kernels:
             raise ValueError(f"unknown FP8 norm placement {self.fp8_norms!r}; choose {', '.join(FP8_NORMS)}")
         if self.decode_merge not in DECODE_MERGES:
             raise ValueError(f"unknown decode merge {self.decode_merge!r}; choose {', '.join(DECODE_MERGES)}")
-        if self.decode_prologue not in DECODE_PROLOGUES:
-            raise ValueError(f"unknown decode prologue {self.decode_prologue!r}; choose {', '.join(DECODE_PROLOGUES)}")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"unknown programmatic dependent launch mode {self.pdl!r}; choose {', '.join(PDL_MODES)}")
 
@@ -130,11 +119,6 @@ class Kernels:
     def fp8_norms_resolved(self) -> str:
         """fp8_norms with auto resolved (FP8_NORMS_AUTO)."""
         return FP8_NORMS_AUTO if self.fp8_norms == "auto" else self.fp8_norms
-
-    @property
-    def decode_prologue_resolved(self) -> str:
-        """decode_prologue with auto resolved (DECODE_PROLOGUE_AUTO)."""
-        return DECODE_PROLOGUE_AUTO if self.decode_prologue == "auto" else self.decode_prologue
 
     @property
     def fp8_norms_inside(self) -> bool:

@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from worker.attention.base import DecodePrologue
 from worker.pdl_kernels import await_previous
 from worker.triton_ops import pdl_options
 
@@ -82,33 +81,6 @@ def _cells(pages, t, end, PAGE_SIZE: tl.constexpr, stride_page, stride_tok, head
 
 
 @triton.jit
-def _normed_rotated(src, d, mask, norm_ptr, eps, cos_sin, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
-    # rows of heads at src (columns d), each RMS-normed (with HAS_NORM) and rotated by the position's
-    # cos_sin row (cos over the first half, sin over the second), in float32, as the prologue kernel
-    # (worker/triton_kernels.py) computes them: each element paired with the one half a head away, read
-    # again at the rolled columns rather than moved between registers
-    HALF: tl.constexpr = HEAD_DIM // 2
-    rot = (d + HALF) % HEAD_DIM
-    x = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
-    xr = tl.load(src + rot, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=len(x.shape) - 1, keep_dims=True) / HEAD_DIM + eps)
-        x = x * rstd * tl.load(norm_ptr + d).to(tl.float32)
-        xr = xr * rstd * tl.load(norm_ptr + rot).to(tl.float32)
-    cos = tl.load(cos_sin + d % HALF)
-    sin = tl.load(cos_sin + HALF + d % HALF)
-    return x * cos + tl.where(d < HALF, -xr, xr) * sin
-
-
-@triton.jit
-def _to_cache(x, cache_ptr):
-    # as the prologue kernel stores a cell: an fp8 cache saturates (Triton's conversion need not), NaN kept
-    if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        x = tl.clamp(x.to(tl.float32), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-    return x.to(cache_ptr.dtype.element_ty)
-
-
-@triton.jit
 def _split_kernel(
     q_ptr,
     k_ptr,
@@ -147,16 +119,6 @@ def _split_kernel(
     PDL: tl.constexpr,
     MERGE_IN_LAST: tl.constexpr = False,
     BLOCK_G: tl.constexpr = 1,
-    qkv_ptr=None,
-    pos_ptr=None,
-    cos_sin_ptr=None,
-    q_norm_ptr=None,
-    k_norm_ptr=None,
-    eps=0.0,
-    stride_qkv=0,
-    stride_cs=0,
-    PROLOGUE: tl.constexpr = False,
-    HAS_NORM: tl.constexpr = False,
 ):
     # one program per (request, kv head, split): the group's query heads against the split's tokens,
     # with an online softmax in base 2 (qk_scale = sm_scale * log2(e)); one split writes `out` itself,
@@ -180,42 +142,12 @@ def _split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     heads = kvh * GROUP + offs_h
     h_mask = offs_h < GROUP
-    pages = kv_indices_ptr + first_page
-    head = kvh.to(tl.int64) * stride_kvh
-    if PROLOGUE:
-        # the attention prologue here, from the projection's output: the group's queries normed and
-        # rotated, and, in the split that holds the request's new token, its key and value written to
-        # the cache (read back below like every other token, after a barrier)
-        row = qkv_ptr + b.to(tl.int64) * stride_qkv
-        pos = tl.load(pos_ptr + b).to(tl.int64)
-        q = _normed_rotated(
-            row + heads[:, None] * HEAD_DIM,
-            offs_d[None, :],
-            h_mask[:, None],
-            q_norm_ptr,
-            eps,
-            cos_sin_ptr + pos * stride_cs,
-            HEAD_DIM,
-            HAS_NORM,
-        ).to(qkv_ptr.dtype.element_ty)
-        if split == (seq_len - 1) // chunk:
-            num_q_heads = tl.num_programs(1) * GROUP
-            k_row = row + (num_q_heads + kvh) * HEAD_DIM
-            k = _normed_rotated(
-                k_row, offs_d, offs_d < HEAD_DIM, k_norm_ptr, eps, cos_sin_ptr + pos * stride_cs, HEAD_DIM, HAS_NORM
-            )
-            v = tl.load(k_row + tl.num_programs(1) * HEAD_DIM + offs_d)
-            cell, _ = _cells(pages, seq_len - 1 + offs_d * 0, seq_len, PAGE_SIZE, stride_page, stride_tok, head)
-            tl.store(k_ptr + cell + offs_d, _to_cache(k, k_ptr))
-            tl.store(v_ptr + cell + offs_d, _to_cache(v, v_ptr))
-            tl.debug_barrier()  # the cell's stores before any thread's loads of it
-    else:
-        # the group's heads padded to BLOCK_H >= 16 rows: what tl.dot needs to run on tensor cores
-        q = tl.load(
-            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=h_mask[:, None],
-            other=0.0,
-        )
+    # the group's heads padded to BLOCK_H >= 16 rows: what tl.dot needs to run on tensor cores
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None],
+        other=0.0,
+    )
     if CUDA_CORES:
         # the group's few heads as products and sums in float32: no rows padded to 16, no operand
         # shuffles for the tensor cores; each K and V element converted once
@@ -228,6 +160,8 @@ def _split_kernel(
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    pages = kv_indices_ptr + first_page
+    head = kvh.to(tl.int64) * stride_kvh
     if PREFETCH:  # the first block's cells, before the loop
         row, t_mask = _cells(pages, start + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
     for n0 in range(start, end, BLOCK_N):
@@ -406,7 +340,6 @@ def paged_decode(
     convert_v: bool | None = None,
     pdl: bool = False,
     merge_in_last: bool | None = None,
-    prologue: DecodePrologue | None = None,
 ) -> torch.Tensor:
     """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
     k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]: request b reads pages
@@ -423,9 +356,7 @@ def paged_decode(
     conversion runs); pdl, both kernels launched with programmatic dependent launch
     (worker/pdl_kernels.py); merge_in_last, split results merged by the last of a request's kv head's splits
     to finish instead of a second launch (None: where a kv head has at most MERGE_IN_LAST_MAX_GROUP query
-    heads; needs the scratch's arrivals); prologue, the queries computed from the projection's output and the
-    new keys and values written to the cache in the kernel (q then gives only the shape and dtype: it may be
-    `out`, unread)."""
+    heads; needs the scratch's arrivals)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -504,7 +435,6 @@ def paged_decode(
         BLOCK_G=triton.next_power_of_2(group),
         num_warps=num_warps,
         num_stages=num_stages,
-        **_prologue_args(prologue, batch, num_heads, num_kv_heads, head_dim),
         **pdl_options(pdl),
     )
     if num_splits > 1 and not merge_in_last:
@@ -527,35 +457,6 @@ def paged_decode(
             **pdl_options(pdl),
         )
     return out
-
-
-def _prologue_args(
-    prologue: DecodePrologue | None, batch: int, num_heads: int, num_kv_heads: int, head_dim: int
-) -> dict:
-    """The split kernel's arguments for the prologue inside it (none without one)."""
-    if prologue is None:
-        return {}
-    qkv = prologue.qkv
-    if qkv.shape != (batch, (num_heads + 2 * num_kv_heads) * head_dim) or not qkv.is_contiguous():
-        raise ValueError(
-            f"the prologue's qkv must be a contiguous [{batch}, {(num_heads + 2 * num_kv_heads) * head_dim}], "
-            f"not {list(qkv.shape)}"
-        )
-    if head_dim & (head_dim - 1) or prologue.cos_sin.shape[1] != head_dim:
-        raise ValueError(f"the prologue rotates whole heads of a power-of-two width: cos_sin [*, {head_dim}]")
-    norm = prologue.q_weight is not None
-    return {
-        "qkv_ptr": qkv,
-        "pos_ptr": prologue.positions,
-        "cos_sin_ptr": prologue.cos_sin,
-        "q_norm_ptr": prologue.q_weight if norm else prologue.cos_sin,
-        "k_norm_ptr": prologue.k_weight if norm else prologue.cos_sin,
-        "eps": prologue.eps,
-        "stride_qkv": qkv.stride(0),
-        "stride_cs": prologue.cos_sin.stride(0),
-        "PROLOGUE": True,
-        "HAS_NORM": norm,
-    }
 
 
 def _default_tile(head_dim: int, num_splits: int, fp8: bool) -> tuple[int, int, int, bool]:

@@ -3,28 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 
 from worker.batch import BatchDesc, ForwardBatch
 from worker.kv_cache import KVCachePool
-
-
-@dataclass(frozen=True)
-class DecodePrologue:
-    """The attention prologue done inside the decode kernel (one token a request): qkv [B, (H + 2 KV) * D],
-    the projection's output, contiguous; positions [B], the new tokens' (for the rotation); cos_sin
-    [positions, D], cos over its first half and sin over its second; q_weight and k_weight [D], the q/k
-    norms' weights (None: no norm), with eps. The new tokens' keys and values are written to the cache at
-    each request's last position, through its pages."""
-
-    qkv: torch.Tensor
-    positions: torch.Tensor
-    cos_sin: torch.Tensor
-    q_weight: torch.Tensor | None = None
-    k_weight: torch.Tensor | None = None
-    eps: float = 0.0
 
 
 class AttentionBackend(ABC):
@@ -49,13 +32,3 @@ class AttentionBackend(ABC):
         """Write k and v at the batch's out_loc (unless they are None: already written), then attend q
         ([T, heads, head_dim]) over each request's cached prefix and its new tokens, causally.
         Returns [T, heads, head_dim]: `out` when given."""
-
-    def takes_prologue(self) -> bool:
-        """Whether this step's attention computes the prologue itself (forward_prologue)."""
-        return False
-
-    def forward_prologue(self, prologue: DecodePrologue, layer_id: int, num_heads: int) -> torch.Tensor:
-        """The attention of a decode step from the projection's output (DecodePrologue): the
-        queries normed and rotated and the new keys and values written inside the attention's kernel.
-        Returns [T, num_heads, head_dim]. Only where takes_prologue."""
-        raise NotImplementedError(f"{type(self).__name__} does not take the prologue")

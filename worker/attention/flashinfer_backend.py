@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.attention.base import AttentionBackend, DecodePrologue
+from worker.attention.base import AttentionBackend
 from worker.batch import BatchDesc, ForwardBatch
 from worker.kv_cache import KVCachePool
 from worker.staging import PinnedStaging, Staged
@@ -176,13 +176,11 @@ class FlashInferBackend(AttentionBackend):
         prefill: str = "auto",
         pdl: bool = False,
         merge: str = "auto",
-        prologue_inside: bool = False,
     ) -> None:
         """q_dtype: the queries' (the model's) dtype; None: the cache's, or bfloat16 over a float8 cache.
         decode: Kernels.decode. waits: where the host's waits are counted (the engine's). prefill:
         Kernels.prefill. pdl: the Triton decode kernels launched with programmatic dependent launch
-        (triton_ops.pdl_applies). merge: Kernels.decode_merge. prologue_inside: the attention prologue inside
-        the Triton decode kernel (Kernels.decode_prologue)."""
+        (triton_ops.pdl_applies). merge: Kernels.decode_merge."""
         import flashinfer  # imported here: the package exists on GPU hosts only
 
         q_dtype = q_dtype or (torch.bfloat16 if kv.dtype in FP8_KV_DTYPES else kv.dtype)
@@ -200,7 +198,6 @@ class FlashInferBackend(AttentionBackend):
         self.decode_choice = decode
         self.pdl = pdl
         self.merge_in_last = {"auto": None, "launch": False, "last": True}[merge]
-        self.prologue_inside = prologue_inside
         self.waits = waits or HostWaits()
         # tvm-ffi launches FlashInfer's kernels on torch's current stream when torch exports its DLPack
         # exchange API; without it they would go to the default stream, so the stream is set by hand
@@ -451,29 +448,6 @@ class FlashInferBackend(AttentionBackend):
             return self._forward_split(q, layer_id, split, out)
         with self._on_torch_stream():
             return self.wrapper.run(q, self.caches[layer_id], out=out)
-
-    def takes_prologue(self) -> bool:
-        return self.prologue_inside and self._decode is not None
-
-    def forward_prologue(self, prologue: DecodePrologue, layer_id: int, num_heads: int) -> torch.Tensor:
-        dec = self._decode
-        qkv = prologue.qkv
-        out = torch.empty(qkv.shape[0], num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
-        k_cache, v_cache = self.caches[layer_id]
-        return self._triton.paged_decode(
-            out,  # unread with a prologue: the shape and dtype of the queries
-            k_cache,
-            v_cache,
-            dec.indptr,
-            self.kv_indices,
-            dec.last_page_len,
-            num_splits=dec.splits,
-            scratch=dec.scratch,
-            out=out,
-            pdl=self.pdl,
-            merge_in_last=self.merge_in_last,
-            prologue=prologue,
-        )
 
     def _forward_split(
         self, q: torch.Tensor, layer_id: int, split: _SplitStep, out: torch.Tensor | None

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from worker import triton_ops
-from worker.attention.base import AttentionBackend, DecodePrologue
+from worker.attention.base import AttentionBackend
 from worker.kernels import Kernels
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -75,11 +75,8 @@ class Attention(nn.Module):
         plus residual, None) where o_proj's GEMV adds it (row_fusion.linear_add)."""
         # norm, rotary and the KV write in one kernel
         if triton_ops.prologue_applies(self.kernels, qkv, self.head_dim, attn.kv.dtype):
-            if attn.takes_prologue():  # inside the decode kernel
-                out = attn.forward_prologue(self._decode_prologue(qkv, positions), self.layer_id, self.num_heads)
-            else:
-                q = self._fused_prologue(qkv, positions, attn.out_loc, attn)
-                out = attn.forward(q, None, None, self.layer_id)  # keys and values are in the cache already
+            q = self._fused_prologue(qkv, positions, attn.out_loc, attn)
+            out = attn.forward(q, None, None, self.layer_id)  # keys and values are in the cache already
         else:
             out = attn.forward(*self._qkv(qkv, positions), self.layer_id)
         return linear_add(self.o_proj, out.reshape(-1, self.num_heads * self.head_dim), residual, self.kernels)
@@ -121,18 +118,6 @@ class Attention(nn.Module):
             self.num_kv_heads,
             self.head_dim,
             pdl=triton_ops.pdl_applies(self.kernels, qkv.device),
-        )
-
-    def _decode_prologue(self, qkv: torch.Tensor, positions: torch.Tensor) -> DecodePrologue:
-        """What the prologue inside the decode kernel reads (worker/triton_decode.py)."""
-        norm = self.q_norm is not None
-        return DecodePrologue(
-            qkv,
-            positions,
-            self.rotary.cos_sin,
-            self.q_norm.weight if norm else None,
-            self.k_norm.weight if norm else None,
-            self.q_norm.eps if norm else 0.0,
         )
 
     def _qkv(self, qkv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
