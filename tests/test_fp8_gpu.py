@@ -344,3 +344,31 @@ def test_an_fp8_engine_generates_and_its_logits_are_near_float32s(hd128, tmp_pat
         outs = llm.generate(prompts + prompts[:1], greedy(24, ignore_eos=True))  # batch 9, then 1 alone
         alone = llm.generate(prompts[:1], greedy(24, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [24] * 9 and len(alone[0].token_ids) == 24
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "compressed-tensors"])
+def test_an_fp8_mixture_loads_on_the_gpu_with_its_experts_dequantized(fmt, tmp_path):
+    """A tiny Qwen3-MoE FP8 checkpoint on the GPU in bf16 (torch attention: its head size has no FlashInfer
+    kernels): the stacked experts are the dequantized reference's, rounded to bf16 alike; the attention runs
+    FP8; the prompt steps' logits within the FP8 tolerance of the dense formats' test above (against the
+    reference in float32, at most 16 times bf16's own error); batch-1 generation through the per-row expert
+    kernels in the CUDA graphs runs."""
+    from tiny_checkpoints import build_checkpoint
+
+    path, ref_path = write_fp8_checkpoint(build_checkpoint("qwen3_moe", tmp_path / "src"), tmp_path, fmt)
+    torch_attention = {"kernels": Kernels(attention="torch")}
+    prompts = random_prompts(4, 8, 40, seed=5)
+    kw = {"dtype": "bfloat16", "num_pages": 1024, **torch_attention}
+    with checked_llm(path, **kw) as llm, checked_llm(ref_path, **kw) as ref:
+        layers = zip(llm.engine.model.model.layers, ref.engine.model.model.layers)
+        for got, want in [(m.mlp.experts, r.mlp.experts) for m, r in layers if hasattr(m.mlp, "experts")]:
+            assert torch.equal(got.gate_up_proj.weight, want.gate_up_proj.weight)
+            assert torch.equal(got.down_proj.weight, want.down_proj.weight)
+        assert llm.engine.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+        assert llm.engine.graphs is not None
+        outs = [llm.generate([p], greedy(8, ignore_eos=True))[0].token_ids for p in prompts]
+    assert all(len(o) == 8 for o in outs)
+    want = _prefill_logits(ref_path, prompts, dtype="float32", **torch_attention)
+    err = _rel(_prefill_logits(path, prompts, **torch_attention), want)
+    bf16_err = _rel(_prefill_logits(ref_path, prompts, **torch_attention), want)
+    assert err < max(16 * bf16_err, 0.02) and err < 0.2
