@@ -41,7 +41,7 @@ def _experts(llm):
 def test_an_fp8_mixtures_experts_are_its_dequantized_weights_and_its_tokens_transformers(moe_checkpoints, fmt, caplog):
     path, ref_path = moe_checkpoints[fmt]
     prompts = random_prompts(4, 4, 30, seed=2)
-    with caplog.at_level(logging.WARNING, logger="worker.quant.experts"):
+    with caplog.at_level(logging.WARNING, logger="worker.engine"):
         with checked_llm(path, page_size=4) as llm, checked_llm(ref_path, page_size=4) as ref:
             for got, want in zip(_experts(llm), _experts(ref), strict=True):
                 assert torch.equal(got.gate_up_proj.weight, want.gate_up_proj.weight)
@@ -111,3 +111,73 @@ def test_quantization_fp8_at_load_says_a_mixtures_experts_stay_unquantized(moe_c
             assert layer.self_attn.qkv_proj.weight.dtype == FP8
             assert layer.mlp.experts.gate_up_proj.weight.dtype == torch.float32
     assert any("a mixture's experts stay in torch.float32" in r.getMessage() for r in caplog.records)
+
+
+def _holder(experts: int = 2, hidden: int = 16, inter: int = 8, packed: dict | None = None) -> nn.Module:
+    """A module whose experts sit where a model's do (model.layers.0.mlp.experts), with its `packed`."""
+    holder, layer = nn.Module(), nn.Module()
+    layer.mlp = nn.Module()
+    layer.mlp.experts = Experts(experts, hidden, inter, TPGroup(0, 1))
+    holder.model = nn.Module()
+    holder.model.layers = nn.ModuleList([layer])
+    holder.packed = packed or {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    return holder
+
+
+def test_a_per_tensor_scale_stands_for_every_row():
+    holder = _holder()
+    scheme = Fp8Scheme(ignore_style="compressed-tensors")
+    attach_expert_scales(holder, scheme)
+    gu = holder.model.layers[0].mlp.experts.gate_up_proj
+    w = torch.randn(8, 16).to(FP8)
+    for e in range(2):
+        for part in (0, 1):
+            gu.weight_loader(gu.weight, w, (e, part))
+            gu.weight_loader(gu.weight_scale, torch.tensor([0.5]), (e, part))
+    dequantize_experts(holder, scheme)
+    assert torch.equal(gu.weight, (w.float() * 0.5).repeat(2, 2, 1))
+
+
+@pytest.mark.parametrize(
+    "scale,block,error",
+    [
+        (torch.ones(2, 1), (4, 8), r"weight_scale_inv is \[2, 1\], not \[2, 2\]"),  # the grid transposed
+        (torch.ones(4), None, r"weight_scale is \[4\], not \[8\]"),
+    ],
+)
+def test_scales_of_another_shape_are_refused_by_name(scale, block, error):
+    from worker.loader import CheckpointError
+
+    holder = _holder()
+    scheme = Fp8Scheme(block=block)
+    attach_expert_scales(holder, scheme)
+    gu = holder.model.layers[0].mlp.experts.gate_up_proj
+    with pytest.raises(CheckpointError, match=error):
+        gu.weight_loader(getattr(gu, scheme.scale_name), scale, (0, 0))
+
+
+def test_an_expert_weight_that_is_not_e4m3_beside_its_scales_is_refused():
+    from worker.loader import CheckpointError
+
+    holder = _holder()
+    attach_expert_scales(holder, Fp8Scheme(block=(4, 8)))
+    gu = holder.model.layers[0].mlp.experts.gate_up_proj
+    with pytest.raises(CheckpointError, match="quantized weight is torch.bfloat16, not float8_e4m3fn"):
+        gu.weight_loader(gu.weight, torch.zeros(8, 16, dtype=torch.bfloat16), (0, 0))
+
+
+def test_the_ignore_list_is_read_with_the_checkpoints_names_of_every_expert():
+    """Mixtral's names (block_sparse_moe, w1 / w3 / w2): every expert's gate and up left out leaves gate-up
+    unquantized and down quantized; some of them is an error, as a fused dense layer's is."""
+    from worker.models.mixtral import MixtralForCausalLM
+    from worker.quant.scheme import QuantizationError
+
+    names = [f"model.layers.0.block_sparse_moe.experts.{e}.{w}" for e in range(2) for w in ("w1", "w3")]
+    holder = _holder(packed=MixtralForCausalLM.packed)
+    scheme = Fp8Scheme(ignore=tuple(names), ignore_style="compressed-tensors")
+    assert attach_expert_scales(holder, scheme) == 1
+    experts = holder.model.layers[0].mlp.experts
+    assert not hasattr(experts.gate_up_proj, "weight_scale") and hasattr(experts.down_proj, "weight_scale")
+    some = Fp8Scheme(ignore=tuple(names[:2]), ignore_style="compressed-tensors")
+    with pytest.raises(QuantizationError, match="quantizes some of the experts in model.layers.0.mlp.experts"):
+        attach_expert_scales(_holder(packed=MixtralForCausalLM.packed), some)

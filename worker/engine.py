@@ -206,8 +206,13 @@ class Engine:
             init_dummy_weights(self.model)
         else:
             load_weights(self.model, Path(self.config.model_path), progress=self.tp.rank == 0)
-        if prequantized:
-            dequantize_experts(self.model, scheme)
+        if prequantized and dequantize_experts(self.model, scheme) and self.tp.rank == 0:
+            logger.warning(
+                "this FP8 checkpoint's experts are dequantized to %s at load (the expert kernels read %s weights): "
+                "they take the memory of an unquantized checkpoint's experts",
+                self.dtype,
+                self.dtype,
+            )
         if scheme is not None and (dummy or not scheme.prequantized):
             fold = self.kernels.fp8_norms_resolved == "folded"
             quantize_linears(self.model, replace(scheme, block=None, prequantized=False), fold_norms=fold)

@@ -6,15 +6,16 @@ unquantized one. Its other linears stay FP8 (worker/quant/prepare.py)."""
 
 from __future__ import annotations
 
-import logging
+import functools
+import itertools
 
 import torch
 from torch import nn
 
+from worker.checkpoint_error import CheckpointError
 from worker.layers.moe.weights import ExpertDown, ExpertGateUp
-from worker.quant.scheme import Fp8Scheme
-
-log = logging.getLogger(__name__)
+from worker.quant.fp8 import check_fp8
+from worker.quant.scheme import Fp8Scheme, QuantizationError
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -22,29 +23,60 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def attach_expert_scales(model: nn.Module, scheme: Fp8Scheme) -> int:
-    """Gives each stacked expert projection a parameter for the checkpoint's scales, named as the
-    checkpoint names them (`weight_scale_inv`: a block's; `weight_scale`: an output channel's), every expert's
-    whole (a rank dequantizes its slice from them); returns how many it gave."""
+    """Gives each stacked expert projection the checkpoint quantizes a parameter for its scales, named as
+    the checkpoint names them (`weight_scale_inv`: a block's; `weight_scale`: an output channel's), every
+    expert's whole (a rank dequantizes its slice from them), and a weight loader that checks what it
+    reads; returns how many it gave. The scheme's ignore list is read with the checkpoint's names of the
+    module's experts: all of them left out leaves it unquantized, some of them is an error."""
+    packed = getattr(model, "packed", {})
     made = 0
     for name, module in expert_modules(model):
-        if scheme.skips(name):
+        # an expert's part is left out where the ignore list names it under any of its checkpoint names
+        skipped = [any(map(scheme.skips, names)) for names in _checkpoint_names(name, packed, module.weight.shape[0])]
+        if all(skipped):
             continue
+        if any(skipped):
+            raise QuantizationError(
+                f"the checkpoint quantizes some of the experts in {name} but not all, which this server stacks "
+                "into one weight"
+            )
         experts, rows, cols = _full_shape(module)
         if scheme.block is not None:
-            bn, bk = scheme.block
-            grid = (-(-rows // bn), -(-cols // bk))
+            grid: tuple[int, ...] = (-(-rows // scheme.block[0]), -(-cols // scheme.block[1]))
         else:
             grid = (rows,)
         parts = (2,) if isinstance(module, ExpertGateUp) else ()
         scale = torch.empty(experts, *parts, *grid, dtype=torch.float32, device=module.weight.device)
         module.register_parameter(scheme.scale_name, nn.Parameter(scale, requires_grad=False))
+        module.weight_loader = functools.partial(_load, module, module.weight_loader, grid, scheme)
         made += 1
     return made
 
 
-def dequantize_experts(model: nn.Module, scheme: Fp8Scheme) -> None:
-    """Multiplies each stacked expert weight (its e4m3 values, read into the model's dtype exactly) by its
-    scales, this rank's slice of them, and drops the scales."""
+def _load(module: nn.Module, load_weight, grid: tuple[int, ...], scheme: Fp8Scheme, param, full, shard_id) -> None:
+    """An FP8 expert's e4m3 weight (its rank's slice, read into the model's dtype exactly), or its scales,
+    whole: a block's [rows / bn, cols / bk], or an output channel's [rows] or [rows, 1], or one for the
+    whole tensor."""
+    if param is module.weight:
+        check_fp8(full)
+        load_weight(param, full, shard_id)
+        return
+    expert, part = shard_id
+    values = full[:].float()
+    if values.numel() == 1 and scheme.block is None:  # per tensor: every row's
+        values = values.reshape(()).expand(grid)
+    elif values.shape != grid and not (scheme.block is None and values.shape == (*grid, 1)):
+        raise CheckpointError(
+            f"an FP8 expert's {scheme.scale_name} is {list(values.shape)}, not {list(grid)} "
+            f"(weight_block_size {list(scheme.block) if scheme.block else None})"
+        )
+    (param.data[expert, part] if isinstance(module, ExpertGateUp) else param.data[expert]).copy_(values.reshape(grid))
+
+
+def dequantize_experts(model: nn.Module, scheme: Fp8Scheme) -> int:
+    """Multiplies each stacked expert weight that has scales (its e4m3 values, read into the model's dtype
+    exactly) by them, this rank's slice of them, and drops them; returns how many it dequantized."""
+    done = 0
     for _, module in expert_modules(model):
         scale = getattr(module, scheme.scale_name, None)
         if scale is None:
@@ -59,15 +91,9 @@ def dequantize_experts(model: nn.Module, scheme: Fp8Scheme) -> None:
             else:  # [E, H, local]: the rank's input columns
                 w[e] = _scaled(w[e], scale[e], scheme.block, 0, offset)
         delattr(module, scheme.scale_name)
-    experts = expert_modules(model)
-    if experts:
-        dtype = experts[0][1].weight.dtype
-        log.warning(
-            "this FP8 checkpoint's experts are dequantized to %s at load (the expert kernels read %s weights): "
-            "they take the memory of an unquantized checkpoint's experts",
-            dtype,
-            dtype,
-        )
+        del module.weight_loader  # the class's again
+        done += 1
+    return done
 
 
 def _scaled(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, row0: int, col0: int) -> torch.Tensor:
@@ -90,3 +116,24 @@ def _full_shape(module: nn.Module) -> tuple[int, int, int]:
     if isinstance(module, ExpertGateUp):
         return experts, inter, module.weight.shape[2]
     return experts, module.weight.shape[1], inter
+
+
+def _checkpoint_names(name: str, packed: dict[str, tuple[str, int]], experts: int) -> list[list[str]]:
+    """A stacked expert projection's checkpoint names, a list for each expert's part (`experts.{e}.`): each
+    of our names taken back to those it packs or renames (`gate_up_proj`'s first part: `gate_proj`, or
+    Mixtral's `w1`; Mixtral's `mlp`: `block_sparse_moe`), a checkpoint holding one of them."""
+    back: dict[str, list[tuple[str, int]]] = {}
+    for theirs, (ours, shard) in packed.items():
+        back.setdefault(ours, []).append((theirs, shard))
+    *path, last = name.split(".")
+    options = [[theirs for theirs, _ in back.get(part, [(part, 0)])] for part in path]
+    parts: dict[int, list[str]] = {}
+    for theirs, shard in back.get(last, [(last, 0)]):
+        parts.setdefault(shard, []).append(theirs)
+    at = path.index("experts") + 1
+    units = []
+    for e in range(experts):
+        for alternatives in parts.values():
+            prefixes = [".".join(p) for p in itertools.product(*options[:at], [str(e)], *options[at:])]
+            units.append([f"{prefix}.{theirs}" for prefix in prefixes for theirs in alternatives])
+    return units

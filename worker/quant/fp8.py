@@ -79,7 +79,7 @@ class Fp8Weights:
     def load_rows(self, layer: nn.Module, param: nn.Parameter, full, dst: int, src: int, size: int) -> None:
         """Output rows [src, src + size) of a (part's) weight or scales into local rows [dst, dst + size)."""
         if param is layer.weight:
-            _check_fp8(full)
+            check_fp8(full)
             param.data.narrow(0, dst, size).copy_(full.narrow(0, src, size))
             return
         out = param.data.narrow(0, dst, size)
@@ -94,7 +94,7 @@ class Fp8Weights:
     def load_columns(self, layer: nn.Module, param: nn.Parameter, full, src: int, size: int) -> None:
         """Input columns [src, src + size) of a row-parallel weight, and the scales that go with them."""
         if param is layer.weight:
-            _check_fp8(full)
+            check_fp8(full)
             param.data.copy_(full.narrow(1, src, size))
             return
         n = param.shape[0]
@@ -115,7 +115,7 @@ class Fp8Weights:
         return gemm.fp8_linear(x, layer.weight, self.scale_of(layer), self.block, bias, small, self.kernels)
 
 
-def _check_fp8(full) -> None:
+def check_fp8(full) -> None:
     dtype = full.dtype if isinstance(full, torch.Tensor) else full.narrow(0, 0, 1).dtype
     if dtype != FP8:
         raise CheckpointError(f"an FP8 checkpoint's quantized weight is {dtype}, not float8_e4m3fn")

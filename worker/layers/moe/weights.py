@@ -22,9 +22,6 @@ class ExpertGateUp(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, full, shard_id: tuple[int, int]) -> None:
         expert, part = shard_id
-        if param is not self.weight:  # an FP8 checkpoint's scales, whole (worker/quant/experts.py)
-            param.data[expert, part].copy_(full[:].reshape(param.shape[2:]))
-            return
         piece = full.narrow(0, self.tp.rank * self.local, self.local)
         param.data[expert].narrow(0, part * self.local, self.local).copy_(piece)
 
@@ -40,9 +37,6 @@ class ExpertDown(nn.Module):
         self.shard_ids = {(e, 0) for e in range(num_experts)}
 
     def weight_loader(self, param: nn.Parameter, full, shard_id: tuple[int, int]) -> None:
-        if param is not self.weight:  # an FP8 checkpoint's scales, whole (worker/quant/experts.py)
-            param.data[shard_id[0]].copy_(full[:].reshape(param.shape[1:]))
-            return
         param.data[shard_id[0]].copy_(full.narrow(1, self.tp.rank * self.local, self.local))
 
 
