@@ -11,6 +11,20 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
+def assert_tp2_equals_tp1(path, prompts: list[list[int]], max_tokens: int, **kw) -> None:
+    """Greedy tokens at tp 2 (real Ray, gloo) equal tp 1's, and their logprobs within 1e-4."""
+    import pytest
+
+    params = greedy(max_tokens, ignore_eos=True, logprobs=0)
+    runs = []
+    for tp_size in (2, 1):
+        with checked_llm(path, tp_size=tp_size, page_size=4, **kw) as llm:
+            runs.append([(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)])
+    assert [t for t, _ in runs[0]] == [t for t, _ in runs[1]]
+    flat = [[x for _, lps in run for x in lps] for run in runs]
+    assert flat[0] == pytest.approx(flat[1], abs=1e-4)
+
+
 @contextmanager
 def checked_llm(path, **kw):
     """An LLM whose page allocator must be whole when the test is done with it."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 from fixtures import hf_greedy
 from fp8_checkpoints import FP8, dequantize_blocks, quantize_blocks, quantize_channels, write_fp8_checkpoint
-from helpers import checked_llm, greedy
+from helpers import assert_tp2_equals_tp1, checked_llm, greedy
 from tiny_checkpoints import build_checkpoint, random_prompts
 from torch import nn
 
@@ -56,16 +56,7 @@ def test_an_fp8_mixtures_experts_are_its_dequantized_weights_and_its_tokens_tran
 def test_an_fp8_mixture_at_tp2_equals_tp1(ray_cluster, moe_checkpoints):
     # per-channel scales: the tiny model's dense layers are narrower than a 128-wide block, which a
     # row-parallel shard may not start inside (the block format at tp 2 is refused for them, by name)
-    path = moe_checkpoints["compressed-tensors"][0]
-    prompts = random_prompts(3, 4, 30, seed=3)
-    params = greedy(8, ignore_eos=True, logprobs=0)
-    with checked_llm(path, tp_size=2, page_size=4) as llm:
-        tp2 = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
-    with checked_llm(path, page_size=4) as llm:
-        tp1 = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
-    assert [t for t, _ in tp2] == [t for t, _ in tp1]
-    flat = [[x for _, lps in run for x in lps] for run in (tp2, tp1)]
-    assert flat[0] == pytest.approx(flat[1], abs=1e-4)
+    assert_tp2_equals_tp1(moe_checkpoints["compressed-tensors"][0], random_prompts(3, 4, 30, seed=3), 8)
 
 
 @pytest.mark.parametrize("block", [(4, 8), (3, 5), None])

@@ -22,7 +22,7 @@ from fp8_checkpoints import (
     quantize_channels,
     write_fp8_checkpoint,
 )
-from helpers import checked_llm, encode_all, gated_calls, greedy
+from helpers import assert_tp2_equals_tp1, checked_llm, encode_all, gated_calls, greedy
 from tiny_checkpoints import build_qwen3_hd128
 from transformers import AutoModelForCausalLM
 
@@ -119,30 +119,13 @@ def test_fp8_batch_1_decode_through_the_triton_gemvs_equals_the_dequantized_refe
 # block-scaled weights end to end at tp=2; both formats' shards and scales are checked in process below
 @pytest.mark.parametrize("fmt", ["fp8"])
 def test_fp8_checkpoint_at_tp2_equals_tp1(ray_cluster, checkpoints, fmt):
-    path = checkpoints[fmt][0]
-    prompts = _prompts(4)
-    params = greedy(12, ignore_eos=True, logprobs=0)
-    with checked_llm(path, tp_size=2, page_size=4) as llm:
-        tp2 = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
-    with checked_llm(path, page_size=4) as llm:
-        tp1 = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
-    assert [t for t, _ in tp2] == [t for t, _ in tp1]
-    flat = [[x for _, lps in run for x in lps] for run in (tp2, tp1)]
-    assert flat[0] == pytest.approx(flat[1], abs=1e-4)
+    assert_tp2_equals_tp1(checkpoints[fmt][0], _prompts(4), 12)
 
 
 def test_quantization_fp8_at_load_at_tp2_equals_tp1(ray_cluster, hd128):
     # o and down are row-parallel: a rank holds half of each output row, and scales it by the whole row's
     # largest magnitude, as tp=1 does, so both quantize every weight alike
-    prompts = _prompts(4)
-    params = greedy(12, ignore_eos=True, logprobs=0)
-    runs = []
-    for tp_size in (2, 1):
-        with checked_llm(hd128, tp_size=tp_size, page_size=4, quantization="fp8") as llm:
-            runs.append([(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)])
-    assert [t for t, _ in runs[0]] == [t for t, _ in runs[1]]
-    flat = [[x for _, lps in run for x in lps] for run in runs]
-    assert flat[0] == pytest.approx(flat[1], abs=1e-4)
+    assert_tp2_equals_tp1(hd128, _prompts(4), 12, quantization="fp8")
 
 
 def test_row_parallel_shards_quantized_at_load_take_the_whole_rows_scales():
