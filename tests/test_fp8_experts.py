@@ -11,15 +11,20 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 from fixtures import hf_greedy
 from fp8_checkpoints import FP8, dequantize_blocks, quantize_blocks, quantize_channels, write_fp8_checkpoint
 from helpers import assert_tp2_equals_tp1, checked_llm, greedy
 from tiny_checkpoints import build_checkpoint, random_prompts
 from torch import nn
 
-from worker.layers.moe.weights import Experts
+from worker.kernels import Kernels
+from worker.layers.moe import select_experts
+from worker.layers.moe.torch_experts import torch_experts
+from worker.layers.moe.weights import Experts, ExpertScales
 from worker.parallel import TPGroup
-from worker.quant.experts import attach_expert_scales, dequantize_experts
+from worker.quant.experts import attach_expert_scales, dequantize_experts, keep_expert_scales
+from worker.quant.fp8 import quantize_per_channel
 from worker.quant.scheme import Fp8Scheme
 
 FORMATS = ["fp8", "compressed-tensors"]
@@ -92,16 +97,17 @@ def test_each_rank_dequantizes_its_slice_with_the_scales_of_its_rows_and_columns
     assert not hasattr(gu, scheme.scale_name) and not hasattr(dn, scheme.scale_name)
 
 
-def test_quantization_fp8_at_load_says_a_mixtures_experts_stay_unquantized(moe_checkpoints, caplog):
-    """`quantization="fp8"` quantizes the attention and dense linears; the experts stay in the model's
-    dtype, and the engine says so rather than leaving it unsaid."""
+def test_quantization_fp8_at_load_says_the_torch_loops_experts_stay_unquantized(moe_checkpoints, caplog):
+    """`quantization="fp8"` where the torch loop runs the experts (here: the CPU without Triton's
+    interpreter) quantizes the attention and dense linears; the experts stay in the model's dtype, and the
+    engine says so rather than leaving it unsaid."""
     ref_path = moe_checkpoints["fp8"][1]
     with caplog.at_level(logging.WARNING, logger="worker.engine"):
         with checked_llm(ref_path, page_size=4, quantization="fp8") as llm:
             layer = llm.engine.model.model.layers[0]
             assert layer.self_attn.qkv_proj.weight.dtype == FP8
             assert layer.mlp.experts.gate_up_proj.weight.dtype == torch.float32
-    assert any("a mixture's experts stay in torch.float32" in r.getMessage() for r in caplog.records)
+    assert any("leaves a mixture's experts in torch.float32" in r.getMessage() for r in caplog.records)
 
 
 def _holder(experts: int = 2, hidden: int = 16, inter: int = 8, packed: dict | None = None) -> nn.Module:
@@ -172,3 +178,164 @@ def test_the_ignore_list_is_read_with_the_checkpoints_names_of_every_expert():
     some = Fp8Scheme(ignore=tuple(names[:2]), ignore_style="compressed-tensors")
     with pytest.raises(QuantizationError, match="quantizes some of the experts in model.layers.0.mlp.experts"):
         attach_expert_scales(_holder(packed=MixtralForCausalLM.packed), some)
+
+
+# ---- FP8 experts kept e4m3 where the fused kernels run them (under Triton's interpreter on the CPU)
+
+# the fused expert kernels on CPU tensors, under Triton's interpreter (conftest sets TRITON_INTERPRET); the
+# other Triton kernels off, so the FP8 linears compute as they do without it (over their dequantized weights)
+MOE_INTERPRETED = Kernels(interpret_on_cpu=True, triton=False)
+
+
+def _grouped_fp8(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [E, N, K] -> (e4m3, scales [E, N, K / group] (group 0: [E, N, 1]), the float32 weight they stand for)."""
+    experts, rows, cols = w.shape
+    width = group or cols
+    groups = -(-cols // width)
+    padded = F.pad(w.float(), (0, groups * width - cols)).view(experts, rows, groups, width)
+    scale = (padded.abs().amax(dim=-1) / 448.0).clamp(min=1e-12)
+    q = (padded / scale[..., None]).clamp(-448, 448).to(FP8).view(experts, rows, groups * width)[..., :cols]
+    return q.contiguous(), scale, q.float() * scale.repeat_interleave(width, dim=-1)[..., :cols]
+
+
+@pytest.mark.parametrize("per_row", [False, True, "down in a loop"])
+@pytest.mark.parametrize("group", [0, 16])
+@pytest.mark.parametrize("tokens,num_experts,top_k,hidden,inter", [(1, 8, 2, 64, 32), (7, 4, 2, 40, 48)])
+def test_fp8_expert_kernels_equal_the_torch_loop_over_the_dequantized_weights(
+    tokens, num_experts, top_k, hidden, inter, group, per_row, monkeypatch
+):
+    """Both fused paths (grouped GEMMs, per-row kernels with the down kernel's at-once default and its loop)
+    over e4m3 weights with a scale a row, or a scale for every 16 columns of a row (the last group partial
+    where 16 does not divide the width): the torch loop's output over the weights they stand for, within
+    float32's rounding."""
+    pytest.importorskip("triton")
+    from worker.layers.moe import fused
+
+    if per_row == "down in a loop":
+        monkeypatch.setattr(fused, "PER_ROW_DOWN_AT_ONCE", None)
+        per_row = True
+    g = torch.Generator().manual_seed(tokens + hidden)
+    x = torch.randn(tokens, hidden, generator=g)
+    q13, s13, w13 = _grouped_fp8(torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden**-0.5, group)
+    q2, s2, w2 = _grouped_fp8(torch.randn(num_experts, hidden, inter, generator=g) * inter**-0.5, group)
+    weights, ids = select_experts(torch.randn(tokens, num_experts, generator=g), top_k, renormalize=True)
+    scales = ExpertScales(s13, s2, group, group)
+    got = fused.fused_experts(x, q13, q2, weights, ids, per_row=per_row, scales=scales)
+    torch.testing.assert_close(got, torch_experts(x, w13, w2, weights, ids))
+
+
+def test_fp8_per_row_kernels_route_as_the_torch_loop_does():
+    """fused_moe at a few tokens, routing inside the per-row kernels, over FP8 experts."""
+    pytest.importorskip("triton")
+    from worker.layers.moe.fused import fused_moe, per_row_applies
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 32, generator=g)
+    q13, s13, w13 = _grouped_fp8(torch.randn(64, 48, 32, generator=g) * 0.2, 16)
+    q2, s2, w2 = _grouped_fp8(torch.randn(64, 32, 24, generator=g) * 0.2, 0)
+    logits = torch.randn(3, 64, generator=g) * 2
+    assert per_row_applies(3 * 4, 64)
+    want = torch_experts(x, w13, w2, *select_experts(logits, 4, True))
+    torch.testing.assert_close(fused_moe(x, logits, q13, q2, 4, True, scales=ExpertScales(s13, s2, 16, 0)), want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_fp8_mixtures_experts_stay_e4m3_under_the_fused_kernels_and_its_tokens_are_transformers(
+    moe_checkpoints, fmt, caplog
+):
+    """Where the fused kernels run the experts (here Triton's interpreter) they keep the checkpoint's e4m3
+    weights, beside each row's scales: what they stand for is the dequantized reference's experts exactly,
+    and greedy tokens equal transformers' over the reference."""
+    pytest.importorskip("triton")
+    path, ref_path = moe_checkpoints[fmt]
+    prompts = random_prompts(3, 4, 30, seed=4)
+    with caplog.at_level(logging.WARNING, logger="worker.engine"):
+        with checked_llm(path, page_size=4, kernels=MOE_INTERPRETED) as llm, checked_llm(ref_path, page_size=4) as ref:
+            for got, want in zip(_experts(llm), _experts(ref), strict=True):
+                scales = got.scales()
+                assert got.gate_up_proj.weight.dtype == FP8 and got.down_proj.weight.dtype == FP8
+                assert torch.equal(_standing_for(got.gate_up_proj.weight, scales.gate_up), want.gate_up_proj.weight)
+                assert torch.equal(_standing_for(got.down_proj.weight, scales.down), want.down_proj.weight)
+            outs = [o.token_ids for o in llm.generate(prompts, greedy(8, ignore_eos=True))]
+    assert outs == hf_greedy(ref_path, prompts, 8, ignore_eos=True)
+    assert not any("dequantized" in r.getMessage() for r in caplog.records)
+
+
+def _standing_for(q: torch.Tensor, scales: torch.Tensor, group: int = 0) -> torch.Tensor:
+    cols = q.shape[-1]
+    width = group or cols
+    return (q.float() * scales.repeat_interleave(width, dim=-1)[..., :cols]).to(torch.float32)
+
+
+@pytest.mark.parametrize("block,groups", [((3, 16), (16, 16)), (None, (0, 0)), ((4, 8), None), ((5, 24), None)])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_keeps_its_slice_of_e4m3_experts_with_its_rows_scales(block, groups, rank):
+    """keep_fp8 at tp 2: blocks 16 columns wide (rows in threes, not aligned with the ranks' slices) keep
+    a scale for each 16 columns of a row; per-channel scales one a row. Each rank's e4m3 weights times its
+    scales are its slice of every expert's whole dequantized weight. Blocks narrower than 16 columns, or
+    not a power of two wide, load into the model's dtype and are dequantized instead."""
+    experts, hidden, inter = 3, 64, 64
+    g = torch.Generator().manual_seed(rank)
+    gate, up = torch.randn(2, experts, inter, hidden, generator=g)
+    down = torch.randn(experts, hidden, inter, generator=g)
+    scheme = Fp8Scheme(block=block)
+    holder = nn.Module()
+    holder.experts = Experts(experts, hidden, inter, TPGroup(rank, 2))
+    attach_expert_scales(holder, scheme, keep_fp8=True)
+    gu, dn = holder.experts.gate_up_proj, holder.experts.down_proj
+    assert (gu.weight.dtype == FP8) == (groups is not None) == (dn.weight.dtype == FP8)
+    want_gu, want_dn = torch.empty(gu.weight.shape), torch.empty(dn.weight.shape)
+    local = inter // 2
+    for e in range(experts):
+        for part, w in enumerate((gate[e], up[e])):
+            q, scale = quantize_blocks(w, block) if block else quantize_channels(w, torch.float32)
+            gu.weight_loader(gu.weight, q, (e, part))
+            gu.weight_loader(getattr(gu, scheme.scale_name), scale, (e, part))
+            full = dequantize_blocks(q, scale, block) if block else q.float() * scale
+            want_gu[e, part * local : (part + 1) * local] = full[rank * local : (rank + 1) * local]
+        q, scale = quantize_blocks(down[e], block) if block else quantize_channels(down[e], torch.float32)
+        dn.weight_loader(dn.weight, q, (e, 0))
+        dn.weight_loader(getattr(dn, scheme.scale_name), scale, (e, 0))
+        full = dequantize_blocks(q, scale, block) if block else q.float() * scale
+        want_dn[e] = full[:, rank * local : (rank + 1) * local]
+    assert keep_expert_scales(holder, scheme) == (2 if groups else 0)
+    assert dequantize_experts(holder, scheme) == (0 if groups else 2)
+    scales = holder.experts.scales()
+    if groups is None:
+        assert scales is None and torch.equal(gu.weight, want_gu) and torch.equal(dn.weight, want_dn)
+        return
+    assert (scales.gate_up_group, scales.down_group) == groups
+    assert torch.equal(_standing_for(gu.weight, scales.gate_up, groups[0]), want_gu)
+    assert torch.equal(_standing_for(dn.weight, scales.down, groups[1]), want_dn)
+    assert not hasattr(gu, scheme.scale_name) and not hasattr(dn, scheme.scale_name)
+
+
+def test_quantization_fp8_at_load_quantizes_a_mixtures_experts_a_scale_a_row(moe_checkpoints):
+    """`quantization="fp8"` where the fused kernels run the experts: they become e4m3 at one scale an output
+    row, each row rounded as quantize_per_channel rounds a linear's; the engine serves with them."""
+    pytest.importorskip("triton")
+    ref_path = moe_checkpoints["fp8"][1]
+    prompts = random_prompts(2, 4, 30, seed=5)
+    with checked_llm(ref_path, page_size=4) as ref:
+        originals = [(b.gate_up_proj.weight.clone(), b.down_proj.weight.clone()) for b in _experts(ref)]
+    with checked_llm(ref_path, page_size=4, quantization="fp8", kernels=MOE_INTERPRETED) as llm:
+        for block, (w13, w2) in zip(_experts(llm), originals, strict=True):
+            scales = block.scales()
+            assert (scales.gate_up_group, scales.down_group) == (0, 0)
+            for q, s, w in (
+                (block.gate_up_proj.weight, scales.gate_up, w13),
+                (block.down_proj.weight, scales.down, w2),
+            ):
+                assert q.dtype == FP8 and s.shape == (*w.shape[:2], 1)
+                for e in range(w.shape[0]):
+                    want_q, want_s = quantize_per_channel(w[e])
+                    assert torch.equal(q[e].float(), want_q.float()) and torch.equal(s[e, :, 0], want_s)
+        assert all(len(o.token_ids) == 6 for o in llm.generate(prompts, greedy(6, ignore_eos=True)))
+
+
+def test_an_fp8_mixture_quantized_at_load_at_tp2_equals_tp1(ray_cluster, moe_checkpoints):
+    """Each row of down (split on its columns across the ranks) at the whole row's scale: tp 2 as tp 1."""
+    pytest.importorskip("triton")
+    assert_tp2_equals_tp1(
+        moe_checkpoints["fp8"][1], random_prompts(2, 4, 20, seed=6), 6, quantization="fp8", kernels=MOE_INTERPRETED
+    )

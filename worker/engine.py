@@ -36,11 +36,18 @@ from worker.graph_io import IO
 from worker.kernel_builds import serialize_flashinfer_builds
 from worker.kv_cache import KVCachePool
 from worker.layers.moe.block import SparseMoeBlock
+from worker.layers.moe.fused import fused_applies
 from worker.loader import CheckpointError, init_dummy_weights, load_weights
 from worker.models import build_model
 from worker.models.eagle3 import has_own_embeddings, is_eagle3, keep_hidden_states
 from worker.parallel import TPGroup
-from worker.quant.experts import attach_expert_scales, dequantize_experts, expert_modules
+from worker.quant.experts import (
+    attach_expert_scales,
+    dequantize_experts,
+    expert_modules,
+    keep_expert_scales,
+    quantize_experts,
+)
 from worker.quant.prepare import check_device, quantize_linears
 from worker.quant.scheme import scheme_of
 from worker.sampling.inputs import SamplingInputs, stage_sampling
@@ -199,29 +206,39 @@ class Engine:
             self.model = build_model(self.hf_config, self.max_seq_len + 1, self.tp, self.kernels)
         # a prequantized checkpoint's fp8 weights and scales load into FP8 linears; random weights (dummy)
         # and unquantized checkpoints are quantized once loaded
+        # a mixture's experts stay FP8 where the fused expert kernels run them (worker/quant/experts.py)
+        fp8_experts = fused_applies(self.kernels, torch.empty(0, device=self.device))
         if prequantized:
             quantize_linears(self.model, scheme)
-            attach_expert_scales(self.model, scheme)
+            attach_expert_scales(self.model, scheme, keep_fp8=fp8_experts)
         if dummy:
             init_dummy_weights(self.model)
         else:
             load_weights(self.model, Path(self.config.model_path), progress=self.tp.rank == 0)
-        if prequantized and dequantize_experts(self.model, scheme) and self.tp.rank == 0:
-            logger.warning(
-                "this FP8 checkpoint's experts are dequantized to %s at load (the expert kernels read %s weights): "
-                "they take the memory of an unquantized checkpoint's experts",
-                self.dtype,
-                self.dtype,
-            )
+        if prequantized:
+            keep_expert_scales(self.model, scheme)
+            if dequantize_experts(self.model, scheme) and self.tp.rank == 0:
+                logger.warning(
+                    "this FP8 checkpoint's experts are dequantized to %s at load (%s): they take the memory of "
+                    "an unquantized checkpoint's experts",
+                    self.dtype,
+                    "their blocks do not fit the FP8 expert kernels' column groups at this tp_size"
+                    if fp8_experts
+                    else "the torch loop over experts computes in the model's dtype",
+                )
         if scheme is not None and (dummy or not scheme.prequantized):
             fold = self.kernels.fp8_norms_resolved == "folded"
             quantize_linears(self.model, replace(scheme, block=None, prequantized=False), fold_norms=fold)
-            if expert_modules(self.model) and self.tp.rank == 0:
+            if fp8_experts:
+                quantize_experts(self.model)
+            elif expert_modules(self.model) and self.tp.rank == 0:
                 logger.warning(
-                    "FP8 quantization at load covers the attention and dense linears only: "
-                    "a mixture's experts stay in %s (no FP8 expert kernels yet)",
+                    "FP8 quantization at load leaves a mixture's experts in %s where the torch loop runs them "
+                    "(the fused expert kernels run FP8 experts: CUDA, or Triton's interpreter)",
                     self.dtype,
                 )
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         self.model.eval()
         # an EAGLE-3 head: its steps take hidden states of the model's or its own (worker/models/eagle3.py)
         self.takes_hidden = getattr(self.model, "takes_hidden", False)

@@ -1,8 +1,10 @@
-"""A mixture of experts' FP8 checkpoint (Qwen3-MoE's FP8 releases, compressed-tensors' FP8-dynamic ones):
-its experts' e4m3 weights and scales are read into the stacked expert parameters and dequantized there to
-the model's dtype once loaded. The expert kernels (worker/layers/moe/) read bf16 weights; FP8 ones would
-halve the experts' bytes, and are not written yet, so such a checkpoint's experts take the memory of an
-unquantized one. Its other linears stay FP8 (worker/quant/prepare.py)."""
+"""A mixture of experts' FP8 weights (Qwen3-MoE's FP8 releases, compressed-tensors' FP8-dynamic ones, or
+`quantization="fp8"`). Where the fused expert kernels run (worker/layers/moe/fused.py) the experts stay
+e4m3, each row's scales laid out for its rank's slice (ExpertScales): a checkpoint's e4m3 weights load
+into e4m3 parameters, and an unquantized checkpoint's experts are quantized once loaded, a scale an output
+row. Elsewhere (the torch loop), or where a checkpoint's blocks do not fit the kernels' groups, a
+checkpoint's experts are dequantized to the model's dtype once loaded. The other linears stay FP8
+(worker/quant/prepare.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ import torch
 from torch import nn
 
 from worker.checkpoint_error import CheckpointError
-from worker.layers.moe.weights import ExpertDown, ExpertGateUp
-from worker.quant.fp8 import check_fp8
+from worker.layers.moe.weights import ExpertDown, ExpertGateUp, Experts
+from worker.quant.fp8 import FP8, FP8_MAX, check_fp8
 from worker.quant.scheme import Fp8Scheme, QuantizationError
 
 
@@ -22,12 +24,15 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertGateUp | ExpertDown)]
 
 
-def attach_expert_scales(model: nn.Module, scheme: Fp8Scheme) -> int:
+def attach_expert_scales(model: nn.Module, scheme: Fp8Scheme, keep_fp8: bool = False) -> int:
     """Gives each stacked expert projection the checkpoint quantizes a parameter for its scales, named as
     the checkpoint names them (`weight_scale_inv`: a block's; `weight_scale`: an output channel's), every
-    expert's whole (a rank dequantizes its slice from them), and a weight loader that checks what it
-    reads; returns how many it gave. The scheme's ignore list is read with the checkpoint's names of the
-    module's experts: all of them left out leaves it unquantized, some of them is an error."""
+    expert's whole (a rank takes its slice from them), and a weight loader that checks what it reads;
+    returns how many it gave. The scheme's ignore list is read with the checkpoint's names of the module's
+    experts: all of them left out leaves it unquantized, some of them is an error. `keep_fp8` (the fused
+    kernels run the experts): a block whose two projections are both quantized, in groups the kernels
+    take (scale_group), gets e4m3 weights for the checkpoint's to load into (keep_expert_scales then lays
+    out the scales); the others load into the model's dtype (dequantize_experts)."""
     packed = getattr(model, "packed", {})
     made = 0
     for name, module in expert_modules(model):
@@ -50,7 +55,92 @@ def attach_expert_scales(model: nn.Module, scheme: Fp8Scheme) -> int:
         module.register_parameter(scheme.scale_name, nn.Parameter(scale, requires_grad=False))
         module.weight_loader = functools.partial(_load, module, module.weight_loader, grid, scheme)
         made += 1
+    if keep_fp8:
+        for block in _blocks(model):
+            parts = (block.gate_up_proj, block.down_proj)
+            if all(hasattr(p, scheme.scale_name) and scale_group(p, scheme.block) is not None for p in parts):
+                for p in parts:
+                    p.weight = nn.Parameter(torch.empty_like(p.weight, dtype=FP8), requires_grad=False)
     return made
+
+
+def _blocks(model: nn.Module) -> list[Experts]:
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
+def scale_group(module: nn.Module, block: tuple[int, int] | None) -> int | None:
+    """The columns of this rank's weight that share a scale in the fused kernels (ExpertScales' group; 0: a
+    row's columns all), for a checkpoint's blocks (None: per-channel scales); None where its blocks do not
+    fit: the columns a block spans must be a power of two of at least 16 (the kernels' tiles), and a
+    rank's slice of a row-split weight (down's) must start at a block's edge."""
+    if block is None:
+        return 0
+    width = block[1]
+    start = module.tp.rank * module.local if isinstance(module, ExpertDown) else 0
+    local = module.weight.shape[2]
+    if start // width == (start + local - 1) // width:  # the rank's columns inside one block
+        return 0
+    if width < 16 or width & (width - 1) or start % width:
+        return None
+    return width
+
+
+def keep_expert_scales(model: nn.Module, scheme: Fp8Scheme) -> int:
+    """Lays out each e4m3 expert projection's loaded scales for the fused kernels (ExpertScales): this rank's
+    rows, a scale for every `scale_group` columns of its slice; returns how many it laid out."""
+    done = 0
+    for _, module in expert_modules(model):
+        scale = getattr(module, scheme.scale_name, None)
+        if scale is None or module.weight.dtype != FP8:
+            continue
+        group = scale_group(module, scheme.block)
+        module.fp8_scales = _local_scales(module, scale, scheme.block, group)
+        module.fp8_group = group
+        delattr(module, scheme.scale_name)
+        del module.weight_loader  # the class's again
+        done += 1
+    return done
+
+
+def _local_scales(module: nn.Module, scale: torch.Tensor, block: tuple[int, int] | None, group: int) -> torch.Tensor:
+    """[E, this rank's rows, groups of its columns] from the checkpoint's whole scales (attach_expert_scales'
+    layout): a block's [E, (2,) rows / bn, cols / bk], or a channel's [E, (2,) rows]."""
+    offset = module.tp.rank * module.local
+    if isinstance(module, ExpertGateUp):  # the rank's rows of each part, gate then up
+        rows = torch.arange(offset, offset + module.local, device=scale.device)
+        if block is None:
+            parts = [scale[:, p, rows, None] for p in (0, 1)]
+        else:
+            parts = [scale[:, p][:, rows // block[0]] for p in (0, 1)]
+        return torch.cat(parts, dim=1).contiguous()
+    if block is None:
+        return scale[:, :, None].contiguous()
+    rows = torch.arange(module.weight.shape[1], device=scale.device) // block[0]
+    first = offset // block[1]
+    groups = -(-module.local // group) if group else 1
+    return scale[:, rows, first : first + groups].contiguous()
+
+
+def quantize_experts(model: nn.Module) -> int:
+    """Quantizes every stacked expert projection (loaded or drawn in the model's dtype) to e4m3 at one
+    scale an output row, as quantize_per_channel does a linear's; down's rows are split across the ranks,
+    so each row's scale comes from the whole row's largest magnitude (a collective: every rank calls this
+    alike). Returns how many it quantized; the unquantized weights are freed."""
+    done = 0
+    for _, module in expert_modules(model):
+        w = module.weight.data
+        amax = torch.stack([w[e].abs().amax(dim=1).float() for e in range(w.shape[0])])  # [E, rows]
+        if isinstance(module, ExpertDown) and module.tp.size > 1:
+            amax = module.tp.comm.max_over_ranks(amax)
+        scale = (amax / FP8_MAX).clamp(min=1e-12)
+        q = torch.empty_like(w, dtype=FP8)
+        for e in range(w.shape[0]):  # float32 copies of one expert's weight at most
+            q[e] = (w[e].float() / scale[e, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        module.weight = nn.Parameter(q, requires_grad=False)
+        module.fp8_scales = scale[:, :, None].contiguous()
+        module.fp8_group = 0
+        done += 1
+    return done
 
 
 def _load(module: nn.Module, load_weight, grid: tuple[int, ...], scheme: Fp8Scheme, param, full, shard_id) -> None:
@@ -75,7 +165,8 @@ def _load(module: nn.Module, load_weight, grid: tuple[int, ...], scheme: Fp8Sche
 
 def dequantize_experts(model: nn.Module, scheme: Fp8Scheme) -> int:
     """Multiplies each stacked expert weight that has scales (its e4m3 values, read into the model's dtype
-    exactly) by them, this rank's slice of them, and drops them; returns how many it dequantized."""
+    exactly) by them, this rank's slice of them, and drops them; returns how many it dequantized. (Those
+    keep_expert_scales laid out have none left.)"""
     done = 0
     for _, module in expert_modules(model):
         scale = getattr(module, scheme.scale_name, None)

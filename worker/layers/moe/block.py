@@ -79,8 +79,8 @@ class SparseMoeBlock(nn.Module):
         w13, w2 = self.experts.gate_up_proj.weight, self.experts.down_proj.weight
         if fused_applies(self.kernels, x):
             pdl = triton_ops.pdl_applies(self.kernels, x.device)
-            out = fused_moe(x, logits, w13, w2, self.top_k, self.renormalize, pdl)
-        else:
+            out = fused_moe(x, logits, w13, w2, self.top_k, self.renormalize, pdl, self.experts.scales())
+        else:  # FP8 experts are kept only where the fused path runs (worker/quant/experts.py)
             out = torch_experts(x, w13, w2, *select_experts(logits, self.top_k, self.renormalize))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -95,7 +95,9 @@ class SparseMoeBlock(nn.Module):
         hidden, num_experts = w13.shape[2], w13.shape[0]
         if not fused_applies(self.kernels, w13[:1, :1]):
             return
+        dtype = self.gate.weight.dtype  # the model's (FP8 experts' weights are e4m3)
+        pdl = triton_ops.pdl_applies(self.kernels, w13.device)
         for tokens in warm_token_counts(num_experts, self.top_k):
-            x = torch.zeros(tokens, hidden, dtype=w13.dtype, device=w13.device)
-            logits = torch.zeros(tokens, num_experts, dtype=w13.dtype, device=w13.device)
-            fused_moe(x, logits, w13, w2, self.top_k, self.renormalize, triton_ops.pdl_applies(self.kernels, x.device))
+            x = torch.zeros(tokens, hidden, dtype=dtype, device=w13.device)
+            logits = torch.zeros(tokens, num_experts, dtype=dtype, device=w13.device)
+            fused_moe(x, logits, w13, w2, self.top_k, self.renormalize, pdl, self.experts.scales())

@@ -14,6 +14,7 @@ import torch
 
 from worker import triton_ops
 from worker.kernels import Kernels
+from worker.layers.moe.weights import ExpertScales
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,18 @@ class ExpertOrder:
     expert_ids: torch.Tensor
     num_padded: torch.Tensor
     block_m: int
+
+
+def _scale_args(scales: torch.Tensor | None, w: torch.Tensor) -> tuple:
+    # (pointer, stride over experts, stride over rows): a kernel without scales is given w and reads nothing
+    if scales is None:
+        return w, 0, 0
+    return scales, scales.stride(0), scales.stride(1)
+
+
+def _capped(block_k: int, group: int) -> int:
+    # a tile of columns never crosses a scale group
+    return min(block_k, group) if group else block_k
 
 
 # rows (tokens x top_k) up to which one program sorts them (every decode batch and a prompt chunk of up to
@@ -134,13 +147,14 @@ def fused_moe(
     top_k: int,
     renormalize: bool,
     pdl: bool = False,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """Routing and the experts: this rank's part of the block's output. `pdl`: the per-row kernels
-    launched with programmatic dependent launch (worker/pdl_kernels.py)."""
+    launched with programmatic dependent launch (worker/pdl_kernels.py). `scales`: w13 and w2 are e4m3."""
     if per_row_applies(x.shape[0] * top_k, w13.shape[0]):
-        return _per_row(x, w13, w2, top_k, logits=logits, renormalize=renormalize, pdl=pdl)
+        return _per_row(x, w13, w2, top_k, logits=logits, renormalize=renormalize, pdl=pdl, scales=scales)
     weights, ids = route(logits, top_k, renormalize)
-    return fused_experts(x, w13, w2, weights, ids)
+    return fused_experts(x, w13, w2, weights, ids, scales=scales)
 
 
 def per_row_applies(rows: int, num_experts: int) -> bool:
@@ -174,6 +188,7 @@ def _per_row(
     logits: torch.Tensor | None = None,
     renormalize: bool = False,
     pdl: bool = False,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """The per-row path, from the router's logits (routing inside the first kernel) or from a routing."""
     tokens, hidden = x.shape
@@ -190,7 +205,9 @@ def _per_row(
         weights, ids, logits = weights.flatten().contiguous(), ids.flatten().contiguous(), x
     kernels = _kernels()
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    group13, group2 = (scales.gate_up_group, scales.down_group) if scales is not None else (0, 0)
     block_n, block_k, options = _row_tiles(PER_ROW_GATE_UP, x.is_cuda, inter, hidden)
+    block_k = _capped(block_k, group13)
     kernels.moe_row_gate_up_kernel[(rows, triton_ops.triton.cdiv(inter, block_n))](
         x,
         w13,
@@ -206,6 +223,7 @@ def _per_row(
         w13.stride(0),
         w13.stride(1),
         h.stride(0),
+        *_scale_args(scales and scales.gate_up, w13),
         TOP_K=top_k,
         K_P2=triton_ops.triton.next_power_of_2(top_k),
         E_P2=triton_ops.triton.next_power_of_2(num_experts),
@@ -215,6 +233,8 @@ def _per_row(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PDL=pdl,
+        SCALED=scales is not None,
+        GROUP_K=group13,
         **options,
         **triton_ops.pdl_options(pdl),
     )
@@ -224,8 +244,10 @@ def _per_row(
         block_n, warps = PER_ROW_DOWN_AT_ONCE
         block_n, block_k = _fit(block_n, hidden, 1), triton_ops.triton.next_power_of_2(inter)
         options = {"num_warps": warps} if x.is_cuda else {}
+        group = group2 or block_k
     else:
         block_n, block_k, options = _row_tiles(PER_ROW_DOWN, x.is_cuda, hidden, inter)
+        block_k = group = _capped(block_k, group2)
     kernels.moe_row_down_kernel[(tokens, triton_ops.triton.cdiv(hidden, block_n))](
         h,
         w2,
@@ -238,12 +260,16 @@ def _per_row(
         w2.stride(0),
         w2.stride(1),
         out.stride(0),
+        *_scale_args(scales and scales.down, w2),
         TOP_K=top_k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         K_P2=triton_ops.triton.next_power_of_2(top_k),
         AT_ONCE=at_once,
         PDL=pdl,
+        SCALED=scales is not None,
+        GROUP_K=group2,
+        GROUP=group,
         **options,
         **triton_ops.pdl_options(pdl),
     )
@@ -318,9 +344,11 @@ def fused_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     per_row: bool | None = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """What torch_experts computes: in three launches and a sum, or in the per-row path's two (`per_row`;
-    by default where per_row_applies). x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights and ids [T, top_k]."""
+    by default where per_row_applies). x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights and ids [T, top_k];
+    `scales`: w13 and w2 are e4m3 (ExpertScales)."""
     tokens = x.shape[0]
     num_experts = w13.shape[0]
     top_k = ids.shape[1]
@@ -330,20 +358,20 @@ def fused_experts(
     if per_row is None:
         per_row = per_row_applies(rows, num_experts)
     if per_row:
-        return _per_row(x, w13, w2, top_k, weights=weights, ids=ids)
+        return _per_row(x, w13, w2, top_k, weights=weights, ids=ids, scales=scales)
     order = align_by_expert(ids, num_experts, _block_m(rows, num_experts))
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights = weights.flatten().contiguous()
     key = (order.block_m, x.dtype, x.device)
     if key not in _FELL_BACK:
         try:
-            return _grouped_gemms(x, w13, w2, weights, order, top_k, GROUPED_TILES[order.block_m])
+            return _grouped_gemms(x, w13, w2, weights, order, top_k, GROUPED_TILES[order.block_m], scales)
         except Exception as e:
             if type(e).__name__ != "OutOfResources":  # Triton's: the tiles need more than this GPU has
                 raise
             log.warning("MoE tiles %s need more than this GPU has (%s): the smaller ones from now on", key, e)
             _FELL_BACK.add(key)
-    return _grouped_gemms(x, w13, w2, weights, order, top_k, FALLBACK_TILES[order.block_m])
+    return _grouped_gemms(x, w13, w2, weights, order, top_k, FALLBACK_TILES[order.block_m], scales)
 
 
 # the tiles a block height falls back to where its own need more shared memory or registers than the GPU
@@ -361,6 +389,7 @@ def _grouped_gemms(
     order: ExpertOrder,
     top_k: int,
     tiles: tuple[int, int, int, int],
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """The grouped path's two GEMMs over the rows in expert order, and the sum over each token's choices."""
     kernels = _kernels()
@@ -369,9 +398,10 @@ def _grouped_gemms(
     blocks = order.expert_ids.numel()
     tile_n, tile_k, warps, stages = tiles
     options = {"num_warps": warps, "num_stages": stages} if x.is_cuda else {}
+    group13, group2 = (scales.gate_up_group, scales.down_group) if scales is not None else (0, 0)
 
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    block_n, block_k = _fit(tile_n, inter), _fit(tile_k, hidden)
+    block_n, block_k = _fit(tile_n, inter), _capped(_fit(tile_k, hidden), group13)
     kernels.moe_gate_up_kernel[(blocks * triton_ops.triton.cdiv(inter, block_n),)](
         x,
         w13,
@@ -386,15 +416,18 @@ def _grouped_gemms(
         w13.stride(0),
         w13.stride(1),
         h.stride(0),
+        *_scale_args(scales and scales.gate_up, w13),
         TOP_K=top_k,
         BLOCK_M=order.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         IEEE=ieee,
+        SCALED=scales is not None,
+        GROUP_K=group13,
         **options,
     )
     out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    block_n, block_k = _fit(tile_n, hidden), _fit(tile_k, inter)
+    block_n, block_k = _fit(tile_n, hidden), _capped(_fit(tile_k, inter), group2)
     kernels.moe_down_kernel[(blocks * triton_ops.triton.cdiv(hidden, block_n),)](
         h,
         w2,
@@ -410,10 +443,13 @@ def _grouped_gemms(
         w2.stride(0),
         w2.stride(1),
         out.stride(0),
+        *_scale_args(scales and scales.down, w2),
         BLOCK_M=order.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         IEEE=ieee,
+        SCALED=scales is not None,
+        GROUP_K=group2,
         **options,
     )
     return out.view(-1, top_k, hidden).sum(dim=1)

@@ -20,6 +20,41 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
+# FP8 experts (SCALED): e4m3 weights [E, N, K] beside float32 scales [E, N, KG] (worker/quant/experts.py),
+# weight (e, n, k) standing for e4m3 * scale[e, n, k // GROUP_K], or with GROUP_K 0 for e4m3 * scale[e, n, 0]
+# (one group a row: per-channel scales, or a block wider than the rank's K). The activations stay in the
+# model's dtype and the weights are widened to it in registers: the bytes a decode step reads halve, and
+# the products are the dequantized weights' (a tile's BLOCK_K never crosses a group: the launcher caps it)
+
+
+@triton.jit
+def _scaled_dot(a, b, acc, s_ptrs, k0, n_ok, IEEE: tl.constexpr, SCALED: tl.constexpr, GROUP_K: tl.constexpr):
+    # acc + a b for a [M, BLOCK_K] and b [BLOCK_K, N] tile starting at column k0 (s_ptrs: the N rows' scales)
+    if not SCALED:
+        return _dot(a, b, acc, IEEE)
+    b = b.to(a.dtype)
+    if GROUP_K == 0:
+        return _dot(a, b, acc, IEEE)
+    s = tl.load(s_ptrs + k0 // GROUP_K, mask=n_ok, other=0.0)
+    return acc + _dot(a, b, tl.zeros(acc.shape, dtype=tl.float32), IEEE) * s[None, :]
+
+
+@triton.jit
+def _group_scaled(part, s_ptrs, k0, n_ok, SCALED: tl.constexpr, GROUP_K: tl.constexpr):
+    # a partial sum [..., N] over a tile of columns from k0 on, times its group's scales
+    if SCALED and GROUP_K > 0:
+        return part * tl.load(s_ptrs + k0 // GROUP_K, mask=n_ok, other=0.0)
+    return part
+
+
+@triton.jit
+def _row_scaled(acc, s_ptrs, n_ok, SCALED: tl.constexpr, GROUP_K: tl.constexpr):
+    # acc [..., N] times its rows' one scale, where the scales are a row's (GROUP_K 0)
+    if SCALED and GROUP_K == 0:
+        return acc * tl.load(s_ptrs, mask=n_ok, other=0.0)
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_rows"])  # one variant a tile, whatever the row count
 def moe_gate_up_kernel(
     x_ptr,
@@ -35,13 +70,19 @@ def moe_gate_up_kernel(
     stride_we,
     stride_wn,
     stride_out,
+    s_ptr,
+    stride_se,
+    stride_sn,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    SCALED: tl.constexpr,
+    GROUP_K: tl.constexpr,
 ):
-    # out[r] = silu(x[t] gate_e^T) * (x[t] up_e^T) for each (token t, choice k) row r = t * TOP_K + k
+    # out[r] = silu(x[t] gate_e^T) * (x[t] up_e^T) for each (token t, choice k) row r = t * TOP_K + k; SCALED:
+    # e4m3 weights times their scales (see _scales)
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(inter, BLOCK_N)
     pid_m = pid // tiles_n
@@ -60,6 +101,8 @@ def moe_gate_up_kernel(
     a_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + inter * stride_wn
+    sg_ptrs = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    su_ptrs = sg_ptrs + inter * stride_sn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
@@ -67,11 +110,13 @@ def moe_gate_up_kernel(
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = _dot(a, g, acc_g, IEEE)
-        acc_u = _dot(a, u, acc_u, IEEE)
+        acc_g = _scaled_dot(a, g, acc_g, sg_ptrs, k * BLOCK_K, n_ok, IEEE, SCALED, GROUP_K)
+        acc_u = _scaled_dot(a, u, acc_u, su_ptrs, k * BLOCK_K, n_ok, IEEE, SCALED, GROUP_K)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    acc_g = _row_scaled(acc_g, sg_ptrs, n_ok, SCALED, GROUP_K)
+    acc_u = _row_scaled(acc_u, su_ptrs, n_ok, SCALED, GROUP_K)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     out_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -93,10 +138,15 @@ def moe_down_kernel(
     stride_we,
     stride_wn,
     stride_out,
+    s_ptr,
+    stride_se,
+    stride_sn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    SCALED: tl.constexpr,
+    GROUP_K: tl.constexpr,
 ):
     # out[r] = weights[r] * (h[r] down_e^T): each row's expert output, already scaled by its routing weight
     pid = tl.program_id(0)
@@ -115,14 +165,16 @@ def moe_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None] * stride_h + offs_k[None, :]
     b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    s_ptrs = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         k_ok = offs_k < inter - k * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = _dot(a, b, acc, IEEE)
+        acc = _scaled_dot(a, b, acc, s_ptrs, k * BLOCK_K, n_ok, IEEE, SCALED, GROUP_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    acc = _row_scaled(acc, s_ptrs, n_ok, SCALED, GROUP_K)
     weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     out_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
@@ -210,6 +262,9 @@ def moe_row_gate_up_kernel(
     stride_we,
     stride_wn,
     stride_h,
+    s_ptr,
+    stride_se,
+    stride_sn,
     TOP_K: tl.constexpr,
     K_P2: tl.constexpr,
     E_P2: tl.constexpr,
@@ -219,6 +274,8 @@ def moe_row_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    SCALED: tl.constexpr,
+    GROUP_K: tl.constexpr,
 ):
     # the per-row path of a few tokens (decode at small batch): one program per ((token, choice) row r,
     # column tile), a matrix-vector product over its expert's gate and up rows, h[r] = silu(x g^T) * (x u^T).
@@ -243,6 +300,8 @@ def moe_row_gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = g_ptrs + inter * stride_wn
+    sg_ptrs = s_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn
+    su_ptrs = sg_ptrs + inter * stride_sn
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -251,8 +310,10 @@ def moe_row_gate_up_kernel(
         mask = n_ok[:, None] & k_ok[None, :]
         g = tl.load(g_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
-        acc_g += tl.sum(g * xv[None, :], axis=1)
-        acc_u += tl.sum(u * xv[None, :], axis=1)
+        acc_g += _group_scaled(tl.sum(g * xv[None, :], axis=1), sg_ptrs, k0, n_ok, SCALED, GROUP_K)
+        acc_u += _group_scaled(tl.sum(u * xv[None, :], axis=1), su_ptrs, k0, n_ok, SCALED, GROUP_K)
+    acc_g = _row_scaled(acc_g, sg_ptrs, n_ok, SCALED, GROUP_K)
+    acc_u = _row_scaled(acc_u, su_ptrs, n_ok, SCALED, GROUP_K)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + r * stride_h + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
 
@@ -270,12 +331,18 @@ def moe_row_down_kernel(
     stride_we,
     stride_wn,
     stride_out,
+    s_ptr,
+    stride_se,
+    stride_sn,
     TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_P2: tl.constexpr,
     AT_ONCE: tl.constexpr,
     PDL: tl.constexpr,
+    SCALED: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     # the per-row path's second half: one program per (token, column tile) sums its TOP_K rows' expert
     # outputs, each scaled by its routing weight, in float32: the combine needs no launch of its own
@@ -287,26 +354,35 @@ def moe_row_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     if AT_ONCE:
         # inter <= BLOCK_K: every choice's expert id, rows of h and weight tile loaded at once (one wait on
-        # memory a program, where the other branch waits twice a choice: for its id, then for its weights)
+        # memory a program, where the other branch waits twice a choice: for its id, then for its weights),
+        # GROUP columns at a time (BLOCK_K unless FP8 scales change along K), the groups unrolled: no load
+        # waits on another
         offs_c = tl.arange(0, K_P2)
         c_ok = offs_c < TOP_K
         r = t * TOP_K + offs_c
-        k_ok = offs_k < inter
         experts = tl.load(ids_ptr + r, mask=c_ok, other=0).to(tl.int64)
         route_w = tl.load(weights_ptr + r, mask=c_ok, other=0.0).to(tl.float32)
-        hv = tl.load(h_ptr + r[:, None] * stride_h + offs_k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0).to(
-            tl.float32
-        )
-        b = tl.load(
-            w_ptr
-            + experts[:, None, None] * stride_we
-            + offs_n[None, :, None].to(tl.int64) * stride_wn
-            + offs_k[None, None, :],
-            mask=c_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :],
-            other=0.0,
-        ).to(tl.float32)
-        part = tl.sum(b * hv[:, None, :], axis=2)  # [K_P2, BLOCK_N]: each choice's expert output
-        acc = tl.sum(part * route_w[:, None], axis=0)
+        s_ptrs = s_ptr + experts[:, None] * stride_se + offs_n[None, :].to(tl.int64) * stride_sn
+        cn_ok = c_ok[:, None] & n_ok[None, :]
+        acc3 = tl.zeros((K_P2, BLOCK_N), dtype=tl.float32)
+        for gi in tl.static_range(BLOCK_K // GROUP):
+            offs_g = gi * GROUP + tl.arange(0, GROUP)
+            k_ok = offs_g < inter
+            hv = tl.load(
+                h_ptr + r[:, None] * stride_h + offs_g[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0
+            ).to(tl.float32)
+            b = tl.load(
+                w_ptr
+                + experts[:, None, None] * stride_we
+                + offs_n[None, :, None].to(tl.int64) * stride_wn
+                + offs_g[None, None, :],
+                mask=cn_ok[:, :, None] & k_ok[None, None, :],
+                other=0.0,
+            ).to(tl.float32)
+            # [K_P2, BLOCK_N]: each choice's expert output over these columns
+            acc3 += _group_scaled(tl.sum(b * hv[:, None, :], axis=2), s_ptrs, gi * GROUP, cn_ok, SCALED, GROUP_K)
+        acc3 = _row_scaled(acc3, s_ptrs, cn_ok, SCALED, GROUP_K)
+        acc = tl.sum(acc3 * route_w[:, None], axis=0)
     else:
         # every choice's products summed in a tile, reduced across the warps once at the end: no barrier
         # between one choice's loads and the next's (26 a program in sm_90's code at the default tile, now
@@ -317,11 +393,17 @@ def moe_row_down_kernel(
             expert = tl.load(ids_ptr + r).to(tl.int64)
             route_w = tl.load(weights_ptr + r).to(tl.float32)
             b_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+            s_ptrs = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
             for k0 in range(0, inter, BLOCK_K):
                 k_ok = offs_k < inter - k0
                 hv = tl.load(h_ptr + r * stride_h + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
                 b = tl.load(b_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                acc2 += b * (hv * route_w)[None, :]
+                if SCALED:  # each row's scale (its one, or this tile's group's) weighs its products here
+                    s = _group_scaled(route_w, s_ptrs, k0, n_ok, SCALED, GROUP_K)
+                    s = _row_scaled(s, s_ptrs, n_ok, SCALED, GROUP_K)
+                    acc2 += b * hv[None, :] * s[:, None]
+                else:
+                    acc2 += b * (hv * route_w)[None, :]
         acc = tl.sum(acc2, axis=1)
     tl.store(out_ptr + t * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 

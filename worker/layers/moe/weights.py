@@ -4,6 +4,8 @@ intermediate dimension; checkpoints store one tensor per expert, which the loade
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -40,11 +42,32 @@ class ExpertDown(nn.Module):
         param.data[shard_id[0]].copy_(full.narrow(1, self.tp.rank * self.local, self.local))
 
 
+@dataclass(frozen=True)
+class ExpertScales:
+    """FP8 experts' float32 scales beside their e4m3 weights (worker/quant/experts.py makes them): gate_up
+    [E, 2I, KG] and down [E, H, KG'], row n's weight at column k standing for e4m3 * scale[e, n, k // group]
+    (group 0: one scale a row). A group is a power of two of at least 16 columns, narrower than the rank's
+    weight."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_group: int
+    down_group: int
+
+
 class Experts(nn.Module):
-    """The stacked experts of one block, named so that `experts.{e}.gate_proj` etc. land in them."""
+    """The stacked experts of one block, named so that `experts.{e}.gate_proj` etc. land in them. FP8
+    experts hold e4m3 weights, and each projection its scales (`fp8_scales`, `fp8_group`)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.gate_up_proj = ExpertGateUp(num_experts, hidden, intermediate, tp)
         self.down_proj = ExpertDown(num_experts, hidden, intermediate, tp)
+
+    def scales(self) -> ExpertScales | None:
+        """The FP8 experts' scales; None: the weights are in the model's dtype."""
+        gu, dn = self.gate_up_proj, self.down_proj
+        if getattr(gu, "fp8_scales", None) is None:
+            return None
+        return ExpertScales(gu.fp8_scales, dn.fp8_scales, gu.fp8_group, dn.fp8_group)
