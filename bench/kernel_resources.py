@@ -30,6 +30,7 @@ from common import ARCHS  # noqa: E402
 from worker import gemv, skinny_gemm, triton_decode, triton_ops  # noqa: E402
 from worker.kernel_compile import MAX_SHARED_BYTES, CompiledLaunch, compile_only, on_gpu  # noqa: E402
 from worker.layers.moe import fused  # noqa: E402
+from worker.layers.moe.weights import ExpertScales  # noqa: E402
 from worker.quant import fused_quant, gemm  # noqa: E402
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -378,10 +379,48 @@ def _moe_launches(cfg: dict, hidden: int) -> list[tuple[str, Callable[[], object
         finally:
             fused.PER_ROW_DOWN_AT_ONCE = before
 
-    return [
-        (f"MoE experts, {tokens} tokens", lambda t=tokens: experts_of(t))
-        for tokens in fused.warm_token_counts(experts, top_k)
-    ] + [("MoE experts, 1 token, down in a loop over choices", down_in_a_loop)]
+    def fp8_experts_of(tokens: int, group: int, loop: bool = False) -> object:
+        # e4m3 experts: a scale a row (group 0, quantization at load) or 128 columns' (block-scaled checkpoints)
+        groups = (-(-hidden // group), -(-inter // group)) if group else (1, 1)
+        scales = ExpertScales(
+            _gpu(experts, 2 * inter, groups[0], dtype=torch.float32),
+            _gpu(experts, hidden, groups[1], dtype=torch.float32),
+            group,
+            group,
+        )
+        q13, q2 = _gpu(experts, 2 * inter, hidden, dtype=FP8), _gpu(experts, hidden, inter, dtype=FP8)
+        before = fused.PER_ROW_DOWN_AT_ONCE
+        if loop:
+            fused.PER_ROW_DOWN_AT_ONCE = None
+        try:
+            x, logits = _gpu(tokens, hidden), _gpu(tokens, experts)
+            return fused.fused_moe(x, logits, q13, q2, top_k, cfg["norm_topk_prob"], scales=scales)
+        finally:
+            fused.PER_ROW_DOWN_AT_ONCE = before
+
+    fp8_counts = [t for t in fused.warm_token_counts(experts, top_k) if t * top_k <= fused.ALIGN_KERNEL_MAX_ROWS]
+    return (
+        [
+            (f"MoE experts, {tokens} tokens", lambda t=tokens: experts_of(t))
+            for tokens in fused.warm_token_counts(experts, top_k)
+        ]
+        + [("MoE experts, 1 token, down in a loop over choices", down_in_a_loop)]
+        + [
+            (
+                f"FP8 MoE experts, {tokens} tokens, scales {group or 'a row'}",
+                lambda t=tokens, g=group: fp8_experts_of(t, g),
+            )
+            for tokens in fp8_counts
+            for group in (0, 128)
+        ]
+        + [
+            (
+                f"FP8 MoE experts, 1 token, down in a loop, scales {group or 'a row'}",
+                lambda g=group: fp8_experts_of(1, g, True),
+            )
+            for group in (0, 128)
+        ]
+    )
 
 
 def _fp8_launches(hidden: int, inter: int) -> list[tuple[str, Callable[[], object]]]:

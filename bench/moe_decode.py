@@ -5,9 +5,11 @@ the per-row kernels' tiles (--sweep, at the first token count) and of the groupe
 at every count past the per-row path's: a decode batch of 256 is 256 tokens, a prompt chunk 8,192).
 LAYERS copies of the experts (distinct weights, so L2 holds none of them) replayed in a CUDA graph;
 median microseconds a layer, the bandwidth over the distinct experts' bytes and the TFLOP/s. The per-row
-kernels also with programmatic dependent launch (`per_row_pdl_us`, on compute capability 9.0+).
+kernels also with programmatic dependent launch (`per_row_pdl_us`, on compute capability 9.0+). With --fp8
+GROUP the experts are e4m3, a scale for every GROUP columns of a row (0: one a row, as quantization at
+load makes them; 128: a block-scaled checkpoint's), and the errors are against the weights they stand for.
 
-    python bench/moe_decode.py [--tokens 1 2 4 256 8192] [--sweep] [--grouped-sweep] [--out r.json]"""
+    python bench/moe_decode.py [--tokens 1 2 4 256 8192] [--sweep] [--grouped-sweep] [--fp8 0] [--out r.json]"""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from common import time_graph  # noqa: E402
 from worker.layers.moe import fused  # noqa: E402
 from worker.layers.moe.routing import select_experts  # noqa: E402
 from worker.layers.moe.torch_experts import torch_experts  # noqa: E402
+from worker.layers.moe.weights import ExpertScales  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER, LAYERS = 128, 8, 2048, 768, 8
 # the whole hidden row (2,048) in one step with one to four columns a program too
@@ -56,6 +59,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--sweep", action="store_true", help="every per-row tile at the first token count")
     parser.add_argument("--grouped-sweep", action="store_true", help="the grouped GEMMs' tiles past the per-row path")
+    parser.add_argument("--fp8", type=int, metavar="GROUP", help="e4m3 experts, a scale every GROUP columns (0: a row)")
     parser.add_argument("--out")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -67,27 +71,33 @@ def main() -> None:
         torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.03
         for _ in range(LAYERS)
     ]
+    scales: list[ExpertScales | None] = [None] * LAYERS
+    if args.fp8 is not None:  # the bf16 weights become what the e4m3 ones stand for (the references use them)
+        for i in range(LAYERS):
+            (w13s[i], s13), (w2s[i], s2) = _fp8(w13s[i], args.fp8), _fp8(w2s[i], args.fp8)
+            scales[i] = ExpertScales(s13, s2, args.fp8, args.fp8)
+    element = 1 if args.fp8 is not None else 2
     results = []
     for tokens in args.tokens:
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
         logits = torch.randn(LAYERS, tokens, EXPERTS, device="cuda", dtype=torch.bfloat16)
         distinct = sum(len(set(select_experts(logits[i], TOP_K, True)[1].flatten().tolist())) for i in range(LAYERS))
-        nbytes = distinct / LAYERS * 3 * INTER * HIDDEN * 2
+        nbytes = distinct / LAYERS * 3 * INTER * HIDDEN * element
 
         def grouped():
             for i in range(LAYERS):
                 w, ids = fused.route(logits[i], TOP_K, True)
-                fused.fused_experts(x, w13s[i], w2s[i], w, ids, per_row=False)
+                fused.fused_experts(x, w13s[i], w2s[i], w, ids, per_row=False, scales=scales[i])
 
         def per_row(pdl: bool = False):
             for i in range(LAYERS):
-                fused._per_row(x, w13s[i], w2s[i], TOP_K, logits=logits[i], renormalize=True, pdl=pdl)
+                fused._per_row(x, w13s[i], w2s[i], TOP_K, logits=logits[i], renormalize=True, pdl=pdl, scales=scales[i])
 
         routings = [select_experts(logits[i], TOP_K, True) for i in range(LAYERS)]
 
         def per_row_routed():  # the routing given: what routing inside the first kernel costs
             for i in range(LAYERS):
-                fused._per_row(x, w13s[i], w2s[i], TOP_K, weights=routings[i][0], ids=routings[i][1])
+                fused._per_row(x, w13s[i], w2s[i], TOP_K, weights=routings[i][0], ids=routings[i][1], scales=scales[i])
 
         row = {
             "tokens": tokens,
@@ -109,9 +119,12 @@ def main() -> None:
             print(json.dumps(row))
             continue
         want = torch_experts(
-            x.float(), w13s[0].float(), w2s[0].float(), *select_experts(logits[0].float(), TOP_K, True)
+            x.float(),
+            _weights(w13s[0], scales[0], 0),
+            _weights(w2s[0], scales[0], 1),
+            *select_experts(logits[0].float(), TOP_K, True),
         )
-        got = fused._per_row(x, w13s[0], w2s[0], TOP_K, logits=logits[0], renormalize=True).float()
+        got = fused._per_row(x, w13s[0], w2s[0], TOP_K, logits=logits[0], renormalize=True, scales=scales[0]).float()
         row["per_row_max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
         row["per_row_us"] = time_graph(per_row) / LAYERS
         if torch.cuda.get_device_capability() >= (9, 0):  # with programmatic dependent launch (Kernels.pdl)
@@ -136,7 +149,9 @@ def main() -> None:
             for cfg in DOWN_AT_ONCE:  # every choice's weights loaded at once, beside the best loop's tile
                 fused.PER_ROW_DOWN_AT_ONCE = cfg
                 sweep[f"down at once {cfg[0]}w{cfg[1]}"] = time_graph(per_row) / LAYERS
-                got = fused._per_row(x, w13s[0], w2s[0], TOP_K, logits=logits[0], renormalize=True).float()
+                got = fused._per_row(
+                    x, w13s[0], w2s[0], TOP_K, logits=logits[0], renormalize=True, scales=scales[0]
+                ).float()
                 row.setdefault("at_once_max_rel_err", {})[f"{cfg[0]}w{cfg[1]}"] = (
                     (got - want).abs().max() / want.abs().max()
                 ).item()
@@ -150,6 +165,23 @@ def main() -> None:
         print(json.dumps(row))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+def _fp8(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] -> (e4m3, float32 scales [E, N, K / group] (group 0: [E, N, 1]))."""
+    experts, rows, cols = w.shape
+    width = group or cols
+    blocks = w.float().view(experts, rows, cols // width, width)
+    scale = (blocks.abs().amax(dim=-1) / 448.0).clamp(min=1e-12)
+    return (blocks / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(experts, rows, cols), scale
+
+
+def _weights(w: torch.Tensor, scales: ExpertScales | None, which: int) -> torch.Tensor:
+    """The float32 weights w stands for (w13 with which 0, w2 with 1)."""
+    if scales is None:
+        return w.float()
+    s = scales.gate_up if which == 0 else scales.down
+    return w.float() * s.repeat_interleave(w.shape[-1] // s.shape[-1], dim=-1)
 
 
 def _grouped_sweep(grouped, tokens: int) -> dict:

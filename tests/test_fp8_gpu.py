@@ -347,12 +347,12 @@ def test_an_fp8_engine_generates_and_its_logits_are_near_float32s(hd128, tmp_pat
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "compressed-tensors"])
-def test_an_fp8_mixture_loads_on_the_gpu_with_its_experts_dequantized(fmt, tmp_path):
+def test_an_fp8_mixture_keeps_its_experts_e4m3_on_the_gpu(fmt, tmp_path):
     """A tiny Qwen3-MoE FP8 checkpoint on the GPU in bf16 (torch attention: its head size has no FlashInfer
-    kernels): the stacked experts are the dequantized reference's, rounded to bf16 alike; the attention runs
-    FP8; the prompt steps' logits within the FP8 tolerance of the dense formats' test above (against the
-    reference in float32, at most 16 times bf16's own error); batch-1 generation through the per-row expert
-    kernels in the CUDA graphs runs."""
+    kernels): the experts stay e4m3 beside their rows' scales, standing for the dequantized reference's
+    (rounded to bf16 as the reference's are); the attention runs FP8; the prompt steps' logits within the
+    FP8 tolerance of the dense formats' test above (against the reference in float32, at most 16 times
+    bf16's own error); batch-1 generation through the per-row expert kernels in the CUDA graphs runs."""
     from tiny_checkpoints import build_checkpoint
 
     path, ref_path = write_fp8_checkpoint(build_checkpoint("qwen3_moe", tmp_path / "src"), tmp_path, fmt)
@@ -362,8 +362,13 @@ def test_an_fp8_mixture_loads_on_the_gpu_with_its_experts_dequantized(fmt, tmp_p
     with checked_llm(path, **kw) as llm, checked_llm(ref_path, **kw) as ref:
         layers = zip(llm.engine.model.model.layers, ref.engine.model.model.layers)
         for got, want in [(m.mlp.experts, r.mlp.experts) for m, r in layers if hasattr(m.mlp, "experts")]:
-            assert torch.equal(got.gate_up_proj.weight, want.gate_up_proj.weight)
-            assert torch.equal(got.down_proj.weight, want.down_proj.weight)
+            scales = got.scales()
+            for q, s, w in (
+                (got.gate_up_proj.weight, scales.gate_up, want.gate_up_proj.weight),
+                (got.down_proj.weight, scales.down, want.down_proj.weight),
+            ):
+                assert q.dtype == torch.float8_e4m3fn
+                assert torch.equal((q.float() * s.repeat_interleave(q.shape[-1], dim=-1)).to(w.dtype), w)
         assert llm.engine.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
         assert llm.engine.graphs is not None
         outs = [llm.generate([p], greedy(8, ignore_eos=True))[0].token_ids for p in prompts]
@@ -372,3 +377,73 @@ def test_an_fp8_mixture_loads_on_the_gpu_with_its_experts_dequantized(fmt, tmp_p
     err = _rel(_prefill_logits(path, prompts, **torch_attention), want)
     bf16_err = _rel(_prefill_logits(ref_path, prompts, **torch_attention), want)
     assert err < max(16 * bf16_err, 0.02) and err < 0.2
+
+
+def test_a_mixture_quantized_at_load_keeps_its_logits_and_serves_in_cuda_graphs(tmp_path):
+    """quantization fp8 on a tiny Qwen3-MoE in bf16: every linear and the experts e4m3 (a scale a row); the
+    prompt steps' logits within the FP8 tolerance of the checkpoint's own in float32; greedy decoding at
+    batch 1 and at 9 (the per-row and the grouped expert kernels) runs in the CUDA graphs."""
+    from tiny_checkpoints import build_checkpoint
+
+    path = build_checkpoint("qwen3_moe", tmp_path / "src")
+    kw = {"kernels": Kernels(attention="torch")}
+    prompts = random_prompts(9, 8, 40, seed=7)
+    with checked_llm(path, dtype="bfloat16", num_pages=1024, quantization="fp8", **kw) as llm:
+        blocks = [m.mlp.experts for m in llm.engine.model.model.layers if hasattr(m.mlp, "experts")]
+        assert blocks and all(b.gate_up_proj.weight.dtype == torch.float8_e4m3fn for b in blocks)
+        assert all(b.scales().gate_up_group == 0 for b in blocks) and llm.engine.graphs is not None
+        outs = llm.generate(prompts, greedy(12, ignore_eos=True))
+        alone = llm.generate(prompts[:1], greedy(12, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [12] * 9 and len(alone[0].token_ids) == 12
+    want = _prefill_logits(path, prompts[:4], dtype="float32", **kw)
+    err = _rel(_prefill_logits(path, prompts[:4], quantization="fp8", **kw), want)
+    bf16_err = _rel(_prefill_logits(path, prompts[:4], **kw), want)
+    assert err < max(16 * bf16_err, 0.02) and err < 0.2
+
+
+# Qwen3-30B-A3B's expert shapes (one rank's slice at tp 1)
+_MOE = dict(num_experts=128, top_k=8, hidden=2048, inter=768)
+
+
+@pytest.mark.parametrize("group", [0, 128])
+@pytest.mark.parametrize("tokens,at_once", [(1, True), (1, False), (4, True), (5, True), (64, True), (300, True)])
+def test_fp8_expert_kernels_agree_with_the_torch_loop_over_their_weights(tokens, at_once, group, monkeypatch):
+    """The fused paths over e4m3 experts at Qwen3-30B-A3B's shapes (the per-row kernels, their down
+    kernel's loop over choices too, and the grouped GEMMs), a scale a row or a scale for each 128 columns:
+    against the torch loop in float32 over the weights they stand for, within bf16's tolerance of the MoE
+    kernels' bf16 test (2% of the largest output); and one launch captured in a CUDA graph replays."""
+    from worker.layers.moe import fused
+    from worker.layers.moe.routing import select_experts
+    from worker.layers.moe.torch_experts import torch_experts
+    from worker.layers.moe.weights import ExpertScales
+
+    if not at_once:
+        monkeypatch.setattr(fused, "PER_ROW_DOWN_AT_ONCE", None)
+    e, k, h, i = _MOE["num_experts"], _MOE["top_k"], _MOE["hidden"], _MOE["inter"]
+    g = torch.Generator(device=CUDA).manual_seed(tokens)
+    x = torch.randn(tokens, h, device=CUDA, generator=g).to(torch.bfloat16)
+    (q13, s13, w13), (q2, s2, w2) = (
+        _grouped_e4m3(torch.randn(e, 2 * i, h, device=CUDA, generator=g) * h**-0.5, group),
+        _grouped_e4m3(torch.randn(e, h, i, device=CUDA, generator=g) * i**-0.5, group),
+    )
+    logits = torch.randn(tokens, e, device=CUDA, generator=g).to(torch.bfloat16)
+    scales = ExpertScales(s13, s2, group, group)
+    want = torch_experts(x.float(), w13, w2, *select_experts(logits.float(), k, True))
+    got = fused.fused_moe(x, logits, q13, q2, k, True, scales=scales)
+    assert (got.float() - want).abs().max() <= 0.02 * want.abs().max()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused.fused_moe(x, logits, q13, q2, k, True, scales=scales)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, fused.fused_moe(x, logits, q13, q2, k, True, scales=scales), atol=0, rtol=0)
+
+
+def _grouped_e4m3(w: torch.Tensor, group: int):
+    """w [E, N, K] -> (e4m3, scales [E, N, K / group] or [E, N, 1], the float32 weights they stand for)."""
+    experts, rows, cols = w.shape
+    width = group or cols
+    blocks = w.view(experts, rows, cols // width, width)
+    scale = (blocks.abs().amax(dim=-1) / 448.0).clamp(min=1e-12)
+    q = (blocks / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(experts, rows, cols)
+    return q, scale, q.float() * scale.repeat_interleave(width, dim=-1)
