@@ -41,6 +41,11 @@
 #                  about half, a quarter)
 #   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
+#   moe_fp8        FP8 experts on Qwen3-30B-A3B's architecture against bf16: the experts alone (bench/moe_decode.py
+#                  at 1, 4, 64 and 256 tokens: bf16, e4m3 with a scale a row and with one for each 128 columns;
+#                  the per-row tiles swept at one token with a scale a row), then (b) with --quantization fp8
+#                  and in bf16
+#   moe_fp8_a      (a) on Qwen3-30B-A3B's architecture with --quantization fp8 and in bf16
 #   moe_rows       the MoE per-row kernels at 1, 2 and 4 tokens with their tile sweep, the down kernel's
 #                  at-once variant included (bench/moe_decode.py --sweep)
 #   fp8_gemm       Qwen3-8B's linears at 256 and 64 rows, bf16 and FP8: cuBLAS, cuBLASLt with and without fast
@@ -266,6 +271,20 @@ for suite in "$@"; do
     kernels)
       step moe_decode 420 python3 bench/moe_decode.py --tokens 1 4 64 256 8192 --grouped-sweep --out "$OUT/moe_decode.json"
       step fp8_gemv 200 python3 bench/fp8_gemv.py --out "$OUT/fp8_gemv.json" ;;
+    moe_fp8)
+      step moe_decode_bf16 150 python3 bench/moe_decode.py --tokens 1 4 64 256 --out "$OUT/moe_decode_bf16.json"
+      step moe_decode_fp8_row 300 python3 bench/moe_decode.py --tokens 1 4 64 256 --fp8 0 --sweep \
+        --out "$OUT/moe_decode_fp8_row.json"
+      step moe_decode_fp8_128 150 python3 bench/moe_decode.py --tokens 1 4 64 256 --fp8 128 \
+        --out "$OUT/moe_decode_fp8_128.json"
+      for q in fp8 bf16; do
+        flag=(); [ "$q" = fp8 ] && flag=(--quantization fp8)
+        step "moe_latency_$q" 240 python3 bench/decode_latency.py --arch qwen3-30b-a3b --repeats "${REPEATS:-3}" \
+          "${flag[@]}" --out "$OUT/moe_latency_$q.json"
+      done ;;
+    moe_fp8_a)
+      offline moe_fp8_a_fp8 280 --arch qwen3-30b-a3b --quantization fp8
+      offline moe_fp8_a_bf16 280 --arch qwen3-30b-a3b ;;
     moe_rows) step moe_rows 400 python3 bench/moe_decode.py --tokens 1 2 4 --sweep --out "$OUT/moe_rows.json" ;;
     fp8_blocks) step fp8_blocks 200 python3 bench/fp8_gemv.py --blocks --out "$OUT/fp8_blocks.json" ;;
     fp8_norms)  # (b) of Qwen3-8B with FP8 weights, its residual norms apart, inside its GEMVs, and folded, then bf16
