@@ -43,7 +43,7 @@
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
 #   moe_fp8        FP8 experts on Qwen3-30B-A3B's architecture against bf16: the experts alone (bench/moe_decode.py
 #                  at 1, 4, 64 and 256 tokens: bf16, e4m3 with a scale a row and with one for each 128 columns;
-#                  the per-row tiles swept at one token with a scale a row), then (b) with --quantization fp8
+#                  MOE_FP8_SWEEP=--sweep sweeps the per-row tiles at one token with a scale a row), then (b) with --quantization fp8
 #                  and in bf16
 #   moe_fp8_a      (a) on Qwen3-30B-A3B's architecture with --quantization fp8 and in bf16
 #   moe_rows       the MoE per-row kernels at 1, 2 and 4 tokens with their tile sweep, the down kernel's
@@ -273,7 +273,7 @@ for suite in "$@"; do
       step fp8_gemv 200 python3 bench/fp8_gemv.py --out "$OUT/fp8_gemv.json" ;;
     moe_fp8)
       step moe_decode_bf16 150 python3 bench/moe_decode.py --tokens 1 4 64 256 --out "$OUT/moe_decode_bf16.json"
-      step moe_decode_fp8_row 300 python3 bench/moe_decode.py --tokens 1 4 64 256 --fp8 0 --sweep \
+      step moe_decode_fp8_row 300 python3 bench/moe_decode.py --tokens 1 4 64 256 --fp8 0 ${MOE_FP8_SWEEP:-} \
         --out "$OUT/moe_decode_fp8_row.json"
       step moe_decode_fp8_128 150 python3 bench/moe_decode.py --tokens 1 4 64 256 --fp8 128 \
         --out "$OUT/moe_decode_fp8_128.json"
