@@ -45,6 +45,7 @@
 #                  at 1, 4, 64 and 256 tokens: bf16, e4m3 with a scale a row and with one for each 128 columns;
 #                  MOE_FP8_SWEEP=--sweep sweeps the per-row tiles at one token with a scale a row), then (b) with --quantization fp8
 #                  and in bf16
+#   moe_fp8_rows   the FP8 experts' per-row tiles swept at one token (bench/moe_decode.py --sweep --fp8 0, 128)
 #   moe_fp8_a      (a) on Qwen3-30B-A3B's architecture with --quantization fp8 and in bf16
 #   moe_rows       the MoE per-row kernels at 1, 2 and 4 tokens with their tile sweep, the down kernel's
 #                  at-once variant included (bench/moe_decode.py --sweep)
@@ -281,6 +282,11 @@ for suite in "$@"; do
         flag=(); [ "$q" = fp8 ] && flag=(--quantization fp8)
         step "moe_latency_$q" 240 python3 bench/decode_latency.py --arch qwen3-30b-a3b --repeats "${REPEATS:-3}" \
           "${flag[@]}" --out "$OUT/moe_latency_$q.json"
+      done ;;
+    moe_fp8_rows)
+      for group in 0 128; do
+        step "moe_fp8_rows_$group" 280 python3 bench/moe_decode.py --tokens 1 --fp8 "$group" --sweep \
+          --out "$OUT/moe_fp8_rows_$group.json"
       done ;;
     moe_fp8_a)
       offline moe_fp8_a_fp8 280 --arch qwen3-30b-a3b --quantization fp8

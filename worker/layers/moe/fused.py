@@ -206,8 +206,8 @@ def _per_row(
     kernels = _kernels()
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     group13, group2 = (scales.gate_up_group, scales.down_group) if scales is not None else (0, 0)
+    # a tile wider than a group sums each group apart (the kernel's reshape); one narrower stays in a group
     block_n, block_k, options = _row_tiles(PER_ROW_GATE_UP, x.is_cuda, inter, hidden)
-    block_k = _capped(block_k, group13)
     kernels.moe_row_gate_up_kernel[(rows, triton_ops.triton.cdiv(inter, block_n))](
         x,
         w13,
@@ -244,10 +244,9 @@ def _per_row(
         block_n, warps = PER_ROW_DOWN_AT_ONCE
         block_n, block_k = _fit(block_n, hidden, 1), triton_ops.triton.next_power_of_2(inter)
         options = {"num_warps": warps} if x.is_cuda else {}
-        group = group2 or block_k
     else:
         block_n, block_k, options = _row_tiles(PER_ROW_DOWN, x.is_cuda, hidden, inter)
-        block_k = group = _capped(block_k, group2)
+        block_k = _capped(block_k, group2)
     kernels.moe_row_down_kernel[(tokens, triton_ops.triton.cdiv(hidden, block_n))](
         h,
         w2,
@@ -269,7 +268,6 @@ def _per_row(
         PDL=pdl,
         SCALED=scales is not None,
         GROUP_K=group2,
-        GROUP=group,
         **options,
         **triton_ops.pdl_options(pdl),
     )

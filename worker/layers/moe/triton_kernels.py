@@ -48,6 +48,17 @@ def _group_scaled(part, s_ptrs, k0, n_ok, SCALED: tl.constexpr, GROUP_K: tl.cons
 
 
 @triton.jit
+def _groups_summed(prod, s_ptrs, k0, width, n_ok, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr):
+    # prod [BLOCK_N, BLOCK_K] (columns k0 on of rows of `width` columns) summed over each group of GROUP_K
+    # columns, each sum times its row's scale of that group, and those summed: [BLOCK_N]
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+    sums = tl.sum(tl.reshape(prod, (BLOCK_N, GROUPS, GROUP_K)), axis=2)
+    groups = k0 // GROUP_K + tl.arange(0, GROUPS)
+    ok = n_ok[:, None] & (groups < tl.cdiv(width, GROUP_K))[None, :]
+    return tl.sum(sums * tl.load(s_ptrs[:, None] + groups[None, :], mask=ok, other=0.0), axis=1)
+
+
+@triton.jit
 def _row_scaled(acc, s_ptrs, n_ok, SCALED: tl.constexpr, GROUP_K: tl.constexpr):
     # acc [..., N] times its rows' one scale, where the scales are a row's (GROUP_K 0)
     if SCALED and GROUP_K == 0:
@@ -310,8 +321,12 @@ def moe_row_gate_up_kernel(
         mask = n_ok[:, None] & k_ok[None, :]
         g = tl.load(g_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
-        acc_g += _group_scaled(tl.sum(g * xv[None, :], axis=1), sg_ptrs, k0, n_ok, SCALED, GROUP_K)
-        acc_u += _group_scaled(tl.sum(u * xv[None, :], axis=1), su_ptrs, k0, n_ok, SCALED, GROUP_K)
+        if SCALED and GROUP_K > 0 and BLOCK_K > GROUP_K:  # a tile over several groups: a sum a group first
+            acc_g += _groups_summed(g * xv[None, :], sg_ptrs, k0, hidden, n_ok, BLOCK_N, BLOCK_K, GROUP_K)
+            acc_u += _groups_summed(u * xv[None, :], su_ptrs, k0, hidden, n_ok, BLOCK_N, BLOCK_K, GROUP_K)
+        else:
+            acc_g += _group_scaled(tl.sum(g * xv[None, :], axis=1), sg_ptrs, k0, n_ok, SCALED, GROUP_K)
+            acc_u += _group_scaled(tl.sum(u * xv[None, :], axis=1), su_ptrs, k0, n_ok, SCALED, GROUP_K)
     acc_g = _row_scaled(acc_g, sg_ptrs, n_ok, SCALED, GROUP_K)
     acc_u = _row_scaled(acc_u, su_ptrs, n_ok, SCALED, GROUP_K)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -342,7 +357,6 @@ def moe_row_down_kernel(
     PDL: tl.constexpr,
     SCALED: tl.constexpr,
     GROUP_K: tl.constexpr,
-    GROUP: tl.constexpr,
 ):
     # the per-row path's second half: one program per (token, column tile) sums its TOP_K rows' expert
     # outputs, each scaled by its routing weight, in float32: the combine needs no launch of its own
@@ -354,9 +368,7 @@ def moe_row_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     if AT_ONCE:
         # inter <= BLOCK_K: every choice's expert id, rows of h and weight tile loaded at once (one wait on
-        # memory a program, where the other branch waits twice a choice: for its id, then for its weights),
-        # GROUP columns at a time (BLOCK_K unless FP8 scales change along K), the groups unrolled: no load
-        # waits on another
+        # memory a program, where the other branch waits twice a choice: for its id, then for its weights)
         offs_c = tl.arange(0, K_P2)
         c_ok = offs_c < TOP_K
         r = t * TOP_K + offs_c
@@ -364,24 +376,27 @@ def moe_row_down_kernel(
         route_w = tl.load(weights_ptr + r, mask=c_ok, other=0.0).to(tl.float32)
         s_ptrs = s_ptr + experts[:, None] * stride_se + offs_n[None, :].to(tl.int64) * stride_sn
         cn_ok = c_ok[:, None] & n_ok[None, :]
-        acc3 = tl.zeros((K_P2, BLOCK_N), dtype=tl.float32)
-        for gi in tl.static_range(BLOCK_K // GROUP):
-            offs_g = gi * GROUP + tl.arange(0, GROUP)
-            k_ok = offs_g < inter
-            hv = tl.load(
-                h_ptr + r[:, None] * stride_h + offs_g[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0
-            ).to(tl.float32)
-            b = tl.load(
-                w_ptr
-                + experts[:, None, None] * stride_we
-                + offs_n[None, :, None].to(tl.int64) * stride_wn
-                + offs_g[None, None, :],
-                mask=cn_ok[:, :, None] & k_ok[None, None, :],
-                other=0.0,
-            ).to(tl.float32)
-            # [K_P2, BLOCK_N]: each choice's expert output over these columns
-            acc3 += _group_scaled(tl.sum(b * hv[:, None, :], axis=2), s_ptrs, gi * GROUP, cn_ok, SCALED, GROUP_K)
-        acc3 = _row_scaled(acc3, s_ptrs, cn_ok, SCALED, GROUP_K)
+        k_ok = offs_k < inter
+        hv = tl.load(h_ptr + r[:, None] * stride_h + offs_k[None, :], mask=c_ok[:, None] & k_ok[None, :], other=0.0).to(
+            tl.float32
+        )
+        b = tl.load(
+            w_ptr
+            + experts[:, None, None] * stride_we
+            + offs_n[None, :, None].to(tl.int64) * stride_wn
+            + offs_k[None, None, :],
+            mask=cn_ok[:, :, None] & k_ok[None, None, :],
+            other=0.0,
+        ).to(tl.float32)
+        prod = b * hv[:, None, :]
+        if SCALED and GROUP_K > 0:  # FP8 scales that change along K: a sum a group, times its scale
+            GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+            sums = tl.sum(tl.reshape(prod, (K_P2, BLOCK_N, GROUPS, GROUP_K)), axis=3)
+            groups = tl.arange(0, GROUPS)
+            ok = cn_ok[:, :, None] & (groups < tl.cdiv(inter, GROUP_K))[None, None, :]
+            acc3 = tl.sum(sums * tl.load(s_ptrs[:, :, None] + groups[None, None, :], mask=ok, other=0.0), axis=2)
+        else:
+            acc3 = _row_scaled(tl.sum(prod, axis=2), s_ptrs, cn_ok, SCALED, GROUP_K)  # [K_P2, BLOCK_N]
         acc = tl.sum(acc3 * route_w[:, None], axis=0)
     else:
         # every choice's products summed in a tile, reduced across the warps once at the end: no barrier
