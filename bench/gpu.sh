@@ -46,9 +46,8 @@
 #                  MOE_FP8_SWEEP=--sweep sweeps the per-row tiles at one token with a scale a row), then (b) with --quantization fp8
 #                  and in bf16
 #   moe_fp8_rows   the FP8 experts' per-row tiles swept at one token (bench/moe_decode.py --sweep --fp8 0, 128)
-#   moe_fp8_tiles  FP8 experts' kernels: the per-row pair at 1 and 4 tokens with e4m3 loads 8 and 16 bytes a thread
-#                  (E4M3_NARROW_LOADS on, off; MOE_FP8_LOADS="narrow wide narrow wide" alternates them twice), a scale a row and each 128 columns; then the grouped GEMMs' tiles swept at
-#                  MOE_FP8_GROUPED tokens (default 64 256 8192), a scale a row and each 128 columns
+#   moe_fp8_grouped  the FP8 experts' grouped GEMMs' tiles swept at MOE_FP8_GROUPED tokens (default 64 256 8192),
+#                  a scale a row and each 128 columns
 #   moe_fp8_a      (a) on Qwen3-30B-A3B's architecture with --quantization fp8 and in bf16
 #   moe_rows       the MoE per-row kernels at 1, 2 and 4 tokens with their tile sweep, the down kernel's
 #                  at-once variant included (bench/moe_decode.py --sweep)
@@ -291,18 +290,10 @@ for suite in "$@"; do
         step "moe_fp8_rows_$group" 280 python3 bench/moe_decode.py --tokens 1 --fp8 "$group" --sweep \
           --out "$OUT/moe_fp8_rows_$group.json"
       done ;;
-    moe_fp8_tiles)
-      n=0
+    moe_fp8_grouped)
       for group in 0 128; do
-        for mode in ${MOE_FP8_LOADS:-narrow wide}; do
-          wide=(); [ "$mode" = wide ] && wide=(--wide-loads)
-          step "moe_fp8_loads_${group}_$mode" 90 python3 bench/moe_decode.py --tokens 1 4 --fp8 "$group" "${wide[@]}" \
-            --out "$OUT/moe_fp8_loads_${group}_${mode}_$((++n)).json"
-        done
-      done
-      for group in 0 128; do
-        step "moe_fp8_grouped_$group" 280 python3 bench/moe_decode.py --tokens ${MOE_FP8_GROUPED:-64 256 8192} --fp8 "$group" \
-          --grouped-sweep --out "$OUT/moe_fp8_grouped_$group.json"
+        step "moe_fp8_grouped_$group" 280 python3 bench/moe_decode.py --tokens ${MOE_FP8_GROUPED:-64 256 8192} \
+          --fp8 "$group" --grouped-sweep --out "$OUT/moe_fp8_grouped_$group.json"
       done ;;
     moe_fp8_a)
       offline moe_fp8_a_fp8 280 --arch qwen3-30b-a3b --quantization fp8

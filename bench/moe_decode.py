@@ -60,12 +60,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="every per-row tile at the first token count")
     parser.add_argument("--grouped-sweep", action="store_true", help="the grouped GEMMs' tiles past the per-row path")
     parser.add_argument("--fp8", type=int, metavar="GROUP", help="e4m3 experts, a scale every GROUP columns (0: a row)")
-    parser.add_argument(
-        "--wide-loads", action="store_true", help="e4m3 weights 16 bytes a thread (E4M3_NARROW_LOADS off)"
-    )
     parser.add_argument("--out")
     args = parser.parse_args()
-    fused.E4M3_NARROW_LOADS = not args.wide_loads
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13s = [
         torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02

@@ -180,9 +180,6 @@ PER_ROW_DOWN_AT_ONCE: tuple[int, int] | None = (2, 4)
 # four columns a program, 23.0 and 23.9 us a layer for the pair (a scale a row, one every 128 columns)
 # against 24.0 and 24.5 at two
 PER_ROW_DOWN_AT_ONCE_FP8 = (4, 4)
-# the per-row kernels' e4m3 weights loaded 8 bytes a thread, matching the bf16 activations' layout: in sm_90's
-# code the down kernel's at-once variant then takes 9 barriers a program, not 35, and 111 registers, not 140
-E4M3_NARROW_LOADS = True
 
 
 def _per_row(
@@ -242,7 +239,6 @@ def _per_row(
         PDL=pdl,
         SCALED=scales is not None,
         GROUP_K=group13,
-        NARROW=scales is not None and E4M3_NARROW_LOADS,
         **options,
         **triton_ops.pdl_options(pdl),
     )
@@ -276,7 +272,6 @@ def _per_row(
         PDL=pdl,
         SCALED=scales is not None,
         GROUP_K=group2,
-        NARROW=scales is not None and E4M3_NARROW_LOADS,
         **options,
         **triton_ops.pdl_options(pdl),
     )

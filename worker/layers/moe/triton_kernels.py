@@ -287,7 +287,6 @@ def moe_row_gate_up_kernel(
     PDL: tl.constexpr,
     SCALED: tl.constexpr,
     GROUP_K: tl.constexpr,
-    NARROW: tl.constexpr,
 ):
     # the per-row path of a few tokens (decode at small batch): one program per ((token, choice) row r,
     # column tile), a matrix-vector product over its expert's gate and up rows, h[r] = silu(x g^T) * (x u^T).
@@ -310,10 +309,7 @@ def moe_row_gate_up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
-    # NARROW: e4m3 weights loaded 8 a thread, as the bf16 row of x they multiply is (16 otherwise): one
-    # layout, no shuffle through shared memory between them
-    offs_w = tl.max_contiguous(offs_k, 8) if NARROW else offs_k
-    g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
+    g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = g_ptrs + inter * stride_wn
     sg_ptrs = s_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn
     su_ptrs = sg_ptrs + inter * stride_sn
@@ -361,7 +357,6 @@ def moe_row_down_kernel(
     PDL: tl.constexpr,
     SCALED: tl.constexpr,
     GROUP_K: tl.constexpr,
-    NARROW: tl.constexpr,
 ):
     # the per-row path's second half: one program per (token, column tile) sums its TOP_K rows' expert
     # outputs, each scaled by its routing weight, in float32: the combine needs no launch of its own
@@ -389,7 +384,7 @@ def moe_row_down_kernel(
             w_ptr
             + experts[:, None, None] * stride_we
             + offs_n[None, :, None].to(tl.int64) * stride_wn
-            + (tl.max_contiguous(offs_k, 8) if NARROW else offs_k)[None, None, :],  # as gate-up's
+            + offs_k[None, None, :],
             mask=cn_ok[:, :, None] & k_ok[None, None, :],
             other=0.0,
         ).to(tl.float32)
