@@ -54,6 +54,14 @@ def _scale_args(scales: torch.Tensor | None, w: torch.Tensor) -> tuple:
     return scales, scales.stride(0), scales.stride(1)
 
 
+def _groups(scales: ExpertScales | None, hidden: int, inter: int) -> tuple[int, int]:
+    """The kernels' GROUP_K of gate-up (over hidden) and down (over inter): 0 without scales, and 0 where a
+    group spans the whole width (its one scale a row)."""
+    if scales is None:
+        return 0, 0
+    return tuple(g if g < width else 0 for g, width in ((scales.gate_up_group, hidden), (scales.down_group, inter)))
+
+
 def _capped(block_k: int, group: int) -> int:
     # a tile of columns never crosses a scale group
     return min(block_k, group) if group else block_k
@@ -209,7 +217,7 @@ def _per_row(
         weights, ids, logits = weights.flatten().contiguous(), ids.flatten().contiguous(), x
     kernels = _kernels()
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    group13, group2 = (scales.gate_up_group, scales.down_group) if scales is not None else (0, 0)
+    group13, group2 = _groups(scales, hidden, inter)
     # a tile wider than a group sums each group apart (the kernel's reshape); one narrower stays in a group
     block_n, block_k, options = _row_tiles(PER_ROW_GATE_UP, x.is_cuda, inter, hidden)
     kernels.moe_row_gate_up_kernel[(rows, triton_ops.triton.cdiv(inter, block_n))](
@@ -400,7 +408,7 @@ def _grouped_gemms(
     blocks = order.expert_ids.numel()
     tile_n, tile_k, warps, stages = tiles
     options = {"num_warps": warps, "num_stages": stages} if x.is_cuda else {}
-    group13, group2 = (scales.gate_up_group, scales.down_group) if scales is not None else (0, 0)
+    group13, group2 = _groups(scales, hidden, inter)
 
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     block_n, block_k = _fit(tile_n, inter), _capped(_fit(tile_k, hidden), group13)
