@@ -339,3 +339,11 @@ def test_an_fp8_mixture_quantized_at_load_at_tp2_equals_tp1(ray_cluster, moe_che
     assert_tp2_equals_tp1(
         moe_checkpoints["fp8"][1], random_prompts(2, 4, 20, seed=6), 6, quantization="fp8", kernels=MOE_INTERPRETED
     )
+
+
+def test_an_fp8_mixture_keeping_its_experts_e4m3_at_tp2_equals_tp1(ray_cluster, moe_checkpoints):
+    """The fused kernels over each rank's slice of the e4m3 experts and its rows' scales, read from a
+    checkpoint by the loader (per-channel scales: see the tp 2 test above): tp 2 as tp 1."""
+    pytest.importorskip("triton")
+    path = moe_checkpoints["compressed-tensors"][0]
+    assert_tp2_equals_tp1(path, random_prompts(2, 4, 20, seed=8), 6, kernels=MOE_INTERPRETED)
