@@ -29,14 +29,16 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _scaled_dot(a, b, acc, s_ptrs, k0, n_ok, IEEE: tl.constexpr, SCALED: tl.constexpr, GROUP_K: tl.constexpr):
-    # acc + a b for a [M, BLOCK_K] and b [BLOCK_K, N] tile starting at column k0 (s_ptrs: the N rows' scales)
+    # acc + a b for a [M, BLOCK_K] and b [BLOCK_K, N] tile starting at column k0 (s_ptrs: the N rows' scales).
+    # A group's scales weigh b before the product (the weights it stands for, rounded to a's dtype as a
+    # dequantized checkpoint's are): the accumulator stays in the tensor cores' chain (a product scaled
+    # after it took 3.5x the time at 8,192 tokens on an H100)
     if not SCALED:
         return _dot(a, b, acc, IEEE)
-    b = b.to(a.dtype)
     if GROUP_K == 0:
-        return _dot(a, b, acc, IEEE)
+        return _dot(a, b.to(a.dtype), acc, IEEE)
     s = tl.load(s_ptrs + k0 // GROUP_K, mask=n_ok, other=0.0)
-    return acc + _dot(a, b, tl.zeros(acc.shape, dtype=tl.float32), IEEE) * s[None, :]
+    return _dot(a, (b.to(tl.float32) * s[None, :]).to(a.dtype), acc, IEEE)
 
 
 @triton.jit
