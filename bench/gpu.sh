@@ -48,6 +48,8 @@
 #   moe_fp8_rows   the FP8 experts' per-row tiles swept at one token (bench/moe_decode.py --sweep --fp8 0, 128)
 #   moe_fp8_grouped  the FP8 experts' grouped GEMMs' tiles swept at MOE_FP8_GROUPED tokens (default 64 256 8192),
 #                  a scale a row and each 128 columns
+#   moe_fp8_chunk  the experts at a prompt chunk and at decode batches (8,192, 256 and 64 tokens): bf16, e4m3 with
+#                  a scale a row and with one each 128 columns (bench/moe_decode.py)
 #   moe_fp8_a      (a) on Qwen3-30B-A3B's architecture with --quantization fp8 and in bf16
 #   moe_rows       the MoE per-row kernels at 1, 2 and 4 tokens with their tile sweep, the down kernel's
 #                  at-once variant included (bench/moe_decode.py --sweep)
@@ -294,6 +296,12 @@ for suite in "$@"; do
       for group in 0 128; do
         step "moe_fp8_grouped_$group" 280 python3 bench/moe_decode.py --tokens ${MOE_FP8_GROUPED:-64 256 8192} \
           --fp8 "$group" --grouped-sweep --out "$OUT/moe_fp8_grouped_$group.json"
+      done ;;
+    moe_fp8_chunk)
+      for group in bf16 0 128; do
+        flag=(); [ "$group" != bf16 ] && flag=(--fp8 "$group")
+        step "moe_fp8_chunk_$group" 120 python3 bench/moe_decode.py --tokens 8192 256 64 "${flag[@]}" \
+          --out "$OUT/moe_fp8_chunk_$group.json"
       done ;;
     moe_fp8_a)
       offline moe_fp8_a_fp8 280 --arch qwen3-30b-a3b --quantization fp8
