@@ -69,18 +69,29 @@ def test_an_fp8_mixture_at_tp2_equals_tp1(ray_cluster, moe_checkpoints):
 def test_each_rank_dequantizes_its_slice_with_the_scales_of_its_rows_and_columns(block, rank):
     """Blocks smaller than an expert and not aligned with the ranks' slices (3 x 5 over slices of 6 rows):
     each rank's stacked weights are its slice of every expert's whole dequantized weight."""
-    experts, hidden, inter = 3, 16, 12
-    g = torch.Generator().manual_seed(rank)
-    gate, up = torch.randn(2, experts, inter, hidden, generator=g)
-    down = torch.randn(experts, hidden, inter, generator=g)
     scheme = Fp8Scheme(block=block)
     holder = nn.Module()
-    holder.experts = Experts(experts, hidden, inter, TPGroup(rank, 2))
+    holder.experts = Experts(3, 16, 12, TPGroup(rank, 2))
     attach_expert_scales(holder, scheme)
     gu, dn = holder.experts.gate_up_proj, holder.experts.down_proj
-    want_gu, want_dn = torch.empty_like(gu.weight), torch.empty_like(dn.weight)
-    local = inter // 2
-    for e in range(experts):
+    want_gu, want_dn = _load_random_experts(holder.experts, scheme, rank)
+    dequantize_experts(holder, scheme)
+    assert torch.equal(gu.weight, want_gu) and torch.equal(dn.weight, want_dn)
+    assert not hasattr(gu, scheme.scale_name) and not hasattr(dn, scheme.scale_name)
+
+
+def _load_random_experts(experts: Experts, scheme: Fp8Scheme, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loads random e4m3 experts quantized in the scheme's format, each as a checkpoint holds it whole, through
+    the stacked projections' loaders (tp 2, this rank); returns the float32 slices of their dequantized
+    gate-up and down weights that the rank stands for."""
+    gu, dn = experts.gate_up_proj, experts.down_proj
+    num, hidden, local = gu.weight.shape[0], gu.weight.shape[2], gu.local
+    inter, block = local * 2, scheme.block
+    g = torch.Generator().manual_seed(rank)
+    gate, up = torch.randn(2, num, inter, hidden, generator=g)
+    down = torch.randn(num, hidden, inter, generator=g)
+    want_gu, want_dn = torch.empty(gu.weight.shape), torch.empty(dn.weight.shape)
+    for e in range(num):
         for part, w in enumerate((gate[e], up[e])):
             q, scale = quantize_blocks(w, block) if block else quantize_channels(w, torch.float32)
             gu.weight_loader(gu.weight, q, (e, part))
@@ -92,9 +103,7 @@ def test_each_rank_dequantizes_its_slice_with_the_scales_of_its_rows_and_columns
         dn.weight_loader(getattr(dn, scheme.scale_name), scale, (e, 0))
         full = dequantize_blocks(q, scale, block) if block else q.float() * scale
         want_dn[e] = full[:, rank * local : (rank + 1) * local]
-    dequantize_experts(holder, scheme)
-    assert torch.equal(gu.weight, want_gu) and torch.equal(dn.weight, want_dn)
-    assert not hasattr(gu, scheme.scale_name) and not hasattr(dn, scheme.scale_name)
+    return want_gu, want_dn
 
 
 def test_quantization_fp8_at_load_says_the_torch_loops_experts_stay_unquantized(moe_checkpoints, caplog):
@@ -274,30 +283,13 @@ def test_each_rank_keeps_its_slice_of_e4m3_experts_with_its_rows_scales(block, g
     a scale for each 16 columns of a row; per-channel scales one a row. Each rank's e4m3 weights times its
     scales are its slice of every expert's whole dequantized weight. Blocks narrower than 16 columns, or
     not a power of two wide, load into the model's dtype and are dequantized instead."""
-    experts, hidden, inter = 3, 64, 64
-    g = torch.Generator().manual_seed(rank)
-    gate, up = torch.randn(2, experts, inter, hidden, generator=g)
-    down = torch.randn(experts, hidden, inter, generator=g)
     scheme = Fp8Scheme(block=block)
     holder = nn.Module()
-    holder.experts = Experts(experts, hidden, inter, TPGroup(rank, 2))
+    holder.experts = Experts(3, 64, 64, TPGroup(rank, 2))
     attach_expert_scales(holder, scheme, keep_fp8=True)
     gu, dn = holder.experts.gate_up_proj, holder.experts.down_proj
     assert (gu.weight.dtype == FP8) == (groups is not None) == (dn.weight.dtype == FP8)
-    want_gu, want_dn = torch.empty(gu.weight.shape), torch.empty(dn.weight.shape)
-    local = inter // 2
-    for e in range(experts):
-        for part, w in enumerate((gate[e], up[e])):
-            q, scale = quantize_blocks(w, block) if block else quantize_channels(w, torch.float32)
-            gu.weight_loader(gu.weight, q, (e, part))
-            gu.weight_loader(getattr(gu, scheme.scale_name), scale, (e, part))
-            full = dequantize_blocks(q, scale, block) if block else q.float() * scale
-            want_gu[e, part * local : (part + 1) * local] = full[rank * local : (rank + 1) * local]
-        q, scale = quantize_blocks(down[e], block) if block else quantize_channels(down[e], torch.float32)
-        dn.weight_loader(dn.weight, q, (e, 0))
-        dn.weight_loader(getattr(dn, scheme.scale_name), scale, (e, 0))
-        full = dequantize_blocks(q, scale, block) if block else q.float() * scale
-        want_dn[e] = full[:, rank * local : (rank + 1) * local]
+    want_gu, want_dn = _load_random_experts(holder.experts, scheme, rank)
     assert keep_expert_scales(holder, scheme) == (2 if groups else 0)
     assert dequantize_experts(holder, scheme) == (0 if groups else 2)
     scales = holder.experts.scales()
