@@ -146,8 +146,10 @@ def main() -> None:
                 sweep[_name("down", cfg)] = time_graph(per_row) / LAYERS
             best = fused.PER_ROW_GATE_UP, min(DOWN, key=lambda c: sweep[_name("down", c)])
             fused.PER_ROW_DOWN = best[1]
+            at_once_fp8 = fused.PER_ROW_DOWN_AT_ONCE_FP8
             for cfg in DOWN_AT_ONCE:  # every choice's weights loaded at once, beside the best loop's tile
                 fused.PER_ROW_DOWN_AT_ONCE = cfg
+                fused.PER_ROW_DOWN_AT_ONCE_FP8 = cfg  # what e4m3 experts take (with --fp8)
                 sweep[f"down at once {cfg[0]}w{cfg[1]}"] = time_graph(per_row) / LAYERS
                 got = fused._per_row(
                     x, w13s[0], w2s[0], TOP_K, logits=logits[0], renormalize=True, scales=scales[0]
@@ -155,7 +157,7 @@ def main() -> None:
                 row.setdefault("at_once_max_rel_err", {})[f"{cfg[0]}w{cfg[1]}"] = (
                     (got - want).abs().max() / want.abs().max()
                 ).item()
-            fused.PER_ROW_DOWN_AT_ONCE = at_once
+            fused.PER_ROW_DOWN_AT_ONCE, fused.PER_ROW_DOWN_AT_ONCE_FP8 = at_once, at_once_fp8
             row["sweep_us"] = sweep
             row["best"] = {"gate_up": best[0], "down": best[1]}
             fused.PER_ROW_GATE_UP, fused.PER_ROW_DOWN = best

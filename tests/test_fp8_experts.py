@@ -55,7 +55,7 @@ def test_an_fp8_mixtures_experts_are_its_dequantized_weights_and_its_tokens_tran
             assert llm.engine.model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
             outs = [o.token_ids for o in llm.generate(prompts, greedy(10, ignore_eos=True))]
     assert outs == hf_greedy(ref_path, prompts, 10, ignore_eos=True)
-    assert any("experts are dequantized to torch.float32 at load" in r.getMessage() for r in caplog.records)
+    assert any("are dequantized to torch.float32 at load" in r.getMessage() for r in caplog.records)
 
 
 def test_an_fp8_mixture_at_tp2_equals_tp1(ray_cluster, moe_checkpoints):
@@ -276,16 +276,30 @@ def _standing_for(q: torch.Tensor, scales: torch.Tensor, group: int = 0) -> torc
     return (q.float() * scales.repeat_interleave(width, dim=-1)[..., :cols]).to(torch.float32)
 
 
-@pytest.mark.parametrize("block,groups", [((3, 16), (16, 16)), (None, (0, 0)), ((4, 8), None), ((5, 24), None)])
+@pytest.mark.parametrize(
+    "block,inter,groups",
+    [
+        ((3, 16), 64, {0: (16, 16), 1: (16, 16)}),
+        (None, 64, {0: (0, 0), 1: (0, 0)}),
+        ((3, 32), 96, {0: (32, 32), 1: (32, 16)}),  # rank 1's slice starts at column 48, inside a block
+        ((2, 64), 96, {0: (0, 0), 1: (0, 16)}),  # rank 0's columns inside one block, rank 1's across two
+        ((3, 32), 72, None),  # rank 1's slice starts at 36: no group of 16 or more starts there
+        ((4, 8), 64, None),
+        ((5, 24), 64, None),
+    ],
+)
 @pytest.mark.parametrize("rank", [0, 1])
-def test_each_rank_keeps_its_slice_of_e4m3_experts_with_its_rows_scales(block, groups, rank):
-    """keep_fp8 at tp 2: blocks 16 columns wide (rows in threes, not aligned with the ranks' slices) keep
-    a scale for each 16 columns of a row; per-channel scales one a row. Each rank's e4m3 weights times its
-    scales are its slice of every expert's whole dequantized weight. Blocks narrower than 16 columns, or
-    not a power of two wide, load into the model's dtype and are dequantized instead."""
+def test_each_rank_keeps_its_slice_of_e4m3_experts_with_its_rows_scales(block, inter, groups, rank):
+    """keep_fp8 at tp 2: blocks 16 or 32 columns wide (rows in threes, not aligned with the ranks' slices)
+    keep a scale for each group of a row's columns, a group as wide as a block, or narrower where a rank's
+    slice of down starts inside a block (each block's scale repeated over its groups); per-channel scales
+    one a row. Each rank's e4m3 weights times its scales are its slice of every expert's whole dequantized
+    weight. Where any rank's slice cannot be grouped so (blocks narrower than 16 columns, or not a power of
+    two wide, or a slice starting 4 columns into a block), every rank loads the experts into the model's
+    dtype and dequantizes them instead."""
     scheme = Fp8Scheme(block=block)
     holder = nn.Module()
-    holder.experts = Experts(3, 64, 64, TPGroup(rank, 2))
+    holder.experts = Experts(3, 64, inter, TPGroup(rank, 2))
     attach_expert_scales(holder, scheme, keep_fp8=True)
     gu, dn = holder.experts.gate_up_proj, holder.experts.down_proj
     assert (gu.weight.dtype == FP8) == (groups is not None) == (dn.weight.dtype == FP8)
@@ -296,9 +310,9 @@ def test_each_rank_keeps_its_slice_of_e4m3_experts_with_its_rows_scales(block, g
     if groups is None:
         assert scales is None and torch.equal(gu.weight, want_gu) and torch.equal(dn.weight, want_dn)
         return
-    assert (scales.gate_up_group, scales.down_group) == groups
-    assert torch.equal(_standing_for(gu.weight, scales.gate_up, groups[0]), want_gu)
-    assert torch.equal(_standing_for(dn.weight, scales.down, groups[1]), want_dn)
+    assert (scales.gate_up_group, scales.down_group) == groups[rank]
+    assert torch.equal(_standing_for(gu.weight, scales.gate_up, groups[rank][0]), want_gu)
+    assert torch.equal(_standing_for(dn.weight, scales.down, groups[rank][1]), want_dn)
     assert not hasattr(gu, scheme.scale_name) and not hasattr(dn, scheme.scale_name)
 
 
@@ -339,3 +353,22 @@ def test_an_fp8_mixture_keeping_its_experts_e4m3_at_tp2_equals_tp1(ray_cluster, 
     pytest.importorskip("triton")
     path = moe_checkpoints["compressed-tensors"][0]
     assert_tp2_equals_tp1(path, random_prompts(2, 4, 20, seed=8), 6, kernels=MOE_INTERPRETED)
+
+
+def test_quantization_at_load_leaves_out_the_experts_an_ignore_list_names():
+    """Random weights drawn for an FP8 checkpoint's config are quantized as its ignore list says: a block
+    whose gate and up (Mixtral's w1, w3) every expert leaves out stays in the model's dtype, both of its
+    projections (the kernels take both e4m3 or neither); some experts of a projection is an error."""
+    from worker.models.mixtral import MixtralForCausalLM
+    from worker.quant.experts import quantize_experts
+    from worker.quant.scheme import QuantizationError
+
+    names = [f"model.layers.0.block_sparse_moe.experts.{e}.{w}" for e in range(2) for w in ("w1", "w3")]
+    holder = _holder(packed=MixtralForCausalLM.packed)
+    assert quantize_experts(holder, Fp8Scheme(ignore=tuple(names), ignore_style="compressed-tensors")) == 0
+    assert holder.model.layers[0].mlp.experts.scales() is None
+    some = Fp8Scheme(ignore=tuple(names[:2]), ignore_style="compressed-tensors")
+    with pytest.raises(QuantizationError, match="quantizes some of the experts"):
+        quantize_experts(_holder(packed=MixtralForCausalLM.packed), some)
+    holder = _holder(packed=MixtralForCausalLM.packed)
+    assert quantize_experts(holder, Fp8Scheme()) == 2 and holder.model.layers[0].mlp.experts.scales() is not None

@@ -219,10 +219,11 @@ class Engine:
             keep_expert_scales(self.model, scheme)
             if dequantize_experts(self.model, scheme) and self.tp.rank == 0:
                 logger.warning(
-                    "this FP8 checkpoint's experts are dequantized to %s at load (%s): they take the memory of "
-                    "an unquantized checkpoint's experts",
+                    "this FP8 checkpoint's experts (some or all) are dequantized to %s at load (%s): they take the "
+                    "memory of an unquantized checkpoint's experts",
                     self.dtype,
-                    "their blocks do not fit the FP8 expert kernels' column groups at this tp_size"
+                    "their blocks do not fit the FP8 expert kernels' column groups at this tp_size, or the "
+                    "checkpoint leaves one of a block's two projections unquantized"
                     if fp8_experts
                     else "the torch loop over experts computes in the model's dtype",
                 )
@@ -230,15 +231,17 @@ class Engine:
             fold = self.kernels.fp8_norms_resolved == "folded"
             quantize_linears(self.model, replace(scheme, block=None, prequantized=False), fold_norms=fold)
             if fp8_experts:
-                quantize_experts(self.model)
+                quantize_experts(self.model, scheme)
             elif expert_modules(self.model) and self.tp.rank == 0:
                 logger.warning(
                     "FP8 quantization at load leaves a mixture's experts in %s where the torch loop runs them "
                     "(the fused expert kernels run FP8 experts: CUDA, or Triton's interpreter)",
                     self.dtype,
                 )
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+        if scheme is not None and self.device.type == "cuda":
+            # the unquantized weights' memory back to the device (the experts' replaced after the linears'
+            # were), for the KV cache's budget, which counts what the device has free
+            torch.cuda.empty_cache()
         self.model.eval()
         # an EAGLE-3 head: its steps take hidden states of the model's or its own (worker/models/eagle3.py)
         self.takes_hidden = getattr(self.model, "takes_hidden", False)
@@ -324,10 +327,15 @@ class Engine:
             self.model.model.layers[0].self_attn.warm_prologue(
                 self.attn, self.scratch_page * self.page_size, self.dtype
             )
-            # the experts' kernels at every block height a step can take (all layers share them)
-            moe = next((m for m in self.model.modules() if isinstance(m, SparseMoeBlock)), None)
-            if moe is not None:
-                moe.warm_kernels()
+            # the experts' kernels at every block height a step can take, once for each kind of experts the
+            # layers hold (the layers share shapes; FP8 experts' kernels, and their scale groups, are variants)
+            warmed = set()
+            for moe in (m for m in self.model.modules() if isinstance(m, SparseMoeBlock)):
+                scales = moe.experts.scales()
+                kind = None if scales is None else (scales.gate_up_group, scales.down_group)
+                if kind not in warmed:
+                    warmed.add(kind)
+                    moe.warm_kernels()
 
         def one(value, dtype):
             return np.array([value], dtype=dtype)

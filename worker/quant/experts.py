@@ -33,18 +33,10 @@ def attach_expert_scales(model: nn.Module, scheme: Fp8Scheme, keep_fp8: bool = F
     kernels run the experts): a block whose two projections are both quantized, in groups the kernels
     take (scale_group), gets e4m3 weights for the checkpoint's to load into (keep_expert_scales then lays
     out the scales); the others load into the model's dtype (dequantize_experts)."""
-    packed = getattr(model, "packed", {})
     made = 0
     for name, module in expert_modules(model):
-        # an expert's part is left out where the ignore list names it under any of its checkpoint names
-        skipped = [any(map(scheme.skips, names)) for names in _checkpoint_names(name, packed, module.weight.shape[0])]
-        if all(skipped):
+        if _left_out(model, name, module, scheme):
             continue
-        if any(skipped):
-            raise QuantizationError(
-                f"the checkpoint quantizes some of the experts in {name} but not all, which this server stacks "
-                "into one weight"
-            )
         experts, rows, cols = _full_shape(module)
         if scheme.block is not None:
             grid: tuple[int, ...] = (-(-rows // scheme.block[0]), -(-cols // scheme.block[1]))
@@ -58,31 +50,53 @@ def attach_expert_scales(model: nn.Module, scheme: Fp8Scheme, keep_fp8: bool = F
     if keep_fp8:
         for block in _blocks(model):
             parts = (block.gate_up_proj, block.down_proj)
-            if all(hasattr(p, scheme.scale_name) and scale_group(p, scheme.block) is not None for p in parts):
+            if all(hasattr(p, scheme.scale_name) and _fits_every_rank(p, scheme.block) for p in parts):
                 for p in parts:
                     p.weight = nn.Parameter(torch.empty_like(p.weight, dtype=FP8), requires_grad=False)
     return made
+
+
+def _left_out(model: nn.Module, name: str, module: nn.Module, scheme: Fp8Scheme) -> bool:
+    """Whether the scheme's ignore list leaves every expert's part of this projection unquantized (an
+    expert's part is left out where the list names it under any of its checkpoint names); some of them is an
+    error, as the experts are one stacked weight."""
+    names = _checkpoint_names(name, getattr(model, "packed", {}), module.weight.shape[0])
+    skipped = [any(map(scheme.skips, units)) for units in names]
+    if any(skipped) and not all(skipped):
+        raise QuantizationError(
+            f"the checkpoint quantizes some of the experts in {name} but not all, which this server stacks into "
+            "one weight"
+        )
+    return all(skipped)
 
 
 def _blocks(model: nn.Module) -> list[Experts]:
     return [m for m in model.modules() if isinstance(m, Experts)]
 
 
-def scale_group(module: nn.Module, block: tuple[int, int] | None) -> int | None:
-    """The columns of this rank's weight that share a scale in the fused kernels (ExpertScales' group; 0: a
-    row's columns all), for a checkpoint's blocks (None: per-channel scales); None where its blocks do not
-    fit: the columns a block spans must be a power of two of at least 16 (the kernels' tiles), and a
-    rank's slice of a row-split weight (down's) must start at a block's edge."""
+def scale_group(module: nn.Module, block: tuple[int, int] | None, rank: int | None = None) -> int | None:
+    """The columns of a rank's weight (this module's rank unless `rank`) that share a scale in the fused
+    kernels (ExpertScales' group; 0: a row's columns all), for a checkpoint's blocks (None: per-channel
+    scales); None where its blocks do not fit. A group lies inside one block and starts where the rank's
+    slice of a row-split weight (down's) does: a block's width where the slice starts at a block's edge,
+    else the largest power of two that divides where it starts (each block's scale repeated over its
+    groups); a group must be a power of two of at least 16 columns (the kernels' tiles)."""
     if block is None:
         return 0
     width = block[1]
-    start = module.tp.rank * module.local if isinstance(module, ExpertDown) else 0
     local = module.weight.shape[2]
+    start = (module.tp.rank if rank is None else rank) * local if isinstance(module, ExpertDown) else 0
     if start // width == (start + local - 1) // width:  # the rank's columns inside one block
         return 0
-    if width < 16 or width & (width - 1) or start % width:
+    group = min(width, start & -start) if start else width
+    if group < 16 or group & (group - 1) or width % group:
         return None
-    return width
+    return group
+
+
+def _fits_every_rank(module: nn.Module, block: tuple[int, int] | None) -> bool:
+    # every rank decides alike, without a collective: each keeps e4m3 experts only where all ranks can
+    return all(scale_group(module, block, rank) is not None for rank in range(module.tp.size))
 
 
 def keep_expert_scales(model: nn.Module, scheme: Fp8Scheme) -> int:
@@ -116,31 +130,43 @@ def _local_scales(module: nn.Module, scale: torch.Tensor, block: tuple[int, int]
     if block is None:
         return scale[:, :, None].contiguous()
     rows = torch.arange(module.weight.shape[1], device=scale.device) // block[0]
-    first = offset // block[1]
-    groups = -(-module.local // group) if group else 1
-    return scale[:, rows, first : first + groups].contiguous()
+    starts = offset + torch.arange(0, module.local, group or module.local, device=scale.device)
+    return scale[:, rows][:, :, starts // block[1]].contiguous()  # each group's block
 
 
-def quantize_experts(model: nn.Module) -> int:
+def quantize_experts(model: nn.Module, scheme: Fp8Scheme) -> int:
     """Quantizes every stacked expert projection (loaded or drawn in the model's dtype) to e4m3 at one
-    scale an output row, as quantize_per_channel does a linear's; down's rows are split across the ranks,
-    so each row's scale comes from the whole row's largest magnitude (a collective: every rank calls this
-    alike). Returns how many it quantized; the unquantized weights are freed."""
+    scale an output row, as quantize_per_channel does a linear's, but a block whose projections the
+    scheme's ignore list leaves out (any of them: the kernels take both or neither); down's rows are split
+    across the ranks, so each row's scale comes from the whole row's largest magnitude (a collective:
+    every rank calls this alike). Returns how many it quantized; the unquantized weights are freed.
+    (Random weights drawn for an FP8 checkpoint's config take a scale a row here, where its own experts
+    may have a scale each 128 columns.)"""
     done = 0
-    for _, module in expert_modules(model):
-        w = module.weight.data
-        amax = torch.stack([w[e].abs().amax(dim=1).float() for e in range(w.shape[0])])  # [E, rows]
-        if isinstance(module, ExpertDown) and module.tp.size > 1:
-            amax = module.tp.comm.max_over_ranks(amax)
-        scale = (amax / FP8_MAX).clamp(min=1e-12)
-        q = torch.empty_like(w, dtype=FP8)
-        for e in range(w.shape[0]):  # float32 copies of one expert's weight at most
-            q[e] = (w[e].float() / scale[e, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        module.weight = nn.Parameter(q, requires_grad=False)
-        module.fp8_scales = scale[:, :, None].contiguous()
-        module.fp8_group = 0
-        done += 1
+    names = {m: n for n, m in model.named_modules()}
+    for block in _blocks(model):
+        parts = (block.gate_up_proj, block.down_proj)
+        if any([_left_out(model, names[p], p, scheme) for p in parts]):
+            continue
+        for module in parts:
+            _quantize_rows(module)
+            done += 1
     return done
+
+
+def _quantize_rows(module: nn.Module) -> None:
+    """One stacked projection to e4m3 at one scale an output row (quantize_experts)."""
+    w = module.weight.data
+    amax = torch.stack([w[e].abs().amax(dim=1).float() for e in range(w.shape[0])])  # [E, rows]
+    if isinstance(module, ExpertDown) and module.tp.size > 1:
+        amax = module.tp.comm.max_over_ranks(amax)
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    q = torch.empty_like(w, dtype=FP8)
+    for e in range(w.shape[0]):  # float32 copies of one expert's weight at most
+        q[e] = (w[e].float() / scale[e, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    module.weight = nn.Parameter(q, requires_grad=False)
+    module.fp8_scales = scale[:, :, None].contiguous()
+    module.fp8_group = 0
 
 
 def _load(module: nn.Module, load_weight, grid: tuple[int, ...], scheme: Fp8Scheme, param, full, shard_id) -> None:

@@ -51,6 +51,10 @@ def _scale_args(scales: torch.Tensor | None, w: torch.Tensor) -> tuple:
     # (pointer, stride over experts, stride over rows): a kernel without scales is given w and reads nothing
     if scales is None:
         return w, 0, 0
+    if scales.dtype != torch.float32 or scales.stride(2) != 1:
+        raise ValueError(
+            f"expert scales must be float32 with their groups contiguous, not {scales.dtype} {scales.stride()}"
+        )
     return scales, scales.stride(0), scales.stride(1)
 
 
@@ -59,7 +63,10 @@ def _groups(scales: ExpertScales | None, hidden: int, inter: int) -> tuple[int, 
     group spans the whole width (its one scale a row)."""
     if scales is None:
         return 0, 0
-    return tuple(g if g < width else 0 for g, width in ((scales.gate_up_group, hidden), (scales.down_group, inter)))
+    groups = tuple(g if g < width else 0 for g, width in ((scales.gate_up_group, hidden), (scales.down_group, inter)))
+    if any(g and (g < 16 or g & (g - 1)) for g in groups):
+        raise ValueError(f"expert scale groups must be powers of two of at least 16 columns, not {groups}")
+    return groups
 
 
 def _capped(block_k: int, group: int) -> int:
@@ -372,7 +379,7 @@ def fused_experts(
     order = align_by_expert(ids, num_experts, _block_m(rows, num_experts))
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights = weights.flatten().contiguous()
-    key = (order.block_m, x.dtype, x.device)
+    key = (order.block_m, x.dtype, x.device, _groups(scales, x.shape[1], w2.shape[2]) if scales else None)
     if key not in _FELL_BACK:
         try:
             return _grouped_gemms(x, w13, w2, weights, order, top_k, GROUPED_TILES[order.block_m], scales)
@@ -386,7 +393,7 @@ def fused_experts(
 
 # the tiles a block height falls back to where its own need more shared memory or registers than the GPU
 # has (they were measured on an H200, for bfloat16; float32 operands take twice the shared memory): small,
-# as the tiles before the sweep were. Fallen back: (block height, dtype, device)
+# as the tiles before the sweep were. Fallen back: (block height, dtype, device, FP8 experts' groups or None)
 FALLBACK_TILES = {16: (32, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 32, 4, 3), 128: (32, 32, 4, 2)}
 _FELL_BACK: set[tuple] = set()
 

@@ -24,7 +24,9 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 # weight (e, n, k) standing for e4m3 * scale[e, n, k // GROUP_K], or with GROUP_K 0 for e4m3 * scale[e, n, 0]
 # (one group a row: per-channel scales, or a block wider than the rank's K). The activations stay in the
 # model's dtype and the weights are widened to it in registers: the bytes a decode step reads halve, and
-# the products are the dequantized weights' (a tile's BLOCK_K never crosses a group: the launcher caps it)
+# the products are the dequantized weights' (the grouped GEMMs' and the down kernel's loop take K steps inside
+# a group: the launcher caps BLOCK_K; the per-row gate-up and the at-once down kernel sum each group of a wider
+# tile apart, _groups_summed and a reshape)
 
 
 @triton.jit
@@ -95,7 +97,7 @@ def moe_gate_up_kernel(
     GROUP_K: tl.constexpr,
 ):
     # out[r] = silu(x[t] gate_e^T) * (x[t] up_e^T) for each (token t, choice k) row r = t * TOP_K + k; SCALED:
-    # e4m3 weights times their scales (see _scales)
+    # e4m3 weights times their scales (_scaled_dot)
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(inter, BLOCK_N)
     pid_m = pid // tiles_n
