@@ -372,3 +372,23 @@ def test_quantization_at_load_leaves_out_the_experts_an_ignore_list_names():
         quantize_experts(_holder(packed=MixtralForCausalLM.packed), some)
     holder = _holder(packed=MixtralForCausalLM.packed)
     assert quantize_experts(holder, Fp8Scheme()) == 2 and holder.model.layers[0].mlp.experts.scales() is not None
+
+
+@pytest.mark.parametrize("block,kept", [((3, 16), True), ((5, 24), False)])
+def test_experts_made_e4m3_stay_so_where_kept_and_take_the_models_dtype_where_not(block, kept):
+    """An FP8 checkpoint's experts are made e4m3 while the model is built (never held in bf16 first): where
+    attach_expert_scales keeps them, the very weights made; where not (blocks the kernels cannot group), new
+    weights in the model's dtype for the checkpoint's values to load into."""
+    from worker.layers.moe.weights import experts_made_in
+
+    with experts_made_in(FP8):
+        experts = Experts(3, 64, 64, TPGroup(0, 2))
+    holder = nn.Module()
+    holder.experts = experts
+    made = experts.gate_up_proj.weight
+    assert made.dtype == FP8 and experts.down_proj.weight.dtype == FP8
+    attach_expert_scales(holder, Fp8Scheme(block=block), keep_fp8=True, dtype=torch.bfloat16)
+    assert (experts.gate_up_proj.weight is made) == kept
+    assert experts.down_proj.weight.dtype == (FP8 if kept else torch.bfloat16)
+    with experts_made_in(None):
+        assert Experts(3, 64, 64, TPGroup(0, 1)).gate_up_proj.weight.dtype == torch.get_default_dtype()

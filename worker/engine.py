@@ -37,6 +37,7 @@ from worker.kernel_builds import serialize_flashinfer_builds
 from worker.kv_cache import KVCachePool
 from worker.layers.moe.block import SparseMoeBlock
 from worker.layers.moe.fused import fused_applies
+from worker.layers.moe.weights import experts_made_in
 from worker.loader import CheckpointError, init_dummy_weights, load_weights
 from worker.models import build_model
 from worker.models.eagle3 import has_own_embeddings, is_eagle3, keep_hidden_states
@@ -202,15 +203,17 @@ class Engine:
         self.kernels = self.kernels.with_weights(quantized_at_load=not prequantized)
         if is_eagle3(self.hf_config):  # a head shares the model's embeddings unless it has its own
             self.hf_config.embed_tokens_in_checkpoint = not dummy and has_own_embeddings(self.config.model_path)
-        with _default_dtype(self.dtype), torch.device(self.device):
+        # a mixture's experts stay FP8 where the fused expert kernels run them (worker/quant/experts.py): a
+        # checkpoint's are made e4m3 from the start
+        fp8_experts = fused_applies(self.kernels, torch.empty(0, device=self.device))
+        made_in = torch.float8_e4m3fn if prequantized and fp8_experts else None
+        with _default_dtype(self.dtype), torch.device(self.device), experts_made_in(made_in):
             self.model = build_model(self.hf_config, self.max_seq_len + 1, self.tp, self.kernels)
         # a prequantized checkpoint's fp8 weights and scales load into FP8 linears; random weights (dummy)
         # and unquantized checkpoints are quantized once loaded
-        # a mixture's experts stay FP8 where the fused expert kernels run them (worker/quant/experts.py)
-        fp8_experts = fused_applies(self.kernels, torch.empty(0, device=self.device))
         if prequantized:
             quantize_linears(self.model, scheme)
-            attach_expert_scales(self.model, scheme, keep_fp8=fp8_experts)
+            attach_expert_scales(self.model, scheme, keep_fp8=fp8_experts, dtype=self.dtype)
         if dummy:
             init_dummy_weights(self.model)
         else:

@@ -24,7 +24,9 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertGateUp | ExpertDown)]
 
 
-def attach_expert_scales(model: nn.Module, scheme: Fp8Scheme, keep_fp8: bool = False) -> int:
+def attach_expert_scales(
+    model: nn.Module, scheme: Fp8Scheme, keep_fp8: bool = False, dtype: torch.dtype | None = None
+) -> int:
     """Gives each stacked expert projection the checkpoint quantizes a parameter for its scales, named as
     the checkpoint names them (`weight_scale_inv`: a block's; `weight_scale`: an output channel's), every
     expert's whole (a rank takes its slice from them), and a weight loader that checks what it reads;
@@ -32,7 +34,8 @@ def attach_expert_scales(model: nn.Module, scheme: Fp8Scheme, keep_fp8: bool = F
     experts: all of them left out leaves it unquantized, some of them is an error. `keep_fp8` (the fused
     kernels run the experts): a block whose two projections are both quantized, in groups the kernels
     take (scale_group), gets e4m3 weights for the checkpoint's to load into (keep_expert_scales then lays
-    out the scales); the others load into the model's dtype (dequantize_experts)."""
+    out the scales); the others load into the model's dtype (`dtype`, torch's default unless given;
+    dequantize_experts), made anew where the model made them e4m3 (weights.experts_made_in)."""
     made = 0
     for name, module in expert_modules(model):
         if _left_out(model, name, module, scheme):
@@ -47,12 +50,13 @@ def attach_expert_scales(model: nn.Module, scheme: Fp8Scheme, keep_fp8: bool = F
         module.register_parameter(scheme.scale_name, nn.Parameter(scale, requires_grad=False))
         module.weight_loader = functools.partial(_load, module, module.weight_loader, grid, scheme)
         made += 1
-    if keep_fp8:
-        for block in _blocks(model):
-            parts = (block.gate_up_proj, block.down_proj)
-            if all(hasattr(p, scheme.scale_name) and _fits_every_rank(p, scheme.block) for p in parts):
-                for p in parts:
-                    p.weight = nn.Parameter(torch.empty_like(p.weight, dtype=FP8), requires_grad=False)
+    for block in _blocks(model):
+        parts = (block.gate_up_proj, block.down_proj)
+        kept = keep_fp8 and all(hasattr(p, scheme.scale_name) and _fits_every_rank(p, scheme.block) for p in parts)
+        want = FP8 if kept else dtype or torch.get_default_dtype()
+        for p in parts:
+            if p.weight.dtype != want:
+                p.weight = nn.Parameter(torch.empty_like(p.weight, dtype=want), requires_grad=False)
     return made
 
 

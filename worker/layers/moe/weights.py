@@ -4,12 +4,29 @@ intermediate dimension; checkpoints store one tensor per expert, which the loade
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from worker.parallel import TPGroup
+
+# the dtype stacked expert weights are made in (None: torch's default): an FP8 checkpoint's experts are made
+# e4m3 where they stay so, so that a model building never holds them in bf16 (twice the memory)
+_MADE_IN: ContextVar[torch.dtype | None] = ContextVar("experts_made_in", default=None)
+
+
+@contextmanager
+def experts_made_in(dtype: torch.dtype | None) -> Iterator[None]:
+    """Stacked expert weights made inside are `dtype` (None: torch's default)."""
+    token = _MADE_IN.set(dtype)
+    try:
+        yield
+    finally:
+        _MADE_IN.reset(token)
 
 
 class ExpertGateUp(nn.Module):
@@ -19,7 +36,9 @@ class ExpertGateUp(nn.Module):
         super().__init__()
         self.tp = tp
         self.local = tp.shard(intermediate, "moe_intermediate_size")
-        self.weight = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, 2 * self.local, hidden, dtype=_MADE_IN.get()), requires_grad=False
+        )
         self.shard_ids = {(e, part) for e in range(num_experts) for part in (0, 1)}
 
     def weight_loader(self, param: nn.Parameter, full, shard_id: tuple[int, int]) -> None:
@@ -35,7 +54,9 @@ class ExpertDown(nn.Module):
         super().__init__()
         self.tp = tp
         self.local = tp.shard(intermediate, "moe_intermediate_size")
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden, self.local, dtype=_MADE_IN.get()), requires_grad=False
+        )
         self.shard_ids = {(e, 0) for e in range(num_experts)}
 
     def weight_loader(self, param: nn.Parameter, full, shard_id: tuple[int, int]) -> None:
