@@ -74,19 +74,19 @@ def test_each_rank_dequantizes_its_slice_with_the_scales_of_its_rows_and_columns
     holder.experts = Experts(3, 16, 12, TPGroup(rank, 2))
     attach_expert_scales(holder, scheme)
     gu, dn = holder.experts.gate_up_proj, holder.experts.down_proj
-    want_gu, want_dn = _load_random_experts(holder.experts, scheme, rank)
+    want_gu, want_dn = _load_random_experts(holder.experts, scheme)
     dequantize_experts(holder, scheme)
     assert torch.equal(gu.weight, want_gu) and torch.equal(dn.weight, want_dn)
     assert not hasattr(gu, scheme.scale_name) and not hasattr(dn, scheme.scale_name)
 
 
-def _load_random_experts(experts: Experts, scheme: Fp8Scheme, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _load_random_experts(experts: Experts, scheme: Fp8Scheme) -> tuple[torch.Tensor, torch.Tensor]:
     """Loads random e4m3 experts quantized in the scheme's format, each as a checkpoint holds it whole, through
-    the stacked projections' loaders (tp 2, this rank); returns the float32 slices of their dequantized
+    the stacked projections' loaders (as the experts' rank); returns the float32 slices of their dequantized
     gate-up and down weights that the rank stands for."""
     gu, dn = experts.gate_up_proj, experts.down_proj
     num, hidden, local = gu.weight.shape[0], gu.weight.shape[2], gu.local
-    inter, block = local * 2, scheme.block
+    inter, block, rank = local * gu.tp.size, scheme.block, gu.tp.rank
     g = torch.Generator().manual_seed(rank)
     gate, up = torch.randn(2, num, inter, hidden, generator=g)
     down = torch.randn(num, hidden, inter, generator=g)
@@ -286,6 +286,7 @@ def _standing_for(q: torch.Tensor, scales: torch.Tensor, group: int = 0) -> torc
         ((3, 32), 72, None),  # rank 1's slice starts at 36: no group of 16 or more starts there
         ((4, 8), 64, None),
         ((5, 24), 64, None),
+        ((3, 48), 64, {0: (16, 0), 1: (16, 16)}),  # 48 columns a block: groups of 16 (a power of two dividing it)
     ],
 )
 @pytest.mark.parametrize("rank", [0, 1])
@@ -294,16 +295,17 @@ def test_each_rank_keeps_its_slice_of_e4m3_experts_with_its_rows_scales(block, i
     keep a scale for each group of a row's columns, a group as wide as a block, or narrower where a rank's
     slice of down starts inside a block (each block's scale repeated over its groups); per-channel scales
     one a row. Each rank's e4m3 weights times its scales are its slice of every expert's whole dequantized
-    weight. Where any rank's slice cannot be grouped so (blocks narrower than 16 columns, or not a power of
-    two wide, or a slice starting 4 columns into a block), every rank loads the experts into the model's
-    dtype and dequantizes them instead."""
+    weight; blocks of 48 columns are grouped by 16. Where any rank's slice cannot be grouped so (no power of
+    two of 16 or more divides both the block's width and where the slice starts: blocks 8 or 24 wide, a
+    slice starting 4 columns into a block), every rank loads the experts into the model's dtype and
+    dequantizes them instead."""
     scheme = Fp8Scheme(block=block)
     holder = nn.Module()
     holder.experts = Experts(3, 64, inter, TPGroup(rank, 2))
     attach_expert_scales(holder, scheme, keep_fp8=True)
     gu, dn = holder.experts.gate_up_proj, holder.experts.down_proj
     assert (gu.weight.dtype == FP8) == (groups is not None) == (dn.weight.dtype == FP8)
-    want_gu, want_dn = _load_random_experts(holder.experts, scheme, rank)
+    want_gu, want_dn = _load_random_experts(holder.experts, scheme)
     assert keep_expert_scales(holder, scheme) == (2 if groups else 0)
     assert dequantize_experts(holder, scheme) == (0 if groups else 2)
     scales = holder.experts.scales()

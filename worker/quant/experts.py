@@ -82,9 +82,9 @@ def scale_group(module: nn.Module, block: tuple[int, int] | None, rank: int | No
     """The columns of a rank's weight (this module's rank unless `rank`) that share a scale in the fused
     kernels (ExpertScales' group; 0: a row's columns all), for a checkpoint's blocks (None: per-channel
     scales); None where its blocks do not fit. A group lies inside one block and starts where the rank's
-    slice of a row-split weight (down's) does: a block's width where the slice starts at a block's edge,
-    else the largest power of two that divides where it starts (each block's scale repeated over its
-    groups); a group must be a power of two of at least 16 columns (the kernels' tiles)."""
+    slice of a row-split weight (down's) does: the largest power of two that divides both the block's width
+    and where the slice starts (each block's scale repeated over its groups), which must be at least 16
+    columns (the kernels' tiles)."""
     if block is None:
         return 0
     width = block[1]
@@ -92,10 +92,8 @@ def scale_group(module: nn.Module, block: tuple[int, int] | None, rank: int | No
     start = (module.tp.rank if rank is None else rank) * local if isinstance(module, ExpertDown) else 0
     if start // width == (start + local - 1) // width:  # the rank's columns inside one block
         return 0
-    group = min(width, start & -start) if start else width
-    if group < 16 or group & (group - 1) or width % group:
-        return None
-    return group
+    group = (start | width) & -(start | width)  # the largest power of two dividing both
+    return group if group >= 16 else None
 
 
 def _fits_every_rank(module: nn.Module, block: tuple[int, int] | None) -> bool:
@@ -122,20 +120,23 @@ def keep_expert_scales(model: nn.Module, scheme: Fp8Scheme) -> int:
 
 def _local_scales(module: nn.Module, scale: torch.Tensor, block: tuple[int, int] | None, group: int) -> torch.Tensor:
     """[E, this rank's rows, groups of its columns] from the checkpoint's whole scales (attach_expert_scales'
-    layout): a block's [E, (2,) rows / bn, cols / bk], or a channel's [E, (2,) rows]."""
+    layout): a block's [E, (2,) rows / bn, cols / bk], each group taking its block's, or a channel's
+    [E, (2,) rows]."""
     offset = module.tp.rank * module.local
-    if isinstance(module, ExpertGateUp):  # the rank's rows of each part, gate then up
-        rows = torch.arange(offset, offset + module.local, device=scale.device)
-        if block is None:
-            parts = [scale[:, p, rows, None] for p in (0, 1)]
-        else:
-            parts = [scale[:, p][:, rows // block[0]] for p in (0, 1)]
-        return torch.cat(parts, dim=1).contiguous()
+    device = scale.device
     if block is None:
+        if isinstance(module, ExpertGateUp):  # the rank's rows of each part, gate then up
+            rows = torch.arange(offset, offset + module.local, device=device)
+            return torch.cat([scale[:, p, rows, None] for p in (0, 1)], dim=1).contiguous()
         return scale[:, :, None].contiguous()
-    rows = torch.arange(module.weight.shape[1], device=scale.device) // block[0]
-    starts = offset + torch.arange(0, module.local, group or module.local, device=scale.device)
-    return scale[:, rows][:, :, starts // block[1]].contiguous()  # each group's block
+    cols = module.weight.shape[2]
+    col0 = offset if isinstance(module, ExpertDown) else 0  # where the rank's columns start in a whole row
+    blocks = (col0 + torch.arange(0, cols, group or cols, device=device)) // block[1]  # each group's block
+    if isinstance(module, ExpertGateUp):
+        rows = torch.arange(offset, offset + module.local, device=device) // block[0]
+        return torch.cat([scale[:, p][:, rows][:, :, blocks] for p in (0, 1)], dim=1).contiguous()
+    rows = torch.arange(module.weight.shape[1], device=device) // block[0]
+    return scale[:, rows][:, :, blocks].contiguous()
 
 
 def quantize_experts(model: nn.Module, scheme: Fp8Scheme) -> int:

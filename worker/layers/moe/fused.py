@@ -51,7 +51,7 @@ def _scale_args(scales: torch.Tensor | None, w: torch.Tensor) -> tuple:
     # (pointer, stride over experts, stride over rows): a kernel without scales is given w and reads nothing
     if scales is None:
         return w, 0, 0
-    if scales.dtype != torch.float32 or scales.stride(2) != 1:
+    if scales.dtype != torch.float32 or (scales.stride(2) != 1 and scales.shape[2] > 1):
         raise ValueError(
             f"expert scales must be float32 with their groups contiguous, not {scales.dtype} {scales.stride()}"
         )
