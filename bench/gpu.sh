@@ -50,6 +50,8 @@
 #                  a scale a row and each 128 columns
 #   moe_fp8_chunk  the experts at a prompt chunk and at decode batches (8,192, 256 and 64 tokens): bf16, e4m3 with
 #                  a scale a row and with one each 128 columns (bench/moe_decode.py)
+#   moe_fp8_ranks  the FP8 experts at a tensor-parallel rank's width (bench/moe_decode.py --inter): 192 (tp 4) with
+#                  scale groups of 128 (ranks 0, 2) and 64 (ranks 1, 3), 96 (tp 8) with 64 and 32, at 1, 4, 64, 256
 #   moe_fp8_a      (a) on Qwen3-30B-A3B's architecture with --quantization fp8 and in bf16
 #   moe_rows       the MoE per-row kernels at 1, 2 and 4 tokens with their tile sweep, the down kernel's
 #                  at-once variant included (bench/moe_decode.py --sweep)
@@ -302,6 +304,11 @@ for suite in "$@"; do
         flag=(); [ "$group" != bf16 ] && flag=(--fp8 "$group")
         step "moe_fp8_chunk_$group" 120 python3 bench/moe_decode.py --tokens 8192 256 64 "${flag[@]}" \
           --out "$OUT/moe_fp8_chunk_$group.json"
+      done ;;
+    moe_fp8_ranks)
+      for shape in 192:128 192:64 96:64 96:32; do
+        step "moe_fp8_ranks_${shape/:/_}" 90 python3 bench/moe_decode.py --tokens 1 4 64 256 --inter "${shape%%:*}" \
+          --fp8 "${shape##*:}" --out "$OUT/moe_fp8_ranks_${shape/:/_}.json"
       done ;;
     moe_fp8_a)
       offline moe_fp8_a_fp8 280 --arch qwen3-30b-a3b --quantization fp8

@@ -8,6 +8,8 @@ median microseconds a layer, the bandwidth over the distinct experts' bytes and 
 kernels also with programmatic dependent launch (`per_row_pdl_us`, on compute capability 9.0+). With --fp8
 GROUP the experts are e4m3, a scale for every GROUP columns of a row (0: one a row, as quantization at
 load makes them; 128: a block-scaled checkpoint's), and the errors are against the weights they stand for.
+--inter sets the experts' width: a tensor-parallel rank's slice (192 at tp 4: its down groups of 128 on
+ranks 0 and 2, of 64 on ranks 1 and 3).
 
     python bench/moe_decode.py [--tokens 1 2 4 256 8192] [--sweep] [--grouped-sweep] [--fp8 0] [--out r.json]"""
 
@@ -60,15 +62,19 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="every per-row tile at the first token count")
     parser.add_argument("--grouped-sweep", action="store_true", help="the grouped GEMMs' tiles past the per-row path")
     parser.add_argument("--fp8", type=int, metavar="GROUP", help="e4m3 experts, a scale every GROUP columns (0: a row)")
+    parser.add_argument(
+        "--inter", type=int, default=INTER, help="the experts' width, a rank's slice (768 / tp_size at tp > 1)"
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
+    inter = args.inter
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13s = [
-        torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+        torch.randn(EXPERTS, 2 * inter, HIDDEN, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
         for _ in range(LAYERS)
     ]
     w2s = [
-        torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.03
+        torch.randn(EXPERTS, HIDDEN, inter, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.03
         for _ in range(LAYERS)
     ]
     scales: list[ExpertScales | None] = [None] * LAYERS
@@ -82,7 +88,7 @@ def main() -> None:
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
         logits = torch.randn(LAYERS, tokens, EXPERTS, device="cuda", dtype=torch.bfloat16)
         distinct = sum(len(set(select_experts(logits[i], TOP_K, True)[1].flatten().tolist())) for i in range(LAYERS))
-        nbytes = distinct / LAYERS * 3 * INTER * HIDDEN * element
+        nbytes = distinct / LAYERS * 3 * inter * HIDDEN * element
 
         def grouped():
             for i in range(LAYERS):
@@ -106,7 +112,7 @@ def main() -> None:
             "grouped_block_m": fused._block_m(tokens * TOP_K, EXPERTS),
         }
         row["grouped_tb_s"] = nbytes / row["grouped_us"] / 1e6
-        row["tflop_s"] = tokens * TOP_K * 3 * INTER * HIDDEN * 2 / row["grouped_us"] / 1e6
+        row["tflop_s"] = tokens * TOP_K * 3 * inter * HIDDEN * 2 / row["grouped_us"] / 1e6
         ids = fused.route(logits[0], TOP_K, True)[1]
         row["sort_us"] = time_graph(lambda: fused.align_by_expert(ids, EXPERTS, row["grouped_block_m"]))
         row["sort_torch_us"] = time_graph(
@@ -170,20 +176,24 @@ def main() -> None:
 
 
 def _fp8(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E, N, K] -> (e4m3, float32 scales [E, N, K / group] (group 0: [E, N, 1]))."""
+    """w [E, N, K] -> (e4m3, float32 scales [E, N, ceil(K / group)] (group 0: [E, N, 1])); the last group
+    may be partial."""
     experts, rows, cols = w.shape
     width = group or cols
-    blocks = w.float().view(experts, rows, cols // width, width)
+    groups = -(-cols // width)
+    blocks = torch.nn.functional.pad(w.float(), (0, groups * width - cols)).view(experts, rows, groups, width)
     scale = (blocks.abs().amax(dim=-1) / 448.0).clamp(min=1e-12)
-    return (blocks / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(experts, rows, cols), scale
+    q = (blocks / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(experts, rows, groups * width)
+    return q[..., :cols].contiguous(), scale
 
 
 def _weights(w: torch.Tensor, scales: ExpertScales | None, which: int) -> torch.Tensor:
     """The float32 weights w stands for (w13 with which 0, w2 with 1)."""
     if scales is None:
         return w.float()
-    s = scales.gate_up if which == 0 else scales.down
-    return w.float() * s.repeat_interleave(w.shape[-1] // s.shape[-1], dim=-1)
+    s, group = (scales.gate_up, scales.gate_up_group) if which == 0 else (scales.down, scales.down_group)
+    cols = w.shape[-1]
+    return w.float() * s.repeat_interleave(group or cols, dim=-1)[..., :cols]
 
 
 def _grouped_sweep(grouped, tokens: int) -> dict:
