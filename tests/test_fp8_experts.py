@@ -318,14 +318,22 @@ def test_each_rank_keeps_its_slice_of_e4m3_experts_with_its_rows_scales(block, i
     assert not hasattr(gu, scheme.scale_name) and not hasattr(dn, scheme.scale_name)
 
 
-def test_quantization_fp8_at_load_quantizes_a_mixtures_experts_a_scale_a_row(moe_checkpoints):
+def test_quantization_fp8_at_load_quantizes_a_mixtures_experts_a_scale_a_row(moe_checkpoints, monkeypatch):
     """`quantization="fp8"` where the fused kernels run the experts: they become e4m3 at one scale an output
-    row, each row rounded as quantize_per_channel rounds a linear's; the engine serves with them."""
+    row, each row rounded as quantize_per_channel rounds a linear's, as each expert's tensor is read (never
+    held unquantized: nothing is left to quantize once loaded); the engine serves with them."""
     pytest.importorskip("triton")
+    from worker.quant import experts
+
     ref_path = moe_checkpoints["fp8"][1]
     prompts = random_prompts(2, 4, 30, seed=5)
     with checked_llm(ref_path, page_size=4) as ref:
         originals = [(b.gate_up_proj.weight.clone(), b.down_proj.weight.clone()) for b in _experts(ref)]
+
+    def after_loading(module):
+        raise AssertionError("an expert was quantized after it loaded")
+
+    monkeypatch.setattr(experts, "_quantize_rows", after_loading)
     with checked_llm(ref_path, page_size=4, quantization="fp8", kernels=MOE_INTERPRETED) as llm:
         for block, (w13, w2) in zip(_experts(llm), originals, strict=True):
             scales = block.scales()

@@ -48,6 +48,7 @@ from worker.quant.experts import (
     expert_modules,
     keep_expert_scales,
     quantize_experts,
+    quantize_while_loading,
 )
 from worker.quant.prepare import check_device, quantize_linears
 from worker.quant.scheme import scheme_of
@@ -204,9 +205,10 @@ class Engine:
         if is_eagle3(self.hf_config):  # a head shares the model's embeddings unless it has its own
             self.hf_config.embed_tokens_in_checkpoint = not dummy and has_own_embeddings(self.config.model_path)
         # a mixture's experts stay FP8 where the fused expert kernels run them (worker/quant/experts.py): a
-        # checkpoint's are made e4m3 from the start
+        # checkpoint's, FP8 or quantized as it loads, are made e4m3 from the start
         fp8_experts = fused_applies(self.kernels, torch.empty(0, device=self.device))
-        made_in = torch.float8_e4m3fn if prequantized and fp8_experts else None
+        quantized_loading = scheme is not None and not scheme.prequantized and not dummy
+        made_in = torch.float8_e4m3fn if fp8_experts and (prequantized or quantized_loading) else None
         with _default_dtype(self.dtype), torch.device(self.device), experts_made_in(made_in):
             self.model = build_model(self.hf_config, self.max_seq_len + 1, self.tp, self.kernels)
         # a prequantized checkpoint's fp8 weights and scales load into FP8 linears; random weights (dummy)
@@ -214,6 +216,8 @@ class Engine:
         if prequantized:
             quantize_linears(self.model, scheme)
             attach_expert_scales(self.model, scheme, keep_fp8=fp8_experts, dtype=self.dtype)
+        if quantized_loading and fp8_experts:
+            quantize_while_loading(self.model, self.dtype)
         if dummy:
             init_dummy_weights(self.model)
         else:

@@ -139,20 +139,54 @@ def _local_scales(module: nn.Module, scale: torch.Tensor, block: tuple[int, int]
     return scale[:, rows][:, :, blocks].contiguous()
 
 
+def quantize_while_loading(model: nn.Module, dtype: torch.dtype) -> int:
+    """For `quantization="fp8"` over an unquantized checkpoint: each stacked expert projection the model made
+    e4m3 (weights.experts_made_in) gets a scale an output row and a weight loader that quantizes each
+    expert's tensor as it is read (in `dtype` first, as a weight loaded into the model would be), so no
+    expert is ever held unquantized; returns how many. A row's scale comes from the whole row, as at tp 1:
+    down's rows are split across the ranks, so each rank reads its experts' whole down rows."""
+    done = 0
+    for _, module in expert_modules(model):
+        if module.weight.dtype != FP8:
+            continue
+        experts, rows = module.weight.shape[:2]
+        module.fp8_scales = torch.ones(experts, rows, 1, dtype=torch.float32, device=module.weight.device)
+        module.fp8_group = 0
+        module.weight_loader = functools.partial(_load_quantizing, module, dtype)
+        done += 1
+    return done
+
+
+def _load_quantizing(module: nn.Module, dtype: torch.dtype, param, full, shard_id) -> None:
+    """One expert's part (gate, up or down), read whole or as the rank's rows, quantized a row at a time."""
+    expert, part = shard_id
+    offset, device = module.tp.rank * module.local, param.device
+    if isinstance(module, ExpertGateUp):  # the rank's rows, each whole
+        rows = full.narrow(0, offset, module.local).to(device=device, dtype=dtype).float()
+        amax, first = rows.abs().amax(dim=1), part * module.local
+    else:  # every column, for each row's largest magnitude; the rank keeps its columns
+        whole = full[:].to(device=device, dtype=dtype).float()
+        amax, rows, first = whole.abs().amax(dim=1), whole.narrow(1, offset, module.local), 0
+    scale = (amax / FP8_MAX).clamp(min=1e-12)
+    span = slice(first, first + rows.shape[0])
+    param.data[expert, span] = (rows / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    module.fp8_scales[expert, span, 0] = scale
+
+
 def quantize_experts(model: nn.Module, scheme: Fp8Scheme) -> int:
     """Quantizes every stacked expert projection (loaded or drawn in the model's dtype) to e4m3 at one
-    scale an output row, as quantize_per_channel does a linear's, but a block whose projections the
-    scheme's ignore list leaves out (any of them: the kernels take both or neither); down's rows are split
-    across the ranks, so each row's scale comes from the whole row's largest magnitude (a collective:
-    every rank calls this alike). Returns how many it quantized; the unquantized weights are freed.
-    (Random weights drawn for an FP8 checkpoint's config take a scale a row here, where its own experts
-    may have a scale each 128 columns.)"""
+    scale an output row, as quantize_per_channel does a linear's, but those quantized as they loaded and
+    a block whose projections the scheme's ignore list leaves out (any of them: the kernels take both or
+    neither); down's rows are split across the ranks, so each row's scale comes from the whole row's
+    largest magnitude (a collective: every rank calls this alike). Returns how many it quantized; the
+    unquantized weights are freed. (Random weights drawn for an FP8 checkpoint's config take a scale a row
+    here, where its own experts may have a scale each 128 columns.)"""
     done = 0
     names = {m: n for n, m in model.named_modules()}
     for block in _blocks(model):
         parts = (block.gate_up_proj, block.down_proj)
-        if any([_left_out(model, names[p], p, scheme) for p in parts]):
-            continue
+        if any([_left_out(model, names[p], p, scheme) for p in parts]) or block.scales() is not None:
+            continue  # left out, or quantized as they loaded (quantize_while_loading)
         for module in parts:
             _quantize_rows(module)
             done += 1
