@@ -42,9 +42,8 @@
 #   prefill_heavy  128 prompts of 3,000-6,000 tokens, 32-128 output tokens
 #   prefill_sweep  prefill_heavy and (a) at chunks of 8192, 16384 and 32768 tokens, mixed steps on and off
 #   moe_fp8        FP8 experts on Qwen3-30B-A3B's architecture against bf16: the experts alone (bench/moe_decode.py
-#                  at 1, 4, 64 and 256 tokens: bf16, e4m3 with a scale a row and with one for each 128 columns;
-#                  MOE_FP8_SWEEP=--sweep sweeps the per-row tiles at one token with a scale a row), then (b) with --quantization fp8
-#                  and in bf16
+#                  at 1, 4, 64 and 256 tokens: bf16, e4m3 with a scale a row and with one for each 128 columns),
+#                  then (b) with --quantization fp8 and in bf16
 #   moe_fp8_rows   the FP8 experts' per-row tiles swept at one token (bench/moe_decode.py --sweep --fp8 0, 128)
 #   moe_fp8_grouped  the FP8 experts' grouped GEMMs' tiles swept at MOE_FP8_GROUPED tokens (default 64 256 8192),
 #                  a scale a row and each 128 columns
@@ -280,7 +279,7 @@ for suite in "$@"; do
       step fp8_gemv 200 python3 bench/fp8_gemv.py --out "$OUT/fp8_gemv.json" ;;
     moe_fp8)
       step moe_decode_bf16 150 python3 bench/moe_decode.py --tokens 1 4 64 256 --out "$OUT/moe_decode_bf16.json"
-      step moe_decode_fp8_row 300 python3 bench/moe_decode.py --tokens 1 4 64 256 --fp8 0 ${MOE_FP8_SWEEP:-} \
+      step moe_decode_fp8_row 150 python3 bench/moe_decode.py --tokens 1 4 64 256 --fp8 0 \
         --out "$OUT/moe_decode_fp8_row.json"
       step moe_decode_fp8_128 150 python3 bench/moe_decode.py --tokens 1 4 64 256 --fp8 128 \
         --out "$OUT/moe_decode_fp8_128.json"

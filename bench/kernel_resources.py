@@ -372,12 +372,16 @@ def _moe_launches(cfg: dict, hidden: int) -> list[tuple[str, Callable[[], object
         ids = _ids(tokens, top_k, dtype=torch.int32)
         return fused.fused_experts(_gpu(tokens, hidden), w13, w2, _ids(tokens, top_k, dtype=BF16), ids)
 
-    def down_in_a_loop() -> object:
+    def in_a_loop(call: Callable[[], object]) -> object:
+        # the per-row down kernel's loop over choices (not its at-once variant)
         before, fused.PER_ROW_DOWN_AT_ONCE = fused.PER_ROW_DOWN_AT_ONCE, None
         try:
-            return experts_of(1)
+            return call()
         finally:
             fused.PER_ROW_DOWN_AT_ONCE = before
+
+    def down_in_a_loop() -> object:
+        return in_a_loop(lambda: experts_of(1))
 
     def fp8_experts_of(tokens: int, group: int, loop: bool = False) -> object:
         # e4m3 experts: a scale a row (group 0, quantization at load) or 128 columns' (block-scaled checkpoints)
@@ -389,14 +393,9 @@ def _moe_launches(cfg: dict, hidden: int) -> list[tuple[str, Callable[[], object
             group,
         )
         q13, q2 = _gpu(experts, 2 * inter, hidden, dtype=FP8), _gpu(experts, hidden, inter, dtype=FP8)
-        before = fused.PER_ROW_DOWN_AT_ONCE
-        if loop:
-            fused.PER_ROW_DOWN_AT_ONCE = None
-        try:
-            x, logits = _gpu(tokens, hidden), _gpu(tokens, experts)
-            return fused.fused_moe(x, logits, q13, q2, top_k, cfg["norm_topk_prob"], scales=scales)
-        finally:
-            fused.PER_ROW_DOWN_AT_ONCE = before
+        x, logits = _gpu(tokens, hidden), _gpu(tokens, experts)
+        call = lambda: fused.fused_moe(x, logits, q13, q2, top_k, cfg["norm_topk_prob"], scales=scales)  # noqa: E731
+        return in_a_loop(call) if loop else call()
 
     fp8_counts = [t for t in fused.warm_token_counts(experts, top_k) if t * top_k <= fused.ALIGN_KERNEL_MAX_ROWS]
     return (

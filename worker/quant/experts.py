@@ -1,10 +1,10 @@
 """A mixture of experts' FP8 weights (Qwen3-MoE's FP8 releases, compressed-tensors' FP8-dynamic ones, or
 `quantization="fp8"`). Where the fused expert kernels run (worker/layers/moe/fused.py) the experts stay
 e4m3, each row's scales laid out for its rank's slice (ExpertScales): a checkpoint's e4m3 weights load
-into e4m3 parameters, and an unquantized checkpoint's experts are quantized once loaded, a scale an output
-row. Elsewhere (the torch loop), or where a checkpoint's blocks do not fit the kernels' groups, a
-checkpoint's experts are dequantized to the model's dtype once loaded. The other linears stay FP8
-(worker/quant/prepare.py)."""
+into e4m3 parameters, and an unquantized checkpoint's experts are quantized as each tensor is read (random
+weights once drawn), a scale an output row. Elsewhere (the torch loop), or where a checkpoint's blocks do
+not fit the kernels' groups, a checkpoint's experts are dequantized to the model's dtype once loaded. The
+other linears stay FP8 (worker/quant/prepare.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 
 from worker.checkpoint_error import CheckpointError
 from worker.layers.moe.weights import ExpertDown, ExpertGateUp, Experts
-from worker.quant.fp8 import FP8, FP8_MAX, check_fp8
+from worker.quant.fp8 import FP8, check_fp8, quantize_per_channel
 from worker.quant.scheme import Fp8Scheme, QuantizationError
 
 
@@ -162,14 +162,16 @@ def _load_quantizing(module: nn.Module, dtype: torch.dtype, param, full, shard_i
     expert, part = shard_id
     offset, device = module.tp.rank * module.local, param.device
     if isinstance(module, ExpertGateUp):  # the rank's rows, each whole
-        rows = full.narrow(0, offset, module.local).to(device=device, dtype=dtype).float()
-        amax, first = rows.abs().amax(dim=1), part * module.local
+        q, scale = quantize_per_channel(full.narrow(0, offset, module.local).to(device=device, dtype=dtype))
+        first = part * module.local
     else:  # every column, for each row's largest magnitude; the rank keeps its columns
-        whole = full[:].to(device=device, dtype=dtype).float()
-        amax, rows, first = whole.abs().amax(dim=1), whole.narrow(1, offset, module.local), 0
-    scale = (amax / FP8_MAX).clamp(min=1e-12)
-    span = slice(first, first + rows.shape[0])
-    param.data[expert, span] = (rows / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        whole = full[:].to(device=device, dtype=dtype)
+        q, scale = quantize_per_channel(
+            whole.narrow(1, offset, module.local), lambda _: whole.float().abs().amax(dim=1)
+        )
+        first = 0
+    span = slice(first, first + q.shape[0])
+    param.data[expert, span] = q
     module.fp8_scales[expert, span, 0] = scale
 
 
@@ -194,17 +196,18 @@ def quantize_experts(model: nn.Module, scheme: Fp8Scheme) -> int:
 
 
 def _quantize_rows(module: nn.Module) -> None:
-    """One stacked projection to e4m3 at one scale an output row (quantize_experts)."""
+    """One stacked projection to e4m3 at one scale an output row (quantize_experts), an expert at a time."""
     w = module.weight.data
-    amax = torch.stack([w[e].abs().amax(dim=1).float() for e in range(w.shape[0])])  # [E, rows]
+    whole_rows = None  # down's rows at tp > 1: each whole row's largest magnitude, from every rank's columns
     if isinstance(module, ExpertDown) and module.tp.size > 1:
-        amax = module.tp.comm.max_over_ranks(amax)
-    scale = (amax / FP8_MAX).clamp(min=1e-12)
+        whole_rows = module.tp.comm.max_over_ranks(torch.stack([w[e].abs().amax(dim=1).float() for e in range(len(w))]))
     q = torch.empty_like(w, dtype=FP8)
-    for e in range(w.shape[0]):  # float32 copies of one expert's weight at most
-        q[e] = (w[e].float() / scale[e, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    scales = torch.empty(w.shape[0], w.shape[1], 1, dtype=torch.float32, device=w.device)
+    for e in range(w.shape[0]):
+        row_max = None if whole_rows is None else (lambda _, m=whole_rows[e]: m)
+        q[e], scales[e, :, 0] = quantize_per_channel(w[e], row_max)
     module.weight = nn.Parameter(q, requires_grad=False)
-    module.fp8_scales = scale[:, :, None].contiguous()
+    module.fp8_scales = scales
     module.fp8_group = 0
 
 

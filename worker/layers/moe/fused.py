@@ -379,7 +379,7 @@ def fused_experts(
     order = align_by_expert(ids, num_experts, _block_m(rows, num_experts))
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights = weights.flatten().contiguous()
-    key = (order.block_m, x.dtype, x.device, _groups(scales, x.shape[1], w2.shape[2]) if scales else None)
+    key = (order.block_m, x.dtype, x.device, scales and (scales.gate_up_group, scales.down_group))
     if key not in _FELL_BACK:
         try:
             return _grouped_gemms(x, w13, w2, weights, order, top_k, GROUPED_TILES[order.block_m], scales)

@@ -418,11 +418,8 @@ def moe_row_down_kernel(
                 hv = tl.load(h_ptr + r * stride_h + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
                 b = tl.load(b_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
                 if SCALED:  # each row's scale (its one, or this tile's group's) weighs its products here
-                    s = (
-                        tl.zeros((BLOCK_N,), dtype=tl.float32) + route_w
-                    )  # a vector: the helpers return their input's shape
-                    s = _group_scaled(s, s_ptrs, k0, n_ok, SCALED, GROUP_K)
-                    s = _row_scaled(s, s_ptrs, n_ok, SCALED, GROUP_K)
+                    s = tl.zeros((BLOCK_N,), dtype=tl.float32) + route_w  # a vector, as the helpers return
+                    s = _row_scaled(_group_scaled(s, s_ptrs, k0, n_ok, SCALED, GROUP_K), s_ptrs, n_ok, SCALED, GROUP_K)
                     acc2 += b * hv[None, :] * s[:, None]
                 else:
                     acc2 += b * (hv * route_w)[None, :]
