@@ -49,6 +49,9 @@
 #                  a scale a row and each 128 columns
 #   moe_fp8_chunk  the experts at a prompt chunk and at decode batches (8,192, 256 and 64 tokens): bf16, e4m3 with
 #                  a scale a row and with one each 128 columns (bench/moe_decode.py)
+#   moe_w8a8       the FP8 experts at prompt chunks (8,192, 2,048 and 1,024 tokens), a scale a row and each 128
+#                  columns: activations quantized to e4m3 (the default there) against widened weights, bf16 beside;
+#                  then the w8a8 tiles swept at 8,192 (bench/moe_decode.py --w8a8, --grouped-sweep)
 #   moe_fp8_ranks  the FP8 experts at a tensor-parallel rank's width (bench/moe_decode.py --inter): 192 (tp 4) with
 #                  scale groups of 128 (ranks 0, 2) and 64 (ranks 1, 3), 96 (tp 8) with 64 and 32, at 1, 4, 64, 256
 #   moe_fp8_a      (a) on Qwen3-30B-A3B's architecture with --quantization fp8 and in bf16
@@ -303,6 +306,18 @@ for suite in "$@"; do
         flag=(); [ "$group" != bf16 ] && flag=(--fp8 "$group")
         step "moe_fp8_chunk_$group" 120 python3 bench/moe_decode.py --tokens 8192 256 64 "${flag[@]}" \
           --out "$OUT/moe_fp8_chunk_$group.json"
+      done ;;
+    moe_w8a8)
+      step moe_w8a8_bf16 120 python3 bench/moe_decode.py --tokens 8192 2048 1024 --out "$OUT/moe_w8a8_bf16.json"
+      for group in 0 128; do
+        for mode in auto off; do
+          step "moe_w8a8_${group}_$mode" 120 python3 bench/moe_decode.py --tokens 8192 2048 1024 --fp8 "$group" \
+            --w8a8 "$mode" --out "$OUT/moe_w8a8_${group}_$mode.json"
+        done
+      done
+      for group in 0 128; do
+        step "moe_w8a8_sweep_$group" 240 python3 bench/moe_decode.py --tokens 8192 --fp8 "$group" --grouped-sweep \
+          --out "$OUT/moe_w8a8_sweep_$group.json"
       done ;;
     moe_fp8_ranks)
       for shape in 192:128 192:64 96:64 96:32; do

@@ -394,10 +394,13 @@ def _moe_launches(cfg: dict, hidden: int) -> list[tuple[str, Callable[[], object
         )
         q13, q2 = _gpu(experts, 2 * inter, hidden, dtype=FP8), _gpu(experts, hidden, inter, dtype=FP8)
         x, logits = _gpu(tokens, hidden), _gpu(tokens, experts)
+        if tokens * top_k > fused.ALIGN_KERNEL_MAX_ROWS:  # sorted by torch ops: the ids given, as in experts_of
+            ids = _ids(tokens, top_k, dtype=torch.int32)
+            return fused.fused_experts(x, q13, q2, _ids(tokens, top_k, dtype=BF16), ids, scales=scales)
         call = lambda: fused.fused_moe(x, logits, q13, q2, top_k, cfg["norm_topk_prob"], scales=scales)  # noqa: E731
         return in_a_loop(call) if loop else call()
 
-    fp8_counts = [t for t in fused.warm_token_counts(experts, top_k) if t * top_k <= fused.ALIGN_KERNEL_MAX_ROWS]
+    fp8_counts = fused.warm_token_counts(experts, top_k)
     return (
         [
             (f"MoE experts, {tokens} tokens", lambda t=tokens: experts_of(t))

@@ -9,9 +9,11 @@ kernels also with programmatic dependent launch (`per_row_pdl_us`, on compute ca
 GROUP the experts are e4m3, a scale for every GROUP columns of a row (0: one a row, as quantization at
 load makes them; 128: a block-scaled checkpoint's), and the errors are against the weights they stand for.
 --inter sets the experts' width: a tensor-parallel rank's slice (192 at tp 4: its down groups of 128 on
-ranks 0 and 2, of 64 on ranks 1 and 3).
+ranks 0 and 2, of 64 on ranks 1 and 3). --w8a8 picks where the grouped GEMMs over e4m3 experts quantize
+their activations too (fused.W8A8_MIN_BLOCK_M); `grouped_max_rel_err` is the error that costs.
 
-    python bench/moe_decode.py [--tokens 1 2 4 256 8192] [--sweep] [--grouped-sweep] [--fp8 0] [--out r.json]"""
+    python bench/moe_decode.py [--tokens 1 2 4 256 8192] [--sweep] [--grouped-sweep] [--fp8 0] [--w8a8 off]
+        [--out r.json]"""
 
 from __future__ import annotations
 
@@ -50,6 +52,11 @@ GROUPED_DECODE = [(16, n, k, 4, s) for n, k, s in itertools.product((32, 64, 128
     (32, n, 128, 4, s) for n, s in itertools.product((64, 128), (2, 3))
 ]
 GROUPED_PREFILL = [(m, n, k, w, 3) for m, n, k, w in itertools.product((64, 128), (64, 128), (64, 128), (4, 8))]
+# the same over e4m3 activations and weights (--w8a8): K steps of 128 (64 twice), wider tiles, deeper pipelines
+GROUPED_W8A8 = [(m, n, 128, w, s) for m, n, w, s in itertools.product((64, 128), (128, 256), (4, 8), (3, 4))] + [
+    (64, 128, 64, 4, 3),
+    (128, 128, 64, 8, 3),
+]
 
 
 def _name(part: str, tile: tuple[int, int, int]) -> str:
@@ -65,8 +72,16 @@ def main() -> None:
     parser.add_argument(
         "--inter", type=int, default=INTER, help="the experts' width, a rank's slice (768 / tp_size at tp > 1)"
     )
+    parser.add_argument(
+        "--w8a8",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="with --fp8, the grouped GEMMs' activations quantized to e4m3: at a prompt chunk's blocks (auto), at "
+        "every block height, or never (the weights widened to bf16)",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
+    fused.W8A8_MIN_BLOCK_M = {"auto": fused.W8A8_MIN_BLOCK_M, "on": 0, "off": 1 << 30}[args.w8a8]
     inter = args.inter
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13s = [
@@ -112,6 +127,18 @@ def main() -> None:
             "grouped_block_m": fused._block_m(tokens * TOP_K, EXPERTS),
         }
         row["grouped_tb_s"] = nbytes / row["grouped_us"] / 1e6
+        routing = fused.route(logits[0], TOP_K, True)
+        row["w8a8"] = fused.w8a8_applies(scales[0], row["grouped_block_m"], x, inter)
+        if scales[0] is not None:  # the error against the weights the e4m3 ones stand for, over exact activations
+            got = fused.fused_experts(x, w13s[0], w2s[0], *routing, per_row=False, scales=scales[0]).float()
+            want = torch_experts(
+                x.float(),
+                _weights(w13s[0], scales[0], 0),
+                _weights(w2s[0], scales[0], 1),
+                routing[0].float(),
+                routing[1],
+            )
+            row["grouped_max_rel_err"] = ((got - want).abs().max() / want.abs().max()).item()
         row["tflop_s"] = tokens * TOP_K * 3 * inter * HIDDEN * 2 / row["grouped_us"] / 1e6
         ids = fused.route(logits[0], TOP_K, True)[1]
         row["sort_us"] = time_graph(lambda: fused.align_by_expert(ids, EXPERTS, row["grouped_block_m"]))
@@ -120,7 +147,7 @@ def main() -> None:
         )
         if not fused.per_row_applies(tokens * TOP_K, EXPERTS):
             if args.grouped_sweep:
-                row.update(_grouped_sweep(grouped, tokens))
+                row.update(_grouped_sweep(grouped, tokens, row["w8a8"]))
             results.append(row)
             print(json.dumps(row))
             continue
@@ -196,20 +223,21 @@ def _weights(w: torch.Tensor, scales: ExpertScales | None, which: int) -> torch.
     return w.float() * s.repeat_interleave(group or cols, dim=-1)[..., :cols]
 
 
-def _grouped_sweep(grouped, tokens: int) -> dict:
-    """Each GROUPED tile in place of the default's (fused._block_m and GROUPED_TILES patched)."""
-    block_m, tiles = fused._block_m, dict(fused.GROUPED_TILES)
+def _grouped_sweep(grouped, tokens: int, w8a8: bool) -> dict:
+    """Each GROUPED tile in place of the default's (fused._block_m and the tile tables patched)."""
+    block_m, tiles, tiles_w8a8 = fused._block_m, dict(fused.GROUPED_TILES), dict(fused.GROUPED_TILES_W8A8)
     sweep = {}
+    prefill = GROUPED_W8A8 if w8a8 else GROUPED_PREFILL
     try:
-        for m, n, k, w, st in GROUPED_DECODE if tokens * TOP_K <= 32 * EXPERTS else GROUPED_PREFILL:
+        for m, n, k, w, st in GROUPED_DECODE if tokens * TOP_K <= 32 * EXPERTS else prefill:
             fused._block_m = lambda rows, experts, m=m: m
-            fused.GROUPED_TILES = {m: (n, k, w, st)}
+            fused.GROUPED_TILES = fused.GROUPED_TILES_W8A8 = {m: (n, k, w, st)}
             try:
                 sweep[f"{m}x{n}x{k}w{w}s{st}"] = time_graph(grouped) / LAYERS
             except Exception as e:  # noqa: BLE001 - a tile past the GPU's shared memory or registers
                 print(f"  {m}x{n}x{k}w{w}s{st}: {type(e).__name__}", file=sys.stderr)
     finally:
-        fused._block_m, fused.GROUPED_TILES = block_m, tiles
+        fused._block_m, fused.GROUPED_TILES, fused.GROUPED_TILES_W8A8 = block_m, tiles, tiles_w8a8
     best = min(sweep, key=sweep.get)
     return {"grouped_sweep_us": sweep, "grouped_best": best, "grouped_best_us": sweep[best]}
 

@@ -233,6 +233,70 @@ def test_fp8_expert_kernels_equal_the_torch_loop_over_the_dequantized_weights(
     torch.testing.assert_close(got, torch_experts(x, w13, w2, weights, ids))
 
 
+def _dequantized(q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    cols = q.shape[-1]
+    return q.float() * scales.repeat_interleave(group or cols, dim=-1)[..., :cols]
+
+
+def _w8a8_reference(x, w13, w2, weights, ids, group13, group2):
+    """torch_experts with each GEMM's input rounded as the w8a8 GEMMs round it: x per token (and per scale
+    group), each (token, choice) row of silu(gate) * up likewise before down."""
+    from worker.quant.gemm import quantize_activations_torch
+
+    x = _dequantized(*quantize_activations_torch(x, group13 or x.shape[1]), group13)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = ids[t, k]
+            gate, up = (x[t : t + 1] @ w13[e].T).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+            h = _dequantized(*quantize_activations_torch(h, group2 or h.shape[1]), group2)
+            out[t] += weights[t, k] * (h @ w2[e].T)[0]
+    return out
+
+
+@pytest.mark.parametrize("group", [0, 32])
+@pytest.mark.parametrize("tokens,num_experts,top_k,hidden,inter", [(24, 4, 2, 64, 96), (9, 2, 2, 96, 64)])
+def test_w8a8_grouped_gemms_equal_the_torch_loop_over_quantized_activations(
+    tokens, num_experts, top_k, hidden, inter, group
+):
+    """The grouped GEMMs with their activations quantized to e4m3 (a prompt chunk's path on the GPU): x per
+    token and h per (token, choice) row, per scale group where the weights' scales are grouped (the last
+    group partial where 32 does not divide the width), multiplied e4m3 by e4m3: the torch loop over the
+    dequantized weights and the activations rounded alike, within float32's rounding."""
+    pytest.importorskip("triton")
+    from worker.layers.moe import fused
+
+    g = torch.Generator().manual_seed(tokens + hidden + group)
+    x = torch.randn(tokens, hidden, generator=g)
+    q13, s13, w13 = _grouped_fp8(torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden**-0.5, group)
+    q2, s2, w2 = _grouped_fp8(torch.randn(num_experts, hidden, inter, generator=g) * inter**-0.5, group)
+    weights, ids = select_experts(torch.randn(tokens, num_experts, generator=g), top_k, renormalize=True)
+    scales = ExpertScales(s13, s2, group, group)
+    got = fused.fused_experts(x, q13, q2, weights, ids, per_row=False, scales=scales, w8a8=True)
+    want = _w8a8_reference(x, w13, w2, weights, ids, group, group)
+    torch.testing.assert_close(got, want)
+    # the activations' rounding is what separates it from the exact product, by FP8's step (2^-3 relative)
+    exact = torch_experts(x, w13, w2, weights, ids)
+    assert 0 < (got - exact).abs().max() <= 0.1 * exact.abs().max()
+
+
+def test_w8a8_applies_to_a_prompt_chunks_blocks_of_fp8_experts_on_a_gpu_with_fp8_tensor_cores(monkeypatch):
+    from worker.layers.moe import fused
+
+    scales = ExpertScales(torch.ones(2, 4, 1), torch.ones(2, 4, 1), 0, 0)
+    x = torch.zeros(4, 64)
+    assert not fused.w8a8_applies(scales, 128, x, 64)  # not on the CPU: the torch loop is the reference there
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fused.w8a8_applies(scales, fused.W8A8_MIN_BLOCK_M, x, 64)
+    assert not fused.w8a8_applies(scales, fused.W8A8_MIN_BLOCK_M // 2, x, 64)  # a decode batch's blocks
+    assert not fused.w8a8_applies(None, 128, x, 64)  # bf16 experts
+    assert not fused.w8a8_applies(ExpertScales(scales.gate_up, scales.down, 0, 16), 128, x, 64)  # K steps of 16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not fused.w8a8_applies(scales, 128, x, 64)  # no FP8 tensor cores
+
+
 def test_fp8_per_row_kernels_route_as_the_torch_loop_does():
     """fused_moe at a few tokens, routing inside the per-row kernels, over FP8 experts."""
     pytest.importorskip("triton")

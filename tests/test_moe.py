@@ -487,7 +487,8 @@ def test_grouped_tiles_too_large_for_the_gpu_fall_back_to_smaller_ones(monkeypat
     for _ in range(2):
         fused.fused_experts(x, w13, w2, torch.ones(3, 2), ids, per_row=False)
     assert launched == [("moe_gate_up_kernel", 32, 64), ("moe_down_kernel", 32, 64)] * 2
-    assert fused._FELL_BACK == {(16, torch.float32, x.device, None)}  # None: bf16 experts, no FP8 scale groups
+    # None: bf16 experts, no FP8 scale groups; False: activations not quantized
+    assert fused._FELL_BACK == {(16, torch.float32, x.device, None, False)}
 
     def broken(*args, **kwargs):
         raise RuntimeError("not a matter of size")

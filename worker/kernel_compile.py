@@ -134,11 +134,15 @@ def compile_only(arch: int = 90) -> Iterator[Compiled]:
     before = driver._active  # reset_active() would build the default driver, which fails without a GPU
     driver.set_active(_CompileOnlyDriver(arch))
     JITFunction.run = compile_instead
+    # a launcher that picks its path by the GPU's compute capability picks what it picks on sm_`arch`
+    capability = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda device=None: divmod(arch, 10)
     try:
         yield compiled
     finally:
         JITFunction.run = launch
         driver.set_active(before)
+        torch.cuda.get_device_capability = capability
 
 
 def _resource_usage(cubin: bytes, triton) -> tuple[int, int]:

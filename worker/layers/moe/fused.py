@@ -15,6 +15,7 @@ import torch
 from worker import triton_ops
 from worker.kernels import Kernels
 from worker.layers.moe.weights import ExpertScales
+from worker.quant.gemm import quantize_activations
 
 log = logging.getLogger(__name__)
 
@@ -322,6 +323,17 @@ def _block_m(rows: int, num_experts: int) -> int:
 # 768 and 2,048 tokens) take the best tile of 64 rows at 8,192, unmeasured where they apply
 GROUPED_TILES = {16: (64, 128, 4, 3), 32: (64, 128, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
 
+# Blocks at least this tall (a prompt chunk's: past 768 tokens at 8 of 128 experts) multiply FP8 experts by
+# activations quantized to e4m3 (per token, or per token and scale group where the weights' scales are
+# grouped), on the FP8 tensor cores. Below it a step reads more weight bytes than it does arithmetic, and the
+# weights widened to the activations' dtype (w8a16) keep the activations exact. On an H100 at 8,192 tokens
+# (Qwen3-30B-A3B's experts, 2026-12-06) w8a16 took 2,389 us a layer with a scale a row and 2,580 with one each
+# 128 columns, against bf16's 1,733
+W8A8_MIN_BLOCK_M = 64
+# the tiles of the w8a8 GEMMs by BLOCK_M, as GROUPED_TILES (an e4m3 operand takes half the shared memory: K
+# steps of 128, as a scale group's)
+GROUPED_TILES_W8A8 = {64: (128, 128, 8, 3), 128: (64, 128, 8, 3)}
+
 
 def warm_token_counts(num_experts: int, top_k: int) -> list[int]:
     """Token counts that between them take every variant of the fused path's kernels (the per-row path,
@@ -362,10 +374,12 @@ def fused_experts(
     ids: torch.Tensor,
     per_row: bool | None = None,
     scales: ExpertScales | None = None,
+    w8a8: bool | None = None,
 ) -> torch.Tensor:
     """What torch_experts computes: in three launches and a sum, or in the per-row path's two (`per_row`;
     by default where per_row_applies). x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights and ids [T, top_k];
-    `scales`: w13 and w2 are e4m3 (ExpertScales)."""
+    `scales`: w13 and w2 are e4m3 (ExpertScales); `w8a8`: the grouped GEMMs quantize their activations to
+    e4m3 too (by default at blocks of W8A8_MIN_BLOCK_M rows or more, on CUDA with FP8 tensor cores)."""
     tokens = x.shape[0]
     num_experts = w13.shape[0]
     top_k = ids.shape[1]
@@ -379,16 +393,30 @@ def fused_experts(
     order = align_by_expert(ids, num_experts, _block_m(rows, num_experts))
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
     weights = weights.flatten().contiguous()
-    key = (order.block_m, x.dtype, x.device, scales and (scales.gate_up_group, scales.down_group))
+    if w8a8 is None:
+        w8a8 = w8a8_applies(scales, order.block_m, x, w2.shape[2])
+    tiles = (GROUPED_TILES_W8A8 if w8a8 and order.block_m in GROUPED_TILES_W8A8 else GROUPED_TILES)[order.block_m]
+    key = (order.block_m, x.dtype, x.device, scales and (scales.gate_up_group, scales.down_group), w8a8)
     if key not in _FELL_BACK:
         try:
-            return _grouped_gemms(x, w13, w2, weights, order, top_k, GROUPED_TILES[order.block_m], scales)
+            return _grouped_gemms(x, w13, w2, weights, order, top_k, tiles, scales, w8a8)
         except Exception as e:
             if type(e).__name__ != "OutOfResources":  # Triton's: the tiles need more than this GPU has
                 raise
             log.warning("MoE tiles %s need more than this GPU has (%s): the smaller ones from now on", key, e)
             _FELL_BACK.add(key)
-    return _grouped_gemms(x, w13, w2, weights, order, top_k, FALLBACK_TILES[order.block_m], scales)
+    return _grouped_gemms(x, w13, w2, weights, order, top_k, FALLBACK_TILES[order.block_m], scales, w8a8)
+
+
+def w8a8_applies(scales: ExpertScales | None, block_m: int, x: torch.Tensor, inter: int) -> bool:
+    """Whether the grouped GEMMs over these experts quantize their activations (fused_experts' `w8a8`): FP8
+    experts at blocks of W8A8_MIN_BLOCK_M rows or more, on a GPU with FP8 tensor cores, where every scale
+    group spans at least the 32 columns an FP8 product steps through K by."""
+    if scales is None or block_m < W8A8_MIN_BLOCK_M or not x.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(x.device) < (8, 9):
+        return False
+    return all(g == 0 or g >= 32 for g in _groups(scales, x.shape[1], inter))
 
 
 # the tiles a block height falls back to where its own need more shared memory or registers than the GPU
@@ -407,8 +435,10 @@ def _grouped_gemms(
     top_k: int,
     tiles: tuple[int, int, int, int],
     scales: ExpertScales | None = None,
+    w8a8: bool = False,
 ) -> torch.Tensor:
-    """The grouped path's two GEMMs over the rows in expert order, and the sum over each token's choices."""
+    """The grouped path's two GEMMs over the rows in expert order, and the sum over each token's choices;
+    `w8a8`: x and h quantized to e4m3 before the GEMM that reads them (fused_experts)."""
     kernels = _kernels()
     rows, hidden, inter = x.shape[0] * top_k, x.shape[1], w2.shape[2]
     ieee = x.dtype == torch.float32
@@ -416,11 +446,12 @@ def _grouped_gemms(
     tile_n, tile_k, warps, stages = tiles
     options = {"num_warps": warps, "num_stages": stages} if x.is_cuda else {}
     group13, group2 = _groups(scales, hidden, inter)
+    x_in, x_scales = quantize_activations(x, group13 or hidden) if w8a8 else (x, x)
 
     h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     block_n, block_k = _fit(tile_n, inter), _capped(_fit(tile_k, hidden), group13)
     kernels.moe_gate_up_kernel[(blocks * triton_ops.triton.cdiv(inter, block_n),)](
-        x,
+        x_in,
         w13,
         h,
         order.sorted_ids,
@@ -434,6 +465,8 @@ def _grouped_gemms(
         w13.stride(1),
         h.stride(0),
         *_scale_args(scales and scales.gate_up, w13),
+        x_scales,
+        x_scales.stride(0),
         TOP_K=top_k,
         BLOCK_M=order.block_m,
         BLOCK_N=block_n,
@@ -441,12 +474,14 @@ def _grouped_gemms(
         IEEE=ieee,
         SCALED=scales is not None,
         GROUP_K=group13,
+        W8A8=w8a8,
         **options,
     )
+    h_in, h_scales = quantize_activations(h, group2 or inter) if w8a8 else (h, h)
     out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     block_n, block_k = _fit(tile_n, hidden), _capped(_fit(tile_k, inter), group2)
     kernels.moe_down_kernel[(blocks * triton_ops.triton.cdiv(hidden, block_n),)](
-        h,
+        h_in,
         w2,
         out,
         weights,
@@ -461,12 +496,15 @@ def _grouped_gemms(
         w2.stride(1),
         out.stride(0),
         *_scale_args(scales and scales.down, w2),
+        h_scales,
+        h_scales.stride(0),
         BLOCK_M=order.block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         IEEE=ieee,
         SCALED=scales is not None,
         GROUP_K=group2,
+        W8A8=w8a8,
         **options,
     )
     return out.view(-1, top_k, hidden).sum(dim=1)

@@ -70,6 +70,31 @@ def _row_scaled(acc, s_ptrs, n_ok, SCALED: tl.constexpr, GROUP_K: tl.constexpr):
     return acc
 
 
+# W8A8 (the grouped GEMMs at a prompt chunk's block heights, fused.W8A8_MIN_BLOCK_M): the activations come
+# quantized to e4m3 too, with float32 scales [rows, KG] of the same groups as the weights' (a row's one scale
+# with GROUP_K 0), and the products run on the FP8 tensor cores at twice bf16's rate, where widening the
+# weights made a compute-bound chunk slower than bf16
+
+
+@triton.jit
+def _w8a8_dot(a, b, acc, as_ptrs, s_ptrs, k0, m_ok, n_ok, GROUP_K: tl.constexpr):
+    # acc + a b over e4m3 tiles. A scale a row each: the product accumulates as it is and _w8a8_scaled
+    # applies both at the end; a group each: each K step (inside one group) weighed by its pair of scales
+    if GROUP_K == 0:
+        return tl.dot(a, b, acc)
+    a_s = tl.load(as_ptrs + k0 // GROUP_K, mask=m_ok, other=0.0)
+    b_s = tl.load(s_ptrs + k0 // GROUP_K, mask=n_ok, other=0.0)
+    return acc + tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+
+
+@triton.jit
+def _w8a8_scaled(acc, as_ptrs, s_ptrs, m_ok, n_ok, GROUP_K: tl.constexpr):
+    if GROUP_K == 0:
+        a_s = tl.load(as_ptrs, mask=m_ok, other=0.0)
+        return acc * a_s[:, None] * tl.load(s_ptrs, mask=n_ok, other=0.0)[None, :]
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_rows"])  # one variant a tile, whatever the row count
 def moe_gate_up_kernel(
     x_ptr,
@@ -88,6 +113,8 @@ def moe_gate_up_kernel(
     s_ptr,
     stride_se,
     stride_sn,
+    as_ptr,
+    stride_as,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -95,9 +122,10 @@ def moe_gate_up_kernel(
     IEEE: tl.constexpr,
     SCALED: tl.constexpr,
     GROUP_K: tl.constexpr,
+    W8A8: tl.constexpr = False,
 ):
     # out[r] = silu(x[t] gate_e^T) * (x[t] up_e^T) for each (token t, choice k) row r = t * TOP_K + k; SCALED:
-    # e4m3 weights times their scales (_scaled_dot)
+    # e4m3 weights times their scales (_scaled_dot); W8A8: x is e4m3 too, its scales as_ptr's [T, KG]
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(inter, BLOCK_N)
     pid_m = pid // tiles_n
@@ -118,6 +146,7 @@ def moe_gate_up_kernel(
     u_ptrs = g_ptrs + inter * stride_wn
     sg_ptrs = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
     su_ptrs = sg_ptrs + inter * stride_sn
+    as_ptrs = as_ptr + tokens * stride_as
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
@@ -125,13 +154,21 @@ def moe_gate_up_kernel(
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = _scaled_dot(a, g, acc_g, sg_ptrs, k * BLOCK_K, n_ok, IEEE, SCALED, GROUP_K)
-        acc_u = _scaled_dot(a, u, acc_u, su_ptrs, k * BLOCK_K, n_ok, IEEE, SCALED, GROUP_K)
+        if W8A8:
+            acc_g = _w8a8_dot(a, g, acc_g, as_ptrs, sg_ptrs, k * BLOCK_K, row_ok, n_ok, GROUP_K)
+            acc_u = _w8a8_dot(a, u, acc_u, as_ptrs, su_ptrs, k * BLOCK_K, row_ok, n_ok, GROUP_K)
+        else:
+            acc_g = _scaled_dot(a, g, acc_g, sg_ptrs, k * BLOCK_K, n_ok, IEEE, SCALED, GROUP_K)
+            acc_u = _scaled_dot(a, u, acc_u, su_ptrs, k * BLOCK_K, n_ok, IEEE, SCALED, GROUP_K)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    acc_g = _row_scaled(acc_g, sg_ptrs, n_ok, SCALED, GROUP_K)
-    acc_u = _row_scaled(acc_u, su_ptrs, n_ok, SCALED, GROUP_K)
+    if W8A8:
+        acc_g = _w8a8_scaled(acc_g, as_ptrs, sg_ptrs, row_ok, n_ok, GROUP_K)
+        acc_u = _w8a8_scaled(acc_u, as_ptrs, su_ptrs, row_ok, n_ok, GROUP_K)
+    else:
+        acc_g = _row_scaled(acc_g, sg_ptrs, n_ok, SCALED, GROUP_K)
+        acc_u = _row_scaled(acc_u, su_ptrs, n_ok, SCALED, GROUP_K)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     out_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -156,14 +193,18 @@ def moe_down_kernel(
     s_ptr,
     stride_se,
     stride_sn,
+    as_ptr,
+    stride_as,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     SCALED: tl.constexpr,
     GROUP_K: tl.constexpr,
+    W8A8: tl.constexpr = False,
 ):
-    # out[r] = weights[r] * (h[r] down_e^T): each row's expert output, already scaled by its routing weight
+    # out[r] = weights[r] * (h[r] down_e^T): each row's expert output, already scaled by its routing weight;
+    # W8A8: h is e4m3, its scales as_ptr's [rows, KG]
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(hidden, BLOCK_N)
     pid_m = pid // tiles_n
@@ -181,15 +222,22 @@ def moe_down_kernel(
     a_ptrs = h_ptr + rows[:, None] * stride_h + offs_k[None, :]
     b_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     s_ptrs = s_ptr + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+    as_ptrs = as_ptr + rows * stride_as
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(inter, BLOCK_K)):
         k_ok = offs_k < inter - k * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = _scaled_dot(a, b, acc, s_ptrs, k * BLOCK_K, n_ok, IEEE, SCALED, GROUP_K)
+        if W8A8:
+            acc = _w8a8_dot(a, b, acc, as_ptrs, s_ptrs, k * BLOCK_K, row_ok, n_ok, GROUP_K)
+        else:
+            acc = _scaled_dot(a, b, acc, s_ptrs, k * BLOCK_K, n_ok, IEEE, SCALED, GROUP_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    acc = _row_scaled(acc, s_ptrs, n_ok, SCALED, GROUP_K)
+    if W8A8:
+        acc = _w8a8_scaled(acc, as_ptrs, s_ptrs, row_ok, n_ok, GROUP_K)
+    else:
+        acc = _row_scaled(acc, s_ptrs, n_ok, SCALED, GROUP_K)
     weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     out_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
