@@ -232,12 +232,19 @@ def _grouped_sweep(grouped, tokens: int, w8a8: bool) -> dict:
         for m, n, k, w, st in GROUPED_DECODE if tokens * TOP_K <= 32 * EXPERTS else prefill:
             fused._block_m = lambda rows, experts, m=m: m
             fused.GROUPED_TILES = fused.GROUPED_TILES_W8A8 = {m: (n, k, w, st)}
+            fused._FELL_BACK.clear()
             try:
-                sweep[f"{m}x{n}x{k}w{w}s{st}"] = time_graph(grouped) / LAYERS
+                us = time_graph(grouped) / LAYERS
             except Exception as e:  # noqa: BLE001 - a tile past the GPU's shared memory or registers
                 print(f"  {m}x{n}x{k}w{w}s{st}: {type(e).__name__}", file=sys.stderr)
+                continue
+            if fused._FELL_BACK:  # it ran the fallback's tiles: past the GPU's shared memory or registers
+                print(f"  {m}x{n}x{k}w{w}s{st}: out of resources", file=sys.stderr)
+                continue
+            sweep[f"{m}x{n}x{k}w{w}s{st}"] = us
     finally:
         fused._block_m, fused.GROUPED_TILES, fused.GROUPED_TILES_W8A8 = block_m, tiles, tiles_w8a8
+        fused._FELL_BACK.clear()
     best = min(sweep, key=sweep.get)
     return {"grouped_sweep_us": sweep, "grouped_best": best, "grouped_best_us": sweep[best]}
 

@@ -281,7 +281,9 @@ def test_w8a8_grouped_gemms_equal_the_torch_loop_over_quantized_activations(
     assert 0 < (got - exact).abs().max() <= 0.1 * exact.abs().max()
 
 
-def test_w8a8_applies_to_a_prompt_chunks_blocks_of_fp8_experts_on_a_gpu_with_fp8_tensor_cores(monkeypatch):
+def test_w8a8_applies_to_a_prompt_chunks_blocks_of_fp8_experts_with_row_scales_on_a_gpu_with_fp8_tensor_cores(
+    monkeypatch,
+):
     from worker.layers.moe import fused
 
     scales = ExpertScales(torch.ones(2, 4, 1), torch.ones(2, 4, 1), 0, 0)
@@ -292,7 +294,9 @@ def test_w8a8_applies_to_a_prompt_chunks_blocks_of_fp8_experts_on_a_gpu_with_fp8
     assert fused.w8a8_applies(scales, fused.W8A8_MIN_BLOCK_M, x, 64)
     assert not fused.w8a8_applies(scales, fused.W8A8_MIN_BLOCK_M // 2, x, 64)  # a decode batch's blocks
     assert not fused.w8a8_applies(None, 128, x, 64)  # bf16 experts
-    assert not fused.w8a8_applies(ExpertScales(scales.gate_up, scales.down, 0, 16), 128, x, 64)  # K steps of 16
+    # scales of groups of columns (a block-scaled checkpoint's): each K step's product weighed apart, slower
+    assert not fused.w8a8_applies(ExpertScales(scales.gate_up, scales.down, 0, 32), 128, x, 64)
+    assert not fused.w8a8_applies(ExpertScales(scales.gate_up, scales.down, 32, 0), 128, x, 64)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert not fused.w8a8_applies(scales, 128, x, 64)  # no FP8 tensor cores
 

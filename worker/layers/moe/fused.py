@@ -323,16 +323,18 @@ def _block_m(rows: int, num_experts: int) -> int:
 # 768 and 2,048 tokens) take the best tile of 64 rows at 8,192, unmeasured where they apply
 GROUPED_TILES = {16: (64, 128, 4, 3), 32: (64, 128, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
 
-# Blocks at least this tall (a prompt chunk's: past 768 tokens at 8 of 128 experts) multiply FP8 experts by
-# activations quantized to e4m3 (per token, or per token and scale group where the weights' scales are
-# grouped), on the FP8 tensor cores. Below it a step reads more weight bytes than it does arithmetic, and the
-# weights widened to the activations' dtype (w8a16) keep the activations exact. On an H100 at 8,192 tokens
-# (Qwen3-30B-A3B's experts, 2026-12-06) w8a16 took 2,389 us a layer with a scale a row and 2,580 with one each
-# 128 columns, against bf16's 1,733
+# Blocks at least this tall (a prompt chunk's: past 768 tokens at 8 of 128 experts) multiply FP8 experts with a
+# scale a row (quantization at load's) by activations quantized to e4m3 per token, on the FP8 tensor cores.
+# Below it a step reads more weight bytes than it does arithmetic, and the weights widened to the
+# activations' dtype (w8a16) keep the activations exact. On an H100 (Qwen3-30B-A3B's experts, 2026-12-06, us a
+# layer, w8a8 / w8a16 / bf16): 1,244 / 2,392 / 1,656 at 8,192 tokens, 500 / 840 / 739 at 2,048, 339 / 510 /
+# 537 at 1,024. Scales of a group of columns each (block-scaled checkpoints) stay w8a16: each K step's
+# product must be weighed apart, outside the tensor cores' accumulation chain, and the best w8a8 tile took
+# 2,503 us at 8,192 tokens against w8a16's 2,587 (1,024 tokens: 569 against 488)
 W8A8_MIN_BLOCK_M = 64
-# the tiles of the w8a8 GEMMs by BLOCK_M, as GROUPED_TILES (an e4m3 operand takes half the shared memory: K
-# steps of 128, as a scale group's)
-GROUPED_TILES_W8A8 = {64: (128, 128, 8, 3), 128: (64, 128, 8, 3)}
+# the tiles of the w8a8 GEMMs by BLOCK_M, as GROUPED_TILES (bench/moe_decode.py --grouped-sweep --fp8 0 at
+# 8,192 tokens on an H100: 1,155 us at blocks of 128 rows, 1,365 at 64)
+GROUPED_TILES_W8A8 = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3)}
 
 
 def warm_token_counts(num_experts: int, top_k: int) -> list[int]:
@@ -410,13 +412,12 @@ def fused_experts(
 
 def w8a8_applies(scales: ExpertScales | None, block_m: int, x: torch.Tensor, inter: int) -> bool:
     """Whether the grouped GEMMs over these experts quantize their activations (fused_experts' `w8a8`): FP8
-    experts at blocks of W8A8_MIN_BLOCK_M rows or more, on a GPU with FP8 tensor cores, where every scale
-    group spans at least the 32 columns an FP8 product steps through K by."""
+    experts with a scale a row at blocks of W8A8_MIN_BLOCK_M rows or more, on a GPU with FP8 tensor cores."""
     if scales is None or block_m < W8A8_MIN_BLOCK_M or not x.is_cuda:
         return False
     if torch.cuda.get_device_capability(x.device) < (8, 9):
         return False
-    return all(g == 0 or g >= 32 for g in _groups(scales, x.shape[1], inter))
+    return _groups(scales, x.shape[1], inter) == (0, 0)
 
 
 # the tiles a block height falls back to where its own need more shared memory or registers than the GPU
