@@ -260,7 +260,7 @@ def _w8a8_reference(x, w13, w2, weights, ids, group13, group2):
 def test_w8a8_grouped_gemms_equal_the_torch_loop_over_quantized_activations(
     tokens, num_experts, top_k, hidden, inter, group
 ):
-    """The grouped GEMMs with their activations quantized to e4m3 (a prompt chunk's path on the GPU): x per
+    """The grouped GEMMs with their activations quantized to e4m3 (their path on the GPU): x per
     token and h per (token, choice) row, per scale group where the weights' scales are grouped (the last
     group partial where 32 does not divide the width), multiplied e4m3 by e4m3: the torch loop over the
     dequantized weights and the activations rounded alike, within float32's rounding."""
@@ -281,7 +281,7 @@ def test_w8a8_grouped_gemms_equal_the_torch_loop_over_quantized_activations(
     assert 0 < (got - exact).abs().max() <= 0.1 * exact.abs().max()
 
 
-def test_w8a8_applies_to_a_prompt_chunks_blocks_of_fp8_experts_with_row_scales_on_a_gpu_with_fp8_tensor_cores(
+def test_w8a8_applies_to_the_grouped_gemms_over_fp8_experts_with_row_scales_on_a_gpu_with_fp8_tensor_cores(
     monkeypatch,
 ):
     from worker.layers.moe import fused
@@ -291,8 +291,8 @@ def test_w8a8_applies_to_a_prompt_chunks_blocks_of_fp8_experts_with_row_scales_o
     assert not fused.w8a8_applies(scales, 128, x, 64)  # not on the CPU: the torch loop is the reference there
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert fused.w8a8_applies(scales, fused.W8A8_MIN_BLOCK_M, x, 64)
-    assert not fused.w8a8_applies(scales, fused.W8A8_MIN_BLOCK_M // 2, x, 64)  # a decode batch's blocks
+    for _, height in fused.BLOCK_HEIGHTS:  # a decode batch's blocks and a prompt chunk's
+        assert fused.w8a8_applies(scales, height, x, 64)
     assert not fused.w8a8_applies(None, 128, x, 64)  # bf16 experts
     # scales of groups of columns (a block-scaled checkpoint's): each K step's product weighed apart, slower
     assert not fused.w8a8_applies(ExpertScales(scales.gate_up, scales.down, 0, 32), 128, x, 64)

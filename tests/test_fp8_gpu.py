@@ -412,7 +412,8 @@ def test_fp8_expert_kernels_agree_with_the_torch_loop_over_their_weights(tokens,
     """The fused paths over e4m3 experts at Qwen3-30B-A3B's shapes (the per-row kernels, their down
     kernel's loop over choices too, and the grouped GEMMs), a scale a row or a scale for each 128 columns:
     against the torch loop in float32 over the weights they stand for, within bf16's tolerance of the MoE
-    kernels' bf16 test (2% of the largest output); and one launch captured in a CUDA graph replays."""
+    kernels' bf16 test (2% of the largest output; FP8's 8% where the grouped GEMMs quantize their
+    activations); and one launch captured in a CUDA graph replays."""
     from worker.layers.moe import fused
     from worker.layers.moe.routing import select_experts
     from worker.layers.moe.torch_experts import torch_experts
@@ -431,7 +432,10 @@ def test_fp8_expert_kernels_agree_with_the_torch_loop_over_their_weights(tokens,
     scales = ExpertScales(s13, s2, group, group)
     want = torch_experts(x.float(), w13, w2, *select_experts(logits.float(), k, True))
     got = fused.fused_moe(x, logits, q13, q2, k, True, scales=scales)
-    assert (got.float() - want).abs().max() <= 0.02 * want.abs().max()
+    # the grouped GEMMs over a scale a row quantize their activations (the test below): FP8's tolerance there
+    grouped = not fused.per_row_applies(tokens * k, e)
+    bound = 0.08 if grouped and fused.w8a8_applies(scales, fused._block_m(tokens * k, e), x, i) else 0.02
+    assert (got.float() - want).abs().max() <= bound * want.abs().max()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused.fused_moe(x, logits, q13, q2, k, True, scales=scales)
@@ -440,10 +444,11 @@ def test_fp8_expert_kernels_agree_with_the_torch_loop_over_their_weights(tokens,
     torch.testing.assert_close(out, fused.fused_moe(x, logits, q13, q2, k, True, scales=scales), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("tokens", [1024, 2048])
-def test_a_prompt_chunks_fp8_experts_multiply_e4m3_activations_as_the_torch_loop_over_them(tokens):
-    """At a prompt chunk's block heights the grouped GEMMs over e4m3 experts with a scale a row quantize their
-    activations (x per token, silu(gate) * up per row) and multiply on the FP8 tensor cores: against the torch
+@pytest.mark.parametrize("tokens", [64, 256, 1024, 2048])
+def test_the_grouped_gemms_fp8_experts_multiply_e4m3_activations_as_the_torch_loop_over_them(tokens):
+    """At a decode batch's and a prompt chunk's block heights the grouped GEMMs over e4m3 experts with a scale
+    a row quantize their activations (x per token, silu(gate) * up per row) and multiply on the FP8 tensor
+    cores: against the torch
     loop in float32 over the same rounded activations within 4% of the largest output (bf16's 2%, and the
     elements of h that round to the next e4m3 value on one side only), and within FP8's 8% of the exact
     activations' output; a CUDA graph replays it."""

@@ -323,15 +323,17 @@ def _block_m(rows: int, num_experts: int) -> int:
 # 768 and 2,048 tokens) take the best tile of 64 rows at 8,192, unmeasured where they apply
 GROUPED_TILES = {16: (64, 128, 4, 3), 32: (64, 128, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
 
-# Blocks at least this tall (a prompt chunk's: past 768 tokens at 8 of 128 experts) multiply FP8 experts with a
-# scale a row (quantization at load's) by activations quantized to e4m3 per token, on the FP8 tensor cores.
-# Below it a step reads more weight bytes than it does arithmetic, and the weights widened to the
-# activations' dtype (w8a16) keep the activations exact. On an H100 (Qwen3-30B-A3B's experts, 2026-12-06, us a
-# layer, w8a8 / w8a16 / bf16): 1,244 / 2,392 / 1,656 at 8,192 tokens, 500 / 840 / 739 at 2,048, 339 / 510 /
-# 537 at 1,024. Scales of a group of columns each (block-scaled checkpoints) stay w8a16: each K step's
+# The grouped GEMMs over FP8 experts with a scale a row (quantization at load's) quantize their activations
+# to e4m3 per token and multiply on the FP8 tensor cores, at blocks of at least this many rows: every block
+# height, as the dense FP8 layers quantize theirs past one row. Widening the weights to bf16 in the K loop
+# (w8a16, exact activations) made a compute-bound prompt chunk slower than bf16 and a decode batch slower
+# than its bytes. On an H100 (Qwen3-30B-A3B's experts, 2026-12-06, us a layer, w8a8 / w8a16 / bf16): 1,244 /
+# 2,392 / 1,656 at 8,192 tokens, 500 / 840 / 739 at 2,048, 339 / 510 / 537 at 1,024; 284 / 406 at 512, 249 /
+# 286 / 429 at 256, 226 / 232 / 401 at 64. The per-row kernels (up to a quarter as many rows as experts) keep
+# bf16 activations. Scales of a group of columns each (block-scaled checkpoints) stay w8a16: each K step's
 # product must be weighed apart, outside the tensor cores' accumulation chain, and the best w8a8 tile took
 # 2,503 us at 8,192 tokens against w8a16's 2,587 (1,024 tokens: 569 against 488)
-W8A8_MIN_BLOCK_M = 64
+W8A8_MIN_BLOCK_M = 16
 # the tiles of the w8a8 GEMMs by BLOCK_M, as GROUPED_TILES (bench/moe_decode.py --grouped-sweep --fp8 0 at
 # 8,192 tokens on an H100: 1,155 us at blocks of 128 rows, 1,365 at 64)
 GROUPED_TILES_W8A8 = {64: (128, 128, 8, 3), 128: (128, 128, 8, 3)}
@@ -381,7 +383,7 @@ def fused_experts(
     """What torch_experts computes: in three launches and a sum, or in the per-row path's two (`per_row`;
     by default where per_row_applies). x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; weights and ids [T, top_k];
     `scales`: w13 and w2 are e4m3 (ExpertScales); `w8a8`: the grouped GEMMs quantize their activations to
-    e4m3 too (by default at blocks of W8A8_MIN_BLOCK_M rows or more, on CUDA with FP8 tensor cores)."""
+    e4m3 too (by default where w8a8_applies)."""
     tokens = x.shape[0]
     num_experts = w13.shape[0]
     top_k = ids.shape[1]
@@ -412,7 +414,7 @@ def fused_experts(
 
 def w8a8_applies(scales: ExpertScales | None, block_m: int, x: torch.Tensor, inter: int) -> bool:
     """Whether the grouped GEMMs over these experts quantize their activations (fused_experts' `w8a8`): FP8
-    experts with a scale a row at blocks of W8A8_MIN_BLOCK_M rows or more, on a GPU with FP8 tensor cores."""
+    experts with a scale a row, at blocks of W8A8_MIN_BLOCK_M rows or more, on a GPU with FP8 tensor cores."""
     if scales is None or block_m < W8A8_MIN_BLOCK_M or not x.is_cuda:
         return False
     if torch.cuda.get_device_capability(x.device) < (8, 9):
