@@ -479,6 +479,8 @@ def test_the_grouped_gemms_fp8_experts_multiply_e4m3_activations_as_the_torch_lo
     xr = rounded(x)
     for expert in range(e):
         token, choice = (ids == expert).nonzero(as_tuple=True)
+        if not len(token):  # chosen by no token (a few at 64 tokens)
+            continue
         gate, up = (xr[token] @ w13[expert].T).chunk(2, dim=-1)
         hr = rounded((torch.nn.functional.silu(gate) * up).to(torch.bfloat16))
         want.index_add_(0, token, (hr @ w2[expert].T) * weights[token, choice, None])

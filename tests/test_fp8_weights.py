@@ -439,3 +439,19 @@ def test_the_real_model_quantized_at_load_answers_its_factual_questions(smollm2_
         outs = llm.generate([chat_ids(tokenizer, q) for q in QUESTIONS], greedy(12))
     for (question, word), out in zip(QUESTIONS.items(), outs):
         assert word in tokenizer.decode(out.token_ids), question
+
+
+@pytest.mark.parametrize("rows", [0, 3])
+def test_activations_quantize_per_token_and_group_for_any_row_count(rows):
+    """quantize_activations (the CPU's path, torch) over rows of 40 columns in groups of 16 (the last partial):
+    e4m3 values that times their group's scale give back the row within e4m3's step, each group's largest
+    magnitude at 448; no rows give empty tensors of those shapes."""
+    from worker.quant.gemm import quantize_activations
+
+    x = torch.randn(rows, 40, generator=torch.Generator().manual_seed(1))
+    xq, xs = quantize_activations(x, 16)
+    assert xq.shape == (rows, 40) and xq.dtype == torch.float8_e4m3fn and xs.shape == (rows, 3)
+    back = xq.float() * xs.repeat_interleave(16, dim=1)[:, :40]
+    torch.testing.assert_close(back, x, rtol=2**-3, atol=0)
+    if rows:
+        assert xq.float().abs().view(rows, -1)[:, :32].view(rows, 2, 16).amax(dim=2).eq(448).all()

@@ -133,7 +133,7 @@ def quantize_activations_torch(x: torch.Tensor, group: int) -> tuple[torch.Tenso
     groups = -(-k // group)
     padded = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
     xs = (padded.abs().amax(dim=2) / 448.0).clamp(min=1e-12)
-    xq = (padded / xs[:, :, None]).clamp(-448.0, 448.0).to(FP8).view(m, -1)[:, :k]
+    xq = (padded / xs[:, :, None]).clamp(-448.0, 448.0).to(FP8).view(m, groups * group)[:, :k]
     return xq.contiguous(), xs
 
 
