@@ -383,7 +383,7 @@ def _moe_launches(cfg: dict, hidden: int) -> list[tuple[str, Callable[[], object
     def down_in_a_loop() -> object:
         return in_a_loop(lambda: experts_of(1))
 
-    def fp8_experts_of(tokens: int, group: int, loop: bool = False) -> object:
+    def fp8_experts_of(tokens: int, group: int, loop: bool = False, w8a8: bool | None = None) -> object:
         # e4m3 experts: a scale a row (group 0, quantization at load) or 128 columns' (block-scaled checkpoints)
         groups = (-(-hidden // group), -(-inter // group)) if group else (1, 1)
         scales = ExpertScales(
@@ -394,9 +394,9 @@ def _moe_launches(cfg: dict, hidden: int) -> list[tuple[str, Callable[[], object
         )
         q13, q2 = _gpu(experts, 2 * inter, hidden, dtype=FP8), _gpu(experts, hidden, inter, dtype=FP8)
         x, logits = _gpu(tokens, hidden), _gpu(tokens, experts)
-        if tokens * top_k > fused.ALIGN_KERNEL_MAX_ROWS:  # sorted by torch ops: the ids given, as in experts_of
+        if tokens * top_k > fused.ALIGN_KERNEL_MAX_ROWS or w8a8 is not None:  # the ids given, as in experts_of
             ids = _ids(tokens, top_k, dtype=torch.int32)
-            return fused.fused_experts(x, q13, q2, _ids(tokens, top_k, dtype=BF16), ids, scales=scales)
+            return fused.fused_experts(x, q13, q2, _ids(tokens, top_k, dtype=BF16), ids, scales=scales, w8a8=w8a8)
         call = lambda: fused.fused_moe(x, logits, q13, q2, top_k, cfg["norm_topk_prob"], scales=scales)  # noqa: E731
         return in_a_loop(call) if loop else call()
 
@@ -421,6 +421,13 @@ def _moe_launches(cfg: dict, hidden: int) -> list[tuple[str, Callable[[], object
                 lambda g=group: fp8_experts_of(1, g, True),
             )
             for group in (0, 128)
+        ]
+        # the grouped GEMMs widening the weights (w8a16): what scales of column groups take where a group is
+        # narrower than the layer (a tiny architecture's 128 span its rows, and they take w8a8)
+        + [
+            (f"FP8 MoE experts, {tokens} tokens, weights widened", lambda t=tokens: fp8_experts_of(t, 0, w8a8=False))
+            for tokens in fp8_counts
+            if not fused.per_row_applies(tokens * top_k, experts)
         ]
     )
 

@@ -76,8 +76,8 @@ def main() -> None:
         "--w8a8",
         choices=("auto", "on", "off"),
         default="auto",
-        help="with --fp8, the grouped GEMMs' activations quantized to e4m3: at a prompt chunk's blocks (auto), at "
-        "every block height, or never (the weights widened to bf16)",
+        help="with --fp8, the grouped GEMMs' activations quantized to e4m3: where fused.w8a8_applies (auto, from "
+        "fused.W8A8_MIN_BLOCK_M rows a block), at every block height, or never (the weights widened to bf16)",
     )
     parser.add_argument("--out")
     args = parser.parse_args()

@@ -414,8 +414,13 @@ def fused_experts(
 
 def w8a8_applies(scales: ExpertScales | None, block_m: int, x: torch.Tensor, inter: int) -> bool:
     """Whether the grouped GEMMs over these experts quantize their activations (fused_experts' `w8a8`): FP8
-    experts with a scale a row, at blocks of W8A8_MIN_BLOCK_M rows or more, on a GPU with FP8 tensor cores."""
+    experts with a scale a row, at blocks of W8A8_MIN_BLOCK_M rows or more, in a bf16 or fp16 model, on a
+    GPU with FP8 tensor cores."""
     if scales is None or block_m < W8A8_MIN_BLOCK_M or not x.is_cuda:
+        return False
+    # a float32 model keeps exact activations, as its dense FP8 layers do; an FP8 product steps through K
+    # 32 columns at a time
+    if x.dtype not in (torch.bfloat16, torch.float16) or min(x.shape[1], inter) < 32:
         return False
     if torch.cuda.get_device_capability(x.device) < (8, 9):
         return False
@@ -451,8 +456,10 @@ def _grouped_gemms(
     group13, group2 = _groups(scales, hidden, inter)
     x_in, x_scales = quantize_activations(x, group13 or hidden) if w8a8 else (x, x)
 
-    h = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    h = x.new_empty(rows, inter)
     block_n, block_k = _fit(tile_n, inter), _capped(_fit(tile_k, hidden), group13)
+    if w8a8 and block_k < 32:
+        raise ValueError(f"an FP8 product steps through K 32 columns at a time, not {block_k} (w8a8)")
     kernels.moe_gate_up_kernel[(blocks * triton_ops.triton.cdiv(inter, block_n),)](
         x_in,
         w13,
@@ -463,7 +470,7 @@ def _grouped_gemms(
         rows,
         hidden,
         inter,
-        x.stride(0),
+        x_in.stride(0),
         w13.stride(0),
         w13.stride(1),
         h.stride(0),
@@ -481,8 +488,10 @@ def _grouped_gemms(
         **options,
     )
     h_in, h_scales = quantize_activations(h, group2 or inter) if w8a8 else (h, h)
-    out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    out = x.new_empty(rows, hidden)
     block_n, block_k = _fit(tile_n, hidden), _capped(_fit(tile_k, inter), group2)
+    if w8a8 and block_k < 32:
+        raise ValueError(f"an FP8 product steps through K 32 columns at a time, not {block_k} (w8a8)")
     kernels.moe_down_kernel[(blocks * triton_ops.triton.cdiv(hidden, block_n),)](
         h_in,
         w2,
@@ -494,7 +503,7 @@ def _grouped_gemms(
         rows,
         hidden,
         inter,
-        h.stride(0),
+        h_in.stride(0),
         w2.stride(0),
         w2.stride(1),
         out.stride(0),

@@ -70,10 +70,11 @@ def _row_scaled(acc, s_ptrs, n_ok, SCALED: tl.constexpr, GROUP_K: tl.constexpr):
     return acc
 
 
-# W8A8 (the grouped GEMMs at a prompt chunk's block heights, fused.W8A8_MIN_BLOCK_M): the activations come
-# quantized to e4m3 too, with float32 scales [rows, KG] of the same groups as the weights' (a row's one scale
-# with GROUP_K 0), and the products run on the FP8 tensor cores at twice bf16's rate, where widening the
-# weights made a compute-bound chunk slower than bf16
+# W8A8 (the grouped GEMMs over experts with a scale a row: fused.w8a8_applies): the activations come quantized
+# to e4m3 too, with float32 scales [rows, KG] of the same groups as the weights' (a row's one scale with
+# GROUP_K 0), and the products run on the FP8 tensor cores at twice bf16's rate (on sm_90 with Triton's
+# default fast accumulation, as the dense FP8 GEMMs' cuBLASLt), where widening the weights made a
+# compute-bound chunk slower than bf16
 
 
 @triton.jit
