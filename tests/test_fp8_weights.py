@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 
 from cluster import LLM
 from worker import gemv, skinny_gemm
+from worker.kernels import Kernels
 from worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.loader import CheckpointError, LazyTensor
 from worker.parallel import TPGroup
@@ -162,6 +163,100 @@ def test_quantization_fp8_at_load_is_the_model_over_its_per_channel_e4m3_weights
         prompts = encode_all(llm, PROMPT_TEXTS[:6])
         got = [o.token_ids for o in llm.generate(prompts, greedy(16, ignore_eos=True))]
     assert got == hf_greedy(ref, prompts, 16, ignore_eos=True)
+
+
+def _linears_and_norms(model) -> dict[str, torch.Tensor]:
+    """Every linear's weight (its bytes: e4m3 compares bit for bit) and scales, and every norm's weight."""
+    from worker.layers.norm import RMSNorm
+
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear):
+            out[f"{name}.weight"] = m.weight.data.view(torch.uint8) if m.weight.dtype == FP8 else m.weight.data
+            out[f"{name}.weight_scale"] = m.weight_scale
+        elif isinstance(m, RMSNorm):
+            out[f"{name}.weight"] = m.weight.data
+    return out
+
+
+@pytest.fixture(scope="module")
+def norms_drawn(qwen3_path, tmp_path_factory):
+    """The tiny Qwen3 with norm weights drawn around one (its own are ones, which fold into nothing)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("norms_drawn") / "qwen3"
+    shutil.copytree(qwen3_path, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    for name, t in tensors.items():
+        if name.endswith("norm.weight"):
+            tensors[name] = (1 + 0.2 * torch.randn(t.shape, generator=g)).to(t.dtype)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("folded", [True, False])
+def test_quantization_fp8_quantizes_each_linear_as_it_loads_as_the_loaded_model_would_be(norms_drawn, folded):
+    """quantization fp8 over an unquantized checkpoint makes the linears e4m3 and quantizes each one once its
+    parts (and the norm folded into it, which the checkpoint holds after gate and up) are read: the weights,
+    scales and norms equal, bit for bit, the unquantized model's loaded whole and then quantized
+    (quantize_linears), folded or not; no linear is left holding its unquantized rows."""
+    from dataclasses import replace
+
+    from worker.quant.loading import QuantizingLoad
+    from worker.quant.prepare import quantize_linears
+
+    fp8_norms = "folded" if folded else "apart"
+    with checked_llm(norms_drawn, page_size=4, quantization="fp8", kernels=Kernels(fp8_norms=fp8_norms)) as llm:
+        model = llm.engine.model
+        assert not any(isinstance(getattr(m, "quant", None), QuantizingLoad) for m in model.modules())
+        got = _linears_and_norms(model)
+        assert model.model.layers[0].mlp.gate_up_proj.weight.dtype == FP8
+        assert model.model.layers[0].post_attention_layernorm.folded == folded
+    with checked_llm(norms_drawn, page_size=4) as llm:
+        model = llm.engine.model
+        scheme = Fp8Scheme(prequantized=False)
+        assert quantize_linears(model, replace(scheme, block=None), fold_norms=folded) > 0
+        want = _linears_and_norms(model)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_quantization_fp8_holds_a_linear_or_two_unquantized_at_a_time_while_loading(qwen3_path, monkeypatch):
+    """While an unquantized checkpoint loads with quantization fp8, the linears waiting for the rest of their
+    parts (or their folded norm) with their rows unquantized are never more than two of the model's many."""
+    from worker.quant import loading
+
+    held, linears = [], []
+    finish = loading.QuantizingLoad.finish_if_ready
+
+    def counting(self, layer):
+        if layer not in linears:
+            linears.append(layer)
+        finish(self, layer)
+        held.append(sum(isinstance(m.quant, loading.QuantizingLoad) and m.quant.rows is not None for m in linears))
+
+    monkeypatch.setattr(loading.QuantizingLoad, "finish_if_ready", counting)
+    with checked_llm(qwen3_path, page_size=4, quantization="fp8"):
+        pass
+    assert len(linears) >= 8 and held and max(held) <= 2
+
+
+def test_quantization_fp8_over_a_checkpoint_missing_a_linears_part_is_an_error_naming_it(qwen3_path, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(qwen3_path, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.v_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="layers.0.self_attn.qkv_proj"):
+        LLM(str(broken), page_size=4, quantization="fp8")
 
 
 def test_quantization_fp8_quantizes_random_dummy_weights(qwen3_path):

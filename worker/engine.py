@@ -35,6 +35,7 @@ from worker.extend_graphs import capture_extend_graphs, extend_graph_bytes, exte
 from worker.graph_io import IO
 from worker.kernel_builds import serialize_flashinfer_builds
 from worker.kv_cache import KVCachePool
+from worker.layers.linear import linears_made_in
 from worker.layers.moe.block import SparseMoeBlock
 from worker.layers.moe.fused import fused_applies
 from worker.layers.moe.weights import experts_made_in
@@ -50,6 +51,7 @@ from worker.quant.experts import (
     quantize_experts,
     quantize_while_loading,
 )
+from worker.quant.loading import check_quantized_while_loading, quantize_linears_while_loading
 from worker.quant.prepare import check_device, quantize_linears
 from worker.quant.scheme import scheme_of
 from worker.sampling.inputs import SamplingInputs, stage_sampling
@@ -209,19 +211,32 @@ class Engine:
         fp8_experts = fused_applies(self.kernels, torch.empty(0, device=self.device))
         quantized_loading = scheme is not None and not scheme.prequantized and not dummy
         made_in = torch.float8_e4m3fn if fp8_experts and (prequantized or quantized_loading) else None
-        with _default_dtype(self.dtype), torch.device(self.device), experts_made_in(made_in):
+        # and an unquantized checkpoint's linears quantized as it loads are made e4m3 too
+        linears_in = torch.float8_e4m3fn if quantized_loading else None
+        with (
+            _default_dtype(self.dtype),
+            torch.device(self.device),
+            experts_made_in(made_in),
+            linears_made_in(linears_in),
+        ):
             self.model = build_model(self.hf_config, self.max_seq_len + 1, self.tp, self.kernels)
-        # a prequantized checkpoint's fp8 weights and scales load into FP8 linears; random weights (dummy)
-        # and unquantized checkpoints are quantized once loaded
+        # a prequantized checkpoint's fp8 weights and scales load into FP8 linears; an unquantized checkpoint
+        # is quantized as it loads (worker/quant/loading.py), random weights (dummy) once drawn
+        fold = self.kernels.fp8_norms_resolved == "folded"
+        at_load = None if scheme is None else replace(scheme, block=None, prequantized=False)
         if prequantized:
             quantize_linears(self.model, scheme)
             attach_expert_scales(self.model, scheme, keep_fp8=fp8_experts, dtype=self.dtype)
-        if quantized_loading and fp8_experts:
-            quantize_while_loading(self.model, self.dtype)
+        if quantized_loading:
+            quantize_linears_while_loading(self.model, at_load, self.dtype, fold_norms=fold)
+            if fp8_experts:
+                quantize_while_loading(self.model, self.dtype)
         if dummy:
             init_dummy_weights(self.model)
         else:
             load_weights(self.model, Path(self.config.model_path), progress=self.tp.rank == 0)
+        if quantized_loading:
+            check_quantized_while_loading(self.model)
         if prequantized:
             keep_expert_scales(self.model, scheme)
             if dequantize_experts(self.model, scheme) and self.tp.rank == 0:
@@ -235,8 +250,7 @@ class Engine:
                     else "the torch loop over experts computes in the model's dtype",
                 )
         if scheme is not None and (dummy or not scheme.prequantized):
-            fold = self.kernels.fp8_norms_resolved == "folded"
-            quantize_linears(self.model, replace(scheme, block=None, prequantized=False), fold_norms=fold)
+            quantize_linears(self.model, at_load, fold_norms=fold)  # those not quantized as they loaded
             if fp8_experts:
                 quantize_experts(self.model, scheme)
             elif expert_modules(self.model) and self.tp.rank == 0:

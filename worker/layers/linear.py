@@ -4,6 +4,10 @@ worker/quant/fp8.py's Fp8Weights) loads and multiplies through it instead."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +15,24 @@ from torch import nn
 from worker import gemv, skinny_gemm, triton_ops
 from worker.kernels import Kernels
 from worker.parallel import TPGroup
+
+_MADE_IN: ContextVar[torch.dtype | None] = ContextVar("linears_made_in", default=None)
+
+
+@contextmanager
+def linears_made_in(dtype: torch.dtype | None) -> Iterator[None]:
+    """The weights of column-, row- and QKV-parallel linears made inside are `dtype` (None: torch's default):
+    e4m3 where they are quantized as they load (worker/quant/loading.py), so the model is never made whole
+    in the unquantized dtype."""
+    token = _MADE_IN.set(dtype)
+    try:
+        yield
+    finally:
+        _MADE_IN.reset(token)
+
+
+def _weight(rows: int, cols: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(rows, cols, dtype=_MADE_IN.get()), requires_grad=False)
 
 
 def linear(
@@ -47,7 +69,7 @@ class ColumnParallelLinear(nn.Module):
         self.kernels = kernels
         self.quant = None
         self.local_sizes = [tp.shard(n, "a column-parallel output width") for n in output_sizes]
-        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features), requires_grad=False)
+        self.weight = _weight(sum(self.local_sizes), in_features)
         self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False) if bias else None
 
     def rows_of(self, shard_id: int) -> tuple[int, int, int]:
@@ -98,7 +120,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.quant = None
         q, kv = self.num_local_heads * head_dim, self.num_local_kv_heads * head_dim
         self.local_sizes = [q, kv, kv]
-        self.weight = nn.Parameter(torch.empty(q + 2 * kv, hidden), requires_grad=False)
+        self.weight = _weight(q + 2 * kv, hidden)
         self.bias = nn.Parameter(torch.empty(q + 2 * kv), requires_grad=False) if bias else None
 
     def rows_of(self, shard_id: int) -> tuple[int, int, int]:
@@ -128,9 +150,7 @@ class RowParallelLinear(nn.Module):
         self.small = kernels.small_linear
         self.kernels = kernels
         self.quant = None
-        self.weight = nn.Parameter(
-            torch.empty(out_features, tp.shard(in_features, "a row-parallel input width")), requires_grad=False
-        )
+        self.weight = _weight(out_features, tp.shard(in_features, "a row-parallel input width"))
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int = 0) -> None:

@@ -5,6 +5,8 @@ output row at one scale at any tensor-parallel size."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -26,18 +28,12 @@ def check_device(scheme: Fp8Scheme, device: torch.device) -> None:
         )
 
 
-def quantize_linears(model: nn.Module, scheme: Fp8Scheme, fold_norms: bool = False) -> int:
-    """Makes every column-, row- and QKV-parallel linear of `model` an FP8 linear, but those the scheme
-    leaves unquantized; returns how many it made. The unquantized weights it replaces are freed.
-    `fold_norms` (weights quantized here): each norm's weight folded into the linear that reads its
-    output first (worker/quant/fold.py)."""
-    if fold_norms and scheme.prequantized:
-        raise ValueError("a norm's weight folds into weights quantized at load, not into a quantized checkpoint's")
-    folds = norm_folds(model) if fold_norms else {}
+def quantizable_linears(model: nn.Module, scheme: Fp8Scheme) -> Iterator[nn.Module]:
+    """Every column-, row- and QKV-parallel linear of `model` that the scheme quantizes (not those its ignore
+    list names); one fused layer the list names only some parts of is an error."""
     parts_of: dict[str, list[str]] = {}
     for part, (ours, _) in getattr(model, "packed", {}).items():
         parts_of.setdefault(ours, []).append(part)
-    made = 0
     for name, module in model.named_modules():
         if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
             continue
@@ -51,6 +47,21 @@ def quantize_linears(model: nn.Module, scheme: Fp8Scheme, fold_norms: bool = Fal
                 f"the checkpoint quantizes some of {', '.join(checkpoint_names)} but not all, which this server "
                 "runs as one fused layer"
             )
+        yield module
+
+
+def quantize_linears(model: nn.Module, scheme: Fp8Scheme, fold_norms: bool = False) -> int:
+    """Makes every column-, row- and QKV-parallel linear of `model` an FP8 linear, but those the scheme
+    leaves unquantized and those FP8 already (quantized as they loaded: worker/quant/loading.py); returns how
+    many it made. The unquantized weights it replaces are freed. `fold_norms` (weights quantized here): each
+    norm's weight folded into the linear that reads its output first (worker/quant/fold.py)."""
+    if fold_norms and scheme.prequantized:
+        raise ValueError("a norm's weight folds into weights quantized at load, not into a quantized checkpoint's")
+    folds = norm_folds(model) if fold_norms else {}
+    made = 0
+    for module in quantizable_linears(model, scheme):
+        if module.quant is not None:
+            continue
         if module in folds:
             fold_into(module, folds[module])
         # a row-parallel rank holds a slice of each output row: its scale from the whole row's largest
