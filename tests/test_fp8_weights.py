@@ -225,24 +225,79 @@ def test_quantization_fp8_quantizes_each_linear_as_it_loads_as_the_loaded_model_
         assert torch.equal(got[name], want[name]), name
 
 
-def test_quantization_fp8_holds_a_linear_or_two_unquantized_at_a_time_while_loading(qwen3_path, monkeypatch):
-    """While an unquantized checkpoint loads with quantization fp8, the linears waiting for the rest of their
-    parts (or their folded norm) with their rows unquantized are never more than two of the model's many."""
+def _norms_in_a_file_of_their_own(src, out):
+    """src's checkpoint split in two files, every norm in the second (an index names them): a linear's
+    folded norm comes after all the linears."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    (out / "model.safetensors").unlink()
+    norms = {n: t for n, t in tensors.items() if n.endswith("norm.weight")}
+    rest = {n: t for n, t in tensors.items() if n not in norms}
+    save_file(rest, str(out / "model-00001-of-00002.safetensors"))
+    save_file(norms, str(out / "model-00002-of-00002.safetensors"))
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in rest}
+    weight_map.update({n: "model-00002-of-00002.safetensors" for n in norms})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["as saved", "norms in a file of their own"])
+def test_quantization_fp8_holds_a_linear_or_two_unquantized_at_a_time_while_loading(
+    norms_drawn, tmp_path, monkeypatch, layout
+):
+    """While an unquantized checkpoint loads with quantization fp8, at most two linears hold their
+    unquantized rows at once (the norms folded into linears load first, wherever the checkpoint keeps them),
+    and every such buffer is freed by the end; the weights are still the loaded model's quantized."""
+    import gc
+    import weakref
+
     from worker.quant import loading
 
-    held, linears = [], []
-    finish = loading.QuantizingLoad.finish_if_ready
+    path = norms_drawn if layout == "as saved" else _norms_in_a_file_of_their_own(norms_drawn, tmp_path / "split")
+    buffers, most = [], [0]
+    held = loading.QuantizingLoad._held
 
-    def counting(self, layer):
-        if layer not in linears:
-            linears.append(layer)
-        finish(self, layer)
-        held.append(sum(isinstance(m.quant, loading.QuantizingLoad) and m.quant.rows is not None for m in linears))
+    def tracking(self, layer):
+        fresh = self.rows is None
+        rows = held(self, layer)
+        if fresh:
+            buffers.append(weakref.ref(rows))
+        gc.collect()
+        most[0] = max(most[0], sum(b() is not None for b in buffers))
+        return rows
 
-    monkeypatch.setattr(loading.QuantizingLoad, "finish_if_ready", counting)
-    with checked_llm(qwen3_path, page_size=4, quantization="fp8"):
-        pass
-    assert len(linears) >= 8 and held and max(held) <= 2
+    monkeypatch.setattr(loading.QuantizingLoad, "_held", tracking)
+    with checked_llm(path, page_size=4, quantization="fp8") as llm:
+        gc.collect()
+        assert len(buffers) >= 8 and all(b() is None for b in buffers)
+        got = _linears_and_norms(llm.engine.model)
+    assert 1 <= most[0] <= 2
+    with checked_llm(norms_drawn, page_size=4, quantization="fp8") as llm:
+        want = _linears_and_norms(llm.engine.model)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+
+
+def test_a_linear_left_waiting_for_a_part_or_given_one_twice_is_an_error_naming_it():
+    from worker.layers.linear import linears_made_in
+    from worker.quant.loading import check_quantized_while_loading, quantize_linears_while_loading
+
+    model = torch.nn.Module()
+    with linears_made_in(FP8):
+        model.gate_up_proj = ColumnParallelLinear(16, [8, 8], bias=False, tp=TPGroup(0, 1))
+    assert quantize_linears_while_loading(model, Fp8Scheme(prequantized=False), torch.float32, fold_norms=False) == 1
+    gate = torch.randn(8, 16)
+    model.gate_up_proj.weight_loader(model.gate_up_proj.weight, gate, 0)
+    with pytest.raises(CheckpointError, match="part of gate_up_proj twice"):
+        model.gate_up_proj.weight_loader(model.gate_up_proj.weight, gate, 0)
+    with pytest.raises(CheckpointError, match="lacks parts of gate_up_proj"):
+        check_quantized_while_loading(model)
+    model.gate_up_proj.weight_loader(model.gate_up_proj.weight, torch.randn(8, 16), 1)
+    check_quantized_while_loading(model)
+    assert model.gate_up_proj.weight.dtype == FP8 and isinstance(model.gate_up_proj.quant, Fp8Weights)
 
 
 def test_quantization_fp8_over_a_checkpoint_missing_a_linears_part_is_an_error_naming_it(qwen3_path, tmp_path):

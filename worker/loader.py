@@ -61,7 +61,12 @@ def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> No
     expected = {name for name in params if not (tied and name == "lm_head.weight") and name not in optional}
     loaded: set[tuple[str, object]] = set()
     files = safetensors_files(model_dir)
-    for path in tqdm(files, desc="loading weights", unit="file", disable=not progress or len(files) < 2):
+    # a model may name parameters to load before any other (`load_first`: the norms that fold into linears
+    # quantized as they load, worker/quant/loading.py), wherever the checkpoint keeps them
+    first = set(getattr(model, "load_first", ()))
+    passes = [(path, True) for path in files] if first else []
+    passes += [(path, False) for path in files]
+    for path, first_pass in tqdm(passes, desc="loading weights", unit="file", disable=not progress or len(files) < 2):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for ckpt_name in f.keys():
@@ -70,6 +75,8 @@ def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> No
                         continue
                     name, shard = target
                     if tied and name == "lm_head.weight":
+                        continue
+                    if first and (name in first) != first_pass:
                         continue
                     if name not in params:
                         raise CheckpointError(

@@ -28,9 +28,9 @@ def check_device(scheme: Fp8Scheme, device: torch.device) -> None:
         )
 
 
-def quantizable_linears(model: nn.Module, scheme: Fp8Scheme) -> Iterator[nn.Module]:
-    """Every column-, row- and QKV-parallel linear of `model` that the scheme quantizes (not those its ignore
-    list names); one fused layer the list names only some parts of is an error."""
+def quantizable_linears(model: nn.Module, scheme: Fp8Scheme) -> Iterator[tuple[str, nn.Module]]:
+    """(name, linear) for every column-, row- and QKV-parallel linear of `model` that the scheme quantizes
+    (not those its ignore list names); one fused layer the list names only some parts of is an error."""
     parts_of: dict[str, list[str]] = {}
     for part, (ours, _) in getattr(model, "packed", {}).items():
         parts_of.setdefault(ours, []).append(part)
@@ -47,7 +47,7 @@ def quantizable_linears(model: nn.Module, scheme: Fp8Scheme) -> Iterator[nn.Modu
                 f"the checkpoint quantizes some of {', '.join(checkpoint_names)} but not all, which this server "
                 "runs as one fused layer"
             )
-        yield module
+        yield name, module
 
 
 def quantize_linears(model: nn.Module, scheme: Fp8Scheme, fold_norms: bool = False) -> int:
@@ -59,7 +59,7 @@ def quantize_linears(model: nn.Module, scheme: Fp8Scheme, fold_norms: bool = Fal
         raise ValueError("a norm's weight folds into weights quantized at load, not into a quantized checkpoint's")
     folds = norm_folds(model) if fold_norms else {}
     made = 0
-    for module in quantizable_linears(model, scheme):
+    for _, module in quantizable_linears(model, scheme):
         if module.quant is not None:
             continue
         if module in folds:
