@@ -233,24 +233,19 @@ def test_fp8_expert_kernels_equal_the_torch_loop_over_the_dequantized_weights(
     torch.testing.assert_close(got, torch_experts(x, w13, w2, weights, ids))
 
 
-def _dequantized(q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    cols = q.shape[-1]
-    return q.float() * scales.repeat_interleave(group or cols, dim=-1)[..., :cols]
-
-
 def _w8a8_reference(x, w13, w2, weights, ids, group13, group2):
     """torch_experts with each GEMM's input rounded as the w8a8 GEMMs round it: x per token (and per scale
     group), each (token, choice) row of silu(gate) * up likewise before down."""
     from worker.quant.gemm import quantize_activations_torch
 
-    x = _dequantized(*quantize_activations_torch(x, group13 or x.shape[1]), group13)
+    x = _standing_for(*quantize_activations_torch(x, group13 or x.shape[1]), group13)
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             e = ids[t, k]
             gate, up = (x[t : t + 1] @ w13[e].T).chunk(2, dim=-1)
             h = F.silu(gate) * up
-            h = _dequantized(*quantize_activations_torch(h, group2 or h.shape[1]), group2)
+            h = _standing_for(*quantize_activations_torch(h, group2 or h.shape[1]), group2)
             out[t] += weights[t, k] * (h @ w2[e].T)[0]
     return out
 
