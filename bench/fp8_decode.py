@@ -187,6 +187,10 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
             if kv == "fp8":  # V converted to float16 before it is staged, with and without the prefetch
                 runs += [(tile, None, {"prefetch": True, "convert_v": True}) for tile in PREFETCH_TILES]
                 runs += [(tile, None, {"convert_v": True}) for tile in CONVERT_V_TILES]
+                # the query in e4m3, Q K^T on the FP8 tensor cores over K unconverted
+                runs += [(tile, None, {"prefetch": True, "convert_v": True, "fp8_qk": True}) for tile in PREFETCH_TILES]
+                runs += [(tile, None, {"prefetch": True, "fp8_qk": True}) for tile in PREFETCH_TILES[:3]]
+                runs += [(tile, None, {"convert_v": True, "fp8_qk": True}) for tile in CONVERT_V_TILES]
         for splits, ((block_n, warps, stages), f16_dot, variant) in itertools.product(splits_to_try(batch), runs):
             if variant and splits != _default_splits(batch):
                 continue  # the variants at the launcher's split count only
@@ -194,7 +198,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
             if variant.get("launcher"):
                 choices = {"merge_in_last": bool(variant.get("merge_in_last"))}
             else:
-                choices = {"prefetch": False, "convert_v": False, "merge_in_last": False, **variant}
+                choices = {"prefetch": False, "convert_v": False, "merge_in_last": False, "fp8_qk": False, **variant}
             scratch = decode_scratch(batch, NUM_HEADS, HEAD_DIM, splits, "cuda")
 
             def call() -> torch.Tensor:
@@ -232,6 +236,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                 "prefetch": bool(variant.get("prefetch")),
                 "convert_v": bool(variant.get("convert_v")),
                 "merge_in_last": bool(variant.get("merge_in_last")),
+                "fp8_qk": bool(variant.get("fp8_qk")),
                 "us": us,
                 "tb_s": kv_bytes / us / 1e6,
             }
@@ -262,9 +267,11 @@ def summary(rows: list[dict]) -> None:
             best += [r for r in default[:2] if r is not fastest] + [fastest]
             for kind in (
                 {"dot": "cuda_cores", "prefetch": False},
-                {"prefetch": True, "convert_v": False},
-                {"prefetch": True, "convert_v": True},
-                {"prefetch": False, "convert_v": True},
+                {"prefetch": True, "convert_v": False, "fp8_qk": False},
+                {"prefetch": True, "convert_v": True, "fp8_qk": False},
+                {"prefetch": False, "convert_v": True, "fp8_qk": False},
+                {"fp8_qk": True, "prefetch": True},
+                {"fp8_qk": True, "prefetch": False},
             ):
                 of_kind = [r for r in triton_rows if all(r.get(k) == v for k, v in kind.items())]
                 if of_kind and min(of_kind, key=lambda r: r["us"]) is not fastest:
@@ -275,7 +282,8 @@ def summary(rows: list[dict]) -> None:
                 name += (
                     f" splits={r['num_splits']} block_n={r['block_n']} warps={r['num_warps']}"
                     f" stages={r['num_stages']} dot={r['dot']}{' prefetch' if r.get('prefetch') else ''}"
-                    f"{' convert_v' if r.get('convert_v') else ''}{' merge in last' if r.get('merge_in_last') else ''}"
+                    f"{' convert_v' if r.get('convert_v') else ''}{' fp8_qk' if r.get('fp8_qk') else ''}"
+                    f"{' merge in last' if r.get('merge_in_last') else ''}"
                     f"{' (the launcher default)' if r.get('launcher') else ''}"
                 )
             diff = r.get("max_abs_diff_vs_flashinfer")

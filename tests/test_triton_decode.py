@@ -349,6 +349,70 @@ def test_convert_v_is_for_an_fp8_cache_on_float16_operands():
     assert_close_to_reference(paged_decode(*half, num_splits=2, convert_v=True, f16_dot=False), half)
 
 
+def e4m3_queries(like: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries of like's shape and dtype made of e4m3 values, each head's largest magnitude 448, at a power-of-two
+    scale of the head's own (so quantizing them a head at a time is exact); and the same moved 0.45 of an e4m3
+    step away from zero, which rounds back to them."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, d = like.shape
+    v = (60 * torch.randn(b, h, d, generator=g)).to(torch.float8_e4m3fn).float()
+    v[..., 0] = 448.0 * torch.sign(torch.randn(b, h, generator=g))
+    step = torch.exp2(torch.floor(torch.log2(v.abs().clamp(min=2.0**-6))) - 3)  # e4m3's, subnormals' below 2^-6
+    moved = v + 0.45 * step * torch.sign(v)
+    moved[..., 0] = v[..., 0]
+    scale = torch.exp2(torch.randint(-5, -2, (b, h, 1), generator=g).float())  # peaked softmax
+    return (v * scale).to(like.dtype).to(like.device), (moved * scale).to(like.dtype).to(like.device)
+
+
+def e4m3_dequantized(q: torch.Tensor) -> torch.Tensor:
+    """q as fp8_qk multiplies it, in float32: a head at a time at a scale that takes its largest magnitude to 448."""
+    scale = q.float().abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448.0
+    return (q.float() / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_query_quantized_for_fp8_tensor_cores_rounds_a_head_at_a_time(case, prefetch):
+    """fp8_qk: the query rounded to e4m3 at a scale a head, Q K^T on the FP8 tensor cores over K as the cache
+    holds it. A query 0.45 of a step off e4m3's values gives the attention of those values (within the plain
+    kernel's bound) and not its own (several bounds away), so the kernel rounded it. Made of e4m3 values at
+    powers of two: the interpreter rounds to e4m3 wrongly near powers of two (the GPU test takes any query)."""
+    page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
+    args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, "fp8", seed=7)
+    exact, moved = e4m3_queries(args[0], seed=7)
+    got = paged_decode(moved, *args[1:], num_splits=num_splits, block_n=block_n, prefetch=prefetch, fp8_qk=True)
+    assert_close_to_reference(got, (exact, *args[1:]))
+    bound = 2 * UNIT_ROUNDOFF * args[2].float().abs().max().item()
+    assert (paged_decode_reference(moved, *args[1:]).float() - got.float()).abs().max() > bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [*CASES, "qwen3-0.6b-heads-batch-64-one-split"])
+def test_fp8_tensor_core_qk_over_any_query(case):
+    """On CUDA, any bfloat16 query: float32 attention of its e4m3 rounding (a scale a head) within the plain
+    kernel's bound, at every case's tile and at the engine's full-batch tile (convert_v with it); and within
+    0.1 of max|V| of the unrounded query's (the e4m3 query's own error, at this test's peaked softmax)."""
+    if case in CASES:
+        page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
+        args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, "fp8", seed=8)
+    else:
+        lens = torch.randint(1, 1001, (64,), generator=torch.Generator().manual_seed(8)).tolist()
+        args, num_splits, block_n = make_decode(lens, 16, 8, 2, 128, "fp8", seed=8), 1, None
+    got = paged_decode(*args, num_splits=num_splits, block_n=block_n, fp8_qk=True).float()
+    assert_close_to_reference(got, (e4m3_dequantized(args[0]), *args[1:]))
+    v_max = args[2].float().abs().max().item()
+    torch.testing.assert_close(got, paged_decode_reference(*args).float(), atol=0.1 * v_max, rtol=0)
+
+
+def test_fp8_qk_is_for_an_fp8_cache_on_the_tensor_cores():
+    args = make_decode([5, 40], 16, 2, 2, 64, "bf16", seed=2)
+    with pytest.raises(ValueError, match="fp8_qk"):
+        paged_decode(*args, num_splits=2, fp8_qk=True)
+    fp8_args = make_decode([5, 40], 16, 2, 2, 64, "fp8", seed=2)
+    with pytest.raises(ValueError, match="fp8_qk"):
+        paged_decode(*fp8_args, num_splits=2, fp8_qk=True, cuda_cores=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["fp8", "bf16"])
 @pytest.mark.parametrize("batch", [1, 8])

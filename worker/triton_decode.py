@@ -39,6 +39,10 @@ CONVERT_V = True
 # 5.79 us (fp8 cache, batch 1) and 5.59 against 5.77 (bf16). With the merge reading only the splits that
 # hold tokens (6dc7148, another call): Qwen3-8B FP8 3.326 against 3.316, Qwen3-30B-A3B (8) 2.971 against 2.942
 MERGE_IN_LAST_MAX_GROUP = 2
+# Over an fp8 cache, quantize the query to e4m3 (a scale a head) and run Q K^T on the FP8 tensor cores over K
+# as it lies in the cache (paged_decode's fp8_qk), so K is never converted; P V stays float16. Off until
+# measured (bench/fp8_decode.py --variants)
+FP8_QK = False
 
 
 @triton.jit
@@ -120,6 +124,7 @@ def _split_kernel(
     PDL: tl.constexpr,
     MERGE_IN_LAST: tl.constexpr = False,
     BLOCK_G: tl.constexpr = 1,
+    FP8_QK: tl.constexpr = False,
 ):
     # one program per (request, kv head, split): the group's query heads against the split's tokens,
     # with an online softmax in base 2 (qk_scale = sm_scale * log2(e)); one split writes `out` itself,
@@ -158,6 +163,14 @@ def _split_kernel(
         # operands are slower). Every e4m3 value is exact in float16, and so is a
         # bfloat16 query from 2^-17 up to float16's range (saturated there)
         q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
+    if FP8_QK:
+        # the query heads in e4m3 too, each scaled so its largest magnitude is 448: Q K^T runs on the FP8
+        # tensor cores over K as the cache holds it (no conversion of K at all), the scale (with qk_scale)
+        # applied to each head's row of logits after
+        q_amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
+        q_scale = tl.maximum(q_amax, 1e-30) / 448.0
+        q8 = (q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
+        qk_row_scale = q_scale * qk_scale
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
@@ -178,6 +191,8 @@ def _split_kernel(
             k = tl.load(k_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
         if CUDA_CORES:
             qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * qk_scale
+        elif FP8_QK:
+            qk = _mma(q8, tl.trans(k), UPCAST) * qk_row_scale[:, None]
         else:
             qk = _mma(q, tl.trans(k.to(q.dtype)), UPCAST) * qk_scale
         qk = tl.where(mask[None, :], qk, -float("inf"))
@@ -341,6 +356,7 @@ def paged_decode(
     convert_v: bool | None = None,
     pdl: bool = False,
     merge_in_last: bool | None = None,
+    fp8_qk: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
     k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]: request b reads pages
@@ -357,7 +373,9 @@ def paged_decode(
     conversion runs); pdl, both kernels launched with programmatic dependent launch
     (worker/pdl_kernels.py); merge_in_last, split results merged by the last of a request's kv head's splits
     to finish instead of a second launch (None: where a kv head has at most MERGE_IN_LAST_MAX_GROUP query
-    heads; needs the scratch's arrivals)."""
+    heads; needs the scratch's arrivals); fp8_qk, over an fp8 cache the query quantized to e4m3 (a scale a
+    head) so that Q K^T runs on the FP8 tensor cores over K unconverted (None: FP8_QK; GPUs of compute
+    capability 8.9 or more)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -380,6 +398,12 @@ def paged_decode(
         raise ValueError("convert_v converts an fp8 cache's V for float16 tensor-core operands only")
     if convert_v is None:  # where it was measured: the prefetching tile of a split or two a request
         convert_v = CONVERT_V and float16_operands and tile[3]
+    if fp8_qk is None:
+        fp8_qk = FP8_QK and fp8 and not cuda_cores and _fp8_tensor_cores(q)
+    elif fp8_qk and (not fp8 or cuda_cores or not _fp8_tensor_cores(q)):
+        raise ValueError(
+            "fp8_qk multiplies the query with an fp8 cache's K on FP8 tensor cores (compute capability 8.9+) only"
+        )
     if num_splits > 1:
         if scratch is None:
             scratch = decode_scratch(batch, num_heads, head_dim, num_splits, q.device)
@@ -434,6 +458,7 @@ def paged_decode(
         PDL=pdl,
         MERGE_IN_LAST=merge_in_last,
         BLOCK_G=triton.next_power_of_2(group),
+        FP8_QK=fp8_qk,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),
@@ -469,6 +494,12 @@ def _default_tile(head_dim: int, num_splits: int, fp8: bool) -> tuple[int, int, 
     if head_dim > 128 or num_splits > 2:
         return 32, 4, 2, False
     return (128, 4, 3, True) if fp8 else (128, 4, 2, False)
+
+
+def _fp8_tensor_cores(x: torch.Tensor) -> bool:
+    """Whether x's GPU multiplies e4m3 operands on its tensor cores (compute capability 8.9 or more); under
+    the interpreter, which emulates them, always."""
+    return INTERPRETED or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
 def _stride(x: torch.Tensor, dim: int) -> int:
