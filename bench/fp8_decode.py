@@ -1,7 +1,8 @@
 """One layer's decode attention on one GPU, Qwen3-0.6B shapes (16 query heads, 8 KV heads, head_dim 128):
 the Triton split-KV kernel of worker/triton_decode.py over a float8 e4m3 and a bfloat16 cache (a sweep of
 its tile, warps, stages and splits, beside the launcher's own choices; with --variants its CUDA-core and
-prefetching variants too, and over fp8 V converted to float16 before it is staged) against
+prefetching variants too, and over fp8 V converted to float16 before it is staged and the products on FP8
+tensor cores) against
 FlashInfer's decode over both (tensor cores, and at up to 8 rows its CUDA-core kernels too). Batch 256
 with KV lengths uniform in 150..1600 (seeded) and batch 1 with 560 tokens; 20 calls replayed in a CUDA
 graph, median of 5 replays; microseconds a call, TB/s of K and V read once, the largest difference from
@@ -45,6 +46,8 @@ PREFETCH_TILES = [
 # V converted before staging, without the prefetch: the plain kernel's tile and smaller ones (fewer registers:
 # 156 a thread at 128 x 4 x 2 in sm_90 code against 255 for the default, so three programs an SM)
 CONVERT_V_TILES = [(128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (128, 8, 2)]
+# the FP8 tensor-core products' (fp8_mma): wgmma takes 64 or more tokens a step
+FP8_MMA_TILES = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 2), (256, 8, 3)]
 # (block_n, num_warps, num_stages) beside the launcher's default (None: its choice)
 TILES = {
     "none": [(None, None, None)],
@@ -187,10 +190,10 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
             if kv == "fp8":  # V converted to float16 before it is staged, with and without the prefetch
                 runs += [(tile, None, {"prefetch": True, "convert_v": True}) for tile in PREFETCH_TILES]
                 runs += [(tile, None, {"convert_v": True}) for tile in CONVERT_V_TILES]
-                # the query in e4m3, Q K^T on the FP8 tensor cores over K unconverted
-                runs += [(tile, None, {"prefetch": True, "convert_v": True, "fp8_qk": True}) for tile in PREFETCH_TILES]
-                runs += [(tile, None, {"prefetch": True, "fp8_qk": True}) for tile in PREFETCH_TILES[:3]]
-                runs += [(tile, None, {"convert_v": True, "fp8_qk": True}) for tile in CONVERT_V_TILES]
+                # the products on FP8 tensor cores, tokens as their rows: Q K^T (1), P V too (2)
+                for mma in (2, 1):
+                    runs += [(tile, None, {"prefetch": True, "fp8_mma": mma}) for tile in FP8_MMA_TILES]
+                    runs += [(tile, None, {"fp8_mma": mma}) for tile in FP8_MMA_TILES]
         for splits, ((block_n, warps, stages), f16_dot, variant) in itertools.product(splits_to_try(batch), runs):
             if variant and splits != _default_splits(batch):
                 continue  # the variants at the launcher's split count only
@@ -198,7 +201,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
             if variant.get("launcher"):
                 choices = {"merge_in_last": bool(variant.get("merge_in_last"))}
             else:
-                choices = {"prefetch": False, "convert_v": False, "merge_in_last": False, "fp8_qk": False, **variant}
+                choices = {"prefetch": False, "convert_v": False, "merge_in_last": False, "fp8_mma": 0, **variant}
             scratch = decode_scratch(batch, NUM_HEADS, HEAD_DIM, splits, "cuda")
 
             def call() -> torch.Tensor:
@@ -236,7 +239,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                 "prefetch": bool(variant.get("prefetch")),
                 "convert_v": bool(variant.get("convert_v")),
                 "merge_in_last": bool(variant.get("merge_in_last")),
-                "fp8_qk": bool(variant.get("fp8_qk")),
+                "fp8_mma": variant.get("fp8_mma", 0),
                 "us": us,
                 "tb_s": kv_bytes / us / 1e6,
             }
@@ -267,11 +270,11 @@ def summary(rows: list[dict]) -> None:
             best += [r for r in default[:2] if r is not fastest] + [fastest]
             for kind in (
                 {"dot": "cuda_cores", "prefetch": False},
-                {"prefetch": True, "convert_v": False, "fp8_qk": False},
-                {"prefetch": True, "convert_v": True, "fp8_qk": False},
-                {"prefetch": False, "convert_v": True, "fp8_qk": False},
-                {"fp8_qk": True, "prefetch": True},
-                {"fp8_qk": True, "prefetch": False},
+                {"prefetch": True, "convert_v": False, "fp8_mma": 0},
+                {"prefetch": True, "convert_v": True, "fp8_mma": 0},
+                {"prefetch": False, "convert_v": True, "fp8_mma": 0},
+                {"fp8_mma": 1},
+                {"fp8_mma": 2},
             ):
                 of_kind = [r for r in triton_rows if all(r.get(k) == v for k, v in kind.items())]
                 if of_kind and min(of_kind, key=lambda r: r["us"]) is not fastest:
@@ -282,7 +285,7 @@ def summary(rows: list[dict]) -> None:
                 name += (
                     f" splits={r['num_splits']} block_n={r['block_n']} warps={r['num_warps']}"
                     f" stages={r['num_stages']} dot={r['dot']}{' prefetch' if r.get('prefetch') else ''}"
-                    f"{' convert_v' if r.get('convert_v') else ''}{' fp8_qk' if r.get('fp8_qk') else ''}"
+                    f"{' convert_v' if r.get('convert_v') else ''}{' fp8_mma=' + str(r['fp8_mma']) if r.get('fp8_mma') else ''}"
                     f"{' merge in last' if r.get('merge_in_last') else ''}"
                     f"{' (the launcher default)' if r.get('launcher') else ''}"
                 )

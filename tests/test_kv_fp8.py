@@ -233,13 +233,13 @@ def test_flashinfer_runs_over_an_fp8_cache_with_cuda_graphs(qwen3_hd128):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8_qk", [False, True])
-def test_greedy_over_an_fp8_cache_follows_the_bfloat16_cache_but_at_near_ties(qwen3_hd128, fp8_qk, monkeypatch):
-    # FlashInfer and CUDA graphs both times; prefill in 64-token chunks over cached fp8 pages; fp8_qk: the
-    # decode kernel's query in e4m3 too (triton_decode.FP8_QK)
+@pytest.mark.parametrize("fp8_mma", [0, 1, 2])
+def test_greedy_over_an_fp8_cache_follows_the_bfloat16_cache_but_at_near_ties(qwen3_hd128, fp8_mma, monkeypatch):
+    # FlashInfer and CUDA graphs both times; prefill in 64-token chunks over cached fp8 pages; fp8_mma: the
+    # decode kernel's products on FP8 tensor cores, the query in e4m3 (1), and P too (2) (triton_decode.FP8_MMA)
     from worker import triton_decode
 
-    monkeypatch.setattr(triton_decode, "FP8_QK", fp8_qk)
+    monkeypatch.setattr(triton_decode, "FP8_MMA", fp8_mma)
     n = 32
     prompts = random_prompts(16, 20, 300, seed=1)
     common = {
@@ -258,7 +258,7 @@ def test_greedy_over_an_fp8_cache_follows_the_bfloat16_cache_but_at_near_ties(qw
     picks = [o.token_ids[0] for o in forced]
     want = [(t, math.exp(lp)) for r in ref for t, lp in zip(r.token_ids, r.logprobs)]
     misses = [p for (t, p), g in zip(want, picks) if g != t]
-    print(f"fp8_qk={fp8_qk}: {len(misses)} of {len(picks)} teacher-forced picks differ from bfloat16's")
+    print(f"fp8_mma={fp8_mma}: {len(misses)} of {len(picks)} teacher-forced picks differ from bfloat16's")
     assert all(p <= NEAR_TIE for p in misses), misses
     assert len(misses) <= 0.2 * len(picks)  # measured: 11.5% of 512 (bfloat16's prefill against its decode: 2.7%)
 

@@ -39,10 +39,10 @@ CONVERT_V = True
 # 5.79 us (fp8 cache, batch 1) and 5.59 against 5.77 (bf16). With the merge reading only the splits that
 # hold tokens (6dc7148, another call): Qwen3-8B FP8 3.326 against 3.316, Qwen3-30B-A3B (8) 2.971 against 2.942
 MERGE_IN_LAST_MAX_GROUP = 2
-# Over an fp8 cache, quantize the query to e4m3 (a scale a head) and run Q K^T on the FP8 tensor cores over K
-# as it lies in the cache (paged_decode's fp8_qk), so K is never converted; P V stays float16. Off until
-# measured (bench/fp8_decode.py --variants)
-FP8_QK = False
+# Over an fp8 cache, the products on the FP8 tensor cores (paged_decode's fp8_mma): 1, Q K^T with the query
+# quantized to e4m3 (a scale a head) over K as the cache holds it, P V in float16; 2, P V too with P in e4m3.
+# 0 (neither) until measured (bench/fp8_decode.py --variants)
+FP8_MMA = 0
 
 
 @triton.jit
@@ -72,6 +72,18 @@ def _e4m3_to_f16(x):
         is_pure=False,
         pack=4,
     )
+
+
+@triton.jit
+def _to_e4m3(x, INTERPRETED: tl.constexpr):
+    # x (within e4m3's range) rounded to e4m3. Triton's interpreter rounds a value just below a power of two
+    # to half that power (7.95 to 4, not 8): there the power is put back (its subnormals stay off by up to
+    # 2^-9, a bound far inside the tests' own)
+    y = x.to(tl.float8e4nv)
+    if INTERPRETED:
+        yf = y.to(tl.float32)
+        y = tl.where(tl.abs(yf) < 0.75 * tl.abs(x), 2.0 * yf, yf).to(tl.float8e4nv)
+    return y
 
 
 @triton.jit
@@ -124,7 +136,7 @@ def _split_kernel(
     PDL: tl.constexpr,
     MERGE_IN_LAST: tl.constexpr = False,
     BLOCK_G: tl.constexpr = 1,
-    FP8_QK: tl.constexpr = False,
+    FP8_MMA: tl.constexpr = 0,
 ):
     # one program per (request, kv head, split): the group's query heads against the split's tokens,
     # with an online softmax in base 2 (qk_scale = sm_scale * log2(e)); one split writes `out` itself,
@@ -163,52 +175,79 @@ def _split_kernel(
         # operands are slower). Every e4m3 value is exact in float16, and so is a
         # bfloat16 query from 2^-17 up to float16's range (saturated there)
         q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
-    if FP8_QK:
-        # the query heads in e4m3 too, each scaled so its largest magnitude is 448: Q K^T runs on the FP8
-        # tensor cores over K as the cache holds it (no conversion of K at all), the scale (with qk_scale)
-        # applied to each head's row of logits after
-        q_amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
-        q_scale = tl.maximum(q_amax, 1e-30) / 448.0
-        q8 = (q.to(tl.float32) / q_scale[:, None]).to(tl.float8e4nv)
-        qk_row_scale = q_scale * qk_scale
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     pages = kv_indices_ptr + first_page
     head = kvh.to(tl.int64) * stride_kvh
     if PREFETCH:  # the first block's cells, before the loop
         row, t_mask = _cells(pages, start + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
-    for n0 in range(start, end, BLOCK_N):
-        if PREFETCH:
-            # K and V of cells found the block before: no load in this block waits on another load of
-            # it; the next block's page ids load while this one's computes
-            k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
-            v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
-            mask = t_mask
-            row, t_mask = _cells(pages, n0 + BLOCK_N + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
-        else:
-            this_row, mask = _cells(pages, n0 + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
-            k = tl.load(k_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
-        if CUDA_CORES:
-            qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * qk_scale
-        elif FP8_QK:
-            qk = _mma(q8, tl.trans(k), UPCAST) * qk_row_scale[:, None]
-        else:
-            qk = _mma(q, tl.trans(k.to(q.dtype)), UPCAST) * qk_scale
-        qk = tl.where(mask[None, :], qk, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every block holds a token
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if not PREFETCH:
-            v = tl.load(v_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
-        if CONVERT_V:
-            v = _e4m3_to_f16(v)
-        if CUDA_CORES:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        else:
-            acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v.to(q.dtype), UPCAST)
-        m_i = m_new
+    if FP8_MMA:
+        # FP8 tensor cores (wgmma) with the products transposed: tokens are the M side (BLOCK_N >= 64 rows,
+        # what wgmma needs) and the group's heads the N side (8 or more), so K and V go to the tensor cores
+        # as the cache holds them, e4m3 and K-major, with no conversion and no rows of heads padded to 64.
+        # The query in e4m3 a head at a time, its largest magnitude at 448, the scale applied to the logits;
+        # FP8_MMA 2: P in e4m3 too (times 448, divided out at the end) for P V; 1: P V in float16
+        qf = q.to(tl.float32)
+        q_scale = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 448.0
+        q8t = tl.trans(_to_e4m3(qf / q_scale[:, None], UPCAST))  # [HEAD_DIM, BLOCK_H]
+        col_scale = q_scale * qk_scale
+        acc_t = tl.zeros([HEAD_DIM, BLOCK_H], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            if PREFETCH:
+                k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+                v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+                mask = t_mask
+                row, t_mask = _cells(pages, n0 + BLOCK_N + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
+            else:
+                this_row, mask = _cells(pages, n0 + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
+                k = tl.load(k_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
+                v = tl.load(v_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
+            s_t = _mma(k, q8t, UPCAST) * col_scale[None, :]  # [BLOCK_N, BLOCK_H]
+            s_t = tl.where(mask[:, None], s_t, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            p_t = tl.exp2(s_t - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p_t, axis=0)
+            if FP8_MMA == 2:
+                pv = _mma(tl.trans(v), _to_e4m3(p_t * 448.0, UPCAST), UPCAST)
+            else:
+                pv = _mma(tl.trans(v.to(tl.float16)), p_t.to(tl.float16), UPCAST)
+            acc_t = acc_t * alpha[None, :] + pv
+            m_i = m_new
+        acc = tl.trans(acc_t)
+        if FP8_MMA == 2:
+            acc = acc / 448.0
+    else:
+        acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            if PREFETCH:
+                # K and V of cells found the block before: no load in this block waits on another load of
+                # it; the next block's page ids load while this one's computes
+                k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+                v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+                mask = t_mask
+                row, t_mask = _cells(pages, n0 + BLOCK_N + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
+            else:
+                this_row, mask = _cells(pages, n0 + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
+                k = tl.load(k_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
+            if CUDA_CORES:
+                qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * qk_scale
+            else:
+                qk = _mma(q, tl.trans(k.to(q.dtype)), UPCAST) * qk_scale
+            qk = tl.where(mask[None, :], qk, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every block holds a token
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if not PREFETCH:
+                v = tl.load(v_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
+            if CONVERT_V:
+                v = _e4m3_to_f16(v)
+            if CUDA_CORES:
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            else:
+                acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v.to(q.dtype), UPCAST)
+            m_i = m_new
 
     if NUM_SPLITS == 1:
         o = acc / l_i[:, None]
@@ -356,7 +395,7 @@ def paged_decode(
     convert_v: bool | None = None,
     pdl: bool = False,
     merge_in_last: bool | None = None,
-    fp8_qk: bool | None = None,
+    fp8_mma: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
     k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]: request b reads pages
@@ -373,9 +412,9 @@ def paged_decode(
     conversion runs); pdl, both kernels launched with programmatic dependent launch
     (worker/pdl_kernels.py); merge_in_last, split results merged by the last of a request's kv head's splits
     to finish instead of a second launch (None: where a kv head has at most MERGE_IN_LAST_MAX_GROUP query
-    heads; needs the scratch's arrivals); fp8_qk, over an fp8 cache the query quantized to e4m3 (a scale a
-    head) so that Q K^T runs on the FP8 tensor cores over K unconverted (None: FP8_QK; GPUs of compute
-    capability 8.9 or more)."""
+    heads; needs the scratch's arrivals); fp8_mma, over an fp8 cache the products on FP8 tensor cores with
+    tokens as their rows: 1, Q K^T with the query in e4m3 (a scale a head) over K unconverted; 2, P V too, P
+    in e4m3 (None: FP8_MMA on GPUs of compute capability 9.0, wgmma's; block_n of 64 or more)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -389,7 +428,15 @@ def paged_decode(
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if f16_dot is None:
         f16_dot = fp8
+    if fp8_mma is None:
+        fp8_mma = FP8_MMA if fp8 and not cuda_cores and _fp8_tensor_cores(q) else 0
+    elif fp8_mma not in (0, 1, 2):
+        raise ValueError(f"fp8_mma is 0, 1 (Q K^T on FP8 tensor cores) or 2 (P V too), not {fp8_mma}")
+    elif fp8_mma and (not fp8 or cuda_cores or not _fp8_tensor_cores(q)):
+        raise ValueError("fp8_mma multiplies an fp8 cache on FP8 tensor cores (compute capability 9.0+) only")
     tile = _default_tile(head_dim, num_splits, fp8)
+    if fp8_mma:  # wgmma's products take 64 tokens a step or more
+        tile = (max(64, tile[0]), *tile[1:])
     block_n, num_warps, num_stages = block_n or tile[0], num_warps or tile[1], num_stages or tile[2]
     if prefetch is None:
         prefetch = tile[3]
@@ -398,12 +445,6 @@ def paged_decode(
         raise ValueError("convert_v converts an fp8 cache's V for float16 tensor-core operands only")
     if convert_v is None:  # where it was measured: the prefetching tile of a split or two a request
         convert_v = CONVERT_V and float16_operands and tile[3]
-    if fp8_qk is None:
-        fp8_qk = FP8_QK and fp8 and not cuda_cores and _fp8_tensor_cores(q)
-    elif fp8_qk and (not fp8 or cuda_cores or not _fp8_tensor_cores(q)):
-        raise ValueError(
-            "fp8_qk multiplies the query with an fp8 cache's K on FP8 tensor cores (compute capability 8.9+) only"
-        )
     if num_splits > 1:
         if scratch is None:
             scratch = decode_scratch(batch, num_heads, head_dim, num_splits, q.device)
@@ -420,6 +461,10 @@ def paged_decode(
     else:
         part_out, part_lse = out, out  # unread: one split writes out itself
         arrivals, merge_in_last = out, False
+    # the group's heads: as they are on the CUDA cores, padded to 16 rows for tl.dot, or to 8 columns of the
+    # transposed FP8 products (wgmma's narrowest)
+    block_h = triton.next_power_of_2(group)
+    block_h = block_h if cuda_cores else max(8 if fp8_mma else 16, block_h)
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -447,7 +492,7 @@ def paged_decode(
         GROUP=group,
         PAGE_SIZE=page_size,
         HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(group) if cuda_cores else max(16, triton.next_power_of_2(group)),
+        BLOCK_H=block_h,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         F16_DOT=f16_dot,
@@ -458,7 +503,7 @@ def paged_decode(
         PDL=pdl,
         MERGE_IN_LAST=merge_in_last,
         BLOCK_G=triton.next_power_of_2(group),
-        FP8_QK=fp8_qk,
+        FP8_MMA=fp8_mma,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),
@@ -497,9 +542,9 @@ def _default_tile(head_dim: int, num_splits: int, fp8: bool) -> tuple[int, int, 
 
 
 def _fp8_tensor_cores(x: torch.Tensor) -> bool:
-    """Whether x's GPU multiplies e4m3 operands on its tensor cores (compute capability 8.9 or more); under
-    the interpreter, which emulates them, always."""
-    return INTERPRETED or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9))
+    """Whether x's GPU has the FP8 tensor-core products the kernel's fp8_mma compiles to (Hopper's wgmma,
+    compute capability 9.0 or more); under the interpreter, which emulates them, always."""
+    return INTERPRETED or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
 def _stride(x: torch.Tensor, dim: int) -> int:
