@@ -8,7 +8,7 @@ with KV lengths uniform in 150..1600 (seeded) and batch 1 with 560 tokens; 20 ca
 graph, median of 5 replays; microseconds a call, TB/s of K and V read once, the largest difference from
 FlashInfer's tensor-core output over the same cache.
 
-    python bench/fp8_decode.py [--batch 256 1] [--page-size 16] [--sweep none|small|full] [--variants] [--kv fp8]
+    python bench/fp8_decode.py [--batch 256 1] [--page-size 16] [--sweep none|small|full] [--variants [fp8_mma]] [--kv fp8]
         [--out r.json]"""
 
 from __future__ import annotations
@@ -183,17 +183,20 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
         runs.insert(0, ((None, None, None), None, {"launcher": True}))  # every choice the launcher's own
         # and with the split results merged by the last split's program instead of a launch of their own
         runs.insert(1, ((None, None, None), None, {"launcher": True, "merge_in_last": True}))
-        if args.variants:  # the kernel's variants, each at tiles of its own
+        if args.variants == "fp8_mma":  # the launcher's rows and the FP8 tensor-core products' only
+            runs = runs[:2]
+        if args.variants == "all":  # the kernel's variants, each at tiles of its own
             runs += [(tile, None, {"prefetch": True}) for tile in PREFETCH_TILES]
             runs += [(tile, None, {"cuda_cores": True}) for tile in CUDA_CORE_TILES]
             runs += [(tile, None, {"cuda_cores": True, "prefetch": True}) for tile in CUDA_CORE_TILES]
             if kv == "fp8":  # V converted to float16 before it is staged, with and without the prefetch
                 runs += [(tile, None, {"prefetch": True, "convert_v": True}) for tile in PREFETCH_TILES]
                 runs += [(tile, None, {"convert_v": True}) for tile in CONVERT_V_TILES]
-                # the products on FP8 tensor cores, tokens as their rows: Q K^T (1), P V too (2)
-                for mma in (2, 1):
-                    runs += [(tile, None, {"prefetch": True, "fp8_mma": mma}) for tile in FP8_MMA_TILES]
-                    runs += [(tile, None, {"fp8_mma": mma}) for tile in FP8_MMA_TILES]
+        if args.variants in ("all", "fp8_mma") and kv == "fp8":
+            # the products on FP8 tensor cores, tokens as their rows: Q K^T (1), P V too (2)
+            for mma in (2, 1):
+                runs += [(tile, None, {"prefetch": True, "fp8_mma": mma}) for tile in FP8_MMA_TILES]
+                runs += [(tile, None, {"fp8_mma": mma}) for tile in FP8_MMA_TILES]
         for splits, ((block_n, warps, stages), f16_dot, variant) in itertools.product(splits_to_try(batch), runs):
             if variant and splits != _default_splits(batch):
                 continue  # the variants at the launcher's split count only
@@ -317,8 +320,11 @@ def main() -> None:
     parser.add_argument("--kv", nargs="+", choices=["fp8", "bf16"], default=["fp8", "bf16"], help="the caches timed")
     parser.add_argument(
         "--variants",
-        action="store_true",
-        help="also the Triton kernel's variants (paged_decode's cuda_cores, prefetch and convert_v) at tiles of their own",
+        nargs="?",
+        const="all",
+        choices=["all", "fp8_mma"],
+        help="also the Triton kernel's variants (paged_decode's cuda_cores, prefetch, convert_v and fp8_mma) at tiles"
+        " of their own; fp8_mma: the launcher's choices and fp8_mma's only",
     )
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
