@@ -290,7 +290,16 @@ def test_flashinfers_decode_path_follows_the_choice_it_is_given():
         "page16-group2-d64-more-splits-than-tokens",
     ],
 )
-@pytest.mark.parametrize("variant", [{"cuda_cores": True}, {"prefetch": True}, {"cuda_cores": True, "prefetch": True}])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"cuda_cores": True},
+        {"prefetch": True},
+        {"cuda_cores": True, "prefetch": True},
+        {"token_rows": True},
+        {"token_rows": True, "prefetch": True},
+    ],
+)
 def test_the_kernels_variants_equal_float32_attention_over_the_pages(kv, case, variant):
     page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
     args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, kv, seed=4)
@@ -432,6 +441,10 @@ def test_fp8_mma_is_for_an_fp8_cache_on_the_tensor_cores():
         paged_decode(*fp8_args, num_splits=2, fp8_mma=2, cuda_cores=True)
     with pytest.raises(ValueError, match="fp8_mma"):
         paged_decode(*fp8_args, num_splits=2, fp8_mma=3)
+    with pytest.raises(ValueError, match="token_rows"):
+        paged_decode(*fp8_args, num_splits=2, fp8_mma=2, token_rows=False)
+    with pytest.raises(ValueError, match="token_rows"):
+        paged_decode(*args, num_splits=2, token_rows=True, cuda_cores=True)
 
 
 @pytest.mark.gpu

@@ -43,6 +43,10 @@ MERGE_IN_LAST_MAX_GROUP = 2
 # quantized to e4m3 (a scale a head) over K as the cache holds it, P V in float16; 2, P V too with P in e4m3.
 # 0 (neither) until measured (bench/fp8_decode.py --variants)
 FP8_MMA = 0
+# The products transposed, tokens as their rows (paged_decode's token_rows), over any cache: what fp8_mma takes,
+# and over a half-precision cache the same products in its dtype with the heads padded to 8 columns instead of
+# 16 rows. Off until measured
+TOKEN_ROWS = False
 
 
 @triton.jit
@@ -137,6 +141,7 @@ def _split_kernel(
     MERGE_IN_LAST: tl.constexpr = False,
     BLOCK_G: tl.constexpr = 1,
     FP8_MMA: tl.constexpr = 0,
+    TOKEN_ROWS: tl.constexpr = False,
 ):
     # one program per (request, kv head, split): the group's query heads against the split's tokens,
     # with an online softmax in base 2 (qk_scale = sm_scale * log2(e)); one split writes `out` itself,
@@ -181,16 +186,21 @@ def _split_kernel(
     head = kvh.to(tl.int64) * stride_kvh
     if PREFETCH:  # the first block's cells, before the loop
         row, t_mask = _cells(pages, start + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
-    if FP8_MMA:
-        # FP8 tensor cores (wgmma) with the products transposed: tokens are the M side (BLOCK_N >= 64 rows,
-        # what wgmma needs) and the group's heads the N side (8 or more), so K and V go to the tensor cores
-        # as the cache holds them, e4m3 and K-major, with no conversion and no rows of heads padded to 64.
-        # The query in e4m3 a head at a time, its largest magnitude at 448, the scale applied to the logits;
-        # FP8_MMA 2: P in e4m3 too (times 448, divided out at the end) for P V; 1: P V in float16
-        qf = q.to(tl.float32)
-        q_scale = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 448.0
-        q8t = tl.trans(_to_e4m3(qf / q_scale[:, None], UPCAST))  # [HEAD_DIM, BLOCK_H]
-        col_scale = q_scale * qk_scale
+    if TOKEN_ROWS:
+        # the products transposed, S^T = K Q^T and O^T = V^T P^T: tokens are their M side (BLOCK_N >= 64 rows, what
+        # Hopper's wgmma needs) and the group's heads the N side (8 or more), so K and V go to the tensor cores
+        # from shared memory as the cache holds them, with no rows of heads padded to 64 (nor to 16). Over a
+        # half-precision cache in its dtype, as the default's products. FP8_MMA (an fp8 cache): 1, Q K^T in e4m3,
+        # the query rounded a head at a time (its largest magnitude at 448, the scale applied to the logits),
+        # over K unconverted, P V in float16; 2, P V in e4m3 too, P times 448 (divided out at the end)
+        if FP8_MMA:
+            qf = q.to(tl.float32)
+            q_scale = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 448.0
+            q_t = tl.trans(_to_e4m3(qf / q_scale[:, None], UPCAST))  # [HEAD_DIM, BLOCK_H]
+            col_scale = q_scale * qk_scale
+        else:
+            q_t = tl.trans(q)
+            col_scale = tl.full([BLOCK_H], qk_scale, dtype=tl.float32)
         acc_t = tl.zeros([HEAD_DIM, BLOCK_H], dtype=tl.float32)
         for n0 in range(start, end, BLOCK_N):
             if PREFETCH:
@@ -202,7 +212,7 @@ def _split_kernel(
                 this_row, mask = _cells(pages, n0 + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
                 k = tl.load(k_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
                 v = tl.load(v_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
-            s_t = _mma(k, q8t, UPCAST) * col_scale[None, :]  # [BLOCK_N, BLOCK_H]
+            s_t = _mma(k.to(q_t.dtype), q_t, UPCAST) * col_scale[None, :]  # [BLOCK_N, BLOCK_H]
             s_t = tl.where(mask[:, None], s_t, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
             alpha = tl.exp2(m_i - m_new)
@@ -211,7 +221,7 @@ def _split_kernel(
             if FP8_MMA == 2:
                 pv = _mma(tl.trans(v), _to_e4m3(p_t * 448.0, UPCAST), UPCAST)
             else:
-                pv = _mma(tl.trans(v.to(tl.float16)), p_t.to(tl.float16), UPCAST)
+                pv = _mma(tl.trans(v.to(q.dtype)), p_t.to(q.dtype), UPCAST)
             acc_t = acc_t * alpha[None, :] + pv
             m_i = m_new
         acc = tl.trans(acc_t)
@@ -396,6 +406,7 @@ def paged_decode(
     pdl: bool = False,
     merge_in_last: bool | None = None,
     fp8_mma: int | None = None,
+    token_rows: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
     k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]: request b reads pages
@@ -414,7 +425,8 @@ def paged_decode(
     to finish instead of a second launch (None: where a kv head has at most MERGE_IN_LAST_MAX_GROUP query
     heads; needs the scratch's arrivals); fp8_mma, over an fp8 cache the products on FP8 tensor cores with
     tokens as their rows: 1, Q K^T with the query in e4m3 (a scale a head) over K unconverted; 2, P V too, P
-    in e4m3 (None: FP8_MMA on GPUs of compute capability 9.0, wgmma's; block_n of 64 or more)."""
+    in e4m3 (None: FP8_MMA on GPUs of compute capability 9.0, wgmma's; block_n of 64 or more); token_rows, the
+    products transposed, tokens as their rows (what fp8_mma takes; None: TOKEN_ROWS, or fp8_mma)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -434,9 +446,13 @@ def paged_decode(
         raise ValueError(f"fp8_mma is 0, 1 (Q K^T on FP8 tensor cores) or 2 (P V too), not {fp8_mma}")
     elif fp8_mma and (not fp8 or cuda_cores or not _fp8_tensor_cores(q)):
         raise ValueError("fp8_mma multiplies an fp8 cache on FP8 tensor cores (compute capability 9.0+) only")
-    tile = _default_tile(head_dim, num_splits, fp8)
-    if fp8_mma:  # wgmma's products take 64 tokens a step or more
-        tile = (max(64, tile[0]), *tile[1:])
+    if token_rows is None:
+        token_rows = bool(fp8_mma) or (TOKEN_ROWS and not cuda_cores)
+    elif fp8_mma and not token_rows:
+        raise ValueError("fp8_mma's products take tokens as their rows: token_rows cannot be off with it")
+    elif token_rows and cuda_cores:
+        raise ValueError("token_rows transposes the tensor cores' products: not with cuda_cores")
+    tile = _default_tile(head_dim, num_splits, fp8, token_rows)
     block_n, num_warps, num_stages = block_n or tile[0], num_warps or tile[1], num_stages or tile[2]
     if prefetch is None:
         prefetch = tile[3]
@@ -462,9 +478,9 @@ def paged_decode(
         part_out, part_lse = out, out  # unread: one split writes out itself
         arrivals, merge_in_last = out, False
     # the group's heads: as they are on the CUDA cores, padded to 16 rows for tl.dot, or to 8 columns of the
-    # transposed FP8 products (wgmma's narrowest)
+    # transposed products (wgmma's narrowest)
     block_h = triton.next_power_of_2(group)
-    block_h = block_h if cuda_cores else max(8 if fp8_mma else 16, block_h)
+    block_h = block_h if cuda_cores else max(8 if token_rows else 16, block_h)
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -504,6 +520,7 @@ def paged_decode(
         MERGE_IN_LAST=merge_in_last,
         BLOCK_G=triton.next_power_of_2(group),
         FP8_MMA=fp8_mma,
+        TOKEN_ROWS=token_rows,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),
@@ -530,14 +547,18 @@ def paged_decode(
     return out
 
 
-def _default_tile(head_dim: int, num_splits: int, fp8: bool) -> tuple[int, int, int, bool]:
+def _default_tile(head_dim: int, num_splits: int, fp8: bool, token_rows: bool = False) -> tuple[int, int, int, bool]:
     """(block_n, num_warps, num_stages, prefetch), the fastest in bench/fp8_decode.py (head_dim 128, page 16):
     128 tokens a step at a split or two a request (batch 256), 32 where many splits leave each a few blocks
     (batch 1). Over an fp8 cache at batch 256 the prefetching variant with three stages took 184.7 us against
     208.5 for the plain kernel's two (the bf16 cache's variants were within 1% of each other; at batch 1 every
-    variant was). Past head_dim 128, 32 (a guess: K and V tiles twice the size)."""
+    variant was). Past head_dim 128, 32 (a guess: K and V tiles twice the size). With tokens as the products'
+    rows (token_rows), 64 tokens a step at least, as wgmma needs; over a half-precision cache 64 (three stages
+    of its K and V tiles, 96 KB, leave room for two programs an SM; 128 tokens' two stages hold one)."""
+    if token_rows and not fp8:
+        return 64, 4, 3 if num_splits <= 2 else 2, False
     if head_dim > 128 or num_splits > 2:
-        return 32, 4, 2, False
+        return 64 if token_rows else 32, 4, 2, False
     return (128, 4, 3, True) if fp8 else (128, 4, 2, False)
 
 
