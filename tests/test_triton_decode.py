@@ -432,6 +432,22 @@ def test_fp8_tensor_core_products_over_any_query(case, fp8_mma):
     assert err.max() <= 0.1 * v_max
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+@pytest.mark.parametrize("case", [*CASES, "qwen3-0.6b-heads-batch-64-one-split"])
+def test_products_with_tokens_as_rows_on_the_gpu(kv, case):
+    """token_rows on CUDA (wgmma on a Hopper), in the cache's dtype (float16 over fp8): float32 attention within
+    the plain kernel's bound, at every case's tile and at the engine's full-batch tile."""
+    if case in CASES:
+        page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
+        args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, kv, seed=9)
+    else:
+        lens = torch.randint(1, 1001, (64,), generator=torch.Generator().manual_seed(9)).tolist()
+        args, num_splits, block_n = make_decode(lens, 16, 8, 2, 128, kv, seed=9), 1, None
+    got = paged_decode(*args, num_splits=num_splits, block_n=block_n, token_rows=True, fp8_mma=0)
+    assert_close_to_reference(got, args)
+
+
 def test_fp8_mma_is_for_an_fp8_cache_on_the_tensor_cores():
     args = make_decode([5, 40], 16, 2, 2, 64, "bf16", seed=2)
     with pytest.raises(ValueError, match="fp8_mma"):
