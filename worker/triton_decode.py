@@ -44,8 +44,8 @@ MERGE_IN_LAST_MAX_GROUP = 2
 # 0 (neither) until measured (bench/fp8_decode.py --variants)
 FP8_MMA = 0
 # The products transposed, tokens as their rows (paged_decode's token_rows), over any cache: what fp8_mma takes,
-# and over a half-precision cache the same products in its dtype with the heads padded to 8 columns instead of
-# 16 rows. Off until measured
+# and over a half-precision cache the same products in its dtype on Hopper's wgmma instead of mma.sync. Off
+# until measured
 TOKEN_ROWS = False
 
 
@@ -188,8 +188,8 @@ def _split_kernel(
         row, t_mask = _cells(pages, start + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
     if TOKEN_ROWS:
         # the products transposed, S^T = K Q^T and O^T = V^T P^T: tokens are their M side (BLOCK_N >= 64 rows, what
-        # Hopper's wgmma needs) and the group's heads the N side (8 or more), so K and V go to the tensor cores
-        # from shared memory as the cache holds them, with no rows of heads padded to 64 (nor to 16). Over a
+        # Hopper's wgmma needs) and the group's heads the N side (16), so K and V go to the tensor cores from
+        # shared memory as the cache holds them, with no rows of heads padded to wgmma's 64. Over a
         # half-precision cache in its dtype, as the default's products. FP8_MMA (an fp8 cache): 1, Q K^T in e4m3,
         # the query rounded a head at a time (its largest magnitude at 448, the scale applied to the logits),
         # over K unconverted, P V in float16; 2, P V in e4m3 too, P times 448 (divided out at the end)
@@ -477,10 +477,10 @@ def paged_decode(
     else:
         part_out, part_lse = out, out  # unread: one split writes out itself
         arrivals, merge_in_last = out, False
-    # the group's heads: as they are on the CUDA cores, padded to 16 rows for tl.dot, or to 8 columns of the
-    # transposed products (wgmma's narrowest)
+    # the group's heads: as they are on the CUDA cores, padded to 16 for tl.dot (rows, or with token_rows
+    # columns: wgmma takes 8, but Triton 3.6 compiles a product that narrow to mma.sync)
     block_h = triton.next_power_of_2(group)
-    block_h = block_h if cuda_cores else max(8 if token_rows else 16, block_h)
+    block_h = block_h if cuda_cores else max(16, block_h)
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
