@@ -233,13 +233,10 @@ def test_flashinfer_runs_over_an_fp8_cache_with_cuda_graphs(qwen3_hd128):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8_mma", [0, 1, 2])
-def test_greedy_over_an_fp8_cache_follows_the_bfloat16_cache_but_at_near_ties(qwen3_hd128, fp8_mma, monkeypatch):
-    # FlashInfer and CUDA graphs both times; prefill in 64-token chunks over cached fp8 pages; fp8_mma: the
-    # decode kernel's products on FP8 tensor cores, the query in e4m3 (1), and P too (2) (triton_decode.FP8_MMA)
-    from worker import triton_decode
-
-    monkeypatch.setattr(triton_decode, "FP8_MMA", fp8_mma)
+@pytest.mark.parametrize("products", ["rows", "token_rows", "fp8_qk", "fp8"])
+def test_greedy_over_an_fp8_cache_follows_the_bfloat16_cache_but_at_near_ties(qwen3_hd128, products):
+    # FlashInfer and CUDA graphs both times; prefill in 64-token chunks over cached fp8 pages; the Triton decode
+    # kernel's products each way (Kernels.decode_products)
     n = 32
     prompts = random_prompts(16, 20, 300, seed=1)
     common = {
@@ -250,7 +247,7 @@ def test_greedy_over_an_fp8_cache_follows_the_bfloat16_cache_but_at_near_ties(qw
         "max_extend_tokens": 64,
     }
     ref = _generate(qwen3_hd128, prompts, _greedy_logprobs(n), **common)
-    with checked_llm(qwen3_hd128, **common, **FP8_KV) as llm:
+    with checked_llm(qwen3_hd128, **common, **FP8_KV, kernels=Kernels(decode_products=products)) as llm:
         free = llm.generate(prompts, _greedy_logprobs(n))
         # teacher forcing: each step from the bfloat16 run's own prefix, so one parting does not hide the rest
         forced = llm.generate([p + r.token_ids[:j] for p, r in zip(prompts, ref) for j in range(n)], greedy(1))
@@ -258,9 +255,16 @@ def test_greedy_over_an_fp8_cache_follows_the_bfloat16_cache_but_at_near_ties(qw
     picks = [o.token_ids[0] for o in forced]
     want = [(t, math.exp(lp)) for r in ref for t, lp in zip(r.token_ids, r.logprobs)]
     misses = [p for (t, p), g in zip(want, picks) if g != t]
-    print(f"fp8_mma={fp8_mma}: {len(misses)} of {len(picks)} teacher-forced picks differ from bfloat16's")
+    print(f"decode products {products}: {len(misses)} of {len(picks)} teacher-forced picks differ from bfloat16's")
     assert all(p <= NEAR_TIE for p in misses), misses
     assert len(misses) <= 0.2 * len(picks)  # measured: 11.5% of 512 (bfloat16's prefill against its decode: 2.7%)
+
+
+@pytest.mark.gpu
+def test_fp8_decode_products_over_a_bfloat16_cache_are_a_clear_error(qwen3_hd128):
+    with pytest.raises(ValueError, match="decode products 'fp8' multiply an fp8 KV cache"):
+        with checked_llm(qwen3_hd128, dtype="bfloat16", num_pages=64, kernels=Kernels(decode_products="fp8")):
+            pass
 
 
 @pytest.mark.gpu
