@@ -208,7 +208,14 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
             if variant.get("launcher"):
                 choices = {"merge_in_last": bool(variant.get("merge_in_last"))}
             else:
-                choices = {"prefetch": False, "convert_v": False, "merge_in_last": False, "fp8_mma": 0, **variant}
+                choices = {
+                    "prefetch": False,
+                    "convert_v": False,
+                    "merge_in_last": False,
+                    "fp8_mma": 0,
+                    "token_rows": False,
+                    **variant,
+                }
             scratch = decode_scratch(batch, NUM_HEADS, HEAD_DIM, splits, "cuda")
 
             def call() -> torch.Tensor:
@@ -262,6 +269,8 @@ def _dot_name(kv: str, f16_dot: bool | None, variant: dict) -> str:
     """What a run multiplies with: float32 products on the CUDA cores, or the tensor cores' operands."""
     if variant.get("cuda_cores"):
         return "cuda_cores"
+    if variant.get("fp8_mma"):
+        return "e4m3" if variant["fp8_mma"] == 2 else "e4m3 qk"
     return "bf16" if f16_dot is False or kv == "bf16" else "fp16"
 
 

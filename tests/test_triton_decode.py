@@ -4,6 +4,8 @@ and on a GPU against FlashInfer's tensor-core decode. On the CPU it runs under T
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -302,6 +304,7 @@ def test_flashinfers_decode_path_follows_the_choice_it_is_given():
 )
 def test_the_kernels_variants_equal_float32_attention_over_the_pages(kv, case, variant):
     page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
+    block_n = rows_tile(block_n) if variant.get("token_rows") else block_n
     args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, kv, seed=4)
     assert_close_to_reference(paged_decode(*args, num_splits=num_splits, block_n=block_n, **variant), args)
 
@@ -379,6 +382,11 @@ def e4m3_dequantized(q: torch.Tensor) -> torch.Tensor:
     return (q.float() / scale).to(torch.float8_e4m3fn).float() * scale
 
 
+def rows_tile(block_n: int | None) -> int | None:
+    """A case's tile for the transposed products, which take 64 tokens a step or more."""
+    return None if block_n is None else max(64, block_n)
+
+
 def e4m3_p_bound(args: tuple[torch.Tensor, ...]) -> float:
     # fp8_mma 2 rounds each probability (times 448) to e4m3: a relative 2^-4 at most where normal, so the
     # output moves by at most 2^-4 max|V|; below e4m3's normals (p < 2^-6 / 448) by 2^-9 / 448 each at most
@@ -393,19 +401,68 @@ def e4m3_p_bound(args: tuple[torch.Tensor, ...]) -> float:
 def test_fp8_tensor_core_products_round_the_query_a_head_at_a_time(case, prefetch, fp8_mma):
     """fp8_mma: the query rounded to e4m3 at a scale a head, Q K^T on the FP8 tensor cores over K as the cache
     holds it (1), and P V there too with P in e4m3 (2). A query 0.45 of a step off e4m3's values gives the
-    attention of those values, within the plain kernel's bound (and P's rounding's with 2), and not its own
-    (several bounds away), so the kernel rounded it. Made of e4m3 values at powers of two: the interpreter
-    rounds them exactly (the GPU test below takes any query)."""
+    attention of those values, within the plain kernel's bound (and P's rounding's worst case with 2), and with
+    1 not its own (more than the bound away), so the kernel rounded it. Made of e4m3 values at powers of two:
+    the interpreter rounds them exactly (the GPU test below takes any query; the test after this one holds
+    P's rounding to its emulation)."""
     page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
     args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, "fp8", seed=7)
     exact, moved = e4m3_queries(args[0], seed=7)
-    got = paged_decode(moved, *args[1:], num_splits=num_splits, block_n=block_n, prefetch=prefetch, fp8_mma=fp8_mma)
+    tiles = dict(num_splits=num_splits, block_n=rows_tile(block_n), prefetch=prefetch)
+    got = paged_decode(moved, *args[1:], **tiles, fp8_mma=fp8_mma)
     want = paged_decode_reference(exact, *args[1:]).float()
     bound = 2 * UNIT_ROUNDOFF * args[2].float().abs().max().item()
     p_bound = e4m3_p_bound(args) if fp8_mma == 2 else 0.0
     torch.testing.assert_close(got.float(), want, atol=bound + p_bound, rtol=0)
     if fp8_mma == 1:
         assert (paged_decode_reference(moved, *args[1:]).float() - got.float()).abs().max() > bound
+
+
+def p_rounded_reference(
+    q: torch.Tensor, k_cache, v_cache, kv_indptr, kv_indices, last_page_len, round_query: bool = True
+) -> torch.Tensor:
+    """fp8_mma 2's attention where one block holds each request (so the kernel's running maximum is the
+    final one): the query rounded to e4m3 a head at a time (unless not round_query), then each probability
+    times 448 rounded to e4m3 for P V, the sum of the unrounded ones dividing it; float32 otherwise."""
+    batch, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    qd = e4m3_dequantized(q) if round_query else q.float()
+    indptr, last = kv_indptr.tolist(), last_page_len.tolist()
+    out = torch.empty(batch, num_heads, head_dim)
+    for b in range(batch):
+        pages = kv_indices[indptr[b] : indptr[b + 1]].long().cpu()
+        n = (len(pages) - 1) * page_size + last[b]
+        k, v = (
+            c.cpu().view(torch.uint8)[pages].view(torch.float8_e4m3fn).float().reshape(-1, num_kv_heads, head_dim)[:n]
+            for c in (k_cache, v_cache)
+        )
+        k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+        scores = torch.einsum("hd,nhd->hn", qd[b].cpu(), k) / math.sqrt(head_dim)
+        p = torch.exp(scores - scores.amax(-1, keepdim=True))
+        rounded = (p * 448).to(torch.float8_e4m3fn).float() / 448
+        out[b] = torch.einsum("hn,nhd->hd", rounded, v) / p.sum(-1, keepdim=True)
+    return out
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_fp8_tensor_core_p_v_rounds_p_times_448_to_e4m3(prefetch):
+    """fp8_mma 2 over requests of one block each (one split): the emulation of its roundings (the query's, then
+    P's times 448) within twice float16's rounding of the output, where P unrounded, or the query unrounded,
+    is over four times that away. Float16 queries, so the output's own rounding is small; a flatter softmax
+    than the other tests'; e4m3 queries at powers of two (the interpreter rounds them exactly) moved 0.45 of a
+    step, so the kernel must round them."""
+    args = make_decode([1, 15, 16, 17, 53], 16, 2, 2, 64, "fp8", q_dtype=torch.float16, seed=7)
+    exact, moved = e4m3_queries(args[0], seed=7)
+    exact, moved = exact / 16, moved / 16
+    got = paged_decode(moved, *args[1:], num_splits=1, block_n=64, prefetch=prefetch, fp8_mma=2).float().cpu()
+    want = p_rounded_reference(exact, *args[1:])
+    tol = 2 * 2.0**-11 * args[2].float().abs().max().item()  # measured: 0.06 of it
+    torch.testing.assert_close(got, want, atol=tol, rtol=0)
+    unrounded_p = paged_decode_reference(exact, *args[1:]).float().cpu()
+    unrounded_query = p_rounded_reference(moved, *args[1:], round_query=False)
+    assert (unrounded_p - want).abs().max() > 4 * tol  # what the test tells apart (measured: 8 times)
+    assert (unrounded_query - want).abs().max() > 4 * tol
 
 
 @pytest.mark.gpu
@@ -421,7 +478,7 @@ def test_fp8_tensor_core_products_over_any_query(case, fp8_mma):
     else:
         lens = torch.randint(1, 1001, (64,), generator=torch.Generator().manual_seed(8)).tolist()
         args, num_splits, block_n = make_decode(lens, 16, 8, 2, 128, "fp8", seed=8), 1, None
-    got = paged_decode(*args, num_splits=num_splits, block_n=block_n, fp8_mma=fp8_mma).float()
+    got = paged_decode(*args, num_splits=num_splits, block_n=rows_tile(block_n), fp8_mma=fp8_mma).float()
     bound = 2 * UNIT_ROUNDOFF * args[2].float().abs().max().item()
     p_bound = e4m3_p_bound(args) if fp8_mma == 2 else 0.0
     want = paged_decode_reference(e4m3_dequantized(args[0]), *args[1:]).float()
@@ -430,6 +487,23 @@ def test_fp8_tensor_core_products_over_any_query(case, fp8_mma):
     err = (got - paged_decode_reference(*args).float()).abs()
     print(f"{case} fp8_mma={fp8_mma}: |error| max {err.max() / v_max:.4f}, mean {err.mean() / v_max:.5f} of max|V|")
     assert err.max() <= 0.1 * v_max
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_mma", [0, 2])
+def test_fp8_tensor_core_products_hold_over_a_long_context(fp8_mma):
+    """One split over 24,000 tokens (FP8 products promote their sums to float32 every 32 of K, so P V's sum over
+    the context does not lose bits as it grows): float32 attention of the e4m3 query within the plain kernel's
+    bound (and P's rounding's with 2); token_rows alone (0) in float16 within the plain bound."""
+    args = make_decode([24_000, 3_000], 16, 8, 2, 128, "fp8", seed=10)
+    got = paged_decode(*args, num_splits=1, token_rows=True, fp8_mma=fp8_mma).float()
+    bound = 2 * UNIT_ROUNDOFF * args[2].float().abs().max().item()
+    if fp8_mma:
+        want = paged_decode_reference(e4m3_dequantized(args[0]), *args[1:]).float()
+        torch.testing.assert_close(got, want, atol=bound + e4m3_p_bound(args), rtol=0)
+        print(f"24,000 tokens, fp8_mma 2: |error| max {(got - want).abs().max() / bound:.2f} of the plain bound")
+    else:
+        assert_close_to_reference(got, args)
 
 
 @pytest.mark.gpu
@@ -444,7 +518,7 @@ def test_products_with_tokens_as_rows_on_the_gpu(kv, case):
     else:
         lens = torch.randint(1, 1001, (64,), generator=torch.Generator().manual_seed(9)).tolist()
         args, num_splits, block_n = make_decode(lens, 16, 8, 2, 128, kv, seed=9), 1, None
-    got = paged_decode(*args, num_splits=num_splits, block_n=block_n, token_rows=True, fp8_mma=0)
+    got = paged_decode(*args, num_splits=num_splits, block_n=rows_tile(block_n), token_rows=True, fp8_mma=0)
     assert_close_to_reference(got, args)
 
 
@@ -461,6 +535,10 @@ def test_fp8_mma_is_for_an_fp8_cache_on_the_tensor_cores():
         paged_decode(*fp8_args, num_splits=2, fp8_mma=2, token_rows=False)
     with pytest.raises(ValueError, match="token_rows"):
         paged_decode(*args, num_splits=2, token_rows=True, cuda_cores=True)
+    with pytest.raises(ValueError, match="token_rows"):
+        paged_decode(*fp8_args, num_splits=2, token_rows=True, convert_v=True)
+    with pytest.raises(ValueError, match="64 tokens a step"):
+        paged_decode(*args, num_splits=2, token_rows=True, block_n=32)
 
 
 @pytest.mark.gpu

@@ -50,11 +50,16 @@ TOKEN_ROWS = False
 
 
 @triton.jit
-def _mma(a, b, UPCAST: tl.constexpr):
+def _mma(a, b, UPCAST: tl.constexpr, FP8: tl.constexpr = False):
     # Triton's interpreter multiplies bfloat16 operands as their raw bits: there they go in as float32,
-    # which holds them exactly (numpy accumulates in float32 as the tensor cores do)
+    # which holds them exactly (numpy accumulates in float32 as the tensor cores do). FP8 (e4m3 operands):
+    # Hopper's FP8 products add into their accumulator at reduced precision, and Triton's default on sm_90
+    # never promotes it, where the P V sum, folded into the product's accumulator, runs the whole context
+    # long: promoted to float32 every 32 of K (each wgmma's own K)
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    if FP8:
+        return tl.dot(a, b, max_num_imprecise_acc=32)
     return tl.dot(a, b)
 
 
@@ -166,11 +171,12 @@ def _split_kernel(
     heads = kvh * GROUP + offs_h
     h_mask = offs_h < GROUP
     # the group's heads padded to BLOCK_H >= 16 rows: what tl.dot needs to run on tensor cores
-    q = tl.load(
+    q_in = tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=h_mask[:, None],
         other=0.0,
     )
+    q = q_in
     if CUDA_CORES:
         # the group's few heads as products and sums in float32: no rows padded to 16, no operand
         # shuffles for the tensor cores; each K and V element converted once
@@ -194,7 +200,7 @@ def _split_kernel(
         # the query rounded a head at a time (its largest magnitude at 448, the scale applied to the logits),
         # over K unconverted, P V in float16; 2, P V in e4m3 too, P times 448 (divided out at the end)
         if FP8_MMA:
-            qf = q.to(tl.float32)
+            qf = q_in.to(tl.float32)  # as loaded: float16's range and precision do not bound it
             q_scale = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 448.0
             q_t = tl.trans(_to_e4m3(qf / q_scale[:, None], UPCAST))  # [HEAD_DIM, BLOCK_H]
             col_scale = q_scale * qk_scale
@@ -212,14 +218,14 @@ def _split_kernel(
                 this_row, mask = _cells(pages, n0 + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
                 k = tl.load(k_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
                 v = tl.load(v_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
-            s_t = _mma(k.to(q_t.dtype), q_t, UPCAST) * col_scale[None, :]  # [BLOCK_N, BLOCK_H]
+            s_t = _mma(k.to(q_t.dtype), q_t, UPCAST, FP8_MMA > 0) * col_scale[None, :]  # [BLOCK_N, BLOCK_H]
             s_t = tl.where(mask[:, None], s_t, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
             alpha = tl.exp2(m_i - m_new)
             p_t = tl.exp2(s_t - m_new[None, :])
             l_i = l_i * alpha + tl.sum(p_t, axis=0)
             if FP8_MMA == 2:
-                pv = _mma(tl.trans(v), _to_e4m3(p_t * 448.0, UPCAST), UPCAST)
+                pv = _mma(tl.trans(v), _to_e4m3(p_t * 448.0, UPCAST), UPCAST, True)
             else:
                 pv = _mma(tl.trans(v.to(q.dtype)), p_t.to(q.dtype), UPCAST)
             acc_t = acc_t * alpha[None, :] + pv
@@ -440,18 +446,24 @@ def paged_decode(
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if f16_dot is None:
         f16_dot = fp8
+    # what the transposed products' defaults leave alone: the variants and tiles asked of the other layout
+    rows_fit = token_rows is not False and not cuda_cores and not convert_v and (block_n or 64) >= 64
     if fp8_mma is None:
-        fp8_mma = FP8_MMA if fp8 and not cuda_cores and _fp8_tensor_cores(q) else 0
+        fp8_mma = FP8_MMA if fp8 and rows_fit and _fp8_tensor_cores(q) else 0
     elif fp8_mma not in (0, 1, 2):
         raise ValueError(f"fp8_mma is 0, 1 (Q K^T on FP8 tensor cores) or 2 (P V too), not {fp8_mma}")
     elif fp8_mma and (not fp8 or cuda_cores or not _fp8_tensor_cores(q)):
         raise ValueError("fp8_mma multiplies an fp8 cache on FP8 tensor cores (compute capability 9.0+) only")
     if token_rows is None:
-        token_rows = bool(fp8_mma) or (TOKEN_ROWS and not cuda_cores)
+        token_rows = bool(fp8_mma) or (TOKEN_ROWS and rows_fit)
     elif fp8_mma and not token_rows:
         raise ValueError("fp8_mma's products take tokens as their rows: token_rows cannot be off with it")
     elif token_rows and cuda_cores:
         raise ValueError("token_rows transposes the tensor cores' products: not with cuda_cores")
+    if token_rows and convert_v:
+        raise ValueError("convert_v stages V for the products with heads as rows: not with token_rows")
+    if token_rows and block_n is not None and block_n < 64:
+        raise ValueError(f"token_rows takes 64 tokens a step or more (wgmma's rows), not block_n {block_n}")
     tile = _default_tile(head_dim, num_splits, fp8, token_rows)
     block_n, num_warps, num_stages = block_n or tile[0], num_warps or tile[1], num_stages or tile[2]
     if prefetch is None:
@@ -460,7 +472,7 @@ def paged_decode(
     if convert_v and not float16_operands:
         raise ValueError("convert_v converts an fp8 cache's V for float16 tensor-core operands only")
     if convert_v is None:  # where it was measured: the prefetching tile of a split or two a request
-        convert_v = CONVERT_V and float16_operands and tile[3]
+        convert_v = CONVERT_V and float16_operands and tile[3] and not token_rows
     if num_splits > 1:
         if scratch is None:
             scratch = decode_scratch(batch, num_heads, head_dim, num_splits, q.device)
