@@ -328,18 +328,27 @@ def test_an_fp8_caches_v_converted_before_staging_gives_the_same_attention(case,
     assert_same_as_plain_conversion(got, paged_decode(*args, convert_v=False, **tiles))
 
 
+def gpu_case(case: str, kv: str, seed: int) -> tuple[tuple[torch.Tensor, ...], int, int | None]:
+    """(make_decode's tensors, num_splits, block_n) of a case of CASES, or of Qwen3-0.6B's heads over a batch of
+    64 at one split ("qwen3-0.6b-heads-batch-64-one-split": the engine's full-batch decode)."""
+    if case in CASES:
+        page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
+        return (
+            make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, kv, seed=seed),
+            num_splits,
+            block_n,
+        )
+    lens = torch.randint(1, 1001, (64,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return make_decode(lens, 16, 8, 2, 128, kv, seed=seed), 1, None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [*CASES, "qwen3-0.6b-heads-batch-64-one-split"])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_v_converted_before_staging_by_ptx_gives_the_same_attention(case, prefetch):
     """The same on CUDA, where V's conversion is PTX: every case's tile, and Qwen3-0.6B's heads over a batch
     of 64 at one split (the engine's full-batch decode)."""
-    if case in CASES:
-        page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
-        args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, "fp8", seed=6)
-    else:
-        lens = torch.randint(1, 1001, (64,), generator=torch.Generator().manual_seed(6)).tolist()
-        args, num_splits, block_n = make_decode(lens, 16, 8, 2, 128, "fp8", seed=6), 1, None
+    args, num_splits, block_n = gpu_case(case, "fp8", seed=6)
     tiles = dict(num_splits=num_splits, block_n=block_n, prefetch=prefetch)
     got = paged_decode(*args, convert_v=True, **tiles)
     assert_close_to_reference(got, args)
@@ -472,12 +481,7 @@ def test_fp8_tensor_core_products_over_any_query(case, fp8_mma):
     """On CUDA, any bfloat16 query: float32 attention of its e4m3 rounding (a scale a head) within the plain
     kernel's bound (and P's rounding's with 2), at every case's tile and at the engine's full-batch tile; and
     within 0.1 of max|V| of the unrounded query's (the e4m3 query's own error, at this test's peaked softmax)."""
-    if case in CASES:
-        page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
-        args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, "fp8", seed=8)
-    else:
-        lens = torch.randint(1, 1001, (64,), generator=torch.Generator().manual_seed(8)).tolist()
-        args, num_splits, block_n = make_decode(lens, 16, 8, 2, 128, "fp8", seed=8), 1, None
+    args, num_splits, block_n = gpu_case(case, "fp8", seed=8)
     got = paged_decode(*args, num_splits=num_splits, block_n=rows_tile(block_n), fp8_mma=fp8_mma).float()
     bound = 2 * UNIT_ROUNDOFF * args[2].float().abs().max().item()
     p_bound = e4m3_p_bound(args) if fp8_mma == 2 else 0.0
@@ -512,12 +516,7 @@ def test_fp8_tensor_core_products_hold_over_a_long_context(fp8_mma):
 def test_products_with_tokens_as_rows_on_the_gpu(kv, case):
     """token_rows on CUDA (wgmma on a Hopper), in the cache's dtype (float16 over fp8): float32 attention within
     the plain kernel's bound, at every case's tile and at the engine's full-batch tile."""
-    if case in CASES:
-        page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
-        args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, kv, seed=9)
-    else:
-        lens = torch.randint(1, 1001, (64,), generator=torch.Generator().manual_seed(9)).tolist()
-        args, num_splits, block_n = make_decode(lens, 16, 8, 2, 128, kv, seed=9), 1, None
+    args, num_splits, block_n = gpu_case(case, kv, seed=9)
     got = paged_decode(*args, num_splits=num_splits, block_n=rows_tile(block_n), token_rows=True, fp8_mma=0)
     assert_close_to_reference(got, args)
 
