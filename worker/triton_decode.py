@@ -107,16 +107,12 @@ def _cells(pages, t, end, PAGE_SIZE: tl.constexpr, stride_page, stride_tok, head
 
 
 @triton.jit
-def _prefetched(
-    k_ptr, v_ptr, row, t_mask, offs_d, pages, t_next, end, PAGE_SIZE: tl.constexpr, stride_page, stride_tok, head
-):
-    # K and V of cells found the block before: no load in this block waits on another load of it; the next
-    # block's page ids (tokens t_next) load while this one's computes. Returns K, V, their tokens' mask and the
-    # next block's cells
-    k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
-    v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
-    next_row, next_mask = _cells(pages, t_next, end, PAGE_SIZE, stride_page, stride_tok, head)
-    return k, v, t_mask, next_row, next_mask
+def _kv(k_ptr, v_ptr, row, mask, offs_d):
+    # a block's K and V at its tokens' cells (PREFETCH: cells found the block before, so no load in this block
+    # waits on another load of it, and the next block's page ids load while this one's computes)
+    k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
+    v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
+    return k, v
 
 
 @triton.jit
@@ -223,24 +219,12 @@ def _split_kernel(
         acc_t = tl.zeros([HEAD_DIM, BLOCK_H], dtype=tl.float32)
         for n0 in range(start, end, BLOCK_N):
             if PREFETCH:
-                k, v, mask, row, t_mask = _prefetched(
-                    k_ptr,
-                    v_ptr,
-                    row,
-                    t_mask,
-                    offs_d,
-                    pages,
-                    n0 + BLOCK_N + offs_n,
-                    end,
-                    PAGE_SIZE,
-                    stride_page,
-                    stride_tok,
-                    head,
-                )
+                k, v = _kv(k_ptr, v_ptr, row, t_mask, offs_d)
+                mask = t_mask
+                row, t_mask = _cells(pages, n0 + BLOCK_N + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
             else:
                 this_row, mask = _cells(pages, n0 + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
-                k = tl.load(k_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
-                v = tl.load(v_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
+                k, v = _kv(k_ptr, v_ptr, this_row, mask, offs_d)
             s_t = _mma(k.to(q_t.dtype), q_t, UPCAST, FP8_MMA > 0) * col_scale[None, :]  # [BLOCK_N, BLOCK_H]
             s_t = tl.where(mask[:, None], s_t, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
@@ -260,20 +244,9 @@ def _split_kernel(
         acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
         for n0 in range(start, end, BLOCK_N):
             if PREFETCH:
-                k, v, mask, row, t_mask = _prefetched(
-                    k_ptr,
-                    v_ptr,
-                    row,
-                    t_mask,
-                    offs_d,
-                    pages,
-                    n0 + BLOCK_N + offs_n,
-                    end,
-                    PAGE_SIZE,
-                    stride_page,
-                    stride_tok,
-                    head,
-                )
+                k, v = _kv(k_ptr, v_ptr, row, t_mask, offs_d)
+                mask = t_mask
+                row, t_mask = _cells(pages, n0 + BLOCK_N + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
             else:
                 this_row, mask = _cells(pages, n0 + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
                 k = tl.load(k_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
