@@ -468,7 +468,7 @@ def paged_decode(
         raise ValueError("convert_v stages V for the products with heads as rows: not with token_rows")
     if token_rows and block_n is not None and block_n < 64:
         raise ValueError(f"token_rows takes 64 tokens a step or more (wgmma's rows), not block_n {block_n}")
-    tile = _default_tile(head_dim, num_splits, fp8, token_rows)
+    tile = _default_tile(head_dim, num_splits, fp8, token_rows, fp8_mma)
     block_n, num_warps, num_stages = block_n or tile[0], num_warps or tile[1], num_stages or tile[2]
     if prefetch is None:
         prefetch = tile[3]
@@ -563,7 +563,9 @@ def paged_decode(
     return out
 
 
-def _default_tile(head_dim: int, num_splits: int, fp8: bool, token_rows: bool = False) -> tuple[int, int, int, bool]:
+def _default_tile(
+    head_dim: int, num_splits: int, fp8: bool, token_rows: bool = False, fp8_mma: int = 0
+) -> tuple[int, int, int, bool]:
     """(block_n, num_warps, num_stages, prefetch), the fastest in bench/fp8_decode.py (head_dim 128, page 16):
     128 tokens a step at a split or two a request (batch 256), 32 where many splits leave each a few blocks
     (batch 1). Over an fp8 cache at batch 256 the prefetching variant with three stages took 184.7 us against
@@ -571,9 +573,13 @@ def _default_tile(head_dim: int, num_splits: int, fp8: bool, token_rows: bool = 
     variant was). Past head_dim 128, 32 (a guess: K and V tiles twice the size). With tokens as the products'
     rows (token_rows), 64 tokens a step at least, as wgmma needs; over a half-precision cache 64 with three
     stages (compiled for sm_90 with Triton 3.6 at Qwen3-0.6B's heads: 70 KB, three programs an SM; 128 tokens
-    with 8 warps took 137 KB, one). Not yet timed on a GPU."""
+    with 8 warps took 137 KB, one). Over an fp8 cache with either product in float16 (fp8_mma 0 or 1), 128 tokens
+    take all 255 registers a thread (mode 0 spills 104-736 bytes at Qwen3-8B's and 30B-A3B's heads), 64 with two
+    stages 139-170: 64 there. Not yet timed on a GPU."""
     if token_rows and not fp8:
         return 64, 4, 3 if num_splits <= 2 else 2, False
+    if token_rows and fp8_mma < 2:
+        return 64, 4, 2, False
     if head_dim > 128 or num_splits > 2:
         return 64 if token_rows else 32, 4, 2, False
     return (128, 4, 3, True) if fp8 else (128, 4, 2, False)
