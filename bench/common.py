@@ -25,7 +25,6 @@ from worker.kernels import (  # noqa: E402
     DECODE_GEMMS,
     DECODE_KERNELS,
     DECODE_MERGES,
-    DECODE_PRODUCTS,
     FP8_NORMS,
     MOE_KERNELS,
     PDL_MODES,
@@ -230,13 +229,6 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         help="the Triton decode kernel's split results merged by a launch of their own or by the last split's "
         "program (Kernels.decode_merge)",
     )
-    parser.add_argument(
-        "--decode-products",
-        choices=DECODE_PRODUCTS,
-        default="auto",
-        help="the Triton decode kernel's tensor-core products: heads as rows, tokens as rows, over an fp8 cache on FP8 "
-        "tensor cores (Kernels.decode_products)",
-    )
     parser.add_argument("--max-extend-tokens", type=int, help="tokens computed per step (default: the engine's)")
     parser.add_argument(
         "--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)"
@@ -279,7 +271,6 @@ def kernels_of(args: argparse.Namespace) -> Kernels:
         pdl=args.pdl,
         fp8_norms=args.fp8_norms,
         decode_merge=args.decode_merge,
-        decode_products=args.decode_products,
     )
 
 
@@ -339,7 +330,6 @@ def config_of(args: argparse.Namespace) -> dict:
         "pdl": args.pdl,
         "fp8_norms": args.fp8_norms,
         "decode_merge": args.decode_merge,
-        "decode_products": args.decode_products,
         "overlap": not args.no_overlap,
         "cuda_graph": not args.no_cuda_graph,
         "cache": args.cache,

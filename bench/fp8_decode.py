@@ -1,14 +1,13 @@
 """One layer's decode attention on one GPU, Qwen3-0.6B shapes (16 query heads, 8 KV heads, head_dim 128):
 the Triton split-KV kernel of worker/triton_decode.py over a float8 e4m3 and a bfloat16 cache (a sweep of
 its tile, warps, stages and splits, beside the launcher's own choices; with --variants its CUDA-core and
-prefetching variants too, over fp8 V converted to float16 before it is staged, and the products transposed,
-tokens as their rows, over fp8 on FP8 tensor cores) against
+prefetching variants too, and over fp8 V converted to float16 before it is staged) against
 FlashInfer's decode over both (tensor cores, and at up to 8 rows its CUDA-core kernels too). Batch 256
 with KV lengths uniform in 150..1600 (seeded) and batch 1 with 560 tokens; 20 calls replayed in a CUDA
 graph, median of 5 replays; microseconds a call, TB/s of K and V read once, the largest difference from
 FlashInfer's tensor-core output over the same cache.
 
-    python bench/fp8_decode.py [--batch 256 1] [--page-size 16] [--sweep none|small|full] [--variants [token_rows]] [--kv fp8]
+    python bench/fp8_decode.py [--batch 256 1] [--page-size 16] [--sweep none|small|full] [--variants] [--kv fp8]
         [--out r.json]"""
 
 from __future__ import annotations
@@ -46,8 +45,6 @@ PREFETCH_TILES = [
 # V converted before staging, without the prefetch: the plain kernel's tile and smaller ones (fewer registers:
 # 156 a thread at 128 x 4 x 2 in sm_90 code against 255 for the default, so three programs an SM)
 CONVERT_V_TILES = [(128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3), (128, 8, 2)]
-# the transposed products' (token_rows, fp8_mma): wgmma takes 64 or more tokens a step
-TOKEN_ROWS_TILES = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 2)]
 # (block_n, num_warps, num_stages) beside the launcher's default (None: its choice)
 TILES = {
     "none": [(None, None, None)],
@@ -183,24 +180,13 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
         runs.insert(0, ((None, None, None), None, {"launcher": True}))  # every choice the launcher's own
         # and with the split results merged by the last split's program instead of a launch of their own
         runs.insert(1, ((None, None, None), None, {"launcher": True, "merge_in_last": True}))
-        if args.variants == "token_rows":  # the launcher's rows and the transposed products' only
-            runs = runs[:2]
-        if args.variants == "all":  # the kernel's variants, each at tiles of its own
+        if args.variants:  # the kernel's variants, each at tiles of its own
             runs += [(tile, None, {"prefetch": True}) for tile in PREFETCH_TILES]
             runs += [(tile, None, {"cuda_cores": True}) for tile in CUDA_CORE_TILES]
             runs += [(tile, None, {"cuda_cores": True, "prefetch": True}) for tile in CUDA_CORE_TILES]
             if kv == "fp8":  # V converted to float16 before it is staged, with and without the prefetch
                 runs += [(tile, None, {"prefetch": True, "convert_v": True}) for tile in PREFETCH_TILES]
                 runs += [(tile, None, {"convert_v": True}) for tile in CONVERT_V_TILES]
-        if args.variants in ("all", "token_rows"):
-            # the products transposed, tokens as their rows: in the cache's dtype (float16 over fp8), and over fp8
-            # on FP8 tensor cores, Q K^T (1) and P V too (2); the prefetch with 2 over fp8 and over bf16
-            for mma in (2, 1, 0) if kv == "fp8" else (0,):
-                runs += [(tile, None, {"token_rows": True, "fp8_mma": mma}) for tile in TOKEN_ROWS_TILES]
-                if mma == 2 or kv != "fp8":
-                    runs += [
-                        (t, None, {"prefetch": True, "token_rows": True, "fp8_mma": mma}) for t in TOKEN_ROWS_TILES
-                    ]
         for splits, ((block_n, warps, stages), f16_dot, variant) in itertools.product(splits_to_try(batch), runs):
             if variant and splits != _default_splits(batch):
                 continue  # the variants at the launcher's split count only
@@ -208,14 +194,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
             if variant.get("launcher"):
                 choices = {"merge_in_last": bool(variant.get("merge_in_last"))}
             else:
-                choices = {
-                    "prefetch": False,
-                    "convert_v": False,
-                    "merge_in_last": False,
-                    "fp8_mma": 0,
-                    "token_rows": False,
-                    **variant,
-                }
+                choices = {"prefetch": False, "convert_v": False, "merge_in_last": False, **variant}
             scratch = decode_scratch(batch, NUM_HEADS, HEAD_DIM, splits, "cuda")
 
             def call() -> torch.Tensor:
@@ -253,8 +232,6 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                 "prefetch": bool(variant.get("prefetch")),
                 "convert_v": bool(variant.get("convert_v")),
                 "merge_in_last": bool(variant.get("merge_in_last")),
-                "fp8_mma": variant.get("fp8_mma", 0),
-                "token_rows": bool(variant.get("token_rows")),
                 "us": us,
                 "tb_s": kv_bytes / us / 1e6,
             }
@@ -269,8 +246,6 @@ def _dot_name(kv: str, f16_dot: bool | None, variant: dict) -> str:
     """What a run multiplies with: float32 products on the CUDA cores, or the tensor cores' operands."""
     if variant.get("cuda_cores"):
         return "cuda_cores"
-    if variant.get("fp8_mma"):
-        return "e4m3" if variant["fp8_mma"] == 2 else "e4m3 qk"
     return "bf16" if f16_dot is False or kv == "bf16" else "fp16"
 
 
@@ -287,12 +262,9 @@ def summary(rows: list[dict]) -> None:
             best += [r for r in default[:2] if r is not fastest] + [fastest]
             for kind in (
                 {"dot": "cuda_cores", "prefetch": False},
-                {"prefetch": True, "convert_v": False, "token_rows": False},
-                {"prefetch": True, "convert_v": True, "token_rows": False},
-                {"prefetch": False, "convert_v": True, "token_rows": False},
-                {"token_rows": True, "fp8_mma": 0},
-                {"fp8_mma": 1},
-                {"fp8_mma": 2},
+                {"prefetch": True, "convert_v": False},
+                {"prefetch": True, "convert_v": True},
+                {"prefetch": False, "convert_v": True},
             ):
                 of_kind = [r for r in triton_rows if all(r.get(k) == v for k, v in kind.items())]
                 if of_kind and min(of_kind, key=lambda r: r["us"]) is not fastest:
@@ -303,9 +275,7 @@ def summary(rows: list[dict]) -> None:
                 name += (
                     f" splits={r['num_splits']} block_n={r['block_n']} warps={r['num_warps']}"
                     f" stages={r['num_stages']} dot={r['dot']}{' prefetch' if r.get('prefetch') else ''}"
-                    f"{' convert_v' if r.get('convert_v') else ''}{' token_rows' if r.get('token_rows') else ''}"
-                    f"{' fp8_mma=' + str(r['fp8_mma']) if r.get('fp8_mma') else ''}"
-                    f"{' merge in last' if r.get('merge_in_last') else ''}"
+                    f"{' convert_v' if r.get('convert_v') else ''}{' merge in last' if r.get('merge_in_last') else ''}"
                     f"{' (the launcher default)' if r.get('launcher') else ''}"
                 )
             diff = r.get("max_abs_diff_vs_flashinfer")
@@ -336,11 +306,8 @@ def main() -> None:
     parser.add_argument("--kv", nargs="+", choices=["fp8", "bf16"], default=["fp8", "bf16"], help="the caches timed")
     parser.add_argument(
         "--variants",
-        nargs="?",
-        const="all",
-        choices=["all", "token_rows"],
-        help="also the Triton kernel's variants (paged_decode's cuda_cores, prefetch, convert_v and fp8_mma) at tiles"
-        " of their own; token_rows: the launcher's choices and the transposed products' only (token_rows, fp8_mma)",
+        action="store_true",
+        help="also the Triton kernel's variants (paged_decode's cuda_cores, prefetch and convert_v) at tiles of their own",
     )
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()

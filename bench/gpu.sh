@@ -56,9 +56,6 @@
 #                  scale groups of 128 (ranks 0, 2) and 64 (ranks 1, 3), 96 (tp 8) with 64 and 32, at 1, 4, 64, 256
 #   moe_fp8_a      (a) on Qwen3-30B-A3B's architecture with --quantization fp8 and in bf16
 #   moe_fp8_kv     (a) on Qwen3-30B-A3B's architecture with --quantization fp8 over an fp8 KV cache
-#   decode_products  the Triton decode kernel's products transposed (tokens as rows; over fp8 on FP8 tensor cores) at
-#                  batch 256 (bench/fp8_decode.py --variants token_rows); (a) over fp8 with --decode-products rows
-#                  and fp8, over bf16 with FlashInfer and with the Triton kernel's token_rows, RUNS each
 #   moe_rows       the MoE per-row kernels at 1, 2 and 4 tokens with their tile sweep, the down kernel's
 #                  at-once variant included (bench/moe_decode.py --sweep)
 #   fp8_gemm       Qwen3-8B's linears at 256 and 64 rows, bf16 and FP8: cuBLAS, cuBLASLt with and without fast
@@ -332,11 +329,6 @@ for suite in "$@"; do
       offline moe_fp8_a_fp8 280 --arch qwen3-30b-a3b --quantization fp8
       offline moe_fp8_a_bf16 280 --arch qwen3-30b-a3b ;;
     moe_fp8_kv) offline moe_fp8_kv 280 --arch qwen3-30b-a3b --quantization fp8 --kv-cache-dtype fp8_e4m3 ;;
-    decode_products)
-      step decode_rows 240 python3 bench/fp8_decode.py --batch 256 --variants token_rows --out "$OUT/decode_rows.json"
-      for p in rows fp8; do offline "fp8_products_$p" 150 --kv-cache-dtype fp8_e4m3 --decode-products "$p"; done
-      offline bf16_flashinfer 150
-      offline bf16_token_rows 150 --decode-kernel triton --decode-products token_rows ;;
     moe_rows) step moe_rows 400 python3 bench/moe_decode.py --tokens 1 2 4 --sweep --out "$OUT/moe_rows.json" ;;
     fp8_blocks) step fp8_blocks 200 python3 bench/fp8_gemv.py --blocks --out "$OUT/fp8_blocks.json" ;;
     fp8_norms)  # (b) of Qwen3-8B with FP8 weights, its residual norms apart, inside its GEMVs, and folded, then bf16

@@ -97,11 +97,8 @@ def launches(arch: str) -> list[tuple[str, Callable[[], object]]]:
                 {"cuda_cores": True},
                 {"convert_v": True},
                 {"convert_v": False},
-                {"fp8_mma": 1},
-                {"fp8_mma": 2},
-                {"token_rows": True},
             ]
-            variants = [{}] + (fp8_variants if cache == FP8 else [{"token_rows": True}])
+            variants = [{}] + (fp8_variants if cache == FP8 else [])
             if splits > 1:  # the split results merged by the last split's program, and by a launch of their own
                 variants += [{"merge_in_last": True}, {"merge_in_last": False}]
             for variant in variants:

@@ -162,8 +162,3 @@ def test_an_engine_resolves_pdl_auto_before_it_builds_its_layers(qwen3_path, qwe
 def test_an_unknown_decode_merge_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown decode merge 'fused'; choose auto, launch, last"):
         Kernels(decode_merge="fused")
-
-
-def test_unknown_decode_products_are_a_clear_error():
-    with pytest.raises(ValueError, match="unknown decode products 'fp4'; choose auto, rows, token_rows, fp8_qk, fp8"):
-        Kernels(decode_products="fp4")

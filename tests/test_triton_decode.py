@@ -4,8 +4,6 @@ and on a GPU against FlashInfer's tensor-core decode. On the CPU it runs under T
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -292,19 +290,9 @@ def test_flashinfers_decode_path_follows_the_choice_it_is_given():
         "page16-group2-d64-more-splits-than-tokens",
     ],
 )
-@pytest.mark.parametrize(
-    "variant",
-    [
-        {"cuda_cores": True},
-        {"prefetch": True},
-        {"cuda_cores": True, "prefetch": True},
-        {"token_rows": True},
-        {"token_rows": True, "prefetch": True},
-    ],
-)
+@pytest.mark.parametrize("variant", [{"cuda_cores": True}, {"prefetch": True}, {"cuda_cores": True, "prefetch": True}])
 def test_the_kernels_variants_equal_float32_attention_over_the_pages(kv, case, variant):
     page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
-    block_n = rows_tile(block_n) if variant.get("token_rows") else block_n
     args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, kv, seed=4)
     assert_close_to_reference(paged_decode(*args, num_splits=num_splits, block_n=block_n, **variant), args)
 
@@ -328,27 +316,18 @@ def test_an_fp8_caches_v_converted_before_staging_gives_the_same_attention(case,
     assert_same_as_plain_conversion(got, paged_decode(*args, convert_v=False, **tiles))
 
 
-def gpu_case(case: str, kv: str, seed: int) -> tuple[tuple[torch.Tensor, ...], int, int | None]:
-    """(make_decode's tensors, num_splits, block_n) of a case of CASES, or of Qwen3-0.6B's heads over a batch of
-    64 at one split ("qwen3-0.6b-heads-batch-64-one-split": the engine's full-batch decode)."""
-    if case in CASES:
-        page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
-        return (
-            make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, kv, seed=seed),
-            num_splits,
-            block_n,
-        )
-    lens = torch.randint(1, 1001, (64,), generator=torch.Generator().manual_seed(seed)).tolist()
-    return make_decode(lens, 16, 8, 2, 128, kv, seed=seed), 1, None
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [*CASES, "qwen3-0.6b-heads-batch-64-one-split"])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_v_converted_before_staging_by_ptx_gives_the_same_attention(case, prefetch):
     """The same on CUDA, where V's conversion is PTX: every case's tile, and Qwen3-0.6B's heads over a batch
     of 64 at one split (the engine's full-batch decode)."""
-    args, num_splits, block_n = gpu_case(case, "fp8", seed=6)
+    if case in CASES:
+        page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
+        args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, "fp8", seed=6)
+    else:
+        lens = torch.randint(1, 1001, (64,), generator=torch.Generator().manual_seed(6)).tolist()
+        args, num_splits, block_n = make_decode(lens, 16, 8, 2, 128, "fp8", seed=6), 1, None
     tiles = dict(num_splits=num_splits, block_n=block_n, prefetch=prefetch)
     got = paged_decode(*args, convert_v=True, **tiles)
     assert_close_to_reference(got, args)
@@ -368,201 +347,6 @@ def test_convert_v_is_for_an_fp8_cache_on_float16_operands():
         paged_decode(*fp8_args, num_splits=2, convert_v=True, f16_dot=False)
     half = make_decode([5, 40], 16, 2, 2, 64, "fp8", q_dtype=torch.float16, seed=2)
     assert_close_to_reference(paged_decode(*half, num_splits=2, convert_v=True, f16_dot=False), half)
-
-
-def e4m3_queries(like: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries of like's shape and dtype made of e4m3 values, each head's largest magnitude 448, at a power-of-two
-    scale of the head's own (so quantizing them a head at a time is exact); and the same moved 0.45 of an e4m3
-    step away from zero, which rounds back to them."""
-    g = torch.Generator().manual_seed(seed)
-    b, h, d = like.shape
-    v = (60 * torch.randn(b, h, d, generator=g)).to(torch.float8_e4m3fn).float()
-    v[..., 0] = 448.0 * torch.sign(torch.randn(b, h, generator=g))
-    step = torch.exp2(torch.floor(torch.log2(v.abs().clamp(min=2.0**-6))) - 3)  # e4m3's, subnormals' below 2^-6
-    moved = v + 0.45 * step * torch.sign(v)
-    moved[..., 0] = v[..., 0]
-    scale = torch.exp2(torch.randint(-5, -2, (b, h, 1), generator=g).float())  # peaked softmax
-    return (v * scale).to(like.dtype).to(like.device), (moved * scale).to(like.dtype).to(like.device)
-
-
-def e4m3_dequantized(q: torch.Tensor) -> torch.Tensor:
-    """q as fp8_mma multiplies it, in float32: a head at a time at a scale that takes its largest magnitude to 448."""
-    scale = q.float().abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448.0
-    return (q.float() / scale).to(torch.float8_e4m3fn).float() * scale
-
-
-def rows_tile(block_n: int | None) -> int | None:
-    """A case's tile for the transposed products, which take 64 tokens a step or more."""
-    return None if block_n is None else max(64, block_n)
-
-
-def e4m3_p_bound(args: tuple[torch.Tensor, ...]) -> float:
-    # fp8_mma 2 rounds each probability (times 448) to e4m3: a relative 2^-4 at most where normal, so the
-    # output moves by at most 2^-4 max|V|; below e4m3's normals (p < 2^-6 / 448) by 2^-9 / 448 each at most
-    # (the interpreter's subnormals: twice e4m3's half step), over at most all of a request's tokens
-    tokens = int(args[3].diff().max()) * args[1].shape[1]
-    return (2.0**-4 + tokens * 2.0**-9 / 448) * args[2].float().abs().max().item()
-
-
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("prefetch", [False, True])
-@pytest.mark.parametrize("fp8_mma", [1, 2])
-def test_fp8_tensor_core_products_round_the_query_a_head_at_a_time(case, prefetch, fp8_mma):
-    """fp8_mma: the query rounded to e4m3 at a scale a head, Q K^T on the FP8 tensor cores over K as the cache
-    holds it (1), and P V there too with P in e4m3 (2). A query 0.45 of a step off e4m3's values gives the
-    attention of those values, within the plain kernel's bound (and P's rounding's worst case with 2), and with
-    1 not its own (more than the bound away), so the kernel rounded it. Made of e4m3 values at powers of two:
-    the interpreter rounds them exactly (the GPU test below takes any query; the test after this one holds
-    P's rounding to its emulation)."""
-    page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
-    args = make_decode(lens_around(page_size), page_size, num_kv_heads, group, head_dim, "fp8", seed=7)
-    exact, moved = e4m3_queries(args[0], seed=7)
-    tiles = dict(num_splits=num_splits, block_n=rows_tile(block_n), prefetch=prefetch)
-    got = paged_decode(moved, *args[1:], **tiles, fp8_mma=fp8_mma)
-    want = paged_decode_reference(exact, *args[1:]).float()
-    bound = 2 * UNIT_ROUNDOFF * args[2].float().abs().max().item()
-    p_bound = e4m3_p_bound(args) if fp8_mma == 2 else 0.0
-    torch.testing.assert_close(got.float(), want, atol=bound + p_bound, rtol=0)
-    if fp8_mma == 1:
-        assert (paged_decode_reference(moved, *args[1:]).float() - got.float()).abs().max() > bound
-
-
-def p_rounded_reference(
-    q: torch.Tensor, k_cache, v_cache, kv_indptr, kv_indices, last_page_len, round_query: bool = True
-) -> torch.Tensor:
-    """fp8_mma 2's attention where one block holds each request (so the kernel's running maximum is the
-    final one): the query rounded to e4m3 a head at a time (unless not round_query), then each probability
-    times 448 rounded to e4m3 for P V, the sum of the unrounded ones dividing it; float32 otherwise."""
-    batch, num_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    qd = e4m3_dequantized(q) if round_query else q.float()
-    indptr, last = kv_indptr.tolist(), last_page_len.tolist()
-    out = torch.empty(batch, num_heads, head_dim)
-    for b in range(batch):
-        pages = kv_indices[indptr[b] : indptr[b + 1]].long().cpu()
-        n = (len(pages) - 1) * page_size + last[b]
-        k, v = (
-            c.cpu().view(torch.uint8)[pages].view(torch.float8_e4m3fn).float().reshape(-1, num_kv_heads, head_dim)[:n]
-            for c in (k_cache, v_cache)
-        )
-        k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
-        scores = torch.einsum("hd,nhd->hn", qd[b].cpu(), k) / math.sqrt(head_dim)
-        p = torch.exp(scores - scores.amax(-1, keepdim=True))
-        rounded = (p * 448).to(torch.float8_e4m3fn).float() / 448
-        out[b] = torch.einsum("hn,nhd->hd", rounded, v) / p.sum(-1, keepdim=True)
-    return out
-
-
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_fp8_tensor_core_p_v_rounds_p_times_448_to_e4m3(prefetch):
-    """fp8_mma 2 over requests of one block each (one split): the emulation of its roundings (the query's, then
-    P's times 448) within twice float16's rounding of the output, where P unrounded, or the query unrounded,
-    is over four times that away. Float16 queries, so the output's own rounding is small; a flatter softmax
-    than the other tests'; e4m3 queries at powers of two (the interpreter rounds them exactly) moved 0.45 of a
-    step, so the kernel must round them."""
-    args = make_decode([1, 15, 16, 17, 53], 16, 2, 2, 64, "fp8", q_dtype=torch.float16, seed=7)
-    exact, moved = e4m3_queries(args[0], seed=7)
-    exact, moved = exact / 16, moved / 16
-    got = paged_decode(moved, *args[1:], num_splits=1, block_n=64, prefetch=prefetch, fp8_mma=2).float().cpu()
-    want = p_rounded_reference(exact, *args[1:])
-    tol = 2 * 2.0**-11 * args[2].float().abs().max().item()  # measured: 0.06 of it
-    torch.testing.assert_close(got, want, atol=tol, rtol=0)
-    unrounded_p = paged_decode_reference(exact, *args[1:]).float().cpu()
-    unrounded_query = p_rounded_reference(moved, *args[1:], round_query=False)
-    assert (unrounded_p - want).abs().max() > 4 * tol  # what the test tells apart (measured: 8 times)
-    assert (unrounded_query - want).abs().max() > 4 * tol
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [*CASES, "qwen3-0.6b-heads-batch-64-one-split"])
-@pytest.mark.parametrize("fp8_mma", [1, 2])
-def test_fp8_tensor_core_products_over_any_query(case, fp8_mma):
-    """On CUDA, any bfloat16 query: float32 attention of its e4m3 rounding (a scale a head) within the plain
-    kernel's bound (and P's rounding's with 2), at every case's tile and at the engine's full-batch tile; and
-    within 0.1 of max|V| of the unrounded query's (the e4m3 query's own error, at this test's peaked softmax)."""
-    args, num_splits, block_n = gpu_case(case, "fp8", seed=8)
-    got = paged_decode(*args, num_splits=num_splits, block_n=rows_tile(block_n), fp8_mma=fp8_mma).float()
-    bound = 2 * UNIT_ROUNDOFF * args[2].float().abs().max().item()
-    p_bound = e4m3_p_bound(args) if fp8_mma == 2 else 0.0
-    want = paged_decode_reference(e4m3_dequantized(args[0]), *args[1:]).float()
-    torch.testing.assert_close(got, want, atol=bound + p_bound, rtol=0)
-    v_max = args[2].float().abs().max().item()
-    err = (got - paged_decode_reference(*args).float()).abs()
-    print(f"{case} fp8_mma={fp8_mma}: |error| max {err.max() / v_max:.4f}, mean {err.mean() / v_max:.5f} of max|V|")
-    assert err.max() <= 0.1 * v_max
-
-
-def led_by_the_first_token(lens: list[int], num_kv_heads: int, group: int, head_dim: int, seed: int):
-    """make_decode's tensors over an fp8 cache with float16 queries, each kv head's query heads alike, and each
-    request's first key along its queries' signs: its score leads every other by about 3.8 (the queries' scale,
-    0.3, makes the rest of the softmax flat), so a kernel's running maximum is the final one from the first
-    block on, and the many other tokens still carry most of P (p about 0.02 each)."""
-    q, k, v, kv_indptr, kv_indices, last_page_len = make_decode(
-        lens, 16, num_kv_heads, group, head_dim, "fp8", q_dtype=torch.float16, seed=seed
-    )
-    g = torch.Generator().manual_seed(seed)
-    heads = 0.3 * torch.randn(len(lens), num_kv_heads, 1, head_dim, generator=g)
-    q = heads.expand(-1, -1, group, -1).reshape(len(lens), num_kv_heads * group, head_dim).to(q)
-    first = kv_indices[kv_indptr[:-1].long()].long().cpu()
-    k_host = k.cpu()
-    k_host[first, 0] = to_fp8(2.0 * torch.sign(heads[:, :, 0]))
-    return q, k_host.to(k.device), v, kv_indptr, kv_indices, last_page_len
-
-
-def assert_p_rounding_over_a_long_context(lens: list[int], num_kv_heads: int, group: int, head_dim: int):
-    # fp8_mma 2 at one split: the emulation of its roundings (p_rounded_reference holds where the first block
-    # holds the maximum) within 2^-10 of the largest output (float16's rounding of it is 2^-11; measured at 2,000
-    # tokens under the interpreter: 0.29 of this), where P unrounded is over 10 times that away. Sums that lost
-    # bits as the context grows (FP8 products' accumulators unpromoted) would miss it
-    args = led_by_the_first_token(lens, num_kv_heads, group, head_dim, seed=10)
-    got = paged_decode(*args, num_splits=1, token_rows=True, fp8_mma=2).float().cpu()
-    want = p_rounded_reference(*args)
-    tol = 2.0**-10 * want.abs().max().item()
-    print(f"{lens} tokens: |error| max {(got - want).abs().max() / tol:.3f} of the tolerance")
-    torch.testing.assert_close(got, want, atol=tol, rtol=0)
-    assert (paged_decode_reference(*args).float().cpu() - want).abs().max() > 10 * tol
-
-
-def test_fp8_tensor_core_p_v_holds_its_rounding_over_a_context_of_many_blocks():
-    assert_p_rounding_over_a_long_context([2_000, 300], 2, 2, 64)
-
-
-@pytest.mark.gpu
-def test_fp8_tensor_core_p_v_holds_its_rounding_over_a_long_context():
-    """At Qwen3-0.6B's heads over 24,000 tokens on the GPU, where the FP8 products' sums are promoted to
-    float32 every 32 of K."""
-    assert_p_rounding_over_a_long_context([24_000, 3_000], 8, 2, 128)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["fp8", "bf16"])
-@pytest.mark.parametrize("case", [*CASES, "qwen3-0.6b-heads-batch-64-one-split"])
-def test_products_with_tokens_as_rows_on_the_gpu(kv, case):
-    """token_rows on CUDA (wgmma on a Hopper), in the cache's dtype (float16 over fp8): float32 attention within
-    the plain kernel's bound, at every case's tile and at the engine's full-batch tile."""
-    args, num_splits, block_n = gpu_case(case, kv, seed=9)
-    got = paged_decode(*args, num_splits=num_splits, block_n=rows_tile(block_n), token_rows=True, fp8_mma=0)
-    assert_close_to_reference(got, args)
-
-
-def test_fp8_mma_is_for_an_fp8_cache_on_the_tensor_cores():
-    args = make_decode([5, 40], 16, 2, 2, 64, "bf16", seed=2)
-    with pytest.raises(ValueError, match="fp8_mma"):
-        paged_decode(*args, num_splits=2, fp8_mma=1)
-    fp8_args = make_decode([5, 40], 16, 2, 2, 64, "fp8", seed=2)
-    with pytest.raises(ValueError, match="fp8_mma"):
-        paged_decode(*fp8_args, num_splits=2, fp8_mma=2, cuda_cores=True)
-    with pytest.raises(ValueError, match="fp8_mma"):
-        paged_decode(*fp8_args, num_splits=2, fp8_mma=3)
-    with pytest.raises(ValueError, match="token_rows"):
-        paged_decode(*fp8_args, num_splits=2, fp8_mma=2, token_rows=False)
-    with pytest.raises(ValueError, match="token_rows"):
-        paged_decode(*args, num_splits=2, token_rows=True, cuda_cores=True)
-    with pytest.raises(ValueError, match="token_rows"):
-        paged_decode(*fp8_args, num_splits=2, token_rows=True, convert_v=True)
-    with pytest.raises(ValueError, match="64 tokens a step"):
-        paged_decode(*args, num_splits=2, token_rows=True, block_n=32)
 
 
 @pytest.mark.gpu

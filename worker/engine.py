@@ -316,7 +316,6 @@ class Engine:
             waits=self.host_waits,
             pdl=triton_ops.pdl_applies(self.kernels, self.device),
             merge=self.kernels.decode_merge,
-            products=self.kernels.decode_products,
         )
         self.stream = new_stream(self.device)  # compute
         self.sched_stream = new_stream(self.device)  # metadata copies and attention planning

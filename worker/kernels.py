@@ -14,7 +14,6 @@ MOE_KERNELS = ("auto", "torch")
 DECODE_GEMMS = ("auto", "vendor", "triton")
 PDL_MODES = ("auto", "on", "off")
 DECODE_MERGES = ("auto", "launch", "last")
-DECODE_PRODUCTS = ("auto", "rows", "token_rows", "fp8_qk", "fp8")
 FP8_NORMS = ("auto", "apart", "inside", "folded")
 # What `fp8_norms` auto resolves to. Qwen3-8B with FP8 weights at batch 1 on an H100 (bench/gpu.sh fp8_norms,
 # 2026-12-06, ms a token): apart 3.476, inside 3.564 (the norm in the GEMV costs registers: 87 against 47),
@@ -77,12 +76,6 @@ class Kernels:
     # after the splits; last: in the program of a request's kv head's last split to finish, with no launch
     # of its own; auto: last where a kv head has at most triton_decode.MERGE_IN_LAST_MAX_GROUP query heads
     decode_merge: str = "auto"
-    # the Triton decode kernel's tensor-core products (worker/triton_decode.py). rows: the query heads as their
-    # rows, padded to 16, operands in half precision (an fp8 cache's converted); token_rows: transposed, the
-    # tokens as their rows (Hopper's wgmma), in the cache's dtype; over an fp8 cache on FP8 tensor cores, fp8_qk:
-    # Q K^T with the query rounded to e4m3 a head at a time, fp8: P V too with P in e4m3; auto:
-    # triton_decode's defaults (FP8_MMA, TOKEN_ROWS)
-    decode_products: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too
     # slow to serve with
@@ -103,8 +96,6 @@ class Kernels:
             raise ValueError(f"unknown FP8 norm placement {self.fp8_norms!r}; choose {', '.join(FP8_NORMS)}")
         if self.decode_merge not in DECODE_MERGES:
             raise ValueError(f"unknown decode merge {self.decode_merge!r}; choose {', '.join(DECODE_MERGES)}")
-        if self.decode_products not in DECODE_PRODUCTS:
-            raise ValueError(f"unknown decode products {self.decode_products!r}; choose {', '.join(DECODE_PRODUCTS)}")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"unknown programmatic dependent launch mode {self.pdl!r}; choose {', '.join(PDL_MODES)}")
 

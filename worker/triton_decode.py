@@ -39,27 +39,14 @@ CONVERT_V = True
 # 5.79 us (fp8 cache, batch 1) and 5.59 against 5.77 (bf16). With the merge reading only the splits that
 # hold tokens (6dc7148, another call): Qwen3-8B FP8 3.326 against 3.316, Qwen3-30B-A3B (8) 2.971 against 2.942
 MERGE_IN_LAST_MAX_GROUP = 2
-# Over an fp8 cache, the products on the FP8 tensor cores (paged_decode's fp8_mma): 1, Q K^T with the query
-# quantized to e4m3 (a scale a head) over K as the cache holds it, P V in float16; 2, P V too with P in e4m3.
-# 0 (neither) until measured (bench/fp8_decode.py --variants)
-FP8_MMA = 0
-# The products transposed, tokens as their rows (paged_decode's token_rows), over any cache: what fp8_mma takes,
-# and over a half-precision cache the same products in its dtype on Hopper's wgmma instead of mma.sync. Off
-# until measured
-TOKEN_ROWS = False
 
 
 @triton.jit
-def _mma(a, b, UPCAST: tl.constexpr, FP8: tl.constexpr = False):
+def _mma(a, b, UPCAST: tl.constexpr):
     # Triton's interpreter multiplies bfloat16 operands as their raw bits: there they go in as float32,
-    # which holds them exactly (numpy accumulates in float32 as the tensor cores do). FP8 (e4m3 operands):
-    # Hopper's FP8 products add into their accumulator at reduced precision, and Triton's default on sm_90
-    # never promotes it, where the P V sum, folded into the product's accumulator, runs the whole context
-    # long: promoted to float32 every 32 of K (each wgmma's own K)
+    # which holds them exactly (numpy accumulates in float32 as the tensor cores do)
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    if FP8:
-        return tl.dot(a, b, max_num_imprecise_acc=32)
     return tl.dot(a, b)
 
 
@@ -84,18 +71,6 @@ def _e4m3_to_f16(x):
 
 
 @triton.jit
-def _to_e4m3(x, INTERPRETED: tl.constexpr):
-    # x (within e4m3's range) rounded to e4m3. Triton's interpreter rounds a value just below a power of two
-    # to half that power (7.95 to 4, not 8): there the power is put back (its subnormals stay off by up to
-    # 2^-9, a bound far inside the tests' own)
-    y = x.to(tl.float8e4nv)
-    if INTERPRETED:
-        yf = y.to(tl.float32)
-        y = tl.where(tl.abs(yf) < 0.75 * tl.abs(x), 2.0 * yf, yf).to(tl.float8e4nv)
-    return y
-
-
-@triton.jit
 def _cells(pages, t, end, PAGE_SIZE: tl.constexpr, stride_page, stride_tok, head):
     # each token's cell through the page table: right for any page size, within or across pages (t >= 0:
     # unsigned, so a power-of-two page size divides by a shift and a mask, without signed division's
@@ -104,15 +79,6 @@ def _cells(pages, t, end, PAGE_SIZE: tl.constexpr, stride_page, stride_tok, head
     t_u = t.to(tl.uint32)
     page = tl.load(pages + t_u // PAGE_SIZE, mask=t_mask, other=0)
     return page.to(tl.int64) * stride_page + (t_u % PAGE_SIZE).to(tl.int32) * stride_tok + head, t_mask
-
-
-@triton.jit
-def _kv(k_ptr, v_ptr, row, mask, offs_d):
-    # a block's K and V at its tokens' cells (PREFETCH: cells found the block before, so no load in this block
-    # waits on another load of it, and the next block's page ids load while this one's computes)
-    k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
-    v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
-    return k, v
 
 
 @triton.jit
@@ -154,8 +120,6 @@ def _split_kernel(
     PDL: tl.constexpr,
     MERGE_IN_LAST: tl.constexpr = False,
     BLOCK_G: tl.constexpr = 1,
-    FP8_MMA: tl.constexpr = 0,
-    TOKEN_ROWS: tl.constexpr = False,
 ):
     # one program per (request, kv head, split): the group's query heads against the split's tokens,
     # with an online softmax in base 2 (qk_scale = sm_scale * log2(e)); one split writes `out` itself,
@@ -180,12 +144,11 @@ def _split_kernel(
     heads = kvh * GROUP + offs_h
     h_mask = offs_h < GROUP
     # the group's heads padded to BLOCK_H >= 16 rows: what tl.dot needs to run on tensor cores
-    q_in = tl.load(
+    q = tl.load(
         q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
         mask=h_mask[:, None],
         other=0.0,
     )
-    q = q_in
     if CUDA_CORES:
         # the group's few heads as products and sums in float32: no rows padded to 16, no operand
         # shuffles for the tensor cores; each K and V element converted once
@@ -197,77 +160,40 @@ def _split_kernel(
         q = tl.clamp(q.to(tl.float32), -FP16_MAX, FP16_MAX).to(tl.float16)
     m_i = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     pages = kv_indices_ptr + first_page
     head = kvh.to(tl.int64) * stride_kvh
     if PREFETCH:  # the first block's cells, before the loop
         row, t_mask = _cells(pages, start + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
-    if TOKEN_ROWS:
-        # the products transposed, S^T = K Q^T and O^T = V^T P^T: tokens are their M side (BLOCK_N >= 64 rows, what
-        # Hopper's wgmma needs) and the group's heads the N side (16), so K and V go to the tensor cores from
-        # shared memory as the cache holds them, with no rows of heads padded to wgmma's 64. Over a
-        # half-precision cache in its dtype, as the default's products. FP8_MMA (an fp8 cache): 1, Q K^T in e4m3,
-        # the query rounded a head at a time (its largest magnitude at 448, the scale applied to the logits),
-        # over K unconverted, P V in float16; 2, P V in e4m3 too, P times 448 (divided out at the end)
-        if FP8_MMA:
-            qf = q_in.to(tl.float32)  # as loaded: float16's range and precision do not bound it
-            q_scale = tl.maximum(tl.max(tl.abs(qf), axis=1), 1e-30) / 448.0
-            q_t = tl.trans(_to_e4m3(qf / q_scale[:, None], UPCAST))  # [HEAD_DIM, BLOCK_H]
-            col_scale = q_scale * qk_scale
+    for n0 in range(start, end, BLOCK_N):
+        if PREFETCH:
+            # K and V of cells found the block before: no load in this block waits on another load of
+            # it; the next block's page ids load while this one's computes
+            k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+            v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=t_mask[:, None], other=0.0)
+            mask = t_mask
+            row, t_mask = _cells(pages, n0 + BLOCK_N + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
         else:
-            q_t = tl.trans(q)
-            col_scale = tl.full([BLOCK_H], qk_scale, dtype=tl.float32)
-        acc_t = tl.zeros([HEAD_DIM, BLOCK_H], dtype=tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            if PREFETCH:
-                k, v = _kv(k_ptr, v_ptr, row, t_mask, offs_d)
-                mask = t_mask
-                row, t_mask = _cells(pages, n0 + BLOCK_N + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
-            else:
-                this_row, mask = _cells(pages, n0 + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
-                k, v = _kv(k_ptr, v_ptr, this_row, mask, offs_d)
-            s_t = _mma(k.to(q_t.dtype), q_t, UPCAST, FP8_MMA > 0) * col_scale[None, :]  # [BLOCK_N, BLOCK_H]
-            s_t = tl.where(mask[:, None], s_t, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
-            alpha = tl.exp2(m_i - m_new)
-            p_t = tl.exp2(s_t - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p_t, axis=0)
-            if FP8_MMA == 2:
-                pv = _mma(tl.trans(v), _to_e4m3(p_t * 448.0, UPCAST), UPCAST, True)
-            else:
-                pv = _mma(tl.trans(v.to(q.dtype)), p_t.to(q.dtype), UPCAST)
-            acc_t = acc_t * alpha[None, :] + pv
-            m_i = m_new
-        acc = tl.trans(acc_t)
-        if FP8_MMA == 2:
-            acc = acc / 448.0
-    else:
-        acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            if PREFETCH:
-                k, v = _kv(k_ptr, v_ptr, row, t_mask, offs_d)
-                mask = t_mask
-                row, t_mask = _cells(pages, n0 + BLOCK_N + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
-            else:
-                this_row, mask = _cells(pages, n0 + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
-                k = tl.load(k_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
-            if CUDA_CORES:
-                qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * qk_scale
-            else:
-                qk = _mma(q, tl.trans(k.to(q.dtype)), UPCAST) * qk_scale
-            qk = tl.where(mask[None, :], qk, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every block holds a token
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if not PREFETCH:
-                v = tl.load(v_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
-            if CONVERT_V:
-                v = _e4m3_to_f16(v)
-            if CUDA_CORES:
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-            else:
-                acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v.to(q.dtype), UPCAST)
-            m_i = m_new
+            this_row, mask = _cells(pages, n0 + offs_n, end, PAGE_SIZE, stride_page, stride_tok, head)
+            k = tl.load(k_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
+        if CUDA_CORES:
+            qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * qk_scale
+        else:
+            qk = _mma(q, tl.trans(k.to(q.dtype)), UPCAST) * qk_scale
+        qk = tl.where(mask[None, :], qk, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every block holds a token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if not PREFETCH:
+            v = tl.load(v_ptr + this_row[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
+        if CONVERT_V:
+            v = _e4m3_to_f16(v)
+        if CUDA_CORES:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        else:
+            acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v.to(q.dtype), UPCAST)
+        m_i = m_new
 
     if NUM_SPLITS == 1:
         o = acc / l_i[:, None]
@@ -415,8 +341,6 @@ def paged_decode(
     convert_v: bool | None = None,
     pdl: bool = False,
     merge_in_last: bool | None = None,
-    fp8_mma: int | None = None,
-    token_rows: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
     k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]: request b reads pages
@@ -433,10 +357,7 @@ def paged_decode(
     conversion runs); pdl, both kernels launched with programmatic dependent launch
     (worker/pdl_kernels.py); merge_in_last, split results merged by the last of a request's kv head's splits
     to finish instead of a second launch (None: where a kv head has at most MERGE_IN_LAST_MAX_GROUP query
-    heads; needs the scratch's arrivals); fp8_mma, over an fp8 cache the products on FP8 tensor cores with
-    tokens as their rows: 1, Q K^T with the query in e4m3 (a scale a head) over K unconverted; 2, P V too, P
-    in e4m3 (None: FP8_MMA on GPUs of compute capability 9.0, wgmma's; block_n of 64 or more); token_rows, the
-    products transposed, tokens as their rows (what fp8_mma takes; None: TOKEN_ROWS, or fp8_mma)."""
+    heads; needs the scratch's arrivals)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -450,25 +371,7 @@ def paged_decode(
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if f16_dot is None:
         f16_dot = fp8
-    # what the transposed products' defaults leave alone: the variants and tiles asked of the other layout
-    rows_fit = token_rows is not False and not cuda_cores and not convert_v and (block_n or 64) >= 64
-    if fp8_mma is None:
-        fp8_mma = FP8_MMA if FP8_MMA and fp8 and rows_fit and _fp8_tensor_cores(q) else 0  # no device query when off
-    elif fp8_mma not in (0, 1, 2):
-        raise ValueError(f"fp8_mma is 0, 1 (Q K^T on FP8 tensor cores) or 2 (P V too), not {fp8_mma}")
-    elif fp8_mma and (not fp8 or cuda_cores or not _fp8_tensor_cores(q)):
-        raise ValueError("fp8_mma multiplies an fp8 cache on FP8 tensor cores (compute capability 9.0+) only")
-    if token_rows is None:
-        token_rows = bool(fp8_mma) or (TOKEN_ROWS and rows_fit)
-    elif fp8_mma and not token_rows:
-        raise ValueError("fp8_mma's products take tokens as their rows: token_rows cannot be off with it")
-    elif token_rows and cuda_cores:
-        raise ValueError("token_rows transposes the tensor cores' products: not with cuda_cores")
-    if token_rows and convert_v:
-        raise ValueError("convert_v stages V for the products with heads as rows: not with token_rows")
-    if token_rows and block_n is not None and block_n < 64:
-        raise ValueError(f"token_rows takes 64 tokens a step or more (wgmma's rows), not block_n {block_n}")
-    tile = _default_tile(head_dim, num_splits, fp8, token_rows, fp8_mma)
+    tile = _default_tile(head_dim, num_splits, fp8)
     block_n, num_warps, num_stages = block_n or tile[0], num_warps or tile[1], num_stages or tile[2]
     if prefetch is None:
         prefetch = tile[3]
@@ -476,7 +379,7 @@ def paged_decode(
     if convert_v and not float16_operands:
         raise ValueError("convert_v converts an fp8 cache's V for float16 tensor-core operands only")
     if convert_v is None:  # where it was measured: the prefetching tile of a split or two a request
-        convert_v = CONVERT_V and float16_operands and tile[3] and not token_rows
+        convert_v = CONVERT_V and float16_operands and tile[3]
     if num_splits > 1:
         if scratch is None:
             scratch = decode_scratch(batch, num_heads, head_dim, num_splits, q.device)
@@ -493,10 +396,6 @@ def paged_decode(
     else:
         part_out, part_lse = out, out  # unread: one split writes out itself
         arrivals, merge_in_last = out, False
-    # the group's heads: as they are on the CUDA cores, padded to 16 for tl.dot (rows, or with token_rows
-    # columns: wgmma takes 8, but Triton 3.6 compiles a product that narrow to mma.sync)
-    block_h = triton.next_power_of_2(group)
-    block_h = block_h if cuda_cores else max(16, block_h)
     _split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -524,7 +423,7 @@ def paged_decode(
         GROUP=group,
         PAGE_SIZE=page_size,
         HEAD_DIM=head_dim,
-        BLOCK_H=block_h,
+        BLOCK_H=triton.next_power_of_2(group) if cuda_cores else max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         F16_DOT=f16_dot,
@@ -535,8 +434,6 @@ def paged_decode(
         PDL=pdl,
         MERGE_IN_LAST=merge_in_last,
         BLOCK_G=triton.next_power_of_2(group),
-        FP8_MMA=fp8_mma,
-        TOKEN_ROWS=token_rows,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),
@@ -563,32 +460,15 @@ def paged_decode(
     return out
 
 
-def _default_tile(
-    head_dim: int, num_splits: int, fp8: bool, token_rows: bool = False, fp8_mma: int = 0
-) -> tuple[int, int, int, bool]:
+def _default_tile(head_dim: int, num_splits: int, fp8: bool) -> tuple[int, int, int, bool]:
     """(block_n, num_warps, num_stages, prefetch), the fastest in bench/fp8_decode.py (head_dim 128, page 16):
     128 tokens a step at a split or two a request (batch 256), 32 where many splits leave each a few blocks
     (batch 1). Over an fp8 cache at batch 256 the prefetching variant with three stages took 184.7 us against
     208.5 for the plain kernel's two (the bf16 cache's variants were within 1% of each other; at batch 1 every
-    variant was). Past head_dim 128, 32 (a guess: K and V tiles twice the size). With tokens as the products'
-    rows (token_rows), 64 tokens a step at least, as wgmma needs; over a half-precision cache 64 with three
-    stages (compiled for sm_90 with Triton 3.6 at Qwen3-0.6B's heads: 70 KB, three programs an SM; 128 tokens
-    with 8 warps took 137 KB, one). Over an fp8 cache with either product in float16 (fp8_mma 0 or 1), 128 tokens
-    take all 255 registers a thread (mode 0 spills 104-736 bytes at Qwen3-8B's and 30B-A3B's heads), 64 with two
-    stages 139-170: 64 there. Not yet timed on a GPU."""
-    if token_rows and not fp8:
-        return 64, 4, 3 if num_splits <= 2 else 2, False
-    if token_rows and fp8_mma < 2:
-        return 64, 4, 2, False
+    variant was). Past head_dim 128, 32 (a guess: K and V tiles twice the size)."""
     if head_dim > 128 or num_splits > 2:
-        return 64 if token_rows else 32, 4, 2, False
+        return 32, 4, 2, False
     return (128, 4, 3, True) if fp8 else (128, 4, 2, False)
-
-
-def _fp8_tensor_cores(x: torch.Tensor) -> bool:
-    """Whether x's GPU has the FP8 tensor-core products the kernel's fp8_mma compiles to (Hopper's wgmma,
-    compute capability 9.0 or more); under the interpreter, which emulates them, always."""
-    return INTERPRETED or (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
 def _stride(x: torch.Tensor, dim: int) -> int:

@@ -20,13 +20,11 @@ def create_backend(
     prefill: str = "auto",
     pdl: bool = False,
     merge: str = "auto",
-    products: str = "auto",
 ) -> AttentionBackend:
     """name: Kernels.attention; q_dtype: the model's dtype, which the queries have (FlashInfer plans for
     it; None: see FlashInferBackend); decode: Kernels.decode (FlashInfer's decode path); waits: where
     the host's waits are counted (the engine's); prefill: Kernels.prefill (FlashInfer's prefill backend);
-    pdl: the Triton decode kernels launched with programmatic dependent launch; merge: Kernels.decode_merge;
-    products: Kernels.decode_products."""
+    pdl: the Triton decode kernels launched with programmatic dependent launch; merge: Kernels.decode_merge."""
     if name == "auto":
         name = "flashinfer" if kv.device.type == "cuda" and _has_flashinfer() else "torch"
     if name == "torch":
@@ -36,7 +34,7 @@ def create_backend(
     if name == "flashinfer":
         from worker.attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(kv, page_table, num_heads, q_dtype, decode, waits, prefill, pdl, merge, products)
+        return FlashInferBackend(kv, page_table, num_heads, q_dtype, decode, waits, prefill, pdl, merge)
     raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or flashinfer")
 
 

@@ -176,12 +176,11 @@ class FlashInferBackend(AttentionBackend):
         prefill: str = "auto",
         pdl: bool = False,
         merge: str = "auto",
-        products: str = "auto",
     ) -> None:
         """q_dtype: the queries' (the model's) dtype; None: the cache's, or bfloat16 over a float8 cache.
         decode: Kernels.decode. waits: where the host's waits are counted (the engine's). prefill:
         Kernels.prefill. pdl: the Triton decode kernels launched with programmatic dependent launch
-        (triton_ops.pdl_applies). merge: Kernels.decode_merge. products: Kernels.decode_products."""
+        (triton_ops.pdl_applies). merge: Kernels.decode_merge."""
         import flashinfer  # imported here: the package exists on GPU hosts only
 
         q_dtype = q_dtype or (torch.bfloat16 if kv.dtype in FP8_KV_DTYPES else kv.dtype)
@@ -199,16 +198,6 @@ class FlashInferBackend(AttentionBackend):
         self.decode_choice = decode
         self.pdl = pdl
         self.merge_in_last = {"auto": None, "launch": False, "last": True}[merge]
-        if products in ("fp8_qk", "fp8") and kv.dtype not in FP8_KV_DTYPES:
-            raise ValueError(f"decode products {products!r} multiply an fp8 KV cache, not {kv.dtype}")
-        # the Triton decode kernel's (fp8_mma, token_rows); None: its own defaults
-        self.products = {
-            "auto": (None, None),
-            "rows": (0, False),
-            "token_rows": (0, True),
-            "fp8_qk": (1, True),
-            "fp8": (2, True),
-        }[products]
         self.waits = waits or HostWaits()
         # tvm-ffi launches FlashInfer's kernels on torch's current stream when torch exports its DLPack
         # exchange API; without it they would go to the default stream, so the stream is set by hand
@@ -454,8 +443,6 @@ class FlashInferBackend(AttentionBackend):
                 out=out,
                 pdl=self.pdl,
                 merge_in_last=self.merge_in_last,
-                fp8_mma=self.products[0],
-                token_rows=self.products[1],
             )
         if (split := self._split) is not None:
             return self._forward_split(q, layer_id, split, out)
@@ -480,8 +467,6 @@ class FlashInferBackend(AttentionBackend):
                 out=out[:d],
                 pdl=self.pdl,
                 merge_in_last=self.merge_in_last,
-                fp8_mma=self.products[0],
-                token_rows=self.products[1],
             )
         with self._on_torch_stream():
             if not isinstance(split.decode, _TritonDecode):
