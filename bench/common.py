@@ -201,6 +201,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-small-linear", action="store_true", help="cuBLAS for batch-1 linear layers too")
     parser.add_argument(
+        "--no-tuned-gemms",
+        action="store_true",
+        help="cuBLAS's own algorithm for every linear layer (none timed at start)",
+    )
+    parser.add_argument(
         "--moe-kernel", choices=MOE_KERNELS, default="auto", help="torch: the loop over experts instead of Triton's"
     )
     parser.add_argument(
@@ -264,6 +269,7 @@ def kernels_of(args: argparse.Namespace) -> Kernels:
         fused=not args.no_fused,
         triton=not args.no_triton_kernels,
         small_linear=not args.no_small_linear,
+        tuned_gemms=not args.no_tuned_gemms,
         decode=args.decode_kernel,
         prefill=args.prefill_kernel,
         moe=args.moe_kernel,
@@ -325,6 +331,7 @@ def config_of(args: argparse.Namespace) -> dict:
         "decode_kernel": args.decode_kernel,
         "prefill_kernel": args.prefill_kernel,
         "small_linear": not args.no_small_linear,
+        "tuned_gemms": not args.no_tuned_gemms,
         "moe_kernel": args.moe_kernel,
         "decode_gemm": args.decode_gemm,
         "pdl": args.pdl,

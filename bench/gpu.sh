@@ -62,6 +62,10 @@
 #                  accumulation, the Triton GEMM (bench/fp8_gemm.py; FP8_GEMM_ARGS, e.g. "--m 16 64 --sweep")
 #   gemm_ab        (a) with the Triton GEMM at decode batches (--decode-gemm triton) and with cuBLAS/cuBLASLt
 #                  only (--decode-gemm vendor) alternated, RUNS each, for each of GEMM_AB_MODELS
+#   cublaslt       bf16 linear layers at decode batches: F.linear against each algorithm cuBLASLt's heuristic
+#                  lists, timed (bench/cublaslt_algos.py)
+#   tuned_ab       (a) with the linear products on the algorithms timed at start (the default) and with
+#                  --no-tuned-gemms, alternated, RUNS each, for each of TUNED_MODELS (default qwen3-0.6b qwen3-8b)
 #   sample_kernel  the sampler's Gumbel-max kernels at batches 256, 64 and 1: tiles against the default
 #                  (bench/sample_kernel.py)
 #   row_fusion     batch-1 decode's fused residual-norm and SiLU GEMVs against the launches they replace
@@ -218,7 +222,7 @@ for suite in "$@"; do
     tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py tests/test_moe.py \
       tests/test_fp8_gpu.py tests/test_spec_decode.py tests/test_row_fusion.py tests/test_eagle3.py tests/test_extend_graphs.py \
-      tests/test_verify_rows.py tests/test_pdl_gpu.py tests/test_lm_head.py tests/test_fp8_norms.py} ;;
+      tests/test_verify_rows.py tests/test_pdl_gpu.py tests/test_lm_head.py tests/test_fp8_norms.py tests/test_cublaslt.py} ;;
     offline) offline offline 150 ;;
     latency)  # LATENCY_ARCHS: the architectures (default qwen3-0.6b)
       for arch in ${LATENCY_ARCHS:-qwen3-0.6b}; do
@@ -352,6 +356,17 @@ for suite in "$@"; do
             flag=(); [ "${model%_fp8}" != "$model" ] && flag=(--quantization fp8)
             step "gemm_${model}_${gemm}_$i" 240 python3 bench/offline_throughput.py --arch "${model%_fp8}" \
               "${flag[@]}" --decode-gemm "$gemm" --out "$OUT/gemm_${model}_${gemm}_$i.json"
+          done
+        done
+      done ;;
+    cublaslt) step cublaslt 300 python3 bench/cublaslt_algos.py --out "$OUT/cublaslt.json" ;;
+    tuned_ab)
+      for i in $(seq "$RUNS"); do
+        for model in ${TUNED_MODELS:-qwen3-0.6b qwen3-8b}; do
+          for mode in on off; do
+            flag=(); [ "$mode" = off ] && flag=(--no-tuned-gemms)
+            step "tuned_${mode}_${model}_$i" 240 python3 bench/offline_throughput.py --arch "$model" "${flag[@]}" \
+              --out "$OUT/tuned_${mode}_${model}_$i.json"
           done
         done
       done ;;

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import asdict
 
 import numpy as np
 from common import ProfileWindow, StepTimer, add_common_args, config_of, make_llm, report, resolved_kernels
@@ -81,6 +82,7 @@ def main() -> None:
         "seconds": elapsed,
         "kv_cache_tokens": llm.engine.num_pages * llm.engine.page_size,
         "startup": llm.engine.startup.as_dict(),
+        "gemm_tuning": [asdict(r) for r in llm.engine.gemm_tuning],
         "output_tok_per_s": output_tokens / elapsed,
         "total_tok_per_s": (input_tokens + output_tokens) / elapsed,
         "spec_decode_num_draft_tokens": after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
@@ -108,6 +110,10 @@ def main() -> None:
         ("cache", args.cache),
         ("kv cache", f"{args.kv_cache_dtype}, {result['kv_cache_tokens']:,} tokens"),
         ("engine start", str(llm.engine.startup)),
+        (
+            "linear products on a tuned algorithm",
+            f"{sum(r['chosen'] for r in result['gemm_tuning'])} of {len(result['gemm_tuning'])}",
+        ),
         ("seconds", elapsed),
         ("output tok/s", result["output_tok_per_s"]),
         (

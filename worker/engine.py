@@ -32,6 +32,7 @@ from worker.batch import BatchDesc, ForwardBatch, StepOutput, desc_columns
 from worker.config import EngineConfig
 from worker.draft_budget import draft_memory
 from worker.extend_graphs import capture_extend_graphs, extend_graph_bytes, extend_graphs_apply
+from worker.gemm_tuning import tune_decode_gemms
 from worker.graph_io import IO
 from worker.kernel_builds import serialize_flashinfer_builds
 from worker.kv_cache import KVCachePool
@@ -69,6 +70,7 @@ from worker.verify_rows import DecodeVerify, verify_as_decode
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from worker.cublaslt import TunedProduct
     from worker.cuda_graph import CudaGraphRunner
 
 A = TypeVar("A")  # np.ndarray on the host, torch.Tensor once staged
@@ -177,6 +179,8 @@ class Engine:
         self.startup = StartupTimes()
         with timed(self.startup, "weights_s", self.device):
             self._build_model()
+        with timed(self.startup, "graphs_s", self.device):  # the graphs' products, before the KV cache
+            self.gemm_tuning = self._tune_gemms()
         with timed(self.startup, "kv_cache_s", self.device):
             self._allocate()
         with timed(self.startup, "graphs_s", self.device):
@@ -402,6 +406,16 @@ class Engine:
                 f"{per_page} bytes a page); lower max_running_reqs or raise the memory budget"
             )
         return pages
+
+    def _tune_gemms(self) -> list[TunedProduct]:
+        """cuBLASLt's algorithms timed for the model's linear products at the CUDA graphs' batch sizes
+        (worker/gemm_tuning.py); none without graphs."""
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_decode_rows)
+        if self.device.type != "cuda" or max_bs <= 0:
+            return []
+        from worker.cuda_graph import graph_batch_sizes
+
+        return tune_decode_gemms(self.model, self.kernels, graph_batch_sizes(max_bs), self.dtype, self.device)
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_decode_rows)

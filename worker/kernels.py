@@ -59,6 +59,10 @@ class Kernels:
     # elsewhere; auto: the same for the weight dtypes of skinny_gemm.AUTO_DTYPES (e4m3), vendor for the others;
     # vendor: cuBLAS and cuBLASLt at every row count
     decode_gemm: str = "auto"
+    # the half-precision linear layers that reach cuBLAS at the CUDA graphs' batch sizes run through cuBLASLt
+    # at the algorithm the engine timed fastest for their shape at start, where it beat cuBLAS's own pick
+    # (worker/cublaslt.py); off: cuBLAS's pick (F.linear) always
+    tuned_gemms: bool = True
     # programmatic dependent launch (compute capability 9.0+) of a step's Triton kernels: each may start
     # while the kernel before it finishes, its weights prefetched into L2 meanwhile (worker/pdl_kernels.py).
     # auto: on where it was measured faster (`with_model`: on one GPU), off elsewhere and wherever no engine

@@ -1,0 +1,345 @@
+"""cuBLASLt's matrix products at an algorithm chosen by timing: y = x @ w.T in half precision at decode
+batches' row counts. torch's F.linear runs cuBLAS's own pick. cuBLASLt's heuristic lists several algorithms
+for a shape (other tiles, split K), and at some shapes another is faster: on an H100
+(bench/cublaslt_algos.py, 2026-12-06) Qwen3-8B's down at 256 rows took 46.5 us against F.linear's 53.2, its
+o at 16 rows 14.7 against 16.9, and Qwen3-0.6B's four layers at 256 rows 7-11% less. An engine times them
+at start, before its KV cache takes the memory (`tune_products`: its linear layers' shapes at its CUDA
+graphs' batch sizes), and worker/layers/linear.py runs the winners (`tuned`). Called through ctypes on the
+library torch has loaded, on torch's current stream, so a product is captured in a CUDA graph as any other
+kernel is.
+
+    lt = LtLinear(m, n, k, torch.bfloat16, device)
+    lt.tune(x, weights)    # once, outside any graph capture
+    lt(x, w)               # x[m, k] @ w[n, k].T"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# cublasLt.h's values
+_COMPUTE_32F = 68
+_CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = 0, 2, 14
+_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_OP_N, _OP_T = 0, 1
+_PREF_MAX_WORKSPACE_BYTES = 1
+_CONFIG_ID, _CONFIG_TILE_ID, _CONFIG_SPLITK_NUM, _CONFIG_STAGES_ID = 0, 1, 2, 6
+_DTYPES = {torch.bfloat16: _CUDA_R_16BF, torch.float16: _CUDA_R_16F}
+
+WORKSPACE_BYTES = 32 << 20  # what torch gives cuBLASLt on a Hopper GPU
+REQUESTED_ALGOS = 32
+
+
+class CublasLtError(RuntimeError):
+    """A cuBLASLt call returned a status other than success."""
+
+
+class _Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _Heuristic(ctypes.Structure):
+    _fields_ = [
+        ("algo", _Algo),
+        ("workspace_size", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("waves_count", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """The libcublasLt torch loaded (a product first makes it load it), found in this process's maps."""
+    a = torch.ones(8, 8, device="cuda", dtype=torch.bfloat16)
+    torch.nn.functional.linear(a, a, torch.zeros(8, device="cuda", dtype=torch.bfloat16))  # addmm: cuBLASLt
+    torch.cuda.synchronize()
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcublasLt" in line}
+    if not paths:
+        raise CublasLtError("libcublasLt is not loaded in this process")
+    lib = ctypes.CDLL(sorted(paths)[0])
+    # every argument typed: an untyped Python int goes as a 32-bit int, and a size_t would read garbage above it
+    vp, i32, size, out = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)
+    signatures = {
+        "cublasLtCreate": [out],
+        "cublasLtMatmulDescCreate": [out, i32, i32],
+        "cublasLtMatmulDescSetAttribute": [vp, i32, vp, size],
+        "cublasLtMatrixLayoutCreate": [out, i32, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64],
+        "cublasLtMatmulPreferenceCreate": [out],
+        "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, size],
+        "cublasLtMatmulPreferenceDestroy": [vp],
+        "cublasLtMatmulAlgoGetHeuristic": [vp] * 7 + [i32, ctypes.POINTER(_Heuristic), ctypes.POINTER(i32)],
+        "cublasLtMatmulAlgoConfigGetAttribute": [ctypes.POINTER(_Algo), i32, vp, size, ctypes.POINTER(size)],
+        "cublasLtMatmul": [vp] * 12 + [ctypes.POINTER(_Algo), vp, size, vp],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, i32
+    return lib
+
+
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise CublasLtError(f"{call} returned cuBLAS status {status}")
+
+
+@functools.cache
+def _handle() -> ctypes.c_void_p:
+    handle = ctypes.c_void_p()
+    _check(_library().cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+    return handle
+
+
+# one workspace a stream, as torch keeps cuBLASLt's: products on two streams may run at once, and a graph
+# captured on a stream keeps that stream's workspace
+_WORKSPACES: dict[int, torch.Tensor] = {}
+
+
+def _workspace(stream: torch.cuda.Stream) -> torch.Tensor:
+    ws = _WORKSPACES.get(stream.cuda_stream)
+    if ws is None:
+        ws = _WORKSPACES[stream.cuda_stream] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=stream.device)
+    return ws
+
+
+@dataclass(frozen=True)
+class AlgoInfo:
+    """What an algorithm is, as cuBLASLt's configuration attributes read: its id, tile, K splits and
+    pipeline stages (ids of cublasLt.h's enums), and the waves its programs make on this GPU."""
+
+    algo_id: int
+    tile_id: int
+    split_k: int
+    stages_id: int
+    waves: float
+
+
+class LtLinear:
+    """One shape's product, its descriptors made once: out[m, n] = x[m, k] @ w[n, k].T (row-major), which
+    column-major cuBLASLt computes as out.T = op_T(w as k x n) @ (x as k x m)."""
+
+    def __init__(self, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> None:
+        lib, c = _library(), _DTYPES[dtype]
+        self.m, self.n, self.k, self.device = m, n, k, device
+        self.desc = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _CUDA_R_32F), "MatmulDescCreate")
+        for attr, value in ((_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)):
+            v = ctypes.c_int32(value)
+            _check(
+                lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(v), ctypes.sizeof(v)),
+                "MatmulDescSetAttribute",
+            )
+        self.a, self.b, self.c = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        for layout, rows, cols, ld in ((self.a, k, n, k), (self.b, k, m, k), (self.c, n, m, n)):
+            _check(
+                lib.cublasLtMatrixLayoutCreate(
+                    ctypes.byref(layout), c, ctypes.c_uint64(rows), ctypes.c_uint64(cols), ctypes.c_int64(ld)
+                ),
+                "MatrixLayoutCreate",
+            )
+        self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.candidates = self._heuristics()
+        self.algo = self.candidates[0].algo  # cuBLASLt's own first pick until tuned
+        self.timings: list[float] = []
+        self.baseline_us = self.best_us = float("nan")
+
+    @classmethod
+    @functools.cache
+    def of(cls, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> LtLinear:
+        return cls(m, n, k, dtype, device)
+
+    def _heuristics(self) -> list[_Heuristic]:
+        lib = _library()
+        pref = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
+        size = ctypes.c_uint64(WORKSPACE_BYTES)
+        _check(
+            lib.cublasLtMatmulPreferenceSetAttribute(
+                pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.sizeof(size)
+            ),
+            "MatmulPreferenceSetAttribute",
+        )
+        results = (_Heuristic * REQUESTED_ALGOS)()
+        found = ctypes.c_int(0)
+        _check(
+            lib.cublasLtMatmulAlgoGetHeuristic(
+                _handle(),
+                self.desc,
+                self.a,
+                self.b,
+                self.c,
+                self.c,
+                pref,
+                REQUESTED_ALGOS,
+                results,
+                ctypes.byref(found),
+            ),
+            "MatmulAlgoGetHeuristic",
+        )
+        lib.cublasLtMatmulPreferenceDestroy(pref)
+        picks = [_Heuristic.from_buffer_copy(results[i]) for i in range(found.value) if results[i].state == 0]
+        if not picks:
+            raise CublasLtError(f"cuBLASLt has no algorithm for {self.m} x {self.n} x {self.k}")
+        return picks
+
+    def info(self, index: int) -> AlgoInfo:
+        """Candidate `index`'s configuration."""
+        lib, algo = _library(), self.candidates[index].algo
+        values = []
+        for attr in (_CONFIG_ID, _CONFIG_TILE_ID, _CONFIG_SPLITK_NUM, _CONFIG_STAGES_ID):
+            v, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+            lib.cublasLtMatmulAlgoConfigGetAttribute(
+                ctypes.byref(algo), attr, ctypes.byref(v), ctypes.sizeof(v), ctypes.byref(written)
+            )
+            values.append(v.value)
+        return AlgoInfo(*values, waves=self.candidates[index].waves_count)
+
+    def run(
+        self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, algo: _Algo | None = None
+    ) -> torch.Tensor:
+        """out = x @ w.T with `algo` (the tuned one by default), on torch's current stream."""
+        if out is None:
+            out = torch.empty(self.m, self.n, dtype=x.dtype, device=x.device)
+        if x.shape != (self.m, self.k) or w.shape != (self.n, self.k) or out.shape != (self.m, self.n):
+            raise ValueError(f"shapes {tuple(x.shape)}, {tuple(w.shape)}, {tuple(out.shape)} are not this product's")
+        if not (x.is_contiguous() and w.is_contiguous() and out.is_contiguous()):
+            raise ValueError("x, w and out must be contiguous")
+        stream = torch.cuda.current_stream(self.device)
+        ws = _workspace(stream)
+        _check(
+            _library().cublasLtMatmul(
+                _handle(),
+                self.desc,
+                ctypes.byref(self.alpha),
+                ctypes.c_void_p(w.data_ptr()),
+                self.a,
+                ctypes.c_void_p(x.data_ptr()),
+                self.b,
+                ctypes.byref(self.beta),
+                ctypes.c_void_p(out.data_ptr()),
+                self.c,
+                ctypes.c_void_p(out.data_ptr()),
+                self.c,
+                ctypes.byref(algo or self.algo),
+                ctypes.c_void_p(ws.data_ptr()),
+                ctypes.c_size_t(WORKSPACE_BYTES),
+                ctypes.c_void_p(stream.cuda_stream),
+            ),
+            "cublasLtMatmul",
+        )
+        return out
+
+    __call__ = run
+
+    def tune(self, x: torch.Tensor, weights: list[torch.Tensor], reps: int = 10) -> list[float]:
+        """Times every candidate, and F.linear beside them (`baseline_us`), over `weights` (distinct copies,
+        so that L2 holds none of them), keeps the fastest candidate as this product's algorithm, and returns
+        each candidate's median microseconds a call. Not inside a graph capture."""
+        out = torch.empty(self.m, self.n, dtype=x.dtype, device=x.device)
+        self.timings = [
+            _graph_us(lambda w, a=cand.algo: self.run(x, w, out, a), weights, self.device, reps)
+            for cand in self.candidates
+        ]
+        self.baseline_us = _graph_us(lambda w: F.linear(x, w), weights, self.device, reps)
+        best = min(range(len(self.candidates)), key=self.timings.__getitem__)
+        self.algo, self.best_us = self.candidates[best].algo, self.timings[best]
+        return self.timings
+
+
+@functools.cache
+def _timing_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream a device for every timing graph (each stream keeps a workspace of its own)."""
+    return torch.cuda.Stream(device)
+
+
+def _graph_us(
+    call: Callable[[torch.Tensor], object], weights: list[torch.Tensor], device: torch.device, reps: int
+) -> float:
+    """Median microseconds of `call(w)` a weight, over `reps` replays of a CUDA graph calling it once for each
+    of `weights` (so the host's launch cost stays out of the figure); run once outside the graph first."""
+    side = _timing_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for w in weights:
+            call(w)
+    side.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for w in weights:
+            call(w)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(weights))
+    return statistics.median(times)
+
+
+# -- the products an engine tunes at start ---------------------------------------------------------------
+
+# A tuned algorithm replaces F.linear only where it was at least this much faster (timing noise aside)
+MIN_GAIN = 0.02
+# Copies of a weight timed in turn: at least this many bytes, past any GPU's L2 (an H100's or H200's 50 MB)
+L2_FLUSH_BYTES = 128 << 20
+
+_TUNED: dict[tuple[int, int, int, torch.dtype, int | None], LtLinear] = {}
+
+
+@dataclass(frozen=True)
+class TunedProduct:
+    """One product's tuning: x [m, k] @ w [n, k].T, F.linear's microseconds and the fastest algorithm's,
+    and whether that algorithm now runs it."""
+
+    m: int
+    n: int
+    k: int
+    baseline_us: float
+    best_us: float
+    chosen: bool
+
+
+def tuned(x: torch.Tensor, weight: torch.Tensor) -> LtLinear | None:
+    """The tuned product for x @ weight.T, where `tune_products` found one faster than F.linear."""
+    if not _TUNED or x.dtype != weight.dtype:
+        return None
+    return _TUNED.get((x.shape[0], weight.shape[0], weight.shape[1], x.dtype, x.device.index))
+
+
+def forget() -> None:
+    """Drops every tuned product: linear layers go back to F.linear until products are tuned again."""
+    _TUNED.clear()
+
+
+def tune_products(
+    shapes: set[tuple[int, int]], rows: list[int], dtype: torch.dtype, device: torch.device
+) -> list[TunedProduct]:
+    """Times cuBLASLt's algorithms for each weight shape (n, k) at each row count against F.linear, on random
+    operands, and keeps every algorithm that won by MIN_GAIN for `tuned` to hand out. The operands are freed
+    after (and torch's cache of them emptied), so the KV cache sized after this gets that memory back."""
+    results = []
+    for n, k in sorted(shapes):
+        copies = max(1, -(-L2_FLUSH_BYTES // (n * k * dtype.itemsize)))
+        weights = [torch.randn(n, k, dtype=dtype, device=device) * 0.05 for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, dtype=dtype, device=device)
+            lt = LtLinear(m, n, k, dtype, device)
+            lt.tune(x, weights)
+            chosen = lt.best_us <= lt.baseline_us * (1 - MIN_GAIN)
+            if chosen:
+                _TUNED[(m, n, k, dtype, device.index)] = lt
+            results.append(TunedProduct(m, n, k, lt.baseline_us, lt.best_us, chosen))
+        del weights
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return results
