@@ -5,6 +5,8 @@ and an engine whose every graph product runs a tuned algorithm generates as one 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,9 @@ SHAPES = [(256, 4096, 1024), (16, 1024, 3072), (48, 6144, 1024), (8, 320, 64)]
 
 
 @pytest.fixture(autouse=True)
-def fresh_registry():
+def fresh_registry(tmp_path, monkeypatch):
+    """No product tuned, and timings kept in a file of the test's own."""
+    monkeypatch.setattr(cublaslt, "CACHE_FILE", tmp_path / "gemm_tuning.json")
     cublaslt.forget()
     yield
     cublaslt.forget()
@@ -77,6 +81,13 @@ def test_only_the_products_that_beat_f_linear_are_handed_out():
         x = torch.empty(r.m, r.k, device="cuda", dtype=torch.bfloat16)
         w = torch.empty(r.n, r.k, device="cuda", dtype=torch.bfloat16)
         assert (cublaslt.tuned(x, w) is not None) == r.chosen
+    assert not any(r.cached for r in results)
+    # a second start times nothing: it reads the first one's timings and picks the same algorithms
+    picked = {key: lt.algo.data[:] for key, lt in cublaslt._TUNED.items()}
+    cublaslt.forget()
+    again = cublaslt.tune_products(shapes, rows, torch.bfloat16, torch.device("cuda", torch.cuda.current_device()))
+    assert all(r.cached for r in again) and again == [replace(r, cached=True) for r in results]
+    assert {key: lt.algo.data[:] for key, lt in cublaslt._TUNED.items()} == picked
 
 
 def test_an_engine_on_tuned_products_generates_as_one_on_cublas(tmp_path, monkeypatch):

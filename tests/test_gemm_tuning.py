@@ -103,3 +103,48 @@ def test_the_registry_hands_out_a_product_only_for_its_shape_and_dtype(registry)
     torch.testing.assert_close(linear(x, w, kernels=Kernels()), F.linear(x, w))
     cublaslt.forget()
     assert cublaslt.tuned(x, w) is None
+
+
+def test_kept_timings_are_read_back_and_a_missing_or_broken_file_is_none(tmp_path):
+    path = tmp_path / "raylm" / "gemm_tuning.json"
+    assert cublaslt.read_cache(path) == {}
+    key = cublaslt.cache_key("NVIDIA H100 80GB HBM3|cublasLt 130100|cuda 13.0", torch.bfloat16, 256, 4096, 12288)
+    assert key.endswith("|bfloat16|256x4096x12288")
+    first = {key: {"candidates": 8, "best": 3, "best_us": 46.5, "baseline_us": 53.2}}
+    cublaslt.write_cache(path, first)
+    assert cublaslt.read_cache(path) == first
+    # a later start adds its products to the file, and a product timed again replaces its record
+    other = cublaslt.cache_key("NVIDIA H100 80GB HBM3|cublasLt 130100|cuda 13.0", torch.bfloat16, 64, 4096, 12288)
+    again = {key: {"candidates": 8, "best": 1, "best_us": 46.0, "baseline_us": 53.0}}
+    cublaslt.write_cache(path, {other: first[key]} | again)
+    assert cublaslt.read_cache(path) == {key: again[key], other: first[key]}
+    assert [p.name for p in path.parent.iterdir()] == ["gemm_tuning.json"]  # no temporary file left behind
+    path.write_text("{not json")
+    assert cublaslt.read_cache(path) == {}
+    path.write_text("[1, 2]")
+    assert cublaslt.read_cache(path) == {}
+
+
+def test_a_cache_that_cannot_be_written_is_left_alone(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cublaslt.write_cache(blocker / "raylm" / "gemm_tuning.json", {"k": {}})  # its folder cannot be made
+    assert blocker.read_text() == ""
+
+
+@pytest.mark.parametrize(
+    "record,usable",
+    [
+        ({"candidates": 8, "best": 3, "best_us": 46.5, "baseline_us": 53.2}, True),
+        ({"candidates": 7, "best": 3, "best_us": 46.5, "baseline_us": 53.2}, False),  # another list of algorithms
+        ({"candidates": 8, "best": 8, "best_us": 46.5, "baseline_us": 53.2}, False),  # past the list
+        ({"candidates": 8, "best": -1, "best_us": 46.5, "baseline_us": 53.2}, False),
+        ({"candidates": 8, "best": "3", "best_us": 46.5, "baseline_us": 53.2}, False),
+        ({"candidates": 8, "best": 3, "best_us": None, "baseline_us": 53.2}, False),
+        ({"candidates": 8, "best": 3}, False),
+        (None, False),
+        ([8, 3], False),
+    ],
+)
+def test_a_kept_timing_stands_only_for_the_same_list_of_algorithms(record, usable):
+    assert cublaslt.usable(record, 8) is usable

@@ -6,7 +6,7 @@ o at 16 rows 14.7 against 16.9, and Qwen3-0.6B's four layers at 256 rows 7-11% l
 at start, before its KV cache takes the memory (`tune_products`: its linear layers' shapes at its CUDA
 graphs' batch sizes), and worker/layers/linear.py runs the winners (`tuned`). Called through ctypes on the
 library torch has loaded, on torch's current stream, so a product is captured in a CUDA graph as any other
-kernel is.
+kernel is. The timings are kept between starts (CACHE_FILE), by GPU and library version.
 
     lt = LtLinear(m, n, k, torch.bfloat16, device)
     lt.tune(x, weights)    # once, outside any graph capture
@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
+import os
 import statistics
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +86,7 @@ def _library() -> ctypes.CDLL:
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, i32
+    lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], size
     return lib
 
 
@@ -299,7 +304,7 @@ _TUNED: dict[tuple[int, int, int, torch.dtype, int | None], LtLinear] = {}
 @dataclass(frozen=True)
 class TunedProduct:
     """One product's tuning: x [m, k] @ w [n, k].T, F.linear's microseconds and the fastest algorithm's,
-    and whether that algorithm now runs it."""
+    whether that algorithm now runs it, and whether its timings came from an earlier start."""
 
     m: int
     n: int
@@ -307,6 +312,7 @@ class TunedProduct:
     baseline_us: float
     best_us: float
     chosen: bool
+    cached: bool = False  # its timings read from CACHE_FILE, not taken at this start
 
 
 def tuned(x: torch.Tensor, weight: torch.Tensor) -> LtLinear | None:
@@ -325,21 +331,86 @@ def tune_products(
     shapes: set[tuple[int, int]], rows: list[int], dtype: torch.dtype, device: torch.device
 ) -> list[TunedProduct]:
     """Times cuBLASLt's algorithms for each weight shape (n, k) at each row count against F.linear, on random
-    operands, and keeps every algorithm that won by MIN_GAIN for `tuned` to hand out. The operands are freed
-    after (and torch's cache of them emptied), so the KV cache sized after this gets that memory back."""
-    results = []
+    operands, and keeps every algorithm that won by MIN_GAIN for `tuned` to hand out. Timings are kept in
+    CACHE_FILE for this GPU and cuBLASLt, so a later start times only what it has not seen. The operands are
+    freed after (and torch's cache of them emptied), so the KV cache sized after this gets that memory back."""
+    cache, where = read_cache(CACHE_FILE), _platform(device)
+    results, timed = [], {}
     for n, k in sorted(shapes):
-        copies = max(1, -(-L2_FLUSH_BYTES // (n * k * dtype.itemsize)))
-        weights = [torch.randn(n, k, dtype=dtype, device=device) * 0.05 for _ in range(copies)]
+        weights: list[torch.Tensor] = []
         for m in rows:
-            x = torch.randn(m, k, dtype=dtype, device=device)
             lt = LtLinear(m, n, k, dtype, device)
-            lt.tune(x, weights)
+            key = cache_key(where, dtype, m, n, k)
+            record = cache.get(key)
+            cached = usable(record, len(lt.candidates))
+            if cached:
+                lt.algo = lt.candidates[record["best"]].algo
+                lt.best_us, lt.baseline_us = record["best_us"], record["baseline_us"]
+            else:
+                if not weights:  # enough copies to pass L2, made once a shape
+                    copies = max(1, -(-L2_FLUSH_BYTES // (n * k * dtype.itemsize)))
+                    weights = [torch.randn(n, k, dtype=dtype, device=device) * 0.05 for _ in range(copies)]
+                timings = lt.tune(torch.randn(m, k, dtype=dtype, device=device), weights)
+                timed[key] = {
+                    "candidates": len(timings),
+                    "best": timings.index(lt.best_us),
+                    "best_us": lt.best_us,
+                    "baseline_us": lt.baseline_us,
+                }
             chosen = lt.best_us <= lt.baseline_us * (1 - MIN_GAIN)
             if chosen:
                 _TUNED[(m, n, k, dtype, device.index)] = lt
-            results.append(TunedProduct(m, n, k, lt.baseline_us, lt.best_us, chosen))
+            results.append(TunedProduct(m, n, k, lt.baseline_us, lt.best_us, chosen, cached))
         del weights
+    if timed:
+        write_cache(CACHE_FILE, timed)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     return results
+
+
+# -- the timings kept between starts ----------------------------------------------------------------------
+
+CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "raylm" / "gemm_tuning.json"
+
+
+def _platform(device: torch.device) -> str:
+    """What a timing holds for: the GPU's name, cuBLASLt's version and the CUDA torch was built with (the
+    heuristic's list of algorithms, and their order, follow from these)."""
+    return f"{torch.cuda.get_device_name(device)}|cublasLt {_library().cublasLtGetVersion()}|cuda {torch.version.cuda}"
+
+
+def cache_key(platform: str, dtype: torch.dtype, m: int, n: int, k: int) -> str:
+    return f"{platform}|{str(dtype).removeprefix('torch.')}|{m}x{n}x{k}"
+
+
+def usable(record: object, candidates: int) -> bool:
+    """Whether a kept timing can stand for this start's: taken over the same number of listed algorithms
+    (the heuristic's list is then the same), its pick one of them, its times numbers."""
+    if not isinstance(record, dict) or record.get("candidates") != candidates:
+        return False
+    best, times = record.get("best"), (record.get("best_us"), record.get("baseline_us"))
+    return isinstance(best, int) and 0 <= best < candidates and all(isinstance(t, int | float) for t in times)
+
+
+def read_cache(path: Path) -> dict[str, dict]:
+    """The timings kept at `path` ({} where there are none, or the file is not a JSON object)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_cache(path: Path, records: dict[str, dict]) -> None:
+    """Adds `records` to the timings at `path`, written whole to a file beside it and moved over it, so a
+    reader (another engine starting on this host) sees the old file or the new one, never part of one. A
+    cache that cannot be written is left as it is: the next start times those products again."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        merged = {**read_cache(path), **records}
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
+            json.dump(merged, f, indent=0, sort_keys=True)
+        os.replace(f.name, path)
+    except OSError:
+        pass
