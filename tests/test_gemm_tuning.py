@@ -6,6 +6,7 @@ cuBLASLt leaves the products on F.linear. The products themselves are tested on 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -148,3 +149,61 @@ def test_a_cache_that_cannot_be_written_is_left_alone(tmp_path):
 )
 def test_a_kept_timing_stands_only_for_the_same_list_of_algorithms(record, usable):
     assert cublaslt.usable(record, 8) is usable
+
+
+class _FakeProduct:
+    """LtLinear's part that tune_products uses, on the CPU: three listed algorithms whose timings a test
+    sets, the second the fastest; it counts the times it was timed."""
+
+    timings = {"fast": [9.0, 6.0, 8.0], "slow": [9.95, 9.9, 9.85]}  # F.linear takes 10 us
+    tuned = 0
+
+    def __init__(self, m, n, k, dtype, device):
+        self.m, self.n, self.k = m, n, k
+        self.candidates = [type("Listed", (), {"algo": f"algo {i}"})() for i in range(3)]
+        self.algo, self.best_us, self.baseline_us = self.candidates[0].algo, float("nan"), float("nan")
+
+    def tune(self, x, weights):
+        assert x.shape == (self.m, self.k) and all(w.shape == (self.n, self.k) for w in weights)
+        _FakeProduct.tuned += 1
+        times = self.timings["fast" if self.n == 64 else "slow"]
+        best = min(range(3), key=times.__getitem__)
+        self.algo, self.best_us, self.baseline_us = self.candidates[best].algo, times[best], 10.0
+        return times
+
+
+def test_a_second_start_reads_the_first_ones_timings_and_picks_the_same(tmp_path, monkeypatch, registry):
+    monkeypatch.setattr(cublaslt, "LtLinear", _FakeProduct)
+    monkeypatch.setattr(cublaslt, "_platform", lambda device: "a GPU|cublasLt 1|cuda 13.0")
+    monkeypatch.setattr(cublaslt, "CACHE_FILE", tmp_path / "gemm_tuning.json")
+    monkeypatch.setattr(cublaslt, "L2_FLUSH_BYTES", 4096)
+    monkeypatch.setattr(_FakeProduct, "tuned", 0)
+    shapes, rows, cpu = {(64, 32), (96, 32)}, [2, 8], torch.device("cpu")
+    first = cublaslt.tune_products(shapes, rows, torch.float32, cpu)
+    assert _FakeProduct.tuned == 4 and not any(r.cached for r in first)
+    # the 64-wide products beat F.linear (6 us against 10) and are handed out at their fastest algorithm;
+    # the 96-wide ones (9.85 against 10) miss MIN_GAIN and stay on F.linear
+    assert {(r.n, r.m): r.chosen for r in first} == {(64, 2): True, (64, 8): True, (96, 2): False, (96, 8): False}
+    assert {key[:3]: p.algo for key, p in registry.items()} == {(2, 64, 32): "algo 1", (8, 64, 32): "algo 1"}
+    assert len(cublaslt.read_cache(tmp_path / "gemm_tuning.json")) == 4
+    cublaslt.forget()
+    second = cublaslt.tune_products(shapes, rows, torch.float32, cpu)
+    assert _FakeProduct.tuned == 4  # nothing timed again
+    assert second == [replace(r, cached=True) for r in first]
+    assert {key[:3]: p.algo for key, p in registry.items()} == {(2, 64, 32): "algo 1", (8, 64, 32): "algo 1"}
+    # another GPU, or another cuBLASLt, times its products again
+    monkeypatch.setattr(cublaslt, "_platform", lambda device: "another GPU|cublasLt 1|cuda 13.0")
+    third = cublaslt.tune_products({(64, 32)}, [2], torch.float32, cpu)
+    assert _FakeProduct.tuned == 5 and not third[0].cached
+
+
+def test_a_tuning_that_fails_leaves_the_engine_on_f_linear(monkeypatch, caplog, registry):
+    def fails_midway(shapes, rows, dtype, device):
+        registry[(2, 64, 32, dtype, None)] = object()
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(cublaslt, "tune_products", fails_midway)
+    with caplog.at_level(logging.WARNING, logger="worker.gemm_tuning"):
+        got = gemm_tuning.tune_decode_gemms(_layers(), Kernels(), [2], torch.bfloat16, torch.device("cuda", 0))
+    assert got == [] and registry == {}
+    assert "OutOfMemoryError: CUDA out of memory" in caplog.text

@@ -364,8 +364,9 @@ def tune_products(
         del weights
     if timed:
         write_cache(CACHE_FILE, timed)
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
     return results
 
 
