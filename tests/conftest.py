@@ -30,6 +30,17 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     patch_the_language_once_a_launch()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def gemm_timings_of_the_session(tmp_path_factory: pytest.TempPathFactory):
+    """The linear products' timings an engine keeps between starts (worker/cublaslt.py) go to a file of the
+    test session's own, not the user's cache."""
+    from worker import cublaslt
+
+    cublaslt.CACHE_FILE = tmp_path_factory.mktemp("gemm_tuning") / "gemm_tuning.json"
+    yield
+    cublaslt.CACHE_FILE = None
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs CUDA")
 

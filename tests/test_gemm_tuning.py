@@ -41,9 +41,9 @@ def _layers(dtype: torch.dtype = torch.bfloat16) -> nn.Module:
 
 def test_the_shapes_tuned_are_the_unquantized_parallel_linears_in_the_models_dtype():
     shapes = gemm_tuning.linear_shapes(_layers(), torch.bfloat16)
-    # qkv: 4 query heads and 2 kv heads of 16; gate-up: two parts of 96; the biased layer too (its bias is
-    # added after the product); not the quantized layer, nor a layer outside the parallel linears
-    assert shapes == {(128, 64), (64, 64), (192, 64), (64, 96), (48, 32)}
+    # qkv: 4 query heads and 2 kv heads of 16; gate-up: two parts of 96; not the biased layer (F.linear adds
+    # its bias inside the product), the quantized one, nor a layer outside the parallel linears
+    assert shapes == {(128, 64), (64, 64), (192, 64), (64, 96)}
     assert gemm_tuning.linear_shapes(_layers(), torch.float16) == set()
 
 
@@ -89,21 +89,45 @@ def registry():
     cublaslt.forget()
 
 
-def test_the_registry_hands_out_a_product_only_for_its_shape_and_dtype(registry):
+def _aligned(rows: int, cols: int, offset: int = 0) -> torch.Tensor:
+    """A bf16 [rows, cols] tensor whose data starts `offset` bytes past a cuBLASLt-aligned address."""
+    room = torch.randn(rows * cols + cublaslt.ALIGNMENT, dtype=torch.bfloat16)
+    skip = (-room.data_ptr() % cublaslt.ALIGNMENT + offset) // 2
+    return room[skip : skip + rows * cols].view(rows, cols)
+
+
+def test_the_registry_hands_out_a_product_only_for_its_shape_dtype_and_aligned_operands(registry):
     class Product:
         def __call__(self, x, w):
             raise AssertionError("a tuned product ran on the CPU")
 
-    x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
+    x, w = _aligned(4, 8), _aligned(6, 8)
     assert cublaslt.tuned(x, w) is None
     registry[(4, 6, 8, torch.bfloat16, None)] = product = Product()
     assert cublaslt.tuned(x, w) is product
     assert cublaslt.tuned(x[:2], w) is None  # other rows
     assert cublaslt.tuned(x, w.float()) is None  # mixed dtypes
+    assert cublaslt.tuned(_aligned(4, 8, offset=16), w) is None  # not where the algorithm assumes
+    assert cublaslt.tuned(x, _aligned(6, 8, offset=2)) is None
     # linear() takes a tuned product on CUDA tensors only
     torch.testing.assert_close(linear(x, w, kernels=Kernels()), F.linear(x, w))
     cublaslt.forget()
     assert cublaslt.tuned(x, w) is None
+
+
+def test_the_cache_file_is_under_xdg_cache_home_and_none_without_a_home(monkeypatch, tmp_path):
+    monkeypatch.setattr(cublaslt, "CACHE_FILE", None)  # the default, which the test session overrides
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cublaslt.cache_file() == tmp_path / "raylm" / "gemm_tuning.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+
+    def homeless():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(cublaslt.Path, "home", staticmethod(homeless))
+    assert cublaslt.cache_file() is None
+    monkeypatch.setattr(cublaslt, "CACHE_FILE", tmp_path / "elsewhere.json")
+    assert cublaslt.cache_file() == tmp_path / "elsewhere.json"
 
 
 def test_kept_timings_are_read_back_and_a_missing_or_broken_file_is_none(tmp_path):
@@ -161,14 +185,18 @@ class _FakeProduct:
     def __init__(self, m, n, k, dtype, device):
         self.m, self.n, self.k = m, n, k
         self.candidates = [type("Listed", (), {"algo": f"algo {i}"})() for i in range(3)]
-        self.algo, self.best_us, self.baseline_us = self.candidates[0].algo, float("nan"), float("nan")
+        self.choice, self.best_us, self.baseline_us = self.candidates[0], float("nan"), float("nan")
 
-    def tune(self, x, weights):
+    @property
+    def algo(self):
+        return self.choice.algo
+
+    def tune(self, x, weights, workspace=None):
         assert x.shape == (self.m, self.k) and all(w.shape == (self.n, self.k) for w in weights)
         _FakeProduct.tuned += 1
         times = self.timings["fast" if self.n == 64 else "slow"]
         best = min(range(3), key=times.__getitem__)
-        self.algo, self.best_us, self.baseline_us = self.candidates[best].algo, times[best], 10.0
+        self.choice, self.best_us, self.baseline_us = self.candidates[best], times[best], 10.0
         return times
 
 
@@ -198,12 +226,13 @@ def test_a_second_start_reads_the_first_ones_timings_and_picks_the_same(tmp_path
 
 
 def test_a_tuning_that_fails_leaves_the_engine_on_f_linear(monkeypatch, caplog, registry):
+    registry[(2, 64, 32, torch.bfloat16, 0)] = kept = object()  # an engine started before, its products kept
+
     def fails_midway(shapes, rows, dtype, device):
-        registry[(2, 64, 32, dtype, None)] = object()
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(cublaslt, "tune_products", fails_midway)
     with caplog.at_level(logging.WARNING, logger="worker.gemm_tuning"):
         got = gemm_tuning.tune_decode_gemms(_layers(), Kernels(), [2], torch.bfloat16, torch.device("cuda", 0))
-    assert got == [] and registry == {}
+    assert got == [] and registry == {(2, 64, 32, torch.bfloat16, 0): kept}
     assert "OutOfMemoryError: CUDA out of memory" in caplog.text

@@ -6,7 +6,7 @@ o at 16 rows 14.7 against 16.9, and Qwen3-0.6B's four layers at 256 rows 7-11% l
 at start, before its KV cache takes the memory (`tune_products`: its linear layers' shapes at its CUDA
 graphs' batch sizes), and worker/layers/linear.py runs the winners (`tuned`). Called through ctypes on the
 library torch has loaded, on torch's current stream, so a product is captured in a CUDA graph as any other
-kernel is. The timings are kept between starts (CACHE_FILE), by GPU and library version.
+kernel is. The timings are kept between starts (`cache_file`), by GPU and library version.
 
     lt = LtLinear(m, n, k, torch.bfloat16, device)
     lt.tune(x, weights)    # once, outside any graph capture
@@ -14,6 +14,7 @@ kernel is. The timings are kept between starts (CACHE_FILE), by GPU and library 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
@@ -32,7 +33,12 @@ _COMPUTE_32F = 68
 _CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = 0, 2, 14
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _OP_N, _OP_T = 0, 1
-_PREF_MAX_WORKSPACE_BYTES = 1
+_PREF_MAX_WORKSPACE_BYTES, _PREF_REDUCTION_SCHEME_MASK = 1, 3
+# split K's partial sums added in the compute type (float32) only, never in the output's half precision
+# (INPLACE and OUTPUT_TYPE), as torch disallows reduced-precision reductions; unsplit algorithms stay
+_REDUCTION_COMPUTE_TYPE = 2
+# the pointers the heuristic's algorithms assume (cuBLASLt's default minimum alignment)
+ALIGNMENT = 256
 _CONFIG_ID, _CONFIG_TILE_ID, _CONFIG_SPLITK_NUM, _CONFIG_STAGES_ID = 0, 1, 2, 6
 _DTYPES = {torch.bfloat16: _CUDA_R_16BF, torch.float16: _CUDA_R_16F}
 
@@ -102,8 +108,9 @@ def _handle() -> ctypes.c_void_p:
     return handle
 
 
-# one workspace a stream, as torch keeps cuBLASLt's: products on two streams may run at once, and a graph
-# captured on a stream keeps that stream's workspace
+# one workspace a stream for the algorithms that need one (split K), as torch keeps cuBLASLt's: products on
+# two streams may run at once, and a graph captured on a stream keeps that stream's workspace (never freed:
+# a captured graph may still use it)
 _WORKSPACES: dict[int, torch.Tensor] = {}
 
 
@@ -112,6 +119,10 @@ def _workspace(stream: torch.cuda.Stream) -> torch.Tensor:
     if ws is None:
         ws = _WORKSPACES[stream.cuda_stream] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=stream.device)
     return ws
+
+
+def _new_workspace(device: torch.device) -> torch.Tensor:
+    return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
 
 @dataclass(frozen=True)
@@ -151,7 +162,7 @@ class LtLinear:
             )
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.candidates = self._heuristics()
-        self.algo = self.candidates[0].algo  # cuBLASLt's own first pick until tuned
+        self.choice = self.candidates[0]  # cuBLASLt's own first pick until tuned
         self.timings: list[float] = []
         self.baseline_us = self.best_us = float("nan")
 
@@ -165,12 +176,12 @@ class LtLinear:
         pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "MatmulPreferenceCreate")
         size = ctypes.c_uint64(WORKSPACE_BYTES)
-        _check(
-            lib.cublasLtMatmulPreferenceSetAttribute(
-                pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.sizeof(size)
-            ),
-            "MatmulPreferenceSetAttribute",
-        )
+        reduction = ctypes.c_uint32(_REDUCTION_COMPUTE_TYPE)
+        for attr, value in ((_PREF_MAX_WORKSPACE_BYTES, size), (_PREF_REDUCTION_SCHEME_MASK, reduction)):
+            _check(
+                lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(value), ctypes.sizeof(value)),
+                "MatmulPreferenceSetAttribute",
+            )
         results = (_Heuristic * REQUESTED_ALGOS)()
         found = ctypes.c_int(0)
         _check(
@@ -206,10 +217,21 @@ class LtLinear:
             values.append(v.value)
         return AlgoInfo(*values, waves=self.candidates[index].waves_count)
 
+    @property
+    def algo(self) -> _Algo:
+        return self.choice.algo
+
     def run(
-        self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, algo: _Algo | None = None
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        out: torch.Tensor | None = None,
+        choice: _Heuristic | None = None,
+        workspace: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """out = x @ w.T with `algo` (the tuned one by default), on torch's current stream."""
+        """out = x @ w.T with candidate `choice` (the tuned one by default), on torch's current stream; an
+        algorithm that needs a workspace takes `workspace`, or else the stream's."""
+        choice = choice or self.choice
         if out is None:
             out = torch.empty(self.m, self.n, dtype=x.dtype, device=x.device)
         if x.shape != (self.m, self.k) or w.shape != (self.n, self.k) or out.shape != (self.m, self.n):
@@ -217,7 +239,8 @@ class LtLinear:
         if not (x.is_contiguous() and w.is_contiguous() and out.is_contiguous()):
             raise ValueError("x, w and out must be contiguous")
         stream = torch.cuda.current_stream(self.device)
-        ws = _workspace(stream)
+        need = choice.workspace_size
+        ws = None if need == 0 else workspace if workspace is not None else _workspace(stream)
         _check(
             _library().cublasLtMatmul(
                 _handle(),
@@ -232,9 +255,9 @@ class LtLinear:
                 self.c,
                 ctypes.c_void_p(out.data_ptr()),
                 self.c,
-                ctypes.byref(algo or self.algo),
-                ctypes.c_void_p(ws.data_ptr()),
-                ctypes.c_size_t(WORKSPACE_BYTES),
+                ctypes.byref(choice.algo),
+                ctypes.c_void_p(None if ws is None else ws.data_ptr()),
+                ctypes.c_size_t(0 if ws is None else ws.numel()),
                 ctypes.c_void_p(stream.cuda_stream),
             ),
             "cublasLtMatmul",
@@ -243,24 +266,28 @@ class LtLinear:
 
     __call__ = run
 
-    def tune(self, x: torch.Tensor, weights: list[torch.Tensor], reps: int = 10) -> list[float]:
+    def tune(
+        self, x: torch.Tensor, weights: list[torch.Tensor], reps: int = 10, workspace: torch.Tensor | None = None
+    ) -> list[float]:
         """Times every candidate, and F.linear beside them (`baseline_us`), over `weights` (distinct copies,
         so that L2 holds none of them), keeps the fastest candidate as this product's algorithm, and returns
-        each candidate's median microseconds a call. Not inside a graph capture."""
+        each candidate's median microseconds a call. The timings' algorithms share `workspace` (one of
+        their own by default), not a stream's. Not inside a graph capture."""
         out = torch.empty(self.m, self.n, dtype=x.dtype, device=x.device)
+        ws = workspace if workspace is not None else _new_workspace(x.device)
         self.timings = [
-            _graph_us(lambda w, a=cand.algo: self.run(x, w, out, a), weights, self.device, reps)
+            _graph_us(lambda w, c=cand: self.run(x, w, out, c, ws), weights, self.device, reps)
             for cand in self.candidates
         ]
         self.baseline_us = _graph_us(lambda w: F.linear(x, w), weights, self.device, reps)
         best = min(range(len(self.candidates)), key=self.timings.__getitem__)
-        self.algo, self.best_us = self.candidates[best].algo, self.timings[best]
+        self.choice, self.best_us = self.candidates[best], self.timings[best]
         return self.timings
 
 
 @functools.cache
 def _timing_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream a device for every timing graph (each stream keeps a workspace of its own)."""
+    """One side stream a device for every timing graph."""
     return torch.cuda.Stream(device)
 
 
@@ -312,12 +339,13 @@ class TunedProduct:
     baseline_us: float
     best_us: float
     chosen: bool
-    cached: bool = False  # its timings read from CACHE_FILE, not taken at this start
+    cached: bool = False  # its timings read from the cache file, not taken at this start
 
 
 def tuned(x: torch.Tensor, weight: torch.Tensor) -> LtLinear | None:
-    """The tuned product for x @ weight.T, where `tune_products` found one faster than F.linear."""
-    if not _TUNED or x.dtype != weight.dtype:
+    """The tuned product for x @ weight.T, where `tune_products` found one faster than F.linear, and the
+    operands are as its algorithm assumes (one dtype, aligned as the heuristic takes them)."""
+    if not _TUNED or x.dtype != weight.dtype or x.data_ptr() % ALIGNMENT or weight.data_ptr() % ALIGNMENT:
         return None
     return _TUNED.get((x.shape[0], weight.shape[0], weight.shape[1], x.dtype, x.device.index))
 
@@ -331,54 +359,79 @@ def tune_products(
     shapes: set[tuple[int, int]], rows: list[int], dtype: torch.dtype, device: torch.device
 ) -> list[TunedProduct]:
     """Times cuBLASLt's algorithms for each weight shape (n, k) at each row count against F.linear, on random
-    operands, and keeps every algorithm that won by MIN_GAIN for `tuned` to hand out. Timings are kept in
-    CACHE_FILE for this GPU and cuBLASLt, so a later start times only what it has not seen. The operands are
-    freed after (and torch's cache of them emptied), so the KV cache sized after this gets that memory back."""
-    cache, where = read_cache(CACHE_FILE), _platform(device)
-    results, timed = [], {}
-    for n, k in sorted(shapes):
-        weights: list[torch.Tensor] = []
-        for m in rows:
-            lt = LtLinear(m, n, k, dtype, device)
-            key = cache_key(where, dtype, m, n, k)
-            record = cache.get(key)
-            cached = usable(record, len(lt.candidates))
-            if cached:
-                lt.algo = lt.candidates[record["best"]].algo
-                lt.best_us, lt.baseline_us = record["best_us"], record["baseline_us"]
-            else:
-                if not weights:  # enough copies to pass L2, made once a shape
-                    copies = max(1, -(-L2_FLUSH_BYTES // (n * k * dtype.itemsize)))
-                    weights = [torch.randn(n, k, dtype=dtype, device=device) * 0.05 for _ in range(copies)]
-                timings = lt.tune(torch.randn(m, k, dtype=dtype, device=device), weights)
-                timed[key] = {
-                    "candidates": len(timings),
-                    "best": timings.index(lt.best_us),
-                    "best_us": lt.best_us,
-                    "baseline_us": lt.baseline_us,
-                }
-            chosen = lt.best_us <= lt.baseline_us * (1 - MIN_GAIN)
-            if chosen:
-                _TUNED[(m, n, k, dtype, device.index)] = lt
-            results.append(TunedProduct(m, n, k, lt.baseline_us, lt.best_us, chosen, cached))
-        del weights
-    if timed:
-        write_cache(CACHE_FILE, timed)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+    operands, and hands out (`tuned`) every algorithm that won by MIN_GAIN, all at once at the end (a failure
+    midway hands out nothing). Timings are kept in the cache file for this GPU and cuBLASLt, so a later start
+    times only what it has not seen. The operands and the timings' workspace are freed after (and torch's
+    cache of them emptied), so a KV cache sized after this gets that memory back."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    path = cache_file()
+    cache, where = read_cache(path) if path else {}, _platform(device)
+    results, timed, winners = [], {}, {}
+    workspace = _new_workspace(device) if device.type == "cuda" else None
+    try:
+        for n, k in sorted(shapes):
+            weights: list[torch.Tensor] = []
+            for m in rows:
+                lt = LtLinear(m, n, k, dtype, device)
+                key = cache_key(where, dtype, m, n, k)
+                record = cache.get(key)
+                cached = usable(record, len(lt.candidates))
+                if cached:
+                    lt.choice = lt.candidates[record["best"]]
+                    lt.best_us, lt.baseline_us = record["best_us"], record["baseline_us"]
+                else:
+                    if not weights:  # enough copies to pass L2, made once a shape
+                        copies = max(1, -(-L2_FLUSH_BYTES // (n * k * dtype.itemsize)))
+                        weights = [torch.randn(n, k, dtype=dtype, device=device) * 0.05 for _ in range(copies)]
+                    timings = lt.tune(torch.randn(m, k, dtype=dtype, device=device), weights, workspace=workspace)
+                    timed[key] = {
+                        "candidates": len(timings),
+                        "best": timings.index(lt.best_us),
+                        "best_us": lt.best_us,
+                        "baseline_us": lt.baseline_us,
+                    }
+                chosen = lt.best_us <= lt.baseline_us * (1 - MIN_GAIN)
+                if chosen:
+                    winners[(m, n, k, dtype, device.index)] = lt
+                results.append(TunedProduct(m, n, k, lt.baseline_us, lt.best_us, chosen, cached))
+            del weights
+    finally:
+        del workspace
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+    if timed and path:
+        write_cache(path, timed)
+    _TUNED.update(winners)
     return results
 
 
 # -- the timings kept between starts ----------------------------------------------------------------------
 
-CACHE_FILE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "raylm" / "gemm_tuning.json"
+# where the timings are kept (None: `cache_file`'s default, under $XDG_CACHE_HOME or ~/.cache)
+CACHE_FILE: Path | None = None
+
+
+def cache_file() -> Path | None:
+    """The file of kept timings; None where no home folder can be found (every start then times afresh)."""
+    if CACHE_FILE is not None:
+        return CACHE_FILE
+    base = os.environ.get("XDG_CACHE_HOME")
+    try:
+        root = Path(base) if base else Path.home() / ".cache"
+    except RuntimeError:  # no $HOME and no user entry (a container's arbitrary uid)
+        return None
+    return root / "raylm" / "gemm_tuning.json"
 
 
 def _platform(device: torch.device) -> str:
     """What a timing holds for: the GPU's name, cuBLASLt's version and the CUDA torch was built with (the
     heuristic's list of algorithms, and their order, follow from these)."""
-    return f"{torch.cuda.get_device_name(device)}|cublasLt {_library().cublasLtGetVersion()}|cuda {torch.version.cuda}"
+    return (
+        f"{torch.cuda.get_device_name(device)}|cublasLt {_library().cublasLtGetVersion()}|cuda {torch.version.cuda}"
+        f"|{REQUESTED_ALGOS} algorithms, workspace {WORKSPACE_BYTES}, reduction {_REDUCTION_COMPUTE_TYPE}"
+    )
 
 
 def cache_key(platform: str, dtype: torch.dtype, m: int, n: int, k: int) -> str:
@@ -407,11 +460,15 @@ def write_cache(path: Path, records: dict[str, dict]) -> None:
     """Adds `records` to the timings at `path`, written whole to a file beside it and moved over it, so a
     reader (another engine starting on this host) sees the old file or the new one, never part of one. A
     cache that cannot be written is left as it is: the next start times those products again."""
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         merged = {**read_cache(path), **records}
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
+            tmp = f.name
             json.dump(merged, f, indent=0, sort_keys=True)
-        os.replace(f.name, path)
+        os.replace(tmp, path)
     except OSError:
-        pass
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)

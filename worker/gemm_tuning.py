@@ -20,12 +20,16 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def linear_shapes(model: nn.Module, dtype: torch.dtype) -> set[tuple[int, int]]:
-    """The (n, k) weight shapes of the model's unquantized column-, QKV- and row-parallel linears in `dtype`:
-    those whose products go through worker/layers/linear.py's `linear`."""
+    """The (n, k) weight shapes of the model's unquantized column-, QKV- and row-parallel linears in `dtype`
+    without a bias: those whose products worker/layers/linear.py's `linear` may hand to a tuned algorithm (a
+    biased product stays on F.linear, which adds the bias in cuBLASLt's epilogue)."""
     return {
         tuple(m.weight.shape)
         for m in model.modules()
-        if isinstance(m, ColumnParallelLinear | RowParallelLinear) and m.quant is None and m.weight.dtype == dtype
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+        and m.quant is None
+        and m.bias is None
+        and m.weight.dtype == dtype
     }
 
 
@@ -49,7 +53,6 @@ def tune_decode_gemms(
     try:
         results = cublaslt.tune_products(shapes, rows, dtype, device)
     except Exception as exc:  # a speed-up only: whatever fails here, the engine starts on F.linear
-        cublaslt.forget()
         logger.warning("linear products stay on cuBLAS's own algorithms: %s: %s", type(exc).__name__, exc)
         return []
     top = [r for r in results if r.m == max(rows)]

@@ -41,15 +41,16 @@ def linear(
     """F.linear, but on CUDA for one row (batch-1 decode) a Triton GEMV unless Kernels.small_linear is
     off: at M=1 cuBLAS reads these weights well below the memory's bandwidth, and the GEMV nearer it
     (bench/small_gemm.py compares them); at decode batches the Triton GEMM where Kernels.decode_gemm
-    chooses it (worker/skinny_gemm.py), else cuBLASLt at the algorithm the engine timed fastest for the
-    shape at start where Kernels.tuned_gemms is on (worker/cublaslt.py)."""
+    chooses it (worker/skinny_gemm.py), else (without a bias, which F.linear adds inside cuBLASLt's product)
+    cuBLASLt at the algorithm the engine timed fastest for the shape at start where Kernels.tuned_gemms is
+    on (worker/cublaslt.py)."""
     if x.dim() == 2 and x.shape[0] > 0:
         y = None
         if kernels.small_linear and x.shape[0] == 1 and gemv.small_linear_applies(x, weight):
             y = gemv.small_linear(x, weight, pdl=triton_ops.pdl_applies(kernels, x.device))
         elif skinny_gemm.chosen(kernels, x.shape[0], weight) and skinny_gemm.applies(x, weight):
             y = skinny_gemm.matmul(x, weight, x.dtype)
-        elif kernels.tuned_gemms and x.is_cuda and x.is_contiguous() and weight.is_contiguous():
+        elif kernels.tuned_gemms and bias is None and x.is_cuda and x.is_contiguous() and weight.is_contiguous():
             product = cublaslt.tuned(x, weight)
             if product is not None:
                 y = product(x, weight)
