@@ -182,7 +182,11 @@ class _FakeProduct:
     timings = {"fast": [9.0, 6.0, 8.0], "slow": [9.95, 9.9, 9.85]}  # F.linear takes 10 us
     tuned = 0
 
+    no_algorithm_for: set[int] = set()  # widths the heuristic lists nothing for
+
     def __init__(self, m, n, k, dtype, device):
+        if n in self.no_algorithm_for:
+            raise cublaslt.CublasLtError(f"cuBLASLt has no algorithm for {m} x {n} x {k}")
         self.m, self.n, self.k = m, n, k
         self.candidates = [type("Listed", (), {"algo": f"algo {i}"})() for i in range(3)]
         self.choice, self.best_us, self.baseline_us = self.candidates[0], float("nan"), float("nan")
@@ -236,3 +240,14 @@ def test_a_tuning_that_fails_leaves_the_engine_on_f_linear(monkeypatch, caplog, 
         got = gemm_tuning.tune_decode_gemms(_layers(), Kernels(), [2], torch.bfloat16, torch.device("cuda", 0))
     assert got == [] and registry == {(2, 64, 32, torch.bfloat16, 0): kept}
     assert "OutOfMemoryError: CUDA out of memory" in caplog.text
+
+
+def test_a_shape_with_no_algorithm_stays_on_f_linear_and_the_others_are_tuned(tmp_path, monkeypatch, registry):
+    monkeypatch.setattr(cublaslt, "LtLinear", _FakeProduct)
+    monkeypatch.setattr(cublaslt, "_platform", lambda device: "a GPU|cublasLt 1|cuda 13.0")
+    monkeypatch.setattr(cublaslt, "CACHE_FILE", tmp_path / "gemm_tuning.json")
+    monkeypatch.setattr(cublaslt, "L2_FLUSH_BYTES", 4096)
+    monkeypatch.setattr(_FakeProduct, "no_algorithm_for", {96})
+    got = cublaslt.tune_products({(64, 32), (96, 32)}, [2], torch.float32, torch.device("cpu"))
+    assert [(r.m, r.n, r.chosen) for r in got] == [(2, 64, True)]
+    assert list(registry) == [(2, 64, 32, torch.float32, None)]
