@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `pytho
 from cluster import LLM  # noqa: E402
 from cluster.config import SchedulerConfig  # noqa: E402
 from worker.batch import BatchDesc  # noqa: E402
+from worker.cublaslt import replay_median_us  # noqa: E402
 from worker.kernels import (  # noqa: E402
     DECODE_GEMMS,
     DECODE_KERNELS,
@@ -580,7 +581,7 @@ def fp8_weights(n: int, k: int, copies: int) -> tuple[list[torch.Tensor], torch.
 
 
 def time_graph(fn, reps: int = 20, calls: int = 1) -> float:
-    """Median microseconds of `calls` calls of fn, over `reps` replays of one CUDA graph holding them
+    """Median microseconds of one of `calls` calls of fn, over `reps` replays of one CUDA graph holding them
     (fn runs once first outside the capture: it compiles, plans and allocates there)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -591,16 +592,7 @@ def time_graph(fn, reps: int = 20, calls: int = 1) -> float:
     with torch.cuda.graph(graph, stream=side):
         for _ in range(calls):
             fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+    return replay_median_us(graph, reps, calls)
 
 
 @dataclass

@@ -306,6 +306,12 @@ def _graph_us(
     with torch.cuda.graph(graph, stream=side):
         for w in weights:
             call(w)
+    return replay_median_us(graph, reps, len(weights))
+
+
+def replay_median_us(graph: torch.cuda.CUDAGraph, reps: int, calls: int = 1) -> float:
+    """Median microseconds of one of a captured graph's `calls` calls, over `reps` timed replays after one
+    untimed replay."""
     graph.replay()
     times = []
     for _ in range(reps):
@@ -314,7 +320,7 @@ def _graph_us(
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(weights))
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
 
 
