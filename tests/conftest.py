@@ -32,13 +32,15 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 @pytest.fixture(scope="session", autouse=True)
 def gemm_timings_of_the_session(tmp_path_factory: pytest.TempPathFactory):
-    """The linear products' timings an engine keeps between starts (worker/cublaslt.py) go to a file of the
-    test session's own, not the user's cache."""
+    """The linear products' timings an engine in this process keeps between starts (worker/cublaslt.py) go to
+    a file of the test session's own, not the user's cache (engines in Ray workers or subprocesses on a GPU
+    host still write theirs)."""
     from worker import cublaslt
 
+    before = cublaslt.CACHE_FILE
     cublaslt.CACHE_FILE = tmp_path_factory.mktemp("gemm_tuning") / "gemm_tuning.json"
     yield
-    cublaslt.CACHE_FILE = None
+    cublaslt.CACHE_FILE = before
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -21,6 +21,11 @@ from worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowPar
 from worker.parallel import TPGroup
 
 
+def _algo(i: int) -> bytes:
+    """A stand-in for listed algorithm i's configuration (cuBLASLt's is 64 bytes)."""
+    return bytes([i]) * 64
+
+
 def _layers(dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     with torch.device("cpu"):
         tp = TPGroup()
@@ -135,12 +140,12 @@ def test_kept_timings_are_read_back_and_a_missing_or_broken_file_is_none(tmp_pat
     assert cublaslt.read_cache(path) == {}
     key = cublaslt.cache_key("NVIDIA H100 80GB HBM3|cublasLt 130100|cuda 13.0", torch.bfloat16, 256, 4096, 12288)
     assert key.endswith("|bfloat16|256x4096x12288")
-    first = {key: {"candidates": 8, "best": 3, "best_us": 46.5, "baseline_us": 53.2}}
+    first = {key: {"algo": "03" * 64, "best_us": 46.5, "baseline_us": 53.2}}
     cublaslt.write_cache(path, first)
     assert cublaslt.read_cache(path) == first
     # a later start adds its products to the file, and a product timed again replaces its record
     other = cublaslt.cache_key("NVIDIA H100 80GB HBM3|cublasLt 130100|cuda 13.0", torch.bfloat16, 64, 4096, 12288)
-    again = {key: {"candidates": 8, "best": 1, "best_us": 46.0, "baseline_us": 53.0}}
+    again = {key: {"algo": "01" * 64, "best_us": 46.0, "baseline_us": 53.0}}
     cublaslt.write_cache(path, {other: first[key]} | again)
     assert cublaslt.read_cache(path) == {key: again[key], other: first[key]}
     assert [p.name for p in path.parent.iterdir()] == ["gemm_tuning.json"]  # no temporary file left behind
@@ -158,21 +163,22 @@ def test_a_cache_that_cannot_be_written_is_left_alone(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "record,usable",
+    "record,kept",
     [
-        ({"candidates": 8, "best": 3, "best_us": 46.5, "baseline_us": 53.2}, True),
-        ({"candidates": 7, "best": 3, "best_us": 46.5, "baseline_us": 53.2}, False),  # another list of algorithms
-        ({"candidates": 8, "best": 8, "best_us": 46.5, "baseline_us": 53.2}, False),  # past the list
-        ({"candidates": 8, "best": -1, "best_us": 46.5, "baseline_us": 53.2}, False),
-        ({"candidates": 8, "best": "3", "best_us": 46.5, "baseline_us": 53.2}, False),
-        ({"candidates": 8, "best": 3, "best_us": None, "baseline_us": 53.2}, False),
-        ({"candidates": 8, "best": 3}, False),
-        (None, False),
-        ([8, 3], False),
+        ({"algo": _algo(2).hex(), "best_us": 46.5, "baseline_us": 53.2}, 2),
+        ({"algo": _algo(2).hex(), "best_us": 46, "baseline_us": 53}, 2),
+        ({"algo": _algo(7).hex(), "best_us": 46.5, "baseline_us": 53.2}, None),  # no longer listed
+        ({"algo": _algo(2).hex(), "best_us": None, "baseline_us": 53.2}, None),
+        ({"algo": _algo(2).hex(), "best_us": 46.5}, None),
+        ({"best": 2, "best_us": 46.5, "baseline_us": 53.2}, None),  # an index, not an algorithm
+        (None, None),
+        ([2], None),
     ],
 )
-def test_a_kept_timing_stands_only_for_the_same_list_of_algorithms(record, usable):
-    assert cublaslt.usable(record, 8) is usable
+def test_a_kept_timing_stands_only_for_an_algorithm_still_listed(record, kept):
+    listed = [type("Listed", (), {"algo": _algo(i)})() for i in range(4)]
+    got = cublaslt.kept_choice(record, listed)
+    assert got is (None if kept is None else listed[kept])
 
 
 class _FakeProduct:
@@ -188,15 +194,19 @@ class _FakeProduct:
         if n in self.no_algorithm_for:
             raise cublaslt.CublasLtError(f"cuBLASLt has no algorithm for {m} x {n} x {k}")
         self.m, self.n, self.k = m, n, k
-        self.candidates = [type("Listed", (), {"algo": f"algo {i}"})() for i in range(3)]
+        self.candidates = [type("Listed", (), {"algo": _algo(i)})() for i in range(3)]
         self.choice, self.best_us, self.baseline_us = self.candidates[0], float("nan"), float("nan")
 
     @property
     def algo(self):
         return self.choice.algo
 
+    fails_at: int | None = None  # the width whose timing raises
+
     def tune(self, x, weights, workspace=None):
         assert x.shape == (self.m, self.k) and all(w.shape == (self.n, self.k) for w in weights)
+        if self.n == self.fails_at:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
         _FakeProduct.tuned += 1
         times = self.timings["fast" if self.n == 64 else "slow"]
         best = min(range(3), key=times.__getitem__)
@@ -216,17 +226,39 @@ def test_a_second_start_reads_the_first_ones_timings_and_picks_the_same(tmp_path
     # the 64-wide products beat F.linear (6 us against 10) and are handed out at their fastest algorithm;
     # the 96-wide ones (9.85 against 10) miss MIN_GAIN and stay on F.linear
     assert {(r.n, r.m): r.chosen for r in first} == {(64, 2): True, (64, 8): True, (96, 2): False, (96, 8): False}
-    assert {key[:3]: p.algo for key, p in registry.items()} == {(2, 64, 32): "algo 1", (8, 64, 32): "algo 1"}
+    assert {key[:3]: p.algo for key, p in registry.items()} == {(2, 64, 32): _algo(1), (8, 64, 32): _algo(1)}
     assert len(cublaslt.read_cache(tmp_path / "gemm_tuning.json")) == 4
     cublaslt.forget()
     second = cublaslt.tune_products(shapes, rows, torch.float32, cpu)
     assert _FakeProduct.tuned == 4  # nothing timed again
     assert second == [replace(r, cached=True) for r in first]
-    assert {key[:3]: p.algo for key, p in registry.items()} == {(2, 64, 32): "algo 1", (8, 64, 32): "algo 1"}
+    assert {key[:3]: p.algo for key, p in registry.items()} == {(2, 64, 32): _algo(1), (8, 64, 32): _algo(1)}
     # another GPU, or another cuBLASLt, times its products again
     monkeypatch.setattr(cublaslt, "_platform", lambda device: "another GPU|cublasLt 1|cuda 13.0")
     third = cublaslt.tune_products({(64, 32)}, [2], torch.float32, cpu)
     assert _FakeProduct.tuned == 5 and not third[0].cached
+
+
+def test_a_timing_that_fails_midway_hands_out_no_product(tmp_path, monkeypatch, registry):
+    monkeypatch.setattr(cublaslt, "LtLinear", _FakeProduct)
+    monkeypatch.setattr(cublaslt, "_platform", lambda device: "a GPU|cublasLt 1|cuda 13.0")
+    monkeypatch.setattr(cublaslt, "CACHE_FILE", tmp_path / "gemm_tuning.json")
+    monkeypatch.setattr(cublaslt, "L2_FLUSH_BYTES", 4096)
+    monkeypatch.setattr(_FakeProduct, "fails_at", 96)  # the second shape: the first's winners are timed by then
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        cublaslt.tune_products({(64, 32), (96, 32)}, [2, 8], torch.float32, torch.device("cpu"))
+    assert registry == {}
+    assert cublaslt.read_cache(tmp_path / "gemm_tuning.json") == {}
+
+
+def test_a_winner_of_an_earlier_tuning_that_loses_now_goes_back_to_f_linear(tmp_path, monkeypatch, registry):
+    monkeypatch.setattr(cublaslt, "LtLinear", _FakeProduct)
+    monkeypatch.setattr(cublaslt, "_platform", lambda device: "a GPU|cublasLt 1|cuda 13.0")
+    monkeypatch.setattr(cublaslt, "CACHE_FILE", tmp_path / "gemm_tuning.json")
+    monkeypatch.setattr(cublaslt, "L2_FLUSH_BYTES", 4096)
+    registry[(2, 96, 32, torch.float32, None)] = object()  # another engine's, on timings that won there
+    cublaslt.tune_products({(96, 32)}, [2], torch.float32, torch.device("cpu"))
+    assert registry == {}
 
 
 def test_a_tuning_that_fails_leaves_the_engine_on_f_linear(monkeypatch, caplog, registry):

@@ -35,7 +35,7 @@ _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _OP_N, _OP_T = 0, 1
 _PREF_MAX_WORKSPACE_BYTES, _PREF_REDUCTION_SCHEME_MASK = 1, 3
 # split K's partial sums added in the compute type (float32) only, never in the output's half precision
-# (INPLACE and OUTPUT_TYPE), as torch disallows reduced-precision reductions; unsplit algorithms stay
+# (INPLACE and OUTPUT_TYPE): a split product then rounds once, as an unsplit one does; unsplit algorithms stay
 _REDUCTION_COMPUTE_TYPE = 2
 # the pointers the heuristic's algorithms assume (cuBLASLt's default minimum alignment)
 ALIGNMENT = 256
@@ -373,7 +373,7 @@ def tune_products(
         device = torch.device("cuda", torch.cuda.current_device())
     path = cache_file()
     cache, where = read_cache(path) if path else {}, _platform(device)
-    results, timed, winners = [], {}, {}
+    results, timed, winners, losers = [], {}, {}, {}
     workspace = _new_workspace(device) if device.type == "cuda" else None
     try:
         for n, k in sorted(shapes):
@@ -385,24 +385,19 @@ def tune_products(
                     continue
                 key = cache_key(where, dtype, m, n, k)
                 record = cache.get(key)
-                cached = usable(record, len(lt.candidates))
+                kept = kept_choice(record, lt.candidates)
+                cached = kept is not None
                 if cached:
-                    lt.choice = lt.candidates[record["best"]]
+                    lt.choice = kept
                     lt.best_us, lt.baseline_us = record["best_us"], record["baseline_us"]
                 else:
                     if not weights:  # enough copies to pass L2, made once a shape
                         copies = max(1, -(-L2_FLUSH_BYTES // (n * k * dtype.itemsize)))
                         weights = [torch.randn(n, k, dtype=dtype, device=device) * 0.05 for _ in range(copies)]
-                    timings = lt.tune(torch.randn(m, k, dtype=dtype, device=device), weights, workspace=workspace)
-                    timed[key] = {
-                        "candidates": len(timings),
-                        "best": timings.index(lt.best_us),
-                        "best_us": lt.best_us,
-                        "baseline_us": lt.baseline_us,
-                    }
+                    lt.tune(torch.randn(m, k, dtype=dtype, device=device), weights, workspace=workspace)
+                    timed[key] = {"algo": algo_id(lt.choice), "best_us": lt.best_us, "baseline_us": lt.baseline_us}
                 chosen = lt.best_us <= lt.baseline_us * (1 - MIN_GAIN)
-                if chosen:
-                    winners[(m, n, k, dtype, device.index)] = lt
+                (winners if chosen else losers)[(m, n, k, dtype, device.index)] = lt
                 results.append(TunedProduct(m, n, k, lt.baseline_us, lt.best_us, chosen, cached))
             del weights
     finally:
@@ -412,6 +407,8 @@ def tune_products(
             torch.cuda.empty_cache()
     if timed and path:
         write_cache(path, timed)
+    for key in losers:  # an earlier engine's winner that lost here
+        _TUNED.pop(key, None)
     _TUNED.update(winners)
     return results
 
@@ -435,10 +432,11 @@ def cache_file() -> Path | None:
 
 
 def _platform(device: torch.device) -> str:
-    """What a timing holds for: the GPU's name, cuBLASLt's version and the CUDA torch was built with (the
-    heuristic's list of algorithms, and their order, follow from these)."""
+    """What a timing holds for: the GPU's name, cuBLASLt's version, the CUDA and torch versions (the
+    heuristic's list and F.linear's own pick follow from these) and the heuristic's preferences."""
     return (
         f"{torch.cuda.get_device_name(device)}|cublasLt {_library().cublasLtGetVersion()}|cuda {torch.version.cuda}"
+        f"|torch {torch.__version__}"
         f"|{REQUESTED_ALGOS} algorithms, workspace {WORKSPACE_BYTES}, reduction {_REDUCTION_COMPUTE_TYPE}"
     )
 
@@ -447,13 +445,19 @@ def cache_key(platform: str, dtype: torch.dtype, m: int, n: int, k: int) -> str:
     return f"{platform}|{str(dtype).removeprefix('torch.')}|{m}x{n}x{k}"
 
 
-def usable(record: object, candidates: int) -> bool:
-    """Whether a kept timing can stand for this start's: taken over the same number of listed algorithms
-    (the heuristic's list is then the same), its pick one of them, its times numbers."""
-    if not isinstance(record, dict) or record.get("candidates") != candidates:
-        return False
-    best, times = record.get("best"), (record.get("best_us"), record.get("baseline_us"))
-    return isinstance(best, int) and 0 <= best < candidates and all(isinstance(t, int | float) for t in times)
+def algo_id(candidate: _Heuristic) -> str:
+    """A listed algorithm's identity across starts: its configuration's bytes, in hex."""
+    return bytes(candidate.algo).hex()
+
+
+def kept_choice(record: object, candidates: list[_Heuristic]) -> _Heuristic | None:
+    """The listed algorithm a kept timing picked, where the heuristic still lists it and the timing's
+    figures are numbers; None otherwise (the product is timed again)."""
+    if not isinstance(record, dict):
+        return None
+    if not all(isinstance(record.get(t), int | float) for t in ("best_us", "baseline_us")):
+        return None
+    return next((c for c in candidates if algo_id(c) == record.get("algo")), None)
 
 
 def read_cache(path: Path) -> dict[str, dict]:

@@ -50,10 +50,17 @@ def tune_decode_gemms(
     if not shapes or not rows:
         return []
     start = time.perf_counter()
+    failure = None
     try:
         results = cublaslt.tune_products(shapes, rows, dtype, device)
     except Exception as exc:  # a speed-up only: whatever fails here, the engine starts on F.linear
-        logger.warning("linear products stay on cuBLAS's own algorithms: %s: %s", type(exc).__name__, exc)
+        failure = f"{type(exc).__name__}: {exc}"
+    if failure is not None:
+        # the failure's traceback (and the operands its frames held) is gone: their memory goes back to the
+        # GPU before the KV cache is sized from what is free
+        if device.type == "cuda" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        logger.warning("linear products stay on cuBLAS's own algorithms: %s", failure)
         return []
     top = [r for r in results if r.m == max(rows)]
     logger.info(
