@@ -415,7 +415,8 @@ class Engine:
             return []
         from worker.cuda_graph import graph_batch_sizes
 
-        return tune_decode_gemms(self.model, self.kernels, graph_batch_sizes(max_bs), self.dtype, self.device)
+        sizes = graph_batch_sizes(max_bs)
+        return tune_decode_gemms(self.model, self.kernels, sizes, self.dtype, self.device, self.tp.rank == 0)
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_decode_rows)

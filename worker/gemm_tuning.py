@@ -39,11 +39,17 @@ def tuned_rows(graph_batch_sizes: list[int], kernels: Kernels) -> list[int]:
 
 
 def tune_decode_gemms(
-    model: nn.Module, kernels: Kernels, graph_batch_sizes: list[int], dtype: torch.dtype, device: torch.device
+    model: nn.Module,
+    kernels: Kernels,
+    graph_batch_sizes: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    announce: bool = True,
 ) -> list[cublaslt.TunedProduct]:
     """Tunes the model's linear products at the graphs' batch sizes where Kernels.tuned_gemms asks for it
-    on a GPU in half precision; logs how many beat cuBLAS's pick and by how much. Nothing where cuBLASLt
-    cannot be reached (the products stay on F.linear)."""
+    on a GPU in half precision; logs how many beat cuBLAS's pick and by how much where `announce` (a
+    tensor-parallel replica's first rank: every rank tunes its own shards). Nothing where cuBLASLt cannot be
+    reached (the products stay on F.linear, with a warning from any rank)."""
     if not kernels.tuned_gemms or device.type != "cuda" or dtype not in _HALF or not graph_batch_sizes:
         return []
     shapes, rows = linear_shapes(model, dtype), tuned_rows(graph_batch_sizes, kernels)
@@ -63,6 +69,8 @@ def tune_decode_gemms(
         logger.warning("linear products stay on cuBLAS's own algorithms: %s", failure)
         return []
     top = [r for r in results if r.m == max(rows)]
+    if not announce:
+        return results
     logger.info(
         "tuned %d linear products in %.1f s (%d timed, the others' timings kept from an earlier start), %d of "
         "them now on a faster cuBLASLt algorithm; at %d rows a layer's %d shapes take %.1f us against cuBLAS's %.1f",
