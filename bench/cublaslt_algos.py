@@ -51,7 +51,7 @@ def main() -> None:
                 torch.backends.cuda.preferred_blas_library("cublaslt")
                 torch_lt_us = time_graph(lambda: [F.linear(x, w) for w in ws]) / COPIES
                 torch.backends.cuda.preferred_blas_library("cublas")
-                lt = LtLinear.of(m, n, k, torch.bfloat16, x.device)
+                lt = LtLinear(m, n, k, torch.bfloat16, x.device)
                 timings = lt.tune(x, ws)
                 best = min(range(len(timings)), key=timings.__getitem__)
                 ref = F.linear(x, ws[0]).float()

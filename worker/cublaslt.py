@@ -117,7 +117,7 @@ _WORKSPACES: dict[int, torch.Tensor] = {}
 def _workspace(stream: torch.cuda.Stream) -> torch.Tensor:
     ws = _WORKSPACES.get(stream.cuda_stream)
     if ws is None:
-        ws = _WORKSPACES[stream.cuda_stream] = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=stream.device)
+        ws = _WORKSPACES[stream.cuda_stream] = _new_workspace(stream.device)
     return ws
 
 
@@ -163,13 +163,7 @@ class LtLinear:
         self.alpha, self.beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.candidates = self._heuristics()
         self.choice = self.candidates[0]  # cuBLASLt's own first pick until tuned
-        self.timings: list[float] = []
         self.baseline_us = self.best_us = float("nan")
-
-    @classmethod
-    @functools.cache
-    def of(cls, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> LtLinear:
-        return cls(m, n, k, dtype, device)
 
     def _heuristics(self) -> list[_Heuristic]:
         lib = _library()
@@ -275,14 +269,14 @@ class LtLinear:
         their own by default), not a stream's. Not inside a graph capture."""
         out = torch.empty(self.m, self.n, dtype=x.dtype, device=x.device)
         ws = workspace if workspace is not None else _new_workspace(x.device)
-        self.timings = [
+        timings = [
             _graph_us(lambda w, c=cand: self.run(x, w, out, c, ws), weights, self.device, reps)
             for cand in self.candidates
         ]
         self.baseline_us = _graph_us(lambda w: F.linear(x, w), weights, self.device, reps)
-        best = min(range(len(self.candidates)), key=self.timings.__getitem__)
-        self.choice, self.best_us = self.candidates[best], self.timings[best]
-        return self.timings
+        best = min(range(len(self.candidates)), key=timings.__getitem__)
+        self.choice, self.best_us = self.candidates[best], timings[best]
+        return timings
 
 
 @functools.cache

@@ -410,17 +410,23 @@ class Engine:
     def _tune_gemms(self) -> list[TunedProduct]:
         """cuBLASLt's algorithms timed for the model's linear products at the CUDA graphs' batch sizes
         (worker/gemm_tuning.py); none without graphs."""
-        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_decode_rows)
-        if self.device.type != "cuda" or max_bs <= 0:
+        max_bs = self._graph_max_bs()
+        if max_bs <= 0:
             return []
         from worker.cuda_graph import graph_batch_sizes
 
         sizes = graph_batch_sizes(max_bs)
         return tune_decode_gemms(self.model, self.kernels, sizes, self.dtype, self.device, self.tp.rank == 0)
 
+    def _graph_max_bs(self) -> int:
+        """The largest decode batch the CUDA graphs take (0: no graphs, as on the CPU)."""
+        if self.device.type != "cuda":
+            return 0
+        return min(self.config.cuda_graph_max_bs, self.config.max_decode_rows)
+
     def _capture_graphs(self) -> CudaGraphRunner | None:
-        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_decode_rows)
-        if self.device.type != "cuda" or max_bs <= 0:
+        max_bs = self._graph_max_bs()
+        if max_bs <= 0:
             return None
         from worker.attention.flashinfer_backend import FlashInferBackend
 
