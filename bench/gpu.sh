@@ -329,9 +329,11 @@ for suite in "$@"; do
         step "moe_fp8_ranks_${shape/:/_}" 90 python3 bench/moe_decode.py --tokens 1 4 64 256 --inter "${shape%%:*}" \
           --fp8 "${shape##*:}" --out "$OUT/moe_fp8_ranks_${shape/:/_}.json"
       done ;;
-    moe_fp8_a)
-      offline moe_fp8_a_fp8 280 --arch qwen3-30b-a3b --quantization fp8
-      offline moe_fp8_a_bf16 280 --arch qwen3-30b-a3b ;;
+    moe_fp8_a)  # MOE_FP8_A: which weights run (default "fp8 bf16")
+      for q in ${MOE_FP8_A:-fp8 bf16}; do
+        flag=(); [ "$q" = fp8 ] && flag=(--quantization fp8)
+        offline "moe_fp8_a_$q" 280 --arch qwen3-30b-a3b "${flag[@]}"
+      done ;;
     moe_fp8_kv) offline moe_fp8_kv 280 --arch qwen3-30b-a3b --quantization fp8 --kv-cache-dtype fp8_e4m3 ;;
     moe_rows) step moe_rows 400 python3 bench/moe_decode.py --tokens 1 2 4 --sweep --out "$OUT/moe_rows.json" ;;
     fp8_blocks) step fp8_blocks 200 python3 bench/fp8_gemv.py --blocks --out "$OUT/fp8_blocks.json" ;;
