@@ -26,6 +26,7 @@ from worker.kernels import (  # noqa: E402
     DECODE_GEMMS,
     DECODE_KERNELS,
     DECODE_MERGES,
+    DECODE_ORDERS,
     FP8_NORMS,
     MOE_KERNELS,
     PDL_MODES,
@@ -235,6 +236,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         help="the Triton decode kernel's split results merged by a launch of their own or by the last split's "
         "program (Kernels.decode_merge)",
     )
+    parser.add_argument(
+        "--decode-order",
+        choices=DECODE_ORDERS,
+        default="auto",
+        help="the order the Triton decode kernel's programs start in: the batch's rows, or the longest "
+        "requests first (Kernels.decode_order)",
+    )
     parser.add_argument("--max-extend-tokens", type=int, help="tokens computed per step (default: the engine's)")
     parser.add_argument(
         "--no-mixed-steps", action="store_true", help="prefill-first steps (no decodes beside prompt chunks)"
@@ -278,6 +286,7 @@ def kernels_of(args: argparse.Namespace) -> Kernels:
         pdl=args.pdl,
         fp8_norms=args.fp8_norms,
         decode_merge=args.decode_merge,
+        decode_order=args.decode_order,
     )
 
 
@@ -338,6 +347,7 @@ def config_of(args: argparse.Namespace) -> dict:
         "pdl": args.pdl,
         "fp8_norms": args.fp8_norms,
         "decode_merge": args.decode_merge,
+        "decode_order": args.decode_order,
         "overlap": not args.no_overlap,
         "cuda_graph": not args.no_cuda_graph,
         "cache": args.cache,

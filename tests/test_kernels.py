@@ -162,3 +162,16 @@ def test_an_engine_resolves_pdl_auto_before_it_builds_its_layers(qwen3_path, qwe
 def test_an_unknown_decode_merge_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown decode merge 'fused'; choose auto, launch, last"):
         Kernels(decode_merge="fused")
+
+
+def test_an_unknown_decode_order_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown decode order 'random'; choose auto, rows, longest_first"):
+        Kernels(decode_order="random")
+
+
+def test_the_decode_order_resolves_auto():
+    from worker.kernels import DECODE_ORDER_AUTO
+
+    assert Kernels().decode_longest_first == (DECODE_ORDER_AUTO == "longest_first")
+    assert Kernels(decode_order="longest_first").decode_longest_first
+    assert not Kernels(decode_order="rows").decode_longest_first

@@ -283,6 +283,24 @@ def test_the_triton_decode_kernel_agrees_with_flashinfers(qwen3_hd128, kv):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+def test_the_triton_decode_started_longest_first_decodes_the_same_tokens(qwen3_hd128, kv):
+    # graphs and eager steps, mixed steps' decode rows too: each request's attention is the same bit for bit
+    cache = FP8_KV if kv == "fp8" else {}
+    prompts = random_prompts(16, 5, 300, seed=7)
+    params = [_greedy_logprobs(8 + 3 * i) for i in range(16)]
+    common = {"dtype": "bfloat16", "num_pages": KV_TOKENS // 16, "max_running_reqs": 16, "max_extend_tokens": 256}
+    runs = []
+    for order in ("rows", "longest_first"):
+        kernels = Kernels(decode="triton", decode_order=order)
+        with checked_llm(qwen3_hd128, **common, **cache, kernels=kernels) as llm:
+            assert llm.engine.attn.longest_first == (order == "longest_first")
+            runs.append(llm.generate(prompts, params))
+    assert [o.token_ids for o in runs[1]] == [o.token_ids for o in runs[0]]
+    assert [o.logprobs for o in runs[1]] == [o.logprobs for o in runs[0]]
+
+
+@pytest.mark.gpu
 def test_cuda_graph_decode_over_an_fp8_cache_equals_eager(qwen3_hd128):
     prompts = random_prompts(16, 5, 120, seed=3)
     params = [greedy(8 + 2 * i, ignore_eos=True) for i in range(16)]  # the batch shrinks: every bucket is used

@@ -192,6 +192,38 @@ def test_scratch_must_hold_the_batch_and_the_splits():
         paged_decode(*args, num_splits=4, scratch=decode_scratch(3, 2, 64, 2, DEVICE))
 
 
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("merge_in_last", [False, True])
+def test_programs_started_longest_first_give_the_same_attention_bit_for_bit(kv, case, merge_in_last):
+    page_size, num_kv_heads, group, head_dim, num_splits, block_n = CASES[case]
+    lens = lens_around(page_size)
+    args = make_decode(lens, page_size, num_kv_heads, group, head_dim, kv)
+    order = torch.from_numpy(triton_decode.longest_first(lens)).to(DEVICE)
+    assert sorted(order.tolist()) == list(range(len(lens))) and lens[order[0]] == max(lens)
+    scratch = decode_scratch(len(lens), num_kv_heads * group, head_dim, num_splits, DEVICE)
+    choices = dict(num_splits=num_splits, block_n=block_n, scratch=scratch)
+    if num_splits > 1:
+        choices["merge_in_last"] = merge_in_last
+    elif merge_in_last:
+        pytest.skip("one split merges nothing")
+    in_rows = paged_decode(*args, **choices).clone()
+    assert torch.equal(paged_decode(*args, **choices, order=order), in_rows)
+    assert not scratch.arrivals.any()  # the merge in the last counted each (request, kv head) from zero again
+
+
+def test_longest_first_orders_by_length_then_row():
+    assert triton_decode.longest_first([5, 9, 1, 9, 7]).tolist() == [1, 3, 4, 0, 2]
+    assert triton_decode.longest_first([]).dtype.name == "int32"
+
+
+def test_an_order_must_be_one_int32_rank_a_request():
+    args = make_decode([3, 4], 16, 2, 2, 64, "bf16")
+    for bad in (torch.tensor([1, 0], dtype=torch.int64), torch.tensor([0], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="order"):
+            paged_decode(*args, num_splits=1, order=bad.to(DEVICE))
+
+
 def test_splits_fill_the_gpu_at_small_batches_and_stay_bounded():
     splits = [decode_num_splits(bs, 8) for bs in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)]
     assert splits[0] == 32 and splits[-2] == splits[-1] == 1

@@ -320,6 +320,7 @@ class Engine:
             waits=self.host_waits,
             pdl=triton_ops.pdl_applies(self.kernels, self.device),
             merge=self.kernels.decode_merge,
+            longest_first=self.kernels.decode_longest_first,
         )
         self.stream = new_stream(self.device)  # compute
         self.sched_stream = new_stream(self.device)  # metadata copies and attention planning

@@ -14,12 +14,15 @@ MOE_KERNELS = ("auto", "torch")
 DECODE_GEMMS = ("auto", "vendor", "triton")
 PDL_MODES = ("auto", "on", "off")
 DECODE_MERGES = ("auto", "launch", "last")
+DECODE_ORDERS = ("auto", "rows", "longest_first")
 FP8_NORMS = ("auto", "apart", "inside", "folded")
 # What `fp8_norms` auto resolves to. Qwen3-8B with FP8 weights at batch 1 on an H100 (bench/gpu.sh fp8_norms,
 # 2026-12-06, ms a token): apart 3.476, inside 3.564 (the norm in the GEMV costs registers: 87 against 47),
 # folded 3.358 (bf16 5.451). For a checkpoint quantized already auto is apart (`Kernels.with_weights`): nothing
 # folds there, so folded would be inside
 FP8_NORMS_AUTO = "folded"
+# What `decode_order` auto resolves to (not yet measured end to end: the batch's row order)
+DECODE_ORDER_AUTO = "rows"
 # Where `pdl` auto turns programmatic dependent launch on: every model on one GPU. Batch 1 on an H100
 # (bench/decode_latency.py --pdl off / on, e61451b, 2026-12-05, ms a token): Qwen3-0.6B 0.963 / 0.896,
 # Qwen3-8B 5.740 / 5.558, with FP8 weights 3.669 / 3.476, Qwen3-30B-A3B 3.216 / 2.975. (Before its GEMVs'
@@ -80,6 +83,11 @@ class Kernels:
     # after the splits; last: in the program of a request's kv head's last split to finish, with no launch
     # of its own; auto: last where a kv head has at most triton_decode.MERGE_IN_LAST_MAX_GROUP query heads
     decode_merge: str = "auto"
+    # the order in which the Triton decode kernel's programs start (worker/triton_decode.py's `order`).
+    # rows: the batch's row order; longest_first: every kv head of the request with the longest KV first,
+    # so that a long request's programs do not start last and hold a few multiprocessors after the rest are
+    # idle (the result is the same bit for bit); auto: DECODE_ORDER_AUTO
+    decode_order: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too
     # slow to serve with
@@ -100,6 +108,8 @@ class Kernels:
             raise ValueError(f"unknown FP8 norm placement {self.fp8_norms!r}; choose {', '.join(FP8_NORMS)}")
         if self.decode_merge not in DECODE_MERGES:
             raise ValueError(f"unknown decode merge {self.decode_merge!r}; choose {', '.join(DECODE_MERGES)}")
+        if self.decode_order not in DECODE_ORDERS:
+            raise ValueError(f"unknown decode order {self.decode_order!r}; choose {', '.join(DECODE_ORDERS)}")
         if self.pdl not in PDL_MODES:
             raise ValueError(f"unknown programmatic dependent launch mode {self.pdl!r}; choose {', '.join(PDL_MODES)}")
 
@@ -118,6 +128,11 @@ class Kernels:
         if self.fp8_norms != "auto":
             return self
         return replace(self, fp8_norms=FP8_NORMS_AUTO if quantized_at_load else "apart")
+
+    @property
+    def decode_longest_first(self) -> bool:
+        """Whether the Triton decode kernel starts the longest requests' programs first (decode_order)."""
+        return (DECODE_ORDER_AUTO if self.decode_order == "auto" else self.decode_order) == "longest_first"
 
     @property
     def fp8_norms_resolved(self) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -120,14 +121,25 @@ def _split_kernel(
     PDL: tl.constexpr,
     MERGE_IN_LAST: tl.constexpr = False,
     BLOCK_G: tl.constexpr = 1,
+    order_ptr=None,
+    ORDERED: tl.constexpr = False,
 ):
     # one program per (request, kv head, split): the group's query heads against the split's tokens,
     # with an online softmax in base 2 (qk_scale = sm_scale * log2(e)); one split writes `out` itself,
     # several write their normalized partial output and log2-sum-exp for _merge_kernel, or (MERGE_IN_LAST)
     # for the last of the request's kv head's splits to finish, which merges them itself
     await_previous(PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if ORDERED:
+        # the grid is (kv head, rank, split) and rank i attends request order[i]: programs start in the
+        # order of their linear index (kv head fastest), so with order longest first every kv head of the
+        # longest requests starts first and the step ends on short ones, not on a long one started last
+        kvh = tl.program_id(0)
+        b = tl.load(order_ptr + tl.program_id(1))
+        num_kv_heads = tl.num_programs(0)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     first_page = tl.load(kv_indptr_ptr + b)
     num_pages = tl.load(kv_indptr_ptr + b + 1) - first_page
@@ -214,7 +226,7 @@ def _split_kernel(
             # every warp's stores before the count (released with it, at the GPU's scope), as a semaphore's
             # release; the program that counts last sees every split's (acquired) and merges them, through L2
             tl.debug_barrier()
-            slot = arrivals_ptr + b * tl.num_programs(1) + kvh
+            slot = arrivals_ptr + b * num_kv_heads + kvh
             if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
                 tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")  # counted from 0 again at the next launch
                 # the kv head's query heads at once, split after split (unrolled): elementwise maxima,
@@ -341,6 +353,7 @@ def paged_decode(
     convert_v: bool | None = None,
     pdl: bool = False,
     merge_in_last: bool | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of q [B, num_heads, head_dim] (one token a request) over the pages of
     k_cache / v_cache [num_pages, page_size, num_kv_heads, head_dim]: request b reads pages
@@ -357,7 +370,9 @@ def paged_decode(
     conversion runs); pdl, both kernels launched with programmatic dependent launch
     (worker/pdl_kernels.py); merge_in_last, split results merged by the last of a request's kv head's splits
     to finish instead of a second launch (None: where a kv head has at most MERGE_IN_LAST_MAX_GROUP query
-    heads; needs the scratch's arrivals)."""
+    heads; needs the scratch's arrivals); order, int32 [B], a permutation of the requests whose first ones
+    are started first (`longest_first` of their lengths balances a batch of unequal lengths; the result is
+    the same bit for bit in any order)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -396,7 +411,10 @@ def paged_decode(
     else:
         part_out, part_lse = out, out  # unread: one split writes out itself
         arrivals, merge_in_last = out, False
-    _split_kernel[(batch, num_kv_heads, num_splits)](
+    if order is not None and (order.shape != (batch,) or order.dtype != torch.int32):
+        raise ValueError(f"order must be int32 [{batch}], not {order.dtype} {list(order.shape)}")
+    grid = (num_kv_heads, batch, num_splits) if order is not None else (batch, num_kv_heads, num_splits)
+    _split_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -434,6 +452,8 @@ def paged_decode(
         PDL=pdl,
         MERGE_IN_LAST=merge_in_last,
         BLOCK_G=triton.next_power_of_2(group),
+        order_ptr=order,
+        ORDERED=order is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),
@@ -458,6 +478,15 @@ def paged_decode(
             **pdl_options(pdl),
         )
     return out
+
+
+def longest_first(seq_lens: np.ndarray) -> np.ndarray:
+    """paged_decode's `order` for requests of these KV lengths: the longest first (ties in row order), int32.
+    A batch's programs outnumber what the GPU holds at once several times over, and each new one starts
+    where one finished: started in row order, a long request's programs may start last and keep a few
+    multiprocessors busy after the others are idle; started longest first, the last to start are the
+    shortest (longest-processing-time-first list scheduling)."""
+    return np.argsort(-np.asarray(seq_lens, dtype=np.int64), kind="stable").astype(np.int32)
 
 
 def _default_tile(head_dim: int, num_splits: int, fp8: bool) -> tuple[int, int, int, bool]:

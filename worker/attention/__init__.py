@@ -20,11 +20,13 @@ def create_backend(
     prefill: str = "auto",
     pdl: bool = False,
     merge: str = "auto",
+    longest_first: bool = False,
 ) -> AttentionBackend:
     """name: Kernels.attention; q_dtype: the model's dtype, which the queries have (FlashInfer plans for
     it; None: see FlashInferBackend); decode: Kernels.decode (FlashInfer's decode path); waits: where
     the host's waits are counted (the engine's); prefill: Kernels.prefill (FlashInfer's prefill backend);
-    pdl: the Triton decode kernels launched with programmatic dependent launch; merge: Kernels.decode_merge."""
+    pdl: the Triton decode kernels launched with programmatic dependent launch; merge: Kernels.decode_merge;
+    longest_first: Kernels.decode_longest_first."""
     if name == "auto":
         name = "flashinfer" if kv.device.type == "cuda" and _has_flashinfer() else "torch"
     if name == "torch":
@@ -34,7 +36,7 @@ def create_backend(
     if name == "flashinfer":
         from worker.attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(kv, page_table, num_heads, q_dtype, decode, waits, prefill, pdl, merge)
+        return FlashInferBackend(kv, page_table, num_heads, q_dtype, decode, waits, prefill, pdl, merge, longest_first)
     raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or flashinfer")
 
 

@@ -176,11 +176,13 @@ class FlashInferBackend(AttentionBackend):
         prefill: str = "auto",
         pdl: bool = False,
         merge: str = "auto",
+        longest_first: bool = False,
     ) -> None:
         """q_dtype: the queries' (the model's) dtype; None: the cache's, or bfloat16 over a float8 cache.
         decode: Kernels.decode. waits: where the host's waits are counted (the engine's). prefill:
         Kernels.prefill. pdl: the Triton decode kernels launched with programmatic dependent launch
-        (triton_ops.pdl_applies). merge: Kernels.decode_merge."""
+        (triton_ops.pdl_applies). merge: Kernels.decode_merge. longest_first: the Triton decode kernel starts
+        the longest requests' programs first (Kernels.decode_longest_first)."""
         import flashinfer  # imported here: the package exists on GPU hosts only
 
         q_dtype = q_dtype or (torch.bfloat16 if kv.dtype in FP8_KV_DTYPES else kv.dtype)
@@ -198,6 +200,7 @@ class FlashInferBackend(AttentionBackend):
         self.decode_choice = decode
         self.pdl = pdl
         self.merge_in_last = {"auto": None, "launch": False, "last": True}[merge]
+        self.longest_first = longest_first
         self.waits = waits or HostWaits()
         # tvm-ffi launches FlashInfer's kernels on torch's current stream when torch exports its DLPack
         # exchange API; without it they would go to the default stream, so the stream is set by hand
@@ -233,6 +236,7 @@ class FlashInferBackend(AttentionBackend):
         self.graph_wrappers: dict[int, object] = {}
         self.graph_indptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self.graph_last_page_len = torch.ones(rows, dtype=torch.int32, device=device)
+        self.graph_order = torch.arange(rows, dtype=torch.int32, device=device)  # the Triton decode's `order`
         self.staging = PinnedStaging(device, capacity=1 << 16, waits=self.waits)
         self._plan_copied = new_event(device)
         self.wrapper = self.decode_wrappers[True]
@@ -324,6 +328,8 @@ class FlashInferBackend(AttentionBackend):
             "last_page_len": last_page_len,
             "cells": np.repeat(base, pages[:n]) + self.page_starts[:num_real],
         }
+        if self.longest_first and bs <= self.triton_rows and (desc is None or not desc.is_prefill):
+            arrays["order"] = self._triton.longest_first(seq)  # padded rows (one token) last
         d = 0
         if desc is not None and desc.is_prefill:
             qo_indptr = np.zeros(n + 1, dtype=np.int32)
@@ -334,6 +340,8 @@ class FlashInferBackend(AttentionBackend):
                 d = 0  # nothing to split off: the prefill kernel takes them all
             if d:
                 arrays.update(split_plan_arrays(qo_indptr, kv_indptr, last_page_len, d))
+                if self.longest_first and d <= self.triton_rows:
+                    arrays["decode_order"] = self._triton.longest_first(seq[:d])
         return _PlanArrays(desc, bs, n, num_real, self.staging.upload(arrays), d, int(kv_indptr[d]) if d else 0)
 
     def _plan(self, wrapper, plan: _PlanArrays, scratch_page: int) -> None:
@@ -405,13 +413,17 @@ class FlashInferBackend(AttentionBackend):
         indptr.copy_(staged.device[prefix + "kv_indptr"], non_blocking=True)
         last_page_len.copy_(staged.device[prefix + "last_page_len"], non_blocking=True)
         splits = triton_decode_splits(bs, self.num_kv_heads, self.num_sms)
+        order = None
+        if self.longest_first:
+            order = self.graph_order[:bs]
+            order.copy_(staged.device[prefix + "order"], non_blocking=True)
         h, d = self.num_heads, self.head_dim
         scratch = self._triton.DecodeScratch(
             self._part_out[: bs * h * splits * d].view(bs, h, splits, d),
             self._part_lse[: bs * h * splits].view(bs, h, splits),
             self._arrivals,
         )
-        return _TritonDecode(indptr, last_page_len, splits, scratch)
+        return _TritonDecode(indptr, last_page_len, splits, scratch, order)
 
     def _gather_page_ids(self, cells: torch.Tensor) -> None:
         """kv_indices[:len(cells)] = each request's page ids, in order: the page table's token
@@ -443,6 +455,7 @@ class FlashInferBackend(AttentionBackend):
                 out=out,
                 pdl=self.pdl,
                 merge_in_last=self.merge_in_last,
+                order=dec.order,
             )
         if (split := self._split) is not None:
             return self._forward_split(q, layer_id, split, out)
@@ -467,6 +480,7 @@ class FlashInferBackend(AttentionBackend):
                 out=out[:d],
                 pdl=self.pdl,
                 merge_in_last=self.merge_in_last,
+                order=dec.order,
             )
         with self._on_torch_stream():
             if not isinstance(split.decode, _TritonDecode):
@@ -512,3 +526,4 @@ class _TritonDecode:
     last_page_len: torch.Tensor
     splits: int
     scratch: object
+    order: torch.Tensor | None = None  # paged_decode's, longest first (Kernels.decode_longest_first)
