@@ -139,7 +139,10 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
     lens = lengths(batch, args.seed)
     q, caches, indptr, ids, last = make_cache(lens, args.page_size, args.seed)
     tokens = sum(lens)
-    order = torch.from_numpy(longest_first(lens)).cuda()
+    orders = {
+        "longest_first": torch.from_numpy(longest_first(lens)).cuda(),
+        "rows": torch.arange(batch, dtype=torch.int32, device="cuda"),
+    }
     rows = []
     for kv, cache in caches.items():
         if kv not in args.kv:
@@ -182,7 +185,9 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
         # and with the split results merged by the last split's program instead of a launch of their own
         runs.insert(1, ((None, None, None), None, {"launcher": True, "merge_in_last": True}))
         # and with the programs of the longest requests started first (Kernels.decode_order)
-        runs.insert(2, ((None, None, None), None, {"launcher": True, "order": True}))
+        runs.insert(2, ((None, None, None), None, {"launcher": True, "order": "longest_first"}))
+        # the same launch over the rows in their own order: what the grid's kv-head-first layout gives alone
+        runs.insert(3, ((None, None, None), None, {"launcher": True, "order": "rows"}))
         if args.variants:  # the kernel's variants, each at tiles of its own
             runs += [(tile, None, {"prefetch": True}) for tile in PREFETCH_TILES]
             runs += [(tile, None, {"cuda_cores": True}) for tile in CUDA_CORE_TILES]
@@ -197,7 +202,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
             if variant.get("launcher"):
                 choices = {"merge_in_last": bool(variant.get("merge_in_last"))}
                 if variant.get("order"):
-                    choices["order"] = order
+                    choices["order"] = orders[variant["order"]]
             else:
                 choices = {"prefetch": False, "convert_v": False, "merge_in_last": False, **variant}
             scratch = decode_scratch(batch, NUM_HEADS, HEAD_DIM, splits, "cuda")
@@ -237,7 +242,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                 "prefetch": bool(variant.get("prefetch")),
                 "convert_v": bool(variant.get("convert_v")),
                 "merge_in_last": bool(variant.get("merge_in_last")),
-                "longest_first": bool(variant.get("order")),
+                "order": variant.get("order"),
                 "us": us,
                 "tb_s": kv_bytes / us / 1e6,
             }
@@ -261,11 +266,11 @@ def summary(rows: list[dict]) -> None:
         group = list(group)
         best = [r for r in group if r["impl"] != "triton"]
         triton_rows = [r for r in group if r["impl"] == "triton"]
-        # the launcher's own choices, with the merge launched, in the last split, and longest first
+        # the launcher's own choices, with the merge launched, in the last split, longest first and ordered by row
         default = [r for r in triton_rows if r.get("launcher")]
         if triton_rows:
             fastest = min(triton_rows, key=lambda r: r["us"])
-            best += [r for r in default[:3] if r is not fastest] + [fastest]
+            best += [r for r in default[:4] if r is not fastest] + [fastest]
             for kind in (
                 {"dot": "cuda_cores", "prefetch": False},
                 {"prefetch": True, "convert_v": False},
@@ -282,7 +287,7 @@ def summary(rows: list[dict]) -> None:
                     f" splits={r['num_splits']} block_n={r['block_n']} warps={r['num_warps']}"
                     f" stages={r['num_stages']} dot={r['dot']}{' prefetch' if r.get('prefetch') else ''}"
                     f"{' convert_v' if r.get('convert_v') else ''}{' merge in last' if r.get('merge_in_last') else ''}"
-                    f"{' longest first' if r.get('longest_first') else ''}"
+                    f"{' ordered ' + r['order'] if r.get('order') else ''}"
                     f"{' (the launcher default)' if r.get('launcher') else ''}"
                 )
             diff = r.get("max_abs_diff_vs_flashinfer")
