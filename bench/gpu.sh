@@ -12,7 +12,8 @@
 #   decode_triton  (a) with the Triton decode kernel at every batch over the bf16 cache (FlashInfer's tensor
 #                  cores by default above 8 rows)
 #   decode_order   the Triton decode kernel's programs started in row order and longest first
-#                  (DECODE_ORDERS): fp8_decode.py at 256, 128 and 64 rows, then (a) over fp8 and bf16 caches
+#                  (DECODE_ORDERS): fp8_decode.py at 256, 128 and 64 rows (DECODE_ORDER_KERNEL=0: not),
+#                  then (a) over fp8 and bf16 caches (DECODE_ORDER_ARGS: more flags, e.g. --arch qwen3-8b)
 #   qwen3_8b       (a)'s shape on Qwen3-8B's architecture
 #   moe            (b) and (a) on Qwen3-30B-A3B's architecture (a mixture of experts, the fused Triton path)
 #   fp8_weights    Qwen3-8B's architecture with its weights quantized to FP8 at load against bf16: (a) and
@@ -271,11 +272,12 @@ for suite in "$@"; do
     fp8) offline fp8 150 --kv-cache-dtype fp8_e4m3 ;;
     decode_triton) offline decode_triton 150 --decode-kernel triton ;;
     decode_order)  # the Triton decode's programs in row order and longest first: the kernel alone, then (a)
-      step decode_order_kernel 240 python3 bench/fp8_decode.py --batch 256 128 64 --sweep none \
-        --out "$OUT/decode_order_kernel.json"
+      [ "${DECODE_ORDER_KERNEL:-1}" = 0 ] || step decode_order_kernel 240 python3 bench/fp8_decode.py \
+        --batch 256 128 64 --sweep none --out "$OUT/decode_order_kernel.json"
+      # shellcheck disable=SC2086  # DECODE_ORDER_ARGS is split into its words on purpose
       for mode in ${DECODE_ORDERS:-rows longest_first}; do
-        offline "decode_order_fp8_$mode" 150 --kv-cache-dtype fp8_e4m3 --decode-order "$mode"
-        offline "decode_order_bf16_$mode" 150 --decode-kernel triton --decode-order "$mode"
+        offline "decode_order_fp8_$mode" 240 --kv-cache-dtype fp8_e4m3 --decode-order "$mode" ${DECODE_ORDER_ARGS:-}
+        offline "decode_order_bf16_$mode" 240 --decode-kernel triton --decode-order "$mode" ${DECODE_ORDER_ARGS:-}
       done ;;
     qwen3_8b) offline qwen3_8b 240 --arch qwen3-8b ;;
     moe)
