@@ -265,9 +265,10 @@ def test_decode_agrees_with_flashinfer_tensor_core_decode(kv):
 
 
 def test_which_decode_steps_the_kernel_takes(monkeypatch):
-    # by default every step over an fp8 cache, and over a half-precision one the steps of up to
-    # TENSOR_CORE_ABOVE_BATCH rows (FlashInfer's tensor cores above); every step when asked for; none when
-    # FlashInfer's kernels are forced, off CUDA, without Triton, or over fp8 on a GPU that cannot convert it
+    # by default every decode step, and of a mixed step's decode rows: every row over an fp8 cache, and
+    # over a half-precision one up to TENSOR_CORE_ABOVE_BATCH rows (FlashInfer's tensor cores above); every
+    # row when asked for; none when FlashInfer's kernels are forced, off CUDA, without Triton, or over fp8
+    # on a GPU that cannot convert it
     from worker import triton_ops
     from worker.attention import flashinfer_backend as fb
 
@@ -275,16 +276,18 @@ def test_which_decode_steps_the_kernel_takes(monkeypatch):
     monkeypatch.setattr(triton_ops, "_capability", lambda index: (9, 0))
     cuda, fp8, bf16 = torch.device("cuda"), torch.float8_e4m3fn, torch.bfloat16
     small, large = fb.TENSOR_CORE_ABOVE_BATCH, fb.TENSOR_CORE_ABOVE_BATCH + 1
-    for choice, kv, at_small, at_large in [
-        ("auto", bf16, True, False),
-        ("auto", torch.float16, True, False),
-        ("auto", fp8, True, True),
-        ("triton", bf16, True, True),
-        ("tensor_cores", fp8, False, False),
-        ("cuda_cores", bf16, False, False),
+    for choice, kv, at_small, at_large, mixed_at_large in [
+        ("auto", bf16, True, True, False),
+        ("auto", torch.float16, True, True, False),
+        ("auto", fp8, True, True, True),
+        ("triton", bf16, True, True, True),
+        ("tensor_cores", fp8, False, False, False),
+        ("cuda_cores", bf16, False, False, False),
     ]:
         assert fb.decodes_with_triton(kv, cuda, choice, small) is at_small, (choice, kv)
         assert fb.decodes_with_triton(kv, cuda, choice, large) is at_large, (choice, kv)
+        assert fb.decodes_with_triton(kv, cuda, choice, small, mixed=True) is at_small, (choice, kv)
+        assert fb.decodes_with_triton(kv, cuda, choice, large, mixed=True) is mixed_at_large, (choice, kv)
     assert fb.decodes_with_triton(fp8, cuda, batch_size=256) is True  # auto, by default
     assert fb.decodes_with_triton(fp8, torch.device("cpu")) is False
     monkeypatch.setattr(triton_ops, "_capability", lambda index: (8, 0))

@@ -21,8 +21,11 @@ FP8_NORMS = ("auto", "apart", "inside", "folded")
 # folded 3.358 (bf16 5.451). For a checkpoint quantized already auto is apart (`Kernels.with_weights`): nothing
 # folds there, so folded would be inside
 FP8_NORMS_AUTO = "folded"
-# What `decode_order` auto resolves to (not yet measured end to end: the batch's row order)
-DECODE_ORDER_AUTO = "rows"
+# What `decode_order` auto resolves to. On an H100 (2026-12-06, bench/gpu.sh decode_order, Qwen3-0.6B's
+# heads): the kernel alone at 256 / 128 / 64 rows (lengths 150..1600), us, over bf16 308.7 / 152.2 / 84.8
+# against 319.4 / 162.6 / 88.2 in row order, over fp8 182.0 / 91.9 / 57.4 against 186.3 / 99.3 / 59.4; (a)
+# over an fp8 cache 29,638 output tok/s against 29,171 (decode steps' GPU time 4,545 ms against 4,625)
+DECODE_ORDER_AUTO = "longest_first"
 # Where `pdl` auto turns programmatic dependent launch on: every model on one GPU. Batch 1 on an H100
 # (bench/decode_latency.py --pdl off / on, e61451b, 2026-12-05, ms a token): Qwen3-0.6B 0.963 / 0.896,
 # Qwen3-8B 5.740 / 5.558, with FP8 weights 3.669 / 3.476, Qwen3-30B-A3B 3.216 / 2.975. (Before its GEMVs'
@@ -44,10 +47,10 @@ class Kernels:
     small_linear: bool = True
     # auto: FlashInfer on a GPU in half precision, torch otherwise
     attention: str = "auto"
-    # decode attention over FlashInfer's pages. auto: over an fp8 cache the Triton split-KV kernel (where
-    # the GPU converts fp8); over half precision the Triton kernel at and below TENSOR_CORE_ABOVE_BATCH rows
-    # (worker/attention/flashinfer_backend.py) and FlashInfer's tensor-core path above; the others force one
-    # (cuda_cores: FlashInfer's CUDA-core kernels at every size)
+    # decode attention over FlashInfer's pages. auto: the Triton split-KV kernel (over fp8 where the GPU
+    # converts it) in every decode step, and for a mixed step's decode rows over half precision up to
+    # TENSOR_CORE_ABOVE_BATCH rows, FlashInfer's tensor-core path above (worker/attention/flashinfer_backend.py);
+    # the others force one (cuda_cores: FlashInfer's CUDA-core kernels at every size)
     decode: str = "auto"
     # prefill (extend) attention over FlashInfer's pages. auto: see prefill_backend in
     # worker/attention/flashinfer_backend.py; fa2 or fa3 force FlashInfer's backend of that name (fa3 only

@@ -34,12 +34,15 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # (worker/kv_cache.py), so run() gets no k_scale / v_scale (each would cost a multiply, v_scale a kernel).
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 FA3_HEAD_DIMS = (64, 128, 256)
-# Decode kernels by batch size over a half-precision cache (the faster on each side, docs/BENCHMARKS.md):
-# above TENSOR_CORE_ABOVE_BATCH rows FlashInfer's tensor-core path (its prefill kernels, one query a
-# row), which reads the KV cache at about the HBM copy bandwidth; at and below it the Triton split-KV
-# kernel (triton_decode_rows), lighter than FlashInfer's CUDA-core kernels and their merge at small
-# batches. The graph buckets up to 8 are 1, 2, 4, 8, so an eager step of n rows and the graph it would
-# pad to use the same kernel. Kernels.decode forces one path (to compare).
+# Decode kernels over a half-precision cache (the faster on each side, docs/BENCHMARKS.md): a decode step
+# of any size runs the Triton split-KV kernel (triton_decode_rows), its programs started longest request
+# first (Kernels.decode_order): on an H100 (2026-12-06, bench/fp8_decode.py, Qwen3-0.6B's heads, lengths
+# 150..1600) 308.7, 152.2 and 84.8 us at 256, 128 and 64 rows against FlashInfer's tensor-core path (its
+# prefill kernels, one query a row) at 319.8, 161.8 and 88.0, and at batch 1 lighter than FlashInfer's
+# CUDA-core kernels and their merge. A mixed step's decode rows above TENSOR_CORE_ABOVE_BATCH stay on
+# FlashInfer's tensor cores: (a)'s extend steps took 386 ms of GPU time so against 421-485 with the Triton
+# kernel there (one run each). The graph buckets up to 8 are 1, 2, 4, 8, so an eager step of n rows and the
+# graph it would pad to use the same kernel. Kernels.decode forces one path (to compare).
 TENSOR_CORE_ABOVE_BATCH = 8
 
 
@@ -47,15 +50,16 @@ TENSOR_CORE_ABOVE_BATCH = 8
 EVERY_BATCH = 1 << 30
 
 
-def triton_decode_rows(kv_dtype: torch.dtype, device: torch.device, choice: str = "auto") -> int:
+def triton_decode_rows(kv_dtype: torch.dtype, device: torch.device, choice: str = "auto", mixed: bool = False) -> int:
     """The largest decode batch that worker/triton_decode.py's kernel attends instead of FlashInfer's (0:
-    none). Every batch when `choice` (Kernels.decode) is triton, and by default over a float8 cache,
-    which FlashInfer 0.5.3's decode kernels read far below the memory's speed (they dequantize slowly).
-    By default over a half-precision cache, the batches of up to TENSOR_CORE_ABOVE_BATCH rows, where
-    FlashInfer's CUDA-core kernel and its merge of split results took 15-18 us a layer at batch 1 on
-    Qwen3-8B's and Qwen3-30B-A3B's heads (docs/BENCHMARKS.md); above, FlashInfer's tensor cores. None
-    when `choice` forces a FlashInfer path. Needs Triton, and for float8 a GPU that converts it
-    (compute capability 8.9 and up)."""
+    none); `mixed`: of the decode rows of an extend step (a mixed step). Every batch when `choice`
+    (Kernels.decode) is triton, and by default over a float8 cache, which FlashInfer 0.5.3's decode
+    kernels read far below the memory's speed (they dequantize slowly). By default over a half-precision
+    cache every decode step too, and a mixed step's decode rows up to TENSOR_CORE_ABOVE_BATCH (the
+    comment there says why); at batch 1 FlashInfer's CUDA-core kernel and its merge of split results took
+    15-18 us a layer on Qwen3-8B's and Qwen3-30B-A3B's heads (docs/BENCHMARKS.md). None when `choice`
+    forces a FlashInfer path. Needs Triton, and for float8 a GPU that converts it (compute capability 8.9
+    and up)."""
     if choice not in ("auto", "triton"):
         return 0
     from worker import triton_ops
@@ -64,14 +68,17 @@ def triton_decode_rows(kv_dtype: torch.dtype, device: torch.device, choice: str 
         return 0
     if not triton_ops.cache_dtype_supported(kv_dtype, device):
         return 0
-    if choice == "triton" or kv_dtype in FP8_KV_DTYPES:
+    if choice == "triton" or kv_dtype in FP8_KV_DTYPES or not mixed:
         return EVERY_BATCH
     return TENSOR_CORE_ABOVE_BATCH
 
 
-def decodes_with_triton(kv_dtype: torch.dtype, device: torch.device, choice: str = "auto", batch_size: int = 1) -> bool:
-    """Whether a decode step of `batch_size` rows runs worker/triton_decode.py's kernel (triton_decode_rows)."""
-    return batch_size <= triton_decode_rows(kv_dtype, device, choice)
+def decodes_with_triton(
+    kv_dtype: torch.dtype, device: torch.device, choice: str = "auto", batch_size: int = 1, mixed: bool = False
+) -> bool:
+    """Whether a decode step of `batch_size` rows (`mixed`: a mixed step's decode rows) runs
+    worker/triton_decode.py's kernel (triton_decode_rows)."""
+    return batch_size <= triton_decode_rows(kv_dtype, device, choice, mixed)
 
 
 def triton_decode_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
@@ -241,8 +248,10 @@ class FlashInferBackend(AttentionBackend):
         self._plan_copied = new_event(device)
         self.wrapper = self.decode_wrappers[True]
         self.out_loc: torch.Tensor | None = None
-        # the decode steps (graphs too) of up to this many rows run the Triton kernel
+        # the decode steps (graphs too) of up to this many rows run the Triton kernel, and the decode rows
+        # of a mixed step up to mixed_triton_rows
         self.triton_rows = triton_decode_rows(kv.dtype, device, decode)
+        self.mixed_triton_rows = triton_decode_rows(kv.dtype, device, decode, mixed=True)
         self._decode: _TritonDecode | None = None  # this step's, when the Triton kernel attends
         self._split: _SplitStep | None = None  # this step's, when an extend step's decode rows attend apart
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -340,7 +349,7 @@ class FlashInferBackend(AttentionBackend):
                 d = 0  # nothing to split off: the prefill kernel takes them all
             if d:
                 arrays.update(split_plan_arrays(qo_indptr, kv_indptr, last_page_len, d))
-                if self.longest_first and d <= self.triton_rows:
+                if self.longest_first and d <= self.mixed_triton_rows:
                     arrays["decode_order"] = self._triton.longest_first(seq[:d])
         return _PlanArrays(desc, bs, n, num_real, self.staging.upload(arrays), d, int(kv_indptr[d]) if d else 0)
 
@@ -392,7 +401,7 @@ class FlashInferBackend(AttentionBackend):
         d, pages, h = plan.decode_rows, plan.decode_pages, plan.staged.host
         decode: object
         with self._on_torch_stream():
-            if d <= self.triton_rows:
+            if d <= self.mixed_triton_rows:
                 decode = self._plan_triton(plan.staged, d, prefix="decode_")
             else:
                 decode = self.decode_wrappers[use_tensor_cores(d, self.decode_choice)]
