@@ -89,7 +89,8 @@ class Kernels:
     # the order in which the Triton decode kernel's programs start (worker/triton_decode.py's `order`).
     # rows: the batch's row order; longest_first: every kv head of the request with the longest KV first,
     # so that a long request's programs do not start last and hold a few multiprocessors after the rest are
-    # idle (the result is the same bit for bit); auto: DECODE_ORDER_AUTO
+    # idle (the result is the same bit for bit; steps of more than TENSOR_CORE_ABOVE_BATCH rows, whose
+    # programs outnumber what the GPU holds at once); auto: DECODE_ORDER_AUTO
     decode_order: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too
