@@ -16,6 +16,8 @@
 #                  then (a) over fp8 and bf16 caches (DECODE_ORDER_ARGS: more flags, e.g. --arch qwen3-8b)
 #   qwen3_8b       (a)'s shape on Qwen3-8B's architecture
 #   decode_fi, qwen3_8b_fi  offline and qwen3_8b with FlashInfer's tensor-core decode at every batch
+#   decode_steps, qwen3_8b_steps  offline and qwen3_8b with the Triton decode in every decode step (a mixed
+#                  step's decode rows as by default: Kernels.decode triton_steps)
 #   moe            (b) and (a) on Qwen3-30B-A3B's architecture (a mixture of experts, the fused Triton path)
 #   fp8_weights    Qwen3-8B's architecture with its weights quantized to FP8 at load against bf16: (a) and
 #                  (b) batch 1, each for both
@@ -283,6 +285,8 @@ for suite in "$@"; do
     qwen3_8b) offline qwen3_8b 240 --arch qwen3-8b ;;
     decode_fi) offline decode_fi 150 --decode-kernel tensor_cores ;;
     qwen3_8b_fi) offline qwen3_8b_fi 240 --arch qwen3-8b --decode-kernel tensor_cores ;;
+    decode_steps) offline decode_steps 150 --decode-kernel triton_steps ;;
+    qwen3_8b_steps) offline qwen3_8b_steps 240 --arch qwen3-8b --decode-kernel triton_steps ;;
     moe)
       step moe_latency 300 python3 bench/decode_latency.py --arch qwen3-30b-a3b --repeats "${REPEATS:-5}" \
         --out "$OUT/moe_latency.json"

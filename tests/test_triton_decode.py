@@ -265,10 +265,10 @@ def test_decode_agrees_with_flashinfer_tensor_core_decode(kv):
 
 
 def test_which_decode_steps_the_kernel_takes(monkeypatch):
-    # by default every decode step, and of a mixed step's decode rows: every row over an fp8 cache, and
-    # over a half-precision one up to TENSOR_CORE_ABOVE_BATCH rows (FlashInfer's tensor cores above); every
-    # row when asked for; none when FlashInfer's kernels are forced, off CUDA, without Triton, or over fp8
-    # on a GPU that cannot convert it
+    # by default every step over an fp8 cache, and over a half-precision one the steps of up to
+    # TENSOR_CORE_ABOVE_BATCH rows (FlashInfer's tensor cores above); every step when asked for, or every
+    # decode step with a mixed step's decode rows as by default (triton_steps); none when FlashInfer's
+    # kernels are forced, off CUDA, without Triton, or over fp8 on a GPU that cannot convert it
     from worker import triton_ops
     from worker.attention import flashinfer_backend as fb
 
@@ -277,10 +277,12 @@ def test_which_decode_steps_the_kernel_takes(monkeypatch):
     cuda, fp8, bf16 = torch.device("cuda"), torch.float8_e4m3fn, torch.bfloat16
     small, large = fb.TENSOR_CORE_ABOVE_BATCH, fb.TENSOR_CORE_ABOVE_BATCH + 1
     for choice, kv, at_small, at_large, mixed_at_large in [
-        ("auto", bf16, True, True, False),
-        ("auto", torch.float16, True, True, False),
+        ("auto", bf16, True, False, False),
+        ("auto", torch.float16, True, False, False),
         ("auto", fp8, True, True, True),
         ("triton", bf16, True, True, True),
+        ("triton_steps", bf16, True, True, False),
+        ("triton_steps", fp8, True, True, True),
         ("tensor_cores", fp8, False, False, False),
         ("cuda_cores", bf16, False, False, False),
     ]:
@@ -295,6 +297,8 @@ def test_which_decode_steps_the_kernel_takes(monkeypatch):
     assert fb.decodes_with_triton(bf16, cuda) is True
     monkeypatch.setattr(triton_ops, "triton_installed", lambda: False)
     assert fb.decodes_with_triton(bf16, cuda, "triton") is False
+    # a mixed step's rows that stay on FlashInfer take its tensor cores, as by default
+    assert fb.use_tensor_cores(16, "triton_steps") and not fb.use_tensor_cores(16, "cuda_cores")
 
 
 def test_small_batches_split_a_requests_kv_alike():

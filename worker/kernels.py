@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
-DECODE_KERNELS = ("auto", "tensor_cores", "cuda_cores", "triton")
+DECODE_KERNELS = ("auto", "tensor_cores", "cuda_cores", "triton", "triton_steps")
 PREFILL_KERNELS = ("auto", "fa2", "fa3")
 MOE_KERNELS = ("auto", "torch")
 DECODE_GEMMS = ("auto", "vendor", "triton")
@@ -47,10 +47,11 @@ class Kernels:
     small_linear: bool = True
     # auto: FlashInfer on a GPU in half precision, torch otherwise
     attention: str = "auto"
-    # decode attention over FlashInfer's pages. auto: the Triton split-KV kernel (over fp8 where the GPU
-    # converts it) in every decode step, and for a mixed step's decode rows over half precision up to
-    # TENSOR_CORE_ABOVE_BATCH rows, FlashInfer's tensor-core path above (worker/attention/flashinfer_backend.py);
-    # the others force one (cuda_cores: FlashInfer's CUDA-core kernels at every size)
+    # decode attention over FlashInfer's pages. auto: over an fp8 cache the Triton split-KV kernel (where
+    # the GPU converts fp8); over half precision the Triton kernel at and below TENSOR_CORE_ABOVE_BATCH rows
+    # (worker/attention/flashinfer_backend.py) and FlashInfer's tensor-core path above; triton_steps: the
+    # Triton kernel in every decode step, a mixed step's decode rows as auto (the candidate for auto, not yet
+    # measured end to end); the others force one (cuda_cores: FlashInfer's CUDA-core kernels at every size)
     decode: str = "auto"
     # prefill (extend) attention over FlashInfer's pages. auto: see prefill_backend in
     # worker/attention/flashinfer_backend.py; fa2 or fa3 force FlashInfer's backend of that name (fa3 only

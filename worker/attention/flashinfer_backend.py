@@ -34,15 +34,18 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # (worker/kv_cache.py), so run() gets no k_scale / v_scale (each would cost a multiply, v_scale a kernel).
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 FA3_HEAD_DIMS = (64, 128, 256)
-# Decode kernels over a half-precision cache (the faster on each side, docs/BENCHMARKS.md): a decode step
-# of any size runs the Triton split-KV kernel (triton_decode_rows), its programs started longest request
-# first (Kernels.decode_order): on an H100 (2026-12-06, bench/fp8_decode.py, Qwen3-0.6B's heads, lengths
-# 150..1600) 308.7, 152.2 and 84.8 us at 256, 128 and 64 rows against FlashInfer's tensor-core path (its
-# prefill kernels, one query a row) at 319.8, 161.8 and 88.0, and at batch 1 lighter than FlashInfer's
-# CUDA-core kernels and their merge. A mixed step's decode rows above TENSOR_CORE_ABOVE_BATCH stay on
-# FlashInfer's tensor cores: (a)'s extend steps took 386 ms of GPU time so against 421-485 with the Triton
-# kernel there (one run each). The graph buckets up to 8 are 1, 2, 4, 8, so an eager step of n rows and the
-# graph it would pad to use the same kernel. Kernels.decode forces one path (to compare).
+# Decode kernels by batch size over a half-precision cache (the faster on each side, docs/BENCHMARKS.md):
+# above TENSOR_CORE_ABOVE_BATCH rows FlashInfer's tensor-core path (its prefill kernels, one query a
+# row), which reads the KV cache at about the HBM copy bandwidth; at and below it the Triton split-KV
+# kernel (triton_decode_rows), lighter than FlashInfer's CUDA-core kernels and their merge at small
+# batches. The graph buckets up to 8 are 1, 2, 4, 8, so an eager step of n rows and the graph it would
+# pad to use the same kernel. Kernels.decode forces one path (to compare), or with triton_steps runs the
+# Triton kernel in every decode step and leaves a mixed step's decode rows as they are: the candidate for
+# auto. On an H100 (2026-12-06) the Triton kernel with its programs started longest request first
+# (Kernels.decode_order) took 308.7, 152.2 and 84.8 us a layer at 256, 128 and 64 rows against FlashInfer's
+# 319.8, 161.8 and 88.0 (bench/fp8_decode.py, Qwen3-0.6B's heads, lengths 150..1600), and (a)'s decode steps
+# 2.9% less GPU time; with it on a mixed step's decode rows too (decode triton) its extend steps took 421-485
+# ms of GPU time against 386, and (a) came out even. triton_steps itself has not run end to end.
 TENSOR_CORE_ABOVE_BATCH = 8
 
 
@@ -55,12 +58,12 @@ def triton_decode_rows(kv_dtype: torch.dtype, device: torch.device, choice: str 
     none); `mixed`: of the decode rows of an extend step (a mixed step). Every batch when `choice`
     (Kernels.decode) is triton, and by default over a float8 cache, which FlashInfer 0.5.3's decode
     kernels read far below the memory's speed (they dequantize slowly). By default over a half-precision
-    cache every decode step too, and a mixed step's decode rows up to TENSOR_CORE_ABOVE_BATCH (the
-    comment there says why); at batch 1 FlashInfer's CUDA-core kernel and its merge of split results took
-    15-18 us a layer on Qwen3-8B's and Qwen3-30B-A3B's heads (docs/BENCHMARKS.md). None when `choice`
-    forces a FlashInfer path. Needs Triton, and for float8 a GPU that converts it (compute capability 8.9
-    and up)."""
-    if choice not in ("auto", "triton"):
+    cache, the batches of up to TENSOR_CORE_ABOVE_BATCH rows, where FlashInfer's CUDA-core kernel and its
+    merge of split results took 15-18 us a layer at batch 1 on Qwen3-8B's and Qwen3-30B-A3B's heads
+    (docs/BENCHMARKS.md); above, FlashInfer's tensor cores. triton_steps: every decode step, and a mixed
+    step's decode rows as auto. None when `choice` forces a FlashInfer path. Needs Triton, and for float8
+    a GPU that converts it (compute capability 8.9 and up)."""
+    if choice not in ("auto", "triton", "triton_steps"):
         return 0
     from worker import triton_ops
 
@@ -68,7 +71,7 @@ def triton_decode_rows(kv_dtype: torch.dtype, device: torch.device, choice: str 
         return 0
     if not triton_ops.cache_dtype_supported(kv_dtype, device):
         return 0
-    if choice == "triton" or kv_dtype in FP8_KV_DTYPES or not mixed:
+    if choice == "triton" or kv_dtype in FP8_KV_DTYPES or (choice == "triton_steps" and not mixed):
         return EVERY_BATCH
     return TENSOR_CORE_ABOVE_BATCH
 
@@ -129,7 +132,7 @@ _PLAN_INFO_FIELDS = 15  # FlashInfer 0.5.3's PrefillPlanInfo
 
 def use_tensor_cores(batch_size: int, choice: str = "auto") -> bool:
     """FlashInfer's decode path for a batch: its tensor-core kernels, or its CUDA-core ones."""
-    if choice != "auto":
+    if choice not in ("auto", "triton_steps"):
         return choice == "tensor_cores"
     return batch_size > TENSOR_CORE_ABOVE_BATCH
 
