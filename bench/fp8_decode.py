@@ -201,8 +201,8 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
             # the plain kernel unless the variant says otherwise; the launcher's row leaves it every choice
             if variant.get("launcher"):
                 choices = {"merge_in_last": bool(variant.get("merge_in_last"))}
-                if variant.get("order"):
-                    choices["order"] = orders[variant["order"]]
+                if variant.get("order"):  # the launcher's own merge, as the engine runs it
+                    choices.update(order=orders[variant["order"]], merge_in_last=None)
             else:
                 choices = {"prefetch": False, "convert_v": False, "merge_in_last": False, **variant}
             scratch = decode_scratch(batch, NUM_HEADS, HEAD_DIM, splits, "cuda")

@@ -169,9 +169,7 @@ def test_an_unknown_decode_order_is_a_clear_error():
         Kernels(decode_order="random")
 
 
-def test_the_decode_order_resolves_auto():
-    from worker.kernels import DECODE_ORDER_AUTO
-
-    assert Kernels().decode_longest_first == (DECODE_ORDER_AUTO == "longest_first")
+def test_the_decode_order_resolves_auto_to_longest_first():
+    assert Kernels().decode_longest_first
     assert Kernels(decode_order="longest_first").decode_longest_first
     assert not Kernels(decode_order="rows").decode_longest_first

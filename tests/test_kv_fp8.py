@@ -283,19 +283,38 @@ def test_the_triton_decode_kernel_agrees_with_flashinfers(qwen3_hd128, kv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["fp8", "bf16"])
-def test_the_triton_decode_started_longest_first_decodes_the_same_tokens(qwen3_hd128, kv):
-    # graphs and eager steps, mixed steps' decode rows too: each request's attention is the same bit for bit
+@pytest.mark.parametrize("kv, graph_rows", [("fp8", 16), ("bf16", 8)])
+def test_the_triton_decode_started_longest_first_decodes_the_same_tokens(qwen3_hd128, kv, graph_rows, monkeypatch):
+    # graphs up to graph_rows and eager steps above, mixed steps' decode rows too: each request's attention
+    # is the same bit for bit in either order
+    from worker import triton_decode
+
+    ordered = []
+    plain = triton_decode.paged_decode
+
+    def spy(*args, order=None, **kw):
+        ordered.append(order is not None)
+        return plain(*args, order=order, **kw)
+
+    monkeypatch.setattr(triton_decode, "paged_decode", spy)
     cache = FP8_KV if kv == "fp8" else {}
     prompts = random_prompts(16, 5, 300, seed=7)
     params = [_greedy_logprobs(8 + 3 * i) for i in range(16)]
-    common = {"dtype": "bfloat16", "num_pages": KV_TOKENS // 16, "max_running_reqs": 16, "max_extend_tokens": 256}
+    common = {
+        "dtype": "bfloat16",
+        "num_pages": KV_TOKENS // 16,
+        "max_running_reqs": 16,
+        "max_extend_tokens": 256,
+        "cuda_graph_max_bs": graph_rows,
+    }
     runs = []
     for order in ("rows", "longest_first"):
+        ordered.clear()
         kernels = Kernels(decode="triton", decode_order=order)
         with checked_llm(qwen3_hd128, **common, **cache, kernels=kernels) as llm:
             assert llm.engine.attn.longest_first == (order == "longest_first")
             runs.append(llm.generate(prompts, params))
+        assert any(ordered) == (order == "longest_first")  # steps of more than 8 rows launched in order
     assert [o.token_ids for o in runs[1]] == [o.token_ids for o in runs[0]]
     assert [o.logprobs for o in runs[1]] == [o.logprobs for o in runs[0]]
 

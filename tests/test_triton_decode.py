@@ -219,7 +219,7 @@ def test_longest_first_orders_by_length_then_row():
 
 def test_an_order_must_be_one_int32_rank_a_request():
     args = make_decode([3, 4], 16, 2, 2, 64, "bf16")
-    for bad in (torch.tensor([1, 0], dtype=torch.int64), torch.tensor([0], dtype=torch.int32)):
+    for bad in (torch.tensor([1, 0], dtype=torch.int64), torch.tensor([0], dtype=torch.int32)):  # dtype, length
         with pytest.raises(ValueError, match="order"):
             paged_decode(*args, num_splits=1, order=bad.to(DEVICE))
 

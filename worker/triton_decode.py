@@ -130,17 +130,19 @@ def _split_kernel(
     # for the last of the request's kv head's splits to finish, which merges them itself
     await_previous(PDL)
     if ORDERED:
-        # the grid is (kv head, rank, split) and rank i attends request order[i]: programs start in the
-        # order of their linear index (kv head fastest), so with order longest first every kv head of the
-        # longest requests starts first and the step ends on short ones, not on a long one started last
+        # the grid is (kv head, split, rank) and rank i attends request order[i]: programs start in the
+        # order of their linear index (kv head fastest, rank slowest), so with order longest first every
+        # program of the longest request starts first (its splits are each as long as its others) and the
+        # step ends on short ones, not on a long one started last
         kvh = tl.program_id(0)
-        b = tl.load(order_ptr + tl.program_id(1))
+        split = tl.program_id(1)
+        b = tl.load(order_ptr + tl.program_id(2))
         num_kv_heads = tl.num_programs(0)
     else:
         b = tl.program_id(0)
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
         num_kv_heads = tl.num_programs(1)
-    split = tl.program_id(2)
     first_page = tl.load(kv_indptr_ptr + b)
     num_pages = tl.load(kv_indptr_ptr + b + 1) - first_page
     seq_len = (num_pages - 1) * PAGE_SIZE + tl.load(last_page_len_ptr + b)
@@ -370,9 +372,9 @@ def paged_decode(
     conversion runs); pdl, both kernels launched with programmatic dependent launch
     (worker/pdl_kernels.py); merge_in_last, split results merged by the last of a request's kv head's splits
     to finish instead of a second launch (None: where a kv head has at most MERGE_IN_LAST_MAX_GROUP query
-    heads; needs the scratch's arrivals); order, int32 [B], a permutation of the requests whose first ones
-    are started first (`longest_first` of their lengths balances a batch of unequal lengths; the result is
-    the same bit for bit in any order)."""
+    heads; needs the scratch's arrivals); order, int32 [B] on q's device, a permutation of the requests (not
+    checked: that would wait for the device) whose first ones are started first (`longest_first` of their
+    lengths balances a batch of unequal lengths; the result is the same bit for bit in any order)."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     _check(q, k_cache, v_cache, num_splits)
@@ -411,9 +413,11 @@ def paged_decode(
     else:
         part_out, part_lse = out, out  # unread: one split writes out itself
         arrivals, merge_in_last = out, False
-    if order is not None and (order.shape != (batch,) or order.dtype != torch.int32):
-        raise ValueError(f"order must be int32 [{batch}], not {order.dtype} {list(order.shape)}")
-    grid = (num_kv_heads, batch, num_splits) if order is not None else (batch, num_kv_heads, num_splits)
+    if order is not None and (order.shape != (batch,) or order.dtype != torch.int32 or order.device != q.device):
+        raise ValueError(
+            f"order must be int32 [{batch}] on {q.device}, not {order.dtype} {list(order.shape)} on {order.device}"
+        )
+    grid = (num_kv_heads, num_splits, batch) if order is not None else (batch, num_kv_heads, num_splits)
     _split_kernel[grid](
         q,
         k_cache,
