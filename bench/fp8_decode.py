@@ -241,7 +241,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                 "launcher": bool(variant.get("launcher")),
                 "prefetch": bool(variant.get("prefetch")),
                 "convert_v": bool(variant.get("convert_v")),
-                "merge_in_last": bool(variant.get("merge_in_last")),
+                "merge_in_last": choices["merge_in_last"],  # None: the launcher's choice
                 "order": variant.get("order"),
                 "us": us,
                 "tb_s": kv_bytes / us / 1e6,

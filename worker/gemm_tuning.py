@@ -64,13 +64,12 @@ def tune_decode_gemms(
     if failure is not None:
         # the failure's traceback (and the operands its frames held) is gone: their memory goes back to the
         # GPU before the KV cache is sized from what is free
-        if device.type == "cuda" and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
         logger.warning("linear products stay on cuBLAS's own algorithms: %s", failure)
         return []
-    top = [r for r in results if r.m == max(rows)]
     if not announce:
         return results
+    top = [r for r in results if r.m == max(rows)]
     logger.info(
         "tuned %d linear products in %.1f s (%d timed, the others' timings kept from an earlier start), %d of "
         "them now on a faster cuBLASLt algorithm; at %d rows a layer's %d shapes take %.1f us against cuBLAS's %.1f",

@@ -340,7 +340,7 @@ class FlashInferBackend(AttentionBackend):
             "last_page_len": last_page_len,
             "cells": np.repeat(base, pages[:n]) + self.page_starts[:num_real],
         }
-        if self._ordered(bs, self.triton_rows) and (desc is None or not desc.is_prefill):
+        if bs <= self.triton_rows and self._ordered(bs) and (desc is None or not desc.is_prefill):
             arrays["order"] = self._triton.longest_first(seq)  # padded rows (one token) last
         d = 0
         if desc is not None and desc.is_prefill:
@@ -352,7 +352,7 @@ class FlashInferBackend(AttentionBackend):
                 d = 0  # nothing to split off: the prefill kernel takes them all
             if d:
                 arrays.update(split_plan_arrays(qo_indptr, kv_indptr, last_page_len, d))
-                if self._ordered(d, self.mixed_triton_rows):
+                if d <= self.mixed_triton_rows and self._ordered(d):
                     arrays["decode_order"] = self._triton.longest_first(seq[:d])
         return _PlanArrays(desc, bs, n, num_real, self.staging.upload(arrays), d, int(kv_indptr[d]) if d else 0)
 
@@ -426,7 +426,7 @@ class FlashInferBackend(AttentionBackend):
         last_page_len.copy_(staged.device[prefix + "last_page_len"], non_blocking=True)
         splits = triton_decode_splits(bs, self.num_kv_heads, self.num_sms)
         order = None
-        if self._ordered(bs, EVERY_BATCH):
+        if self._ordered(bs):
             order = self.graph_order[:bs]
             order.copy_(staged.device[prefix + "order"], non_blocking=True)
         h, d = self.num_heads, self.head_dim
@@ -437,13 +437,13 @@ class FlashInferBackend(AttentionBackend):
         )
         return _TritonDecode(indptr, last_page_len, splits, scratch, order)
 
-    def _ordered(self, rows: int, triton_rows: int) -> bool:
-        """Whether a Triton decode of `rows` rows (taken by the Triton kernel up to `triton_rows`) starts its
-        programs longest request first: above TENSOR_CORE_ABOVE_BATCH rows, where a step's programs outnumber
-        what the GPU holds at once (decode_num_splits fits them to about four times that). At and below, the
-        batch-1 split count leaves every program room to start at once, and the order would only put a load
-        before each program's first (measured at 64 rows and up: docs/BENCHMARKS.md)."""
-        return self.longest_first and TENSOR_CORE_ABOVE_BATCH < rows <= triton_rows
+    def _ordered(self, rows: int) -> bool:
+        """Whether a Triton decode of `rows` rows starts its programs longest request first: above
+        TENSOR_CORE_ABOVE_BATCH rows, where a step's programs outnumber what the GPU holds at once
+        (decode_num_splits fits them to about four times that). At and below, the batch-1 split count leaves
+        every program room to start at once, and the order would only put a load before each program's first
+        (measured at 64 rows and up: docs/BENCHMARKS.md)."""
+        return self.longest_first and rows > TENSOR_CORE_ABOVE_BATCH
 
     def _gather_page_ids(self, cells: torch.Tensor) -> None:
         """kv_indices[:len(cells)] = each request's page ids, in order: the page table's token
