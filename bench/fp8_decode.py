@@ -8,7 +8,10 @@ graph, median of 5 replays; microseconds a call, TB/s of K and V read once, the 
 FlashInfer's tensor-core output over the same cache.
 
     python bench/fp8_decode.py [--batch 256 1] [--page-size 16] [--sweep none|small|full] [--variants] [--kv fp8]
-        [--out r.json]"""
+        [--heads 32 8] [--sweep-order longest_first] [--out r.json]
+
+--heads times another model's query and KV heads (Qwen3-8B: 32 8; Qwen3-30B-A3B: 32 4); --sweep-order starts the
+sweep's tiles' programs in that order too (the launcher's own rows run in both orders regardless)."""
 
 from __future__ import annotations
 
@@ -205,6 +208,8 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                     choices.update(order=orders[variant["order"]], merge_in_last=None)
             else:
                 choices = {"prefetch": False, "convert_v": False, "merge_in_last": False, **variant}
+                if args.sweep_order:
+                    choices["order"] = orders[args.sweep_order]
             scratch = decode_scratch(batch, NUM_HEADS, HEAD_DIM, splits, "cuda")
 
             def call() -> torch.Tensor:
@@ -242,7 +247,7 @@ def bench_batch(batch: int, args: argparse.Namespace, flashinfer) -> list[dict]:
                 "prefetch": bool(variant.get("prefetch")),
                 "convert_v": bool(variant.get("convert_v")),
                 "merge_in_last": choices["merge_in_last"],  # None: the launcher's choice
-                "order": variant.get("order"),
+                "order": variant.get("order") if variant.get("launcher") else args.sweep_order,
                 "us": us,
                 "tb_s": kv_bytes / us / 1e6,
             }
@@ -321,8 +326,16 @@ def main() -> None:
         action="store_true",
         help="also the Triton kernel's variants (paged_decode's cuda_cores, prefetch and convert_v) at tiles of their own",
     )
+    parser.add_argument(
+        "--heads", type=int, nargs=2, metavar=("Q", "KV"), default=[NUM_HEADS, NUM_KV_HEADS], help="query and KV heads"
+    )
+    parser.add_argument(
+        "--sweep-order", choices=["longest_first", "rows"], help="the order the sweep's tiles start their programs in"
+    )
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
+    global NUM_HEADS, NUM_KV_HEADS
+    NUM_HEADS, NUM_KV_HEADS = args.heads
     if not torch.cuda.is_available():
         sys.exit("bench/fp8_decode.py times CUDA kernels: run it on a GPU host")
     flashinfer = None
@@ -333,7 +346,11 @@ def main() -> None:
         results += bench_batch(batch, args, flashinfer)
     summary(results)
     if args.out:
-        Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "results": results}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {"gpu": torch.cuda.get_device_name(), "heads": [NUM_HEADS, NUM_KV_HEADS], "results": results}, indent=2
+            )
+        )
 
 
 if __name__ == "__main__":

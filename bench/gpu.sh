@@ -14,6 +14,8 @@
 #   decode_order   the Triton decode kernel's programs started in row order and longest first
 #                  (DECODE_ORDERS): fp8_decode.py at 256, 128 and 64 rows (DECODE_ORDER_KERNEL=0: not),
 #                  then (a) over fp8 and bf16 caches (DECODE_ORDER_ARGS: more flags, e.g. --arch qwen3-8b)
+#   decode_heads   the decode kernel at other models' heads (DECODE_HEADS, Q:KV pairs, default 32:8 for Qwen3-8B):
+#                  FlashInfer against the Triton kernel's tiles started longest first, bf16 cache, 256 and 64 rows
 #   qwen3_8b       (a)'s shape on Qwen3-8B's architecture
 #   decode_fi, qwen3_8b_fi  offline and qwen3_8b with FlashInfer's tensor-core decode at every batch
 #   decode_steps, qwen3_8b_steps  offline and qwen3_8b with the Triton decode in every decode step (a mixed
@@ -281,6 +283,11 @@ for suite in "$@"; do
       for mode in ${DECODE_ORDERS:-rows longest_first}; do
         offline "decode_order_fp8_$mode" 240 --kv-cache-dtype fp8_e4m3 --decode-order "$mode" ${DECODE_ORDER_ARGS:-}
         offline "decode_order_bf16_$mode" 240 --decode-kernel triton --decode-order "$mode" ${DECODE_ORDER_ARGS:-}
+      done ;;
+    decode_heads)
+      for heads in ${DECODE_HEADS:-32:8}; do
+        step "decode_heads_${heads/:/_}" 300 python3 bench/fp8_decode.py --batch 256 64 --kv bf16 --sweep small \
+          --sweep-order longest_first --heads "${heads%:*}" "${heads#*:}" --out "$OUT/decode_heads_${heads/:/_}.json"
       done ;;
     qwen3_8b) offline qwen3_8b 240 --arch qwen3-8b ;;
     decode_fi) offline decode_fi 150 --decode-kernel tensor_cores ;;
