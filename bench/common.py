@@ -581,6 +581,11 @@ class ProfileWindow:
 
 # Qwen3-8B's linear layers, (K, N) each: what the FP8 benchmarks time
 QWEN3_8B_LINEARS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
+# each architecture's linear layers, (K, N)
+LINEARS = {
+    "qwen3-8b": QWEN3_8B_LINEARS,
+    "qwen3-0.6b": {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)},
+}
 
 
 def fp8_weights(n: int, k: int, copies: int) -> tuple[list[torch.Tensor], torch.Tensor]:

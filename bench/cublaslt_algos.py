@@ -18,16 +18,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import QWEN3_8B_LINEARS, time_graph  # noqa: E402
+from common import LINEARS, time_graph  # noqa: E402
 
 from worker.cublaslt import LtLinear  # noqa: E402
 
 COPIES = 6
-# (K, N) of each layer
-LINEARS = {
-    "qwen3-8b": QWEN3_8B_LINEARS,
-    "qwen3-0.6b": {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024)},
-}
 
 
 def main() -> None:

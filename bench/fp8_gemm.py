@@ -1,4 +1,4 @@
-"""The linear layers of a decode step at larger batches, Qwen3-8B's shapes, in bf16 and with e4m3 weights
+"""The linear layers of a decode step at larger batches, Qwen3-8B's shapes (--arch: another's), in bf16 and with e4m3 weights
 (a scale per output channel, bf16 activations quantized per token): bf16 through cuBLAS and through the
 Triton GEMM of worker/skinny_gemm.py; FP8 through cuBLASLt's rowwise-scaled GEMM (`torch._scaled_mm`),
 with the activations' quantization and without, with its fast accumulation and without, and through the
@@ -6,7 +6,8 @@ Triton GEMM; each Triton GEMM at its default tile and, with --sweep, at each til
 named). Each layer's COPIES (distinct weights, so L2 holds none of them) replayed in a CUDA graph; median
 microseconds a call, and each path's largest error against the float32 product.
 
-    python bench/fp8_gemm.py [--m 16 64 128 256] [--sweep] [--sweep-dtypes fp8] [--layers o down] [--out r.json]"""
+    python bench/fp8_gemm.py [--m 16 64 128 256] [--sweep] [--sweep-dtypes fp8] [--layers o down] [--arch qwen3-0.6b]
+        [--out r.json]"""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import QWEN3_8B_LINEARS, fp8_weights, time_graph  # noqa: E402
+from common import LINEARS, fp8_weights, time_graph  # noqa: E402
 
 from worker import skinny_gemm  # noqa: E402
 from worker.kernels import Kernels  # noqa: E402
@@ -63,13 +64,14 @@ def main() -> None:
         "--sweep-dtypes", nargs="+", choices=["fp8", "bf16"], default=["fp8", "bf16"], help="the GEMMs --sweep sweeps"
     )
     parser.add_argument(
-        "--layers", nargs="+", choices=sorted(QWEN3_8B_LINEARS), help="these of Qwen3-8B's linears only (default: all)"
+        "--layers", nargs="+", choices=sorted(LINEARS["qwen3-8b"]), help="these of the linears only (default: all)"
     )
+    parser.add_argument("--arch", choices=sorted(LINEARS), default="qwen3-8b", help="whose linear layers")
     parser.add_argument("--out")
     args = parser.parse_args()
     results = []
     for m in args.m:
-        for name, (k, n) in QWEN3_8B_LINEARS.items():
+        for name, (k, n) in LINEARS[args.arch].items():
             if args.layers and name not in args.layers:
                 continue
             ws, scale = fp8_weights(n, k, COPIES)
