@@ -14,6 +14,8 @@
 #   decode_order   the Triton decode kernel's programs started in row order and longest first
 #                  (DECODE_ORDERS): fp8_decode.py at 256, 128 and 64 rows (DECODE_ORDER_KERNEL=0: not),
 #                  then (a) over fp8 and bf16 caches (DECODE_ORDER_ARGS: more flags, e.g. --arch qwen3-8b)
+#   sorted_rows, qwen3_8b_sorted  offline and qwen3_8b with each decode step's rows put longest KV first by the
+#                  scheduler (--decode-order sorted_rows: FlashInfer's kernels start the longest requests first)
 #   decode_heads   the decode kernel at other models' heads (DECODE_HEADS, Q:KV pairs, default 32:8 for Qwen3-8B):
 #                  FlashInfer against the Triton kernel's tiles started longest first, bf16 cache, 256 and 64 rows
 #   qwen3_8b       (a)'s shape on Qwen3-8B's architecture
@@ -284,6 +286,8 @@ for suite in "$@"; do
         offline "decode_order_fp8_$mode" 240 --kv-cache-dtype fp8_e4m3 --decode-order "$mode" ${DECODE_ORDER_ARGS:-}
         offline "decode_order_bf16_$mode" 240 --decode-kernel triton --decode-order "$mode" ${DECODE_ORDER_ARGS:-}
       done ;;
+    sorted_rows) offline sorted_rows 150 --decode-order sorted_rows ;;
+    qwen3_8b_sorted) offline qwen3_8b_sorted 240 --arch qwen3-8b --decode-order sorted_rows ;;
     decode_heads)
       for heads in ${DECODE_HEADS:-32:8}; do
         step "decode_heads_${heads/:/_}" 300 python3 bench/fp8_decode.py --batch 256 64 --kv bf16 --sweep small \

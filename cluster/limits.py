@@ -28,7 +28,20 @@ class RequestLimits:
     def check(self, input_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError, naming the field, for a request this model can never run."""
         self.check_prompt(len(input_ids))
+        self.check_token_ids(input_ids)
         self.check_params(params)
+
+    def check_token_ids(self, input_ids: list[int]) -> None:
+        """Every prompt token inside the vocabulary: an id past the embedding table would fail the step
+        that reads it (on a GPU, an out-of-bounds read), and with it every request of that step."""
+        if self.vocab_size is None or not input_ids:
+            return
+        if min(input_ids) < 0 or max(input_ids) >= self.vocab_size:
+            bad = next(t for t in input_ids if not 0 <= t < self.vocab_size)
+            raise InvalidRequestError(
+                f"prompt token id {bad} is outside this model's vocabulary (ids 0 to {self.vocab_size - 1})",
+                field="prompt",
+            )
 
     def check_prompt(self, n: int) -> None:
         if n == 0:

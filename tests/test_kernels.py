@@ -173,3 +173,9 @@ def test_the_decode_order_resolves_auto_to_longest_first():
     assert Kernels().decode_longest_first
     assert Kernels(decode_order="longest_first").decode_longest_first
     assert not Kernels(decode_order="rows").decode_longest_first
+    assert not Kernels().sorts_decode_rows
+
+
+def test_sorted_rows_sorts_the_scheduler_s_rows_and_leaves_the_triton_kernel_in_row_order():
+    kernels = Kernels(decode_order="sorted_rows")
+    assert kernels.sorts_decode_rows and not kernels.decode_longest_first

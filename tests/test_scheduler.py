@@ -12,6 +12,7 @@ from helpers import checked_llm, encode_all, fail_first_launch, greedy
 
 from cluster import InvalidRequestError, SamplingParams
 from cluster.messages import AddRequest, TokenDelta
+from worker.kernels import Kernels
 
 
 def capture(llm) -> list[TokenDelta]:
@@ -365,6 +366,8 @@ def test_one_set_of_request_limits_names_the_field_at_fault():
         ([], SamplingParams(), "prompt", "empty"),
         ([1] * 6, SamplingParams(), "prompt", "at most 5"),
         ([1], SamplingParams(logit_bias={10: 1.0}), "logit_bias", "vocabulary"),
+        ([1, 10], SamplingParams(), "prompt", "token id 10 is outside"),
+        ([-1, 1], SamplingParams(), "prompt", "token id -1 is outside"),
         (
             [1],
             SamplingParams(logit_bias={1: 1.0, 2: 1.0}, min_tokens=2, stop_token_ids=[3]),
@@ -380,3 +383,53 @@ def test_one_set_of_request_limits_names_the_field_at_fault():
         RequestLimits(max_seq_len=8).check_prompt(8)  # the context must hold one new token too
     assert e.value.code == "context_length_exceeded"
     limits.check([1] * 5, SamplingParams(logit_bias={1: 1.0, 2: 1.0, 3: 1.0}))
+    limits.check([0, 9], SamplingParams())
+
+
+def test_a_prompt_token_outside_the_vocabulary_is_refused_and_the_engine_serves_on(qwen3_path):
+    # read by the embedding, such an id would fail its step and every request in it (on a GPU, an
+    # out-of-bounds read that can take the device down)
+    with checked_llm(qwen3_path) as llm:
+        vocab = llm.engine.hf_config.vocab_size
+        with pytest.raises(InvalidRequestError, match=f"token id {vocab} is outside") as e:
+            llm.generate([[5, 6, vocab]], greedy(4))
+        assert e.value.field == "prompt"
+        good = [[5, 6, 7]]
+        assert [o.token_ids for o in llm.generate(good, greedy(4))] == hf_greedy(qwen3_path, good, 4)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
+def test_decode_rows_sorted_longest_first_keep_every_output(qwen3_path, overlap):
+    """Kernels.decode_order sorted_rows: every decode step's rows run longest KV first (so FlashInfer's
+    kernels, which start their programs in row order, start the longest requests first), and each request
+    keeps HF's greedy tokens: a row's output does not depend on its place. Without it, the same workload's
+    rows run in running order, which is not sorted: the test would see it."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 40))] for _ in range(10)]
+    max_tokens = [rng.randint(4, 20) for _ in prompts]
+    orders = {}
+    for decode_order in ("rows", "sorted_rows"):
+        with checked_llm(
+            qwen3_path,
+            page_size=2,
+            num_pages=400,
+            max_extend_tokens=24,  # prompts admitted over several steps: the running order is not by length
+            overlap=overlap,
+            kernels=Kernels(decode_order=decode_order),
+        ) as llm:
+            launched = []
+            launch = llm.scheduler.executor.launch
+
+            def recording(desc, launch=launch):
+                if not desc.is_prefill:
+                    launched.append(desc.seq_lens.tolist())
+                return launch(desc)
+
+            llm.scheduler.executor.launch = recording
+            outs = llm.generate(prompts, [greedy(n, ignore_eos=True) for n in max_tokens])
+        assert [o.token_ids for o in outs] == [
+            hf_greedy(qwen3_path, [p], n, ignore_eos=True)[0] for p, n in zip(prompts, max_tokens)
+        ]
+        orders[decode_order] = [lens == sorted(lens, reverse=True) for lens in launched if len(lens) > 1]
+    assert all(orders["sorted_rows"]) and orders["sorted_rows"]
+    assert not all(orders["rows"])

@@ -14,7 +14,7 @@ MOE_KERNELS = ("auto", "torch")
 DECODE_GEMMS = ("auto", "vendor", "triton")
 PDL_MODES = ("auto", "on", "off")
 DECODE_MERGES = ("auto", "launch", "last")
-DECODE_ORDERS = ("auto", "rows", "longest_first")
+DECODE_ORDERS = ("auto", "rows", "longest_first", "sorted_rows")
 FP8_NORMS = ("auto", "apart", "inside", "folded")
 # What `fp8_norms` auto resolves to. Qwen3-8B with FP8 weights at batch 1 on an H100 (bench/gpu.sh fp8_norms,
 # 2026-12-06, ms a token): apart 3.476, inside 3.564 (the norm in the GEMV costs registers: 87 against 47),
@@ -91,7 +91,9 @@ class Kernels:
     # rows: the batch's row order; longest_first: every kv head of the request with the longest KV first,
     # so that a long request's programs do not start last and hold a few multiprocessors after the rest are
     # idle (the result is the same bit for bit; steps of more than TENSOR_CORE_ABOVE_BATCH rows, whose
-    # programs outnumber what the GPU holds at once); auto: DECODE_ORDER_AUTO
+    # programs outnumber what the GPU holds at once); sorted_rows: the scheduler puts a decode step's rows
+    # in that order (longest KV first), so every attention kernel, FlashInfer's too, starts them so and the
+    # Triton kernel runs in row order; auto: DECODE_ORDER_AUTO
     decode_order: str = "auto"
     # every Triton kernel also on CPU tensors, under Triton's interpreter (TRITON_INTERPRET=1 before
     # Triton is imported), with `triton` on: how the tests check them against the torch paths; far too
@@ -137,7 +139,16 @@ class Kernels:
     @property
     def decode_longest_first(self) -> bool:
         """Whether the Triton decode kernel starts the longest requests' programs first (decode_order)."""
-        return (DECODE_ORDER_AUTO if self.decode_order == "auto" else self.decode_order) == "longest_first"
+        return self._decode_order == "longest_first"
+
+    @property
+    def sorts_decode_rows(self) -> bool:
+        """Whether the scheduler puts a decode step's rows longest KV first (decode_order sorted_rows)."""
+        return self._decode_order == "sorted_rows"
+
+    @property
+    def _decode_order(self) -> str:
+        return DECODE_ORDER_AUTO if self.decode_order == "auto" else self.decode_order
 
     @property
     def fp8_norms_resolved(self) -> str:

@@ -58,6 +58,7 @@ def build_scheduler(
         max_logit_bias=config.engine.max_logit_bias,
         grammars=Grammars(tokenizer, vocab, sorted(eos)) if tokenizer is not None else None,
         draft=draft,
+        sort_decode_rows=config.engine.kernels.sorts_decode_rows,
     )
 
 

@@ -15,10 +15,20 @@ log = logging.getLogger(__name__)
 
 
 class DecodeManager:
-    def __init__(self, cache: CacheManager, prefill: PrefillManager, free: Callable[[Req], None]) -> None:
+    def __init__(
+        self,
+        cache: CacheManager,
+        prefill: PrefillManager,
+        free: Callable[[Req], None],
+        longest_first: bool = False,
+    ) -> None:
         """`free` gives back what a request holds (its pages, its request slot) and drops a result of it
-        still in flight: a preempted request goes back to `prefill`'s queue without them."""
+        still in flight: a preempted request goes back to `prefill`'s queue without them. `longest_first`:
+        a step's rows in order of their KV length, the longest first (ties in running order), so that an
+        attention kernel that starts its programs in row order starts the longest requests' first; a
+        row's output does not depend on its place."""
         self.cache, self.prefill, self.free = cache, prefill, free
+        self.longest_first = longest_first
         self.running: dict[int, Req] = {}  # by uid, in the order they finished their prefill
         self.num_preempted = 0
 
@@ -47,7 +57,10 @@ class DecodeManager:
             for r in self.running.values()
             if r.can_decode and not (self._waits(r, speculating) and in_flight and r in in_flight)
         ]
-        return self._make_room(decoding, in_flight is not None)
+        decoding = self._make_room(decoding, in_flight is not None)
+        if self.longest_first:
+            decoding.sort(key=_kv_length, reverse=True)  # stable: ties keep running order
+        return decoding
 
     @staticmethod
     def _waits(req: Req, speculating: bool) -> bool:
@@ -100,3 +113,7 @@ class DecodeManager:
             req.prompt_logprobs = []
         self.prefill.add(req)
         log.debug("preempted request %d at %d tokens", req.uid, req.fill_len)
+
+
+def _kv_length(req: Req) -> int:
+    return req.cached_len

@@ -99,10 +99,12 @@ class Scheduler:
         max_logit_bias: int | None = None,
         grammars: Grammars | None = None,
         draft: DraftProposer | None = None,
+        sort_decode_rows: bool = False,
     ) -> None:
         """`vocab_size` and `max_logit_bias` (the engine's) bound what logit_bias may name; None: unchecked.
         `grammars` compiles and matches constrained requests; None: they are refused. `draft`: the
-        draft-model proposer, with speculative_method draft."""
+        draft-model proposer, with speculative_method draft. `sort_decode_rows`: a step's decoding rows
+        longest KV first (Kernels.sorts_decode_rows)."""
         self.config, self.executor = config, executor
         self.max_seq_len, self.eos_ids = max_seq_len, frozenset(eos_ids)
         self.limits = RequestLimits(max_seq_len, vocab_size, max_logit_bias, self.eos_ids)
@@ -112,7 +114,7 @@ class Scheduler:
         self.cache = CacheManager(num_pages, page_size, config.cache_type, config.decode_reserve_tokens)
         self.req_slots = RequestSlots(max_running_reqs)
         self.prefill = PrefillManager(self.cache, self.req_slots, config)
-        self.decode = DecodeManager(self.cache, self.prefill, self._free)
+        self.decode = DecodeManager(self.cache, self.prefill, self._free, longest_first=sort_decode_rows)
         self.builder = BatchBuilder(self.cache, self.eos_ids, max_running_reqs, grammars)
         self.spec = Speculator(config, self.cache, draft) if config.speculative_method is not None else None
         self.reqs: dict[int, Req] = {}  # every live request, by uid
@@ -171,6 +173,7 @@ class Scheduler:
             )
         n = len(input_ids) - output_len
         self.limits.check(input_ids[:n], params)
+        self.limits.check_token_ids(input_ids[n:])  # a migrated request's output so far
         max_len = min(n + (params.max_tokens or self.max_seq_len), self.max_seq_len)
         need = self.cache.pages_for(max_len)
         if need > self.cache.num_pages:
