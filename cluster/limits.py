@@ -57,10 +57,17 @@ class RequestLimits:
             )
 
     def check_params(self, params: SamplingParams) -> None:
-        if self.vocab_size is not None and (bad := [t for t in params.logit_bias if t >= self.vocab_size]):
+        vocab = self.vocab_size
+        if vocab is not None and (bad := [t for t in params.logit_bias if not 0 <= t < vocab]):
             raise InvalidRequestError(
-                f"logit_bias names token {bad[0]}, outside this model's vocabulary (ids 0 to {self.vocab_size - 1})",
+                f"logit_bias names token {bad[0]}, outside this model's vocabulary (ids 0 to {vocab - 1})",
                 field="logit_bias",
+            )
+        # min_tokens holds stop ids back through the same per-row table as logit_bias
+        if vocab is not None and (bad := [t for t in params.stop_token_ids if not 0 <= t < vocab]):
+            raise InvalidRequestError(
+                f"stop_token_ids names token {bad[0]}, outside this model's vocabulary (ids 0 to {vocab - 1})",
+                field="stop_token_ids",
             )
         if self.max_logit_bias is not None and params.uses_processors:
             stops = len(held_back_ids(params, self.eos_ids)) if params.min_tokens else 0

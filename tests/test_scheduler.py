@@ -358,6 +358,28 @@ def test_an_exception_inside_one_step_fails_that_batch_not_the_engine(qwen3_path
         assert len(out.token_ids) == 4
 
 
+def test_a_step_that_fails_inside_the_engine_after_staging_leaves_the_engine_serving(qwen3_path, monkeypatch):
+    # the failure comes after the step's arrays took a staging slot: the slot must come back, or every
+    # later step that reaches it in the ring fails too
+    with checked_llm(qwen3_path) as llm:
+        engine = llm.engine
+        real = engine._forward_eager
+        calls = {"n": 0}
+
+        def fail_once(*args, **kw):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected failure inside the step")
+            return real(*args, **kw)
+
+        monkeypatch.setattr(engine, "_forward_eager", fail_once)
+        with pytest.raises(Exception, match="injected failure inside the step"):
+            llm.generate([[5, 6, 7]], greedy(4))
+        prompts = [[5, 6, 7], [8, 9, 10, 11]]
+        outs = llm.generate(prompts, greedy(6, ignore_eos=True))  # more steps than the ring has slots
+        assert [o.token_ids for o in outs] == hf_greedy(qwen3_path, prompts, 6, ignore_eos=True)
+
+
 def test_one_set_of_request_limits_names_the_field_at_fault():
     from cluster import RequestLimits
 
@@ -367,6 +389,8 @@ def test_one_set_of_request_limits_names_the_field_at_fault():
         ([1] * 6, SamplingParams(), "prompt", "at most 5"),
         ([1], SamplingParams(logit_bias={10: 1.0}), "logit_bias", "vocabulary"),
         ([1, 10], SamplingParams(), "prompt", "token id 10 is outside"),
+        ([1], SamplingParams(min_tokens=2, stop_token_ids=[10]), "stop_token_ids", "token 10, outside"),
+        ([1], SamplingParams(stop_token_ids=[-4]), "stop_token_ids", "token -4, outside"),
         ([-1, 1], SamplingParams(), "prompt", "token id -1 is outside"),
         (
             [1],

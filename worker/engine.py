@@ -543,13 +543,26 @@ class Engine:
             verify = asked[1] if asked is not None and asked[0] is desc else self._verify_rows(desc)
             desc = verify.desc if verify is not None else desc
         bs = self.graphs.bucket(desc) if self.graphs is not None else 0
+        with use_stream(self.sched_stream):
+            # first what the step in flight does not read, so that it overlaps that step's forward: the
+            # step's metadata (into a staging slot of its own)
+            s = self._stage(desc, bs, verify)
+        try:
+            return self._launch(desc, bs, verify, s)
+        except BaseException:
+            # a step that fails once its arrays hold a staging slot gives the slot back, after what it
+            # enqueued; else the ring's next turn to that slot would fail every step after
+            self.stream.wait_stream(self.sched_stream)
+            s.staged.release(self.stream)
+            raise
+
+    def _launch(self, desc: BatchDesc, bs: int, verify: DecodeVerify | None, s: StepInputs[torch.Tensor]) -> StepOutput:
+        """forward's launches over its staged arrays `s`: `bs`, the decode graph's batch (0: eager)."""
         n, pages = desc.num_tokens, self.table.page_table.view(-1)
         timer = self.step_timer
         with use_stream(self.sched_stream):
-            # first what the step in flight does not read, so that it overlaps that step's forward: the
-            # step's metadata (into a staging slot of its own), its cells of the page table (read by
-            # this stream alone, by the attention plans), the attention plan's arrays
-            s = self._stage(desc, bs, verify)
+            # its cells of the page table (read by this stream alone, by the attention plans), the
+            # attention plan's arrays
             pages.index_copy_(0, s.page_idx, s.page_val)
             if s.prefix_idx is not None:
                 pages.index_copy_(0, s.prefix_idx, s.prefix_val)
