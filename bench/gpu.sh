@@ -20,8 +20,8 @@
 #                  FlashInfer against the Triton kernel's tiles started longest first, bf16 cache, 256 and 64 rows
 #   qwen3_8b       (a)'s shape on Qwen3-8B's architecture
 #   decode_fi, qwen3_8b_fi  offline and qwen3_8b with FlashInfer's tensor-core decode at every batch
-#   decode_steps, qwen3_8b_steps  offline and qwen3_8b with the Triton decode in every decode step (a mixed
-#                  step's decode rows as by default: Kernels.decode triton_steps)
+#   decode_steps, qwen3_8b_steps  offline and qwen3_8b with the Triton decode in every pure decode step on any
+#                  GPU (Kernels.decode triton_steps; auto does so from Hopper on)
 #   moe            (b) and (a) on Qwen3-30B-A3B's architecture (a mixture of experts, the fused Triton path)
 #   fp8_weights    Qwen3-8B's architecture with its weights quantized to FP8 at load against bf16: (a) and
 #                  (b) batch 1, each for both

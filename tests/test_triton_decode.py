@@ -265,10 +265,11 @@ def test_decode_agrees_with_flashinfer_tensor_core_decode(kv):
 
 
 def test_which_decode_steps_the_kernel_takes(monkeypatch):
-    # by default every step over an fp8 cache, and over a half-precision one the steps of up to
-    # TENSOR_CORE_ABOVE_BATCH rows (FlashInfer's tensor cores above); every step when asked for, or every
-    # decode step with a mixed step's decode rows as by default (triton_steps); none when FlashInfer's
-    # kernels are forced, off CUDA, without Triton, or over fp8 on a GPU that cannot convert it
+    # by default every step over an fp8 cache, and over a half-precision one every pure decode step on
+    # Hopper and a mixed step's decode rows up to TENSOR_CORE_ABOVE_BATCH (FlashInfer's tensor cores above;
+    # every step so before Hopper); every step when asked for, or every pure decode step on any GPU
+    # (triton_steps); none when FlashInfer's kernels are forced, off CUDA, without Triton, or over fp8 on a
+    # GPU that cannot convert it
     from worker import triton_ops
     from worker.attention import flashinfer_backend as fb
 
@@ -277,8 +278,8 @@ def test_which_decode_steps_the_kernel_takes(monkeypatch):
     cuda, fp8, bf16 = torch.device("cuda"), torch.float8_e4m3fn, torch.bfloat16
     small, large = fb.TENSOR_CORE_ABOVE_BATCH, fb.TENSOR_CORE_ABOVE_BATCH + 1
     for choice, kv, at_small, at_large, mixed_at_large in [
-        ("auto", bf16, True, False, False),
-        ("auto", torch.float16, True, False, False),
+        ("auto", bf16, True, True, False),
+        ("auto", torch.float16, True, True, False),
         ("auto", fp8, True, True, True),
         ("triton", bf16, True, True, True),
         ("triton_steps", bf16, True, True, False),
@@ -295,6 +296,9 @@ def test_which_decode_steps_the_kernel_takes(monkeypatch):
     monkeypatch.setattr(triton_ops, "_capability", lambda index: (8, 0))
     assert fb.decodes_with_triton(fp8, cuda) is False and fb.decodes_with_triton(bf16, cuda, "triton") is True
     assert fb.decodes_with_triton(bf16, cuda) is True
+    # before Hopper auto leaves the steps past TENSOR_CORE_ABOVE_BATCH on FlashInfer; triton_steps does not
+    assert fb.decodes_with_triton(bf16, cuda, batch_size=large) is False
+    assert fb.decodes_with_triton(bf16, cuda, "triton_steps", large) is True
     monkeypatch.setattr(triton_ops, "triton_installed", lambda: False)
     assert fb.decodes_with_triton(bf16, cuda, "triton") is False
     # a mixed step's rows that stay on FlashInfer take its tensor cores, as by default

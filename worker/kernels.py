@@ -48,10 +48,11 @@ class Kernels:
     # auto: FlashInfer on a GPU in half precision, torch otherwise
     attention: str = "auto"
     # decode attention over FlashInfer's pages. auto: over an fp8 cache the Triton split-KV kernel (where
-    # the GPU converts fp8); over half precision the Triton kernel at and below TENSOR_CORE_ABOVE_BATCH rows
-    # (worker/attention/flashinfer_backend.py) and FlashInfer's tensor-core path above; triton_steps: the
-    # Triton kernel in every decode step, a mixed step's decode rows as auto (the candidate for auto, not yet
-    # measured end to end); the others force one (cuda_cores: FlashInfer's CUDA-core kernels at every size)
+    # the GPU converts fp8); over half precision the Triton kernel in every pure decode step on Hopper, and a
+    # mixed step's decode rows (every step on older GPUs) on it at and below TENSOR_CORE_ABOVE_BATCH rows
+    # and on FlashInfer's tensor-core path above (worker/attention/flashinfer_backend.py); triton_steps:
+    # auto's every-step rule on any GPU; the others force one (cuda_cores: FlashInfer's CUDA-core kernels at
+    # every size)
     decode: str = "auto"
     # prefill (extend) attention over FlashInfer's pages. auto: see prefill_backend in
     # worker/attention/flashinfer_backend.py; fa2 or fa3 force FlashInfer's backend of that name (fa3 only

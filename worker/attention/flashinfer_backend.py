@@ -34,23 +34,30 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 # (worker/kv_cache.py), so run() gets no k_scale / v_scale (each would cost a multiply, v_scale a kernel).
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 FA3_HEAD_DIMS = (64, 128, 256)
-# Decode kernels by batch size over a half-precision cache (the faster on each side, docs/BENCHMARKS.md):
-# above TENSOR_CORE_ABOVE_BATCH rows FlashInfer's tensor-core path (its prefill kernels, one query a
-# row), which reads the KV cache at about the HBM copy bandwidth; at and below it the Triton split-KV
-# kernel (triton_decode_rows), lighter than FlashInfer's CUDA-core kernels and their merge at small
-# batches. The graph buckets up to 8 are 1, 2, 4, 8, so an eager step of n rows and the graph it would
-# pad to use the same kernel. Kernels.decode forces one path (to compare), or with triton_steps runs the
-# Triton kernel in every decode step and leaves a mixed step's decode rows as they are: the candidate for
-# auto. On an H100 (2026-12-06) the Triton kernel with its programs started longest request first
-# (Kernels.decode_order) took 308.7, 152.2 and 84.8 us a layer at 256, 128 and 64 rows against FlashInfer's
-# 319.8, 161.8 and 88.0 (bench/fp8_decode.py, Qwen3-0.6B's heads, lengths 150..1600), and (a)'s decode steps
-# 2.9% less GPU time; with it on a mixed step's decode rows too (decode triton) its extend steps took 421-485
-# ms of GPU time against 386, and (a) came out even. triton_steps itself has not run end to end.
+# Decode kernels by batch size over a half-precision cache (the faster on each side, docs/BENCHMARKS.md): the
+# Triton split-KV kernel (triton_decode_rows) in every pure decode step on the GPUs it was measured ahead on
+# (EVERY_STEP_MIN_CAPABILITY), with its programs started longest request first (Kernels.decode_order); a
+# mixed step's decode rows, and every decode step on older GPUs, above TENSOR_CORE_ABOVE_BATCH rows on
+# FlashInfer's tensor-core path (its prefill kernels, one query a row) and at and below it on the Triton
+# kernel, lighter than FlashInfer's CUDA-core kernels and their merge at small batches. The graph buckets up to 8
+# are 1, 2, 4, 8, so an eager step of n rows and the graph it would pad to use the same kernel.
+# Kernels.decode forces one path (to compare). On an H100 (2026-12-06) the Triton kernel longest first took
+# 308.7, 152.2 and 84.8 us a layer at 256, 128 and 64 rows against FlashInfer's 319.8, 161.8 and 88.0
+# (bench/fp8_decode.py, Qwen3-0.6B's heads, lengths 150..1600). End to end, with the Triton kernel in every
+# pure decode step (then Kernels.decode triton_steps), c430cfc: (a) 20,794 output tok/s (20,776 and
+# 20,813) against 20,107 (20,036 and 20,179) with FlashInfer above 8 rows, 1.034x; Qwen3-8B's (a) 8,405
+# against 8,313 (one run each), 1.011x. With it on a mixed step's decode rows too (decode triton), (a)'s
+# extend steps took 421-485 ms of GPU time against 386 and (a) came out even (8ffc840): those stay on
+# FlashInfer.
 TENSOR_CORE_ABOVE_BATCH = 8
 
 
 # a batch size no decode step reaches: "every decode step" in triton_decode_rows
 EVERY_BATCH = 1 << 30
+# the compute capability from which auto runs the Triton kernel in every pure decode step over a
+# half-precision cache: Hopper, where it was measured ahead (above); FlashInfer's tensor cores above
+# TENSOR_CORE_ABOVE_BATCH rows on older GPUs, where the two were never compared
+EVERY_STEP_MIN_CAPABILITY = (9, 0)
 
 
 def triton_decode_rows(kv_dtype: torch.dtype, device: torch.device, choice: str = "auto", mixed: bool = False) -> int:
@@ -58,11 +65,12 @@ def triton_decode_rows(kv_dtype: torch.dtype, device: torch.device, choice: str 
     none); `mixed`: of the decode rows of an extend step (a mixed step). Every batch when `choice`
     (Kernels.decode) is triton, and by default over a float8 cache, which FlashInfer 0.5.3's decode
     kernels read far below the memory's speed (they dequantize slowly). By default over a half-precision
-    cache, the batches of up to TENSOR_CORE_ABOVE_BATCH rows, where FlashInfer's CUDA-core kernel and its
-    merge of split results took 15-18 us a layer at batch 1 on Qwen3-8B's and Qwen3-30B-A3B's heads
-    (docs/BENCHMARKS.md); above, FlashInfer's tensor cores. triton_steps: every decode step, and a mixed
-    step's decode rows as auto. None when `choice` forces a FlashInfer path. Needs Triton, and for float8
-    a GPU that converts it (compute capability 8.9 and up)."""
+    cache, every pure decode step from EVERY_STEP_MIN_CAPABILITY (triton_steps asks for that on any GPU),
+    and a mixed step's decode rows (every decode step on older GPUs) up to TENSOR_CORE_ABOVE_BATCH rows,
+    where FlashInfer's CUDA-core kernel and its merge of split results took 15-18 us a layer at batch 1 on
+    Qwen3-8B's and Qwen3-30B-A3B's heads (docs/BENCHMARKS.md); above, FlashInfer's tensor cores. None when
+    `choice` forces a FlashInfer path. Needs Triton, and for float8 a GPU that converts it (compute
+    capability 8.9 and up)."""
     if choice not in ("auto", "triton", "triton_steps"):
         return 0
     from worker import triton_ops
@@ -71,9 +79,10 @@ def triton_decode_rows(kv_dtype: torch.dtype, device: torch.device, choice: str 
         return 0
     if not triton_ops.cache_dtype_supported(kv_dtype, device):
         return 0
-    if choice == "triton" or kv_dtype in FP8_KV_DTYPES or (choice == "triton_steps" and not mixed):
+    if choice == "triton" or kv_dtype in FP8_KV_DTYPES:
         return EVERY_BATCH
-    return TENSOR_CORE_ABOVE_BATCH
+    every_step = choice == "triton_steps" or triton_ops._capability(device.index) >= EVERY_STEP_MIN_CAPABILITY
+    return EVERY_BATCH if every_step and not mixed else TENSOR_CORE_ABOVE_BATCH
 
 
 def decodes_with_triton(
