@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Literal
 
 from cluster.errors import InvalidRequestError
 
 _PENALTY_RANGE = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
+# bounds that keep the float32 sampling arithmetic finite: a larger temperature or repetition_penalty (or
+# a smaller penalty) turns logits into infinities or NaN, which no mask or ban then holds
+_TEMPERATURE_MAX = 1e4
+_REPETITION_RANGE = (1e-4, 1e4)
+_SEED_RANGE = (-(2**63), 2**63)  # the device's int64 seeds
 _BIAS_RANGE = 100.0  # OpenAI's bound on a logit_bias value
 
 
@@ -68,7 +74,11 @@ class SamplingParams:
             if not ok:
                 raise InvalidRequestError(f"{name} {what}, got {getattr(self, name)!r}", field=name)
 
-        need(self.temperature >= 0, "temperature", "must be >= 0")
+        need(
+            math.isfinite(self.temperature) and 0 <= self.temperature <= _TEMPERATURE_MAX,
+            "temperature",
+            f"must be in [0, {_TEMPERATURE_MAX:g}]",
+        )
         need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         need(-1 <= self.top_k < 2**31, "top_k", "must be -1 (off) or positive, below 2**31")
         need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
@@ -85,8 +95,11 @@ class SamplingParams:
                 name,
                 f"must be in [-{_PENALTY_RANGE:g}, {_PENALTY_RANGE:g}]",
             )
+        low, high = _REPETITION_RANGE
         need(
-            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0"
+            math.isfinite(self.repetition_penalty) and low <= self.repetition_penalty <= high,
+            "repetition_penalty",
+            f"must be in [{low:g}, {high:g}] (1 is off)",
         )
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or token < 0:
@@ -98,13 +111,16 @@ class SamplingParams:
                     f"logit_bias of token {token} is {bias!r}; values are in [-{_BIAS_RANGE:g}, {_BIAS_RANGE:g}]",
                     field="logit_bias",
                 )
-        need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20")
-        need(
-            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
-            "prompt_logprobs",
-            "must be between 0 and 20",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            need(k is None or (_integer(k) and 0 <= k <= 20), name, "must be an integer between 0 and 20")
         need(self.n >= 1, "n", "must be at least 1")
+        need(
+            self.seed is None or (_integer(self.seed) and _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]),
+            "seed",
+            "must be an integer in [-2**63, 2**63)",
+        )
+        need(_integer(self.priority), "priority", "must be an integer")
 
     @property
     def uses_processors(self) -> bool:
@@ -132,3 +148,13 @@ def choice_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) >> 2
+
+
+def _integer(value: object) -> bool:
+    """An integer (a numpy one too), not a bool: True would pass for 1 and then reach the device as one."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return operator.index(value) == value
+    except TypeError:
+        return False

@@ -457,3 +457,28 @@ def test_decode_rows_sorted_longest_first_keep_every_output(qwen3_path, overlap)
         orders[decode_order] = [lens == sorted(lens, reverse=True) for lens in launched if len(lens) > 1]
     assert all(orders["sorted_rows"]) and orders["sorted_rows"]
     assert not all(orders["rows"])
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("seed", 2**63),  # past the device's int64 seeds: the step building its batch failed, the request stuck
+        ("seed", -(2**63) - 1),
+        ("seed", "x"),
+        ("priority", None),  # not comparable with the queue's integers: every later step failed
+        ("logprobs", True),  # a bool passed for 1 and failed its step at topk
+        ("prompt_logprobs", True),
+        ("temperature", float("inf")),  # 1/t is 0: masked logits became NaN
+        ("temperature", 1e39),
+        ("repetition_penalty", 1e39),  # inf in float32
+        ("repetition_penalty", 1e-50),  # 0 in float32
+    ],
+)
+def test_sampling_values_the_device_cannot_hold_are_refused_and_the_engine_serves_on(qwen3_path, field, value):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.field == field
+    with checked_llm(qwen3_path) as llm:
+        with pytest.raises(InvalidRequestError):
+            llm.generate([[5, 6, 7]], SamplingParams(**{field: value}))
+        assert [o.token_ids for o in llm.generate([[5, 6, 7]], greedy(4))] == hf_greedy(qwen3_path, [[5, 6, 7]], 4)
