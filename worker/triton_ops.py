@@ -69,6 +69,11 @@ def cache_dtype_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype != torch.float8_e4m3fn or (device.type == "cuda" and _capability(device.index) >= (8, 9))
 
 
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, looked up once per device."""
+    return _capability(device.index)
+
+
 @functools.cache
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)

@@ -81,7 +81,7 @@ def triton_decode_rows(kv_dtype: torch.dtype, device: torch.device, choice: str 
         return 0
     if choice == "triton" or kv_dtype in FP8_KV_DTYPES:
         return EVERY_BATCH
-    every_step = choice == "triton_steps" or triton_ops._capability(device.index) >= EVERY_STEP_MIN_CAPABILITY
+    every_step = choice == "triton_steps" or triton_ops.capability(device) >= EVERY_STEP_MIN_CAPABILITY
     return EVERY_BATCH if every_step and not mixed else TENSOR_CORE_ABOVE_BATCH
 
 
