@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,6 +19,11 @@ _TEMPERATURE_MAX = 1e4
 _REPETITION_RANGE = (1e-4, 1e4)
 _SEED_RANGE = (-(2**63), 2**63)  # the device's int64 seeds
 _BIAS_RANGE = 100.0  # OpenAI's bound on a logit_bias value
+# each field's type, checked before its bounds: a string or None compared with a bound raised TypeError,
+# a float count ran as its ceiling (max_tokens=2.5 gave 3 tokens) and a bool passed for 0 or 1
+_INTEGERS = ("top_k", "max_tokens", "min_tokens", "n", "seed", "logprobs", "prompt_logprobs", "priority")
+_MAY_BE_NONE = frozenset(("max_tokens", "seed", "logprobs", "prompt_logprobs"))
+_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
@@ -70,15 +77,37 @@ class SamplingParams:
     priority: int = 0
 
     def __post_init__(self) -> None:
+        self._check_types()
+        self._check_bounds()
+
+    def _check_types(self) -> None:
+        """Raises InvalidRequestError, naming the field, for a value not of its field's type; numpy's
+        scalars become Python's. None for stop_token_ids or logit_bias is their default, none."""
+        for name in _INTEGERS:
+            value = getattr(self, name)
+            if value is None and name in _MAY_BE_NONE:
+                continue
+            if not _integer(value):
+                raise InvalidRequestError(f"{name} must be an integer, got {value!r}", field=name)
+            setattr(self, name, operator.index(value))
+        for name in _NUMBERS:
+            value = getattr(self, name)
+            if not _finite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", field=name)
+            setattr(self, name, float(value))
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}", field="ignore_eos")
+        if not (self.grammar is None or isinstance(self.grammar, GrammarSpec)):
+            raise InvalidRequestError(f"grammar must be a GrammarSpec, got {self.grammar!r}", field="grammar")
+        self.stop_token_ids = _token_ids(self.stop_token_ids)
+        self.logit_bias = _biases(self.logit_bias)
+
+    def _check_bounds(self) -> None:
         def need(ok: bool, name: str, what: str) -> None:
             if not ok:
                 raise InvalidRequestError(f"{name} {what}, got {getattr(self, name)!r}", field=name)
 
-        need(
-            math.isfinite(self.temperature) and 0 <= self.temperature <= _TEMPERATURE_MAX,
-            "temperature",
-            f"must be in [0, {_TEMPERATURE_MAX:g}]",
-        )
+        need(0 <= self.temperature <= _TEMPERATURE_MAX, "temperature", f"must be in [0, {_TEMPERATURE_MAX:g}]")
         need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         need(-1 <= self.top_k < 2**31, "top_k", "must be -1 (off) or positive, below 2**31")
         need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
@@ -91,36 +120,21 @@ class SamplingParams:
         )
         for name in ("presence_penalty", "frequency_penalty"):
             need(
-                math.isfinite(getattr(self, name)) and abs(getattr(self, name)) <= _PENALTY_RANGE,
+                abs(getattr(self, name)) <= _PENALTY_RANGE,
                 name,
                 f"must be in [-{_PENALTY_RANGE:g}, {_PENALTY_RANGE:g}]",
             )
         low, high = _REPETITION_RANGE
-        need(
-            math.isfinite(self.repetition_penalty) and low <= self.repetition_penalty <= high,
-            "repetition_penalty",
-            f"must be in [{low:g}, {high:g}] (1 is off)",
-        )
-        for token, bias in self.logit_bias.items():
-            if not isinstance(token, int) or token < 0:
-                raise InvalidRequestError(
-                    f"logit_bias has token id {token!r}; ids are integers >= 0", field="logit_bias"
-                )
-            if not (math.isfinite(bias) and abs(bias) <= _BIAS_RANGE):
-                raise InvalidRequestError(
-                    f"logit_bias of token {token} is {bias!r}; values are in [-{_BIAS_RANGE:g}, {_BIAS_RANGE:g}]",
-                    field="logit_bias",
-                )
+        need(low <= self.repetition_penalty <= high, "repetition_penalty", f"must be in [{low:g}, {high:g}] (1 is off)")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
-            need(k is None or (_integer(k) and 0 <= k <= 20), name, "must be an integer between 0 and 20")
+            need(k is None or 0 <= k <= 20, name, "must be an integer between 0 and 20")
         need(self.n >= 1, "n", "must be at least 1")
         need(
-            self.seed is None or (_integer(self.seed) and _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]),
+            self.seed is None or _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1],
             "seed",
             "must be an integer in [-2**63, 2**63)",
         )
-        need(_integer(self.priority), "priority", "must be an integer")
 
     @property
     def uses_processors(self) -> bool:
@@ -158,3 +172,49 @@ def _integer(value: object) -> bool:
         return operator.index(value) == value
     except TypeError:
         return False
+
+
+def _finite(value: object) -> bool:
+    """A finite real number, not a bool: NaN and the infinities pass no bound as meant."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range
+        return False
+
+
+def _token_ids(value: object) -> list[int]:
+    """stop_token_ids as a list of ints (None: none); their range is the model's (cluster/limits.py)."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(
+            f"stop_token_ids must be a list of token ids, got {type(value).__name__}", field="stop_token_ids"
+        )
+    if set(map(type, value)) <= {int}:  # the common case, without a check per id
+        return list(value)
+    if bad := [t for t in value if not _integer(t)]:
+        raise InvalidRequestError(f"stop_token_ids holds {bad[0]!r}; token ids are integers", field="stop_token_ids")
+    return [operator.index(t) for t in value]
+
+
+def _biases(value: object) -> dict[int, float]:
+    """logit_bias with int keys and float values, each in range (None: none)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(
+            f"logit_bias must map token ids to biases, got {type(value).__name__}", field="logit_bias"
+        )
+    biases = {}
+    for token, bias in value.items():
+        if not _integer(token) or token < 0:
+            raise InvalidRequestError(f"logit_bias has token id {token!r}; ids are integers >= 0", field="logit_bias")
+        if not (_finite(bias) and abs(bias) <= _BIAS_RANGE):
+            raise InvalidRequestError(
+                f"logit_bias of token {token} is {bias!r}; values are in [-{_BIAS_RANGE:g}, {_BIAS_RANGE:g}]",
+                field="logit_bias",
+            )
+        biases[operator.index(token)] = float(bias)
+    return biases

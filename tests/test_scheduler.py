@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from fixtures import PROMPT_TEXTS, hf_greedy
 from helpers import checked_llm, encode_all, fail_first_launch, greedy
@@ -482,3 +483,45 @@ def test_sampling_values_the_device_cannot_hold_are_refused_and_the_engine_serve
         with pytest.raises(InvalidRequestError):
             llm.generate([[5, 6, 7]], SamplingParams(**{field: value}))
         assert [o.token_ids for o in llm.generate([[5, 6, 7]], greedy(4))] == hf_greedy(qwen3_path, [[5, 6, 7]], 4)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", 2.5),  # ran as 3 tokens
+        ("min_tokens", 1.5),
+        ("n", 2.0),  # raised TypeError fanning out its choices
+        ("top_k", 2.5),
+        ("logprobs", 1.5),
+        ("prompt_logprobs", 2.0),
+        ("min_tokens", True),  # a bool passed for 1
+        ("n", True),
+        ("max_tokens", "4"),
+        ("temperature", "1"),  # raised TypeError at its bound
+        ("top_p", None),
+        ("temperature", True),
+        ("ignore_eos", "no"),  # true as a string
+        ("stop_token_ids", 7),
+        ("stop_token_ids", [7, 8.5]),
+        ("stop_token_ids", [True]),
+        ("logit_bias", [7]),
+        ("logit_bias", {True: 1.0}),
+        ("logit_bias", {7: "1"}),
+        ("grammar", "json"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_naming_its_field(field, value):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.field == field
+
+
+def test_none_for_stop_token_ids_or_logit_bias_is_none():
+    params = SamplingParams(stop_token_ids=None, logit_bias=None, min_tokens=2)
+    assert params.stop_token_ids == [] and params.logit_bias == {} and not params.for_choice(1).stop_token_ids
+
+
+def test_numpy_scalars_become_pythons():
+    params = SamplingParams(max_tokens=np.int64(4), temperature=np.float32(0.5), stop_token_ids=(np.int32(7),))
+    assert type(params.max_tokens) is int and type(params.temperature) is float
+    assert params.stop_token_ids == [7] and type(params.stop_token_ids[0]) is int
