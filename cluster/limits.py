@@ -12,9 +12,9 @@ from cluster.sampling_params import SamplingParams
 
 def held_back_ids(params: SamplingParams, eos_ids: frozenset[int] | set[int]) -> list[int]:
     """The tokens that would end a request's output, which min_tokens holds back: EOS (unless ignored)
-    and its stop ids."""
+    and its stop ids, each once (a repeated id would take another entry of the device's table)."""
     eos = [] if params.ignore_eos else sorted(eos_ids)
-    return eos + [t for t in params.stop_token_ids if t not in eos_ids or params.ignore_eos]
+    return eos + [t for t in dict.fromkeys(params.stop_token_ids) if t not in eos_ids or params.ignore_eos]
 
 
 @dataclass(frozen=True)

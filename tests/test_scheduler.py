@@ -411,6 +411,14 @@ def test_one_set_of_request_limits_names_the_field_at_fault():
     limits.check([0, 9], SamplingParams())
 
 
+def test_a_repeated_stop_token_id_is_held_back_once():
+    from cluster import RequestLimits
+
+    limits = RequestLimits(max_seq_len=8, vocab_size=10, max_logit_bias=3, eos_ids=frozenset({9}))
+    # EOS and token 3: two entries of the table of 3, where five copies of 3 once counted as five
+    limits.check([1], SamplingParams(min_tokens=2, stop_token_ids=[3, 3, 3, 3, 3]))
+
+
 def test_a_prompt_token_outside_the_vocabulary_is_refused_and_the_engine_serves_on(qwen3_path):
     # read by the embedding, such an id would fail its step and every request in it (on a GPU, an
     # out-of-bounds read that can take the device down)
