@@ -69,6 +69,8 @@ class RequestLimits:
                 f"stop_token_ids names token {bad[0]}, outside this model's vocabulary (ids 0 to {vocab - 1})",
                 field="stop_token_ids",
             )
+        if vocab is not None and params.min_tokens:
+            self.check_held_back(params, vocab)
         if self.max_logit_bias is not None and params.uses_processors:
             stops = len(held_back_ids(params, self.eos_ids)) if params.min_tokens else 0
             if len(params.logit_bias) + stops > self.max_logit_bias:
@@ -78,3 +80,16 @@ class RequestLimits:
                     + f"; at most {self.max_logit_bias} are allowed (the max_logit_bias setting)",
                     field="logit_bias",
                 )
+
+    def check_held_back(self, params: SamplingParams, vocab: int) -> None:
+        """Some token left to sample while min_tokens bans the stop tokens: with none, the sampler drew a
+        banned token and the output ended at its first token, as if stopped (a grammar's case is refused
+        as it comes, in the scheduler)."""
+        held = sum(0 <= t < vocab for t in held_back_ids(params, self.eos_ids))
+        if held >= vocab:
+            raise InvalidRequestError(
+                f"stop_token_ids (with EOS) name all {vocab} tokens of this model's vocabulary, which "
+                f"min_tokens ({params.min_tokens}) holds back: no token is left to sample; lower min_tokens "
+                "or name fewer stop tokens",
+                field="stop_token_ids",
+            )

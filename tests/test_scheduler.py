@@ -419,6 +419,20 @@ def test_a_repeated_stop_token_id_is_held_back_once():
     limits.check([1], SamplingParams(min_tokens=2, stop_token_ids=[3, 3, 3, 3, 3]))
 
 
+def test_stop_token_ids_that_leave_min_tokens_no_token_to_sample_are_refused(qwen3_path):
+    # every token banned until min_tokens: the sampler drew a banned one and the output ended at its first
+    # token with finish reason stop
+    with checked_llm(qwen3_path) as llm:
+        vocab = llm.engine.hf_config.vocab_size
+        everything = greedy(4, min_tokens=2, stop_token_ids=list(range(vocab)))
+        with pytest.raises(InvalidRequestError, match="no token is left to sample") as e:
+            llm.generate([[5, 6, 7]], everything)
+        assert e.value.field == "stop_token_ids"
+        eos = sorted(llm.scheduler.eos_ids)
+        all_but_one = greedy(4, min_tokens=2, stop_token_ids=[t for t in range(vocab) if t != 7 and t not in eos])
+        assert llm.generate([[5, 6, 7]], all_but_one)[0].token_ids[:2] == [7, 7]
+
+
 def test_a_prompt_token_outside_the_vocabulary_is_refused_and_the_engine_serves_on(qwen3_path):
     # read by the embedding, such an id would fail its step and every request in it (on a GPU, an
     # out-of-bounds read that can take the device down)
