@@ -58,6 +58,8 @@ BAD = [  # (field, path, body): each a 400 whose param names the field
     ("frequency_penalty", CHAT, {"model": "tiny", "messages": MSG, "frequency_penalty": -2.01}),
     ("repetition_penalty", C, {**OK, "repetition_penalty": 0}),
     ("repetition_penalty", CHAT, {"model": "tiny", "messages": MSG, "repetition_penalty": -1.0}),
+    ("repetition_penalty", C, {**OK, "repetition_penalty": 1e5}),  # past float32's finite arithmetic
+    ("repetition_penalty", CHAT, {"model": "tiny", "messages": MSG, "repetition_penalty": 0}),
     ("min_p", C, {**OK, "min_p": -0.1}),
     ("min_p", CHAT, {"model": "tiny", "messages": MSG, "min_p": 1.01}),
     ("min_tokens", C, {**OK, "min_tokens": 5}),  # max_tokens is 4
