@@ -3,8 +3,10 @@ process, with no Ray; at tp_size > 1 it is the same scheduler actor and follower
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from cluster.choices import fan_out
@@ -105,13 +107,18 @@ class LLM:
                 out.finish_reason = d.finish_reason
 
     def generate(
-        self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: list[str] | list[list[int]] | str,
+        params: SamplingParams | Mapping | list[SamplingParams | Mapping] | None = None,
     ) -> list[RequestOutput]:
+        """Each prompt's choices, in order. `params`: one SamplingParams (or a dict of its fields) for
+        every prompt, or one a prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = params or SamplingParams()
-        if isinstance(params, SamplingParams):
+        params = SamplingParams() if params is None else params
+        if isinstance(params, (SamplingParams, Mapping)):
             params = [params] * len(prompts)
+        params = [_sampling_params(p) for p in params]
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         encoded = [self._encode(prompt) for prompt in prompts]
@@ -204,3 +211,19 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _sampling_params(params: object) -> SamplingParams:
+    """`params` as SamplingParams: a dict names its fields (one it does not have is the caller's error)."""
+    if isinstance(params, SamplingParams):
+        return params
+    if not isinstance(params, Mapping):
+        raise InvalidRequestError(
+            f"sampling parameters are a SamplingParams or a dict of its fields, not {type(params).__name__}"
+        )
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    if unknown := sorted(str(k) for k in params if k not in fields):
+        raise InvalidRequestError(
+            f"SamplingParams has no field {unknown[0]!r} (its fields: {', '.join(sorted(fields))})", field=unknown[0]
+        )
+    return SamplingParams(**params)

@@ -93,6 +93,20 @@ def test_offline_prompts_of_token_ids_take_any_integers_and_refuse_the_rest(qwen
         llm.check_integrity()
 
 
+def test_offline_sampling_parameters_may_be_a_dict_of_their_fields(qwen3_path):
+    with LLM(str(qwen3_path)) as llm:
+        plain = llm.generate([[5, 6, 7]], greedy(4))[0].token_ids
+        as_dict = {"max_tokens": 4, "temperature": 0.0}
+        assert llm.generate([[5, 6, 7]], as_dict)[0].token_ids == plain
+        assert [r.token_ids for r in llm.generate([[5, 6, 7], [5, 6, 7]], [as_dict, greedy(4)])] == [plain, plain]
+        with pytest.raises(InvalidRequestError, match="no field 'max_new_tokens'") as caught:
+            llm.generate([[5, 6, 7]], {"max_new_tokens": 4})
+        assert caught.value.field == "max_new_tokens"
+        with pytest.raises(InvalidRequestError, match="a SamplingParams or a dict of its fields, not str"):
+            llm.generate([[5, 6, 7]], "greedy")
+        llm.check_integrity()
+
+
 class _FailingClient:
     """A replica client whose replica went down after the request was sent."""
 
