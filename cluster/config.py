@@ -75,6 +75,13 @@ class SchedulerConfig:
         "recomputed later",
         at_least=0,
     )
+    grammar_compile_timeout_s: float = setting(
+        60.0,
+        "a constrained request (a JSON schema, regex, grammar or choices) whose grammar has not compiled in "
+        "this long fails with 400; its compile goes on, and a later request with the same grammar finds it "
+        "compiled. Grammars compile on 4 threads beside the steps",
+        above=0,
+    )
     # the router refuses at these bounds too, before it sends a request (and tries another replica)
     max_queued_requests: int | None = setting(
         None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from dataclasses import replace
 
 import jsonschema
@@ -16,6 +17,7 @@ from fixtures import PROMPT_TEXTS
 from helpers import checked_llm, encode_all, greedy
 
 from cluster import GrammarSpec, InvalidRequestError, SamplingParams
+from cluster.scheduler.grammars import GRAMMAR_COMPILE_WORKERS, Grammars
 from worker.batch import BatchDesc, desc_layout, pack_desc, packed_nbytes, unpack_desc
 
 SCHEMA = {
@@ -168,7 +170,6 @@ def test_a_token_the_grammar_rejects_fails_the_request_and_never_reaches_it(qwen
     naming its grammar (a 500 over HTTP), not with `stop` and broken text; the rest of the batch goes on."""
     from cluster.errors import ErrorKind
     from cluster.model_info import load_tokenizer
-    from cluster.scheduler.grammars import Grammars
 
     tokenizer = load_tokenizer(str(qwen3_path))
     vocab = len(tokenizer)
@@ -232,3 +233,97 @@ def test_a_grammar_that_only_ends_where_min_tokens_forbids_it_is_the_callers_err
         assert failed.value.kind == ErrorKind.INVALID_REQUEST and "min_tokens (8)" in str(failed.value)
         (free,) = llm.generate([[5, 6, 7]], params)
     assert len(free.token_ids) >= 8
+
+
+class _HeldGrammars(Grammars):
+    """Grammars whose compiles of the `held` specs wait for `release` (a grammar xgrammar takes minutes
+    over), noting every spec a compile thread took up."""
+
+    def __init__(self, tokenizer, held: set[str]) -> None:
+        super().__init__(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+        self.held, self.release, self.ran = held, threading.Event(), []
+
+    def _compile(self, spec: GrammarSpec):
+        self.ran.append(spec.spec)
+        if spec.spec in self.held:
+            self.release.wait()
+        return super()._compile(spec)
+
+
+def _with_grammars(s, grammars):
+    s.scheduler.grammars = s.scheduler.builder.grammars = grammars
+    return s
+
+
+def _step_until(s, uids: set[int], max_steps: int = 1_000_000) -> None:
+    """Steps until every request of `uids` has ended (their grammars compile on other threads)."""
+    for _ in range(max_steps):
+        if uids <= s.ended.keys():
+            return
+        s.scheduler.step()
+    raise AssertionError(f"requests {uids - s.ended.keys()} never ended")
+
+
+def test_a_grammar_slow_to_compile_holds_back_no_other_request_and_fails_at_its_deadline(qwen3_path, scripted):
+    """While one request's grammar compiles (for minutes, as a schema of thousands of properties can),
+    other constrained requests compile beside it and plain ones run; past grammar_compile_timeout_s the slow
+    one fails as the caller's error naming response_format, and its pages and slot are whole."""
+    from cluster.errors import ErrorKind
+    from cluster.model_info import load_tokenizer
+
+    tokenizer = load_tokenizer(str(qwen3_path))
+    letter = tokenizer.convert_tokens_to_ids("a")
+    grammars = _HeldGrammars(tokenizer, held={"[a-z]{4}"})
+    s = _with_grammars(
+        scripted(
+            lambda desc: [letter] * desc.batch_size, eos_ids={tokenizer.eos_token_id}, grammar_compile_timeout_s=30
+        ),
+        grammars,
+    )
+    now = [0.0]
+    s.scheduler.clock = lambda: now[0]
+    try:
+        s.submit(0, [5, 6, 7], max_tokens=4, grammar=GrammarSpec("regex", "[a-z]{4}"))
+        s.submit(1, [5, 6, 8], max_tokens=2, grammar=GrammarSpec("regex", "a{2}"))
+        s.submit(2, [5, 6, 9], max_tokens=4)
+        _step_until(s, {1, 2})
+        assert s.ended == {1: "length", 2: "length"} and s.tokens(1) == [letter] * 2
+        now[0] = 29.9
+        s.scheduler.step()
+        assert 0 not in s.ended
+        now[0] = 30.0
+        s.scheduler.step()
+        (failed,) = [d for d in s.deltas if d.uid == 0]
+        assert s.ended[0] == "error" and failed.error_kind == ErrorKind.INVALID_REQUEST
+        assert "regex grammar did not compile within 30 s" in failed.error
+    finally:
+        grammars.release.set()
+    s.run()
+    s.check()
+
+
+def test_a_request_aborted_before_its_grammar_compiles_never_compiles_it(qwen3_path, scripted):
+    """With every compile thread busy, a constrained request that is aborted while its compile waits for
+    a thread leaves nothing to compile: the thread that comes free never takes its grammar up."""
+    from cluster.model_info import load_tokenizer
+
+    tokenizer = load_tokenizer(str(qwen3_path))
+    letter = tokenizer.convert_tokens_to_ids("a")
+    busy = {f"[a-z]{{{i + 1}}}": i for i in range(GRAMMAR_COMPILE_WORKERS)}
+    grammars = _HeldGrammars(tokenizer, held=set(busy))
+    s = _with_grammars(scripted(lambda desc: [letter] * desc.batch_size, eos_ids={tokenizer.eos_token_id}), grammars)
+    try:
+        for spec, uid in busy.items():  # one compile for each thread, each waiting
+            s.submit(uid, [5, 6, 7 + uid], max_tokens=uid + 1, grammar=GrammarSpec("regex", spec))
+        late = len(busy)
+        s.submit(late, [5, 6, 3], max_tokens=2, grammar=GrammarSpec("regex", "b{2}"))
+        s.scheduler.step()
+        s.scheduler.abort(late)
+        s.scheduler.step()
+        assert s.ended == {late: "abort"}
+    finally:
+        grammars.release.set()
+    _step_until(s, set(busy.values()))
+    assert all(s.ended[uid] == "length" for uid in busy.values())
+    assert "b{2}" not in grammars.ran and sorted(grammars.ran) == sorted(busy)
+    s.check()

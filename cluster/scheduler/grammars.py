@@ -15,6 +15,10 @@ from cluster.errors import InvalidRequestError
 from cluster.sampling_params import GrammarSpec
 from cluster.scheduler.json_strings import bounded_strings_text
 
+# Threads compiling grammars at once: xgrammar releases the GIL while it compiles, and with one thread a
+# grammar that takes minutes held every constrained request behind it
+GRAMMAR_COMPILE_WORKERS = 4
+
 
 class Grammars:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int]) -> None:
@@ -24,10 +28,11 @@ class Grammars:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
         self.vocab_size = vocab_size
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._pool = ThreadPoolExecutor(max_workers=GRAMMAR_COMPILE_WORKERS, thread_name_prefix="grammar-compile")
 
     def compile(self, spec: GrammarSpec) -> Future:
-        """A future of the compiled grammar; it raises InvalidRequestError for a grammar that does not compile."""
+        """A future of the compiled grammar; it raises InvalidRequestError for a grammar that does not compile.
+        Cancelling it before a thread takes it up saves the compile."""
         return self._pool.submit(self._compile, spec)
 
     def _compile(self, spec: GrammarSpec):

@@ -127,6 +127,9 @@ class Scheduler:
         self.steps = self.prefill_tokens = self.decode_tokens = self.mixed_steps = 0
         # aborts that arrived before their request (messages from several callers may reorder)
         self._early_aborts: OrderedDict[int, None] = OrderedDict()
+        # constrained requests whose grammar is compiling: (deadline, the compile's future), by uid
+        self._compiling: dict[int, tuple[float, Future]] = {}
+        self.clock: Callable[[], float] = time.monotonic  # the grammars' deadlines' (tests step their own)
 
     # -- messages (thread-safe: anyone may call these) ---------------------------------------------
 
@@ -148,6 +151,8 @@ class Scheduler:
 
     def receive(self, block: bool = False) -> None:
         """Applies every message in the inbox; with `block`, waits up to 50 ms for the first."""
+        if self._compiling:
+            self._expire_grammars()
         while True:
             try:
                 msg = self.inbox.get(block=block, timeout=0.05 if block else None)
@@ -216,15 +221,16 @@ class Scheduler:
             req.after = self.reqs.get(msg.after)
         self.reqs[req.uid] = req
         if msg.params.grammar is not None:  # it waits in the queue until its grammar is compiled
-            self.grammars.compile(msg.params.grammar).add_done_callback(
-                lambda future, uid=req.uid: self.inbox.put(GrammarReady(uid, future))
-            )
+            future = self.grammars.compile(msg.params.grammar)
+            self._compiling[req.uid] = (self.clock() + self.config.grammar_compile_timeout_s, future)
+            future.add_done_callback(lambda future, uid=req.uid: self.inbox.put(GrammarReady(uid, future)))
         self.prefill.add(req)
 
     def _grammar_ready(self, msg: GrammarReady) -> None:
         req = self.reqs.get(msg.uid)
-        if req is None or req.matcher is not None:
+        if req is None or req.matcher is not None or msg.future.cancelled():
             return  # ended while its grammar compiled
+        self._compiling.pop(msg.uid, None)
         try:
             matcher = self.grammars.matcher(msg.future.result())
             # a continued stream: its matcher is where the output so far has taken the grammar
@@ -237,6 +243,21 @@ class Scheduler:
         except RaylmError as e:
             self._end(req, "error")
             self.on_output([TokenDelta.failure(req.uid, e.kind, str(e))])
+
+    def _expire_grammars(self) -> None:
+        """Fails each constrained request whose grammar has not compiled by its deadline: a grammar can take
+        xgrammar minutes (a JSON schema of thousands of properties), and the request would wait for it."""
+        now = self.clock()
+        for uid in [uid for uid, (deadline, _) in self._compiling.items() if deadline <= now]:
+            req = self.reqs[uid]
+            e = InvalidRequestError(
+                f"the request's {req.params.grammar.kind} grammar did not compile within "
+                f"{self.config.grammar_compile_timeout_s:g} s (grammar_compile_timeout_s): simplify it (its compile "
+                "goes on, and a request with the same grammar after it finishes finds it compiled)",
+                field="response_format",
+            )
+            self._end(req, "error")
+            self.on_output([TokenDelta.failure(uid, e.kind, str(e))])
 
     def _abort(self, uid: int) -> None:
         req = self.reqs.get(uid)
@@ -253,6 +274,8 @@ class Scheduler:
         """The one way a request ends, whether it finished, was aborted or failed."""
         del self.reqs[req.uid]
         req.ended = True
+        if (compiling := self._compiling.pop(req.uid, None)) is not None:
+            compiling[1].cancel()  # a compile that has not started never will; one running goes on (and is cached)
         if not self.decode.remove(req):
             self.prefill.remove(req)  # waiting, or part-way through a chunked prefill
         if req.slot >= 0:
