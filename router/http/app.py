@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.chat.prepare import prepare_chat
 from router.chat.structured import request_grammar
+from router.http.chat_bridge import chat_request, prompt_ids
 from router.http.errors import (
     APIError,
     api_error_handler,
@@ -100,16 +101,10 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
         if body.model is not None:
             state.check_model(body.model)
         if body.messages is not None:
-            ids = state.chat_ids(
-                ChatCompletionRequest(
-                    model=state.model_name,
-                    messages=body.messages,
-                    add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
-                )
-            )
+            fields = {name: getattr(body, name) for name in TokenizeRequest.CHAT_FIELDS}
+            ids = prompt_ids(state, chat_request({"model": state.model_name, **fields}))
         else:
-            ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+            ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False).input_ids
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_seq_len}
 
     @app.post("/detokenize")

@@ -350,12 +350,25 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(APIRequest):
-    """POST /tokenize: a prompt, or chat messages rendered by the chat template first."""
+    """POST /tokenize: a prompt, or chat messages rendered by the chat template first, with what else
+    the chat route renders them with (tools, chat_template_kwargs), so the count is chat's."""
+
+    # the fields a chat request takes from this one: every one that changes its prompt
+    CHAT_FIELDS: ClassVar[tuple[str, ...]] = (
+        "messages",
+        "tools",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "add_special_tokens",
+    )
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None  # None: a prompt's are added, messages' are the template's alone
     add_generation_prompt: bool | None = None  # None: true
     continue_final_message: bool | None = None  # None: false
 
