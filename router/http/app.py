@@ -123,11 +123,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
         parsed = time.perf_counter()  # the body read and validated: what is left to do is the router's own
         state.check_model(body.model)
         extras = _extras(body)
-        listed = prompt_count(body.prompt)
-        if listed > state.config.max_prompts:  # each becomes a sequence (n of them): refused before any work
-            raise APIError(
-                400, f"prompt lists {listed} prompts; at most {state.config.max_prompts} are allowed", param="prompt"
-            )
+        _check_sequences(body, state.config.max_prompts)
         prompts = completion_prompts(body, state.tokenizer, state.vocab_size, state.max_seq_len)
         grammar = request_grammar(body)
         # an echo with logprobs shows the prompt's too: the replica scores the prompt for them
@@ -229,6 +225,21 @@ def _extras(body: SamplingFields) -> Extras:
         and options.include_usage is not False,
         skip_special_tokens=body.skip_special_tokens,
     )
+
+
+def _check_sequences(body: CompletionRequest, max_prompts: int) -> None:
+    """Refuses, before any work, a request whose prompts times n (each choice of each prompt a sequence)
+    pass max_prompts: 2,048 prompts at n 16 held a replica's every slot for minutes."""
+    listed, n = prompt_count(body.prompt), 1 if body.n is None else body.n
+    if listed > max_prompts:
+        raise APIError(400, f"prompt lists {listed} prompts; at most {max_prompts} are allowed", param="prompt")
+    if listed * n > max_prompts:
+        raise APIError(
+            400,
+            f"n is {n} for each of {listed} prompts, {listed * n} sequences; at most {max_prompts} "
+            f"(prompts times n) are allowed",
+            param="n",
+        )
 
 
 def _most(*ks: int | None) -> int | None:
