@@ -275,7 +275,9 @@ class CompletionRequest(SamplingFields):
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")  # OpenAI's names (and a dot, as vLLM allows)
+    # OpenAI's characters (and a dot, as vLLM allows); up to 128 of them, as Anthropic's tool names, which
+    # /v1/messages serves as these (OpenAI's own stop at 64, vLLM's are unbounded)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,128}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema; None: the function takes no arguments
     strict: bool | None = None
