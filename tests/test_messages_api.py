@@ -103,6 +103,13 @@ def test_count_tokens_is_the_prompt_a_message_runs(srv):
     assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens > 0
 
 
+@pytest.mark.parametrize("system", [[], ""])
+def test_an_empty_system_prompt_is_none(srv, system):
+    messages = [{"role": "user", "content": "Hello"}]
+    bare = claude(srv).messages.count_tokens(model="tiny", messages=messages)
+    assert claude(srv).messages.count_tokens(model="tiny", messages=messages, system=system) == bare
+
+
 def test_tool_use_and_tool_result_blocks_are_the_conversation_the_template_renders(srv):
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]},
