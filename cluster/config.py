@@ -447,7 +447,12 @@ class ServeConfig(ReplicaConfig):
     )
     max_stop_strings: int = setting(16, "stop strings a request may give", at_least=0, group=LIMITS)
     max_n: int = setting(16, "choices (n) a request may ask for", at_least=1, group=LIMITS)
-    max_prompts: int = setting(2048, "prompts a completions request may list (OpenAI's)", at_least=1, group=LIMITS)
+    max_prompts: int = setting(
+        2048,
+        "prompts a completions request may list (OpenAI's), times its n: the sequences it runs",
+        at_least=1,
+        group=LIMITS,
+    )
     request_timeout_s: float | None = setting(
         None, "a request taking longer ends with 408", above=0, unset="none", group=LIMITS
     )

@@ -122,6 +122,14 @@ def test_a_prompt_list_past_max_prompts_is_refused_before_any_work_and_one_at_it
     serves(srv)
 
 
+def test_prompts_times_n_past_max_prompts_is_a_400_naming_n(srv):
+    """2,048 prompts at n 16 were 32,768 sequences, which held the replica for minutes."""
+    limit = srv.config.max_prompts
+    error = refused(post(srv, C, {**BODIES[C], "prompt": [[1, 2]] * (limit // 2 + 1), "n": 2}), C)
+    assert error["param"] == "n" and str(limit) in error["message"], error
+    serves(srv)
+
+
 @pytest.mark.parametrize("path", [C, CHAT, RESPONSES])
 def test_an_empty_body_and_a_nan_are_named_as_such(srv, path):
     empty = httpx.post(srv.url + path, headers={"content-type": "application/json"}, timeout=60)

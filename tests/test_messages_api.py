@@ -85,11 +85,29 @@ def test_a_message_is_answered_as_the_chat_request_it_means(srv):
     assert m.stop_reason == ("max_tokens" if c.choices[0].finish_reason == "length" else "end_turn")
 
 
+def test_a_tool_name_of_up_to_128_characters_is_served_and_a_longer_one_is_named_as_sent(srv):
+    """Anthropic's names are ^[a-zA-Z0-9_-]{1,128}$: the chat request they are served as once stopped at 64."""
+    body = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    long = {**TOOL, "name": "t" * 128}
+    r = httpx.post(srv.url + "/v1/messages", json={**body, "tools": [long]}, headers={"x-api-key": KEY}, timeout=30)
+    assert r.status_code == 200, r.text
+    too_long = {**TOOL, "name": "t" * 129}
+    r = httpx.post(srv.url + "/v1/messages", json={**body, "tools": [too_long]}, headers={"x-api-key": KEY}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("tools.0.name"), r.text
+
+
 def test_count_tokens_is_the_prompt_a_message_runs(srv):
     body = dict(model="tiny", system="Be brief.", messages=[{"role": "user", "content": "Hello"}])
     counted = claude(srv).messages.count_tokens(**body)
     m = claude(srv).messages.create(**body, max_tokens=1)
     assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens > 0
+
+
+@pytest.mark.parametrize("system", [[], ""])
+def test_an_empty_system_prompt_is_none(srv, system):
+    messages = [{"role": "user", "content": "Hello"}]
+    bare = claude(srv).messages.count_tokens(model="tiny", messages=messages)
+    assert claude(srv).messages.count_tokens(model="tiny", messages=messages, system=system) == bare
 
 
 def test_tool_use_and_tool_result_blocks_are_the_conversation_the_template_renders(srv):

@@ -5,6 +5,7 @@ reasoning parser), whole and as the documented event sequence; bad input is a 40
 from __future__ import annotations
 
 import json
+import time
 from typing import Literal
 
 import httpx
@@ -315,6 +316,40 @@ def test_a_streamed_response_is_stored_whole(srv):
     ) as stream:
         final = stream.get_final_response()
     assert client(srv).responses.retrieve(final.id).output_text == final.output_text
+
+
+def test_a_stream_its_client_leaves_is_stored_incomplete_and_continues(srv, model):
+    eos = load_tokenizer(str(model)).eos_token_id
+    body = {
+        "model": "tiny",
+        "input": "Talk",
+        "max_output_tokens": 1500,  # EOS banned: it runs for seconds, far past the client
+        "logit_bias": {str(eos): -100},
+        "reasoning": NO_THINKING,
+        "stream": True,
+    }
+    with httpx.stream("POST", srv.url + "/v1/responses", json=body, timeout=60) as r:
+        events = (json.loads(line[len("data: ") :]) for line in r.iter_lines() if line.startswith("data: "))
+        response_id = next(events)["response"]["id"]
+        next(e for e in events if e["type"] == "response.output_text.delta")
+    kept = poll_stored(srv, response_id)
+    assert kept["status"] == "incomplete" and kept["output"][0]["status"] == "incomplete", kept
+    assert kept["output"][0]["content"][0]["text"]
+    follow = client(srv).responses.create(
+        model="tiny", input="Go on", previous_response_id=response_id, max_output_tokens=1, reasoning=NO_THINKING
+    )
+    assert follow.status in ("completed", "incomplete")
+
+
+def poll_stored(srv, response_id: str) -> dict:
+    """The stored response, once the server has seen its client leave (a few seconds at most)."""
+    deadline = time.monotonic() + 20
+    while True:
+        r = httpx.get(srv.url + f"/v1/responses/{response_id}", timeout=30)
+        if r.status_code != 404 or time.monotonic() > deadline:
+            assert r.status_code == 200, r.text
+            return r.json()
+        time.sleep(0.1)
 
 
 def test_deleted_unstored_and_unknown_responses_are_404s(srv):

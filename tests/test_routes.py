@@ -62,6 +62,12 @@ def test_detokenize_inverts_tokenize(srv):
         ("/tokenize", {"prompt": "a", "messages": MSG}, None),
         ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
         ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"messages": []}, "messages"),
+        (
+            "/tokenize",
+            {"messages": MSG, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools.0.function.name",
+        ),
         ("/detokenize", {"tokens": [10**7]}, "tokens"),
         ("/detokenize", {"tokens": "1 2"}, "tokens"),
     ],

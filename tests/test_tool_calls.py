@@ -96,6 +96,21 @@ def test_text_that_is_no_call_stays_content(text):
     assert (parts.content, parts.tool_calls) == (text, [])
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    ['{"x": NaN}', '{"x": -Infinity}', '{"x": 1e999}', '"{\\"x\\": NaN}"', "[" * 100_000 + "]" * 100_000],
+    ids=["nan", "infinity", "past-a-double", "nan-in-a-string", "nested-past-the-recursion-limit"],
+)
+@pytest.mark.parametrize("kind", ["qwen", "llama"])
+def test_arguments_python_reads_and_json_has_not_are_no_call(kind, arguments):
+    if kind == "qwen":
+        text = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+    else:
+        text = f'{{"name": "f", "parameters": {arguments}}}'
+    parts = read(ChatOutput(tool_calls=kind), [text])
+    assert (parts.content, parts.tool_calls) == (text, [])
+
+
 def test_a_call_whose_closing_tag_never_comes_is_still_read_when_its_json_is_whole():
     parts = read(ChatOutput(tool_calls="qwen"), ['<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n'])
     assert calls(parts) == [("f", {"x": 1})] and parts.content == ""

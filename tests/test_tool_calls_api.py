@@ -217,6 +217,15 @@ def test_without_a_forced_call_random_weights_write_text_and_the_tools_are_rende
     assert r.usage.prompt_tokens == len(prompt_ids(tokenizer, MSG, TOOLS)) > len(prompt_ids(tokenizer, MSG))
 
 
+def test_tokenize_counts_the_tools_and_template_kwargs_as_chat_does(srv):
+    r = client(srv).chat.completions.create(
+        model="tiny", messages=MSG, tools=TOOLS, max_tokens=1, extra_body=NO_THINKING
+    )
+    counted = httpx.post(srv.url + "/tokenize", json={"messages": MSG, "tools": TOOLS, **NO_THINKING}, timeout=30)
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["count"] == r.usage.prompt_tokens
+
+
 def test_calls_and_tool_results_sent_back_are_rendered_by_the_template(srv, tokenizer):
     sent = [
         *MSG,

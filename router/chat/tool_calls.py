@@ -6,6 +6,7 @@ that does not parse stays content too."""
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 
@@ -41,23 +42,37 @@ def _call(body: str, arguments_key: str, tagged: bool) -> ToolCall | None:
     """The call a JSON object's text names, or None when it is not one. Untagged (Llama's bare JSON),
     an object is a call only with its arguments key, so that an answer's own JSON stays content."""
     try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    key = arguments_key if arguments_key in value else "arguments"
-    if not tagged and key not in value:
-        return None
-    args = value.get(key, {})
-    if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except ValueError:
+        value = _json(body)
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
-    if not isinstance(args, dict):
+        key = arguments_key if arguments_key in value else "arguments"
+        if not tagged and key not in value:
+            return None
+        args = value.get(key, {})
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            args = _json(args)
+        if not isinstance(args, dict):
+            return None
+        return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than Python's parser recurses
         return None
-    return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _json(text: str) -> object:
+    """text's JSON value. Python's parser also reads NaN, Infinity and numbers past a double (1e999, read
+    as infinity), which JSON has not: arguments holding them would go out as text no client parses."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+
+
+def _not_json(constant: str) -> float:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is past the range of a double")
+    return value
 
 
 class ToolCallParser:

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.chat.prepare import prepare_chat
 from router.chat.structured import request_grammar
+from router.http.chat_bridge import chat_request, prompt_ids
 from router.http.errors import (
     APIError,
     api_error_handler,
@@ -100,16 +101,10 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
         if body.model is not None:
             state.check_model(body.model)
         if body.messages is not None:
-            ids = state.chat_ids(
-                ChatCompletionRequest(
-                    model=state.model_name,
-                    messages=body.messages,
-                    add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
-                )
-            )
+            fields = {name: getattr(body, name) for name in TokenizeRequest.CHAT_FIELDS}
+            ids = prompt_ids(state, chat_request({"model": state.model_name, **fields}))
         else:
-            ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+            ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens is not False).input_ids
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_seq_len}
 
     @app.post("/detokenize")
@@ -128,11 +123,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
         parsed = time.perf_counter()  # the body read and validated: what is left to do is the router's own
         state.check_model(body.model)
         extras = _extras(body)
-        listed = prompt_count(body.prompt)
-        if listed > state.config.max_prompts:  # each becomes a sequence (n of them): refused before any work
-            raise APIError(
-                400, f"prompt lists {listed} prompts; at most {state.config.max_prompts} are allowed", param="prompt"
-            )
+        _check_sequences(body, state.config.max_prompts)
         prompts = completion_prompts(body, state.tokenizer, state.vocab_size, state.max_seq_len)
         grammar = request_grammar(body)
         # an echo with logprobs shows the prompt's too: the replica scores the prompt for them
@@ -234,6 +225,21 @@ def _extras(body: SamplingFields) -> Extras:
         and options.include_usage is not False,
         skip_special_tokens=body.skip_special_tokens,
     )
+
+
+def _check_sequences(body: CompletionRequest, max_prompts: int) -> None:
+    """Refuses, before any work, a request whose prompts times n (each choice of each prompt a sequence)
+    pass max_prompts: 2,048 prompts at n 16 held a replica's every slot for minutes."""
+    listed, n = prompt_count(body.prompt), 1 if body.n is None else body.n
+    if listed > max_prompts:
+        raise APIError(400, f"prompt lists {listed} prompts; at most {max_prompts} are allowed", param="prompt")
+    if listed * n > max_prompts:
+        raise APIError(
+            400,
+            f"n is {n} for each of {listed} prompts, {listed * n} sequences; at most {max_prompts} "
+            f"(prompts times n) are allowed",
+            param="n",
+        )
 
 
 def _most(*ks: int | None) -> int | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -34,9 +34,16 @@ class ChatResult:
     response: StreamingResponse | None = None
     chunks: AsyncIterator[dict] | None = None
 
-    def restream(self, events: Callable[[AsyncIterator[dict]], AsyncIterator[str]]) -> StreamingResponse:
-        """The stream, its chunks rewritten by events (what ends it, however it ends, stays)."""
+    def restream(
+        self,
+        events: Callable[[AsyncIterator[dict]], AsyncIterator[str]],
+        left: Callable[[], Awaitable[None]] | None = None,
+    ) -> StreamingResponse:
+        """The stream, its chunks rewritten by events (what ends it, however it ends, stays); `left` is
+        awaited once it is over, however it ended (a client that leaves stops events where they are)."""
         self.response.body_iterator = events(self.chunks)
+        if left is not None:
+            self.response.then(left)
         return self.response
 
 

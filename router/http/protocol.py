@@ -275,7 +275,9 @@ class CompletionRequest(SamplingFields):
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")  # OpenAI's names (and a dot, as vLLM allows)
+    # OpenAI's characters (and a dot, as vLLM allows); up to 128 of them, as Anthropic's tool names, which
+    # /v1/messages serves as these (OpenAI's own stop at 64, vLLM's are unbounded)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,128}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema; None: the function takes no arguments
     strict: bool | None = None
@@ -350,12 +352,25 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(APIRequest):
-    """POST /tokenize: a prompt, or chat messages rendered by the chat template first."""
+    """POST /tokenize: a prompt, or chat messages rendered by the chat template first, with what else
+    the chat route renders them with (tools, chat_template_kwargs), so the count is chat's."""
+
+    # the fields a chat request takes from this one: every one that changes its prompt
+    CHAT_FIELDS: ClassVar[tuple[str, ...]] = (
+        "messages",
+        "tools",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "add_special_tokens",
+    )
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None  # None: a prompt's are added, messages' are the template's alone
     add_generation_prompt: bool | None = None  # None: true
     continue_final_message: bool | None = None  # None: false
 

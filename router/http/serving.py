@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -232,12 +233,22 @@ class _EventStream(StreamingResponse):
     def __init__(self, body, finish) -> None:
         super().__init__(body, media_type="text/event-stream")
         self.finish = finish
+        self.endings: list[Callable[[], Awaitable[None]]] = []
+
+    def then(self, ending: Callable[[], Awaitable[None]]) -> None:
+        """Runs `ending` once the stream is over, however it ends: a body rewritten over this one
+        (chat_bridge's restream) may be cut where its own code never resumes, by a client that left."""
+        self.endings.append(ending)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.finish()
+            try:
+                await self.finish()
+            finally:
+                for ending in self.endings:
+                    await ending()
 
 
 async def _stream(

@@ -202,9 +202,6 @@ class RouterState:
                 code="model_not_found",
             )
 
-    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
-        return self.tokenizer(self.chat_prompt(req), add_special_tokens=False).input_ids
-
     def chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None = None) -> str:
         """The messages (and tools) rendered by the chat template, with the request's chat_template_kwargs,
         ending with the assistant turn's opening or, continue_final_message, inside the last message."""

@@ -23,6 +23,7 @@ FIELD_NAMES = {
     "stop": "stop_sequences",
     "tool_choice": "tool_choice",
     "tools.*.function.parameters": "tools.*.input_schema",
+    "tools.*.function.name": "tools.*.name",
 }
 
 

@@ -88,7 +88,9 @@ def _assistant(content: list[dict], where: str) -> dict:
 
 
 def chat_messages(req: CountTokensRequest) -> list[dict]:
-    messages = [] if req.system is None else [{"role": "system", "content": _text(req.system, "system")}]
+    system = "" if req.system is None else _text(req.system, "system")
+    # an empty system prompt ([] or "") is none: a template would render an empty system turn for it
+    messages = [{"role": "system", "content": system}] if system else []
     calls: set[str] = set()  # the tool_use ids of the assistant turn before, which its results answer
     for i, m in enumerate(req.messages):
         if not m.content and not (m.role == "assistant" and i == len(req.messages) - 1):

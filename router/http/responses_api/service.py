@@ -40,7 +40,7 @@ async def create_response(state: RouterState, request: Request, req: ResponsesRe
     finished = (lambda body: keep(state, body, messages)) if req.store is not False else None
     if result.body is None:
         events = ResponseEvents(head, count, finished)
-        return result.restream(events.events)
+        return result.restream(events.events, events.left)
     choice, used = result.body["choices"][0], result.body["usage"]
     status, incomplete = status_of(choice["finish_reason"])
     message = choice["message"]

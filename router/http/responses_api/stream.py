@@ -3,7 +3,8 @@ and response.in_progress; then per output item, in order, response.output_item.a
 (response.content_part.added, then response.reasoning_text.delta or response.output_text.delta; or
 response.function_call_arguments.delta), their .done events and response.output_item.done; then
 response.completed (response.incomplete at max_output_tokens; after a failure an error event, the open
-item closed incomplete, and response.failed)."""
+item closed incomplete, and response.failed). A stream its client leaves is stored as it stands,
+incomplete."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class ResponseEvents:
         self.output: list[dict] = []  # the items done so far
         self.open: tuple[str, str, list[str]] | None = None  # the item streaming: (kind, id, its text so far)
         self.reasoning = ""
+        self.ended = False  # a final response was made (and handed to `finished`)
 
     def _event(self, name: str, **fields) -> str:
         event = {"type": name, "sequence_number": self.seq, **fields}
@@ -51,8 +53,7 @@ class ResponseEvents:
                 code = failure_code(error)
                 yield self._event("error", code=code, message=error["message"], param=error["param"])
                 failed = self.head.body("failed", self.output, error={"code": code, "message": error["message"]})
-                if self.finished is not None:  # kept, as OpenAI keeps a failed response
-                    await self.finished(failed)
+                await self._end(failed)  # kept, as OpenAI keeps a failed response
                 yield self._event("response.failed", response=failed)
                 async for _ in chunks:  # what is left: the chat stream's end
                     pass
@@ -81,9 +82,21 @@ class ResponseEvents:
             ),
             incomplete,
         )
-        if self.finished is not None:
-            await self.finished(done)
+        await self._end(done)
         yield self._event("response.incomplete" if incomplete else "response.completed", response=done)
+
+    async def left(self) -> None:
+        """Stores what a client that left mid-stream had been sent: response.created told it the id, which
+        a GET or a previous_response_id may name. Nothing, where the stream ended or never began."""
+        if self.ended or self.seq == 0:
+            return
+        self._close("incomplete", failed=True)
+        await self._end(self.head.body("incomplete", self.output))
+
+    async def _end(self, body: dict) -> None:
+        self.ended = True  # before the store is awaited: a client that leaves meanwhile keeps this body
+        if self.finished is not None:
+            await self.finished(body)
 
     def _delta(self, delta: dict) -> list[str]:
         events = []
