@@ -398,6 +398,12 @@ def test_instructions_come_first_and_the_inputs_own_system_messages_stay(srv):
     assert r.usage.input_tokens == c.usage.prompt_tokens
 
 
+def test_empty_instructions_are_none(srv):
+    ask = dict(model="tiny", input="Hello", max_output_tokens=2, reasoning=NO_THINKING)
+    bare = client(srv).responses.create(**ask)
+    assert client(srv).responses.create(**ask, instructions="").usage.input_tokens == bare.usage.input_tokens
+
+
 def test_a_stream_that_fails_ends_failed_with_one_code_and_is_kept(srv):
     never = {"format": {"type": "json_schema", "name": "never", "schema": {"type": "string", "pattern": "^[^\\s\\S]$"}}}
     events = list(

@@ -69,7 +69,7 @@ def input_messages(items: str | list[dict], history: list[dict] = (), field: str
 def chat_of(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
     """The chat request of these messages: the input's, after those of the responses before it
     (previous_response_id)."""
-    if req.instructions is not None:  # first; not carried over from a previous response, as OpenAI's
+    if req.instructions:  # first (an empty one is none); not carried over from a previous response, as OpenAI's
         messages = [{"role": "system", "content": req.instructions}, *messages]
     if not messages:
         raise APIError(400, "input: the conversation is empty", param="input")
