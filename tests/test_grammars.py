@@ -250,6 +250,23 @@ class _HeldGrammars(Grammars):
         return super()._compile(spec)
 
 
+class _Recorded:
+    """A scheduler's inbox that notes whether each read waits for a message."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.blocks = inner, []
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        self.blocks.append(block)
+        return self.inner.get(block, timeout)
+
+    def put(self, item) -> None:
+        self.inner.put(item)
+
+    def empty(self) -> bool:
+        return self.inner.empty()
+
+
 def _with_grammars(s, grammars):
     s.scheduler.grammars = s.scheduler.builder.grammars = grammars
     return s
@@ -288,6 +305,10 @@ def test_a_grammar_slow_to_compile_holds_back_no_other_request_and_fails_at_its_
         s.submit(2, [5, 6, 9], max_tokens=4)
         _step_until(s, {1, 2})
         assert s.ended == {1: "length", 2: "length"} and s.tokens(1) == [letter] * 2
+        # with every live request waiting for its grammar, a serving loop's step waits on its inbox
+        inbox = s.scheduler.inbox = _Recorded(s.scheduler.inbox)
+        s.scheduler.step(block=True)
+        assert inbox.blocks[0] is True
         now[0] = 29.9
         s.scheduler.step()
         assert 0 not in s.ended

@@ -342,7 +342,7 @@ class Scheduler:
 
     def normal_step(self, block: bool = False) -> None:
         """Schedules step N, launches it, and handles its results before the next."""
-        self.receive(block and not self.reqs)
+        self.receive(block and self._idle)
         self.req_slots.release()  # nothing is in flight between two normal steps
         batch = self.schedule()
         if batch is not None and (launched := self._launch(batch)) is not None:
@@ -352,7 +352,7 @@ class Scheduler:
         """Schedules and launches step N+1, then handles step N's results while N+1 computes (a step
         that ends a prompt at low load is handled first: FIRST_TOKEN_FIRST_MAX_LIVE)."""
         last = self.in_flight  # step N
-        self.receive(block and last is None and not self.reqs)  # aborts first: an aborted request's result is dropped
+        self.receive(block and last is None and self._idle)  # aborts first: an aborted request's result is dropped
         if last is not None and self._first_tokens_first(last):
             self.in_flight = None  # nothing is in flight once it is handled: the normal loop's order
             self._emit_tokens(last)
@@ -363,6 +363,12 @@ class Scheduler:
         self.in_flight = self._launch(batch) if batch is not None else None
         if last is not None:
             self._emit_tokens(last)  # step N's tokens, while N+1 computes
+
+    @property
+    def _idle(self) -> bool:
+        """Nothing to schedule until a message arrives: no live request, or each waits for its grammar to
+        compile (the loop would otherwise spin beside the compiles until they end)."""
+        return len(self._compiling) == len(self.reqs)
 
     def _first_tokens_first(self, launched: Launched) -> bool:
         """Whether a launched step ends some request's prompt while few requests are live."""
