@@ -141,7 +141,7 @@ class LLM:
                 for r in requests:
                     self.scheduler.submit(r)
                 while self.scheduler.has_work:
-                    self.scheduler.step()
+                    self.scheduler.step(block=True)  # waits, rather than spins, while only grammars compile
         finally:
             outputs = [self._outputs.pop(uid)[1] for uid in uids]
         for request, out in zip(requests, outputs):
