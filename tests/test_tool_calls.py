@@ -98,8 +98,8 @@ def test_text_that_is_no_call_stays_content(text):
 
 @pytest.mark.parametrize(
     "arguments",
-    ['{"x": NaN}', '{"x": -Infinity}', '{"x": 1e999}', '"{\\"x\\": NaN}"', "[" * 100_000 + "]" * 100_000],
-    ids=["nan", "infinity", "past-a-double", "nan-in-a-string", "nested-past-the-recursion-limit"],
+    ['{"x": NaN}', '{"x": -Infinity}', '"{\\"x\\": NaN}"', "[" * 100_000 + "]" * 100_000],
+    ids=["nan", "infinity", "nan-in-a-string", "nested-past-the-recursion-limit"],
 )
 @pytest.mark.parametrize("kind", ["qwen", "llama"])
 def test_arguments_python_reads_and_json_has_not_are_no_call(kind, arguments):
@@ -109,6 +109,44 @@ def test_arguments_python_reads_and_json_has_not_are_no_call(kind, arguments):
         text = f'{{"name": "f", "parameters": {arguments}}}'
     parts = read(ChatOutput(tool_calls=kind), [text])
     assert (parts.content, parts.tool_calls) == (text, [])
+
+
+def _strict(text: str) -> object:
+    """JSON as a strict parser reads it: no NaN or Infinity."""
+
+    def refuse(constant: str):
+        raise ValueError(constant)
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("kind", ["qwen", "llama"])
+def test_numbers_are_kept_as_written_even_past_a_double(kind):
+    """A schema's grammar lets a number's exponent run past a double's (a forced call of a `number`
+    parameter wrote 7E9906): the call is still a call, and its arguments stay JSON, the number as written
+    rather than Infinity."""
+    arguments = '{"big": 7E9906, "small": 1e-400, "plain": 0.1, "exp": 2.5e3, "int": 12, "list": [1.50, -0.0]}'
+    if kind == "qwen":
+        text = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+    else:
+        text = f'{{"name": "f", "parameters": {arguments}}}'
+    for pieces in splits(text)[:40]:
+        parts = read(ChatOutput(tool_calls=kind), pieces)
+        assert parts.content == "" and [c.name for c in parts.tool_calls] == ["f"]
+        args = parts.tool_calls[0].arguments
+        assert "Infinity" not in args and _strict(args)["int"] == 12
+        assert args == '{"big": 7E+9906, "small": 1E-400, "plain": 0.1, "exp": 2.5E+3, "int": 12, "list": [1.50, -0.0]}'
+
+
+def test_a_closing_tag_inside_an_argument_does_not_end_the_call():
+    text = (
+        'See:\n<tool_call>\n{"name": "write", "arguments": {"code": "x = \'</tool_call>\' # \\" done"}}\n'
+        "</tool_call>\nAfter."
+    )
+    for pieces in splits(text):
+        parts = read(ChatOutput(tool_calls="qwen"), pieces)
+        assert calls(parts) == [("write", {"code": "x = '</tool_call>' # \" done"})], pieces
+        assert parts.content == "See:\nAfter."
 
 
 def test_a_call_whose_closing_tag_never_comes_is_still_read_when_its_json_is_whole():

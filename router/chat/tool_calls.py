@@ -6,9 +6,9 @@ that does not parse stays content too."""
 from __future__ import annotations
 
 import json
-import math
 import uuid
 from dataclasses import dataclass
+from decimal import Decimal
 
 from router.chat.markers import split_held
 
@@ -53,26 +53,31 @@ def _call(body: str, arguments_key: str, tagged: bool) -> ToolCall | None:
             args = _json(args)
         if not isinstance(args, dict):
             return None
-        return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
+        return ToolCall(value["name"], _dumps(args))
     except (ValueError, RecursionError):  # not JSON, or nested deeper than Python's parser recurses
         return None
 
 
 def _json(text: str) -> object:
-    """text's JSON value. Python's parser also reads NaN, Infinity and numbers past a double (1e999, read
-    as infinity), which JSON has not: arguments holding them would go out as text no client parses."""
-    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    """text's JSON value, its numbers with a fraction or exponent as Decimals (as written: 1e999, which a
+    schema's grammar allows, is JSON, but as a float it would go out as Infinity, which is not). Python's
+    parser also reads NaN and Infinity, which JSON has not: they are refused."""
+    return json.loads(text, parse_constant=_not_json, parse_float=Decimal)
 
 
 def _not_json(constant: str) -> float:
     raise ValueError(f"{constant} is not JSON")
 
 
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is past the range of a double")
-    return value
+def _dumps(value: object) -> str:
+    """value as JSON text, its Decimals as the numbers they were written as."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {_dumps(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_dumps, value)) + "]"
+    if isinstance(value, Decimal):
+        return str(value)
+    return json.dumps(value, ensure_ascii=False)
 
 
 class ToolCallParser:
@@ -141,9 +146,31 @@ class ToolCallParser:
 class QwenToolCallParser(ToolCallParser):
     begin, close = "<tool_call>", "</tool_call>"
 
+    def _started(self) -> None:
+        # the scan goes on where it stopped, piece after piece
+        self._pos, self._in_string, self._escaped = len(self.begin), False, False
+
     def _end(self, text: str) -> int | None:
-        at = text.find(self.close)
-        return None if at < 0 else at + len(self.close)
+        """Just past the first closing tag outside the JSON's strings (an argument may hold the tag's
+        text: code, markup)."""
+        for i in range(self._pos, len(text)):
+            ch = text[i]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch == "<" and text.startswith(self.close, i):
+                return i + len(self.close)
+            elif ch == "<" and self.close.startswith(text[i:]):  # the tag may go on in the next piece
+                self._pos = i
+                return None
+        self._pos = len(text)
+        return None
 
     def _parse(self, text: str) -> ToolCall | None:
         body = text[len(self.begin) :].removesuffix(self.close)
