@@ -169,8 +169,12 @@ def test_the_reasoning_parser_output_is_a_reasoning_item(srv):
     assert r.output[0].type == "reasoning"
     assert r.output[0].content[0].text == c.choices[0].message.reasoning_content
     assert r.usage.output_tokens_details.reasoning_tokens > 0
+    assert [item.type for item in r.output] == ["reasoning", "message"]  # output_text is there to read
     with client(srv).responses.stream(model="tiny", input="Think", max_output_tokens=8, temperature=0) as stream:
         events = list(stream)
+    final = events[-1].response  # response.incomplete: the think block is cut at max_output_tokens
+    assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == ""
+    assert final.usage.output_tokens_details.reasoning_tokens <= final.usage.output_tokens == 8
     assert event_types(events)[2:7] == [
         "response.output_item.added",
         "response.content_part.added",

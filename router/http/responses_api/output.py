@@ -57,6 +57,10 @@ def items_of(message: dict, status: str) -> list[dict]:
 
 
 def usage(input_tokens: int, output_tokens: int, reasoning_tokens: int, cached_tokens: int = 0) -> dict:
+    """`reasoning_tokens` counts the reasoning text tokenized again, which may count more than were generated
+    (a character cut between two tokens decodes to replacement characters, several tokens each): at most
+    the output's."""
+    reasoning_tokens = min(reasoning_tokens, output_tokens)
     return {
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens},

@@ -66,11 +66,13 @@ class ResponseEvents:
                     yield event
                 finish = choice.get("finish_reason") or finish
         status, incomplete = status_of(finish)
-        if not self.output and self.open is None:  # output_text is always there to read
-            for event in self._open("message"):
-                yield event
         for event in self._close(status):
             yield event
+        if not any(item["type"] in ("message", "function_call") for item in self.output):
+            # a message item where there is no call, as in the whole response (reasoning alone included):
+            # output_text is always there to read
+            for event in self._open("message") + self._close(status):
+                yield event
         done = self.head.body(
             status,
             self.output,
