@@ -149,8 +149,10 @@ def test_a_closing_tag_inside_an_argument_does_not_end_the_call():
         assert parts.content == "See:\nAfter."
 
 
-def test_a_call_whose_closing_tag_never_comes_is_still_read_when_its_json_is_whole():
-    parts = read(ChatOutput(tool_calls="qwen"), ['<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n'])
+@pytest.mark.parametrize("tail", ["\n", "\n<", "\n</to", "\n</tool_call"])
+def test_a_call_whose_closing_tag_never_comes_is_still_read_when_its_json_is_whole(tail):
+    """The output ended (max_tokens) before the closing tag, or part-way through it."""
+    parts = read(ChatOutput(tool_calls="qwen"), ['<tool_call>\n{"name": "f", "arguments": {"x": 1}}' + tail])
     assert calls(parts) == [("f", {"x": 1})] and parts.content == ""
 
 

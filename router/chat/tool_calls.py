@@ -173,8 +173,10 @@ class QwenToolCallParser(ToolCallParser):
         return None
 
     def _parse(self, text: str) -> ToolCall | None:
-        body = text[len(self.begin) :].removesuffix(self.close)
-        return _call(body.strip(), "arguments", tagged=True)
+        body = text[len(self.begin) :]
+        # the closing tag, or at the output's end (max_tokens) as much of it as was written
+        cut = next((k for k in range(len(self.close), 0, -1) if body.endswith(self.close[:k])), 0)
+        return _call(body[: len(body) - cut].strip(), "arguments", tagged=True)
 
 
 class LlamaToolCallParser(ToolCallParser):
