@@ -413,10 +413,15 @@ def test_one_set_of_request_limits_names_the_field_at_fault():
 
 def test_a_repeated_stop_token_id_is_held_back_once():
     from cluster import RequestLimits
+    from cluster.limits import held_back_ids
 
     limits = RequestLimits(max_seq_len=8, vocab_size=10, max_logit_bias=3, eos_ids=frozenset({9}))
+    repeated = SamplingParams(min_tokens=2, stop_token_ids=[3, 3, 3, 3, 3])
     # EOS and token 3: two entries of the table of 3, where five copies of 3 once counted as five
-    limits.check([1], SamplingParams(min_tokens=2, stop_token_ids=[3, 3, 3, 3, 3]))
+    assert held_back_ids(repeated, limits.eos_ids) == [9, 3]
+    limits.check([1], repeated)  # within the table: not refused
+    with pytest.raises(InvalidRequestError, match="max_logit_bias"):  # distinct ids past it still are
+        limits.check([1], SamplingParams(min_tokens=2, stop_token_ids=[3, 4, 5, 3]))
 
 
 def test_stop_token_ids_that_leave_min_tokens_no_token_to_sample_are_refused(qwen3_path):

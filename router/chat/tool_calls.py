@@ -97,6 +97,25 @@ class ToolCallParser:
     def _started(self) -> None:
         """A call's text begins at the buffer's start."""
 
+    def _scan_from(self, pos: int) -> None:
+        """A scan of a call's text for its end begins at `pos`, outside any JSON string; it goes on where it
+        stopped, piece after piece."""
+        self._pos, self._in_string, self._escaped = pos, False, False
+
+    def _in_json_string(self, ch: str) -> bool:
+        """Whether `ch`, the scan's next character, belongs to a JSON string (its quotes included), which
+        the scan then leaves or enters as `ch` says."""
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif ch == "\\":
+                self._escaped = True
+            elif ch == '"':
+                self._in_string = False
+            return True
+        self._in_string = ch == '"'
+        return self._in_string
+
     def _end(self, text: str) -> int | None:
         """Where the call that `text` starts (with `begin`) ends, or None while it has not."""
         raise NotImplementedError
@@ -147,26 +166,17 @@ class QwenToolCallParser(ToolCallParser):
     begin, close = "<tool_call>", "</tool_call>"
 
     def _started(self) -> None:
-        # the scan goes on where it stopped, piece after piece
-        self._pos, self._in_string, self._escaped = len(self.begin), False, False
+        self._scan_from(len(self.begin))
 
     def _end(self, text: str) -> int | None:
         """Just past the first closing tag outside the JSON's strings (an argument may hold the tag's
         text: code, markup)."""
         for i in range(self._pos, len(text)):
-            ch = text[i]
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch == "<" and text.startswith(self.close, i):
+            if self._in_json_string(text[i]) or text[i] != "<":
+                continue
+            if text.startswith(self.close, i):
                 return i + len(self.close)
-            elif ch == "<" and self.close.startswith(text[i:]):  # the tag may go on in the next piece
+            if self.close.startswith(text[i:]):  # the tag may go on in the next piece
                 self._pos = i
                 return None
         self._pos = len(text)
@@ -184,23 +194,16 @@ class LlamaToolCallParser(ToolCallParser):
     separators = " \t\r\n;"  # Llama 3.1 separates several calls with "; "
 
     def _started(self) -> None:
-        # the scan of the JSON object goes on where it stopped, piece after piece
-        self._pos, self._depth, self._in_string, self._escaped = 0, 0, False, False
+        self._scan_from(0)
+        self._depth = 0
 
     def _end(self, text: str) -> int | None:
         """Just past the JSON object's closing brace (braces inside strings do not count)."""
         for i in range(self._pos, len(text)):
             ch = text[i]
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch == "{":
+            if self._in_json_string(ch):
+                continue
+            if ch == "{":
                 self._depth += 1
             elif ch == "}":
                 self._depth -= 1
