@@ -290,3 +290,68 @@ def test_a_forced_calls_arguments_take_whitespace_one_character_at_a_time():
     grammar = xgrammar.Grammar.from_structural_tag(tool_grammar(req, "llama", "disabled").spec)
     assert _is_grammar_accept_string(grammar, '{"name": "f", "parameters": {"city": "Oslo"}}')
     assert not _is_grammar_accept_string(grammar, '{"name": "f", "parameters": {\n    "city" : "Oslo"\n\n}}')
+
+
+def _strict_grammar(tools: list[dict], parser: str, **fields):
+    """The grammar a chat request under tool_choice auto gets for its tools, compiled by xgrammar."""
+    import xgrammar
+
+    from router.chat.tools import plan_tools, tool_grammar
+    from router.http.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools, **fields}
+    )
+    assert plan_tools(req, parser).strict
+    return xgrammar.Grammar.from_structural_tag(tool_grammar(req, parser, "disabled").spec)
+
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}}, "required": ["city"]}
+
+
+def test_a_strict_function_under_auto_leaves_text_free_and_makes_its_calls_follow_the_schema():
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    tools = [
+        {"type": "function", "function": {"name": "weather", "parameters": CITY, "strict": True}},
+        {"type": "function", "function": {"name": "note", "parameters": CITY}},  # not strict: any object
+    ]
+    grammar = _strict_grammar(tools, "qwen")
+    call = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'
+    assert accepts(grammar, "Just text, no call.")
+    assert accepts(grammar, "Let me look. " + call.format("weather", '{"city": "Oslo"}') + " Done.")
+    assert accepts(grammar, call.format("weather", '{"city": "Lima"}') + "\n" + call.format("note", '{"x": [1]}'))
+    assert not accepts(grammar, call.format("weather", '{"city": "Paris"}'))  # not in the enum
+    assert not accepts(grammar, call.format("weather", "{}"))  # city is required
+    assert not accepts(grammar, call.format("note", "[1]"))  # any object, but an object
+    assert not accepts(grammar, call.format("nobody", "{}"))  # an opened call names a listed function
+
+
+def test_a_strict_function_without_parallel_calls_ends_the_output_after_its_call():
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": CITY, "strict": True}}]
+    grammar = _strict_grammar(tools, "llama", parallel_tool_calls=False)
+    one = '{"name": "weather", "parameters": {"city": "Oslo"}}'
+    assert accepts(grammar, "Sure. " + one)
+    assert not accepts(grammar, "Sure. " + '{"name": "weather", "parameters": {"city": "Rome"}}')
+    assert not accepts(grammar, one + "; " + one)
+
+
+@pytest.mark.parametrize("choice", ["none", "required", None])
+def test_strict_makes_no_grammar_of_its_own_but_under_auto(choice):
+    from router.chat.tools import plan_tools
+    from router.http.errors import APIError
+    from router.http.protocol import ChatCompletionRequest
+
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": CITY, "strict": True}}]
+    fields = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools}
+    req = ChatCompletionRequest.model_validate(fields | ({} if choice is None else {"tool_choice": choice}))
+    # no choice with tools is auto; required forces its calls with a grammar anyway
+    assert plan_tools(req, "qwen").strict is (choice is None)
+    unmarked = fields | {"tools": [{"type": "function", "function": {"name": "weather", "parameters": CITY}}]}
+    assert not plan_tools(ChatCompletionRequest.model_validate(unmarked), "qwen").strict
+    if choice is None:  # with no tool-call format there is no call to constrain
+        with pytest.raises(APIError) as refused:
+            plan_tools(req, None)
+        assert refused.value.status == 400 and refused.value.param == "tools.0.function.strict"

@@ -217,6 +217,47 @@ def test_without_a_forced_call_random_weights_write_text_and_the_tools_are_rende
     assert r.usage.prompt_tokens == len(prompt_ids(tokenizer, MSG, TOOLS)) > len(prompt_ids(tokenizer, MSG))
 
 
+def test_a_strict_function_under_auto_serves_with_its_grammar_and_text_stays_free(srv, bias):
+    """Random weights open no call: the grammar (text free until a call opens) lets them write text,
+    streamed and whole alike."""
+    args = dict(
+        model="tiny",
+        messages=MSG,
+        tools=STRICT,
+        max_tokens=12,
+        temperature=1,
+        seed=3,
+        logit_bias=bias,
+        extra_body=NO_THINKING,
+    )
+    whole = client(srv).chat.completions.create(**args).choices[0]
+    assert whole.message.tool_calls is None and whole.message.content and whole.finish_reason in ("stop", "length")
+    streamed = "".join(
+        ch.choices[0].delta.content or "" for ch in client(srv).chat.completions.create(**args, stream=True)
+    )
+    assert streamed == whole.message.content
+    check_replicas_whole(srv)
+
+
+def test_strict_reaches_the_chat_path_from_the_messages_and_responses_apis(srv):
+    """Their tools' `strict` means what chat's does: the refusals above, named as each API names the field."""
+    tool = {"name": "f", "input_schema": NOT_ENFORCED, "strict": True}
+    r = httpx.post(
+        srv.url + "/v1/messages",
+        json={"model": "tiny", "max_tokens": 4, "messages": MSG, "tools": [tool]},
+        timeout=30,
+    )
+    # Anthropic's error body has no param: the message names the field
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("tools.0.input_schema:"), r.text
+    tool = {"type": "function", "name": "f", "parameters": TIME, "strict": True}
+    r = httpx.post(
+        srv.url + "/v1/responses",
+        json={"model": "tiny", "input": "hi", "tools": [tool], "text": {"format": {"type": "json_object"}}},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.strict", r.text
+
+
 def test_tokenize_counts_the_tools_and_template_kwargs_as_chat_does(srv):
     r = client(srv).chat.completions.create(
         model="tiny", messages=MSG, tools=TOOLS, max_tokens=1, extra_body=NO_THINKING
@@ -264,6 +305,10 @@ def test_calls_and_tool_results_sent_back_are_rendered_by_the_template(srv, toke
     check_replicas_whole(srv)
 
 
+# a schema the grammar cannot enforce (xgrammar compiles `not` without enforcing it)
+NOT_ENFORCED = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
+STRICT = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS]
+
 BAD = [  # (param, body): each a 400 whose param names the field
     ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]}),
     (
@@ -305,6 +350,18 @@ BAD = [  # (param, body): each a 400 whose param names the field
             "tool_choice": "required",
         },
     ),
+    # a strict function's calls follow its schema by a grammar under auto too: the same refusal
+    (
+        "tools.1.function.parameters",
+        {
+            "tools": [
+                TOOLS[0],
+                {"type": "function", "function": {"name": "f", "parameters": NOT_ENFORCED, "strict": True}},
+            ]
+        },
+    ),
+    # and a client's format, which constrains the whole output, leaves no room for its calls
+    ("tools.0.function.strict", {"tools": STRICT, "response_format": {"type": "json_object"}}),
 ]
 
 

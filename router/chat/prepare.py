@@ -34,6 +34,14 @@ def prepare_chat(state: RouterState, req: ChatCompletionRequest) -> PreparedChat
             "or guided_* field (both constrain the whole output)",
             param="tool_choice",
         )
+    if grammar is not None and tools.strict:
+        i = next(i for i, t in enumerate(req.tools) if t.function.strict)
+        raise APIError(
+            400,
+            f"tools.{i}.function.strict: a strict function under tool_choice auto cannot be combined with a "
+            "response_format or guided_* field (the format constrains the whole output: no call could be written)",
+            param=f"tools.{i}.function.strict",
+        )
     prompt = state.chat_prompt(req, tools=tools.template_tools)
     # the template writes the special tokens; add_special_tokens (vLLM's) adds the tokenizer's too
     ids = state.tokenizer(prompt, add_special_tokens=bool(req.add_special_tokens)).input_ids
@@ -41,11 +49,12 @@ def prepare_chat(state: RouterState, req: ChatCompletionRequest) -> PreparedChat
     thinking = reasoning and (req.chat_template_kwargs or {}).get("enable_thinking") is not False
     # a requested format is the whole output: it never sits inside a think block the prompt opened
     in_think = thinking and grammar is None and opens_thinking(prompt)
-    if tools.forced:
+    # a strict function under "auto" constrains the calls the model opens, the text around them free
+    if tools.forced or tools.strict:
         mode = "enabled" if in_think else "disabled" if not thinking or closes_thinking(prompt) else "auto"
         grammar = tool_grammar(req, state.tool_call_parser, mode)
     # calls are read unless the output follows a format of the client's own
-    reads_calls = tools.parse and (tools.forced or grammar is None)
+    reads_calls = tools.parse and (tools.forced or tools.strict or grammar is None)
     output = ChatOutput(
         reasoning=reasoning,
         starts_in_reasoning=in_think,

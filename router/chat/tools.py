@@ -1,7 +1,8 @@
 """A chat request's tools: their definitions checked and handed to the chat template, and for
 tool_choice "required" or a named function, the grammar that makes the output such a call (an xgrammar
 structural tag in the model's tool-call format), so its arguments always validate against the
-function's parameter schema."""
+function's parameter schema. Under "auto", a function marked `strict` gets the same guarantee: the
+output is free text until the model opens a call, and the call's arguments follow its schema."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class ToolPlan:
     template_tools: list[dict] | None  # what the chat template renders (None: no tools)
     parse: bool  # whether tool calls are read from the output
     forced: bool  # whether the output must be a call (a grammar makes it one)
+    strict: bool = False  # under "auto": whether a grammar makes the calls the model writes follow their schemas
 
 
 def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
@@ -44,13 +46,25 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
         raise APIError(400, f"tools: two functions are named {twice!r}", param="tools")
     named = isinstance(choice, NamedToolChoice)
     forced = choice == "required" or named
+    strict = choice == "auto" and any(t.function.strict for t in tools)
+    if strict and parser is None:
+        i = next(i for i, t in enumerate(tools) if t.function.strict)
+        raise APIError(
+            400,
+            f"tools.{i}.function.strict: a strict function's calls follow its parameters by a grammar in the "
+            "model's tool-call format, but this server reads none for this model (its tool_call_parser "
+            "setting is none)",
+            param=f"tools.{i}.function.strict",
+        )
     for i, tool in enumerate(tools):
         params = tool.function.parameters
         if params is not None:
             what, field = f"the parameters of function {tool.function.name!r}", f"tools.{i}.function.parameters"
             check_json_schema(params, field, what)
             _check_object(params, field, what)
-            if forced and (not named or choice.function.name == tool.function.name):
+            if (forced and (not named or choice.function.name == tool.function.name)) or (
+                strict and tool.function.strict
+            ):
                 # a grammar makes the calls' arguments follow them (tool_grammar rewrites them for it)
                 check_enforceable(params, field, what)
             checked(GrammarSpec("json_schema", json.dumps(params, ensure_ascii=False)), field)
@@ -71,7 +85,8 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
             param="tool_choice",
         )
     template_tools = [t.model_dump(exclude_none=True) for t in tools] or None
-    return ToolPlan(template_tools, parse=parser is not None and choice != "none" and bool(tools), forced=forced)
+    parse = parser is not None and choice != "none" and bool(tools)
+    return ToolPlan(template_tools, parse=parse, forced=forced, strict=strict)
 
 
 # the schema keywords that would let a function's arguments be other than one object, at its top
@@ -93,21 +108,24 @@ def _check_object(params: Any, field: str, what: str) -> None:
 
 
 def tool_grammar(req: ChatCompletionRequest, parser: str, reasoning: ReasoningMode) -> GrammarSpec:
-    """The structural tag that makes the output one call (a named function) or at least one (required),
-    each call's arguments following its function's parameters; `reasoning` says whether a think block
-    comes first (Qwen3's)."""
+    """The structural tag that makes the output one call (a named function), at least one (required), or,
+    under "auto" with a `strict` function, text in which each call the model opens is one of the tools,
+    written whole; each forced or strict call's arguments follow its function's parameters (a call of
+    a function not marked strict, under auto, is any JSON object). `reasoning` says whether a think
+    block comes first (Qwen3's)."""
     named = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else None
+    auto = req.tool_choice in ("auto", None)
+
+    def parameters(i: int, function: Any) -> Any:
+        if auto:
+            return _arguments(function, i) if function.strict else {"type": "object"}
+        return _arguments(function, i) if named in (None, function.name) else function.parameters
+
     tools = [
-        {
-            "type": "function",
-            "function": {
-                "name": t.function.name,
-                "parameters": _arguments(t.function, i) if named in (None, t.function.name) else t.function.parameters,
-            },
-        }
+        {"type": "function", "function": {"name": t.function.name, "parameters": parameters(i, t.function)}}
         for i, t in enumerate(req.tools or [])
     ]
-    choice = req.tool_choice.model_dump() if named is not None else "required"
+    choice = req.tool_choice.model_dump() if named is not None else "auto" if auto else "required"
     try:
         tag = xgrammar.get_model_structural_tag(
             STRUCTURAL_TAG_MODELS[parser],

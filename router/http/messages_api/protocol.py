@@ -30,6 +30,7 @@ class Tool(_Strict):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")
     description: str | None = None
     input_schema: dict[str, Any]
+    strict: bool | None = None  # the tool's input follows input_schema (a grammar makes it)
 
 
 class ToolChoice(_Strict):

@@ -24,6 +24,7 @@ FIELD_NAMES = {
     "tool_choice": "tool_choice",
     "tools.*.function.parameters": "tools.*.input_schema",
     "tools.*.function.name": "tools.*.name",
+    "tools.*.function.strict": "tools.*.strict",
 }
 
 

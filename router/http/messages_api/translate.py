@@ -140,7 +140,15 @@ def chat_of(req: CountTokensRequest) -> ChatCompletionRequest:
                 400, f"tools.{i}.type: {tool.type!r} tools are not supported by this server", param=f"tools.{i}.type"
             )
     tools = [
-        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.input_schema}}
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description,
+                "parameters": t.input_schema,
+                "strict": t.strict,
+            },
+        }
         for t in req.tools or []
     ] or None
     thinking = req.thinking is not None and req.thinking.type == "enabled"

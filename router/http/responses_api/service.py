@@ -22,6 +22,7 @@ FIELD_NAMES = {
     "messages": "input",
     "prompt": "input",
     "tools.*.function.parameters": "tools.*.parameters",
+    "tools.*.function.strict": "tools.*.strict",
 }
 
 
