@@ -68,6 +68,9 @@ _EXCEPTIONS: dict[ErrorKind, type[RaylmError]] = {
 }
 
 
-def error_for(kind: ErrorKind, message: str) -> RaylmError:
-    """The exception a caller gets for a failure of this kind."""
+def error_for(kind: ErrorKind, message: str, field: str | None = None, code: str | None = None) -> RaylmError:
+    """The exception a caller gets for a failure of this kind (an invalid request's with its field and
+    code)."""
+    if ErrorKind(kind) is ErrorKind.INVALID_REQUEST:
+        return InvalidRequestError(message, field, code)
     return _EXCEPTIONS[ErrorKind(kind)](message)

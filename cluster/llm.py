@@ -33,6 +33,8 @@ class CompletionOutput:
     logprobs: list[float] | None = None
     error: str | None = None
     error_kind: ErrorKind | None = None
+    error_field: str | None = None  # an invalid request's field at fault
+    error_code: str | None = None
 
 
 @dataclass
@@ -96,7 +98,12 @@ class LLM:
             if d.prompt_logprobs is not None:
                 request.prompt_logprobs = d.prompt_logprobs
             if d.error is not None:
-                out.error, out.error_kind = d.error, d.error_kind
+                out.error, out.error_kind, out.error_field, out.error_code = (
+                    d.error,
+                    d.error_kind,
+                    d.error_field,
+                    d.error_code,
+                )
             if d.token is not None:
                 out.token_ids.append(d.token)
             if d.logprob is not None:
@@ -146,7 +153,7 @@ class LLM:
             outputs = [self._outputs.pop(uid)[1] for uid in uids]
         for request, out in zip(requests, outputs):
             if out.error is not None:  # the same exception whether the scheduler ran here or in an actor
-                raise error_for(out.error_kind or ErrorKind.ENGINE, out.error)
+                raise error_for(out.error_kind or ErrorKind.ENGINE, out.error, out.error_field, out.error_code)
             if self.tokenizer is not None:
                 shown = out.token_ids
                 if out.finish_reason == "stop" and shown and shown[-1] in request.params.stop_token_ids:

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.errors import ErrorKind
+from cluster.errors import ErrorKind, RaylmError, error_for
 from cluster.sampling_params import SamplingParams
 
 
@@ -88,6 +88,9 @@ class TokenDelta:
     top_logprobs: list[tuple[int, float]] | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
     error_kind: ErrorKind | None = None
+    # an invalid request's field at fault and OpenAI error code, as InvalidRequestError has them
+    error_field: str | None = None
+    error_code: str | None = None
     # with SamplingParams.prompt_logprobs, on a request's first token: for prompt positions 1.. (the first
     # has none), the prompt token's logprob and the k most likely (id, logprob) there
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
@@ -95,9 +98,21 @@ class TokenDelta:
     hops: FirstTokenHops | None = None  # on a request's first token
 
     @classmethod
-    def failure(cls, uid: int, kind: ErrorKind, why: str) -> TokenDelta:
-        """The last delta of a request that failed."""
-        return cls(uid, None, finished=True, finish_reason="error", error=why, error_kind=kind)
+    def failure(cls, uid: int, kind: ErrorKind, why: str, at: str | None = None, code: str | None = None) -> TokenDelta:
+        """The last delta of a request that failed (`at`: an invalid request's field at fault)."""
+        return cls(
+            uid, None, finished=True, finish_reason="error", error=why, error_kind=kind, error_field=at, error_code=code
+        )
+
+    @classmethod
+    def failed_by(cls, uid: int, error: RaylmError) -> TokenDelta:
+        """The last delta of a request that `error` failed, carrying what the exception says beyond its
+        message (an invalid request's field and code), so the caller at the other end gets it whole."""
+        return cls.failure(uid, error.kind, str(error), getattr(error, "field", None), getattr(error, "code", None))
+
+    def exception(self) -> RaylmError:
+        """The exception this failed request's caller gets (`error` is set)."""
+        return error_for(self.error_kind or ErrorKind.ENGINE, self.error, self.error_field, self.error_code)
 
 
 @dataclass
@@ -137,6 +152,8 @@ class ReplicaOutput(list):
                     d.top_logprobs,
                     d.error,
                     d.error_kind,
+                    d.error_field,
+                    d.error_code,
                     d.prompt_logprobs,
                     d.cached_tokens,
                     d.hops,
@@ -157,6 +174,8 @@ _PLAIN = (
     None,
     None,
     None,
+    None,
+    None,
 )  # a TokenDelta's fields after (uid, token), as defaulted
 
 
@@ -164,10 +183,11 @@ def _rebuild_output(
     uids: list[int], tokens: list[int | None], extra: list[tuple], kv_events: KVEvents | None, live: int | None
 ) -> ReplicaOutput:
     out = ReplicaOutput([TokenDelta(u, t) for u, t in zip(uids, tokens)], kv_events, live)
-    for i, (finished, reason, logprob, top, error, kind, prompt_logprobs, cached, hops) in extra:
+    for i, (finished, reason, logprob, top, error, kind, at, code, prompt_logprobs, cached, hops) in extra:
         d = out[i]
         d.finished, d.finish_reason, d.logprob, d.top_logprobs = finished, reason, logprob, top
-        d.error, d.error_kind, d.prompt_logprobs, d.cached_tokens, d.hops = error, kind, prompt_logprobs, cached, hops
+        d.error, d.error_kind, d.error_field, d.error_code = error, kind, at, code
+        d.prompt_logprobs, d.cached_tokens, d.hops = prompt_logprobs, cached, hops
     return out
 
 

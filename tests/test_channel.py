@@ -269,6 +269,8 @@ def test_every_delta_field_survives_the_columns():
         "top_logprobs": [(3, -0.1)],
         "error": "why",
         "error_kind": ErrorKind.ENGINE,
+        "error_field": "max_tokens",
+        "error_code": "context_length_exceeded",
         "prompt_logprobs": [(-1.0, [(2, -0.2)])],
         "cached_tokens": 8,
         "hops": FirstTokenHops(0.001, 0.002, 0.003),

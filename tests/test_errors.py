@@ -51,8 +51,9 @@ def test_statuses_of_the_kinds_a_client_acts_on():
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_a_request_that_can_never_fit_the_cache_raises_invalid_request_at_every_tp(ray_cluster, qwen3_path, tp_size):
     with LLM(str(qwen3_path), tp_size=tp_size, **SMALL_CACHE) as llm:
-        with pytest.raises(InvalidRequestError, match="KV-cache pages"):
+        with pytest.raises(InvalidRequestError, match="KV-cache pages") as e:
             llm.generate([[5, 6, 7]], greedy(100))
+        assert e.value.field == "max_tokens"  # the field at fault, from a replica actor too
         assert len(llm.generate([[5, 6, 7]], greedy(4, ignore_eos=True))[0].token_ids) == 4  # still serves
         llm.check_integrity()
 
@@ -62,7 +63,9 @@ def test_a_request_that_can_never_fit_the_cache_is_a_400_over_http(ray_cluster, 
         body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 100}
         r = httpx.post(srv.url + C, json=body, timeout=60)
         assert r.status_code == 400, r.text
-        assert r.json()["error"]["type"] == "invalid_request_error" and "KV-cache pages" in r.json()["error"]["message"]
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and "KV-cache pages" in error["message"]
+        assert error["param"] == "max_tokens"  # the replica's field at fault crosses to the client
         with httpx.stream("POST", srv.url + C, json={**body, "stream": True}, timeout=60) as resp:
             events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
         assert events[-1]["error"]["code"] == 400 and events[-1]["error"]["type"] == "invalid_request_error"

@@ -126,7 +126,7 @@ def test_a_grammar_that_does_not_compile_is_refused_naming_the_field(qwen3_path,
         prompts = encode_all(llm, PROMPT_TEXTS[:2])
         with pytest.raises(InvalidRequestError) as e:
             llm.generate(prompts[:1], SamplingParams(grammar=GrammarSpec(kind, spec)))
-        assert "does not compile" in str(e.value)
+        assert "does not compile" in str(e.value) and e.value.field == "response_format"
         assert llm.generate(prompts[1:], greedy(4))[0].finish_reason  # the scheduler serves on
 
 
@@ -317,6 +317,7 @@ def test_a_grammar_slow_to_compile_holds_back_no_other_request_and_fails_at_its_
         (failed,) = [d for d in s.deltas if d.uid == 0]
         assert s.ended[0] == "error" and failed.error_kind == ErrorKind.INVALID_REQUEST
         assert "regex grammar did not compile within 30 s" in failed.error
+        assert failed.exception().field == "response_format"  # what a client's 400 names
     finally:
         grammars.release.set()
     s.run()

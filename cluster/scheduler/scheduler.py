@@ -184,7 +184,8 @@ class Scheduler:
         if need > self.cache.num_pages:
             raise InvalidRequestError(
                 f"the request needs {need} KV-cache pages (prompt {n} + up to {max_len - n} "
-                f"new tokens) but the cache has {self.cache.num_pages}; lower max_tokens or shorten the prompt"
+                f"new tokens) but the cache has {self.cache.num_pages}; lower max_tokens or shorten the prompt",
+                field="max_tokens",
             )
         if params.n != 1:
             raise InvalidRequestError(
@@ -205,7 +206,7 @@ class Scheduler:
                 raise InvalidRequestError(f"request id {msg.uid} is already running")
             self.prefill.check_room(len(msg.input_ids))  # a full queue: OverloadedError
         except RaylmError as e:
-            self.on_output([TokenDelta.failure(msg.uid, e.kind, str(e))])
+            self.on_output([TokenDelta.failed_by(msg.uid, e)])
             return
         seed = msg.params.seed if msg.params.seed is not None else random.getrandbits(62)
         req = Req(msg.uid, list(msg.input_ids), msg.params, max_len, seed)  # its own list: tokens are appended
@@ -242,7 +243,7 @@ class Scheduler:
             req.matcher = matcher
         except RaylmError as e:
             self._end(req, "error")
-            self.on_output([TokenDelta.failure(req.uid, e.kind, str(e))])
+            self.on_output([TokenDelta.failed_by(req.uid, e)])
 
     def _expire_grammars(self) -> None:
         """Fails each constrained request whose grammar has not compiled by its deadline: a grammar can take
@@ -257,7 +258,7 @@ class Scheduler:
                 field="response_format",
             )
             self._end(req, "error")
-            self.on_output([TokenDelta.failure(uid, e.kind, str(e))])
+            self.on_output([TokenDelta.failed_by(uid, e)])
 
     def _abort(self, uid: int) -> None:
         req = self.reqs.get(uid)

@@ -187,7 +187,8 @@ class Generation:
                         if (why := self._move(delta)) is None or not delta.finished:
                             continue  # moved: it goes on from another replica; a drain's notice: here
                         live.discard(delta.uid)
-                        raise error_for(delta.error_kind or ErrorKind.ENGINE, delta.error + why)
+                        kind = delta.error_kind or ErrorKind.ENGINE
+                        raise error_for(kind, delta.error + why, delta.error_field, delta.error_code)
                     i = self.index[delta.uid]
                     self.sent[i].append(delta.token)
                     if i == 0 and delta.cached_tokens is not None:
