@@ -30,7 +30,9 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
     finish_reason: str | None = None
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None  # with SamplingParams.logprobs: each output token's
+    # with SamplingParams.logprobs k > 0: at each output token, the k most likely (id, logprob), best first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
     error_kind: ErrorKind | None = None
     error_field: str | None = None  # an invalid request's field at fault
@@ -110,6 +112,10 @@ class LLM:
                 if out.logprobs is None:
                     out.logprobs = []
                 out.logprobs.append(d.logprob)
+            if d.top_logprobs is not None:
+                if out.top_logprobs is None:
+                    out.top_logprobs = []
+                out.top_logprobs.append(d.top_logprobs)
             if d.finished:
                 out.finish_reason = d.finish_reason
 

@@ -49,6 +49,15 @@ def test_tokenize_messages_applies_the_chat_template(srv, tokenizer):
     assert r.json()["tokens"] == tokenizer(text, add_special_tokens=False).input_ids
 
 
+def test_a_messages_text_parts_are_rendered_a_line_apart_as_vllm_joins_them(srv, tokenizer):
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    r = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": parts}]}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    joined = [{"role": "user", "content": "Hello\nworld"}]
+    text = tokenizer.apply_chat_template(joined, add_generation_prompt=True, tokenize=False)
+    assert r.json()["tokens"] == tokenizer(text, add_special_tokens=False).input_ids
+
+
 def test_detokenize_inverts_tokenize(srv):
     ids = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello there"}, headers=AUTH).json()["tokens"]
     r = httpx.post(srv.url + "/detokenize", json={"tokens": ids}, headers=AUTH)

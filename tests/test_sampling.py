@@ -207,6 +207,19 @@ def test_prompt_logprobs_equal_hf_forward(qwen3_path):
         assert torch.allclose(torch.tensor([[v for _, v in top] for _, top in got]), values, atol=1e-4)
 
 
+def test_offline_output_logprobs_hold_the_k_most_likely_as_hf_forward_does(qwen3_path):
+    with checked_llm(qwen3_path) as llm:
+        prompts = _prompts(llm, 2)
+        outs = llm.generate(prompts, greedy(5, ignore_eos=True, logprobs=3))
+    for prompt, out in zip(prompts, outs):
+        ids, top = out.token_ids, out.outputs[0].top_logprobs
+        ref = hf_prompt_logprobs(qwen3_path, prompt + ids)[len(prompt) - 1 :]  # the rows that chose the output
+        values, best = ref.topk(3, dim=-1)
+        assert len(top) == len(ids) and [[i for i, _ in t] for t in top] == best.tolist()
+        assert torch.allclose(torch.tensor([[v for _, v in t] for t in top]), values, atol=1e-4)
+        assert [t[0][0] for t in top] == ids  # greedy: the most likely is the one sampled
+
+
 def test_min_p_keeps_tokens_at_least_min_p_times_the_most_likely():
     torch.manual_seed(0)
     logits = torch.randn(5, 50) * 3

@@ -9,6 +9,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, model_validator
 
 
+def joined_parts(texts: list[str]) -> str:
+    """One message's text parts (chat's content parts, Responses' input_text parts, Anthropic's text
+    blocks) as the one string a chat template renders: a newline between two, as vLLM joins them (glued,
+    "Hello" and "world" would read "Helloworld")."""
+    return "\n".join(texts)
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -72,4 +79,4 @@ class ChatMessage(BaseModel):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("only text content parts are supported")
             parts.append(part["text"])
-        return "".join(parts)
+        return joined_parts(parts)

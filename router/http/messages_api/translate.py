@@ -9,6 +9,7 @@ import json
 
 from router.http.chat_bridge import chat_request
 from router.http.errors import APIError
+from router.http.messages import joined_parts
 from router.http.messages_api.protocol import CountTokensRequest, MessagesRequest, ToolChoice
 from router.http.protocol import ChatCompletionRequest
 
@@ -26,7 +27,7 @@ def _text(blocks: object, field: str) -> str:
         if block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise _unsupported(block, f"{field}.{i}")
         out.append(block["text"])
-    return "".join(out)
+    return joined_parts(out)
 
 
 def _unsupported(block: dict, where: str) -> APIError:
@@ -60,7 +61,7 @@ def _user(content: list[dict], where: str, calls: set[str]) -> list[dict]:
             )
         else:
             raise _unsupported(block, at)
-    return tools + ([{"role": "user", "content": "".join(text)}] if text else [])
+    return tools + ([{"role": "user", "content": joined_parts(text)}] if text else [])
 
 
 _TOOL_USE_FIELDS = (("id", str), ("name", str), ("input", dict))
@@ -83,7 +84,7 @@ def _assistant(content: list[dict], where: str) -> dict:
             raise APIError(400, f"{at}: a {kind} block is missing its fields", param=at)
         else:
             raise _unsupported(block, at)
-    message = {"role": "assistant", "content": "".join(text) or None}
+    message = {"role": "assistant", "content": joined_parts(text) or None}
     return {**message, "tool_calls": calls} if calls else message
 
 

@@ -8,6 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
+from router.http.messages import joined_parts
 from router.http.protocol import ChatOnlyFields, UnicodeChecked
 from router.http.refused import CHAT_ONLY_FIELDS, is_neutral
 
@@ -47,7 +48,7 @@ class MessageItem(_Strict):
     content: str | list[InputText]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else joined_parts([p.text for p in self.content])
 
 
 class FunctionCallItem(_Strict):
@@ -67,7 +68,7 @@ class FunctionCallOutputItem(_Strict):
     output: str | list[InputText]
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return self.output if isinstance(self.output, str) else joined_parts([p.text for p in self.output])
 
 
 class ReasoningItem(_Strict):
