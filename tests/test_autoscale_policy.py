@@ -71,6 +71,16 @@ def test_the_fleet_never_grows_past_max_replicas():
     assert policy.decide(three, now=1000.0).wanted == 3
 
 
+def test_replicas_an_operator_drained_count_against_max_replicas():
+    policy = AutoscalePolicy(SETTINGS)
+    two = [BUSY] * 2
+    policy.decide(two, now=0.0, held=1)
+    assert policy.decide(two, now=1000.0, held=1).wanted == 2  # 2 serving + 1 drained: max_replicas 3
+    assert AutoscalePolicy(SETTINGS).decide([], now=0.0, held=3).wanted == 0  # all drained: none to add
+    # below min_replicas serving, a replica is added while the fleet stays within max_replicas
+    assert AutoscalePolicy(SETTINGS).decide([], now=0.0, held=1).wanted == 1
+
+
 def test_an_idle_fleet_loses_one_replica_per_down_delay_down_to_min_replicas():
     policy = AutoscalePolicy(SETTINGS)
     policy.decide([IDLE] * 3, now=0.0)
@@ -226,3 +236,25 @@ def test_a_drained_replica_is_removed_only_once_nothing_of_its_requests_is_left(
     clients[1].stats = _Stats()
     asyncio.run(autoscaler.step())
     assert fleet.removed == 1 and len(state.clients) == 1 and state.retiring == set()
+
+
+def test_a_busy_fleet_beside_a_drained_replica_stays_within_max_replicas():
+    clients = [_Client(0, _Stats(waiting=9, running=4)), _Client(1, _Stats())]
+    clients[1].draining = True  # an operator's drain: out of routing, still on its GPUs
+    autoscaler, state, fleet = _autoscaler(clients)  # max_replicas 2, a queue of 1 a replica adds one
+    for _ in range(3):
+        asyncio.run(autoscaler.step())
+    assert fleet.added == 0 and autoscaler.wanted == 1 and state.retiring == set()
+    clients[1].draining = False  # undrained: the fleet may grow again, to its bound
+    clients[0].stats = clients[1].stats = _Stats(waiting=9, running=4)
+    asyncio.run(autoscaler.step())
+    assert fleet.added == 0 and autoscaler.wanted == 2
+
+
+def test_a_drained_replica_stays_drained_when_its_replacement_installs():
+    _, state, _ = _autoscaler([_Client(0, _Stats()), _Client(1, _Stats())])
+    state.clients[1].draining = True
+    state.set_client(1, _Client(1, _Stats()))
+    assert state.clients[1].draining and [c.replica_id for c in state.routable] == [0]
+    state.set_client(0, _Client(0, _Stats()))
+    assert not state.clients[0].draining

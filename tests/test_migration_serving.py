@@ -187,6 +187,22 @@ def test_a_drain_with_streams_in_flight_moves_them_and_cuts_nothing(pair, undist
         ray.get(replica.actor.check_integrity.remote())
 
 
+def test_health_names_the_drained_replicas_and_fails_once_none_takes_requests(pair):
+    _wait_until_healthy(pair)
+    try:
+        assert pair.drain_replica(1) == 0
+        r = httpx.get(pair.url + "/health")
+        assert r.status_code == 200 and r.json()["replicas_drained"] == [1]  # replica 0 serves
+        pair.drain_replica(0)
+        r = httpx.get(pair.url + "/health")  # a load balancer must stop sending here
+        assert r.status_code == 503 and r.json()["replicas_drained"] == [0, 1], r.text
+    finally:
+        pair.undrain_replica(0)
+        pair.undrain_replica(1)
+    r = httpx.get(pair.url + "/health")
+    assert r.status_code == 200 and "replicas_drained" not in r.json()
+
+
 def test_a_drain_leaves_a_stream_that_may_not_move_again_to_finish_where_it_is(pair, undisturbed):
     _wait_until_healthy(pair)
     before = _migrations(pair, "drained")

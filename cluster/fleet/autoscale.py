@@ -67,15 +67,21 @@ class AutoscalePolicy:
         self._idle_since: float | None = None
         self._size: int | None = None
 
-    def decide(self, loads: list[ReplicaLoad], now: float) -> Decision:
-        """The replicas wanted, given the load of each replica serving (and routed to) at `now`."""
+    def decide(self, loads: list[ReplicaLoad], now: float, held: int = 0) -> Decision:
+        """The replicas wanted serving, given the load of each replica serving (and routed to) at `now`.
+        `held`: the fleet's replicas that serve no new request and stay (an operator drained them): they
+        hold their GPUs, so the fleet is n + held, and max_replicas bounds that."""
         s, n = self.settings, len(loads)
+        most = max(s.max_replicas - held, 0)
         if n != self._size:
             self._size, self._short_since, self._idle_since = n, None, None
-        if n < s.min_replicas:
-            return Decision(s.min_replicas, f"{n} replica(s) serve, fewer than min_replicas ({s.min_replicas})")
-        if n > s.max_replicas:
-            return Decision(s.max_replicas, f"{n} replica(s) serve, more than max_replicas ({s.max_replicas})")
+        if n < min(s.min_replicas, most):
+            return Decision(
+                min(s.min_replicas, most), f"{n} replica(s) serve, fewer than min_replicas ({s.min_replicas})"
+            )
+        if n > most:
+            beside = f" beside {held} drained" if held else ""
+            return Decision(most, f"{n} replica(s) serve{beside}, more than max_replicas ({s.max_replicas})")
         waiting, tokens = sum(r.waiting for r in loads), sum(r.queued_tokens for r in loads)
         many_tokens = s.queued_tokens_per_replica is not None and tokens > s.queued_tokens_per_replica * n
         oldest = max((r.oldest_wait_s for r in loads), default=0.0)
@@ -84,7 +90,7 @@ class AutoscalePolicy:
         idle = waiting == 0 and any(r.live == 0 for r in loads)
         self._short_since = (self._short_since if self._short_since is not None else now) if short else None
         self._idle_since = (self._idle_since if self._idle_since is not None else now) if idle else None
-        if short and n < s.max_replicas and now - self._short_since >= s.up_delay_s:
+        if short and n < most and now - self._short_since >= s.up_delay_s:
             if waiting > s.queue_per_replica * n:
                 above = f"{waiting} request(s) waiting, more than {s.queue_per_replica} per replica"
             elif many_tokens:

@@ -70,13 +70,19 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         down = {str(c.replica_id): c.error for c in state.clients if not c.healthy}
-        if down or not state.clients or state.draining or state.control_store_error:
+        # drained by an operator or retiring (a scale-down): up, but taking no new request
+        routable = state.routable
+        held = sorted(c.replica_id for c in state.clients if c not in routable)
+        if down or not routable or state.draining or state.control_store_error:
             # down: replica id -> why (it is being replaced)
             body = {"status": "unavailable", "replicas_down": down}
+            if held:
+                body["replicas_drained"] = held
             if state.control_store_error:
                 body["cluster"] = state.control_store_error
             return JSONResponse(body, status_code=503)
-        return {"status": "ok", "replicas": len(state.clients)}
+        body = {"status": "ok", "replicas": len(state.clients)}
+        return body | {"replicas_drained": held} if held else body
 
     @app.get("/metrics")
     async def metrics():

@@ -161,7 +161,10 @@ class RouterState:
 
     def set_client(self, i: int, client) -> None:
         """Routes replica i's traffic to client from now on (its replacement is serving); requests
-        waiting elsewhere move to it (`rebalance`). On the router's event loop."""
+        waiting elsewhere move to it (`rebalance`). A replica an operator drained stays drained across
+        its replacement: only undrain_replica routes to it again. On the router's event loop."""
+        if self.clients[i].draining:
+            client.draining = True
         self.clients[i] = client
         self.rebalance()
 

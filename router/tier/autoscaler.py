@@ -71,9 +71,12 @@ class Autoscaler:
         loads = await self._loads()
         if loads is None:
             return
-        decision = self.policy.decide(loads, self.clock())
+        # drained by an operator: out of routing, but in the fleet (and on its GPUs) until undrained
+        held = sum(1 for c in self.state.clients if c.draining and c.replica_id not in self.state.retiring)
+        decision = self.policy.decide(loads, self.clock(), held)
         if decision.wanted != self.wanted:
-            log.warning("autoscaling: %d -> %d replica(s) wanted: %s", self.wanted, decision.wanted, decision.why)
+            if decision.why:  # else the count serving changed under it (a drain, an undrain): no decision
+                log.warning("autoscaling: %d -> %d replica(s) wanted: %s", self.wanted, decision.wanted, decision.why)
             self.wanted = decision.wanted
         self._export()
         n = len(loads)
