@@ -17,6 +17,7 @@ from router.tier.supervisor import Supervisor
 
 class _DownClient:
     healthy = False
+    draining = False  # an operator's drain, which its replacement keeps
     error = "replica 0 failed: RayActorError"
 
     async def stop(self) -> None:
