@@ -58,6 +58,19 @@ def test_a_messages_text_parts_are_rendered_a_line_apart_as_vllm_joins_them(srv,
     assert r.json()["tokens"] == tokenizer(text, add_special_tokens=False).input_ids
 
 
+def test_a_developer_message_is_the_system_turn_of_a_template_without_the_role(srv, tokenizer):
+    assert "developer" not in tokenizer.chat_template  # the tests' template, as Qwen's and Llama's
+
+    def tokens(role: str) -> list[int]:
+        messages = [{"role": role, "content": "Answer in French."}, *MSG]
+        r = httpx.post(srv.url + "/tokenize", json={"messages": messages}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    assert tokens("developer") == tokens("system")
+    assert "Answer in French." in tokenizer.decode(tokens("developer"))
+
+
 def test_detokenize_inverts_tokenize(srv):
     ids = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello there"}, headers=AUTH).json()["tokens"]
     r = httpx.post(srv.url + "/detokenize", json={"tokens": ids}, headers=AUTH)

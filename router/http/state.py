@@ -217,6 +217,10 @@ class RouterState:
             )
         try:
             messages = [m.for_template() for m in req.messages]
+            if not _renders_role(self.tokenizer, "developer"):
+                # OpenAI's developer messages are system instructions: a template without the role
+                # (Qwen's, Llama's) would drop them or render a turn its model never saw
+                messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
             return self.tokenizer.apply_chat_template(
                 messages,
                 tools=tools,
@@ -314,3 +318,11 @@ class RouterState:
                 )
             biases[int(key)] = value
         return biases
+
+
+def _renders_role(tokenizer, role: str) -> bool:
+    """Whether the tokenizer's chat template (any of its named ones) names the role: one that does not
+    renders a message of it as no turn it knows."""
+    template = tokenizer.chat_template
+    texts = template.values() if isinstance(template, dict) else [template or ""]
+    return any(f"'{role}'" in t or f'"{role}"' in t for t in texts)
