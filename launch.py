@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import logging
 import os
 import re
@@ -111,7 +112,7 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
     if args.config:
         try:
             config = ServeConfig.from_yaml(args.config)
-        except (OSError, yaml.YAMLError) as e:
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
             fail(f"--config {args.config}: cannot read it ({' '.join(str(e).split())})")
         except ConfigError as e:
             fail(str(e))
@@ -120,6 +121,8 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
         config = config.override(**given)
         if not args.demo and not config.model:
             raise ConfigError("model", "is required: a local model folder or a Hugging Face id (or --demo)")
+        if args.demo and config.model:
+            raise ConfigError("model", "and --demo both name a model: --demo serves its own, so leave one out")
         if args.demo == "random":
             from demo import build_demo_model
 
@@ -139,18 +142,21 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
 
 
 def resolve_model(model: str) -> str:
-    """A local folder as is; otherwise a Hugging Face id (org/name), downloaded with progress."""
-    if Path(model).exists() or not looks_like_hub_id(model):
-        return model  # a missing local folder is named by the model check, without hub advice
+    """A local folder or file as is (a leading ~ expanded); otherwise a Hugging Face id (org/name),
+    downloaded with progress."""
+    local = os.path.expanduser(model)
+    if Path(local).exists() or not looks_like_hub_id(model):
+        return local  # a missing local folder is named by the model check, without hub advice
     try:
         from huggingface_hub import snapshot_download
 
         return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
     except Exception as e:  # noqa: BLE001 - offline, unknown id, gated model...
-        sys.exit(
-            f"cannot find '{model}' locally or fetch it from the Hugging Face hub ({type(e).__name__}: {e}).\n"
-            f"Give a local model folder (config.json, *.safetensors, tokenizer files), or download it first "
-            f"on a machine with network: huggingface-cli download {model} --local-dir DIR"
+        why = " ".join(f"{type(e).__name__}: {e}".split())
+        fail(
+            f"--model cannot find '{model}' locally or fetch it from the Hugging Face hub ({why}); give a local "
+            f"model folder, or download it first where there is network: huggingface-cli download {model} "
+            "--local-dir DIR"
         )
 
 
@@ -183,15 +189,27 @@ def looks_like_hub_id(model: str) -> bool:
     return model.count("/") == 1 and not model.startswith((".", "/", "~")) and "\\" not in model
 
 
-def port_problem(host: str, port: int) -> str | None:
-    """Why the API could not listen on host:port, found before anything starts."""
+def port_problem(host: str, port: int, setting: str = "--port") -> str | None:
+    """Why nothing could listen on host:port, found before anything starts, as the error line naming the
+    setting at fault: --host where the address is none of this machine's, `setting` where the port is taken."""
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
+    except socket.gaierror as e:  # the name resolves to nothing
+        return f"--host {host} is no address of this machine ({e.strerror or e}): give one of its addresses or names"
     except OSError as e:
-        return f"cannot listen on {host}:{port} ({e.strerror or e}): stop what uses it or choose another --port"
+        if e.errno == errno.EADDRNOTAVAIL:
+            return f"--host {host} is no address of this machine: give one of its addresses (0.0.0.0 for all)"
+        why = e.strerror or e
+        return f"{setting} cannot listen on {host}:{port} ({why}): stop what uses it or choose another {setting}"
     return None
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def local_ray_options(dashboard: bool = True) -> dict:
@@ -251,7 +269,17 @@ def start_and_serve(argv: list[str] | None = None) -> None:
     except ModelFolderError as e:
         fail(f"--model {e}")
     if (problem := port_problem(config.host, config.port)) is not None:
-        fail(f"--port {problem}")
+        fail(problem)
+    if config.address is None:  # a local Ray: what it will need of this machine, known now
+        if config.metrics_export_port is not None:
+            if (problem := port_problem("0.0.0.0", config.metrics_export_port, "--metrics-export-port")) is not None:
+                fail(problem)
+        if config.engine.device.startswith("cuda") and not _local_gpus():
+            fail(
+                f"--device {config.engine.device}: this machine has no GPU that torch can see, and the Ray this "
+                "command starts holds this machine alone; use --device cpu, or --address to join a cluster "
+                "with GPUs"
+            )
     if config.address is not None:  # before anything slow: an unreachable cluster is told in seconds
         from cluster.fleet.address import ClusterUnreachableError, probe_cluster
 

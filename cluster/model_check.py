@@ -12,15 +12,16 @@ class ModelFolderError(ValueError):
     pass
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# the files a tokenizer is made from (any one set): tokenizer_config.json alone only configures one
+_TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
 
 
 def check_model_folder(model: str, *, load_format: str = "auto", need_tokenizer: bool = True) -> None:
     path = Path(model)
     if not path.exists():
         raise ModelFolderError(
-            f"there is no folder {model}: give a local Hugging Face model folder "
-            f"(config.json, *.safetensors, tokenizer files)"
+            f"there is no file or folder {model}: give a local Hugging Face model folder "
+            f"(config.json, *.safetensors, tokenizer files) or a GGUF file"
         )
     if not path.is_dir():
         raise ModelFolderError(f"{model} is a file: give the Hugging Face model folder that holds it")
@@ -44,9 +45,10 @@ def check_model_folder(model: str, *, load_format: str = "auto", need_tokenizer:
         )
     if load_format == "auto":
         _check_weights(path)
-    if need_tokenizer and not any((path / f).exists() for f in _TOKENIZER_FILES):
+    if need_tokenizer and not any(all((path / f).exists() for f in files) for files in _TOKENIZER_FILES):
         raise ModelFolderError(
-            f"{model} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); the HTTP server needs one to read prompts"
+            f"{model} has no tokenizer files ({' or '.join(' with '.join(files) for files in _TOKENIZER_FILES)}); "
+            "the HTTP server needs one to read prompts"
         )
 
 

@@ -58,6 +58,21 @@ def test_a_file_that_is_not_gguf_is_one_error_from_the_offline_llm(tmp_path):
         LLM(str(bad))
 
 
+def test_a_file_cut_inside_its_metadata_is_one_error(tmp_path):
+    whole = write_gguf(tmp_path / "whole.gguf", "llama").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[:40])  # past the magic and the counts, inside the first key
+    with pytest.raises(CheckpointError, match="cannot be read as a GGUF checkpoint"):
+        gguf_folder(cut, tmp_path / "cache")
+
+
+def test_the_module_that_makes_a_folder_ahead_says_what_is_wrong_in_one_line(tmp_path):
+    for args in ([], [str(tmp_path / "missing.gguf")]):
+        done = subprocess.run([sys.executable, "-m", "worker.gguf", *args], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 def test_launch_names_a_bad_gguf_file_in_one_line(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"not a checkpoint " * 8)

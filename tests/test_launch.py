@@ -150,5 +150,5 @@ def test_an_unreachable_hub_model_id_exits_with_what_to_do(tmp_path):
         text=True,
         timeout=120,
     )
-    assert out.returncode != 0
-    assert "cannot find 'Qwen/Qwen3-0.6B'" in out.stderr and "--local-dir" in out.stderr
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "--model cannot find 'Qwen/Qwen3-0.6B'" in out.stderr and "--local-dir" in out.stderr

@@ -50,6 +50,8 @@ def broken_copy(qwen3_path: Path, tmp_path: Path, name: str) -> Path:
     elif name == "no-tokenizer":
         for f in ("tokenizer.json", "tokenizer_config.json"):
             (folder / f).unlink(missing_ok=True)
+    elif name == "tokenizer-config-alone":  # the file that configures a tokenizer, not the one that makes it
+        (folder / "tokenizer.json").unlink()
     elif name == "bad-config-json":
         (folder / "config.json").write_text("{not json")
     return folder
@@ -58,13 +60,14 @@ def broken_copy(qwen3_path: Path, tmp_path: Path, name: str) -> Path:
 @pytest.mark.parametrize(
     "name,says",
     [
-        ("missing", "there is no folder"),
+        ("missing", "there is no file or folder"),
         ("empty", "has no config.json"),
         ("bad-config-json", "cannot be read as JSON"),
         ("unknown-architecture", "MambaForCausalLM, which this server does not run; it runs"),
         ("truncated-weights", "not a whole safetensors file"),
         ("no-weights", "has no *.safetensors weights"),
         ("no-tokenizer", "has no tokenizer files"),
+        ("tokenizer-config-alone", "has no tokenizer files (tokenizer.json or"),
     ],
 )
 def test_a_model_folder_that_cannot_serve_is_named_in_one_line(qwen3_path, tmp_path, name, says):
@@ -86,6 +89,63 @@ def test_a_port_in_use_is_named_before_anything_starts(qwen3_path, tmp_path):
     assert code == 2 and len(out.strip().splitlines()) == 1, out
     assert f"127.0.0.1:{port}" in out and "--port" in out and "OpenAI-compatible API" not in out
     assert "Ray" not in out and elapsed < 20, out
+
+
+def _one_line(code: int, out: str, elapsed: float) -> str:
+    """The one error line of a start that failed before Ray started."""
+    lines = out.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in out, out
+    assert elapsed < 20, "known before Ray starts"
+    return lines[0]
+
+
+def test_a_host_that_is_no_address_of_this_machine_is_named_not_the_port(qwen3_path, tmp_path):
+    line = _one_line(*launch("--model", str(qwen3_path), "--host", "256.1.1.1", cwd=tmp_path))
+    assert "--host 256.1.1.1" in line and "--port" not in line
+
+
+def test_a_taken_metrics_export_port_is_named_before_ray_starts(qwen3_path, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = _one_line(*launch("--model", str(qwen3_path), "--metrics-export-port", str(port), cwd=tmp_path))
+    assert "--metrics-export-port" in line and str(port) in line
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the error is for a machine without a GPU")
+def test_a_cuda_device_on_a_machine_without_gpus_is_named_not_waited_for(qwen3_path, tmp_path):
+    line = _one_line(*launch("--model", str(qwen3_path), "--device", "cuda", cwd=tmp_path))
+    assert "--device cuda" in line and "no GPU" in line
+
+
+def test_demo_and_a_model_together_are_refused(qwen3_path, tmp_path):
+    line = _one_line(*launch("--demo", "random", "--model", str(qwen3_path), cwd=tmp_path))
+    assert "--model" in line and "--demo" in line
+
+
+def test_a_model_path_under_home_is_expanded(qwen3_path, tmp_path):
+    shutil.copytree(qwen3_path, tmp_path / "home" / "model")
+    with socket.socket() as taken:  # the start then stops at the port, past the model's check
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "launch.py"), "--model", "~/model", "--port", port],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1"),
+        )
+    assert done.returncode == 2 and "--port" in done.stderr and "--model" not in done.stderr, done.stderr
+
+
+def test_a_config_file_that_is_not_utf8_is_named(qwen3_path, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"\xff\xfe bad")
+    line = _one_line(*launch("--config", str(bad), "--model", str(qwen3_path), cwd=tmp_path))
+    assert f"--config {bad}: cannot read it" in line
 
 
 def test_a_hub_id_still_goes_to_the_hub(tmp_path):

@@ -120,6 +120,35 @@ def test_shutting_down_abandons_a_replacement_waiting_for_resources():
     assert fleet.replace(0) is None  # no replacement starts once shut down
 
 
+def test_ctrl_c_while_the_fleet_starts_abandons_the_replicas_still_waiting_for_resources():
+    import signal
+
+    waiting, ended, first = threading.Barrier(3), threading.Semaphore(0), _Replica(0)
+
+    def build(config, replica_id, abandon=None) -> _Replica:
+        if replica_id == 0:
+            return first  # started already when the interrupt comes
+        waiting.wait(5)
+        assert abandon.wait(10), "not abandoned"  # as ReplicaHandle's wait for its placement gives up
+        ended.release()
+        raise RuntimeError("abandoned while waiting for resources")
+
+    def interrupt() -> None:
+        waiting.wait(5)  # both others wait for resources
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    start = time.monotonic()
+    try:
+        Fleet.start(None, 3, build=build)
+        raise AssertionError("the interrupt did not stop the start")
+    except KeyboardInterrupt:
+        pass
+    assert time.monotonic() - start < 5
+    assert ended.acquire(timeout=5) and ended.acquire(timeout=5)  # both builds gave up on their own
+    assert first.down  # the one started is shut down
+
+
 def test_a_replacement_that_comes_up_after_shutdown_is_shut_down_too():
     release, built = threading.Event(), []
 

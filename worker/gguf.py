@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -65,7 +66,8 @@ def _convert(gguf_file: Path, out: Path) -> None:
     where, name = str(gguf_file.parent), gguf_file.name
     try:
         config = AutoConfig.from_pretrained(where, gguf_file=name)
-    except (ValueError, KeyError, OSError) as e:  # an architecture transformers cannot read, a damaged file
+    # an architecture transformers cannot read, a damaged file (struct.error: one cut inside its metadata)
+    except (ValueError, KeyError, OSError, struct.error) as e:
         raise CheckpointError(f"{gguf_file} cannot be read as a GGUF checkpoint: {e}") from e
     with torch.device("meta"):  # the names only: transformers maps the file's tensors onto this model's
         hf_model = AutoModelForCausalLM.from_config(config)
@@ -75,7 +77,8 @@ def _convert(gguf_file: Path, out: Path) -> None:
         raise CheckpointError(f"{gguf_file} holds a {arch}, which this server does not run; it runs {runs}")
     try:
         tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=hf_model)["tensors"]
-    except (ValueError, NotImplementedError, KeyError) as e:  # a quantization type the gguf package cannot undo
+    # a quantization type the gguf package cannot undo, a file cut inside its tensors
+    except (ValueError, NotImplementedError, KeyError, struct.error) as e:
         raise CheckpointError(f"{gguf_file}: its weights cannot be dequantized: {e}") from e
     config.architectures = [arch]
     config.dtype = "bfloat16"  # what a GPU serves it in by default (the CPU serves float32)
@@ -87,5 +90,10 @@ def _convert(gguf_file: Path, out: Path) -> None:
 if __name__ == "__main__":  # make the folder on a node ahead of serving: python -m worker.gguf FILE.gguf
     import sys
 
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m worker.gguf FILE.gguf (prints the model folder made from it)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(gguf_folder(sys.argv[1]))
+    try:
+        print(gguf_folder(sys.argv[1]))
+    except (CheckpointError, OSError) as e:
+        sys.exit(f"worker.gguf: {e}")
