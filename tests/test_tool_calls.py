@@ -355,3 +355,13 @@ def test_strict_makes_no_grammar_of_its_own_but_under_auto(choice):
         with pytest.raises(APIError) as refused:
             plan_tools(req, None)
         assert refused.value.status == 400 and refused.value.param == "tools.0.function.strict"
+
+
+@pytest.mark.parametrize("fmt,cut", [("qwen", '<tool_call>\n{"name": "f", "argu'), ("llama", '{"name": "f", "parame')])
+def test_a_call_cut_short_is_content_for_chat_and_dropped_for_the_apis_of_items(fmt, cut):
+    text = "Let me check. " + cut
+    for pieces in splits(text)[:40]:
+        chat = read(ChatOutput(tool_calls=fmt), pieces)
+        assert chat.content == text and not chat.tool_calls  # as vLLM's: what the model wrote
+        items = read(ChatOutput(tool_calls=fmt, unfinished_calls_as_text=False), pieces)
+        assert items.content == "Let me check. " and not items.tool_calls

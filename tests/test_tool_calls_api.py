@@ -258,6 +258,37 @@ def test_strict_reaches_the_chat_path_from_the_messages_and_responses_apis(srv):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.strict", r.text
 
 
+def test_a_forced_call_cut_by_the_token_limit_leaves_no_markup_in_responses_and_messages(srv):
+    """Chat returns what the model wrote (vLLM's choice); the Responses and Messages APIs have no item for
+    half a call, and an agent would store its markup as the assistant's words."""
+    tool = {"type": "function", "name": "get_time", "parameters": TIME}
+    r = httpx.post(
+        srv.url + "/v1/responses",
+        json={"model": "tiny", "input": "hi", "tools": [tool], "tool_choice": "required", "max_output_tokens": 12},
+        timeout=30,
+    )
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "incomplete", r.text
+    texts = [part["text"] for item in body["output"] if item["type"] == "message" for part in item["content"]]
+    assert not [item for item in body["output"] if item["type"] == "function_call"] and "<tool_call>" not in "".join(
+        texts
+    )
+    r = httpx.post(
+        srv.url + "/v1/messages",
+        json={
+            "model": "tiny",
+            "max_tokens": 12,
+            "messages": MSG,
+            "tools": [{"name": "get_time", "input_schema": TIME}],
+            "tool_choice": {"type": "any"},
+        },
+        timeout=30,
+    )
+    body = r.json()
+    assert r.status_code == 200 and body["stop_reason"] == "max_tokens", r.text
+    assert "<tool_call>" not in "".join(block.get("text", "") for block in body["content"])
+
+
 def test_tokenize_counts_the_tools_and_template_kwargs_as_chat_does(srv):
     r = client(srv).chat.completions.create(
         model="tiny", messages=MSG, tools=TOOLS, max_tokens=1, extra_body=NO_THINKING

@@ -34,6 +34,9 @@ class ChatOutput:
     starts_in_reasoning: bool = False
     tool_calls: str | None = None
     max_calls: int | None = None  # 1 for parallel_tool_calls false: later calls are dropped
+    # a call the output cut short (max_tokens) returned as content, its markup and all, as chat's is (and
+    # vLLM's); off for the Responses and Messages APIs, whose items have no place for it
+    unfinished_calls_as_text: bool = True
 
     @property
     def parses(self) -> bool:
@@ -44,6 +47,7 @@ class ChatOutput:
             ReasoningParser(self.starts_in_reasoning) if self.reasoning else None,
             tool_call_parser(self.tool_calls) if self.tool_calls else None,
             self.max_calls,
+            self.unfinished_calls_as_text,
         )
 
 
@@ -51,8 +55,11 @@ class ChatOutputParser:
     """One choice: feed its text pieces, then finish; the parts given out add up to the whole message,
     however the text was split."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools, max_calls: int | None = None) -> None:
+    def __init__(
+        self, reasoning: ReasoningParser | None, tools, max_calls: int | None = None, keep_unfinished: bool = True
+    ) -> None:
         self._reasoning, self._tools, self._max_calls = reasoning, tools, max_calls
+        self._keep_unfinished = keep_unfinished
         self.calls = 0  # tool calls given out so far (the next one's index in a stream)
 
     def feed(self, text: str) -> ChatParts:
@@ -70,7 +77,7 @@ class ChatOutputParser:
         else:
             parts.content, parts.tool_calls = self._tools.feed(content)
             if final:
-                rest, calls = self._tools.finish()
+                rest, calls = self._tools.finish(self._keep_unfinished)
                 parts.content += rest
                 parts.tool_calls += calls
         if self._max_calls is not None:  # an unconstrained model may call more often than the client allows

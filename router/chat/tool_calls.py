@@ -152,14 +152,15 @@ class ToolCallParser:
                 self._after_call = True
             self._buffer, self._in_call = self._buffer[end:], False
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self, keep_unfinished: bool = True) -> tuple[str, list[ToolCall]]:
         """The end of the choice: a call still open is taken if its text parses whole (the output may
-        end before a closing tag), otherwise it is content."""
+        end before a closing tag), otherwise it is content, or, not `keep_unfinished`, dropped (the
+        format's markup of a call cut short, which an API of items has no place for)."""
         rest, self._buffer = self._buffer, ""
         if self._in_call and (call := self._parse(rest)) is not None:
             self.calls += 1
             return "", [call]
-        return rest, []
+        return rest if keep_unfinished or not self._in_call else "", []
 
 
 class QwenToolCallParser(ToolCallParser):

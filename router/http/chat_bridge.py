@@ -4,6 +4,7 @@ body, or as its stream's chunks, for the Responses and Messages APIs to write in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -83,7 +84,8 @@ async def run_chat(state: RouterState, request: Request, req: ChatCompletionRequ
         None,
         params.n,
         [PromptShown(chat.ids)],
-        output=chat.output,
+        # a call cut short is no item of these APIs: its markup is not shown as text either
+        output=dataclasses.replace(chat.output, unfinished_calls_as_text=False),
         extras=Extras(return_token_ids=True),
     )
     result = await serve(state, request, req, [PromptRun(chat.ids, params)], fmt)
