@@ -314,6 +314,50 @@ def test_a_stored_response_is_read_back_and_continues_the_conversation(srv):
     assert second.output_text == c.choices[0].message.content
 
 
+def test_input_tokens_counts_the_prompt_a_response_would_have(srv):
+    first = client(srv).responses.create(
+        model="tiny",
+        input="Name a city",
+        instructions="Be brief.",
+        tools=[TOOL],
+        max_output_tokens=3,
+        temperature=0,
+        reasoning=NO_THINKING,
+    )
+    counted = client(srv).responses.input_tokens.count(
+        model="tiny", input="Name a city", instructions="Be brief.", tools=[TOOL], reasoning=NO_THINKING
+    )
+    assert counted.object == "response.input_tokens" and counted.input_tokens == first.usage.input_tokens
+    follow = dict(input="And another", previous_response_id=first.id, reasoning=NO_THINKING)
+    second = client(srv).responses.create(model="tiny", max_output_tokens=3, temperature=0, **follow)
+    assert client(srv).responses.input_tokens.count(**follow).input_tokens == second.usage.input_tokens  # no model
+    with pytest.raises(openai.BadRequestError, match="tools.0.parameters"):
+        client(srv).responses.input_tokens.count(
+            model="tiny", input="x", tools=[{**TOOL, "parameters": {"type": "array"}}]
+        )
+
+
+def test_a_stored_responses_input_items_are_listed_newest_first_in_pages(srv):
+    given = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Name"}, {"type": "input_text", "text": "a city"}]},
+    ]
+    r = client(srv).responses.create(model="tiny", input=given, max_output_tokens=2, reasoning=NO_THINKING)
+    listed = client(srv).responses.input_items.list(r.id)
+    texts = [[part.text for part in item.content] for item in listed.data]
+    assert texts == [["Name", "a city"], ["Be brief."]] and [i.role for i in listed.data] == ["user", "system"]
+    assert all(item.id for item in listed.data) and not listed.has_more
+    first = client(srv).responses.input_items.list(r.id, limit=1, order="asc")
+    assert [i.role for i in first.data] == ["system"] and first.has_more
+    rest = client(srv).responses.input_items.list(r.id, order="asc", after=first.data[0].id)
+    assert [i.role for i in rest.data] == ["user"]
+    plain = client(srv).responses.create(model="tiny", input="Hi", max_output_tokens=2, reasoning=NO_THINKING)
+    (item,) = client(srv).responses.input_items.list(plain.id).data
+    assert item.type == "message" and item.role == "user" and item.content[0].text == "Hi"
+    with pytest.raises(openai.NotFoundError):
+        client(srv).responses.input_items.list("resp_nowhere")
+
+
 def test_a_streamed_response_is_stored_whole(srv):
     with client(srv).responses.stream(
         model="tiny", input="Yes or no?", text=YES_NO, max_output_tokens=10, temperature=0, reasoning=NO_THINKING

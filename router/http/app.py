@@ -36,8 +36,15 @@ from router.http.protocol import (
     TokenizeRequest,
 )
 from router.http.responses import Formatter, PromptShown
-from router.http.responses_api.protocol import ResponsesRequest
-from router.http.responses_api.service import cancel_response, create_response, delete_response, get_response
+from router.http.responses_api.protocol import InputTokensRequest, ResponsesRequest
+from router.http.responses_api.service import (
+    cancel_response,
+    count_input_tokens,
+    create_response,
+    delete_response,
+    get_response,
+    list_input_items,
+)
 from router.http.serving import PromptRun, serve
 from router.http.state import RouterState
 
@@ -193,9 +200,17 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
     async def responses(body: ResponsesRequest, request: Request):
         return await create_response(state, request, body)
 
+    @app.post("/v1/responses/input_tokens")
+    async def responses_input_tokens(body: InputTokensRequest):
+        return await count_input_tokens(state, body)
+
     @app.get("/v1/responses/{response_id}")
     async def responses_get(response_id: str):
         return await get_response(state, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def responses_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None):
+        return await list_input_items(state, response_id, limit, order, after)
 
     @app.delete("/v1/responses/{response_id}")
     async def responses_delete(response_id: str):

@@ -158,3 +158,9 @@ class ResponsesRequest(_Strict, ChatOnlyFields):
         if not is_neutral(value, cls.refused[info.field_name]):
             raise ValueError(f"{info.field_name} is not supported by this server")
         return value
+
+
+class InputTokensRequest(ResponsesRequest):
+    """POST /v1/responses/input_tokens: a response's request, counted, not run (its model may be left out)."""
+
+    model: str | None = None

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from router.http.chat_bridge import cached_of, renamed, run_chat
+from router.http.chat_bridge import cached_of, prompt_ids, renamed, run_chat
 from router.http.errors import APIError
 from router.http.responses_api.output import ResponseHead, items_of, status_of, usage
-from router.http.responses_api.protocol import ResponsesRequest
-from router.http.responses_api.store import forget, keep, stored
+from router.http.responses_api.protocol import InputTokensRequest, ResponsesRequest
+from router.http.responses_api.store import forget, input_items, keep, stored
 from router.http.responses_api.stream import ResponseEvents
 from router.http.responses_api.translate import chat_of, input_messages
 from router.http.state import RouterState
@@ -38,7 +38,8 @@ async def create_response(state: RouterState, request: Request, req: ResponsesRe
         raise renamed(e, FIELD_NAMES) from None
     head = ResponseHead(req, state.model_name)
     count = lambda text: len(state.tokenizer(text, add_special_tokens=False).input_ids) if text else 0  # noqa: E731
-    finished = (lambda body: keep(state, body, messages)) if req.store is not False else None
+    given = input_items(req.input)
+    finished = (lambda body: keep(state, body, messages, given)) if req.store is not False else None
     if result.body is None:
         events = ResponseEvents(head, count, finished)
         return result.restream(events.events, events.left)
@@ -59,6 +60,48 @@ async def create_response(state: RouterState, request: Request, req: ResponsesRe
 
 async def get_response(state: RouterState, response_id: str) -> dict:
     return (await stored(state, response_id))["response"]
+
+
+async def count_input_tokens(state: RouterState, req: InputTokensRequest) -> dict:
+    """The prompt tokens the request would be: its input after its previous response's conversation,
+    with its instructions and tools, rendered as POST /v1/responses renders them."""
+    if req.model is not None:
+        state.check_model(req.model)
+    history = []
+    if req.previous_response_id is not None:
+        history = (await stored(state, req.previous_response_id, "previous_response_id"))["messages"]
+    try:
+        messages = history + input_messages(req.input, history)
+        ids = prompt_ids(state, chat_of(req.model_copy(update={"model": state.model_name}), messages))
+    except APIError as e:
+        raise renamed(e, FIELD_NAMES) from None
+    return {"object": "response.input_tokens", "input_tokens": len(ids)}
+
+
+async def list_input_items(
+    state: RouterState, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+) -> dict:
+    """A stored response's input items, a page of them: newest first by default, as OpenAI lists them."""
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit must be 1 to 100, not {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be asc or desc, not {order!r}", param="order")
+    items = list((await stored(state, response_id)).get("input", []))
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise APIError(400, f"after: {after!r} is no input item of response {response_id}", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
 
 
 async def delete_response(state: RouterState, response_id: str) -> dict:

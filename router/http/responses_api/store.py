@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from router.http.errors import APIError
+from router.http.responses_api.output import new_id
 from router.http.state import RouterState
 from router.tier.response_store import response_store
 
@@ -28,10 +29,29 @@ def assistant_message(output: list[dict]) -> dict:
     return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
 
 
-async def keep(state: RouterState, body: dict, messages: list[dict]) -> None:
+def input_items(given: str | list[dict]) -> list[dict]:
+    """A request's input as the items GET /v1/responses/{id}/input_items lists: each with an id, a
+    message's content as parts (a string is one input_text part, an assistant's one output_text part)."""
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    items = []
+    for raw in given:
+        item = {"type": "message", **raw} if "type" not in raw else dict(raw)
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        item.setdefault("id", new_id(_ID_PREFIXES.get(item["type"], "item")))
+        items.append(item)
+    return items
+
+
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+async def keep(state: RouterState, body: dict, messages: list[dict], given: list[dict] | None = None) -> None:
     """Stores a finished response, before the client hears of it: a GET or a previous_response_id
-    that follows at once, through any router of the tier, finds it."""
-    record = {"response": body, "messages": [*messages, assistant_message(body["output"])]}
+    that follows at once, through any router of the tier, finds it. `given`: its input items."""
+    record = {"response": body, "messages": [*messages, assistant_message(body["output"])], "input": given or []}
     await _store(state).put.remote(body["id"], record, len(json.dumps(record)))
 
 
