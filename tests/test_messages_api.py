@@ -196,6 +196,9 @@ def test_thinking_is_returned_as_thinking_blocks(srv):
         final = stream.get_final_message()
     assert "delta:thinking_delta" in event_types(events)
     assert final.content[0].thinking == m.content[0].thinking
+    # adaptive: the model decides how long it thinks, as this one does once thinking is on
+    adaptive = claude(srv).messages.create(**{**body, "thinking": {"type": "adaptive"}})
+    assert adaptive.content[0].type == "thinking" and adaptive.content[0].thinking == m.content[0].thinking
 
 
 def test_tool_choice_tool_makes_a_tool_use_block_whose_input_validates(srv, bias):
@@ -212,11 +215,13 @@ def test_tool_choice_tool_makes_a_tool_use_block_whose_input_validates(srv, bias
         m = claude(srv).messages.create(**body)
         uses = [b for b in m.content if b.type == "tool_use"]
         assert m.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather", m.content
+        assert uses[0].id.startswith("toolu_")  # Anthropic's prefix
         jsonschema.validate(uses[0].input, WEATHER)
         with claude(srv).messages.stream(**body) as stream:
             events = list(stream)
             final = stream.get_final_message()
         assert [(b.type, b.name, b.input) for b in final.content] == [("tool_use", uses[0].name, uses[0].input)]
+        assert final.content[0].id.startswith("toolu_")
         assert "delta:input_json_delta" in event_types(events) and final.stop_reason == "tool_use"
 
 

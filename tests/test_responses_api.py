@@ -85,6 +85,8 @@ def test_a_string_input_is_answered_as_the_chat_request_it_means(srv):
     assert (r.status, r.incomplete_details and r.incomplete_details.reason) == (
         ("incomplete", "max_output_tokens") if reason == "length" else ("completed", None)
     )
+    # set once completed, as OpenAI's
+    assert (r.completed_at is not None and r.completed_at >= r.created_at) == (r.status == "completed")
 
 
 def test_function_calls_and_their_outputs_are_the_conversation_the_template_renders(srv):

@@ -19,10 +19,15 @@ def new_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
+def tool_use_id(call: dict) -> str:
+    """A chat call's id with Anthropic's prefix (ids are opaque either way)."""
+    return "toolu_" + call["id"].removeprefix("call_")
+
+
 def tool_use(call: dict) -> dict:
     return {
         "type": "tool_use",
-        "id": call["id"],
+        "id": tool_use_id(call),
         "name": call["function"]["name"],
         "input": json.loads(call["function"]["arguments"]),
     }

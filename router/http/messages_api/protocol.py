@@ -40,7 +40,8 @@ class ToolChoice(_Strict):
 
 
 class Thinking(_Strict):
-    type: Literal["enabled", "disabled"]
+    # adaptive: the model decides whether and how long to think, as a thinking model here does once enabled
+    type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(default=None, ge=1)  # the model's thinking is not budgeted here
 
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 from router.http.chat_bridge import cached_of, sse_event
 from router.http.errors import anthropic_error_body
-from router.http.messages_api.output import message_body, usage
+from router.http.messages_api.output import message_body, tool_use_id, usage
 
 _STATUS_OF_CODE = {"invalid_request_error": 400, "rate_limit_error": 429, "service_unavailable": 503}
 
@@ -77,7 +77,7 @@ class MessageEvents:
             field = "thinking" if kind == "thinking" else "text"
             events.append(self._event("content_block_delta", index=self.index, delta={"type": name, field: text}))
         for call in delta.get("tool_calls") or []:
-            block = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}}
+            block = {"type": "tool_use", "id": tool_use_id(call), "name": call["function"]["name"], "input": {}}
             events += self._start("tool_use", block)
             partial = {"type": "input_json_delta", "partial_json": call["function"]["arguments"]}
             events.append(self._event("content_block_delta", index=self.index, delta=partial))

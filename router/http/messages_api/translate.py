@@ -152,7 +152,7 @@ def chat_of(req: CountTokensRequest) -> ChatCompletionRequest:
         }
         for t in req.tools or []
     ] or None
-    thinking = req.thinking is not None and req.thinking.type == "enabled"
+    thinking = req.thinking is not None and req.thinking.type in ("enabled", "adaptive")
     choice = req.tool_choice
     messages, prefill = chat_messages(req), prefilled(req)
     if prefill and not messages[-1]["content"]:  # an empty final assistant turn prefills nothing

@@ -97,6 +97,7 @@ class ResponseHead:
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "status": status,
             "background": False,
             "error": error,
