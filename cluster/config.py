@@ -523,7 +523,7 @@ class ServeConfig(ReplicaConfig):
         import yaml
 
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=_unique_keys_loader()) or {}
         if not isinstance(data, dict):
             raise ConfigError(path, "must be a mapping of settings (page_size: 16, ...)")
         try:
@@ -667,3 +667,23 @@ def markdown_table(cls: type = ServeConfig) -> str:
 
 if __name__ == "__main__":
     print(markdown_table())
+
+
+def _unique_keys_loader():
+    """PyYAML's safe loader, refusing a mapping that gives one key twice (it would keep the last, and a
+    setting written twice in a serving file is a mistake either way)."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is given twice", key_node.start_mark
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeys

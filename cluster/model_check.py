@@ -35,13 +35,13 @@ def check_model_folder(model: str, *, load_format: str = "auto", need_tokenizer:
         config = json.loads(config_file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelFolderError(f"{config_file} cannot be read as JSON: {e}") from e
-    from worker.models import MODELS
+    from worker.models import MODELS, SERVED_ARCHITECTURES
 
     archs = config.get("architectures") or []
     if not any(a in MODELS for a in archs):
         raise ModelFolderError(
             f"{model} is a {', '.join(archs) or config.get('model_type', 'model of no named architecture')}"
-            f", which this server does not run; it runs {', '.join(sorted(MODELS))}"
+            f", which this server does not run; it runs {', '.join(SERVED_ARCHITECTURES)}"
         )
     if load_format == "auto":
         _check_weights(path)

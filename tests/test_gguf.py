@@ -40,8 +40,11 @@ def write_gguf(path: Path, arch: str) -> Path:
 
 
 def test_an_architecture_this_server_does_not_run_is_named(tmp_path):
-    with pytest.raises(CheckpointError, match="holds a GPT2LMHeadModel, which this server does not run; it runs Llama"):
+    with pytest.raises(
+        CheckpointError, match="holds a GPT2LMHeadModel, which this server does not run; it runs Llama"
+    ) as e:
         gguf_folder(write_gguf(tmp_path / "gpt2.gguf", "gpt2"), tmp_path / "cache")
+    assert "Eagle" not in str(e.value)  # a draft head is served only beside its model: not listed
     assert not list((tmp_path / "cache").iterdir()), "nothing half-made is left in the cache"
 
 

@@ -36,6 +36,20 @@ def test_unknown_config_keys_are_named(tmp_path):
         ServeConfig.from_yaml(str(tmp_path / "bad.yaml"))
 
 
+def test_a_setting_given_twice_in_a_config_file_is_named_with_its_line(tmp_path):
+    import yaml
+
+    (tmp_path / "twice.yaml").write_text("page_size: 16\ntp_size: 1\npage_size: 32\n")
+    with pytest.raises(yaml.YAMLError, match="'page_size' is given twice") as e:
+        ServeConfig.from_yaml(str(tmp_path / "twice.yaml"))
+    assert "line 3" in str(e.value)
+
+
+def test_help_with_a_value_is_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--help=1"], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.strip().endswith("--help takes no value"), done.stderr
+
+
 # with the dashboard packages the demo is the README's quickstart, whose test checks what it prints of
 # the dashboard (tests/test_readme.py); here, without them and stopped by SIGTERM
 @pytest.mark.parametrize("dashboard_packages", [False], ids=["ray-minimal"])
@@ -152,3 +166,17 @@ def test_an_unreachable_hub_model_id_exits_with_what_to_do(tmp_path):
     )
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "--model cannot find 'Qwen/Qwen3-0.6B'" in out.stderr and "--local-dir" in out.stderr
+
+
+def test_the_cache_is_under_xdg_cache_home_and_under_the_home_folder_when_it_is_unset_or_empty(monkeypatch, tmp_path):
+    from worker.cache_home import cache_home
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_home() == tmp_path / "xdg" / "raylm"
+    for unset in ("", None):  # empty means unset, as the XDG base directory specification says
+        if unset is None:
+            monkeypatch.delenv("XDG_CACHE_HOME")
+        else:
+            monkeypatch.setenv("XDG_CACHE_HOME", unset)
+        assert cache_home() == tmp_path / "home" / ".cache" / "raylm"

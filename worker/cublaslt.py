@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from worker.cache_home import cache_home
+
 # cublasLt.h's values
 _COMPUTE_32F = 68
 _CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = 0, 2, 14
@@ -417,12 +419,10 @@ def cache_file() -> Path | None:
     """The file of kept timings; None where no home folder can be found (every start then times afresh)."""
     if CACHE_FILE is not None:
         return CACHE_FILE
-    base = os.environ.get("XDG_CACHE_HOME")
     try:
-        root = Path(base) if base else Path.home() / ".cache"
+        return cache_home() / "gemm_tuning.json"
     except RuntimeError:  # no $HOME and no user entry (a container's arbitrary uid)
         return None
-    return root / "raylm" / "gemm_tuning.json"
 
 
 def _platform(device: torch.device) -> str:

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import struct
 import tempfile
 from pathlib import Path
 
+from worker.cache_home import cache_home
 from worker.checkpoint_error import CheckpointError
 
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "raylm" / "gguf"
+CACHE = cache_home() / "gguf"
 
 
 def is_gguf(model: str | Path) -> bool:
@@ -61,7 +61,7 @@ def _convert(gguf_file: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from worker.models import MODELS
+    from worker.models import MODELS, SERVED_ARCHITECTURES
 
     where, name = str(gguf_file.parent), gguf_file.name
     try:
@@ -73,7 +73,7 @@ def _convert(gguf_file: Path, out: Path) -> None:
         hf_model = AutoModelForCausalLM.from_config(config)
     arch = type(hf_model).__name__
     if arch not in MODELS:
-        runs = ", ".join(MODELS)
+        runs = ", ".join(SERVED_ARCHITECTURES)
         raise CheckpointError(f"{gguf_file} holds a {arch}, which this server does not run; it runs {runs}")
     try:
         tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=hf_model)["tensors"]

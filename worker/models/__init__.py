@@ -26,6 +26,8 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     # draft heads (speculative_method eagle3), served only beside the model they draft for
     **{arch: Eagle3ForCausalLM for arch in EAGLE3_ARCHITECTURES},
 }
+# what a user may serve on its own, as errors list them (a draft head is not one)
+SERVED_ARCHITECTURES = tuple(sorted(arch for arch in MODELS if arch not in EAGLE3_ARCHITECTURES))
 
 
 class UnsupportedModelError(ValueError):
