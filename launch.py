@@ -315,6 +315,11 @@ def start_and_serve(argv: list[str] | None = None) -> None:
             f"Prometheus: scrape {server.url}/metrics (router) and port {config.metrics_export_port} (Ray)", flush=True
         )
     server.run()
+    if server.ray_lost:  # Ray's own exit would wait a minute for its GCS, then fail: nothing is left to stop
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def print_ready(server, config: ServeConfig, seconds: float) -> None:

@@ -52,9 +52,11 @@ def test_help_with_a_value_is_one_line(tmp_path):
 
 # with the dashboard packages the demo is the README's quickstart, whose test checks what it prints of
 # the dashboard (tests/test_readme.py); here, without them and stopped by SIGTERM
-@pytest.mark.parametrize("dashboard_packages", [False], ids=["ray-minimal"])
-def test_demo_serves_and_stops_cleanly_on_sigterm(tmp_path, dashboard_packages):
-    port = 18000 + os.getpid() % 1000 + (0 if dashboard_packages else 1)
+# to its process: as Ctrl-C's and a container's stop; to its group: as `timeout`, `kill -TERM -PGID` and
+# systemd's default stop send it, ending the local Ray's processes beside it
+@pytest.mark.parametrize("dashboard_packages,to_group", [(False, False), (False, True)], ids=["ray-minimal", "group"])
+def test_demo_serves_and_stops_cleanly_on_sigterm(tmp_path, dashboard_packages, to_group):
+    port = 18000 + os.getpid() % 1000 + (0 if dashboard_packages else 1) + (2 if to_group else 0)
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), OMP_NUM_THREADS="1")
     if not dashboard_packages:  # as on a host with Ray's minimal install: the dashboard cannot run
         hide = tmp_path / "hide"
@@ -77,6 +79,7 @@ def test_demo_serves_and_stops_cleanly_on_sigterm(tmp_path, dashboard_packages):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=to_group,
     )
     try:
         deadline = time.monotonic() + 120
@@ -94,8 +97,13 @@ def test_demo_serves_and_stops_cleanly_on_sigterm(tmp_path, dashboard_packages):
             json={"model": "demo", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        proc.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        if to_group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
+        assert time.monotonic() - stopped < 30, out  # not Ray's minute of waiting for its GCS
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -47,6 +47,15 @@ def ensure_ray(address: str | None = None, **init_options) -> str | None:
     return getattr(context, "dashboard_url", None) or None
 
 
+def local_ray_lost() -> bool:
+    """Whether the Ray this process started has lost a process of its own (its GCS, its raylet). A SIGTERM
+    sent to the whole process group, as `timeout`, `kill -TERM -PGID` and systemd's default stop send it,
+    ends them beside this process, and every call to Ray would then wait a minute for a GCS that is gone:
+    there is nothing left to stop. False where this process joined a cluster (it outlives us)."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return node is not None and node.head and not node.remaining_processes_alive()
+
+
 @contextlib.contextmanager
 def _interruptible(joining: bool):
     """While joining a cluster, Ctrl-C ends the process at once: Ray's connect waits in native code,

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import uvicorn
 
 from cluster import Fleet, ReplicaHandle, ServeConfig, ensure_ray, load_tokenizer
+from cluster.fleet.deploy import local_ray_lost
 from router.http.app import build_app
 from router.http.connection import bounded_protocol
 from router.http.draining import DrainingServer
@@ -48,6 +49,7 @@ class Deployment:
         self.dashboard_url = ensure_ray(config.address, **ray_options)
         self.startup["Ray"] = time.monotonic() - t
         t = time.monotonic()
+        self.ray_lost = False  # the local Ray went down with this process's group: nothing left to stop
         self.fleet = Fleet.start(config.replica_config(), config.initial_replicas)
         self.startup["replicas"] = time.monotonic() - t
         self.tier: RouterTier | None = None
@@ -184,7 +186,12 @@ class Deployment:
 
     def shutdown_replicas(self) -> None:
         """Stops the router actors (drained already on a normal stop), then every replica, and any
-        replacement still being built. Idempotent."""
+        replacement still being built. Idempotent. Nothing to stop where the local Ray went down with this
+        process's group (its actors went with it)."""
+        if local_ray_lost():
+            log.warning("the local Ray stopped with this process (a signal to its process group): nothing to stop")
+            self.ray_lost = True
+            return
         if self.tier is not None:
             self.tier.shutdown()
         forget_responses(self.config.port)
