@@ -300,6 +300,13 @@ def test_the_chat_apis_fields_at_their_defaults_are_accepted_and_a_seed_repeats_
     assert any(text(seed) != first for seed in (8, 9, 10))
 
 
+def test_the_anthropic_client_lists_and_retrieves_the_served_model(srv):
+    (info,) = claude(srv).models.list().data
+    assert info.id == "tiny" and info.type == "model" and info.display_name == "tiny"
+    assert info.created_at.year >= 2026  # a datetime it parsed
+    assert claude(srv).models.retrieve("tiny").id == "tiny"
+
+
 def test_the_client_raises_its_own_errors(srv):
     with pytest.raises(anthropic.NotFoundError):
         claude(srv).messages.create(model="claude-none", messages=[{"role": "user", "content": "hi"}], max_tokens=4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import importlib.metadata
 import time
 import uuid
@@ -98,7 +99,9 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [_model_card(state)]}
+        card = _model_card(state)
+        # Anthropic's list fields beside OpenAI's: either client reads its own
+        return {"object": "list", "data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
@@ -270,12 +273,18 @@ def _most(*ks: int | None) -> int | None:
 
 
 def _model_card(state: RouterState) -> dict:
+    """OpenAI's model object, with Anthropic's fields beside (`type`, `display_name`, `created_at`), so
+    that the anthropic client's models.list and retrieve read it too."""
+    created = datetime.datetime.fromtimestamp(state.created, datetime.UTC)
     return {
         "id": state.model_name,
         "object": "model",
         "created": state.created,
         "owned_by": "raylm",
         "max_model_len": state.max_seq_len,
+        "type": "model",
+        "display_name": state.model_name,
+        "created_at": created.isoformat().replace("+00:00", "Z"),
     }
 
 
