@@ -526,8 +526,9 @@ class ServeConfig(ReplicaConfig):
             data = yaml.load(f, Loader=_unique_keys_loader()) or {}
         if not isinstance(data, dict):
             raise ConfigError(path, "must be a mapping of settings (page_size: 16, ...)")
+        known = settings(cls)
         try:
-            return cls().override(**{str(key): value for key, value in data.items()})
+            return cls().override(**{str(key): _yaml_number(known.get(str(key)), value) for key, value in data.items()})
         except ConfigError as e:
             raise type(e)(f"{path}: {e.key}", e.problem) from None
 
@@ -667,6 +668,16 @@ def markdown_table(cls: type = ServeConfig) -> str:
 
 if __name__ == "__main__":
     print(markdown_table())
+
+
+def _yaml_number(setting: Setting | None, value: Any) -> Any:
+    """A number setting's value as written: PyYAML reads YAML 1.1, where `1e-1` (no dot) is a string."""
+    if setting is not None and setting.type is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value  # the setting's check names it
+    return value
 
 
 def _unique_keys_loader():

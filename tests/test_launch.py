@@ -45,6 +45,11 @@ def test_a_setting_given_twice_in_a_config_file_is_named_with_its_line(tmp_path)
     assert "line 3" in str(e.value)
 
 
+def test_a_number_written_with_an_exponent_and_no_dot_is_a_number_in_a_config_file(tmp_path):
+    (tmp_path / "exp.yaml").write_text("model: x\ngpu_memory_utilization: 8e-1\n")  # a string to YAML 1.1
+    assert ServeConfig.from_yaml(str(tmp_path / "exp.yaml")).override().engine.gpu_memory_utilization == 0.8
+
+
 def test_help_with_a_value_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--help=1"], capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.strip().endswith("--help takes no value"), done.stderr
