@@ -279,9 +279,8 @@ def start_and_serve(argv: list[str] | None = None) -> None:
                 fail(problem)
         if config.engine.device.startswith("cuda") and not _local_gpus():
             fail(
-                f"--device {config.engine.device}: this machine has no GPU that torch can see, and the Ray this "
-                "command starts holds this machine alone; use --device cpu, or --address to join a cluster "
-                "with GPUs"
+                f"--device {config.engine.device}: this machine has no GPU that torch sees, and without --address "
+                "the replicas run on it alone: use --device cpu, or --address to join a cluster with GPUs"
             )
     if config.address is not None:  # before anything slow: an unreachable cluster is told in seconds
         from cluster.fleet.address import ClusterUnreachableError, probe_cluster
