@@ -13,8 +13,7 @@ from collections.abc import Callable
 
 import uvicorn
 
-from cluster import Fleet, ReplicaHandle, ServeConfig, ensure_ray, load_tokenizer
-from cluster.fleet.deploy import local_ray_lost
+from cluster import Fleet, ReplicaHandle, ServeConfig, ensure_ray, load_tokenizer, local_ray_lost
 from router.http.app import build_app
 from router.http.connection import bounded_protocol
 from router.http.draining import DrainingServer
