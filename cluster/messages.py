@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.errors import ErrorKind, RaylmError, error_for
+from cluster.errors import ErrorKind, RaylmError
 from cluster.sampling_params import SamplingParams
 
 
@@ -109,10 +109,6 @@ class TokenDelta:
         """The last delta of a request that `error` failed, carrying what the exception says beyond its
         message (an invalid request's field and code), so the caller at the other end gets it whole."""
         return cls.failure(uid, error.kind, str(error), getattr(error, "field", None), getattr(error, "code", None))
-
-    def exception(self) -> RaylmError:
-        """The exception this failed request's caller gets (`error` is set)."""
-        return error_for(self.error_kind or ErrorKind.ENGINE, self.error, self.error_field, self.error_code)
 
 
 @dataclass

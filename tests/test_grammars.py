@@ -317,7 +317,7 @@ def test_a_grammar_slow_to_compile_holds_back_no_other_request_and_fails_at_its_
         (failed,) = [d for d in s.deltas if d.uid == 0]
         assert s.ended[0] == "error" and failed.error_kind == ErrorKind.INVALID_REQUEST
         assert "regex grammar did not compile within 30 s" in failed.error
-        assert failed.exception().field == "response_format"  # what a client's 400 names
+        assert failed.error_field == "response_format"  # what a client's 400 names
     finally:
         grammars.release.set()
     s.run()
