@@ -26,13 +26,21 @@ FIELD_NAMES = {
 }
 
 
-async def create_response(state: RouterState, request: Request, req: ResponsesRequest):
-    state.check_model(req.model)
+async def conversation(state: RouterState, req: ResponsesRequest) -> list[dict]:
+    """The chat messages a request continues with: its previous response's conversation, then its input."""
     history = []
     if req.previous_response_id is not None:
         history = (await stored(state, req.previous_response_id, "previous_response_id"))["messages"]
     try:
-        messages = history + input_messages(req.input, history)
+        return history + input_messages(req.input, history)
+    except APIError as e:
+        raise renamed(e, FIELD_NAMES) from None
+
+
+async def create_response(state: RouterState, request: Request, req: ResponsesRequest):
+    state.check_model(req.model)
+    messages = await conversation(state, req)
+    try:
         result = await run_chat(state, request, chat_of(req, messages))
     except APIError as e:
         raise renamed(e, FIELD_NAMES) from None
@@ -67,11 +75,8 @@ async def count_input_tokens(state: RouterState, req: InputTokensRequest) -> dic
     with its instructions and tools, rendered as POST /v1/responses renders them."""
     if req.model is not None:
         state.check_model(req.model)
-    history = []
-    if req.previous_response_id is not None:
-        history = (await stored(state, req.previous_response_id, "previous_response_id"))["messages"]
+    messages = await conversation(state, req)
     try:
-        messages = history + input_messages(req.input, history)
         ids = prompt_ids(state, chat_of(req.model_copy(update={"model": state.model_name}), messages))
     except APIError as e:
         raise renamed(e, FIELD_NAMES) from None
