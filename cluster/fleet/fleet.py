@@ -40,18 +40,20 @@ class Fleet:
         within a second) and raises at once, not after the placement's 600 s wait."""
         abandon = threading.Event()
         pool = ThreadPoolExecutor(max_workers=size)
+        futures: list[Future] = []
         started, errors = [], []
         try:
-            futures = [pool.submit(build, config, i, abandon=abandon) for i in range(size)]
+            for i in range(size):
+                futures.append(pool.submit(build, config, i, abandon=abandon))
             for f in futures:
                 try:
                     started.append(f.result())
                 except Exception as e:  # noqa: BLE001 - shut the others down, then report
                     errors.append(e)
-        except BaseException:  # KeyboardInterrupt, SystemExit: the builds give up, those done go down
+        except BaseException:  # KeyboardInterrupt, SystemExit: the builds give up; what one built goes down
             abandon.set()
-            for replica in started:
-                _shutdown_quietly(replica)
+            for f in futures:  # now where it is built already, else once its build ends
+                f.add_done_callback(_shutdown_built)
             raise
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
@@ -153,6 +155,12 @@ class Fleet:
             replicas, self._replicas = self._replicas, []
         for replica in replicas:
             _shutdown_quietly(replica)
+
+
+def _shutdown_built(future: Future) -> None:
+    """Shuts down the replica a build made, if it made one."""
+    if not future.cancelled() and future.exception() is None:
+        _shutdown_quietly(future.result())
 
 
 def _shutdown_quietly(replica: ReplicaHandle) -> None:
