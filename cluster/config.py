@@ -666,10 +666,6 @@ def markdown_table(cls: type = ServeConfig) -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
-    print(markdown_table())
-
-
 def _yaml_number(setting: Setting | None, value: Any) -> Any:
     """A number setting's value as written: PyYAML reads YAML 1.1, where `1e-1` (no dot) is a string."""
     if setting is not None and setting.type is float and isinstance(value, str):
@@ -698,3 +694,7 @@ def _unique_keys_loader():
             return super().construct_mapping(node, deep)
 
     return UniqueKeys
+
+
+if __name__ == "__main__":
+    print(markdown_table())

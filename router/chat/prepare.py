@@ -10,7 +10,7 @@ from cluster import GrammarSpec
 from router.chat.output import ChatOutput
 from router.chat.reasoning import closes_thinking, opens_thinking
 from router.chat.structured import request_grammar
-from router.chat.tools import plan_tools, tool_grammar
+from router.chat.tools import plan_tools, strict_field, tool_grammar
 from router.http.errors import APIError
 from router.http.protocol import ChatCompletionRequest
 from router.http.state import RouterState
@@ -35,12 +35,12 @@ def prepare_chat(state: RouterState, req: ChatCompletionRequest) -> PreparedChat
             param="tool_choice",
         )
     if grammar is not None and tools.strict:
-        i = next(i for i, t in enumerate(req.tools) if t.function.strict)
+        field = strict_field(req)
         raise APIError(
             400,
-            f"tools.{i}.function.strict: a strict function under tool_choice auto cannot be combined with a "
-            "response_format or guided_* field (the format constrains the whole output: no call could be written)",
-            param=f"tools.{i}.function.strict",
+            f"{field}: a strict function under tool_choice auto cannot be combined with a response_format or "
+            "guided_* field (the format constrains the whole output: no call could be written)",
+            param=field,
         )
     prompt = state.chat_prompt(req, tools=tools.template_tools)
     # the template writes the special tokens; add_special_tokens (vLLM's) adds the tokenizer's too

@@ -48,13 +48,13 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     forced = choice == "required" or named
     strict = choice == "auto" and any(t.function.strict for t in tools)
     if strict and parser is None:
-        i = next(i for i, t in enumerate(tools) if t.function.strict)
+        field = strict_field(req)
         raise APIError(
             400,
-            f"tools.{i}.function.strict: a strict function's calls follow its parameters by a grammar in the "
+            f"{field}: a strict function's calls follow its parameters by a grammar in the "
             "model's tool-call format, but this server reads none for this model (its tool_call_parser "
             "setting is none)",
-            param=f"tools.{i}.function.strict",
+            param=field,
         )
     for i, tool in enumerate(tools):
         params = tool.function.parameters
@@ -87,6 +87,11 @@ def plan_tools(req: ChatCompletionRequest, parser: str | None) -> ToolPlan:
     template_tools = [t.model_dump(exclude_none=True) for t in tools] or None
     parse = parser is not None and choice != "none" and bool(tools)
     return ToolPlan(template_tools, parse=parse, forced=forced, strict=strict)
+
+
+def strict_field(req: ChatCompletionRequest) -> str:
+    """The field of the request's first function marked strict (one is), as a 400 names it."""
+    return next(f"tools.{i}.function.strict" for i, t in enumerate(req.tools) if t.function.strict)
 
 
 # the schema keywords that would let a function's arguments be other than one object, at its top

@@ -29,6 +29,9 @@ def assistant_message(output: list[dict]) -> dict:
     return {"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}
 
 
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
 def input_items(given: str | list[dict]) -> list[dict]:
     """A request's input as the items GET /v1/responses/{id}/input_items lists: each with an id, a
     message's content as parts (a string is one input_text part, an assistant's one output_text part)."""
@@ -43,9 +46,6 @@ def input_items(given: str | list[dict]) -> list[dict]:
         item.setdefault("id", new_id(_ID_PREFIXES.get(item["type"], "item")))
         items.append(item)
     return items
-
-
-_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 async def keep(state: RouterState, body: dict, messages: list[dict], given: list[dict] | None = None) -> None:
