@@ -17,6 +17,7 @@ from cluster.model_info import load_tokenizer, local_model
 from cluster.replica.engine_executors import LocalExecutor
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler.build import build_scheduler
+from cluster.text import text_after
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.kernels import Kernels
@@ -164,7 +165,7 @@ class LLM:
                 shown = out.token_ids
                 if out.finish_reason == "stop" and shown and shown[-1] in request.params.stop_token_ids:
                     shown = shown[:-1]  # the stop token's text is not the output's, as vLLM's (and EOS's)
-                out.text = self.tokenizer.decode(shown, skip_special_tokens=True)
+                out.text = text_after(self.tokenizer, request.input_ids, shown)
         return results
 
     def _run_remote(self, requests: list[AddRequest]) -> None:

@@ -4,10 +4,13 @@ demo model's writer (demo.py)."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -15,6 +18,7 @@ from transformers import (
     MixtralForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
@@ -25,7 +29,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from demo import EOS_TOKEN, INIT_STD, save_random_model  # noqa: F401
+from demo import CHAT_TEMPLATE, EOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN, INIT_STD, VOCAB_SIZE, save_random_model
 from demo import build_tokenizer as _build_tokenizer
 
 PROMPT_TEXTS: list[str] = [
@@ -68,6 +72,51 @@ def build_tokenizer(out_dir: Path):
     """The tiny tokenizer, trained on the tests' prompts (repeating the English part makes merges
     favour it, so CJK and emoji stay split into byte tokens)."""
     return _build_tokenizer(out_dir, (PROMPT_TEXTS + _EXTRA_CORPUS[:4]) * 3 + _EXTRA_CORPUS)
+
+
+def build_metaspace_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
+    """A SentencePiece-style tokenizer (Llama 2's and Mistral's kind) on the tests' prompts: words' first
+    pieces carry the space before them ("▁Paris"), whose decoder strips it at the start of a text, and
+    characters outside its 100 pieces fall back to their bytes (<0xE2>); as many ids as the byte-level one."""
+    specials = [EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN]
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - 256, special_tokens=specials, limit_alphabet=40, show_progress=False
+    )
+    trained.train_from_iterator((PROMPT_TEXTS + _EXTRA_CORPUS[:4]) * 3, trainer=trainer)
+    model = json.loads(trained.to_str())["model"]
+    vocab = dict(model["vocab"])
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True))
+    tok.pre_tokenizer = trained.pre_tokenizer
+    tok.add_special_tokens(specials)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
+        clean_up_tokenization_spaces=False,
+        model_max_length=512,
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_tok.save_pretrained(out_dir)
+    return PreTrainedTokenizerFast.from_pretrained(out_dir)
+
+
+def with_metaspace_tokenizer(src: Path, out_dir: Path) -> Path:
+    """`src`'s checkpoint in `out_dir` with build_metaspace_tokenizer's tokenizer in place of its own."""
+    shutil.copytree(src, out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (out_dir / name).unlink(missing_ok=True)
+    build_metaspace_tokenizer(out_dir)
+    return out_dir
 
 
 _FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {

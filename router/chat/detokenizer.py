@@ -1,12 +1,15 @@
 """Incremental detokenization with stop strings: text is released as tokens arrive, never splitting a
-multi-byte character (tokenizers' DecodeStream), and held back while it could be the start of a stop
+multi-byte character (cluster/text.py's TextStream), and held back while it could be the start of a stop
 string, so a stop that spans several tokens is still found and never shown. As vLLM's: the token that
 ends a request (EOS, a stop_token_id) adds no text, and stop strings count only past min_tokens."""
 
 from __future__ import annotations
 
-from tokenizers.decoders import DecodeStream
+from collections.abc import Sequence
+
 from transformers import PreTrainedTokenizerBase
+
+from cluster.text import TextStream, text_after
 
 
 class IncrementalDetokenizer:
@@ -17,19 +20,21 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop_token_ids: frozenset[int] = frozenset(),
         min_tokens: int = 0,
+        prompt_ids: Sequence[int] = (),
     ) -> None:
         """`stop_token_ids`: the tokens that end a request (EOS, stop_token_ids), whose text is not the
         output's when they do (`add(..., ends=True)`); `min_tokens`: stop strings are looked for only in
-        the text of the tokens past the first min_tokens, as vLLM does."""
+        the text of the tokens past the first min_tokens, as vLLM does; `prompt_ids`: the request's prompt,
+        whose last tokens the output is decoded behind (cluster/text.py: a first word keeps its space)."""
         self._tokenizer, self._skip = tokenizer, skip_special_tokens
+        self._prompt_ids = prompt_ids
         self.stop_token_ids, self.min_tokens = stop_token_ids, min_tokens
-        self._backend = tokenizer.backend_tokenizer
         self._ids: list[int] = []
         self._released = ""
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._stream = TextStream(tokenizer, prompt_ids, skip_special_tokens)
         self.stops = stops
         self._hold = max((len(s) for s in stops), default=1) - 1
-        self._pending = ""
+        self._pending = self._stream.carried
         # where the text of the first min_tokens tokens ends (None: not yet): a stop counts only if it ends
         # past it, whatever the other stops hold back
         self._boundary: int | None = 0 if min_tokens == 0 else None
@@ -43,7 +48,7 @@ class IncrementalDetokenizer:
         if ends and token_id in self.stop_token_ids:
             return ""
         self._ids.append(token_id)
-        self._pending += self._stream.step(self._backend, token_id) or ""
+        self._pending += self._stream.step(token_id)
         if len(self._ids) == self.min_tokens:
             self._boundary = len(self._released) + len(self._pending)
         return self._release(self._hold)
@@ -69,7 +74,7 @@ class IncrementalDetokenizer:
         (shown as U+FFFD, as a whole decode shows them)."""
         if self.stopped:
             return ""
-        whole = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
+        whole = text_after(self._tokenizer, self._prompt_ids, self._ids, self._skip)
         seen = self._released + self._pending
         if whole.startswith(seen):
             self._pending += whole[len(seen) :]

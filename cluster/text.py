@@ -1,0 +1,98 @@
+"""An output's text as it reads after its prompt. A tokenizer whose decoder strips the space a word's first
+piece carries at the start of a text (SentencePiece's Metaspace, as Llama 2's and Mistral's) decodes an
+output's first token alone without it ("Paris" after "The capital of France is"); decoded behind the last
+few prompt tokens, the output keeps it, as vLLM's does. Byte-level tokenizers (Llama 3's, Qwen's) give the
+same text either way."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers.decoders import DecodeStream
+from transformers import PreTrainedTokenizerBase
+
+# prompt tokens an output is decoded behind: enough for the word before it
+PROMPT_TAIL_TOKENS = 5
+# how many tokens a character's bytes may span (byte-fallback or byte-level tokens: four at most, so three
+# beside the one a tail's end or start is at)
+_CHAR_TOKENS = 3
+
+
+def prompt_tail(
+    tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int], skip_special_tokens: bool = True
+) -> tuple[list[int], list[int]]:
+    """The prompt tokens an output is decoded behind, in two parts: about PROMPT_TAIL_TOKENS whose text is
+    whole characters of the prompt's, and the ones after them, which begin a character the output ends
+    (its text is the output's). A tail must start and end between characters: a byte-fallback decoder
+    shows every byte of a run of byte tokens as U+FFFD where one is astray (Llama 2's does)."""
+    ids = list(prompt_ids)
+    decode = tokenizer.backend_tokenizer.decode
+    for cut in range(min(_CHAR_TOKENS, len(ids)) + 1):
+        end = len(ids) - cut
+        for back in range(_CHAR_TOKENS + 1):
+            start = max(0, end - PROMPT_TAIL_TOKENS - back)
+            if "\ufffd" not in decode(ids[start:end], skip_special_tokens=skip_special_tokens):
+                return ids[start:end], ids[end:]
+            if start == 0:
+                break
+    # a prompt whose own text holds U+FFFD there: its last tokens as they are
+    return ids[-PROMPT_TAIL_TOKENS:], []
+
+
+def text_after(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt_ids: Sequence[int],
+    ids: Sequence[int],
+    skip_special_tokens: bool = True,
+) -> str:
+    """The text `ids` add after the prompt `prompt_ids`: the decode of both (its last tokens) less the
+    prompt's own."""
+    tail, carried = prompt_tail(tokenizer, prompt_ids, skip_special_tokens)
+    backend = tokenizer.backend_tokenizer
+    head = backend.decode(tail, skip_special_tokens=skip_special_tokens)
+    whole = backend.decode([*tail, *carried, *ids], skip_special_tokens=skip_special_tokens)
+    if whole.startswith(head):
+        return whole[len(head) :]
+    return backend.decode([*carried, *ids], skip_special_tokens=skip_special_tokens)
+
+
+class TextStream:
+    """The text each output token adds after the prompt, as the tokens arrive: nothing while they end inside
+    a character, then all of it. tokenizers' DecodeStream does it in Rust, but raises where a byte-fallback
+    run's earlier text changes with a later byte (a stray byte, as a model with random weights or a cut
+    character gives, shows the run's every byte as U+FFFD): from there on the stream goes as vLLM's
+    offsets do, decoding the few tokens before the new ones and giving what lies past their text."""
+
+    # tokens before the unread ones that the fallback decodes them behind
+    _BEHIND = 5
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._backend, self._skip = tokenizer.backend_tokenizer, skip_special_tokens
+        tail, carried = prompt_tail(tokenizer, prompt_ids, skip_special_tokens)
+        self._stream: DecodeStream | None = DecodeStream(ids=tail, skip_special_tokens=skip_special_tokens)
+        self._ids = list(tail)
+        self._read = len(tail)  # the tokens before this index have given their text
+        self.carried = "".join(self.step(t) for t in carried)  # "" unless a carried token ends the character
+
+    def step(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._backend, token_id)
+            except Exception:  # the tokenizers' own (pyo3) exception: only its message says what it is
+                self._stream = None
+            else:
+                if piece is None:
+                    return ""
+                self._read = len(self._ids)
+                return piece
+        start = max(0, self._read - self._BEHIND)
+        before = self._backend.decode(self._ids[start : self._read], skip_special_tokens=self._skip)
+        now = self._backend.decode(self._ids[start:], skip_special_tokens=self._skip)
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""  # inside a character (or nothing shown yet)
+        self._read = len(self._ids)
+        # where a byte's arrival changed the text before it, what was given stays given: the length decides
+        return now[len(before) :]

@@ -1,0 +1,120 @@
+"""An output's text reads as it does after its prompt: a SentencePiece-style tokenizer (Llama 2's, Mistral's)
+keeps the space its first word carries ("... France is" + " Paris", not "Paris"), and a character whose
+bytes the prompt begins is the output's, whole; the same through the router's streams, the offline engine
+and the HTTP API's echo."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from fixtures import PROMPT_TEXTS
+from helpers import client, serving
+from tiny_checkpoints import build_metaspace_tokenizer, with_metaspace_tokenizer
+
+from cluster import LLM, SamplingParams
+from cluster.model_info import load_tokenizer
+from cluster.text import text_after
+from router.chat.detokenizer import IncrementalDetokenizer
+
+TEXTS = [PROMPT_TEXTS[1] + " is Paris.", PROMPT_TEXTS[2], PROMPT_TEXTS[4], PROMPT_TEXTS[5]]
+
+
+@pytest.fixture(scope="module")
+def metaspace(tmp_path_factory):
+    return build_metaspace_tokenizer(tmp_path_factory.mktemp("metaspace"))
+
+
+@pytest.fixture(scope="module")
+def metaspace_path(tmp_path_factory, qwen3_path):
+    return with_metaspace_tokenizer(qwen3_path, tmp_path_factory.mktemp("metaspace_model") / "model")
+
+
+def streamed(tokenizer, prompt: list[int], ids: list[int]) -> str:
+    d = IncrementalDetokenizer(tokenizer, [], prompt_ids=prompt)
+    return "".join(d.add(t) for t in ids) + d.flush()
+
+
+def after(tokenizer, prompt: list[int], ids: list[int]) -> str:
+    """What the whole text holds past the prompt's own: the text of its longest head of whole characters (a
+    character the prompt ends inside is the output's; the texts hold no U+FFFD of their own)."""
+    decode = tokenizer.backend_tokenizer.decode
+    whole, j = decode(prompt + ids), len(prompt)
+    while "\ufffd" in decode(prompt[:j]):
+        j -= 1
+    assert whole.startswith(decode(prompt[:j]))
+    return whole[len(decode(prompt[:j])) :]
+
+
+@pytest.mark.parametrize("kind", ["metaspace", "byte_level"])
+def test_an_outputs_text_is_the_whole_texts_past_its_prompt_at_every_split(kind, metaspace, qwen3_path):
+    tokenizer = metaspace if kind == "metaspace" else load_tokenizer(str(qwen3_path))
+    splits_inside_a_character = 0
+    for text in TEXTS:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        for k in range(1, len(ids)):
+            want = after(tokenizer, ids[:k], ids[k:])
+            splits_inside_a_character += tokenizer.decode(ids[:k]).endswith("\ufffd")
+            assert streamed(tokenizer, ids[:k], ids[k:]) == want, (text, k)
+            assert text_after(tokenizer, ids[:k], ids[k:]) == want, (text, k)
+    assert splits_inside_a_character > 0  # the texts' characters of several bytes are split somewhere
+
+
+def test_the_first_word_keeps_its_space_behind_a_sentencepiece_prompt(metaspace):
+    ids = metaspace(TEXTS[0], add_special_tokens=False).input_ids
+    k = next(k for k in range(len(ids), 0, -1) if metaspace.decode(ids[:k]) == PROMPT_TEXTS[1] + " is")
+    assert metaspace.convert_ids_to_tokens(ids[k]).startswith("\u2581")
+    assert metaspace.decode(ids[k:]) == "Paris."  # decoded alone, the space is gone
+    assert streamed(metaspace, ids[:k], ids[k:]) == " Paris." == text_after(metaspace, ids[:k], ids[k:])
+
+
+def test_the_offline_engines_text_follows_its_prompt(metaspace_path):
+    llm = LLM(str(metaspace_path), num_pages=256, page_size=4)
+    tokenizer = llm.tokenizer
+    prompts = [tokenizer(t, add_special_tokens=False).input_ids for t in TEXTS]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ids = out.outputs[0].token_ids
+        assert out.outputs[0].text == after(tokenizer, prompt, ids)
+    # every output made of a word's first piece, which carries its space
+    piece = tokenizer.convert_tokens_to_ids("\u2581c")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logit_bias={piece: 100.0})
+    assert [o.outputs[0].text for o in llm.generate(prompts, params)] == [" c c c"] * len(prompts)
+
+
+def test_echo_and_streams_over_http_keep_the_first_words_space(ray_cluster, metaspace_path):
+    tokenizer = load_tokenizer(str(metaspace_path))
+    piece = tokenizer.convert_tokens_to_ids("\u2581c")  # a word's first piece, which carries its space
+    with serving(metaspace_path, num_pages=256) as srv:
+        c = client(srv)
+        for text in TEXTS:
+            args = dict(model="tiny", prompt=text, max_tokens=3, temperature=0, logit_bias={str(piece): 100})
+            plain = c.completions.create(**args).choices[0]
+            whole = c.completions.create(**args, echo=True).choices[0]
+            chunks = c.completions.create(**args, stream=True)
+            assert plain.text == " c c c"
+            assert whole.text == text + " c c c"
+            assert "".join(ch.choices[0].text for ch in chunks) == " c c c"
+
+
+def test_stray_bytes_never_break_the_stream(metaspace):
+    """Random tokens, stray bytes of byte-fallback runs among them (which make tokenizers' DecodeStream raise
+    as a later byte changes an earlier one's text), stream without an error; the text of those that make
+    whole characters is the whole text past the prompt."""
+    rng = random.Random(0)
+    names = metaspace.convert_ids_to_tokens(list(range(3, len(metaspace))))
+    stray_bytes = [i for i, n in enumerate(names, 3) if n.startswith("<0x")]
+    pieces = [i for i, n in enumerate(names, 3) if not n.startswith("<0x")]
+    stray = whole_characters = 0
+    for _ in range(300):
+        ids = [rng.choice(stray_bytes if rng.random() < 0.1 else pieces) for _ in range(16)]
+        prompt, out = ids[:4], ids[4:]
+        d = IncrementalDetokenizer(metaspace, [], prompt_ids=prompt)
+        text = "".join(d.add(t) for t in out) + d.flush()
+        want = text_after(metaspace, prompt, out)
+        if "\ufffd" in want:
+            stray += 1
+        else:
+            whole_characters += 1
+            assert text == want
+    assert stray > 50 and whole_characters > 50
