@@ -354,6 +354,16 @@ def test_a_final_assistant_message_is_the_text_the_answer_continues(srv, model):
     assert empty.input_tokens == claude(srv).messages.count_tokens(model="tiny", messages=messages[:1]).input_tokens
 
 
+@pytest.mark.parametrize("content", ["One two ", [{"type": "text", "text": "One"}, {"type": "text", "text": " two\n"}]])
+def test_a_final_assistant_message_ending_in_whitespace_is_refused_as_anthropic_does(srv, content):
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": content}]
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        body = {"model": "tiny", "max_tokens": 4, "messages": messages}
+        r = httpx.post(srv.url + path, json=body, headers={"x-api-key": KEY}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert r.json()["error"]["message"].startswith("messages.1.content: final assistant content cannot end")
+
+
 def test_an_error_tool_result_says_so_in_the_prompt(srv):
     def count(**result) -> int:
         user = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", **result}]}

@@ -121,6 +121,15 @@ def prefilled(req: CountTokensRequest) -> bool:
             "only text",
             param=f"messages.{len(req.messages) - 1}.content",
         )
+    text = last.content if isinstance(last.content, str) else "".join(b.get("text", "") for b in last.content)
+    if text and text != text.rstrip():
+        # as Anthropic's API: the answer's first token would otherwise follow a space the tokenizer never
+        # saw there (a word's piece carries its own)
+        raise APIError(
+            400,
+            f"messages.{len(req.messages) - 1}.content: final assistant content cannot end with trailing whitespace",
+            param=f"messages.{len(req.messages) - 1}.content",
+        )
     return True
 
 
