@@ -239,6 +239,22 @@ def test_a_second_start_reads_the_first_ones_timings_and_picks_the_same(tmp_path
     assert _FakeProduct.tuned == 5 and not third[0].cached
 
 
+def test_a_small_weight_is_timed_over_a_bounded_number_of_copies(tmp_path, monkeypatch, registry):
+    """A weight far under L2 (a router's [8, 64]) would need 131,072 copies to pass 128 MB, each a node of
+    every candidate's timing graph (the tuning of a tiny model ran for minutes on a GPU): it takes at most
+    MAX_WEIGHT_COPIES; a weight of 1 MB or more takes what passes L2."""
+    seen: list[int] = []
+    monkeypatch.setattr(_FakeProduct, "tune", lambda self, x, weights, workspace=None: seen.append(len(weights)))
+    monkeypatch.setattr(cublaslt, "LtLinear", _FakeProduct)
+    monkeypatch.setattr(cublaslt, "_platform", lambda device: "a GPU|cublasLt 1|cuda 13.0")
+    monkeypatch.setattr(cublaslt, "CACHE_FILE", tmp_path / "gemm_tuning.json")
+    cublaslt.tune_products({(8, 64)}, [2], torch.bfloat16, torch.device("cpu"))
+    assert seen == [cublaslt.MAX_WEIGHT_COPIES]
+    assert cublaslt.weight_copies(8, 64, torch.bfloat16) == cublaslt.MAX_WEIGHT_COPIES
+    assert cublaslt.weight_copies(1024, 512, torch.bfloat16) == cublaslt.L2_FLUSH_BYTES >> 20
+    assert cublaslt.weight_copies(151_936, 4096, torch.bfloat16) == 1
+
+
 def test_a_timing_that_fails_midway_hands_out_no_product(tmp_path, monkeypatch, registry):
     monkeypatch.setattr(cublaslt, "LtLinear", _FakeProduct)
     monkeypatch.setattr(cublaslt, "_platform", lambda device: "a GPU|cublasLt 1|cuda 13.0")

@@ -216,15 +216,20 @@ def test_fused_kernels_agree_with_torch_elementwise_in_bfloat16(qwen3_hd128_path
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_triton_kernels_agree_with_the_unfused_layers_in_bfloat16(qwen3_hd128_path, llama_hd128_path, family):
+    """The Triton prologue against the unfused layers, both in bfloat16 and judged by the same model in
+    float32: the prologue's tokens agree with float32's as the unfused layers' do, within 0.02 (each rounds
+    elsewhere, and near-ties go either way: on an H100, 2026-12-07, Qwen3's agreed 0.9859 and 0.9913, with
+    FlashInfer's decode 0.9914 and 0.9959; Llama's 0.9625 both; torch's bfloat16 layers 0.9921 and 0.9560)."""
     pytest.importorskip("triton")
     path = qwen3_hd128_path if family == "qwen3" else llama_hd128_path  # FlashInfer: head_dim 128
     prompts = random_prompts(12, 5, 200)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=4)
-    common = dict(dtype="bfloat16", page_size=16, cuda_graph_max_bs=16)  # FlashInfer, CUDA graphs
-    ref, ref_tops = run(path, prompts, params, kernels=Kernels(triton=False), **common)
-    got, _ = run(path, prompts, params, kernels=Kernels(triton=True), **common)
-    share = agreement(ref, got, ref_tops)
-    assert share >= 0.99, f"the Triton prologue's greedy tokens agree at {share:.4f}"
+    common = dict(page_size=16, cuda_graph_max_bs=16)  # FlashInfer, CUDA graphs in bfloat16
+    ref, ref_tops = run(path, prompts, params, kernels=Kernels(attention="torch"), dtype="float32", **common)
+    unfused, _ = run(path, prompts, params, kernels=Kernels(triton=False), dtype="bfloat16", **common)
+    fused, _ = run(path, prompts, params, kernels=Kernels(triton=True), dtype="bfloat16", **common)
+    share, unfused_share = agreement(ref, fused, ref_tops), agreement(ref, unfused, ref_tops)
+    assert share >= unfused_share - 0.02, f"against float32: {share:.4f} with the prologue, {unfused_share:.4f} without"
 
 
 def test_triton_sampling_kernel_picks_what_the_torch_sampler_picks_at_full_vocabulary():

@@ -326,6 +326,16 @@ def replay_median_us(graph: torch.cuda.CUDAGraph, reps: int, calls: int = 1) -> 
 MIN_GAIN = 0.02
 # Copies of a weight timed in turn: at least this many bytes, past any GPU's L2 (an H100's or H200's 50 MB)
 L2_FLUSH_BYTES = 128 << 20
+# but no more copies than this: a small weight (a router's, a tiny test model's) would take a hundred
+# thousand, each a node of every candidate's timing graph (minutes at start); below 1 MB its copies then
+# stay partly in L2, for F.linear's timing as for the candidates'
+MAX_WEIGHT_COPIES = 128
+
+
+def weight_copies(n: int, k: int, dtype: torch.dtype) -> int:
+    """How many copies of an [n, k] weight a tuning times in turn."""
+    return max(1, min(MAX_WEIGHT_COPIES, -(-L2_FLUSH_BYTES // (n * k * dtype.itemsize))))
+
 
 _TUNED: dict[tuple[int, int, int, torch.dtype, int | None], LtLinear] = {}
 
@@ -388,7 +398,7 @@ def tune_products(
                     lt.best_us, lt.baseline_us = record["best_us"], record["baseline_us"]
                 else:
                     if not weights:  # enough copies to pass L2, made once a shape
-                        copies = max(1, -(-L2_FLUSH_BYTES // (n * k * dtype.itemsize)))
+                        copies = weight_copies(n, k, dtype)
                         weights = [torch.randn(n, k, dtype=dtype, device=device) * 0.05 for _ in range(copies)]
                     lt.tune(torch.randn(m, k, dtype=dtype, device=device), weights, workspace=workspace)
                     timed[key] = {"algo": algo_id(lt.choice), "best_us": lt.best_us, "baseline_us": lt.baseline_us}
