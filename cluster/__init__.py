@@ -42,6 +42,8 @@ _LAZY = {
     "control_store_answers": "cluster.fleet.deploy",
     "load_tokenizer": "cluster.model_info",
     "local_model": "cluster.model_info",
+    "TextStream": "cluster.text",
+    "text_after": "cluster.text",
 }
 
 __all__ = [
@@ -76,6 +78,8 @@ __all__ = [
     "control_store_answers",
     "load_tokenizer",
     "local_model",
+    "TextStream",
+    "text_after",
     "fan_out",
     "GrammarSpec",
     "KVEvents",

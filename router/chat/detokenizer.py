@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from cluster.text import TextStream, text_after
+from cluster import TextStream, text_after
 
 
 class IncrementalDetokenizer:
