@@ -240,8 +240,8 @@ def test_a_second_start_reads_the_first_ones_timings_and_picks_the_same(tmp_path
 
 
 def test_a_small_weight_is_timed_over_a_bounded_number_of_copies(tmp_path, monkeypatch, registry):
-    """A weight far under L2 (a router's [8, 64]) would need 131,072 copies to pass 128 MB, each a node of
-    every candidate's timing graph (the tuning of a tiny model ran for minutes on a GPU): it takes at most
+    """A weight far under L2 ([8, 64]) would need 131,072 copies to pass 128 MB, each a node of every
+    candidate's timing graph (a tiny test model's [64, 128] took 8,192: minutes on a GPU): it takes at most
     MAX_WEIGHT_COPIES; a weight of 1 MB or more takes what passes L2."""
     seen: list[int] = []
     monkeypatch.setattr(_FakeProduct, "tune", lambda self, x, weights, workspace=None: seen.append(len(weights)))
