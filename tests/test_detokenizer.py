@@ -17,8 +17,10 @@ def tokenizer(qwen3_path):
     return load_tokenizer(str(qwen3_path))
 
 
-def detokenized(tokenizer, ids: list[int], stops: list[str], min_tokens: int = 0, ends: frozenset = frozenset()):
-    d = IncrementalDetokenizer(tokenizer, stops, True, ends, min_tokens)
+def detokenized(
+    tokenizer, ids: list[int], stops: list[str], min_tokens: int = 0, ends: frozenset = frozenset(), include=False
+):
+    d = IncrementalDetokenizer(tokenizer, stops, True, ends, min_tokens, include_stops=include)
     text = "".join(d.add(t, ends=i == len(ids) - 1) for i, t in enumerate(ids)) + d.flush()
     return text, d.stopped
 
@@ -50,3 +52,19 @@ def test_a_stop_past_min_tokens_cuts_the_text_before_it(tokenizer):
     assert whole.find("the", len(head)) > 0
     # "the" opens the text, inside min_tokens: its first occurrence past them cuts
     assert detokenized(tokenizer, ids, ["the"], min_tokens=6)[0] == whole[: whole.find("the", len(head))]
+
+
+def test_an_included_stop_string_ends_the_text_and_nothing_after_it_is_shown(tokenizer):
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    whole = tokenizer.decode(ids)
+    for stops in (["dog"], ["z" * 40, "dog"], ["park", "dog"]):  # the earliest found
+        text, stopped = detokenized(tokenizer, ids, stops, include=True)
+        assert stopped and text == whole[: whole.find("dog") + len("dog")]
+    assert detokenized(tokenizer, ids, ["dog"])[0] == whole[: whole.find("dog")]  # left out by default
+
+
+def test_an_included_stop_token_adds_its_text(tokenizer):
+    ids = tokenizer(TEXT, add_special_tokens=False).input_ids
+    last = frozenset([ids[-1]])
+    assert detokenized(tokenizer, ids, [], ends=last, include=True)[0] == tokenizer.decode(ids)
+    assert detokenized(tokenizer, ids, [], ends=last)[0] == tokenizer.decode(ids[:-1])

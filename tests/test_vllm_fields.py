@@ -151,9 +151,33 @@ def test_skip_special_tokens_false_shows_them(srv, tokenizer):
     assert shown.choices[0].text == "<|im_start|>" * 3
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_or_token_in_the_text(srv, tokenizer):
+    args = dict(model="tiny", prompt=PROMPT_TEXTS[2], max_tokens=12, temperature=0)
+    free = client(srv).completions.create(**args, extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+    text, ids = free.text, free.token_ids
+    stop = next(text[i : i + 2] for i in range(1, len(text) - 2) if text[i : i + 2].strip())
+    body = {"ignore_eos": True, "include_stop_str_in_output": True}
+    kept = client(srv).completions.create(**args, stop=[stop], extra_body=body).choices[0]
+    streamed = client(srv).completions.create(**args, stop=[stop], extra_body=body, stream=True)
+    assert kept.finish_reason == "stop" and kept.text == text[: text.find(stop) + len(stop)]
+    assert "".join(c.choices[0].text for c in streamed) == kept.text
+    chat = client(srv).chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    answer = chat.choices[0].message.content
+    chat_stop = next(answer[i : i + 2] for i in range(1, len(answer) - 2) if answer[i : i + 2].strip())
+    with_stop = client(srv).chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=12, temperature=0, stop=[chat_stop], extra_body=body
+    )
+    assert with_stop.choices[0].message.content == answer[: answer.find(chat_stop) + len(chat_stop)]
+    # the stop token that ends the request: its text stays
+    token = next(t for t in ids[3:] if tokenizer.decode([t]).strip() and t not in ids[:3])
+    ended = client(srv).completions.create(**args, extra_body={**body, "stop_token_ids": [token]}).choices[0]
+    assert ended.finish_reason == "stop" and ended.text == tokenizer.decode(ids[: ids.index(token) + 1])
+
+
 REFUSED = [
     (C, "use_beam_search", True),
-    (C, "include_stop_str_in_output", True),
     (C, "allowed_token_ids", [1, 2]),
     (C, "bad_words", ["no"]),
     (C, "logits_processors", ["mod.proc"]),

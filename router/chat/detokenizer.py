@@ -21,14 +21,17 @@ class IncrementalDetokenizer:
         stop_token_ids: frozenset[int] = frozenset(),
         min_tokens: int = 0,
         prompt_ids: Sequence[int] = (),
+        include_stops: bool = False,
     ) -> None:
         """`stop_token_ids`: the tokens that end a request (EOS, stop_token_ids), whose text is not the
         output's when they do (`add(..., ends=True)`); `min_tokens`: stop strings are looked for only in
         the text of the tokens past the first min_tokens, as vLLM does; `prompt_ids`: the request's prompt,
-        whose last tokens the output is decoded behind (cluster/text.py: a first word keeps its space)."""
+        whose last tokens the output is decoded behind (cluster/text.py: a first word keeps its space);
+        `include_stops`: the stop string found, or the stop token that ended the request, stays in the text
+        (vLLM's include_stop_str_in_output)."""
         self._tokenizer, self._skip = tokenizer, skip_special_tokens
         self._prompt_ids = prompt_ids
-        self.stop_token_ids, self.min_tokens = stop_token_ids, min_tokens
+        self.stop_token_ids, self.min_tokens, self.include_stops = stop_token_ids, min_tokens, include_stops
         self._ids: list[int] = []
         self._released = ""
         self._stream = TextStream(tokenizer, prompt_ids, skip_special_tokens)
@@ -45,7 +48,7 @@ class IncrementalDetokenizer:
         token whose text is left out."""
         if self.stopped:
             return ""
-        if ends and token_id in self.stop_token_ids:
+        if ends and token_id in self.stop_token_ids and not self.include_stops:
             return ""
         self._ids.append(token_id)
         self._pending += self._stream.step(token_id)
@@ -54,15 +57,16 @@ class IncrementalDetokenizer:
         return self._release(self._hold)
 
     def _release(self, keep: int) -> str:
-        found = ()
+        found: list[tuple[int, str]] = []
         if self._boundary is not None:
             # in pending's own offsets: a stop must end past the boundary (none can at its own token)
             start = self._boundary - len(self._released)
-            found = (self._pending.find(s, max(0, start - len(s) + 1)) for s in self.stops)
-        cut = min((i for i in found if i >= 0), default=-1)
+            found = [(self._pending.find(s, max(0, start - len(s) + 1)), s) for s in self.stops]
+        # the earliest stop (the first listed of those found there)
+        cut, stop = min(((i, s) for i, s in found if i >= 0), key=lambda f: f[0], default=(-1, ""))
         if cut >= 0:
             self.stopped = True
-            out, self._pending = self._pending[:cut], ""
+            out, self._pending = self._pending[: cut + len(stop) if self.include_stops else cut], ""
         else:
             keep = min(keep, len(self._pending))
             out, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep :]

@@ -102,7 +102,6 @@ class APIRequest(UnicodeChecked):
     suffix: Any = None
     best_of: Any = None
     use_beam_search: Any = None
-    include_stop_str_in_output: Any = None
     spaces_between_special_tokens: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
@@ -240,6 +239,7 @@ class SamplingFields(APIRequest):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool | None = None  # the stop string (or stop token) that ended it stays in the text
     add_special_tokens: bool | None = None  # None: completions add them, chat does not (the template does)
 
     @field_validator("stop")

@@ -11,7 +11,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "best_of": (None, 1),  # deprecated upstream; n choices are sampled, never ranked
     # vLLM's
     "use_beam_search": (None, False),
-    "include_stop_str_in_output": (None, False),
     "spaces_between_special_tokens": (None, True),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),

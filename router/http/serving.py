@@ -68,7 +68,13 @@ def _send(
             ends = frozenset(run.params.stop_token_ids) | frozenset(() if run.params.ignore_eos else state.eos_ids)
             detoks = [
                 IncrementalDetokenizer(
-                    state.tokenizer, body.stop_list, body.skip_special_tokens, ends, run.params.min_tokens, run.ids
+                    state.tokenizer,
+                    body.stop_list,
+                    body.skip_special_tokens,
+                    ends,
+                    run.params.min_tokens,
+                    run.ids,
+                    include_stops=bool(body.include_stop_str_in_output),
                 )
                 for _ in requests
             ]
