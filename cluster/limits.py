@@ -69,6 +69,15 @@ class RequestLimits:
                 f"stop_token_ids names token {bad[0]}, outside this model's vocabulary (ids 0 to {vocab - 1})",
                 field="stop_token_ids",
             )
+        if (
+            vocab is not None
+            and params.allowed_token_ids
+            and (bad := [t for t in params.allowed_token_ids if not 0 <= t < vocab])
+        ):
+            raise InvalidRequestError(
+                f"allowed_token_ids names token {bad[0]}, outside this model's vocabulary (ids 0 to {vocab - 1})",
+                field="allowed_token_ids",
+            )
         if vocab is not None and params.min_tokens:
             self.check_held_back(params, vocab)
         if self.max_logit_bias is not None and params.uses_processors:

@@ -72,6 +72,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob and its k most likely
     n: int = 1  # choices sampled from one prompt (cluster/choices.py fans them out)
     grammar: GrammarSpec | None = None  # the output follows it (and ends once it is complete)
+    # vLLM's: only these tokens may be sampled (None: any); not with a grammar
+    allowed_token_ids: list[int] | None = None
     # not a sampling value, but it travels with them: lower runs first (vLLM's meaning), in the waiting
     # queue and when a request is chosen for preemption (the highest number goes first)
     priority: int = 0
@@ -100,6 +102,8 @@ class SamplingParams:
         if not (self.grammar is None or isinstance(self.grammar, GrammarSpec)):
             raise InvalidRequestError(f"grammar must be a GrammarSpec, got {self.grammar!r}", field="grammar")
         self.stop_token_ids = _token_ids(self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids(self.allowed_token_ids, "allowed_token_ids")
         self.logit_bias = _biases(self.logit_bias)
 
     def _check_bounds(self) -> None:
@@ -130,6 +134,12 @@ class SamplingParams:
             k = getattr(self, name)
             need(k is None or 0 <= k <= 20, name, "must be an integer between 0 and 20")
         need(self.n >= 1, "n", "must be at least 1")
+        need(self.allowed_token_ids is None or bool(self.allowed_token_ids), "allowed_token_ids", "must not be empty")
+        need(
+            self.allowed_token_ids is None or self.grammar is None,
+            "allowed_token_ids",
+            "cannot be combined with a grammar (response_format, guided_*, structured_outputs or strict tools)",
+        )
         need(
             self.seed is None or _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1],
             "seed",
@@ -184,18 +194,17 @@ def _finite(value: object) -> bool:
         return False
 
 
-def _token_ids(value: object) -> list[int]:
-    """stop_token_ids as a list of ints (None: none); their range is the model's (cluster/limits.py)."""
+def _token_ids(value: object, name: str = "stop_token_ids") -> list[int]:
+    """A list of token ids (stop_token_ids, allowed_token_ids) as ints (None: none); their range is the
+    model's (cluster/limits.py)."""
     if value is None:
         return []
     if not isinstance(value, (list, tuple)):
-        raise InvalidRequestError(
-            f"stop_token_ids must be a list of token ids, got {type(value).__name__}", field="stop_token_ids"
-        )
+        raise InvalidRequestError(f"{name} must be a list of token ids, got {type(value).__name__}", field=name)
     if set(map(type, value)) <= {int}:  # the common case, without a check per id
         return list(value)
     if bad := [t for t in value if not _integer(t)]:
-        raise InvalidRequestError(f"stop_token_ids holds {bad[0]!r}; token ids are integers", field="stop_token_ids")
+        raise InvalidRequestError(f"{name} holds {bad[0]!r}; token ids are integers", field=name)
     return [operator.index(t) for t in value]
 
 

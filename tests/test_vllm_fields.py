@@ -176,9 +176,42 @@ def test_include_stop_str_in_output_keeps_the_stop_string_or_token_in_the_text(s
     assert ended.finish_reason == "stop" and ended.text == tokenizer.decode(ids[: ids.index(token) + 1])
 
 
+def test_allowed_token_ids_keep_every_choices_tokens_in_the_set(srv, tokenizer):
+    allowed = tokenizer(PROMPT_TEXTS[3], add_special_tokens=False).input_ids[:6]
+    body = {"allowed_token_ids": allowed, "ignore_eos": True, "return_token_ids": True}
+    args = dict(model="tiny", prompt=PROMPT_TEXTS[2], max_tokens=8, temperature=1, seed=5, n=2, extra_body=body)
+    whole = client(srv).completions.create(**args)
+    assert all(len(c.token_ids) == 8 and set(c.token_ids) <= set(allowed) for c in whole.choices)
+    streamed = client(srv).completions.create(**args, stream=True)
+    ids = [t for chunk in streamed for c in chunk.choices for t in (c.model_extra.get("token_ids") or [])]
+    assert len(ids) == 16 and set(ids) <= set(allowed)
+    chat = client(srv).chat.completions.create(
+        model="tiny",
+        messages=MSG,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True, "return_token_ids": True},
+    )
+    chat_ids = chat.choices[0].model_extra["token_ids"]
+    assert len(chat_ids) == 6 and set(chat_ids) <= set(allowed)
+
+
+@pytest.mark.parametrize(
+    "value, says",
+    [([], "must not be empty"), ([1, 10**6], "outside this model's vocabulary"), ("1", "list")],
+)
+def test_a_bad_allowed_token_ids_is_a_400_naming_it(srv, value, says):
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "allowed_token_ids": value}
+    r = httpx.post(srv.url + C, json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+    assert says in r.json()["error"]["message"]
+    guided = {**body, "allowed_token_ids": [1, 2], "guided_regex": "a+"}
+    r = httpx.post(srv.url + C, json=guided, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+
+
 REFUSED = [
     (C, "use_beam_search", True),
-    (C, "allowed_token_ids", [1, 2]),
     (C, "bad_words", ["no"]),
     (C, "logits_processors", ["mod.proc"]),
     (C, "guided_whitespace_pattern", " "),

@@ -40,6 +40,7 @@ from cluster.scheduler.prefill import PrefillManager
 from cluster.scheduler.req import Req
 from cluster.scheduler.request_slots import RequestSlots
 from cluster.scheduler.spec_decode import Speculator
+from cluster.scheduler.token_set import TokenSetMatcher
 from worker.batch import StepOutput
 from worker.sampling.verify import kept_counts
 
@@ -195,6 +196,10 @@ class Scheduler:
             raise InvalidRequestError(
                 "this replica cannot serve grammars (its model folder has no tokenizer)", field="response_format"
             )
+        if params.allowed_token_ids is not None and self.grammars is None:
+            raise InvalidRequestError(
+                "this replica cannot mask tokens (its model folder has no tokenizer)", field="allowed_token_ids"
+            )
         return max_len
 
     def _add(self, msg: AddRequest) -> None:
@@ -225,6 +230,8 @@ class Scheduler:
             future = self.grammars.compile(msg.params.grammar)
             self._compiling[req.uid] = (self.clock() + self.config.grammar_compile_timeout_s, future)
             future.add_done_callback(lambda future, uid=req.uid: self.inbox.put(GrammarReady(uid, future)))
+        elif msg.params.allowed_token_ids is not None:
+            req.matcher = TokenSetMatcher(msg.params.allowed_token_ids, self.grammars.vocab_size)
         self.prefill.add(req)
 
     def _grammar_ready(self, msg: GrammarReady) -> None:
@@ -596,20 +603,26 @@ class Scheduler:
         allowed = set(np.flatnonzero(bits[: self.grammars.vocab_size]).tolist())
         if not allowed:
             return ErrorKind.INVALID_REQUEST, (
-                f"the request's {p.grammar.kind} grammar allows no token after {len(req.output_ids)} output "
+                f"{_constraint(req)} allows no token after {len(req.output_ids)} output "
                 "tokens: no output follows it (a grammar or regular expression that matches nothing)"
             )
         if len(req.output_ids) < p.min_tokens and allowed <= set(held_back_ids(p, self.eos_ids)):
             return ErrorKind.INVALID_REQUEST, (
-                f"the request's {p.grammar.kind} grammar allows only a stop token after "
+                f"{_constraint(req)} allows only a stop token after "
                 f"{len(req.output_ids)} output tokens, which min_tokens ({p.min_tokens}) holds back: "
-                "no output satisfies both; lower min_tokens or let the grammar go on"
+                "no output satisfies both; lower min_tokens or allow other tokens"
             )
         return ErrorKind.ENGINE, _rejected(req, token)
 
 
+def _constraint(req: Req) -> str:
+    """What constrains a request's tokens, for its errors."""
+    grammar = req.params.grammar
+    return f"the request's {grammar.kind} grammar" if grammar is not None else "the request's allowed_token_ids"
+
+
 def _rejected(req: Req, token: int) -> str:
     return (
-        f"the request's {req.params.grammar.kind} grammar rejected the sampled token {token} (its mask "
+        f"{_constraint(req)} rejected the sampled token {token} (its mask "
         "should have forbidden it: a server fault); the output was stopped rather than returned broken"
     )

@@ -297,6 +297,7 @@ class RouterState:
                 n=choices,
                 priority=req.priority,
                 grammar=grammar,
+                allowed_token_ids=req.allowed_token_ids,
             )
             limits.check_params(params)
         except InvalidRequestError as e:
