@@ -74,6 +74,9 @@ class SamplingParams:
     grammar: GrammarSpec | None = None  # the output follows it (and ends once it is complete)
     # vLLM's: only these tokens may be sampled (None: any); not with a grammar
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output never ends with: each word's last token is masked where the output so far
+    # ends with its other tokens (cluster/scheduler/token_set.py); not with a grammar
+    bad_words: list[str] | None = None
     # not a sampling value, but it travels with them: lower runs first (vLLM's meaning), in the waiting
     # queue and when a request is chosen for preemption (the highest number goes first)
     priority: int = 0
@@ -104,6 +107,12 @@ class SamplingParams:
         self.stop_token_ids = _token_ids(self.stop_token_ids)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _token_ids(self.allowed_token_ids, "allowed_token_ids")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
+                raise InvalidRequestError(
+                    f"bad_words must be a list of strings, got {self.bad_words!r}", field="bad_words"
+                )
+            self.bad_words = list(self.bad_words)
         self.logit_bias = _biases(self.logit_bias)
 
     def _check_bounds(self) -> None:
@@ -135,10 +144,14 @@ class SamplingParams:
             need(k is None or 0 <= k <= 20, name, "must be an integer between 0 and 20")
         need(self.n >= 1, "n", "must be at least 1")
         need(self.allowed_token_ids is None or bool(self.allowed_token_ids), "allowed_token_ids", "must not be empty")
+        for name in ("allowed_token_ids", "bad_words"):
+            need(
+                getattr(self, name) is None or self.grammar is None,
+                name,
+                "cannot be combined with a grammar (response_format, guided_*, structured_outputs or strict tools)",
+            )
         need(
-            self.allowed_token_ids is None or self.grammar is None,
-            "allowed_token_ids",
-            "cannot be combined with a grammar (response_format, guided_*, structured_outputs or strict tools)",
+            self.bad_words is None or all(w.strip() for w in self.bad_words), "bad_words", "must not hold an empty word"
         )
         need(
             self.seed is None or _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1],
@@ -156,6 +169,11 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
         )
+
+    @property
+    def token_masks(self) -> bool:
+        """Whether its samples are masked without a grammar (allowed_token_ids, bad_words)."""
+        return self.allowed_token_ids is not None or bool(self.bad_words)
 
     def for_choice(self, index: int) -> SamplingParams:
         """The parameters of choice `index` of an n-choice request: one choice, with its own seed."""

@@ -210,9 +210,24 @@ def test_a_bad_allowed_token_ids_is_a_400_naming_it(srv, value, says):
     assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
 
 
+def test_bad_words_never_end_the_output(srv, tokenizer):
+    from cluster.scheduler.token_set import bad_word_sequences
+
+    args = dict(model="tiny", prompt=PROMPT_TEXTS[2], max_tokens=12, temperature=0)
+    body = {"ignore_eos": True, "return_token_ids": True}
+    free = client(srv).completions.create(**args, extra_body=body).choices[0]
+    words = [tokenizer.decode(free.token_ids[3:4]), tokenizer.decode(free.token_ids[6:8])]
+    banned = bad_word_sequences(tokenizer, words)
+    cut = client(srv).completions.create(**args, extra_body={**body, "bad_words": words}).choices[0]
+    ids = cut.token_ids
+    assert ids != free.token_ids and len(ids) == 12
+    assert not any(ids[i : i + len(w)] == w for w in banned for i in range(len(ids)))
+    r = httpx.post(srv.url + C, json={**args, "bad_words": ["ok", ""]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+
+
 REFUSED = [
     (C, "use_beam_search", True),
-    (C, "bad_words", ["no"]),
     (C, "logits_processors", ["mod.proc"]),
     (C, "guided_whitespace_pattern", " "),
     (C, "prompt_logprobs", 21),

@@ -25,6 +25,7 @@ class Grammars:
         import xgrammar as xgr  # loaded with the first replica that serves grammars, not with the package
 
         self._xgr = xgr
+        self.tokenizer = tokenizer  # bad words are tokenized with it (cluster/scheduler/token_set.py)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
         self.vocab_size = vocab_size

@@ -28,8 +28,8 @@ class Req:
     may_outgrow: bool = False  # its reservation does not cover max_tokens: it may be preempted
     num_preempted: int = 0
     after: Req | None = None  # another choice of the same prompt: admitted once that one's prompt is cached
-    # with params.grammar: its xgrammar matcher, once the grammar is compiled; with params.allowed_token_ids:
-    # a TokenSetMatcher (cluster/scheduler/token_set.py)
+    # with params.grammar: its xgrammar matcher, once the grammar is compiled; with allowed_token_ids or
+    # bad_words: a TokenMaskMatcher (cluster/scheduler/token_set.py)
     matcher: object = None
     speculates: bool = False  # its decode steps may verify proposed tokens
     # a step that verifies proposals for it is in flight: its state is provisional (in speculation's
@@ -64,9 +64,7 @@ class Req:
         self.device_len = self.prompt_len
         p = self.params
         # whether a step holding it needs more than temperature, top-p and top-k (checked every step)
-        self.sampling_extras = (
-            p.uses_processors or p.min_p > 0 or p.grammar is not None or p.allowed_token_ids is not None
-        )
+        self.sampling_extras = p.uses_processors or p.min_p > 0 or p.grammar is not None or p.token_masks
 
     @property
     def output_ids(self) -> list[int]:

@@ -40,7 +40,7 @@ from cluster.scheduler.prefill import PrefillManager
 from cluster.scheduler.req import Req
 from cluster.scheduler.request_slots import RequestSlots
 from cluster.scheduler.spec_decode import Speculator
-from cluster.scheduler.token_set import TokenSetMatcher
+from cluster.scheduler.token_set import TokenMaskMatcher, bad_word_sequences
 from worker.batch import StepOutput
 from worker.sampling.verify import kept_counts
 
@@ -196,9 +196,10 @@ class Scheduler:
             raise InvalidRequestError(
                 "this replica cannot serve grammars (its model folder has no tokenizer)", field="response_format"
             )
-        if params.allowed_token_ids is not None and self.grammars is None:
+        if params.token_masks and self.grammars is None:
             raise InvalidRequestError(
-                "this replica cannot mask tokens (its model folder has no tokenizer)", field="allowed_token_ids"
+                "this replica cannot mask tokens (its model folder has no tokenizer)",
+                field="allowed_token_ids" if params.allowed_token_ids is not None else "bad_words",
             )
         return max_len
 
@@ -210,6 +211,7 @@ class Scheduler:
             if msg.uid in self.reqs:
                 raise InvalidRequestError(f"request id {msg.uid} is already running")
             self.prefill.check_room(len(msg.input_ids))  # a full queue: OverloadedError
+            masks = self._token_masks(msg) if msg.params.token_masks else None
         except RaylmError as e:
             self.on_output([TokenDelta.failed_by(msg.uid, e)])
             return
@@ -230,9 +232,21 @@ class Scheduler:
             future = self.grammars.compile(msg.params.grammar)
             self._compiling[req.uid] = (self.clock() + self.config.grammar_compile_timeout_s, future)
             future.add_done_callback(lambda future, uid=req.uid: self.inbox.put(GrammarReady(uid, future)))
-        elif msg.params.allowed_token_ids is not None:
-            req.matcher = TokenSetMatcher(msg.params.allowed_token_ids, self.grammars.vocab_size)
+        req.matcher = req.matcher or masks
         self.prefill.add(req)
+
+    def _token_masks(self, msg: AddRequest) -> TokenMaskMatcher:
+        """The matcher of a request's allowed_token_ids and bad words, where its output so far (a continued
+        stream's) has taken them."""
+        p, vocab = msg.params, self.grammars.vocab_size
+        bad = bad_word_sequences(self.grammars.tokenizer, p.bad_words or [])
+        if out_of_vocab := [t for w in bad for t in w if t >= vocab]:
+            raise InvalidRequestError(
+                f"a bad word holds token {out_of_vocab[0]}, outside this model's vocabulary (ids 0 to {vocab - 1})",
+                field="bad_words",
+            )
+        output = msg.input_ids[len(msg.input_ids) - msg.output_len :] if msg.output_len else []
+        return TokenMaskMatcher(vocab, p.allowed_token_ids, bad, output)
 
     def _grammar_ready(self, msg: GrammarReady) -> None:
         req = self.reqs.get(msg.uid)
@@ -617,8 +631,11 @@ class Scheduler:
 
 def _constraint(req: Req) -> str:
     """What constrains a request's tokens, for its errors."""
-    grammar = req.params.grammar
-    return f"the request's {grammar.kind} grammar" if grammar is not None else "the request's allowed_token_ids"
+    p = req.params
+    if p.grammar is not None:
+        return f"the request's {p.grammar.kind} grammar"
+    named = [name for name in ("allowed_token_ids", "bad_words") if getattr(p, name)]
+    return f"the request's {' and '.join(named)}"
 
 
 def _rejected(req: Req, token: int) -> str:

@@ -74,12 +74,14 @@ class Speculator:
     def pipelines(self, params: SamplingParams) -> bool:
         """Whether a request with these parameters speculates in the pipeline: n-gram lookup, the overlap
         loop, and nothing whose state on the host or device a void row would disturb (penalties, biases
-        and min_tokens count samples into processor state; a grammar's matcher takes each token)."""
+        and min_tokens count samples into processor state; a grammar's matcher, and bad words', takes each
+        token)."""
         return (
             self.pipeline
             and (self.draft is None or self.draft.pipelines)
             and not params.uses_processors
             and params.grammar is None
+            and not params.bad_words
         )
 
     def active(self, num_running: int) -> bool:

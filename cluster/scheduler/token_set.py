@@ -1,32 +1,79 @@
-"""vLLM's allowed_token_ids: a request that may sample only the tokens of a set. It rides the grammars'
-path (a matcher per request whose next-token bitmask masks the logits on the device, in decode, verify
-and every other step) with a matcher whose mask never changes, so nothing is compiled and every token
-it allows may follow any other."""
+"""Token masks that need no grammar, vLLM's allowed_token_ids and bad_words: a request that may sample only
+the tokens of a set, or never a bad word's last token after the rest of that word. They ride the grammars'
+path (a matcher per request whose next-token bitmask masks the logits on the device, in decode, verify and
+every other step) with a matcher of their own, so nothing is compiled."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
 
-class TokenSetMatcher:
-    """The part of xgrammar's GrammarMatcher the scheduler calls, over a fixed set of tokens."""
+def bad_word_sequences(tokenizer: PreTrainedTokenizerBase, words: Sequence[str]) -> list[list[int]]:
+    """Each bad word's token ids as vLLM finds them: the word as written at the start of a text, and again
+    after a space (the same word inside a text) where that gives as many tokens, the first a new one."""
+    sequences: list[list[int]] = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        sequences.append(alone)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and len(spaced) == len(alone) and spaced[0] != alone[0]:
+            sequences.append(spaced)
+    return [s for s in sequences if s]
 
-    def __init__(self, token_ids: list[int], vocab_size: int) -> None:
+
+class TokenMaskMatcher:
+    """The part of xgrammar's GrammarMatcher the scheduler calls: tokens allowed by a fixed set (None: all),
+    less each bad word's last token where the output so far ends with the rest of that word (vLLM looks
+    at the output only, not the prompt)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        allowed: Sequence[int] | None = None,
+        bad_words: Sequence[Sequence[int]] = (),
+        output: Sequence[int] = (),
+    ) -> None:
         bits = np.zeros(-(-vocab_size // 32) * 32, dtype=np.uint8)
-        bits[np.asarray(token_ids, dtype=np.int64)] = 1
-        # xgrammar's layout: int32 words, token t at bit t % 32 of word t // 32
-        self._row = torch.from_numpy(np.packbits(bits, bitorder="little").view(np.int32).copy())
-        self._allowed = frozenset(token_ids)
+        if allowed is None:
+            bits[:vocab_size] = 1
+        else:
+            bits[np.asarray(allowed, dtype=np.int64)] = 1
+        # xgrammar's layout: 32-bit words, token t at bit t % 32 of word t // 32
+        self._row = np.packbits(bits, bitorder="little").view(np.uint32)
+        self._allowed = None if allowed is None else frozenset(allowed)
+        self._bad = [list(w) for w in bad_words]
+        self._output = list(output)
+
+    def _banned(self) -> set[int]:
+        """The bad words' last tokens that may not come next: a word's ends the output as it stands."""
+        out, banned = self._output, set()
+        for w in self._bad:
+            before = len(w) - 1
+            if before == 0 or (len(out) >= before and out[len(out) - before :] == w[:-1]):
+                banned.add(w[-1])
+        return banned
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
-        bitmask[index].copy_(self._row)
+        row = self._row
+        if banned := self._banned():
+            row = row.copy()
+            for t in banned:
+                row[t // 32] &= ~np.uint32(1 << (t % 32))
+        bitmask[index].copy_(torch.from_numpy(row.view(np.int32)))
 
     def accept_token(self, token_id: int) -> bool:
-        return token_id in self._allowed
+        if (self._allowed is not None and token_id not in self._allowed) or token_id in self._banned():
+            return False
+        self._output.append(token_id)
+        return True
 
     def is_terminated(self) -> bool:
-        return False  # a set ends nothing: EOS, a stop token or max_tokens does
+        return False  # a mask ends nothing: EOS, a stop token or max_tokens does
 
     def rollback(self, num_tokens: int) -> None:
-        pass  # no state to undo
+        if num_tokens:
+            del self._output[-num_tokens:]

@@ -103,7 +103,6 @@ class APIRequest(UnicodeChecked):
     best_of: Any = None
     use_beam_search: Any = None
     spaces_between_special_tokens: Any = None
-    bad_words: Any = None
     logits_processors: Any = None
     vllm_xargs: Any = None
     guided_whitespace_pattern: Any = None
@@ -239,6 +238,7 @@ class SamplingFields(APIRequest):
     return_tokens_as_token_ids: bool | None = None
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # words the output never ends with (cluster/scheduler/token_set.py)
     include_stop_str_in_output: bool | None = None  # the stop string (or stop token) that ended it stays in the text
     add_special_tokens: bool | None = None  # None: completions add them, chat does not (the template does)
 

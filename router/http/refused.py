@@ -12,7 +12,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     # vLLM's
     "use_beam_search": (None, False),
     "spaces_between_special_tokens": (None, True),
-    "bad_words": (None, []),
     "logits_processors": (None, []),
     "vllm_xargs": (None, {}),
     "guided_whitespace_pattern": (None,),

@@ -298,6 +298,7 @@ class RouterState:
                 priority=req.priority,
                 grammar=grammar,
                 allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words or None,
             )
             limits.check_params(params)
         except InvalidRequestError as e:

@@ -1,0 +1,142 @@
+"""vLLM's allowed_token_ids and bad_words. Only the tokens of a set may be sampled: greedy output equals
+transformers' generate with every other token suppressed (SuppressTokensLogitsProcessor) in float32, under
+overlap and speculation alike, and sampled tokens stay in the set. A bad word's last token is masked where
+the output ends with the rest of it: greedy output equals generate with NoBadWordsLogitsProcessor over
+the same token sequences. Bad values are refused naming their field."""
+
+from __future__ import annotations
+
+import pytest
+from fixtures import PROMPT_TEXTS, hf_generate
+from helpers import checked_llm, encode_all
+from test_spec_decode import SPEC
+from transformers import LogitsProcessorList, NoBadWordsLogitsProcessor, SuppressTokensLogitsProcessor
+
+from cluster import InvalidRequestError, SamplingParams
+from cluster.sampling_params import GrammarSpec
+from cluster.scheduler.token_set import TokenMaskMatcher, bad_word_sequences
+
+
+def _allowed(llm, prompts: list[list[int]]) -> list[int]:
+    """A set of 40 tokens: some the prompts hold (so that greedy output has likely ones among them), the
+    end-of-text token left out."""
+    eos = set(llm.scheduler.eos_ids)
+    seen = sorted({t for p in prompts for t in p} - eos)
+    return seen[::3][:40]
+
+
+@pytest.mark.parametrize("setting", ["overlap", "no_overlap", "ngram"])
+def test_greedy_output_within_the_set_equals_hf_with_the_rest_suppressed(qwen3_path, setting):
+    kw = {"overlap": setting != "no_overlap", **(SPEC if setting == "ngram" else {})}
+    with checked_llm(qwen3_path, dtype="float32", num_pages=512, **kw) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS[:6])
+        allowed = _allowed(llm, prompts)
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed)
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+        vocab = llm.engine.hf_config.vocab_size
+    suppressed = [t for t in range(vocab) if t not in set(allowed)]
+    want = hf_generate(
+        qwen3_path,
+        prompts,
+        12,
+        eos_token_id=[],
+        logits_processor=lambda n: LogitsProcessorList([SuppressTokensLogitsProcessor(suppressed, device="cpu")]),
+    )
+    assert got == want
+    assert all(set(g) <= set(allowed) for g in got)
+
+
+def test_sampled_tokens_stay_in_the_set(qwen3_path):
+    with checked_llm(qwen3_path, num_pages=512) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS[:4])
+        allowed = _allowed(llm, prompts)[:5]
+        params = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True, seed=3, n=3, allowed_token_ids=allowed)
+        outs = [c.token_ids for o in llm.generate(prompts, params) for c in o.outputs]
+    assert all(len(o) == 16 and set(o) <= set(allowed) for o in outs)
+    assert len({t for o in outs for t in o}) > 1  # sampled, not one token over and over
+
+
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        ({"allowed_token_ids": []}, "must not be empty"),
+        ({"allowed_token_ids": [1, 10**6]}, "outside this model's vocabulary"),
+        ({"allowed_token_ids": [1, "2"]}, "token ids are integers"),
+        ({"allowed_token_ids": [1], "grammar": GrammarSpec("regex", "a+")}, "cannot be combined with a grammar"),
+        ({"bad_words": ["ok", " "]}, "must not hold an empty word"),
+        ({"bad_words": "ok"}, "must be a list of strings"),
+        ({"bad_words": ["ok"], "grammar": GrammarSpec("regex", "a+")}, "cannot be combined with a grammar"),
+    ],
+)
+def test_a_bad_value_is_refused_naming_its_field(qwen3_path, kw, says):
+    field = next(name for name in ("allowed_token_ids", "bad_words") if name in kw)
+    with checked_llm(qwen3_path, num_pages=64) as llm:
+        with pytest.raises(InvalidRequestError, match=says) as e:
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, **kw))
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("setting", ["overlap", "no_overlap", "ngram"])
+def test_greedy_output_without_the_bad_words_equals_hf_with_no_bad_words(qwen3_path, setting):
+    kw = {"overlap": setting != "no_overlap", **(SPEC if setting == "ngram" else {})}
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with checked_llm(qwen3_path, dtype="float32", num_pages=512, **kw) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS[:6])
+        free = [o.token_ids for o in llm.generate(prompts, greedy)]
+        # words the free outputs write: two tokens' (which bite only after the first) and one token's.
+        # transformers matches a word's first tokens against the prompt too: no word starts with a
+        # prompt's last token
+        last = {p[-1] for p in prompts}
+        tok = llm.tokenizer
+
+        def writes(ids: list[int]) -> bool:  # the word of `ids` is found as them again
+            sequences = bad_word_sequences(tok, [tok.decode(ids)])
+            return ids in sequences and all(s[0] not in last for s in sequences if len(s) > 1)
+
+        pairs = [f[i : i + 2] for f in free for i in range(2, 11)]
+        words = [tok.decode(ids) for ids in pairs if writes(ids)][:2]
+        words += [tok.decode(f[j : j + 1]) for f in free for j in range(12) if writes(f[j : j + 1])][:1]
+        sequences = bad_word_sequences(tok, words)
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(**{**greedy.__dict__, "bad_words": words}))]
+    assert len(words) == 3 and any(len(s) == 2 for s in sequences)
+    want = hf_generate(
+        qwen3_path,
+        prompts,
+        12,
+        eos_token_id=[],
+        logits_processor=lambda n: LogitsProcessorList([NoBadWordsLogitsProcessor(sequences, eos_token_id=[])]),
+    )
+    assert got == want
+    assert got != free  # the words were there to be banned
+
+
+def test_bad_words_are_the_words_token_ids_alone_and_after_a_space(qwen3_path):
+    from cluster.model_info import load_tokenizer
+
+    tokenizer = load_tokenizer(str(qwen3_path))
+    word = "capital"
+    alone = tokenizer.encode(word, add_special_tokens=False)
+    spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+    sequences = bad_word_sequences(tokenizer, [word, "  " + word])  # leading spaces are the word's own
+    assert sequences[0] == alone and sequences.count(alone) == 2
+    assert (spaced in sequences) == (len(spaced) == len(alone) and spaced[0] != alone[0])
+
+
+def test_the_matcher_masks_a_words_last_token_only_after_the_rest_and_rolls_back():
+    import torch
+
+    m = TokenMaskMatcher(64, None, [[5], [7, 8, 9]], output=[1, 7])
+    mask = torch.zeros(1, 2, dtype=torch.int32)
+
+    def allowed() -> set[int]:
+        m.fill_next_token_bitmask(mask, 0)
+        bits = mask.view(torch.uint8).numpy()
+        return {t for t in range(64) if bits[0, t // 8] >> (t % 8) & 1}
+
+    assert allowed() == set(range(64)) - {5}
+    assert m.accept_token(8) and allowed() == set(range(64)) - {5, 9}
+    assert not m.accept_token(9) and not m.accept_token(5)
+    m.rollback(1)  # back to [1, 7]
+    assert allowed() == set(range(64)) - {5}
+    only = TokenMaskMatcher(40, [3, 33], [[33]])
+    assert only.accept_token(3) and not only.accept_token(33) and not only.accept_token(4)
