@@ -298,6 +298,22 @@ def test_reasoning_is_returned_apart_from_the_content(srv):
     assert "".join(d.content or "" for d in deltas) == "hello"
 
 
+def test_include_reasoning_false_parses_the_reasoning_out_and_leaves_it_out(srv):
+    body = dict(
+        model="tiny",
+        messages=MSG,
+        max_tokens=40,
+        temperature=0,
+        extra_body={"guided_regex": "<think>abc</think>\n\nhello", "include_reasoning": False},
+    )
+    message = client(srv).chat.completions.create(**body).choices[0].message
+    assert message.content == "hello" and getattr(message, "reasoning_content", None) is None
+    assert "reasoning_content" not in message.model_dump(exclude_unset=True)
+    deltas = [ch.choices[0].delta for ch in client(srv).chat.completions.create(**body, stream=True) if ch.choices]
+    assert not any(getattr(d, "reasoning_content", None) for d in deltas)
+    assert "".join(d.content or "" for d in deltas) == "hello"
+
+
 def test_an_answer_without_thinking_has_no_reasoning(srv):
     message = (
         client(srv)

@@ -37,6 +37,8 @@ class ChatOutput:
     # a call the output cut short (max_tokens) returned as content, its markup and all, as chat's is (and
     # vLLM's); off for the Responses and Messages APIs, whose items have no place for it
     unfinished_calls_as_text: bool = True
+    # include_reasoning false (vLLM's): the reasoning is still parsed out of the answer, but not returned
+    shows_reasoning: bool = True
 
     @property
     def parses(self) -> bool:
@@ -48,6 +50,7 @@ class ChatOutput:
             tool_call_parser(self.tool_calls) if self.tool_calls else None,
             self.max_calls,
             self.unfinished_calls_as_text,
+            self.shows_reasoning,
         )
 
 
@@ -56,10 +59,15 @@ class ChatOutputParser:
     however the text was split."""
 
     def __init__(
-        self, reasoning: ReasoningParser | None, tools, max_calls: int | None = None, keep_unfinished: bool = True
+        self,
+        reasoning: ReasoningParser | None,
+        tools,
+        max_calls: int | None = None,
+        keep_unfinished: bool = True,
+        shows_reasoning: bool = True,
     ) -> None:
         self._reasoning, self._tools, self._max_calls = reasoning, tools, max_calls
-        self._keep_unfinished = keep_unfinished
+        self._keep_unfinished, self._shows_reasoning = keep_unfinished, shows_reasoning
         self.calls = 0  # tool calls given out so far (the next one's index in a stream)
 
     def feed(self, text: str) -> ChatParts:
@@ -71,7 +79,7 @@ class ChatOutputParser:
         return self._answer(reasoning, content, final=True)
 
     def _answer(self, reasoning: str, content: str, final: bool) -> ChatParts:
-        parts = ChatParts(reasoning)
+        parts = ChatParts(reasoning if self._shows_reasoning else "")
         if self._tools is None:
             parts.content = content
         else:
@@ -91,7 +99,7 @@ def message(parts: ChatParts, output: ChatOutput) -> dict:
     and no text besides, as OpenAI's and vLLM's are."""
     empty = not parts.content and (parts.tool_calls or parts.reasoning)
     msg: dict = {"role": "assistant", "content": None if empty else parts.content}
-    if output.reasoning:
+    if output.reasoning and output.shows_reasoning:
         msg["reasoning_content"] = parts.reasoning or None
     if parts.tool_calls:
         msg["tool_calls"] = [c.as_openai() for c in parts.tool_calls]

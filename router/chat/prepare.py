@@ -60,5 +60,6 @@ def prepare_chat(state: RouterState, req: ChatCompletionRequest) -> PreparedChat
         starts_in_reasoning=in_think,
         tool_calls=state.tool_call_parser if reads_calls else None,
         max_calls=1 if req.parallel_tool_calls is False else None,
+        shows_reasoning=req.include_reasoning is not False,
     )
     return PreparedChat(ids, grammar, output)

@@ -314,11 +314,11 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: Any = None
     chat_template: Any = None
     documents: Any = None
-    include_reasoning: Any = None
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call (the grammar's, or the first one parsed)
+    include_reasoning: bool | None = None  # vLLM's; False: the reasoning is parsed out and not returned
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template ({"enable_thinking": false})
     # vLLM's: the assistant turn's opening after the messages, or (continue_final_message) none, the answer
     # continuing the last message as it stands (a prefill)

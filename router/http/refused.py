@@ -35,7 +35,6 @@ CHAT_UNSUPPORTED_FIELDS: dict[str, tuple] = {
     # vLLM's
     "chat_template": (None,),
     "documents": (None, []),
-    "include_reasoning": (None, True),
 }
 REFUSABLE = {**COMPLETION_UNSUPPORTED_FIELDS, **CHAT_UNSUPPORTED_FIELDS}
 
