@@ -70,6 +70,12 @@ def build_tokenizer(out_dir: Path, corpus: list[str] = _DEMO_CORPUS) -> PreTrain
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
+    return save_tokenizer(tok, out_dir)
+
+
+def save_tokenizer(tok: Tokenizer, out_dir: Path) -> PreTrainedTokenizerFast:
+    """A trained tokenizer (its vocabulary led by end-of-text and the chat turns' markers) with the chat
+    template, saved in out_dir as transformers reads it, and read back."""
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS_TOKEN,

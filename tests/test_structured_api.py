@@ -282,14 +282,14 @@ def test_constrained_requests_beside_free_ones_leave_those_unchanged(srv, bias):
     check_replicas_whole(srv)
 
 
+def _thinking(**extra) -> dict:
+    """A chat request whose output is a think block of "abc", then "hello"."""
+    body = {"guided_regex": "<think>abc</think>\n\nhello", **extra}
+    return dict(model="tiny", messages=MSG, max_tokens=40, temperature=0, extra_body=body)
+
+
 def test_reasoning_is_returned_apart_from_the_content(srv):
-    body = dict(
-        model="tiny",
-        messages=MSG,
-        max_tokens=40,
-        temperature=0,
-        extra_body={"guided_regex": "<think>abc</think>\n\nhello"},
-    )
+    body = _thinking()
     message = client(srv).chat.completions.create(**body).choices[0].message
     assert (message.reasoning_content, message.content) == ("abc", "hello")
     chunks = list(client(srv).chat.completions.create(**body, stream=True))
@@ -299,13 +299,7 @@ def test_reasoning_is_returned_apart_from_the_content(srv):
 
 
 def test_include_reasoning_false_parses_the_reasoning_out_and_leaves_it_out(srv):
-    body = dict(
-        model="tiny",
-        messages=MSG,
-        max_tokens=40,
-        temperature=0,
-        extra_body={"guided_regex": "<think>abc</think>\n\nhello", "include_reasoning": False},
-    )
+    body = _thinking(include_reasoning=False)
     message = client(srv).chat.completions.create(**body).choices[0].message
     assert message.content == "hello" and getattr(message, "reasoning_content", None) is None
     assert "reasoning_content" not in message.model_dump(exclude_unset=True)

@@ -29,7 +29,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from demo import CHAT_TEMPLATE, EOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN, INIT_STD, VOCAB_SIZE, save_random_model
+from demo import EOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN, INIT_STD, VOCAB_SIZE, save_random_model, save_tokenizer
 from demo import build_tokenizer as _build_tokenizer
 
 PROMPT_TEXTS: list[str] = [
@@ -96,18 +96,7 @@ def build_metaspace_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.Sequence(
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        additional_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
-        clean_up_tokenization_spaces=False,
-        model_max_length=512,
-    )
-    hf_tok.chat_template = CHAT_TEMPLATE
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf_tok.save_pretrained(out_dir)
-    return PreTrainedTokenizerFast.from_pretrained(out_dir)
+    return save_tokenizer(tok, out_dir)
 
 
 def with_metaspace_tokenizer(src: Path, out_dir: Path) -> Path:
