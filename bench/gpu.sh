@@ -107,6 +107,7 @@
 #   RUNS   processes per throughput figure (default 3; the table quotes the median)
 #   REPEATS  runs of (b) in its one process (default 5)
 #   TESTS  the test files `tests` runs (default: every file that holds GPU tests)
+#   TEST_TIMEOUT  seconds a GPU test may take before it fails (default 150; stacks printed 30 s before)
 #   LATENCY_ARCHS  the architectures `latency` runs (default qwen3-0.6b; e.g. "qwen3-0.6b qwen3-8b")
 #   LATENCY_ARGS   more flags for `latency`'s bench/decode_latency.py (e.g. --profile)
 #   HOPS_ARGS      more flags for `hops`'s bench/first_token_hops.py (e.g. "--profile-replica $OUT/prof": the
@@ -229,7 +230,9 @@ PY
 setup
 for suite in "$@"; do
   case $suite in
-    tests) step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_gpu_sampling.py \
+    tests)  # a test past TEST_TIMEOUT s fails (pytest-timeout), its stacks printed first, and the rest run
+      step tests 480 python3 -m pytest -m gpu -q -p no:cacheprovider -o timeout="${TEST_TIMEOUT:-150}" \
+        -o faulthandler_timeout="$(( ${TEST_TIMEOUT:-150} - 30 ))" ${TESTS:-tests/test_gpu.py tests/test_gpu_sampling.py \
       tests/test_kv_fp8.py tests/test_triton_decode.py tests/test_gpu_attention.py tests/test_moe.py \
       tests/test_fp8_gpu.py tests/test_spec_decode.py tests/test_row_fusion.py tests/test_eagle3.py tests/test_extend_graphs.py \
       tests/test_verify_rows.py tests/test_pdl_gpu.py tests/test_lm_head.py tests/test_fp8_norms.py tests/test_cublaslt.py} ;;
