@@ -24,9 +24,13 @@ def prompt_tail(
     """The prompt tokens an output is decoded behind, in two parts: about PROMPT_TAIL_TOKENS whose text is
     whole characters of the prompt's, and the ones after them, which begin a character the output ends
     (its text is the output's). A tail must start and end between characters: a byte-fallback decoder
-    shows every byte of a run of byte tokens as U+FFFD where one is astray (Llama 2's does)."""
+    shows every byte of a run of byte tokens as U+FFFD where one is astray (Llama 2's does). Where no few
+    tokens are whole characters (the prompt's own text has U+FFFD there), none: the output is decoded
+    alone, so that no prompt text shows in it."""
     ids = list(prompt_ids)
     decode = tokenizer.backend_tokenizer.decode
+    if _ends_with_replacement_character(tokenizer, ids):
+        return [], []  # written so, not a character's first bytes: nothing for the output to complete
     for cut in range(min(_CHAR_TOKENS, len(ids)) + 1):
         end = len(ids) - cut
         for back in range(_CHAR_TOKENS + 1):
@@ -35,8 +39,16 @@ def prompt_tail(
                 return ids[start:end], ids[end:]
             if start == 0:
                 break
-    # a prompt whose own text holds U+FFFD there: its last tokens as they are
-    return ids[-PROMPT_TAIL_TOKENS:], []
+    return [], []
+
+
+def _ends_with_replacement_character(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> bool:
+    """Whether the prompt ends with U+FFFD itself, as the tokenizer writes the character after a letter
+    (its own text, which the output must not take for the start of one of its characters)."""
+    letter = tokenizer.encode("a", add_special_tokens=False)
+    both = tokenizer.encode("a\ufffd", add_special_tokens=False)
+    char = both[len(letter) :] if both[: len(letter)] == letter else []
+    return bool(char) and ids[-len(char) :] == char
 
 
 def text_after(

@@ -354,7 +354,14 @@ def test_a_final_assistant_message_is_the_text_the_answer_continues(srv, model):
     assert empty.input_tokens == claude(srv).messages.count_tokens(model="tiny", messages=messages[:1]).input_tokens
 
 
-@pytest.mark.parametrize("content", ["One two ", [{"type": "text", "text": "One"}, {"type": "text", "text": " two\n"}]])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "One two ",
+        [{"type": "text", "text": "One"}, {"type": "text", "text": " two\n"}],
+        [{"type": "text", "text": "One two"}, {"type": "text", "text": ""}],  # joined by a newline
+    ],
+)
 def test_a_final_assistant_message_ending_in_whitespace_is_refused_as_anthropic_does(srv, content):
     messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": content}]
     for path in ("/v1/messages", "/v1/messages/count_tokens"):

@@ -68,6 +68,20 @@ def test_the_first_word_keeps_its_space_behind_a_sentencepiece_prompt(metaspace)
     assert streamed(metaspace, ids[:k], ids[k:]) == " Paris." == text_after(metaspace, ids[:k], ids[k:])
 
 
+@pytest.mark.parametrize("kind", ["metaspace", "byte_level"])
+def test_a_prompt_ending_in_the_replacement_character_itself_lends_the_output_none_of_its_text(
+    kind, metaspace, qwen3_path
+):
+    tokenizer = metaspace if kind == "metaspace" else load_tokenizer(str(qwen3_path))
+    out = tokenizer(" world", add_special_tokens=False).input_ids
+    for prompt_text in ("Hello \ufffd", "Hello \ufffd\ufffd", "Hello\ufffd"):
+        prompt = tokenizer(prompt_text, add_special_tokens=False).input_ids
+        assert tokenizer.decode(prompt) == prompt_text
+        text = streamed(tokenizer, prompt, out)
+        assert text == text_after(tokenizer, prompt, out) == tokenizer.backend_tokenizer.decode(out)
+        assert "\ufffd" not in text
+
+
 def test_the_offline_engines_text_follows_its_prompt(metaspace_path):
     llm = LLM(str(metaspace_path), num_pages=256, page_size=4)
     tokenizer = llm.tokenizer

@@ -45,16 +45,19 @@ class TokenMaskMatcher:
         # xgrammar's layout: 32-bit words, token t at bit t % 32 of word t // 32
         self._row = np.packbits(bits, bitorder="little").view(np.uint32)
         self._allowed = None if allowed is None else frozenset(allowed)
-        self._bad = [list(w) for w in bad_words]
+        # the words' last tokens by the length of the rest and the rest: a lookup for each length, not a
+        # pass over every word, at each of a request's tokens
+        self._bad: dict[int, dict[tuple[int, ...], set[int]]] = {}
+        for w in bad_words:
+            self._bad.setdefault(len(w) - 1, {}).setdefault(tuple(w[:-1]), set()).add(w[-1])
         self._output = list(output)
 
     def _banned(self) -> set[int]:
         """The bad words' last tokens that may not come next: a word's ends the output as it stands."""
         out, banned = self._output, set()
-        for w in self._bad:
-            before = len(w) - 1
-            if before == 0 or (len(out) >= before and out[len(out) - before :] == w[:-1]):
-                banned.add(w[-1])
+        for before, words in self._bad.items():
+            if len(out) >= before:
+                banned |= words.get(tuple(out[len(out) - before :]), set())
         return banned
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:

@@ -121,7 +121,12 @@ def prefilled(req: CountTokensRequest) -> bool:
             "only text",
             param=f"messages.{len(req.messages) - 1}.content",
         )
-    text = last.content if isinstance(last.content, str) else "".join(b.get("text", "") for b in last.content)
+    if isinstance(last.content, str):
+        text = last.content
+    else:  # as the prompt renders the blocks (_assistant)
+        text = joined_parts(
+            [b["text"] for b in last.content if b.get("type") == "text" and isinstance(b.get("text"), str)]
+        )
     if text and text != text.rstrip():
         # as Anthropic's API: the answer's first token would otherwise follow a space the tokenizer never
         # saw there (a word's piece carries its own)
