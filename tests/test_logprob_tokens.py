@@ -95,6 +95,28 @@ def test_text_offset_indexes_the_returned_text(echoed):
             assert text[offset : offset + len(token)] == token
 
 
+def test_an_echoed_prompts_special_tokens_count_in_text_offset(srv, tokenizer):
+    """The echo shows the prompt as sent, its special tokens too: their text counts in the offsets, while
+    the output's skipped special tokens add none (skip_special_tokens, the default)."""
+    prompt = "<|im_start|>user\nHi<|im_end|>\n"
+    for sent in (prompt, tokenizer(prompt, add_special_tokens=False).input_ids):
+        r = client(srv).completions.create(
+            model="tiny",
+            prompt=sent,
+            max_tokens=4,
+            temperature=0,
+            echo=True,
+            logprobs=0,
+            extra_body={"ignore_eos": True},
+        )
+        text, lp = r.choices[0].text, r.choices[0].logprobs
+        assert text.startswith(prompt)
+        for token, offset in zip(lp.tokens, lp.text_offset):
+            if not token.startswith("bytes:") and offset < len(prompt):
+                assert text[offset : offset + len(token)] == token
+        assert lp.text_offset[r.usage.prompt_tokens] == len(prompt)  # the first output token starts after it
+
+
 def test_streamed_text_offsets_equal_the_whole_ones(srv, tokenizer, echoed):
     chunks = client(srv).completions.create(
         model="tiny",

@@ -113,15 +113,17 @@ class Formatter:
             }
         ids, values = list(piece.token_ids), list(piece.logprobs)
         tops = [self._top_dict(t, lp, top) for t, lp, top in zip(ids, values, piece.top_logprobs)]
+        echoed = 0  # the echoed prompt's tokens: its text keeps their special tokens, whatever the output skips
         if self.echoes(piece):
             prompt_values, prompt_tops = self._prompt_logprobs(piece)
+            echoed = len(self.prompt(piece).token_ids)
             ids, values, tops = self.prompt(piece).token_ids + ids, prompt_values + values, prompt_tops + tops
         skip, offsets = self.extras.skip_special_tokens, self.offsets[piece.index]
         return {
             "tokens": [self._token(t) for t in ids],
             "token_logprobs": values,
             "top_logprobs": tops,
-            "text_offset": [offsets.add(self.token_bytes.shown(t, skip)) for t in ids],
+            "text_offset": [offsets.add(self.token_bytes.shown(t, skip and i >= echoed)) for i, t in enumerate(ids)],
         }
 
     def _prompt_logprobs(self, piece: Piece) -> tuple[list[float | None], list[dict | None]]:
