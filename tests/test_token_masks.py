@@ -140,3 +140,19 @@ def test_the_matcher_masks_a_words_last_token_only_after_the_rest_and_rolls_back
     assert allowed() == set(range(64)) - {5}
     only = TokenMaskMatcher(40, [3, 33], [[33]])
     assert only.accept_token(3) and not only.accept_token(33) and not only.accept_token(4)
+
+
+def test_a_mask_that_leaves_nothing_to_sample_fails_the_request_naming_its_field(qwen3_path):
+    with checked_llm(qwen3_path, num_pages=64) as llm:
+        eos = sorted(llm.scheduler.eos_ids)[0]
+        tok = llm.tokenizer
+        # a token that is a bad word on its own
+        piece = next([t] for t in range(3, len(tok)) if [t] in bad_word_sequences(tok, [tok.decode([t])]))
+        word = tok.decode(piece)
+        for kw, field, says in (
+            ({"allowed_token_ids": [eos], "min_tokens": 3}, "min_tokens", r"min_tokens \(3\) holds back"),
+            ({"allowed_token_ids": piece, "bad_words": [word]}, "allowed_token_ids", "allows no token"),
+        ):
+            with pytest.raises(InvalidRequestError, match=says) as e:
+                llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, **kw))
+            assert e.value.field == field

@@ -508,10 +508,10 @@ class Scheduler:
         # every token of a constrained request passes its matcher first, EOS included (the grammar
         # must be complete for it): one the grammar rejects fails the request, and never reaches it
         if req.matcher is not None and (self._held_back(req, token) or not req.matcher.accept_token(token)):
-            kind, why = self._grammar_failure(req, token)
+            kind, why, field = self._grammar_failure(req, token)
             log.error("request %d: %s", req.uid, why)
             self._end(req, "error")
-            deltas.append(TokenDelta.failure(req.uid, kind, why))
+            deltas.append(TokenDelta.failure(req.uid, kind, why, field))
             return True
         req.input_ids.append(token)
         req.first_token = req.first_token or now
@@ -609,24 +609,29 @@ class Scheduler:
         short = len(req.input_ids) - req.prompt_len < req.params.min_tokens
         return short and token in held_back_ids(req.params, self.eos_ids)
 
-    def _grammar_failure(self, req: Req, token: int) -> tuple[ErrorKind, str]:
-        """Why a constrained request cannot take `token`: where its grammar allows no token, or only tokens
-        that its min_tokens holds back, no output follows (the caller's to change); else a server fault."""
+    def _grammar_failure(self, req: Req, token: int) -> tuple[ErrorKind, str, str | None]:
+        """Why a constrained request cannot take `token`, and the field at fault: where its grammar (or
+        mask) allows no token, or only tokens that its min_tokens holds back, no output follows (the
+        caller's to change); else a server fault."""
         p = req.params
         bits = np.unpackbits(self.grammars.masks([req.matcher])[0].view(np.uint8), bitorder="little")
         allowed = set(np.flatnonzero(bits[: self.grammars.vocab_size]).tolist())
         if not allowed:
-            return ErrorKind.INVALID_REQUEST, (
-                f"{_constraint(req)} allows no token after {len(req.output_ids)} output "
-                "tokens: no output follows it (a grammar or regular expression that matches nothing)"
+            return (
+                ErrorKind.INVALID_REQUEST,
+                f"{_constraint(req)} allows no token after {len(req.output_ids)} output tokens: no output "
+                + ("follows it (a grammar or regular expression that matches nothing)" if p.grammar else "is left"),
+                _constraint_field(req),
             )
         if len(req.output_ids) < p.min_tokens and allowed <= set(held_back_ids(p, self.eos_ids)):
-            return ErrorKind.INVALID_REQUEST, (
+            return (
+                ErrorKind.INVALID_REQUEST,
                 f"{_constraint(req)} allows only a stop token after "
                 f"{len(req.output_ids)} output tokens, which min_tokens ({p.min_tokens}) holds back: "
-                "no output satisfies both; lower min_tokens or allow other tokens"
+                "no output satisfies both; lower min_tokens or allow other tokens",
+                "min_tokens",
             )
-        return ErrorKind.ENGINE, _rejected(req, token)
+        return ErrorKind.ENGINE, _rejected(req, token), None
 
 
 def _constraint(req: Req) -> str:
@@ -636,6 +641,12 @@ def _constraint(req: Req) -> str:
         return f"the request's {p.grammar.kind} grammar"
     named = [name for name in ("allowed_token_ids", "bad_words") if getattr(p, name)]
     return f"the request's {' and '.join(named)}"
+
+
+def _constraint_field(req: Req) -> str:
+    """The request field of what constrains its tokens."""
+    p = req.params
+    return "response_format" if p.grammar is not None else "allowed_token_ids" if p.allowed_token_ids else "bad_words"
 
 
 def _rejected(req: Req, token: int) -> str:
