@@ -156,3 +156,16 @@ def test_a_mask_that_leaves_nothing_to_sample_fails_the_request_naming_its_field
             with pytest.raises(InvalidRequestError, match=says) as e:
                 llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, **kw))
             assert e.value.field == field
+
+
+def test_only_a_mask_that_follows_the_output_keeps_its_request_out_of_the_overlap_loop():
+    from cluster.scheduler.decode import DecodeManager
+    from cluster.scheduler.req import Req
+
+    def waits(**kw) -> bool:
+        req = Req(1, [1, 2, 3], SamplingParams(**kw), 64, 0)
+        req.matcher = TokenMaskMatcher(64, kw.get("allowed_token_ids"), [[5]] if kw.get("bad_words") else [])
+        return DecodeManager._waits(req, speculating=False)
+
+    assert not waits(allowed_token_ids=[4, 5])  # the same mask at every step
+    assert waits(bad_words=["x"])  # a word's last token is banned after the rest of it

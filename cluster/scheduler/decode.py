@@ -65,7 +65,9 @@ class DecodeManager:
     @staticmethod
     def _waits(req: Req, speculating: bool) -> bool:
         """Whether req, if its last step is in flight, waits for its result before its next one."""
-        if req.matcher is not None:
+        # a mask that follows the output (a grammar's, bad words') is known only once the last token is;
+        # allowed_token_ids alone mask every step alike, and such a request decodes in the overlap loop
+        if req.matcher is not None and getattr(req.matcher, "follows_output", True):
             return True
         if req.pipelines:
             # a row launched after its row in flight is void if that one keeps fewer: it waits where its

@@ -52,6 +52,11 @@ class TokenMaskMatcher:
             self._bad.setdefault(len(w) - 1, {}).setdefault(tuple(w[:-1]), set()).add(w[-1])
         self._output = list(output)
 
+    @property
+    def follows_output(self) -> bool:
+        """Whether the mask depends on the output so far (bad words do; a set of allowed tokens does not)."""
+        return bool(self._bad)
+
     def _banned(self) -> set[int]:
         """The bad words' last tokens that may not come next: a word's ends the output as it stands."""
         out, banned = self._output, set()
