@@ -235,6 +235,7 @@ REFUSED = [
     (C, "truncate_prompt_tokens", 0),
     (CHAT, "reasoning_effort", "high"),
     (CHAT, "chat_template", "{{ messages }}"),
+    (CHAT, "documents", [{"title": "a", "text": "b"}]),  # the tiny model's template renders none
     (CHAT, "audio", {"voice": "alloy", "format": "wav"}),
     (CHAT, "spaces_between_special_tokens", False),
 ]

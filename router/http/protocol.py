@@ -313,12 +313,14 @@ class ChatCompletionRequest(SamplingFields):
     verbosity: Any = None
     web_search_options: Any = None
     chat_template: Any = None
-    documents: Any = None
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call (the grammar's, or the first one parsed)
     include_reasoning: bool | None = None  # vLLM's; False: the reasoning is parsed out and not returned
+    # vLLM's: documents for the chat template to render (a retrieval-augmented template's); each a dict of
+    # strings, as transformers' apply_chat_template takes them
+    documents: list[dict[str, str]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template ({"enable_thinking": false})
     # vLLM's: the assistant turn's opening after the messages, or (continue_final_message) none, the answer
     # continuing the last message as it stands (a prefill)
@@ -360,6 +362,7 @@ class TokenizeRequest(APIRequest):
         "messages",
         "tools",
         "chat_template_kwargs",
+        "documents",
         "add_generation_prompt",
         "continue_final_message",
         "add_special_tokens",
@@ -370,6 +373,7 @@ class TokenizeRequest(APIRequest):
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
     add_special_tokens: bool | None = None  # None: a prompt's are added, messages' are the template's alone
     add_generation_prompt: bool | None = None  # None: true
     continue_final_message: bool | None = None  # None: false

@@ -34,7 +34,6 @@ CHAT_UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "web_search_options": (None,),
     # vLLM's
     "chat_template": (None,),
-    "documents": (None, []),
 }
 REFUSABLE = {**COMPLETION_UNSUPPORTED_FIELDS, **CHAT_UNSUPPORTED_FIELDS}
 

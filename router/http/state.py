@@ -4,6 +4,7 @@ and turning an API request into token ids and SamplingParams (with the checks th
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -221,7 +222,8 @@ class RouterState:
                 # OpenAI's developer messages are system instructions: a template without the role
                 # (Qwen's, Llama's) would drop them or render a turn its model never saw
                 messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
-            return self.tokenizer.apply_chat_template(
+            render = functools.partial(
+                self.tokenizer.apply_chat_template,
                 messages,
                 tools=tools,
                 tokenize=False,
@@ -229,10 +231,17 @@ class RouterState:
                 continue_final_message=bool(req.continue_final_message),
                 **extra,
             )
+            documents = req.documents
+            prompt = render(documents=documents) if documents else render()
+            bare = render() if documents else prompt
         except ValueError as e:
             raise APIError(400, f"messages: {e}", param="messages") from e
         except Exception as e:  # noqa: BLE001 - template errors come as many types
             raise APIError(400, f"messages cannot be rendered by the chat template: {e}", param="messages") from e
+        if documents and prompt == bare:
+            # a template without documents would leave them out without a word
+            raise APIError(400, "documents: this model's chat template does not render documents", param="documents")
+        return prompt
 
     def sampling_params(
         self,
