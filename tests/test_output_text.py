@@ -109,6 +109,9 @@ def test_echo_and_streams_over_http_keep_the_first_words_space(ray_cluster, meta
             assert plain.text == " c c c"
             assert whole.text == text + " c c c"
             assert "".join(ch.choices[0].text for ch in chunks) == " c c c"
+            # the logprob tokens are the text's pieces, each word's space with it, and index it
+            scored = c.completions.create(**args, logprobs=1).choices[0].logprobs
+            assert (scored.tokens, scored.text_offset) == ([" c"] * 3, [0, 2, 4])
 
 
 def test_stray_bytes_never_break_the_stream(metaspace):

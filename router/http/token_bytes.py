@@ -43,6 +43,12 @@ class TokenBytes:
             return bytes(self._unicode_to_byte[c] for c in piece)
         if (m := _BYTE_FALLBACK.fullmatch(piece)) is not None:
             return bytes([int(m.group(1), 16)])
+        # decoded behind a letter: a SentencePiece decoder strips the space a word's piece carries at the
+        # start of a text ("▁Paris" alone is "Paris"), which the token adds inside one
+        anchor = self.tok.encode("a", add_special_tokens=False)
+        head, text = self.tok.decode(anchor), self.tok.decode([*anchor, token_id])
+        if anchor and text.startswith(head):
+            return text[len(head) :].encode()
         return self.tok.decode([token_id]).encode()
 
     def text(self, token_id: int) -> str:
