@@ -74,8 +74,8 @@ class SamplingParams:
     grammar: GrammarSpec | None = None  # the output follows it (and ends once it is complete)
     # vLLM's: only these tokens may be sampled (None: any); not with a grammar
     allowed_token_ids: list[int] | None = None
-    # vLLM's: words the output never ends with: each word's last token is masked where the output so far
-    # ends with its other tokens (cluster/scheduler/token_set.py); not with a grammar
+    # vLLM's: words kept out of the output: each word's last token is masked wherever the output so far ends
+    # with its other tokens (cluster/scheduler/token_set.py); not with a grammar
     bad_words: list[str] | None = None
     # not a sampling value, but it travels with them: lower runs first (vLLM's meaning), in the waiting
     # queue and when a request is chosen for preemption (the highest number goes first)
