@@ -6,6 +6,7 @@ same text either way."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
@@ -43,12 +44,19 @@ def prompt_tail(
 
 
 def _ends_with_replacement_character(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> bool:
-    """Whether the prompt ends with U+FFFD itself, as the tokenizer writes the character after a letter
-    (its own text, which the output must not take for the start of one of its characters)."""
+    """Whether the prompt ends with U+FFFD itself (its own text, which the output must not take for the
+    start of one of its characters)."""
+    char = _replacement_character(tokenizer)
+    return bool(char) and ids[-len(char) :] == list(char)
+
+
+@functools.lru_cache(maxsize=4)
+def _replacement_character(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """U+FFFD's tokens as the tokenizer writes the character after a letter (the router and an offline
+    engine hold one tokenizer for their life)."""
     letter = tokenizer.encode("a", add_special_tokens=False)
     both = tokenizer.encode("a\ufffd", add_special_tokens=False)
-    char = both[len(letter) :] if both[: len(letter)] == letter else []
-    return bool(char) and ids[-len(char) :] == char
+    return tuple(both[len(letter) :]) if both[: len(letter)] == letter else ()
 
 
 def text_after(
@@ -59,7 +67,17 @@ def text_after(
 ) -> str:
     """The text `ids` add after the prompt `prompt_ids`: the decode of both (its last tokens) less the
     prompt's own."""
-    tail, carried = prompt_tail(tokenizer, prompt_ids, skip_special_tokens)
+    return _text_behind(tokenizer, *prompt_tail(tokenizer, prompt_ids, skip_special_tokens), ids, skip_special_tokens)
+
+
+def _text_behind(
+    tokenizer: PreTrainedTokenizerBase,
+    tail: list[int],
+    carried: list[int],
+    ids: Sequence[int],
+    skip_special_tokens: bool,
+) -> str:
+    """The text `ids` add after prompt_tail's two parts."""
     backend = tokenizer.backend_tokenizer
     head = backend.decode(tail, skip_special_tokens=skip_special_tokens)
     whole = backend.decode([*tail, *carried, *ids], skip_special_tokens=skip_special_tokens)
@@ -81,8 +99,9 @@ class TextStream:
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
     ) -> None:
-        self._backend, self._skip = tokenizer.backend_tokenizer, skip_special_tokens
+        self._tokenizer, self._backend, self._skip = tokenizer, tokenizer.backend_tokenizer, skip_special_tokens
         tail, carried = prompt_tail(tokenizer, prompt_ids, skip_special_tokens)
+        self._tail, self._carried = tail, carried
         self._stream: DecodeStream | None = DecodeStream(ids=tail, skip_special_tokens=skip_special_tokens)
         self._ids = list(tail)
         self._read = len(tail)  # the tokens before this index have given their text
@@ -108,3 +127,8 @@ class TextStream:
         self._read = len(self._ids)
         # where a byte's arrival changed the text before it, what was given stays given: the length decides
         return now[len(before) :]
+
+    def whole(self, ids: Sequence[int]) -> str:
+        """The text of all of `ids` (the output's tokens so far) after the prompt, decoded at once, as
+        text_after gives it."""
+        return _text_behind(self._tokenizer, self._tail, self._carried, ids, self._skip)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from cluster import TextStream, text_after
+from cluster import TextStream
 
 
 class IncrementalDetokenizer:
@@ -29,8 +29,6 @@ class IncrementalDetokenizer:
         whose last tokens the output is decoded behind (cluster/text.py: a first word keeps its space);
         `include_stops`: the stop string found, or the stop token that ended the request, stays in the text
         (vLLM's include_stop_str_in_output)."""
-        self._tokenizer, self._skip = tokenizer, skip_special_tokens
-        self._prompt_ids = prompt_ids
         self.stop_token_ids, self.min_tokens, self.include_stops = stop_token_ids, min_tokens, include_stops
         self._ids: list[int] = []
         self._released = ""
@@ -78,7 +76,7 @@ class IncrementalDetokenizer:
         (shown as U+FFFD, as a whole decode shows them)."""
         if self.stopped:
             return ""
-        whole = text_after(self._tokenizer, self._prompt_ids, self._ids, self._skip)
+        whole = self._stream.whole(self._ids)
         seen = self._released + self._pending
         if whole.startswith(seen):
             self._pending += whole[len(seen) :]

@@ -11,6 +11,8 @@ import re
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from cluster import text_after
+
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's tokens of one raw byte
 
 
@@ -45,11 +47,7 @@ class TokenBytes:
             return bytes([int(m.group(1), 16)])
         # decoded behind a letter: a SentencePiece decoder strips the space a word's piece carries at the
         # start of a text ("▁Paris" alone is "Paris"), which the token adds inside one
-        anchor = self.tok.encode("a", add_special_tokens=False)
-        head, text = self.tok.decode(anchor), self.tok.decode([*anchor, token_id])
-        if anchor and text.startswith(head):
-            return text[len(head) :].encode()
-        return self.tok.decode([token_id]).encode()
+        return text_after(self.tok, self.tok.encode("a", add_special_tokens=False), [token_id], False).encode()
 
     def text(self, token_id: int) -> str:
         """The token as a logprob key: its text when its bytes are whole characters, else
