@@ -229,6 +229,9 @@ def test_a_lost_connection_fails_its_requests_and_the_router_connects_again(ray_
     }
     with serving(qwen3_path, num_pages=512) as srv:
         (client,) = srv.state.clients
+        deadline = time.monotonic() + 20
+        while client.channel is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # a bounded wait for an eventual state: the router's first connection is made
         lost = client.channel
         decoded_before = ray.get(srv.replicas[0].actor.stats.remote()).decode_tokens
         with httpx.Client(timeout=30) as http:
