@@ -22,12 +22,12 @@ _CHAR_TOKENS = 3
 def prompt_tail(
     tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int], skip_special_tokens: bool = True
 ) -> tuple[list[int], list[int]]:
-    """The prompt tokens an output is decoded behind, in two parts: about PROMPT_TAIL_TOKENS whose text is
-    whole characters of the prompt's, and the ones after them, which begin a character the output ends
-    (its text is the output's). A tail must start and end between characters: a byte-fallback decoder
-    shows every byte of a run of byte tokens as U+FFFD where one is astray (Llama 2's does). Where no few
-    tokens are whole characters (the prompt's own text has U+FFFD there), none: the output is decoded
-    alone, so that no prompt text shows in it."""
+    """The prompt tokens an output is decoded behind, in two parts: about PROMPT_TAIL_TOKENS whose text
+    starts and ends between characters, and the ones after them, which begin a character the prompt leaves
+    unfinished (the output's, if the output finishes it). A tail must not start inside a character: a
+    byte-fallback decoder shows every byte of a run of byte tokens as U+FFFD where one is astray (Llama
+    2's does). Stray bytes inside the tail are the prompt's own text and stay there. Where no few tokens
+    will do, none: the output is decoded alone, so that no prompt text shows in it."""
     ids = list(prompt_ids)
     decode = tokenizer.backend_tokenizer.decode
     if _ends_with_replacement_character(tokenizer, ids):
@@ -36,7 +36,8 @@ def prompt_tail(
         end = len(ids) - cut
         for back in range(_CHAR_TOKENS + 1):
             start = max(0, end - PROMPT_TAIL_TOKENS - back)
-            if "\ufffd" not in decode(ids[start:end], skip_special_tokens=skip_special_tokens):
+            text = decode(ids[start:end], skip_special_tokens=skip_special_tokens)
+            if not text.startswith("\ufffd") and not text.endswith("\ufffd"):
                 return ids[start:end], ids[end:]
             if start == 0:
                 break
@@ -77,13 +78,25 @@ def _text_behind(
     ids: Sequence[int],
     skip_special_tokens: bool,
 ) -> str:
-    """The text `ids` add after prompt_tail's two parts."""
+    """The text `ids` add after prompt_tail's two parts: with the carried bytes where the output finishes
+    their character, without them where it begins one of its own (the bytes then stay the prompt's)."""
+    text = _decode_behind(tokenizer, tail, [*carried, *ids], skip_special_tokens)
+    unfinished = _decode_behind(tokenizer, tail, carried, skip_special_tokens)
+    if unfinished.endswith("\ufffd") and text.startswith(unfinished):
+        return _decode_behind(tokenizer, tail, list(ids), skip_special_tokens)
+    return text
+
+
+def _decode_behind(
+    tokenizer: PreTrainedTokenizerBase, tail: list[int], ids: list[int], skip_special_tokens: bool
+) -> str:
+    """The decode of tail and ids less tail's own."""
     backend = tokenizer.backend_tokenizer
     head = backend.decode(tail, skip_special_tokens=skip_special_tokens)
-    whole = backend.decode([*tail, *carried, *ids], skip_special_tokens=skip_special_tokens)
+    whole = backend.decode([*tail, *ids], skip_special_tokens=skip_special_tokens)
     if whole.startswith(head):
         return whole[len(head) :]
-    return backend.decode([*carried, *ids], skip_special_tokens=skip_special_tokens)
+    return backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class TextStream:
@@ -105,9 +118,32 @@ class TextStream:
         self._stream: DecodeStream | None = DecodeStream(ids=tail, skip_special_tokens=skip_special_tokens)
         self._ids = list(tail)
         self._read = len(tail)  # the tokens before this index have given their text
+        self._unfinished = ""
         self.carried = "".join(self.step(t) for t in carried)  # "" unless a carried token ends the character
+        if carried and not self.carried:
+            # the carried bytes' text (U+FFFD), which a first piece still starts with if the output does not
+            # finish their character
+            self._unfinished = _decode_behind(tokenizer, tail, carried, skip_special_tokens)
 
     def step(self, token_id: int) -> str:
+        piece = self._next(token_id)
+        if piece and self._unfinished:
+            unfinished, self._unfinished = self._unfinished, ""
+            if unfinished.endswith("\ufffd") and piece.startswith(unfinished):
+                piece = self._without_carried()  # the output began a character of its own
+        return piece
+
+    def _without_carried(self) -> str:
+        """Drops the carried tokens from the stream and gives the text of the output's tokens so far behind
+        the tail alone (they end a character: their text has just been given)."""
+        out = self._ids[len(self._tail) + len(self._carried) :]
+        self._carried = []
+        self._ids = [*self._tail, *out]
+        self._read = len(self._ids)
+        self._stream = DecodeStream(ids=self._ids, skip_special_tokens=self._skip)
+        return _decode_behind(self._tokenizer, self._tail, out, self._skip)
+
+    def _next(self, token_id: int) -> str:
         self._ids.append(token_id)
         if self._stream is not None:
             try:

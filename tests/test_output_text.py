@@ -6,13 +6,14 @@ and the HTTP API's echo."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from fixtures import PROMPT_TEXTS
 from helpers import client, serving
 from tiny_checkpoints import build_metaspace_tokenizer, with_metaspace_tokenizer
 
-from cluster import LLM, SamplingParams
+from cluster import LLM, GrammarSpec, SamplingParams
 from cluster.model_info import load_tokenizer
 from cluster.text import text_after
 from router.chat.detokenizer import IncrementalDetokenizer
@@ -80,6 +81,41 @@ def test_a_prompt_ending_in_the_replacement_character_itself_lends_the_output_no
         text = streamed(tokenizer, prompt, out)
         assert text == text_after(tokenizer, prompt, out) == tokenizer.backend_tokenizer.decode(out)
         assert "\ufffd" not in text
+
+
+@pytest.mark.parametrize("kind", ["metaspace", "byte_level"])
+def test_a_character_the_prompt_leaves_unfinished_stays_the_prompts_when_the_output_does_not_finish_it(
+    kind, metaspace, qwen3_path
+):
+    """A prompt that ends inside a character (random or cut token lists do) lends its stray bytes to an
+    output only to complete that character: an output that begins a character of its own (a grammar's
+    letters) reads as its own tokens do, with no U+FFFD from the prompt's bytes."""
+    tokenizer = metaspace if kind == "metaspace" else load_tokenizer(str(qwen3_path))
+    ids = tokenizer("Hello \u65e5\u672c \U0001f642", add_special_tokens=False).input_ids
+    inside = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    assert inside  # the characters of several bytes are split across tokens somewhere
+    for k in inside:
+        for text in (" world", "toe no", "world"):
+            out = tokenizer(text, add_special_tokens=False).input_ids
+            whole = next(j for j in range(k, -1, -1) if "\ufffd" not in tokenizer.decode(ids[:j]))
+            own = after(tokenizer, ids[:whole], out)  # as the output reads after the prompt's whole characters
+            assert "\ufffd" not in own
+            assert streamed(tokenizer, ids[:k], out) == own == text_after(tokenizer, ids[:k], out), (k, text)
+        # one that does complete it still takes the character, whole
+        assert streamed(tokenizer, ids[:k], ids[k:]) == after(tokenizer, ids[:k], ids[k:])
+
+
+def test_a_grammars_letters_after_a_prompt_cut_inside_a_character_read_as_letters(qwen3_path):
+    """The engine's text of a constrained output after a prompt that ends inside a character (a random
+    token list's end, as benchmarks and tests send) matches its grammar: no U+FFFD from the prompt."""
+    llm = LLM(str(qwen3_path), num_pages=256, page_size=4)
+    tokenizer = llm.tokenizer
+    ids = tokenizer("Hello \u65e5\u672c \U0001f642", add_special_tokens=False).input_ids
+    prompts = [ids[:k] for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    regex = r"[a-z]{4,8} (yes|no)"
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=30, grammar=GrammarSpec("regex", regex))
+    for out in llm.generate(prompts, params):
+        assert out.outputs[0].finish_reason == "stop" and re.fullmatch(regex, out.outputs[0].text), out.outputs[0]
 
 
 def test_the_offline_engines_text_follows_its_prompt(metaspace_path):
