@@ -264,6 +264,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
         help="fp8: the (dummy) weights quantized at load to e4m3 per output channel (default: bf16 weights)",
     )
     parser.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="with --quantization fp8: the LM head e4m3 too, a scale a vocabulary row",
+    )
+    parser.add_argument(
         "--speculative-method",
         choices=["ngram", "draft", "eagle3"],
         help="speculative decoding (default: off); draft: a draft with the model's own (dummy) weights; "
@@ -305,6 +310,7 @@ def make_llm(args: argparse.Namespace) -> LLM:
         kv_cache_dtype=args.kv_cache_dtype,
         mixed_steps=not args.no_mixed_steps,
         quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
         **speculation_of(args),
         # the engine's default unless asked: a benchmark "at the defaults" measures what users run
         **({"max_extend_tokens": args.max_extend_tokens} if args.max_extend_tokens is not None else {}),
@@ -354,6 +360,7 @@ def config_of(args: argparse.Namespace) -> dict:
         "page_size": args.page_size,
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
+        "quantize_lm_head": args.quantize_lm_head,
         "speculative_method": getattr(args, "speculative_method", None),
         "mixed_steps": not args.no_mixed_steps,
         "max_extend_tokens": args.max_extend_tokens

@@ -40,6 +40,8 @@
 #                  and with it by how many of each GEMV's programs prefetch their weights (bench/pdl_prefetch.py)
 #   fp8_blocks     the FP8 GEMV over 128 x 128 block-scaled weights: a scale loaded for every weight against one a
 #                  block (bench/fp8_gemv.py --blocks)
+#   fp8_head       (b) of Qwen3-8B with FP8 weights, the LM head in bf16 and quantized (--quantize-lm-head),
+#                  alternated twice, then bf16 weights for the ratio; then (a) with the head quantized and not
 #   fp8_norms      (b) of Qwen3-8B with FP8 weights by where its residual norms run (--fp8-norms apart, folded,
 #                  inside; FP8_NORMS_MODES: others), then in bf16 for the ratio
 #   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
@@ -369,6 +371,18 @@ for suite in "$@"; do
     moe_fp8_kv) offline moe_fp8_kv 280 --arch qwen3-30b-a3b --quantization fp8 --kv-cache-dtype fp8_e4m3 ;;
     moe_rows) step moe_rows 400 python3 bench/moe_decode.py --tokens 1 2 4 --sweep --out "$OUT/moe_rows.json" ;;
     fp8_blocks) step fp8_blocks 200 python3 bench/fp8_gemv.py --blocks --out "$OUT/fp8_blocks.json" ;;
+    fp8_head)  # (b) of Qwen3-8B with FP8 weights, the LM head in bf16 and in e4m3, alternated, then bf16; (a) with both
+      for i in 1 2; do
+        for head in bf16 e4m3; do
+          flag=(); [ "$head" = e4m3 ] && flag=(--quantize-lm-head)
+          step "fp8_head_latency_${head}_$i" 240 python3 bench/decode_latency.py --arch qwen3-8b --quantization fp8 \
+            "${flag[@]}" --repeats "${REPEATS:-3}" --out "$OUT/fp8_head_latency_${head}_$i.json"
+        done
+      done
+      step fp8_head_latency_bf16_weights 240 python3 bench/decode_latency.py --arch qwen3-8b --repeats "${REPEATS:-3}" \
+        --out "$OUT/fp8_head_latency_bf16_weights.json"
+      offline fp8_head_a_e4m3 240 --arch qwen3-8b --quantization fp8 --quantize-lm-head
+      offline fp8_head_a_bf16 240 --arch qwen3-8b --quantization fp8 ;;
     fp8_norms)  # (b) of Qwen3-8B with FP8 weights, its residual norms apart, inside its GEMVs, and folded, then bf16
       for mode in ${FP8_NORMS_MODES:-apart folded inside}; do
         step "fp8_norms_$mode" 240 python3 bench/decode_latency.py --arch qwen3-8b --quantization fp8 \

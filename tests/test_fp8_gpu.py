@@ -510,3 +510,39 @@ def _grouped_e4m3(w: torch.Tensor, group: int):
     scale = (blocks.abs().amax(dim=-1) / 448.0).clamp(min=1e-12)
     q = (blocks / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(experts, rows, cols)
     return q, scale, q.float() * scale.repeat_interleave(width, dim=-1)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 256])
+def test_an_e4m3_lm_head_is_float32_over_its_dequantized_rows(rows):
+    """quantize_lm_head on a head of Qwen3's vocabulary: one row through the FP8 GEMV (bf16 activations),
+    decode batches through the FP8 GEMMs (activations e4m3 a token), every one near float32 over the
+    dequantized head."""
+    from types import SimpleNamespace
+
+    from worker.layers.embedding import ParallelLMHead
+    from worker.parallel import TPGroup
+    from worker.quant.prepare import quantize_lm_head
+
+    vocab, hidden = 151_936, 1024
+    torch.manual_seed(rows)
+    head = ParallelLMHead(vocab, hidden, TPGroup(0, 1)).to(CUDA)
+    head.weight.data = (torch.randn(vocab, hidden, device=CUDA) * 0.02).bfloat16()
+    quantize_lm_head(SimpleNamespace(lm_head=head))
+    assert head.weight.dtype == torch.float8_e4m3fn
+    x = torch.randn(rows, hidden, device=CUDA).bfloat16()
+    want = x.float() @ dequantize(head.weight, head.weight_scale, None).T
+    got = head(x)
+    assert got.shape == (rows, vocab)
+    assert _rel(got, want) < (OUT_TOL if rows == 1 else ACT_TOL)
+
+
+def test_an_engine_with_an_e4m3_lm_head_decodes_near_its_bf16_heads_logits(hd128):
+    prompts = random_prompts(9, 8, 40, seed=5)
+    with checked_llm(hd128, dtype="bfloat16", num_pages=1024, quantization="fp8", quantize_lm_head=True) as llm:
+        assert llm.engine.model.lm_head.weight.dtype == torch.float8_e4m3fn
+        outs = llm.generate(prompts, greedy(12, ignore_eos=True))
+        alone = llm.generate(prompts[:1], greedy(12, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [12] * 9 and len(alone[0].token_ids) == 12
+    head = _prefill_logits(hd128, prompts[:4], quantization="fp8", quantize_lm_head=True)
+    want = _prefill_logits(hd128, prompts[:4], quantization="fp8")
+    assert 0 < _rel(head, want) < 0.06  # the head's own rounding to e4m3 (0.025 on the CPU's tiny Qwen3)

@@ -53,8 +53,8 @@ from worker.quant.experts import (
     quantize_while_loading,
 )
 from worker.quant.loading import check_quantized_while_loading, quantize_linears_while_loading
-from worker.quant.prepare import check_device, quantize_linears
-from worker.quant.scheme import scheme_of
+from worker.quant.prepare import check_device, quantize_linears, quantize_lm_head
+from worker.quant.scheme import QuantizationError, scheme_of
 from worker.sampling.inputs import SamplingInputs, stage_sampling
 from worker.sampling.logprobs import prompt_logprobs, token_logprobs
 from worker.sampling.processors import ProcessorState
@@ -205,6 +205,10 @@ class Engine:
         scheme = scheme_of(self.hf_config, self.config.quantization)
         if scheme is not None:
             check_device(scheme, self.device)
+        elif self.config.quantize_lm_head:
+            raise QuantizationError(
+                "quantize_lm_head takes FP8 weights: pass quantization fp8, or serve an FP8 checkpoint"
+            )
         dummy = self.config.load_format == "dummy"
         prequantized = scheme is not None and scheme.prequantized and not dummy
         self.kernels = self.kernels.with_weights(quantized_at_load=not prequantized)
@@ -263,6 +267,8 @@ class Engine:
                     "(the fused expert kernels run FP8 experts: CUDA, or Triton's interpreter)",
                     self.dtype,
                 )
+        if self.config.quantize_lm_head:
+            quantize_lm_head(self.model)
         if scheme is not None and self.device.type == "cuda":
             # the unquantized weights' memory back to the device (the experts' replaced after the linears'
             # were), for the KV cache's budget, which counts what the device has free

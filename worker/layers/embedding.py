@@ -9,6 +9,7 @@ from torch import nn
 from worker import gemv
 from worker.kernels import Kernels
 from worker.parallel import TPGroup
+from worker.quant import gemm
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -46,7 +47,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.kernels = kernels
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if (
+        if self.weight.dtype == torch.float8_e4m3fn:  # quantize_lm_head (worker/quant/prepare.py)
+            logits = gemm.fp8_linear(
+                hidden, self.weight, self.weight_scale, None, None, self.kernels.small_linear, self.kernels
+            )
+        elif (
             self.kernels.small_linear
             and hidden.dim() == 2
             and hidden.shape[0] == 1

@@ -12,7 +12,7 @@ from torch import nn
 
 from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker.quant.fold import fold_into, norm_folds
-from worker.quant.fp8 import Fp8Weights
+from worker.quant.fp8 import Fp8Weights, quantize_per_channel
 from worker.quant.gemm import fp8_supported
 from worker.quant.scheme import Fp8Scheme, QuantizationError
 
@@ -72,3 +72,12 @@ def quantize_linears(model: nn.Module, scheme: Fp8Scheme, fold_norms: bool = Fal
     if next(model.parameters()).is_cuda:
         torch.cuda.empty_cache()  # the bf16 weights' memory back to the device, for the KV cache's budget
     return made
+
+
+def quantize_lm_head(model: nn.Module) -> None:
+    """Makes the model's LM head e4m3 with a float32 scale a vocabulary row (each rank its rows). A head tied
+    to the embeddings gets a weight of its own: the embeddings stay in the model's dtype."""
+    head = model.lm_head
+    weight, scale = quantize_per_channel(head.weight.data)
+    head.weight = nn.Parameter(weight, requires_grad=False)
+    head.register_buffer("weight_scale", scale)
