@@ -22,26 +22,30 @@ _CHAR_TOKENS = 3
 def prompt_tail(
     tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int], skip_special_tokens: bool = True
 ) -> tuple[list[int], list[int]]:
-    """The prompt tokens an output is decoded behind, in two parts: about PROMPT_TAIL_TOKENS whose text
-    starts and ends between characters, and the ones after them, which begin a character the prompt leaves
-    unfinished (the output's, if the output finishes it). A tail must not start inside a character: a
-    byte-fallback decoder shows every byte of a run of byte tokens as U+FFFD where one is astray (Llama
-    2's does). Stray bytes inside the tail are the prompt's own text and stay there. Where no few tokens
-    will do, none: the output is decoded alone, so that no prompt text shows in it."""
+    """The prompt tokens an output is decoded behind, in two parts: about PROMPT_TAIL_TOKENS whose text ends
+    between characters, and the ones after them, which begin a character the prompt leaves unfinished (the
+    output's, if the output finishes it). The tail starts between characters where a few tokens more or
+    less allow it (a byte-fallback decoder shows every byte of a run of byte tokens as U+FFFD where one is
+    astray, Llama 2's does); its text is taken off the front of the whole text either way, and where the
+    output changes it, the output is decoded alone. Where no few tokens end a character (stray bytes
+    throughout), none: the output is decoded alone, so that no prompt text shows in it."""
     ids = list(prompt_ids)
-    decode = tokenizer.backend_tokenizer.decode
     if _ends_with_replacement_character(tokenizer, ids):
         return [], []  # written so, not a character's first bytes: nothing for the output to complete
+
+    def text(start: int, end: int) -> str:
+        return tokenizer.backend_tokenizer.decode(ids[max(0, start) : end], skip_special_tokens=skip_special_tokens)
+
     for cut in range(min(_CHAR_TOKENS, len(ids)) + 1):
         end = len(ids) - cut
-        for back in range(_CHAR_TOKENS + 1):
-            start = max(0, end - PROMPT_TAIL_TOKENS - back)
-            text = decode(ids[start:end], skip_special_tokens=skip_special_tokens)
-            if not text.startswith("\ufffd") and not text.endswith("\ufffd"):
-                return ids[start:end], ids[end:]
-            if start == 0:
-                break
-    return [], []
+        starts = [max(0, end - PROMPT_TAIL_TOKENS - back) for back in range(_CHAR_TOKENS + 1)]
+        # a start inside a byte-fallback run shows the whole run as U+FFFD, its end too: the end is a
+        # character's where a start shows it whole
+        whole = [s for s in dict.fromkeys(starts) if not text(s, end).endswith("\ufffd")]
+        if whole:
+            start = next((s for s in whole if s == 0 or not text(s, end).startswith("\ufffd")), whole[0])
+            return ids[start:end], ids[end:]
+    return [], []  # stray bytes throughout the last few tokens: the output is decoded alone
 
 
 def _ends_with_replacement_character(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> bool:

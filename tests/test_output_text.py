@@ -171,3 +171,26 @@ def test_stray_bytes_never_break_the_stream(metaspace):
             whole_characters += 1
             assert text == want
     assert stray > 50 and whole_characters > 50
+
+
+@pytest.mark.parametrize("kind", ["metaspace", "byte_level"])
+def test_random_prompts_lend_the_output_none_of_their_stray_bytes(kind, metaspace, qwen3_path):
+    """Random token lists (as benchmarks send, and as a model with random weights answers): stray bytes at
+    a prompt's end, whole or not, never show in its output's text, which streams as it decodes at once;
+    over a byte-level tokenizer an output of whole characters reads exactly as its own tokens do."""
+    tokenizer = metaspace if kind == "metaspace" else load_tokenizer(str(qwen3_path))
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(1000):
+        prompt = [rng.randrange(3, len(tokenizer)) for _ in range(rng.randrange(1, 8))]
+        out = [rng.randrange(3, len(tokenizer)) for _ in range(rng.randrange(1, 10))]
+        own = tokenizer.backend_tokenizer.decode(out)
+        whole = text_after(tokenizer, prompt, out)
+        if "\ufffd" in own:
+            continue
+        checked += 1
+        assert "\ufffd" not in whole, (prompt, out)
+        assert streamed(tokenizer, prompt, out) == whole, (prompt, out)
+        if kind == "byte_level":
+            assert whole == own, (prompt, out)
+    assert checked > 100
