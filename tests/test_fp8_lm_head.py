@@ -134,3 +134,23 @@ def test_the_real_models_e4m3_head_moves_its_logits_within_fp8_rounding(smollm2_
 
     want, got = last_logits(), last_logits(quantize_lm_head=True)
     assert 0 < float((got - want).norm() / want.norm()) < HEAD_LOGIT_TOL
+
+
+@pytest.mark.parametrize("served", ["quantized at load", "an FP8 checkpoint"])
+def test_a_draft_beside_a_served_model_with_an_e4m3_head_keeps_its_own_head(qwen3_path, tmp_path, served):
+    """The setting names the served model's head: a draft model (an unquantized checkpoint, which has no FP8
+    weights of its own beside an FP8 checkpoint) starts and drafts with its head as it is."""
+    if served == "an FP8 checkpoint":
+        from fp8_checkpoints import write_fp8_checkpoint
+        from tiny_checkpoints import build_qwen3_hd128
+
+        path, draft = write_fp8_checkpoint(build_qwen3_hd128(tmp_path / "src"), tmp_path, "fp8")
+        kw = {}
+    else:
+        path, draft, kw = qwen3_path, qwen3_path, {"quantization": "fp8"}
+    spec = dict(speculative_method="draft", speculative_model=str(draft), num_speculative_tokens=3)
+    with checked_llm(path, page_size=4, quantize_lm_head=True, **kw, **spec) as llm:
+        assert llm.engine.model.lm_head.weight.dtype == FP8
+        assert llm.scheduler.spec.draft.engine.model.lm_head.weight.dtype != FP8
+        outs = llm.generate([[5, 40, 7, 90]], greedy(8, ignore_eos=True))
+    assert len(outs[0].token_ids) == 8
