@@ -131,11 +131,22 @@ class TextStream:
 
     def step(self, token_id: int) -> str:
         piece = self._next(token_id)
-        if piece and self._unfinished:
+        if not self._unfinished:
+            return piece
+        if piece:
             unfinished, self._unfinished = self._unfinished, ""
             if unfinished.endswith("\ufffd") and piece.startswith(unfinished):
                 piece = self._without_carried()  # the output began a character of its own
-        return piece
+            return piece
+        # nothing yet: the carried bytes and the output's may run together as one invalid run of byte tokens
+        # (a byte-fallback decoder shows it all as U+FFFD) while the output's own bytes already make whole
+        # characters, which decide it: the output began characters of its own
+        out = self._ids[len(self._tail) + len(self._carried) :]
+        own = _decode_behind(self._tokenizer, self._tail, out, self._skip)
+        if own and not own.startswith("\ufffd") and not own.endswith("\ufffd"):
+            self._unfinished = ""
+            return self._without_carried()
+        return ""
 
     def _without_carried(self) -> str:
         """Drops the carried tokens from the stream and gives the text of the output's tokens so far behind

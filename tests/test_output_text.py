@@ -194,3 +194,23 @@ def test_random_prompts_lend_the_output_none_of_their_stray_bytes(kind, metaspac
         if kind == "byte_level":
             assert whole == own, (prompt, out)
     assert checked > 100
+
+
+def test_an_output_of_byte_tokens_after_a_prompts_stray_bytes_streams_as_it_goes(metaspace):
+    """A byte-fallback output (characters of no piece of their own) after a prompt that ends inside a
+    character: the prompt's bytes and the output's run together as one invalid run, which decodes as
+    U+FFFD throughout, but each of the output's characters is released as it completes, and a stop string
+    in them is found, not left for the flush."""
+    prompt = metaspace("Hello world", add_special_tokens=False).input_ids + metaspace.convert_tokens_to_ids(
+        ["<0xF0>", "<0x9F>"]
+    )
+    out = metaspace("\u65e5\u672c\u8a9e", add_special_tokens=False).input_ids
+    names = metaspace.convert_ids_to_tokens(out)
+    out = [t for t, n in zip(out, names) if n.startswith("<0x")]  # the characters' bytes, without the word's mark
+    assert len(out) == 9
+    assert text_after(metaspace, prompt, out) == "\u65e5\u672c\u8a9e"
+    d = IncrementalDetokenizer(metaspace, [], prompt_ids=prompt)
+    assert [d.add(t) for t in out] == ["", "", "\u65e5", "", "", "\u672c", "", "", "\u8a9e"]
+    stopping = IncrementalDetokenizer(metaspace, ["\u672c"], prompt_ids=prompt)
+    released = "".join(stopping.add(t) for t in out[:6])
+    assert stopping.stopped and released == "\u65e5"
