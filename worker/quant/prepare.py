@@ -75,9 +75,13 @@ def quantize_linears(model: nn.Module, scheme: Fp8Scheme, fold_norms: bool = Fal
 
 
 def quantize_lm_head(model: nn.Module) -> None:
-    """Makes the model's LM head e4m3 with a float32 scale a vocabulary row (each rank its rows). A head tied
-    to the embeddings gets a weight of its own: the embeddings stay in the model's dtype."""
+    """Makes the model's LM head e4m3 with a float32 scale a vocabulary row (each rank its rows), and keeps
+    the unquantized rows as `exact_weight`, over which the head computes its largest logits again
+    (ParallelLMHead._refined): a head tied to the embeddings reads them there, so it costs only the e4m3
+    copy; an untied head keeps its unquantized weight beside the e4m3 one."""
     head = model.lm_head
-    weight, scale = quantize_per_channel(head.weight.data)
+    exact = head.weight
+    weight, scale = quantize_per_channel(exact.data)
     head.weight = nn.Parameter(weight, requires_grad=False)
     head.register_buffer("weight_scale", scale)
+    head.exact_weight = exact
