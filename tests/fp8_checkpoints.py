@@ -44,6 +44,19 @@ def quantize_channels(w: torch.Tensor, scale_dtype: torch.dtype = torch.bfloat16
     return q, scale
 
 
+def write_rounded_projections(src: Path, out: Path) -> Path:
+    """`src` copied to `out` with every projection rounded per output row to e4m3 (float32 scales) and
+    dequantized: the reference of quantization fp8 at load, for transformers to run."""
+    shutil.copytree(src, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight"):
+            q, s = quantize_channels(w, torch.float32)
+            tensors[name] = q.float() * s
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
 def _quantized(name: str) -> bool:
     module = name.removesuffix(".weight")
     return name.endswith(".weight") and module.split(".")[-1] in PROJECTIONS and module != UNQUANTIZED

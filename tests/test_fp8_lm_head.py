@@ -7,14 +7,12 @@ its own head; without FP8 weights the setting is an error."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from fixtures import PROMPT_TEXTS, hf_greedy
-from fp8_checkpoints import quantize_channels
+from fp8_checkpoints import write_rounded_projections
 from helpers import checked_llm, encode_all, greedy
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from cluster import LLM
 from worker.kernels import Kernels
@@ -29,23 +27,10 @@ from worker.quant.scheme import QuantizationError
 HEAD_LOGIT_TOL = 0.06
 
 
-def _dequantized_reference(src, out):
-    """`src` with every projection rounded per output row to e4m3 (the test's own quantizer, float32
-    scales) and dequantized: its LM head, tied or not, as it was."""
-    shutil.copytree(src, out)
-    tensors = load_file(str(out / "model.safetensors"))
-    for name, w in tensors.items():
-        if name.endswith("_proj.weight"):
-            q, s = quantize_channels(w, torch.float32)
-            tensors[name] = q.float() * s
-    save_file(tensors, str(out / "model.safetensors"))
-    return out
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_greedy_tokens_are_transformers_over_the_unquantized_head(qwen3_path, qwen3_tied_path, tmp_path, tied):
     path = qwen3_tied_path if tied else qwen3_path
-    ref = _dequantized_reference(path, tmp_path / "ref")
+    ref = write_rounded_projections(path, tmp_path / "ref")
     with checked_llm(path, page_size=4, quantization="fp8", quantize_lm_head=True) as llm:
         model = llm.engine.model
         assert model.lm_head.weight.dtype == FP8
@@ -109,7 +94,7 @@ def test_batch_1_decode_reads_the_e4m3_head_through_the_fp8_gemv(qwen3_path, tmp
     pytest.importorskip("triton")
     if gemm._fp8_kernels() is None:
         pytest.skip("no Triton")
-    ref = _dequantized_reference(qwen3_path, tmp_path / "ref")
+    ref = write_rounded_projections(qwen3_path, tmp_path / "ref")
     vocab = []
     real_gemv = gemm.fp8_gemv
     monkeypatch.setattr(gemm, "fp8_gemv", lambda x, w, *a, **k: vocab.append(w.shape[0]) or real_gemv(x, w, *a, **k))

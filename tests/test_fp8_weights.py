@@ -21,6 +21,7 @@ from fp8_checkpoints import (
     quantize_blocks,
     quantize_channels,
     write_fp8_checkpoint,
+    write_rounded_projections,
 )
 from helpers import assert_tp2_equals_tp1, checked_llm, encode_all, gated_calls, greedy
 from tiny_checkpoints import build_qwen3_hd128
@@ -145,18 +146,7 @@ def test_row_parallel_shards_quantized_at_load_take_the_whole_rows_scales():
 def test_quantization_fp8_at_load_is_the_model_over_its_per_channel_e4m3_weights(qwen3_path, tmp_path):
     # the reference: the same checkpoint with every projection rounded per output channel (the test's own
     # quantizer, float32 scales) and dequantized, run by transformers
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    ref = tmp_path / "ref"
-    shutil.copytree(qwen3_path, ref)
-    tensors = load_file(str(ref / "model.safetensors"))
-    for name, w in tensors.items():
-        if name.endswith("_proj.weight"):
-            q, s = quantize_channels(w, torch.float32)
-            tensors[name] = q.float() * s
-    save_file(tensors, str(ref / "model.safetensors"))
+    ref = write_rounded_projections(qwen3_path, tmp_path / "ref")
     with checked_llm(qwen3_path, page_size=4, quantization="fp8") as llm:
         linears = [m for m in llm.engine.model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
         assert linears and all(m.weight.dtype == FP8 for m in linears)
