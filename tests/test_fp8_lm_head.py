@@ -15,6 +15,7 @@ from helpers import checked_llm, encode_all, greedy
 from safetensors.torch import load_file
 
 from cluster import LLM
+from cluster.scheduler.draft import weight_bytes
 from worker.kernels import Kernels
 from worker.layers.embedding import REFINED_CANDIDATES
 from worker.quant import gemm
@@ -38,10 +39,16 @@ def test_greedy_tokens_are_transformers_over_the_unquantized_head(qwen3_path, qw
         embeddings = model.model.embed_tokens.weight
         assert embeddings.dtype == torch.float32  # a tied head's copy is its own
         assert torch.equal(embeddings, load_file(str(path / "model.safetensors"))["model.embed_tokens.weight"])
-        assert (model.lm_head.exact_weight is model.model.embed_tokens.weight) == tied
+        assert (model.lm_head.exact_weight.data_ptr() == embeddings.data_ptr()) == tied
+        counted = weight_bytes(model)
         prompts = encode_all(llm, PROMPT_TEXTS[:6])
         got = [o.token_ids for o in llm.generate(prompts, greedy(16, ignore_eos=True))]
     assert got == hf_greedy(ref, prompts, 16, ignore_eos=True)
+    # the bytes a draft is weighed by: the head's e4m3 weight (a tied head's copy added, an untied head's
+    # float32 weight replaced), not the unquantized rows kept beside it
+    with checked_llm(path, page_size=4, quantization="fp8") as llm:
+        head = llm.engine.model.lm_head.weight
+        assert counted == weight_bytes(llm.engine.model) + (head.numel() if tied else -3 * head.numel())
 
 
 def _last_logits(path, prompts, **kw) -> torch.Tensor:

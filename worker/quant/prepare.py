@@ -84,4 +84,6 @@ def quantize_lm_head(model: nn.Module) -> None:
     weight, scale = quantize_per_channel(exact.data)
     head.weight = nn.Parameter(weight, requires_grad=False)
     head.register_buffer("weight_scale", scale)
-    head.exact_weight = exact
+    # a buffer, not a parameter: what a step reads of the head is the e4m3 weight and 16 rows a request
+    # (cluster/scheduler/draft.py weighs a draft by its parameters' bytes)
+    head.register_buffer("exact_weight", exact.data, persistent=False)
