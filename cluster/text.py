@@ -17,6 +17,10 @@ PROMPT_TAIL_TOKENS = 5
 # how many tokens a character's bytes may span (byte-fallback or byte-level tokens: four at most, so three
 # beside the one a tail's end or start is at)
 _CHAR_TOKENS = 3
+# output tokens after which a stream stops asking whether its first characters finish the prompt's: an
+# output of whole characters shows its first within a character's tokens; one that has not by then begins
+# with stray bytes of its own (its text holds U+FFFD either way)
+_UNDECIDED_TOKENS = 2 * (_CHAR_TOKENS + 1)
 
 
 def prompt_tail(
@@ -146,6 +150,8 @@ class TextStream:
         if own and not own.startswith("\ufffd") and not own.endswith("\ufffd"):
             self._unfinished = ""
             return self._without_carried()
+        if own and len(out) > _UNDECIDED_TOKENS:  # stray bytes of the output's own: not decoded every token
+            self._unfinished = ""
         return ""
 
     def _without_carried(self) -> str:
