@@ -45,9 +45,10 @@ def prompt_tail(
         starts = [max(0, end - PROMPT_TAIL_TOKENS - back) for back in range(_CHAR_TOKENS + 1)]
         # a start inside a byte-fallback run shows the whole run as U+FFFD, its end too: the end is a
         # character's where a start shows it whole
-        whole = [s for s in dict.fromkeys(starts) if not text(s, end).endswith("\ufffd")]
+        texts = {s: text(s, end) for s in starts}
+        whole = [s for s, t in texts.items() if not t.endswith("\ufffd")]
         if whole:
-            start = next((s for s in whole if s == 0 or not text(s, end).startswith("\ufffd")), whole[0])
+            start = next((s for s in whole if s == 0 or not texts[s].startswith("\ufffd")), whole[0])
             return ids[start:end], ids[end:]
     return [], []  # stray bytes throughout the last few tokens: the output is decoded alone
 
@@ -89,6 +90,8 @@ def _text_behind(
     """The text `ids` add after prompt_tail's two parts: with the carried bytes where the output finishes
     their character, without them where it begins one of its own (the bytes then stay the prompt's)."""
     text = _decode_behind(tokenizer, tail, [*carried, *ids], skip_special_tokens)
+    if not carried:
+        return text
     unfinished = _decode_behind(tokenizer, tail, carried, skip_special_tokens)
     if unfinished.endswith("\ufffd") and text.startswith(unfinished):
         return _decode_behind(tokenizer, tail, list(ids), skip_special_tokens)

@@ -26,6 +26,7 @@ class TokenBytes:
         self.byte_level = _byte_level(tokenizer)
         self._unicode_to_byte = {c: b for b, c in bytes_to_unicode().items()}
         self._bytes: dict[int, bytes] = {}
+        self._letter = tokenizer.encode("a", add_special_tokens=False)  # what a piece is decoded behind
 
     def of(self, token_id: int) -> bytes:
         """The token's bytes: a byte-level BPE piece mapped back through its byte alphabet, a byte
@@ -47,7 +48,7 @@ class TokenBytes:
             return bytes([int(m.group(1), 16)])
         # decoded behind a letter: a SentencePiece decoder strips the space a word's piece carries at the
         # start of a text ("▁Paris" alone is "Paris"), which the token adds inside one
-        return text_after(self.tok, self.tok.encode("a", add_special_tokens=False), [token_id], False).encode()
+        return text_after(self.tok, self._letter, [token_id], False).encode()
 
     def text(self, token_id: int) -> str:
         """The token as a logprob key: its text when its bytes are whole characters, else
