@@ -62,6 +62,34 @@ def test_scaled_mm_with_per_token_activations_is_float32_over_the_dequantized_we
     assert _rel(got, (xq.float() * xs) @ w.T) < OUT_TOL
 
 
+@pytest.mark.parametrize("m", [2, 64, 300])
+def test_fp16_rows_over_per_channel_fp8_weights_are_float32_over_the_dequantized_weight(m, monkeypatch):
+    # cuBLASLt's rowwise-scaled GEMM writes only bf16: fp16 rows take the Triton GEMM, the weight never widened
+    q, s = _weights(4096, 4096, None)
+    x = torch.randn(m, 4096, device=CUDA).half()
+    w = dequantize(q, s, None)
+    monkeypatch.setattr(gemm, "dequantized_linear", lambda *a: pytest.fail("the FP8 weight was widened"))
+    got = gemm.fp8_linear(x, q, s, None)
+    assert got.dtype == torch.float16
+    assert _rel(got, x.float() @ w.T) < ACT_TOL
+    xq, xs = gemm.quantize_activations_torch(x, 4096)
+    assert _rel(got, (xq.float() * xs) @ w.T) < OUT_TOL
+
+
+def test_an_fp16_engine_over_fp8_weights_generates_near_float32s_logits(hd128):
+    # against float32 over the same (dequantized) weights, the cap of the bf16 engines' test below: the error
+    # is e4m3's rounding of the activations (bf16 engines measured 0.127-0.129), fp16's output rounding finer
+    prompts = random_prompts(4, 20, 200, seed=5)
+    ref = _at_load_reference(hd128, prompts)
+    err = _rel(_prefill_logits(hd128, prompts, dtype="float16", quantization="fp8"), ref)
+    print(f"fp16 over fp8 weights {err:.4f}")
+    assert err < 0.2
+    with checked_llm(hd128, dtype="float16", quantization="fp8", page_size=16, num_pages=1024) as llm:
+        assert llm.engine.graphs is not None
+        outs = llm.generate(prompts, greedy(16, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [16] * 4
+
+
 @pytest.mark.parametrize("split_k", [1, 2, 4])
 @pytest.mark.parametrize("m", [2, 16, 33, 128])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288)])
@@ -285,6 +313,21 @@ def hd128(tmp_path_factory):
     return build_qwen3_hd128(tmp_path_factory.mktemp("qwen3_hd128_fp8w"))
 
 
+def _at_load_reference(path, prompts) -> torch.Tensor:
+    """The float32 reference for quantization at load: the model over its own weights, dequantized."""
+    with checked_llm(path, dtype="float32", page_size=16, num_pages=1024, max_running_reqs=16) as llm:
+        for mod in llm.engine.model.modules():
+            if hasattr(mod, "quant") and mod.weight.dim() == 2:
+                q, s = quantize_per_channel(mod.weight.data)
+                mod.weight.data.copy_(dequantize(q, s, None))
+        rows = []
+        compute_logits = llm.engine.model.compute_logits
+        llm.engine.model.compute_logits = lambda h: rows.append(compute_logits(h).float()) or rows[-1]
+        for p in prompts:
+            llm.generate([p], greedy(1))
+        return torch.stack([r[-1].cpu() for r in rows])
+
+
 def _prefill_logits(path, prompts, **kw) -> torch.Tensor:
     kw = {"dtype": "bfloat16", "page_size": 16, "num_pages": 1024, "max_running_reqs": 16, **kw}
     with checked_llm(path, **kw) as llm:
@@ -318,18 +361,8 @@ def test_an_fp8_engine_generates_and_its_logits_are_near_float32s(hd128, tmp_pat
         kw = {}
     kw["kernels"] = Kernels(decode_gemm=decode_gemm)
     prompts = random_prompts(8, 20, 200, seed=3)
-    if ref_path is None:  # the reference for at-load quantization: its own weights, dequantized
-        with checked_llm(hd128, dtype="float32", page_size=16, num_pages=1024, max_running_reqs=16) as llm:
-            for mod in llm.engine.model.modules():
-                if hasattr(mod, "quant") and mod.weight.dim() == 2:
-                    q, s = quantize_per_channel(mod.weight.data)
-                    mod.weight.data.copy_(dequantize(q, s, None))
-            rows = []
-            compute_logits = llm.engine.model.compute_logits
-            llm.engine.model.compute_logits = lambda h: rows.append(compute_logits(h).float()) or rows[-1]
-            for p in prompts:
-                llm.generate([p], greedy(1))
-            ref = torch.stack([r[-1].cpu() for r in rows])
+    if ref_path is None:
+        ref = _at_load_reference(hd128, prompts)
     else:
         ref = _prefill_logits(ref_path, prompts, dtype="float32")
     got = _prefill_logits(path, prompts, **kw)

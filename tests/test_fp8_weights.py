@@ -478,6 +478,27 @@ def test_the_block_scaled_gemm_is_float32_over_the_rounded_activations_and_weigh
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [5, 150])
+def test_fp16_rows_over_per_channel_fp8_weights_take_the_triton_gemm_not_a_widened_weight(
+    needs_triton, monkeypatch, rows
+):
+    """fp16 activations (which cuBLASLt's rowwise-scaled GEMM cannot write) at a decode batch and at a
+    prompt chunk's rows (past SKINNY_MAX_ROWS) multiply through the Triton GEMM in fp16, the weight never
+    dequantized: the float32 product of the rounded activations and weights, to fp16's rounding."""
+    q, s = _weights(40, 96, None)
+    x = (torch.randn(rows, 96) * 3).half()
+
+    def widened(*args):
+        raise AssertionError("the FP8 weight was dequantized for an fp16 product")
+
+    monkeypatch.setattr(gemm, "dequantized_linear", widened)
+    got = gemm.fp8_linear(x, q, s, None, kernels=Kernels(interpret_on_cpu=True))
+    assert got.dtype == torch.float16
+    xq, xs = gemm.quantize_activations_torch(x, 96)
+    want = (xq.float() * xs) @ dequantize(q, s, None).T
+    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("rows,k", [(21, 160), (21, 150), (150, 160)])
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 @pytest.mark.parametrize("scales", ["row", "block", "none"])
