@@ -315,22 +315,22 @@ def hd128(tmp_path_factory):
 
 def _at_load_reference(path, prompts) -> torch.Tensor:
     """The float32 reference for quantization at load: the model over its own weights, dequantized."""
-    with checked_llm(path, dtype="float32", page_size=16, num_pages=1024, max_running_reqs=16) as llm:
-        for mod in llm.engine.model.modules():
-            if hasattr(mod, "quant") and mod.weight.dim() == 2:
-                q, s = quantize_per_channel(mod.weight.data)
-                mod.weight.data.copy_(dequantize(q, s, None))
-        rows = []
-        compute_logits = llm.engine.model.compute_logits
-        llm.engine.model.compute_logits = lambda h: rows.append(compute_logits(h).float()) or rows[-1]
-        for p in prompts:
-            llm.generate([p], greedy(1))
-        return torch.stack([r[-1].cpu() for r in rows])
+    return _prefill_logits(path, prompts, _dequantize_own_weights, dtype="float32")
 
 
-def _prefill_logits(path, prompts, **kw) -> torch.Tensor:
+def _dequantize_own_weights(llm) -> None:
+    for mod in llm.engine.model.modules():
+        if hasattr(mod, "quant") and mod.weight.dim() == 2:
+            q, s = quantize_per_channel(mod.weight.data)
+            mod.weight.data.copy_(dequantize(q, s, None))
+
+
+def _prefill_logits(path, prompts, prepare=None, **kw) -> torch.Tensor:
+    """Each prompt's last logits, one prompt at a time; `prepare(llm)` first where given."""
     kw = {"dtype": "bfloat16", "page_size": 16, "num_pages": 1024, "max_running_reqs": 16, **kw}
     with checked_llm(path, **kw) as llm:
+        if prepare is not None:
+            prepare(llm)
         rows = []
         compute_logits = llm.engine.model.compute_logits
         llm.engine.model.compute_logits = lambda h: rows.append(compute_logits(h).float()) or rows[-1]
