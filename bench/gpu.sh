@@ -41,7 +41,8 @@
 #   fp8_blocks     the FP8 GEMV over 128 x 128 block-scaled weights: a scale loaded for every weight against one a
 #                  block (bench/fp8_gemv.py --blocks)
 #   fp8_head       (b) of Qwen3-8B with FP8 weights, the LM head in bf16 and quantized (--quantize-lm-head),
-#                  alternated twice, then bf16 weights for the ratio; then (a) with the head quantized and not
+#                  alternated FP8_HEAD_ROUNDS times (default 2), then bf16 weights for the ratio; then (a) with the
+#                  head quantized and not (FP8_HEAD_BF16_A=1: and with bf16 weights)
 #   fp8_norms      (b) of Qwen3-8B with FP8 weights by where its residual norms run (--fp8-norms apart, folded,
 #                  inside; FP8_NORMS_MODES: others), then in bf16 for the ratio
 #   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
@@ -372,7 +373,7 @@ for suite in "$@"; do
     moe_rows) step moe_rows 400 python3 bench/moe_decode.py --tokens 1 2 4 --sweep --out "$OUT/moe_rows.json" ;;
     fp8_blocks) step fp8_blocks 200 python3 bench/fp8_gemv.py --blocks --out "$OUT/fp8_blocks.json" ;;
     fp8_head)  # (b) of Qwen3-8B with FP8 weights, the LM head in bf16 and in e4m3, alternated, then bf16; (a) with both
-      for i in 1 2; do
+      for i in $(seq "${FP8_HEAD_ROUNDS:-2}"); do
         for head in bf16 e4m3; do
           flag=(); [ "$head" = e4m3 ] && flag=(--quantize-lm-head)
           step "fp8_head_latency_${head}_$i" 240 python3 bench/decode_latency.py --arch qwen3-8b --quantization fp8 \
@@ -382,7 +383,8 @@ for suite in "$@"; do
       step fp8_head_latency_bf16_weights 240 python3 bench/decode_latency.py --arch qwen3-8b --repeats "${REPEATS:-3}" \
         --out "$OUT/fp8_head_latency_bf16_weights.json"
       offline fp8_head_a_e4m3 240 --arch qwen3-8b --quantization fp8 --quantize-lm-head
-      offline fp8_head_a_bf16 240 --arch qwen3-8b --quantization fp8 ;;
+      offline fp8_head_a_bf16 240 --arch qwen3-8b --quantization fp8
+      [ "${FP8_HEAD_BF16_A:-0}" = 1 ] && offline fp8_head_a_bf16_weights 240 --arch qwen3-8b ;;
     fp8_norms)  # (b) of Qwen3-8B with FP8 weights, its residual norms apart, inside its GEMVs, and folded, then bf16
       for mode in ${FP8_NORMS_MODES:-apart folded inside}; do
         step "fp8_norms_$mode" 240 python3 bench/decode_latency.py --arch qwen3-8b --quantization fp8 \
