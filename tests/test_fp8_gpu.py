@@ -63,14 +63,16 @@ def test_scaled_mm_with_per_token_activations_is_float32_over_the_dequantized_we
 
 
 @pytest.mark.parametrize("m", [2, 64, 300])
-def test_fp16_rows_over_per_channel_fp8_weights_are_float32_over_the_dequantized_weight(m, monkeypatch):
-    # cuBLASLt's rowwise-scaled GEMM writes only bf16: fp16 rows take the Triton GEMM, the weight never widened
-    q, s = _weights(4096, 4096, None)
-    x = torch.randn(m, 4096, device=CUDA).half()
+@pytest.mark.parametrize("dtype,n", [(torch.float16, 4096), (torch.bfloat16, 4100)])
+def test_products_cublaslt_cannot_take_are_float32_over_the_dequantized_weight(m, dtype, n, monkeypatch):
+    # cuBLASLt's rowwise-scaled GEMM writes only bf16 and takes widths of multiples of 16 (an LM head's
+    # vocabulary shard may not be one): these take the Triton GEMM, the weight never widened
+    q, s = _weights(n, 4096, None)
+    x = torch.randn(m, 4096, device=CUDA).to(dtype)
     w = dequantize(q, s, None)
     monkeypatch.setattr(gemm, "dequantized_linear", lambda *a: pytest.fail("the FP8 weight was widened"))
     got = gemm.fp8_linear(x, q, s, None)
-    assert got.dtype == torch.float16
+    assert got.dtype == dtype
     assert _rel(got, x.float() @ w.T) < ACT_TOL
     xq, xs = gemm.quantize_activations_torch(x, 4096)
     assert _rel(got, (xq.float() * xs) @ w.T) < OUT_TOL

@@ -7,6 +7,8 @@ its own head; without FP8 weights the setting is an error."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from fixtures import PROMPT_TEXTS, hf_greedy
@@ -17,9 +19,11 @@ from safetensors.torch import load_file
 from cluster import LLM
 from cluster.scheduler.draft import weight_bytes
 from worker.kernels import Kernels
-from worker.layers.embedding import REFINED_CANDIDATES
+from worker.layers.embedding import REFINED_CANDIDATES, ParallelLMHead
+from worker.parallel import TPGroup
 from worker.quant import gemm
 from worker.quant.fp8 import FP8
+from worker.quant.prepare import quantize_lm_head
 from worker.quant.scheme import QuantizationError
 
 # the relative error of the logits of a head rounded to e4m3 a row (3 mantissa bits: a weight within 1/16
@@ -93,6 +97,26 @@ def test_ranks_scale_and_refine_their_vocabulary_rows_as_one_rank_does(ray_clust
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
     flat = [[x for o in run for x in o.logprobs] for run in runs]
     assert flat[0] == pytest.approx(flat[1], abs=2e-2)
+
+
+def test_the_last_ranks_padding_rows_are_never_refined_candidates():
+    """tp 4 over a vocabulary of 157: the last rank's shard holds 37 rows and 3 of padding, whose logits are
+    0. With all but a few of the shard's real logits negative the padding would take three of the 16 places;
+    16 real rows are still computed again over the unquantized rows, the largest among them."""
+    torch.manual_seed(0)
+    vocab, hidden = 157, 32
+    full = torch.randn(vocab, hidden)
+    head = ParallelLMHead(vocab, hidden, TPGroup(3, 4))
+    head.weight_loader(head.weight, full)
+    quantize_lm_head(SimpleNamespace(lm_head=head))
+    x = -full[120:].mean(0, keepdim=True) * 4
+    exact = x @ full[120:].T
+    assert (exact > 0).sum() < REFINED_CANDIDATES - 3
+    got = head(x)[:, :37]  # the shard's own logits: a TPGroup without collectives gathers nothing
+    refined = (got - exact).abs() <= 1e-5 * exact.abs().max()
+    assert int(refined.sum()) == REFINED_CANDIDATES  # 16 real rows computed again (13 if padding took 3)
+    top = exact.topk(8).indices
+    assert refined.gather(1, top).all()
 
 
 def test_batch_1_decode_reads_the_e4m3_head_through_the_fp8_gemv(qwen3_path, tmp_path, monkeypatch):

@@ -76,6 +76,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         come out as the unquantized head gives them (a rank refines its shard's, which hold every global
         candidate of its rows); only the rest keep the e4m3 rounding."""
         rows = logits.reshape(-1, logits.shape[-1])
-        top = rows.topk(min(REFINED_CANDIDATES, rows.shape[-1]), dim=-1).indices  # [rows, k]
+        # the last shard's padding rows (logit 0) are no candidates: they would push out real rows
+        real = rows[:, : min(self.shard_size, self.vocab_size - self.start)]
+        top = real.topk(min(REFINED_CANDIDATES, real.shape[-1]), dim=-1).indices  # [rows, k]
         exact = torch.bmm(self.exact_weight[top], hidden.reshape(-1, hidden.shape[-1], 1)).squeeze(-1)
         return rows.scatter(-1, top, exact.to(rows.dtype)).reshape(logits.shape)

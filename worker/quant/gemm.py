@@ -1,8 +1,8 @@
 """The GEMMs of FP8 linears. On CUDA (compute capability 8.9+): at one row (batch-1 decode) a Triton GEMV
 that reads the e4m3 weight once and scales in its loop (the activations stay in bf16); per-channel weights
 otherwise, after a per-token activation quantization, through the Triton GEMM of worker/skinny_gemm.py where
-Kernels.decode_gemm chooses it (decode batches) or the activations are fp16, and cuBLASLt (`torch._scaled_mm`,
-rowwise scales, bf16 out) elsewhere;
+Kernels.decode_gemm chooses it (decode batches) or cuBLASLt cannot (fp16 out, widths not multiples of 16),
+and cuBLASLt (`torch._scaled_mm`, rowwise scales, bf16 out) elsewhere;
 block-scaled weights through the Triton GEMM after a per-token, per-128-column-group quantization. Elsewhere
 (the CPU) the weight is dequantized to the activations' dtype for F.linear. Nothing here synchronizes the
 host, so all of it runs inside CUDA graphs."""
@@ -58,10 +58,11 @@ def _matmul(x, weight, scale, block, small, kernels) -> torch.Tensor:
     if block is None:
         if scaled_mm_applies(x, weight):
             return scaled_mm(x, weight, scale, kernels)
-        if x.dtype == torch.float16:
-            # cuBLASLt's rowwise scales write only bf16, and rounding the product to bf16 would lose fp16's
-            # three extra bits; the Triton GEMM writes fp16 and never widens the weight (dequantized_linear
-            # makes a float32 copy of it per call)
+        if x.dtype == torch.float16 or (x.is_cuda and x.dtype == torch.bfloat16):
+            # what cuBLASLt's rowwise-scaled GEMM does not take: fp16 out (rounding the product to bf16 would
+            # lose fp16's three extra bits) and widths not multiples of 16 (an LM head's vocabulary shard). The
+            # Triton GEMM takes both and never widens the weight, where dequantized_linear makes a float32 copy
+            # of it per call
             xq, xs = quantize_activations(x.contiguous(), x.shape[1])
             return skinny_gemm.matmul(xq, weight, x.dtype, xs, scale)
         return dequantized_linear(x, weight, scale, block)
