@@ -115,10 +115,9 @@ class TextStream:
     a character, then all of it. tokenizers' DecodeStream does it in Rust, but raises where a byte-fallback
     run's earlier text changes with a later byte (a stray byte, as a model with random weights or a cut
     character gives, shows the run's every byte as U+FFFD): from there on the stream goes as vLLM's
-    offsets do, decoding the few tokens before the new ones and giving what lies past their text."""
-
-    # tokens before the unread ones that the fallback decodes them behind
-    _BEHIND = 5
+    offsets do, decoding the new tokens behind those of the last piece given (which start and end between
+    characters: a window that began inside a run of byte tokens would show the whole run as U+FFFD) and
+    giving what lies past that piece's text."""
 
     def __init__(
         self, tokenizer: PreTrainedTokenizerBase, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
@@ -128,7 +127,9 @@ class TextStream:
         self._tail, self._carried = tail, carried
         self._stream: DecodeStream | None = DecodeStream(ids=tail, skip_special_tokens=skip_special_tokens)
         self._ids = list(tail)
-        self._read = len(tail)  # the tokens before this index have given their text
+        # the tokens before _read have given their text; those from _prefix to _read gave the last piece
+        # (at first the prompt's tail), which the fallback decodes the new tokens behind
+        self._prefix, self._read = 0, len(tail)
         self._unfinished = ""
         self.carried = "".join(self.step(t) for t in carried)  # "" unless a carried token ends the character
         if carried and not self.carried:
@@ -163,7 +164,7 @@ class TextStream:
         out = self._ids[len(self._tail) + len(self._carried) :]
         self._carried = []
         self._ids = [*self._tail, *out]
-        self._read = len(self._ids)
+        self._prefix, self._read = len(self._tail), len(self._ids)
         self._stream = DecodeStream(ids=self._ids, skip_special_tokens=self._skip)
         return _decode_behind(self._tokenizer, self._tail, out, self._skip)
 
@@ -177,16 +178,34 @@ class TextStream:
             else:
                 if piece is None:
                     return ""
-                self._read = len(self._ids)
+                self._prefix, self._read = self._read, len(self._ids)
                 return piece
-        start = max(0, self._read - self._BEHIND)
-        before = self._backend.decode(self._ids[start : self._read], skip_special_tokens=self._skip)
-        now = self._backend.decode(self._ids[start:], skip_special_tokens=self._skip)
-        if len(now) <= len(before) or now.endswith("\ufffd"):
+        return self._offsets_piece(whole=False)
+
+    def _offsets_piece(self, whole: bool) -> str:
+        """The unread tokens' text behind the last piece's (where `whole` is False, none while it ends inside
+        a character). Where a byte's arrival changed the text before it, what was given stays given: the
+        length decides."""
+        before = self._backend.decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        now = self._backend.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        if self._read == len(self._tail) and not self._carried and not now.startswith(before):
+            # nothing given yet, and the output's bytes changed the prompt tail's text (one run of byte tokens
+            # across both): the output is decoded alone, as text_after decodes it, so that none of the
+            # prompt's characters show in it as U+FFFD
+            self._prefix, before = self._read, ""
+            now = self._backend.decode(self._ids[self._read :], skip_special_tokens=self._skip)
+        if len(now) <= len(before) or (not whole and now.endswith("\ufffd")):
             return ""  # inside a character (or nothing shown yet)
-        self._read = len(self._ids)
-        # where a byte's arrival changed the text before it, what was given stays given: the length decides
+        self._prefix, self._read = self._read, len(self._ids)
         return now[len(before) :]
+
+    def rest(self) -> str:
+        """The text of the tokens that have given none yet, bytes of an unfinished character as U+FFFD: the
+        end of a stream whose given text a whole decode no longer begins with (a later stray byte turned
+        characters already given into U+FFFD), so that what followed them is not lost."""
+        if self._unfinished or self._read == len(self._ids):
+            return ""
+        return self._offsets_piece(whole=True)
 
     def whole(self, ids: Sequence[int]) -> str:
         """The text of all of `ids` (the output's tokens so far) after the prompt, decoded at once, as

@@ -214,3 +214,63 @@ def test_an_output_of_byte_tokens_after_a_prompts_stray_bytes_streams_as_it_goes
     stopping = IncrementalDetokenizer(metaspace, ["\u672c"], prompt_ids=prompt)
     released = "".join(stopping.add(t) for t in out[:6])
     assert stopping.stopped and released == "\u65e5"
+
+
+def holds(stream: str, whole: str) -> bool:
+    """Whether a stream's text holds the whole decode's text between its U+FFFD runs, in order, and nothing
+    else outside them. Where the whole decode shows U+FFFD the stream may show other U+FFFD, or characters it
+    released before a later stray byte joined their run of byte tokens (the whole decode then shows the run's
+    every byte as U+FFFD; what was released stays released)."""
+    parts = re.split("(\ufffd+)", whole)
+    pattern = "".join(".*?" if p.startswith("\ufffd") else re.escape(p) for p in parts if p)
+    return re.fullmatch(pattern, stream, re.S) is not None
+
+
+def test_a_stray_byte_after_released_characters_loses_none_of_the_text_after_it(metaspace):
+    """A stray byte makes a byte-fallback run's earlier characters U+FFFD in a whole decode. The stream keeps
+    what it released and goes on: the characters after the stray byte are all released (a window of the
+    last tokens that began inside a run of byte tokens showed them as U+FFFD, and stopped the stream), and a
+    prompt's own characters never show in the output as U+FFFD."""
+    byte = lambda *hexes: metaspace.convert_tokens_to_ids([f"<0x{h}>" for h in hexes])  # noqa: E731
+    words = lambda text: metaspace(text, add_special_tokens=False).input_ids  # noqa: E731
+    cjk = byte("E8", "AA", "9E", "E7", "95", "8C", "E4", "B8", "96")  # 語界世, a byte token each byte
+    prompt = words("Hi") + byte("F0", "9F", "99", "82")  # a whole emoji of byte tokens
+    out = byte("F0") + words(" x") + cjk
+    assert streamed(metaspace, prompt, out) == text_after(metaspace, prompt, out) == "\ufffd x\u8a9e\u754c\u4e16"
+    out = byte("E6", "9C", "AC", "F0") + words(" x") + cjk + words(" ok")  # 本, then a stray byte
+    assert text_after(metaspace, [], out) == "\ufffd" * 4 + " x\u8a9e\u754c\u4e16 ok"
+    assert streamed(metaspace, [], out) == "\u672c" + "\ufffd" * 3 + " x\u8a9e\u754c\u4e16 ok"
+    out = byte("E6", "9C", "AC", "F0") + words(" x") + byte("E8", "AA", "9E", "F0")  # it ends in a stray byte too
+    assert text_after(metaspace, [], out) == "\ufffd" * 4 + " x" + "\ufffd" * 4
+    # the flush shows the last bytes as U+FFFD, as the whole decode does, though that no longer begins as
+    # the released text
+    assert streamed(metaspace, [], out) == "\u672c" + "\ufffd" * 3 + " x\u8a9e" + "\ufffd" * 3
+
+
+@pytest.mark.parametrize("kind", ["metaspace", "byte_level"])
+def test_pieces_of_texts_with_stray_bytes_stream_all_their_text(kind, metaspace, qwen3_path):
+    """Pieces of real texts cut anywhere, stray bytes between them, split into prompt and output anywhere:
+    the stream holds the whole decode's text (`holds`), and equals it where that has no U+FFFD."""
+    tokenizer = metaspace if kind == "metaspace" else load_tokenizer(str(qwen3_path))
+    names = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    stray_bytes = [i for i, n in enumerate(names) if n.startswith("<0x")] or [
+        tokenizer.convert_tokens_to_ids(c)
+        for c in "\u00c3\u00a4\u00e6\u00f0"  # byte-level: lone lead bytes
+    ]
+    texts = [*TEXTS, "\u4f60\u597d\uff0c\u4e16\u754c\uff01\U0001f600 ok", "a\u00e9\u00e9 \u65e5\u65e5 x \U0001f642"]
+    rng = random.Random(1)
+    with_stray = 0
+    for _ in range(800):
+        ids: list[int] = []
+        for _ in range(rng.randrange(1, 4)):
+            piece = tokenizer(rng.choice(texts), add_special_tokens=False).input_ids
+            a = rng.randrange(len(piece))
+            ids += piece[a : rng.randrange(a + 1, len(piece) + 1)]
+            if rng.random() < 0.5:
+                ids.append(rng.choice(stray_bytes))
+        cut = rng.randrange(len(ids))
+        prompt, out = ids[:cut], ids[cut:]
+        whole, text = text_after(tokenizer, prompt, out), streamed(tokenizer, prompt, out)
+        with_stray += "\ufffd" in whole
+        assert holds(text, whole) and ("\ufffd" in whole or text == whole), (prompt, out, text, whole)
+    assert with_stray > 50

@@ -80,4 +80,6 @@ class IncrementalDetokenizer:
         seen = self._released + self._pending
         if whole.startswith(seen):
             self._pending += whole[len(seen) :]
+        else:  # a stray byte changed text already released: the stream's own end
+            self._pending += self._stream.rest()
         return self._release(0)
