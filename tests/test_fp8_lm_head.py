@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from cluster import LLM
 from cluster.scheduler.draft import weight_bytes
 from worker.kernels import Kernels
-from worker.layers.embedding import REFINED_CANDIDATES, ParallelLMHead
+from worker.layers.embedding import E4M3_HEAD_MAX_ROWS, REFINED_CANDIDATES, ParallelLMHead
 from worker.parallel import TPGroup
 from worker.quant import gemm
 from worker.quant.fp8 import FP8
@@ -117,6 +117,24 @@ def test_the_last_ranks_padding_rows_are_never_refined_candidates():
     assert int(refined.sum()) == REFINED_CANDIDATES  # 16 real rows computed again (13 if padding took 3)
     top = exact.topk(8).indices
     assert refined.gather(1, top).all()
+
+
+def test_above_a_few_rows_the_head_multiplies_its_unquantized_rows():
+    """Where a step has more rows than E4M3_HEAD_MAX_ROWS the head's read is a small share of it and the
+    top-k over the vocabulary would cost more than the halved read saves: the logits are the unquantized
+    head's; up to it, the e4m3 head's, refined."""
+    torch.manual_seed(1)
+    vocab, hidden = 300, 32
+    full = torch.randn(vocab, hidden)
+    head = ParallelLMHead(vocab, hidden, TPGroup(0, 1))
+    head.weight_loader(head.weight, full)
+    quantize_lm_head(SimpleNamespace(lm_head=head))
+    x = torch.randn(E4M3_HEAD_MAX_ROWS + 1, hidden)
+    torch.testing.assert_close(head(x), x @ full.T, rtol=1e-5, atol=1e-5)
+    small = head(x[:E4M3_HEAD_MAX_ROWS])
+    assert not torch.allclose(small, x[:E4M3_HEAD_MAX_ROWS] @ full.T, rtol=1e-3, atol=1e-3)  # the tail rounded
+    top = (x[:E4M3_HEAD_MAX_ROWS] @ full.T).topk(4, dim=-1).indices
+    torch.testing.assert_close(small.gather(1, top), (x[:E4M3_HEAD_MAX_ROWS] @ full.T).gather(1, top))
 
 
 def test_batch_1_decode_reads_the_e4m3_head_through_the_fp8_gemv(qwen3_path, tmp_path, monkeypatch):

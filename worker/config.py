@@ -85,8 +85,9 @@ class EngineConfig:
     quantize_lm_head: bool = setting(
         False,
         "with FP8 weights (quantization fp8, or an FP8 checkpoint): the LM head quantized at load too, e4m3 per "
-        "vocabulary row (half the bytes it reads a decode step), its 16 largest logits a row computed again over "
-        "the unquantized rows it keeps (greedy tokens as without it); a tied head reads those in the embeddings",
+        "vocabulary row (half the bytes it reads a decode step of up to 16 rows), its 16 largest logits a row "
+        "computed again over the unquantized rows it keeps (greedy tokens as without it), which larger steps "
+        "multiply; a tied head reads those in the embeddings",
     )
     max_running_reqs: int = setting(256, "requests decoded at once (the decode batch limit)", at_least=1)
     max_seq_len: int | None = setting(
