@@ -42,7 +42,7 @@
 #                  block (bench/fp8_gemv.py --blocks)
 #   fp8_head       (b) of Qwen3-8B with FP8 weights, the LM head in bf16 and quantized (--quantize-lm-head),
 #                  alternated FP8_HEAD_ROUNDS times (default 2), then bf16 weights for the ratio; then (a) with the
-#                  head quantized and not (FP8_HEAD_BF16_A=1: and with bf16 weights)
+#                  head quantized and not (FP8_HEAD_BF16_A=1: and with bf16 weights); fp8_head_a: that (a) alone
 #   fp8_norms      (b) of Qwen3-8B with FP8 weights by where its residual norms run (--fp8-norms apart, folded,
 #                  inside; FP8_NORMS_MODES: others), then in bf16 for the ratio
 #   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
@@ -385,6 +385,9 @@ for suite in "$@"; do
       offline fp8_head_a_e4m3 240 --arch qwen3-8b --quantization fp8 --quantize-lm-head
       offline fp8_head_a_bf16 240 --arch qwen3-8b --quantization fp8
       [ "${FP8_HEAD_BF16_A:-0}" = 1 ] && offline fp8_head_a_bf16_weights 240 --arch qwen3-8b ;;
+    fp8_head_a)  # fp8_head's (a) alone: the head quantized and not
+      offline fp8_head_a_e4m3 240 --arch qwen3-8b --quantization fp8 --quantize-lm-head
+      offline fp8_head_a_bf16 240 --arch qwen3-8b --quantization fp8 ;;
     fp8_norms)  # (b) of Qwen3-8B with FP8 weights, its residual norms apart, inside its GEMVs, and folded, then bf16
       for mode in ${FP8_NORMS_MODES:-apart folded inside}; do
         step "fp8_norms_$mode" 240 python3 bench/decode_latency.py --arch qwen3-8b --quantization fp8 \
