@@ -101,6 +101,7 @@
 #                  file from .real/ (split parts, carried over calls) or the cache; transformers reads it
 #                  through the `gguf` package, which the GPU hosts lack (`pip download --no-deps -d .whl gguf`)
 #   peer           mini-sglang on the same token lists ((a) and (b); needs .peer/, see ../shared/peer)
+#   peer_prefill_heavy  mini-sglang on prefill_heavy's token lists, RUNS runs (bench/peer_prefill_heavy.py)
 #   save           FlashInfer's built modules and Triton's cache into $OUT/kernels.tar.xz
 #
 # environment:
@@ -471,6 +472,11 @@ for suite in "$@"; do
       [ -f .peer/run_minisgl.sh ] || { log "peer: no .peer/ (../shared/peer/README.md makes it)"; continue; }
       # shellcheck disable=SC2086  # PEER_ARGS is split into its words on purpose
       OUT=$OUT step peer 540 bash .peer/run_minisgl.sh bench --arch "${ARCH:-qwen3-0.6b}" ${PEER_ARGS:-} ;;
+    peer_prefill_heavy)  # mini-sglang on prefill_heavy's token lists (RUNS runs; bench/peer_prefill_heavy.py)
+      [ -f .peer/run_minisgl.sh ] || { log "peer: no .peer/ (../shared/peer/README.md makes it)"; continue; }
+      bash .peer/run_minisgl.sh setup || continue
+      PYTHONPATH=/tmp/minisgl_src:$SITE OUT=$OUT step peer_prefill_heavy 540 python3 bench/peer_prefill_heavy.py \
+        --runs "$RUNS" --arch "${ARCH:-qwen3-0.6b}" ;;
     real)
       gguf=$HOME/.cache/raylm/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
       if [ ! -f "$gguf" ] && ls .real/part.* >/dev/null 2>&1; then
