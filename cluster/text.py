@@ -156,7 +156,18 @@ class TextStream:
             return self._without_carried()
         if own and len(out) > _UNDECIDED_TOKENS:  # stray bytes of the output's own: not decoded every token
             self._unfinished = ""
+            return self._after_tail()  # they did not finish the carried character, which stays the prompt's
         return ""
+
+    def _after_tail(self) -> str:
+        """Drops the carried tokens from the stream, which goes on as vLLM's offsets do from the prompt's tail
+        with the output's tokens so far (decoded alone where their bytes change the tail's text)."""
+        out = self._ids[len(self._tail) + len(self._carried) :]
+        self._carried = []
+        self._ids = [*self._tail, *out]
+        self._prefix, self._read = 0, len(self._tail)
+        self._stream = None
+        return self._offsets_piece(whole=False)
 
     def _without_carried(self) -> str:
         """Drops the carried tokens from the stream and gives the text of the output's tokens so far behind

@@ -15,7 +15,7 @@ from tiny_checkpoints import build_metaspace_tokenizer, with_metaspace_tokenizer
 
 from cluster import LLM, GrammarSpec, SamplingParams
 from cluster.model_info import load_tokenizer
-from cluster.text import text_after
+from cluster.text import prompt_tail, text_after
 from router.chat.detokenizer import IncrementalDetokenizer
 
 TEXTS = [PROMPT_TEXTS[1] + " is Paris.", PROMPT_TEXTS[2], PROMPT_TEXTS[4], PROMPT_TEXTS[5]]
@@ -245,13 +245,52 @@ def test_a_stray_byte_after_released_characters_loses_none_of_the_text_after_it(
     # the flush shows the last bytes as U+FFFD, as the whole decode does, though that no longer begins as
     # the released text
     assert streamed(metaspace, [], out) == "\u672c" + "\ufffd" * 3 + " x\u8a9e" + "\ufffd" * 3
+    # the prompt ends in a whole emoji and a character's first byte, and the output's ten stray bytes do not
+    # finish it: past a few tokens the stream stops waiting for them to, and shows only the output's bytes
+    prompt = words("Hi") + byte("F0", "9F", "99", "82", "F0")
+    out = byte(*["80"] * 10) + words(" x")
+    assert streamed(metaspace, prompt, out) == text_after(metaspace, prompt, out) == "\ufffd" * 10 + " x"
+
+
+def token_bytes(tokenizer) -> dict[int, bytes]:
+    """Each token's bytes: a byte-fallback token's byte, a SentencePiece piece's text with its spaces, a
+    byte-level token's bytes through GPT-2's map; special tokens none."""
+    names = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    special = set(tokenizer.all_special_ids)
+    if any(n.startswith("<0x") for n in names):
+        of = {
+            i: bytes.fromhex(n[3:5]) if n.startswith("<0x") else n.replace("\u2581", " ").encode()
+            for i, n in enumerate(names)
+        }
+    else:
+        # GPT-2's map of bytes to printable characters: the printable Latin-1 bytes stand for themselves, the
+        # rest for the characters from U+0100 on, in byte order
+        printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+        others = [b for b in range(256) if b not in printable]
+        byte_of = {chr(b): b for b in printable} | {chr(0x100 + n): b for n, b in enumerate(others)}
+        of = {i: bytes(byte_of[c] for c in n) if all(c in byte_of for c in n) else b"" for i, n in enumerate(names)}
+    return {i: b"" if i in special else b for i, b in of.items()}
+
+
+def lenient(bytes_of: dict[int, bytes], ids: list[int]) -> str:
+    """The tokens' bytes decoded together, each invalid byte U+FFFD (Python's errors="replace")."""
+    return b"".join(bytes_of[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def within(stream: str, reference: str) -> bool:
+    """Whether the stream's characters other than U+FFFD are a subsequence of the reference's."""
+    rest = iter(reference)
+    return all(c in rest for c in stream if c != "\ufffd")
 
 
 @pytest.mark.parametrize("kind", ["metaspace", "byte_level"])
 def test_pieces_of_texts_with_stray_bytes_stream_all_their_text(kind, metaspace, qwen3_path):
     """Pieces of real texts cut anywhere, stray bytes between them, split into prompt and output anywhere:
-    the stream holds the whole decode's text (`holds`), and equals it where that has no U+FFFD."""
+    the stream holds the whole decode's text (`holds`), and equals it where that has no U+FFFD; it shows
+    nothing but the output's own: its characters are among those of the output's bytes with the prompt's
+    last unfinished character (in order, none twice), and its U+FFFD no more than those bytes."""
     tokenizer = metaspace if kind == "metaspace" else load_tokenizer(str(qwen3_path))
+    bytes_of = token_bytes(tokenizer)
     names = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     stray_bytes = [i for i, n in enumerate(names) if n.startswith("<0x")] or [
         tokenizer.convert_tokens_to_ids(c)
@@ -273,4 +312,7 @@ def test_pieces_of_texts_with_stray_bytes_stream_all_their_text(kind, metaspace,
         whole, text = text_after(tokenizer, prompt, out), streamed(tokenizer, prompt, out)
         with_stray += "\ufffd" in whole
         assert holds(text, whole) and ("\ufffd" in whole or text == whole), (prompt, out, text, whole)
+        own = [*prompt_tail(tokenizer, prompt)[1], *out]  # with the prompt's unfinished character's tokens
+        assert within(text, lenient(bytes_of, own)), (prompt, out, text)
+        assert text.count("\ufffd") <= sum(len(bytes_of[i]) for i in own), (prompt, out, text)
     assert with_stray > 50

@@ -84,7 +84,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         candidate of its rows); only the rest keep the e4m3 rounding."""
         rows = logits.reshape(-1, logits.shape[-1])
         # the last shard's padding rows (logit 0) are no candidates: they would push out real rows
-        real = rows[:, : min(self.shard_size, self.vocab_size - self.start)]
+        real = rows[:, : max(0, min(self.shard_size, self.vocab_size - self.start))]
         top = real.topk(min(REFINED_CANDIDATES, real.shape[-1]), dim=-1).indices  # [rows, k]
         exact = torch.bmm(self.exact_weight[top], hidden.reshape(-1, hidden.shape[-1], 1)).squeeze(-1)
         return rows.scatter(-1, top, exact.to(rows.dtype)).reshape(logits.shape)
