@@ -99,16 +99,21 @@ def test_ranks_scale_and_refine_their_vocabulary_rows_as_one_rank_does(ray_clust
     assert flat[0] == pytest.approx(flat[1], abs=2e-2)
 
 
+def _e4m3_head(vocab: int, tp: TPGroup, seed: int, hidden: int = 32) -> tuple[torch.Tensor, ParallelLMHead]:
+    """A random head's whole weight, and the head of `tp`'s rank over it made e4m3 as quantize_lm_head does."""
+    torch.manual_seed(seed)
+    full = torch.randn(vocab, hidden)
+    head = ParallelLMHead(vocab, hidden, tp)
+    head.weight_loader(head.weight, full)
+    quantize_lm_head(SimpleNamespace(lm_head=head))
+    return full, head
+
+
 def test_the_last_ranks_padding_rows_are_never_refined_candidates():
     """tp 4 over a vocabulary of 157: the last rank's shard holds 37 rows and 3 of padding, whose logits are
     0. With all but a few of the shard's real logits negative the padding would take three of the 16 places;
     16 real rows are still computed again over the unquantized rows, the largest among them."""
-    torch.manual_seed(0)
-    vocab, hidden = 157, 32
-    full = torch.randn(vocab, hidden)
-    head = ParallelLMHead(vocab, hidden, TPGroup(3, 4))
-    head.weight_loader(head.weight, full)
-    quantize_lm_head(SimpleNamespace(lm_head=head))
+    full, head = _e4m3_head(157, TPGroup(3, 4), seed=0)
     x = -full[120:].mean(0, keepdim=True) * 4
     exact = x @ full[120:].T
     assert (exact > 0).sum() < REFINED_CANDIDATES - 3
@@ -123,13 +128,8 @@ def test_above_a_few_rows_the_head_multiplies_its_unquantized_rows():
     """Where a step has more rows than E4M3_HEAD_MAX_ROWS the head's read is a small share of it and the
     top-k over the vocabulary would cost more than the halved read saves: the logits are the unquantized
     head's; up to it, the e4m3 head's, refined."""
-    torch.manual_seed(1)
-    vocab, hidden = 300, 32
-    full = torch.randn(vocab, hidden)
-    head = ParallelLMHead(vocab, hidden, TPGroup(0, 1))
-    head.weight_loader(head.weight, full)
-    quantize_lm_head(SimpleNamespace(lm_head=head))
-    x = torch.randn(E4M3_HEAD_MAX_ROWS + 1, hidden)
+    full, head = _e4m3_head(300, TPGroup(0, 1), seed=1)
+    x = torch.randn(E4M3_HEAD_MAX_ROWS + 1, full.shape[1])
     torch.testing.assert_close(head(x), x @ full.T, rtol=1e-5, atol=1e-5)
     small = head(x[:E4M3_HEAD_MAX_ROWS])
     assert not torch.allclose(small, x[:E4M3_HEAD_MAX_ROWS] @ full.T, rtol=1e-3, atol=1e-3)  # the tail rounded
