@@ -7,8 +7,9 @@ bench.py's 4,096 to 8,192 (the prompts run to 6,128 tokens); everything else as 
     bash .peer/run_minisgl.sh setup && PYTHONPATH=/tmp/minisgl_src:/tmp/site \\
         python3 bench/peer_prefill_heavy.py [--runs 2] [--arch qwen3-0.6b] [--out FILE]
 
-(`bench/gpu.sh peer_prefill_heavy` does so.) It imports numpy and the peer's runner only: mini-sglang
-refuses to start in a process that has initialised CUDA, and the project's modules would."""
+(`bench/gpu.sh peer_prefill_heavy` does so.) It imports numpy and the peer's runner only (mini-sglang
+refuses to start in a process that has initialised CUDA), so the draw is written out again here;
+tests/test_peer_draws.py holds it equal to the project's."""
 
 from __future__ import annotations
 

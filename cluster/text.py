@@ -162,9 +162,7 @@ class TextStream:
     def _after_tail(self) -> str:
         """Drops the carried tokens from the stream, which goes on as vLLM's offsets do from the prompt's tail
         with the output's tokens so far (decoded alone where their bytes change the tail's text)."""
-        out = self._ids[len(self._tail) + len(self._carried) :]
-        self._carried = []
-        self._ids = [*self._tail, *out]
+        self._drop_carried()
         self._prefix, self._read = 0, len(self._tail)
         self._stream = None
         return self._offsets_piece(whole=False)
@@ -172,12 +170,17 @@ class TextStream:
     def _without_carried(self) -> str:
         """Drops the carried tokens from the stream and gives the text of the output's tokens so far behind
         the tail alone (they end a character: their text has just been given)."""
-        out = self._ids[len(self._tail) + len(self._carried) :]
-        self._carried = []
-        self._ids = [*self._tail, *out]
+        out = self._drop_carried()
         self._prefix, self._read = len(self._tail), len(self._ids)
         self._stream = DecodeStream(ids=self._ids, skip_special_tokens=self._skip)
         return _decode_behind(self._tokenizer, self._tail, out, self._skip)
+
+    def _drop_carried(self) -> list[int]:
+        """Takes the carried tokens out of the stream's tokens; gives the output's tokens so far."""
+        out = self._ids[len(self._tail) + len(self._carried) :]
+        self._carried = []
+        self._ids = [*self._tail, *out]
+        return out
 
     def _next(self, token_id: int) -> str:
         self._ids.append(token_id)

@@ -57,9 +57,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.kernels = kernels
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.float8_e4m3fn and hidden.numel() > E4M3_HEAD_MAX_ROWS * hidden.shape[-1]:
-            logits = F.linear(hidden, self.exact_weight)  # quantize_lm_head at a large batch
-        elif self.weight.dtype == torch.float8_e4m3fn:  # quantize_lm_head (worker/quant/prepare.py)
+        e4m3 = self.weight.dtype == torch.float8_e4m3fn  # quantize_lm_head (worker/quant/prepare.py)
+        weight = self.exact_weight if e4m3 else self.weight  # the unquantized rows
+        if e4m3 and hidden.numel() <= E4M3_HEAD_MAX_ROWS * hidden.shape[-1]:
             logits = gemm.fp8_linear(
                 hidden, self.weight, self.weight_scale, None, None, self.kernels.small_linear, self.kernels
             )
@@ -68,11 +68,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.kernels.small_linear
             and hidden.dim() == 2
             and hidden.shape[0] == 1
-            and gemv.small_linear_applies(hidden, self.weight)
+            and gemv.small_linear_applies(hidden, weight)
         ):
-            logits = gemv.small_linear(hidden, self.weight)
+            logits = gemv.small_linear(hidden, weight)
         else:
-            logits = F.linear(hidden, self.weight)
+            logits = F.linear(hidden, weight)
         if self.tp.size > 1:
             logits = self.tp.comm.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]
