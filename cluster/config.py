@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from worker.config import EAGLE3_ARCHITECTURES, EngineConfig, setting
+from worker.model_context import sliding_window_of
 
 GROUPS = ("engine", "scheduler", "cluster", "server", "limits and access")
 CORES_PER_ROUTER = 8  # the default router count leaves a node this many cores for each router actor
@@ -252,6 +253,14 @@ class ReplicaConfig:
                 "max_seq_len",
                 f"must be at most the model's context of {context} tokens "
                 f"(max_position_embeddings), not {self.engine.max_seq_len}",
+            )
+        window = sliding_window_of(hf_config)
+        if window is not None and self.engine.max_seq_len and self.engine.max_seq_len > window:
+            raise ConfigError(
+                "max_seq_len",
+                f"must be at most the model's attention window of {window} tokens (sliding_window; windowed "
+                "attention is not implemented, so sequences are served up to the window), "
+                f"not {self.engine.max_seq_len}",
             )
         heads = hf_config.get("num_attention_heads", 1)
         kv_heads = hf_config.get("num_key_value_heads", heads)

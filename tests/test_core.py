@@ -4,6 +4,7 @@ sampling, stopping, loading errors."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -115,8 +116,33 @@ def test_unsupported_architecture_is_named(qwen3_path, tmp_path):
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     cfg["architectures"] = ["MadeUpForCausalLM"]
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="MadeUpForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match="MadeUpForCausalLM") as e:
         LLM(str(tmp_path / "m"))
+    # what a user may serve, not the draft heads that only run beside a model
+    assert "Qwen3ForCausalLM" in str(e.value) and "Eagle3" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "tensor,shape",
+    [
+        ("model.layers.1.self_attn.k_proj.weight", (48, 64)),  # a column-parallel part (k of the fused qkv)
+        ("model.layers.0.mlp.down_proj.weight", (64, 96)),  # a row-parallel weight
+        ("model.layers.0.input_layernorm.weight", (32,)),  # loaded as it is
+        ("model.embed_tokens.weight", (300, 64)),  # a vocabulary other than the config's
+    ],
+)
+def test_a_tensor_of_another_shape_than_the_config_makes_it_is_named(qwen3_path, tmp_path, tensor, shape):
+    # each once loaded a wrong slice without a word, or failed inside a copy in torch's words
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(qwen3_path, tmp_path / "m")
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    want = list(weights[tensor].shape)
+    weights[tensor] = torch.zeros(shape)
+    save_file(weights, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(f"{tensor}'") + r".*" + re.escape(f"{list(shape)}, but")) as e:
+        LLM(str(tmp_path / "m"))
+    assert str(want) in str(e.value)
 
 
 def test_missing_or_corrupt_checkpoint_files_are_named(qwen3_path, qwen3_sharded_path, tmp_path):

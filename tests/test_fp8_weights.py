@@ -18,6 +18,7 @@ from fixtures import PROMPT_TEXTS, hf_greedy
 from fp8_checkpoints import (
     UNQUANTIZED,
     dequantize_blocks,
+    quantization_config,
     quantize_blocks,
     quantize_channels,
     write_fp8_checkpoint,
@@ -615,3 +616,107 @@ def test_activations_quantize_per_token_and_group_for_any_row_count(rows):
     torch.testing.assert_close(back, x, rtol=2**-3, atol=0)
     if rows:
         assert xq.float().abs().view(rows, -1)[:, :32].view(rows, 2, 16).amax(dim=2).eq(448).all()
+
+
+# -- scales that do not fit their weights -------------------------------------------------------------------
+
+
+def _rewritten(src, tmp_path, tensors=None, quantization=None):
+    """A copy of the checkpoint folder `src` with its tensors changed by `tensors(dict) -> None` and its
+    quantization_config by `quantization(dict) -> None`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "rewritten"
+    shutil.copytree(src, out)
+    if tensors is not None:
+        t = load_file(str(out / "model.safetensors"))
+        tensors(t)
+        save_file(t, str(out / "model.safetensors"))
+    if quantization is not None:
+        config = json.loads((out / "config.json").read_text())
+        quantization(config["quantization_config"])
+        (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _double_columns(t):
+    name = "model.layers.0.mlp.gate_proj.weight_scale"
+    t[name] = torch.cat([t[name], 2 * t[name]], dim=1)
+
+
+@pytest.mark.parametrize(
+    "fmt,tensors,quantization,named",
+    [
+        # the config's blocks twice as tall as those the scales were made for: half the scale rows
+        (
+            "fp8",
+            None,
+            lambda qc: qc.update(weight_block_size=[256, 128]),
+            r"_proj\.weight_scale_inv.*are \[2, 4\], not \[1, 4\].*weight_block_size \[256, 128\]",
+        ),
+        # a per-channel scale with two columns
+        ("compressed-tensors", _double_columns, None, r"gate_proj\.weight_scale.*\[512, 2\]"),
+    ],
+    ids=["blocks-of-another-size", "per-channel-two-columns"],
+)
+def test_scales_of_another_shape_than_the_weights_are_an_error_naming_the_tensor(
+    checkpoints, tmp_path, fmt, tensors, quantization, named
+):
+    # each once loaded without a word, the wrong scales on the wrong rows, and answered other tokens
+    path = _rewritten(checkpoints[fmt][0], tmp_path, tensors, quantization)
+    with pytest.raises(CheckpointError, match=named):
+        LLM(str(path))
+
+
+def test_per_tensor_scales_stored_as_scalars_load_as_one_for_every_row(hd128, tmp_path):
+    # compressed-tensors' "tensor" strategy; a scale saved as a 0-dim tensor once failed in the slicing
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    fp8, ref = tmp_path / "fp8", tmp_path / "ref"
+    for d in (fp8, ref):
+        shutil.copytree(hd128, d)
+    tensors = load_file(str(hd128 / "model.safetensors"))
+    quantized, reference = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if name.removesuffix(".weight").rsplit(".", 1)[-1] not in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            continue
+        scale = w.float().abs().max() / 448.0
+        q = (w.float() / scale).to(FP8)
+        quantized[name], quantized[name.removesuffix("weight") + "weight_scale"] = q, scale.reshape(())
+        reference[name] = q.float() * scale
+    save_file(quantized, str(fp8 / "model.safetensors"))
+    save_file(reference, str(ref / "model.safetensors"))
+    config = json.loads((fp8 / "config.json").read_text())
+    qc = quantization_config("compressed-tensors")
+    qc["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
+    qc["ignore"] = ["lm_head", "re:.*mlp.*"]
+    config["quantization_config"] = qc
+    (fp8 / "config.json").write_text(json.dumps(config))
+    prompts = _prompts(3)
+    with checked_llm(fp8, page_size=4) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, greedy(8, ignore_eos=True))]
+    assert got == hf_greedy(ref, prompts, 8, ignore_eos=True)
+
+
+def test_blocks_the_triton_kernels_cannot_step_through_are_an_error_where_they_run(needs_triton, tmp_path):
+    from fp8_checkpoints import PROJECTIONS
+    from safetensors.torch import load_file, save_file
+    from tiny_checkpoints import build_checkpoint
+
+    src = build_checkpoint("qwen3", tmp_path / "src")
+    t = load_file(str(src / "model.safetensors"))
+    for name in [k for k in t if k.removesuffix(".weight").rsplit(".", 1)[-1] in PROJECTIONS]:
+        t[name], t[name.removesuffix("weight") + "weight_scale_inv"] = quantize_blocks(t[name], (96, 96))
+    save_file(t, str(src / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {**quantization_config("fp8"), "weight_block_size": [96, 96]}
+    config["quantization_config"]["modules_to_not_convert"] = ["lm_head"]
+    (src / "config.json").write_text(json.dumps(config))
+    with checked_llm(src, page_size=4) as llm:  # the torch path takes any block
+        assert llm.generate([[5, 17, 42]], greedy(3, ignore_eos=True))[0].token_ids
+    with pytest.raises(QuantizationError, match=r"weight_block_size \[96, 96\].*power of two"):
+        LLM(str(src), page_size=4, kernels=Kernels(interpret_on_cpu=True))

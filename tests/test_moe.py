@@ -167,6 +167,17 @@ def test_a_missing_expert_tensor_is_named(qwen3_moe_path, tmp_path):
         load_weights(build_model(AutoConfig.from_pretrained(tmp_path / "m"), 64, TPGroup()), tmp_path / "m")
 
 
+def test_a_qwen2_moe_whose_shared_expert_is_zero_wide_equals_hf(tmp_path):
+    # transformers saves the empty shared expert and its gate; both add nothing, and were refused at load
+    from tiny_checkpoints import build_checkpoint, random_prompts
+
+    path = build_checkpoint("qwen2_moe", tmp_path / "m", overrides={"shared_expert_intermediate_size": 0})
+    prompts = random_prompts(3, 4, 20, seed=3)
+    with checked_llm(path, page_size=4) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, greedy(8, ignore_eos=True))]
+    assert got == hf_greedy(path, prompts, 8, ignore_eos=True)
+
+
 @pytest.mark.parametrize("family", MOE)
 def test_dummy_weights_fill_the_stacked_experts(moe_paths, family, tmp_path):
     shutil.copy(moe_paths[family] / "config.json", tmp_path / "config.json")

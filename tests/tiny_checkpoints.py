@@ -131,7 +131,12 @@ _QWEN_ROPE = {"rope_type": "default", "rope_theta": 1_000_000.0}
 
 
 def _make_config(
-    family: str, vocab_size: int, eos_id: int, tie_word_embeddings: bool, num_kv_heads: int
+    family: str,
+    vocab_size: int,
+    eos_id: int,
+    tie_word_embeddings: bool,
+    num_kv_heads: int,
+    overrides: dict[str, object] | None = None,
 ) -> PretrainedConfig:
     extra: dict[str, object] = {
         # head_dim 32 != hidden_size / num_heads (16), so a loader must honour the explicit value.
@@ -161,7 +166,7 @@ def _make_config(
         "mixtral": {"rope_parameters": _QWEN_ROPE, "num_local_experts": 4, "num_experts_per_tok": 2},
     }[family]
     config_cls = _FAMILIES[family][0]
-    extra = {"num_hidden_layers": 2, **extra}
+    extra = {"num_hidden_layers": 2, **extra, **(overrides or {})}
     return config_cls(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -187,14 +192,16 @@ def build_checkpoint(
     num_kv_heads: int = 2,
     seed: int = 0,
     max_shard_size: str | None = None,
+    overrides: dict[str, object] | None = None,
 ) -> Path:
-    """Build a tiny random `family` checkpoint (tokenizer included) in `out_dir` and return it."""
+    """Build a tiny random `family` checkpoint (tokenizer included) in `out_dir` and return it; `overrides`:
+    config values in place of the family's."""
     if family not in _FAMILIES:
         raise ValueError(f"unknown model family: {family!r}")
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(out_dir)
     eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    config = _make_config(family, len(tokenizer), eos_id, tie_word_embeddings, num_kv_heads)
+    config = _make_config(family, len(tokenizer), eos_id, tie_word_embeddings, num_kv_heads, overrides)
     options = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     torch.manual_seed(seed)
     model = _FAMILIES[family][1](config)

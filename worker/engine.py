@@ -41,6 +41,7 @@ from worker.layers.moe.block import SparseMoeBlock
 from worker.layers.moe.fused import fused_applies
 from worker.layers.moe.weights import experts_made_in
 from worker.loader import CheckpointError, init_dummy_weights, load_weights
+from worker.model_context import served_context, sliding_window_of
 from worker.models import build_model
 from worker.models.eagle3 import has_own_embeddings, is_eagle3, keep_hidden_states
 from worker.parallel import TPGroup
@@ -172,7 +173,15 @@ class Engine:
         self.kernels = self.kernels.with_model(tp_size=self.tp.size)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
-        self.max_seq_len = config.max_seq_len or self.hf_config.max_position_embeddings
+        self.max_seq_len, cut = served_context(
+            config.max_seq_len, self.hf_config.max_position_embeddings, sliding_window_of(self.hf_config)
+        )
+        if cut:
+            logger.warning(
+                "serving at most %d tokens a sequence: this model's attention is windowed to them (sliding_window), "
+                "which equals full attention only up to the window",
+                self.max_seq_len,
+            )
         self.page_size = config.page_size
         # cuda_graph_max_bs 0 turns every CUDA graph off, the extend steps' too
         self.extend_graph_tokens = config.extend_graph_tokens if config.cuda_graph_max_bs > 0 else 0

@@ -28,6 +28,8 @@ class LazyTensor:
         return self._slice[tuple(index)]
 
     def __getitem__(self, index) -> torch.Tensor:
+        if index == slice(None) and not self.shape:
+            index = ()  # `t[:]`, the whole tensor, of a 0-dim one (a per-tensor scale), which a slice cannot index
         return self._slice[index]
 
 
@@ -87,10 +89,18 @@ def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> No
                     tensor = LazyTensor(f.get_slice(ckpt_name))
                     loader = getattr(owner, "weight_loader", None)
                     with torch.no_grad():
-                        if loader is not None:
-                            loader(param, tensor, shard)
-                        else:
+                        if loader is None:
+                            if tuple(tensor.shape) != tuple(param.shape):
+                                raise CheckpointError(
+                                    f"{path.name}'s tensor {ckpt_name!r} is {list(tensor.shape)}, but this "
+                                    f"model's config makes it {list(param.shape)}"
+                                )
                             param.data.copy_(tensor[:])
+                        else:
+                            try:
+                                loader(param, tensor, shard)
+                            except CheckpointError as e:  # the loaders know the layer; this, the tensor
+                                raise CheckpointError(f"{path.name}'s tensor {ckpt_name!r}: {e}") from e
                     loaded.add((name, shard))
         except SafetensorError as e:
             raise CheckpointError(f"cannot read {path}: {e}") from e

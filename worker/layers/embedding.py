@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker import gemv
+from worker.checkpoint_error import check_shape
 from worker.kernels import Kernels
 from worker.parallel import TPGroup
 from worker.quant import gemm
@@ -22,6 +23,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden), requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int = 0) -> None:
+        check_shape(full, (self.vocab_size, param.shape[1]), "weight")
         piece = full[self.start : min(self.start + self.shard_size, self.vocab_size)]
         param.data[: piece.shape[0]].copy_(piece)
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker import cublaslt, gemv, skinny_gemm, triton_ops
+from worker.checkpoint_error import check_shape
 from worker.kernels import Kernels
 from worker.parallel import TPGroup
 
@@ -83,11 +84,20 @@ class ColumnParallelLinear(nn.Module):
         size = self.local_sizes[shard_id]
         return sum(self.local_sizes[:shard_id]), self.tp.rank * size, size
 
+    def part_rows(self, shard_id: int) -> int:
+        """The output rows of part `shard_id` in the checkpoint (every rank's together)."""
+        return self.local_sizes[shard_id] * self.tp.size
+
     def weight_loader(self, param: nn.Parameter, full, shard_id: int = 0) -> None:
         """`full` is the whole checkpoint tensor (or a lazy view of it); this keeps the rank's shard."""
         dst, src, size = self.rows_of(shard_id)
+        rows = self.part_rows(shard_id)
+        if param is self.weight:
+            check_shape(full, (rows, self.weight.shape[1]), "weight")
+        elif param is self.bias:
+            check_shape(full, (rows,), "bias")
         if self.quant is not None and param is not self.bias:
-            self.quant.load_rows(self, param, full, dst, src, size)
+            self.quant.load_rows(self, param, full, dst, src, size, rows)
             return
         param.data.narrow(0, dst, size).copy_(full.narrow(0, src, size))
 
@@ -134,6 +144,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         rank = self.tp.rank if shard_id == 0 else self.tp.rank // self.kv_replicas
         return sum(self.local_sizes[:shard_id]), rank * size, size
 
+    def part_rows(self, shard_id: int) -> int:
+        # replicated kv heads: kv_replicas ranks hold the same slice
+        return self.local_sizes[shard_id] * self.tp.size // (self.kv_replicas if shard_id else 1)
+
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns; partial sums are all-reduced across ranks (unless
@@ -160,10 +174,13 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int = 0) -> None:
+        rows, size = self.weight.shape
         if param is self.bias:
+            check_shape(full, (rows,), "bias")
             param.data.copy_(full[:])
             return
-        size = self.weight.shape[1]
+        if param is self.weight:
+            check_shape(full, (rows, size * self.tp.size), "weight")
         if self.quant is not None:
             self.quant.load_columns(self, param, full, self.tp.rank * size, size)
             return

@@ -40,4 +40,6 @@ def build_model(config: PretrainedConfig, max_positions: int, tp: TPGroup, kerne
     for arch in archs:
         if arch in MODELS:
             return MODELS[arch](config, max_positions, tp, kernels)
-    raise UnsupportedModelError(f"unsupported architecture {archs or config.model_type!r}; supported: {sorted(MODELS)}")
+    raise UnsupportedModelError(
+        f"unsupported architecture {archs or config.model_type!r}; supported: {list(SERVED_ARCHITECTURES)}"
+    )

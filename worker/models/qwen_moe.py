@@ -42,3 +42,15 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
     qkv_bias = True
     mlp_of = staticmethod(qwen_moe_mlp)
+
+    def __init__(self, config: PretrainedConfig, max_positions: int, tp: TPGroup, kernels: Kernels = Kernels()) -> None:
+        super().__init__(config, max_positions, tp, kernels)
+        if not getattr(config, "shared_expert_intermediate_size", 0):
+            # transformers saves a shared expert of width 0 (its weights empty, its output zeros) and its gate
+            # all the same; the sparse blocks have none (SparseMoeBlock), so the loader passes over them
+            self.ignored = tuple(
+                f"model.layers.{i}.mlp.{name}.weight"
+                for i in range(config.num_hidden_layers)
+                if is_sparse(config, i)
+                for name in (*(f"shared_expert.{p}_proj" for p in ("gate", "up", "down")), "shared_expert_gate")
+            )

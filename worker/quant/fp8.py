@@ -13,7 +13,7 @@ from torch import nn
 from worker.kernels import Kernels
 from worker.loader import CheckpointError
 from worker.quant import gemm
-from worker.quant.scheme import Fp8Scheme
+from worker.quant.scheme import Fp8Scheme, QuantizationError
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -58,6 +58,16 @@ class Fp8Weights:
         (`row_max`: as quantize_per_channel's)."""
         n, k = layer.weight.shape
         device = layer.weight.device
+        if (
+            scheme.block is not None
+            and not gemm.block_width_runs(scheme.block[1])
+            and gemm.triton_runs(layer.weight, layer.kernels)
+        ):
+            raise QuantizationError(
+                f"FP8 weight_block_size {list(scheme.block)}: the GPU's FP8 kernels take blocks whose columns "
+                f"are a power of two from {gemm.MIN_BLOCK_WIDTH} to {gemm.MAX_BLOCK_WIDTH} (published checkpoints "
+                "use [128, 128])"
+            )
         if scheme.prequantized:
             weight = torch.empty(n, k, dtype=FP8, device=device)
             cols = 1 if scheme.block is None else -(-k // scheme.block[1])
@@ -76,12 +86,16 @@ class Fp8Weights:
 
     # -- loading: `full` is the whole checkpoint tensor (or a lazy view); a rank keeps its shard --------
 
-    def load_rows(self, layer: nn.Module, param: nn.Parameter, full, dst: int, src: int, size: int) -> None:
-        """Output rows [src, src + size) of a (part's) weight or scales into local rows [dst, dst + size)."""
+    def load_rows(
+        self, layer: nn.Module, param: nn.Parameter, full, dst: int, src: int, size: int, part_rows: int
+    ) -> None:
+        """Output rows [src, src + size) of a (part's) weight or scales into local rows [dst, dst + size); the
+        part has `part_rows` rows in the checkpoint."""
         if param is layer.weight:
             check_fp8(full)
             param.data.narrow(0, dst, size).copy_(full.narrow(0, src, size))
             return
+        self.check_scales(full, part_rows, layer.weight.shape[1])
         out = param.data.narrow(0, dst, size)
         if self.block is None:
             out.copy_(_per_row(full, src, size))
@@ -98,6 +112,7 @@ class Fp8Weights:
             param.data.copy_(full.narrow(1, src, size))
             return
         n = param.shape[0]
+        self.check_scales(full, n, size * layer.tp.size)
         if self.block is None:
             param.data.copy_(_per_row(full, 0, n))  # every rank holds every output channel
             return
@@ -110,6 +125,23 @@ class Fp8Weights:
         cols = param.shape[1]
         blocks = full.narrow(1, src // bk, cols)
         param.data.copy_(blocks.float().repeat_interleave(bn, dim=0)[:n])
+
+    def check_scales(self, full, rows: int, cols: int) -> None:
+        """The scales of a weight [rows, cols] in the checkpoint: [rows / bn, cols / bk] (rounded up) for
+        blocks; [rows] or [rows, 1] per output channel, or one for the whole tensor ([], [1] or [1, 1]).
+        Others would load through slicing and broadcasting and scale the wrong weights."""
+        shape = tuple(full.shape)
+        if self.block is not None:
+            bn, bk = self.block
+            expected = (-(-rows // bn), -(-cols // bk))
+            if shape == expected:
+                return
+            wanted = f"{list(expected)} (weight_block_size {[bn, bk]} over a weight of {[rows, cols]})"
+        else:
+            if shape in ((rows,), (rows, 1)) or shape in ((), (1,), (1, 1)):
+                return
+            wanted = f"[{rows}] or [{rows}, 1] (one a row of a weight of {[rows, cols]}), or one for the whole tensor"
+        raise CheckpointError(f"its scales are {list(shape)}, not {wanted}")
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, small: bool) -> torch.Tensor:
         return gemm.fp8_linear(x, layer.weight, self.scale_of(layer), self.block, bias, small, self.kernels)

@@ -69,6 +69,16 @@ def _matmul(x, weight, scale, block, small, kernels) -> torch.Tensor:
     return block_scaled_mm(x, weight, scale, block[1])
 
 
+# the columns of a scale block the Triton kernels step through K by (tl.arange and tl.dot's bounds; the GEMV's
+# 2,048 columns a step hold whole blocks)
+MIN_BLOCK_WIDTH, MAX_BLOCK_WIDTH = 16, 2048
+
+
+def block_width_runs(width: int) -> bool:
+    """Whether the Triton FP8 kernels take scale blocks `width` columns wide."""
+    return MIN_BLOCK_WIDTH <= width <= MAX_BLOCK_WIDTH and width & (width - 1) == 0
+
+
 def dequantized_linear(x, weight, scale, block) -> torch.Tensor:
     from worker.quant.fp8 import dequantize
 

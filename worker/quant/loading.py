@@ -37,7 +37,9 @@ class QuantizingLoad(Fp8Weights):
         self.rows_in = 0
         self.row_max: torch.Tensor | None = None  # a row-parallel shard's whole rows' largest magnitudes
 
-    def load_rows(self, layer: nn.Module, param: nn.Parameter, full, dst: int, src: int, size: int) -> None:
+    def load_rows(
+        self, layer: nn.Module, param: nn.Parameter, full, dst: int, src: int, size: int, part_rows: int
+    ) -> None:
         self._arrived(dst)
         self._held(layer).narrow(0, dst, size).copy_(full.narrow(0, src, size))
         self.rows_in += size
