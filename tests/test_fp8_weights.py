@@ -720,3 +720,19 @@ def test_blocks_the_triton_kernels_cannot_step_through_are_an_error_where_they_r
         assert llm.generate([[5, 17, 42]], greedy(3, ignore_eos=True))[0].token_ids
     with pytest.raises(QuantizationError, match=r"weight_block_size \[96, 96\].*power of two"):
         LLM(str(src), page_size=4, kernels=Kernels(interpret_on_cpu=True))
+
+
+def test_a_checkpoints_kv_cache_scales_are_passed_over(checkpoints, tmp_path):
+    # compressed-tensors' kv_cache_scheme saves each attention's k_scale and v_scale: once "no place for" them
+    def add_scales(t):
+        for i in range(2):
+            for kind in ("k", "v"):
+                t[f"model.layers.{i}.self_attn.{kind}_scale"] = torch.tensor(0.05)
+
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    fp8, ref = checkpoints["compressed-tensors"]
+    path = _rewritten(fp8, tmp_path, add_scales, lambda qc: qc.update(kv_cache_scheme=kv))
+    prompts = _prompts(3)
+    with checked_llm(path, page_size=4) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, greedy(8, ignore_eos=True))]
+    assert got == hf_greedy(ref, prompts, 8, ignore_eos=True)

@@ -167,6 +167,23 @@ def test_a_missing_expert_tensor_is_named(qwen3_moe_path, tmp_path):
         load_weights(build_model(AutoConfig.from_pretrained(tmp_path / "m"), 64, TPGroup()), tmp_path / "m")
 
 
+def test_experts_stacked_in_one_tensor_are_an_error_saying_how_they_are_read(qwen3_moe_path, tmp_path):
+    # transformers 5's in-memory layout, which it also saves: every expert's gate and up in one tensor
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(qwen3_moe_path, tmp_path / "m")
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    prefix = "model.layers.0.mlp.experts"
+    gate_up = [
+        torch.cat([weights.pop(f"{prefix}.{e}.gate_proj.weight"), weights.pop(f"{prefix}.{e}.up_proj.weight")])
+        for e in range(8)
+    ]
+    weights[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+    save_file(weights, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"experts\.gate_up_proj'.*one tensor each"):
+        load_weights(build_model(AutoConfig.from_pretrained(tmp_path / "m"), 64, TPGroup()), tmp_path / "m")
+
+
 def test_a_qwen2_moe_whose_shared_expert_is_zero_wide_equals_hf(tmp_path):
     # transformers saves the empty shared expert and its gate; both add nothing, and were refused at load
     from tiny_checkpoints import build_checkpoint, random_prompts

@@ -83,6 +83,7 @@ def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> No
                     if name not in params:
                         raise CheckpointError(
                             f"{path.name} holds tensor {ckpt_name!r}, which this model has no place for"
+                            + _stacked_experts_hint(ckpt_name)
                         )
                     param = params[name]
                     owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
@@ -123,6 +124,21 @@ def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> No
         )
 
 
+def _stacked_experts_hint(ckpt_name: str) -> str:
+    parts = ckpt_name.split(".")
+    if "experts" in parts[:-1] and not parts[parts.index("experts") + 1].isdigit():
+        return (
+            " (experts are read as published, one tensor each: experts.{e}.gate_proj / up_proj / down_proj, "
+            "or w1 / w3 / w2; not stacked in one tensor)"
+        )
+    return ""
+
+
+# an FP8 KV cache's calibrated scales (compressed-tensors' kv_cache_scheme): this server's fp8 cache keeps its
+# values unscaled (worker/kv_cache.py) and a half-precision one needs none, so the model is the same without them
+KV_CACHE_SCALES = (".k_scale", ".v_scale", ".kv_scale")
+
+
 def _target_of(ckpt_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, object] | None:
     """Maps a checkpoint name to (our parameter name, shard id); None for tensors we do not use.
 
@@ -130,6 +146,8 @@ def _target_of(ckpt_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str,
     (`experts.{e}.`) is dropped from the name, every expert's tensor landing in one stacked parameter,
     and joins the shard id: (e, shard)."""
     if "rotary_emb.inv_freq" in ckpt_name:
+        return None
+    if ckpt_name.endswith(KV_CACHE_SCALES):
         return None
     parts = ckpt_name.split(".")
     ours, shard, expert = [], 0, None
