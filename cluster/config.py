@@ -27,6 +27,20 @@ C = TypeVar("C", bound="ReplicaConfig")
 _MLP_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
+def _has_dense_mlp(hf_config: dict) -> bool:
+    """Whether some layer of the model runs a dense MLP of `intermediate_size`: every layer of a dense model,
+    and the layers of a Qwen mixture of experts that `mlp_only_layers` / `decoder_sparse_step` leave dense
+    (worker/models/qwen_moe.py is_sparse). Mixtral's `intermediate_size` is its experts' width."""
+    experts = hf_config.get("num_experts") or hf_config.get(
+        "num_local_experts"
+    )  # as published; as transformers 5 saves
+    if not experts or not hf_config.get("moe_intermediate_size"):
+        return True
+    step = hf_config.get("decoder_sparse_step") or 1
+    dense = set(hf_config.get("mlp_only_layers") or [])
+    return any(i in dense or (i + 1) % step for i in range(hf_config.get("num_hidden_layers", 0)))
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity mask, which a container's CPU set narrows)."""
     try:
@@ -264,8 +278,11 @@ class ReplicaConfig:
             )
         heads = hf_config.get("num_attention_heads", 1)
         kv_heads = hf_config.get("num_key_value_heads", heads)
-        # the dense MLP's width, and a mixture of experts' expert and shared-expert widths
-        widths = [hf_config.get(k) or 0 for k in _MLP_WIDTHS]
+        # the dense MLP's width (where a layer is dense), and a mixture of experts' expert and shared-expert widths
+        widths = [
+            0 if k == "intermediate_size" and not _has_dense_mlp(hf_config) else hf_config.get(k) or 0
+            for k in _MLP_WIDTHS
+        ]
         # KV heads split evenly across ranks, or (fewer heads than ranks) each replicated to a whole number of ranks
         kv_split = kv_heads % self.tp_size if self.tp_size <= kv_heads else self.tp_size % kv_heads
         if heads % self.tp_size or any(w % self.tp_size for w in widths) or kv_split:

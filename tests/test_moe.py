@@ -441,6 +441,25 @@ def test_a_tp_size_that_does_not_divide_the_experts_width_is_refused(qwen3_moe_p
         ServeConfig().override(model=str(tmp_path), tp_size=4).check_against_model()
 
 
+@pytest.mark.parametrize("dense_layers,refused", [([], False), ([1], True)])
+def test_the_dense_width_must_split_across_ranks_only_where_a_layer_is_dense(
+    qwen3_moe_path, tmp_path, dense_layers, refused
+):
+    import json
+
+    from cluster.config import ConfigError, ServeConfig
+
+    config = json.loads((qwen3_moe_path / "config.json").read_text())
+    odd = {**config, "intermediate_size": 127, "mlp_only_layers": dense_layers, "decoder_sparse_step": 1}
+    (tmp_path / "config.json").write_text(json.dumps(odd))
+    check = ServeConfig().override(model=str(tmp_path), tp_size=2).check_against_model
+    if refused:
+        with pytest.raises(ConfigError, match="intermediate_size 127"):
+            check()
+    else:
+        check()  # every layer sparse: intermediate_size is no layer's width
+
+
 class _Launches:
     """Stands in for the fused path's kernels module: records each launch's kernel and compile-time
     arguments (what a GPU would compile a variant for) and computes nothing, except the routing's ids."""
