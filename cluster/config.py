@@ -27,6 +27,18 @@ C = TypeVar("C", bound="ReplicaConfig")
 _MLP_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
+def _attention_window(folder: Path, hf_config: dict) -> int | None:
+    """The model's attention window as the engine reads it: through transformers' config class, which applies
+    each family's rules (Qwen's use_sliding_window and max_window_layers, Mistral's default window); the raw
+    config.json's where transformers cannot read it (loading it says why)."""
+    from transformers import AutoConfig
+
+    try:
+        return sliding_window_of(AutoConfig.from_pretrained(str(folder)))
+    except (ValueError, OSError):
+        return sliding_window_of(hf_config)
+
+
 def _has_dense_mlp(hf_config: dict) -> bool:
     """Whether some layer of the model runs a dense MLP of `intermediate_size`: every layer of a dense model,
     and the layers of a Qwen mixture of experts that `mlp_only_layers` / `decoder_sparse_step` leave dense
@@ -268,7 +280,7 @@ class ReplicaConfig:
                 f"must be at most the model's context of {context} tokens "
                 f"(max_position_embeddings), not {self.engine.max_seq_len}",
             )
-        window = sliding_window_of(hf_config)
+        window = _attention_window(Path(self.model), hf_config)
         if window is not None and self.engine.max_seq_len and self.engine.max_seq_len > window:
             raise ConfigError(
                 "max_seq_len",

@@ -205,10 +205,12 @@ def test_every_engine_option_but_the_kernels_is_a_flag_and_a_yaml_key(tmp_path):
     engine_fields = {s.name for s in settings(ServeConfig).values() if s.path[0] == "engine"}
     fields = EngineConfig.__dataclass_fields__.values()
     assert engine_fields == {f.metadata.get("name") or f.name for f in fields if f.metadata.get("setting", True)}
-    # the kernels' choice is the offline API's alone; the draft model is speculative_model, set for rank 0
+    # the kernels' choice is the offline API's alone; the draft model is speculative_model, set for rank 0, and
+    # its engine is marked as a draft's
     assert {f.name for f in fields if not f.metadata.get("setting", True)} == {
         "kernels",
         "draft_model",
+        "drafts",
         "max_verify_rows",
     }
     launch = load_launch()

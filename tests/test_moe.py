@@ -6,6 +6,7 @@ a GPU)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -164,6 +165,20 @@ def test_a_missing_expert_tensor_is_named(qwen3_moe_path, tmp_path):
     del weights["model.layers.2.mlp.experts.5.up_proj.weight"]
     save_file(weights, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.experts\.gate_up_proj"):
+        load_weights(build_model(AutoConfig.from_pretrained(tmp_path / "m"), 64, TPGroup()), tmp_path / "m")
+
+
+@pytest.mark.parametrize("part,shape", [("gate_proj", (64, 64)), ("down_proj", (64, 48))])
+def test_an_expert_tensor_of_another_shape_is_named(qwen3_moe_path, tmp_path, part, shape):
+    # once loaded a wrong slice of it without a word
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(qwen3_moe_path, tmp_path / "m")
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    name = f"model.layers.0.mlp.experts.3.{part}.weight"
+    weights[name] = torch.zeros(shape)
+    save_file(weights, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(name) + r"'.*" + re.escape(f"{list(shape)}, but")):
         load_weights(build_model(AutoConfig.from_pretrained(tmp_path / "m"), 64, TPGroup()), tmp_path / "m")
 
 

@@ -69,3 +69,30 @@ def test_the_served_context_is_the_window_only_where_the_window_is_shorter():
     assert served_context(2048, 32768, 4096) == (2048, False)
     with pytest.raises(WindowedAttentionError):
         served_context(8192, 32768, 4096)
+
+
+def test_a_drafts_window_does_not_bound_the_served_context(windowed, tmp_path):
+    # a draft attending past its window only proposes worse tokens, which the model checks
+    target = build_checkpoint("mixtral", tmp_path / "target")
+    with checked_llm(
+        target, speculative_method="draft", speculative_model=str(windowed), num_speculative_tokens=2
+    ) as llm:
+        assert llm.engine.max_seq_len == 512
+        prompts = random_prompts(2, WINDOW + 4, WINDOW + 10, seed=4)
+        got = [o.token_ids for o in llm.generate(prompts, greedy(6, ignore_eos=True))]
+    assert got == hf_greedy(target, prompts, 6, ignore_eos=True)
+
+
+def test_the_launch_check_reads_the_window_as_the_engine_does(tmp_path):
+    # an older Qwen2 config: use_sliding_window on, but max_window_layers past every layer and no layer_types,
+    # so transformers runs every layer over the whole context; the launch check once read a window of 24
+    import json
+
+    path = build_checkpoint("qwen2", tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config.pop("layer_types", None)
+    config.update(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=28)
+    (path / "config.json").write_text(json.dumps(config))
+    ReplicaConfig().override(model=str(path), max_seq_len=64).check_against_model()
+    with checked_llm(path, max_seq_len=64) as llm:
+        assert llm.engine.max_seq_len == 64

@@ -133,6 +133,10 @@ class EngineConfig:
     # the folder of a draft model (speculative decoding) that rank 0's device holds beside this engine,
     # with a KV cache of as many pages: the memory budget's pages are sized so that both fit
     draft_model: str | None = field(default=None, metadata={"setting": False})
+    # a speculative draft's own engine (cluster/scheduler/build.py draft_engine_config): its attention window,
+    # if it has one, does not bound the served context, since a draft attending past its window only proposes
+    # tokens the model then checks
+    drafts: bool = field(default=False, metadata={"setting": False})
     # rows a decode step may hold beyond max_running_reqs: a verify step (speculative decoding) runs each
     # speculating request's samples as decode rows of their own, from the decode CUDA graphs; None: none
     max_verify_rows: int | None = field(default=None, metadata={"setting": False})

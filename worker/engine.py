@@ -173,9 +173,8 @@ class Engine:
         self.kernels = self.kernels.with_model(tp_size=self.tp.size)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
-        self.max_seq_len, cut = served_context(
-            config.max_seq_len, self.hf_config.max_position_embeddings, sliding_window_of(self.hf_config)
-        )
+        window = None if config.drafts else sliding_window_of(self.hf_config)
+        self.max_seq_len, cut = served_context(config.max_seq_len, self.hf_config.max_position_embeddings, window)
         if cut:
             logger.warning(
                 "serving at most %d tokens a sequence: this model's attention is windowed to them (sliding_window), "

@@ -76,6 +76,7 @@ def draft_engine_config(target: EngineConfig, folder: str, engine) -> EngineConf
         num_pages=engine.num_pages,
         max_seq_len=engine.max_seq_len,
         draft_model=None,
+        drafts=True,
         # the served model's head: a draft's (a bf16 draft beside an FP8 checkpoint has no FP8 weights) stays
         quantize_lm_head=False,
     )

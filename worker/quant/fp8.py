@@ -64,7 +64,7 @@ class Fp8Weights:
             and gemm.triton_runs(layer.weight, layer.kernels)
         ):
             raise QuantizationError(
-                f"FP8 weight_block_size {list(scheme.block)}: the GPU's FP8 kernels take blocks whose columns "
+                f"FP8 weight_block_size {list(scheme.block)}: the Triton FP8 kernels take blocks whose columns "
                 f"are a power of two from {gemm.MIN_BLOCK_WIDTH} to {gemm.MAX_BLOCK_WIDTH} (published checkpoints "
                 "use [128, 128])"
             )

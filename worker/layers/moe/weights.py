@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from worker.checkpoint_error import check_shape
 from worker.parallel import TPGroup
 
 # the dtype stacked expert weights are made in (None: torch's default): an FP8 checkpoint's experts are made
@@ -43,6 +44,7 @@ class ExpertGateUp(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, full, shard_id: tuple[int, int]) -> None:
         expert, part = shard_id
+        check_shape(full, (self.local * self.tp.size, param.shape[2]), "weight")
         piece = full.narrow(0, self.tp.rank * self.local, self.local)
         param.data[expert].narrow(0, part * self.local, self.local).copy_(piece)
 
@@ -60,6 +62,7 @@ class ExpertDown(nn.Module):
         self.shard_ids = {(e, 0) for e in range(num_experts)}
 
     def weight_loader(self, param: nn.Parameter, full, shard_id: tuple[int, int]) -> None:
+        check_shape(full, (param.shape[1], self.local * self.tp.size), "weight")
         param.data[shard_id[0]].copy_(full.narrow(1, self.tp.rank * self.local, self.local))
 
 
