@@ -43,9 +43,8 @@ def _has_dense_mlp(hf_config: dict) -> bool:
     """Whether some layer of the model runs a dense MLP of `intermediate_size`: every layer of a dense model,
     and the layers of a Qwen mixture of experts that `mlp_only_layers` / `decoder_sparse_step` leave dense
     (worker/models/qwen_moe.py is_sparse). Mixtral's `intermediate_size` is its experts' width."""
-    experts = hf_config.get("num_experts") or hf_config.get(
-        "num_local_experts"
-    )  # as published; as transformers 5 saves
+    # the count as published (num_experts), or as transformers 5 saves it (num_local_experts)
+    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
     if not experts or not hf_config.get("moe_intermediate_size"):
         return True
     step = hf_config.get("decoder_sparse_step") or 1
