@@ -11,7 +11,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
-from worker.checkpoint_error import CheckpointError
+from worker.checkpoint_error import CheckpointError, check_shape
 
 
 class LazyTensor:
@@ -89,19 +89,15 @@ def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> No
                     owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
                     tensor = LazyTensor(f.get_slice(ckpt_name))
                     loader = getattr(owner, "weight_loader", None)
-                    with torch.no_grad():
-                        if loader is None:
-                            if tuple(tensor.shape) != tuple(param.shape):
-                                raise CheckpointError(
-                                    f"{path.name}'s tensor {ckpt_name!r} is {list(tensor.shape)}, but this "
-                                    f"model's config makes it {list(param.shape)}"
-                                )
-                            param.data.copy_(tensor[:])
-                        else:
-                            try:
+                    try:
+                        with torch.no_grad():
+                            if loader is None:
+                                check_shape(tensor, param.shape, name.rsplit(".", 1)[-1])
+                                param.data.copy_(tensor[:])
+                            else:
                                 loader(param, tensor, shard)
-                            except CheckpointError as e:  # the loaders know the layer; this, the tensor
-                                raise CheckpointError(f"{path.name}'s tensor {ckpt_name!r}: {e}") from e
+                    except CheckpointError as e:  # the loaders know the layer; this, the tensor
+                        raise CheckpointError(f"{path.name}'s tensor {ckpt_name!r}: {e}") from e
                     loaded.add((name, shard))
         except SafetensorError as e:
             raise CheckpointError(f"cannot read {path}: {e}") from e
