@@ -1,8 +1,8 @@
 """Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral) against Hugging Face transformers: greedy
 parity in both loops, every cache type, chunked prefill and page sizes, at tp 1 and 2, under preemption;
-routing as transformers routes; each rank's slices of the per-expert checkpoint tensors; the fused Triton
-experts against the torch loop (under Triton's interpreter on the CPU, in bf16 and inside a CUDA graph on
-a GPU)."""
+routing as transformers routes; each rank's slices of the per-expert checkpoint tensors and of those
+stacking every expert's (transformers' own layout); the fused Triton experts against the torch loop (under
+Triton's interpreter on the CPU, in bf16 and inside a CUDA graph on a GPU)."""
 
 from __future__ import annotations
 
@@ -182,20 +182,86 @@ def test_an_expert_tensor_of_another_shape_is_named(qwen3_moe_path, tmp_path, pa
         load_weights(build_model(AutoConfig.from_pretrained(tmp_path / "m"), 64, TPGroup()), tmp_path / "m")
 
 
-def test_experts_stacked_in_one_tensor_are_an_error_saying_how_they_are_read(qwen3_moe_path, tmp_path):
-    # transformers 5's in-memory layout, which it also saves: every expert's gate and up in one tensor
+@pytest.fixture(scope="module")
+def stacked_paths(moe_paths, tmp_path_factory):
+    """Each family's checkpoint saved by transformers in its own layout (`save_original_format=False`, as an
+    offloaded model's save writes it): every expert's projection stacked in one tensor a layer."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    paths = {}
+    for family, path in moe_paths.items():
+        out = tmp_path_factory.mktemp(f"{family}_stacked")
+        shutil.copytree(path, out, dirs_exist_ok=True)
+        AutoModelForCausalLM.from_pretrained(path).save_pretrained(out, save_original_format=False)
+        with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+            names = set(f.keys())
+        assert "model.layers.0.mlp.experts.gate_up_proj" in names  # the layout this tests, not the published one
+        assert not any(".experts.0." in name for name in names)
+        paths[family] = out
+    return paths
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_experts_stacked_as_transformers_saves_them_equal_hf(stacked_paths, family):
+    path = stacked_paths[family]
+    with checked_llm(path, page_size=4) as llm:
+        prompts = encode_all(llm, PROMPT_TEXTS)
+        outs = [o.token_ids for o in llm.generate(prompts, greedy(10))]
+    assert outs == hf_greedy(path, prompts, 10)
+
+
+@pytest.mark.parametrize("family", MOE)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_reads_its_slice_of_stacked_experts_as_of_published_ones(moe_paths, stacked_paths, family, rank):
+    def loaded(path):
+        model = build_model(AutoConfig.from_pretrained(path), 64, TPGroup(rank=rank, size=2))
+        load_weights(model, path, progress=False)
+        return model.state_dict()
+
+    published, stacked = loaded(moe_paths[family]), loaded(stacked_paths[family])
+    assert published.keys() == stacked.keys()
+    assert all(torch.equal(published[name], stacked[name]) for name in published)
+
+
+def test_stacked_experts_quantized_at_load_equal_published_ones_quantized(moe_paths, stacked_paths):
+    """`quantization="fp8"` quantizes each expert of a stacked tensor as it is read, as a published one's."""
+    pytest.importorskip("triton")
+    got = []
+    for path in (moe_paths["qwen3_moe"], stacked_paths["qwen3_moe"]):
+        with checked_llm(path, page_size=4, quantization="fp8", kernels=Kernels(interpret_on_cpu=True)) as llm:
+            blocks = [layer.mlp.experts for layer in llm.engine.model.model.layers if hasattr(layer.mlp, "experts")]
+            got.append([(b.gate_up_proj.weight, b.down_proj.weight, b.scales()) for b in blocks])
+    for (gu, dn, scales), (sgu, sdn, sscales) in zip(*got, strict=True):
+        assert gu.dtype == torch.float8_e4m3fn
+        assert torch.equal(gu.float(), sgu.float()) and torch.equal(dn.float(), sdn.float())
+        assert torch.equal(scales.gate_up, sscales.gate_up) and torch.equal(scales.down, sscales.down)
+
+
+@pytest.mark.parametrize("part,shape", [("gate_up_proj", (8, 32, 64)), ("down_proj", (8, 32, 64))])
+def test_a_stacked_expert_tensor_of_another_shape_is_named(stacked_paths, tmp_path, part, shape):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(stacked_paths["qwen3_moe"], tmp_path / "m")
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    name = f"model.layers.0.mlp.experts.{part}"
+    want = list(weights[name].shape)
+    weights[name] = torch.zeros(shape)
+    save_file(weights, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=re.escape(f"{name}'") + r".*" + re.escape(f"{list(shape)}, but")) as e:
+        load_weights(build_model(AutoConfig.from_pretrained(tmp_path / "m"), 64, TPGroup()), tmp_path / "m")
+    assert str(want) in str(e.value)
+
+
+def test_a_stacked_expert_tensor_of_no_known_name_is_an_error_saying_how_experts_are_read(qwen3_moe_path, tmp_path):
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(qwen3_moe_path, tmp_path / "m")
     weights = load_file(tmp_path / "m" / "model.safetensors")
     prefix = "model.layers.0.mlp.experts"
-    gate_up = [
-        torch.cat([weights.pop(f"{prefix}.{e}.gate_proj.weight"), weights.pop(f"{prefix}.{e}.up_proj.weight")])
-        for e in range(8)
-    ]
-    weights[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+    weights[f"{prefix}.gate_up_proj_scale_inv"] = torch.ones(8, 1, 1)
     save_file(weights, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"experts\.gate_up_proj'.*one tensor each"):
+    with pytest.raises(CheckpointError, match=r"gate_up_proj_scale_inv'.*one tensor each.*stacked as transformers"):
         load_weights(build_model(AutoConfig.from_pretrained(tmp_path / "m"), 64, TPGroup()), tmp_path / "m")
 
 

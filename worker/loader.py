@@ -91,14 +91,19 @@ def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> No
                     loader = getattr(owner, "weight_loader", None)
                     try:
                         with torch.no_grad():
-                            if loader is None:
+                            if shard == STACKED:  # each expert's part in turn, as a published one loads
+                                for part_id, part in owner.stacked_parts(tensor):
+                                    loader(param, part, part_id)
+                                    loaded.add((name, part_id))
+                            elif loader is None:
                                 check_shape(tensor, param.shape, name.rsplit(".", 1)[-1])
                                 param.data.copy_(tensor[:])
+                                loaded.add((name, shard))
                             else:
                                 loader(param, tensor, shard)
+                                loaded.add((name, shard))
                     except CheckpointError as e:  # the loaders know the layer; this, the tensor
                         raise CheckpointError(f"{path.name}'s tensor {ckpt_name!r}: {e}") from e
-                    loaded.add((name, shard))
         except SafetensorError as e:
             raise CheckpointError(f"cannot read {path}: {e}") from e
     shards_of = {}
@@ -124,10 +129,17 @@ def _stacked_experts_hint(ckpt_name: str) -> str:
     parts = ckpt_name.split(".")
     if "experts" in parts[:-1] and not parts[parts.index("experts") + 1].isdigit():
         return (
-            " (experts are read as published, one tensor each: experts.{e}.gate_proj / up_proj / down_proj, "
-            "or w1 / w3 / w2; not stacked in one tensor)"
+            " (experts are read one tensor each as published, experts.{e}.gate_proj / up_proj / down_proj or "
+            "w1 / w3 / w2 with their FP8 scales beside them, or stacked as transformers lays them out, "
+            "experts.gate_up_proj and experts.down_proj, unquantized)"
         )
     return ""
+
+
+# transformers' own layout of a mixture's experts: every expert's projection in one tensor, named as the
+# stacked parameter it loads into, less `.weight` (worker/layers/moe/weights.py reads it an expert at a time)
+STACKED_EXPERTS = ("gate_up_proj", "down_proj")
+STACKED = "stacked"  # the shard id of such a tensor
 
 
 # an FP8 KV cache's calibrated scales (compressed-tensors' kv_cache_scheme): this server's fp8 cache keeps its
@@ -140,12 +152,16 @@ def _target_of(ckpt_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str,
 
     Each part named in `packed` is replaced by ours (the last one's shard id counts). An expert's index
     (`experts.{e}.`) is dropped from the name, every expert's tensor landing in one stacked parameter,
-    and joins the shard id: (e, shard)."""
+    and joins the shard id: (e, shard). A tensor stacking every expert's (STACKED_EXPERTS) has the shard id
+    STACKED."""
     if "rotary_emb.inv_freq" in ckpt_name:
         return None
     if ckpt_name.endswith(KV_CACHE_SCALES):
         return None
     parts = ckpt_name.split(".")
+    if len(parts) > 1 and parts[-2] == "experts" and parts[-1] in STACKED_EXPERTS:
+        ours = [packed.get(part, (part, 0))[0] for part in parts]
+        return ".".join([*ours, "weight"]), STACKED
     ours, shard, expert = [], 0, None
     for i, part in enumerate(parts):
         if part.isdigit() and i and parts[i - 1] == "experts":

@@ -1,6 +1,8 @@
 """Every expert's weights stacked into one parameter per projection, each rank holding its slice of the
-intermediate dimension; checkpoints store one tensor per expert, which the loader addresses by
-(expert index, part) shard ids."""
+intermediate dimension. Published checkpoints store one tensor per expert, which the loader addresses by
+(expert index, part) shard ids; transformers' own layout stacks every expert's projection in one tensor
+(what `save_pretrained(save_original_format=False)` and an offloaded model's save write), which the
+loader reads one expert's part at a time (`stacked_parts`), as if it were published."""
 
 from __future__ import annotations
 
@@ -30,6 +32,29 @@ def experts_made_in(dtype: torch.dtype | None) -> Iterator[None]:
         _MADE_IN.reset(token)
 
 
+class ExpertPart:
+    """One expert's part of a checkpoint tensor stacking every expert's ([E, rows, columns]): rows
+    [first_row, first_row + rows) of expert `expert`, read as a per-expert tensor is, in the slices a
+    weight loader asks for (whole, or narrowed on one dimension)."""
+
+    def __init__(self, stacked, expert: int, first_row: int, rows: int) -> None:
+        self._stacked, self._expert, self._first = stacked, expert, first_row
+        self.shape = (rows, tuple(stacked.shape)[2])
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        rows, cols = slice(self._first, self._first + self.shape[0]), slice(None)
+        if dim == 0:
+            rows = slice(self._first + start, self._first + start + length)
+        else:
+            cols = slice(start, start + length)
+        return self._stacked[self._expert, rows, cols]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if index != slice(None):
+            raise TypeError(f"an expert's part of a stacked tensor is read whole or narrowed, not at {index!r}")
+        return self.narrow(0, 0, self.shape[0])
+
+
 class ExpertGateUp(nn.Module):
     """weight [E, 2 * I_local, H]: each expert's gate rows then its up rows (shard ids (e, 0), (e, 1))."""
 
@@ -48,6 +73,16 @@ class ExpertGateUp(nn.Module):
         piece = full.narrow(0, self.tp.rank * self.local, self.local)
         param.data[expert].narrow(0, part * self.local, self.local).copy_(piece)
 
+    def stacked_parts(self, full) -> Iterator[tuple[tuple[int, int], ExpertPart]]:
+        """Each expert's gate and up (shard ids (e, 0), (e, 1)) in a tensor stacking them all: [E, 2I, H],
+        an expert's gate rows then its up rows."""
+        experts, _, hidden = self.weight.shape
+        inter = self.local * self.tp.size
+        check_shape(full, (experts, 2 * inter, hidden), "stacked experts' gate and up")
+        for e in range(experts):
+            for part in (0, 1):
+                yield (e, part), ExpertPart(full, e, part * inter, inter)
+
 
 class ExpertDown(nn.Module):
     """weight [E, H, I_local]: each expert's down projection, split on its input columns."""
@@ -64,6 +99,13 @@ class ExpertDown(nn.Module):
     def weight_loader(self, param: nn.Parameter, full, shard_id: tuple[int, int]) -> None:
         check_shape(full, (param.shape[1], self.local * self.tp.size), "weight")
         param.data[shard_id[0]].copy_(full.narrow(1, self.tp.rank * self.local, self.local))
+
+    def stacked_parts(self, full) -> Iterator[tuple[tuple[int, int], ExpertPart]]:
+        """Each expert's down (shard id (e, 0)) in a tensor stacking them all: [E, H, I]."""
+        experts, hidden, _ = self.weight.shape
+        check_shape(full, (experts, hidden, self.local * self.tp.size), "stacked experts' down")
+        for e in range(experts):
+            yield (e, 0), ExpertPart(full, e, 0, hidden)
 
 
 @dataclass(frozen=True)
