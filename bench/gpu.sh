@@ -48,8 +48,9 @@
 #   kernels        the MoE experts (bench/moe_decode.py: per-row and grouped paths at 1-4 tokens, the grouped
 #                  GEMMs' tile sweep at 64, 256 and 8,192) and the FP8 GEMV's tile sweep (bench/fp8_gemv.py)
 #   prologue       the attention prologue's tiles at a decode batch and a prompt chunk (bench/prologue.py)
-#   ragged_prefill FA3 over a prompt chunk's own keys and values (ragged, the earlier tokens paged and merged)
-#                  against over the paged cache alone, one layer (bench/ragged_prefill.py)
+#   ragged_prefill FA3 over a prompt chunk's own keys and values (ragged, the earlier tokens paged and merged;
+#                  or split: continuing rows paged, fresh ones ragged) against over the paged cache alone, one
+#                  layer, pages of RAGGED_PAGES tokens (default 16 64; bench/ragged_prefill.py)
 #   decode_kernels the Triton decode kernel over fp8 and bf16 caches at batches 256 and 1 against FlashInfer, with
 #                  its CUDA-core and prefetching variants and V converted first (bench/fp8_decode.py --variants)
 #   profile        (a) once, with the kernels of 50 decode steps from steps 50, 500 and 800 (the batch full,
@@ -433,7 +434,11 @@ for suite in "$@"; do
     profile) step profile 300 python3 bench/offline_throughput.py --profile --profile-from 50 500 800 \
       --out "$OUT/profile.json" ;;
     prologue) step prologue 200 python3 bench/prologue.py --out "$OUT/prologue.json" ;;
-    ragged_prefill) step ragged_prefill 200 python3 bench/ragged_prefill.py --out "$OUT/ragged_prefill.json" ;;
+    ragged_prefill)
+        for page in ${RAGGED_PAGES:-16 64}; do
+            step "ragged_prefill_p$page" 200 python3 bench/ragged_prefill.py --page-size "$page" \
+                --out "$OUT/ragged_prefill_p$page.json"
+        done ;;
     prefill_heavy) offline prefill_heavy 240 --workload prefill_heavy ;;
     prefill_sweep)
       for met in 8192 16384 32768; do
