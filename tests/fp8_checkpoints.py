@@ -1,8 +1,11 @@
-"""Tiny FP8 checkpoints in the two published formats, made from a tiny float32 one: transformers'
+"""Tiny FP8 checkpoints in the published formats, made from a tiny float32 one: transformers'
 `quant_method: "fp8"` (e4m3 weights, float32 `weight_scale_inv` per [128, 128] block: the Qwen3 FP8
-releases) and compressed-tensors' FP8 (e4m3 weights, bf16 `weight_scale` per output channel, dynamic
-per-token activations: the `*-FP8-dynamic` releases). Each comes with its reference: the same folder
-with the weights dequantized to float32 and no quantization_config, which transformers runs as is."""
+releases), compressed-tensors' FP8 (e4m3 weights, bf16 `weight_scale` per output channel, dynamic
+per-token activations: the `*-FP8-dynamic` releases), and the two static ones, a float32 scale a weight
+and a calibrated `input_scale` a linear: compressed-tensors' (llm-compressor's FP8 preset, the `*-FP8`
+releases; scales of shape [1]) and AutoFP8's (`quant_method: "fp8"` without `weight_block_size`, scalar
+scales). Each comes with its reference: the same folder with the weights dequantized to float32 and no
+quantization_config, which transformers runs as is."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 FP8 = torch.float8_e4m3fn
+STATIC = ("fp8-static", "compressed-tensors-static")  # static activation scales, a scale a weight
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 UNQUANTIZED = "model.layers.1.mlp.down_proj"  # each format names it as left in full precision
 
@@ -63,7 +67,8 @@ def _quantized(name: str) -> bool:
 
 
 def write_fp8_checkpoint(src: Path, out: Path, fmt: str) -> tuple[Path, Path]:
-    """The FP8 folder (format `fmt`: "fp8" or "compressed-tensors") and its dequantized reference."""
+    """The FP8 folder (format `fmt`: "fp8", "compressed-tensors" or one of STATIC) and its dequantized
+    reference."""
     fp8_dir, ref_dir = out / fmt, out / f"{fmt}-dequantized"
     for d in (fp8_dir, ref_dir):
         shutil.copytree(src, d)
@@ -80,6 +85,13 @@ def write_fp8_checkpoint(src: Path, out: Path, fmt: str) -> tuple[Path, Path]:
             q, scale = quantize_blocks(w, (128, 128))
             quantized[f"{base}.weight_scale_inv"] = scale
             reference[name] = dequantize_blocks(q, scale, (128, 128))
+        elif fmt in STATIC:  # one scale for the whole weight, and a calibrated one for its input
+            scale = (w.float().abs().max() / 448.0).clamp(min=1e-12)
+            q = (w.float() / scale).clamp(-448, 448).to(FP8)
+            shape = () if fmt == "fp8-static" else (1,)
+            quantized[f"{base}.weight_scale"] = scale.reshape(shape)
+            quantized[f"{base}.input_scale"] = torch.tensor(0.05).reshape(shape)
+            reference[name] = q.float() * scale
         else:
             q, scale = quantize_channels(w)
             quantized[f"{base}.weight_scale"] = scale
@@ -102,9 +114,13 @@ def quantization_config(fmt: str) -> dict:
             "weight_block_size": [128, 128],
             "modules_to_not_convert": ["lm_head", UNQUANTIZED],
         }
+    if fmt == "fp8-static":  # AutoFP8's
+        return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head", UNQUANTIZED]}
     act = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}
-    return {  # llm-compressor's FP8_DYNAMIC preset, saved by compressed-tensors
+    if fmt == "compressed-tensors-static":  # llm-compressor's FP8 preset
+        act, weights = {**act, "strategy": "tensor", "dynamic": False}, {**weights, "strategy": "tensor"}
+    return {  # llm-compressor's FP8_DYNAMIC preset (or FP8), saved by compressed-tensors
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "quantization_status": "compressed",

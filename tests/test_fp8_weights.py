@@ -1,5 +1,6 @@
-"""FP8 weights on the CPU: checkpoints in both published formats (transformers' block-scaled `fp8`,
-compressed-tensors' per-channel FP8), tiny ones made here from a tiny float32 model, against transformers
+"""FP8 weights on the CPU: checkpoints in the published formats (transformers' block-scaled `fp8`,
+compressed-tensors' per-channel FP8, and the static ones: a scale a weight and calibrated activation scales,
+compressed-tensors' and AutoFP8's), tiny ones made here from a tiny float32 model, against transformers
 over the same weights dequantized to float32; their scales sharded with their weights across tp ranks;
 `quantization="fp8"` at load; clear errors for what is not served; the Triton FP8 kernels under the
 interpreter against the torch path.
@@ -11,6 +12,7 @@ norm) and greedy tokens agree exactly. (The GPU's activation quantization: tests
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ from fp8_checkpoints import (
 )
 from helpers import assert_tp2_equals_tp1, checked_llm, encode_all, gated_calls, greedy
 from tiny_checkpoints import build_qwen3_hd128
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from cluster import LLM
 from worker import gemv, skinny_gemm
@@ -38,7 +40,7 @@ from worker.quant import gemm
 from worker.quant.fp8 import FP8, Fp8Weights, dequantize, quantize_per_channel
 from worker.quant.scheme import Fp8Scheme, QuantizationError
 
-FORMATS = ["fp8", "compressed-tensors"]
+FORMATS = ["fp8", "compressed-tensors", "fp8-static", "compressed-tensors-static"]
 LOGIT_TOL = 1e-5
 
 
@@ -337,11 +339,33 @@ def test_compressed_tensors_int8_weights_are_an_error(qwen3_path, tmp_path):
         LLM(str(_with_quantization_config(qwen3_path, tmp_path, qc)))
 
 
-def test_static_activation_scales_are_an_error(qwen3_path, tmp_path):
+@pytest.mark.parametrize("fmt", ["fp8-static", "compressed-tensors-static"])
+def test_static_activation_scales_are_not_read_and_the_log_says_so(checkpoints, fmt, caplog):
+    from worker.quant.scheme import scheme_of
+
+    path = checkpoints[fmt][0]
+    assert scheme_of(AutoConfig.from_pretrained(path), None).static_activations
+    with caplog.at_level(logging.WARNING, logger="worker.engine"), checked_llm(path, page_size=4) as llm:
+        layer = llm.engine.model.model.layers[0]
+        assert not any("input_scale" in name for name, _ in llm.engine.model.named_parameters())
+        assert layer.self_attn.qkv_proj.weight.dtype == FP8
+    assert any("input_scale" in r.getMessage() and "per token" in r.getMessage() for r in caplog.records)
+
+
+def test_static_activation_scales_of_another_granularity_are_an_error(qwen3_path, tmp_path):
     from fp8_checkpoints import quantization_config
 
-    qc = {**quantization_config("fp8"), "activation_scheme": "static"}
-    with pytest.raises(QuantizationError, match="static"):
+    qc = quantization_config("compressed-tensors-static")
+    qc["config_groups"]["group_0"]["input_activations"]["strategy"] = "channel"
+    with pytest.raises(QuantizationError, match="static per-tensor"):
+        LLM(str(_with_quantization_config(qwen3_path, tmp_path, qc)))
+
+
+def test_an_unknown_fp8_activation_scheme_is_an_error(qwen3_path, tmp_path):
+    from fp8_checkpoints import quantization_config
+
+    qc = {**quantization_config("fp8"), "activation_scheme": "calibrated"}
+    with pytest.raises(QuantizationError, match="'calibrated'"):
         LLM(str(_with_quantization_config(qwen3_path, tmp_path, qc)))
 
 

@@ -213,6 +213,11 @@ class Engine:
         scheme = scheme_of(self.hf_config, self.config.quantization)
         if scheme is not None:
             check_device(scheme, self.device)
+            if scheme.static_activations and self.tp.rank == 0:
+                logger.warning(
+                    "this FP8 checkpoint's static activation scales (input_scale) are not read: activations are "
+                    "quantized per token as they run, each token at its own scale"
+                )
         elif self.config.quantize_lm_head:
             raise QuantizationError(
                 "quantize_lm_head takes FP8 weights: pass quantization fp8, or serve an FP8 checkpoint"

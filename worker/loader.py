@@ -145,6 +145,9 @@ STACKED = "stacked"  # the shard id of such a tensor
 # an FP8 KV cache's calibrated scales (compressed-tensors' kv_cache_scheme): this server's fp8 cache keeps its
 # values unscaled (worker/kv_cache.py) and a half-precision one needs none, so the model is the same without them
 KV_CACHE_SCALES = (".k_scale", ".v_scale", ".kv_scale")
+# a static FP8 checkpoint's calibrated activation scales: activations here are quantized per token as they run
+# (worker/quant/scheme.py, Fp8Scheme.static_activations), so no layer reads one
+ACTIVATION_SCALES = (".input_scale",)
 
 
 def _target_of(ckpt_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, object] | None:
@@ -156,7 +159,7 @@ def _target_of(ckpt_name: str, packed: dict[str, tuple[str, int]]) -> tuple[str,
     STACKED."""
     if "rotary_emb.inv_freq" in ckpt_name:
         return None
-    if ckpt_name.endswith(KV_CACHE_SCALES):
+    if ckpt_name.endswith(KV_CACHE_SCALES + ACTIVATION_SCALES):
         return None
     parts = ckpt_name.split(".")
     if len(parts) > 1 and parts[-2] == "experts" and parts[-1] in STACKED_EXPERTS:

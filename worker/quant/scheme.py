@@ -1,6 +1,8 @@
 """Which FP8 scheme a model runs, read from its checkpoint's `quantization_config` or asked for at load:
-transformers' `quant_method: "fp8"` (block scales, `weight_scale_inv`), compressed-tensors' FP8 (per-channel
-`weight_scale`, dynamic per-token activations), or `quantization="fp8"` on an unquantized checkpoint."""
+`quant_method: "fp8"` (transformers' block scales, `weight_scale_inv`; without `weight_block_size`, AutoFP8's
+and vLLM's per-tensor `weight_scale`), compressed-tensors' FP8 (per-channel or per-tensor `weight_scale`), or
+`quantization="fp8"` on an unquantized checkpoint. Activations are quantized per token as they run; a
+checkpoint calibrated with static per-tensor activation scales (`input_scale`) is served so too."""
 
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ class Fp8Scheme:
     ignore: tuple[str, ...] = field(default_factory=tuple)
     # compressed-tensors names its ignore entries exactly or as "re:" regexes; transformers' rules differ
     ignore_style: str = "transformers"
+    # the checkpoint was calibrated with static per-tensor activation scales (`input_scale`), which are not
+    # read: activations are quantized per token as they run, never coarser than one scale a tensor
+    static_activations: bool = False
 
     @property
     def scale_name(self) -> str:
@@ -69,17 +74,24 @@ def scheme_of(config: PretrainedConfig, quantization: str | None) -> Fp8Scheme |
 
 
 def _transformers_fp8(qc: dict) -> Fp8Scheme:
-    if qc.get("activation_scheme", "dynamic") != "dynamic":
+    """transformers' FineGrainedFP8Config (block scales), or without `weight_block_size` the per-tensor format
+    AutoFP8 and vLLM write (`weight_scale` a linear, `input_scale` for static activations)."""
+    activations = qc.get("activation_scheme", "dynamic")
+    if activations not in ("dynamic", "static"):
         raise QuantizationError(
-            f"FP8 activation_scheme {qc['activation_scheme']!r} is not supported; only dynamic activation scales"
+            f"FP8 activation_scheme {activations!r} is not supported; only dynamic or static (per tensor)"
         )
     if qc.get("scale_fmt", "float") != "float":
         raise QuantizationError(f"FP8 scale_fmt {qc['scale_fmt']!r} is not supported; only float scales")
     block = qc.get("weight_block_size")
-    if block is None or len(block) != 2:
+    if block is not None and len(block) != 2:
         raise QuantizationError(f"FP8 weight_block_size {block!r} is not supported; give two sizes, e.g. [128, 128]")
     ignore = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
-    return Fp8Scheme(block=(int(block[0]), int(block[1])), ignore=tuple(ignore))
+    return Fp8Scheme(
+        block=None if block is None else (int(block[0]), int(block[1])),
+        ignore=tuple(ignore),
+        static_activations=activations == "static",
+    )
 
 
 def _compressed_tensors(qc: dict) -> Fp8Scheme:
@@ -105,12 +117,13 @@ def _compressed_tensors(qc: dict) -> Fp8Scheme:
             f"compressed-tensors group {name!r}: weight strategy {weights.get('strategy')!r} is not supported; "
             "only static symmetric channel (or tensor) scales"
         )
-    if acts is not None and not (acts.get("dynamic") and acts.get("strategy") in ("token", None)):
+    static = acts is not None and not acts.get("dynamic") and acts.get("strategy") == "tensor"
+    if acts is not None and not static and not (acts.get("dynamic") and acts.get("strategy") in ("token", None)):
         raise QuantizationError(
             f"compressed-tensors group {name!r}: input activations {acts.get('strategy')!r} "
-            f"(dynamic={acts.get('dynamic')}) are not supported; only dynamic per-token scales"
+            f"(dynamic={acts.get('dynamic')}) are not supported; only dynamic per-token or static per-tensor scales"
         )
     targets = group.get("targets") or ["Linear"]
     if targets != ["Linear"]:
         raise QuantizationError(f"compressed-tensors group {name!r} targets {targets}; only ['Linear'] is supported")
-    return Fp8Scheme(ignore=tuple(qc.get("ignore") or ()), ignore_style="compressed-tensors")
+    return Fp8Scheme(ignore=tuple(qc.get("ignore") or ()), ignore_style="compressed-tensors", static_activations=static)
