@@ -1,5 +1,6 @@
-"""A mixture of experts' FP8 checkpoint in both published formats (transformers' block-scaled `fp8`, the
-format of Qwen3-MoE's FP8 releases; compressed-tensors' per-channel FP8): its experts' e4m3 weights and
+"""A mixture of experts' FP8 checkpoint in the published formats (transformers' block-scaled `fp8`, the
+format of Qwen3-MoE's FP8 releases; compressed-tensors' per-channel FP8; the static ones with a scale a
+weight, AutoFP8's being Mixtral's FP8 releases' format): its experts' e4m3 weights and
 scales are read into the stacked expert parameters and dequantized there once loaded, each rank its slice;
 its other linears stay FP8. Against transformers over the same weights dequantized to float32 (the tiny
 checkpoints of tests/fp8_checkpoints.py): the stacked experts equal the reference's exactly, so greedy
@@ -56,6 +57,49 @@ def test_an_fp8_mixtures_experts_are_its_dequantized_weights_and_its_tokens_tran
             outs = [o.token_ids for o in llm.generate(prompts, greedy(10, ignore_eos=True))]
     assert outs == hf_greedy(ref_path, prompts, 10, ignore_eos=True)
     assert any("are dequantized to torch.float32 at load" in r.getMessage() for r in caplog.records)
+
+
+def test_a_mixtral_in_autofp8s_format_keeps_its_experts_e4m3_and_its_tokens_are_transformers(tmp_path):
+    """Mixtral's FP8 releases: w1 / w3 / w2 and the attention e4m3 at a scale a weight, each with a calibrated
+    `input_scale` (passed over), the routers left out by their checkpoint names (`block_sparse_moe.gate`)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    pytest.importorskip("triton")
+    src = build_checkpoint("mixtral", tmp_path / "src")
+    fp8, ref = tmp_path / "fp8", tmp_path / "ref"
+    for d in (fp8, ref):
+        shutil.copytree(src, d)
+    tensors = load_file(str(src / "model.safetensors"))
+    quantized, reference, ignored = dict(tensors), dict(tensors), ["lm_head"]
+    for name, w in tensors.items():
+        module = name.removesuffix(".weight")
+        part = module.rsplit(".", 1)[-1]
+        if part == "gate":
+            ignored.append(module)
+        elif part in ("q_proj", "k_proj", "v_proj", "o_proj", "w1", "w2", "w3"):
+            scale = w.float().abs().max() / 448.0
+            q = (w.float() / scale).to(FP8)
+            quantized[name], reference[name] = q, q.float() * scale
+            quantized[f"{module}.weight_scale"], quantized[f"{module}.input_scale"] = scale, torch.tensor(0.02)
+    assert len(ignored) == 3  # the two layers' routers
+    save_file(quantized, str(fp8 / "model.safetensors"))
+    save_file(reference, str(ref / "model.safetensors"))
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ignored}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    prompts = random_prompts(3, 4, 20, seed=1)
+    with checked_llm(fp8, page_size=4, kernels=MOE_INTERPRETED) as llm, checked_llm(ref, page_size=4) as want:
+        for got, expected in zip(_experts(llm), _experts(want), strict=True):
+            scales = got.scales()
+            assert got.gate_up_proj.weight.dtype == FP8 and got.down_proj.weight.dtype == FP8
+            assert torch.equal(_standing_for(got.gate_up_proj.weight, scales.gate_up), expected.gate_up_proj.weight)
+            assert torch.equal(_standing_for(got.down_proj.weight, scales.down), expected.down_proj.weight)
+        assert all(layer.mlp.gate.weight.dtype == torch.float32 for layer in llm.engine.model.model.layers)
+        outs = [o.token_ids for o in llm.generate(prompts, greedy(8, ignore_eos=True))]
+    assert outs == hf_greedy(ref, prompts, 8, ignore_eos=True)
 
 
 def test_an_fp8_mixture_at_tp2_equals_tp1(ray_cluster, moe_checkpoints):
