@@ -1,7 +1,8 @@
 """Tiny FP8 checkpoints in the published formats, made from a tiny float32 one: transformers'
 `quant_method: "fp8"` (e4m3 weights, float32 `weight_scale_inv` per [128, 128] block: the Qwen3 FP8
 releases), compressed-tensors' FP8 (e4m3 weights, bf16 `weight_scale` per output channel, dynamic
-per-token activations: the `*-FP8-dynamic` releases), and the two static ones, a float32 scale a weight
+per-token activations: the `*-FP8-dynamic` releases; with bf16 `weight_scale` per [128, 128] block, its
+FP8_BLOCK preset), and the two static ones, a float32 scale a weight
 and a calibrated `input_scale` a linear: compressed-tensors' (llm-compressor's FP8 preset, the `*-FP8`
 releases; scales of shape [1]) and AutoFP8's (`quant_method: "fp8"` without `weight_block_size`, scalar
 scales). Each comes with its reference: the same folder with the weights dequantized to float32 and no
@@ -22,22 +23,24 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 UNQUANTIZED = "model.layers.1.mlp.down_proj"  # each format names it as left in full precision
 
 
-def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight, float32 scale per block [ceil(N/bn), ceil(K/bk)]) with w ~= e4m3 * scale."""
+def quantize_blocks(
+    w: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, scale per block [ceil(N/bn), ceil(K/bk)] in scale_dtype) with w ~= e4m3 * scale."""
     n, k = w.shape
     bn, bk = block
     rows, cols = -(-n // bn), -(-k // bk)
     padded = torch.zeros(rows * bn, cols * bk)
     padded[:n, :k] = w.float()
     blocks = padded.view(rows, bn, cols, bk)
-    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
-    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(FP8).view(rows * bn, cols * bk)[:n, :k]
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12).to(scale_dtype)
+    q = (blocks / scale.float()[:, None, :, None]).clamp(-448, 448).to(FP8).view(rows * bn, cols * bk)[:n, :k]
     return q.contiguous(), scale
 
 
 def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     n, k = q.shape
-    full = scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)[:n, :k]
+    full = scale.float().repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)[:n, :k]
     return q.float() * full
 
 
@@ -67,8 +70,8 @@ def _quantized(name: str) -> bool:
 
 
 def write_fp8_checkpoint(src: Path, out: Path, fmt: str) -> tuple[Path, Path]:
-    """The FP8 folder (format `fmt`: "fp8", "compressed-tensors" or one of STATIC) and its dequantized
-    reference."""
+    """The FP8 folder (format `fmt`: "fp8", "compressed-tensors", "compressed-tensors-block" or one of STATIC)
+    and its dequantized reference."""
     fp8_dir, ref_dir = out / fmt, out / f"{fmt}-dequantized"
     for d in (fp8_dir, ref_dir):
         shutil.copytree(src, d)
@@ -84,6 +87,10 @@ def write_fp8_checkpoint(src: Path, out: Path, fmt: str) -> tuple[Path, Path]:
         if fmt == "fp8":
             q, scale = quantize_blocks(w, (128, 128))
             quantized[f"{base}.weight_scale_inv"] = scale
+            reference[name] = dequantize_blocks(q, scale, (128, 128))
+        elif fmt == "compressed-tensors-block":  # the block's scale named as a channel's, in bf16
+            q, scale = quantize_blocks(w, (128, 128), torch.bfloat16)
+            quantized[f"{base}.weight_scale"] = scale
             reference[name] = dequantize_blocks(q, scale, (128, 128))
         elif fmt in STATIC:  # one scale for the whole weight, and a calibrated one for its input
             scale = (w.float().abs().max() / 448.0).clamp(min=1e-12)
@@ -120,7 +127,10 @@ def quantization_config(fmt: str) -> dict:
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}
     if fmt == "compressed-tensors-static":  # llm-compressor's FP8 preset
         act, weights = {**act, "strategy": "tensor", "dynamic": False}, {**weights, "strategy": "tensor"}
-    return {  # llm-compressor's FP8_DYNAMIC preset (or FP8), saved by compressed-tensors
+    if fmt == "compressed-tensors-block":  # its FP8_BLOCK preset
+        act = {**act, "strategy": "group", "group_size": 128}
+        weights = {**weights, "strategy": "block", "block_structure": [128, 128]}
+    return {  # llm-compressor's FP8_DYNAMIC preset (or FP8, FP8_BLOCK), saved by compressed-tensors
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "quantization_status": "compressed",

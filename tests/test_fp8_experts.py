@@ -28,7 +28,7 @@ from worker.quant.experts import attach_expert_scales, dequantize_experts, keep_
 from worker.quant.fp8 import quantize_per_channel
 from worker.quant.scheme import Fp8Scheme
 
-FORMATS = ["fp8", "compressed-tensors", "fp8-static", "compressed-tensors-static"]
+FORMATS = ["fp8", "compressed-tensors", "compressed-tensors-block", "fp8-static", "compressed-tensors-static"]
 
 
 @pytest.fixture(scope="module")

@@ -348,6 +348,7 @@ def _prefill_logits(path, prompts, prepare=None, **kw) -> torch.Tensor:
         ("at load", "auto"),
         ("fp8", "auto"),
         ("compressed-tensors", "auto"),
+        ("compressed-tensors-block", "auto"),
         ("compressed-tensors-static", "auto"),
         ("fp8-static", "auto"),
         ("at load", "triton"),
@@ -384,7 +385,7 @@ def test_an_fp8_engine_generates_and_its_logits_are_near_float32s(hd128, tmp_pat
     assert [len(o.token_ids) for o in outs] == [24] * 9 and len(alone[0].token_ids) == 24
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "compressed-tensors", "fp8-static"])
+@pytest.mark.parametrize("fmt", ["fp8", "compressed-tensors", "compressed-tensors-block", "fp8-static"])
 def test_an_fp8_mixture_keeps_its_experts_e4m3_on_the_gpu(fmt, tmp_path):
     """A tiny Qwen3-MoE FP8 checkpoint on the GPU in bf16 (torch attention: its head size has no FlashInfer
     kernels): the experts stay e4m3 beside their rows' scales, standing for the dequantized reference's

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ from worker.quant import gemm
 from worker.quant.fp8 import FP8, Fp8Weights, dequantize, quantize_per_channel
 from worker.quant.scheme import Fp8Scheme, QuantizationError
 
-FORMATS = ["fp8", "compressed-tensors", "fp8-static", "compressed-tensors-static"]
+FORMATS = ["fp8", "compressed-tensors", "compressed-tensors-block", "fp8-static", "compressed-tensors-static"]
 LOGIT_TOL = 1e-5
 
 
@@ -358,6 +359,24 @@ def test_static_activation_scales_of_another_granularity_are_an_error(qwen3_path
     qc = quantization_config("compressed-tensors-static")
     qc["config_groups"]["group_0"]["input_activations"]["strategy"] = "channel"
     with pytest.raises(QuantizationError, match="static per-tensor"):
+        LLM(str(_with_quantization_config(qwen3_path, tmp_path, qc)))
+
+
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        (lambda g: g["input_activations"].update(group_size=64), "group_size=64"),
+        (lambda g: g["weights"].pop("block_structure"), "block_structure of two sizes"),
+        (lambda g: g["input_activations"].update(strategy="tensor", dynamic=False), "static per-tensor ones over"),
+    ],
+    ids=["groups-narrower-than-a-block", "no-block-structure", "static-activations-over-blocks"],
+)
+def test_block_scales_with_activations_the_gemm_does_not_quantize_so_are_an_error(qwen3_path, tmp_path, change, named):
+    from fp8_checkpoints import quantization_config
+
+    qc = quantization_config("compressed-tensors-block")
+    change(qc["config_groups"]["group_0"])
+    with pytest.raises(QuantizationError, match=re.escape(named)):
         LLM(str(_with_quantization_config(qwen3_path, tmp_path, qc)))
 
 

@@ -1,5 +1,6 @@
 """FP8 weights of one linear layer: an e4m3 weight and its float32 scales, per output channel
-(`weight_scale` [N]) or per [bn, bk] block (`weight_scale_inv`, kept as [N, ceil(K / bk)]: each row holds its
+(`weight_scale` [N]) or per [bn, bk] block (`weight_scale_inv`, compressed-tensors' `weight_scale`, kept as
+[N, ceil(K / bk)]: each row holds its
 block row's scales, so fused parts of any size, and tensor-parallel shards that cut a block row, sit side by
 side). Its loader keeps a rank's shard of the weight and of the scales; its GEMM is gemm.fp8_linear."""
 
@@ -45,9 +46,11 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
 class Fp8Weights:
     """The quantization method of a column-, row- or QKV-parallel linear whose weight is e4m3."""
 
-    def __init__(self, block: tuple[int, int] | None, kernels: Kernels) -> None:
+    def __init__(self, block: tuple[int, int] | None, kernels: Kernels, scale_name: str | None = None) -> None:
         self.block = block
         self.kernels = kernels
+        # the layer's scales, named as its checkpoint names them (Fp8Scheme.scale_name)
+        self.scale_name = scale_name or Fp8Scheme(block=block).scale_name
 
     @staticmethod
     def attach(
@@ -79,10 +82,10 @@ class Fp8Weights:
             layer.weight = nn.Parameter(weight, requires_grad=False)
             # computed here, not read from the checkpoint: a buffer, which the loader does not expect
             layer.register_buffer(scheme.scale_name, scale)
-        layer.quant = Fp8Weights(scheme.block, layer.kernels)
+        layer.quant = Fp8Weights(scheme.block, layer.kernels, scheme.scale_name)
 
     def scale_of(self, layer: nn.Module) -> torch.Tensor:
-        return layer.weight_scale_inv if self.block is not None else layer.weight_scale
+        return getattr(layer, self.scale_name)
 
     # -- loading: `full` is the whole checkpoint tensor (or a lazy view); a rank keeps its shard --------
 

@@ -1,8 +1,9 @@
 """Which FP8 scheme a model runs, read from its checkpoint's `quantization_config` or asked for at load:
 `quant_method: "fp8"` (transformers' block scales, `weight_scale_inv`; without `weight_block_size`, AutoFP8's
-and vLLM's per-tensor `weight_scale`), compressed-tensors' FP8 (per-channel or per-tensor `weight_scale`), or
-`quantization="fp8"` on an unquantized checkpoint. Activations are quantized per token as they run; a
-checkpoint calibrated with static per-tensor activation scales (`input_scale`) is served so too."""
+and vLLM's per-tensor `weight_scale`), compressed-tensors' FP8 (per-channel, per-tensor or block
+`weight_scale`), or `quantization="fp8"` on an unquantized checkpoint. Activations are quantized per token
+as they run (a block-scaled weight's in groups of the block's width); a checkpoint calibrated with static
+per-tensor activation scales (`input_scale`) is served so too."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ class Fp8Scheme:
     ignore: tuple[str, ...] = field(default_factory=tuple)
     # compressed-tensors names its ignore entries exactly or as "re:" regexes; transformers' rules differ
     ignore_style: str = "transformers"
+    # the checkpoint's name of a weight's scales where it is not the format's usual one (compressed-tensors
+    # names block scales `weight_scale`, transformers `weight_scale_inv`)
+    scale_tensor: str | None = None
     # the checkpoint was calibrated with static per-tensor activation scales (`input_scale`), which are not
     # read: activations are quantized per token as they run, never coarser than one scale a tensor
     static_activations: bool = False
@@ -37,6 +41,8 @@ class Fp8Scheme:
     @property
     def scale_name(self) -> str:
         """The checkpoint's (and the layer's) name of the weight's scales."""
+        if self.scale_tensor is not None:
+            return self.scale_tensor
         return "weight_scale_inv" if self.block is not None else "weight_scale"
 
     def skips(self, module: str) -> bool:
@@ -95,6 +101,9 @@ def _transformers_fp8(qc: dict) -> Fp8Scheme:
 
 
 def _compressed_tensors(qc: dict) -> Fp8Scheme:
+    """compressed-tensors' FP8 presets: FP8_DYNAMIC (a scale an output channel, dynamic per-token
+    activations), FP8 (a scale a weight, static per-tensor activations) and FP8_BLOCK (a scale a block of the
+    weight, dynamic activations a scale for each of a token's groups of the block's width)."""
     fmt = qc.get("format")
     if fmt not in (None, "float-quantized", "naive-quantized"):
         raise QuantizationError(f"compressed-tensors format {fmt!r} is not supported; only float-quantized (FP8)")
@@ -108,22 +117,45 @@ def _compressed_tensors(qc: dict) -> Fp8Scheme:
             f"compressed-tensors group {name!r} has {weights.get('type')} {weights.get('num_bits')}-bit weights; "
             "only float 8-bit (FP8) weights are supported"
         )
-    if (
-        weights.get("strategy") not in ("channel", "tensor")
-        or weights.get("dynamic")
-        or not weights.get("symmetric", True)
-    ):
+    strategy = weights.get("strategy")
+    if strategy not in ("channel", "tensor", "block") or weights.get("dynamic") or not weights.get("symmetric", True):
         raise QuantizationError(
-            f"compressed-tensors group {name!r}: weight strategy {weights.get('strategy')!r} is not supported; "
-            "only static symmetric channel (or tensor) scales"
+            f"compressed-tensors group {name!r}: weight strategy {strategy!r} is not supported; "
+            "only static symmetric channel, tensor or block scales"
         )
-    static = acts is not None and not acts.get("dynamic") and acts.get("strategy") == "tensor"
-    if acts is not None and not static and not (acts.get("dynamic") and acts.get("strategy") in ("token", None)):
+    block = None
+    if strategy == "block":
+        structure = weights.get("block_structure")
+        if not structure or len(structure) != 2:
+            raise QuantizationError(
+                f"compressed-tensors group {name!r}: block scales need a block_structure of two sizes, "
+                f"not {structure!r}"
+            )
+        block = (int(structure[0]), int(structure[1]))
+    static = acts is not None and not acts.get("dynamic") and acts.get("strategy") == "tensor" and block is None
+    # a block's activations in groups of its width, as the block-scaled GEMM quantizes them
+    grouped = (
+        acts is not None
+        and block is not None
+        and acts.get("dynamic")
+        and acts.get("strategy") == "group"
+        and acts.get("group_size") == block[1]
+    )
+    per_token = acts is not None and acts.get("dynamic") and acts.get("strategy") in ("token", None)
+    if acts is not None and not (static or grouped or per_token):
         raise QuantizationError(
             f"compressed-tensors group {name!r}: input activations {acts.get('strategy')!r} "
-            f"(dynamic={acts.get('dynamic')}) are not supported; only dynamic per-token or static per-tensor scales"
+            f"(dynamic={acts.get('dynamic')}, group_size={acts.get('group_size')}) over {strategy} weights are "
+            "not supported; only dynamic per-token scales, static per-tensor ones over channel or tensor weights, "
+            "or dynamic groups of a block's width over block weights"
         )
     targets = group.get("targets") or ["Linear"]
     if targets != ["Linear"]:
         raise QuantizationError(f"compressed-tensors group {name!r} targets {targets}; only ['Linear'] is supported")
-    return Fp8Scheme(ignore=tuple(qc.get("ignore") or ()), ignore_style="compressed-tensors", static_activations=static)
+    return Fp8Scheme(
+        block=block,
+        ignore=tuple(qc.get("ignore") or ()),
+        ignore_style="compressed-tensors",
+        static_activations=static,
+        scale_tensor="weight_scale",
+    )
