@@ -1,6 +1,7 @@
 """GGUF files: one that is not GGUF, or holds an architecture transformers cannot read or this server does
 not run, is one CheckpointError that says which (from LLM and from launch.py alike); the folder made from a
-file is named by its contents, so a copy elsewhere names the same one. Serving a real GGUF file is
+file is named by its contents, so a copy elsewhere names the same one; a mixture of experts in llama.cpp's
+layout (tests/tiny_gguf.py) answers as its source checkpoint. Serving a real GGUF file is
 tests/test_real_model.py's."""
 
 from __future__ import annotations
@@ -95,3 +96,28 @@ def test_a_copy_of_a_file_names_the_same_folder_and_another_file_another(tmp_pat
     other = write_gguf(tmp_path / "elsewhere" / "b.gguf", "qwen2")
     assert folder_for(first, tmp_path) == folder_for(copy, tmp_path)
     assert folder_for(other, tmp_path) != folder_for(first, tmp_path)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_a_mixture_of_experts_gguf_serves_as_its_source_checkpoint(tmp_path, family):
+    """llama.cpp's layout of a mixture (each layer's experts stacked a projection, the widths under GGUF keys
+    transformers' GGUF config does not read, which once left them at Qwen3-30B-A3B's and Qwen1.5-MoE's): the
+    folder made from it has the source's widths and routing, and answers as the source checkpoint does."""
+    from fixtures import hf_greedy
+    from helpers import checked_llm, greedy
+    from tiny_checkpoints import build_checkpoint, random_prompts
+    from tiny_gguf import write_moe_gguf
+    from transformers import AutoConfig
+
+    # llama.cpp's qwen3moe has no dense layers
+    src = build_checkpoint(
+        family, tmp_path / "src", overrides={"mlp_only_layers": []} if family == "qwen3_moe" else None
+    )
+    folder = gguf_folder(write_moe_gguf(src, tmp_path / f"{family}.gguf"), tmp_path / "cache")
+    made, source = AutoConfig.from_pretrained(folder), AutoConfig.from_pretrained(src)
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "num_experts"):
+        assert getattr(made, field, None) == getattr(source, field, None), field
+    prompts = random_prompts(3, 4, 20, seed=2)
+    with checked_llm(folder, page_size=4) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, greedy(8, ignore_eos=True))]
+    assert got == hf_greedy(src, prompts, 8, ignore_eos=True)

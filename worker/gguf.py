@@ -69,6 +69,7 @@ def _convert(gguf_file: Path, out: Path) -> None:
     # an architecture transformers cannot read, a damaged file (struct.error: one cut inside its metadata)
     except (ValueError, KeyError, OSError, struct.error) as e:
         raise CheckpointError(f"{gguf_file} cannot be read as a GGUF checkpoint: {e}") from e
+    _mixture_as_llama_cpp_runs_it(gguf_file, config)
     with torch.device("meta"):  # the names only: transformers maps the file's tensors onto this model's
         hf_model = AutoModelForCausalLM.from_config(config)
     arch = type(hf_model).__name__
@@ -85,6 +86,39 @@ def _convert(gguf_file: Path, out: Path) -> None:
     config.save_pretrained(out)
     AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(out)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+
+
+# A mixture's widths that transformers' GGUF config leaves at its class's defaults (Qwen3-30B-A3B's, Qwen1.5-MoE's),
+# by GGUF architecture: (metadata key, config field, llama.cpp's width where the key is absent)
+_MIXTURE_WIDTHS = {
+    "qwen3moe": (
+        ("expert_feed_forward_length", "moe_intermediate_size", lambda c: c.intermediate_size // c.num_experts_per_tok),
+    ),
+    "qwen2moe": (
+        ("expert_feed_forward_length", "moe_intermediate_size", lambda c: c.intermediate_size // c.num_experts_per_tok),
+        ("expert_shared_feed_forward_length", "shared_expert_intermediate_size", lambda c: c.intermediate_size),
+    ),
+}
+# and how llama.cpp runs those architectures: every layer sparse, the top-k weights renormalised by qwen3moe only
+_MIXTURE_RUN = {
+    "qwen3moe": {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "qwen2moe": {"norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
+}
+
+
+def _mixture_as_llama_cpp_runs_it(gguf_file: Path, config) -> None:
+    """Sets a mixture of experts' widths from the file's metadata and its routing as llama.cpp (the format's
+    reference) runs it, where transformers' GGUF config leaves them at its defaults."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_file))
+    arch_field = reader.fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else None
+    for key, field, fallback in _MIXTURE_WIDTHS.get(arch, ()):
+        found = reader.fields.get(f"{arch}.{key}")
+        setattr(config, field, int(found.contents()) if found is not None else fallback(config))
+    for field, value in _MIXTURE_RUN.get(arch, {}).items():
+        setattr(config, field, value)
 
 
 if __name__ == "__main__":  # make the folder on a node ahead of serving: python -m worker.gguf FILE.gguf
