@@ -23,9 +23,13 @@ from worker.loader import CheckpointError
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def write_gguf(path: Path, arch: str) -> Path:
-    """A GGUF file of one small tensor under `arch`'s name, with the few keys a config is read from."""
+def write_gguf(path: Path, arch: str, experts: int = 0) -> Path:
+    """A GGUF file of one small tensor under `arch`'s name, with the few keys a config is read from (and an
+    expert count, as llama.cpp writes a mixture's)."""
     writer = gguf.GGUFWriter(str(path), arch)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(2)
     writer.add_context_length(64)
     writer.add_embedding_length(16)
     writer.add_block_count(1)
@@ -96,6 +100,18 @@ def test_a_copy_of_a_file_names_the_same_folder_and_another_file_another(tmp_pat
     other = write_gguf(tmp_path / "elsewhere" / "b.gguf", "qwen2")
     assert folder_for(first, tmp_path) == folder_for(copy, tmp_path)
     assert folder_for(other, tmp_path) != folder_for(first, tmp_path)
+
+
+def test_a_file_without_a_tokenizer_is_an_error_saying_so(tmp_path):
+    # once transformers' ValueError, out of the conversion unnamed
+    with pytest.raises(CheckpointError, match=r"llama\.gguf: its tokenizer cannot be read"):
+        gguf_folder(write_gguf(tmp_path / "llama.gguf", "llama"), tmp_path / "cache")
+
+
+def test_a_mixtral_gguf_is_an_error_naming_the_mixtures_that_are_read(tmp_path):
+    # llama.cpp writes Mixtral as llama with experts, which transformers would read as a dense Llama
+    with pytest.raises(CheckpointError, match=r"mixture of 8 experts under GGUF architecture 'llama'.*qwen3moe"):
+        gguf_folder(write_gguf(tmp_path / "mixtral.gguf", "llama", experts=8), tmp_path / "cache")
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])

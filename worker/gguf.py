@@ -84,7 +84,11 @@ def _convert(gguf_file: Path, out: Path) -> None:
     config.architectures = [arch]
     config.dtype = "bfloat16"  # what a GPU serves it in by default (the CPU serves float32)
     config.save_pretrained(out)
-    AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(out)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    except (ValueError, KeyError, OSError) as e:  # no tokenizer in its metadata, or one transformers cannot build
+        raise CheckpointError(f"{gguf_file}: its tokenizer cannot be read: {e}") from e
+    tokenizer.save_pretrained(out)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
 
 
@@ -108,12 +112,21 @@ _MIXTURE_RUN = {
 
 def _mixture_as_llama_cpp_runs_it(gguf_file: Path, config) -> None:
     """Sets a mixture of experts' widths from the file's metadata and its routing as llama.cpp (the format's
-    reference) runs it, where transformers' GGUF config leaves them at its defaults."""
+    reference) runs it, where transformers' GGUF config leaves them at its defaults; a mixture under another
+    architecture (Mixtral's, written as llama's) is a CheckpointError."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_file))
     arch_field = reader.fields.get("general.architecture")
     arch = arch_field.contents() if arch_field is not None else None
+    experts = reader.fields.get(f"{arch}.expert_count")
+    if arch not in _MIXTURE_WIDTHS and experts is not None and int(experts.contents()) > 0:
+        # transformers reads such a file as its dense architecture and drops the experts
+        raise CheckpointError(
+            f"{gguf_file} holds a mixture of {int(experts.contents())} experts under GGUF architecture {arch!r} "
+            f"(llama.cpp's layout of Mixtral), which is not read from GGUF here; serve its Hugging Face folder, or "
+            f"a GGUF of {', '.join(_MIXTURE_WIDTHS)}"
+        )
     for key, field, fallback in _MIXTURE_WIDTHS.get(arch, ()):
         found = reader.fields.get(f"{arch}.{key}")
         setattr(config, field, int(found.contents()) if found is not None else fallback(config))
