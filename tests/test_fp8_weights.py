@@ -380,6 +380,14 @@ def test_block_scales_with_activations_the_gemm_does_not_quantize_so_are_an_erro
         LLM(str(_with_quantization_config(qwen3_path, tmp_path, qc)))
 
 
+def test_static_activations_over_transformers_block_scales_are_an_error(qwen3_path, tmp_path):
+    from fp8_checkpoints import quantization_config
+
+    qc = {**quantization_config("fp8"), "activation_scheme": "static"}
+    with pytest.raises(QuantizationError, match="'static' over block scales"):
+        LLM(str(_with_quantization_config(qwen3_path, tmp_path, qc)))
+
+
 def test_an_unknown_fp8_activation_scheme_is_an_error(qwen3_path, tmp_path):
     from fp8_checkpoints import quantization_config
 

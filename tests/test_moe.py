@@ -184,8 +184,8 @@ def test_an_expert_tensor_of_another_shape_is_named(qwen3_moe_path, tmp_path, pa
 
 @pytest.fixture(scope="module")
 def stacked_paths(moe_paths, tmp_path_factory):
-    """Each family's checkpoint saved by transformers in its own layout (`save_original_format=False`, as an
-    offloaded model's save writes it): every expert's projection stacked in one tensor a layer."""
+    """Each family's checkpoint saved by transformers in its own layout (`save_original_format=False`): every
+    expert's projection stacked in one tensor a layer."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 

@@ -76,6 +76,11 @@ def _convert(gguf_file: Path, out: Path) -> None:
     if arch not in MODELS:
         runs = ", ".join(SERVED_ARCHITECTURES)
         raise CheckpointError(f"{gguf_file} holds a {arch}, which this server does not run; it runs {runs}")
+    # before the weights, which take minutes and the whole model's float32 in memory to dequantize
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    except (ValueError, KeyError, OSError) as e:  # no tokenizer in its metadata, or one transformers cannot build
+        raise CheckpointError(f"{gguf_file}: its tokenizer cannot be read: {e}") from e
     try:
         tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=hf_model)["tensors"]
     # a quantization type the gguf package cannot undo, a file cut inside its tensors
@@ -84,10 +89,6 @@ def _convert(gguf_file: Path, out: Path) -> None:
     config.architectures = [arch]
     config.dtype = "bfloat16"  # what a GPU serves it in by default (the CPU serves float32)
     config.save_pretrained(out)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
-    except (ValueError, KeyError, OSError) as e:  # no tokenizer in its metadata, or one transformers cannot build
-        raise CheckpointError(f"{gguf_file}: its tokenizer cannot be read: {e}") from e
     tokenizer.save_pretrained(out)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
 

@@ -92,6 +92,11 @@ def _transformers_fp8(qc: dict) -> Fp8Scheme:
     block = qc.get("weight_block_size")
     if block is not None and len(block) != 2:
         raise QuantizationError(f"FP8 weight_block_size {block!r} is not supported; give two sizes, e.g. [128, 128]")
+    if block is not None and activations == "static":  # as compressed-tensors' blocks, and transformers itself
+        raise QuantizationError(
+            "FP8 activation_scheme 'static' over block scales (weight_block_size) is not supported; block-scaled "
+            "checkpoints quantize their activations dynamically"
+        )
     ignore = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
     return Fp8Scheme(
         block=None if block is None else (int(block[0]), int(block[1])),

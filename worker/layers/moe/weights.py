@@ -1,7 +1,7 @@
 """Every expert's weights stacked into one parameter per projection, each rank holding its slice of the
 intermediate dimension. Published checkpoints store one tensor per expert, which the loader addresses by
 (expert index, part) shard ids; transformers' own layout stacks every expert's projection in one tensor
-(what `save_pretrained(save_original_format=False)` and an offloaded model's save write), which the
+(what `save_pretrained(save_original_format=False)` writes, and a GGUF file's folder holds), which the
 loader reads one expert's part at a time (`stacked_parts`), as if it were published."""
 
 from __future__ import annotations
