@@ -92,11 +92,7 @@ def test_a_mixtral_in_autofp8s_format_keeps_its_experts_e4m3_and_its_tokens_are_
     (fp8 / "config.json").write_text(json.dumps(config))
     prompts = random_prompts(3, 4, 20, seed=1)
     with checked_llm(fp8, page_size=4, kernels=MOE_INTERPRETED) as llm, checked_llm(ref, page_size=4) as want:
-        for got, expected in zip(_experts(llm), _experts(want), strict=True):
-            scales = got.scales()
-            assert got.gate_up_proj.weight.dtype == FP8 and got.down_proj.weight.dtype == FP8
-            assert torch.equal(_standing_for(got.gate_up_proj.weight, scales.gate_up), expected.gate_up_proj.weight)
-            assert torch.equal(_standing_for(got.down_proj.weight, scales.down), expected.down_proj.weight)
+        _assert_e4m3_standing_for(llm, want)
         assert all(layer.mlp.gate.weight.dtype == torch.float32 for layer in llm.engine.model.model.layers)
         outs = [o.token_ids for o in llm.generate(prompts, greedy(8, ignore_eos=True))]
     assert outs == hf_greedy(ref, prompts, 8, ignore_eos=True)
@@ -373,14 +369,19 @@ def test_an_fp8_mixtures_experts_stay_e4m3_under_the_fused_kernels_and_its_token
     prompts = random_prompts(3, 4, 30, seed=4)
     with caplog.at_level(logging.WARNING, logger="worker.engine"):
         with checked_llm(path, page_size=4, kernels=MOE_INTERPRETED) as llm, checked_llm(ref_path, page_size=4) as ref:
-            for got, want in zip(_experts(llm), _experts(ref), strict=True):
-                scales = got.scales()
-                assert got.gate_up_proj.weight.dtype == FP8 and got.down_proj.weight.dtype == FP8
-                assert torch.equal(_standing_for(got.gate_up_proj.weight, scales.gate_up), want.gate_up_proj.weight)
-                assert torch.equal(_standing_for(got.down_proj.weight, scales.down), want.down_proj.weight)
+            _assert_e4m3_standing_for(llm, ref)
             outs = [o.token_ids for o in llm.generate(prompts, greedy(8, ignore_eos=True))]
     assert outs == hf_greedy(ref_path, prompts, 8, ignore_eos=True)
     assert not any("dequantized" in r.getMessage() for r in caplog.records)
+
+
+def _assert_e4m3_standing_for(llm, ref) -> None:
+    """Every expert of `llm` is e4m3 beside its rows' scales, standing for `ref`'s experts exactly."""
+    for got, want in zip(_experts(llm), _experts(ref), strict=True):
+        scales = got.scales()
+        assert got.gate_up_proj.weight.dtype == FP8 and got.down_proj.weight.dtype == FP8
+        assert torch.equal(_standing_for(got.gate_up_proj.weight, scales.gate_up), want.gate_up_proj.weight)
+        assert torch.equal(_standing_for(got.down_proj.weight, scales.down), want.down_proj.weight)
 
 
 def _standing_for(q: torch.Tensor, scales: torch.Tensor, group: int = 0) -> torch.Tensor:
