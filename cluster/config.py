@@ -279,8 +279,10 @@ class ReplicaConfig:
                 f"must be at most the model's context of {context} tokens "
                 f"(max_position_embeddings), not {self.engine.max_seq_len}",
             )
-        window = _attention_window(Path(self.model), hf_config)
-        if window is not None and self.engine.max_seq_len and self.engine.max_seq_len > window:
+        # only an explicit max_seq_len can exceed the window (without one the engine serves up to it); reading
+        # the window imports transformers and torch, seconds that a launch's other checks do not wait on
+        window = _attention_window(Path(self.model), hf_config) if self.engine.max_seq_len else None
+        if window is not None and self.engine.max_seq_len > window:
             raise ConfigError(
                 "max_seq_len",
                 f"must be at most the model's attention window of {window} tokens (sliding_window; windowed "
