@@ -95,12 +95,15 @@ def _convert(gguf_file: Path, out: Path) -> None:
 
 # A mixture's widths that transformers' GGUF config leaves at its class's defaults (Qwen3-30B-A3B's, Qwen1.5-MoE's),
 # by GGUF architecture: (metadata key, config field, llama.cpp's width where the key is absent)
+_EXPERT_WIDTH = (
+    "expert_feed_forward_length",
+    "moe_intermediate_size",
+    lambda c: c.intermediate_size // c.num_experts_per_tok,
+)
 _MIXTURE_WIDTHS = {
-    "qwen3moe": (
-        ("expert_feed_forward_length", "moe_intermediate_size", lambda c: c.intermediate_size // c.num_experts_per_tok),
-    ),
+    "qwen3moe": (_EXPERT_WIDTH,),
     "qwen2moe": (
-        ("expert_feed_forward_length", "moe_intermediate_size", lambda c: c.intermediate_size // c.num_experts_per_tok),
+        _EXPERT_WIDTH,
         ("expert_shared_feed_forward_length", "shared_expert_intermediate_size", lambda c: c.intermediate_size),
     ),
 }

@@ -95,12 +95,12 @@ def load_weights(model: nn.Module, model_dir: Path, progress: bool = True) -> No
                                 for part_id, part in owner.stacked_parts(tensor):
                                     loader(param, part, part_id)
                                     loaded.add((name, part_id))
-                            elif loader is None:
-                                check_shape(tensor, param.shape, name.rsplit(".", 1)[-1])
-                                param.data.copy_(tensor[:])
-                                loaded.add((name, shard))
                             else:
-                                loader(param, tensor, shard)
+                                if loader is None:
+                                    check_shape(tensor, param.shape, name.rsplit(".", 1)[-1])
+                                    param.data.copy_(tensor[:])
+                                else:
+                                    loader(param, tensor, shard)
                                 loaded.add((name, shard))
                     except CheckpointError as e:  # the loaders know the layer; this, the tensor
                         raise CheckpointError(f"{path.name}'s tensor {ckpt_name!r}: {e}") from e

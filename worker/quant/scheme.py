@@ -29,21 +29,18 @@ class Fp8Scheme:
     prequantized: bool = True
     # module names left unquantized, as the format writes them (see `skips`)
     ignore: tuple[str, ...] = field(default_factory=tuple)
-    # compressed-tensors names its ignore entries exactly or as "re:" regexes; transformers' rules differ
+    # the checkpoint's format, which names things its own way: compressed-tensors its ignore entries exactly or
+    # as "re:" regexes (transformers' rules differ), and its block scales `weight_scale` (transformers'
+    # `weight_scale_inv`)
     ignore_style: str = "transformers"
-    # the checkpoint's name of a weight's scales where it is not the format's usual one (compressed-tensors
-    # names block scales `weight_scale`, transformers `weight_scale_inv`)
-    scale_tensor: str | None = None
     # the checkpoint was calibrated with static per-tensor activation scales (`input_scale`), which are not
-    # read: activations are quantized per token as they run, never coarser than one scale a tensor
+    # read: activations are quantized per token as they run
     static_activations: bool = False
 
     @property
     def scale_name(self) -> str:
         """The checkpoint's (and the layer's) name of the weight's scales."""
-        if self.scale_tensor is not None:
-            return self.scale_tensor
-        return "weight_scale_inv" if self.block is not None else "weight_scale"
+        return "weight_scale_inv" if self.block is not None and self.ignore_style == "transformers" else "weight_scale"
 
     def skips(self, module: str) -> bool:
         """Whether the checkpoint module `module` (e.g. model.layers.0.self_attn.q_proj) stays unquantized."""
@@ -162,5 +159,4 @@ def _compressed_tensors(qc: dict) -> Fp8Scheme:
         ignore=tuple(qc.get("ignore") or ()),
         ignore_style="compressed-tensors",
         static_activations=static,
-        scale_tensor="weight_scale",
     )
