@@ -1,8 +1,8 @@
 """GGUF files: one that is not GGUF, or holds an architecture transformers cannot read or this server does
 not run, is one CheckpointError that says which (from LLM and from launch.py alike); the folder made from a
-file is named by its contents, so a copy elsewhere names the same one; a mixture of experts in llama.cpp's
-layout (tests/tiny_gguf.py) answers as its source checkpoint. Serving a real GGUF file is
-tests/test_real_model.py's."""
+file is named by its contents, so a copy elsewhere names the same one; a file of each architecture served, in
+llama.cpp's layout (tests/tiny_gguf.py), answers as its source checkpoint, and its tensors are those transformers
+reads from it. Serving a real GGUF file is tests/test_real_model.py's."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import tiny_gguf
+import torch
 
 from cluster import LLM
 from worker.gguf import folder_for, gguf_folder, is_gguf
@@ -108,32 +110,172 @@ def test_a_file_without_a_tokenizer_is_an_error_saying_so(tmp_path):
         gguf_folder(write_gguf(tmp_path / "llama.gguf", "llama"), tmp_path / "cache")
 
 
-def test_a_mixtral_gguf_is_an_error_naming_the_mixtures_that_are_read(tmp_path):
-    # llama.cpp writes Mixtral as llama with experts, which transformers would read as a dense Llama
-    with pytest.raises(CheckpointError, match=r"mixture of 8 experts under GGUF architecture 'llama'.*qwen3moe"):
-        gguf_folder(write_gguf(tmp_path / "mixtral.gguf", "llama", experts=8), tmp_path / "cache")
+def test_a_mixture_under_an_architecture_without_experts_is_an_error_naming_those_read(tmp_path):
+    # transformers would read qwen2 with experts as a dense Qwen2 and drop them
+    with pytest.raises(CheckpointError, match=r"mixture of 8 experts under GGUF architecture 'qwen2'.*qwen3moe"):
+        gguf_folder(write_gguf(tmp_path / "odd.gguf", "qwen2", experts=8), tmp_path / "cache")
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
-def test_a_mixture_of_experts_gguf_serves_as_its_source_checkpoint(tmp_path, family):
-    """llama.cpp's layout of a mixture (each layer's experts stacked a projection, the widths under GGUF keys
-    transformers' GGUF config does not read, which once left them at Qwen3-30B-A3B's and Qwen1.5-MoE's): the
-    folder made from it has the source's widths and routing, and answers as the source checkpoint does."""
+# the tiny checkpoint's config values llama.cpp's layout asks for: a Qwen3-MoE without dense layers, rotary
+# without llama 3's scaling (which GGUF keeps in a tensor of its own, not read here)
+_AS_LLAMA_CPP_HOLDS = {
+    "qwen3_moe": {"mlp_only_layers": []},
+    "llama": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
+}
+SERVED = [*tiny_gguf.ARCHITECTURES, "mixtral-per-expert"]
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def gguf_of(request, tmp_path_factory):
+    """(the source checkpoint, the GGUF file written from it as llama.cpp lays it out) for each family served."""
+    from tiny_checkpoints import build_checkpoint
+
+    family = request.param.removesuffix("-per-expert")
+    where = tmp_path_factory.mktemp(request.param)
+    src = build_checkpoint(family, where / "src", overrides=_AS_LLAMA_CPP_HOLDS.get(family))
+    per_expert = request.param.endswith("-per-expert")
+    return src, tiny_gguf.write_gguf_of(src, where / f"{request.param}.gguf", per_expert=per_expert)
+
+
+def test_a_gguf_of_each_architecture_served_answers_as_its_source_checkpoint(gguf_of, tmp_path):
+    """llama.cpp's layout (a llama file's q and k rows reordered for its rotary kernel, a mixture's experts stacked
+    a projection or a tensor each, the widths under GGUF keys transformers' GGUF config does not read, which once
+    left them at Qwen3-30B-A3B's and Qwen1.5-MoE's, Mixtral as llama with experts): the folder made from it has
+    the source's widths and routing, and answers as the source checkpoint does."""
     from fixtures import hf_greedy
     from helpers import checked_llm, greedy
-    from tiny_checkpoints import build_checkpoint, random_prompts
-    from tiny_gguf import write_moe_gguf
+    from tiny_checkpoints import random_prompts
     from transformers import AutoConfig
 
-    # llama.cpp's qwen3moe has no dense layers
-    src = build_checkpoint(
-        family, tmp_path / "src", overrides={"mlp_only_layers": []} if family == "qwen3_moe" else None
-    )
-    folder = gguf_folder(write_moe_gguf(src, tmp_path / f"{family}.gguf"), tmp_path / "cache")
+    src, file = gguf_of
+    folder = gguf_folder(file, tmp_path / "cache")
     made, source = AutoConfig.from_pretrained(folder), AutoConfig.from_pretrained(src)
-    for field in ("moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "num_experts"):
+    assert made.architectures == source.architectures
+    for field in (
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "norm_topk_prob",
+        "num_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "intermediate_size",
+    ):
         assert getattr(made, field, None) == getattr(source, field, None), field
     prompts = random_prompts(3, 4, 20, seed=2)
     with checked_llm(folder, page_size=4) as llm:
         got = [o.token_ids for o in llm.generate(prompts, greedy(8, ignore_eos=True))]
     assert got == hf_greedy(src, prompts, 8, ignore_eos=True)
+
+
+Q = gguf.GGMLQuantizationType
+# a mix of the file types llama.cpp writes (its quantized files keep norms in F32 and quantize the rest, some
+# projections more finely than others), where the tiny widths allow their blocks of 32
+_TYPES = {
+    "token_embd.weight": Q.Q8_0,
+    "output.weight": Q.Q5_1,
+    "attn_q.weight": Q.Q8_0,
+    "attn_k.weight": Q.Q4_1,
+    "attn_v.weight": Q.BF16,
+    "attn_output.weight": Q.F16,
+    "ffn_gate.weight": Q.Q4_0,
+    "ffn_up.weight": Q.Q5_0,
+    "ffn_down.weight": Q.Q8_0,
+    "ffn_gate_exps.weight": Q.Q8_0,
+    "ffn_up_exps.weight": Q.F16,  # gate and up of other types: their joined tensor float32
+    "ffn_down_exps.weight": Q.Q4_1,
+    "ffn_gate_shexp.weight": Q.Q8_0,
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "qwen2_moe"])
+def test_a_quantized_files_tensors_are_those_transformers_reads_from_it(tmp_path, family):
+    """Each tensor of the folder, dequantized a tensor at a time, equals what transformers' own GGUF reading gives
+    (all of the file at once), llama's q and k rows put back in their order."""
+    from safetensors.torch import load_file
+    from tiny_checkpoints import build_checkpoint
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    src = build_checkpoint(family, tmp_path / "src", overrides=_AS_LLAMA_CPP_HOLDS.get(family))
+    file = tmp_path / f"{family}.gguf"
+    tiny_gguf.write_gguf_of(src, file, types=_TYPES)
+    folder = gguf_folder(file, tmp_path / "cache")
+    ours = load_file(str(folder / "model.safetensors"))
+
+    config = AutoConfig.from_pretrained(tmp_path, gguf_file=file.name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    theirs = load_gguf_checkpoint(str(file), return_tensors=True, model_to_load=model)["tensors"]
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor.float(), theirs[name].float()), name
+    # a file's own float formats kept as they are, a quantized tensor's values float32
+    layer = "model.layers.0"
+    if family == "llama":
+        assert ours[f"{layer}.self_attn.v_proj.weight"].dtype == torch.bfloat16
+        assert ours[f"{layer}.self_attn.o_proj.weight"].dtype == torch.float16
+        assert ours[f"{layer}.self_attn.q_proj.weight"].dtype == torch.float32
+    else:
+        assert ours[f"{layer}.mlp.experts.gate_up_proj"].dtype == torch.float32
+
+
+def test_a_model_larger_than_a_shard_is_written_in_shards_and_answers_the_same(tmp_path, monkeypatch):
+    """The conversion holds a shard of the weights at a time: past SHARD_BYTES it writes another file, and the
+    folder (an index naming each tensor's file) answers as one file does."""
+    import json
+
+    from helpers import checked_llm, greedy
+    from tiny_checkpoints import build_checkpoint, random_prompts
+
+    import worker.gguf
+
+    src = build_checkpoint("qwen3_moe", tmp_path / "src", overrides=_AS_LLAMA_CPP_HOLDS["qwen3_moe"])
+    file = tiny_gguf.write_gguf_of(src, tmp_path / "moe.gguf")
+    whole = gguf_folder(file, tmp_path / "whole")
+    monkeypatch.setattr(worker.gguf, "SHARD_BYTES", 64 << 10)
+    sharded = gguf_folder(file, tmp_path / "sharded")
+    index = json.loads((sharded / worker.gguf.INDEX).read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 2 and not (sharded / "model.safetensors").exists()
+    assert all((sharded / f).stat().st_size < 2 * (64 << 10) + (1 << 20) for f in files)  # a tensor past the mark
+    prompts = random_prompts(2, 4, 16, seed=3)
+    answers = []
+    for folder in (whole, sharded):
+        with checked_llm(folder, page_size=4) as llm:
+            answers.append([o.token_ids for o in llm.generate(prompts, greedy(6, ignore_eos=True))])
+    assert answers[0] == answers[1]
+
+
+def _with_tensors(path: Path, tensors: dict) -> Path:
+    """A qwen2 GGUF (its keys and a tokenizer) holding `tensors` alone."""
+    import tiny_checkpoints
+
+    src = tiny_checkpoints.build_checkpoint("qwen2", path.parent / "src")
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(16)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    tiny_gguf._add_tokenizer(writer, src)
+    for name, values in tensors.items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_tensor_no_model_served_has_is_named_not_dropped(tmp_path):
+    file = _with_tensors(tmp_path / "odd.gguf", {"blk.0.attn_qkv.weight": np.zeros((48, 16), np.float32)})
+    with pytest.raises(CheckpointError, match=r"odd\.gguf: it holds a tensor 'blk\.0\.attn_qkv\.weight'"):
+        gguf_folder(file, tmp_path / "cache")
+    assert not list((tmp_path / "cache").iterdir()), "nothing half-made is left in the cache"
+
+
+def test_experts_with_a_gate_and_no_up_projection_are_an_error(tmp_path):
+    file = _with_tensors(tmp_path / "half.gguf", {"blk.0.ffn_gate_exps.weight": np.zeros((2, 32, 16), np.float32)})
+    with pytest.raises(CheckpointError, match=r"half\.gguf: its experts' gate or up projection is missing"):
+        gguf_folder(file, tmp_path / "cache")

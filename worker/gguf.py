@@ -1,23 +1,32 @@
 """GGUF checkpoints: a `.gguf` file becomes, once, a Hugging Face folder the rest of the engine reads as any other
-(config.json with the architecture, the tokenizer and chat template from the file's metadata, the weights
-dequantized to float32 safetensors), through transformers' GGUF support and the `gguf` package."""
+(config.json with the architecture, the tokenizer and chat template from the file's metadata through transformers'
+GGUF support; the weights dequantized a tensor at a time through the `gguf` package, worker/gguf_tensors.py, and
+written in safetensors shards as they come)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import shutil
 import struct
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+
+import torch
 
 from worker.cache_home import cache_home
 from worker.checkpoint_error import CheckpointError
+from worker.gguf_tensors import Heads, hf_tensors
 
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
 CACHE = cache_home() / "gguf"
+INDEX = "model.safetensors.index.json"
+# the dequantized weights a shard file holds: what the conversion keeps in host memory at once
+SHARD_BYTES = 1 << 30
 
 
 def is_gguf(model: str | Path) -> bool:
@@ -35,62 +44,112 @@ def folder_for(gguf_file: Path, cache: Path = CACHE) -> Path:
 
 def gguf_folder(model: str | Path, cache: Path = CACHE) -> Path:
     """The Hugging Face folder made from the GGUF file `model`, made now if it is not there yet. Host memory
-    while making it: the dequantized weights, and their serialization."""
+    while making it: a shard of the dequantized weights (SHARD_BYTES) and the tensor being read."""
     gguf_file = Path(model)
     folder = folder_for(gguf_file, cache)
-    if (folder / "model.safetensors").exists():  # written last, then the folder renamed: a whole one
+    if _whole(folder):
         return folder
     cache.mkdir(parents=True, exist_ok=True)
     logger.warning("converting %s to a Hugging Face folder in %s (once)", gguf_file, folder)
     work = Path(tempfile.mkdtemp(prefix=".making-", dir=cache))
     try:
-        _convert(gguf_file, work)
+        try:
+            _convert(gguf_file, work)
+        except CheckpointError as e:
+            raise CheckpointError(f"{gguf_file}: {e}") from e
         try:
             work.rename(folder)
         except OSError:  # another process made it meanwhile
-            if not (folder / "model.safetensors").exists():
+            if not _whole(folder):
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return folder
 
 
+def _whole(folder: Path) -> bool:
+    # the weights are written last, then the folder renamed into place: a folder there is a whole one
+    return (folder / "model.safetensors").exists() or (folder / INDEX).exists()
+
+
 def _convert(gguf_file: Path, out: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    import gguf
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from worker.models import MODELS, SERVED_ARCHITECTURES
 
     where, name = str(gguf_file.parent), gguf_file.name
     try:
         config = AutoConfig.from_pretrained(where, gguf_file=name)
+        reader = gguf.GGUFReader(str(gguf_file))  # the tensors memory-mapped, read as they are converted
     # an architecture transformers cannot read, a damaged file (struct.error: one cut inside its metadata)
     except (ValueError, KeyError, OSError, struct.error) as e:
-        raise CheckpointError(f"{gguf_file} cannot be read as a GGUF checkpoint: {e}") from e
-    _mixture_as_llama_cpp_runs_it(gguf_file, config)
-    with torch.device("meta"):  # the names only: transformers maps the file's tensors onto this model's
-        hf_model = AutoModelForCausalLM.from_config(config)
-    arch = type(hf_model).__name__
+        raise CheckpointError(f"it cannot be read as a GGUF checkpoint: {e}") from e
+    gguf_arch = _field(reader, "general.architecture")
+    config = _as_llama_cpp_runs_it(reader, gguf_arch, config)
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     if arch not in MODELS:
         runs = ", ".join(SERVED_ARCHITECTURES)
-        raise CheckpointError(f"{gguf_file} holds a {arch}, which this server does not run; it runs {runs}")
-    # before the weights, which take minutes and the whole model's float32 in memory to dequantize
+        what = arch or config.model_type
+        raise CheckpointError(f"it holds a {what}, which this server does not run; it runs {runs}")
+    # before the weights, which take minutes to dequantize
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
     except (ValueError, KeyError, OSError) as e:  # no tokenizer in its metadata, or one transformers cannot build
-        raise CheckpointError(f"{gguf_file}: its tokenizer cannot be read: {e}") from e
+        raise CheckpointError(f"its tokenizer cannot be read: {e}") from e
+    # llama.cpp reorders the rotary rows of q and k in llama's files (Mixtral's among them), not in Qwen's
+    permuted = Heads(config.num_attention_heads, config.num_key_value_heads) if gguf_arch == "llama" else None
     try:
-        tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=hf_model)["tensors"]
-    # a quantization type the gguf package cannot undo, a file cut inside its tensors
-    except (ValueError, NotImplementedError, KeyError, struct.error) as e:
-        raise CheckpointError(f"{gguf_file}: its weights cannot be dequantized: {e}") from e
+        write_shards(hf_tensors(reader, permuted), out)
+    except (ValueError, struct.error) as e:  # a file cut inside its tensors
+        raise CheckpointError(f"its weights cannot be read: {e}") from e
     config.architectures = [arch]
     config.dtype = "bfloat16"  # what a GPU serves it in by default (the CPU serves float32)
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+
+
+def write_shards(tensors: Iterable[tuple[str, torch.Tensor]], out: Path, shard_bytes: int | None = None) -> None:
+    """Writes the named tensors as they come, a safetensors file each `shard_bytes` (SHARD_BYTES) or so, with the
+    index that names each tensor's file; one file is model.safetensors, without an index."""
+    from safetensors.torch import save_file
+
+    shard_bytes = SHARD_BYTES if shard_bytes is None else shard_bytes
+
+    files: list[Path] = []
+    weight_map: dict[str, str] = {}
+    pending: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal size
+        path = out / f"model-{len(files) + 1:05d}.safetensors"
+        save_file(pending, str(path))
+        weight_map.update(dict.fromkeys(pending, path.name))
+        files.append(path)
+        pending.clear()
+        size = 0
+
+    for name, tensor in tensors:
+        if name in pending or name in weight_map:
+            raise CheckpointError(f"it holds {name} twice")
+        pending[name] = tensor.contiguous()
+        size += tensor.numel() * tensor.element_size()
+        total += tensor.numel() * tensor.element_size()
+        if size >= shard_bytes:
+            flush()
+    if pending or not files:
+        flush()
+    if len(files) == 1:
+        files[0].rename(out / "model.safetensors")
+        return
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+
+
+def _field(reader, key: str):
+    found = reader.fields.get(key)
+    return found.contents() if found is not None else None
 
 
 # A mixture's widths that transformers' GGUF config leaves at its class's defaults (Qwen3-30B-A3B's, Qwen1.5-MoE's),
@@ -114,28 +173,40 @@ _MIXTURE_RUN = {
 }
 
 
-def _mixture_as_llama_cpp_runs_it(gguf_file: Path, config) -> None:
-    """Sets a mixture of experts' widths from the file's metadata and its routing as llama.cpp (the format's
-    reference) runs it, where transformers' GGUF config leaves them at its defaults; a mixture under another
-    architecture (Mixtral's, written as llama's) is a CheckpointError."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(gguf_file))
-    arch_field = reader.fields.get("general.architecture")
-    arch = arch_field.contents() if arch_field is not None else None
-    experts = reader.fields.get(f"{arch}.expert_count")
-    if arch not in _MIXTURE_WIDTHS and experts is not None and int(experts.contents()) > 0:
-        # transformers reads such a file as its dense architecture and drops the experts
+def _as_llama_cpp_runs_it(reader, gguf_arch: str | None, config):
+    """The config transformers reads from the file, made to run as llama.cpp (the format's reference) runs it: the
+    head width, a mixture's widths and its routing from the file's metadata, where transformers leaves them at its
+    defaults; llama's architecture with experts (llama.cpp's Mixtral, which transformers reads as a dense Llama)
+    a Mixtral."""
+    experts = _field(reader, f"{gguf_arch}.expert_count")
+    if experts and gguf_arch != "llama" and gguf_arch not in _MIXTURE_WIDTHS:
         raise CheckpointError(
-            f"{gguf_file} holds a mixture of {int(experts.contents())} experts under GGUF architecture {arch!r} "
-            f"(llama.cpp's layout of Mixtral), which is not read from GGUF here; serve its Hugging Face folder, or "
-            f"a GGUF of {', '.join(_MIXTURE_WIDTHS)}"
+            f"it holds a mixture of {int(experts)} experts under GGUF architecture {gguf_arch!r}, which is not read "
+            f"from GGUF here; serve its Hugging Face folder, or a GGUF of llama (Mixtral), {', '.join(_MIXTURE_WIDTHS)}"
         )
-    for key, field, fallback in _MIXTURE_WIDTHS.get(arch, ()):
-        found = reader.fields.get(f"{arch}.{key}")
-        setattr(config, field, int(found.contents()) if found is not None else fallback(config))
-    for field, value in _MIXTURE_RUN.get(arch, {}).items():
+    head_dim = _field(reader, f"{gguf_arch}.attention.key_length")
+    if head_dim is not None:  # transformers reads it for some architectures only (not qwen3's 128 over 16 heads)
+        config.head_dim = int(head_dim)
+    if gguf_arch == "llama" and experts:
+        return _mixtral(config, int(experts), int(_field(reader, "llama.expert_used_count") or 2))
+    for key, field, fallback in _MIXTURE_WIDTHS.get(gguf_arch, ()):
+        found = _field(reader, f"{gguf_arch}.{key}")
+        setattr(config, field, int(found) if found is not None else fallback(config))
+    for field, value in _MIXTURE_RUN.get(gguf_arch, {}).items():
         setattr(config, field, value)
+    return config
+
+
+def _mixtral(llama, experts: int, top_k: int):
+    """Mixtral's config from the Llama one transformers reads (the expert width is llama.cpp's
+    feed_forward_length, which it reads as intermediate_size)."""
+    import inspect
+
+    from transformers import MixtralConfig
+
+    takes = inspect.signature(MixtralConfig.__init__).parameters
+    fields = {k: v for k, v in llama.to_dict().items() if k in takes and k not in ("architectures", "dtype")}
+    return MixtralConfig(**fields, num_local_experts=experts, num_experts_per_tok=top_k)
 
 
 if __name__ == "__main__":  # make the folder on a node ahead of serving: python -m worker.gguf FILE.gguf
