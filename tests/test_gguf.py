@@ -116,12 +116,9 @@ def test_a_mixture_under_an_architecture_without_experts_is_an_error_naming_thos
         gguf_folder(write_gguf(tmp_path / "odd.gguf", "qwen2", experts=8), tmp_path / "cache")
 
 
-# the tiny checkpoint's config values llama.cpp's layout asks for: a Qwen3-MoE without dense layers, rotary
-# without llama 3's scaling (which GGUF keeps in a tensor of its own, not read here)
-_AS_LLAMA_CPP_HOLDS = {
-    "qwen3_moe": {"mlp_only_layers": []},
-    "llama": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}},
-}
+# the tiny checkpoint's config values llama.cpp's layout asks for: a Qwen3-MoE without dense layers (the tiny
+# llama keeps llama 3's rotary scaling, which its file holds as a tensor of factors)
+_AS_LLAMA_CPP_HOLDS = {"qwen3_moe": {"mlp_only_layers": []}}
 SERVED = [*tiny_gguf.ARCHITECTURES, "mixtral-per-expert"]
 
 
@@ -279,3 +276,28 @@ def test_experts_with_a_gate_and_no_up_projection_are_an_error(tmp_path):
     file = _with_tensors(tmp_path / "half.gguf", {"blk.0.ffn_gate_exps.weight": np.zeros((2, 32, 16), np.float32)})
     with pytest.raises(CheckpointError, match=r"half\.gguf: its experts' gate or up projection is missing"):
         gguf_folder(file, tmp_path / "cache")
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"factor": 32.0, "rope_theta": 500000.0, "head_dim": 64},  # Llama 3.2 1B and 3B
+        {"factor": 8.0, "rope_theta": 500000.0, "head_dim": 128},  # Llama 3.1 8B and 70B
+    ],
+)
+def test_llama_3s_rotary_scaling_is_read_back_from_its_factors(rope):
+    from worker.gguf_rope import llama3_rope
+
+    published = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    published.update(factor=rope["factor"], original_max_position_embeddings=8192)
+    factors = tiny_gguf.rope_factors({**published, "rope_theta": rope["rope_theta"]}, rope["head_dim"])
+    assert llama3_rope(factors, rope["rope_theta"], rope["head_dim"]) == published
+    assert llama3_rope(np.ones_like(factors), rope["rope_theta"], rope["head_dim"]) is None
+
+
+def test_rotary_factors_no_llama_3_scaling_gives_are_an_error_not_a_guess(tmp_path):
+    from worker.gguf_rope import llama3_rope
+
+    factors = np.linspace(1.0, 8.0, 32)  # smooth over every pair: no band left unscaled
+    with pytest.raises(CheckpointError, match="rope_freqs are not llama 3's rotary scaling"):
+        llama3_rope(factors, 500000.0, 64)

@@ -1,12 +1,14 @@
 """Tiny GGUF files written from a tiny Hugging Face checkpoint as llama.cpp's converter lays one out: its metadata
 under the GGUF architecture's keys, a byte-level BPE tokenizer (tokens, merges and the chat template), tensors
-under llama.cpp's names, a llama file's q and k rows in llama.cpp's rotary order, a layer's experts stacked in one
+under llama.cpp's names, a llama file's q and k rows in llama.cpp's rotary order (and llama 3's rotary scaling
+as its `rope_freqs` tensor), a layer's experts stacked in one
 tensor a projection (`blk.{i}.ffn_gate_exps`, [experts, intermediate, hidden]) or, as llama.cpp's older Mixtral
 files keep them, a tensor an expert (`blk.{i}.ffn_gate.{e}`)."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -59,6 +61,8 @@ def write_gguf_of(
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     _add_tokenizer(writer, src)
+    if arch == "llama" and config.rope_parameters.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", rope_factors(config.rope_parameters, head_dim))
     for name, tensor in _gguf_tensors(load_file(str(src / "model.safetensors")), config, per_expert).items():
         values = np.ascontiguousarray(tensor.float().numpy())
         part = name.split(".", 2)[-1] if name.startswith("blk.") else name
@@ -92,6 +96,24 @@ def _add_tokenizer(writer: gguf.GGUFWriter, src: Path) -> None:
     writer.add_pad_token_id(eos)
     template = settings.get("chat_template") or (src / "chat_template.jinja").read_text()
     writer.add_chat_template(template)
+
+
+def rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's converter's `rope_freqs` of llama 3's rotary scaling: the factor it divides each frequency by."""
+    freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    context = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < context / high:
+            factors.append(1.0)
+        elif wavelen > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def permute(rows: torch.Tensor, heads: int) -> torch.Tensor:

@@ -18,7 +18,8 @@ import torch
 
 from worker.cache_home import cache_home
 from worker.checkpoint_error import CheckpointError
-from worker.gguf_tensors import Heads, hf_tensors
+from worker.gguf_rope import llama3_rope
+from worker.gguf_tensors import ROPE_FACTORS, Heads, dequantize, hf_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +188,7 @@ def _as_llama_cpp_runs_it(reader, gguf_arch: str | None, config):
     head_dim = _field(reader, f"{gguf_arch}.attention.key_length")
     if head_dim is not None:  # transformers reads it for some architectures only (not qwen3's 128 over 16 heads)
         config.head_dim = int(head_dim)
+    _read_rope_scaling(reader, config)
     if gguf_arch == "llama" and experts:
         return _mixtral(config, int(experts), int(_field(reader, "llama.expert_used_count") or 2))
     for key, field, fallback in _MIXTURE_WIDTHS.get(gguf_arch, ()):
@@ -195,6 +197,24 @@ def _as_llama_cpp_runs_it(reader, gguf_arch: str | None, config):
     for field, value in _MIXTURE_RUN.get(gguf_arch, {}).items():
         setattr(config, field, value)
     return config
+
+
+def _read_rope_scaling(reader, config) -> None:
+    """Llama 3's rotary scaling, which llama.cpp keeps as a tensor of factors (worker/gguf_rope.py)."""
+    from worker.layers.rotary import rope_parameters
+
+    factors = next((t for t in reader.tensors if t.name == ROPE_FACTORS), None)
+    if factors is None:
+        return
+    theta = rope_parameters(config)["rope_theta"]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    params = llama3_rope(dequantize(factors), theta, head_dim)
+    if params is None:
+        return
+    if hasattr(config, "rope_parameters"):  # transformers 5
+        config.rope_parameters = {**params, "rope_theta": theta}
+    else:
+        config.rope_scaling = params
 
 
 def _mixtral(llama, experts: int, top_k: int):

@@ -46,8 +46,8 @@ _LAYER = {
 _STACKED = {"ffn_gate_exps": 0, "ffn_up_exps": 1}
 # llama.cpp's older Mixtral files: a tensor an expert (blk.{i}.ffn_gate.{e}.weight), Mixtral's own names
 _PER_EXPERT = {"ffn_gate": "w1", "ffn_down": "w2", "ffn_up": "w3"}
-# what llama.cpp keeps beside the weights, derived here from the config instead (llama 3's rope scaling)
-_DERIVED = {"rope_freqs.weight"}
+# llama 3's rotary scaling, which llama.cpp keeps as a tensor: read into the config (worker/gguf_rope.py)
+ROPE_FACTORS = "rope_freqs.weight"
 
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(\d+))?\.(weight|bias)")
 
@@ -73,7 +73,7 @@ def hf_tensors(reader, permuted: Heads | None) -> Iterator[tuple[str, torch.Tens
     halves: dict[str, _GateUp] = {}
     for tensor in reader.tensors:
         name, kind = tensor.name, tensor.tensor_type.name
-        if name in _DERIVED:
+        if name == ROPE_FACTORS:
             continue
         if name in _MODEL:
             yield _MODEL[name], _torch(dequantize(tensor), kind)
