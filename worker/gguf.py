@@ -13,13 +13,13 @@ import struct
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from worker.cache_home import cache_home
 from worker.checkpoint_error import CheckpointError
-from worker.gguf_rope import llama3_rope
-from worker.gguf_tensors import ROPE_FACTORS, Heads, dequantize, hf_tensors
+
+if TYPE_CHECKING:  # launch.py imports this module: torch and numpy only once a file is converted
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ def _convert(gguf_file: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from worker.gguf_tensors import Heads, hf_tensors
     from worker.models import MODELS, SERVED_ARCHITECTURES
 
     where, name = str(gguf_file.parent), gguf_file.name
@@ -201,6 +202,8 @@ def _as_llama_cpp_runs_it(reader, gguf_arch: str | None, config):
 
 def _read_rope_scaling(reader, config) -> None:
     """Llama 3's rotary scaling, which llama.cpp keeps as a tensor of factors (worker/gguf_rope.py)."""
+    from worker.gguf_rope import llama3_rope
+    from worker.gguf_tensors import ROPE_FACTORS, dequantize
     from worker.layers.rotary import rope_parameters
 
     factors = next((t for t in reader.tensors if t.name == ROPE_FACTORS), None)
