@@ -169,6 +169,8 @@ Q = gguf.GGMLQuantizationType
 # projections more finely than others), where the tiny widths allow their blocks of 32
 _TYPES = {
     "token_embd.weight": Q.Q8_0,
+    "attn_norm.weight": Q.BF16,  # vectors too, whose quantized bytes do not split by element
+    "ffn_norm.weight": Q.Q8_0,
     "output.weight": Q.Q5_1,
     "attn_q.weight": Q.Q8_0,
     "attn_k.weight": Q.Q4_1,

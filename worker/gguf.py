@@ -139,6 +139,7 @@ def write_shards(tensors: Iterable[tuple[str, torch.Tensor]], out: Path, shard_b
         pending[name] = tensor.contiguous()
         size += tensor.numel() * tensor.element_size()
         total += tensor.numel() * tensor.element_size()
+        del tensor  # the shard holds it, until written
         if size >= shard_bytes:
             flush()
     if pending or not files:
@@ -227,9 +228,14 @@ def _mixtral(llama, experts: int, top_k: int):
 
     from transformers import MixtralConfig
 
+    from worker.layers.rotary import rope_parameters
+
     takes = inspect.signature(MixtralConfig.__init__).parameters
     fields = {k: v for k, v in llama.to_dict().items() if k in takes and k not in ("architectures", "dtype")}
-    return MixtralConfig(**fields, num_local_experts=experts, num_experts_per_tok=top_k)
+    mixtral = MixtralConfig(**fields, num_local_experts=experts, num_experts_per_tok=top_k)
+    if rope_parameters(mixtral) != rope_parameters(llama):  # a rotary scaling this transformers' Mixtral cannot hold
+        raise CheckpointError(f"its rotary embedding {rope_parameters(llama)} does not carry over to Mixtral's config")
+    return mixtral
 
 
 if __name__ == "__main__":  # make the folder on a node ahead of serving: python -m worker.gguf FILE.gguf

@@ -60,23 +60,24 @@ class Heads:
     key_value: int
 
 
-def unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter reorders each head's rows of q and k from rotating halves into interleaved pairs (its
-    own rotary kernel's order); this puts them back."""
+def unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter reorders each head's rows of q and k (weights and biases) from rotating halves into
+    interleaved pairs (its own rotary kernel's order); this puts them back."""
     half = rows.shape[0] // heads // 2
-    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
 def hf_tensors(reader, permuted: Heads | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) for each of the GGUFReader's tensors, a layer's stacked gate and up given as one
-    gate_up_proj once both are read. `permuted`: the file is llama's, its q and k rows to be put back."""
+    gate_up_proj once both are read. `permuted`: the file is llama's, its q and k rows to be put back. Nothing is
+    kept once given (the consumer decides how long a tensor lives) but the half of a layer's experts read first."""
     halves: dict[str, _GateUp] = {}
     for tensor in reader.tensors:
-        name, kind = tensor.name, tensor.tensor_type.name
+        name = tensor.name
         if name == ROPE_FACTORS:
             continue
         if name in _MODEL:
-            yield _MODEL[name], _torch(dequantize(tensor), kind)
+            yield _MODEL[name], read(tensor)
             continue
         found = _BLOCK.fullmatch(name)
         if found is None:
@@ -84,32 +85,41 @@ def hf_tensors(reader, permuted: Heads | None) -> Iterator[tuple[str, torch.Tens
         layer, part, expert, suffix = found.groups()
         prefix = f"model.layers.{layer}"
         if expert is not None and part in _PER_EXPERT:
-            yield (
-                f"{prefix}.block_sparse_moe.experts.{expert}.{_PER_EXPERT[part]}.{suffix}",
-                _torch(dequantize(tensor), kind),
-            )
+            yield f"{prefix}.block_sparse_moe.experts.{expert}.{_PER_EXPERT[part]}.{suffix}", read(tensor)
         elif part in _STACKED:
             if prefix not in halves:
                 halves[prefix] = _GateUp(_shape(tensor))
-            pair = halves[prefix]
-            pair.read(tensor, _STACKED[part])
-            if pair.whole():
-                del halves[prefix]
-                yield f"{prefix}.mlp.experts.gate_up_proj", _torch(pair.values, pair.kind())
+            halves[prefix].read(tensor, _STACKED[part])
+            if halves[prefix].whole():
+                yield f"{prefix}.mlp.experts.gate_up_proj", halves.pop(prefix).joined()
         elif part == "ffn_down_exps":
-            yield f"{prefix}.mlp.experts.down_proj", _torch(dequantize(tensor), kind)
+            yield f"{prefix}.mlp.experts.down_proj", read(tensor)
         elif part in _LAYER and expert is None:
-            values = dequantize(tensor)
-            if permuted is not None and suffix == "weight" and part in ("attn_q", "attn_k"):
-                values = unpermute(values, permuted.attention if part == "attn_q" else permuted.key_value)
-            if part == "ffn_gate_inp_shexp":
-                values = values.reshape(1, -1)  # a linear of one output, which llama.cpp keeps as a vector
-            yield f"{prefix}.{_LAYER[part]}.{suffix}", _torch(values, kind)
+            heads = None
+            if permuted is not None and part in ("attn_q", "attn_k"):
+                heads = permuted.attention if part == "attn_q" else permuted.key_value
+            # the shared expert's gate: a linear of one output, which llama.cpp keeps as a vector
+            yield f"{prefix}.{_LAYER[part]}.{suffix}", read(tensor, heads, as_row=part == "ffn_gate_inp_shexp")
         else:
             raise CheckpointError(f"it holds a tensor {name!r}, which no model served here has")
     if halves:
         layers = ", ".join(sorted(halves))
         raise CheckpointError(f"its experts' gate or up projection is missing from {layers}")
+
+
+def read(tensor, heads: int | None = None, as_row: bool = False) -> torch.Tensor:
+    """The tensor's values: float16 and bfloat16 as they are (exact), any other type dequantized to float32; rows
+    put back from llama.cpp's rotary order (`heads`), or a vector made one row."""
+    kind, shape = tensor.tensor_type.name, _shape(tensor)
+    if kind == "F16":
+        out = torch.from_numpy(np.array(tensor.data, dtype=np.float16)).reshape(shape)
+    elif kind == "BF16":  # the reader gives its bytes
+        out = torch.from_numpy(np.array(tensor.data).view(np.int16)).view(torch.bfloat16).reshape(shape)
+    else:
+        out = torch.from_numpy(dequantize(tensor))
+    if heads is not None:
+        out = unpermute(out, heads).contiguous()
+    return out.reshape(1, -1) if as_row else out
 
 
 class _GateUp:
@@ -132,8 +142,10 @@ class _GateUp:
     def whole(self) -> bool:
         return None not in self.kinds
 
-    def kind(self) -> str:
-        return self.kinds[0] if self.kinds[0] == self.kinds[1] else "F32"
+    def joined(self) -> torch.Tensor:
+        out = torch.from_numpy(self.values)
+        kind = self.kinds[0] if self.kinds[0] == self.kinds[1] else None
+        return out.to(_KEPT[kind]) if kind in _KEPT else out
 
 
 # elements dequantized at a time: the dequantizer's temporaries stay a few times this, not a few times the tensor
@@ -146,22 +158,32 @@ def _shape(tensor) -> tuple[int, ...]:
 
 def dequantize(tensor, out: np.ndarray | None = None) -> np.ndarray:
     """The tensor's values as float32, into `out` (of its shape) or a new array, a few rows at a time."""
-    import gguf
-
     if out is None:
         out = np.empty(_shape(tensor), dtype=np.float32)
-    data = tensor.data
-    step = max(1, CHUNK // max(1, out[0].size)) if out.ndim > 1 else len(out)
-    for start in range(0, len(out), step):
-        try:
-            rows = gguf.quants.dequantize(data[start : start + step], tensor.tensor_type)
-        except NotImplementedError as e:
-            kind = tensor.tensor_type.name
-            raise CheckpointError(f"its tensor {tensor.name} is {kind}, which cannot be dequantized here: {e}") from e
-        out[start : start + step] = rows.reshape(out[start : start + step].shape)
+    if out.size:
+        _rows(tensor, tensor.data, out)
     return out
 
 
-def _torch(values: np.ndarray, kind: str) -> torch.Tensor:
-    out = torch.from_numpy(values)
-    return out.to(_KEPT[kind]) if kind in _KEPT else out
+def _rows(tensor, data: np.ndarray, out: np.ndarray) -> None:
+    if out.ndim > 2:  # an expert (or a leading index) at a time
+        for i in range(len(out)):
+            _rows(tensor, data[i], out[i])
+        return
+    if out.ndim < 2:  # a vector whole: a quantized one's bytes do not split by element
+        out[...] = _dequantized(tensor, data).reshape(out.shape)
+        return
+    step = max(1, CHUNK // out.shape[1])
+    for start in range(0, len(out), step):
+        rows = out[start : start + step]
+        rows[...] = _dequantized(tensor, data[start : start + step]).reshape(rows.shape)
+
+
+def _dequantized(tensor, data: np.ndarray) -> np.ndarray:
+    import gguf
+
+    try:
+        return gguf.quants.dequantize(data, tensor.tensor_type)
+    except NotImplementedError as e:
+        kind = tensor.tensor_type.name
+        raise CheckpointError(f"its tensor {tensor.name} is {kind}, which cannot be dequantized here: {e}") from e
