@@ -28,6 +28,8 @@ CACHE = cache_home() / "gguf"
 INDEX = "model.safetensors.index.json"
 # the dequantized weights a shard file holds: what the conversion keeps in host memory at once
 SHARD_BYTES = 1 << 30
+# a file that takes long enough to convert to show its progress (the tests' tiny ones do not)
+PROGRESS_BYTES = 64 << 20
 
 
 def is_gguf(model: str | Path) -> bool:
@@ -75,6 +77,7 @@ def _whole(folder: Path) -> bool:
 
 def _convert(gguf_file: Path, out: Path) -> None:
     import gguf
+    from tqdm import tqdm
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -103,7 +106,9 @@ def _convert(gguf_file: Path, out: Path) -> None:
     # llama.cpp reorders the rotary rows of q and k in llama's files (Mixtral's among them), not in Qwen's
     permuted = Heads(config.num_attention_heads, config.num_key_value_heads) if gguf_arch == "llama" else None
     try:
-        write_shards(hf_tensors(reader, permuted), out)
+        size = sum(int(t.n_bytes) for t in reader.tensors)
+        with tqdm(total=size, desc="dequantizing", unit="B", unit_scale=True, disable=size < PROGRESS_BYTES) as bar:
+            write_shards(hf_tensors(reader, permuted, bar.update), out)
     except (ValueError, struct.error) as e:  # a file cut inside its tensors
         raise CheckpointError(f"its weights cannot be read: {e}") from e
     config.architectures = [arch]

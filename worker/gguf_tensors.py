@@ -6,7 +6,7 @@ qwen2moe, qwen3moe."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,13 +67,18 @@ def unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
-def hf_tensors(reader, permuted: Heads | None) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensors(
+    reader, permuted: Heads | None, progress: Callable[[int], object] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) for each of the GGUFReader's tensors, a layer's stacked gate and up given as one
-    gate_up_proj once both are read. `permuted`: the file is llama's, its q and k rows to be put back. Nothing is
-    kept once given (the consumer decides how long a tensor lives) but the half of a layer's experts read first."""
+    gate_up_proj once both are read. `permuted`: the file is llama's, its q and k rows to be put back; `progress`:
+    told the bytes of each of the file's tensors as it is read. Nothing is kept once given (the consumer decides
+    how long a tensor lives) but the half of a layer's experts read first."""
     halves: dict[str, _GateUp] = {}
     for tensor in reader.tensors:
         name = tensor.name
+        if progress is not None:
+            progress(int(tensor.n_bytes))
         if name == ROPE_FACTORS:
             continue
         if name in _MODEL:
