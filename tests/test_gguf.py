@@ -144,6 +144,8 @@ def test_a_gguf_of_each_architecture_served_answers_as_its_source_checkpoint(ggu
     from tiny_checkpoints import random_prompts
     from transformers import AutoConfig
 
+    from worker.layers.rotary import rope_parameters
+
     src, file = gguf_of
     folder = gguf_folder(file, tmp_path / "cache")
     made, source = AutoConfig.from_pretrained(folder), AutoConfig.from_pretrained(src)
@@ -158,6 +160,7 @@ def test_a_gguf_of_each_architecture_served_answers_as_its_source_checkpoint(ggu
         "intermediate_size",
     ):
         assert getattr(made, field, None) == getattr(source, field, None), field
+    assert rope_parameters(made) == rope_parameters(source)  # llama's: llama 3's scaling, read from its factors
     prompts = random_prompts(3, 4, 20, seed=2)
     with checked_llm(folder, page_size=4) as llm:
         got = [o.token_ids for o in llm.generate(prompts, greedy(8, ignore_eos=True))]
