@@ -14,7 +14,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as `python bench/x.py` from anywhere
 
 from common import ARCHS, model_folder  # noqa: E402
+from host_memory import PeakAnonMemory  # noqa: E402
 
 GGUF_ARCH = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 
@@ -78,13 +78,6 @@ def write_gguf(arch: str, path: Path) -> dict:
     return config.to_dict()
 
 
-def _anon_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def child(way: str, file: str, out: str, shard_mb: int, config: str) -> None:
     """One conversion in this process; prints its peak anonymous memory above the process before it, and time."""
     import gguf
@@ -99,25 +92,15 @@ def child(way: str, file: str, out: str, shard_mb: int, config: str) -> None:
     hf_config = AutoConfig.for_model(**json.loads(config))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    base, peak, done = _anon_mb(), [0.0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _anon_mb())
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
     start = time.perf_counter()
-    if way == "theirs":
-        tensors = load_gguf_checkpoint(file, return_tensors=True, model_to_load=model)["tensors"]
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(out) / "model.safetensors"))
-    else:
-        write_shards(hf_tensors(gguf.GGUFReader(file), None), Path(out), shard_mb << 20)
+    with PeakAnonMemory() as memory:
+        if way == "theirs":
+            tensors = load_gguf_checkpoint(file, return_tensors=True, model_to_load=model)["tensors"]
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(out) / "model.safetensors"))
+        else:
+            write_shards(hf_tensors(gguf.GGUFReader(file), None), Path(out), shard_mb << 20)
     seconds = time.perf_counter() - start
-    done.set()
-    sampler.join()
-    print(json.dumps({"peak_mb": round(peak[0] - base, 1), "seconds": round(seconds, 2)}))
+    print(json.dumps({"peak_mb": round(memory.peak_mb, 1), "seconds": round(seconds, 2)}))
 
 
 def main() -> None:

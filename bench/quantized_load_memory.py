@@ -16,13 +16,12 @@ import resource
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as `python bench/x.py` from anywhere
 
 from common import model_folder  # noqa: E402
+from host_memory import PeakAnonMemory  # noqa: E402
 
 
 def write_checkpoint(arch: str) -> str:
@@ -47,33 +46,13 @@ def write_checkpoint(arch: str) -> str:
     return str(folder)
 
 
-def _anon_mb() -> float:
-    """This process's resident anonymous memory (Linux): its tensors, not the checkpoint's mapped pages."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def measure(folder: str, dtype: str, quantization: str | None) -> dict:
     """One engine started in this process: its peak anonymous memory while it started (sampled every
     millisecond: the tensors it made, not the checkpoint file's pages it read), beside its weights' bytes."""
     from cluster import LLM
 
-    before, peak, done = _anon_mb(), [0.0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _anon_mb())
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with PeakAnonMemory() as memory:
         llm = LLM(folder, dtype=dtype, quantization=quantization, page_size=16)
-    finally:
-        done.set()
-        sampler.join()
     try:
         weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
         weights += sum(b.numel() * b.element_size() for b in llm.engine.model.buffers())
@@ -81,7 +60,7 @@ def measure(folder: str, dtype: str, quantization: str | None) -> dict:
         llm.shutdown()
     return {
         "quantization": quantization,
-        "peak_start_mb": peak[0] - before,
+        "peak_start_mb": memory.peak_mb,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "weights_mb": weights / 2**20,
     }
