@@ -167,6 +167,19 @@ def test_a_gguf_of_each_architecture_served_answers_as_its_source_checkpoint(ggu
     assert got == hf_greedy(src, prompts, 8, ignore_eos=True)
 
 
+def test_a_file_transformers_reads_as_mistral_attends_its_whole_context_as_llama_cpp_does(tmp_path):
+    """A llama file named "mistral" is read by transformers as a Mistral with its class's default window of 4,096;
+    the file holds no window (llama.cpp attends the whole sequence), and neither does the folder made from it."""
+    from tiny_checkpoints import build_checkpoint
+    from transformers import AutoConfig
+
+    src = build_checkpoint("llama", tmp_path / "src")
+    file = tiny_gguf.write_gguf_of(src, tmp_path / "mistral.gguf", name="mistral")
+    assert AutoConfig.from_pretrained(tmp_path, gguf_file=file.name).sliding_window == 4096
+    made = AutoConfig.from_pretrained(gguf_folder(file, tmp_path / "cache"))
+    assert made.model_type == "mistral" and made.sliding_window is None
+
+
 Q = gguf.GGMLQuantizationType
 # a mix of the file types llama.cpp writes (its quantized files keep norms in F32 and quantize the rest, some
 # projections more finely than others), where the tiny widths allow their blocks of 32

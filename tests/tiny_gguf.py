@@ -33,14 +33,21 @@ _PROJECTIONS = (("ffn_gate", "gate_proj", "w1"), ("ffn_up", "up_proj", "w3"), ("
 
 
 def write_gguf_of(
-    src: Path, path: Path, per_expert: bool = False, types: dict[str, gguf.GGMLQuantizationType] | None = None
+    src: Path,
+    path: Path,
+    per_expert: bool = False,
+    types: dict[str, gguf.GGMLQuantizationType] | None = None,
+    name: str | None = None,
 ) -> Path:
     """The checkpoint in `src` as a GGUF file at `path`. `per_expert`: a mixture's experts a tensor each (llama.cpp's
-    older Mixtral files); `types`: the tensors (by GGUF name) stored in another type than float32 (F16, Q8_0, ...)."""
+    older Mixtral files); `types`: the tensors stored in another type than float32 (F16, Q8_0, ...), by their GGUF
+    name without the layer (`attn_q.weight`, `token_embd.weight`); `name`: the model's `general.name`."""
     config = AutoConfig.from_pretrained(src)
     arch = ARCHITECTURES[config.model_type]
     writer = gguf.GGUFWriter(str(path), arch)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if name is not None:
+        writer.add_name(name)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)

@@ -183,9 +183,10 @@ _MIXTURE_RUN = {
 
 def _as_llama_cpp_runs_it(reader, gguf_arch: str | None, config):
     """The config transformers reads from the file, made to run as llama.cpp (the format's reference) runs it: the
-    head width, a mixture's widths and its routing from the file's metadata, where transformers leaves them at its
-    defaults; llama's architecture with experts (llama.cpp's Mixtral, which transformers reads as a dense Llama)
-    a Mixtral."""
+    head width, the attention window, a mixture's widths and its routing from the file's metadata, where
+    transformers leaves them at its defaults (a file named "mistral" gets Mistral's class default window of 4,096);
+    llama's architecture with experts (llama.cpp's Mixtral, which transformers reads as a dense Llama) a
+    Mixtral."""
     experts = _field(reader, f"{gguf_arch}.expert_count")
     if experts and gguf_arch != "llama" and gguf_arch not in _MIXTURE_WIDTHS:
         raise CheckpointError(
@@ -196,6 +197,9 @@ def _as_llama_cpp_runs_it(reader, gguf_arch: str | None, config):
     if head_dim is not None:  # transformers reads it for some architectures only (not qwen3's 128 over 16 heads)
         config.head_dim = int(head_dim)
     _read_rope_scaling(reader, config)
+    if hasattr(config, "sliding_window"):  # a window is in the file, or llama.cpp attends the whole sequence
+        window = _field(reader, f"{gguf_arch}.attention.sliding_window")
+        config.sliding_window = int(window) if window else None
     if gguf_arch == "llama" and experts:
         return _mixtral(config, int(experts), int(_field(reader, "llama.expert_used_count") or 2))
     for key, field, fallback in _MIXTURE_WIDTHS.get(gguf_arch, ()):
