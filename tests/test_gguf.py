@@ -1,8 +1,8 @@
 """GGUF files: one that is not GGUF, or holds an architecture transformers cannot read or this server does
 not run, is one CheckpointError that says which (from LLM and from launch.py alike); the folder made from a
 file is named by its contents, so a copy elsewhere names the same one; a file of each architecture served, in
-llama.cpp's layout (tests/tiny_gguf.py), answers as its source checkpoint, and its tensors are those transformers
-reads from it. Serving a real GGUF file is tests/test_real_model.py's."""
+llama.cpp's layout (tests/tiny_gguf.py), whole or in parts, answers as its source checkpoint, and its tensors are
+those transformers reads from it. Serving a real GGUF file is tests/test_real_model.py's."""
 
 from __future__ import annotations
 
@@ -178,6 +178,35 @@ def test_a_file_transformers_reads_as_mistral_attends_its_whole_context_as_llama
     assert AutoConfig.from_pretrained(tmp_path, gguf_file=file.name).sliding_window == 4096
     made = AutoConfig.from_pretrained(gguf_folder(file, tmp_path / "cache"))
     assert made.model_type == "mistral" and made.sliding_window is None
+
+
+def test_a_model_in_parts_is_read_across_them_from_any_part(tmp_path):
+    """llama.cpp's gguf-split writes a large model as NAME-00001-of-0000N.gguf, ... (the metadata in the first):
+    the folder is made from every part's tensors, named by the first whichever part is given, and answers as the
+    source; a part missing is an error naming it."""
+    from helpers import checked_llm, greedy
+    from tiny_checkpoints import build_checkpoint, random_prompts
+
+    from worker.gguf import first_part
+
+    src = build_checkpoint("qwen3_moe", tmp_path / "src", overrides=_AS_LLAMA_CPP_HOLDS["qwen3_moe"])
+    first = tiny_gguf.write_gguf_of(src, tmp_path / "moe.gguf", parts_of=8)
+    parts = sorted(tmp_path.glob("moe-*-of-*.gguf"))
+    assert len(parts) > 2 and first == parts[0] and first.name == f"moe-00001-of-{len(parts):05d}.gguf"
+    assert first_part(parts[1]) == first and first_part(first) == first
+    folder = gguf_folder(parts[1], tmp_path / "cache")
+    assert folder == folder_for(first, tmp_path / "cache")
+    whole = gguf_folder(tiny_gguf.write_gguf_of(src, tmp_path / "whole.gguf"), tmp_path / "cache")
+    prompts = random_prompts(2, 4, 16, seed=5)
+    answers = []
+    for made in (folder, whole):
+        with checked_llm(made, page_size=4) as llm:
+            answers.append([o.token_ids for o in llm.generate(prompts, greedy(6, ignore_eos=True))])
+    assert answers[0] == answers[1]
+
+    parts[-1].unlink()
+    with pytest.raises(CheckpointError, match=rf"its part {parts[-1].name} is not beside it"):
+        gguf_folder(first, tmp_path / "again")
 
 
 Q = gguf.GGMLQuantizationType

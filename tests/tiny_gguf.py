@@ -38,13 +38,16 @@ def write_gguf_of(
     per_expert: bool = False,
     types: dict[str, gguf.GGMLQuantizationType] | None = None,
     name: str | None = None,
+    parts_of: int = 0,
 ) -> Path:
     """The checkpoint in `src` as a GGUF file at `path`. `per_expert`: a mixture's experts a tensor each (llama.cpp's
     older Mixtral files); `types`: the tensors stored in another type than float32 (F16, Q8_0, ...), by their GGUF
-    name without the layer (`attn_q.weight`, `token_embd.weight`); `name`: the model's `general.name`."""
+    name without the layer (`attn_q.weight`, `token_embd.weight`); `name`: the model's `general.name`; `parts_of`: split
+    in files of that many tensors as llama.cpp's gguf-split writes them (PATH-00001-of-0000N.gguf, the first
+    returned)."""
     config = AutoConfig.from_pretrained(src)
     arch = ARCHITECTURES[config.model_type]
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=parts_of)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if name is not None:
         writer.add_name(name)
@@ -84,7 +87,7 @@ def write_gguf_of(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    return sorted(path.parent.glob(f"{path.stem}-*-of-*.gguf"))[0] if parts_of else path
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, src: Path) -> None:

@@ -8,10 +8,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import shutil
 import struct
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,7 +50,7 @@ def folder_for(gguf_file: Path, cache: Path = CACHE) -> Path:
 def gguf_folder(model: str | Path, cache: Path = CACHE) -> Path:
     """The Hugging Face folder made from the GGUF file `model`, made now if it is not there yet. Host memory
     while making it: a shard of the dequantized weights (SHARD_BYTES) and the tensor being read."""
-    gguf_file = Path(model)
+    gguf_file = first_part(Path(model))
     folder = folder_for(gguf_file, cache)
     if _whole(folder):
         return folder
@@ -70,13 +72,53 @@ def gguf_folder(model: str | Path, cache: Path = CACHE) -> Path:
     return folder
 
 
+# a model llama.cpp's gguf-split wrote in parts: NAME-00001-of-00003.gguf, ...; the first holds the metadata
+_PART = re.compile(r"(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
+
+
+def first_part(gguf_file: Path) -> Path:
+    """The file a model's folder is made from: its first part where it is one of several (by the parts' names)."""
+    found = _PART.fullmatch(gguf_file.name)
+    if found is None or int(found["no"]) == 1:
+        return gguf_file
+    return gguf_file.with_name(f"{found['stem']}-00001-of-{found['count']}.gguf")
+
+
+@dataclass(frozen=True)
+class _Model:
+    """A GGUF model read across its parts: the first's metadata, every part's tensors (memory-mapped)."""
+
+    fields: dict
+    tensors: list
+
+
+def _open(first: Path):
+    """The GGUFReader of a file, or its parts' together where its metadata says it is the first of several."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(first))
+    count = int(_field(reader, "split.count") or 1)
+    if count == 1:
+        return reader
+    found = _PART.fullmatch(first.name)
+    if found is None or int(found["count"]) != count:
+        named = f"NAME-00001-of-{count:05d}.gguf"
+        raise CheckpointError(f"it is the first of {count} parts, but its name is not llama.cpp's {named}")
+    tensors = list(reader.tensors)
+    for no in range(2, count + 1):
+        part = first.with_name(f"{found['stem']}-{no:05d}-of-{count:05d}.gguf")
+        if not part.is_file():
+            raise CheckpointError(f"its part {part.name} is not beside it")
+        tensors += gguf.GGUFReader(str(part)).tensors
+    return _Model(reader.fields, tensors)
+
+
 def _whole(folder: Path) -> bool:
     # the weights are written last, then the folder renamed into place: a folder there is a whole one
     return (folder / "model.safetensors").exists() or (folder / INDEX).exists()
 
 
 def _convert(gguf_file: Path, out: Path) -> None:
-    import gguf
     from tqdm import tqdm
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -87,7 +129,7 @@ def _convert(gguf_file: Path, out: Path) -> None:
     where, name = str(gguf_file.parent), gguf_file.name
     try:
         config = AutoConfig.from_pretrained(where, gguf_file=name)
-        reader = gguf.GGUFReader(str(gguf_file))  # the tensors memory-mapped, read as they are converted
+        reader = _open(gguf_file)  # the tensors memory-mapped, read as they are converted
     # an architecture transformers cannot read, a damaged file (struct.error: one cut inside its metadata)
     except (ValueError, KeyError, OSError, struct.error) as e:
         raise CheckpointError(f"it cannot be read as a GGUF checkpoint: {e}") from e
