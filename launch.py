@@ -177,14 +177,14 @@ def serve_demo(config: ServeConfig) -> ServeConfig:
 
 def serve_gguf(config: ServeConfig, gguf_file: str) -> ServeConfig:
     """Serve a GGUF file through the Hugging Face folder made from it (once), under the file's name."""
-    from worker.gguf import gguf_folder
+    from worker.gguf import gguf_folder, model_name
     from worker.loader import CheckpointError
 
     try:
         folder = gguf_folder(gguf_file, CACHE_DIR / "gguf")
     except CheckpointError as e:
         fail(f"--model {e}")
-    return config.override(model=str(folder), served_model_name=config.served_model_name or Path(gguf_file).stem)
+    return config.override(model=str(folder), served_model_name=config.served_model_name or model_name(Path(gguf_file)))
 
 
 def looks_like_hub_id(model: str) -> bool:

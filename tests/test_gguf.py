@@ -187,13 +187,14 @@ def test_a_model_in_parts_is_read_across_them_from_any_part(tmp_path):
     from helpers import checked_llm, greedy
     from tiny_checkpoints import build_checkpoint, random_prompts
 
-    from worker.gguf import first_part
+    from worker.gguf import first_part, model_name
 
     src = build_checkpoint("qwen3_moe", tmp_path / "src", overrides=_AS_LLAMA_CPP_HOLDS["qwen3_moe"])
     first = tiny_gguf.write_gguf_of(src, tmp_path / "moe.gguf", parts_of=8)
     parts = sorted(tmp_path.glob("moe-*-of-*.gguf"))
     assert len(parts) > 2 and first == parts[0] and first.name == f"moe-00001-of-{len(parts):05d}.gguf"
     assert first_part(parts[1]) == first and first_part(first) == first
+    assert model_name(parts[1]) == "moe" == model_name(tmp_path / "moe.gguf")  # the name it serves under
     folder = gguf_folder(parts[1], tmp_path / "cache")
     assert folder == folder_for(first, tmp_path / "cache")
     whole = gguf_folder(tiny_gguf.write_gguf_of(src, tmp_path / "whole.gguf"), tmp_path / "cache")

@@ -84,6 +84,12 @@ def first_part(gguf_file: Path) -> Path:
     return gguf_file.with_name(f"{found['stem']}-00001-of-{found['count']}.gguf")
 
 
+def model_name(gguf_file: Path) -> str:
+    """The name a file serves under: its own, less a part's -00001-of-00003."""
+    found = _PART.fullmatch(gguf_file.name)
+    return found["stem"] if found else gguf_file.stem
+
+
 @dataclass(frozen=True)
 class _Model:
     """A GGUF model read across its parts: the first's metadata, every part's tensors (memory-mapped)."""
