@@ -104,6 +104,20 @@ def test_a_copy_of_a_file_names_the_same_folder_and_another_file_another(tmp_pat
     assert folder_for(other, tmp_path) != folder_for(first, tmp_path)
 
 
+def test_a_folder_an_older_conversion_made_is_made_again_and_named_as_removable(tmp_path, caplog):
+    """Conversion 1 (transformers' reading) left out Llama 3's rotary scaling and more: its folders are not read."""
+    import worker.gguf
+
+    file = write_gguf(tmp_path / "a.gguf", "llama")
+    older = folder_for(file, tmp_path / "cache", conversion=1)
+    assert older != folder_for(file, tmp_path / "cache") and worker.gguf.CONVERSION > 1
+    older.mkdir(parents=True)
+    (older / "model.safetensors").write_bytes(b"")
+    with caplog.at_level("WARNING", logger="worker.gguf"), pytest.raises(CheckpointError):  # (no tokenizer)
+        gguf_folder(file, tmp_path / "cache")
+    assert f"{older}, an older conversion of this file, is no longer read" in caplog.text
+
+
 def test_a_file_without_a_tokenizer_is_an_error_saying_so(tmp_path):
     # once transformers' ValueError, out of the conversion unnamed
     with pytest.raises(CheckpointError, match=r"llama\.gguf: its tokenizer cannot be read"):

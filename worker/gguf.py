@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".gguf"
 CACHE = cache_home() / "gguf"
 INDEX = "model.safetensors.index.json"
+# the conversion's version, in its folders' names: 2 reads Llama 3's rotary scaling, Qwen3's head width and no
+# attention window a file lacks, which 1 (transformers' reading) left out
+CONVERSION = 2
 # the dequantized weights a shard file holds: what the conversion keeps in host memory at once
 SHARD_BYTES = 1 << 30
 # a file that takes long enough to convert to show its progress (the tests' tiny ones do not)
@@ -38,12 +41,16 @@ def is_gguf(model: str | Path) -> bool:
     return str(model).endswith(SUFFIX) and Path(model).is_file()
 
 
-def folder_for(gguf_file: Path, cache: Path = CACHE) -> Path:
+def folder_for(gguf_file: Path, cache: Path = CACHE, conversion: int | None = None) -> Path:
     """Where the folder made from this file lives, named by the file's contents (its size and first MiB, where
-    GGUF keeps its metadata), not its path: a copy on another node names the same folder."""
+    GGUF keeps its metadata), not its path: a copy on another node names the same folder; and by the conversion
+    that makes it (CONVERSION; 1 named none), so a folder an older one made is not read."""
+    conversion = CONVERSION if conversion is None else conversion
     digest = hashlib.sha256(str(gguf_file.stat().st_size).encode())
     with open(gguf_file, "rb") as f:
         digest.update(f.read(1 << 20))
+    if conversion > 1:
+        digest.update(f"conversion {conversion}".encode())
     return cache / f"{gguf_file.stem}-{digest.hexdigest()[:16]}"
 
 
@@ -56,6 +63,9 @@ def gguf_folder(model: str | Path, cache: Path = CACHE) -> Path:
         return folder
     cache.mkdir(parents=True, exist_ok=True)
     logger.warning("converting %s to a Hugging Face folder in %s (once)", gguf_file, folder)
+    for older in range(1, CONVERSION):
+        if _whole(stale := folder_for(gguf_file, cache, older)):
+            logger.warning("%s, an older conversion of this file, is no longer read: remove it to free its disk", stale)
     work = Path(tempfile.mkdtemp(prefix=".making-", dir=cache))
     try:
         try:
