@@ -198,8 +198,7 @@ def test_a_model_in_parts_is_read_across_them_from_any_part(tmp_path):
     """llama.cpp's gguf-split writes a large model as NAME-00001-of-0000N.gguf, ... (the metadata in the first):
     the folder is made from every part's tensors, named by the first whichever part is given, and answers as the
     source; a part missing is an error naming it."""
-    from helpers import checked_llm, greedy
-    from tiny_checkpoints import build_checkpoint, random_prompts
+    from tiny_checkpoints import build_checkpoint
 
     from worker.gguf import first_part, model_name
 
@@ -212,12 +211,7 @@ def test_a_model_in_parts_is_read_across_them_from_any_part(tmp_path):
     folder = gguf_folder(parts[1], tmp_path / "cache")
     assert folder == folder_for(first, tmp_path / "cache")
     whole = gguf_folder(tiny_gguf.write_gguf_of(src, tmp_path / "whole.gguf"), tmp_path / "cache")
-    prompts = random_prompts(2, 4, 16, seed=5)
-    answers = []
-    for made in (folder, whole):
-        with checked_llm(made, page_size=4) as llm:
-            answers.append([o.token_ids for o in llm.generate(prompts, greedy(6, ignore_eos=True))])
-    assert answers[0] == answers[1]
+    assert _answers(folder) == _answers(whole)
 
     parts[-1].unlink()
     with pytest.raises(CheckpointError, match=rf"its part {parts[-1].name} is not beside it"):
@@ -283,8 +277,7 @@ def test_a_model_larger_than_a_shard_is_written_in_shards_and_answers_the_same(t
     folder (an index naming each tensor's file) answers as one file does."""
     import json
 
-    from helpers import checked_llm, greedy
-    from tiny_checkpoints import build_checkpoint, random_prompts
+    from tiny_checkpoints import build_checkpoint
 
     import worker.gguf
 
@@ -297,12 +290,16 @@ def test_a_model_larger_than_a_shard_is_written_in_shards_and_answers_the_same(t
     files = set(index["weight_map"].values())
     assert len(files) > 2 and not (sharded / "model.safetensors").exists()
     assert all((sharded / f).stat().st_size < 2 * (64 << 10) + (1 << 20) for f in files)  # a tensor past the mark
-    prompts = random_prompts(2, 4, 16, seed=3)
-    answers = []
-    for folder in (whole, sharded):
-        with checked_llm(folder, page_size=4) as llm:
-            answers.append([o.token_ids for o in llm.generate(prompts, greedy(6, ignore_eos=True))])
-    assert answers[0] == answers[1]
+    assert _answers(sharded) == _answers(whole)
+
+
+def _answers(folder: Path) -> list[list[int]]:
+    """A few random prompts' greedy tokens from the model in `folder`."""
+    from helpers import checked_llm, greedy
+    from tiny_checkpoints import random_prompts
+
+    with checked_llm(folder, page_size=4) as llm:
+        return [o.token_ids for o in llm.generate(random_prompts(2, 4, 16, seed=3), greedy(6, ignore_eos=True))]
 
 
 def _with_tensors(path: Path, tensors: dict) -> Path:
