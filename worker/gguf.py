@@ -200,8 +200,8 @@ def write_shards(tensors: Iterable[tuple[str, torch.Tensor]], out: Path, shard_b
         if name in pending or name in weight_map:
             raise CheckpointError(f"it holds {name} twice")
         pending[name] = tensor.contiguous()
-        size += tensor.numel() * tensor.element_size()
-        total += tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        size, total = size + nbytes, total + nbytes
         del tensor  # the shard holds it, until written
         if size >= shard_bytes:
             flush()
