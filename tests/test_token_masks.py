@@ -6,6 +6,8 @@ the same token sequences. Bad values are refused naming their field."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from fixtures import PROMPT_TEXTS, hf_generate
 from helpers import checked_llm, encode_all
@@ -14,6 +16,7 @@ from transformers import LogitsProcessorList, NoBadWordsLogitsProcessor, Suppres
 
 from cluster import InvalidRequestError, SamplingParams
 from cluster.sampling_params import GrammarSpec
+from cluster.scheduler.grammars import Grammars
 from cluster.scheduler.token_set import TokenMaskMatcher, bad_word_sequences
 
 
@@ -169,3 +172,72 @@ def test_only_a_mask_that_follows_the_output_keeps_its_request_out_of_the_overla
 
     assert not waits(allowed_token_ids=[4, 5])  # the same mask at every step
     assert waits(bad_words=["x"])  # a word's last token is banned after the rest of it
+
+
+class _HeldMasks(Grammars):
+    """Grammars whose token masks wait for `release` before they are made (as thousands of bad words take
+    a while to tokenize), noting the words of every mask a compile thread took up."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+        self.release, self.ran = threading.Event(), []
+
+    def _token_masks(self, allowed, words, output):
+        self.ran.append(list(words))
+        self.release.wait()
+        return super()._token_masks(allowed, words, output)
+
+
+def test_bad_words_are_tokenized_off_the_schedulers_thread(qwen3_path, scripted):
+    """A request's bad words are made into its mask on a compile thread: while that is under way every other
+    request runs to its end, the masked request waits without a token, and once its mask is made it runs
+    with its bad word's token masked. Past grammar_compile_timeout_s a mask not yet made fails its request
+    naming bad_words, its pages whole."""
+    from cluster.errors import ErrorKind
+    from cluster.model_info import load_tokenizer
+
+    tokenizer = load_tokenizer(str(qwen3_path))
+    a, b = tokenizer.convert_tokens_to_ids("a"), tokenizer.convert_tokens_to_ids("b")
+    masks = _HeldMasks(tokenizer)
+
+    def script(desc) -> list[int]:  # "a", or "b" where the row's mask forbids "a"
+        out = [a] * desc.batch_size
+        if desc.grammar_rows is not None:
+            for i, row in zip(desc.grammar_rows, desc.grammar_mask):
+                if not row[a // 32] >> (a % 32) & 1:
+                    out[i] = b
+        return out
+
+    s = scripted(script, eos_ids={tokenizer.eos_token_id}, grammar_compile_timeout_s=30)
+    s.scheduler.grammars = s.scheduler.builder.grammars = masks
+    now = [0.0]
+    s.scheduler.clock = lambda: now[0]
+    try:
+        s.submit(0, [5, 6, 7], max_tokens=3, bad_words=["a"])
+        s.submit(1, [5, 6, 8], max_tokens=3)
+        for _ in range(1_000):
+            if 1 in s.ended:
+                break
+            s.scheduler.step()
+        assert s.ended == {1: "length"} and s.tokens(1) == [a] * 3 and s.tokens(0) == []
+        assert masks.ran == [["a"]]  # taken up, and waiting on its thread
+        masks.release.set()
+        for _ in range(100_000):
+            if 0 in s.ended:
+                break
+            s.scheduler.step()
+        assert s.ended[0] == "length" and a not in s.tokens(0) and len(s.tokens(0)) == 3
+
+        masks.release.clear()
+        s.submit(2, [5, 6, 9], max_tokens=3, bad_words=["b"])
+        s.scheduler.step()
+        now[0] = 30.0
+        s.scheduler.step()
+        (failed,) = [d for d in s.deltas if d.uid == 2]
+        assert s.ended[2] == "error" and failed.error_kind == ErrorKind.INVALID_REQUEST
+        assert "bad_words were not made into a token mask within 30 s" in failed.error
+        assert failed.error_field == "bad_words"
+    finally:
+        masks.release.set()
+    s.run()
+    s.check()

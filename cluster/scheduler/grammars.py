@@ -12,8 +12,9 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from cluster.errors import InvalidRequestError
-from cluster.sampling_params import GrammarSpec
+from cluster.sampling_params import GrammarSpec, SamplingParams
 from cluster.scheduler.json_strings import bounded_strings_text
+from cluster.scheduler.token_set import TokenMaskMatcher, bad_word_sequences
 
 # Threads compiling grammars at once: xgrammar releases the GIL while it compiles, and with one thread a
 # grammar that takes minutes held every constrained request behind it
@@ -56,8 +57,26 @@ class Grammars:
             ) from e
         raise InvalidRequestError(f"unknown grammar kind {spec.kind!r}", field="response_format")
 
-    def matcher(self, compiled) -> object:
-        return self._xgr.GrammarMatcher(compiled)
+    def token_masks(self, params: SamplingParams, output: list[int]) -> Future:
+        """A future of the matcher of a request's allowed_token_ids and bad words, where its output so far (a
+        continued stream's) has taken them; it raises InvalidRequestError for a bad word outside the
+        vocabulary. Made on a compile thread as grammars are: tokenizing bad words costs some 40 us a word,
+        and a request with thousands would stall every other request's steps on the scheduler's thread."""
+        return self._pool.submit(self._token_masks, params.allowed_token_ids, params.bad_words or [], output)
+
+    def _token_masks(self, allowed: list[int] | None, words: list[str], output: list[int]) -> TokenMaskMatcher:
+        vocab = self.vocab_size
+        bad = bad_word_sequences(self.tokenizer, words)
+        if out_of_vocab := [t for w in bad for t in w if t >= vocab]:
+            raise InvalidRequestError(
+                f"a bad word holds token {out_of_vocab[0]}, outside this model's vocabulary (ids 0 to {vocab - 1})",
+                field="bad_words",
+            )
+        return TokenMaskMatcher(vocab, allowed, bad, output)
+
+    def matcher(self, made) -> object:
+        """A request's matcher from what its future gave: a compiled grammar's own, or the token mask's."""
+        return made if isinstance(made, TokenMaskMatcher) else self._xgr.GrammarMatcher(made)
 
     def masks(self, matchers: list) -> np.ndarray:
         """int32 [len(matchers), ceil(vocab_size / 32)]: each matcher's allowed next tokens, one bit a token."""

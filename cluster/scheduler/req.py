@@ -83,10 +83,15 @@ class Req:
         return self.fill_len - self.cached_len
 
     @property
+    def constrained(self) -> bool:
+        """Whether a matcher masks its samples: a grammar's, or its allowed_token_ids' and bad words'."""
+        return self.params.grammar is not None or self.params.token_masks
+
+    @property
     def held(self) -> bool:
-        """Waits: for its grammar to compile, or for the choice it shares a prompt with to have that prompt
-        in the prefix cache."""
-        if self.params.grammar is not None and self.matcher is None:
+        """Waits: for its grammar to compile or its token mask to be made, or for the choice it shares a
+        prompt with to have that prompt in the prefix cache."""
+        if self.constrained and self.matcher is None:
             return True
         if self.after is not None and (self.after.ended or self.after.first_token is not None):
             self.after = None

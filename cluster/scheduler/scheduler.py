@@ -40,7 +40,6 @@ from cluster.scheduler.prefill import PrefillManager
 from cluster.scheduler.req import Req
 from cluster.scheduler.request_slots import RequestSlots
 from cluster.scheduler.spec_decode import Speculator
-from cluster.scheduler.token_set import TokenMaskMatcher, bad_word_sequences
 from worker.batch import StepOutput
 from worker.sampling.verify import kept_counts
 
@@ -55,7 +54,8 @@ FIRST_TOKEN_FIRST_MAX_LIVE = 4
 
 @dataclass
 class GrammarReady:
-    """A constrained request's grammar has compiled (or failed to): `future` holds it."""
+    """A constrained request's grammar has compiled, or its token mask been made (or failed to): `future`
+    holds it."""
 
     uid: int
     future: Future
@@ -211,7 +211,6 @@ class Scheduler:
             if msg.uid in self.reqs:
                 raise InvalidRequestError(f"request id {msg.uid} is already running")
             self.prefill.check_room(len(msg.input_ids))  # a full queue: OverloadedError
-            masks = self._token_masks(msg) if msg.params.token_masks else None
         except RaylmError as e:
             self.on_output([TokenDelta.failed_by(msg.uid, e)])
             return
@@ -228,25 +227,14 @@ class Scheduler:
         if msg.after is not None:
             req.after = self.reqs.get(msg.after)
         self.reqs[req.uid] = req
-        if msg.params.grammar is not None:  # it waits in the queue until its grammar is compiled
-            future = self.grammars.compile(msg.params.grammar)
+        if req.constrained:  # it waits in the queue until its grammar is compiled or its token mask made
+            if msg.params.grammar is not None:
+                future = self.grammars.compile(msg.params.grammar)
+            else:
+                future = self.grammars.token_masks(msg.params, req.output_ids)
             self._compiling[req.uid] = (self.clock() + self.config.grammar_compile_timeout_s, future)
             future.add_done_callback(lambda future, uid=req.uid: self.inbox.put(GrammarReady(uid, future)))
-        req.matcher = req.matcher or masks
         self.prefill.add(req)
-
-    def _token_masks(self, msg: AddRequest) -> TokenMaskMatcher:
-        """The matcher of a request's allowed_token_ids and bad words, where its output so far (a continued
-        stream's) has taken them."""
-        p, vocab = msg.params, self.grammars.vocab_size
-        bad = bad_word_sequences(self.grammars.tokenizer, p.bad_words or [])
-        if out_of_vocab := [t for w in bad for t in w if t >= vocab]:
-            raise InvalidRequestError(
-                f"a bad word holds token {out_of_vocab[0]}, outside this model's vocabulary (ids 0 to {vocab - 1})",
-                field="bad_words",
-            )
-        output = msg.input_ids[len(msg.input_ids) - msg.output_len :] if msg.output_len else []
-        return TokenMaskMatcher(vocab, p.allowed_token_ids, bad, output)
 
     def _grammar_ready(self, msg: GrammarReady) -> None:
         req = self.reqs.get(msg.uid)
@@ -255,8 +243,10 @@ class Scheduler:
         self._compiling.pop(msg.uid, None)
         try:
             matcher = self.grammars.matcher(msg.future.result())
-            # a continued stream: its matcher is where the output so far has taken the grammar
-            if not all(matcher.accept_token(t) for t in req.output_ids):
+            # a continued stream: its matcher is where the output so far has taken the grammar (a token
+            # mask's was made there)
+            grammar = req.params.grammar is not None
+            if grammar and not all(matcher.accept_token(t) for t in req.output_ids):
                 raise InvalidRequestError(
                     f"the output so far of request {req.uid} does not follow its {req.params.grammar.kind} grammar",
                     field="response_format",
@@ -271,13 +261,20 @@ class Scheduler:
         xgrammar minutes (a JSON schema of thousands of properties), and the request would wait for it."""
         now = self.clock()
         for uid in [uid for uid, (deadline, _) in self._compiling.items() if deadline <= now]:
-            req = self.reqs[uid]
-            e = InvalidRequestError(
-                f"the request's {req.params.grammar.kind} grammar did not compile within "
-                f"{self.config.grammar_compile_timeout_s:g} s (grammar_compile_timeout_s): simplify it (its compile "
-                "goes on, and a request with the same grammar after it finishes finds it compiled)",
-                field="response_format",
-            )
+            req, limit = self.reqs[uid], self.config.grammar_compile_timeout_s
+            if req.params.grammar is not None:
+                e = InvalidRequestError(
+                    f"the request's {req.params.grammar.kind} grammar did not compile within {limit:g} s "
+                    "(grammar_compile_timeout_s): simplify it (its compile goes on, and a request with the same "
+                    "grammar after it finishes finds it compiled)",
+                    field="response_format",
+                )
+            else:  # thousands of bad words, or the compile threads all busy with grammars
+                e = InvalidRequestError(
+                    f"{_constraint(req)} were not made into a token mask within {limit:g} s "
+                    "(grammar_compile_timeout_s): send fewer",
+                    field=_constraint_field(req),
+                )
             self._end(req, "error")
             self.on_output([TokenDelta.failed_by(uid, e)])
 
