@@ -365,3 +365,24 @@ def test_a_call_cut_short_is_content_for_chat_and_dropped_for_the_apis_of_items(
         assert chat.content == text and not chat.tool_calls  # as vLLM's: what the model wrote
         items = read(ChatOutput(tool_calls=fmt, unfinished_calls_as_text=False), pieces)
         assert items.content == "Let me check. " and not items.tool_calls
+
+
+@pytest.mark.parametrize("kind", ["qwen", "llama"])
+def test_calls_written_in_a_format_read_back_as_the_same_calls(kind):
+    """Earlier calls a template does not render are written as the model writes them: its parser reads the
+    text back as those calls, their arguments' numbers as written."""
+    from router.chat.tool_calls import written_calls
+
+    calls = [
+        {"function": {"name": "w", "arguments": {"c": "Oslo", "n": [1, 2.5]}}},
+        {"function": {"name": "t", "arguments": '{"at": 1e3, "z": "\\u00e9"}'}},
+    ]
+    parser = tool_call_parser(kind)
+    content, got = parser.feed(written_calls(kind, calls))
+    rest, last = parser.finish()
+    got += last
+    assert (content + rest).strip() == ""
+    assert [(c.name, json.loads(c.arguments)) for c in got] == [
+        ("w", {"c": "Oslo", "n": [1, 2.5]}),
+        ("t", {"at": 1e3, "z": "é"}),
+    ]

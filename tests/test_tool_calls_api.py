@@ -463,3 +463,77 @@ def test_four_constrained_chats_at_once_each_keep_their_grammar(srv, bias):
             elif choice.finish_reason == "stop":
                 jsonschema.validate(json.loads(choice.message.content), answer)
     check_replicas_whole(srv)
+
+
+@pytest.fixture(scope="module")
+def plain_srv(ray_cluster, qwen3_path):
+    """The tiny model with its own template, which renders neither tools nor an assistant turn's calls."""
+    with serving(qwen3_path, num_pages=256, max_running_reqs=4) as server:
+        yield server
+
+
+CALLED = [
+    *MSG,
+    {
+        "role": "assistant",
+        "content": "Let me look.",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
+
+
+def test_tools_a_template_does_not_render_are_a_400_unless_a_grammar_makes_the_call(plain_srv, qwen3_path):
+    """Under "auto" or "none" the model would never see the tools: a 400 naming them, as documents a template
+    does not render are. A forced call is still served: the grammar makes the output a call of the schema."""
+    plain = load_tokenizer(str(qwen3_path))
+    assert plain.apply_chat_template(MSG, tools=TOOLS, tokenize=False) == plain.apply_chat_template(MSG, tokenize=False)
+    for choice in ("auto", "none", None):
+        extra = {} if choice is None else {"tool_choice": choice}
+        r = httpx.post(
+            plain_srv.url + CHAT,
+            json={"model": "tiny", "messages": MSG, "tools": TOOLS, "max_tokens": 4, **extra},
+            timeout=60,
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+        assert "does not render tools" in r.json()["error"]["message"]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    r = client(plain_srv).chat.completions.create(
+        model="tiny",
+        messages=MSG,
+        tools=TOOLS,
+        tool_choice=forced,
+        max_tokens=150,
+        temperature=0,
+        logit_bias=no_whitespace(plain),
+        extra_body=NO_THINKING,
+    )
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+
+def test_calls_a_template_does_not_render_are_written_into_their_turn_as_the_model_writes_calls(plain_srv, qwen3_path):
+    """An assistant turn's calls that the template would leave out are written after its text in the served
+    model's own call format (Qwen's tags here), which the server reads back from its output."""
+    plain = load_tokenizer(str(qwen3_path))
+    assert plain.apply_chat_template(CALLED, tokenize=False) == plain.apply_chat_template(
+        [{k: v for k, v in m.items() if k != "tool_calls"} for m in CALLED], tokenize=False
+    )
+    written = (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    )
+    want = plain.apply_chat_template(
+        [*MSG, {"role": "assistant", "content": written}, CALLED[2]], add_generation_prompt=True, tokenize=False
+    )
+    r = client(plain_srv).chat.completions.create(
+        model="tiny", messages=CALLED, max_tokens=2, extra_body={"return_token_ids": True}
+    )
+    assert r.prompt_token_ids == plain(want, add_special_tokens=False).input_ids
+    counted = httpx.post(plain_srv.url + "/tokenize", json={"messages": CALLED}, timeout=30).json()
+    assert counted["tokens"] == r.prompt_token_ids

@@ -42,7 +42,7 @@ def prepare_chat(state: RouterState, req: ChatCompletionRequest) -> PreparedChat
             "guided_* field (the format constrains the whole output: no call could be written)",
             param=field,
         )
-    prompt = state.chat_prompt(req, tools=tools.template_tools)
+    prompt = state.chat_prompt(req, tools=tools.template_tools, forced_call=tools.forced)
     # the template writes the special tokens; add_special_tokens (vLLM's) adds the tokenizer's too
     ids = state.tokenizer(prompt, add_special_tokens=bool(req.add_special_tokens)).input_ids
     reasoning = state.reasoning_parser is not None

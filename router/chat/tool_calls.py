@@ -23,6 +23,32 @@ def tool_call_parser_for(setting: str, model_type: str | None) -> str | None:
     return setting
 
 
+# what a model writes between two calls of one turn, in each format
+CALL_SEPARATORS = {"qwen": "\n", "llama": "; "}
+
+
+def written_calls(parser: str, calls: list[dict]) -> str:
+    """Calls (as chat templates read them: a function's name and its arguments, a mapping or JSON text) in the
+    text the model writes them in, which `parser` reads back: for a chat template that leaves an earlier
+    turn's calls out of the prompt."""
+    written = []
+    for call in calls:
+        function = call["function"]
+        arguments = function["arguments"]
+        if isinstance(arguments, str):
+            try:
+                arguments = _json(arguments)
+            except (ValueError, RecursionError):
+                pass  # written as it came
+        args = arguments if isinstance(arguments, str) else _dumps(arguments)
+        name = json.dumps(function["name"], ensure_ascii=False)
+        if parser == "qwen":
+            written.append(f'<tool_call>\n{{"name": {name}, "arguments": {args}}}\n</tool_call>')
+        else:  # llama's bare JSON
+            written.append(f'{{"name": {name}, "parameters": {args}}}')
+    return CALL_SEPARATORS[parser].join(written)
+
+
 @dataclass
 class ToolCall:
     name: str

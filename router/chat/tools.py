@@ -15,13 +15,13 @@ import xgrammar
 from cluster import GrammarSpec
 from router.chat.json_schema import enforced_schema, local_target
 from router.chat.structured import check_enforceable, check_json_schema, checked
+from router.chat.tool_calls import CALL_SEPARATORS
 from router.http.errors import APIError
 from router.http.protocol import ChatCompletionRequest, NamedToolChoice
 
 # our tool-call formats as xgrammar's builtin structural tags name them (Qwen2.5 writes Qwen3's calls)
 STRUCTURAL_TAG_MODELS = {"qwen": "qwen_3", "llama": "llama"}
 # what comes between two calls of one output (what the chat templates write, and the parsers skip)
-CALL_SEPARATORS = {"qwen": "\n", "llama": "; "}
 NO_ARGUMENTS = {"type": "object", "properties": {}}
 
 ReasoningMode = Literal["enabled", "disabled", "auto"]

@@ -4,7 +4,6 @@ and turning an API request into token ids and SamplingParams (with the checks th
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from cluster import GrammarSpec, InvalidRequestError, RequestLimits, SamplingParams, ServeConfig
+from router.chat.tool_calls import written_calls
 from router.http.errors import APIError
 from router.http.metrics import RouterMetrics
 from router.http.protocol import ChatCompletionRequest, SamplingFields
@@ -206,9 +206,14 @@ class RouterState:
                 code="model_not_found",
             )
 
-    def chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None = None) -> str:
+    def chat_prompt(
+        self, req: ChatCompletionRequest, tools: list[dict] | None = None, forced_call: bool = False
+    ) -> str:
         """The messages (and tools) rendered by the chat template, with the request's chat_template_kwargs,
-        ending with the assistant turn's opening or, continue_final_message, inside the last message."""
+        ending with the assistant turn's opening or, continue_final_message, inside the last message.
+        Nothing the request holds is left out without a word: documents and tools a template does not render
+        are a 400 (tools not where a grammar makes the output a call, `forced_call`), and earlier calls it
+        does not render are written into their turn's text as the model writes calls."""
         extra = req.chat_template_kwargs or {}
         if reserved := sorted(_TEMPLATE_ARGUMENTS & extra.keys()):
             raise APIError(
@@ -216,24 +221,35 @@ class RouterState:
                 f"chat_template_kwargs may not set {', '.join(reserved)} (the request's own fields do)",
                 param="chat_template_kwargs",
             )
+        documents = req.documents
+        unrendered_calls: int | None = None  # the first message whose calls the template leaves out
         try:
             messages = [m.for_template() for m in req.messages]
             if not _renders_role(self.tokenizer, "developer"):
                 # OpenAI's developer messages are system instructions: a template without the role
                 # (Qwen's, Llama's) would drop them or render a turn its model never saw
                 messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
-            render = functools.partial(
-                self.tokenizer.apply_chat_template,
-                messages,
-                tools=tools,
-                tokenize=False,
-                add_generation_prompt=req.add_generation_prompt is not False,
-                continue_final_message=bool(req.continue_final_message),
-                **extra,
-            )
-            documents = req.documents
-            prompt = render(documents=documents) if documents else render()
-            bare = render() if documents else prompt
+
+            def render(messages: list[dict], tools: list[dict] | None = tools, documents=documents) -> str:
+                return self.tokenizer.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    tokenize=False,
+                    add_generation_prompt=req.add_generation_prompt is not False,
+                    continue_final_message=bool(req.continue_final_message),
+                    **({"documents": documents} if documents else {}),
+                    **extra,
+                )
+
+            prompt = render(messages)
+            bare = render(messages, documents=None) if documents else prompt
+            with_calls = [i for i, m in enumerate(messages) if m.get("tool_calls")]
+            if with_calls and render(_without_calls(messages)) == prompt:
+                unrendered_calls = with_calls[0]
+                if self.tool_call_parser is not None:
+                    messages = _calls_as_text(messages, self.tool_call_parser)
+                    prompt = render(messages)
+            unrendered_tools = bool(tools) and render(messages, tools=None) == prompt
         except ValueError as e:
             raise APIError(400, f"messages: {e}", param="messages") from e
         except Exception as e:  # noqa: BLE001 - template errors come as many types
@@ -241,6 +257,22 @@ class RouterState:
         if documents and prompt == bare:
             # a template without documents would leave them out without a word
             raise APIError(400, "documents: this model's chat template does not render documents", param="documents")
+        if unrendered_calls is not None and self.tool_call_parser is None:
+            field = f"messages.{unrendered_calls}.tool_calls"
+            raise APIError(
+                400,
+                f"{field}: this model's chat template does not render tool calls, and the model has no tool-call "
+                "format to write them in (--tool-call-parser)",
+                param=field,
+            )
+        if unrendered_tools and not forced_call:
+            raise APIError(
+                400,
+                "tools: this model's chat template does not render tools, so the model would never see them; "
+                'name a function in tool_choice, or "required" (a grammar then makes the output a call), or '
+                "serve a model whose chat template renders tools",
+                param="tools",
+            )
         return prompt
 
     def sampling_params(
@@ -329,6 +361,23 @@ class RouterState:
                 )
             biases[int(key)] = value
         return biases
+
+
+def _without_calls(messages: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+
+
+def _calls_as_text(messages: list[dict], parser: str) -> list[dict]:
+    """Each assistant message's calls written after its text, as the model writes calls (`parser`'s format):
+    for a template that renders the text of a turn but not its calls."""
+    out = []
+    for m in messages:
+        if calls := m.get("tool_calls"):
+            text = m.get("content") or ""
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = text + ("\n" if text else "") + written_calls(parser, calls)
+        out.append(m)
+    return out
 
 
 def _renders_role(tokenizer, role: str) -> bool:
