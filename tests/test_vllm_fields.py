@@ -84,6 +84,32 @@ def test_truncate_prompt_tokens_keeps_the_last_k(srv, tokenizer):
     assert chat.usage.prompt_tokens == 3
 
 
+def test_truncate_prompt_tokens_minus_one_fits_a_prompt_past_the_context_with_room_for_max_tokens(srv):
+    """-1 cuts a prompt longer than the context to what leaves max_tokens room (one token without it), so the
+    prompts it exists for run; a k that leaves no room is a 400 naming it."""
+    context = srv.state.max_seq_len
+    long = [7, 8, 9] * (context // 3 + 5)
+    r = client(srv).completions.create(
+        model="tiny", prompt=long, max_tokens=5, extra_body={**FREE, "truncate_prompt_tokens": -1}
+    )
+    assert r.usage.prompt_tokens == context - 5 and r.usage.completion_tokens == 5
+    r = client(srv).completions.create(model="tiny", prompt=long, extra_body={**FREE, "truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == context - 16  # a completion's default max_tokens
+    chat = client(srv).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "a b " * context}],
+        extra_body={"truncate_prompt_tokens": -1},
+    )
+    assert chat.usage.prompt_tokens == context - 1
+    for k in (context, context + 1):
+        bad = httpx.post(
+            srv.url + C,
+            json={"model": "tiny", "prompt": long, "max_tokens": 1, "truncate_prompt_tokens": k},
+            timeout=30,
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens", bad.text
+
+
 def test_return_token_ids_gives_the_prompts_and_each_choices(srv, tokenizer):
     ids = tokenizer(PROMPT_TEXTS[3]).input_ids
     args = dict(

@@ -28,7 +28,7 @@ from router.http.extras import Extras
 from router.http.guard import RequestGuard
 from router.http.head import HeadAsGet
 from router.http.messages_api.service import count_tokens, create_message
-from router.http.prompts import completion_prompts, prompt_count, truncated
+from router.http.prompts import COMPLETION_MAX_TOKENS, completion_prompts, prompt_count, truncated
 from router.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -148,7 +148,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
         for i, prompt in enumerate(prompts):  # every prompt checked before any runs
             try:
                 params = state.sampling_params(
-                    body, prompt.ids, body.max_tokens, 16, body.logprobs, scored, grammar=grammar
+                    body, prompt.ids, body.max_tokens, COMPLETION_MAX_TOKENS, body.logprobs, scored, grammar=grammar
                 )
             except APIError as e:
                 if len(prompts) > 1:
@@ -174,7 +174,7 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
         state.check_model(body.model)
         extras = _extras(body)
         chat = prepare_chat(state, body)
-        ids = truncated(chat.ids, body, state.max_seq_len)
+        ids = truncated(chat.ids, body, state.max_seq_len, body.max_completion_tokens or body.max_tokens)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = state.sampling_params(
             body,

@@ -20,6 +20,10 @@ class Prompt:
     text: str | None
 
 
+# a completion's max_tokens when it sets none, as OpenAI's
+COMPLETION_MAX_TOKENS = 16
+
+
 def _several(prompt: str | list) -> bool:
     """Whether `prompt` lists prompts (strings or lists of ids), not one string or one list of ids."""
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
@@ -50,7 +54,7 @@ def completion_prompts(
                     400, f"{where}token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", param="prompt"
                 )
             ids = list(one)
-        kept = truncated(ids, req, max_seq_len)
+        kept = truncated(ids, req, max_seq_len, req.max_tokens or COMPLETION_MAX_TOKENS)
         if not req.echo:
             text = None
         elif isinstance(one, str) and len(kept) == len(ids):
@@ -61,17 +65,21 @@ def completion_prompts(
     return out
 
 
-def truncated(ids: list[int], req: SamplingFields, max_seq_len: int) -> list[int]:
-    """The last truncate_prompt_tokens of ids (vLLM's left truncation; -1: the model's context)."""
+def truncated(ids: list[int], req: SamplingFields, max_seq_len: int, max_tokens: int | None = None) -> list[int]:
+    """The last truncate_prompt_tokens of ids (vLLM's left truncation). -1 keeps what leaves `max_tokens` (the
+    request's, or one token when it sets none) room in the model's context: a prompt cut to the whole context
+    could never run."""
     k = req.truncate_prompt_tokens
     if k is None:
         return ids
-    if k == 0 or k > max_seq_len:
+    if k == 0 or k >= max_seq_len:
         raise APIError(
             400,
-            f"truncate_prompt_tokens is {k}; it keeps the prompt's last k tokens, k from 1 to this model's "
-            f"context of {max_seq_len} tokens (or -1: the context)",
+            f"truncate_prompt_tokens is {k}; it keeps the prompt's last k tokens, k from 1 to {max_seq_len - 1} "
+            f"(this model's context of {max_seq_len} tokens less one to generate), or -1: as many as leave "
+            "max_tokens room",
             param="truncate_prompt_tokens",
         )
-    k = max_seq_len if k == -1 else k
+    if k == -1:
+        k = max(max_seq_len - (max_tokens or 1), 1)
     return ids[-k:] if len(ids) > k else ids
