@@ -140,3 +140,16 @@ def test_an_empty_body_and_a_nan_are_named_as_such(srv, path):
     error = refused(post(srv, path, body), path)
     assert error["param"] == "temperature" and "finite" in error["message"], error
     serves(srv)
+
+
+@pytest.mark.parametrize(
+    "part, where",
+    [
+        ({"type": "image_url", "image_url": {"url": "http://x/y.png"}}, "messages.0.content.1.type"),
+        ({"type": "text", "text": 5}, "messages.0.content.1.text"),
+    ],
+)
+def test_a_content_part_this_server_cannot_take_is_named_by_its_index(srv, part, where):
+    content = [{"type": "text", "text": "What is in it?"}, part]
+    error = refused(post(srv, CHAT, {**BODIES[CHAT], "messages": [{"role": "user", "content": content}]}), CHAT)
+    assert error["param"] == where and error["message"].startswith(where), error

@@ -129,6 +129,23 @@ def test_one_bad_prompt_is_a_400_before_any_runs(srv, prompt):
     assert srv.state.uids.issued == issued  # no prompt was sent to a replica
 
 
+@pytest.mark.parametrize(
+    "prompt, where, says",
+    [
+        (["Hello", None], "prompt.1", "valid string"),  # a list of strings whose second is not one
+        ([[1, 2], "ok"], "prompt.1", "valid list"),  # a list of token lists whose second is not one
+        (["ok", [5]], "prompt.1", "valid string"),
+        ([[1, "x"], [2]], "prompt.0.1", "valid integer"),
+    ],
+)
+def test_a_prompt_of_the_wrong_type_in_a_list_is_the_one_named(srv, prompt, where, says):
+    """The list's kind is its first prompt's: the 400 names the element that breaks it, not the first."""
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == where and says in err["message"], err
+
+
 def test_a_client_gone_mid_stream_aborts_every_prompt(srv):
     decoded_before = sum(s.decode_tokens for s in wait_until_idle(srv))
 

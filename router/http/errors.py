@@ -3,6 +3,8 @@ on the Anthropic Messages API's routes as it does: {"type": "error", "error": {t
 
 from __future__ import annotations
 
+from collections import Counter
+
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -101,6 +103,18 @@ def _field_path(loc: tuple | list, body: object) -> list:
     return path
 
 
+def _tags(loc: tuple | list, path: list) -> tuple:
+    """The parts of loc that are not the value's path: the union members' tags it went through."""
+    rest = list(path)
+    tags = []
+    for part in loc:
+        if rest and part == rest[0]:
+            rest.pop(0)
+        else:
+            tags.append(str(part))
+    return tuple(tags)
+
+
 def validation_error(errors: list[dict], body: object = None, prefix: tuple = ()) -> tuple[str, str]:
     """(where, message) of a validation's errors over `body` (the value validated), as a 400 names them:
     the most specific one (where a union's members each failed, the member that got furthest into the
@@ -108,7 +122,17 @@ def validation_error(errors: list[dict], body: object = None, prefix: tuple = ()
     if not errors:
         return ".".join(map(str, prefix)), "invalid request"
     located = [(_field_path(e.get("loc", ()), body), e) for e in errors]
-    loc, best = max(located, key=lambda pair: len(pair[0]))  # the first of the deepest
+    # a union's member is named by the tags its errors' locations hold beyond the value's own path: the member
+    # with the fewest errors matched best (["a", null] is a list of strings with one bad item, not a list of
+    # ints with two), and of members as deep, the one whose first error lies furthest into a list
+    members = Counter(_tags(e.get("loc", ()), path) for path, e in located)
+
+    def fit(pair: tuple[list, dict]) -> tuple:
+        path, e = pair
+        tags = _tags(e.get("loc", ()), path)
+        return len(path), -members[tags], [p for p in path if isinstance(p, int)] if tags else []
+
+    loc, best = max(located, key=fit)  # the first of the best
     where = ".".join(str(p) for p in (*prefix, *loc))
     return where, best.get("msg", "invalid request").removeprefix("Value error, ")
 

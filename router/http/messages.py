@@ -9,6 +9,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, model_validator
 
 
+class ContentPartError(ValueError):
+    """A message's content part this server cannot take: `index` in the content list, `field` of the part."""
+
+    def __init__(self, index: int, field: str, problem: str) -> None:
+        super().__init__(f"content.{index}.{field} {problem}")
+        self.index, self.field = index, field
+
+
 def joined_parts(texts: list[str]) -> str:
     """One message's text parts (chat's content parts, Responses' input_text parts, Anthropic's text
     blocks) as the one string a chat template renders: a newline between two, as vLLM joins them (glued,
@@ -75,8 +83,10 @@ class ChatMessage(BaseModel):
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text":
+                raise ContentPartError(j, "type", f"is {part.get('type')!r}: only text content parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise ContentPartError(j, "text", "must be a string")
             parts.append(part["text"])
         return joined_parts(parts)

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from cluster import GrammarSpec, InvalidRequestError, RequestLimits, SamplingParams, ServeConfig
 from router.chat.tool_calls import written_calls
 from router.http.errors import APIError
+from router.http.messages import ContentPartError
 from router.http.metrics import RouterMetrics
 from router.http.protocol import ChatCompletionRequest, SamplingFields
 from router.replicas.rebalance import rebalance
@@ -223,8 +224,13 @@ class RouterState:
             )
         documents = req.documents
         unrendered_calls: int | None = None  # the first message whose calls the template leaves out
+        messages = []
+        for i, m in enumerate(req.messages):
+            try:
+                messages.append(m.for_template())
+            except ContentPartError as e:
+                raise APIError(400, f"messages.{i}.{e}", param=f"messages.{i}.content.{e.index}.{e.field}") from e
         try:
-            messages = [m.for_template() for m in req.messages]
             if not _renders_role(self.tokenizer, "developer"):
                 # OpenAI's developer messages are system instructions: a template without the role
                 # (Qwen's, Llama's) would drop them or render a turn its model never saw
