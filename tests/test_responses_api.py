@@ -358,6 +358,9 @@ def test_a_stored_responses_input_items_are_listed_newest_first_in_pages(srv):
     assert item.type == "message" and item.role == "user" and item.content[0].text == "Hi"
     with pytest.raises(openai.NotFoundError):
         client(srv).responses.input_items.list("resp_nowhere")
+    for limit in ("abc", "0"):  # a query parameter is named as the client sent it
+        bad = httpx.get(f"{srv.url}/v1/responses/{r.id}/input_items", params={"limit": limit}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "limit", bad.text
 
 
 def test_a_streamed_response_is_stored_whole(srv):

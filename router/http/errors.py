@@ -137,6 +137,11 @@ def validation_error(errors: list[dict], body: object = None, prefix: tuple = ()
     return where, best.get("msg", "invalid request").removeprefix("Value error, ")
 
 
+def _without_source(loc: tuple | list) -> list:
+    loc = list(loc)
+    return loc[1:] if loc and loc[0] in ("body", "query", "path", "header") else loc
+
+
 async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
     loc = [str(p) for p in first.get("loc", ())]
@@ -152,7 +157,8 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
         return error_response(400, "the body is empty: send the request's fields as a JSON object")
     if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
         return error_response(400, f"the body is not valid JSON ({first.get('msg', 'JSON decode error')})")
-    errors = [{**e, "loc": [p for p in e.get("loc", ()) if p != "body"]} for e in exc.errors()]
+    # FastAPI's locations start with where the value came from (body, query, path): a client names the field
+    errors = [{**e, "loc": _without_source(e.get("loc", ()))} for e in exc.errors()]
     where, msg = validation_error(errors, exc.body)
     return error_response(400, f"{where}: {msg}" if where else msg, param=where or None)
 
