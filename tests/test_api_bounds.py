@@ -153,3 +153,34 @@ def test_a_content_part_this_server_cannot_take_is_named_by_its_index(srv, part,
     content = [{"type": "text", "text": "What is in it?"}, part]
     error = refused(post(srv, CHAT, {**BODIES[CHAT], "messages": [{"role": "user", "content": content}]}), CHAT)
     assert error["param"] == where and error["message"].startswith(where), error
+
+
+@pytest.mark.parametrize(
+    "path, key, meant",
+    [
+        (C, "max_token", "max_tokens"),
+        (C, "temprature", "temperature"),
+        (CHAT, "top_logprob", "top_logprobs"),
+        (RESPONSES, "max_output_token", "max_output_tokens"),
+        (MESSAGES, "stop_sequence", "stop_sequences"),
+    ],
+)
+def test_a_misspelled_field_is_a_400_naming_it_and_the_field_it_nearly_is(srv, path, key, meant):
+    """Ignored, max_token would leave the output at the default length without a word."""
+    error = refused(post(srv, path, {**BODIES[path], key: 1}), path)
+    if path != MESSAGES:  # Anthropic's error has no param
+        assert error["param"] == key, error
+    assert key in error["message"] and f"did you mean {meant}?" in error["message"], error
+
+
+def test_a_misspelled_key_of_a_message_is_named_by_its_place(srv):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "contnet": "Hi"}]
+    error = refused(post(srv, CHAT, {**BODIES[CHAT], "messages": messages}), CHAT)
+    assert error["param"] == "messages.1.contnet" and "did you mean content?" in error["message"], error
+
+
+def test_another_servers_field_is_ignored_as_before(srv):
+    """Keys that are no field's near miss (TGI's max_new_tokens, a client's own) are served around."""
+    for path in (C, CHAT, RESPONSES, MESSAGES):
+        r = post(srv, path, {**BODIES[path], "max_new_tokens": 5, "x_trace": "abc"})
+        assert r.status_code == 200, r.text

@@ -103,6 +103,11 @@ def _field_path(loc: tuple | list, body: object) -> list:
     return path
 
 
+def _misspelled(error: dict) -> list:
+    """The key a model took for a misspelled field (router/http/protocol.py), which its error is about."""
+    return [error["ctx"]["field"]] if error.get("type") == "misspelled_field" else []
+
+
 def _tags(loc: tuple | list, path: list) -> tuple:
     """The parts of loc that are not the value's path: the union members' tags it went through."""
     rest = list(path)
@@ -121,7 +126,7 @@ def validation_error(errors: list[dict], body: object = None, prefix: tuple = ()
     value), its location in the value's own keys and indices, behind `prefix`."""
     if not errors:
         return ".".join(map(str, prefix)), "invalid request"
-    located = [(_field_path(e.get("loc", ()), body), e) for e in errors]
+    located = [(_field_path(e.get("loc", ()), body) + _misspelled(e), e) for e in errors]
     # a union's member is named by the tags its errors' locations hold beyond the value's own path: the member
     # with the fewest errors matched best (["a", null] is a list of strings with one bad item, not a list of
     # ints with two), and of members as deep, the one whose first error lies furthest into a list

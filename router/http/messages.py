@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import ConfigDict, model_validator
+
+from router.http.known_fields import KnownFields
 
 
 class ContentPartError(ValueError):
@@ -24,14 +26,14 @@ def joined_parts(texts: list[str]) -> str:
     return "\n".join(texts)
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(KnownFields):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     name: str
     arguments: str  # a JSON object's text, as OpenAI sends it
 
 
-class ToolCallParam(BaseModel):
+class ToolCallParam(KnownFields):
     """A tool call of an earlier assistant message, sent back with the conversation."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -51,7 +53,7 @@ class ToolCallParam(BaseModel):
         return call if self.id is None else {"id": self.id, **call}
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(KnownFields):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]

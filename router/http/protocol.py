@@ -2,7 +2,7 @@
 Validation errors become 400 responses with an OpenAI-style body. Types are strict, as OpenAI's are
 ("stream": "yes" is an error, not true); fields that would change what a request means but are not
 supported yet are refused by name rather than ignored; unknown fields that do not (user, metadata)
-are ignored."""
+are ignored, but a key that nearly names a field (max_token) is refused (router/http/known_fields.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from router.http.known_fields import KnownFields
 from router.http.messages import ChatMessage
 from router.http.refused import (
     CHAT_ONLY_FIELDS,
@@ -41,7 +42,7 @@ def _holds_bad_text(value: Any) -> bool:
     return False
 
 
-class UnicodeChecked(BaseModel):
+class UnicodeChecked(KnownFields):
     """A request model (of every API) whose fields hold no string that is not valid Unicode: a 400
     naming the field, where a tokenizer would fail later; and no NaN or infinity (JSON has neither,
     Python's parser reads both), refused as such rather than as out of a field's range."""
