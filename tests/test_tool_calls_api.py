@@ -537,3 +537,16 @@ def test_calls_a_template_does_not_render_are_written_into_their_turn_as_the_mod
     assert r.prompt_token_ids == plain(want, add_special_tokens=False).input_ids
     counted = httpx.post(plain_srv.url + "/tokenize", json={"messages": CALLED}, timeout=30).json()
     assert counted["tokens"] == r.prompt_token_ids
+
+
+@pytest.mark.parametrize(
+    "messages, where",
+    [
+        ([*MSG, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], "messages.1.tool_call_id"),
+        ([*CALLED, {"role": "tool", "tool_call_id": "call_9", "content": "rain"}], "messages.3.tool_call_id"),
+    ],
+)
+def test_a_tool_result_answering_no_call_before_it_is_a_400_naming_it(srv, messages, where):
+    """As OpenAI's: the Responses and Messages APIs refuse such a result, and chat now does too."""
+    r = httpx.post(srv.url + CHAT, json={"model": "tiny", "messages": messages, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == where, r.text

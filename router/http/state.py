@@ -225,11 +225,18 @@ class RouterState:
         documents = req.documents
         unrendered_calls: int | None = None  # the first message whose calls the template leaves out
         messages = []
+        called: set[str | None] = set()  # the ids of the calls so far (None: one sent without an id)
         for i, m in enumerate(req.messages):
             try:
                 messages.append(m.for_template())
             except ContentPartError as e:
                 raise APIError(400, f"messages.{i}.{e}", param=f"messages.{i}.content.{e.index}.{e.field}") from e
+            called.update(c.id for c in m.tool_calls or [])
+            if m.role == "tool" and None not in called and m.tool_call_id not in called:
+                # as OpenAI's: a result answers a call before it (the template would render it as one)
+                field = f"messages.{i}.tool_call_id"
+                message = f"{field}: no assistant message before it has a call {m.tool_call_id!r}"
+                raise APIError(400, message, param=field)
         try:
             if not _renders_role(self.tokenizer, "developer"):
                 # OpenAI's developer messages are system instructions: a template without the role
