@@ -213,3 +213,15 @@ def test_preempted_streams_get_the_same_tokens(ray_cluster, qwen3_path, offline)
         assert ray.get(srv.replicas[0].actor.stats.remote()).preempted > 0
         check_replicas_whole(srv)
     assert texts == [e.text for e in expected]
+
+
+def test_the_ray_this_server_starts_runs_its_workers_at_the_starters_priority(ray_cluster):
+    """Ray starts workers at nice 15 unless told otherwise: a replica's scheduler loop would give way to any
+    other process on the host, the server's own HTTP side first."""
+    import os
+
+    @ray_cluster.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert ray_cluster.get(niceness.remote()) == os.nice(0) == 0

@@ -28,6 +28,10 @@ class ClusterAuthError(ConnectionError):
     """The Ray cluster asks for a token this process does not have."""
 
 
+# the niceness of the Ray workers this process starts (replicas, routers): as the processes that start them
+WORKER_NICENESS = 0
+
+
 def ensure_ray(address: str | None = None, **init_options) -> str | None:
     """Connects to the Ray cluster at address, or starts a local one; reuses one already joined.
     Returns the dashboard's address when there is one."""
@@ -41,6 +45,11 @@ def ensure_ray(address: str | None = None, **init_options) -> str | None:
             # without GPUs, ranks are CPU processes; let a small machine hold several of them
             init_options.setdefault("num_cpus", max(os.cpu_count() or 1, 8))
         init_options.setdefault("include_dashboard", False)
+        # Ray starts its workers at nice 15 (for its own control processes' sake): a replica's scheduler
+        # loop, which keeps the GPU fed, would then give way to any other process on the host, this
+        # server's HTTP side first. A cluster started with `ray start` takes RAY_worker_niceness=0 instead.
+        system = init_options.setdefault("_system_config", {})
+        system.setdefault("worker_niceness", WORKER_NICENESS)
     # "local" starts a new Ray even when another one runs on this machine
     with _interruptible(address is not None):
         context = ray.init(address=address or "local", **init_options)
