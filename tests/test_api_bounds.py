@@ -180,7 +180,11 @@ def test_a_misspelled_key_of_a_message_is_named_by_its_place(srv):
 
 
 def test_another_servers_field_is_ignored_as_before(srv):
-    """Keys that are no field's near miss (TGI's max_new_tokens, a client's own) are served around."""
+    """Keys that are no field's near miss are served around: TGI's max_new_tokens, a client's own, and other
+    servers' fields close to one here (OpenRouter's models, llama.cpp's reasoning_format, parse_tool_calls and
+    return_tokens, SGLang's top_logprobs_num)."""
     for path in (C, CHAT, RESPONSES, MESSAGES):
-        r = post(srv, path, {**BODIES[path], "max_new_tokens": 5, "x_trace": "abc"})
+        foreign = {"max_new_tokens": 5, "x_trace": "abc", "models": ["a"], "reasoning_format": "none"}
+        foreign |= {"parse_tool_calls": True, "return_tokens": True, "top_logprobs_num": 2}
+        r = post(srv, path, {**BODIES[path], **foreign})
         assert r.status_code == 200, r.text

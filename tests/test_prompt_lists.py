@@ -136,6 +136,7 @@ def test_one_bad_prompt_is_a_400_before_any_runs(srv, prompt):
         ([[1, 2], "ok"], "prompt.1", "valid list"),  # a list of token lists whose second is not one
         (["ok", [5]], "prompt.1", "valid string"),
         ([[1, "x"], [2]], "prompt.0.1", "valid integer"),
+        (["a", 1, None], "prompt.1", "valid string"),  # strings got furthest before their first error
     ],
 )
 def test_a_prompt_of_the_wrong_type_in_a_list_is_the_one_named(srv, prompt, where, says):

@@ -16,7 +16,7 @@ from transformers import LogitsProcessorList, NoBadWordsLogitsProcessor, Suppres
 
 from cluster import InvalidRequestError, SamplingParams
 from cluster.sampling_params import GrammarSpec
-from cluster.scheduler.grammars import Grammars
+from cluster.scheduler.grammars import INLINE_BAD_WORDS, Grammars
 from cluster.scheduler.token_set import TokenMaskMatcher, bad_word_sequences
 
 
@@ -180,12 +180,17 @@ class _HeldMasks(Grammars):
 
     def __init__(self, tokenizer) -> None:
         super().__init__(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
-        self.release, self.ran = threading.Event(), []
+        self.release, self.entered, self.ran = threading.Event(), threading.Event(), []
 
     def _token_masks(self, allowed, words, output):
         self.ran.append(list(words))
+        self.entered.set()
         self.release.wait()
         return super()._token_masks(allowed, words, output)
+
+
+# more words than a mask is made of on the scheduler's thread: these go to the mask thread
+MANY = [f"zq{i}" for i in range(INLINE_BAD_WORDS)]
 
 
 def test_bad_words_are_tokenized_off_the_schedulers_thread(qwen3_path, scripted):
@@ -213,14 +218,14 @@ def test_bad_words_are_tokenized_off_the_schedulers_thread(qwen3_path, scripted)
     now = [0.0]
     s.scheduler.clock = lambda: now[0]
     try:
-        s.submit(0, [5, 6, 7], max_tokens=3, bad_words=["a"])
+        s.submit(0, [5, 6, 7], max_tokens=3, bad_words=["a", *MANY])
         s.submit(1, [5, 6, 8], max_tokens=3)
         for _ in range(1_000):
             if 1 in s.ended:
                 break
             s.scheduler.step()
         assert s.ended == {1: "length"} and s.tokens(1) == [a] * 3 and s.tokens(0) == []
-        assert masks.ran == [["a"]]  # taken up, and waiting on its thread
+        assert masks.entered.wait(timeout=60) and masks.ran == [["a", *MANY]]  # taken up, waiting on its thread
         masks.release.set()
         for _ in range(100_000):
             if 0 in s.ended:
@@ -229,7 +234,7 @@ def test_bad_words_are_tokenized_off_the_schedulers_thread(qwen3_path, scripted)
         assert s.ended[0] == "length" and a not in s.tokens(0) and len(s.tokens(0)) == 3
 
         masks.release.clear()
-        s.submit(2, [5, 6, 9], max_tokens=3, bad_words=["b"])
+        s.submit(2, [5, 6, 9], max_tokens=3, bad_words=["b", *MANY])
         s.scheduler.step()
         now[0] = 30.0
         s.scheduler.step()
@@ -241,3 +246,16 @@ def test_bad_words_are_tokenized_off_the_schedulers_thread(qwen3_path, scripted)
         masks.release.set()
     s.run()
     s.check()
+
+
+def test_bad_words_are_tokenized_without_the_padding_a_tokenizer_was_saved_with(qwen3_path):
+    """A tokenizer.json saved after a padded call pads every encoding: each word alone, as `encode` gives it."""
+    from cluster.model_info import load_tokenizer
+
+    tokenizer = load_tokenizer(str(qwen3_path))
+    words = ["capital", "the city of"]
+    want = bad_word_sequences(tokenizer, words)
+    tokenizer.backend_tokenizer.enable_padding(length=6)
+    tokenizer.backend_tokenizer.enable_truncation(2)
+    assert bad_word_sequences(tokenizer, words) == want
+    assert want[0] == tokenizer.encode("capital", add_special_tokens=False)

@@ -289,6 +289,20 @@ def test_a_forced_call_cut_by_the_token_limit_leaves_no_markup_in_responses_and_
     assert "<tool_call>" not in "".join(block.get("text", "") for block in body["content"])
 
 
+def test_a_tools_schema_keywords_no_grammar_enforces_are_served_under_auto(srv):
+    """Under "auto" a tool's parameters are rendered for the model to read, not enforced: a keyword that a
+    grammar would not enforce (uniqueItems) is no error there; forced, it is (tests/test_api_bounds.py)."""
+    tags = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+    }
+    tool = {"type": "function", "function": {"name": "tag", "parameters": tags}}
+    r = httpx.post(
+        srv.url + CHAT, json={"model": "tiny", "messages": MSG, "tools": [tool], "max_tokens": 2}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+
+
 def test_tokenize_counts_the_tools_and_template_kwargs_as_chat_does(srv):
     r = client(srv).chat.completions.create(
         model="tiny", messages=MSG, tools=TOOLS, max_tokens=1, extra_body=NO_THINKING
@@ -486,12 +500,13 @@ CALLED = [
 ]
 
 
-def test_tools_a_template_does_not_render_are_a_400_unless_a_grammar_makes_the_call(plain_srv, qwen3_path):
-    """Under "auto" or "none" the model would never see the tools: a 400 naming them, as documents a template
-    does not render are. A forced call is still served: the grammar makes the output a call of the schema."""
+def test_tools_a_template_does_not_render_are_a_400_under_auto(plain_srv, qwen3_path):
+    """Under "auto" the model could not choose calls it never sees: a 400 naming the tools, as documents a
+    template does not render are. "none" (no call) and a forced call (a grammar writes it, of the schema)
+    are served, and /tokenize counts the prompt the model would see."""
     plain = load_tokenizer(str(qwen3_path))
     assert plain.apply_chat_template(MSG, tools=TOOLS, tokenize=False) == plain.apply_chat_template(MSG, tokenize=False)
-    for choice in ("auto", "none", None):
+    for choice in ("auto", None):
         extra = {} if choice is None else {"tool_choice": choice}
         r = httpx.post(
             plain_srv.url + CHAT,
@@ -500,6 +515,11 @@ def test_tools_a_template_does_not_render_are_a_400_unless_a_grammar_makes_the_c
         )
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
         assert "does not render tools" in r.json()["error"]["message"]
+    none = client(plain_srv).chat.completions.create(
+        model="tiny", messages=MSG, tools=TOOLS, tool_choice="none", max_tokens=2
+    )
+    counted = httpx.post(plain_srv.url + "/tokenize", json={"messages": MSG, "tools": TOOLS}, timeout=30)
+    assert counted.status_code == 200 and counted.json()["count"] == none.usage.prompt_tokens, counted.text
     forced = {"type": "function", "function": {"name": "get_weather"}}
     r = client(plain_srv).chat.completions.create(
         model="tiny",

@@ -101,6 +101,10 @@ def test_truncate_prompt_tokens_minus_one_fits_a_prompt_past_the_context_with_ro
         extra_body={"truncate_prompt_tokens": -1},
     )
     assert chat.usage.prompt_tokens == context - 1
+    short = client(srv).completions.create(
+        model="tiny", prompt=[7, 8, 9], max_tokens=2, extra_body={**FREE, "truncate_prompt_tokens": context}
+    )
+    assert short.usage.prompt_tokens == 3  # a k of the whole context leaves a shorter prompt as it is
     for k in (context, context + 1):
         bad = httpx.post(
             srv.url + C,

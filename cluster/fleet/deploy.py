@@ -28,7 +28,7 @@ class ClusterAuthError(ConnectionError):
     """The Ray cluster asks for a token this process does not have."""
 
 
-# the niceness of the Ray workers this process starts (replicas, routers): as the processes that start them
+# Ray's worker_niceness for the workers this process starts (replicas, routers): 0 leaves them at its own
 WORKER_NICENESS = 0
 
 
@@ -47,9 +47,11 @@ def ensure_ray(address: str | None = None, **init_options) -> str | None:
         init_options.setdefault("include_dashboard", False)
         # Ray starts its workers at nice 15 (for its own control processes' sake): a replica's scheduler
         # loop, which keeps the GPU fed, would then give way to any other process on the host, this
-        # server's HTTP side first. A cluster started with `ray start` takes RAY_worker_niceness=0 instead.
-        system = init_options.setdefault("_system_config", {})
-        system.setdefault("worker_niceness", WORKER_NICENESS)
+        # server's HTTP side first. 0 leaves them at this process's priority. A cluster started with
+        # `ray start` takes RAY_worker_niceness=0 instead, and a user's RAY_worker_niceness is kept.
+        if "RAY_worker_niceness" not in os.environ:
+            system = init_options.setdefault("_system_config", {})
+            system.setdefault("worker_niceness", WORKER_NICENESS)
     # "local" starts a new Ray even when another one runs on this machine
     with _interruptible(address is not None):
         context = ray.init(address=address or "local", **init_options)

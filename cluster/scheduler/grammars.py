@@ -14,11 +14,13 @@ from transformers import PreTrainedTokenizerBase
 from cluster.errors import InvalidRequestError
 from cluster.sampling_params import GrammarSpec, SamplingParams
 from cluster.scheduler.json_strings import bounded_strings_text
-from cluster.scheduler.token_set import TokenMaskMatcher, bad_word_sequences
+from cluster.scheduler.token_set import TokenMaskMatcher, bad_word_sequences, plain_backend
 
 # Threads compiling grammars at once: xgrammar releases the GIL while it compiles, and with one thread a
 # grammar that takes minutes held every constrained request behind it
 GRAMMAR_COMPILE_WORKERS = 4
+# a request with at most this many bad words has its mask made on the scheduler's thread (about 1 ms at 64)
+INLINE_BAD_WORDS = 64
 
 
 class Grammars:
@@ -31,6 +33,9 @@ class Grammars:
         self.compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=True)
         self.vocab_size = vocab_size
         self._pool = ThreadPoolExecutor(max_workers=GRAMMAR_COMPILE_WORKERS, thread_name_prefix="grammar-compile")
+        # token masks have a thread of their own: one never waits behind grammars that compile for minutes
+        self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="token-masks")
+        self._word_backend = plain_backend(tokenizer)
 
     def compile(self, spec: GrammarSpec) -> Future:
         """A future of the compiled grammar; it raises InvalidRequestError for a grammar that does not compile.
@@ -60,13 +65,21 @@ class Grammars:
     def token_masks(self, params: SamplingParams, output: list[int]) -> Future:
         """A future of the matcher of a request's allowed_token_ids and bad words, where its output so far (a
         continued stream's) has taken them; it raises InvalidRequestError for a bad word outside the
-        vocabulary. Made on a compile thread as grammars are: tokenizing bad words costs some 40 us a word,
-        and a request with thousands would stall every other request's steps on the scheduler's thread."""
-        return self._pool.submit(self._token_masks, params.allowed_token_ids, params.bad_words or [], output)
+        vocabulary. Made at once for a few bad words; more are tokenized on a thread of their own (some 15 us
+        a word: a request with thousands would stall every other request's steps on the scheduler's thread)."""
+        args = (params.allowed_token_ids, params.bad_words or [], output)
+        if len(args[1]) > INLINE_BAD_WORDS:
+            return self._mask_pool.submit(self._token_masks, *args)
+        made: Future = Future()
+        try:
+            made.set_result(self._token_masks(*args))
+        except InvalidRequestError as e:
+            made.set_exception(e)
+        return made
 
     def _token_masks(self, allowed: list[int] | None, words: list[str], output: list[int]) -> TokenMaskMatcher:
         vocab = self.vocab_size
-        bad = bad_word_sequences(self.tokenizer, words)
+        bad = bad_word_sequences(self.tokenizer, words, self._word_backend)
         if out_of_vocab := [t for w in bad for t in w if t >= vocab]:
             raise InvalidRequestError(
                 f"a bad word holds token {out_of_vocab[0]}, outside this model's vocabulary (ids 0 to {vocab - 1})",
@@ -104,6 +117,7 @@ class Grammars:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._mask_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def accepted_prefix(matcher, tokens: list[int]) -> int:

@@ -269,11 +269,11 @@ class Scheduler:
                     "grammar after it finishes finds it compiled)",
                     field="response_format",
                 )
-            else:  # thousands of bad words, or the compile threads all busy with grammars
+            else:  # many thousands of bad words, or behind other requests' on the mask thread
                 e = InvalidRequestError(
-                    f"{_constraint(req)} were not made into a token mask within {limit:g} s "
+                    f"the request's bad_words were not made into a token mask within {limit:g} s "
                     "(grammar_compile_timeout_s): send fewer",
-                    field=_constraint_field(req),
+                    field="bad_words",
                 )
             self._end(req, "error")
             self.on_output([TokenDelta.failed_by(uid, e)])

@@ -9,15 +9,32 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
 
-def bad_word_sequences(tokenizer: PreTrainedTokenizerBase, words: Sequence[str]) -> list[list[int]]:
+def plain_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
+    """The tokenizer's Rust tokenizer as `encode` runs it: a copy without the padding or truncation its
+    tokenizer.json may have been saved with (a fine-tune saved after a padded call keeps them), which
+    would pad every word to the longest."""
+    backend = tokenizer.backend_tokenizer
+    if backend.padding is None and backend.truncation is None:
+        return backend
+    plain = Tokenizer.from_str(backend.to_str())
+    plain.no_padding()
+    plain.no_truncation()
+    return plain
+
+
+def bad_word_sequences(
+    tokenizer: PreTrainedTokenizerBase, words: Sequence[str], backend: Tokenizer | None = None
+) -> list[list[int]]:
     """Each bad word's token ids as vLLM finds them: the word as written at the start of a text, and again
-    after a space (the same word inside a text) where that gives as many tokens, the first a new one."""
+    after a space (the same word inside a text) where that gives as many tokens, the first a new one.
+    `backend`: the tokenizer's plain_backend, where the caller keeps one."""
     # in one batch through the Rust tokenizer, which lets go of the GIL while it works (and is faster than a
     # call a word): the scheduler's loop runs beside it
-    backend = tokenizer.backend_tokenizer
+    backend = backend or plain_backend(tokenizer)
     stripped = [w.lstrip() for w in words]
     alone_all = backend.encode_batch(stripped, add_special_tokens=False)
     spaced_all = backend.encode_batch([" " + w for w in stripped], add_special_tokens=False)

@@ -23,8 +23,10 @@ class PreparedChat:
     output: ChatOutput
 
 
-def prepare_chat(state: RouterState, req: ChatCompletionRequest) -> PreparedChat:
-    """The request's prompt ids, grammar and output reading, or a 400 naming the field at fault."""
+def prepare_chat(state: RouterState, req: ChatCompletionRequest, counting: bool = False) -> PreparedChat:
+    """The request's prompt ids, grammar and output reading, or a 400 naming the field at fault. `counting`:
+    for its prompt's tokens alone (/tokenize, count_tokens), where tools a template does not render are
+    no error: the count is of the prompt the model would see."""
     tools = plan_tools(req, state.tool_call_parser)
     grammar = request_grammar(req)
     if grammar is not None and tools.forced:
@@ -42,7 +44,10 @@ def prepare_chat(state: RouterState, req: ChatCompletionRequest) -> PreparedChat
             "guided_* field (the format constrains the whole output: no call could be written)",
             param=field,
         )
-    prompt = state.chat_prompt(req, tools=tools.template_tools, forced_call=tools.forced)
+    # the model must see the tools to choose a call under "auto" ("none": it calls none; forced: a grammar
+    # writes the call)
+    seen = not counting and not tools.forced and req.tool_choice != "none"
+    prompt = state.chat_prompt(req, tools=tools.template_tools, tools_seen=seen)
     # the template writes the special tokens; add_special_tokens (vLLM's) adds the tokenizer's too
     ids = state.tokenizer(prompt, add_special_tokens=bool(req.add_special_tokens)).input_ids
     reasoning = state.reasoning_parser is not None

@@ -39,8 +39,8 @@ def written_calls(parser: str, calls: list[dict]) -> str:
             try:
                 arguments = _json(arguments)
             except (ValueError, RecursionError):
-                pass  # written as it came
-        args = arguments if isinstance(arguments, str) else _dumps(arguments)
+                pass  # no JSON: written as a JSON string, so that the call's text stays JSON
+        args = json.dumps(arguments, ensure_ascii=False) if isinstance(arguments, str) else _dumps(arguments)
         name = json.dumps(function["name"], ensure_ascii=False)
         if parser == "qwen":
             written.append(f'<tool_call>\n{{"name": {name}, "arguments": {args}}}\n</tool_call>')

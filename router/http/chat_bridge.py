@@ -60,7 +60,7 @@ def chat_request(fields: dict) -> ChatCompletionRequest:
 
 def prompt_ids(state: RouterState, req: ChatCompletionRequest) -> list[int]:
     """The prompt's token ids, as the chat path renders it (count_tokens)."""
-    return prepare_chat(state, req).ids
+    return prepare_chat(state, req, counting=True).ids
 
 
 async def run_chat(state: RouterState, request: Request, req: ChatCompletionRequest) -> ChatResult:

@@ -131,11 +131,14 @@ def validation_error(errors: list[dict], body: object = None, prefix: tuple = ()
     # with the fewest errors matched best (["a", null] is a list of strings with one bad item, not a list of
     # ints with two), and of members as deep, the one whose first error lies furthest into a list
     members = Counter(_tags(e.get("loc", ()), path) for path, e in located)
+    reached: dict[tuple, list] = {}  # each member's first error's indices into the value's lists
+    for path, e in located:
+        reached.setdefault(_tags(e.get("loc", ()), path), [p for p in path if isinstance(p, int)])
 
     def fit(pair: tuple[list, dict]) -> tuple:
         path, e = pair
         tags = _tags(e.get("loc", ()), path)
-        return len(path), -members[tags], [p for p in path if isinstance(p, int)] if tags else []
+        return len(path), -members[tags], reached[tags] if tags else []
 
     loc, best = max(located, key=fit)  # the first of the best
     where = ".".join(str(p) for p in (*prefix, *loc))

@@ -15,7 +15,7 @@ class ContentPartError(ValueError):
     """A message's content part this server cannot take: `index` in the content list, `field` of the part."""
 
     def __init__(self, index: int, field: str, problem: str) -> None:
-        super().__init__(f"content.{index}.{field} {problem}")
+        super().__init__(problem)
         self.index, self.field = index, field
 
 
@@ -47,7 +47,7 @@ class ToolCallParam(KnownFields):
         them with tojson; Qwen's takes a mapping or a string)."""
         try:
             arguments = json.loads(self.function.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than Python's parser recurses
             arguments = self.function.arguments
         call = {"type": "function", "function": {"name": self.function.name, "arguments": arguments}}
         return call if self.id is None else {"id": self.id, **call}

@@ -72,14 +72,20 @@ def truncated(ids: list[int], req: SamplingFields, max_seq_len: int, max_tokens:
     k = req.truncate_prompt_tokens
     if k is None:
         return ids
-    if k == 0 or k >= max_seq_len:
+    if k == 0 or k > max_seq_len:
         raise APIError(
             400,
-            f"truncate_prompt_tokens is {k}; it keeps the prompt's last k tokens, k from 1 to {max_seq_len - 1} "
-            f"(this model's context of {max_seq_len} tokens less one to generate), or -1: as many as leave "
-            "max_tokens room",
+            f"truncate_prompt_tokens is {k}; it keeps the prompt's last k tokens, k from 1 to this model's "
+            f"context of {max_seq_len} tokens, or -1: as many as leave max_tokens room",
             param="truncate_prompt_tokens",
         )
     if k == -1:
         k = max(max_seq_len - (max_tokens or 1), 1)
+    if len(ids) > k >= max_seq_len:
+        raise APIError(
+            400,
+            f"truncate_prompt_tokens is {k}: the prompt cut to it fills this model's context of {max_seq_len} "
+            "tokens, leaving none to generate; lower it, or use -1",
+            param="truncate_prompt_tokens",
+        )
     return ids[-k:] if len(ids) > k else ids

@@ -207,13 +207,11 @@ class RouterState:
                 code="model_not_found",
             )
 
-    def chat_prompt(
-        self, req: ChatCompletionRequest, tools: list[dict] | None = None, forced_call: bool = False
-    ) -> str:
+    def chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None = None, tools_seen: bool = False) -> str:
         """The messages (and tools) rendered by the chat template, with the request's chat_template_kwargs,
         ending with the assistant turn's opening or, continue_final_message, inside the last message.
-        Nothing the request holds is left out without a word: documents and tools a template does not render
-        are a 400 (tools not where a grammar makes the output a call, `forced_call`), and earlier calls it
+        Nothing the request holds is left out without a word: documents a template does not render are a
+        400, tools too where the model must see them to choose a call (`tools_seen`), and earlier calls it
         does not render are written into their turn's text as the model writes calls."""
         extra = req.chat_template_kwargs or {}
         if reserved := sorted(_TEMPLATE_ARGUMENTS & extra.keys()):
@@ -230,7 +228,10 @@ class RouterState:
             try:
                 messages.append(m.for_template())
             except ContentPartError as e:
-                raise APIError(400, f"messages.{i}.{e}", param=f"messages.{i}.content.{e.index}.{e.field}") from e
+                field = f"messages.{i}.content.{e.index}.{e.field}"
+                raise APIError(400, f"{field}: {e}", param=field) from e
+            except ValueError as e:
+                raise APIError(400, f"messages.{i}: {e}", param=f"messages.{i}") from e
             called.update(c.id for c in m.tool_calls or [])
             if m.role == "tool" and None not in called and m.tool_call_id not in called:
                 # as OpenAI's: a result answers a call before it (the template would render it as one)
@@ -255,14 +256,14 @@ class RouterState:
                 )
 
             prompt = render(messages)
-            bare = render(messages, documents=None) if documents else prompt
             with_calls = [i for i, m in enumerate(messages) if m.get("tool_calls")]
             if with_calls and render(_without_calls(messages)) == prompt:
                 unrendered_calls = with_calls[0]
                 if self.tool_call_parser is not None:
                     messages = _calls_as_text(messages, self.tool_call_parser)
                     prompt = render(messages)
-            unrendered_tools = bool(tools) and render(messages, tools=None) == prompt
+            bare = render(messages, documents=None) if documents else prompt
+            unrendered_tools = tools_seen and bool(tools) and render(messages, tools=None) == prompt
         except ValueError as e:
             raise APIError(400, f"messages: {e}", param="messages") from e
         except Exception as e:  # noqa: BLE001 - template errors come as many types
@@ -278,7 +279,7 @@ class RouterState:
                 "format to write them in (--tool-call-parser)",
                 param=field,
             )
-        if unrendered_tools and not forced_call:
+        if unrendered_tools:
             raise APIError(
                 400,
                 "tools: this model's chat template does not render tools, so the model would never see them; "
