@@ -570,3 +570,22 @@ def test_a_tool_result_answering_no_call_before_it_is_a_400_naming_it(srv, messa
     """As OpenAI's: the Responses and Messages APIs refuse such a result, and chat now does too."""
     r = httpx.post(srv.url + CHAT, json={"model": "tiny", "messages": messages, "max_tokens": 2}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == where, r.text
+
+
+def test_written_calls_leave_the_other_checks_as_they_were(plain_srv):
+    """With an earlier turn's calls written into its text: documents the template does not render are still
+    a 400, and arguments nested past Python's parser's depth are written as a string (not a server error)."""
+    r = httpx.post(
+        plain_srv.url + CHAT,
+        json={"model": "tiny", "messages": CALLED, "documents": [{"title": "a", "text": "b"}], "max_tokens": 2},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
+    deep = [dict(m) for m in CALLED]
+    deep[1] = {
+        **CALLED[1],
+        "tool_calls": [{**CALLED[1]["tool_calls"][0], "function": {"name": "f", "arguments": "[" * 5000}}],
+    }
+    r = httpx.post(plain_srv.url + CHAT, json={"model": "tiny", "messages": deep, "max_tokens": 2}, timeout=60)
+    # rendered: then longer than the tiny model's context, which is the 400's reason
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
