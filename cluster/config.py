@@ -105,7 +105,8 @@ class SchedulerConfig:
         60.0,
         "a constrained request (a JSON schema, regex, grammar or choices) whose grammar has not compiled in "
         "this long fails with 400; its compile goes on, and a later request with the same grammar finds it "
-        "compiled. Grammars compile on 4 threads beside the steps",
+        "compiled. Grammars compile on 4 threads beside the steps (and more than 64 `bad_words` are tokenized "
+        "on a thread of their own, under the same limit)",
         above=0,
     )
     # the router refuses at these bounds too, before it sends a request (and tries another replica)
