@@ -23,7 +23,8 @@ def tool_call_parser_for(setting: str, model_type: str | None) -> str | None:
     return setting
 
 
-# what a model writes between two calls of one turn, in each format
+# what comes between two calls of one output, in each format (what the chat templates write, and the parsers
+# skip)
 CALL_SEPARATORS = {"qwen": "\n", "llama": "; "}
 
 

@@ -21,7 +21,6 @@ from router.http.protocol import ChatCompletionRequest, NamedToolChoice
 
 # our tool-call formats as xgrammar's builtin structural tags name them (Qwen2.5 writes Qwen3's calls)
 STRUCTURAL_TAG_MODELS = {"qwen": "qwen_3", "llama": "llama"}
-# what comes between two calls of one output (what the chat templates write, and the parsers skip)
 NO_ARGUMENTS = {"type": "object", "properties": {}}
 
 ReasoningMode = Literal["enabled", "disabled", "auto"]

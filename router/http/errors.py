@@ -104,7 +104,7 @@ def _field_path(loc: tuple | list, body: object) -> list:
 
 
 def _misspelled(error: dict) -> list:
-    """The key a model took for a misspelled field (router/http/protocol.py), which its error is about."""
+    """The key a model took for a misspelled field (router/http/known_fields.py), which its error is about."""
     return [error["ctx"]["field"]] if error.get("type") == "misspelled_field" else []
 
 
