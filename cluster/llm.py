@@ -3,10 +3,13 @@ process, with no Ray; at tp_size > 1 it is the same scheduler actor and follower
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import numbers
-from collections.abc import Mapping
+import signal
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from cluster.choices import fan_out
@@ -81,6 +84,10 @@ class LLM:
         self._uids = itertools.count()
         self.replica = None
         self.scheduler = None
+        self._closed = False
+        # one generate at a time: the scheduler is driven by the calling thread, and two threads stepping it
+        # at once would interleave its steps
+        self._lock = threading.Lock()
         if self.config.tp_size > 1:
             from cluster.fleet.deploy import ReplicaHandle, ensure_ray
 
@@ -126,7 +133,18 @@ class LLM:
         params: SamplingParams | Mapping | list[SamplingParams | Mapping] | None = None,
     ) -> list[RequestOutput]:
         """Each prompt's choices, in order. `params`: one SamplingParams (or a dict of its fields) for
-        every prompt, or one a prompt."""
+        every prompt, or one a prompt. Calls from several threads run one after another. Ctrl-C during a call
+        ends its requests and raises KeyboardInterrupt, the engine ready for the next call."""
+        if self._closed:
+            raise RuntimeError("this LLM is shut down: make a new one")
+        with self._lock:
+            return self._generate(prompts, params)
+
+    def _generate(
+        self,
+        prompts: list[str] | list[list[int]] | str,
+        params: SamplingParams | Mapping | list[SamplingParams | Mapping] | None,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = SamplingParams() if params is None else params
@@ -152,10 +170,14 @@ class LLM:
             if self.replica is not None:
                 self._run_remote(requests)
             else:
-                for r in requests:
-                    self.scheduler.submit(r)
-                while self.scheduler.has_work:
-                    self.scheduler.step(block=True)  # waits, rather than spins, while only grammars compile
+                with _interrupts_between_steps() as interrupted:
+                    for r in requests:
+                        self.scheduler.submit(r)
+                    while self.scheduler.has_work:
+                        self.scheduler.step(block=True)  # waits, rather than spins, while only grammars compile
+                        if interrupted.is_set():
+                            self._abort(uids)
+                            raise KeyboardInterrupt
         finally:
             outputs = [self._outputs.pop(uid)[1] for uid in uids]
         for request, out in zip(requests, outputs):
@@ -167,6 +189,13 @@ class LLM:
                     shown = shown[:-1]  # the stop token's text is not the output's, as vLLM's (and EOS's)
                 out.text = text_after(self.tokenizer, request.input_ids, shown)
         return results
+
+    def _abort(self, uids: list[int]) -> None:
+        """Ends the requests and steps until the scheduler holds nothing of theirs (the step in flight done)."""
+        for uid in uids:
+            self.scheduler.abort(uid)
+        while self.scheduler.has_work:
+            self.scheduler.step(block=True)
 
     def _run_remote(self, requests: list[AddRequest]) -> None:
         import ray
@@ -214,6 +243,7 @@ class LLM:
             self.scheduler.check_integrity()
 
     def shutdown(self) -> None:
+        self._closed = True
         if self.replica is not None:
             self.replica.shutdown()
             self.replica = None
@@ -225,6 +255,22 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+@contextlib.contextmanager
+def _interrupts_between_steps() -> Iterator[threading.Event]:
+    """While the body runs on the main thread, Ctrl-C (SIGINT) sets the event rather than raising wherever the
+    scheduler happens to be: a step cut in the middle would leave its requests half-handled and the next call
+    spinning. The caller looks at the event between steps. Elsewhere the event is never set."""
+    interrupted = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupted
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set())
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _sampling_params(params: object) -> SamplingParams:
