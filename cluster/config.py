@@ -725,6 +725,10 @@ def _unique_keys_loader():
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):  # a list or mapping as a key: no setting's name
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"a key that is a {key_node.id} is not a setting's name", key_node.start_mark
+                    )
                 key = self.construct_object(key_node, deep=deep)
                 if key in seen:
                     raise yaml.constructor.ConstructorError(

@@ -193,3 +193,13 @@ def test_the_cache_is_under_xdg_cache_home_and_under_the_home_folder_when_it_is_
         else:
             monkeypatch.setenv("XDG_CACHE_HOME", unset)
         assert cache_home() == tmp_path / "home" / ".cache" / "raylm"
+
+
+@pytest.mark.parametrize("text", ["{[a]: 1}\n", "? {b: 2}\n: 1\n"])
+def test_a_key_that_is_a_list_or_a_mapping_in_a_config_file_is_named_with_its_line(tmp_path, text):
+    import yaml
+
+    (tmp_path / "keys.yaml").write_text(text)
+    with pytest.raises(yaml.YAMLError, match="is not a setting's name") as e:
+        ServeConfig.from_yaml(str(tmp_path / "keys.yaml"))
+    assert "line 1" in str(e.value)
