@@ -27,6 +27,21 @@ C = TypeVar("C", bound="ReplicaConfig")
 _MLP_WIDTHS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
 
 
+def _check_model_values(hf_config: object, model: str) -> None:
+    """The config.json values the checks below divide by or compare with: a ConfigError naming the value,
+    where a traceback would follow."""
+    if not isinstance(hf_config, dict):
+        raise ConfigError("model", f"{model}: its config.json is no JSON object but a {type(hf_config).__name__}")
+    for key, least in (("num_attention_heads", 1), ("num_key_value_heads", 1), ("max_position_embeddings", 1)):
+        value = hf_config.get(key)
+        if value is not None and (type(value) is not int or value < least):
+            raise ConfigError("model", f"{model}: its config.json's {key} is {value!r}, not a positive integer")
+    for key in _MLP_WIDTHS:
+        value = hf_config.get(key)
+        if value is not None and (type(value) is not int or value < 0):
+            raise ConfigError("model", f"{model}: its config.json's {key} is {value!r}, not an integer >= 0")
+
+
 def _attention_window(folder: Path, hf_config: dict) -> int | None:
     """The model's attention window as the engine reads it: through transformers' config class, which applies
     each family's rules (Qwen's use_sliding_window and max_window_layers, Mistral's default window); the raw
@@ -271,6 +286,7 @@ class ReplicaConfig:
             hf_config = json.loads((Path(self.model) / "config.json").read_text())
         except (OSError, ValueError):
             return
+        _check_model_values(hf_config, self.model)
         if (draft := self.scheduler.speculative_model) is not None:
             self._check_draft(Path(draft), hf_config, self.scheduler.speculative_method == "eagle3")
         context = hf_config.get("max_position_embeddings")
@@ -290,8 +306,8 @@ class ReplicaConfig:
                 "attention is not implemented, so sequences are served up to the window), "
                 f"not {self.engine.max_seq_len}",
             )
-        heads = hf_config.get("num_attention_heads", 1)
-        kv_heads = hf_config.get("num_key_value_heads", heads)
+        heads = hf_config.get("num_attention_heads") or 1
+        kv_heads = hf_config.get("num_key_value_heads") or heads
         # the dense MLP's width (where a layer is dense), and a mixture of experts' expert and shared-expert widths
         widths = [
             0 if k == "intermediate_size" and not _has_dense_mlp(hf_config) else hf_config.get(k) or 0

@@ -54,6 +54,16 @@ def broken_copy(qwen3_path: Path, tmp_path: Path, name: str) -> Path:
         (folder / "tokenizer.json").unlink()
     elif name == "bad-config-json":
         (folder / "config.json").write_text("{not json")
+    elif name == "config-json-a-list":
+        (folder / "config.json").write_text("[1, 2]")
+    elif name == "no-kv-heads":
+        config = json.loads((folder / "config.json").read_text())
+        config["num_key_value_heads"] = 0
+        (folder / "config.json").write_text(json.dumps(config))
+    elif name == "heads-a-string":
+        config = json.loads((folder / "config.json").read_text())
+        config["num_attention_heads"] = "4"
+        (folder / "config.json").write_text(json.dumps(config))
     return folder
 
 
@@ -63,6 +73,9 @@ def broken_copy(qwen3_path: Path, tmp_path: Path, name: str) -> Path:
         ("missing", "there is no file or folder"),
         ("empty", "has no config.json"),
         ("bad-config-json", "cannot be read as JSON"),
+        ("config-json-a-list", "its config.json is no JSON object but a list"),
+        ("no-kv-heads", "its config.json's num_key_value_heads is 0, not a positive integer"),
+        ("heads-a-string", "its config.json's num_attention_heads is '4', not a positive integer"),
         ("unknown-architecture", "MambaForCausalLM, which this server does not run; it runs"),
         ("truncated-weights", "not a whole safetensors file"),
         ("no-weights", "has no *.safetensors weights"),
