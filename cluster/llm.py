@@ -173,11 +173,15 @@ class LLM:
                 with _interrupts_between_steps() as interrupted:
                     for r in requests:
                         self.scheduler.submit(r)
+                    aborted = False
                     while self.scheduler.has_work:
                         self.scheduler.step(block=True)  # waits, rather than spins, while only grammars compile
-                        if interrupted.is_set():
-                            self._abort(uids)
-                            raise KeyboardInterrupt
+                        if interrupted.is_set() and not aborted:  # the loop then runs until they have ended
+                            for uid in uids:
+                                self.scheduler.abort(uid)
+                            aborted = True
+                if aborted:
+                    raise KeyboardInterrupt
         finally:
             outputs = [self._outputs.pop(uid)[1] for uid in uids]
         for request, out in zip(requests, outputs):
@@ -189,13 +193,6 @@ class LLM:
                     shown = shown[:-1]  # the stop token's text is not the output's, as vLLM's (and EOS's)
                 out.text = text_after(self.tokenizer, request.input_ids, shown)
         return results
-
-    def _abort(self, uids: list[int]) -> None:
-        """Ends the requests and steps until the scheduler holds nothing of theirs (the step in flight done)."""
-        for uid in uids:
-            self.scheduler.abort(uid)
-        while self.scheduler.has_work:
-            self.scheduler.step(block=True)
 
     def _run_remote(self, requests: list[AddRequest]) -> None:
         import ray

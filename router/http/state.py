@@ -378,7 +378,11 @@ class RouterState:
 
 
 def _without_calls(messages: list[dict]) -> list[dict]:
-    return [{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]
+    return [_no_calls(m) for m in messages]
+
+
+def _no_calls(message: dict) -> dict:
+    return {k: v for k, v in message.items() if k != "tool_calls"}
 
 
 def _calls_as_text(messages: list[dict], parser: str) -> list[dict]:
@@ -388,7 +392,7 @@ def _calls_as_text(messages: list[dict], parser: str) -> list[dict]:
     for m in messages:
         if calls := m.get("tool_calls"):
             text = m.get("content") or ""
-            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m = _no_calls(m)
             m["content"] = text + ("\n" if text else "") + written_calls(parser, calls)
         out.append(m)
     return out
