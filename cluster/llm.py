@@ -9,7 +9,7 @@ import itertools
 import numbers
 import signal
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cluster.choices import fan_out
@@ -67,6 +67,36 @@ class RequestOutput:
     @property
     def logprobs(self) -> list[float] | None:
         return self.outputs[0].logprobs
+
+
+def _token_ids_kind(value: object) -> bool:
+    """Whether `value` may be a list of token ids: a sequence, not text of any kind (bytes are a sequence of
+    ints, but are text not yet decoded) and not a mapping."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray)) or _is_array(value)
+
+
+def _is_array(value: object) -> bool:
+    return type(value).__module__ == "numpy" and getattr(value, "ndim", 0) >= 1
+
+
+def _named(value: object) -> str:
+    if isinstance(value, (bytes, bytearray)):
+        return "bytes (decode them to a str)"
+    return type(value).__name__
+
+
+def _prompt_list(prompts: object) -> list:
+    """generate()'s prompts as a list of prompts: one string or one list of token ids is one prompt; a list,
+    tuple or other iterable of them is several."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if _token_ids_kind(prompts):
+        if len(prompts) and isinstance(prompts[0], numbers.Integral) and not isinstance(prompts[0], bool):
+            return [prompts]  # one prompt's token ids
+        return list(prompts)
+    if isinstance(prompts, Iterable) and not isinstance(prompts, (bytes, bytearray, Mapping)):
+        return list(prompts)  # a generator, say
+    raise InvalidRequestError(f"prompts are a string, a list of token ids, or a list of either, not {_named(prompts)}")
 
 
 class LLM:
@@ -145,8 +175,7 @@ class LLM:
         prompts: list[str] | list[list[int]] | str,
         params: SamplingParams | Mapping | list[SamplingParams | Mapping] | None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = SamplingParams() if params is None else params
         if isinstance(params, (SamplingParams, Mapping)):
             params = [params] * len(prompts)
@@ -210,17 +239,17 @@ class LLM:
             if self.tokenizer is None:
                 raise InvalidRequestError("this model folder has no tokenizer: pass prompts as lists of token ids")
             return self.tokenizer(prompt).input_ids
+        if not _token_ids_kind(prompt):
+            raise InvalidRequestError(f"a prompt is a string or a list of token ids (ints), not {_named(prompt)}")
         ids = list(prompt)
         # the types present, not each token through isinstance: an abstract-class check per token cost
         # 0.7 s on the CPU before the first step of 128 prompts of 4,500 tokens
         kinds = set(map(type, ids))
         if kinds <= {int}:
             return ids
-        if not all(issubclass(k, numbers.Integral) and not issubclass(k, bool) for k in kinds):
-            # e.g. a tokenizer's whole output
-            raise InvalidRequestError(
-                f"a prompt is a string or a list of token ids (ints), not {type(prompt).__name__}"
-            )
+        others = sorted(k.__name__ for k in kinds if not issubclass(k, numbers.Integral) or issubclass(k, bool))
+        if others:
+            raise InvalidRequestError(f"a prompt's token ids are ints, not {', '.join(others)}")
         return [int(t) for t in ids]  # numpy's integers and the like, as the scheduler's plain ints
 
     def stats(self) -> SchedulerStats:

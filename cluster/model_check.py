@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from worker.checkpoint_error import folder_problem
+
 
 class ModelFolderError(ValueError):
     pass
@@ -17,20 +19,10 @@ _TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "m
 
 
 def check_model_folder(model: str, *, load_format: str = "auto", need_tokenizer: bool = True) -> None:
+    if (problem := folder_problem(model)) is not None:
+        raise ModelFolderError(problem)
     path = Path(model)
-    if not path.exists():
-        raise ModelFolderError(
-            f"there is no file or folder {model}: give a local Hugging Face model folder "
-            f"(config.json, *.safetensors, tokenizer files) or a GGUF file"
-        )
-    if not path.is_dir():
-        raise ModelFolderError(f"{model} is a file: give the Hugging Face model folder that holds it")
     config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ModelFolderError(
-            f"{model} has no config.json: give a Hugging Face model folder "
-            f"(config.json, *.safetensors, tokenizer files)"
-        )
     try:
         config = json.loads(config_file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -38,6 +30,10 @@ def check_model_folder(model: str, *, load_format: str = "auto", need_tokenizer:
     from worker.models import MODELS, SERVED_ARCHITECTURES
 
     archs = config.get("architectures") or []
+    if isinstance(archs, str):
+        raise ModelFolderError(f'{config_file}: "architectures" is a list of names: write ["{archs}"]')
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ModelFolderError(f'{config_file}: "architectures" is a list of names, not {json.dumps(archs)}')
     if not any(a in MODELS for a in archs):
         raise ModelFolderError(
             f"{model} is a {', '.join(archs) or config.get('model_type', 'model of no named architecture')}"

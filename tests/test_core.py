@@ -122,6 +122,15 @@ def test_unsupported_architecture_is_named(qwen3_path, tmp_path):
     assert "Qwen3ForCausalLM" in str(e.value) and "Eagle3" not in str(e.value)
 
 
+def test_architectures_written_as_one_string_is_named_not_read_letter_by_letter(qwen3_path, tmp_path):
+    shutil.copytree(qwen3_path, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["architectures"] = "Qwen3ForCausalLM"
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match=re.escape('"architectures" is a list of names: write ["Qwen3')):
+        LLM(str(tmp_path / "m"))
+
+
 @pytest.mark.parametrize(
     "tensor,shape",
     [

@@ -68,12 +68,19 @@ def test_a_file_that_is_not_gguf_is_one_error_from_the_offline_llm(tmp_path):
         LLM(str(bad))
 
 
-def test_a_file_cut_inside_its_metadata_is_one_error(tmp_path):
+@pytest.mark.parametrize("where", ["metadata", "tensors"])
+def test_a_file_cut_short_is_one_error_saying_so_and_no_conversion_is_announced(tmp_path, caplog, where):
     whole = write_gguf(tmp_path / "whole.gguf", "llama").read_bytes()
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(whole[:40])  # past the magic and the counts, inside the first key
-    with pytest.raises(CheckpointError, match="cannot be read as a GGUF checkpoint"):
+    # past the magic and the counts, inside the first key; or a few bytes short of the last tensor's end
+    cut.write_bytes(whole[:40] if where == "metadata" else whole[:-8])
+    with caplog.at_level("WARNING", logger="worker.gguf"), pytest.raises(CheckpointError) as e:
         gguf_folder(cut, tmp_path / "cache")
+    size = len(whole[:40]) if where == "metadata" else len(whole) - 8
+    assert f"cut.gguf: it ends before the data its header describes ({size:,} bytes): the file is cut short" in str(
+        e.value
+    )
+    assert "converting" not in caplog.text  # said only of a file that can be read
 
 
 def test_the_module_that_makes_a_folder_ahead_says_what_is_wrong_in_one_line(tmp_path):
@@ -194,7 +201,7 @@ def test_a_file_transformers_reads_as_mistral_attends_its_whole_context_as_llama
     assert made.model_type == "mistral" and made.sliding_window is None
 
 
-def test_a_model_in_parts_is_read_across_them_from_any_part(tmp_path):
+def test_a_model_in_parts_is_read_across_them_from_any_part(tmp_path, caplog):
     """llama.cpp's gguf-split writes a large model as NAME-00001-of-0000N.gguf, ... (the metadata in the first):
     the folder is made from every part's tensors, named by the first whichever part is given, and answers as the
     source; a part missing is an error naming it."""
@@ -208,7 +215,9 @@ def test_a_model_in_parts_is_read_across_them_from_any_part(tmp_path):
     assert len(parts) > 2 and first == parts[0] and first.name == f"moe-00001-of-{len(parts):05d}.gguf"
     assert first_part(parts[1]) == first and first_part(first) == first
     assert model_name(parts[1]) == "moe" == model_name(tmp_path / "moe.gguf")  # the name it serves under
-    folder = gguf_folder(parts[1], tmp_path / "cache")
+    with caplog.at_level("WARNING", logger="worker.gguf"):
+        folder = gguf_folder(parts[1], tmp_path / "cache")
+    assert f"converting {first} to a Hugging Face folder in {folder} (once)" in caplog.text
     assert folder == folder_for(first, tmp_path / "cache")
     whole = gguf_folder(tiny_gguf.write_gguf_of(src, tmp_path / "whole.gguf"), tmp_path / "cache")
     assert _answers(folder) == _answers(whole)

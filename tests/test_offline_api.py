@@ -4,13 +4,16 @@ after shutdown. Each leaves the engine whole or says why it cannot run."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 
 import pytest
 from helpers import checked_llm
 
-from cluster import SamplingParams
+from cluster import LLM, SamplingParams
+from cluster.errors import InvalidRequestError
+from worker.loader import CheckpointError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
@@ -59,3 +62,40 @@ def test_a_generate_after_shutdown_says_so(qwen3_path):
         llm.generate(PROMPTS[:1], GREEDY)
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(PROMPTS[:1], GREEDY)
+
+
+def test_prompts_of_another_kind_are_one_error_naming_it_and_an_iterable_of_prompts_runs(qwen3_path):
+    with checked_llm(qwen3_path, num_pages=64) as llm:
+        want = [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]
+        assert [o.token_ids for o in llm.generate(iter(PROMPTS[:2]), GREEDY)] == want
+        assert [o.token_ids for o in llm.generate(tuple(PROMPTS[:2]), GREEDY)] == want
+        assert [o.token_ids for o in llm.generate(PROMPTS[0], GREEDY)] == want[:1]  # one prompt's ids alone
+        for prompts, named in [
+            (None, "not NoneType"),
+            (7, "not int"),
+            ({"prompt": "Hi"}, "not dict"),
+            (b"Hello", "not bytes (decode them to a str)"),  # not its bytes run as token ids
+            ([b"Hello"], "not bytes (decode them to a str)"),
+            ([None], "not NoneType"),
+            ([7, None], "token ids are ints, not NoneType"),
+        ]:
+            with pytest.raises(InvalidRequestError, match=re.escape(named)):
+                llm.generate(prompts, GREEDY)
+        assert llm.stats().live == 0
+
+
+@pytest.mark.parametrize("where", ["missing", "a-file", "no-config"])
+def test_a_path_that_is_no_model_folder_is_named_as_launch_names_it(tmp_path, where):
+    path = tmp_path / "model"
+    if where == "a-file":
+        path.write_text("{}")
+    elif where == "no-config":
+        path.mkdir()
+    with pytest.raises(CheckpointError) as e:
+        LLM(str(path))
+    says = {
+        "missing": f"there is no file or folder {path}: give",
+        "a-file": f"{path} is a file: give the Hugging Face model folder that holds it",
+        "no-config": f"{path} has no config.json",
+    }
+    assert str(e.value).startswith(says[where]), e.value

@@ -60,6 +60,10 @@ def broken_copy(qwen3_path: Path, tmp_path: Path, name: str) -> Path:
         config = json.loads((folder / "config.json").read_text())
         config["num_key_value_heads"] = 0
         (folder / "config.json").write_text(json.dumps(config))
+    elif name == "architectures-a-string":
+        config = json.loads((folder / "config.json").read_text())
+        config["architectures"] = config["architectures"][0]
+        (folder / "config.json").write_text(json.dumps(config))
     elif name == "heads-a-string":
         config = json.loads((folder / "config.json").read_text())
         config["num_attention_heads"] = "4"
@@ -77,6 +81,7 @@ def broken_copy(qwen3_path: Path, tmp_path: Path, name: str) -> Path:
         ("no-kv-heads", "its config.json's num_key_value_heads is 0, not a positive integer"),
         ("heads-a-string", "its config.json's num_attention_heads is '4', not a positive integer"),
         ("unknown-architecture", "MambaForCausalLM, which this server does not run; it runs"),
+        ("architectures-a-string", '"architectures" is a list of names: write ["Qwen3ForCausalLM"]'),
         ("truncated-weights", "not a whole safetensors file"),
         ("no-weights", "has no *.safetensors weights"),
         ("no-tokenizer", "has no tokenizer files"),

@@ -29,6 +29,7 @@ from transformers import AutoConfig, PretrainedConfig
 from worker import triton_ops
 from worker.attention import create_backend
 from worker.batch import BatchDesc, ForwardBatch, StepOutput, desc_columns
+from worker.checkpoint_error import folder_problem
 from worker.config import EngineConfig
 from worker.draft_budget import draft_memory
 from worker.extend_graphs import capture_extend_graphs, extend_graph_bytes, extend_graphs_apply
@@ -87,8 +88,8 @@ _DTYPES = {
 
 def load_hf_config(model_path: str) -> PretrainedConfig:
     path = Path(model_path)
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"no config.json in {path}: give a local Hugging Face model folder")
+    if (problem := folder_problem(model_path)) is not None:
+        raise CheckpointError(problem)
     try:
         return AutoConfig.from_pretrained(str(path))
     except (ValueError, OSError, json.JSONDecodeError) as e:

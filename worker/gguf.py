@@ -62,14 +62,13 @@ def gguf_folder(model: str | Path, cache: Path = CACHE) -> Path:
     if _whole(folder):
         return folder
     cache.mkdir(parents=True, exist_ok=True)
-    logger.warning("converting %s to a Hugging Face folder in %s (once)", gguf_file, folder)
     for older in range(1, CONVERSION):
         if _whole(stale := folder_for(gguf_file, cache, older)):
             logger.warning("%s, an older conversion of this file, is no longer read: remove it to free its disk", stale)
     work = Path(tempfile.mkdtemp(prefix=".making-", dir=cache))
     try:
         try:
-            _convert(gguf_file, work)
+            _convert(gguf_file, work, folder)
         except CheckpointError as e:
             raise CheckpointError(f"{gguf_file}: {e}") from e
         try:
@@ -134,7 +133,22 @@ def _whole(folder: Path) -> bool:
     return (folder / "model.safetensors").exists() or (folder / INDEX).exists()
 
 
-def _convert(gguf_file: Path, out: Path) -> None:
+def _cut_short(e: Exception) -> bool:
+    """Whether a read failed where the file ended before the data its metadata describes: numpy cannot shape
+    a tensor from the bytes left, or struct finds fewer bytes than a field needs."""
+    return isinstance(e, struct.error) or (isinstance(e, ValueError) and "cannot reshape" in str(e))
+
+
+def _unreadable(gguf_file: Path, e: Exception) -> CheckpointError:
+    if _cut_short(e):
+        size = gguf_file.stat().st_size
+        return CheckpointError(
+            f"it ends before the data its header describes ({size:,} bytes): the file is cut short; download it again"
+        )
+    return CheckpointError(f"it cannot be read as a GGUF checkpoint: {e}")
+
+
+def _convert(gguf_file: Path, out: Path, folder: Path) -> None:
     from tqdm import tqdm
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -148,7 +162,7 @@ def _convert(gguf_file: Path, out: Path) -> None:
         reader = _open(gguf_file)  # the tensors memory-mapped, read as they are converted
     # an architecture transformers cannot read, a damaged file (struct.error: one cut inside its metadata)
     except (ValueError, KeyError, OSError, struct.error) as e:
-        raise CheckpointError(f"it cannot be read as a GGUF checkpoint: {e}") from e
+        raise _unreadable(gguf_file, e) from e
     gguf_arch = _field(reader, "general.architecture")
     config = _as_llama_cpp_runs_it(reader, gguf_arch, config)
     arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
@@ -161,6 +175,8 @@ def _convert(gguf_file: Path, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
     except (ValueError, KeyError, OSError) as e:  # no tokenizer in its metadata, or one transformers cannot build
         raise CheckpointError(f"its tokenizer cannot be read: {e}") from e
+    # said once the file is known to be readable, before the minutes of dequantizing
+    logger.warning("converting %s to a Hugging Face folder in %s (once)", gguf_file, folder)
     # llama.cpp reorders the rotary rows of q and k in llama's files (Mixtral's among them), not in Qwen's
     permuted = Heads(config.num_attention_heads, config.num_key_value_heads) if gguf_arch == "llama" else None
     try:
@@ -168,6 +184,8 @@ def _convert(gguf_file: Path, out: Path) -> None:
         with tqdm(total=size, desc="dequantizing", unit="B", unit_scale=True, disable=size < PROGRESS_BYTES) as bar:
             write_shards(hf_tensors(reader, permuted, bar.update), out)
     except (ValueError, struct.error) as e:  # a file cut inside its tensors
+        if _cut_short(e):
+            raise _unreadable(gguf_file, e) from e
         raise CheckpointError(f"its weights cannot be read: {e}") from e
     config.architectures = [arch]
     config.dtype = "bfloat16"  # what a GPU serves it in by default (the CPU serves float32)

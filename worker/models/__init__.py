@@ -37,6 +37,8 @@ class UnsupportedModelError(ValueError):
 def build_model(config: PretrainedConfig, max_positions: int, tp: TPGroup, kernels: Kernels = Kernels()) -> nn.Module:
     """`kernels`: which of the layers' kernels run (each layer keeps its own choice)."""
     archs = getattr(config, "architectures", None) or []
+    if isinstance(archs, str):  # iterated, its letters would be named as architectures
+        raise UnsupportedModelError(f'config.json\'s "architectures" is a list of names: write ["{archs}"]')
     for arch in archs:
         if arch in MODELS:
             return MODELS[arch](config, max_positions, tp, kernels)
