@@ -589,3 +589,46 @@ def test_written_calls_leave_the_other_checks_as_they_were(plain_srv):
     r = httpx.post(plain_srv.url + CHAT, json={"model": "tiny", "messages": deep, "max_tokens": 2}, timeout=60)
     # rendered: then longer than the tiny model's context, which is the 400's reason
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+
+def _counting_state(tokenizer):
+    """A RouterState over `tokenizer` whose chat template renders are counted (state.renders)."""
+    from types import SimpleNamespace
+
+    from router.http.state import RouterState
+
+    state = RouterState(config=SimpleNamespace(), tokenizer=tokenizer, model_name="m", max_seq_len=4096, vocab_size=8)
+    state.renders = 0
+    render = tokenizer.apply_chat_template
+
+    def counted(*args, **kwargs):
+        state.renders += 1
+        return render(*args, **kwargs)
+
+    state.tokenizer = SimpleNamespace(apply_chat_template=counted, chat_template=tokenizer.chat_template)
+    return state
+
+
+def test_a_part_the_template_was_seen_to_render_is_not_checked_again(tokenizer, qwen3_path):
+    """A template that renders tools and calls: the first such request renders with and without each (3
+    renders), later ones once, the same prompt; under other chat_template_kwargs the checks run again. A
+    template seen not to render tools is checked, and refused, every time."""
+    from router.http.errors import APIError
+    from router.http.protocol import ChatCompletionRequest
+
+    state = _counting_state(tokenizer)
+    req = ChatCompletionRequest(model="m", messages=CALLED, tools=TOOLS)
+    tools = TOOLS
+    first = state.chat_prompt(req, tools, tools_seen=True)
+    assert state.renders == 3
+    assert state.chat_prompt(req, tools, tools_seen=True) == first and state.renders == 4
+    other = ChatCompletionRequest(
+        model="m", messages=CALLED, tools=TOOLS, chat_template_kwargs={"enable_thinking": False}
+    )
+    state.chat_prompt(other, tools, tools_seen=True)
+    assert state.renders == 7
+
+    plain = _counting_state(load_tokenizer(str(qwen3_path)))
+    for _ in range(2):
+        with pytest.raises(APIError, match="does not render tools"):
+            plain.chat_prompt(ChatCompletionRequest(model="m", messages=MSG, tools=TOOLS), tools, tools_seen=True)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +108,10 @@ class RouterState:
     response_store: object = None  # the tier's stored responses (router/tier/response_store.py), once used
     eos_ids: tuple[int, ...] = ()  # the replicas' (min_tokens holds them back, in logit_bias's table)
     loop: asyncio.AbstractEventLoop | None = None  # the one the router serves on, once it does
+    # the parts of a request (tools, tool_calls, documents) the chat template has been seen to render, by the
+    # chat_template_kwargs: a part once rendered is not checked again (a render with and without it each
+    # request, on the event loop); one not rendered is checked every time
+    template_renders: set[tuple[str, str]] = field(default_factory=set)
 
     async def drain_replica(self, i: int) -> int:
         """Routes nothing more to replica i and empties it of this router's streams: each moves to
@@ -255,20 +260,31 @@ class RouterState:
                     **extra,
                 )
 
+            kwargs_key = json.dumps(extra, sort_keys=True, default=str)
+
+            def unrendered(part: str, without: Callable[[], str]) -> bool:
+                """Whether the template leaves `part` out: the prompt the same without it."""
+                if (part, kwargs_key) in self.template_renders:
+                    return False
+                if without() == prompt:
+                    return True
+                self.template_renders.add((part, kwargs_key))
+                return False
+
             prompt = render(messages)
             with_calls = [i for i, m in enumerate(messages) if m.get("tool_calls")]
-            if with_calls and render(_without_calls(messages)) == prompt:
+            if with_calls and unrendered("tool_calls", lambda: render(_without_calls(messages))):
                 unrendered_calls = with_calls[0]
                 if self.tool_call_parser is not None:
                     messages = _calls_as_text(messages, self.tool_call_parser)
                     prompt = render(messages)
-            bare = render(messages, documents=None) if documents else prompt
-            unrendered_tools = tools_seen and bool(tools) and render(messages, tools=None) == prompt
+            unrendered_documents = bool(documents) and unrendered("documents", lambda: render(messages, documents=None))
+            unrendered_tools = tools_seen and bool(tools) and unrendered("tools", lambda: render(messages, tools=None))
         except ValueError as e:
             raise APIError(400, f"messages: {e}", param="messages") from e
         except Exception as e:  # noqa: BLE001 - template errors come as many types
             raise APIError(400, f"messages cannot be rendered by the chat template: {e}", param="messages") from e
-        if documents and prompt == bare:
+        if unrendered_documents:
             # a template without documents would leave them out without a word
             raise APIError(400, "documents: this model's chat template does not render documents", param="documents")
         if unrendered_calls is not None and self.tool_call_parser is None:
