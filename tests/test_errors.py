@@ -91,7 +91,7 @@ def test_offline_prompts_of_token_ids_take_any_integers_and_refuse_the_rest(qwen
         assert llm.generate([np.array([5, 6, 7])], greedy(4))[0].token_ids == plain
         assert llm.generate([[5, np.int32(6), 7]], greedy(4))[0].token_ids == plain
         for bad in ([5, True, 7], [5, 6.0, 7], [5, "6", 7]):
-            with pytest.raises(InvalidRequestError, match="a prompt is a string or a list of token ids"):
+            with pytest.raises(InvalidRequestError, match="a prompt's token ids are ints, not (bool|float|str)$"):
                 llm.generate([bad], greedy(4))
         llm.check_integrity()
 
@@ -134,3 +134,37 @@ def test_a_replica_going_down_reaches_the_router_as_replica_down(qwen3_path):
     with pytest.raises(ReplicaDownError, match="ActorDiedError") as caught:
         asyncio.run(run())
     assert APIError.of(caught.value).status == 503
+
+
+def test_a_fault_of_the_routers_own_mid_stream_ends_it_with_an_error_event_not_a_cut_connection():
+    """Whatever the router itself fails at while a stream runs (once: a call's number a Decimal could not
+    hold) is a server_error event and [DONE], and the request still ends (its pieces closed, counted)."""
+    from types import SimpleNamespace
+
+    from router.http.responses import Formatter
+    from router.http.serving import _stream
+    from router.replicas.generation import Piece
+
+    class Broken(Formatter):
+        def chunk_sse(self, piece):
+            raise ArithmeticError("a bug")
+
+    async def pieces():
+        yield Piece("Hello", [1])
+        yield Piece(" there", [2], finish_reason="stop")
+
+    ended, reasons = [], []
+
+    async def finish():
+        ended.append(True)
+
+    async def run() -> list[str]:
+        state = SimpleNamespace(config=SimpleNamespace(request_timeout_s=None))
+        fmt = Broken("id", "m", True, None, None)
+        events = _stream(state, pieces(), fmt, 1, False, [], reasons.append, finish)
+        return [e async for e in events]
+
+    events = "".join(asyncio.run(run())).split("\n\n")
+    error = json.loads(next(e for e in events if "error" in e).removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and error["code"] == 500 and "ArithmeticError" in error["message"]
+    assert "data: [DONE]" in events and ended == [True] and reasons == ["error"]

@@ -251,6 +251,7 @@ _USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name"
     "fields, where",
     [
         ({"max_tokens": None}, "max_tokens"),
+        ({"system": [{"type": "text"}]}, "system.0: a text block needs its text"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]}, "tools.0.type"),
         ({"tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
@@ -333,6 +334,8 @@ def test_a_wrong_stop_sequences_type_is_named_as_sent(srv):
 def test_a_wrong_method_or_path_under_messages_is_an_anthropic_error(srv, method, path):
     r = httpx.request(method, srv.url + path, json={}, headers={"x-api-key": KEY}, timeout=30)
     assert r.status_code in (404, 405) and r.json()["type"] == "error", r.text
+    # Anthropic's type for each 4xx it has no other for
+    assert r.json()["error"]["type"] == ("not_found_error" if r.status_code == 404 else "invalid_request_error")
 
 
 def test_a_final_assistant_message_is_the_text_the_answer_continues(srv, model):

@@ -259,6 +259,8 @@ UNANSWERED = {"type": "function_call_output", "call_id": "call_nope", "output": 
     "fields, param",
     [
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input.0.type"),
+        ({"input": [{"type": ["message"], "role": "user", "content": "hi"}]}, "input.0.type"),  # was a 500
+        ({"input": [{"type": {"a": 1}}]}, "input.0.type"),
         ({"input": [{"role": "user", "content": 3}]}, "input.0.content"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"tool_choice": "required"}, "tool_choice"),

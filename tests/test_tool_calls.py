@@ -124,8 +124,11 @@ def _strict(text: str) -> object:
 def test_numbers_are_kept_as_written_even_past_a_double(kind):
     """A schema's grammar lets a number's exponent run past a double's (a forced call of a `number`
     parameter wrote 7E9906): the call is still a call, and its arguments stay JSON, the number as written
-    rather than Infinity."""
-    arguments = '{"big": 7E9906, "small": 1e-400, "plain": 0.1, "exp": 2.5e3, "int": 12, "list": [1.50, -0.0]}'
+    rather than Infinity; an exponent past even a Decimal's (1e99999999999999999999) too."""
+    arguments = (
+        '{"big": 7E9906, "small": 1e-400, "plain": 0.1, "exp": 2.5e3, "int": 12, "list": [1.50, -0.0], '
+        '"huge": 1e99999999999999999999}'
+    )
     if kind == "qwen":
         text = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
     else:
@@ -135,7 +138,7 @@ def test_numbers_are_kept_as_written_even_past_a_double(kind):
         assert parts.content == "" and [c.name for c in parts.tool_calls] == ["f"]
         args = parts.tool_calls[0].arguments
         assert "Infinity" not in args and _strict(args)["int"] == 12
-        assert args == '{"big": 7E+9906, "small": 1E-400, "plain": 0.1, "exp": 2.5E+3, "int": 12, "list": [1.50, -0.0]}'
+        assert args == arguments
 
 
 def test_a_closing_tag_inside_an_argument_does_not_end_the_call():

@@ -6,7 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.chat.reasoning import ReasoningParser
-from router.chat.tool_calls import ToolCall, tool_call_parser
+from router.chat.tool_calls import ToolCall, add_segment, split_segments, tool_call_parser
+
+# a whole message's key, where ChatOutput.keeps_order, for its content's text and its calls (as indices into
+# tool_calls) in the order the model wrote them
+IN_ORDER = "in_order"
 
 
 @dataclass
@@ -14,11 +18,16 @@ class ChatParts:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
+    # the content's text and the calls in the order the model wrote them (text after a call is an item of
+    # its own in the Responses and Messages APIs)
+    in_order: list[str | ToolCall] = field(default_factory=list)
 
     def __iadd__(self, other: ChatParts) -> ChatParts:
         self.reasoning += other.reasoning
         self.content += other.content
         self.tool_calls += other.tool_calls
+        for segment in other.in_order:
+            add_segment(self.in_order, segment)
         return self
 
     def __bool__(self) -> bool:
@@ -39,6 +48,8 @@ class ChatOutput:
     unfinished_calls_as_text: bool = True
     # include_reasoning false (vLLM's): the reasoning is still parsed out of the answer, but not returned
     shows_reasoning: bool = True
+    # a whole message also says the order of its text and calls (IN_ORDER), for the APIs of items
+    keeps_order: bool = False
 
     @property
     def parses(self) -> bool:
@@ -79,19 +90,20 @@ class ChatOutputParser:
         return self._answer(reasoning, content, final=True)
 
     def _answer(self, reasoning: str, content: str, final: bool) -> ChatParts:
-        parts = ChatParts(reasoning if self._shows_reasoning else "")
         if self._tools is None:
-            parts.content = content
+            segments = add_segment([], content)
         else:
-            parts.content, parts.tool_calls = self._tools.feed(content)
+            segments = self._tools.feed_in_order(content)
             if final:
-                rest, calls = self._tools.finish(self._keep_unfinished)
-                parts.content += rest
-                parts.tool_calls += calls
+                for segment in self._tools.finish_in_order(self._keep_unfinished):
+                    add_segment(segments, segment)
         if self._max_calls is not None:  # an unconstrained model may call more often than the client allows
-            parts.tool_calls = parts.tool_calls[: max(self._max_calls - self.calls, 0)]
-        self.calls += len(parts.tool_calls)
-        return parts
+            allowed = max(self._max_calls - self.calls, 0)
+            calls = [s for s in segments if isinstance(s, ToolCall)][allowed:]
+            segments = [s for s in segments if not any(s is c for c in calls)]
+        content, calls = split_segments(segments)
+        self.calls += len(calls)
+        return ChatParts(reasoning if self._shows_reasoning else "", content, calls, segments)
 
 
 def message(parts: ChatParts, output: ChatOutput) -> dict:
@@ -103,16 +115,40 @@ def message(parts: ChatParts, output: ChatOutput) -> dict:
         msg["reasoning_content"] = parts.reasoning or None
     if parts.tool_calls:
         msg["tool_calls"] = [c.as_openai() for c in parts.tool_calls]
+    if output.keeps_order:
+        calls = {id(c): i for i, c in enumerate(parts.tool_calls)}
+        msg[IN_ORDER] = [s if isinstance(s, str) else calls[id(s)] for s in parts.in_order]
     return msg
 
 
-def delta(parts: ChatParts, first_call: int) -> dict:
-    """A stream chunk's delta of these parts; the tool calls are numbered from first_call."""
-    out: dict = {}
-    if parts.reasoning:
-        out["reasoning_content"] = parts.reasoning
-    if parts.content:
-        out["content"] = parts.content
-    if parts.tool_calls:
-        out["tool_calls"] = [c.as_openai(first_call + i) for i, c in enumerate(parts.tool_calls)]
+def deltas(parts: ChatParts, first_call: int) -> list[dict]:
+    """A stream's deltas of these parts, one or more (one with nothing where there is nothing): a delta holds
+    text before calls, so text the model wrote after a call starts another; the tool calls are numbered from
+    first_call."""
+    groups: list[list[str | ToolCall]] = [[]]
+    for segment in parts.in_order:
+        if isinstance(segment, str) and groups[-1] and isinstance(groups[-1][-1], ToolCall):
+            groups.append([])
+        groups[-1].append(segment)
+    out = []
+    for i, group in enumerate(groups):
+        d: dict = {}
+        if i == 0 and parts.reasoning:
+            d["reasoning_content"] = parts.reasoning
+        text, calls = split_segments(group)
+        if text:
+            d["content"] = text
+        if calls:
+            d["tool_calls"] = [c.as_openai(first_call + j) for j, c in enumerate(calls)]
+        first_call += len(calls)
+        out.append(d)
     return out
+
+
+def in_order(message: dict) -> list[str | int]:
+    """A whole message's text and calls (indices into its tool_calls) in the order the model wrote them: its
+    IN_ORDER, or, from a message without it, its text before its calls."""
+    if IN_ORDER in message:
+        return message[IN_ORDER]
+    text = [message["content"]] if message.get("content") else []
+    return text + list(range(len(message.get("tool_calls") or [])))

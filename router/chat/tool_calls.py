@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from decimal import Decimal
 
 from router.chat.markers import split_held
 
@@ -38,10 +37,10 @@ def written_calls(parser: str, calls: list[dict]) -> str:
         arguments = function["arguments"]
         if isinstance(arguments, str):
             try:
-                arguments = _json(arguments)
+                arguments = parse_arguments(arguments)
             except (ValueError, RecursionError):
                 pass  # no JSON: written as a JSON string, so that the call's text stays JSON
-        args = json.dumps(arguments, ensure_ascii=False) if isinstance(arguments, str) else _dumps(arguments)
+        args = json.dumps(arguments, ensure_ascii=False) if isinstance(arguments, str) else json_text(arguments)
         name = json.dumps(function["name"], ensure_ascii=False)
         if parser == "qwen":
             written.append(f'<tool_call>\n{{"name": {name}, "arguments": {args}}}\n</tool_call>')
@@ -69,7 +68,7 @@ def _call(body: str, arguments_key: str, tagged: bool) -> ToolCall | None:
     """The call a JSON object's text names, or None when it is not one. Untagged (Llama's bare JSON),
     an object is a call only with its arguments key, so that an answer's own JSON stays content."""
     try:
-        value = _json(body)
+        value = parse_arguments(body)
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
         key = arguments_key if arguments_key in value else "arguments"
@@ -77,34 +76,60 @@ def _call(body: str, arguments_key: str, tagged: bool) -> ToolCall | None:
             return None
         args = value.get(key, {})
         if isinstance(args, str):  # some models write the arguments as a JSON string
-            args = _json(args)
+            args = parse_arguments(args)
         if not isinstance(args, dict):
             return None
-        return ToolCall(value["name"], _dumps(args))
+        return ToolCall(value["name"], json_text(args))
     except (ValueError, RecursionError):  # not JSON, or nested deeper than Python's parser recurses
         return None
 
 
-def _json(text: str) -> object:
-    """text's JSON value, its numbers with a fraction or exponent as Decimals (as written: 1e999, which a
-    schema's grammar allows, is JSON, but as a float it would go out as Infinity, which is not). Python's
-    parser also reads NaN and Infinity, which JSON has not: they are refused."""
-    return json.loads(text, parse_constant=_not_json, parse_float=Decimal)
+@dataclass(frozen=True)
+class JSONNumber:
+    """A number with a fraction or an exponent, kept as written: 1e999, which a schema's grammar allows, is
+    JSON, but as a float it would go out as Infinity, which is not; and 1e99999999999999999999 is beyond even
+    a Decimal's exponents."""
+
+    text: str
+
+
+def parse_arguments(text: str) -> object:
+    """text's JSON value, its numbers with a fraction or exponent as JSONNumbers (json_text writes them back as
+    they were written). Python's parser also reads NaN and Infinity, which JSON has not: they are refused."""
+    return json.loads(text, parse_constant=_not_json, parse_float=JSONNumber)
 
 
 def _not_json(constant: str) -> float:
     raise ValueError(f"{constant} is not JSON")
 
 
-def _dumps(value: object) -> str:
-    """value as JSON text, its Decimals as the numbers they were written as."""
+def json_text(value: object) -> str:
+    """value as JSON text, its JSONNumbers as they were written."""
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {_dumps(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, list):
-        return "[" + ", ".join(map(_dumps, value)) + "]"
-    if isinstance(value, Decimal):
-        return str(value)
+        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {json_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(json_text, value)) + "]"
+    if isinstance(value, JSONNumber):
+        return value.text
     return json.dumps(value, ensure_ascii=False)
+
+
+def add_segment(segments: list[str | ToolCall], item: str | ToolCall) -> list[str | ToolCall]:
+    """segments with `item` after them: text joins the text before it; empty text adds nothing."""
+    if isinstance(item, str):
+        if not item:
+            return segments
+        if segments and isinstance(segments[-1], str):
+            segments[-1] += item
+            return segments
+    segments.append(item)
+    return segments
+
+
+def split_segments(segments: list[str | ToolCall]) -> tuple[str, list[ToolCall]]:
+    """Segments as (their text, their calls), the order between the two let go (chat's message has no place
+    for it)."""
+    return "".join(s for s in segments if isinstance(s, str)), [s for s in segments if isinstance(s, ToolCall)]
 
 
 class ToolCallParser:
@@ -151,43 +176,51 @@ class ToolCallParser:
         raise NotImplementedError
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        return split_segments(self.feed_in_order(text))
+
+    def feed_in_order(self, text: str) -> list[str | ToolCall]:
+        """The content and calls `text` completes, in the order the model wrote them."""
         self._buffer += text
-        content, calls = "", []
+        out: list[str | ToolCall] = []
         while True:
             if self._after_call:
                 self._buffer = self._buffer.lstrip(self.separators)
                 if not self._buffer:
-                    return content, calls
+                    return out
                 self._after_call = False
             if not self._in_call:
                 at = self._buffer.find(self.begin)
                 if at < 0:
-                    out, self._buffer = split_held(self._buffer, self.begin)
-                    return content + out, calls
-                content += self._buffer[:at]
+                    content, self._buffer = split_held(self._buffer, self.begin)
+                    return add_segment(out, content)
+                add_segment(out, self._buffer[:at])
                 self._buffer, self._in_call = self._buffer[at:], True
                 self._started()
             end = self._end(self._buffer)
             if end is None:
-                return content, calls
+                return out
             call = self._parse(self._buffer[:end])
             if call is None:
-                content += self._buffer[:end]
+                add_segment(out, self._buffer[:end])
             else:
-                calls.append(call)
+                out.append(call)
                 self.calls += 1
                 self._after_call = True
             self._buffer, self._in_call = self._buffer[end:], False
 
     def finish(self, keep_unfinished: bool = True) -> tuple[str, list[ToolCall]]:
+        return split_segments(self.finish_in_order(keep_unfinished))
+
+    def finish_in_order(self, keep_unfinished: bool = True) -> list[str | ToolCall]:
         """The end of the choice: a call still open is taken if its text parses whole (the output may
         end before a closing tag), otherwise it is content, or, not `keep_unfinished`, dropped (the
-        format's markup of a call cut short, which an API of items has no place for)."""
+        format's markup of a call cut short, which an API of items has no place for; outside a call, what
+        is held back is the start of an opening tag)."""
         rest, self._buffer = self._buffer, ""
         if self._in_call and (call := self._parse(rest)) is not None:
             self.calls += 1
-            return "", [call]
-        return rest if keep_unfinished or not self._in_call else "", []
+            return [call]
+        return add_segment([], rest if keep_unfinished else "")
 
 
 class QwenToolCallParser(ToolCallParser):

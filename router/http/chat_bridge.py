@@ -9,7 +9,7 @@ import json
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -84,8 +84,9 @@ async def run_chat(state: RouterState, request: Request, req: ChatCompletionRequ
         None,
         params.n,
         [PromptShown(chat.ids)],
-        # a call cut short is no item of these APIs: its markup is not shown as text either
-        output=dataclasses.replace(chat.output, unfinished_calls_as_text=False),
+        # a call cut short is no item of these APIs: its markup is not shown as text either; their items
+        # follow the order of the text and calls (the message's IN_ORDER)
+        output=dataclasses.replace(chat.output, unfinished_calls_as_text=False, keeps_order=True),
         extras=Extras(return_token_ids=True),
     )
     result = await serve(state, request, req, [PromptRun(chat.ids, params)], fmt)
@@ -104,6 +105,41 @@ async def _chunks(events: AsyncIterator[str]) -> AsyncIterator[dict]:
 def sse_event(name: str, data: dict) -> str:
     """An SSE event with its name (both APIs name theirs; the clients dispatch on it)."""
     return f"event: {name}\ndata: {stream_json(data)}\n\n"
+
+
+@dataclass
+class Origins:
+    """Where each message of a translated chat request came from in the API's own request, so that an error
+    the chat path names by a message (`messages.3.tool_calls`) names the API's field instead: `of[i]` for
+    message i (its item, or the field that stands for it: instructions, system, previous_response_id), and
+    `calls[i]` for its calls where they came from elsewhere (a function_call item, a tool_use block)."""
+
+    of: list[str] = field(default_factory=list)
+    calls: dict[int, str] = field(default_factory=dict)
+
+    def add(self, where: str, calls_at: str | None = None) -> None:
+        if calls_at is not None:
+            self.calls[len(self.of)] = calls_at
+        self.of.append(where)
+
+    def prepend(self, where: str) -> None:
+        self.of.insert(0, where)
+        self.calls = {i + 1: at for i, at in self.calls.items()}
+
+    def named(self, error: APIError) -> APIError:
+        if error.param is not None:
+            error.param = self._name(error.param)
+        error.message = self._name(error.message)
+        return error
+
+    def _name(self, text: str) -> str:
+        found = re.match(r"messages\.(\d+)(\.tool_calls)?", text)
+        if found is None or not _starts_with_name(text, found.group(0)) or int(found.group(1)) >= len(self.of):
+            return text
+        i, rest = int(found.group(1)), text[found.end() :]
+        if found.group(2):
+            return self.calls[i] + rest if i in self.calls else self.of[i] + rest
+        return self.of[i] + rest
 
 
 def renamed(error: APIError, names: dict[str, str]) -> APIError:

@@ -187,15 +187,19 @@ ANTHROPIC_ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",  # the request's time ran out (Anthropic's own is a 504)
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
+    504: "timeout_error",
     529: "overloaded_error",
 }
 
 
 def anthropic_error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+    """Anthropic's error object: the type its status has, any other 4xx an invalid request, 5xx api_error."""
+    type_ = ANTHROPIC_ERROR_TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "api_error")
+    return {"type": "error", "error": {"type": type_, "message": message}}
 
 
 def anthropic_error(

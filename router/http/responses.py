@@ -6,7 +6,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from router.chat.output import ChatOutput, ChatOutputParser, ChatParts, delta, message
+from router.chat.output import ChatOutput, ChatOutputParser, ChatParts, deltas, message
 from router.http.extras import Extras, prompt_logprobs_list
 from router.http.token_bytes import TextOffsets, token_bytes
 from router.replicas.generation import Piece
@@ -222,9 +222,10 @@ class Formatter:
             "choices": [choice],
         }
 
-    def _parsed(self, piece: Piece) -> tuple[dict, str | None]:
-        """What the choice's parser gives out of piece's text, as a chunk's delta (reasoning, content and
-        tool calls numbered within the choice, each only when there is some), and the finish reason."""
+    def _parsed(self, piece: Piece) -> tuple[list[dict], str | None]:
+        """What the choice's parser gives out of piece's text, as chunks' deltas (reasoning, content and
+        tool calls numbered within the choice, each only when there is some; more than one where text follows
+        a call), and the finish reason."""
         parser = self._parsers.get(piece.index)
         if parser is None:
             parser = self._parsers[piece.index] = self.output.parser()
@@ -234,7 +235,18 @@ class Formatter:
         if reason is not None:
             parts += parser.finish()
             reason = _finish_reason(reason, parser)
-        return delta(parts, first_call), reason
+        return deltas(parts, first_call), reason
+
+    def _delta_chunk(self, index: int, delta: dict) -> dict:
+        """A chunk of a delta alone (one before the piece's own)."""
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
 
     def role_chunks(self) -> list[str]:
         """Chat's first events: one per choice, naming the assistant's role."""
@@ -262,11 +274,16 @@ class Formatter:
         "" when there is nothing to send: a parser holds the piece's text back (it may open a tool call)."""
         reason, extras = piece.finish_reason, self.extras
         self.generated[piece.index] += len(piece.token_ids)
+        earlier = ""
         if self.output is not None:
             parsed, reason = self._parsed(piece)
+            # text after a call: its own chunk after the call's; the piece's tokens, logprobs and reason
+            # go with the last
+            earlier = "".join(sse(self._delta_chunk(piece.index, d)) for d in parsed[:-1])
+            parsed = parsed[-1]
             ids_shown = extras.return_token_ids and piece.token_ids  # every token's id goes out
             if not parsed and reason is None and not piece.logprobs and not ids_shown:
-                return ""
+                return earlier
             if self.top_logprobs is not None or parsed.keys() - {"content"} or extras.in_stream:
                 choice = {
                     "index": piece.index,
@@ -281,7 +298,7 @@ class Formatter:
                     "model": self.model,
                     "choices": [choice],
                 }
-                return sse(self._with_extras(body, piece, piece.index))
+                return earlier + sse(self._with_extras(body, piece, piece.index))
             text = parsed.get("content", "")
         elif self.top_logprobs is not None or self.echoes(piece) or extras.in_stream:
             return sse(self._with_extras(self.chunk(piece), piece, piece.index))
@@ -294,7 +311,9 @@ class Formatter:
             choice = index + ', "delta": {}'
         else:
             choice = index + ', "delta": {"content": ' + stream_json(text) + "}"
-        return self._sse_head + choice + ', "logprobs": null, "finish_reason": ' + json.dumps(reason) + "}]}\n\n"
+        return (
+            earlier + self._sse_head + choice + ', "logprobs": null, "finish_reason": ' + json.dumps(reason) + "}]}\n\n"
+        )
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
         return {

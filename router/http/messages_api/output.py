@@ -3,11 +3,12 @@ stop_reason (end_turn, max_tokens, stop_sequence with the sequence, tool_use) an
 
 from __future__ import annotations
 
-import json
 import uuid
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
+from router.chat.output import in_order
+from router.chat.tool_calls import json_text, parse_arguments
 from router.http.errors import APIError, anthropic_error
 
 
@@ -25,23 +26,32 @@ def tool_use_id(call: dict) -> str:
 
 
 def tool_use(call: dict) -> dict:
+    """The call's block, its input's numbers as the model wrote them (one past a double's range, which a
+    schema's grammar allows, is no float: json_response writes it back as written)."""
     return {
         "type": "tool_use",
         "id": tool_use_id(call),
         "name": call["function"]["name"],
-        "input": json.loads(call["function"]["arguments"]),
+        "input": parse_arguments(call["function"]["arguments"]),
     }
 
 
 def blocks_of(message: dict) -> list[dict]:
-    """A whole chat message's content blocks (one text block, perhaps empty, when there is nothing else)."""
+    """A whole chat message's content blocks, as its stream gives them: the thinking, then a text block for
+    each run of text and a tool_use block for each call, in the order the model wrote them (one text block,
+    perhaps empty, when there is nothing else)."""
     blocks = []
     if message.get("reasoning_content"):
         blocks.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
-    if message.get("content"):
-        blocks.append({"type": "text", "text": message["content"]})
-    blocks += [tool_use(c) for c in message.get("tool_calls") or []]
+    calls = message.get("tool_calls") or []
+    for segment in in_order(message):
+        blocks.append({"type": "text", "text": segment} if isinstance(segment, str) else tool_use(calls[segment]))
     return blocks or [{"type": "text", "text": ""}]
+
+
+def json_response(body: dict) -> Response:
+    """A whole message as JSON, its tool inputs' numbers as written."""
+    return Response(json_text(body), media_type="application/json")
 
 
 def stop_of(

@@ -9,9 +9,17 @@ import json
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from router.http.chat_bridge import cached_of, prompt_ids, renamed, run_chat
+from router.http.chat_bridge import Origins, cached_of, prompt_ids, renamed, run_chat
 from router.http.errors import APIError, validation_error
-from router.http.messages_api.output import blocks_of, error_response, message_body, new_id, stop_of, usage
+from router.http.messages_api.output import (
+    blocks_of,
+    error_response,
+    json_response,
+    message_body,
+    new_id,
+    stop_of,
+    usage,
+)
 from router.http.messages_api.protocol import CountTokensRequest, MessagesRequest
 from router.http.messages_api.stream import MessageEvents
 from router.http.messages_api.translate import chat_of
@@ -48,10 +56,11 @@ async def create_message(state: RouterState, request: Request):
         state.check_model(req.model)
     except APIError as e:
         return error_response(e)
+    origins = Origins()
     try:  # the chat path's checks: errors name its fields as this API calls them
-        result = await run_chat(state, request, chat_of(req))
+        result = await run_chat(state, request, chat_of(req, origins))
     except APIError as e:
-        return error_response(renamed(e, FIELD_NAMES))
+        return error_response(renamed(origins.named(e), FIELD_NAMES))
     stops = req.stop_sequences or []
     eos = set(state.eos_ids)
 
@@ -62,13 +71,14 @@ async def create_message(state: RouterState, request: Request):
         events = MessageEvents(new_id(), state.model_name, len(result.prompt_ids), stop)
         return result.restream(events.events)
     choice, used = result.body["choices"][0], result.body["usage"]
-    return message_body(
+    body = message_body(
         new_id(),
         state.model_name,
         blocks_of(choice["message"]),
         stop(choice["finish_reason"], choice.get("token_ids") or []),
         usage(used["prompt_tokens"], used["completion_tokens"], cached_of(used)),
     )
+    return json_response(body)
 
 
 async def count_tokens(state: RouterState, request: Request):
@@ -77,7 +87,8 @@ async def count_tokens(state: RouterState, request: Request):
         state.check_model(req.model)
     except APIError as e:
         return error_response(e)
+    origins = Origins()
     try:
-        return {"input_tokens": len(prompt_ids(state, chat_of(req)))}
+        return {"input_tokens": len(prompt_ids(state, chat_of(req, origins)))}
     except APIError as e:
-        return error_response(renamed(e, FIELD_NAMES))
+        return error_response(renamed(origins.named(e), FIELD_NAMES))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from router.http.chat_bridge import chat_request
+from router.http.chat_bridge import Origins, chat_request
 from router.http.errors import APIError
 from router.http.messages import joined_parts
 from router.http.messages_api.protocol import CountTokensRequest, MessagesRequest, ToolChoice
@@ -24,8 +24,10 @@ def _text(blocks: object, field: str) -> str:
     for i, block in enumerate(blocks):
         if not isinstance(block, dict):
             raise APIError(400, f"{field}.{i}: must be a content block (an object with a type)", param=f"{field}.{i}")
-        if block.get("type") != "text" or not isinstance(block.get("text"), str):
+        if block.get("type") != "text":
             raise _unsupported(block, f"{field}.{i}")
+        if not isinstance(block.get("text"), str):
+            raise APIError(400, f"{field}.{i}: a text block needs its text", param=f"{field}.{i}.text")
         out.append(block["text"])
     return joined_parts(out)
 
@@ -88,20 +90,31 @@ def _assistant(content: list[dict], where: str) -> dict:
     return {**message, "tool_calls": calls} if calls else message
 
 
-def chat_messages(req: CountTokensRequest) -> list[dict]:
+def chat_messages(req: CountTokensRequest, origins: Origins | None = None) -> list[dict]:
+    """The request's messages as chat's; `origins` gets the field each came from."""
+    origins = Origins() if origins is None else origins
     system = "" if req.system is None else _text(req.system, "system")
     # an empty system prompt ([] or "") is none: a template would render an empty system turn for it
     messages = [{"role": "system", "content": system}] if system else []
+    if system:
+        origins.add("system")
     calls: set[str] = set()  # the tool_use ids of the assistant turn before, which its results answer
     for i, m in enumerate(req.messages):
+        where = f"messages.{i}"
         if not m.content and not (m.role == "assistant" and i == len(req.messages) - 1):
-            raise APIError(400, f"messages.{i}.content: a message needs content", param=f"messages.{i}.content")
+            raise APIError(400, f"{where}.content: a message needs content", param=f"{where}.content")
         if isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content})
+            origins.add(where)
         elif m.role == "user":
-            messages += _user(m.content, f"messages.{i}", calls)
+            turn = _user(m.content, where, calls)
+            messages += turn
+            for _ in turn:
+                origins.add(where)
         else:
-            messages.append(_assistant(m.content, f"messages.{i}"))
+            messages.append(_assistant(m.content, where))
+            uses = [j for j, b in enumerate(m.content) if b.get("type") == "tool_use"]
+            origins.add(where, calls_at=f"{where}.content.{uses[0]}" if uses else None)
         calls = {c["id"] for c in messages[-1].get("tool_calls", ())} if m.role == "assistant" else set()
     return messages
 
@@ -148,7 +161,8 @@ def _tool_choice(choice: ToolChoice | None) -> str | dict | None:
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
 
 
-def chat_of(req: CountTokensRequest) -> ChatCompletionRequest:
+def chat_of(req: CountTokensRequest, origins: Origins | None = None) -> ChatCompletionRequest:
+    """The chat request `req` means; `origins` gets the field each of its messages came from."""
     for i, tool in enumerate(req.tools or []):
         if tool.type not in (None, "custom"):
             raise APIError(
@@ -168,7 +182,7 @@ def chat_of(req: CountTokensRequest) -> ChatCompletionRequest:
     ] or None
     thinking = req.thinking is not None and req.thinking.type in ("enabled", "adaptive")
     choice = req.tool_choice
-    messages, prefill = chat_messages(req), prefilled(req)
+    messages, prefill = chat_messages(req, origins), prefilled(req)
     if prefill and not messages[-1]["content"]:  # an empty final assistant turn prefills nothing
         messages, prefill = messages[:-1], False
     fields = {

@@ -7,6 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from router.chat.output import in_order
 from router.http.responses_api.protocol import ResponsesRequest
 
 
@@ -44,15 +45,23 @@ def function_call_item(item_id: str, call: dict, status: str = "completed") -> d
 
 
 def items_of(message: dict, status: str) -> list[dict]:
-    """A whole chat message's output items (a message item even when empty, so that output_text is
-    always there to read)."""
+    """A whole chat message's output items, as its stream gives them: the reasoning, then a message item for
+    each run of text and a function_call for each call, in the order the model wrote them (a message a call
+    follows is completed; the last item, a message, has the response's status); a message item, empty, where
+    there is neither, so that output_text is always there to read."""
     items = []
     if message.get("reasoning_content"):
         items.append(reasoning_item(new_id("rs"), message["reasoning_content"]))
     calls = message.get("tool_calls") or []
-    if message.get("content") or not calls:
-        items.append(message_item(new_id("msg"), message.get("content") or "", status))
-    items += [function_call_item(new_id("fc"), c) for c in calls]
+    for segment in in_order(message):
+        if isinstance(segment, str):
+            items.append(message_item(new_id("msg"), segment))
+        else:
+            items.append(function_call_item(new_id("fc"), calls[segment]))
+    if items and items[-1]["type"] == "message":
+        items[-1]["status"] = status
+    if not any(item["type"] in ("message", "function_call") for item in items):
+        items.append(message_item(new_id("msg"), "", status))
     return items
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from router.http.chat_bridge import cached_of, prompt_ids, renamed, run_chat
+from router.http.chat_bridge import Origins, cached_of, prompt_ids, renamed, run_chat
 from router.http.errors import APIError
 from router.http.responses_api.output import ResponseHead, items_of, status_of, usage
 from router.http.responses_api.protocol import InputTokensRequest, ResponsesRequest
@@ -26,24 +26,28 @@ FIELD_NAMES = {
 }
 
 
-async def conversation(state: RouterState, req: ResponsesRequest) -> list[dict]:
-    """The chat messages a request continues with: its previous response's conversation, then its input."""
+async def conversation(state: RouterState, req: ResponsesRequest) -> tuple[list[dict], Origins]:
+    """The chat messages a request continues with: its previous response's conversation, then its input;
+    and where each came from."""
     history = []
     if req.previous_response_id is not None:
         history = (await stored(state, req.previous_response_id, "previous_response_id"))["messages"]
+    origins = Origins()
+    for _ in history:
+        origins.add("previous_response_id", calls_at="previous_response_id")
     try:
-        return history + input_messages(req.input, history)
+        return history + input_messages(req.input, history, origins=origins), origins
     except APIError as e:
         raise renamed(e, FIELD_NAMES) from None
 
 
 async def create_response(state: RouterState, request: Request, req: ResponsesRequest):
     state.check_model(req.model)
-    messages = await conversation(state, req)
+    messages, origins = await conversation(state, req)
     try:
-        result = await run_chat(state, request, chat_of(req, messages))
+        result = await run_chat(state, request, chat_of(req, messages, origins))
     except APIError as e:
-        raise renamed(e, FIELD_NAMES) from None
+        raise renamed(origins.named(e), FIELD_NAMES) from None
     head = ResponseHead(req, state.model_name)
     count = lambda text: len(state.tokenizer(text, add_special_tokens=False).input_ids) if text else 0  # noqa: E731
     given = input_items(req.input)
@@ -75,11 +79,11 @@ async def count_input_tokens(state: RouterState, req: InputTokensRequest) -> dic
     with its instructions and tools, rendered as POST /v1/responses renders them."""
     if req.model is not None:
         state.check_model(req.model)
-    messages = await conversation(state, req)
+    messages, origins = await conversation(state, req)
     try:
-        ids = prompt_ids(state, chat_of(req.model_copy(update={"model": state.model_name}), messages))
+        ids = prompt_ids(state, chat_of(req.model_copy(update={"model": state.model_name}), messages, origins))
     except APIError as e:
-        raise renamed(e, FIELD_NAMES) from None
+        raise renamed(origins.named(e), FIELD_NAMES) from None
     return {"object": "response.input_tokens", "input_tokens": len(ids)}
 
 

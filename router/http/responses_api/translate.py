@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from router.http.chat_bridge import chat_request
+from router.http.chat_bridge import Origins, chat_request
 from router.http.errors import APIError, validation_error
 from router.http.protocol import ChatCompletionRequest
 from router.http.responses_api.protocol import (
@@ -19,16 +19,21 @@ from router.http.responses_api.protocol import (
 )
 
 
-def input_messages(items: str | list[dict], history: list[dict] = (), field: str = "input") -> list[dict]:
+def input_messages(
+    items: str | list[dict], history: list[dict] = (), field: str = "input", origins: Origins | None = None
+) -> list[dict]:
     """The input as chat messages, after `history` (the conversation of previous_response_id), or a 400
-    naming the item at fault; a function_call_output answers a function_call of either."""
+    naming the item at fault; a function_call_output answers a function_call of either. `origins` gets the
+    item each message came from."""
+    origins = Origins() if origins is None else origins
     if isinstance(items, str):
+        origins.add(field)
         return [{"role": "user", "content": items}]
     calls = {c["id"] for m in history for c in m.get("tool_calls", ())}
     messages: list[dict] = []
     for i, raw in enumerate(items):
         kind = raw.get("type", "message")  # an "easy" message has only role and content
-        model = INPUT_ITEMS.get(kind)
+        model = INPUT_ITEMS.get(kind) if isinstance(kind, str) else None  # a list or an object names none
         if model is None:
             raise APIError(
                 400,
@@ -41,8 +46,10 @@ def input_messages(items: str | list[dict], history: list[dict] = (), field: str
         except ValidationError as e:
             where, msg = validation_error(e.errors(), raw, (field, i))
             raise APIError(400, f"{where}: {msg}", param=where) from e
+        at = f"{field}.{i}"
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
+            origins.add(at)
         elif isinstance(item, FunctionCallItem):
             call = {
                 "id": item.call_id,
@@ -53,8 +60,10 @@ def input_messages(items: str | list[dict], history: list[dict] = (), field: str
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":  # calls of one turn are one message's
                 last.setdefault("tool_calls", []).append(call)
+                origins.calls.setdefault(len(origins.of) - 1, at)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.add(at, calls_at=at)
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in calls:  # OpenAI's 400 too: a result must answer a call before it
                 raise APIError(
@@ -63,14 +72,17 @@ def input_messages(items: str | list[dict], history: list[dict] = (), field: str
                     param=f"{field}.{i}.call_id",
                 )
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            origins.add(at)
     return messages
 
 
-def chat_of(req: ResponsesRequest, messages: list[dict]) -> ChatCompletionRequest:
+def chat_of(req: ResponsesRequest, messages: list[dict], origins: Origins | None = None) -> ChatCompletionRequest:
     """The chat request of these messages: the input's, after those of the responses before it
-    (previous_response_id)."""
+    (previous_response_id); `origins`, theirs, gets the instructions'."""
     if req.instructions:  # first (an empty one is none); not carried over from a previous response, as OpenAI's
         messages = [{"role": "system", "content": req.instructions}, *messages]
+        if origins is not None:
+            origins.prepend("instructions")
     if not messages:
         raise APIError(400, "input: the conversation is empty", param="input")
     choice = req.tool_choice
