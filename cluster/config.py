@@ -569,6 +569,12 @@ class ServeConfig(ReplicaConfig):
             raise ConfigError(
                 "max_replicas", f"is required with min_replicas ({self.min_replicas}): the most replicas to grow to"
             )
+        tuned = [f.name for f in fields(self) if f.name.startswith("autoscale_") and getattr(self, f.name) != f.default]
+        if tuned and self.max_replicas is None:  # they would tune an autoscaler that never runs
+            raise ConfigError(
+                "max_replicas",
+                f"is required with {', '.join(tuned)}: they tune autoscaling, which max_replicas turns on",
+            )
         low, high = self.replica_range
         if high < low:
             raise ConfigError("max_replicas", f"must be at least min_replicas ({low}), not {high}")

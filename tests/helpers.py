@@ -122,7 +122,10 @@ def concurrent_completions(url: str, prompts: list[str], max_tokens: int) -> lis
         return "".join([ch.choices[0].text async for ch in chunks])
 
     async def all_of_them():
-        return await asyncio.gather(*(one(p, i % 2 == 0) for i, p in enumerate(prompts)))
+        try:
+            return await asyncio.gather(*(one(p, i % 2 == 0) for i, p in enumerate(prompts)))
+        finally:
+            await aclient.close()  # on this loop: one garbage-collected later would close on a closed loop
 
     return asyncio.run(all_of_them())
 

@@ -101,14 +101,15 @@ def _feed_until(
             done, pending = await asyncio.wait(pending, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
             results += [t.result() for t in done]
         results += await asyncio.gather(*pending)
+        await client.close()
         return results
 
     return asyncio.run(feed())
 
 
 async def _streams(srv, n: int, max_tokens: int = MAX_TOKENS) -> list[Stream]:
-    client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    return await asyncio.gather(*(_stream(client, i % len(PROMPTS), max_tokens) for i in range(n)))
+    async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        return await asyncio.gather(*(_stream(client, i % len(PROMPTS), max_tokens) for i in range(n)))
 
 
 def _assert_complete(streams: list[Stream], max_tokens: int = MAX_TOKENS) -> None:
@@ -196,6 +197,7 @@ def test_a_drain_for_scale_down_lets_the_streams_on_the_leaving_replica_finish(s
             while not all(t.done() for t in first + later):
                 on_leaving.append(leaving.load)
                 await asyncio.sleep(0.01)
+            await client.close()
             return [t.result() for t in first], [t.result() for t in later]
 
         first, later = asyncio.run(drain_under_streams())
@@ -232,7 +234,9 @@ def test_a_replica_that_joins_takes_over_requests_waiting_on_the_busy_one_and_ev
                 return waiting
 
             waiting = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(join(), srv.autoscaler.loop))
-            return list(await asyncio.gather(*streams)), waiting
+            done = list(await asyncio.gather(*streams))
+            await client.close()
+            return done, waiting
 
         streams, waiting = asyncio.run(burst())
         assert waiting > 0, "every request had its first token before the replica joined"

@@ -132,6 +132,8 @@ def test_a_replica_range_turns_autoscaling_on_and_the_fleet_starts_within_it():
     [
         ({"min_replicas": 3, "max_replicas": 2}, "max_replicas", "at least min_replicas (3)"),
         ({"min_replicas": 2}, "max_replicas", "required with min_replicas"),
+        # tuning an autoscaler that never runs: once accepted without a word
+        ({"autoscale_up_delay_s": 3, "autoscale_ttft_target_s": 0.5}, "max_replicas", "autoscale_ttft_target_s, "),
     ],
 )
 def test_a_replica_range_that_holds_no_replica_is_refused_naming_the_setting(values, key, words):
@@ -258,3 +260,66 @@ def test_a_drained_replica_stays_drained_when_its_replacement_installs():
     assert state.clients[1].draining and [c.replica_id for c in state.routable] == [0]
     state.set_client(0, _Client(0, _Stats()))
     assert not state.clients[0].draining
+
+
+def test_no_replica_is_started_once_the_server_drains_to_stop():
+    """A backlog old enough to grow the fleet as SIGTERM comes: on a `ray up` cluster a start would ask
+    for a node the stopping server never uses."""
+    clients = [_Client(0, _Stats(waiting=9, running=4))]
+    autoscaler, state, fleet = _autoscaler(clients)
+    state.draining = True
+    asyncio.run(autoscaler.step())
+    assert fleet.added == 0
+    state.draining = False
+    asyncio.run(autoscaler.step())
+    assert fleet.added == 1  # the same backlog grows it while serving
+
+
+def test_a_failed_replica_is_not_counted_as_running_while_it_is_replaced():
+    clients = [_Client(0, _Stats(running=1)), _Client(1, _Stats(running=1))]
+    autoscaler, state, _ = _autoscaler(clients)
+    asyncio.run(autoscaler.step())
+    assert autoscaler.running == 2
+    clients[1].healthy = False  # failed: the supervisor replaces it
+    asyncio.run(autoscaler.step())
+    assert autoscaler.running == 1 and autoscaler._size == (autoscaler.wanted, 1)  # exported though healing
+
+
+def test_a_start_that_takes_long_is_given_up_once_the_fleet_is_idle_as_long_as_would_remove_a_replica():
+    """On a `ray up` cluster a replica may wait minutes for a node, or hang while starting: the load that
+    wanted it may be gone meanwhile. Its start is given up (no failure counted), and scale-down goes on."""
+    from concurrent.futures import Future
+
+    class SlowFleet(_Fleet):
+        def __init__(self) -> None:
+            super().__init__()
+            self.future: Future | None = None
+            self.abandoned = 0
+
+        def add(self):
+            self.added += 1
+            self.future = Future()
+            return self.future
+
+        def abandon_add(self) -> bool:
+            self.abandoned += 1
+            self.future.set_exception(RuntimeError("replica 1: abandoned while waiting for resources"))
+            return True
+
+    clients = [_Client(0, _Stats(waiting=9, running=4))]
+    autoscaler, state, _ = _autoscaler(clients)  # delays of 0
+    fleet = autoscaler.fleet = SlowFleet()
+
+    async def rounds() -> None:
+        await autoscaler.step()
+        assert fleet.added == 1 and autoscaler._adding is not None
+        await autoscaler.step()  # still busy: the start goes on
+        assert fleet.abandoned == 0
+        clients[0].stats = _Stats()  # the load is gone
+        await autoscaler.step()
+        await asyncio.sleep(0)  # the start's end is taken in
+        await asyncio.sleep(0)
+
+    asyncio.run(rounds())
+    assert fleet.abandoned == 1 and autoscaler._adding is None
+    assert autoscaler.failed_starts == 0 and autoscaler.wanted == 1

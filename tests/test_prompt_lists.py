@@ -158,6 +158,7 @@ def test_a_client_gone_mid_stream_aborts_every_prompt(srv):
         async for _ in stream:
             break
         await stream.close()
+        await aclient.close()
 
     asyncio.run(leave_early())
     stats = wait_until_idle(srv)

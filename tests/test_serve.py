@@ -207,7 +207,10 @@ def test_preempted_streams_get_the_same_tokens(ray_cluster, qwen3_path, offline)
             return "".join([ch.choices[0].text async for ch in chunks])
 
         async def all_of_them():
-            return await asyncio.gather(*(one(p) for p in prompts))
+            try:
+                return await asyncio.gather(*(one(p) for p in prompts))
+            finally:
+                await aclient.close()
 
         texts = asyncio.run(all_of_them())
         assert ray.get(srv.replicas[0].actor.stats.remote()).preempted > 0

@@ -156,3 +156,57 @@ def test_streams_still_running_when_the_drain_timeout_ends_get_an_error_event_an
         assert json.loads(error)["error"]["code"] == 503 and "drain timeout" in json.loads(error)["error"]["message"]
         assert done == "[DONE]"
     assert not [r for r in caplog.records if r.exc_info], "no traceback for a cut request"
+
+
+def test_a_second_ctrl_c_fails_the_requests_still_running_in_order_and_stops_at_once(ray_cluster, qwen3_path, caplog):
+    """The first Ctrl-C drains (here for up to 120 s); a second stops waiting: a whole request gets a 503 and a
+    stream an error event and [DONE] (they were a 500 and a cut connection), and the server stops in seconds."""
+    import ray
+    from helpers import serving
+
+    with serving(qwen3_path, num_pages=1024, drain_timeout_s=120, health_check_timeout_s=120) as srv:
+        _, pid = ray.get(srv.replicas[0].actor.node_and_pid.remote())
+        started = threading.Barrier(3)
+        results: dict[str, object] = {}
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
+
+        def stream() -> None:
+            lines: list[str] = []
+            with httpx.stream("POST", srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        if len(lines) == 2:
+                            started.wait(30)
+            results["stream"] = lines[-2:]
+
+        def whole() -> None:
+            started.wait(30)  # sent once the stream runs: both are in flight when the replica stops
+            results["whole"] = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+
+        clients = [threading.Thread(target=stream), threading.Thread(target=whole)]
+        for c in clients:
+            c.start()
+        started.wait(30)
+        deadline = time.monotonic() + 30
+        while sum(c.load for c in srv.state.clients) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGSTOP)  # the replica stops producing: nothing ends by itself
+        try:
+            server = srv._uvicorn
+            server.handle_exit(signal.SIGINT, None)  # the first: a drain of up to 120 s
+            time.sleep(0.5)
+            start = time.monotonic()
+            server.handle_exit(signal.SIGINT, None)  # the second
+            for c in clients:
+                c.join(30)
+            srv._thread.join(30)
+            stopped = time.monotonic() - start
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert stopped < 10, stopped
+    error, done = results["stream"]
+    assert json.loads(error)["error"]["code"] == 503 and "stop at once" in json.loads(error)["error"]["message"]
+    assert done == "[DONE]"
+    assert results["whole"].status_code == 503, results["whole"].text
+    assert not [r for r in caplog.records if r.exc_info], "no traceback for a request failed in order"

@@ -32,7 +32,7 @@ def test_a_replacement_that_cannot_start_is_retried_with_growing_waits():
             attempts.append(time.monotonic())
             raise TimeoutError("the cluster has not had 1 free GPU bundles")
 
-    fleet = Fleet(None, [SimpleNamespace(replica_id=0, shutdown=lambda: None)], build=NoRoom)
+    fleet = Fleet(None, [SimpleNamespace(replica_id=0, shutdown=lambda graceful_s=30.0: None)], build=NoRoom)
     state = SimpleNamespace(
         clients=[_DownClient()], draining=False, retiring=set(), config=SimpleNamespace(health_check_timeout_s=1.0)
     )
@@ -63,9 +63,12 @@ class _Replica:
             health=SimpleNamespace(remote=lambda: asyncio.sleep(0, None)),
         )
         self.info = None
+        self.hung = 0.0  # seconds a request to stop goes unanswered
 
-    def shutdown(self) -> None:
-        self.down = True
+    def shutdown(self, graceful_s: float = 30.0) -> None:
+        self.down, self.graceful_s = True, graceful_s
+        if graceful_s > 0 and self.hung:  # waits for a scheduler that never answers, as ReplicaHandle's does
+            time.sleep(self.hung)
 
 
 def test_a_replacement_is_built_on_a_fleet_thread_then_routed_to():
@@ -96,7 +99,8 @@ def test_a_replacement_is_built_on_a_fleet_thread_then_routed_to():
 
     asyncio.run(asyncio.wait_for(supervise_until_replaced(), 10))
     fleet.shutdown()
-    assert old.down and len(built) == 1
+    assert old.down and old.graceful_s == 0  # failed: killed, not asked to stop and waited for
+    assert len(built) == 1
     new, thread = built[0]
     assert thread.startswith("replica-rebuild")  # never the event loop's default executor
     assert state.clients[0].actor is new.actor and fleet.replicas == []
@@ -206,3 +210,15 @@ def test_a_failed_health_check_is_told_to_the_router_actors_with_the_replica_it_
     asyncio.run(asyncio.wait_for(supervise_until_told(), 10))
     assert told == [(3, "actor-3", "replica 3 has not answered a health check in 1 s")]
     assert client.error == told[0][2]
+
+
+def test_a_fleet_shuts_its_replicas_down_at_once_not_one_after_another():
+    """Each replica's scheduler is given its time to stop together: hung ones cost that time once."""
+    replicas = [_Replica(i) for i in range(3)]
+    for r in replicas:
+        r.hung = 1.0
+    fleet = Fleet(None, replicas, build=None)
+    start = time.monotonic()
+    fleet.shutdown()
+    assert all(r.down and r.graceful_s > 0 for r in replicas)
+    assert time.monotonic() - start < 2.5  # 3 s one after another

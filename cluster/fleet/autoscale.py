@@ -67,6 +67,11 @@ class AutoscalePolicy:
         self._idle_since: float | None = None
         self._size: int | None = None
 
+    def idle_for(self, now: float) -> float | None:
+        """How long the fleet has been idle as the last decide saw it (nothing waiting, a replica without a
+        request); None when it is not."""
+        return None if self._idle_since is None else now - self._idle_since
+
     def decide(self, loads: list[ReplicaLoad], now: float, held: int = 0) -> Decision:
         """The replicas wanted serving, given the load of each replica serving (and routed to) at `now`.
         `held`: the fleet's replicas that serve no new request and stay (an operator drained them): they

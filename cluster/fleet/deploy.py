@@ -22,6 +22,8 @@ from cluster.replica.actor import SchedulerActor
 from worker.follower import Follower
 
 log = logging.getLogger(__name__)
+# how long a replica's scheduler is given to stop by itself before its ranks are killed
+GRACEFUL_SHUTDOWN_S = 30.0
 
 
 class ClusterAuthError(ConnectionError):
@@ -153,7 +155,8 @@ class ReplicaHandle:
         abandon: threading.Event | None = None,
     ) -> None:
         """Places and starts the replica; blocks until it serves. `abandon` set while the placement
-        group waits for resources gives up (the server is stopping)."""
+        group waits for resources, or while the replica starts, gives up (the server is stopping, or the
+        replica is no longer wanted)."""
         self.config, self.replica_id = config, replica_id
         gpu = uses_gpus(config)
         # in the dashboard's names; a replacement gets a new suffix, so it never clashes with its predecessor
@@ -169,7 +172,7 @@ class ReplicaHandle:
             self._wait_placed(ready_timeout_s, abandon)
             self._start(gpu, ready_timeout_s, abandon)
         except BaseException:
-            self.shutdown()
+            self.shutdown(graceful_s=0)  # it serves nothing yet; one hung while starting would not answer
             raise
 
     def _wait_placed(self, timeout_s: float, abandon: threading.Event | None) -> None:
@@ -234,11 +237,13 @@ class ReplicaHandle:
             # anyone holds its result
             follower.run.remote()
 
-    def shutdown(self) -> None:
-        """Stops every rank and removes the placement group; nothing is left behind. Idempotent."""
-        if self.actor is not None:
+    def shutdown(self, graceful_s: float = GRACEFUL_SHUTDOWN_S) -> None:
+        """Stops every rank and removes the placement group; nothing is left behind. Idempotent. The
+        scheduler is asked to stop first, for up to `graceful_s` (0: not asked, as for a replica that failed
+        and would not answer), then every rank is killed."""
+        if self.actor is not None and graceful_s > 0:
             try:
-                ray.get(self.actor.shutdown.remote(), timeout=30)
+                ray.get(self.actor.shutdown.remote(), timeout=graceful_s)
             except Exception as e:  # noqa: BLE001 - it may be dead already
                 log.info("replica %d scheduler did not shut down cleanly: %s", self.replica_id, e)
         for actor in [self.actor, *self.followers]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -32,6 +33,7 @@ class Fleet:
         # threads start only when used: room for every replica's replacement and a growing fleet
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="replica-rebuild")
         self._adding: Future | None = None
+        self._add_abandoned = threading.Event()  # the replica being added is no longer wanted
 
     @classmethod
     def start(cls, config: ReplicaConfig, size: int, build: BuildReplica = ReplicaHandle) -> Fleet:
@@ -86,7 +88,8 @@ class Fleet:
 
     def _rebuild(self, i: int, old: ReplicaHandle) -> ReplicaHandle | None:
         try:
-            old.shutdown()
+            # a replica is replaced once it failed: one hung would never answer a request to stop
+            old.shutdown(graceful_s=0)
             new = self._build(self.config, i, abandon=self._closed)
             with self._lock:
                 if not self._closed.is_set() and i < len(self._replicas):
@@ -109,12 +112,22 @@ class Fleet:
             if self._closed.is_set() or self._adding is not None:
                 return None
             i = len(self._replicas)
-            self._adding = self._building[i] = self._pool.submit(self._add, i)
+            self._add_abandoned = threading.Event()
+            self._adding = self._building[i] = self._pool.submit(self._add, i, self._add_abandoned)
             return self._adding
 
-    def _add(self, i: int) -> ReplicaHandle | None:
+    def abandon_add(self) -> bool:
+        """Gives up the replica being added (no longer wanted: the load fell while it waited for resources or
+        started); its build stops within a second and its future raises. Whether one was being added."""
+        with self._lock:
+            if self._adding is None:
+                return False
+            self._add_abandoned.set()
+            return True
+
+    def _add(self, i: int, abandoned: threading.Event) -> ReplicaHandle | None:
         try:
-            new = self._build(self.config, i, abandon=self._closed)
+            new = self._build(self.config, i, abandon=_EitherSet(self._closed, abandoned))
             with self._lock:
                 if not self._closed.is_set():
                     self._replicas.append(new)
@@ -153,8 +166,9 @@ class Fleet:
         self._pool.shutdown(wait=False)
         with self._lock:
             replicas, self._replicas = self._replicas, []
-        for replica in replicas:
-            _shutdown_quietly(replica)
+        # at once: a hung replica's wait for its scheduler then costs the shutdown its length once, not once each
+        with ThreadPoolExecutor(max_workers=max(1, len(replicas)), thread_name_prefix="replica-shutdown") as pool:
+            list(pool.map(_shutdown_quietly, replicas))
 
 
 def _shutdown_built(future: Future) -> None:
@@ -169,3 +183,21 @@ def _shutdown_quietly(replica: ReplicaHandle) -> None:
         replica.shutdown()
     except Exception as e:  # noqa: BLE001
         log.error("replica %d did not shut down cleanly: %s", replica.replica_id, e)
+
+
+class _EitherSet:
+    """Set when either event is: a build abandoned when the fleet shuts down or when it is no longer wanted."""
+
+    def __init__(self, *events: threading.Event) -> None:
+        self._events = events
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self._events)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True

@@ -14,6 +14,10 @@ from router.http.state import RouterState
 log = logging.getLogger(__name__)
 
 
+# after a second Ctrl-C, how long the requests failed in order have to send their error before the server stops
+FORCED_GRACE_S = 1.0
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn, draining as the router needs: once shutdown begins, new requests get a 503, and requests
     still running just before the drain timeout ends are failed in order (a stream gets an SSE error
@@ -28,11 +32,25 @@ class DrainingServer(uvicorn.Server):
     ) -> None:
         super().__init__(config)
         self.state, self.drain_timeout_s, self.on_ready = state, drain_timeout_s, on_ready
+        self._forcing = False
 
     async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
         if self.started and self.on_ready is not None:
             self.on_ready()
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """A second Ctrl-C stops waiting for requests: uvicorn would cancel them mid-response, so they are
+        failed in order first (as at the drain timeout), and the server stops FORCED_GRACE_S later."""
+        super().handle_exit(sig, frame)
+        if self.force_exit and not self._forcing and getattr(self, "_loop", None) is not None:
+            self._forcing, self.force_exit = True, False
+            self._loop.call_soon_threadsafe(self._force)
+
+    def _force(self) -> None:
+        self._cut("it was told to stop at once (a second Ctrl-C)")
+        self._loop.call_later(FORCED_GRACE_S, setattr, self, "force_exit", True)
 
     async def shutdown(self, sockets=None) -> None:
         self.state.draining = True
@@ -48,11 +66,10 @@ class DrainingServer(uvicorn.Server):
         finally:
             timer.cancel()
 
-    def _cut(self) -> None:
+    def _cut(self, why: str | None = None) -> None:
+        why = why or f"its drain timeout of {self.drain_timeout_s:g} s ran out"
         running = sum(c.load for c in self.state.clients)
         if running:
-            log.warning(
-                "drain timeout of %g s ran out: failing %d request(s) still running", self.drain_timeout_s, running
-            )
+            log.warning("%s: failing %d request(s) still running", why, running)
         for client in self.state.clients:
-            client.mark_failed(f"the server is shutting down: its drain timeout of {self.drain_timeout_s:g} s ran out")
+            client.mark_failed(f"the server is shutting down: {why}")

@@ -146,9 +146,10 @@ async def serve(
             state.metrics.running.labels(state.model_name).dec()
             state.metrics.finished(s.reason, len(s.run.ids), s.timing)
             log.info(
-                "request %s replica=%d prompt_tokens=%d completion_tokens=%d ttft=%.4f latency=%.4f finish=%s",
+                "request %s replica=%s prompt_tokens=%d completion_tokens=%d ttft=%.4f latency=%.4f finish=%s",
                 fmt.id,
-                s.client.replica_id,
+                # where its choices ended: another than it was sent to after a migration
+                ",".join(str(r) for r in sorted({c.replica_id for c in s.generation.clients})),
                 len(s.run.ids),
                 s.timing.tokens,
                 (s.timing.first_token or s.timing.arrival) - s.timing.arrival,
@@ -220,16 +221,27 @@ async def _collect(pieces) -> list:
 async def _until_disconnect(request: Request, work, timeout_s: float | None):
     """Runs work, cancelling it when the client disconnects (its request is then aborted)."""
     task = asyncio.ensure_future(asyncio.wait_for(work, timeout_s))
-    while not task.done():
-        watcher = asyncio.ensure_future(request.is_disconnected())
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED, timeout=0.5)
-        if watcher.done() and watcher.result() and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task  # let the generation unwind (and abort) before anything else touches it
-            raise APIError(499, "client closed the request")
-        watcher.cancel()
+    try:
+        while not task.done():
+            watcher = asyncio.ensure_future(request.is_disconnected())
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED, timeout=0.5)
+            if watcher.done() and watcher.result() and not task.done():
+                await _cancelled(task)
+                raise APIError(499, "client closed the request")
+            watcher.cancel()
+    except asyncio.CancelledError:
+        # this handler cancelled (a server forced to stop): the generation unwinds first, or closing it
+        # after would find it still running
+        await _cancelled(task)
+        raise
     return task.result()
+
+
+async def _cancelled(task: asyncio.Future) -> None:
+    """Cancels task and waits until it has unwound (and its generation aborted)."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 class _EventStream(StreamingResponse):
@@ -301,6 +313,11 @@ async def _stream(
     except RaylmError as e:
         outcome("error")
         yield sse(APIError.of(e).event())
+        yield sse("[DONE]")
+    except Exception as e:  # noqa: BLE001 - a fault of the router's own: the stream ends with it said, not cut
+        log.exception("request %s failed while streaming", fmt.id)
+        outcome("error")
+        yield sse(APIError(500, f"internal error: {type(e).__name__}", "server_error").event())
         yield sse("[DONE]")
     finally:
         await finish()  # a disconnect mid-stream lands here too

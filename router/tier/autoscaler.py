@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 60.0  # a cluster short of GPUs stays so a while; never wait longer than this to retry
 _RETELL_S = 10.0
+_STARTING_TOLD_S = 60.0  # how often a start that takes long is said to go on
 
 
 class Autoscaler:
@@ -43,6 +44,8 @@ class Autoscaler:
         self.wanted = len(state.clients)
         self.added = self.removed = self.failed_starts = 0
         self._adding: Future | None = None
+        self._adding_since = self._adding_told = 0.0
+        self._abandoning = False  # the replica being added was given up
         self._retry_at, self._backoff = 0.0, interval_s / 2
         self._size: tuple[int, int] | None = None  # (wanted, running) last exported
         self._told_at = 0.0  # when the routers were last told them
@@ -50,8 +53,8 @@ class Autoscaler:
 
     @property
     def running(self) -> int:
-        """Replicas serving and routed to (a retiring one is not)."""
-        return len(self.state.routable)
+        """Replicas serving and routed to (a retiring one is not, nor one failed and being replaced)."""
+        return sum(1 for c in self.state.routable if c.healthy)
 
     async def run(self) -> None:
         self.loop = asyncio.get_running_loop()  # where its coroutines run (drain_last from another thread)
@@ -64,16 +67,20 @@ class Autoscaler:
 
     async def step(self) -> None:
         """One round: a retiring replica's drain checked, then the policy asked and applied."""
+        if self.state.draining:
+            return  # the server is stopping: nothing to start (on a `ray up` cluster, a node to add)
         if self.state.retiring:
             await self._drain_step(max(self.state.retiring))
-        if self._adding is not None or self._healing():
+        if self._healing():
+            self._export()  # the count serving changes as a replica fails and its replacement serves
             return
         loads = await self._loads()
         if loads is None:
             return
-        # drained by an operator: out of routing, but in the fleet (and on its GPUs) until undrained
-        held = sum(1 for c in self.state.clients if c.draining and c.replica_id not in self.state.retiring)
-        decision = self.policy.decide(loads, self.clock(), held)
+        if self._adding is not None:
+            self._while_adding(loads)
+            return
+        decision = self.policy.decide(loads, self.clock(), self._held())
         if decision.wanted != self.wanted:
             if decision.why:  # else the count serving changed under it (a drain, an undrain): no decision
                 log.warning("autoscaling: %d -> %d replica(s) wanted: %s", self.wanted, decision.wanted, decision.why)
@@ -83,10 +90,40 @@ class Autoscaler:
         if self.wanted > n:
             if self.state.retiring:  # the one draining takes load again: cheaper than a new one
                 await self._resume(max(self.state.retiring))
-            elif self.clock() >= self._retry_at:
+            elif self.clock() >= self._retry_at and not self.state.draining:  # (it may have begun meanwhile)
                 self._add()
         elif self.wanted < n and not self.state.retiring:
             await self.drain_last()
+
+    def _while_adding(self, loads: list[ReplicaLoad]) -> None:
+        """A round while a replica starts (on a `ray up` cluster it may wait minutes for a node; a start can
+        hang): given up once the fleet has been idle as long as would remove a replica, and said now and
+        then while it goes on."""
+        self.policy.decide(loads, self.clock(), self._held())  # its idleness, kept counting
+        now = self.clock()
+        if self._abandoning:
+            return
+        idle = self.policy.idle_for(now)
+        if idle is not None and idle >= self.policy.settings.down_delay_s and self.fleet.abandon_add():
+            self._abandoning = True
+            self.wanted = len(loads)
+            self._export()
+            log.warning(
+                "autoscaling: replica %d is no longer wanted (idle for %.0f s): its start is given up",
+                len(self.state.clients),
+                idle,
+            )
+        elif now - self._adding_told >= _STARTING_TOLD_S:
+            self._adding_told = now
+            log.warning(
+                "autoscaling: replica %d is still starting after %.0f s (waiting for resources, or loading)",
+                len(self.state.clients),
+                now - self._adding_since,
+            )
+
+    def _held(self) -> int:
+        """Replicas drained by an operator: out of routing, but in the fleet (and on its GPUs) until undrained."""
+        return sum(1 for c in self.state.clients if c.draining and c.replica_id not in self.state.retiring)
 
     def _healing(self) -> bool:
         """Whether the supervisor is replacing a replica (the fleet's figures mean little meanwhile)."""
@@ -121,6 +158,8 @@ class Autoscaler:
         if future is None:
             return
         self._adding = future
+        self._adding_since = self._adding_told = self.clock()
+        self._abandoning = False
         log.warning("autoscaling: starting replica %d", len(self.state.clients))
         asyncio.get_running_loop().create_task(self._install(future))
 
@@ -128,6 +167,9 @@ class Autoscaler:
         try:
             new = await asyncio.wrap_future(future)
         except Exception as e:  # noqa: BLE001 - e.g. it died while starting: tried again while still wanted
+            if self._abandoning:  # given up on purpose: no failure, and no wait before the next
+                log.warning("autoscaling: the start given up has stopped")
+                return
             self.failed_starts += 1
             self._backoff = min(2 * self._backoff, _MAX_BACKOFF_S)
             self._retry_at = self.clock() + self._backoff
