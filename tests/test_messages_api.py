@@ -252,6 +252,7 @@ _USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name"
     [
         ({"max_tokens": None}, "max_tokens"),
         ({"system": [{"type": "text"}]}, "system.0: a text block needs its text"),
+        ({"messages": [{"role": "assistant", "content": ""}]}, "messages: a final assistant message with empty"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]}, "tools.0.type"),
         ({"tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),

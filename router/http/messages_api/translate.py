@@ -185,6 +185,13 @@ def chat_of(req: CountTokensRequest, origins: Origins | None = None) -> ChatComp
     messages, prefill = chat_messages(req, origins), prefilled(req)
     if prefill and not messages[-1]["content"]:  # an empty final assistant turn prefills nothing
         messages, prefill = messages[:-1], False
+        if not any(m["role"] != "system" for m in messages):
+            raise APIError(
+                400,
+                "messages: a final assistant message with empty content prefills nothing, and no message is "
+                "left before it to answer",
+                param="messages",
+            )
     fields = {
         "model": req.model,
         "messages": messages,
