@@ -43,13 +43,13 @@ def pieces_of(text: str, finish: str, size: int = 3) -> list[Piece]:
     return pieces
 
 
-def whole_message(pieces: list[Piece]) -> tuple[dict, str]:
-    choice = Formatter("id", "m", True, None, None, output=OUTPUT).whole(pieces, 1)["choices"][0]
+def whole_message(pieces: list[Piece], output: ChatOutput = OUTPUT) -> tuple[dict, str]:
+    choice = Formatter("id", "m", True, None, None, output=output).whole(pieces, 1)["choices"][0]
     return choice["message"], choice["finish_reason"]
 
 
-async def _chunks(pieces: list[Piece]):
-    fmt = Formatter("id", "m", True, None, None, output=OUTPUT)
+async def _chunks(pieces: list[Piece], output: ChatOutput = OUTPUT):
+    fmt = Formatter("id", "m", True, None, None, output=output)
     for p in pieces:
         if event := fmt.chunk_sse(p):
             for part in event.split("\n\n"):
@@ -74,27 +74,35 @@ def without_ids(items: list[dict]) -> list[dict]:
     return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
 
 
-@pytest.mark.parametrize("name", TEXTS)
+ONE_CALL = ChatOutput(tool_calls="qwen", unfinished_calls_as_text=False, keeps_order=True, max_calls=1)
+# (output, text, finish): parallel_tool_calls false drops the second call, and the text around it joins up
+CASES = {name: (OUTPUT, *TEXTS[name]) for name in TEXTS} | {
+    "a call dropped": (ONE_CALL, f"a{call('w')}b{call('t')}c", "stop"),
+    "a tag's start ending a stop": (OUTPUT, "Compare: a <", "stop"),  # kept: not cut short by the limit
+}
+
+
+@pytest.mark.parametrize("name", CASES)
 def test_a_responses_output_whole_is_its_stream_item_for_item(name):
-    text, finish = TEXTS[name]
-    message, reason = whole_message(pieces_of(text, finish))
+    output, text, finish = CASES[name]
+    message, reason = whole_message(pieces_of(text, finish), output)
     status, _ = status_of(reason)
     whole = items_of(message, status)
     head = ResponseHead(ResponsesRequest(model="m", input="x"), "m")
-    events = streamed(ResponseEvents(head, lambda text: 0).events(_chunks(pieces_of(text, finish))))
+    events = streamed(ResponseEvents(head, lambda text: 0).events(_chunks(pieces_of(text, finish), output)))
     final = events[-1]["response"]
     assert final["status"] == status
     assert without_ids(whole) == without_ids(final["output"])
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
 
 
-@pytest.mark.parametrize("name", TEXTS)
+@pytest.mark.parametrize("name", CASES)
 def test_a_messages_content_whole_is_its_stream_block_for_block(name):
-    text, finish = TEXTS[name]
-    message, reason = whole_message(pieces_of(text, finish))
+    output, text, finish = CASES[name]
+    message, reason = whole_message(pieces_of(text, finish), output)
     whole = blocks_of(message)
     stop = lambda reason, ids: stop_of(reason, ids, set(), [], None)  # noqa: E731
-    events = streamed(MessageEvents("msg", "m", 1, stop).events(_chunks(pieces_of(text, finish))))
+    events = streamed(MessageEvents("msg", "m", 1, stop).events(_chunks(pieces_of(text, finish), output)))
     blocks: list[dict] = []
     for event in events:
         if event["type"] == "content_block_start":
@@ -139,3 +147,22 @@ def test_a_number_past_a_doubles_range_leaves_the_whole_message_json_as_written(
     text = json_response(body).body.decode()
     assert '"input": {"x": 1E+999, "y": 1e99999999999999999999}' in text
     assert json.loads(text)["content"][0]["name"] == "w"  # JSON (Python reads the numbers as inf)
+
+
+def test_the_text_around_a_dropped_call_and_a_tags_start_at_a_stop_are_kept_as_written():
+    message, _ = whole_message(pieces_of(*CASES["a call dropped"][1:]), ONE_CALL)
+    assert [b.get("text") or b["name"] for b in blocks_of(message)] == ["a", "w", "bc"]
+    message, _ = whole_message(pieces_of("Compare: a <", "stop"))
+    assert blocks_of(message) == [{"type": "text", "text": "Compare: a <"}]
+
+
+def test_a_chunk_of_text_after_a_call_carries_the_usage_so_far_where_every_chunk_does():
+    from router.http.extras import Extras
+
+    fmt = Formatter(
+        "id", "m", True, None, None, output=ChatOutput(tool_calls="qwen"), extras=Extras(continuous_usage=True)
+    )
+    event = fmt.chunk_sse(Piece(f"{call('w')}\nAfter.", [1, 2, 3], finish_reason="stop"))
+    chunks = [json.loads(part.removeprefix("data: ")) for part in event.split("\n\n") if part]
+    assert [list(c["choices"][0]["delta"]) for c in chunks] == [["tool_calls"], ["content"]]
+    assert all(c["usage"]["completion_tokens"] == 3 for c in chunks)

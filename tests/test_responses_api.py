@@ -299,6 +299,8 @@ def test_a_stored_response_is_read_back_and_continues_the_conversation(srv):
         model="tiny", input="Name a city", max_output_tokens=5, temperature=0, reasoning=NO_THINKING
     )
     assert client(srv).responses.retrieve(first.id).model_dump() == first.model_dump()
+    again = httpx.get(f"{srv.url}/v1/responses/{first.id}", params={"stream": "true"}, timeout=30)
+    assert again.status_code == 400 and again.json()["error"]["param"] == "stream", again.text  # not the JSON body
     second = client(srv).responses.create(
         model="tiny",
         input="And another",

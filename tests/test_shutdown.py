@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from conftest import live_ray_objects
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,13 +159,18 @@ def test_streams_still_running_when_the_drain_timeout_ends_get_an_error_event_an
     assert not [r for r in caplog.records if r.exc_info], "no traceback for a cut request"
 
 
-def test_a_second_ctrl_c_fails_the_requests_still_running_in_order_and_stops_at_once(ray_cluster, qwen3_path, caplog):
+@pytest.mark.parametrize("routers", [0, 1])
+def test_a_second_ctrl_c_fails_the_requests_still_running_in_order_and_stops_at_once(
+    ray_cluster, qwen3_path, caplog, routers
+):
     """The first Ctrl-C drains (here for up to 120 s); a second stops waiting: a whole request gets a 503 and a
-    stream an error event and [DONE] (they were a 500 and a cut connection), and the server stops in seconds."""
+    stream an error event and [DONE] (they were a 500 and a cut connection; with router actors, the full
+    drain's wait), and the server stops in seconds."""
     import ray
     from helpers import serving
 
-    with serving(qwen3_path, num_pages=1024, drain_timeout_s=120, health_check_timeout_s=120) as srv:
+    config = {"num_pages": 1024, "drain_timeout_s": 120, "health_check_timeout_s": 120, "routers": routers}
+    with serving(qwen3_path, **config) as srv:
         _, pid = ray.get(srv.replicas[0].actor.node_and_pid.remote())
         started = threading.Barrier(3)
         results: dict[str, object] = {}
@@ -188,8 +194,8 @@ def test_a_second_ctrl_c_fails_the_requests_still_running_in_order_and_stops_at_
         for c in clients:
             c.start()
         started.wait(30)
-        deadline = time.monotonic() + 30
-        while sum(c.load for c in srv.state.clients) < 2 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 30  # both reach the replica (through whichever router)
+        while ray.get(srv.replicas[0].actor.stats.remote()).live < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         os.kill(pid, signal.SIGSTOP)  # the replica stops producing: nothing ends by itself
         try:

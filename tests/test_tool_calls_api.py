@@ -632,3 +632,24 @@ def test_a_part_the_template_was_seen_to_render_is_not_checked_again(tokenizer, 
     for _ in range(2):
         with pytest.raises(APIError, match="does not render tools"):
             plain.chat_prompt(ChatCompletionRequest(model="m", messages=MSG, tools=TOOLS), tools, tools_seen=True)
+
+
+def test_calls_a_template_renders_only_in_a_turn_without_text_are_checked_for_a_turn_with_text(tokenizer):
+    """DeepSeek's template renders a turn's calls only where the turn has no text: that a request's calls were
+    rendered says nothing of a later request whose calling turn has text."""
+    import copy
+
+    from router.http.errors import APIError
+    from router.http.protocol import ChatCompletionRequest
+
+    deepseek_like = copy.deepcopy(tokenizer)
+    deepseek_like.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {% if m.tool_calls and not m.content %}"
+        "{% for c in m.tool_calls %}CALL {{ c.function.name }}{% endfor %}{% else %}{{ m.content }}{% endif %}\n"
+        "{% endfor %}"
+    )
+    state = _counting_state(deepseek_like)
+    bare = [CALLED[0], {**CALLED[1], "content": None}, CALLED[2]]
+    assert "CALL get_weather" in state.chat_prompt(ChatCompletionRequest(model="m", messages=bare))
+    with pytest.raises(APIError, match=r"messages\.1\.tool_calls: this model's chat template does not render"):
+        state.chat_prompt(ChatCompletionRequest(model="m", messages=CALLED))

@@ -83,3 +83,17 @@ def test_a_messages_request_is_named_by_its_messages_and_blocks(system):
     assert result.param == "messages.2.tool_call_id"
     if system:
         assert origins.named(error_at("messages.0")).param == "system"
+
+
+def test_a_responses_own_output_sent_back_is_one_assistant_turn():
+    """Text, a call and more text (the output items of one response, in the order written) are the one turn
+    the model wrote: its text joined, its call beside it, the call's result after it."""
+    output = [
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello.\n"}]},
+        CALL,
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Bye."}]},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ]
+    messages = input_messages([{"role": "user", "content": "Weather?"}, *output])
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["content"] == "Hello.\nBye." and messages[1]["tool_calls"][0]["id"] == "c1"

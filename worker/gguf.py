@@ -134,8 +134,8 @@ def _whole(folder: Path) -> bool:
 
 
 def _cut_short(e: Exception) -> bool:
-    """Whether a read failed where the file ended before the data its metadata describes: numpy cannot shape
-    a tensor from the bytes left, or struct finds fewer bytes than a field needs."""
+    """Whether opening the file failed where it ended before the data its metadata describes: numpy cannot
+    shape a tensor's mapped bytes (fewer are left), or struct finds fewer bytes than a field needs."""
     return isinstance(e, struct.error) or (isinstance(e, ValueError) and "cannot reshape" in str(e))
 
 
@@ -183,9 +183,7 @@ def _convert(gguf_file: Path, out: Path, folder: Path) -> None:
         size = sum(int(t.n_bytes) for t in reader.tensors)
         with tqdm(total=size, desc="dequantizing", unit="B", unit_scale=True, disable=size < PROGRESS_BYTES) as bar:
             write_shards(hf_tensors(reader, permuted, bar.update), out)
-    except (ValueError, struct.error) as e:  # a file cut inside its tensors
-        if _cut_short(e):
-            raise _unreadable(gguf_file, e) from e
+    except (ValueError, struct.error) as e:  # (a file cut short fails earlier, as its tensors are mapped)
         raise CheckpointError(f"its weights cannot be read: {e}") from e
     config.architectures = [arch]
     config.dtype = "bfloat16"  # what a GPU serves it in by default (the CPU serves float32)

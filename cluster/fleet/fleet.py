@@ -34,6 +34,7 @@ class Fleet:
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="replica-rebuild")
         self._adding: Future | None = None
         self._add_abandoned = threading.Event()  # the replica being added is no longer wanted
+        self._added: ReplicaHandle | None = None  # the one being added, once built
 
     @classmethod
     def start(cls, config: ReplicaConfig, size: int, build: BuildReplica = ReplicaHandle) -> Fleet:
@@ -120,7 +121,7 @@ class Fleet:
         """Gives up the replica being added (no longer wanted: the load fell while it waited for resources or
         started); its build stops within a second and its future raises. Whether one was being added."""
         with self._lock:
-            if self._adding is None:
+            if self._adding is None or self._added is not None:  # none, or built already: it serves
                 return False
             self._add_abandoned.set()
             return True
@@ -131,13 +132,14 @@ class Fleet:
             with self._lock:
                 if not self._closed.is_set():
                     self._replicas.append(new)
+                    self._added = new
                     return new
             _shutdown_quietly(new)
             return None
         finally:
             with self._lock:
                 self._building.pop(i, None)
-                self._adding = None
+                self._adding = self._added = None
 
     def remove_last(self) -> Future | None:
         """Takes the last replica out of the fleet and shuts it down on a fleet thread (the caller has

@@ -85,25 +85,33 @@ class ChatOutputParser:
         reasoning, content = self._reasoning.feed(text) if self._reasoning else ("", text)
         return self._answer(reasoning, content, final=False)
 
-    def finish(self) -> ChatParts:
+    def finish(self, cut: bool = False) -> ChatParts:
+        """The choice's end; `cut`: by its token limit (a call's opening tag it cut short is then dropped,
+        where unfinished calls are not kept)."""
         reasoning, content = self._reasoning.finish() if self._reasoning else ("", "")
-        return self._answer(reasoning, content, final=True)
+        return self._answer(reasoning, content, final=True, cut=cut)
 
-    def _answer(self, reasoning: str, content: str, final: bool) -> ChatParts:
+    def _answer(self, reasoning: str, content: str, final: bool, cut: bool = False) -> ChatParts:
+        reasoning = reasoning if self._shows_reasoning else ""
         if self._tools is None:
-            segments = add_segment([], content)
-        else:
-            segments = self._tools.feed_in_order(content)
-            if final:
-                for segment in self._tools.finish_in_order(self._keep_unfinished):
-                    add_segment(segments, segment)
+            return ChatParts(reasoning, content, [], [content] if content else [])
+        segments = self._tools.feed_in_order(content)
+        if final:
+            for segment in self._tools.finish_in_order(self._keep_unfinished, cut):
+                add_segment(segments, segment)
+        if len(segments) == 1 and isinstance(segments[0], str):  # text alone, as most tokens are
+            return ChatParts(reasoning, segments[0], [], segments)
         if self._max_calls is not None:  # an unconstrained model may call more often than the client allows
             allowed = max(self._max_calls - self.calls, 0)
-            calls = [s for s in segments if isinstance(s, ToolCall)][allowed:]
-            segments = [s for s in segments if not any(s is c for c in calls)]
+            kept: list[str | ToolCall] = []
+            for s in segments:  # the text around a call dropped joins up, as a stream gives it
+                if isinstance(s, str) or allowed > 0:
+                    allowed -= not isinstance(s, str)
+                    add_segment(kept, s)
+            segments = kept
         content, calls = split_segments(segments)
         self.calls += len(calls)
-        return ChatParts(reasoning if self._shows_reasoning else "", content, calls, segments)
+        return ChatParts(reasoning, content, calls, segments)
 
 
 def message(parts: ChatParts, output: ChatOutput) -> dict:
@@ -125,6 +133,9 @@ def deltas(parts: ChatParts, first_call: int) -> list[dict]:
     """A stream's deltas of these parts, one or more (one with nothing where there is nothing): a delta holds
     text before calls, so text the model wrote after a call starts another; the tool calls are numbered from
     first_call."""
+    if not parts.tool_calls:  # text alone, as most tokens are
+        d = {"reasoning_content": parts.reasoning} if parts.reasoning else {}
+        return [{**d, "content": parts.content} if parts.content else d]
     groups: list[list[str | ToolCall]] = [[]]
     for segment in parts.in_order:
         if isinstance(segment, str) and groups[-1] and isinstance(groups[-1][-1], ToolCall):

@@ -208,19 +208,21 @@ class ToolCallParser:
                 self._after_call = True
             self._buffer, self._in_call = self._buffer[end:], False
 
-    def finish(self, keep_unfinished: bool = True) -> tuple[str, list[ToolCall]]:
-        return split_segments(self.finish_in_order(keep_unfinished))
+    def finish(self, keep_unfinished: bool = True, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        return split_segments(self.finish_in_order(keep_unfinished, cut))
 
-    def finish_in_order(self, keep_unfinished: bool = True) -> list[str | ToolCall]:
+    def finish_in_order(self, keep_unfinished: bool = True, cut: bool = False) -> list[str | ToolCall]:
         """The end of the choice: a call still open is taken if its text parses whole (the output may
         end before a closing tag), otherwise it is content, or, not `keep_unfinished`, dropped (the
-        format's markup of a call cut short, which an API of items has no place for; outside a call, what
-        is held back is the start of an opening tag)."""
+        format's markup of a call cut short, which an API of items has no place for). Outside a call what
+        is held back, the start of an opening tag, is dropped too where the token limit `cut` it."""
         rest, self._buffer = self._buffer, ""
-        if self._in_call and (call := self._parse(rest)) is not None:
-            self.calls += 1
-            return [call]
-        return add_segment([], rest if keep_unfinished else "")
+        if self._in_call:
+            if (call := self._parse(rest)) is not None:
+                self.calls += 1
+                return [call]
+            return add_segment([], rest if keep_unfinished else "")
+        return add_segment([], rest if keep_unfinished or not cut else "")
 
 
 class QwenToolCallParser(ToolCallParser):

@@ -208,7 +208,10 @@ def build_app(state: RouterState, background: list | None = None) -> FastAPI:
         return await count_input_tokens(state, body)
 
     @app.get("/v1/responses/{response_id}")
-    async def responses_get(response_id: str):
+    async def responses_get(response_id: str, stream: bool = False):
+        if stream:  # OpenAI streams a background response again from its events; this server runs none
+            why = "only a background response can be streamed again, and this server runs none"
+            raise APIError(400, f"stream: {why}", param="stream")
         return await get_response(state, response_id)
 
     @app.get("/v1/responses/{response_id}/input_items")

@@ -44,11 +44,21 @@ class DrainingServer(uvicorn.Server):
         """A second Ctrl-C stops waiting for requests: uvicorn would cancel them mid-response, so they are
         failed in order first (as at the drain timeout), and the server stops FORCED_GRACE_S later."""
         super().handle_exit(sig, frame)
-        if self.force_exit and not self._forcing and getattr(self, "_loop", None) is not None:
-            self._forcing, self.force_exit = True, False
-            self._loop.call_soon_threadsafe(self._force)
+        if self.force_exit:
+            self.force_exit = False
+            self.stop_now()
+
+    def stop_now(self) -> None:
+        """Fails the requests still running, in order, and stops the server FORCED_GRACE_S later; from any
+        thread. Once."""
+        if self._forcing or getattr(self, "_loop", None) is None:
+            return
+        self._forcing = True
+        self._loop.call_soon_threadsafe(self._force)
 
     def _force(self) -> None:
+        # draining first: replicas failed by the cut are then not replaced (the supervisor skips a draining server)
+        self.state.draining = True
         self._cut("it was told to stop at once (a second Ctrl-C)")
         self._loop.call_later(FORCED_GRACE_S, setattr, self, "force_exit", True)
 

@@ -191,7 +191,7 @@ class Formatter:
         if self.output is not None:
             parser = self.output.parser()
             parts = parser.feed(merged.text)
-            parts += parser.finish()
+            parts += parser.finish(cut=merged.finish_reason == "length")
             choice["message"] = message(parts, self.output)
             choice["finish_reason"] = _finish_reason(merged.finish_reason, parser)
         elif self.chat:
@@ -233,20 +233,19 @@ class Formatter:
         parts: ChatParts = parser.feed(piece.text)
         reason = piece.finish_reason
         if reason is not None:
-            parts += parser.finish()
+            parts += parser.finish(cut=reason == "length")
             reason = _finish_reason(reason, parser)
         return deltas(parts, first_call), reason
 
     def _delta_chunk(self, index: int, delta: dict) -> dict:
-        """A chunk of a delta alone (one before the piece's own)."""
+        """A chunk of a delta alone (one before the piece's own, which carries the piece's token ids and
+        logprobs); with continuous usage, the usage so far, as every chunk has it."""
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
+        body["choices"] = [choice]
+        if self.extras.continuous_usage:
+            body["usage"] = usage(len(self.prompts[index // self.n].token_ids), self.generated[index])
+        return body
 
     def role_chunks(self) -> list[str]:
         """Chat's first events: one per choice, naming the assistant's role."""
@@ -279,7 +278,8 @@ class Formatter:
             parsed, reason = self._parsed(piece)
             # text after a call: its own chunk after the call's; the piece's tokens, logprobs and reason
             # go with the last
-            earlier = "".join(sse(self._delta_chunk(piece.index, d)) for d in parsed[:-1])
+            if len(parsed) > 1:
+                earlier = "".join(sse(self._delta_chunk(piece.index, d)) for d in parsed[:-1])
             parsed = parsed[-1]
             ids_shown = extras.return_token_ids and piece.token_ids  # every token's id goes out
             if not parsed and reason is None and not piece.logprobs and not ids_shown:

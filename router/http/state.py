@@ -23,6 +23,9 @@ from router.replicas.rebalance import rebalance
 
 log = logging.getLogger(__name__)
 
+# how many (part, chat_template_kwargs, shape) a RouterState remembers seen rendered before it starts again
+_TEMPLATE_RENDERS_KEPT = 256
+
 
 def generation_defaults(model_path: str) -> dict:
     """Sampling values the model's generation_config.json sets (used when a request leaves them out)."""
@@ -111,7 +114,7 @@ class RouterState:
     # the parts of a request (tools, tool_calls, documents) the chat template has been seen to render, by the
     # chat_template_kwargs: a part once rendered is not checked again (a render with and without it each
     # request, on the event loop); one not rendered is checked every time
-    template_renders: set[tuple[str, str]] = field(default_factory=set)
+    template_renders: set[tuple[str, str, str]] = field(default_factory=set)
 
     async def drain_replica(self, i: int) -> int:
         """Routes nothing more to replica i and empties it of this router's streams: each moves to
@@ -260,15 +263,23 @@ class RouterState:
                     **extra,
                 )
 
+            # what a template's rendering of a part may hang on besides the part: the kwargs, and for calls
+            # whether their turns have text too and more than one call (DeepSeek's renders calls only in a
+            # turn without text; Llama 3.1's refuses several)
+            with_text = {(bool(m.get("content")), len(m["tool_calls"]) > 1) for m in messages if m.get("tool_calls")}
+            shape = str(sorted(with_text))
             kwargs_key = json.dumps(extra, sort_keys=True, default=str)
 
             def unrendered(part: str, without: Callable[[], str]) -> bool:
                 """Whether the template leaves `part` out: the prompt the same without it."""
-                if (part, kwargs_key) in self.template_renders:
+                key = (part, kwargs_key, shape if part == "tool_calls" else "")
+                if key in self.template_renders:
                     return False
                 if without() == prompt:
                     return True
-                self.template_renders.add((part, kwargs_key))
+                if len(self.template_renders) >= _TEMPLATE_RENDERS_KEPT:  # kwargs are the client's: bounded
+                    self.template_renders.clear()
+                self.template_renders.add(key)
                 return False
 
             prompt = render(messages)

@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import ray
 import uvicorn
 
 from cluster import load_tokenizer
@@ -228,6 +229,12 @@ class RouterActor:
         """Stops taking requests and lets those in flight finish (up to the drain timeout), then returns."""
         self._server.should_exit = True
         self._thread.join(timeout=self.config.drain_timeout_s + 10)
+
+    @ray.method(concurrency_group="control")
+    def stop_now(self) -> None:
+        """Ends the requests still running at once (in order: 503s and SSE error events) and stops serving: a
+        second Ctrl-C at the driver, while drain() waits on this actor's other thread."""
+        self._server.stop_now()
 
 
 def actor_id(actor) -> object:

@@ -215,6 +215,10 @@ class _TierDriver(DrainingServer):
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=[])
 
+    def _force(self) -> None:
+        super()._force()
+        self.tier.stop_now()  # the routers hold the requests; their drain, which shutdown waits on, then ends
+
     async def shutdown(self, sockets=None) -> None:
         self.state.draining = True
         await asyncio.get_running_loop().run_in_executor(None, self.tier.drain)

@@ -48,7 +48,8 @@ class RouterTier:
 
     def _create(self, k: int):
         return (
-            ray.remote(RouterActor)
+            # a group of its own for stop_now, which must run while drain() blocks the actor's thread
+            ray.remote(concurrency_groups={"control": 1})(RouterActor)
             .options(
                 name=f"raylm-router-{self.config.port}-{k}",
                 max_restarts=-1,
@@ -195,6 +196,11 @@ class RouterTier:
             ray.get([a.drain.remote() for a in self.actors], timeout=self.config.drain_timeout_s + 20)
         except Exception as e:  # noqa: BLE001 - a router gone mid-drain: its connections are closed already
             log.warning("draining the routers: %s: %s", type(e).__name__, e)
+
+    def stop_now(self) -> None:
+        """Each router ends its requests still running at once and stops (a drain waiting on them returns)."""
+        for actor in getattr(self, "actors", []):
+            actor.stop_now.remote()
 
     def shutdown(self) -> None:
         self._closed = True

@@ -47,7 +47,13 @@ def input_messages(
             where, msg = validation_error(e.errors(), raw, (field, i))
             raise APIError(400, f"{where}: {msg}", param=where) from e
         at = f"{field}.{i}"
-        if isinstance(item, MessageItem):
+        last = messages[-1] if messages else None
+        after_assistant = last is not None and last["role"] == "assistant"
+        if isinstance(item, MessageItem) and item.role == "assistant" and after_assistant:
+            # one turn's output items as it was written: text, a call, more text (a response's own output
+            # sent back) are one assistant message, its text joined
+            last["content"] = (last["content"] or "") + item.text()
+        elif isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
             origins.add(at)
         elif isinstance(item, FunctionCallItem):
@@ -57,8 +63,7 @@ def input_messages(
                 "function": {"name": item.name, "arguments": item.arguments},
             }
             calls.add(item.call_id)
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":  # calls of one turn are one message's
+            if after_assistant:  # calls of one turn are one message's
                 last.setdefault("tool_calls", []).append(call)
                 origins.calls.setdefault(len(origins.of) - 1, at)
             else:
