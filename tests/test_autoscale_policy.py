@@ -323,3 +323,43 @@ def test_a_start_that_takes_long_is_given_up_once_the_fleet_is_idle_as_long_as_w
     asyncio.run(rounds())
     assert fleet.abandoned == 1 and autoscaler._adding is None
     assert autoscaler.failed_starts == 0 and autoscaler.wanted == 1
+
+
+def test_a_replica_that_joins_while_the_figures_come_is_not_followed_by_another_start():
+    """The figures of a round asked while a replica starts are those of the fleet without it: should it join
+    meanwhile, they say nothing of the fleet it is now (a start on them would be one more than wanted)."""
+    from concurrent.futures import Future
+
+    class OneFleet(_Fleet):
+        def add(self):
+            self.added += 1
+            self.future = Future()
+            return self.future
+
+    clients = [_Client(0, _Stats(waiting=9, running=4))]
+    autoscaler, state, _ = _autoscaler(clients)  # max_replicas 2
+    fleet = autoscaler.fleet = OneFleet()
+    joined = _Client(1, _Stats(waiting=9, running=4))
+
+    async def rounds() -> None:
+        await autoscaler.step()
+        assert fleet.added == 1
+
+        async def stats_while_it_joins():
+            fleet.future.set_result(SimpleNamespace(replica_id=1))  # it serves as the figures come
+            await asyncio.sleep(0)
+            return clients[0].stats
+
+        clients[0].actor = SimpleNamespace(stats=SimpleNamespace(remote=stats_while_it_joins))
+        await autoscaler.step()
+        assert fleet.added == 1
+
+    import router.tier.autoscaler as module
+
+    real = module.client_for
+    module.client_for = lambda *args, **kw: joined
+    joined.start = lambda: None
+    try:
+        asyncio.run(rounds())
+    finally:
+        module.client_for = real

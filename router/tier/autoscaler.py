@@ -74,11 +74,14 @@ class Autoscaler:
         if self._healing():
             self._export()  # the count serving changes as a replica fails and its replacement serves
             return
+        adding = self._adding
         loads = await self._loads()
         if loads is None:
             return
-        if self._adding is not None:
-            self._while_adding(loads)
+        if adding is not None or self._adding is not None:
+            # (one that joined while the figures came is counted from the next round: these are without it)
+            if self._adding is not None:
+                self._while_adding(loads)
             return
         decision = self.policy.decide(loads, self.clock(), self._held())
         if decision.wanted != self.wanted:
