@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -33,7 +32,8 @@ class Fleet:
         # threads start only when used: room for every replica's replacement and a growing fleet
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="replica-rebuild")
         self._adding: Future | None = None
-        self._add_abandoned = threading.Event()  # the replica being added is no longer wanted
+        # the replica being added is given up: no longer wanted, or the fleet shuts down
+        self._add_abandoned = threading.Event()
         self._added: ReplicaHandle | None = None  # the one being added, once built
 
     @classmethod
@@ -128,7 +128,7 @@ class Fleet:
 
     def _add(self, i: int, abandoned: threading.Event) -> ReplicaHandle | None:
         try:
-            new = self._build(self.config, i, abandon=_EitherSet(self._closed, abandoned))
+            new = self._build(self.config, i, abandon=abandoned)
             with self._lock:
                 if not self._closed.is_set():
                     self._replicas.append(new)
@@ -157,6 +157,7 @@ class Fleet:
         by its own thread; this waits up to timeout_s for it. Idempotent."""
         with self._lock:
             self._closed.set()
+            self._add_abandoned.set()
             building = list(self._building.values())
         for future in building:
             try:
@@ -185,21 +186,3 @@ def _shutdown_quietly(replica: ReplicaHandle) -> None:
         replica.shutdown()
     except Exception as e:  # noqa: BLE001
         log.error("replica %d did not shut down cleanly: %s", replica.replica_id, e)
-
-
-class _EitherSet:
-    """Set when either event is: a build abandoned when the fleet shuts down or when it is no longer wanted."""
-
-    def __init__(self, *events: threading.Event) -> None:
-        self._events = events
-
-    def is_set(self) -> bool:
-        return any(e.is_set() for e in self._events)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.is_set():
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-        return True

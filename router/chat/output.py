@@ -16,22 +16,26 @@ IN_ORDER = "in_order"
 @dataclass
 class ChatParts:
     reasoning: str = ""
-    content: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    # the content's text and the calls in the order the model wrote them (text after a call is an item of
-    # its own in the Responses and Messages APIs)
+    # the answer's text and its calls in the order the model wrote them (text after a call is an item of its
+    # own in the Responses and Messages APIs); chat's content and tool_calls are read from it
     in_order: list[str | ToolCall] = field(default_factory=list)
+
+    @property
+    def content(self) -> str:
+        return split_segments(self.in_order)[0]
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return split_segments(self.in_order)[1]
 
     def __iadd__(self, other: ChatParts) -> ChatParts:
         self.reasoning += other.reasoning
-        self.content += other.content
-        self.tool_calls += other.tool_calls
         for segment in other.in_order:
             add_segment(self.in_order, segment)
         return self
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
+        return bool(self.reasoning or self.in_order)
 
 
 @dataclass(frozen=True)
@@ -94,13 +98,13 @@ class ChatOutputParser:
     def _answer(self, reasoning: str, content: str, final: bool, cut: bool = False) -> ChatParts:
         reasoning = reasoning if self._shows_reasoning else ""
         if self._tools is None:
-            return ChatParts(reasoning, content, [], [content] if content else [])
+            return ChatParts(reasoning, [content] if content else [])
         segments = self._tools.feed_in_order(content)
         if final:
             for segment in self._tools.finish_in_order(self._keep_unfinished, cut):
                 add_segment(segments, segment)
         if len(segments) == 1 and isinstance(segments[0], str):  # text alone, as most tokens are
-            return ChatParts(reasoning, segments[0], [], segments)
+            return ChatParts(reasoning, segments)
         if self._max_calls is not None:  # an unconstrained model may call more often than the client allows
             allowed = max(self._max_calls - self.calls, 0)
             kept: list[str | ToolCall] = []
@@ -109,23 +113,23 @@ class ChatOutputParser:
                     allowed -= not isinstance(s, str)
                     add_segment(kept, s)
             segments = kept
-        content, calls = split_segments(segments)
-        self.calls += len(calls)
-        return ChatParts(reasoning, content, calls, segments)
+        self.calls += sum(isinstance(s, ToolCall) for s in segments)
+        return ChatParts(reasoning, segments)
 
 
 def message(parts: ChatParts, output: ChatOutput) -> dict:
     """The assistant message of a whole choice. Its content is None when it has tool calls or reasoning
     and no text besides, as OpenAI's and vLLM's are."""
-    empty = not parts.content and (parts.tool_calls or parts.reasoning)
-    msg: dict = {"role": "assistant", "content": None if empty else parts.content}
+    content, calls = split_segments(parts.in_order)
+    empty = not content and (calls or parts.reasoning)
+    msg: dict = {"role": "assistant", "content": None if empty else content}
     if output.reasoning and output.shows_reasoning:
         msg["reasoning_content"] = parts.reasoning or None
-    if parts.tool_calls:
-        msg["tool_calls"] = [c.as_openai() for c in parts.tool_calls]
+    if calls:
+        msg["tool_calls"] = [c.as_openai() for c in calls]
     if output.keeps_order:
-        calls = {id(c): i for i, c in enumerate(parts.tool_calls)}
-        msg[IN_ORDER] = [s if isinstance(s, str) else calls[id(s)] for s in parts.in_order]
+        index = {id(c): i for i, c in enumerate(calls)}
+        msg[IN_ORDER] = [s if isinstance(s, str) else index[id(s)] for s in parts.in_order]
     return msg
 
 
@@ -133,9 +137,10 @@ def deltas(parts: ChatParts, first_call: int) -> list[dict]:
     """A stream's deltas of these parts, one or more (one with nothing where there is nothing): a delta holds
     text before calls, so text the model wrote after a call starts another; the tool calls are numbered from
     first_call."""
-    if not parts.tool_calls:  # text alone, as most tokens are
+    segments = parts.in_order
+    if not segments or (len(segments) == 1 and type(segments[0]) is str):  # text alone, as most tokens are
         d = {"reasoning_content": parts.reasoning} if parts.reasoning else {}
-        return [{**d, "content": parts.content} if parts.content else d]
+        return [{**d, "content": segments[0]} if segments else d]
     groups: list[list[str | ToolCall]] = [[]]
     for segment in parts.in_order:
         if isinstance(segment, str) and groups[-1] and isinstance(groups[-1][-1], ToolCall):
@@ -154,12 +159,3 @@ def deltas(parts: ChatParts, first_call: int) -> list[dict]:
         first_call += len(calls)
         out.append(d)
     return out
-
-
-def in_order(message: dict) -> list[str | int]:
-    """A whole message's text and calls (indices into its tool_calls) in the order the model wrote them: its
-    IN_ORDER, or, from a message without it, its text before its calls."""
-    if IN_ORDER in message:
-        return message[IN_ORDER]
-    text = [message["content"]] if message.get("content") else []
-    return text + list(range(len(message.get("tool_calls") or [])))

@@ -33,6 +33,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.state, self.drain_timeout_s, self.on_ready = state, drain_timeout_s, on_ready
         self._forcing = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # once it serves
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -51,7 +52,7 @@ class DrainingServer(uvicorn.Server):
     def stop_now(self) -> None:
         """Fails the requests still running, in order, and stops the server FORCED_GRACE_S later; from any
         thread. Once."""
-        if self._forcing or getattr(self, "_loop", None) is None:
+        if self._forcing or self._loop is None:
             return
         self._forcing = True
         self._loop.call_soon_threadsafe(self._force)

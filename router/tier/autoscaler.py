@@ -78,7 +78,7 @@ class Autoscaler:
         loads = await self._loads()
         if loads is None:
             return
-        if adding is not None or self._adding is not None:
+        if adding is not None:
             # (one that joined while the figures came is counted from the next round: these are without it)
             if self._adding is not None:
                 self._while_adding(loads)

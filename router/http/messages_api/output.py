@@ -7,7 +7,7 @@ import uuid
 
 from fastapi.responses import JSONResponse, Response
 
-from router.chat.output import in_order
+from router.chat.output import IN_ORDER
 from router.chat.tool_calls import json_text, parse_arguments
 from router.http.errors import APIError, anthropic_error
 
@@ -44,7 +44,7 @@ def blocks_of(message: dict) -> list[dict]:
     if message.get("reasoning_content"):
         blocks.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
     calls = message.get("tool_calls") or []
-    for segment in in_order(message):
+    for segment in message[IN_ORDER]:
         blocks.append({"type": "text", "text": segment} if isinstance(segment, str) else tool_use(calls[segment]))
     return blocks or [{"type": "text", "text": ""}]
 

@@ -7,7 +7,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from router.chat.output import in_order
+from router.chat.output import IN_ORDER
 from router.http.responses_api.protocol import ResponsesRequest
 
 
@@ -53,7 +53,7 @@ def items_of(message: dict, status: str) -> list[dict]:
     if message.get("reasoning_content"):
         items.append(reasoning_item(new_id("rs"), message["reasoning_content"]))
     calls = message.get("tool_calls") or []
-    for segment in in_order(message):
+    for segment in message[IN_ORDER]:
         if isinstance(segment, str):
             items.append(message_item(new_id("msg"), segment))
         else:
